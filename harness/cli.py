@@ -1,0 +1,234 @@
+"""``lpdiff``: run / regen / compare / models / adapters / doctor.
+
+``lpdiff run`` with no arguments judges every tiny zoo model (hf engine, fp32) against the committed baselines and
+prints a verdict table; the exit code is 1 when any verdict FAILs, 2 on bad input or a missing baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _parse_options(items: list[str]) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--option takes KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _jobs(args) -> list:
+    from harness.catalog import list_models
+    from harness.job import Job
+
+    models = args.model or [m.name for m in list_models() if m.path is not None and m.name.startswith("tiny-")
+                            and m.arch != "qwen3"]
+    return [Job(model=m, engine=args.engine, reference=args.reference, dtype=args.dtype, ref_dtype=args.ref_dtype,
+                tp=args.tp, adapters=tuple(args.adapter) if args.adapter else None, prompt_set=args.prompt_set,
+                num_layers=args.num_layers, options=_parse_options(args.option)) for m in models]
+
+
+def _progress(jobs, desc):
+    from tqdm import tqdm
+
+    return tqdm(jobs, desc=desc, unit="model", file=sys.stderr, disable=len(jobs) < 2 or not sys.stderr.isatty())
+
+
+def cmd_run(args, regen: bool = False) -> int:
+    from harness.job import default_store, run_job
+    from harness.store import BaselineError
+    from harness.verdict import format_table, to_json
+
+    store = default_store(args.baselines)
+    verdicts = []
+    jobs = _jobs(args)
+    bar = _progress(jobs, "regen" if regen else "run")
+    for job in bar:
+        bar.set_postfix_str(job.model)
+        try:
+            res = run_job(job, store, regen=regen, log=lambda s: bar.write(s, file=sys.stderr))
+        except BaselineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        verdicts += res.verdicts
+        if args.save_runs:
+            out = Path(args.save_runs)
+            out.mkdir(parents=True, exist_ok=True)
+            for a, run in res.runs.items():
+                run.save(out / f"{job.model}.{job.engine}.{job.dtype}.{a or 'base'}.npz")
+    print(format_table(verdicts))
+    if args.json:
+        Path(args.json).write_text(json.dumps([json.loads(to_json(v)) for v in verdicts], indent=1))
+    if regen:
+        return 0
+    failed = [v for v in verdicts if not v.passed]
+    print(f"{len(verdicts) - len(failed)} passed, {len(failed)} failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_compare(args) -> int:
+    from harness.metrics import compare, delta_fidelity
+    from harness.thresholds import lookup
+    from harness.types import AdapterSpec, LogprobRun
+    from harness.verdict import format_table, judge
+
+    if args.runs:
+        a, b = (LogprobRun.load(p) for p in args.runs)
+        v = judge(compare(a, b), lookup(a.meta.get("model", "?"), "stored-runs", a.meta.get("dtype", "float32"), 1))
+        v.model, v.engine_pair, v.adapter = a.meta.get("model", "?"), f"{args.runs[0]} vs {args.runs[1]}", "-"
+        print(format_table([v]))
+        return 0 if v.passed else 1
+    if not args.model:
+        raise SystemExit("compare needs --model (two engines) or --runs A.npz B.npz (two stored runs)")
+    from harness.job import Job, resolve, run_engine
+
+    job = Job(model=args.model, engine=args.engine, dtype=args.dtype, reference=args.against,
+              ref_dtype=args.against_dtype, tp=args.tp, adapters=(args.adapter,) if args.adapter else None,
+              prompt_set=args.prompt_set, num_layers=args.num_layers)
+    spec, adapters, prompts = resolve(job)
+    test_adapters = dict(adapters)
+    if args.test_adapter_dir:  # the engine under test gets other adapter files under the same name
+        if len(adapters) != 1:
+            raise SystemExit("--test-adapter-dir needs exactly one --adapter")
+        name = next(iter(adapters))
+        test_adapters = {name: AdapterSpec(name, args.test_adapter_dir)}
+    runs = run_engine(job.engine, spec, test_adapters, prompts, job.dtype, job.tp, job.top_k)
+    refs = run_engine(job.reference, spec, adapters, prompts, job.ref_dtype, 1, job.top_k)
+    threshold = lookup(job.model, job.engine_pair, job.dtype, job.tp)
+    verdicts = []
+    for a in runs:
+        fid = None if a is None else delta_fidelity(runs[a], runs[None], refs[a], refs[None])
+        v = judge(compare(runs[a], refs[a]), threshold, delta_fidelity=fid)
+        v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
+        verdicts.append(v)
+    print(format_table(verdicts))
+    return 0 if all(v.passed for v in verdicts) else 1
+
+
+def cmd_models(args) -> int:
+    from harness.catalog import describe, list_models
+
+    rows = [describe(m) for m in list_models()]
+    cols = list(rows[0]) if rows else []
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
+    return 0
+
+
+def cmd_adapters(args) -> int:
+    from harness import adapters as ad
+
+    if args.adapters_cmd == "gen":
+        from harness.catalog import get_model, load_hf_model
+        import torch
+
+        model = load_hf_model(get_model(args.model), torch.float32, "cpu")
+        ad.generate_adapter(model, args.out, groups=args.groups.split(","), rank=args.rank, alpha=args.alpha,
+                            seed=args.seed, layout=args.layout)
+        print(f"wrote {args.out}")
+    else:
+        from harness.catalog import get_model, hf_config
+
+        ad.convert_adapter(args.src, args.dst, to=args.to, model_config=hf_config(get_model(args.model)))
+        print(f"wrote {args.dst}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lpdiff", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd")
+
+    def selection(sp, engine_default="hf"):
+        sp.add_argument("--model", action="append", help="catalog model name (repeatable; default: the tiny zoo)")
+        sp.add_argument("--engine", default=engine_default, help="engine under test: hf, triton, vllm, sglang")
+        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sp.add_argument("--reference", default="hf", help="engine of the stored reference runs")
+        sp.add_argument("--ref-dtype", default="float32")
+        sp.add_argument("--tp", type=int, default=1)
+        sp.add_argument("--adapter", action="append", help="zoo adapter name (repeatable; default: all)")
+        sp.add_argument("--prompt-set", default="default")
+        sp.add_argument("--num-layers", type=int, default=None, help="reduce depth (config-built models)")
+        sp.add_argument("--option", action="append", help="engine option KEY=VALUE (repeatable)")
+        sp.add_argument("--baselines", default=None, help="baseline store dir (default: repo baselines/)")
+        sp.add_argument("--json", default=None, help="also write the verdicts as JSON here")
+        sp.add_argument("--save-runs", default=None, help="save the engine-under-test runs (.npz) here")
+
+    selection(sub.add_parser("run", help="judge an engine against stored reference runs (default job)"))
+    selection(sub.add_parser("regen", help="(re)compute reference runs and overwrite them in the store"))
+
+    c = sub.add_parser("compare", help="compare two engines live, or two stored runs")
+    c.add_argument("--runs", nargs=2, metavar=("A.npz", "B.npz"))
+    c.add_argument("--model")
+    c.add_argument("--engine", default="hf")
+    c.add_argument("--dtype", default="float32")
+    c.add_argument("--against", default="hf")
+    c.add_argument("--against-dtype", default="float32")
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--adapter", default=None)
+    c.add_argument("--test-adapter-dir", default=None,
+                   help="give the engine under test these adapter files instead (e.g. a deliberately broken copy)")
+    c.add_argument("--prompt-set", default="default")
+    c.add_argument("--num-layers", type=int, default=None)
+
+    sub.add_parser("models", help="the model catalog with shapes")
+
+    a = sub.add_parser("adapters", help="generate or convert LoRA adapters")
+    asub = a.add_subparsers(dest="adapters_cmd", required=True)
+    g = asub.add_parser("gen")
+    g.add_argument("--model", required=True)
+    g.add_argument("--out", required=True)
+    g.add_argument("--groups", default="attention,experts")
+    g.add_argument("--rank", type=int, default=8)
+    g.add_argument("--alpha", type=float, default=16)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--layout", default="peft3d", choices=["peft3d", "per_expert"])
+    cv = asub.add_parser("convert")
+    cv.add_argument("--model", required=True)
+    cv.add_argument("src")
+    cv.add_argument("dst")
+    cv.add_argument("--to", required=True, choices=["peft3d", "per_expert"])
+
+    d = sub.add_parser("doctor", help="pre-flight check of an adapter against each engine's known LoRA limits")
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["run"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "run":
+            return cmd_run(args)
+        if args.cmd == "regen":
+            return cmd_run(args, regen=True)
+        if args.cmd == "compare":
+            return cmd_compare(args)
+        if args.cmd == "models":
+            return cmd_models(args)
+        if args.cmd == "adapters":
+            return cmd_adapters(args)
+        if args.cmd == "doctor":
+            from harness.doctor import main as doctor_main
+
+            return doctor_main(args.rest)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""pytest plugin (entry point ``pytest11: lpdiff``).
+
+- markers ``cpu`` and ``gpu1/gpu2/gpu4/gpu8`` (``-m gpu8`` selects the 8-GPU suite); a test whose mark needs more
+  GPUs than the machine has is skipped, saying how many it needs and how many there are;
+- ``--lpdiff-regen`` (re)writes reference baselines instead of refusing to overwrite them;
+  ``--lpdiff-baselines DIR`` picks the store (default: ``$LPDIFF_BASELINES`` or the repo's ``baselines/``);
+- fixtures: ``lpdiff_store``, ``lpdiff_regen``, ``engine_factory`` (engines as context managers, closed at
+  teardown) and ``record_verdict`` (adds a verdict to the table printed at the end of the run;
+  ``--lpdiff-report FILE`` also writes it as JSON).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+GPU_MARKS = {"gpu1": 1, "gpu2": 2, "gpu4": 4, "gpu8": 8}
+_VERDICTS_KEY = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("lpdiff")
+    group.addoption("--lpdiff-regen", action="store_true", default=False,
+                    help="regenerate reference baselines (overwrites the stored ones)")
+    group.addoption("--lpdiff-baselines", default=None, metavar="DIR",
+                    help="baseline store directory (default: $LPDIFF_BASELINES or the repo's baselines/)")
+    group.addoption("--lpdiff-report", default=None, metavar="FILE", help="write the verdict table as JSON")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu: runs on a CPU-only machine (the default CI suite)")
+    for mark, n in GPU_MARKS.items():
+        config.addinivalue_line("markers", f"{mark}: needs {n} GPU{'s' if n > 1 else ''} (skipped on fewer)")
+    config.stash[_VERDICTS_KEY] = []
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install must not break collection of CPU tests
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    have = None
+    for item in items:
+        need = max((n for mark, n in GPU_MARKS.items() if item.get_closest_marker(mark)), default=0)
+        if not need:
+            continue
+        have = gpu_count() if have is None else have
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), this machine has {have}"))
+
+
+@pytest.fixture(scope="session")
+def lpdiff_regen(request) -> bool:
+    return bool(request.config.getoption("--lpdiff-regen"))
+
+
+@pytest.fixture(scope="session")
+def lpdiff_store(request):
+    from harness.job import default_store
+
+    return default_store(request.config.getoption("--lpdiff-baselines"))
+
+
+@pytest.fixture
+def engine_factory():
+    """``eng = engine_factory("hf", cfg)`` opens an engine that is closed (GPU freed) when the test ends."""
+    from contextlib import ExitStack
+
+    from engines import open_engine
+
+    with ExitStack() as stack:
+        yield lambda name, config: stack.enter_context(open_engine(name, config))
+
+
+@pytest.fixture
+def record_verdict(request):
+    verdicts = request.config.stash[_VERDICTS_KEY]
+
+    def record(verdict):
+        verdicts.append(verdict)
+        return verdict
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    verdicts = config.stash.get(_VERDICTS_KEY, [])
+    if not verdicts:
+        return
+    from harness.verdict import format_table, to_json
+
+    terminalreporter.section("lpdiff verdicts")
+    terminalreporter.write_line(format_table(verdicts))
+    path = config.getoption("--lpdiff-report")
+    if path:
+        with open(path, "w") as f:
+            json.dump([json.loads(to_json(v)) for v in verdicts], f, indent=1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Collect verdicts from xdist workers so the table covers the whole run."""
+    data = getattr(node, "workeroutput", {}).get("lpdiff_verdicts")
+    if data:
+        from harness.verdict import from_json
+
+        node.config.stash[_VERDICTS_KEY].extend(from_json(v) for v in data)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # this is an xdist worker: ship verdicts to the controller
+        from harness.verdict import to_json
+
+        workeroutput["lpdiff_verdicts"] = [to_json(v) for v in session.config.stash.get(_VERDICTS_KEY, [])]
