@@ -1,0 +1,315 @@
+"""The model catalog: the embedded tiny zoo (checkpoint directories in ``harness/zoo/``) and full-size shapes built
+from their real configs with a seeded init (weights cannot be downloaded, so GPU suites build them on the device).
+
+Everything downstream reads MoE structure through ``moe_fields(config)`` instead of raw config fields: the same fact
+is spelled ``num_experts`` / ``num_local_experts`` / ``n_routed_experts`` depending on the architecture.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.types import ModelSpec
+
+ZOO_DIR = Path(__file__).resolve().parent / "zoo"
+
+# How a config-built model gets its weights. Bump the version whenever any step changes: it is part of every
+# baseline key, so old baselines stop matching instead of silently comparing different weights.
+#   v1: torch.manual_seed(init_seed); with torch.device(device): cls._from_config(cfg, dtype=bfloat16) (transformers'
+#   own _init_weights); then cast to the requested dtype. Init always happens in bf16 so that a bf16 run and an
+#   fp32 run hold exactly the same (bf16-representable) weights, as they would from a real bf16 checkpoint.
+#   The random stream is the device's: a model built on cuda differs from one built on cpu.
+INIT_RECIPE = "hf-init-bf16/v1"
+INIT_DTYPE = torch.bfloat16
+DEFAULT_SEED = 0
+
+# Tiny zoo: name -> transformers model_type (the directory holds config.json, model.safetensors, tokenizer).
+ZOO: dict[str, str] = {
+    "tiny-qwen3-moe": "qwen3_moe",
+    "tiny-gpt-oss": "gpt_oss",
+    "tiny-qwen3.5-moe": "qwen3_5_moe_text",
+    "tiny-nemotron-h": "nemotron_h",
+    "tiny-qwen3-dense": "qwen3",
+}
+
+
+def _alternate(a: str, b: str, n: int) -> list[str]:
+    return [a if i % 2 == 0 else b for i in range(n)]
+
+
+_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+_NEMOTRON_BLOCKS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+# Full-size configs, with transformers' field names (as ``save_pretrained`` writes them), quirks included:
+# qwen3_moe keeps num_experts as num_local_experts; gpt_oss's expert width is intermediate_size; Nemotron's
+# hybrid_override_pattern becomes layers_block_type (mamba layers are "linear_attention"). Extra keys the
+# real config.json carries (swiglu_limit, experts_per_token, ...) are kept: transformers stores them untouched.
+FULL_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_local_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
+        "max_position_embeddings": 40960, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "router_aux_loss_coef": 0.9, "swiglu_limit": 7.0,
+        "layer_types": _alternate("sliding_attention", "full_attention", 24), "sliding_window": 128,
+        "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "initial_context_length": 4096,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "original_max_position_embeddings": 4096, "truncate": False, "rope_theta": 150000.0},
+        "tie_word_embeddings": False, "initializer_range": 0.02, "eos_token_id": 200002, "pad_token_id": 199999,
+    },
+    "qwen3.5-35b-a3b": {
+        "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "attn_output_gate": True,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10, "full_attention_interval": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "tie_word_embeddings": False, "initializer_range": 0.02,
+    },
+    "nemotron-3-nano-30b-a3b": {
+        "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+        "vocab_size": 131072, "hidden_size": 2688,
+        "layers_block_type": [_NEMOTRON_BLOCKS[c] for c in _NANO_PATTERN],
+        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "attention_bias": False,
+        "max_position_embeddings": 262144, "intermediate_size": 1856, "mlp_hidden_act": "relu2", "mlp_bias": False,
+        "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+        "expand": 2, "chunk_size": 128, "mamba_hidden_act": "silu", "use_conv_bias": True, "mamba_proj_bias": False,
+        "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 0.0001,
+        "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+        "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "layer_norm_epsilon": 1e-5, "residual_in_fp32": False, "rescale_prenorm_residual": True, "use_bias": False,
+        "tie_word_embeddings": False, "initializer_range": 0.02,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+}
+
+
+# -- specs ---------------------------------------------------------------------------------------------------------
+
+def known_models() -> list[str]:
+    return list(ZOO) + list(FULL_CONFIGS)
+
+
+def get_model(name: str, num_layers: int | None = None, init_seed: int = DEFAULT_SEED) -> ModelSpec:
+    """A catalog model by name; ``num_layers`` keeps the first n layers (zoo or full-size)."""
+    assert num_layers is None or num_layers >= 1, f"num_layers must be >= 1, got {num_layers}"
+    if name in ZOO:
+        return ModelSpec(name=name, arch=ZOO[name], path=str(ZOO_DIR / name), num_layers=num_layers)
+    if name in FULL_CONFIGS:
+        cfg = FULL_CONFIGS[name]
+        return ModelSpec(name=name, arch=cfg["model_type"], config=json.loads(json.dumps(cfg)),
+                         init_seed=init_seed, init_recipe=INIT_RECIPE, num_layers=num_layers)
+    raise KeyError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+
+
+def list_models() -> list[ModelSpec]:
+    return [get_model(n) for n in known_models()]
+
+
+# -- configs -------------------------------------------------------------------------------------------------------
+
+def _per_layer_fields(cfg) -> list[str]:
+    """Config fields that hold one entry per layer (they must shrink with the depth)."""
+    n = cfg.num_hidden_layers
+    return [k for k in ("layer_types", "layers_block_type")
+            if isinstance(getattr(cfg, k, None), list) and len(getattr(cfg, k)) == n]
+
+
+def with_num_layers(cfg, num_layers: int):
+    """A copy of ``cfg`` keeping the first ``num_layers`` layers (per-layer lists are truncated the same way)."""
+    cfg = cfg.__class__.from_dict(cfg.to_dict())
+    n = cfg.num_hidden_layers
+    if num_layers > n:
+        raise ValueError(f"num_layers={num_layers} but the model has only {n} layers; pass num_layers <= {n}")
+    for k in _per_layer_fields(cfg):
+        setattr(cfg, k, list(getattr(cfg, k))[:num_layers])
+    if cfg.model_type != "nemotron_h":  # nemotron derives num_hidden_layers from layers_block_type
+        cfg.num_hidden_layers = num_layers
+    if isinstance(getattr(cfg, "mlp_only_layers", None), list):
+        cfg.mlp_only_layers = [i for i in cfg.mlp_only_layers if i < num_layers]
+    assert cfg.num_hidden_layers == num_layers
+    return cfg
+
+
+def hf_config(spec: ModelSpec):
+    """The transformers config of a spec, with ``spec.num_layers`` applied."""
+    from transformers import AutoConfig
+
+    if spec.path is not None:
+        if not (Path(spec.path) / "config.json").is_file():
+            raise FileNotFoundError(f"{spec.path} has no config.json; for a zoo model run "
+                                    f"`python -m harness.zoo build --name {spec.name}`")
+        cfg = AutoConfig.from_pretrained(spec.path)
+    else:
+        kw = dict(spec.config)
+        cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    if spec.num_layers is not None:
+        cfg = with_num_layers(cfg, spec.num_layers)
+    return cfg
+
+
+def load_hf_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.device):
+    """The transformers model of a spec, in eval mode, on ``device`` in ``dtype``.
+
+    Checkpoint directories load with ``from_pretrained`` (layers past ``num_layers`` are left on disk); config
+    specs are built directly on the device with the seeded recipe ``INIT_RECIPE`` (deterministic per seed and
+    device type)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(spec)
+    # Prompt logprobs need one prefill and no cache; a nemotron prefix without attention layers (num_layers=4:
+    # "MEME") even fails to build one (transformers 5.17 asks a cache of mamba layers for its length).
+    cfg.use_cache = False
+    if spec.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(spec.path, config=cfg, dtype=dtype, device_map=str(device))
+    else:
+        assert spec.init_recipe == INIT_RECIPE, f"unknown init recipe {spec.init_recipe!r}; this lpdiff " \
+                                                f"builds {INIT_RECIPE!r}"
+        cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+        torch.manual_seed(spec.init_seed)
+        with torch.device(device):
+            model = cls._from_config(cfg, dtype=INIT_DTYPE)
+        model = model.to(dtype)
+    return model.eval()
+
+
+# -- normalised MoE facts ------------------------------------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class MoeFields:
+    """The MoE structure of a config, whatever the architecture calls its fields."""
+
+    arch: str
+    hidden: int
+    num_layers: int
+    moe_layers: tuple[int, ...]  # indices of layers whose MLP is routed experts
+    num_experts: int = 0
+    top_k: int = 0
+    expert_width: int = 0  # per-expert intermediate size
+    shared_width: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # shared expert output scaled by sigmoid(Linear(hidden, 1)) (qwen3.5)
+    activation: str = "silu"  # "silu" (SwiGLU) | "swiglu_oai" (gpt-oss clamped) | "relu2" (non-gated)
+    gated: bool = True  # experts have gate and up projections
+    gate_up_interleaved: bool = False  # gate = gate_up[..., ::2], up = gate_up[..., 1::2] (gpt-oss)
+    experts_transposed: bool = False  # fused weights stored (E, in, out) instead of (E, out, in) (gpt-oss)
+    expert_bias: bool = False
+    router: str = "softmax"  # "softmax" (top-k of softmax) | "topk_softmax" (softmax of top-k logits) | "sigmoid"
+    router_bias: bool = False
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    latent_size: int | None = None  # Nemotron-Super latent MoE projections
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+
+    def __post_init__(self):
+        assert self.activation in ("silu", "swiglu_oai", "relu2"), self.activation
+        assert self.router in ("softmax", "topk_softmax", "sigmoid"), self.router
+        if self.moe_layers:
+            assert self.num_experts >= self.top_k >= 1 and self.expert_width > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+
+def _first(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def moe_fields(config) -> MoeFields:
+    """Normalise any supported transformers config (or its multimodal wrapper) to ``MoeFields``."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    arch, n, hidden = cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size
+    base = dict(arch=arch, hidden=hidden, num_layers=n)
+    if arch == "qwen3":
+        return MoeFields(moe_layers=(), **base)
+    num_experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts")
+    top_k = cfg.num_experts_per_tok
+    if arch == "qwen3_moe":
+        step, dense = cfg.decoder_sparse_step, set(cfg.mlp_only_layers or [])
+        layers = tuple(i for i in range(n) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+        return MoeFields(moe_layers=layers, num_experts=num_experts, top_k=top_k,
+                         expert_width=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob), **base)
+    if arch in ("qwen3_5_moe_text", "qwen3_next"):
+        return MoeFields(moe_layers=tuple(range(n)), num_experts=num_experts, top_k=top_k,
+                         expert_width=cfg.moe_intermediate_size, shared_width=cfg.shared_expert_intermediate_size,
+                         shared_gate=True, norm_topk_prob=True, **base)
+    if arch == "gpt_oss":
+        return MoeFields(moe_layers=tuple(range(n)), num_experts=num_experts, top_k=top_k,
+                         expert_width=cfg.intermediate_size, activation="swiglu_oai", gate_up_interleaved=True,
+                         experts_transposed=True, expert_bias=True, router="topk_softmax", router_bias=True,
+                         norm_topk_prob=True, swiglu_alpha=1.702,
+                         swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)), **base)
+    if arch == "nemotron_h":
+        layers = tuple(i for i, t in enumerate(cfg.layers_block_type) if t == "moe")
+        shared = cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts if cfg.n_shared_experts else 0
+        return MoeFields(moe_layers=layers, num_experts=num_experts, top_k=top_k,
+                         expert_width=cfg.moe_intermediate_size, shared_width=shared, activation="relu2",
+                         gated=False, router="sigmoid", norm_topk_prob=bool(cfg.norm_topk_prob),
+                         routed_scaling_factor=float(cfg.routed_scaling_factor), n_group=cfg.n_group,
+                         topk_group=cfg.topk_group, latent_size=cfg.moe_latent_size, **base)
+    raise NotImplementedError(f"moe_fields does not know model_type {arch!r}; supported: qwen3, qwen3_moe, "
+                              "qwen3_5_moe_text, gpt_oss, nemotron_h")
+
+
+# -- description ---------------------------------------------------------------------------------------------------
+
+def count_params(cfg) -> int:
+    """Parameter count without allocating weights (the model is built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+    with torch.device("meta"):
+        model = cls._from_config(cfg, dtype=torch.bfloat16)
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe(spec: ModelSpec) -> dict[str, Any]:
+    """One row of ``lpdiff models``."""
+    cfg = hf_config(spec)
+    m = moe_fields(cfg)
+    text = cfg.get_text_config()
+    return {
+        "name": spec.name, "arch": m.arch, "source": spec.path or f"config (seed {spec.init_seed}, {spec.init_recipe})",
+        "hidden": m.hidden, "layers": m.num_layers, "moe_layers": len(m.moe_layers),
+        "experts": m.num_experts, "top_k": m.top_k, "expert_width": m.expert_width,
+        "shared_expert": m.shared_width, "activation": m.activation,
+        "heads": text.num_attention_heads, "kv_heads": text.num_key_value_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        "vocab": text.vocab_size, "params": count_params(cfg),
+    }
+
+
+def with_layers(spec: ModelSpec, num_layers: int | None) -> ModelSpec:
+    """The same spec at another depth."""
+    return replace(spec, num_layers=num_layers)
