@@ -1,0 +1,70 @@
+"""What every kernel file shares: picking torch or Triton, and running one Triton kernel either compiled (CUDA
+tensors) or interpreted (CPU tensors) in the same process, whatever TRITON_INTERPRET said at import time."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional: without it every op runs its torch reference
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+    tl = None
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_impl(impl: str, x: torch.Tensor) -> str:
+    """'auto' means Triton on CUDA tensors or under TRITON_INTERPRET=1, the torch reference otherwise."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "triton" if (x.is_cuda or interpreting()) else "torch"
+    if impl == "triton" and triton is None:
+        raise RuntimeError("impl='triton' needs the triton package (pip install triton), or pass impl='torch'")
+    return impl
+
+
+class DualKernel:
+    """A Triton kernel launched compiled for CUDA tensors and through the interpreter for CPU tensors.
+
+    triton.jit decides at decoration time from TRITON_INTERPRET, so a module imported before a test set the
+    variable would be stuck on one path; holding both lets CPU tests and GPU runs share one import.
+    So the kernels may call only builtins of triton.language.core (tl.full, tl.exp, tl.minimum, ...), never
+    @triton.jit functions: user helpers and tl.zeros / tl.cdiv / tl.sigmoid are compiled-only objects here."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.jit = triton.jit(fn)
+        self._interp = None
+
+    def __getitem__(self, grid_and_device):
+        grid, device = grid_and_device
+        if device.type == "cuda" and not interpreting():
+            return self.jit[grid]
+        if self._interp is None:
+            from triton.runtime.interpreter import InterpretedFunction
+            self._interp = InterpretedFunction(self.fn)
+        return self._interp[grid]
+
+
+def dual_jit(fn):
+    return DualKernel(fn)
+
+
+def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
+    """IEEE fp32 dots for fp32 inputs (tf32 would break exact parity with the fp32 reference); the interpreter
+    multiplies raw bits for bf16/fp16 dots, so there the tiles are upcast to fp32 first."""
+    interp = device.type != "cuda" or interpreting()
+    return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+                UPCAST=bool(interp and dtype != torch.float32))
+
+
+def next_pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())

@@ -1,0 +1,459 @@
+"""Fused MoE expert GEMMs with multi-adapter LoRA: Triton kernels, their launcher and the torch reference.
+
+Shapes: T tokens, K top-k, E experts, H hidden, I expert width, R max rank, L adapter slots, N output width of one
+GEMM (N1 = 2I gated or I non-gated for gate_up, H for down), P = T*K (token, expert) pairs, M padded rows
+(pairs sorted by adapter then expert, each group padded to BLOCK_M; see moe_align.py), S slices.
+
+Per layer the Triton path launches: alignment (a few torch ops, no host sync), shrink(x), gate_up GEMM with the
+LoRA expand + bias + activation fused in its epilogue, shrink(act), down GEMM with expand + bias + top-k weight in
+its epilogue, and a sum over the K copies of each token. The shrinks run once per row instead of once per output
+tile (fusing them into the GEMM K-loop would repeat them N/BLOCK_N times); the expands cost one small dot per
+tile. Top-k slots of a token sit in different groups, so their sum is a separate deterministic reduction rather
+than atomics (reruns are bit-identical).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
+from kernels.moe_align import MoeRouting, moe_align
+
+ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2, "relu2": 3}
+GATED = {"silu": True, "swiglu_oai": True, "relu2": False}
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
+
+
+@dataclass(slots=True)
+class MoeLoraWeights:
+    """One layer's expert LoRA for L adapter slots, zero-padded to max rank R."""
+    gate_up_a: torch.Tensor  # (L, E, R, H)   may be expand()ed with stride 0 on E (shared-outer layout)
+    gate_up_b: torch.Tensor  # (L, E, N1, R)  N1 = 2I (gated) or I; rows in kernel layout (gate then up)
+    down_a: torch.Tensor     # (L, E, R, I)
+    down_b: torch.Tensor     # (L, E, H, R)   may be stride 0 on E (shared-outer)
+    scaling: torch.Tensor    # (L,) float32 alpha/r per slot
+    ranks: torch.Tensor      # (L,) int32 loaded rank per slot (<= R); columns past it are ignored
+
+    def __post_init__(self):
+        L, E, R, H = self.gate_up_a.shape
+        N1 = self.gate_up_b.shape[2]
+        I = self.down_a.shape[3]
+        assert self.gate_up_b.shape == (L, E, N1, R), f"gate_up_b {tuple(self.gate_up_b.shape)} != (L,E,N1,R)"
+        assert self.down_a.shape == (L, E, R, I), f"down_a {tuple(self.down_a.shape)} != {(L, E, R, I)}"
+        assert self.down_b.shape == (L, E, H, R), f"down_b {tuple(self.down_b.shape)} != {(L, E, H, R)}"
+        assert self.scaling.shape == (L,) and self.scaling.dtype == torch.float32, "scaling must be (L,) float32"
+        assert self.ranks.shape == (L,), "ranks must be (L,) int (loaded rank of each slot)"
+
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up_a.shape[0]
+
+    @property
+    def max_rank(self) -> int:
+        return self.gate_up_a.shape[2]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch reference: loops over experts and adapter slots, fp32 math, the activation rounded to x.dtype like the
+# kernel's intermediate buffer.
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu2":
+        return torch.relu(h).square()
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=OAI_LIMIT), up.clamp(min=-OAI_LIMIT, max=OAI_LIMIT)
+        return (up + 1) * gate * torch.sigmoid(OAI_ALPHA * gate)
+    raise ValueError(f"unknown activation {activation!r}; use one of {sorted(GATED)}")
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling, rank: int) -> torch.Tensor:
+    """scaling * (x A[:rank]^T) B[:, :rank]^T in fp32; x (m, in), a (R, in), b (out, R)."""
+    return float(scaling) * (x.float() @ a[:rank].float().T) @ b[:, :rank].float().T
+
+
+def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
+                      lora: MoeLoraWeights | None = None, token_adapter=None) -> torch.Tensor:
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    slots = token_adapter.long() if lora is not None else torch.full((T,), -1, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
+        if t_idx.numel() == 0:
+            continue
+        xe = x[t_idx].float()
+        h = xe @ w_gate_up[e].float().T
+        if b_gate_up is not None:
+            h += b_gate_up[e].float()
+        for a in (slots[t_idx].unique().tolist() if lora is not None else []):
+            if a < 0:
+                continue
+            rows = slots[t_idx] == a
+            h[rows] += lora_delta(xe[rows], lora.gate_up_a[a, e], lora.gate_up_b[a, e], lora.scaling[a],
+                                  int(lora.ranks[a]))
+        act = activate(h, activation).to(x.dtype).float()
+        y = act @ w_down[e].float().T
+        if b_down is not None:
+            y += b_down[e].float()
+        for a in (slots[t_idx].unique().tolist() if lora is not None else []):
+            if a < 0:
+                continue
+            rows = slots[t_idx] == a
+            y[rows] += lora_delta(act[rows], lora.down_a[a, e], lora.down_b[a, e], lora.scaling[a],
+                                  int(lora.ranks[a]))
+        out.index_add_(0, t_idx, y * topk_weights[t_idx, k_idx, None].float())
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels. Rows of a block share one expert and one adapter slot (moe_align), so LoRA A/B are plain tiles.
+
+@dual_jit
+def _lora_shrink_kernel(
+        X, A, S, Scaling, Ranks, SortedIds, BlockExpert, BlockAdapter, NumPadded,
+        num_pairs, Kdim,
+        stride_xm, stride_xk, stride_al, stride_ae, stride_as, stride_ar, stride_ak, stride_sm, stride_sr,
+        TOPK: tl.constexpr, X_SORTED: tl.constexpr, R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """S[row, s*R : s*R+R] = scaling[a] * X[row] A[a, e, s]^T for every padded row of blocks with an adapter."""
+    pid_m = tl.program_id(0)
+    sl = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    a = tl.load(BlockAdapter + pid_m)
+    if a < 0:
+        return  # the expand skips these blocks too, so S rows stay unwritten
+    e = tl.load(BlockExpert + pid_m)
+    rank = tl.load(Ranks + a)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + offs_m)
+    if X_SORTED:
+        xrow = offs_m
+    else:
+        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_ok = (offs_r < rank) & (offs_r < R)  # columns past the loaded rank are ignored even if not zero
+    x_ptrs = X + xrow[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = (A + a.to(tl.int64) * stride_al + e.to(tl.int64) * stride_ae + sl * stride_as
+              + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak)
+    acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
+    for k in range(0, K_TILES):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            at = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < Kdim - k * BLOCK_K
+            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        acc = tl.dot(xt, at, acc, input_precision=DOT_PREC)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    acc = acc * tl.load(Scaling + a)
+    s_ptrs = S + offs_m[:, None].to(tl.int64) * stride_sm + (sl * R + offs_r[None, :]) * stride_sr
+    tl.store(s_ptrs, acc, mask=offs_r[None, :] < R)
+
+
+@dual_jit
+def _grouped_gemm_kernel(
+        X, W, Bias, Out, S, LB, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded, SliceOffs,
+        num_pairs, N, Kdim,
+        stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
+        stride_sm, stride_sr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+        TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
+        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
+        NUM_SLICES: tl.constexpr, R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr):
+    """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + S[rows] B[a, e, n]^T) (* topk weight).
+
+    GATED: W rows [0, N) are the gate and [N, 2N) the up projection; the activation combines the two tiles."""
+    pid = tl.program_id(0)
+    num_m = tl.load(NumPadded) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    if pid >= num_m * num_n:
+        return
+    # GROUP_M blocks of rows walk the N tiles together, so a weight tile is read once from DRAM per group
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + offs_m)
+    row_ok = pair < num_pairs
+    if X_SORTED:
+        xrow = offs_m
+    else:
+        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_wn = offs_n % N  # wrapped columns are valid addresses, so the K-loop loads need no column mask
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + xrow[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = W + e * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k in range(0, K_TILES):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            wt = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < Kdim - k * BLOCK_K
+            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PREC)
+        if GATED:
+            if EVEN_K:
+                wu = tl.load(w_ptrs + N * stride_wn)
+            else:
+                wu = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None], other=0.0)
+            if UPCAST:
+                wu = wu.to(tl.float32)
+            acc_up = tl.dot(xt, wu, acc_up, input_precision=DOT_PREC)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_LORA:
+        a = tl.load(BlockAdapter + pid_m)
+        if a >= 0:
+            rank = tl.load(Ranks + a)
+            offs_r = tl.arange(0, BLOCK_R)
+            r_ok = (offs_r < rank) & (offs_r < R)
+            lb_base = LB + a.to(tl.int64) * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+            for s in tl.static_range(NUM_SLICES):
+                lo = tl.load(SliceOffs + s)
+                hi = tl.load(SliceOffs + s + 1)
+                # slices are S*R columns of S side by side; B rows of slice s live in [lo, hi)
+                st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
+                             mask=r_ok[None, :], other=0.0)
+                if UPCAST:
+                    st = st.to(tl.float32)
+                else:
+                    st = st.to(LB.dtype.element_ty)
+                col_ok = (offs_n >= lo) & (offs_n < hi)
+                bt = tl.load(lb_base + offs_n[None, :] * stride_lbn, mask=r_ok[:, None] & col_ok[None, :],
+                             other=0.0)
+                if UPCAST:
+                    bt = bt.to(tl.float32)
+                acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                if GATED:
+                    bu = tl.load(lb_base + (offs_n[None, :] + N) * stride_lbn,
+                                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+                    if UPCAST:
+                        bu = bu.to(tl.float32)
+                    acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+
+    if HAS_BIAS:
+        acc += tl.load(Bias + e * stride_be + offs_wn * stride_bn).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(Bias + e * stride_be + (offs_wn + N) * stride_bn).to(tl.float32)[None, :]
+    if ACT == 1:  # SiLU-gated
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif ACT == 2:  # gpt-oss clamped SwiGLU
+        gate = tl.minimum(acc, 7.0)
+        up = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
+        acc = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+    elif ACT == 3:  # relu^2, not gated
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
+    if MUL_TOPK:
+        acc = acc * tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+    if OUT_SORTED:
+        orow = offs_m
+    else:
+        orow = pair
+    o_ptrs = Out + orow[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers
+
+@dataclass(slots=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for b in (self.block_m, self.block_n, self.block_k):
+            assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
+
+
+def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device) -> GemmConfig:
+    """Small heuristic instead of autotuning (the interpreter cannot autotune, and tuning per call would cost the
+    runtime a compile storm). block_m follows the expected rows per group, so padding stays small."""
+    if device.type != "cuda":  # interpreter: small tiles keep the program count and the per-step cost low
+        return GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1)
+    rows = num_pairs / max(1, num_groups)
+    block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64
+    block_n = 128 if n >= 1024 else 64
+    return GemmConfig(block_m, block_n, 64, group_m=8, num_warps=4 if block_m <= 32 else 8, num_stages=4)
+
+
+_CONST_CACHE: dict = {}
+
+
+def device_const(values: tuple, device: torch.device) -> torch.Tensor:
+    """A small int32 tensor built once per (values, device): building it per call would be a host-to-device copy."""
+    key = (values, str(device))
+    if key not in _CONST_CACHE:
+        _CONST_CACHE[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    return _CONST_CACHE[key]
+
+
+def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool, cfg: GemmConfig) -> torch.Tensor:
+    """a viewed as (L, E, S, R, Kdim) (expand()ed dims may have stride 0) -> S (M, S*R) float32."""
+    L, E, NS, R, Kdim = a.shape
+    M = routing.sorted_ids.shape[0]
+    s = torch.empty(M, NS * R, dtype=torch.float32, device=x.device)
+    block_k = min(cfg.block_k * 2, 128) if x.is_cuda else cfg.block_k
+    grid = (routing.num_blocks, NS)
+    _lora_shrink_kernel[grid, x.device](
+        x, a, s, scaling, ranks, routing.sorted_ids, routing.block_expert, routing.block_adapter,
+        routing.num_padded, routing.num_pairs, Kdim,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3), a.stride(4),
+        s.stride(0), s.stride(1),
+        TOPK=routing.top_k, X_SORTED=x_sorted, R=R, BLOCK_M=routing.block_m, BLOCK_R=next_pow2(R),
+        BLOCK_K=block_k, K_TILES=triton.cdiv(Kdim, block_k), EVEN_K=Kdim % block_k == 0,
+        num_warps=4, num_stages=3, **dot_flags(x.dtype, x.device))
+    return s
+
+
+def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
+                activation: str = "none", bias=None, lora_s=None, lora_b=None, ranks=None,
+                slice_offsets: tuple = None, topk_weights=None) -> torch.Tensor:
+    """w (E, N_w, Kdim) with N_w = 2N when gated; lora_b viewed as (L, E, N_w, R); bias (E, N_w)."""
+    gated = GATED.get(activation, False)
+    E, n_w, kdim = w.shape
+    n = n_w // 2 if gated else n_w
+    has_lora = lora_s is not None
+    dummy = routing.sorted_ids
+    lb = lora_b if has_lora else w.new_empty(1, 1, 1, 1)
+    R = lb.shape[3] if has_lora else 1
+    offs = slice_offsets if slice_offsets is not None else (0, n)
+    num_m_max = routing.num_blocks
+    grid = (num_m_max * triton.cdiv(n, cfg.block_n),)
+    _grouped_gemm_kernel[grid, x.device](
+        x, w, bias if bias is not None else dummy, out, lora_s if has_lora else dummy, lb,
+        ranks if has_lora else dummy, topk_weights if topk_weights is not None else dummy,
+        routing.sorted_ids, routing.block_expert, routing.block_adapter, routing.num_padded,
+        device_const(tuple(offs), x.device), routing.num_pairs, n, kdim,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        out.stride(0), out.stride(1),
+        lora_s.stride(0) if has_lora else 0, lora_s.stride(1) if has_lora else 0,
+        lb.stride(0), lb.stride(1), lb.stride(2), lb.stride(3),
+        TOPK=routing.top_k, X_SORTED=x_sorted, OUT_SORTED=out_sorted, GATED=gated, ACT=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None, HAS_LORA=has_lora, MUL_TOPK=topk_weights is not None,
+        NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
+        K_TILES=triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(x.dtype, x.device))
+    return out
+
+
+def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
+                       lora: MoeLoraWeights | None = None, token_adapter=None,
+                       config: GemmConfig | None = None, down_config: GemmConfig | None = None) -> torch.Tensor:
+    T, H = x.shape
+    E, n1, _ = w_gate_up.shape
+    K = topk_ids.shape[1]
+    inter_n = n1 // 2 if GATED[activation] else n1
+    slots = lora.num_slots if lora is not None else 0
+    cfg1 = config or default_config(T * K, E, inter_n, H, x.device)
+    cfg2 = down_config or default_config(T * K, E, H, inter_n, x.device)
+    assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
+    routing = moe_align(topk_ids, token_adapter if lora is not None else None, E, slots, cfg1.block_m)
+    M = routing.sorted_ids.shape[0]
+    inter = torch.empty(M, inter_n, dtype=x.dtype, device=x.device)
+    lora_kw = {}
+    if lora is not None:
+        s1 = launch_shrink(x, lora.gate_up_a.unsqueeze(2), lora.scaling, lora.ranks, routing, False, cfg1)
+        lora_kw = dict(lora_s=s1, lora_b=lora.gate_up_b, ranks=lora.ranks)
+    launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
+                bias=b_gate_up, **lora_kw)
+    if lora is not None:
+        s2 = launch_shrink(inter, lora.down_a.unsqueeze(2), lora.scaling, lora.ranks, routing, True, cfg2)
+        lora_kw = dict(lora_s=s2, lora_b=lora.down_b, ranks=lora.ranks)
+    y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
+    launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
+                topk_weights=topk_weights.reshape(-1).float(), **lora_kw)
+    return y.view(T, K, H).sum(dim=1) if K > 1 else y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public op
+
+def check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora,
+                     token_adapter) -> None:
+    """One clear error per bad input, naming the fix; shapes only, so no host synchronisation."""
+    if activation not in GATED:
+        raise ValueError(f"activation {activation!r} unknown; use one of {sorted(GATED)}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be (T, H), got {tuple(x.shape)}")
+    T, H = x.shape
+    if w_gate_up.ndim != 3 or w_gate_up.shape[2] != H:
+        raise ValueError(f"w_gate_up must be (E, N1, H={H}) in nn.Linear orientation, got {tuple(w_gate_up.shape)}")
+    E, n1, _ = w_gate_up.shape
+    inter = n1 // 2 if GATED[activation] else n1
+    if GATED[activation] and n1 % 2:
+        raise ValueError(f"gated activation {activation!r} needs gate then up rows (N1 = 2I), got N1 = {n1}")
+    if w_down.shape != (E, H, inter):
+        raise ValueError(f"w_down must be (E, H, I) = {(E, H, inter)}, got {tuple(w_down.shape)}"
+                         + (" (relu2 is not gated: w_gate_up holds I rows)" if activation == "relu2" else ""))
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be (T={T}, K), got {tuple(topk_ids.shape)} and "
+                         f"{tuple(topk_weights.shape)}")
+    if topk_ids.dtype.is_floating_point:
+        raise ValueError("topk_ids must be an integer tensor of expert indices")
+    if b_gate_up is not None and b_gate_up.shape != (E, n1):
+        raise ValueError(f"b_gate_up must be (E, N1) = {(E, n1)}, got {tuple(b_gate_up.shape)}")
+    if b_down is not None and b_down.shape != (E, H):
+        raise ValueError(f"b_down must be (E, H) = {(E, H)}, got {tuple(b_down.shape)}")
+    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} is {t.dtype} but x is {x.dtype}; cast the weights to the run dtype")
+    if lora is None:
+        return
+    if token_adapter is None or token_adapter.shape != (T,):
+        raise ValueError(f"lora given, so token_adapter must be a (T={T},) int tensor of slots (-1 = none); got "
+                         f"{None if token_adapter is None else tuple(token_adapter.shape)}")
+    L, Ea, R, Ha = lora.gate_up_a.shape
+    if (Ea, Ha) != (E, H) or lora.gate_up_b.shape[2] != n1 or lora.down_a.shape[3] != inter:
+        raise ValueError(f"LoRA shapes {tuple(lora.gate_up_a.shape)}/{tuple(lora.gate_up_b.shape)}/"
+                         f"{tuple(lora.down_a.shape)} do not fit experts E={E}, H={H}, N1={n1}, I={inter}")
+    if R > 128:
+        raise ValueError(f"max rank {R} > 128 is not supported by the fused kernels; use impl='torch'")
+
+
+def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
+                lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto") -> torch.Tensor:
+    """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
+
+    activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
+    "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside."""
+    check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora,
+                     token_adapter)
+    args = (x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter)
+    if resolve_impl(impl, x) == "torch":
+        return moe_forward_torch(*args)
+    return moe_forward_triton(*args)

@@ -1,0 +1,103 @@
+"""Batched dense LoRA linear (attention, linear-attention, mamba and shared-expert projections): several adapters
+per batch, rows with none, the base GEMM and the LoRA fused in one kernel, outputs split into slices (q|k|v,
+gate|up) that each have their own A.
+
+Shapes: T tokens, Kin input width, N output width, S slices, R max rank, L adapter slots, M padded rows.
+
+The Triton path is the grouped GEMM of fused_moe_lora.py with one "expert": tokens are sorted by adapter slot and
+padded to the block size, so every tile has one adapter; the shrink writes S*R columns per row and the expand
+adds, for each slice that overlaps the output tile, S[:, s*R:(s+1)*R] B[a, lo_s:hi_s]^T.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import resolve_impl
+from kernels.fused_moe_lora import (GemmConfig, default_config, device_const, launch_gemm, launch_shrink,
+                                    lora_delta)
+from kernels.moe_align import moe_align
+
+
+def _offsets(slice_offsets, n: int) -> tuple[int, ...]:
+    offs = (0, n) if slice_offsets is None else tuple(int(o) for o in slice_offsets)
+    if offs[0] != 0 or offs[-1] != n or any(b <= a for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"slice_offsets must rise strictly from 0 to N={n}, got {offs}")
+    return offs
+
+
+def check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_adapter) -> None:
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x (T, Kin) and w (N, Kin) do not fit: {tuple(x.shape)} vs {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w is {w.dtype} but x is {x.dtype}; cast the weight to the run dtype")
+    T, kin = x.shape
+    n = w.shape[0]
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be (N={n},), got {tuple(bias.shape)}")
+    if lora_a is None and lora_b is None:
+        return
+    if lora_a is None or lora_b is None or scaling is None or token_adapter is None:
+        raise ValueError("LoRA needs all of lora_a (L,S,R,Kin), lora_b (L,N,R), scaling (L,) and token_adapter "
+                         "(T,) (slot per row, -1 = none)")
+    L, S, R, ka = lora_a.shape
+    if ka != kin or S != len(offs) - 1:
+        raise ValueError(f"lora_a must be (L, S={len(offs) - 1}, R, Kin={kin}), got {tuple(lora_a.shape)}")
+    if lora_b.shape != (L, n, R):
+        raise ValueError(f"lora_b must be (L, N, R) = {(L, n, R)}, got {tuple(lora_b.shape)}")
+    if scaling.shape != (L,) or scaling.dtype != torch.float32:
+        raise ValueError(f"scaling must be ({L},) float32, got {tuple(scaling.shape)} {scaling.dtype}")
+    if token_adapter.shape != (T,):
+        raise ValueError(f"token_adapter must be (T={T},), got {tuple(token_adapter.shape)}")
+    if R > 128:
+        raise ValueError(f"max rank {R} > 128 is not supported by the fused kernel; use impl='torch'")
+
+
+def lora_linear_torch(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None,
+                      token_adapter=None) -> torch.Tensor:
+    out = x.float() @ w.float().T
+    if bias is not None:
+        out += bias.float()
+    if lora_a is not None:
+        offs = _offsets(slice_offsets, w.shape[0])
+        slots = token_adapter.long()
+        for a in slots.unique().tolist():
+            if a < 0:
+                continue
+            rows = slots == a
+            for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
+                out[rows, lo:hi] += lora_delta(x[rows], lora_a[a, s], lora_b[a, lo:hi], scaling[a],
+                                               lora_a.shape[2])
+    return out.to(x.dtype)
+
+
+def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None,
+                       token_adapter=None, config: GemmConfig | None = None) -> torch.Tensor:
+    T, kin = x.shape
+    n = w.shape[0]
+    has_lora = lora_a is not None
+    L = lora_a.shape[0] if has_lora else 0
+    cfg = config or default_config(T, 1, n, kin, x.device)
+    routing = moe_align(torch.zeros(T, 1, dtype=torch.int32, device=x.device),
+                        token_adapter if has_lora else None, 1, L, cfg.block_m)
+    out = torch.empty(T, n, dtype=x.dtype, device=x.device)
+    lora_kw = {}
+    if has_lora:
+        R = lora_a.shape[2]
+        ranks = device_const((R,) * L, x.device)
+        s = launch_shrink(x, lora_a.unsqueeze(1), scaling, ranks, routing, False, cfg)
+        lora_kw = dict(lora_s=s, lora_b=lora_b.unsqueeze(1), ranks=ranks,
+                       slice_offsets=_offsets(slice_offsets, n))
+    return launch_gemm(x, w.unsqueeze(0), out, routing, cfg, x_sorted=False, out_sorted=False,
+                       bias=bias.unsqueeze(0) if bias is not None else None, **lora_kw)
+
+
+def lora_linear(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None, token_adapter=None,
+                impl: str = "auto") -> torch.Tensor:
+    """(T, N) = x w^T + bias + per-row LoRA: for row t with slot a = token_adapter[t] >= 0 and each slice s,
+    out[t, lo_s:hi_s] += scaling[a] * (x[t] A[a, s]^T) B[a, lo_s:hi_s]^T. Padded rank columns must be zero."""
+    offs = _offsets(slice_offsets, w.shape[0]) if w.ndim == 2 else None
+    check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_adapter)
+    args = (x, w, bias, lora_a, lora_b, scaling, offs, token_adapter)
+    if resolve_impl(impl, x) == "torch":
+        return lora_linear_torch(*args)
+    return lora_linear_triton(*args)
