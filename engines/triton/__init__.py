@@ -1,0 +1,19 @@
+"""``triton``: lpdiff's own prefill-only MoE-LoRA runtime for qwen3_moe and gpt_oss.
+
+Loads an HF checkpoint directory (safetensors, sharded or not, per-expert or fused experts) or builds a
+config-specified model with the seeded recipe on the device; stacks every configured adapter into LoRA slots so
+that each prompt of a batch picks one or none; runs packed variable-length prefill (no KV cache) with LoRA on
+q/k/v/o and every expert's gate_up/down through kernels/; returns float32 logprobs from a chunked log-softmax,
+top-k on request, and each token's smallest router margin. Tensor parallelism 1/2/4/8: ``with`` spawns the
+workers and tears them down. Without a GPU it runs on the kernels' torch references (or the Triton interpreter
+under TRITON_INTERPRET=1).
+
+Options (``EngineConfig.options``):
+  impl              "auto" | "triton" | "torch": kernels implementation (auto: Triton on CUDA, torch otherwise)
+  max_batch_tokens  packed tokens per forward (default 8192)
+  logit_chunk       rows per log-softmax chunk (default 1024)
+  timeout_s         tensor-parallel start-up and collective timeout (default 600)
+"""
+from engines.triton.engine import TritonEngine
+
+__all__ = ["TritonEngine"]

@@ -1,0 +1,71 @@
+"""One packed prefill batch: prompts of any lengths concatenated into T tokens (no padding in the GEMMs), plus the
+index maps that let attention see it as a right-padded (B, L_max) batch. Right padding is exact for causal
+attention: a real query never sees a key after itself, so padded keys never enter its softmax."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.triton.config import ModelConfig
+
+
+@dataclass(slots=True)
+class Batch:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64, position inside its own prompt
+    seq: torch.Tensor  # (T,) int64, prompt index of each token
+    lens: list[int]
+    token_adapter: torch.Tensor | None  # (T,) int32 slot per token, -1 none; None when no prompt uses an adapter
+    cos: torch.Tensor  # (T, head_dim // 2) in the model dtype
+    sin: torch.Tensor
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype,
+              device: torch.device) -> "Batch":
+        lens = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        adapter = None
+        if any(s >= 0 for s in slots):
+            adapter = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32), torch.tensor(lens))
+            adapter = adapter.to(device)
+        # rope angles in fp32 (as transformers does), scaled by YaRN's factor, then cast to the model dtype
+        freqs = positions[:, None].float() * cfg.rope_inv_freq[None, :]
+        cos = (freqs.cos() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
+        sin = (freqs.sin() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
+        return cls(ids.to(device), positions.to(device), seq.to(device), lens, adapter, cos, sin)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lens)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, ...) -> (B, L_max, ...), zeros after each prompt's end."""
+        out = x.new_zeros(len(self.lens), self.max_len, *x.shape[1:])
+        out[self.seq, self.positions] = x
+        return out
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, L_max, ...) -> (T, ...)"""
+        return y[self.seq, self.positions]
+
+    def mask(self, window: int | None, sink: bool) -> torch.Tensor:
+        """(L_max, L_max [+1]) bool, True = may attend: causal, within ``window`` keys (query i sees keys
+        i-window+1..i, as transformers' sliding mask), and with a leading always-visible sink column."""
+        key = (window, sink)
+        if key not in self._masks:
+            i = torch.arange(self.max_len, device=self.input_ids.device)
+            m = i[None, :] <= i[:, None]
+            if window is not None:
+                m &= i[None, :] > i[:, None] - window
+            if sink:
+                m = torch.cat([m.new_ones(self.max_len, 1), m], dim=1)
+            self._masks[key] = m
+        return self._masks[key]

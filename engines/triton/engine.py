@@ -1,0 +1,140 @@
+"""``triton``: lpdiff's own prefill-only MoE-LoRA runtime (see engines/triton/__init__.py for the options)."""
+from __future__ import annotations
+
+import gc
+import time
+from typing import Sequence
+
+import torch
+
+from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
+from engines.triton.config import SUPPORTED_ARCHS
+from harness.types import PromptLogprobs
+
+OPTIONS = {"impl": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0}
+IMPLS = ("auto", "triton", "torch")
+
+
+class TritonEngine:
+    name = "triton"
+
+    def __init__(self, config: EngineConfig):
+        if config.model.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"the triton engine does not support arch {config.model.arch!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHS)} (use engine 'hf' for other models)")
+        unknown = sorted(set(config.options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown triton engine options {unknown}; known: {', '.join(OPTIONS)}")
+        self.options = {**OPTIONS, **config.options}
+        if self.options["impl"] not in IMPLS:
+            raise ValueError(f"option impl must be one of {IMPLS}, got {self.options['impl']!r}")
+        if config.tp not in (1, 2, 4, 8):
+            raise ValueError(f"tp must be 1, 2, 4 or 8, got {config.tp}")
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and (self.device.index or 0) + config.tp > torch.cuda.device_count():
+            raise ValueError(f"tp={config.tp} from {self.device} needs {config.tp} GPUs; "
+                             f"{torch.cuda.device_count()} visible")
+        self.runtime = None
+        self.workers = None
+        self.last_wall_s = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def __enter__(self) -> "TritonEngine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self.runtime is not None:
+            return
+        from engines.triton import tp
+        from engines.triton.runtime import Runtime
+        from engines.triton.shard import Shard
+
+        world = self.config.tp
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                raise RuntimeError("a torch.distributed process group already exists in this process; the triton "
+                                   "engine starts its own for tp > 1 (close the other engine, or use tp=1)")
+            self.workers = tp.Workers(world, self.config, self.device, self.options)
+        try:
+            if world > 1:
+                tp.init_group(0, world, self.workers.init_method, tp.rank_device(self.device, 0),
+                              self.options["timeout_s"])
+            self.runtime = Runtime(self.config, Shard(0, world), tp.rank_device(self.device, 0),
+                                   tp.all_reduce_fn(world), self.options["impl"], int(self.options["logit_chunk"]))
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    def close(self, force: bool = False) -> None:
+        if self.workers is not None:
+            import torch.distributed as dist
+
+            from engines.triton import tp
+
+            if not force and self.runtime is not None:
+                tp.broadcast(None)  # workers leave their loop and destroy their group
+            self.workers.stop(force=force)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.workers = None
+        self.runtime = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def version(self) -> str:
+        import triton
+        import transformers
+
+        return (f"lpdiff-triton (impl {self.options['impl']}), torch {torch.__version__}, triton {triton.__version__}, "
+                f"transformers {transformers.__version__}")
+
+    # -- work ------------------------------------------------------------------------------------------------
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
+                        top_k: int = 0) -> list[PromptLogprobs]:
+        if self.runtime is None:
+            raise RuntimeError("use the engine as a context manager: `with TritonEngine(cfg) as eng:`")
+        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
+        vocab = self.runtime.cfg.vocab_size
+        prompts = [list(map(int, p)) for p in prompts]
+        for i, p in enumerate(prompts):
+            if len(p) < 2:
+                raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (vocab of {self.config.model.name})")
+        if not 0 <= top_k <= vocab:
+            raise ValueError(f"top_k must be in [0, {vocab}], got {top_k}")
+        slots = [self.runtime.slot(n) for n in names]
+        out: list[PromptLogprobs] = []
+        t0 = time.perf_counter()
+        for lo, hi in _batches([len(p) for p in prompts], int(self.options["max_batch_tokens"])):
+            msg = (prompts[lo:hi], slots[lo:hi], top_k)
+            if self.workers is not None:
+                from engines.triton import tp
+
+                tp.broadcast(msg)
+            out += self.runtime.run(*msg)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_wall_s = time.perf_counter() - t0
+        return out
+
+
+def _batches(lens: list[int], max_tokens: int):
+    """Consecutive [lo, hi) prompt ranges of at most ``max_tokens`` packed tokens (a longer prompt goes alone)."""
+    lo, total = 0, 0
+    for i, n in enumerate(lens):
+        if i > lo and total + n > max_tokens:
+            yield lo, i
+            lo, total = i, 0
+        total += n
+    yield lo, len(lens)

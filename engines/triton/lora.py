@@ -1,0 +1,148 @@
+"""Stack several adapters into L slots per layer, zero-padded to the largest rank, in the kernels' layouts and
+sharded for this tensor-parallel rank. Each prompt then picks a slot (or -1 for none) per token.
+
+Input: canonical adapters (harness.adapters.CanonicalAdapter): ``dense`` {module: (A (r, in), B (out, r))} and
+``experts`` {param: (A (E, r, in), B (E, out, r))}, (out, in) orientation, rows in the HF parameter's order.
+Buffers start as zeros so unused slots and padded rank columns contribute exactly nothing.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engines.triton.config import ModelConfig
+from engines.triton.shard import Shard
+from engines.triton.weights import arch_module
+
+Tensor = torch.Tensor
+_DENSE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+SUPPORTED_TARGETS = "self_attn.{q,k,v,o}_proj and mlp.experts.{gate_up_proj,down_proj}"
+
+
+@dataclass(slots=True)
+class LayerLora:
+    qkv_a: Tensor | None  # (L, 3, R, H)
+    qkv_b: Tensor | None  # (L, q_loc + 2 kv_loc, R)
+    o_a: Tensor | None  # (L, 1, R, q_loc)
+    o_b: Tensor | None  # (L, H, R)
+    moe: object | None  # kernels.MoeLoraWeights
+
+
+@dataclass(slots=True)
+class StackedLora:
+    names: list[str]  # slot -> adapter name
+    scaling: Tensor  # (L,) float32
+    ranks: Tensor  # (L,) int32
+    layers: list[LayerLora]
+
+    def slot(self, name: str | None) -> int:
+        return -1 if name is None else self.names.index(name)
+
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            ts = [layer.qkv_a, layer.qkv_b, layer.o_a, layer.o_b]
+            if layer.moe is not None:
+                ts += [layer.moe.gate_up_a, layer.moe.gate_up_b, layer.moe.down_a, layer.moe.down_b]
+            total += sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return total
+
+
+def _parse(cfg: ModelConfig, name: str, adapter) -> tuple[dict, dict]:
+    """-> ({layer: {proj: (A, B)}}, {layer: {param: (A, B)}}) for layers < num_layers; unknown targets fail."""
+    dense: dict[int, dict] = {}
+    experts: dict[int, dict] = {}
+    for key, ab in adapter.dense.items():
+        m = _DENSE.match(key)
+        if m is None:
+            raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on; "
+                             f"supported targets: {SUPPORTED_TARGETS}")
+        if int(m.group(1)) < cfg.num_layers:
+            dense.setdefault(int(m.group(1)), {})[m.group(2)] = ab
+    for key, ab in adapter.experts.items():
+        m = _EXPERT.match(key)
+        if m is None:
+            raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on; "
+                             f"supported targets: {SUPPORTED_TARGETS}")
+        if int(m.group(1)) < cfg.num_layers:
+            experts.setdefault(int(m.group(1)), {})[m.group(2)] = ab
+    return dense, experts
+
+
+def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, dtype: torch.dtype,
+                   device: torch.device) -> StackedLora | None:
+    """``adapters``: name -> CanonicalAdapter, in slot order."""
+    if not adapters:
+        return None
+    from kernels import MoeLoraWeights
+
+    arch = arch_module(cfg.arch)
+    names = list(adapters)
+    L, R = len(names), max(int(a.rank) for a in adapters.values())
+    parsed = [_parse(cfg, n, adapters[n]) for n in names]
+    any_dense = any(d for d, _ in parsed)
+    any_experts = any(e for _, e in parsed)
+    H, E, d = cfg.hidden_size, cfg.num_experts, cfg.head_dim
+    heads = (cfg.num_heads, cfg.num_kv_heads, d)
+    q_loc = len(shard.heads(cfg.num_heads, cfg.num_kv_heads)[0]) * d
+    n_qkv = cfg.q_size + 2 * cfg.kv_size
+    I2, I = 2 * cfg.expert_width, cfg.expert_width
+
+    def z(*shape) -> Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    def put(dst: Tensor, src: Tensor) -> None:
+        """Copy a (possibly lower-rank) factor into a zero-padded slot; rank is dim -2 for A, -1 for B."""
+        dst[tuple(slice(0, s) for s in src.shape)] = src.to(device=device, dtype=dtype)
+
+    scaling, ranks = _scaling(adapters, names, device), _ranks(adapters, names, device)
+    layers = []
+    for li in range(cfg.num_layers):
+        qkv_a = qkv_b_full = o_a_full = o_b = None
+        if any_dense:
+            qkv_a, qkv_b_full = z(L, 3, R, H), z(L, n_qkv, R)
+            o_a_full, o_b = z(L, 1, R, cfg.q_size), z(L, H, R)
+            offsets = {"q": 0, "k": cfg.q_size, "v": cfg.q_size + cfg.kv_size}
+            for s, (dense, _) in enumerate(parsed):
+                for proj, (A, B) in dense.get(li, {}).items():
+                    if proj == "o":
+                        put(o_a_full[s, 0], A)
+                        put(o_b[s], B)
+                    else:
+                        put(qkv_a[s, "qkv".index(proj)], A)
+                        put(qkv_b_full[s, offsets[proj]:offsets[proj] + B.shape[0]], B)
+        moe = None
+        if any_experts:
+            gu_a, gu_b, dn_a, dn_b = z(L, E, R, H), z(L, E, I2, R), z(L, E, R, I), z(L, E, H, R)
+            for s, (_, experts) in enumerate(parsed):
+                ex = experts.get(li, {})
+                if "gate_up_proj" in ex:
+                    A, B = ex["gate_up_proj"]
+                    put(gu_a[s], A)
+                    put(gu_b[s], arch.gate_up_rows(B, 1))
+                if "down_proj" in ex:
+                    A, B = ex["down_proj"]
+                    put(dn_a[s], A)
+                    put(dn_b[s], B)
+            moe = MoeLoraWeights(
+                gate_up_a=gu_a, gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
+                down_a=shard.split(dn_a, 3).contiguous(), down_b=dn_b,
+                scaling=scaling, ranks=ranks)
+        layers.append(LayerLora(
+            qkv_a=qkv_a,
+            qkv_b=None if qkv_b_full is None else shard.split_qkv(qkv_b_full, 1, *heads).contiguous(),
+            o_a=None if o_a_full is None else shard.split_heads(o_a_full, 3, *heads).contiguous(),
+            o_b=o_b, moe=moe))
+        assert qkv_a is None or layers[-1].o_a.shape[-1] == q_loc
+    return StackedLora(names=names, scaling=scaling, ranks=ranks, layers=layers)
+
+
+def _scaling(adapters, names, device) -> Tensor:
+    return torch.tensor([float(adapters[n].scaling) for n in names], dtype=torch.float32, device=device)
+
+
+def _ranks(adapters, names, device) -> Tensor:
+    return torch.tensor([int(adapters[n].rank) for n in names], dtype=torch.int32, device=device)
