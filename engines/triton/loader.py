@@ -83,23 +83,13 @@ class CheckpointSource:
         return torch.stack([torch.cat([self._load(k) for k in ks], dim=0) for ks in keys])
 
 
-def hf_config_for(spec):
-    """The transformers config of a ModelSpec (checkpoint directory or config-built)."""
-    if spec.path is not None:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(spec.path)
-    from harness.catalog import hf_config
-
-    return hf_config(spec)
-
-
 def open_source(spec, dtype: torch.dtype, device: torch.device):
     """-> (hf_config, source). Config-built specs build the seeded HF model on the device (the same recipe the
     reference engine uses, so both see identical weights) and hand over its tensors."""
+    from harness.catalog import hf_config, load_hf_model
+
     if spec.path is not None:
-        return hf_config_for(spec), CheckpointSource(spec.path, device)
-    from harness.catalog import load_hf_model
+        return hf_config(spec), CheckpointSource(spec.path, device)
 
     model = load_hf_model(spec, dtype, device)
     hf = model.config

@@ -81,7 +81,8 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
 
     arch = arch_module(cfg.arch)
     names = list(adapters)
-    L, R = len(names), max(int(a.rank) for a in adapters.values())
+    ranks_of = {n: _rank(a) for n, a in adapters.items()}
+    L, R = len(names), max(ranks_of.values())
     parsed = [_parse(cfg, n, adapters[n]) for n in names]
     any_dense = any(d for d, _ in parsed)
     any_experts = any(e for _, e in parsed)
@@ -98,7 +99,8 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
         """Copy a (possibly lower-rank) factor into a zero-padded slot; rank is dim -2 for A, -1 for B."""
         dst[tuple(slice(0, s) for s in src.shape)] = src.to(device=device, dtype=dtype)
 
-    scaling, ranks = _scaling(adapters, names, device), _ranks(adapters, names, device)
+    scaling = torch.tensor([float(adapters[n].scaling) for n in names], dtype=torch.float32, device=device)
+    ranks = torch.tensor([ranks_of[n] for n in names], dtype=torch.int32, device=device)
     layers = []
     for li in range(cfg.num_layers):
         qkv_a = qkv_b_full = o_a_full = o_b = None
@@ -140,9 +142,6 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
     return StackedLora(names=names, scaling=scaling, ranks=ranks, layers=layers)
 
 
-def _scaling(adapters, names, device) -> Tensor:
-    return torch.tensor([float(adapters[n].scaling) for n in names], dtype=torch.float32, device=device)
-
-
-def _ranks(adapters, names, device) -> Tensor:
-    return torch.tensor([int(adapters[n].rank) for n in names], dtype=torch.int32, device=device)
+def _rank(adapter) -> int:
+    """Inner dimension of the slot: per-expert gate/up with different A matrices fuse at 2r (harness.adapters)."""
+    return max({int(adapter.rank)} | {a.shape[-2] for a, _ in [*adapter.dense.values(), *adapter.experts.values()]})
