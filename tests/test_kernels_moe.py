@@ -1,0 +1,209 @@
+"""Fused MoE-LoRA kernels against their torch reference: routing alignment, every activation, both adapter
+layouts, mixed ranks, rows without adapter. CPU cases run the real Triton kernels through the interpreter in fp32;
+gpu1 cases run them compiled in bf16 and fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import MoeLoraWeights, moe_align, moe_forward
+from kernels.moe_align import moe_align_torch
+
+CUDA = torch.cuda.is_available()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "kernel output has NaN/inf"
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def make_moe(T, H, I, E, K, activation, *, ranks=(), R=None, shared_outer=False, bias=False, dtype=torch.float32,
+             device="cpu", none_rows=True, experts_used=None, x_scale=1.0, seed=0):
+    """Random inputs (never zeros). ranks: loaded rank per adapter slot, padded with garbage-free zeros to R;
+    experts_used: route only to these experts so that the others receive zero tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale)  # noqa: E731
+    n1 = I if activation == "relu2" else 2 * I
+    x = rnd(T, H, scale=x_scale)
+    pool = torch.tensor(experts_used if experts_used is not None else list(range(E)))
+    scores = rnd(T, len(pool))
+    w, idx = scores.softmax(-1).topk(K, dim=-1)
+    topk_ids = pool[idx].to(torch.int32)
+    p = dict(x=x, topk_ids=topk_ids, topk_weights=w / w.sum(-1, keepdim=True),
+             w_gate_up=rnd(E, n1, H, scale=H ** -0.5), w_down=rnd(E, H, I, scale=I ** -0.5),
+             activation=activation)
+    if bias:
+        p.update(b_gate_up=rnd(E, n1, scale=0.5), b_down=rnd(E, H, scale=0.5))
+    lora, ta = None, None
+    if ranks:
+        L = len(ranks)
+        R = R or max(ranks)
+        ea = 1 if shared_outer else E
+        gu_a = rnd(L, ea, R, H, scale=H ** -0.5)
+        gu_b = rnd(L, E, n1, R, scale=R ** -0.5)
+        d_a = rnd(L, E, R, I, scale=I ** -0.5)
+        d_b = rnd(L, ea, H, R, scale=R ** -0.5)
+        for a, r in enumerate(ranks):  # zero padding past the loaded rank, as the runtime stores it
+            gu_a[a, :, r:] = 0
+            gu_b[a, :, :, r:] = 0
+            d_a[a, :, r:] = 0
+            d_b[a, :, :, r:] = 0
+        if shared_outer:
+            gu_a, d_b = gu_a.expand(L, E, R, H), d_b.expand(L, E, H, R)
+        lora = MoeLoraWeights(gu_a, gu_b, d_a, d_b, scaling=(rnd(L).abs() + 0.5).float(),
+                              ranks=torch.tensor(ranks, dtype=torch.int32))
+        ta = torch.randint(-1 if none_rows else 0, L, (T,), generator=g, dtype=torch.int32)
+        ta[:L] = torch.arange(L)  # every slot is used at least once
+    p.update(lora=lora, token_adapter=ta)
+    return {k: move(v, torch.float32 if k == "topk_weights" else dtype, device) for k, v in p.items()}
+
+
+def move(v, dtype, device):
+    if isinstance(v, MoeLoraWeights):
+        return MoeLoraWeights(*(move(getattr(v, f), dtype, device) for f in MoeLoraWeights.__slots__))
+    if isinstance(v, torch.Tensor):
+        return v.to(device=device, dtype=dtype if v.dtype == torch.float32 and v.ndim > 1 else v.dtype)
+    return v
+
+
+def check_moe(p, tol, **kw):
+    """Kernel vs reference on the full output and on the LoRA delta alone (a dropped adapter is a large delta
+    error even when the full output barely moves)."""
+    ref = moe_forward(**p, impl="torch")
+    out = moe_forward(**p, impl="triton", **kw)
+    assert out.shape == ref.shape and out.dtype == p["x"].dtype
+    err = rel_err(out, ref)
+    assert err <= tol, f"rel err {err:.3g} > {tol}"
+    if p["lora"] is not None:
+        base = dict(p, lora=None, token_adapter=None)
+        d_ref = ref.float() - moe_forward(**base, impl="torch").float()
+        d_out = out.float() - moe_forward(**base, impl="triton").float()
+        derr = rel_err(d_out, d_ref)
+        assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
+    return out, ref
+
+
+# ------------------------------------------------------------------------------------------------ alignment
+
+@pytest.mark.parametrize("T,K,E,L,block_m", [
+    (37, 8, 8, 2, 16),  # several adapters + none rows, T*K not a multiple of the block
+    (5, 1, 8, 0, 16),   # no LoRA, top-1, most experts empty
+    (40, 3, 3, 4, 32),  # more slots than experts, top-k = E, big blocks
+])
+def test_moe_align_matches_reference(T, K, E, L, block_m):
+    g = torch.Generator().manual_seed(T)
+    topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    ta = torch.randint(-1, L, (T,), generator=g, dtype=torch.int32) if L else None
+    r = moe_align(topk, ta, E, L, block_m)
+    groups = moe_align_torch(topk, ta, E, L, block_m)
+    P = T * K
+    row = 0
+    for slot, e, pairs in groups:  # groups in adapter-then-expert order, each padded to a block boundary
+        n = -(-len(pairs) // block_m) * block_m
+        assert r.sorted_ids[row:row + len(pairs)].tolist() == pairs
+        assert (r.sorted_ids[row + len(pairs):row + n] == P).all()
+        blocks = slice(row // block_m, (row + n) // block_m)
+        assert (r.block_expert[blocks] == e).all() and (r.block_adapter[blocks] == slot).all()
+        row += n
+    assert int(r.num_padded) == row
+    assert (r.sorted_ids[row:] == P).all()
+
+
+# ------------------------------------------------------------------------------------------- CPU interpreter
+
+CPU_CASES = [
+    # SiLU-gated (Qwen3), 2 adapters + none rows, slot 1 loaded at rank 7 < max rank 16, top-8;
+    # H=40 and I=24 are not multiples of BLOCK_K / BLOCK_N, T*K not a multiple of BLOCK_M
+    dict(T=37, H=40, I=24, E=8, K=8, activation="silu", ranks=(16, 7)),
+    # gpt-oss clamped SwiGLU with per-expert biases; inputs scaled so the +-7 clamps engage
+    dict(T=23, H=48, I=40, E=6, K=4, activation="swiglu_oai", ranks=(8,), bias=True, x_scale=8.0),
+    # relu^2 non-gated (Nemotron-H), top-1, only 3 of 8 experts receive tokens
+    dict(T=29, H=32, I=56, E=8, K=1, activation="relu2", ranks=(4, 12), experts_used=(1, 4, 6)),
+    # shared-outer layout: gate_up A and down B expand()ed with stride 0 over experts
+    dict(T=31, H=40, I=24, E=5, K=2, activation="silu", ranks=(16, 16, 3), shared_outer=True),
+    # 4 adapters of ranks 1..32 in one batch (rank 1 pads to a 16-wide tile), no none rows
+    dict(T=40, H=24, I=40, E=4, K=3, activation="silu", ranks=(1, 5, 32, 20), none_rows=False),
+    # rank 128 (the largest supported) next to rank 2
+    dict(T=17, H=32, I=24, E=3, K=2, activation="relu2", ranks=(128, 2)),
+    # no LoRA at all: the base path alone
+    dict(T=33, H=40, I=24, E=8, K=8, activation="swiglu_oai", bias=True),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c['activation']}-T{c['T']}-K{c['K']}-r{c.get('ranks')}")
+def test_moe_forward_interpreter_fp32(case, tol=1e-5):
+    check_moe(make_moe(**case), tol)
+
+
+def test_padded_rank_is_exact_and_ignores_garbage():
+    """A rank-5 adapter zero-padded to max rank 32 must give exactly what the same adapter gives at R=5, and
+    columns past the loaded rank must be ignored even when they hold garbage (uninitialised slots)."""
+    p = make_moe(T=21, H=32, I=24, E=4, K=2, activation="silu", ranks=(5,), R=32)
+    lo = p["lora"]
+    narrow = MoeLoraWeights(lo.gate_up_a[:, :, :5], lo.gate_up_b[..., :5], lo.down_a[:, :, :5], lo.down_b[..., :5],
+                            lo.scaling, lo.ranks)
+    out_pad = moe_forward(**p, impl="triton")
+    out_narrow = moe_forward(**dict(p, lora=narrow), impl="triton")
+    assert rel_err(out_pad, out_narrow) <= 1e-6
+    dirty = MoeLoraWeights(*(t.clone() for t in (lo.gate_up_a, lo.gate_up_b, lo.down_a, lo.down_b)), lo.scaling,
+                           lo.ranks)
+    dirty.gate_up_a[:, :, 5:] = float("nan")  # read by the shrink
+    dirty.gate_up_b[..., 5:] = float("nan")  # read by the expand
+    dirty.down_b[..., 5:] = 1e30
+    for impl in ("torch", "triton"):
+        assert rel_err(moe_forward(**dict(p, lora=dirty), impl=impl), out_pad) <= 1e-5, impl
+
+
+def test_rows_without_adapter_equal_base():
+    """Slots present but every token on -1: the output must be the base model's, bit for bit."""
+    p = make_moe(T=19, H=32, I=24, E=4, K=2, activation="silu", ranks=(8, 8))
+    p["token_adapter"] = torch.full_like(p["token_adapter"], -1)
+    with_slots = moe_forward(**p, impl="triton")
+    base = moe_forward(**dict(p, lora=None, token_adapter=None), impl="triton")
+    assert torch.equal(with_slots, base)
+
+
+def test_bad_inputs_raise_one_clear_error():
+    p = make_moe(T=4, H=16, I=8, E=2, K=1, activation="silu", ranks=(4,))
+    with pytest.raises(ValueError, match="token_adapter"):
+        moe_forward(**dict(p, token_adapter=None))
+    with pytest.raises(ValueError, match="relu2 is not gated"):
+        moe_forward(**dict(p, activation="relu2"))
+    with pytest.raises(ValueError, match="unknown"):
+        moe_forward(**dict(p, activation="gelu"))
+    with pytest.raises(ValueError, match="impl"):
+        moe_forward(**p, impl="cuda")
+
+
+def test_auto_picks_torch_on_cpu_without_interpreter(monkeypatch):
+    from kernels._triton import resolve_impl
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_impl("auto", torch.zeros(1)) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_impl("auto", torch.zeros(1)) == "triton"
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+GPU_CASES = [
+    # Qwen3-like at reduced width: many experts, top-8, three slots of mixed rank, none rows, I % 128 != 0
+    dict(T=300, H=256, I=192, E=16, K=8, activation="silu", ranks=(32, 8, 17)),
+    # gpt-oss-like: biases, clamps engaged, shared-outer layout
+    dict(T=257, H=192, I=320, E=8, K=4, activation="swiglu_oai", ranks=(16, 64), bias=True, shared_outer=True,
+         x_scale=4.0),
+    # Nemotron-like relu^2, top-6, rank 1 and 128, experts with zero tokens
+    dict(T=129, H=128, I=112, E=12, K=6, activation="relu2", ranks=(1, 128), experts_used=tuple(range(0, 12, 2)) + (3,)),
+    # full Qwen3-30B-A3B expert shape at a small token count, one adapter (the benchmark's configuration)
+    dict(T=64, H=2048, I=768, E=128, K=8, activation="silu", ranks=(32,), none_rows=False),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}")
+@pytest.mark.gpu1
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_moe_forward_gpu(case, dtype, tol):
+    p = make_moe(**case, dtype=dtype, device="cuda")
+    torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
+    out, _ = check_moe(p, tol)
+    assert torch.equal(out, moe_forward(**p, impl="triton")), "reruns must be bit-identical"
