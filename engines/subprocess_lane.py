@@ -1,0 +1,328 @@
+"""Run an engine in a child process (a "lane"), so that an engine that kills its own process becomes an error
+carrying the engine's last log lines instead of taking the caller down with it.
+
+Why: SGLang 0.5.15 kills its engine on the first request with a PEFT 3D expert adapter, and vLLM 0.25.1 may abort
+at exit (rc 134) after its work is done. A verdict needs the numbers of the engines that worked and a FAIL with the
+log tail for the one that did not. The lane can also run the engine under another interpreter (``python=``): vLLM
+pins its own transformers, so it usually lives in its own virtualenv.
+
+Protocol: the parent writes length-prefixed pickles to the child's stdin; the child answers on an inherited pipe.
+Everything the engine prints (stdout, stderr, C-level logs, its own subprocesses) goes to one log file whose tail
+is attached to every failure. numpy arrays travel as ``.npy`` bytes, so two virtualenvs with different numpy
+versions can talk. The child runs in its own session, so closing the lane can end the engine's whole process group.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_HEADER = struct.Struct("<Q")
+
+
+class LaneError(RuntimeError):
+    """The engine raised inside the lane; the message carries its traceback."""
+
+
+class LaneDied(RuntimeError):
+    """The lane's process ended (killed, crashed, aborted) or stopped answering; ``log_tail`` holds its last log
+    lines, ``returncode`` its exit status (None when it hung)."""
+
+    def __init__(self, message: str, returncode: int | None, log_tail: str, log_path: str):
+        super().__init__(f"{message}\n--- last lines of {log_path} ---\n{log_tail}")
+        self.returncode, self.log_tail, self.log_path = returncode, log_tail, log_path
+
+
+# -- wire format ---------------------------------------------------------------------------------------------------
+
+def _npy_load(blob: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(blob), allow_pickle=False)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, np.ndarray) and obj.dtype != object:
+            buf = io.BytesIO()
+            np.save(buf, obj, allow_pickle=False)
+            return _npy_load, (buf.getvalue(),)
+        return NotImplemented
+
+
+def _send(fh, obj: Any) -> None:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=4).dump(obj)
+    data = buf.getvalue()
+    fh.write(_HEADER.pack(len(data)) + data)
+    fh.flush()
+
+
+def _read_exact(fd: int, n: int, deadline: float | None, alive) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            alive()  # raises when the child is gone or the deadline passed
+            continue
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            alive(eof=True)
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+# -- parent side ---------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class LaneConfig:
+    python: str = sys.executable  # the interpreter (and so the virtualenv) the engine runs under
+    env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
+    start_timeout_s: float = 1800.0  # building the engine: model load, compilation
+    call_timeout_s: float | None = None  # one call; None waits as long as the child lives
+    close_timeout_s: float = 60.0  # a clean __exit__ before the process group is killed
+    log_path: str | None = None  # None: a temp file, kept after the lane closes
+    tail_lines: int = 60
+
+    def __post_init__(self):
+        assert self.start_timeout_s > 0 and self.close_timeout_s > 0 and self.tail_lines > 0
+        assert self.call_timeout_s is None or self.call_timeout_s > 0
+
+
+def lane_config_from_options(options: dict[str, Any]) -> tuple[LaneConfig | None, dict[str, Any]]:
+    """Pop the lane options (``lane``: "inprocess" | "subprocess"; ``python``; ``lane_env``;
+    ``lane_start_timeout_s``; ``lane_call_timeout_s``; ``lane_log``) from an engine's options. A ``python`` other
+    than this interpreter implies a subprocess lane. Returns (LaneConfig or None for in-process, the rest)."""
+    opts = dict(options)
+    mode = opts.pop("lane", None)
+    keys = {"python": "python", "lane_env": "env", "lane_start_timeout_s": "start_timeout_s",
+            "lane_call_timeout_s": "call_timeout_s", "lane_log": "log_path"}
+    given = {dst: opts.pop(src) for src, dst in keys.items() if src in opts}
+    if mode is None:
+        mode = "subprocess" if given.get("python") not in (None, sys.executable) else "inprocess"
+    if mode not in ("inprocess", "subprocess"):
+        raise ValueError(f"option lane must be 'inprocess' or 'subprocess', got {mode!r}")
+    if mode == "inprocess":
+        if given:
+            raise ValueError(f"options {sorted(k for k in keys if k in options)} need lane='subprocess'")
+        return None, opts
+    return LaneConfig(**given), opts
+
+
+class SubprocessLane:
+    """``lane = SubprocessLane("engines.vllm:VLLMEngine", (config,)).start(); lane.call("prompt_logprobs", ...)``.
+
+    The child builds ``target(*args)`` and enters it when it has ``__enter__``; ``call`` runs one method there;
+    ``close`` exits it cleanly, then ends the child's process group if it is still alive."""
+
+    def __init__(self, target: str, args: Sequence[Any] = (), config: LaneConfig | None = None):
+        assert ":" in target, f"target must be 'module:callable', got {target!r}"
+        self.target, self.args, self.config = target, tuple(args), config or LaneConfig()
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.config.log_path
+        self._resp_fd: int | None = None
+        self.info: dict[str, Any] = {}
+
+    # lifecycle
+    def start(self) -> "SubprocessLane":
+        assert self.proc is None, "lane already started"
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix="lpdiff-lane-", suffix=".log")
+            os.close(fd)
+        env = {**os.environ, **self.config.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        r, w = os.pipe()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([self.config.python, "-m", "engines.subprocess_lane", str(w)],
+                                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         pass_fds=(w,), start_new_session=True, cwd=str(REPO_ROOT))
+        os.close(w)
+        self._resp_fd = r
+        try:
+            self.info = self._request(("open", self.target, self.args), self.config.start_timeout_s,
+                                      f"starting {self.target}")
+        except BaseException:
+            self._kill()
+            raise
+        return self
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        if self.proc is None:
+            raise RuntimeError("the lane is not running: use it as a context manager or call start() first")
+        return self._request(("call", method, args, kwargs), self.config.call_timeout_s, f"{self.target}.{method}")
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                self._request(("close",), self.config.close_timeout_s, f"closing {self.target}")
+                self.proc.wait(timeout=self.config.close_timeout_s)
+        except (LaneDied, LaneError, subprocess.TimeoutExpired, BrokenPipeError):
+            pass  # an engine that aborts at exit (vLLM rc 134) has already delivered its work
+        finally:
+            self._kill()
+
+    def __enter__(self) -> "SubprocessLane":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # internals
+    def log_tail(self) -> str:
+        try:
+            lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-self.config.tail_lines:])
+
+    def _died(self, what: str, rc: int | None, why: str) -> LaneDied:
+        sig = f" (signal {signal.Signals(-rc).name})" if rc is not None and rc < 0 and -rc in signal.valid_signals() \
+            else ""
+        return LaneDied(f"{what}: the engine process {why}{sig}", rc, self.log_tail(), str(self.log_path))
+
+    def _request(self, msg: tuple, timeout: float | None, what: str) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def alive(eof: bool = False):
+            rc = self.proc.poll()
+            if rc is not None:
+                raise self._died(what, rc, f"exited with status {rc}")
+            if eof:  # the answer pipe closed while the process lives on: it cannot answer any more
+                self._kill()
+                raise self._died(what, self.proc.returncode, "closed its answer pipe")
+            if deadline is not None and time.monotonic() > deadline:
+                self._kill()
+                raise self._died(what, None, f"did not answer within {timeout:.0f} s and was killed")
+
+        try:
+            _send(self.proc.stdin, msg)
+        except (BrokenPipeError, OSError):
+            self.proc.wait(timeout=5)
+            raise self._died(what, self.proc.returncode, f"exited with status {self.proc.returncode}") from None
+        (size,) = _HEADER.unpack(_read_exact(self._resp_fd, _HEADER.size, deadline, alive))
+        status, payload = pickle.loads(_read_exact(self._resp_fd, size, deadline, alive))
+        if status == "ok":
+            return payload
+        raise LaneError(f"{what} failed inside the lane:\n{payload}")
+
+    def _kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session: this is its group only
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        if proc is not None and proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        if self._resp_fd is not None:
+            os.close(self._resp_fd)
+            self._resp_fd = None
+
+
+class LaneEngine:
+    """An Engine whose work runs in a SubprocessLane: ``target`` names the in-process engine class the child
+    builds from ``config``. Engines use it for their ``lane="subprocess"`` mode."""
+
+    def __init__(self, name: str, target: str, config, lane: LaneConfig):
+        self.name, self.target, self.config, self.lane_config = name, target, config, lane
+        self.lane: SubprocessLane | None = None
+
+    def __enter__(self) -> "LaneEngine":
+        self.lane = SubprocessLane(self.target, (self.config,), self.lane_config).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
+
+    def prompt_logprobs(self, prompts, adapter=None, top_k: int = 0):
+        if self.lane is None:
+            raise RuntimeError(f"use the engine as a context manager: `with open_engine({self.name!r}, cfg) as eng:`")
+        prompts = [[int(t) for t in p] for p in prompts]
+        adapter = adapter if adapter is None or isinstance(adapter, str) else list(adapter)
+        return self.lane.call("prompt_logprobs", prompts, adapter, top_k)
+
+    def version(self) -> str:
+        return self.lane.call("version") if self.lane is not None else f"{self.name} (lane not started)"
+
+
+def strip_lane_options(config):
+    """The config the child builds its in-process engine from: the same, minus the lane options."""
+    _, rest = lane_config_from_options(config.options)
+    return replace(config, options=rest)
+
+
+# -- child side ----------------------------------------------------------------------------------------------------
+
+def _resolve(target: str):
+    module, _, attr = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _serve(resp_fd: int) -> int:
+    requests, answers = sys.stdin.buffer, os.fdopen(resp_fd, "wb")
+    obj = None
+    while True:
+        header = requests.read(_HEADER.size)
+        if len(header) < _HEADER.size:  # the parent went away: leave, closing the engine if we can
+            if obj is not None and hasattr(obj, "__exit__"):
+                obj.__exit__(None, None, None)
+            return 0
+        msg = pickle.loads(requests.read(_HEADER.unpack(header)[0]))
+        try:
+            if msg[0] == "open":
+                _, target, args = msg
+                obj = _resolve(target)(*args)
+                if hasattr(obj, "__enter__"):
+                    obj = obj.__enter__()
+                result = {"pid": os.getpid(), "python": sys.executable}
+            elif msg[0] == "call":
+                _, method, args, kwargs = msg
+                result = getattr(obj, method)(*args, **kwargs)
+            elif msg[0] == "close":
+                if obj is not None and hasattr(obj, "__exit__"):
+                    obj.__exit__(None, None, None)
+                obj = None
+                _send(answers, ("ok", None))
+                return 0
+            else:
+                raise ValueError(f"unknown lane message {msg[0]!r}")
+            reply = ("ok", result)
+        except BaseException:  # noqa: BLE001 - every engine error must reach the parent with its traceback
+            reply = ("err", traceback.format_exc())
+        print(f"[lane] {msg[0]} {msg[1] if len(msg) > 1 else ''}: {reply[0]}", file=sys.stderr, flush=True)
+        _send(answers, reply)
+
+
+if __name__ == "__main__":
+    # Serve through the module imported by its real name, so what the child pickles (numpy arrays via _npy_load)
+    # names engines.subprocess_lane rather than __main__.
+    from engines.subprocess_lane import _serve as serve
+
+    sys.exit(serve(int(sys.argv[1])))
