@@ -1,0 +1,180 @@
+"""End-to-end prompt-logprob throughput: the triton runtime (base and with a rank-32 LoRA on q/k/v/o and every
+expert's gate_up/down) against HF+PEFT (engines.hf, grouped_mm experts), measured in the same run on the same GPU,
+with peak GPU memory against the runtime's weights + LoRA bytes.
+
+    python benchmarks/bench_e2e.py --models qwen3-30b-a3b gpt-oss-20b --out DIR [--commit SHA] [--layers N]
+
+Models are the catalog's full-size configs built on the GPU with the seeded recipe (no downloads); both engines
+see the same weights. Rows are appended to DIR/e2e.csv as they are measured (columns of
+benchmarks/results/e2e.csv), so a run cut short still leaves what it finished.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engines.base import EngineConfig  # noqa: E402
+from harness.types import AdapterSpec  # noqa: E402
+
+COLUMNS = ["date", "commit", "gpu", "model", "tokens", "tp", "dtype", "adapter", "impl", "tokens_per_s",
+           "peak_mem_gb"]
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def free_gpu():
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def timed(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float]:
+    """-> (median seconds per call, peak GB allocated during the timed calls)."""
+    for _ in range(warmup):
+        eng.prompt_logprobs(prompts, adapter)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    walls = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.prompt_logprobs(prompts, adapter)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls), torch.cuda.max_memory_allocated() / 1e9
+
+
+def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
+    from harness.adapters import generate_adapter
+    from harness.catalog import load_hf_model
+
+    model = load_hf_model(spec, torch.bfloat16, "cuda")
+    t0 = time.perf_counter()
+    ad = generate_adapter(model, out_dir, groups=("attention", "experts"), rank=rank, alpha=2 * rank, seed=1,
+                          dtype=torch.bfloat16)
+    log(f"adapter rank {rank} generated in {time.perf_counter() - t0:.1f} s")
+    del model
+    free_gpu()
+    return AdapterSpec("r%d" % rank, ad.path)
+
+
+def bench_model(name: str, args, writer) -> None:
+    from engines.hf import HFEngine
+    from engines.triton import TritonEngine
+    from harness.catalog import get_model
+
+    spec = get_model(name, num_layers=args.layers)
+    tokens = args.batch * args.seq
+    g = torch.Generator().manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = make_adapter(spec, Path(tmp) / "r32", args.rank)
+        adapters = {adapter.name: adapter}
+        from harness.catalog import hf_config
+
+        vocab = hf_config(spec).vocab_size
+        prompts = [torch.randint(0, vocab, (args.seq,), generator=g).tolist() for _ in range(args.batch)]
+
+        def row(adapter_name, impl, secs, peak):
+            r = dict(date=datetime.date.today().isoformat(), commit=args.commit, gpu=gpu, model=spec.name +
+                     (f"-{args.layers}L" if args.layers else ""), tokens=tokens, tp=1, dtype="bfloat16",
+                     adapter=adapter_name, impl=impl, tokens_per_s=round(tokens / secs), peak_mem_gb=round(peak, 2))
+            writer(r)
+            log(r)
+            return r
+
+        results = {}
+        if not args.skip_hf:
+            t0 = time.perf_counter()
+            with HFEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
+                                       options={"router_margins": False})) as hf:
+                log(f"hf loaded in {time.perf_counter() - t0:.1f} s")
+                for a in (None, adapter.name):
+                    secs, peak = timed(hf, prompts, a, 1, args.hf_reps)
+                    results[("hf", a)] = row(f"r{args.rank}" if a else "none", "hf+peft" if a else "hf", secs, peak)
+            free_gpu()
+        t0 = time.perf_counter()
+        with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda")) as tr:
+            wbytes = tr.runtime.weights.nbytes()
+            lbytes = tr.runtime.lora.nbytes()
+            log(f"triton loaded in {time.perf_counter() - t0:.1f} s: weights {wbytes / 1e9:.2f} GB, "
+                f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
+            for a in (None, adapter.name):
+                secs, peak = timed(tr, prompts, a, 2, args.reps)
+                results[("triton", a)] = row(f"r{args.rank}" if a else "none", "triton", secs, peak)
+            if args.profile:
+                profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}.txt")
+        free_gpu()
+    base, lora = results[("triton", None)], results[("triton", adapter.name)]
+    summary = {"model": spec.name, "triton_lora_tok_s": lora["tokens_per_s"], "triton_base_tok_s": base["tokens_per_s"],
+               "lora_overhead_pct": round(100 * (base["tokens_per_s"] / lora["tokens_per_s"] - 1), 1),
+               "peak_over_weights_lora_pct": round(100 * (lora["peak_mem_gb"] * 1e9 / (wbytes + lbytes) - 1), 1)}
+    if ("hf", adapter.name) in results:
+        summary["speedup_vs_hf_peft"] = round(lora["tokens_per_s"] / results[("hf", adapter.name)]["tokens_per_s"], 2)
+    log("SUMMARY", summary)
+
+
+def profile(eng, prompts, adapter, path: Path) -> None:
+    """Top CUDA kernels of one LoRA call (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.prompt_logprobs(prompts, adapter)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    path.write_text(table)
+    print(table[:6000], flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--layers", type=int, default=None, help="reduced depth (default: full depth)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--hf-reps", type=int, default=3)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(args.out) / "e2e.csv"
+    new = not out.exists()
+    with open(out, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            w.writeheader()
+
+        def writer(r):
+            w.writerow(r)
+            f.flush()
+
+        for name in args.models:
+            try:
+                bench_model(name, args, writer)
+            except Exception as e:  # one model failing must not lose the other's numbers
+                import traceback
+
+                traceback.print_exc()
+                log(f"{name} FAILED: {e!r}")
+
+
+if __name__ == "__main__":
+    main()
