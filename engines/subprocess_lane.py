@@ -202,12 +202,19 @@ class SubprocessLane:
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def alive(eof: bool = False):
-            rc = self.proc.poll()
+            proc = self.proc
+            if eof:  # a dying process closes its pipes a moment before it can be reaped
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            rc = proc.poll()
             if rc is not None:
+                self._kill()
                 raise self._died(what, rc, f"exited with status {rc}")
             if eof:  # the answer pipe closed while the process lives on: it cannot answer any more
                 self._kill()
-                raise self._died(what, self.proc.returncode, "closed its answer pipe")
+                raise self._died(what, None, "closed its answer pipe and was killed")
             if deadline is not None and time.monotonic() > deadline:
                 self._kill()
                 raise self._died(what, None, f"did not answer within {timeout:.0f} s and was killed")
@@ -225,10 +232,12 @@ class SubprocessLane:
 
     def _kill(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
+        if proc is not None:
+            # The child leads its own session, so its pid is the group of everything the engine started (SGLang's
+            # scheduler, vLLM's workers): end the whole group, even when the leader itself has already exited.
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session: this is its group only
-            except ProcessLookupError:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
         if proc is not None and proc.stdin is not None:
