@@ -85,11 +85,14 @@ def test_parity_with_hf_peft_base_adapters_and_mixed_batch(tiny):
     def cfg(engine):
         return EngineConfig(model=spec, adapters=adapters[engine], dtype="float32", device="cpu")
 
+    same_len = [p[:8] for p in prompts]  # equal lengths: attention's padded view is a plain reshape
     with open_engine("hf", cfg("hf")) as hf:
         for i, c in enumerate(choices):
             with_hf[i] = hf.prompt_logprobs(prompts, c, top_k=5)
+        hf_same = hf.prompt_logprobs(same_len, mixed)
     with open_engine("triton", cfg("triton")) as tr:
         got = {i: tr.prompt_logprobs(prompts, c, top_k=5) for i, c in enumerate(choices)}
+        assert _maxdiff(tr.prompt_logprobs(same_len, mixed), hf_same) <= TOL
     for i, c in enumerate(choices):
         assert _maxdiff(got[i], with_hf[i]) <= TOL, f"adapter choice {c}"
         for x, y in zip(got[i], with_hf[i]):

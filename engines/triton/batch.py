@@ -46,14 +46,23 @@ class Batch:
     def max_len(self) -> int:
         return max(self.lens)
 
+    @property
+    def uniform(self) -> bool:
+        """All prompts equally long: the padded view is a plain reshape."""
+        return min(self.lens) == max(self.lens)
+
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(T, ...) -> (B, L_max, ...), zeros after each prompt's end."""
+        if self.uniform:
+            return x.view(len(self.lens), self.max_len, *x.shape[1:])
         out = x.new_zeros(len(self.lens), self.max_len, *x.shape[1:])
         out[self.seq, self.positions] = x
         return out
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """(B, L_max, ...) -> (T, ...)"""
+        if self.uniform:
+            return y.reshape(self.num_tokens, *y.shape[2:])
         return y[self.seq, self.positions]
 
     def mask(self, window: int | None, sink: bool) -> torch.Tensor:
