@@ -8,6 +8,7 @@ that converting layer by layer never holds two copies of the model).
 """
 from __future__ import annotations
 
+import gc
 import json
 import re
 from pathlib import Path
@@ -95,4 +96,5 @@ def open_source(spec, dtype: torch.dtype, device: torch.device):
     hf = model.config
     source = StateDictSource(model.state_dict())
     del model
+    gc.collect()  # the module graph has cycles: free it now so taken tensors are the only references left
     return hf, source
