@@ -124,34 +124,91 @@ def lane_config_from_options(options: dict[str, Any]) -> tuple[LaneConfig | None
     return LaneConfig(**given), opts
 
 
+class ManagedProcess:
+    """A child process in its own session with all its output in one log file: its tail goes into every failure,
+    and ``kill`` ends the child's whole process group (what the engine started too). The SubprocessLane and the
+    SGLang HTTP server both run under one."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, log_path: str | None = None,
+                 tail_lines: int = 60, log_prefix: str = "lpdiff-proc-"):
+        self.argv, self.env, self.tail_lines = list(argv), dict(env or {}), tail_lines
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+            os.close(fd)
+        self.log_path = str(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, **popen) -> "ManagedProcess":
+        assert self.proc is None, "process already started"
+        env = {**os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=str(REPO_ROOT), **popen)
+        return self
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self) -> str:
+        try:
+            lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-self.tail_lines:])
+
+    def died(self, what: str, rc: int | None, why: str) -> LaneDied:
+        sig = ""
+        if rc is not None and rc < 0 and -rc in signal.valid_signals():
+            sig = f" (signal {signal.Signals(-rc).name})"
+        return LaneDied(f"{what}: the engine process {why}{sig}", rc, self.log_tail(), self.log_path)
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        # The child leads its own session, so its pid is the group of everything the engine started (SGLang's
+        # scheduler, vLLM's workers): end the whole group, even when the leader itself has already exited.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+
 class SubprocessLane:
     """``lane = SubprocessLane("engines.vllm:VLLMEngine", (config,)).start(); lane.call("prompt_logprobs", ...)``.
 
     The child builds ``target(*args)`` and enters it when it has ``__enter__``; ``call`` runs one method there;
-    ``close`` exits it cleanly, then ends the child's process group if it is still alive."""
+    ``close`` exits it cleanly, then ends the child's process group."""
 
     def __init__(self, target: str, args: Sequence[Any] = (), config: LaneConfig | None = None):
         assert ":" in target, f"target must be 'module:callable', got {target!r}"
         self.target, self.args, self.config = target, tuple(args), config or LaneConfig()
-        self.proc: subprocess.Popen | None = None
-        self.log_path = self.config.log_path
+        self.child = ManagedProcess([self.config.python, "-m", "engines.subprocess_lane"], self.config.env,
+                                    self.config.log_path, self.config.tail_lines, log_prefix="lpdiff-lane-")
         self._resp_fd: int | None = None
         self.info: dict[str, Any] = {}
 
+    @property
+    def log_path(self) -> str:
+        return self.child.log_path
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.child.proc
+
     # lifecycle
     def start(self) -> "SubprocessLane":
-        assert self.proc is None, "lane already started"
-        if self.log_path is None:
-            fd, self.log_path = tempfile.mkstemp(prefix="lpdiff-lane-", suffix=".log")
-            os.close(fd)
-        env = {**os.environ, **self.config.env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        env.setdefault("PYTHONUNBUFFERED", "1")
         r, w = os.pipe()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([self.config.python, "-m", "engines.subprocess_lane", str(w)],
-                                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         pass_fds=(w,), start_new_session=True, cwd=str(REPO_ROOT))
+        self.child.argv.append(str(w))
+        self.child.start(stdin=subprocess.PIPE, pass_fds=(w,))
         os.close(w)
         self._resp_fd = r
         try:
@@ -187,16 +244,7 @@ class SubprocessLane:
 
     # internals
     def log_tail(self) -> str:
-        try:
-            lines = Path(self.log_path).read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-self.config.tail_lines:])
-
-    def _died(self, what: str, rc: int | None, why: str) -> LaneDied:
-        sig = f" (signal {signal.Signals(-rc).name})" if rc is not None and rc < 0 and -rc in signal.valid_signals() \
-            else ""
-        return LaneDied(f"{what}: the engine process {why}{sig}", rc, self.log_tail(), str(self.log_path))
+        return self.child.log_tail()
 
     def _request(self, msg: tuple, timeout: float | None, what: str) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -211,19 +259,20 @@ class SubprocessLane:
             rc = proc.poll()
             if rc is not None:
                 self._kill()
-                raise self._died(what, rc, f"exited with status {rc}")
+                raise self.child.died(what, rc, f"exited with status {rc}")
             if eof:  # the answer pipe closed while the process lives on: it cannot answer any more
                 self._kill()
-                raise self._died(what, None, "closed its answer pipe and was killed")
+                raise self.child.died(what, None, "closed its answer pipe and was killed")
             if deadline is not None and time.monotonic() > deadline:
                 self._kill()
-                raise self._died(what, None, f"did not answer within {timeout:.0f} s and was killed")
+                raise self.child.died(what, None, f"did not answer within {timeout:.0f} s and was killed")
 
         try:
             _send(self.proc.stdin, msg)
         except (BrokenPipeError, OSError):
-            self.proc.wait(timeout=5)
-            raise self._died(what, self.proc.returncode, f"exited with status {self.proc.returncode}") from None
+            rc = self.proc.wait(timeout=5)
+            self._kill()
+            raise self.child.died(what, rc, f"exited with status {rc}") from None
         (size,) = _HEADER.unpack(_read_exact(self._resp_fd, _HEADER.size, deadline, alive))
         status, payload = pickle.loads(_read_exact(self._resp_fd, size, deadline, alive))
         if status == "ok":
@@ -231,20 +280,7 @@ class SubprocessLane:
         raise LaneError(f"{what} failed inside the lane:\n{payload}")
 
     def _kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            # The child leads its own session, so its pid is the group of everything the engine started (SGLang's
-            # scheduler, vLLM's workers): end the whole group, even when the leader itself has already exited.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-        if proc is not None and proc.stdin is not None:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
+        self.child.kill()
         if self._resp_fd is not None:
             os.close(self._resp_fd)
             self._resp_fd = None

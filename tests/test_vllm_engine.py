@@ -41,12 +41,12 @@ def tiny_checkpoint(name: str, root: Path) -> ModelSpec:
     spec = get_model(name)
     if (Path(spec.path) / "config.json").is_file():
         return spec
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from harness.zoo import tiny_config
+    from harness.zoo import TINY_CONFIGS
 
-    cfg = tiny_config(name)
-    cfg.initializer_range = 0.25
+    kw = dict(TINY_CONFIGS[name], initializer_range=0.25)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     out = root / name

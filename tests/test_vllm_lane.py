@@ -131,17 +131,16 @@ def test_lane_options_refuse_nonsense():
 
 def test_real_hf_engine_in_a_lane_matches_in_process(tmp_path):
     torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from engines.base import EngineConfig
     from engines.hf import HFEngine
     from engines.subprocess_lane import LaneEngine
-    from harness.catalog import with_num_layers
     from harness.types import ModelSpec
-    from harness.zoo import tiny_config
+    from harness.zoo import TINY_CONFIGS
 
-    cfg = with_num_layers(tiny_config("tiny-qwen3-dense"), 2)
-    cfg.initializer_range = 0.25
+    kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], num_hidden_layers=2, initializer_range=0.25)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path / "m"))
     ecfg = EngineConfig(model=ModelSpec(name="m", arch="qwen3", path=str(tmp_path / "m")), device="cpu")
