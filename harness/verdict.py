@@ -1,0 +1,121 @@
+"""Verdicts: metrics held against a threshold, with every exceeded limit named alongside both numbers.
+
+Near-tie positions (router margin below ε) are never silently dropped: by default the verdict is taken over all
+positions and, when only the near-ties break it, the reason says so; ``exclude_near_ties=True`` judges the clean
+positions and records the excluded share in the notes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from harness.metrics import Metrics
+from harness.thresholds import Threshold
+
+Fidelity = float | Mapping[str, float] | None  # one number, or one per module group
+
+
+@dataclass(slots=True)
+class Verdict:
+    model: str
+    engine_pair: str
+    dtype: str
+    tp: int | None
+    adapter: str | None
+    metrics: Metrics
+    delta_fidelity: Fidelity
+    threshold: Threshold
+    passed: bool
+    reasons: list[str]  # one per exceeded limit, naming the metric, its value and the limit
+    near_tie_share: float | None
+    notes: list[str] = field(default_factory=list)  # context that does not decide pass/fail
+
+
+def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity) -> list[str]:
+    if m.num_positions == 0:
+        return ["no positions to judge"]
+    out = []
+    if m.num_nonfinite:
+        out.append(f"{m.num_nonfinite} of {m.num_positions} positions have a NaN or inf logprob")
+    # "not <=" so that a NaN metric fails instead of slipping past a ">" test
+    for label, value, limit in (("k2", m.k2, t.k2), ("max |Δ|", m.max_abs, t.max_abs)):
+        if not value <= limit:
+            out.append(f"{label} {value:.3g} > threshold {limit:.3g}")
+    if fidelity is not None and t.delta_fidelity is not None:
+        groups = fidelity.items() if isinstance(fidelity, Mapping) else [(None, fidelity)]
+        for group, value in groups:
+            if not value <= t.delta_fidelity:
+                where = f" [{group}]" if group else ""
+                out.append(f"delta fidelity{where} {value:.3g} > threshold {t.delta_fidelity:.3g}")
+    return out
+
+
+def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = None, *, adapter: str | None = None,
+          exclude_near_ties: bool = False) -> Verdict:
+    """Pass when k2, max |Δ| and (if both given) delta fidelity are within ``threshold`` and no logprob is
+    NaN/inf. Model, engine pair, dtype and TP come from the threshold, which lookup() filled for this lane."""
+    notes = []
+    if threshold.source != "measured" or threshold.match != "exact":
+        notes.append(f"threshold is {threshold.provenance}: {threshold.note}".strip())
+    if delta_fidelity is not None and threshold.delta_fidelity is None:
+        notes.append("delta fidelity not judged: the threshold has no delta-fidelity limit")
+    judged = metrics
+    if exclude_near_ties:
+        if metrics.clean is None:
+            raise ValueError("exclude_near_ties needs router margins, and neither run reports them; use an engine "
+                             "that exposes routing (hf, triton) or judge all positions")
+        judged = metrics.clean
+        notes.append(f"judged on {judged.num_positions} positions; the {metrics.near_tie_share:.1%} at or after a "
+                     "router near-tie were excluded")
+    reasons = _exceeded(judged, threshold, delta_fidelity)
+    clean = metrics.clean
+    if reasons and not exclude_near_ties and clean is not None and clean.num_positions \
+            and not _exceeded(clean, threshold, None):
+        reasons.append(f"the {clean.num_positions} positions without a router near-tie are within the threshold "
+                       f"(k2 {clean.k2:.3g}, max |Δ| {clean.max_abs:.3g}): the excess comes from the "
+                       f"{metrics.near_tie_share:.1%} near-tie positions")
+    return Verdict(model=threshold.model, engine_pair=threshold.engine_pair, dtype=threshold.dtype,
+                   tp=threshold.tp, adapter=adapter, metrics=metrics, delta_fidelity=delta_fidelity,
+                   threshold=threshold, passed=not reasons, reasons=reasons,
+                   near_tie_share=metrics.near_tie_share, notes=notes)
+
+
+def _fidelity_cell(f: Fidelity) -> str:
+    if f is None:
+        return "-"
+    if isinstance(f, Mapping):
+        group, worst = max(f.items(), key=lambda kv: kv[1] if not math.isnan(kv[1]) else math.inf)
+        return f"{worst:.3g} [{group}]"
+    return f"{f:.3g}"
+
+
+def format_table(verdicts: Sequence[Verdict]) -> str:
+    """Plain-text table, one row per verdict, for terminals and PR descriptions."""
+    head = ("model", "engine pair", "dtype", "TP", "adapter", "k2", "max |Δ|", "Δ fidelity", "near-tie",
+            "threshold", "verdict", "reason")
+    rows = [head] + [(
+        v.model, v.engine_pair, v.dtype, str(v.tp), v.adapter or "-", f"{v.metrics.k2:.3g}",
+        f"{v.metrics.max_abs:.3g}", _fidelity_cell(v.delta_fidelity),
+        "-" if v.near_tie_share is None else f"{v.near_tie_share:.1%}", v.threshold.provenance,
+        "PASS" if v.passed else "FAIL", "; ".join(v.reasons)) for v in verdicts]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-safe copy: NaN and inf become strings (JSON has no such numbers, and None would hide them)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def to_json(verdicts: Sequence[Verdict]) -> str:
+    return json.dumps([_plain(dataclasses.asdict(v)) for v in verdicts], indent=1, sort_keys=True)

@@ -1,0 +1,117 @@
+"""Thresholds (lookup fallbacks, provenance, record) and verdicts on hand-made metrics."""
+import json
+import math
+import shutil
+
+import pytest
+
+from harness.metrics import Metrics
+from harness.thresholds import DEFAULT_PATH, Threshold, from_noise, lookup, pair_name, record
+from harness.verdict import format_table, judge, to_json
+
+
+def metrics(k2=1e-9, max_abs=1e-4, **kw) -> Metrics:
+    fields = dict(num_positions=100, k1=0.0, k2=k2, k3=k2, max_abs=max_abs, mean_abs=max_abs / 10,
+                  p99_abs=max_abs / 2, over_0_1=0.0, over_0_5=0.0, over_1_0=0.0, num_nonfinite=0)
+    fields.update(kw)
+    return Metrics(**fields)
+
+
+def thr(k2=1e-6, max_abs=1e-3, delta_fidelity=0.05, source="unmeasured", **kw) -> Threshold:
+    return Threshold(k2=k2, max_abs=max_abs, delta_fidelity=delta_fidelity, source=source, model="tiny-moe",
+                     engine_pair="triton-vs-hf", dtype="float32", tp=1, **kw)
+
+
+@pytest.fixture
+def table(tmp_path):
+    path = tmp_path / "thresholds.json"
+    shutil.copy(DEFAULT_PATH, path)
+    return path
+
+
+def test_shipped_defaults_are_unmeasured_and_cover_every_dtype():
+    for dtype in ("float32", "bfloat16", "float16"):
+        t = lookup("some-model", ("vllm", "hf"), dtype, 8)
+        assert (t.source, t.match, t.engine_pair, t.tp) == ("unmeasured", "default", "vllm-vs-hf", 8)
+        assert "default" in t.note
+    assert lookup("m", "a-vs-b", "float32", 1).k2 < lookup("m", "a-vs-b", "bfloat16", 1).k2
+    with pytest.raises(KeyError, match="float8"):
+        lookup("m", "a-vs-b", "float8", 1)
+    with pytest.raises(AssertionError, match="vllm-vs-hf"):
+        pair_name("vllm/hf")
+
+
+def test_record_then_lookup_with_fallbacks(table):
+    t = from_noise(2e-10, 3e-5, 10.0, noise_delta_fidelity=1e-3, gpu="H200", commit="abc1234", note="8 prompts")
+    assert (t.k2, t.max_abs, t.delta_fidelity, t.source) == (pytest.approx(2e-9), pytest.approx(3e-4),
+                                                             pytest.approx(1e-2), "measured")
+    record("tiny-moe", ("triton", "hf"), "float32", 1, t, path=table)
+    record("tiny-moe", ("triton", "hf"), "float32", 4, from_noise(1e-9, 1e-4, 10.0, gpu="H200", commit="c"),
+           path=table)
+    exact = lookup("tiny-moe", "triton-vs-hf", "float32", 1, path=table)
+    assert (exact.match, exact.source, exact.gpu, exact.k2) == ("exact", "measured", "H200", pytest.approx(2e-9))
+    other = lookup("tiny-moe", "triton-vs-hf", "float32", 2, path=table)  # tp=1 is nearer than tp=4
+    assert (other.match, other.tp, other.k2) == ("other-tp", 2, pytest.approx(2e-9))
+    assert "no entry for tp=2; using the tp=1 entry" in other.note and other.provenance == "measured (other-tp)"
+    assert lookup("tiny-moe", "triton-vs-hf", "bfloat16", 1, path=table).match == "default"
+    # recording again replaces the entry instead of adding a second one
+    record("tiny-moe", ("triton", "hf"), "float32", 1, from_noise(1e-10, 1e-5, 5.0, gpu="H100", commit="d"),
+           path=table)
+    entries = json.loads(table.read_text())["entries"]
+    assert len(entries) == 2 and lookup("tiny-moe", "triton-vs-hf", "float32", 1, path=table).gpu == "H100"
+
+
+def test_measured_threshold_needs_its_noise_floor():
+    with pytest.raises(AssertionError, match="noise floor"):
+        Threshold(k2=1e-6, max_abs=1e-3, delta_fidelity=None, source="measured")
+
+
+def test_pass():
+    v = judge(metrics(), thr(source="measured", noise_k2=1e-8, noise_max_abs=1e-4, margin_factor=10), 0.01,
+              adapter="r8")
+    assert v.passed and v.reasons == [] and v.notes == []
+    assert (v.model, v.engine_pair, v.dtype, v.tp, v.adapter) == ("tiny-moe", "triton-vs-hf", "float32", 1, "r8")
+
+
+@pytest.mark.parametrize("m, fidelity, want", [
+    (metrics(k2=3e-6), None, ["k2 3e-06 > threshold 1e-06"]),  # k2 alone over
+    (metrics(max_abs=0.25), None, ["max |Δ| 0.25 > threshold 0.001"]),  # one bad position, tiny k2
+    (metrics(), 0.97, ["delta fidelity 0.97 > threshold 0.05"]),  # adapter dropped while k2 stays small
+    (metrics(), {"attention": 0.01, "experts": 1.0}, ["delta fidelity [experts] 1 > threshold 0.05"]),
+    (metrics(k2=float("nan"), num_nonfinite=2), None,  # NaN must fail, not slip past a ">" comparison
+     ["2 of 100 positions have a NaN or inf logprob", "k2 nan > threshold 1e-06"]),
+    (metrics(k2=2e-6, max_abs=0.5), 0.5, ["k2 2e-06 > threshold 1e-06", "max |Δ| 0.5 > threshold 0.001",
+                                          "delta fidelity 0.5 > threshold 0.05"]),  # every reason listed
+])
+def test_fail_reasons_name_metric_and_both_numbers(m, fidelity, want):
+    v = judge(m, thr(), fidelity)
+    assert not v.passed and v.reasons == want
+    assert v.notes[0].startswith("threshold is unmeasured")
+
+
+def test_near_ties_reported_not_hidden():
+    clean = metrics(num_positions=80)
+    m = metrics(k2=5e-6, near_tie_share=0.2, clean=clean)
+    v = judge(m, thr())
+    assert not v.passed and v.near_tie_share == 0.2
+    assert "the 80 positions without a router near-tie are within the threshold" in v.reasons[-1]
+    assert "20.0% near-tie" in v.reasons[-1]
+    ex = judge(m, thr(), exclude_near_ties=True)
+    assert ex.passed and any("20.0% at or after a router near-tie were excluded" in n for n in ex.notes)
+    with pytest.raises(ValueError, match="router margins"):
+        judge(metrics(), thr(), exclude_near_ties=True)
+
+
+def test_table_and_json():
+    vs = [judge(metrics(), thr(), 0.01, adapter="r8"),
+          judge(metrics(k2=float("nan"), num_nonfinite=1), thr(), {"attention": 0.0, "experts": 1.0})]
+    text = format_table(vs)
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[0].split()[:2] == ["model", "engine"]
+    assert "PASS" in lines[1] and "r8" in lines[1] and "0.01" in lines[1]
+    assert "FAIL" in lines[2] and "1 [experts]" in lines[2] and "NaN or inf" in lines[2]
+    assert lines[1].index("PASS") == lines[2].index("FAIL")  # columns line up
+    data = json.loads(to_json(vs))
+    assert data[0]["passed"] is True and data[0]["metrics"]["k2"] == 1e-9
+    assert data[1]["metrics"]["k2"] == "nan" and data[1]["delta_fidelity"]["experts"] == 1.0
+    assert data[1]["threshold"]["source"] == "unmeasured" and not math.isnan(data[0]["threshold"]["k2"])
