@@ -298,15 +298,34 @@ class GemmConfig:
             assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
 
 
-def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device) -> GemmConfig:
+SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; Hopper allows 227 KiB, the rest is epilogue
+
+
+def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device,
+                   dtype: torch.dtype = torch.bfloat16, gated: bool = False) -> GemmConfig:
     """Small heuristic instead of autotuning (the interpreter cannot autotune, and tuning per call would cost the
-    runtime a compile storm). block_m follows the expected rows per group, so padding stays small."""
+    runtime a compile storm). block_m follows the expected rows per group, so padding stays small; the pipeline
+    depth is what fits in shared memory (fp32 tiles are twice as large)."""
     if device.type != "cuda":  # interpreter: small tiles keep the program count and the per-step cost low
         return GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1)
     rows = num_pairs / max(1, num_groups)
     block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64
     block_n = 128 if n >= 1024 else 64
-    return GemmConfig(block_m, block_n, 64, group_m=8, num_warps=4 if block_m <= 32 else 8, num_stages=4)
+    block_k = 64
+    per_stage = (block_m + (2 if gated else 1) * block_n) * block_k * torch.finfo(dtype).bits // 8
+    stages = max(2, min(4, SMEM_BUDGET // per_stage))
+    return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4 if block_m <= 32 else 8,
+                      num_stages=stages)
+
+
+def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype, cuda: bool) -> int:
+    """K step of the shrink: long steps (few rows, narrow output) unless 3 stages of fp32 tiles would not fit."""
+    if not cuda:
+        return 32
+    bk = 128
+    while bk > 32 and 3 * (block_m + block_r) * bk * torch.finfo(dtype).bits // 8 > SMEM_BUDGET:
+        bk //= 2
+    return bk
 
 
 _CONST_CACHE: dict = {}
@@ -320,12 +339,12 @@ def device_const(values: tuple, device: torch.device) -> torch.Tensor:
     return _CONST_CACHE[key]
 
 
-def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool, cfg: GemmConfig) -> torch.Tensor:
+def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool) -> torch.Tensor:
     """a viewed as (L, E, S, R, Kdim) (expand()ed dims may have stride 0) -> S (M, S*R) float32."""
     L, E, NS, R, Kdim = a.shape
     M = routing.sorted_ids.shape[0]
     s = torch.empty(M, NS * R, dtype=torch.float32, device=x.device)
-    block_k = min(cfg.block_k * 2, 128) if x.is_cuda else cfg.block_k
+    block_k = shrink_block_k(routing.block_m, next_pow2(R), x.dtype, x.is_cuda)
     grid = (routing.num_blocks, NS)
     _lora_shrink_kernel[grid, x.device](
         x, a, s, scaling, ranks, routing.sorted_ids, routing.block_expert, routing.block_adapter,
@@ -379,20 +398,20 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     K = topk_ids.shape[1]
     inter_n = n1 // 2 if GATED[activation] else n1
     slots = lora.num_slots if lora is not None else 0
-    cfg1 = config or default_config(T * K, E, inter_n, H, x.device)
-    cfg2 = down_config or default_config(T * K, E, H, inter_n, x.device)
+    cfg1 = config or default_config(T * K, E, inter_n, H, x.device, x.dtype, gated=GATED[activation])
+    cfg2 = down_config or default_config(T * K, E, H, inter_n, x.device, x.dtype)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
     routing = moe_align(topk_ids, token_adapter if lora is not None else None, E, slots, cfg1.block_m)
     M = routing.sorted_ids.shape[0]
     inter = torch.empty(M, inter_n, dtype=x.dtype, device=x.device)
     lora_kw = {}
     if lora is not None:
-        s1 = launch_shrink(x, lora.gate_up_a.unsqueeze(2), lora.scaling, lora.ranks, routing, False, cfg1)
+        s1 = launch_shrink(x, lora.gate_up_a.unsqueeze(2), lora.scaling, lora.ranks, routing, False)
         lora_kw = dict(lora_s=s1, lora_b=lora.gate_up_b, ranks=lora.ranks)
     launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
                 bias=b_gate_up, **lora_kw)
     if lora is not None:
-        s2 = launch_shrink(inter, lora.down_a.unsqueeze(2), lora.scaling, lora.ranks, routing, True, cfg2)
+        s2 = launch_shrink(inter, lora.down_a.unsqueeze(2), lora.scaling, lora.ranks, routing, True)
         lora_kw = dict(lora_s=s2, lora_b=lora.down_b, ranks=lora.ranks)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
