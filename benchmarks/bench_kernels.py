@@ -242,7 +242,19 @@ def main():
 
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
-    rows = []
+    path = os.path.join(args.out, "kernels.csv")
+    new = not os.path.exists(path)
+    csvf = open(path, "a", newline="")
+    wr = csv.DictWriter(csvf, fieldnames=COLUMNS)
+    if new:
+        wr.writeheader()
+
+    class Rows(list):  # each row reaches the file at once, so a run cut short keeps what it measured
+        def append(self, r):
+            super().append(r)
+            wr.writerow({c: r.get(c, "") for c in COLUMNS} | dict(date=date, commit=args.commit, gpu=gpu))
+            csvf.flush()
+    rows = Rows()
     peak, bw = ceilings(log)
     rows.append(dict(benchmark="ceiling", shape="bf16 matmul 8192^3", impl="torch.matmul", tflops=f"{peak:.1f}"))
     rows.append(dict(benchmark="ceiling", shape=f"copy 1GiB: {bw:.0f} GB/s (read+write)", impl="Tensor.copy_"))
@@ -342,14 +354,7 @@ def main():
             record("lora_linear", lab, T, L, "triton_fused_lora", bench(fused), fl, fb)
             record("lora_linear", lab, T, L, "cublas+unfused_lora", bench(unfused), fl, fb)
 
-    path = os.path.join(args.out, "kernels.csv")
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            wr.writeheader()
-        for r in rows:
-            wr.writerow({c: r.get(c, "") for c in COLUMNS} | dict(date=date, commit=args.commit, gpu=gpu))
+    csvf.close()
     log(f"wrote {len(rows)} rows to {path}")
 
 
