@@ -32,7 +32,7 @@ def _jobs(args) -> list:
                             and m.arch != "qwen3"]
     return [Job(model=m, engine=args.engine, reference=args.reference, dtype=args.dtype, ref_dtype=args.ref_dtype,
                 tp=args.tp, adapters=tuple(args.adapter) if args.adapter else None, prompt_set=args.prompt_set,
-                num_layers=args.num_layers, options=_parse_options(args.option)) for m in models]
+                top_k=args.top_k, num_layers=args.num_layers, options=_parse_options(args.option)) for m in models]
 
 
 def _progress(jobs, desc):
@@ -65,7 +65,7 @@ def cmd_run(args, regen: bool = False) -> int:
                 run.save(out / f"{job.model}.{job.engine}.{job.dtype}.{a or 'base'}.npz")
     print(format_table(verdicts))
     if args.json:
-        Path(args.json).write_text(json.dumps([json.loads(to_json(v)) for v in verdicts], indent=1))
+        Path(args.json).write_text(to_json(verdicts))
     if regen:
         return 0
     failed = [v for v in verdicts if not v.passed]
@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--tp", type=int, default=1)
         sp.add_argument("--adapter", action="append", help="zoo adapter name (repeatable; default: all)")
         sp.add_argument("--prompt-set", default="default")
+        sp.add_argument("--top-k", type=int, default=8, help="top-k logprobs stored and compared (KL, top-1)")
         sp.add_argument("--num-layers", type=int, default=None, help="reduce depth (config-built models)")
         sp.add_argument("--option", action="append", help="engine option KEY=VALUE (repeatable)")
         sp.add_argument("--baselines", default=None, help="baseline store dir (default: repo baselines/)")

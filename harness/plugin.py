@@ -10,8 +10,6 @@
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
 GPU_MARKS = {"gpu1": 1, "gpu2": 2, "gpu4": 4, "gpu8": 8}
@@ -99,7 +97,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     path = config.getoption("--lpdiff-report")
     if path:
         with open(path, "w") as f:
-            json.dump([json.loads(to_json(v)) for v in verdicts], f, indent=1)
+            f.write(to_json(verdicts))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -109,7 +107,7 @@ def pytest_testnodedown(node, error):
     if data:
         from harness.verdict import from_json
 
-        node.config.stash[_VERDICTS_KEY].extend(from_json(v) for v in data)
+        node.config.stash[_VERDICTS_KEY].extend(from_json(data))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -117,4 +115,4 @@ def pytest_sessionfinish(session, exitstatus):
     if workeroutput is not None:  # this is an xdist worker: ship verdicts to the controller
         from harness.verdict import to_json
 
-        workeroutput["lpdiff_verdicts"] = [to_json(v) for v in session.config.stash.get(_VERDICTS_KEY, [])]
+        workeroutput["lpdiff_verdicts"] = to_json(session.config.stash.get(_VERDICTS_KEY, []))

@@ -119,3 +119,28 @@ def _plain(obj: Any) -> Any:
 
 def to_json(verdicts: Sequence[Verdict]) -> str:
     return json.dumps([_plain(dataclasses.asdict(v)) for v in verdicts], indent=1, sort_keys=True)
+
+
+def _num(x: Any) -> Any:
+    return float(x) if isinstance(x, str) and x in ("nan", "inf", "-inf") else x
+
+
+def _metrics(d: Mapping[str, Any] | None) -> Metrics | None:
+    if d is None:
+        return None
+    d = {k: _num(v) for k, v in d.items()}
+    d["clean"] = _metrics(d.get("clean"))
+    return Metrics(**d)
+
+
+def from_json(text: str) -> list[Verdict]:
+    """Inverse of to_json (pytest-xdist workers ship verdicts to the controller this way)."""
+    out = []
+    for d in json.loads(text):
+        d = dict(d)
+        d["metrics"] = _metrics(d["metrics"])
+        d["threshold"] = Threshold(**{k: _num(v) for k, v in d["threshold"].items()})
+        fid = d["delta_fidelity"]
+        d["delta_fidelity"] = {k: _num(v) for k, v in fid.items()} if isinstance(fid, Mapping) else _num(fid)
+        out.append(Verdict(**d))
+    return out

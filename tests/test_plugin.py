@@ -20,11 +20,11 @@ def test_markers_registered_and_gpu_tests_skipped_with_reason(pytester, monkeypa
         def test_cpu(): pass
         """
     )
-    res = pytester.runpytest("-p", "harness.plugin", "--strict-markers", "-rs")
+    res = pytester.runpytest("--strict-markers", "-rs")
     res.assert_outcomes(passed=2, skipped=1)
     res.stdout.fnmatch_lines(["*needs 8 GPU(s), this machine has 1*"])
     # -m gpu8 selects exactly the 8-GPU suite
-    res = pytester.runpytest("-p", "harness.plugin", "--strict-markers", "-m", "gpu8", "-rs")
+    res = pytester.runpytest("--strict-markers", "-m", "gpu8", "-rs")
     res.assert_outcomes(skipped=1, deselected=2)
 
 
@@ -51,6 +51,6 @@ def test_regen_option_and_verdict_table(pytester):
             assert not v.passed
         """
     )
-    res = pytester.runpytest("-p", "harness.plugin", "--lpdiff-regen")
+    res = pytester.runpytest("--lpdiff-regen")
     res.assert_outcomes(passed=2)
     res.stdout.fnmatch_lines(["*lpdiff verdicts*", "*tiny-x*FAIL*"])
