@@ -118,6 +118,8 @@ def reference_runs(job: Job, spec: ModelSpec, adapters: dict[str, AdapterSpec], 
         runs = run_engine(job.reference, spec, adapters, prompts, job.ref_dtype, 1, job.top_k)
         for a, key in keys.items():
             store.put(key, runs[a], overwrite=True)
+            for old in store.find_stale(key):  # the same lane computed from older content
+                store.delete(old)
         return runs
     return {a: store.get(key) for a, key in keys.items()}
 
