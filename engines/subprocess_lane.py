@@ -104,14 +104,17 @@ class LaneConfig:
         assert self.call_timeout_s is None or self.call_timeout_s > 0
 
 
+_LANE_KEYS = {"python": "python", "lane_env": "env", "lane_start_timeout_s": "start_timeout_s",
+              "lane_call_timeout_s": "call_timeout_s", "lane_log": "log_path"}  # option -> LaneConfig field
+
+
 def lane_config_from_options(options: dict[str, Any]) -> tuple[LaneConfig | None, dict[str, Any]]:
     """Pop the lane options (``lane``: "inprocess" | "subprocess"; ``python``; ``lane_env``;
     ``lane_start_timeout_s``; ``lane_call_timeout_s``; ``lane_log``) from an engine's options. A ``python`` other
     than this interpreter implies a subprocess lane. Returns (LaneConfig or None for in-process, the rest)."""
     opts = dict(options)
     mode = opts.pop("lane", None)
-    keys = {"python": "python", "lane_env": "env", "lane_start_timeout_s": "start_timeout_s",
-            "lane_call_timeout_s": "call_timeout_s", "lane_log": "log_path"}
+    keys = _LANE_KEYS
     given = {dst: opts.pop(src) for src, dst in keys.items() if src in opts}
     if mode is None:
         mode = "subprocess" if given.get("python") not in (None, sys.executable) else "inprocess"
@@ -316,7 +319,7 @@ class LaneEngine:
 
 def strip_lane_options(config):
     """The config the child builds its in-process engine from: the same, minus the lane options."""
-    _, rest = lane_config_from_options(config.options)
+    rest = {k: v for k, v in config.options.items() if k != "lane" and k not in _LANE_KEYS}
     return replace(config, options=rest)
 
 

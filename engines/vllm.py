@@ -133,6 +133,41 @@ def parse_prompt_logprobs(token_ids: Sequence[int], entries, top_k: int = 0) -> 
                           topk_logprobs=np.stack(tk_lp).astype(np.float32) if top_k else None)
 
 
+def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) -> str:
+    """A checkpoint directory for engines that load only those (vLLM, SGLang): the spec's own when it has one and
+    no layer cut; otherwise the model is built (catalog's seeded recipe, or the checkpoint cut to ``num_layers``)
+    and written once under ``root`` (default ~/.cache/lpdiff/checkpoints), keyed by the spec's identity."""
+    if spec.path is not None and spec.num_layers is None:
+        return spec.path
+    import torch
+
+    from harness.catalog import load_hf_model
+
+    root = Path(root or Path.home() / ".cache" / "lpdiff" / "checkpoints")
+    out = root / canonical_hash(spec.identity())[:16]
+    if (out / "config.json").is_file():
+        return str(out)
+    dtype = torch.bfloat16 if spec.path is None else torch.float32  # config-built weights are bf16 by recipe
+    model = load_hf_model(spec, dtype, "cpu" if on_cpu else "cuda")
+    model.config.use_cache = True
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    model.save_pretrained(str(tmp))
+    if spec.path is not None:  # the tokenizer files travel with the cut checkpoint
+        for f in Path(spec.path).iterdir():
+            if f.is_file() and "token" in f.name:
+                (tmp / f.name).write_bytes(f.read_bytes())
+    del model
+    try:
+        tmp.rename(out)
+    except OSError:  # another process wrote it first: theirs is the same model
+        if not (out / "config.json").is_file():
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
 def is_moe_config(cfg) -> bool:
     from harness.catalog import moe_fields
 
@@ -231,32 +266,6 @@ class VLLMEngine:
 
         return hf_config(self.config.model)
 
-    def _checkpoint(self) -> str:
-        """vLLM loads checkpoint directories only: a config-built or layer-cut model is written out once."""
-        spec = self.config.model
-        if spec.path is not None and spec.num_layers is None:
-            return spec.path
-        from harness.catalog import load_hf_model
-
-        root = Path(self.opts.get("checkpoint_dir") or Path.home() / ".cache" / "lpdiff" / "checkpoints")
-        out = root / canonical_hash(spec.identity())[:16]
-        if not (out / "config.json").is_file():
-            import torch
-
-            dtype = torch.bfloat16 if spec.path is None else torch.float32  # config-built weights are bf16 anyway
-            device = "cpu" if self._on_cpu() else "cuda"
-            model = load_hf_model(spec, dtype, device)
-            model.config.use_cache = True
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            model.save_pretrained(str(tmp))
-            if spec.path is not None:  # keep the tokenizer beside it
-                for f in Path(spec.path).iterdir():
-                    if f.is_file() and ("token" in f.name or f.name == "special_tokens_map.json"):
-                        (tmp / f.name).write_bytes(f.read_bytes())
-            del model
-            tmp.rename(out)
-        return str(out)
-
     def _llm_kwargs(self, on_cpu: bool) -> dict[str, Any]:
         from vllm.engine.arg_utils import EngineArgs
 
@@ -264,7 +273,7 @@ class VLLMEngine:
         cfg, o = self.config, self.opts
         hf = self._hf_config()
         self._vocab = hf.get_text_config().vocab_size
-        kw: dict[str, Any] = dict(model=self._checkpoint(), skip_tokenizer_init=True, dtype=cfg.dtype,
+        kw: dict[str, Any] = dict(model=checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu), skip_tokenizer_init=True, dtype=cfg.dtype,
                                   tensor_parallel_size=cfg.tp, seed=int(o.get("seed", 0)),
                                   max_logprobs=int(o.get("max_logprobs", -1)),
                                   enable_prefix_caching=bool(o.get("enable_prefix_caching", False)))

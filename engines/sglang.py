@@ -1,0 +1,351 @@
+"""``sglang``: prompt logprobs from SGLang, through its offline ``sgl.Engine`` (always inside a subprocess lane) or
+its HTTP ``/generate`` API (a server lpdiff launches, or one already running).
+
+NOT RUN HERE. SGLang cannot run on lpdiff's own machines (CPU only; SGLang 0.5.15 needs CUDA and pins torch 2.11).
+This file is written against SGLang's documented API (``Engine.generate`` / ``GenerateReqInput``, ``ServerArgs``
+and ``launch_server`` flags of 0.5.x) and the facts measured on an H200 with 0.5.15 (DESIGN.md). Tested without
+SGLang (tests/test_sglang_engine.py): the launch settings, the request, the response parsing, the HTTP client
+against a local stand-in server, and that a dying engine or server becomes an error carrying its log tail. Never
+run: ``sgl.Engine`` construction, a real SGLang server, numbers from SGLang through this file.
+
+Requests: ``input_ids`` (token-id prompts; ``skip_tokenizer_init=True``), ``sampling_params={"max_new_tokens": 0}``,
+``return_logprob=True``, ``logprob_start_len=0``, ``top_logprobs_num=k``, ``lora_path=[name or None per prompt]``
+(adapters are registered at start as ``lora_paths={name: path}``, requests pick them by name). Responses:
+``meta_info["input_token_logprobs"]`` as (logprob, token_id, text) with the first logprob None, and
+``meta_info["input_top_logprobs"]`` per position.
+
+Why a lane: a PEFT 3D expert adapter kills SGLang 0.5.15's engine at the first LoRA request (weights "skipped",
+ValueError, process killed). In the lane that becomes a LaneDied error with the engine's last log lines, and the
+caller's other engines live on (convert the adapter: ``lpdiff adapters convert --to per_expert``).
+
+Settings (MOE_LORA_SETTINGS) are the ones that ran MoE-LoRA on 0.5.15: triton attention, LoRA and MoE runner (gpt-oss
+LoRA needs moe_runner_backend="triton", not "triton_kernel"), pytorch sampling, no grammar backend, no CUDA graph,
+no radix cache (every prompt computed in full). SGLang has no fp32 path (sgl_kernel rmsnorm): bf16/fp16 only.
+
+Options (``EngineConfig.options``):
+  mode               "offline" (default) | "http"
+  url                http mode: a running server (its adapters must be loaded under the names used here);
+                     without it lpdiff launches ``python -m sglang.launch_server`` with the same settings
+  server_args        dict of ServerArgs fields merged over lpdiff's settings (e.g. {"mem_fraction_static": 0.5})
+  python             the interpreter that has SGLang (offline lane and launched server); lane_env,
+                     lane_start_timeout_s, lane_call_timeout_s, lane_log as in engines.subprocess_lane
+  port               launched server's port (default: a free one); request_timeout_s (default 1800)
+  checkpoint_dir     where a config-built or layer-cut model is written for SGLang to load
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+import numpy as np
+
+from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
+from engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
+                                     strip_lane_options)
+from harness.types import PromptLogprobs
+
+MOE_LORA_SETTINGS: dict[str, Any] = {
+    "attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
+    "moe_runner_backend": "triton", "lora_backend": "triton",
+    "disable_cuda_graph": True, "disable_radix_cache": True,
+}
+_OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir")
+_NOT_INSTALLED = ("sglang is not installed for {python}: install sglang==0.5.15 (or unpack the offline bundle from "
+                  "gpu-bundles/sglang-0.5.15.sh and put it on PYTHONPATH), or pass options python=<interpreter "
+                  "that has SGLang>")
+
+
+# -- settings, requests, responses (pure: tested without SGLang) ---------------------------------------------------
+
+def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """ServerArgs fields (the keyword arguments of ``sgl.Engine``) for this config."""
+    from engines.vllm import adapter_max_rank
+
+    if config.dtype == "float32":
+        raise ValueError("SGLang has no fp32 path (sgl_kernel's rmsnorm takes bf16/fp16): use dtype bfloat16 and "
+                         "compare against an fp32 reference")
+    args: dict[str, Any] = {"model_path": model_path, "skip_tokenizer_init": True, "dtype": config.dtype,
+                            "tp_size": config.tp, "random_seed": 0, **MOE_LORA_SETTINGS}
+    if config.adapters:
+        args.update(enable_lora=True, lora_paths={n: str(a.path) for n, a in config.adapters.items()},
+                    max_lora_rank=max(adapter_max_rank(a.path) for a in config.adapters.values()),
+                    max_loras_per_batch=len(config.adapters))
+    args.update(overrides or {})
+    return args
+
+
+def server_cli(args: dict[str, Any]) -> list[str]:
+    """ServerArgs fields -> ``sglang.launch_server`` flags: True -> --flag, False/None -> omitted, a dict of
+    lora_paths -> name=path items, lists -> several values."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, dict):
+            out += [flag, *(f"{k}={v}" for k, v in value.items())]
+        elif isinstance(value, (list, tuple, set)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def sglang_top_k(top_k: int, vocab_size: int) -> int:
+    """The engine protocol's top_k -> SGLang's top_logprobs_num (no -1 there: the whole vocabulary is its size)."""
+    if top_k < -1:
+        raise ValueError(f"top_k must be -1 (whole vocabulary), 0 or positive, got {top_k}")
+    return vocab_size if top_k == -1 else min(top_k, vocab_size)
+
+
+def generate_request(prompts: Sequence[Sequence[int]], names: Sequence[str | None], top_k: int,
+                     vocab_size: int) -> dict[str, Any]:
+    """One batched /generate request (also the keyword arguments of ``Engine.generate``)."""
+    for i, p in enumerate(prompts):
+        if len(p) < 2:
+            raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
+    req: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts],
+                           "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+                           "return_logprob": True, "logprob_start_len": 0}
+    k = sglang_top_k(top_k, vocab_size)
+    if k:
+        req["top_logprobs_num"] = k
+    if any(n is not None for n in names):
+        req["lora_path"] = list(names)
+    return req
+
+
+def parse_response(token_ids: Sequence[int], item: dict[str, Any], top_k: int = 0) -> PromptLogprobs:
+    """One element of SGLang's answer -> PromptLogprobs (``top_k`` as given to generate_request: 0, k or -1)."""
+    n = len(token_ids)
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    entries = meta.get("input_token_logprobs") if meta else None
+    if entries is None:
+        raise ValueError("SGLang returned no meta_info.input_token_logprobs: the request needs return_logprob=True "
+                         "and logprob_start_len=0")
+    if len(entries) != n:
+        raise ValueError(f"SGLang returned {len(entries)} input logprobs for a prompt of {n} tokens "
+                         "(logprob_start_len must be 0)")
+    got_ids = [int(e[1]) for e in entries]
+    if got_ids != [int(t) for t in token_ids]:
+        bad = next(i for i, (a, b) in enumerate(zip(got_ids, token_ids)) if a != b)
+        raise ValueError(f"SGLang's logprobs are for other tokens (position {bad}: {got_ids[bad]} != "
+                         f"{token_ids[bad]}); run it with skip_tokenizer_init=True and token-id prompts")
+    if any(e[0] is None for e in entries[1:]):
+        raise ValueError("SGLang returned None logprobs past the first position")
+    lp = np.asarray([e[0] for e in entries[1:]], dtype=np.float32)
+    tk_ids = tk_lp = None
+    if top_k:
+        tops = meta.get("input_top_logprobs")
+        if tops is None or len(tops) != n:
+            raise ValueError("SGLang returned no input_top_logprobs for every position: the request needs "
+                             "top_logprobs_num")
+        ids_rows, lp_rows = [], []
+        for i, row in enumerate(tops[1:], start=1):
+            row = sorted(row or [], key=lambda e: -e[0])
+            k = len(row) if top_k == -1 else top_k
+            if len(row) < k:
+                raise ValueError(f"asked for top {k} logprobs, SGLang returned {len(row)} at position {i}")
+            ids_rows.append([int(e[1]) for e in row[:k]])
+            lp_rows.append([e[0] for e in row[:k]])
+        tk_ids, tk_lp = np.asarray(ids_rows, dtype=np.int64), np.asarray(lp_rows, dtype=np.float32)
+    return PromptLogprobs(token_ids=np.asarray(token_ids, dtype=np.int64), logprobs=lp, topk_ids=tk_ids,
+                          topk_logprobs=tk_lp)
+
+
+def _vocab(config: EngineConfig) -> int:
+    from harness.catalog import hf_config
+
+    return hf_config(config.model).get_text_config().vocab_size
+
+
+def _model_path(config: EngineConfig, opts: dict[str, Any]) -> str:
+    from engines.vllm import checkpoint_dir
+
+    return checkpoint_dir(config.model, opts.get("checkpoint_dir"), on_cpu=False)
+
+
+# -- offline: sgl.Engine, run inside the lane's child process ------------------------------------------------------
+
+class SGLangOffline:
+    """``sgl.Engine`` as an lpdiff engine. Runs in the lane's child (see SGLangEngine); never in the caller."""
+
+    name = "sglang"
+
+    def __init__(self, config: EngineConfig):
+        self.config, self.opts = config, dict(config.options)
+        self.engine = None
+
+    def __enter__(self) -> "SGLangOffline":
+        try:
+            import sglang as sgl
+        except ImportError as e:
+            raise ImportError(_NOT_INSTALLED.format(python=sys.executable)) from e
+        self.vocab = _vocab(self.config)
+        args = server_args(self.config, _model_path(self.config, self.opts), self.opts.get("server_args"))
+        self.engine = sgl.Engine(**args)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def version(self) -> str:
+        import sglang
+        import torch
+
+        return f"sglang {sglang.__version__}, torch {torch.__version__}"
+
+    def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
+        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
+        out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab))
+        out = out if isinstance(out, list) else [out]
+        return [parse_response(p, o, top_k) for p, o in zip(prompts, out)]
+
+
+# -- HTTP: a launched or running server ----------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SGLangHTTP:
+    """/generate on a running server (``url``), or on one launched here under a ManagedProcess whose log tail is
+    attached when it dies."""
+
+    name = "sglang"
+
+    def __init__(self, config: EngineConfig, opts: dict[str, Any], lane: LaneConfig):
+        self.config, self.opts, self.lane = config, opts, lane
+        self.url = opts.get("url")
+        self.timeout = float(opts.get("request_timeout_s", 1800))
+        self.server: ManagedProcess | None = None
+
+    def __enter__(self) -> "SGLangHTTP":
+        self.vocab = _vocab(self.config)
+        if self.url is None:
+            port = int(self.opts.get("port") or _free_port())
+            args = server_args(self.config, _model_path(self.config, self.opts), self.opts.get("server_args"))
+            argv = [self.lane.python, "-m", "sglang.launch_server", *server_cli(args), "--host", "127.0.0.1",
+                    "--port", str(port)]
+            self.server = ManagedProcess(argv, self.lane.env, self.lane.log_path, self.lane.tail_lines,
+                                         log_prefix="lpdiff-sglang-server-").start()
+            self.url = f"http://127.0.0.1:{port}"
+            self._wait_ready(self.lane.start_timeout_s)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.kill()
+            self.server = None
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.server.poll()
+            if rc is not None:
+                died = self.server.died("starting the SGLang server", rc, f"exited with status {rc}")
+                self.__exit__()
+                raise died
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                died = self.server.died("starting the SGLang server", None, f"was not ready in {timeout:.0f} s")
+                self.__exit__()
+                raise died
+            time.sleep(1.0)
+
+    def post(self, path: str, payload: dict[str, Any]) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:  # the server answered: its message says what was wrong
+            raise RuntimeError(f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}") \
+                from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            if self.server is not None:
+                try:
+                    rc = self.server.proc.wait(timeout=5)
+                except Exception:  # noqa: BLE001 - still running: the request itself failed
+                    rc = None
+                if rc is not None:
+                    raise self.server.died(f"SGLang {path}", rc, f"exited with status {rc}") from None
+            raise RuntimeError(f"SGLang {path} at {self.url} failed: {e}") from None
+
+    def version(self) -> str:
+        try:
+            with urllib.request.urlopen(self.url + "/model_info", timeout=10) as r:
+                info = json.loads(r.read())
+            return f"sglang server {self.url} ({info.get('model_path', '?')})"
+        except (urllib.error.URLError, ValueError):
+            return f"sglang server {self.url}"
+
+    def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
+        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
+        out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab))
+        out = out if isinstance(out, list) else [out]
+        if len(out) != len(prompts):
+            raise ValueError(f"SGLang answered {len(out)} items for {len(prompts)} prompts")
+        return [parse_response(p, o, top_k) for p, o in zip(prompts, out)]
+
+
+# -- the engine ----------------------------------------------------------------------------------------------------
+
+class SGLangEngine:
+    name = "sglang"
+
+    def __init__(self, config: EngineConfig):
+        lane, opts = lane_config_from_options({"lane": "subprocess", **config.options})
+        if lane is None:
+            raise ValueError("the sglang engine always runs in a subprocess lane (a PEFT 3D adapter kills SGLang's "
+                             "process); drop option lane='inprocess'")
+        unknown = sorted(set(opts) - set(_OWN_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown sglang engine options {unknown}; known: {', '.join(_OWN_OPTIONS)}, python, "
+                             "lane_env, lane_start_timeout_s, lane_call_timeout_s, lane_log")
+        self.mode = opts.get("mode", "offline")
+        if self.mode not in ("offline", "http"):
+            raise ValueError(f"option mode must be 'offline' or 'http', got {self.mode!r}")
+        if config.dtype == "float32":
+            server_args(config, "")  # raises the fp32 error before anything starts
+        self.config, self.opts, self.lane = config, opts, lane
+        self._impl = None
+
+    def __enter__(self) -> "SGLangEngine":
+        if self.mode == "offline":
+            child = strip_lane_options(self.config)
+            self._impl = LaneEngine(self.name, "engines.sglang:SGLangOffline", child, self.lane)
+        else:
+            self._impl = SGLangHTTP(self.config, self.opts, self.lane)
+        self._impl.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._impl is not None:
+            self._impl.__exit__(*exc)
+            self._impl = None
+
+    def version(self) -> str:
+        return self._impl.version() if self._impl is not None else "sglang (not started)"
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
+                        top_k: int = 0) -> list[PromptLogprobs]:
+        if self._impl is None:
+            raise RuntimeError("use the engine as a context manager: `with open_engine('sglang', cfg) as eng:`")
+        return self._impl.prompt_logprobs(prompts, adapter, top_k)
