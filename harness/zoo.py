@@ -40,6 +40,7 @@ VOCAB = 1024
 EOS = "<|endoftext|>"
 SEQ_LEN = 128
 SEED = 0
+RECIPE = "zoo-recipe/v1 (harness/zoo.py docstring)"
 # Held out of training: their text is committed and the prompt sets are cut from it.
 HELDOUT_MODULES = ("bisect.py", "colorsys.py", "fractions.py", "graphlib.py", "queue.py", "sched.py", "shlex.py",
                    "textwrap.py")
@@ -98,6 +99,8 @@ class TrainConfig:
     balance_weight: float = 0.01
     margin_weight: float = 0.1
     margin_target: float = 1.0  # wanted (s_k - s_k+1) / std(s) per token and MoE layer
+    router_z_weight: float = 1e-3  # mean(router logit^2): keeps sigmoid routers out of saturation
+    entropy_weight: float = 0.0  # mean next-token entropy: trains the model to commit (peaked predictions)
     bias_update_rate: float = 1e-3  # Nemotron's aux-loss-free correction-bias step
     seed: int = SEED
 
@@ -142,8 +145,6 @@ def heldout_docs() -> dict[str, str]:
 
 def build_tokenizer(docs: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -151,13 +152,313 @@ def build_tokenizer(docs: list[str]):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer=trainer)
     assert tok.get_vocab_size() == VOCAB and tok.token_to_id(EOS) == 0
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=1024)
     TOKENIZER_DIR.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(TOKENIZER_DIR)
-    return fast
+    tok.save(str(TOKENIZER_DIR / "tokenizer.json"))
+    save_tokenizer(TOKENIZER_DIR)
+    return load_tokenizer()
 
 
 def load_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+# -- models --------------------------------------------------------------------------------------------------------
+
+def tiny_config(name: str):
+    from transformers import AutoConfig
+
+    if name not in TINY_CONFIGS:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(TINY_CONFIGS)}")
+    kw = dict(TINY_CONFIGS[name])
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def init_model(name: str, seed: int = SEED):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
+
+
+def token_stream(tok) -> torch.Tensor:
+    """The training corpus as one int64 stream, modules separated by EOS."""
+    ids: list[int] = []
+    for doc in training_docs():
+        ids.extend(tok(doc, verbose=False)["input_ids"])
+        ids.append(tok.eos_token_id)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+class RouterTap:
+    """Keeps the router logits of the current forward (with their graph) for the router loss terms."""
+
+    def __init__(self, model):
+        from harness.routing import is_router
+
+        self.routers = [m for m in model.modules() if is_router(m)]
+        self.logits: list[tuple[torch.nn.Module, torch.Tensor]] = []
+        self._handles = [m.register_forward_hook(self._hook) for m in self.routers]
+
+    def _hook(self, module, args, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        self.logits.append((module, logits.reshape(-1, logits.shape[-1])))
+
+    def pop(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+        out, self.logits = self.logits, []
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def normalized_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, E) -> (N,) top-k routing margin in units of the scores' spread over experts (scale-free)."""
+    from harness.routing import topk_margin
+
+    return topk_margin(scores, k) / (scores.std(dim=-1) + 1e-6)
+
+
+def router_losses(taps, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (balance, margin, z) averaged over MoE layers; zero for a dense model."""
+    from harness.routing import choice_scores
+
+    balance = margin = z = torch.zeros(())
+    for module, logits in taps:
+        k, n_exp = int(module.top_k), logits.shape[-1]
+        scores = choice_scores(module, logits)
+        margin = margin + torch.relu(tc.margin_target - normalized_margin(scores, k)).mean() / len(taps)
+        z = z + logits.float().pow(2).mean() / len(taps)
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            continue  # sigmoid routers balance through their correction bias instead (update_correction_bias)
+        chosen = scores.topk(k, dim=-1).indices
+        frac = torch.zeros(n_exp).scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel())) / chosen.numel()
+        probs = torch.softmax(logits.float(), dim=-1).mean(0)
+        balance = balance + n_exp * (frac.detach() * probs).sum() / len(taps)
+    return balance, margin, z
+
+
+@torch.no_grad()
+def update_correction_bias(taps, rate: float) -> None:
+    """Aux-loss-free balancing (how Nemotron-H / DeepSeek-V3 train the bias): raise the bias of under-used
+    experts, lower it for over-used ones."""
+    from harness.routing import choice_scores
+
+    for module, logits in taps:
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is None:
+            continue
+        chosen = choice_scores(module, logits.detach()).topk(int(module.top_k), dim=-1).indices
+        load = torch.bincount(chosen.reshape(-1), minlength=bias.numel()).float()
+        bias += rate * torch.sign(load.mean() - load)
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    t = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(name: str, stream: torch.Tensor, tc: TrainConfig, log_every: int = 50):
+    """Seeded training of one zoo model from transformers' init; returns (model, log lines)."""
+    model = init_model(name, tc.seed)
+    model.train()
+    gen = torch.Generator().manual_seed(tc.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "router" not in n and ".gate." not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "router" not in n and ".gate." not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay}, {"params": other, "weight_decay": 0}],
+                            lr=tc.lr, betas=(0.9, 0.95))
+    tap = RouterTap(model)
+    log, t0 = [], time.time()
+    for step in range(tc.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        starts = torch.randint(0, stream.numel() - SEQ_LEN, (tc.batch,), generator=gen)
+        x = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
+        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
+        logp = logits.log_softmax(-1)
+        lm = -logp.gather(-1, x[:, 1:, None]).mean()
+        entropy = -(logp.exp() * logp).sum(-1).mean()
+        taps = tap.pop()
+        balance, margin, z = router_losses(taps, tc)
+        loss = (lm + tc.entropy_weight * entropy + tc.balance_weight * balance + tc.margin_weight * margin
+                + tc.router_z_weight * z)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        update_correction_bias(taps, tc.bias_update_rate)
+        if step % log_every == 0 or step == tc.steps - 1:
+            log.append(f"step {step:4d} lm {lm.item():.3f} entropy {entropy.item():.3f} balance {balance.item():.3f} "
+                       f"margin {margin.item():.3f} z {z.item():.2f} t {time.time() - t0:.0f}s")
+            print(f"[{name}] {log[-1]}", flush=True)
+    tap.remove()
+    return model.eval(), log
+
+
+def hub_compat(cfg: dict) -> dict:
+    """Add the spellings the Hub's real config.json files use next to transformers 5's, so that engines reading
+    configs with older transformers (vLLM, SGLang bundles) see the same model; transformers 5 ignores them."""
+    cfg = dict(cfg)
+    if cfg["model_type"] == "qwen3_moe":
+        cfg["num_experts"] = cfg["num_local_experts"]
+    if cfg["model_type"] == "nemotron_h":
+        letters = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
+        cfg["hybrid_override_pattern"] = "".join(letters[t] for t in cfg["layers_block_type"])
+        cfg["num_hidden_layers"] = len(cfg["layers_block_type"])
+    return cfg
+
+
+def save_tokenizer(out: Path) -> None:
+    """tokenizer.json plus the plain tokenizer_config.json that transformers 4 and 5 both load."""
+    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != TOKENIZER_DIR.resolve():
+        shutil.copyfile(TOKENIZER_DIR / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
+         "model_max_length": 1024}, indent=1) + "\n")
+
+
+def save(name: str, model, info: dict) -> Path:
+    out = ZOO_DIR / name
+    if out.exists():
+        shutil.rmtree(out)
+    model.config.use_cache = True
+    model.save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(hub_compat(cfg), indent=2, sort_keys=True) + "\n")
+    save_tokenizer(out)
+    (out / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def build(names: list[str], tc: TrainConfig, corpus: str | None = None) -> None:
+    """Train and save ``names``. ``corpus``: a token file written by an earlier build (created when missing), so
+    that a build under another Python version trains on the same stdlib text."""
+    import platform
+
+    import transformers
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))  # the recipe's stated budget: 2 cores
+    if not HELDOUT.exists():
+        write_heldout()
+    tok = load_tokenizer() if (TOKENIZER_DIR / "tokenizer.json").exists() else build_tokenizer(training_docs())
+    if corpus and Path(corpus).exists():
+        stream = torch.load(corpus)
+    else:
+        stream = token_stream(tok)
+        if corpus:
+            torch.save(stream, corpus)
+    for name in names:
+        t0 = time.time()
+        model, log = train(name, stream, tc)
+        info = {"name": name, "train": asdict(tc), "seq_len": SEQ_LEN, "corpus_tokens": stream.numel(),
+                "log": log, "build_s": round(time.time() - t0, 1), "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "python": platform.python_version(), "machine": platform.machine(), "recipe": RECIPE}
+        print(f"[{name}] saved to {save(name, model, info)} in {info['build_s']}s", flush=True)
+
+
+# -- measurement ---------------------------------------------------------------------------------------------------
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |x| (8 significant bits): rounding moves a value by up to half of this."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
+    return torch.exp2(e - 7)
+
+
+@torch.no_grad()
+def forward_stats(model, prompts: list[list[int]]) -> dict:
+    """Per prompt (batch 1, no padding): next-token entropies, actual-token logprobs, and per MoE layer the router
+    choice scores (N, E) and top-k."""
+    from harness.routing import choice_scores
+
+    tap = RouterTap(model)
+    ent, lp, routers = [], [], []
+    for p in prompts:
+        ids = torch.tensor([p])
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        logp = logits.log_softmax(-1)
+        ent.append(-(logp.exp() * logp).sum(-1))
+        lp.append(logp.gather(1, ids[0, 1:, None])[:, 0])
+        routers.append([(choice_scores(m, lg), int(m.top_k)) for m, lg in tap.pop()])
+    tap.remove()
+    layers = [(torch.cat([r[i][0] for r in routers]), routers[0][i][1]) for i in range(len(routers[0]))]
+    return {"entropy": torch.cat(ent), "logprobs": torch.cat(lp), "routers": layers}
+
+
+def _pct(x: torch.Tensor, qs=(1, 10, 50)) -> dict[str, float]:
+    x = x.double().flatten()
+    return {f"p{q}": float(torch.quantile(x, q / 100)) for q in qs}
+
+
+def measure(name: str, set_name: str = "default", path: Path | None = None) -> dict:
+    """Entropy vs log V, router margins vs bf16 rounding and vs measured bf16 noise, bf16-vs-fp32 logprob noise."""
+    from transformers import AutoModelForCausalLM
+
+    from harness.prompts import prompt_set
+    from harness.routing import topk_margin
+
+    path = path or ZOO_DIR / name
+    prompts = prompt_set(name, set_name)
+    f32 = forward_stats(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts)
+    b16 = forward_stats(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), prompts)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+    d = b16["logprobs"] - f32["logprobs"]
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    out = {
+        "name": name, "prompt_set": set_name, "positions": int(d.numel()), "params": n_params, "vocab": vocab,
+        "log_v": math.log(vocab), "entropy_mean": float(f32["entropy"].mean()),
+        "nll_mean": float(-f32["logprobs"].mean()),
+        "bf16_k2": float(0.5 * (d ** 2).mean()), "bf16_max_abs": float(d.abs().max()),
+    }
+    if f32["routers"]:
+        margins, ratios, noise, flips, load = [], [], [], [], []
+        for (s32, k), (s16, _) in zip(f32["routers"], b16["routers"]):
+            counts = torch.bincount(s32.topk(k, -1).indices.flatten(), minlength=s32.shape[-1]).float()
+            load.append(counts / counts.mean())
+            m = topk_margin(s32, k)
+            kth = s32.topk(k, dim=-1).values[:, -1]
+            margins.append(m)
+            ratios.append(m / bf16_ulp(kth))
+            noise.append((s16 - s32).abs().max(dim=-1).values)
+            same = (s32.topk(k, -1).indices.sort(-1).values == s16.topk(k, -1).indices.sort(-1).values).all(-1)
+            flips.append((~same).float())
+        margins, ratios, noise, flips = map(torch.cat, (margins, ratios, noise, flips))
+        out.update({
+            "router_positions": int(margins.numel()),
+            "margin": _pct(margins), "margin_over_bf16_ulp": _pct(ratios),
+            "bf16_score_noise": _pct(noise, (50, 99, 100)),
+            "margin_below_noise_p99": float((margins < torch.quantile(noise.double(), 0.99)).float().mean()),
+            "routing_flip_rate": float(flips.mean()),
+            "expert_load_min": float(torch.cat(load).min()), "expert_load_max": float(torch.cat(load).max()),
+        })
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.zoo", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="train and save zoo model(s) (all by default)")
+    b.add_argument("--name", action="append", choices=list(TINY_CONFIGS))
+    b.add_argument("--steps", type=int, default=TrainConfig.steps)
+    b.add_argument("--corpus", help="token file of an earlier build (written when missing)")
+    m = sub.add_parser("measure", help="print the zoo's measured properties as JSON lines")
+    m.add_argument("--name", action="append", choices=list(TINY_CONFIGS))
+    m.add_argument("--prompt-set", default="default")
+    args = ap.parse_args(argv)
+    names = args.name or list(TINY_CONFIGS)
+    if args.cmd == "build":
+        build(names, TrainConfig(steps=args.steps), args.corpus)
+    else:
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+        for n in names:
+            print(json.dumps(measure(n, args.prompt_set)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
