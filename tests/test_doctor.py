@@ -1,0 +1,195 @@
+"""``lpdiff doctor`` on the tiny zoo's architectures: each known failure is caught with a one-line explanation and
+its fix, a clean adapter passes, and the exit code says whether something will break.
+
+Adapters are written by lpdiff's generator/converter or by PEFT itself; where PEFT refuses to write one (routers it
+cannot wrap, Nemotron's out_proj), the adapter directory is written by hand as another tool would. The per-expert
+rule is checked against real PEFT: the adapter it flags really changes nothing in HF+PEFT.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from harness.doctor import ENGINES, doctor, format_report, main  # noqa: E402
+from harness.types import ModelSpec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """name -> (ModelSpec, model): the zoo checkpoint when built, else the zoo's config with a seeded init."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from harness.catalog import ZOO, get_model, load_hf_model
+    from harness.zoo import TINY_CONFIGS
+
+    root, out = tmp_path_factory.mktemp("doctor"), {}
+    for name in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"):
+        spec = get_model(name)
+        if not (Path(spec.path) / "config.json").is_file():
+            kw = dict(TINY_CONFIGS[name])
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw)).save_pretrained(
+                str(root / name))
+            spec = ModelSpec(name=name, arch=ZOO[name], path=str(root / name))
+        out[name] = (spec, load_hf_model(spec, torch.float32, "cpu"))
+    return out
+
+
+def gen(zoo, tmp_path, name, groups, layout="peft3d", rank=4):
+    from harness.adapters import generate_adapter
+
+    return generate_adapter(zoo[name][1], tmp_path / f"{name}-{layout}-{rank}", groups=groups, rank=rank,
+                            alpha=2 * rank, layout=layout).path
+
+
+def hand_written(path: Path, config: dict, shapes: dict[str, tuple]) -> str:
+    """An adapter directory as a tool other than PEFT would write it (PEFT refuses to create these)."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 16, **config}))
+    save_file({k: np.zeros(s, np.float32) for k, s in shapes.items()}, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def lora_keys(module: str, rank: int, n_in: int, n_out: int) -> dict[str, tuple]:
+    p = f"base_model.model.{module}"
+    return {f"{p}.lora_A.weight": (rank, n_in), f"{p}.lora_B.weight": (n_out, rank)}
+
+
+def check(report, engine, severity, code):
+    hits = [f for f in report.findings if f.engine == engine and f.code == code]
+    assert hits, f"expected {engine}/{code}; got:\n{format_report(report)}"
+    assert hits[0].severity == severity
+    assert "\n" not in hits[0].message and hits[0].fix, "one line, with a fix"
+    return hits[0]
+
+
+def test_clean_attention_adapter_passes(zoo, tmp_path):
+    a = gen(zoo, tmp_path, "tiny-qwen3-moe", ("self_attn.q_proj", "self_attn.v_proj"))
+    r = doctor(zoo["tiny-qwen3-moe"][0], a)
+    assert r.exit_code == 0 and r.codes(severity="error") == set() and r.codes(severity="warning") == set()
+    assert r.engines == list(ENGINES)
+
+
+def test_router_target(zoo, tmp_path):
+    # qwen3_moe's router is Linear-like: PEFT wraps it (hf fine), SGLang refuses router LoRA
+    from peft import LoraConfig, get_peft_model
+
+    from harness.catalog import load_hf_model
+
+    spec = zoo["tiny-qwen3-moe"][0]
+    model = load_hf_model(spec, torch.float32, "cpu")
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate"],
+                                     init_lora_weights=False)).save_pretrained(str(tmp_path / "r"))
+    r = doctor(spec, tmp_path / "r")
+    check(r, "sglang", "error", "router-target")
+    assert "hf" not in {f.engine for f in r.findings if f.severity == "error"} and r.exit_code == 1
+
+
+def test_router_target_peft_cannot_wrap(zoo, tmp_path):
+    # gpt-oss's router is a TopKRouter, not a Linear: PEFT itself refuses, SGLang refuses
+    a = hand_written(tmp_path / "gr", {"r": 4, "target_modules": ["q_proj", "v_proj", "router"]},
+                     lora_keys("model.layers.0.mlp.router", 4, 128, 8))
+    r = doctor(zoo["tiny-gpt-oss"][0], a)
+    assert "router" in check(r, "hf", "error", "peft-refused").message
+    check(r, "sglang", "error", "router-target")
+
+
+def test_nemotron_router_silently_dropped_by_vllm(zoo, tmp_path):
+    a = hand_written(tmp_path / "nr", {"r": 4, "target_modules": ["gate"]}, lora_keys("model.layers.1.mixer.gate", 4, 128, 8))
+    r = doctor(zoo["tiny-nemotron-h"][0], a)
+    assert "silently dropped" in check(r, "vllm", "error", "router-target").message
+
+
+def test_q_proj_without_v_proj(zoo, tmp_path):
+    a = gen(zoo, tmp_path, "tiny-qwen3-moe", ("self_attn.q_proj",))
+    r = doctor(zoo["tiny-qwen3-moe"][0], a, engines=["sglang"])
+    f = check(r, "sglang", "error", "q-without-v")
+    assert "v_proj" in f.fix and r.exit_code == 1
+    assert doctor(zoo["tiny-qwen3-moe"][0], a, engines=["vllm", "hf"]).exit_code == 0  # only SGLang minds
+
+
+def test_peft3d_expert_adapter(zoo, tmp_path):
+    a = gen(zoo, tmp_path, "tiny-qwen3-moe", ("attention", "experts"))
+    r = doctor(zoo["tiny-qwen3-moe"][0], a)
+    assert "is_3d_lora_weight=True" in check(r, "vllm", "warning", "peft3d-needs-mixed-format").message
+    assert "--to per_expert" in check(r, "sglang", "error", "peft3d-kills-sglang").fix
+    assert "hf" not in r.codes(severity="error")
+
+
+@pytest.mark.parametrize("name, ignored", [
+    ("tiny-qwen3.5-moe", True),  # PEFT silently ignores per-expert adapters here
+    ("tiny-nemotron-h", True),  # and here
+    ("tiny-qwen3-moe", False),  # but converts them on load here
+])
+def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, ignored):
+    from peft import PeftModel
+
+    from harness.catalog import load_hf_model
+
+    spec = zoo[name][0]
+    a = gen(zoo, tmp_path, name, ("experts",), layout="per_expert")
+    # init_lora_weights=false (kept from the generator) leaves modules PEFT wraps without weights random
+    if name != "tiny-qwen3-moe":  # qwen3_moe: PEFT maps the names onto the experts only
+        check(doctor(spec, a, engines=["hf"]), "hf", "error", "peft-random-init-modules")
+    # as a transformers-4-era PEFT saved it: default init, so wrapped modules without weights stay at B = 0
+    cfg_path = Path(a) / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "init_lora_weights": True}))
+    r = doctor(spec, a, engines=["hf"])
+    if ignored:
+        assert "--to peft3d" in check(r, "hf", "error", "per-expert-ignored-by-peft").fix
+    else:
+        check(r, "hf", "info", "per-expert-converted-by-peft")
+        assert r.exit_code == 0
+    # what PEFT really does with it: no change at all where the doctor says "ignored"
+    ids = torch.tensor([[3, 17, 5, 99, 250, 7, 64, 1000, 12, 40]])
+    with torch.no_grad():
+        base = load_hf_model(spec, torch.float32, "cpu")(ids).logits
+        peft = PeftModel.from_pretrained(load_hf_model(spec, torch.float32, "cpu"), a).eval()(ids).logits
+    assert torch.equal(base, peft) == ignored
+
+
+def test_nemotron_out_proj_refused_by_peft(zoo, tmp_path):
+    a = hand_written(tmp_path / "np", {"r": 4, "target_modules": ["in_proj", "out_proj"]},
+                     lora_keys("model.layers.0.mixer.out_proj", 4, 128, 128))
+    r = doctor(zoo["tiny-nemotron-h"][0], a)
+    assert "in_proj" in check(r, "hf", "error", "peft-mamba-refused").fix
+
+
+def test_rank_above_engine_max(zoo, tmp_path):
+    a = hand_written(tmp_path / "big", {"r": 1024, "target_modules": ["q_proj", "v_proj"]},
+                     lora_keys("model.layers.0.self_attn.q_proj", 1024, 128, 128))
+    check(doctor(zoo["tiny-qwen3-moe"][0], a, engines=["vllm"]), "vllm", "error", "rank-above-max")
+    small = gen(zoo, tmp_path, "tiny-qwen3-moe", ("attention",), rank=16)
+    r = doctor(zoo["tiny-qwen3-moe"][0], small, limits={"sglang": 8})
+    assert "max_lora_rank >= 16" in check(r, "sglang", "error", "rank-above-max").fix
+
+
+@pytest.mark.parametrize("targets, severity, code", [
+    (["q_proj", "v_proj", "qkv_projj"], "warning", "target-matches-nothing"),  # one typo: ignored silently
+    (["nope_proj"], "error", "targets-match-nothing"),  # nothing at all: PEFT refuses, engines load nothing
+])
+def test_targets_that_match_nothing(zoo, tmp_path, targets, severity, code):
+    a = hand_written(tmp_path / "t", {"r": 4, "target_modules": targets},
+                     lora_keys("model.layers.0.self_attn.q_proj", 4, 128, 128))
+    check(doctor(zoo["tiny-qwen3-moe"][0], a), "all", severity, code)
+
+
+def test_cli_prints_one_line_per_finding_and_exits_nonzero(zoo, tmp_path, capsys):
+    a = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("experts",), layout="per_expert")
+    assert main([zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "hf"]) == 1
+    out = capsys.readouterr().out
+    assert "hf      ERROR    per-expert adapter on qwen3_5_moe_text" in out and "lpdiff adapters convert --model " in out
+    assert main([zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "vllm", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exit_code"] == 0
+
+
+def test_cli_bad_model_is_one_clear_error(tmp_path, capsys):
+    assert main(["no-such-model", str(tmp_path)]) == 2
+    assert "neither a catalog model" in capsys.readouterr().err
