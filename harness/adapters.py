@@ -23,7 +23,6 @@ import hashlib
 import json
 import math
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -406,8 +405,8 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
             used.add(part)
             got = projs[part]
             if sorted(got) != list(range(p.num_experts)):
-                missing = sorted(set(range(p.num_experts)) - set(got))[:5]
-                raise ValueError(f"{module}.*.{part}: experts {missing} missing (the model has {p.num_experts})")
+                raise ValueError(f"{module}.<e>.{part}: the adapter has {len(got)} experts (indices {min(got)}.."
+                                 f"{max(got)}) but the model has {p.num_experts}; every expert needs its A and B")
             A.append(torch.stack([got[e][0] for e in range(p.num_experts)]))
             B.append(torch.stack([got[e][1] for e in range(p.num_experts)]))
         rows = p.part_rows()
@@ -520,10 +519,20 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out_dir / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    _write_json(out_dir / CONFIG_NAME, cfg)
     if provenance is not None:
-        (out_dir / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+        _write_json(out_dir / PROVENANCE_NAME, provenance)
     return cfg
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Byte-stable JSON: adapter directories are content-hashed into baseline keys. PEFT saves target_modules
+    from a set, whose order changes with PYTHONHASHSEED, so target lists are sorted too."""
+    obj = dict(obj)
+    for k in ("target_modules", "target_parameters"):
+        if isinstance(obj.get(k), (list, tuple, set)):
+            obj[k] = sorted(obj[k])
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _read_provenance(adapter_dir: Path) -> dict[str, Any]:
@@ -549,7 +558,7 @@ def convert_adapter(src_dir: str | Path, dst_dir: str | Path, to: str, model_con
         step["why"] = ("per-expert gate and up have different A matrices; fused exactly by stacking A and "
                        "block-structured B, other entries zero-padded")
     prov["conversions"] = [*prov.get("conversions", []), step]
-    (dst_dir / PROVENANCE_NAME).write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+    _write_json(dst_dir / PROVENANCE_NAME, prov)
     return AdapterSpec(name=dst_dir.name, path=str(dst_dir))
 
 
@@ -569,8 +578,9 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     own save_pretrained (peft3d) or converted from it (per_expert).
 
     Every A and B is non-zero. Sizes: A ~ N(0, 1/in), B ~ N(0, c^2) with c chosen so that the RMS of each
-    delta scaling * B @ A is `scale` times the RMS of the weight it adapts; `scale` = 0.2 moves the tiny models'
-    logprobs by O(0.1-1) (see tests). `shared_outer`: A of gate_up (Nemotron: up) and B of down_proj identical
+    delta scaling * B @ A is `scale` times the RMS of the weight it adapts. The default 0.2 moves the tiny zoo's
+    actual-token logprobs by mean |d| 0.17-0.28 (max 1.0-2.5) with every group, 0.07-0.13 (max 0.5-1.0) with
+    experts only (benchmarks/results/adapter_scale.md). `shared_outer`: A of gate_up (Nemotron: up) and B of down_proj identical
     across experts (the layout some engines use). The caller's model is not modified: PEFT wraps a meta-device
     copy of it."""
     from peft import LoraConfig, get_peft_model
@@ -584,7 +594,9 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     mlayout = ModelLayout.of(model)
     targets = resolve_targets(mlayout, groups)
     lcfg = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=use_rslora, init_lora_weights=False,
-                      target_modules=list(targets.target_modules) or None,
+                      # [] and not None: PEFT fills None with its default targets for some model types
+                      # (nemotron_h: q/k/v/o_proj), even when target_parameters are given
+                      target_modules=list(targets.target_modules),
                       target_parameters=list(targets.target_parameters) or None,
                       base_model_name_or_path=getattr(model, "name_or_path", None) or None)
     with torch.device("meta"):
@@ -609,7 +621,7 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
         a_mod, b_mod = layer.lora_A["default"], layer.lora_B["default"]
         n_exp = getattr(layer, "num_experts", 1)
         r, (out_f, in_f) = layer.r["default"], (b_mod.weight.shape[0], a_mod.weight.shape[1])
-        w_rms = weight.detach().float().pow(2).mean().sqrt().item()
+        w_rms = torch.linalg.vector_norm(weight.detach(), dtype=torch.float32).item() / math.sqrt(weight.numel())
         if w_rms == 0:
             raise ValueError(f"{base}.{pname} is all zeros: cannot size a relative delta for it")
         b_std = scale * w_rms * math.sqrt(in_f) / (layer.scaling["default"] * math.sqrt(r))
@@ -626,16 +638,14 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     recipe = {"generator": GENERATOR_VERSION, "model_type": mlayout.model_type, "groups": list(groups),
               "rank": rank, "alpha": alpha, "seed": seed, "scale": scale, "shared_outer": shared_outer,
               "use_rslora": use_rslora, "dtype": str(dtype).removeprefix("torch."), "layout": layout}
-    if layout == "peft3d":
-        peft_model.save_pretrained(str(out_dir))
-        (out_dir / PROVENANCE_NAME).write_text(json.dumps({"generated": recipe}, indent=2, sort_keys=True) + "\n")
-        return AdapterSpec(name=out_dir.name, path=str(out_dir))
     with tempfile.TemporaryDirectory() as tmp:
-        peft_model.save_pretrained(tmp)
-        (Path(tmp) / PROVENANCE_NAME).write_text(json.dumps({"generated": recipe}))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        return convert_adapter(tmp, out_dir, "per_expert", mlayout)
+        save_dir = out_dir if layout == "peft3d" else Path(tmp)
+        peft_model.save_pretrained(str(save_dir))
+        _write_json(save_dir / CONFIG_NAME, json.loads((save_dir / CONFIG_NAME).read_text()))
+        _write_json(save_dir / PROVENANCE_NAME, {"generated": recipe})
+        if layout == "per_expert":
+            convert_adapter(save_dir, out_dir, "per_expert", mlayout)
+    return AdapterSpec(name=out_dir.name, path=str(out_dir))
 
 
 # -- inspection ----------------------------------------------------------------------------------------------------

@@ -160,6 +160,38 @@ def test_generated_adapter_is_nonzero_and_moves_logprobs(arch, generated):
     assert 1e-3 < d.abs().mean() < 1.0 and d.isfinite().all(), d.abs().mean()
 
 
+@pytest.mark.parametrize("name", [
+    pytest.param("tiny-qwen3-moe", id="qwen3_moe"),  # the trained zoo: peaked distributions, unlike random init
+    pytest.param("tiny-gpt-oss", id="gpt_oss"),
+    pytest.param("tiny-qwen3.5-moe", id="qwen3_5"),
+    pytest.param("tiny-nemotron-h", id="nemotron_h"),
+])
+def test_default_scale_moves_zoo_logprobs_visibly_not_destructively(name, tmp_path):
+    from peft import PeftModel
+
+    from harness.catalog import get_model, load_hf_model
+    from harness.prompts import prompt_set
+
+    model = load_hf_model(get_model(name), torch.float32, "cpu")
+    ids = torch.tensor([p[:24] for p in prompt_set(name, "default")])  # ragged set: cut to the shortest
+    path = ad.generate_adapter(model, tmp_path / "a", ["attention", "experts"], seed=0).path
+    base = logprobs(model, ids)  # before PEFT wraps the model in place
+    d = logprobs(PeftModel.from_pretrained(model, path).eval(), ids) - base
+    assert 0.05 < d.abs().mean() < 1.0 and d.abs().max() < 5.0, (d.abs().mean(), d.abs().max())
+
+
+def test_experts_only_adapter_gets_no_default_dense_targets(tmp_path):
+    """PEFT replaces target_modules=None by its per-model defaults (nemotron_h: q/k/v/o_proj) even when
+    target_parameters are set; generated configs must say [] so that loading adds nothing."""
+    from peft import PeftModel
+
+    model = tiny_model("nemotron_h")
+    path = ad.generate_adapter(model, tmp_path / "e", ["experts"], seed=0).path
+    assert json.loads((Path(path) / "adapter_config.json").read_text())["target_modules"] == []
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), path)
+    assert peft.base_model.targeted_module_names == [] and len(peft.base_model.targeted_parameter_names) == 4
+
+
 def test_seed_is_deterministic_and_tensors_independent_of_other_groups(tmp_path):
     model = tiny_model("qwen3_moe")
     a = ad.generate_adapter(model, tmp_path / "a", ["attention", "experts"], seed=3).path
@@ -170,6 +202,34 @@ def test_seed_is_deterministic_and_tensors_independent_of_other_groups(tmp_path)
     assert dir_hash(a) == dir_hash(b)
     assert all(not torch.equal(w["a"][k], w["c"][k]) for k in w["a"])
     assert all(torch.equal(w["d"][k], w["a"][k]) for k in w["d"])  # adding a group does not reseed the others
+
+
+def test_generated_dir_is_byte_stable_across_processes(tmp_path):
+    """Adapter directories are content-hashed into baseline keys: PYTHONHASHSEED (set iteration order inside PEFT's
+    save) must not change a byte."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; from harness import adapters as ad; "
+            "from tests.test_adapters import _config; torch.manual_seed(0); "
+            "m = AutoModelForCausalLM.from_config(_config('qwen3_moe')); "
+            "ad.generate_adapter(m, sys.argv[1], ['attention', 'experts'], seed=0)")
+    repo = str(Path(__file__).resolve().parents[1])
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=repo)
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / seed)], env=env, check=True, cwd=repo)
+    assert dir_hash(tmp_path / "1") == dir_hash(tmp_path / "2")
+
+
+def test_per_expert_layout_generation_equals_conversion(tmp_path):
+    model = tiny_model("gpt_oss")
+    direct = ad.generate_adapter(model, tmp_path / "pe", ["attention", "experts"], seed=7, layout="per_expert").path
+    via = ad.generate_adapter(model, tmp_path / "3d", ["attention", "experts"], seed=7).path
+    conv = ad.convert_adapter(via, tmp_path / "conv", "per_expert", model.config).path
+    a, b = load_file(f"{direct}/adapter_model.safetensors"), load_file(f"{conv}/adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ad.inspect_adapter(direct).provenance["generated"]["layout"] == "per_expert"
 
 
 def test_shared_outer(tmp_path):
