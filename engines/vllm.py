@@ -27,7 +27,8 @@ Options (``EngineConfig.options``):
   max_model_len          default: vLLM's (the model's max_position_embeddings)
   max_logprobs           default -1 (whole-vocabulary requests allowed)
   mixed_moe_lora_format  default: on when an adapter carries expert weights (either layout)
-  gpu_memory_utilization, attention_backend, seed, enable_prefix_caching (default False: every prompt is
+  attention_backend      GPU default "FLASH_ATTN" (what ran on 0.25.1); None leaves vLLM's choice
+  gpu_memory_utilization, seed, enable_prefix_caching (default False: every prompt is
                          computed in full), allow_fp32_lora (default False), checkpoint_dir (where a config-built
                          or layer-cut model is written for vLLM to load), llm_kwargs (dict passed to LLM as is)
 """
@@ -273,19 +274,23 @@ class VLLMEngine:
         cfg, o = self.config, self.opts
         hf = self._hf_config()
         self._vocab = hf.get_text_config().vocab_size
-        kw: dict[str, Any] = dict(model=checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu), skip_tokenizer_init=True, dtype=cfg.dtype,
-                                  tensor_parallel_size=cfg.tp, seed=int(o.get("seed", 0)),
-                                  max_logprobs=int(o.get("max_logprobs", -1)),
-                                  enable_prefix_caching=bool(o.get("enable_prefix_caching", False)))
+        kw: dict[str, Any] = dict(model=checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu),
+                                  skip_tokenizer_init=True, dtype=cfg.dtype, tensor_parallel_size=cfg.tp,
+                                  seed=int(o.get("seed", 0)), max_logprobs=int(o.get("max_logprobs", -1)),
+                                  enable_prefix_caching=bool(o.get("enable_prefix_caching", False)),
+                                  enforce_eager=True)  # one prefill per prompt: CUDA graphs only cost start-up
         if on_cpu:
             if cfg.tp != 1:
                 raise ValueError("vLLM on CPU runs in-process with tp=1 here; use a GPU machine for tp > 1")
-            kw.update(distributed_executor_backend="uni", enforce_eager=True)
-        else:
-            kw["enforce_eager"] = True  # prompt logprobs are one prefill: CUDA graphs only cost start-up time
+            kw["distributed_executor_backend"] = "uni"
+        elif "attention_backend" in known:
+            # the backend that ran MoE-LoRA on 0.25.1 (H200); FlashInfer's sampler is off for the same reason
+            kw["attention_backend"] = "FLASH_ATTN"
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         for k in ("max_model_len", "gpu_memory_utilization", "attention_backend"):
             if k in o:
                 kw[k] = o[k]
+        kw = {k: v for k, v in kw.items() if v is not None}  # option None: leave vLLM's default
         if cfg.adapters:
             if on_cpu and is_moe_config(hf):
                 raise ValueError("vLLM runs MoE models with LoRA only on a GPU (its MoE-LoRA path is Triton; "

@@ -162,3 +162,28 @@ def test_engine_outside_with_block_says_how_to_use_it():
                                   adapters={"a": AdapterSpec("a", "/x")}))
     with pytest.raises(RuntimeError, match="context manager"):
         eng.prompt_logprobs([[1, 2]])
+
+
+def test_checkpoint_dir_writes_a_layer_cut_model_once(tmp_path):
+    # vLLM and SGLang load directories only: a spec cut to num_layers is written out, and loads as the same model
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engines.vllm import checkpoint_dir
+    from harness.catalog import load_hf_model
+    from harness.zoo import TINY_CONFIGS
+
+    kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], initializer_range=0.25)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw)).save_pretrained(
+        str(tmp_path / "m"))
+    full = ModelSpec(name="m", arch="qwen3", path=str(tmp_path / "m"))
+    assert checkpoint_dir(full, tmp_path / "cache") == full.path  # nothing to write
+    cut = ModelSpec(name="m", arch="qwen3", path=full.path, num_layers=2)
+    out = checkpoint_dir(cut, tmp_path / "cache")
+    assert checkpoint_dir(cut, tmp_path / "cache") == out and len(list((tmp_path / "cache").iterdir())) == 1
+    ids = torch.tensor([[5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        want = load_hf_model(cut, torch.float32, "cpu")(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    assert AutoConfig.from_pretrained(out).num_hidden_layers == 2 and torch.equal(got, want)
