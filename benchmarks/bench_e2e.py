@@ -118,6 +118,7 @@ def bench_model(name: str, args, writer) -> None:
                 results[("triton", a)] = row(f"r{args.rank}" if a else "none", "triton", secs, peak)
             if args.profile:
                 profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}.txt")
+                breakdown(tr, prompts, adapter.name)
         free_gpu()
     base, lora = results[("triton", None)], results[("triton", adapter.name)]
     summary = {"model": spec.name, "triton_lora_tok_s": lora["tokens_per_s"], "triton_base_tok_s": base["tokens_per_s"],
@@ -138,6 +139,57 @@ def profile(eng, prompts, adapter, path: Path) -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     path.write_text(table)
     print(table[:6000], flush=True)
+
+
+def breakdown(eng, prompts, adapter: str) -> None:
+    """Median time of each piece of one layer at the benchmark's shapes (triton.testing.do_bench), x num_layers,
+    next to one whole forward: where the time goes, base and LoRA."""
+    from triton.testing import do_bench
+
+    from engines.triton.attention import sdpa
+    from engines.triton.batch import Batch
+    from engines.triton.moe import experts, route
+    from engines.triton.norm import add_rms_norm
+    from engines.triton.rope import norm_rope
+    from harness.logprobs import chunked_logprobs
+
+    rt = eng.runtime
+    m, cfg = rt.model, rt.cfg
+    lw, ll = m.w.layers[0], m.lora.layers[0]
+    d, nl = cfg.head_dim, cfg.num_layers
+    rows = {}
+    for slot in (-1, rt.slot(adapter)):
+        b = Batch.build(prompts, [slot] * len(prompts), cfg, rt.dtype, rt.device)
+        T, ta = b.num_tokens, b.token_adapter
+        x = torch.randn(T, cfg.hidden_size, dtype=rt.dtype, device=rt.device)
+        qkv = m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, m.qkv_offsets, ta)
+        q = qkv[:, : m.heads * d].view(T, m.heads, d)
+        k = qkv[:, m.heads * d: (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
+        v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
+        o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
+        ids, wts, _ = route(x, lw, cfg, m.impl)
+        tag = "lora" if slot >= 0 else "base"
+        pieces = {
+            "add_rms_norm x2": lambda: add_rms_norm(x, x, lw.input_norm, cfg.rms_norm_eps, cfg.norm_weight_fp32),
+            "qkv lora_linear": lambda: m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, m.qkv_offsets, ta),
+            "norm_rope q+k": lambda: (norm_rope(q, lw.q_norm, cfg.rms_norm_eps, b.cos, b.sin),
+                                      norm_rope(k, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin)),
+            "sdpa": lambda: sdpa(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks),
+            "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, None, ta),
+            "router+route": lambda: route(x, lw, cfg, m.impl),
+            "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl),
+        }
+        for piece, fn in pieces.items():
+            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            rows[(piece, tag)] = ms * (2 if piece.endswith("x2") else 1) * nl
+        sel = torch.arange(T - 1, device=rt.device)
+        rows[("logprobs (once)", tag)] = do_bench(lambda: chunked_logprobs(
+            x[sel], rt.weights.lm_head, b.input_ids[sel + 1], 0, rt.logit_chunk), warmup=5, rep=50,
+            return_mode="median")
+        rows[("whole forward", tag)] = do_bench(lambda: m.forward(b), warmup=3, rep=20, return_mode="median")
+    print(f"{'piece (x layers)':28s} {'base ms':>9s} {'lora ms':>9s}", flush=True)
+    for piece in dict.fromkeys(p for p, _ in rows):
+        print(f"{piece:28s} {rows[(piece, 'base')]:9.2f} {rows[(piece, 'lora')]:9.2f}", flush=True)
 
 
 def main():

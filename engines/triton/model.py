@@ -1,15 +1,17 @@
 """The decoder stack shared by the supported MoE archs (their differences live in ModelConfig flags):
-embed -> [RMSNorm -> attention -> +res -> RMSNorm -> router + experts -> +res] x N -> RMSNorm."""
+embed -> [RMSNorm -> attention -> +res -> RMSNorm -> router + experts -> +res] x N -> RMSNorm.
+Each residual add is fused into the RMSNorm that follows it."""
 from __future__ import annotations
 
 import torch
 
-from engines.triton.attention import rope, sdpa
+from engines.triton.attention import sdpa
 from engines.triton.batch import Batch
 from engines.triton.config import ModelConfig
 from engines.triton.lora import LayerLora, StackedLora
 from engines.triton.moe import experts, route
-from engines.triton.norm import rms_norm
+from engines.triton.norm import add_rms_norm
+from engines.triton.rope import norm_rope
 from engines.triton.shard import Shard
 from engines.triton.weights import LayerWeights, ModelWeights
 
@@ -25,23 +27,26 @@ class MoeTransformer:
         d = cfg.head_dim
         self.qkv_offsets = [0, self.heads * d, (self.heads + self.kv_heads) * d, (self.heads + 2 * self.kv_heads) * d]
 
+    def _norm(self, x, delta, weight):
+        return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, self.cfg.norm_weight_fp32, self.impl)
+
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> final-normed hidden states (T, H) and each token's smallest routing margin over layers (T,)."""
         cfg = self.cfg
         x = self.w.embed[batch.input_ids]
         margin = torch.full((batch.num_tokens,), float("inf"), device=x.device)
+        delta = None  # output of the last sublayer, not yet added to the residual stream x
         for i, lw in enumerate(self.w.layers):
             ll = self.lora.layers[i] if self.lora is not None else None
-            h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps, cfg.norm_weight_fp32)
-            x = x + self.attention(h, lw, ll, batch, cfg.sliding_windows[i])
-            h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps, cfg.norm_weight_fp32)
-            ids, weights, m = route(h, lw, cfg)
+            h, x = self._norm(x, delta, lw.input_norm)
+            delta = self.attention(h, lw, ll, batch, cfg.sliding_windows[i])
+            h, x = self._norm(x, delta, lw.post_norm)
+            ids, weights, m = route(h, lw, cfg, self.impl)
             margin = torch.minimum(margin, m)
-            y = experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None, batch.token_adapter,
-                        self.impl)
-            x = x + self.all_reduce(y)
-        return rms_norm(x, self.w.norm, cfg.rms_norm_eps, cfg.norm_weight_fp32), margin
+            delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
+                                            batch.token_adapter, self.impl))
+        return self._norm(x, delta, self.w.norm)[0], margin
 
     def _linear(self, x, w, bias, lora_a, lora_b, offsets, token_adapter):
         from kernels import lora_linear
@@ -56,11 +61,8 @@ class MoeTransformer:
         ta = batch.token_adapter
         qkv = self._linear(h, lw.qkv, lw.qkv_bias, ll and ll.qkv_a, ll and ll.qkv_b, self.qkv_offsets, ta)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q, k, v = q.view(T, self.heads, d), k.view(T, self.kv_heads, d), v.view(T, self.kv_heads, d)
-        if cfg.qk_norm:
-            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        q, k = rope(q, batch.cos, batch.sin), rope(k, batch.cos, batch.sin)
-        o = sdpa(q, k, v, batch, d ** -0.5, window, lw.sinks).reshape(T, self.heads * d)
+        q = norm_rope(q.view(T, self.heads, d), lw.q_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
+        k = norm_rope(k.view(T, self.kv_heads, d), lw.k_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
+        o = sdpa(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, window, lw.sinks).reshape(T, self.heads * d)
         out = self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, None, ta)
         return self.all_reduce(out)

@@ -1,37 +1,92 @@
-"""Sparse MoE block: router in torch (replicated on every rank), experts through the fused MoE-LoRA kernel
-(experts sharded on their width under TP, partial outputs summed by the caller's all-reduce)."""
+"""Sparse MoE block: router in torch + one small Triton kernel (replicated on every rank), experts through the fused
+MoE-LoRA kernel (experts sharded on their width under TP; the caller all-reduces the partial outputs).
+
+Shapes: T tokens, E experts, K top-k.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engines.triton._jit import pow2, tl, triton, use_triton
 from engines.triton.config import ModelConfig
 from engines.triton.weights import LayerWeights
 from harness.routing import topk_margin
 
 
-def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> topk ids (T, K), topk weights (T, K) float32, routing margin (T,) float32.
-
-    Rounding follows transformers: Qwen takes the softmax in fp32 and casts the (renormalised) top-k weights to
-    the model dtype; gpt-oss takes top-k on the logits and a softmax in the model dtype. The margin is the logit gap
-    between the k-th and (k+1)-th expert (the log of their probability ratio), as harness.routing defines it.
-    """
-    logits = F.linear(x, w.router, w.router_bias)
-    if cfg.router == "softmax_topk":
+def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool):
+    """Reference, rounding as transformers: Qwen takes the softmax over all experts in fp32, renormalises the top-k
+    and casts the weights to the model dtype; gpt-oss takes top-k on the logits and a softmax over those k in the
+    model dtype. The margin is the logit gap between the k-th and (k+1)-th expert (harness.routing's definition)."""
+    if softmax_all:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, ids = torch.topk(probs, cfg.top_k, dim=-1)
-        if cfg.norm_topk_prob:
+        top, ids = torch.topk(probs, k, dim=-1)
+        if norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         weights = top.to(logits.dtype)
     else:
-        top, ids = torch.topk(logits, cfg.top_k, dim=-1)
+        top, ids = torch.topk(logits, k, dim=-1)
         weights = torch.softmax(top, dim=-1, dtype=top.dtype)
-    if cfg.top_k < cfg.num_experts:
-        margin = topk_margin(logits.float(), cfg.top_k)
+    if k < logits.shape[-1]:
+        margin = topk_margin(logits.float(), k)
     else:
-        margin = torch.full((x.shape[0],), float("inf"), device=x.device)
+        margin = torch.full((logits.shape[0],), float("inf"), device=logits.device)
     return ids, weights.float(), margin
+
+
+if triton is not None:
+    @triton.jit
+    def _route_kernel(Logits, Ids, Weights, Margin, T, E, stride_l, K: tl.constexpr, SOFTMAX_ALL: tl.constexpr,
+                      NORM_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        cols = tl.arange(0, BLOCK_E)[None, :]
+        kcols = tl.arange(0, BLOCK_K)[None, :]
+        raw = tl.load(Logits + rows[:, None].to(tl.int64) * stride_l + cols, mask=row_ok[:, None] & (cols < E),
+                      other=-float("inf"))
+        logits = raw.to(tl.float32)
+        vals = logits
+        top = tl.full((BLOCK_T, BLOCK_K), -float("inf"), tl.float32)
+        ids = tl.full((BLOCK_T, BLOCK_K), 0, tl.int64)
+        for k in tl.static_range(K):  # K rounds of argmax: first index wins ties
+            m = tl.max(vals, axis=1)
+            i = tl.min(tl.where(vals == m[:, None], cols, BLOCK_E), axis=1)
+            top = tl.where(kcols == k, m[:, None], top)
+            ids = tl.where(kcols == k, i[:, None].to(tl.int64), ids)
+            vals = tl.where(cols == i[:, None], -float("inf"), vals)
+        kth = tl.max(tl.where(kcols == K - 1, top, -float("inf")), axis=1)
+        margin = kth - tl.max(vals, axis=1)  # + inf when K == E (nothing left to compete)
+        m0 = tl.max(top, axis=1)[:, None]
+        w = tl.where(kcols < K, tl.exp(top - m0), 0.0)
+        if SOFTMAX_ALL and not NORM_TOPK:
+            denom = tl.sum(tl.exp(logits - m0), axis=1)
+        else:
+            denom = tl.sum(w, axis=1)
+        w = (w / denom[:, None]).to(raw.dtype).to(tl.float32)  # weights rounded to the model dtype, as HF
+        out = rows[:, None] * K + kcols
+        ok = row_ok[:, None] & (kcols < K)
+        tl.store(Ids + out, ids, mask=ok)
+        tl.store(Weights + out, w, mask=ok)
+        tl.store(Margin + rows, margin, mask=row_ok)
+
+
+def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto"):
+    """-> topk ids (T, K) int64, topk weights (T, K) float32, routing margin (T,) float32."""
+    logits = F.linear(x, w.router, w.router_bias)
+    softmax_all = cfg.router == "softmax_topk"
+    if not use_triton(x, impl):
+        return route_torch(logits, cfg.top_k, softmax_all, cfg.norm_topk_prob)
+    T, E = logits.shape
+    K = cfg.top_k
+    ids = torch.empty(T, K, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, K, dtype=torch.float32, device=x.device)
+    margin = torch.empty(T, dtype=torch.float32, device=x.device)
+    block_t = 16
+    _route_kernel[(triton.cdiv(T, block_t),)](logits, ids, weights, margin, T, E, logits.stride(0), K=K,
+                                              SOFTMAX_ALL=softmax_all, NORM_TOPK=cfg.norm_topk_prob,
+                                              BLOCK_T=block_t, BLOCK_E=pow2(E), BLOCK_K=pow2(K), num_warps=4)
+    return ids, weights, margin
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerWeights, cfg: ModelConfig,

@@ -1,0 +1,65 @@
+"""Rotary embedding on q and k, with the optional per-head RMSNorm before it (Qwen3's q_norm / k_norm), fused in
+one pass that reads the q|k|v GEMM output once and writes contiguous q and k.
+
+Shapes: T tokens, h heads of width d (HALF = d/2). Non-interleaved rope: halves (x1, x2) ->
+(x1 cos - x2 sin, x2 cos + x1 sin) — the same arithmetic as transformers' rotate_half (Qwen) and its gpt-oss
+variant. cos/sin (T, HALF) are in the model dtype, already multiplied by YaRN's attention scaling.
+"""
+from __future__ import annotations
+
+import torch
+
+from engines.triton._jit import pow2, tl, triton, use_triton
+from engines.triton.norm import rms_norm
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Torch reference on (T, h, d)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def norm_rope_torch(x, weight, eps, cos, sin):
+    return rope(x if weight is None else rms_norm(x, weight, eps), cos, sin)
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_rope_kernel(Src, Cos, Sin, W, Out, nh, eps, stride_t, stride_c, stride_o,
+                          HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        dd = tl.arange(0, BLOCK_D)[None, :]
+        ok = (h < nh) & (dd < HALF)
+        src = Src + t * stride_t + h * (2 * HALF) + dd
+        x1 = tl.load(src, mask=ok, other=0.0)
+        x2 = tl.load(src + HALF, mask=ok, other=0.0)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        if NORM:
+            r = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)[:, None]
+            w1 = tl.load(W + dd, mask=dd < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(W + HALF + dd, mask=dd < HALF, other=0.0).to(tl.float32)
+            # weight * normed.to(dtype), product rounded to the dtype: transformers' Qwen3 RMSNorm
+            f1 = (w1 * (f1 * r).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+            f2 = (w2 * (f2 * r).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        c = tl.load(Cos + t * stride_c + dd, mask=dd < HALF, other=0.0).to(tl.float32)
+        s = tl.load(Sin + t * stride_c + dd, mask=dd < HALF, other=0.0).to(tl.float32)
+        dst = Out + t * stride_o + h * (2 * HALF) + dd
+        tl.store(dst, (f1 * c - f2 * s).to(Out.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, (f2 * c + f1 * s).to(Out.dtype.element_ty), mask=ok)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+              impl: str = "auto") -> torch.Tensor:
+    """x (T, h, d) view with unit stride inside a row of heads -> rope(rms_norm(x) if weight else x), contiguous."""
+    if not use_triton(x, impl):
+        return norm_rope_torch(x, weight, eps, cos, sin)
+    T, h, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d and d % 2 == 0
+    out = torch.empty(T, h, d, dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(T,)](x, cos, sin, weight if weight is not None else cos, out, h, eps, x.stride(0),
+                            cos.stride(0), out.stride(0), HALF=d // 2, NORM=weight is not None,
+                            BLOCK_H=pow2(h), BLOCK_D=pow2(d // 2), num_warps=4)
+    return out

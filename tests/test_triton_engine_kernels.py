@@ -1,0 +1,96 @@
+"""The runtime's own fused kernels (residual add + RMSNorm, q/k norm + rope, router top-k) against their torch
+references, run through the Triton interpreter on CPU.
+
+They are plain triton.jit kernels (they use tl.sum / tl.max, which the interpreter only runs when TRITON_INTERPRET=1
+is set before triton is imported), so the checks run in a child Python started with that variable.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _close(got, ref, tol, what):
+    """Elementwise error relative to the element's magnitude (floor 1): bf16 results may differ by a rounding."""
+    err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp(min=1)).max().item()
+    assert err <= tol, f"{what}: max relative error {err:.3g} > {tol}"
+
+
+def check_add_rms_norm(dtype, tol):
+    from engines.triton.norm import add_rms_norm, add_rms_norm_torch
+
+    g = torch.Generator().manual_seed(0)
+    T, H = 5, 72  # H not a power of two: masked tail of the row block
+    x = torch.randn(T, H, generator=g).to(dtype)
+    delta = torch.randn(T, H, generator=g).to(dtype)
+    for weight_fp32 in (False, True):  # Qwen and gpt-oss rounding orders
+        w = (1 + 0.1 * torch.randn(H, generator=g)).to(torch.float32 if weight_fp32 else dtype)
+        for d in (None, delta):  # first layer has nothing to add yet
+            out, s = add_rms_norm(x, d, w, 1e-6, weight_fp32, impl="triton")
+            ref_out, ref_s = add_rms_norm_torch(x, d, w, 1e-6, weight_fp32)
+            _close(s, ref_s, tol if dtype != torch.float32 else 0.0, f"residual sum {dtype}")
+            _close(out, ref_out, tol, f"rms_norm {dtype} weight_fp32={weight_fp32} delta={d is not None}")
+
+
+def check_norm_rope(dtype, tol):
+    from engines.triton.rope import norm_rope, norm_rope_torch
+
+    g = torch.Generator().manual_seed(1)
+    T, h, hkv, d = 7, 3, 1, 16  # 3 heads: masked head rows; q is a strided view into the q|k|v GEMM output
+    qkv = torch.randn(T, (h + 2 * hkv) * d, generator=g).to(dtype)
+    cos, sin = torch.randn(T, d // 2, generator=g).to(dtype), torch.randn(T, d // 2, generator=g).to(dtype)
+    q = qkv[:, : h * d].view(T, h, d)
+    for w in (None, (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)):  # gpt-oss (no norm) and Qwen (q_norm)
+        _close(norm_rope(q, w, 1e-6, cos, sin, impl="triton"), norm_rope_torch(q, w, 1e-6, cos, sin), tol,
+               f"norm_rope {dtype} norm={w is not None}")
+
+
+def check_route(dtype, tol):
+    from engines.triton.moe import route_torch
+
+    import engines.triton.moe as moe
+
+    g = torch.Generator().manual_seed(2)
+    # T=37: not a multiple of the 16-row block; K=E: every expert chosen, the margin is +inf
+    for E, K, softmax_all, norm in [(8, 2, True, True), (8, 2, True, False), (8, 4, False, False),
+                                    (6, 6, True, True), (32, 4, False, False)]:
+        logits = torch.randn(37, E, generator=g).to(dtype)
+        ids, w, m = torch.empty(37, K, dtype=torch.int64), torch.empty(37, K), torch.empty(37)
+        moe._route_kernel[(3,)](logits, ids, w, m, 37, E, logits.stride(0), K=K, SOFTMAX_ALL=softmax_all,
+                                NORM_TOPK=norm, BLOCK_T=16, BLOCK_E=moe.pow2(E), BLOCK_K=moe.pow2(K))
+        rids, rw, rm = route_torch(logits, K, softmax_all, norm)
+        what = f"route {dtype} E={E} K={K} softmax_all={softmax_all} norm={norm}"
+        assert torch.equal(ids, rids), what
+        _close(w, rw, tol, what + " weights")
+        if K < E:
+            _close(m, rm, 1e-6, what + " margin")
+        else:
+            assert torch.isinf(m).all() and torch.isinf(rm).all(), what
+
+
+def run_all():
+    # bf16: the interpreter truncates fp32 -> bf16 casts (compiled Triton rounds to nearest), so allow a few
+    # 2^-7 steps; the rounding orders themselves are checked in fp32 and by the GPU parity tests
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        check_add_rms_norm(dtype, tol)
+        check_norm_rope(dtype, tol)
+        check_route(dtype, tol)
+    print("all fused-kernel checks passed")
+
+
+def test_fused_kernels_match_torch_references_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all fused-kernel checks passed" in proc.stdout
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through the test (it sets TRITON_INTERPRET=1)"
+    run_all()
