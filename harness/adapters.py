@@ -457,7 +457,7 @@ def _rerank(adapter: CanonicalAdapter) -> tuple[int, float]:
     if peft_scaling(alpha, new_rank, adapter.use_rslora) != adapter.scaling:
         raise ValueError(f"this adapter needs rank {new_rank} (from {adapter.rank}) in one file, but no lora_alpha "
                          f"gives exactly the same scaling {adapter.scaling!r}{' with rslora' if adapter.use_rslora else ''}"
-                         "; refusing to approximate. Keep it in the per_expert layout.")
+                         "; refusing to approximate. Use the source adapter as it is.")
     return new_rank, alpha
 
 
