@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,12 @@ def changed(merged: dict[str, torch.Tensor], model) -> set[str]:
     return {k for k in merged if not torch.equal(merged[k], base[k])}
 
 
+def memory_path(key: str) -> str:
+    """On-disk key -> in-memory module path (Nemotron's backbone., Qwen3.5 multimodal's model.language_model.)."""
+    path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+    return re.sub(r"^(backbone|model\.language_model)\.", "model.", path)
+
+
 def per_expert_merged(model, pe_dir, arch: str) -> dict[str, torch.Tensor]:
     """Merged weights computed straight from per-expert files with HF's row conventions (gate = [:I] or ::2)."""
     cfg = json.loads((pe_dir / "adapter_config.json").read_text())
@@ -112,7 +119,7 @@ def per_expert_merged(model, pe_dir, arch: str) -> dict[str, torch.Tensor]:
         if ".experts." not in key or not key.endswith("lora_A.weight"):
             continue
         b = tensors[key.replace("lora_A", "lora_B")]
-        path = key.removeprefix("base_model.model.").replace("backbone.", "model.").removesuffix(".lora_A.weight")
+        path = memory_path(key)
         module, e, proj = path.rsplit(".", 2)
         delta = scaling * b @ a  # (out, in)
         fused = sd[f"{module}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj' if arch != 'nemotron_h' else 'up_proj'}"]
@@ -128,7 +135,7 @@ def per_expert_merged(model, pe_dir, arch: str) -> dict[str, torch.Tensor]:
         if ".experts." in key or not key.endswith("lora_A.weight"):
             continue
         b = tensors[key.replace("lora_A", "lora_B")]
-        path = key.removeprefix("base_model.model.").replace("backbone.", "model.").removesuffix(".lora_A.weight")
+        path = memory_path(key)
         sd[f"{path}.weight"] += scaling * b @ a
     return sd
 
@@ -338,12 +345,16 @@ def test_rank_change_under_rslora_is_refused(tmp_path):
         ad.convert_adapter(pe, tmp_path / "3d", "peft3d", model.config)
 
 
-def test_nemotron_backbone_prefix(generated, tmp_path):
-    model = tiny_model("nemotron_h")
-    src = generated["nemotron_h"]
-    pe = ad.convert_adapter(src, tmp_path / "pe", "per_expert", model.config, disk_root="backbone").path
+@pytest.mark.parametrize("arch,root", [
+    pytest.param("nemotron_h", "backbone", id="nemotron-backbone"),  # Nemotron-H checkpoints' on-disk decoder name
+    pytest.param("qwen3_5_moe_text", "model.language_model", id="qwen3_5-language_model"),  # multimodal Qwen3.5
+])
+def test_on_disk_decoder_root(arch, root, generated, tmp_path):
+    model = tiny_model(arch)
+    src = generated[arch]
+    pe = ad.convert_adapter(src, tmp_path / "pe", "per_expert", model.config, disk_root=root).path
     keys = load_file(f"{pe}/adapter_model.safetensors").keys()
-    assert all(k.startswith("base_model.model.backbone.layers.") for k in keys)
+    assert all(k.startswith(f"base_model.model.{root}.layers.") for k in keys)
     a, b = ad.load_canonical(src, model.config), ad.load_canonical(pe, model.config)
     assert a.dense.keys() == b.dense.keys() and a.experts.keys() == b.experts.keys()
     assert all(k.startswith("model.layers.") for k in [*b.dense, *b.experts])
@@ -351,7 +362,7 @@ def test_nemotron_backbone_prefix(generated, tmp_path):
     back = ad.convert_adapter(pe, tmp_path / "back", "peft3d", model.config).path  # in-memory names again
     s, d = load_file(f"{src}/adapter_model.safetensors"), load_file(f"{back}/adapter_model.safetensors")
     assert s.keys() == d.keys() and all(torch.equal(s[k], d[k]) for k in s)
-    assert max_diff(peft_merged(model, back), per_expert_merged(model, tmp_path / "pe", "nemotron_h")) <= ATOL
+    assert max_diff(peft_merged(model, back), per_expert_merged(model, tmp_path / "pe", arch)) <= ATOL
 
 
 # -- refusals ------------------------------------------------------------------------------------------------------
