@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.fused_moe_lora import (GemmConfig, MoeLoraWeights, activate, default_config,  # noqa: E402
-                                    launch_gemm, launch_shrink, moe_forward, moe_forward_triton)
+                                    launch_gemm, moe_forward, moe_forward_triton)
 from kernels.lora_linear import lora_linear  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
 
@@ -191,7 +191,7 @@ def stage_breakdown(p, cfg1: GemmConfig, cfg2: GemmConfig, rep=50) -> dict:
     K = p["topk_ids"].shape[1]
     I = p["w_down"].shape[2]
     L = lora.num_slots if lora is not None else 0
-    align = lambda: moe_align(p["topk_ids"], p["token_adapter"], E, L, cfg1.block_m)  # noqa: E731
+    align = lambda: moe_align(p["topk_ids"], p["token_adapter"], E, L, cfg1.block_m, impl="triton")  # noqa
     r = align()
     M = r.sorted_ids.shape[0]
     inter = torch.empty(M, I, dtype=x.dtype, device=x.device)
@@ -200,19 +200,13 @@ def stage_breakdown(p, cfg1: GemmConfig, cfg2: GemmConfig, rep=50) -> dict:
     t = {"align": bench(align, rep)}
     kw1, kw2 = {}, {}
     if lora is not None:
-        sh1 = lambda: launch_shrink(x, lora.gate_up_a.unsqueeze(2), lora.scaling, lora.ranks, r, False)  # noqa
-        s1 = sh1()
-        t["shrink1"] = bench(sh1, rep)
-        kw1 = dict(lora_s=s1, lora_b=lora.gate_up_b, ranks=lora.ranks)
+        common = dict(scaling=lora.scaling, ranks=lora.ranks)
+        kw1 = dict(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
+        kw2 = dict(lora_a=lora.down_a, lora_b=lora.down_b, **common)
     g1 = lambda: launch_gemm(x, p["w_gate_up"], inter, r, cfg1, x_sorted=False, out_sorted=True,  # noqa: E731
                              activation=p["activation"], bias=p["b_gate_up"], **kw1)
     g1()
     t["gemm1"] = bench(g1, rep)
-    if lora is not None:
-        sh2 = lambda: launch_shrink(inter, lora.down_a.unsqueeze(2), lora.scaling, lora.ranks, r, True)  # noqa
-        s2 = sh2()
-        t["shrink2"] = bench(sh2, rep)
-        kw2 = dict(lora_s=s2, lora_b=lora.down_b, ranks=lora.ranks)
     g2 = lambda: launch_gemm(inter, p["w_down"], y, r, cfg2, x_sorted=True, out_sorted=False,  # noqa: E731
                              bias=p["b_down"], topk_weights=tw, **kw2)
     g2()
@@ -279,12 +273,12 @@ def main():
     if args.sweep:
         s = SHAPES[0]
         p = make_inputs(s, 4096, 1, R, torch.bfloat16, "cuda")
-        pairs = [(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4)),
-                 (GemmConfig(64, 128, 64, 8, 8, 3), GemmConfig(64, 128, 64, 8, 8, 4)),
-                 (GemmConfig(64, 64, 128, 8, 4, 3), GemmConfig(64, 256, 64, 8, 8, 3)),
+        # block_n counts output columns: the gated gate_up dot is 2*block_n wide
+        pairs = [(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3)),
                  (GemmConfig(128, 64, 64, 8, 8, 4), GemmConfig(128, 128, 64, 8, 8, 4)),
-                 (GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3)),
-                 (GemmConfig(128, 64, 64, 16, 4, 4), GemmConfig(128, 128, 64, 16, 4, 4))]
+                 (GemmConfig(64, 128, 64, 8, 8, 3), GemmConfig(64, 256, 64, 8, 8, 3)),
+                 (GemmConfig(128, 128, 64, 16, 8, 3), GemmConfig(128, 256, 64, 16, 8, 3)),
+                 (GemmConfig(128, 128, 64, 4, 8, 4), GemmConfig(128, 256, 64, 4, 8, 4))]
         for c1, c2 in pairs:
             try:
                 for lora_on in (True, False):
@@ -315,8 +309,8 @@ def main():
                     record("moe_layer", lab, T, 0, "hf_experts_grouped_mm", bench(hf_experts(s, base)), fl0, fb0)
                     if T == 4096:
                         dev = torch.device("cuda")
-                        cfg = default_config(T * s.K, s.E, s.I, s.H, dev, gated=s.activation != "relu2")
-                        cfg2 = default_config(T * s.K, s.E, s.H, s.I, dev)
+                        cfg = default_config(T * s.K, s.E, s.I, s.H, dev, gated=s.activation != "relu2", rank=R)
+                        cfg2 = default_config(T * s.K, s.E, s.H, s.I, dev, rank=R)
                         for name, q in (("lora", p), ("no_lora", base)):
                             t = stage_breakdown(q, cfg, cfg2)
                             log(f"stages {s.name} T={T} {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in t.items())

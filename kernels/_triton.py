@@ -3,6 +3,7 @@ tensors) or interpreted (CPU tensors) in the same process, whatever TRITON_INTER
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -35,9 +36,8 @@ class DualKernel:
     """A Triton kernel launched compiled for CUDA tensors and through the interpreter for CPU tensors.
 
     triton.jit decides at decoration time from TRITON_INTERPRET, so a module imported before a test set the
-    variable would be stuck on one path; holding both lets CPU tests and GPU runs share one import.
-    So the kernels may call only builtins of triton.language.core (tl.full, tl.exp, tl.minimum, ...), never
-    @triton.jit functions: user helpers and tl.zeros / tl.cdiv / tl.sigmoid are compiled-only objects here."""
+    variable would be stuck on one path; holding both lets CPU tests and GPU runs share one import. Helpers the
+    kernel calls stay plain @triton.jit functions: during an interpreted launch they run interpreted too."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -51,7 +51,32 @@ class DualKernel:
         if self._interp is None:
             from triton.runtime.interpreter import InterpretedFunction
             self._interp = InterpretedFunction(self.fn)
-        return self._interp[grid]
+        launch = self._interp[grid]
+
+        def run(*args, **kwargs):
+            with _jit_calls_interpreted():
+                return launch(*args, **kwargs)
+        return run
+
+
+@contextmanager
+def _jit_calls_interpreted():
+    """Let compiled-mode @triton.jit helpers (ours, tl.zeros, tl.cumsum, ...) be called from interpreted code, as
+    they would be had TRITON_INTERPRET=1 been set before triton was imported."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    original = JITFunction.__call__
+    cache: dict = {}
+
+    def call(jf, *args, **kwargs):
+        if id(jf) not in cache:  # by id: hashing a JITFunction parses its source, which fails mid-interpretation
+            cache[id(jf)] = InterpretedFunction(jf.fn)
+        return cache[id(jf)](*args, **kwargs)
+    JITFunction.__call__ = call
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
 
 
 def dual_jit(fn):

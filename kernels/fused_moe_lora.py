@@ -4,12 +4,12 @@ Shapes: T tokens, K top-k, E experts, H hidden, I expert width, R max rank, L ad
 GEMM (N1 = 2I gated or I non-gated for gate_up, H for down), P = T*K (token, expert) pairs, M padded rows
 (pairs sorted by adapter then expert, each group padded to BLOCK_M; see moe_align.py), S slices.
 
-Per layer the Triton path launches: alignment (a few torch ops, no host sync), shrink(x), gate_up GEMM with the
-LoRA expand + bias + activation fused in its epilogue, shrink(act), down GEMM with expand + bias + top-k weight in
-its epilogue, and a sum over the K copies of each token. The shrinks run once per row instead of once per output
-tile (fusing them into the GEMM K-loop would repeat them N/BLOCK_N times); the expands cost one small dot per
-tile. Top-k slots of a token sit in different groups, so their sum is a separate deterministic reduction rather
-than atomics (reruns are bit-identical).
+Per layer the Triton path launches: alignment (a memset and three small kernels, no host sync), the gate_up
+GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carries its LoRA: the shrink X A^T is
+one more narrow dot per K step on the X tile already in shared memory (repeated by the N/BLOCK_N programs of a
+row block, about R/WN extra MMA work, but no extra pass over X and no launch), the expand one dot in the
+epilogue, then bias, activation (gate_up) or top-k weight (down). Top-k slots of a token sit in different groups,
+so their sum is a separate deterministic reduction rather than atomics (reruns are bit-identical).
 """
 from __future__ import annotations
 
@@ -164,19 +164,24 @@ def _lora_shrink_kernel(
 
 @dual_jit
 def _grouped_gemm_kernel(
-        X, W, Bias, Out, S, LB, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded, SliceOffs,
-        num_pairs, N, Kdim,
+        X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded,
+        SliceOffs, num_pairs, N, Kdim,
         stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
-        stride_sm, stride_sr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+        stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+        stride_lbl, stride_lbe, stride_lbn, stride_lbr,
         TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
-        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
+        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
         NUM_SLICES: tl.constexpr, R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr):
-    """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + S[rows] B[a, e, n]^T) (* topk weight).
+    """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
-    GATED: W rows [0, N) are the gate and [N, 2N) the up projection; the activation combines the two tiles."""
+    GATED: W rows [0, N) are the gate and [N, 2N) the up projection. A program's dot covers BLOCK_N gate and
+    BLOCK_N up rows interleaved (even columns gate, odd up), so one MMA of width 2*BLOCK_N feeds the activation.
+    LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
+    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (dense layers with slices)."""
+    WN: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -190,6 +195,8 @@ def _grouped_gemm_kernel(
     pid_n = (pid % per_group) // group_size
 
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    a = tl.load(BlockAdapter + pid_m)
+    a_safe = tl.maximum(a, 0).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(SortedIds + offs_m)
     row_ok = pair < num_pairs
@@ -197,14 +204,25 @@ def _grouped_gemm_kernel(
         xrow = offs_m
     else:
         xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_wn = offs_n % N  # wrapped columns are valid addresses, so the K-loop loads need no column mask
+    j = tl.arange(0, WN)
+    if GATED:
+        col = pid_n * BLOCK_N + j // 2
+        wrow = col % N + (j % 2) * N  # wrapped columns are valid rows, so K-loop loads need no column mask
+    else:
+        col = pid_n * BLOCK_N + j
+        wrow = col % N
     offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < 0
+    if LORA > 0:
+        rank = tl.load(Ranks + a_safe)
+        r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
     x_ptrs = X + xrow[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = W + e * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    w_ptrs = W + e * stride_we + wrow[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    la_ptrs = (LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar
+               + offs_k[:, None] * stride_lak)
+    acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)
+    acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, K_TILES):
         if EVEN_K:
             xt = tl.load(x_ptrs)
@@ -217,68 +235,62 @@ def _grouped_gemm_kernel(
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(xt, wt, acc, input_precision=DOT_PREC)
-        if GATED:
+        if LORA == 1:
             if EVEN_K:
-                wu = tl.load(w_ptrs + N * stride_wn)
+                at = tl.load(la_ptrs, mask=r_ok[None, :], other=0.0)
             else:
-                wu = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None], other=0.0)
+                at = tl.load(la_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
             if UPCAST:
-                wu = wu.to(tl.float32)
-            acc_up = tl.dot(xt, wu, acc_up, input_precision=DOT_PREC)
+                at = at.to(tl.float32)
+            acc_s = tl.dot(xt, at, acc_s, input_precision=DOT_PREC)
+            la_ptrs += BLOCK_K * stride_lak
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    if HAS_LORA:
-        a = tl.load(BlockAdapter + pid_m)
+    if LORA > 0:
         if a >= 0:
-            rank = tl.load(Ranks + a)
-            offs_r = tl.arange(0, BLOCK_R)
-            r_ok = (offs_r < rank) & (offs_r < R)
-            lb_base = LB + a.to(tl.int64) * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
-            for s in tl.static_range(NUM_SLICES):
-                lo = tl.load(SliceOffs + s)
-                hi = tl.load(SliceOffs + s + 1)
-                # slices are S*R columns of S side by side; B rows of slice s live in [lo, hi)
-                st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
-                             mask=r_ok[None, :], other=0.0)
-                if UPCAST:
-                    st = st.to(tl.float32)
-                else:
-                    st = st.to(LB.dtype.element_ty)
-                col_ok = (offs_n >= lo) & (offs_n < hi)
-                bt = tl.load(lb_base + offs_n[None, :] * stride_lbn, mask=r_ok[:, None] & col_ok[None, :],
-                             other=0.0)
-                if UPCAST:
-                    bt = bt.to(tl.float32)
-                acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
-                if GATED:
-                    bu = tl.load(lb_base + (offs_n[None, :] + N) * stride_lbn,
-                                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-                    if UPCAST:
-                        bu = bu.to(tl.float32)
-                    acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+            lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+                       + wrow[None, :] * stride_lbn)
+            if LORA == 1:
+                st = acc_s * tl.load(Scaling + a_safe)
+                st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+                bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
+                acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
+            else:
+                for s in tl.static_range(NUM_SLICES):
+                    # S holds the slices' shrinks side by side; B rows of slice s live in [lo, hi)
+                    lo = tl.load(SliceOffs + s)
+                    hi = tl.load(SliceOffs + s + 1)
+                    st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
+                                 mask=r_ok[None, :], other=0.0)
+                    st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+                    bt = tl.load(lb_ptrs, mask=r_ok[:, None] & ((col >= lo) & (col < hi))[None, :], other=0.0)
+                    acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
 
     if HAS_BIAS:
-        acc += tl.load(Bias + e * stride_be + offs_wn * stride_bn).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(Bias + e * stride_be + (offs_wn + N) * stride_bn).to(tl.float32)[None, :]
-    if ACT == 1:  # SiLU-gated
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    elif ACT == 2:  # gpt-oss clamped SwiGLU
-        gate = tl.minimum(acc, 7.0)
-        up = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
-        acc = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+        acc += tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)[None, :]
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        if ACT == 1:  # SiLU-gated
+            h = gate / (1.0 + tl.exp(-gate)) * up
+        else:  # gpt-oss clamped SwiGLU
+            gate = tl.minimum(gate, 7.0)
+            up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+            h = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
     elif ACT == 3:  # relu^2, not gated
-        acc = tl.maximum(acc, 0.0)
-        acc = acc * acc
+        h = tl.maximum(acc, 0.0)
+        h = h * h
+    else:
+        h = acc
     if MUL_TOPK:
-        acc = acc * tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+        h = h * tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
     if OUT_SORTED:
         orow = offs_m
     else:
         orow = pair
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_ptrs = Out + orow[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(o_ptrs, h.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -302,20 +314,25 @@ SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; Hopper allows 
 
 
 def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device,
-                   dtype: torch.dtype = torch.bfloat16, gated: bool = False) -> GemmConfig:
+                   dtype: torch.dtype = torch.bfloat16, gated: bool = False, rank: int = 0) -> GemmConfig:
     """Small heuristic instead of autotuning (the interpreter cannot autotune, and tuning per call would cost the
-    runtime a compile storm). block_m follows the expected rows per group, so padding stays small; the pipeline
-    depth is what fits in shared memory (fp32 tiles are twice as large)."""
+    runtime a compile storm). block_m follows the expected rows per group, so padding stays small; the dot is 256
+    wide for big row blocks (128 x 256 x 64 bf16 tiles were the fastest of those tried on an H100, see
+    benchmarks/results/kernels_notes.md); fp32 runs on FMA units and gets smaller tiles; the pipeline depth is
+    what fits in shared memory. block_n counts output columns: a gated dot is twice as wide."""
     if device.type != "cuda":  # interpreter: small tiles keep the program count and the per-step cost low
         return GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1)
     rows = num_pairs / max(1, num_groups)
-    block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64
-    block_n = 128 if n >= 1024 else 64
+    block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64 if rows <= 160 else 128
+    wn = 256 if block_m >= 64 else 128
+    if dtype == torch.float32:
+        block_m, wn = min(block_m, 64), 128
+    wn = min(wn, max(32, triton.next_power_of_2(n * (2 if gated else 1))))
     block_k = 64
-    per_stage = (block_m + (2 if gated else 1) * block_n) * block_k * torch.finfo(dtype).bits // 8
+    per_stage = (block_m + wn + (next_pow2(rank) if rank else 0)) * block_k * torch.finfo(dtype).bits // 8
     stages = max(2, min(4, SMEM_BUDGET // per_stage))
-    return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4 if block_m <= 32 else 8,
-                      num_stages=stages)
+    return GemmConfig(block_m, wn // 2 if gated else wn, block_k, group_m=8,
+                      num_warps=8 if block_m * wn >= 128 * 128 else 4, num_stages=stages)
 
 
 def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype, cuda: bool) -> int:
@@ -358,31 +375,33 @@ def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool) -> 
 
 
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
-                activation: str = "none", bias=None, lora_s=None, lora_b=None, ranks=None,
-                slice_offsets: tuple = None, topk_weights=None) -> torch.Tensor:
-    """w (E, N_w, Kdim) with N_w = 2N when gated; lora_b viewed as (L, E, N_w, R); bias (E, N_w)."""
+                activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
+                ranks=None, slice_offsets: tuple | None = None, topk_weights=None) -> torch.Tensor:
+    """w (E, N_w, Kdim) with N_w = 2N when gated; bias (E, N_w); lora_b viewed as (L, E, N_w, R).
+    LoRA either as lora_a (L, E, R, Kdim) (shrink fused into the K-loop) or as a precomputed, scaled lora_s
+    (M, S*R) with slice_offsets (dense layers)."""
     gated = GATED.get(activation, False)
     E, n_w, kdim = w.shape
     n = n_w // 2 if gated else n_w
-    has_lora = lora_s is not None
+    mode = 1 if lora_a is not None else 2 if lora_s is not None else 0
     dummy = routing.sorted_ids
-    lb = lora_b if has_lora else w.new_empty(1, 1, 1, 1)
-    R = lb.shape[3] if has_lora else 1
+    la = lora_a if mode == 1 else w.new_empty(1, 1, 1, 1)
+    lb = lora_b if mode else w.new_empty(1, 1, 1, 1)
+    R = lb.shape[3] if mode else 1
+    sv = lora_s if mode == 2 else w.new_empty(1, 1, dtype=torch.float32)
     offs = slice_offsets if slice_offsets is not None else (0, n)
-    num_m_max = routing.num_blocks
-    grid = (num_m_max * triton.cdiv(n, cfg.block_n),)
+    grid = (routing.num_blocks * triton.cdiv(n, cfg.block_n),)
     _grouped_gemm_kernel[grid, x.device](
-        x, w, bias if bias is not None else dummy, out, lora_s if has_lora else dummy, lb,
-        ranks if has_lora else dummy, topk_weights if topk_weights is not None else dummy,
+        x, w, bias if bias is not None else dummy, out, la, sv, lb,
+        scaling if mode else dummy, ranks if mode else dummy, topk_weights if topk_weights is not None else dummy,
         routing.sorted_ids, routing.block_expert, routing.block_adapter, routing.num_padded,
         device_const(tuple(offs), x.device), routing.num_pairs, n, kdim,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        out.stride(0), out.stride(1),
-        lora_s.stride(0) if has_lora else 0, lora_s.stride(1) if has_lora else 0,
-        lb.stride(0), lb.stride(1), lb.stride(2), lb.stride(3),
+        out.stride(0), out.stride(1), la.stride(0), la.stride(1), la.stride(2), la.stride(3),
+        sv.stride(0), sv.stride(1), lb.stride(0), lb.stride(1), lb.stride(2), lb.stride(3),
         TOPK=routing.top_k, X_SORTED=x_sorted, OUT_SORTED=out_sorted, GATED=gated, ACT=ACTIVATIONS[activation],
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora, MUL_TOPK=topk_weights is not None,
+        HAS_BIAS=bias is not None, LORA=mode, MUL_TOPK=topk_weights is not None,
         NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
@@ -398,24 +417,23 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     K = topk_ids.shape[1]
     inter_n = n1 // 2 if GATED[activation] else n1
     slots = lora.num_slots if lora is not None else 0
-    cfg1 = config or default_config(T * K, E, inter_n, H, x.device, x.dtype, gated=GATED[activation])
-    cfg2 = down_config or default_config(T * K, E, H, inter_n, x.device, x.dtype)
+    rank = lora.max_rank if lora is not None else 0
+    cfg1 = config or default_config(T * K, E, inter_n, H, x.device, x.dtype, GATED[activation], rank)
+    cfg2 = down_config or default_config(T * K, E, H, inter_n, x.device, x.dtype, False, rank)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
-    routing = moe_align(topk_ids, token_adapter if lora is not None else None, E, slots, cfg1.block_m)
-    M = routing.sorted_ids.shape[0]
-    inter = torch.empty(M, inter_n, dtype=x.dtype, device=x.device)
-    lora_kw = {}
+    routing = moe_align(topk_ids, token_adapter if lora is not None else None, E, slots, cfg1.block_m,
+                        impl="triton")
+    inter = torch.empty(routing.sorted_ids.shape[0], inter_n, dtype=x.dtype, device=x.device)
+    kw1 = kw2 = {}
     if lora is not None:
-        s1 = launch_shrink(x, lora.gate_up_a.unsqueeze(2), lora.scaling, lora.ranks, routing, False)
-        lora_kw = dict(lora_s=s1, lora_b=lora.gate_up_b, ranks=lora.ranks)
+        common = dict(scaling=lora.scaling, ranks=lora.ranks)
+        kw1 = dict(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
+        kw2 = dict(lora_a=lora.down_a, lora_b=lora.down_b, **common)
     launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
-                bias=b_gate_up, **lora_kw)
-    if lora is not None:
-        s2 = launch_shrink(inter, lora.down_a.unsqueeze(2), lora.scaling, lora.ranks, routing, True)
-        lora_kw = dict(lora_s=s2, lora_b=lora.down_b, ranks=lora.ranks)
+                bias=b_gate_up, **kw1)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
-                topk_weights=topk_weights.reshape(-1).float(), **lora_kw)
+                topk_weights=topk_weights.reshape(-1).float(), **kw2)
     return y.view(T, K, H).sum(dim=1) if K > 1 else y
 
 

@@ -77,15 +77,15 @@ def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, 
     has_lora = lora_a is not None
     L = lora_a.shape[0] if has_lora else 0
     cfg = config or default_config(T, 1, n, kin, x.device, x.dtype)
-    routing = moe_align(torch.zeros(T, 1, dtype=torch.int32, device=x.device),
-                        token_adapter if has_lora else None, 1, L, cfg.block_m)
+    routing = moe_align(None, token_adapter if has_lora else None, 1, L, cfg.block_m, impl="triton",
+                        num_tokens=T, device=x.device)
     out = torch.empty(T, n, dtype=x.dtype, device=x.device)
     lora_kw = {}
     if has_lora:
         R = lora_a.shape[2]
         ranks = device_const((R,) * L, x.device)
         s = launch_shrink(x, lora_a.unsqueeze(1), scaling, ranks, routing, False)
-        lora_kw = dict(lora_s=s, lora_b=lora_b.unsqueeze(1), ranks=ranks,
+        lora_kw = dict(lora_s=s, lora_b=lora_b.unsqueeze(1), scaling=scaling, ranks=ranks,
                        slice_offsets=_offsets(slice_offsets, n))
     return launch_gemm(x, w.unsqueeze(0), out, routing, cfg, x_sorted=False, out_sorted=False,
                        bias=bias.unsqueeze(0) if bias is not None else None, **lora_kw)

@@ -6,12 +6,18 @@ comes first), M_max = padded row capacity, NB = M_max / BLOCK_M blocks.
 
 Everything stays on the device: the capacity is an upper bound known from shapes alone, and the number of rows
 actually used (num_padded) is a device tensor that the kernels read, so no host synchronisation happens.
+
+Two implementations: torch ops (about fifteen small launches, pairs in stable order) and three Triton kernels
+(count with atomics, prefix sum, fill). The Triton one places pairs inside a group in arrival order of the
+atomics, which varies between runs; the GEMM rows are independent, so the layer's output does not.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kernels._triton import dual_jit, resolve_impl, tl, triton
 
 
 @dataclass(slots=True)
@@ -39,11 +45,23 @@ def max_padded_rows(num_pairs: int, num_groups: int, block_m: int) -> int:
     return max(block_m, -(-rows // block_m) * block_m)
 
 
-def moe_align(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int, num_slots: int,
-              block_m: int) -> MoeRouting:
+def moe_align(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor | None, num_experts: int, num_slots: int,
+              block_m: int, impl: str = "auto", num_tokens: int | None = None, device=None) -> MoeRouting:
     """topk_ids (T, K) int, token_adapter (T,) int (slot, -1 = none) or None -> MoeRouting.
+    Dense layers pass topk_ids=None with num_tokens and device: one expert, K = 1."""
+    if topk_ids is None:
+        assert num_tokens is not None and device is not None, "topk_ids=None needs num_tokens and device"
+    dev = torch.device(device) if topk_ids is None else topk_ids.device
+    if resolve_impl(impl, torch.empty(0, device=dev)) == "triton":
+        return moe_align_triton(topk_ids, token_adapter, num_experts, num_slots, block_m, num_tokens, dev)
+    if topk_ids is None:
+        topk_ids = torch.zeros(num_tokens, 1, dtype=torch.int32, device=dev)
+    return moe_align_torch(topk_ids, token_adapter, num_experts, num_slots, block_m)
 
-    Pairs keep their original order inside a group (stable sort), so the layout is deterministic."""
+
+def moe_align_torch(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int, num_slots: int,
+                    block_m: int) -> MoeRouting:
+    """torch ops; pairs keep their original order inside a group (stable sort)."""
     assert topk_ids.ndim == 2, f"topk_ids must be (T, K), got {tuple(topk_ids.shape)}"
     T, K = topk_ids.shape
     dev = topk_ids.device
@@ -75,8 +93,8 @@ def moe_align(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_ex
                       block_m=block_m, num_pairs=P, top_k=K)
 
 
-def moe_align_torch(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int,
-                    num_slots: int, block_m: int) -> list[tuple[int, int, list[int]]]:
+def align_groups_reference(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int,
+                           num_slots: int) -> list[tuple[int, int, list[int]]]:
     """Reference: the groups as python lists, [(slot, expert, [pair, ...]), ...] in sorted order."""
     T, K = topk_ids.shape
     groups = []
@@ -88,3 +106,101 @@ def moe_align_torch(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, 
             if pairs:
                 groups.append((slot, e, pairs))
     return groups
+
+
+# ------------------------------------------------------------------------------------------------ Triton version
+
+@triton.jit
+def _group_ids(TopkIds, TokenAdapter, offs, ok, E, TOPK: tl.constexpr, HAS_IDS: tl.constexpr,
+               HAS_SLOTS: tl.constexpr):
+    gid = tl.zeros_like(offs)
+    if HAS_IDS:
+        gid = tl.load(TopkIds + offs, mask=ok, other=0).to(tl.int32)
+    if HAS_SLOTS:
+        slot = tl.maximum(tl.load(TokenAdapter + offs // TOPK, mask=ok, other=-1).to(tl.int32), -1)
+        gid = (slot + 1) * E + gid
+    return gid
+
+
+@dual_jit
+def _align_count_kernel(TopkIds, TokenAdapter, Counts, Pos, num_pairs, E, TOPK: tl.constexpr,
+                        HAS_IDS: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    gid = _group_ids(TopkIds, TokenAdapter, offs, ok, E, TOPK, HAS_IDS, HAS_SLOTS)
+    pos = tl.atomic_add(Counts + gid, 1, mask=ok, sem="relaxed")  # old value = place inside the group
+    tl.store(Pos + offs, pos, mask=ok)
+
+
+@dual_jit
+def _align_offsets_kernel(Counts, GroupStart, GroupEnd, NumPadded, G, BLOCK_M: tl.constexpr,
+                          G_PAD: tl.constexpr):
+    g = tl.arange(0, G_PAD)
+    padded = (tl.load(Counts + g, mask=g < G, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(GroupStart + g, end - padded, mask=g < G)
+    tl.store(GroupEnd + g, end, mask=g < G)
+    tl.store(NumPadded, tl.sum(padded, 0))
+
+
+@dual_jit
+def _align_fill_kernel(TopkIds, TokenAdapter, Counts, Pos, GroupStart, GroupEnd, SortedIds, BlockExpert,
+                       BlockAdapter, num_pairs, E, G, m_max, row_programs, TOPK: tl.constexpr,
+                       HAS_IDS: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       SEARCH_STEPS: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < row_programs:
+        # padding rows and block tables: each row finds its group by binary search over the group ends
+        rows = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < m_max
+        lo = tl.zeros_like(rows)
+        hi = tl.zeros_like(rows) + G
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            right = tl.load(GroupEnd + tl.minimum(mid, G - 1)) <= rows
+            active = lo < hi
+            lo = tl.where(active & right, mid + 1, lo)
+            hi = tl.where(active & ~right, mid, hi)
+        g = tl.minimum(lo, G - 1)  # rows past num_padded: any group, those blocks are never run
+        is_pad = (rows - tl.load(GroupStart + g)) >= tl.load(Counts + g)
+        tl.store(SortedIds + rows, num_pairs + tl.zeros_like(rows), mask=ok & is_pad)
+        first = ok & (rows % BLOCK_M == 0)
+        tl.store(BlockExpert + rows // BLOCK_M, g % E, mask=first)
+        tl.store(BlockAdapter + rows // BLOCK_M, g // E - 1, mask=first)
+    else:
+        offs = (pid - row_programs) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < num_pairs
+        gid = _group_ids(TopkIds, TokenAdapter, offs, ok, E, TOPK, HAS_IDS, HAS_SLOTS)
+        dest = tl.load(GroupStart + gid, mask=ok, other=0) + tl.load(Pos + offs, mask=ok, other=0)
+        tl.store(SortedIds + dest, offs, mask=ok)
+
+
+def moe_align_triton(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor | None, num_experts: int,
+                     num_slots: int, block_m: int, num_tokens: int | None = None, device=None) -> MoeRouting:
+    dev = topk_ids.device if topk_ids is not None else torch.device(device)
+    T, K = topk_ids.shape if topk_ids is not None else (num_tokens, 1)
+    has_slots = token_adapter is not None and num_slots > 0
+    P, E = T * K, num_experts
+    G = (num_slots + 1) * E if has_slots else E
+    m_max = max_padded_rows(P, G, block_m)
+    counts = torch.zeros(G, dtype=torch.int32, device=dev)
+    ids = topk_ids.contiguous() if topk_ids is not None else counts  # unread when absent (HAS_IDS=False)
+    ta = token_adapter.contiguous() if has_slots else counts
+    pos = torch.empty(P, dtype=torch.int32, device=dev)
+    start = torch.empty(G, dtype=torch.int32, device=dev)
+    end = torch.empty(G, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(m_max, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(m_max // block_m, dtype=torch.int32, device=dev)
+    block_adapter = torch.empty(m_max // block_m, dtype=torch.int32, device=dev)
+    BLOCK = 1024 if dev.type == "cuda" else 256
+    flags = dict(TOPK=K, HAS_IDS=topk_ids is not None, HAS_SLOTS=has_slots, BLOCK=BLOCK)
+    _align_count_kernel[(triton.cdiv(P, BLOCK),), dev](ids, ta, counts, pos, P, E, **flags)
+    _align_offsets_kernel[(1,), dev](counts, start, end, num_padded, G, BLOCK_M=block_m,
+                                     G_PAD=triton.next_power_of_2(G))
+    row_programs = triton.cdiv(m_max, BLOCK)
+    _align_fill_kernel[(row_programs + triton.cdiv(P, BLOCK),), dev](
+        ids, ta, counts, pos, start, end, sorted_ids, block_expert, block_adapter, P, E, G, m_max, row_programs,
+        BLOCK_M=block_m, SEARCH_STEPS=G.bit_length(), **flags)
+    return MoeRouting(sorted_ids=sorted_ids, block_expert=block_expert, block_adapter=block_adapter,
+                      num_padded=num_padded, block_m=block_m, num_pairs=P, top_k=K)
