@@ -112,6 +112,24 @@ def cmd_compare(args) -> int:
     return 0 if all(v.passed for v in verdicts) else 1
 
 
+def cmd_calibrate(args) -> int:
+    from harness import calibrate as cal
+    from harness.adapter_zoo import MOE_MODELS
+
+    models = args.model or MOE_MODELS
+    if args.engine is None:
+        cal.calibrate_zoo(models)
+        return 0
+    if not args.record_as:
+        raise SystemExit("--engine needs --record-as PAIR@DTYPE (which threshold entry the noise sets)")
+    a = cal.Lane(args.engine, args.dtype, _parse_options(args.option), args.tp)
+    b = cal.Lane(args.against, args.against_dtype, _parse_options(args.against_option))
+    record_as = [tuple(r.rsplit("@", 1)) for r in args.record_as]
+    for m in models:
+        cal.calibrate(m, a, b, record_as, args.factor, tp=args.tp, num_layers=args.num_layers)
+    return 0
+
+
 def cmd_models(args) -> int:
     from harness.catalog import describe, list_models
 
@@ -198,6 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("dst")
     cv.add_argument("--to", required=True, choices=["peft3d", "per_expert"])
 
+    cal = sub.add_parser("calibrate", help="measure noise floors between correct implementations -> thresholds")
+    cal.add_argument("--model", action="append", help="model (repeatable; default: the tiny zoo)")
+    cal.add_argument("--engine", default=None, help="with --against: calibrate one pair instead of the zoo plan")
+    cal.add_argument("--dtype", default="float32")
+    cal.add_argument("--option", action="append", help="engine option KEY=VALUE for --engine")
+    cal.add_argument("--against", default="hf")
+    cal.add_argument("--against-dtype", default="float32")
+    cal.add_argument("--against-option", action="append")
+    cal.add_argument("--record-as", action="append", metavar="PAIR@DTYPE",
+                     help="threshold entry to write, e.g. vllm:bfloat16-vs-hf:float32@bfloat16")
+    cal.add_argument("--factor", type=float, default=10.0)
+    cal.add_argument("--tp", type=int, default=1)
+    cal.add_argument("--num-layers", type=int, default=None)
+
     d = sub.add_parser("doctor", help="pre-flight check of an adapter against each engine's known LoRA limits")
     d.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -220,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_models(args)
         if args.cmd == "adapters":
             return cmd_adapters(args)
+        if args.cmd == "calibrate":
+            return cmd_calibrate(args)
         if args.cmd == "doctor":
             from harness.doctor import main as doctor_main
 
