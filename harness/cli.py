@@ -74,7 +74,7 @@ def cmd_run(args, regen: bool = False) -> int:
 
 
 def cmd_compare(args) -> int:
-    from harness.metrics import compare, delta_fidelity
+    from harness.metrics import compare
     from harness.thresholds import lookup
     from harness.types import AdapterSpec, LogprobRun
     from harness.verdict import format_table, judge
@@ -87,7 +87,7 @@ def cmd_compare(args) -> int:
         return 0 if v.passed else 1
     if not args.model:
         raise SystemExit("compare needs --model (two engines) or --runs A.npz B.npz (two stored runs)")
-    from harness.job import Job, resolve, run_engine
+    from harness.job import Job, judge_job, resolve, run_engine
 
     job = Job(model=args.model, engine=args.engine, dtype=args.dtype, reference=args.against,
               ref_dtype=args.against_dtype, tp=args.tp, adapters=(args.adapter,) if args.adapter else None,
@@ -101,13 +101,7 @@ def cmd_compare(args) -> int:
         test_adapters = {name: AdapterSpec(name, args.test_adapter_dir)}
     runs = run_engine(job.engine, spec, test_adapters, prompts, job.dtype, job.tp, job.top_k)
     refs = run_engine(job.reference, spec, adapters, prompts, job.ref_dtype, 1, job.top_k)
-    threshold = lookup(job.model, job.engine_pair, job.dtype, job.tp)
-    verdicts = []
-    for a in runs:
-        fid = None if a is None else delta_fidelity(runs[a], runs[None], refs[a], refs[None])
-        v = judge(compare(runs[a], refs[a]), threshold, delta_fidelity=fid)
-        v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
-        verdicts.append(v)
+    verdicts = judge_job(job, runs, refs)
     print(format_table(verdicts))
     return 0 if all(v.passed for v in verdicts) else 1
 

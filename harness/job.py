@@ -129,11 +129,14 @@ def judge_job(job: Job, runs, refs) -> list:
     from harness.thresholds import lookup
     from harness.verdict import judge
 
+    from harness.routing import near_tie_eps
+
     threshold = lookup(job.model, job.engine_pair, job.dtype, job.tp)
+    eps = near_tie_eps(job.dtype, job.ref_dtype)
     verdicts = []
     for a in runs:
         fidelity = None if a is None else delta_fidelity(runs[a], runs[None], refs[a], refs[None])
-        v = judge(compare(runs[a], refs[a]), threshold, delta_fidelity=fidelity)
+        v = judge(compare(runs[a], refs[a], near_tie_eps=eps), threshold, delta_fidelity=fidelity)
         v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
         verdicts.append(v)
     return verdicts
