@@ -81,8 +81,10 @@ def cmd_compare(args) -> int:
 
     if args.runs:
         a, b = (LogprobRun.load(p) for p in args.runs)
-        v = judge(compare(a, b), lookup(a.meta.get("model", "?"), "stored-runs", a.meta.get("dtype", "float32"), 1))
-        v.model, v.engine_pair, v.adapter = a.meta.get("model", "?"), f"{args.runs[0]} vs {args.runs[1]}", "-"
+        lane = [f"{r.meta.get('engine', '?')}:{r.meta.get('dtype', 'float32')}" for r in (a, b)]
+        model, dtype = a.meta.get("model", "?"), a.meta.get("dtype", "float32")
+        v = judge(compare(a, b), lookup(model, f"{lane[0]}-vs-{lane[1]}", dtype, int(a.meta.get("tp", 1))),
+                  adapter=f"{a.meta.get('adapter') or '-'} vs {b.meta.get('adapter') or '-'}")
         print(format_table([v]))
         return 0 if v.passed else 1
     if not args.model:

@@ -1,0 +1,49 @@
+"""The lpdiff CLI end to end on the tiny zoo: regen/run round trip, clear errors, and planted faults caught."""
+import pytest
+
+from harness import mutations
+from harness.cli import main
+from harness.job import zoo_adapters
+
+
+def test_models_lists_catalog_with_shapes(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-qwen3-moe" in out and "qwen3-30b-a3b" in out and "2048" in out
+
+
+def test_missing_baseline_names_the_regen_command(tmp_path, capsys):
+    rc = main(["run", "--model", "tiny-qwen3-moe", "--adapter", "experts", "--baselines", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "lpdiff regen" in err and "tiny-qwen3-moe" in err
+
+
+def test_regen_then_run_passes_and_saves_runs(tmp_path, capsys):
+    sel = ["--model", "tiny-gpt-oss", "--adapter", "attention", "--baselines", str(tmp_path / "b")]
+    assert main(["regen", *sel]) == 0
+    capsys.readouterr()
+    assert main(["run", *sel, "--save-runs", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and "FAIL" not in out
+    saved = sorted((tmp_path / "runs").glob("*.npz"))
+    assert len(saved) == 2
+    # two stored runs compared: base vs adapter differ far beyond any fp32 threshold
+    assert main(["compare", "--runs", str(saved[0]), str(saved[1])]) == 1
+
+
+# Each planted fault is a real mechanism an engine gets wrong; the verdict must FAIL and name what moved.
+@pytest.mark.parametrize("model,mutation,kwargs", [
+    ("tiny-qwen3-moe", "zero_expert", {"expert": 3}),  # one expert's LoRA silently dropped
+    ("tiny-gpt-oss", "scale_experts", {"factor": 2.0}),  # expert LoRA applied with the wrong scale
+    ("tiny-qwen3.5-moe", "permute_experts", {"shift": 1}),  # expert adapters in the wrong order
+])
+def test_planted_fault_fails_compare_and_names_delta_fidelity(model, mutation, kwargs, tmp_path, capsys):
+    broken = mutations.MUTATIONS[mutation](zoo_adapters(model)["experts"].path, tmp_path / "broken", **kwargs)
+    rc = main(["compare", "--model", model, "--adapter", "experts", "--test-adapter-dir", str(broken)])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    row = next(line for line in out.splitlines() if " experts " in line)
+    assert "FAIL" in row and "delta fidelity" in row
+    base_row = next(line for line in out.splitlines() if line.startswith(model) and "  -  " in line)
+    assert "PASS" in base_row  # the base model is untouched by an adapter fault
