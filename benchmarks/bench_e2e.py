@@ -97,7 +97,7 @@ def bench_model(name: str, args, writer) -> None:
             log(r)
             return r
 
-        results = {}
+        results, outs = {}, {}
         if not args.skip_hf:
             t0 = time.perf_counter()
             with HFEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
@@ -106,6 +106,7 @@ def bench_model(name: str, args, writer) -> None:
                 for a in (None, adapter.name):
                     secs, peak = timed(hf, prompts, a, 1, args.hf_reps)
                     results[("hf", a)] = row(f"r{args.rank}" if a else "none", "hf+peft" if a else "hf", secs, peak)
+                    outs[("hf", a)] = hf.prompt_logprobs(prompts, a)
             free_gpu()
         t0 = time.perf_counter()
         with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda")) as tr:
@@ -116,10 +117,25 @@ def bench_model(name: str, args, writer) -> None:
             for a in (None, adapter.name):
                 secs, peak = timed(tr, prompts, a, 2, args.reps)
                 results[("triton", a)] = row(f"r{args.rank}" if a else "none", "triton", secs, peak)
+                outs[("triton", a)] = tr.prompt_logprobs(prompts, a)
             if args.profile:
                 profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}.txt")
                 breakdown(tr, prompts, adapter.name)
         free_gpu()
+        if args.sdpa_too:  # the attention fallback path, LoRA only
+            with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
+                                           options={"attention": "sdpa"})) as tr:
+                secs, peak = timed(tr, prompts, adapter.name, 2, args.reps)
+                row(f"r{args.rank}", "triton-sdpa", secs, peak)
+                outs[("sdpa", adapter.name)] = tr.prompt_logprobs(prompts, adapter.name)
+            free_gpu()
+    for a in (None, adapter.name):  # bf16 agreement: noisy on random full-size models, but catches gross errors
+        for other in ("hf", "sdpa"):
+            if (other, a) in outs:
+                d = torch.cat([torch.from_numpy(x.logprobs - y.logprobs)
+                               for x, y in zip(outs[("triton", a)], outs[(other, a)])])
+                log(f"bf16 triton vs {other} adapter={a}: k2 {0.5 * d.pow(2).mean():.3g}, max |d| "
+                    f"{d.abs().max():.3g}, mean |d| {d.abs().mean():.3g}")
     base, lora = results[("triton", None)], results[("triton", adapter.name)]
     summary = {"model": spec.name, "triton_lora_tok_s": lora["tokens_per_s"], "triton_base_tok_s": base["tokens_per_s"],
                "lora_overhead_pct": round(100 * (base["tokens_per_s"] / lora["tokens_per_s"] - 1), 1),
@@ -146,7 +162,7 @@ def breakdown(eng, prompts, adapter: str) -> None:
     next to one whole forward: where the time goes, base and LoRA."""
     from triton.testing import do_bench
 
-    from engines.triton.attention import sdpa
+    from engines.triton.attention import attention
     from engines.triton.batch import Batch
     from engines.triton.moe import experts, route
     from engines.triton.norm import add_rms_norm
@@ -174,7 +190,7 @@ def breakdown(eng, prompts, adapter: str) -> None:
             "qkv lora_linear": lambda: m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, m.qkv_offsets, ta),
             "norm_rope q+k": lambda: (norm_rope(q, lw.q_norm, cfg.rms_norm_eps, b.cos, b.sin),
                                       norm_rope(k, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin)),
-            "sdpa": lambda: sdpa(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks),
+            "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
             "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, None, ta),
             "router+route": lambda: route(x, lw, cfg, m.impl),
             "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl),
@@ -205,6 +221,7 @@ def main():
     p.add_argument("--hf-reps", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out) / "e2e.csv"

@@ -87,12 +87,46 @@ def test_fp32_parity_with_hf_peft_full_width(case):
     assert effect > 100 * TOL, f"adapter moved logprobs by only {effect:.2e}"
 
 
+@needs(1)
+@pytest.mark.gpu1
+@pytest.mark.parametrize("window,sinks", [(None, False), (16, False), (None, True), (16, True)])
+def test_flash_varlen_attention_matches_fp32_sdpa(window, sinks):
+    """The bf16 path (FlashAttention varlen + sink rescaling by the logsumexp) against the fp32 SDPA path on the same
+    ragged batch: GQA 8/2 heads, prompts shorter and longer than the window."""
+    from engines.triton.attention import attention
+    from engines.triton.batch import Batch
+    from engines.triton.config import model_config
+    from harness.catalog import get_model, hf_config
+
+    cfg = model_config(hf_config(get_model("gpt-oss-20b", num_layers=1)))
+    lens = [37, 128, 200, 5]
+    b = Batch.build([[0] * n for n in lens], [-1] * len(lens), cfg, torch.bfloat16, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, h, hkv, d = b.num_tokens, 8, 2, 64
+    q, k, v = (torch.randn(T, n, d, generator=g, device="cuda") for n in (h, hkv, hkv))
+    s = torch.randn(h, generator=g, device="cuda") * 2 if sinks else None
+    ref = attention(q, k, v, b, d ** -0.5, window, s, impl="sdpa")
+    got = attention(*(t.bfloat16() for t in (q, k, v)), b, d ** -0.5, window,
+                    s.bfloat16() if sinks else None, impl="flash")
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"relative error {err:.3g}"
+
+
+TP_CHOICES = [None, MIXED]
+
+
+@pytest.fixture(scope="module")
+def tp1(case):
+    """The TP=1 runs every TP size is compared with (computed once per model)."""
+    spec, adapters, prompts = case
+    return _run("triton", spec, adapters, prompts, TP_CHOICES)
+
+
 @pytest.mark.parametrize("tp", [pytest.param(2, marks=[needs(2), pytest.mark.gpu2]),
                                 pytest.param(4, marks=[needs(4), pytest.mark.gpu4])])
-def test_tensor_parallel_matches_tp1_fp32(case, tp):
+def test_tensor_parallel_matches_tp1_fp32(case, tp1, tp):
     spec, adapters, prompts = case
-    choices = [None, MIXED]
-    ref = _run("triton", spec, adapters, prompts, choices)
+    choices, ref = TP_CHOICES, tp1
     got = _run("triton", spec, adapters, prompts, choices, tp=tp)
     for c, g, r in zip(choices, got, ref):
         _check(g, r, [p.router_margin for p in r], f"{spec.name} tp={tp} adapter={c}")

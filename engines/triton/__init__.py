@@ -10,6 +10,7 @@ under TRITON_INTERPRET=1).
 
 Options (``EngineConfig.options``):
   impl              "auto" | "triton" | "torch": kernels implementation (auto: Triton on CUDA, torch otherwise)
+  attention         "auto" | "flash" | "sdpa": auto is FlashAttention varlen for bf16/fp16 on CUDA, else SDPA
   max_batch_tokens  packed tokens per forward (default 8192)
   logit_chunk       rows per log-softmax chunk (default 1024)
   timeout_s         tensor-parallel start-up and collective timeout (default 600)

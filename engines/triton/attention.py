@@ -1,10 +1,14 @@
-"""Attention for packed prefill: q|k|v in one LoRA-aware GEMM, optional per-head q/k RMSNorm, rope, SDPA over the
-right-padded view, o projection (row-parallel under TP).
+"""Causal self-attention over a packed batch, with optional sliding window (gpt-oss, alternate layers) and attention
+sinks (gpt-oss: one learned logit per head that joins every softmax row but has no value).
 
-Attention sinks (gpt-oss) add one learned logit per head to every softmax row. SDPA has no such input, so the sink
-becomes one extra key that every query sees: q gets a constant-1 extra dimension, the sink key is zero except
-sink/scale there, and its value is zero. Then q'.k_sink * scale = sink exactly (scale is a power of two for
-head_dim 64) and the sink only enlarges the softmax denominator, which is what transformers' eager path computes.
+Two paths, both exact for what they compute:
+- bf16/fp16 on CUDA: FlashAttention's variable-length kernel on the packed tokens (no padding; GQA, window and
+  causality native) — torch's ``aten._flash_attention_forward``. It returns each row's logsumexp L, so a sink s
+  enters as out * exp(L) / (exp(L) + exp(s)) = out * sigmoid(L - s).
+- fp32 (IEEE, for parity verdicts), CPU, or ``attention="sdpa"``: torch SDPA over the right-padded (B, L_max) view.
+  The sink becomes one extra key that every query sees: q gets a constant-1 extra dimension, the sink key is zero
+  except sink/scale there, and its value is zero, so q'.k_sink * scale = sink and the sink only enlarges the
+  softmax denominator, which is what transformers' eager path computes.
 """
 from __future__ import annotations
 
@@ -14,9 +18,30 @@ import torch.nn.functional as F
 from engines.triton.batch import Batch
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
+              sinks: torch.Tensor | None, impl: str = "auto") -> torch.Tensor:
+    """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | flash | sdpa."""
+    if impl == "flash" or (impl == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return flash_varlen(q, k, v, batch, scale, window, sinks)
+    return sdpa(q, k, v, batch, scale, window, sinks)
+
+
+def flash_varlen(q, k, v, batch: Batch, scale: float, window: int | None, sinks: torch.Tensor | None):
+    T, h, _ = q.shape
+    win = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k.contiguous(), v.contiguous(), batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len,
+        0.0, True, False, scale=scale, **win)[:2]
+    if sinks is None:
+        return out
+    # (h, T) from the unpadded varlen kernel; (B, h, L_max) from kernels that keep a padded layout
+    lse = lse if lse.dim() == 2 else batch.unpad(lse.transpose(1, 2)).T
+    keep = torch.sigmoid(lse.float() - sinks.float()[:, None]).T  # (T, h): share of mass not taken by the sink
+    return (out.float() * keep[..., None]).to(out.dtype)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
          sinks: torch.Tensor | None) -> torch.Tensor:
-    """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt."""
     h, d = q.shape[1], q.shape[2]
     rep = h // k.shape[1]
     qp, kp, vp = (batch.pad(t).transpose(1, 2) for t in (q, k, v))  # (B, heads, L, d)

@@ -16,6 +16,7 @@ class Batch:
     positions: torch.Tensor  # (T,) int64, position inside its own prompt
     seq: torch.Tensor  # (T,) int64, prompt index of each token
     lens: list[int]
+    cu_seqlens: torch.Tensor  # (B+1,) int32 prompt boundaries in the packed tokens
     token_adapter: torch.Tensor | None  # (T,) int32 slot per token, -1 none; None when no prompt uses an adapter
     cos: torch.Tensor  # (T, head_dim // 2) in the model dtype
     sin: torch.Tensor
@@ -36,7 +37,8 @@ class Batch:
         freqs = positions[:, None].float() * cfg.rope_inv_freq[None, :]
         cos = (freqs.cos() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
         sin = (freqs.sin() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
-        return cls(ids.to(device), positions.to(device), seq.to(device), lens, adapter, cos, sin)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return cls(ids.to(device), positions.to(device), seq.to(device), lens, cu, adapter, cos, sin)
 
     @property
     def num_tokens(self) -> int:

@@ -11,8 +11,9 @@ from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
 from engines.triton.config import SUPPORTED_ARCHS
 from harness.types import PromptLogprobs
 
-OPTIONS = {"impl": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0}
+OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0}
 IMPLS = ("auto", "triton", "torch")
+ATTENTION = ("auto", "flash", "sdpa")
 
 
 class TritonEngine:
@@ -28,6 +29,8 @@ class TritonEngine:
         self.options = {**OPTIONS, **config.options}
         if self.options["impl"] not in IMPLS:
             raise ValueError(f"option impl must be one of {IMPLS}, got {self.options['impl']!r}")
+        if self.options["attention"] not in ATTENTION:
+            raise ValueError(f"option attention must be one of {ATTENTION}, got {self.options['attention']!r}")
         if config.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp must be 1, 2, 4 or 8, got {config.tp}")
         self.config = config
@@ -67,7 +70,8 @@ class TritonEngine:
                 tp.init_group(0, world, self.workers.init_method, tp.rank_device(self.device, 0),
                               self.options["timeout_s"])
             self.runtime = Runtime(self.config, Shard(0, world), tp.rank_device(self.device, 0),
-                                   tp.all_reduce_fn(world), self.options["impl"], int(self.options["logit_chunk"]))
+                                   tp.all_reduce_fn(world), self.options["impl"], int(self.options["logit_chunk"]),
+                                   self.options["attention"])
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:

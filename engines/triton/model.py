@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.triton.attention import sdpa
+from engines.triton.attention import attention
 from engines.triton.batch import Batch
 from engines.triton.config import ModelConfig
 from engines.triton.lora import LayerLora, StackedLora
@@ -18,10 +18,10 @@ from engines.triton.weights import LayerWeights, ModelWeights
 
 class MoeTransformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: StackedLora | None, shard: Shard,
-                 all_reduce, impl: str = "auto"):
+                 all_reduce, impl: str = "auto", attention_impl: str = "auto"):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
-        self.impl = impl
+        self.impl, self.attention_impl = impl, attention_impl
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads = len(qh), len(kvh)
         d = cfg.head_dim
@@ -40,7 +40,7 @@ class MoeTransformer:
         for i, lw in enumerate(self.w.layers):
             ll = self.lora.layers[i] if self.lora is not None else None
             h, x = self._norm(x, delta, lw.input_norm)
-            delta = self.attention(h, lw, ll, batch, cfg.sliding_windows[i])
+            delta = self.attend(h, lw, ll, batch, cfg.sliding_windows[i])
             h, x = self._norm(x, delta, lw.post_norm)
             ids, weights, m = route(h, lw, cfg, self.impl)
             margin = torch.minimum(margin, m)
@@ -55,7 +55,7 @@ class MoeTransformer:
             return lora_linear(x, w, bias, impl=self.impl)
         return lora_linear(x, w, bias, lora_a, lora_b, self.lora.scaling, offsets, token_adapter, impl=self.impl)
 
-    def attention(self, h: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch,
+    def attend(self, h: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch,
                   window: int | None) -> torch.Tensor:
         cfg, d, T = self.cfg, self.cfg.head_dim, h.shape[0]
         ta = batch.token_adapter
@@ -63,6 +63,7 @@ class MoeTransformer:
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = norm_rope(q.view(T, self.heads, d), lw.q_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
         k = norm_rope(k.view(T, self.kv_heads, d), lw.k_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
-        o = sdpa(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, window, lw.sinks).reshape(T, self.heads * d)
+        o = attention(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, window, lw.sinks,
+                      self.attention_impl).reshape(T, self.heads * d)
         out = self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, None, ta)
         return self.all_reduce(out)

@@ -28,7 +28,7 @@ def set_fp32_precision(dtype: torch.dtype, device: torch.device) -> None:
 
 class Runtime:
     def __init__(self, config: EngineConfig, shard: Shard, device: torch.device, all_reduce, impl: str = "auto",
-                 logit_chunk: int = 1024):
+                 logit_chunk: int = 1024, attention_impl: str = "auto"):
         self.dtype, self.device, self.shard = DTYPES[config.dtype], device, shard
         self.logit_chunk = logit_chunk
         set_fp32_precision(self.dtype, device)
@@ -42,7 +42,7 @@ class Runtime:
 
             adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)
-        self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl)
+        self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl)
 
     def slot(self, name: str | None) -> int:
         return -1 if name is None else self.lora.slot(name)

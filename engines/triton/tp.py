@@ -58,7 +58,7 @@ def worker_main(rank: int, world: int, init_method: str, config, device: torch.d
         queue.put((rank, "started", None))
         init_group(rank, world, init_method, device, options["timeout_s"])
         runtime = Runtime(config, Shard(rank, world), device, all_reduce_fn(world), options["impl"],
-                          options["logit_chunk"])
+                          int(options["logit_chunk"]), options["attention"])
         queue.put((rank, "ready", None))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
