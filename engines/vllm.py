@@ -87,8 +87,18 @@ def _flat_arrays(entries) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
     if not all(hasattr(entries, a) for a in ("start_indices", "end_indices", "token_ids", "logprobs")):
         return None
     ids, lps = np.asarray(entries.token_ids, dtype=np.int64), np.asarray(entries.logprobs, dtype=np.float64)
-    return ([ids[s:e] for s, e in zip(entries.start_indices, entries.end_indices)],
-            [lps[s:e] for s, e in zip(entries.start_indices, entries.end_indices)])
+    spans = list(zip(entries.start_indices, entries.end_indices))
+    return [ids[s:e] for s, e in spans], [lps[s:e] for s, e in spans]
+
+
+def _unique(ids: np.ndarray, lps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat rows list the actual token and then the top k, so a token in the top k appears twice (a dict row
+    merges them): keep each token once."""
+    _, first = np.unique(ids, return_index=True)
+    if first.size == ids.size:
+        return ids, lps
+    first.sort()
+    return ids[first], lps[first]
 
 
 def _dict_arrays(entry) -> tuple[np.ndarray, np.ndarray]:
@@ -114,7 +124,7 @@ def parse_prompt_logprobs(token_ids: Sequence[int], entries, top_k: int = 0) -> 
     lp = np.empty(n - 1, dtype=np.float32)
     tk_ids, tk_lp = [], []
     for i in range(1, n):
-        ids, lps = per_pos[i]
+        ids, lps = _unique(*per_pos[i])
         hit = np.flatnonzero(ids == token_ids[i])
         if hit.size == 0:
             raise ValueError(f"vLLM's prompt logprobs at position {i} lack the actual token {token_ids[i]} "
@@ -331,8 +341,7 @@ class VLLMEngine:
     def _lora_requests(self) -> dict[str, Any]:
         from vllm.lora.request import LoRARequest
 
-        fields = set(getattr(LoRARequest, "__struct_fields__", ()) or
-                     (f.name for f in dataclasses.fields(LoRARequest)))
+        fields = _fields(LoRARequest)
         out = {}
         for i, (name, spec) in enumerate(self.config.adapters.items(), start=1):
             kw = {"lora_name": name, "lora_int_id": i, "lora_path": str(spec.path)}
@@ -358,7 +367,10 @@ class VLLMEngine:
             if len(p) < 2:
                 raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
         k = vllm_top_k(top_k, self._vocab)
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+        extra = {}
+        if k == -1 and "flat_logprobs" in _fields(SamplingParams):
+            extra["flat_logprobs"] = True  # whole vocabulary: flat lists instead of one dict per position (0.3x)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False, **extra)
         reqs = [self._lora[n] if n is not None else None for n in names]
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], sp,
@@ -366,6 +378,12 @@ class VLLMEngine:
         self.last_wall_s = time.perf_counter() - t0
         want = -1 if k == -1 else top_k
         return [parse_prompt_logprobs([int(t) for t in p], o.prompt_logprobs, want) for p, o in zip(prompts, outs)]
+
+
+def _fields(cls) -> set[str]:
+    """Field names of a vLLM msgspec struct or dataclass: how this file tells vLLM versions apart."""
+    names = getattr(cls, "__struct_fields__", None)
+    return set(names) if names else {f.name for f in dataclasses.fields(cls)}
 
 
 def _allowed_ranks() -> tuple[int, ...]:

@@ -32,11 +32,11 @@ class FakeFlatLogprobs:  # stand-in for vllm.logprobs.FlatLogprobs (0.3x): same 
     token_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
 
-    def append(self, entry):
+    def append_row(self, ids, lps):
+        """Like vLLM's append_fast: the actual token first, then the top k, duplicates kept."""
         self.start_indices.append(len(self.logprobs))
-        for tok, lp in (entry or {}).items():
-            self.token_ids.append(tok)
-            self.logprobs.append(lp.logprob)
+        self.token_ids += list(ids)
+        self.logprobs += list(lps)
         self.end_indices.append(len(self.logprobs))
 
     def __len__(self):
@@ -47,22 +47,16 @@ def vllm_like(token_ids, logits: np.ndarray, k: int, flat: bool):
     """What vLLM returns for prompt_logprobs=k: position 0 None, then the k best plus the actual token, ranked."""
     logz = np.log(np.exp(logits).sum(-1, keepdims=True))
     lp = logits - logz
-    entries = [None]
+    entries, fl = [None], FakeFlatLogprobs()
+    fl.append_row([], [])
     for i in range(1, len(token_ids)):
         row = lp[i - 1]
         order = np.argsort(-row, kind="stable")
-        keep = list(order[:k] if k != -1 else order)
-        entry = {int(t): FakeLogprob(float(row[t]), rank=int(np.where(order == t)[0][0]) + 1) for t in keep}
-        entry.setdefault(int(token_ids[i]), FakeLogprob(float(row[token_ids[i]]),
-                                                        rank=int(np.where(order == token_ids[i])[0][0]) + 1))
-        # vLLM puts the actual token first; parsing must not depend on dict order
-        entries.append(dict(reversed(list(entry.items()))))
-    if not flat:
-        return entries, lp
-    fl = FakeFlatLogprobs()
-    for e in entries:
-        fl.append(e)
-    return fl, lp
+        ids = [int(token_ids[i]), *map(int, order[:k] if k != -1 else order)]  # actual token, then the top k
+        fl.append_row(ids, [float(row[t]) for t in ids])
+        # a dict merges the duplicate; parsing must not depend on dict order either
+        entries.append({t: FakeLogprob(float(row[t])) for t in reversed(ids)})
+    return (fl if flat else entries), lp
 
 
 @pytest.mark.parametrize("flat", [False, True])  # 0.25 list of dicts / 0.32 FlatLogprobs
