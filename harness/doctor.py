@@ -25,8 +25,9 @@ ENGINES = ("hf", "vllm", "sglang")
 SEVERITIES = ("error", "warning", "info")
 VLLM_MAX_RANK = 512  # the largest max_lora_rank vLLM accepts (0.25-0.32: 1, 8, ..., 320, 512)
 # per-expert adapters (experts.{e}.gate_proj ...) in PEFT 0.21 + transformers 5: converted to the fused experts on
-# load for qwen3_moe, silently ignored for these (measured; DESIGN.md)
-PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h")
+# load for qwen3_moe, silently ignored for these (measured: DESIGN.md, tests/test_doctor.py; on gpt_oss an
+# experts-only one is refused outright, with attention targets its experts are dropped)
+PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
 PEFT_CONVERTS_PER_EXPERT = ("qwen3_moe",)
 # target module names SGLang has LoRA buffers for (0.5.x: python/sglang/srt/utils SUPPORTED_LORA_TARGET_MODULES)
 SGLANG_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",

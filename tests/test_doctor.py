@@ -123,20 +123,22 @@ def test_peft3d_expert_adapter(zoo, tmp_path):
     assert "hf" not in r.codes(severity="error")
 
 
-@pytest.mark.parametrize("name, ignored", [
-    ("tiny-qwen3.5-moe", True),  # PEFT silently ignores per-expert adapters here
-    ("tiny-nemotron-h", True),  # and here
-    ("tiny-qwen3-moe", False),  # but converts them on load here
+@pytest.mark.parametrize("name, peft", [
+    ("tiny-qwen3.5-moe", "ignores"),  # PEFT silently ignores per-expert adapters here
+    ("tiny-nemotron-h", "ignores"),  # and here
+    ("tiny-gpt-oss", "refuses"),  # an experts-only one matches no module at all here
+    ("tiny-qwen3-moe", "converts"),  # but converts them on load here
 ])
-def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, ignored):
+def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, peft):
     from peft import PeftModel
 
     from harness.catalog import load_hf_model
 
     spec = zoo[name][0]
     a = gen(zoo, tmp_path, name, ("experts",), layout="per_expert")
+    ignored = peft != "converts"
     # init_lora_weights=false (kept from the generator) leaves modules PEFT wraps without weights random
-    if name != "tiny-qwen3-moe":  # qwen3_moe: PEFT maps the names onto the experts only
+    if peft == "ignores":  # the expert names also match shared-expert / dense MLP modules there
         check(doctor(spec, a, engines=["hf"]), "hf", "error", "peft-random-init-modules")
     # as a transformers-4-era PEFT saved it: default init, so wrapped modules without weights stay at B = 0
     cfg_path = Path(a) / "adapter_config.json"
@@ -147,8 +149,12 @@ def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, ignored)
     else:
         check(r, "hf", "info", "per-expert-converted-by-peft")
         assert r.exit_code == 0
-    # what PEFT really does with it: no change at all where the doctor says "ignored"
+    # what PEFT really does with it: refuses it, or no change at all where the doctor says "ignored"
     ids = torch.tensor([[3, 17, 5, 99, 250, 7, 64, 1000, 12, 40]])
+    if peft == "refuses":
+        with pytest.raises(ValueError, match="not found in the base model"):
+            PeftModel.from_pretrained(load_hf_model(spec, torch.float32, "cpu"), a)
+        return
     with torch.no_grad():
         base = load_hf_model(spec, torch.float32, "cpu")(ids).logits
         peft = PeftModel.from_pretrained(load_hf_model(spec, torch.float32, "cpu"), a).eval()(ids).logits
