@@ -137,6 +137,12 @@ def test_moe_forward_interpreter_fp32(case, tol=1e-5):
     check_moe(make_moe(**case), tol)
 
 
+def test_moe_forward_interpreter_bf16_upcast(tol=1e-2):
+    """bf16 inputs on CPU: the interpreter cannot multiply bf16 in tl.dot, so the kernel upcasts its tiles; the
+    rounding points (bf16 intermediate, bf16 output) are the GPU path's."""
+    check_moe(make_moe(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16), tol)
+
+
 def test_padded_rank_is_exact_and_ignores_garbage():
     """A rank-5 adapter zero-padded to max rank 32 must give exactly what the same adapter gives at R=5, and
     columns past the loaded rank must be ignored even when they hold garbage (uninitialised slots)."""
