@@ -261,16 +261,12 @@ class VLLMEngine:
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _on_cpu(self) -> bool:
+        # decided before vLLM is imported: the CPU settings are environment variables it reads at start-up
         if self.config.device is not None:
             return self.config.device == "cpu"
-        try:
-            from vllm.platforms import current_platform
+        import torch
 
-            return current_platform.is_cpu()
-        except ImportError:
-            import torch
-
-            return not torch.cuda.is_available()
+        return not torch.cuda.is_available()
 
     def _hf_config(self):
         from harness.catalog import hf_config
