@@ -224,3 +224,24 @@ def test_moe_lora_bf16_matches_hf_fp32(model, layout, tmp_path):
     # a dropped expert adapter gives delta fidelity ~1 (its delta is only the attention part).
     assert m.k2 < 5e-3, f"k2 {m.k2:.3g}"
     assert fid < 0.25, f"LoRA delta fidelity {fid:.3f}: part of the adapter is missing or wrong"
+
+
+@pytest.mark.gpu2
+def test_moe_lora_tp2_matches_tp1(tmp_path):
+    # TP shards LoRA-A/B and the experts' width (40 -> 2 x 20, not a multiple of any block): a delta counted once
+    # per rank or a mis-sliced B shows up as a TP=2 vs TP=1 gap far above LoRA's run-to-run noise
+    from harness.metrics import compare
+    from harness.types import LogprobRun
+
+    spec = tiny_checkpoint("tiny-qwen3-moe", tmp_path)
+    a = make_adapter(spec, tmp_path / "a", ("attention", "experts"), rank=8, seed=7)
+    ps = prompts(1024, lengths=(64, 128, 96))
+    runs = {}
+    for tp in (1, 2):
+        cfg = EngineConfig(model=spec, adapters={"a": a}, dtype="bfloat16", tp=tp, device="cuda",
+                           options={"gpu_memory_utilization": 0.3})
+        with open_engine("vllm", cfg) as eng:
+            runs[tp] = LogprobRun(eng.prompt_logprobs(ps, "a"))
+    m = compare(runs[2], runs[1])
+    record("moe_lora_tp2_vs_tp1", k2=m.k2, max_abs=m.max_abs)
+    assert m.k2 < 1e-3, f"TP=2 vs TP=1 k2 {m.k2:.3g}"
