@@ -529,6 +529,11 @@ def _write_json(path: Path, obj: dict) -> None:
     """Byte-stable JSON: adapter directories are content-hashed into baseline keys. PEFT saves target_modules
     from a set, whose order changes with PYTHONHASHSEED, so target lists are sorted too."""
     obj = dict(obj)
+    if "peft_type" in obj:
+        # Loading never needs random init: every LoRA tensor is in the file. With False, PEFT would give random
+        # weights to modules the targets also match but the file does not cover (per-expert gate/up/down names
+        # also match Qwen3.5's shared expert and Nemotron's dense MLP), silently adding a random adapter.
+        obj["init_lora_weights"] = True
     for k in ("target_modules", "target_parameters"):
         if isinstance(obj.get(k), (list, tuple, set)):
             obj[k] = sorted(obj[k])

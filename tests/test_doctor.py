@@ -137,11 +137,12 @@ def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, peft):
     spec = zoo[name][0]
     a = gen(zoo, tmp_path, name, ("experts",), layout="per_expert")
     ignored = peft != "converts"
-    # init_lora_weights=false (kept from the generator) leaves modules PEFT wraps without weights random
-    if peft == "ignores":  # the expert names also match shared-expert / dense MLP modules there
-        check(doctor(spec, a, engines=["hf"]), "hf", "error", "peft-random-init-modules")
-    # as a transformers-4-era PEFT saved it: default init, so wrapped modules without weights stay at B = 0
     cfg_path = Path(a) / "adapter_config.json"
+    # an outside adapter saved with init_lora_weights=false leaves modules PEFT wraps without weights random
+    if peft == "ignores":  # the expert names also match shared-expert / dense MLP modules there
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "init_lora_weights": False}))
+        check(doctor(spec, a, engines=["hf"]), "hf", "error", "peft-random-init-modules")
+    # as lpdiff and transformers-4-era PEFT save it: default init, so wrapped modules without weights stay at B = 0
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "init_lora_weights": True}))
     r = doctor(spec, a, engines=["hf"])
     if ignored:
