@@ -221,6 +221,11 @@ def _grouped_gemm_kernel(
     w_ptrs = W + e * stride_we + wrow[None, :] * stride_wn + offs_k[:, None] * stride_wk
     la_ptrs = (LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar
                + offs_k[:, None] * stride_lak)
+    lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+               + wrow[None, :] * stride_lbn)
+    if LORA == 1:
+        # issued before the K-loop so that its latency hides behind the loop instead of stalling the epilogue
+        bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
     acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)
     acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, K_TILES):
@@ -249,12 +254,9 @@ def _grouped_gemm_kernel(
 
     if LORA > 0:
         if a >= 0:
-            lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
-                       + wrow[None, :] * stride_lbn)
             if LORA == 1:
                 st = acc_s * tl.load(Scaling + a_safe)
                 st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-                bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
                 acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
             else:
                 for s in tl.static_range(NUM_SLICES):
@@ -310,7 +312,7 @@ class GemmConfig:
             assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
 
 
-SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program; Hopper allows 227 KiB, the rest is epilogue
+SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses them for the epilogue); Hopper: 227 KiB
 
 
 def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device,
@@ -331,7 +333,7 @@ def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: t
     block_k = 64
     per_stage = (block_m + wn + (next_pow2(rank) if rank else 0)) * block_k * torch.finfo(dtype).bits // 8
     stages = max(2, min(4, SMEM_BUDGET // per_stage))
-    return GemmConfig(block_m, wn // 2 if gated else wn, block_k, group_m=8,
+    return GemmConfig(block_m, wn // 2 if gated else wn, block_k, group_m=4,
                       num_warps=8 if block_m * wn >= 128 * 128 else 4, num_stages=stages)
 
 
@@ -418,8 +420,9 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     inter_n = n1 // 2 if GATED[activation] else n1
     slots = lora.num_slots if lora is not None else 0
     rank = lora.max_rank if lora is not None else 0
-    cfg1 = config or default_config(T * K, E, inter_n, H, x.device, x.dtype, GATED[activation], rank)
-    cfg2 = down_config or default_config(T * K, E, H, inter_n, x.device, x.dtype, False, rank)
+    groups = E * max(1, slots)  # rows spread over (expert, slot) groups; used slots are not known without a sync
+    cfg1 = config or default_config(T * K, groups, inter_n, H, x.device, x.dtype, GATED[activation], rank)
+    cfg2 = down_config or default_config(T * K, groups, H, inter_n, x.device, x.dtype, False, rank)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
     routing = moe_align(topk_ids, token_adapter if lora is not None else None, E, slots, cfg1.block_m,
                         impl="triton")

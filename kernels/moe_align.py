@@ -1,8 +1,13 @@
-"""Routing alignment for grouped GEMMs: sort (token, expert) pairs by adapter then expert and pad every group to
-the GEMM block size, so that each block of BLOCK_M rows has one expert and one adapter slot.
+"""Routing alignment for grouped GEMMs: sort (token, expert) pairs into (expert, adapter slot) groups and pad every
+group to the GEMM block size, so that each block of BLOCK_M rows has one expert and one adapter slot.
 
-Shapes: T tokens, K top-k, E experts, L adapter slots, P = T*K pairs, G = (L+1)*E groups (slot -1 = no adapter
-comes first), M_max = padded row capacity, NB = M_max / BLOCK_M blocks.
+Groups are ordered expert-major (expert 0: no adapter, slot 0, slot 1, ...; then expert 1, ...): the blocks of one
+expert under different adapters are neighbours, run at the same time under the GEMMs' GROUP_M ordering and share
+that expert's weight tiles through L2. Slot-major order would stream every expert's weights once per adapter
+(measured on an H100 at T=512 with 4 adapters: about 3x slower, benchmarks/results/kernels_notes.md).
+
+Shapes: T tokens, K top-k, E experts, L adapter slots, P = T*K pairs, G = E*(L+1) groups (slot -1 = no adapter
+first within an expert), M_max = padded row capacity, NB = M_max / BLOCK_M blocks.
 
 Everything stays on the device: the capacity is an upper bound known from shapes alone, and the number of rows
 actually used (num_padded) is a device tensor that the kernels read, so no host synchronisation happens.
@@ -66,14 +71,15 @@ def moe_align_torch(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, 
     T, K = topk_ids.shape
     dev = topk_ids.device
     P, E = T * K, num_experts
-    G = (num_slots + 1) * E
+    S1 = num_slots + 1 if token_adapter is not None and num_slots > 0 else 1
+    G = E * S1
     ids = topk_ids.reshape(-1).long()
-    if token_adapter is None or num_slots == 0:
+    if S1 == 1:
         gid = ids
     else:
         assert token_adapter.shape == (T,), f"token_adapter must be ({T},), got {tuple(token_adapter.shape)}"
         slot = token_adapter.long().clamp(min=-1).repeat_interleave(K)
-        gid = (slot + 1) * E + ids
+        gid = ids * S1 + slot + 1
     counts = torch.zeros(G, dtype=torch.long, device=dev).scatter_add_(0, gid, torch.ones_like(gid))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
@@ -87,21 +93,21 @@ def moe_align_torch(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, 
     block_start = torch.arange(0, m_max, block_m, device=dev)
     block_gid = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=G - 1)
     return MoeRouting(sorted_ids=sorted_ids,
-                      block_expert=(block_gid % E).to(torch.int32),
-                      block_adapter=(block_gid // E - 1).to(torch.int32),
+                      block_expert=(block_gid // S1).to(torch.int32),
+                      block_adapter=(block_gid % S1 - 1).to(torch.int32),
                       num_padded=pad_end[-1:].to(torch.int32),
                       block_m=block_m, num_pairs=P, top_k=K)
 
 
 def align_groups_reference(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int,
                            num_slots: int) -> list[tuple[int, int, list[int]]]:
-    """Reference: the groups as python lists, [(slot, expert, [pair, ...]), ...] in sorted order."""
+    """Reference: the groups as python lists, [(slot, expert, [pair, ...]), ...] in sorted order (expert-major)."""
     T, K = topk_ids.shape
     groups = []
     adapters = [-1] * T if token_adapter is None or num_slots == 0 else [int(a) for a in token_adapter]
     ids = topk_ids.tolist()
-    for slot in range(-1, num_slots):
-        for e in range(num_experts):
+    for e in range(num_experts):
+        for slot in range(-1, num_slots):
             pairs = [t * K + k for t in range(T) for k in range(K) if ids[t][k] == e and adapters[t] == slot]
             if pairs:
                 groups.append((slot, e, pairs))
@@ -111,23 +117,24 @@ def align_groups_reference(topk_ids: torch.Tensor, token_adapter: torch.Tensor |
 # ------------------------------------------------------------------------------------------------ Triton version
 
 @triton.jit
-def _group_ids(TopkIds, TokenAdapter, offs, ok, E, TOPK: tl.constexpr, HAS_IDS: tl.constexpr,
+def _group_ids(TopkIds, TokenAdapter, offs, ok, S1, TOPK: tl.constexpr, HAS_IDS: tl.constexpr,
                HAS_SLOTS: tl.constexpr):
+    """Group of each pair: expert * S1 + slot + 1, S1 = slots + 1 (1 without adapters)."""
     gid = tl.zeros_like(offs)
     if HAS_IDS:
         gid = tl.load(TopkIds + offs, mask=ok, other=0).to(tl.int32)
     if HAS_SLOTS:
         slot = tl.maximum(tl.load(TokenAdapter + offs // TOPK, mask=ok, other=-1).to(tl.int32), -1)
-        gid = (slot + 1) * E + gid
+        gid = gid * S1 + slot + 1
     return gid
 
 
 @dual_jit
-def _align_count_kernel(TopkIds, TokenAdapter, Counts, Pos, num_pairs, E, TOPK: tl.constexpr,
+def _align_count_kernel(TopkIds, TokenAdapter, Counts, Pos, num_pairs, S1, TOPK: tl.constexpr,
                         HAS_IDS: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_pairs
-    gid = _group_ids(TopkIds, TokenAdapter, offs, ok, E, TOPK, HAS_IDS, HAS_SLOTS)
+    gid = _group_ids(TopkIds, TokenAdapter, offs, ok, S1, TOPK, HAS_IDS, HAS_SLOTS)
     pos = tl.atomic_add(Counts + gid, 1, mask=ok, sem="relaxed")  # old value = place inside the group
     tl.store(Pos + offs, pos, mask=ok)
 
@@ -145,7 +152,7 @@ def _align_offsets_kernel(Counts, GroupStart, GroupEnd, NumPadded, G, BLOCK_M: t
 
 @dual_jit
 def _align_fill_kernel(TopkIds, TokenAdapter, Counts, Pos, GroupStart, GroupEnd, SortedIds, BlockExpert,
-                       BlockAdapter, num_pairs, E, G, m_max, row_programs, TOPK: tl.constexpr,
+                       BlockAdapter, num_pairs, S1, G, m_max, row_programs, TOPK: tl.constexpr,
                        HAS_IDS: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                        SEARCH_STEPS: tl.constexpr):
     pid = tl.program_id(0)
@@ -165,12 +172,12 @@ def _align_fill_kernel(TopkIds, TokenAdapter, Counts, Pos, GroupStart, GroupEnd,
         is_pad = (rows - tl.load(GroupStart + g)) >= tl.load(Counts + g)
         tl.store(SortedIds + rows, num_pairs + tl.zeros_like(rows), mask=ok & is_pad)
         first = ok & (rows % BLOCK_M == 0)
-        tl.store(BlockExpert + rows // BLOCK_M, g % E, mask=first)
-        tl.store(BlockAdapter + rows // BLOCK_M, g // E - 1, mask=first)
+        tl.store(BlockExpert + rows // BLOCK_M, g // S1, mask=first)
+        tl.store(BlockAdapter + rows // BLOCK_M, g % S1 - 1, mask=first)
     else:
         offs = (pid - row_programs) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < num_pairs
-        gid = _group_ids(TopkIds, TokenAdapter, offs, ok, E, TOPK, HAS_IDS, HAS_SLOTS)
+        gid = _group_ids(TopkIds, TokenAdapter, offs, ok, S1, TOPK, HAS_IDS, HAS_SLOTS)
         dest = tl.load(GroupStart + gid, mask=ok, other=0) + tl.load(Pos + offs, mask=ok, other=0)
         tl.store(SortedIds + dest, offs, mask=ok)
 
@@ -181,7 +188,8 @@ def moe_align_triton(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor 
     T, K = topk_ids.shape if topk_ids is not None else (num_tokens, 1)
     has_slots = token_adapter is not None and num_slots > 0
     P, E = T * K, num_experts
-    G = (num_slots + 1) * E if has_slots else E
+    S1 = num_slots + 1 if has_slots else 1
+    G = E * S1
     m_max = max_padded_rows(P, G, block_m)
     counts = torch.zeros(G, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous() if topk_ids is not None else counts  # unread when absent (HAS_IDS=False)
@@ -195,12 +203,12 @@ def moe_align_triton(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor 
     block_adapter = torch.empty(m_max // block_m, dtype=torch.int32, device=dev)
     BLOCK = 1024 if dev.type == "cuda" else 256
     flags = dict(TOPK=K, HAS_IDS=topk_ids is not None, HAS_SLOTS=has_slots, BLOCK=BLOCK)
-    _align_count_kernel[(triton.cdiv(P, BLOCK),), dev](ids, ta, counts, pos, P, E, **flags)
+    _align_count_kernel[(triton.cdiv(P, BLOCK),), dev](ids, ta, counts, pos, P, S1, **flags)
     _align_offsets_kernel[(1,), dev](counts, start, end, num_padded, G, BLOCK_M=block_m,
                                      G_PAD=triton.next_power_of_2(G))
     row_programs = triton.cdiv(m_max, BLOCK)
     _align_fill_kernel[(row_programs + triton.cdiv(P, BLOCK),), dev](
-        ids, ta, counts, pos, start, end, sorted_ids, block_expert, block_adapter, P, E, G, m_max, row_programs,
+        ids, ta, counts, pos, start, end, sorted_ids, block_expert, block_adapter, P, S1, G, m_max, row_programs,
         BLOCK_M=block_m, SEARCH_STEPS=G.bit_length(), **flags)
     return MoeRouting(sorted_ids=sorted_ids, block_expert=block_expert, block_adapter=block_adapter,
                       num_padded=num_padded, block_m=block_m, num_pairs=P, top_k=K)

@@ -99,7 +99,7 @@ def test_moe_align_matches_reference(T, K, E, L, block_m, impl):
     groups = align_groups_reference(topk, ta, E, L)
     P = T * K
     row = 0
-    for slot, e, pairs in groups:  # groups in adapter-then-expert order, each padded to a block boundary
+    for slot, e, pairs in groups:  # groups in expert-then-adapter order, each padded to a block boundary
         n = -(-len(pairs) // block_m) * block_m
         got = r.sorted_ids[row:row + len(pairs)].tolist()
         assert got == pairs if impl == "torch" else sorted(got) == pairs  # Triton: order inside a group free
