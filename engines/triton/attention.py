@@ -21,9 +21,41 @@ from engines.triton.batch import Batch
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
               sinks: torch.Tensor | None, impl: str = "auto") -> torch.Tensor:
     """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | flash | sdpa."""
-    if impl == "flash" or (impl == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+    if impl == "flash" or (impl == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+                           and flash_works(q.device, q.dtype, q.shape[-1])):
         return flash_varlen(q, k, v, batch, scale, window, sinks)
     return sdpa(q, k, v, batch, scale, window, sinks)
+
+
+_FLASH_OK: dict = {}
+
+
+def flash_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """``aten._flash_attention_forward`` is private API: check it once per (device, dtype, head_dim) on a small
+    ragged batch with window, sinks and GQA against fp32 SDPA; if it fails or disagrees, "auto" uses SDPA."""
+    key = (str(device), dtype, head_dim)
+    if key not in _FLASH_OK:
+        import warnings
+
+        lens, h, hkv = [3, 40, 17], 4, 2
+        ids = torch.cat([torch.arange(n) for n in lens])
+        cu = torch.tensor([0, 3, 43, 60], dtype=torch.int32, device=device)
+        fake = Batch(ids.to(device), ids.to(device), torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+                     .to(device), lens, cu, None, None, None)
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(60, n, head_dim, generator=g, device=device) for n in (h, hkv, hkv))
+        sinks = torch.randn(h, generator=g, device=device)
+        try:
+            ref = sdpa(q, k, v, fake, head_dim ** -0.5, 8, sinks)
+            got = flash_varlen(q.to(dtype), k.to(dtype), v.to(dtype), fake, head_dim ** -0.5, 8, sinks.to(dtype))
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            _FLASH_OK[key] = err < 2e-2
+            why = f"relative error {err:.3g}"
+        except Exception as e:  # noqa: BLE001 - any failure of the private op means: do not use it
+            _FLASH_OK[key], why = False, repr(e)
+        if not _FLASH_OK[key]:
+            warnings.warn(f"FlashAttention varlen check failed on {device} ({why}); the triton engine uses SDPA")
+    return _FLASH_OK[key]
 
 
 def flash_varlen(q, k, v, batch: Batch, scale: float, window: int | None, sinks: torch.Tensor | None):
