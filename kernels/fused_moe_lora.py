@@ -2,7 +2,7 @@
 
 Shapes: T tokens, K top-k, E experts, H hidden, I expert width, R max rank, L adapter slots, N output width of one
 GEMM (N1 = 2I gated or I non-gated for gate_up, H for down), P = T*K (token, expert) pairs, M padded rows
-(pairs sorted by adapter then expert, each group padded to BLOCK_M; see moe_align.py), S slices.
+(pairs grouped by (expert, adapter slot), each group padded to BLOCK_M; see moe_align.py), S slices.
 
 Per layer the Triton path launches: alignment (a memset and three small kernels, no host sync), the gate_up
 GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carries its LoRA: the shrink X A^T is
@@ -10,6 +10,9 @@ one more narrow dot per K step on the X tile already in shared memory (repeated 
 row block, about R/WN extra MMA work, but no extra pass over X and no launch), the expand one dot in the
 epilogue, then bias, activation (gate_up) or top-k weight (down). Top-k slots of a token sit in different groups,
 so their sum is a separate deterministic reduction rather than atomics (reruns are bit-identical).
+Dense layers (lora_linear.py) use the same GEMM with one expert and a precomputed shrink (_lora_shrink_kernel),
+because their per-slice A matrices (q|k|v) would not fit one fused narrow dot.
+Measured timings and the roofline analysis: benchmarks/results/kernels_notes.md.
 """
 from __future__ import annotations
 
@@ -76,6 +79,16 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling, rank:
     return float(scaling) * (x.float() @ a[:rank].float().T) @ b[:, :rank].float().T
 
 
+def add_slot_deltas(out: torch.Tensor, inp: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    lora: MoeLoraWeights) -> None:
+    """out[rows of slot s] += LoRA delta of slot s for every slot used (-1 rows get none); a (L, R, in),
+    b (L, out, R) of one expert."""
+    for s in slots.unique().tolist():
+        if s >= 0:
+            rows = slots == s
+            out[rows] += lora_delta(inp[rows], a[s], b[s], lora.scaling[s], int(lora.ranks[s]))
+
+
 def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
                       lora: MoeLoraWeights | None = None, token_adapter=None) -> torch.Tensor:
     T, H = x.shape
@@ -89,22 +102,14 @@ def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, 
         h = xe @ w_gate_up[e].float().T
         if b_gate_up is not None:
             h += b_gate_up[e].float()
-        for a in (slots[t_idx].unique().tolist() if lora is not None else []):
-            if a < 0:
-                continue
-            rows = slots[t_idx] == a
-            h[rows] += lora_delta(xe[rows], lora.gate_up_a[a, e], lora.gate_up_b[a, e], lora.scaling[a],
-                                  int(lora.ranks[a]))
+        if lora is not None:
+            add_slot_deltas(h, xe, slots[t_idx], lora.gate_up_a[:, e], lora.gate_up_b[:, e], lora)
         act = activate(h, activation).to(x.dtype).float()
         y = act @ w_down[e].float().T
         if b_down is not None:
             y += b_down[e].float()
-        for a in (slots[t_idx].unique().tolist() if lora is not None else []):
-            if a < 0:
-                continue
-            rows = slots[t_idx] == a
-            y[rows] += lora_delta(act[rows], lora.down_a[a, e], lora.down_b[a, e], lora.scaling[a],
-                                  int(lora.ranks[a]))
+        if lora is not None:
+            add_slot_deltas(y, act, slots[t_idx], lora.down_a[:, e], lora.down_b[:, e], lora)
         out.index_add_(0, t_idx, y * topk_weights[t_idx, k_idx, None].float())
     return out.to(x.dtype)
 

@@ -215,3 +215,33 @@ def test_moe_forward_gpu(case, dtype, tol):
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
     out, _ = check_moe(p, tol)
     assert torch.equal(out, moe_forward(**p, impl="triton")), "reruns must be bit-identical"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_reference_matches_transformers_experts(arch):
+    """The torch reference is the kernels' definition; it must equal transformers' own experts module (gpt-oss:
+    interleaved gate/up de-interleaved into the kernel layout, clamped SwiGLU, biases)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    E, H, I, T, K = 4, 32, 24, 9, 2
+    if arch == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+        m = Qwen3MoeExperts(transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E))
+    else:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+        m = GptOssExperts(transformers.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E))
+    for prm in m.parameters():
+        torch.nn.init.normal_(prm, std=0.3)
+    x = torch.randn(T, H) * 3  # large enough for gpt-oss's +-7 clamps to engage
+    w, ids = torch.rand(T, E).topk(K, dim=-1)
+    with torch.no_grad():
+        hf = m(x, ids, w)
+        if arch == "qwen3_moe":
+            out = moe_forward(x, ids, w, m.gate_up_proj, m.down_proj, "silu", impl="torch")
+        else:
+            gu = m.gate_up_proj.transpose(1, 2)  # (E, 2I, H) with gate/up interleaved
+            gu = torch.cat([gu[:, ::2], gu[:, 1::2]], 1)
+            bgu = torch.cat([m.gate_up_proj_bias[:, ::2], m.gate_up_proj_bias[:, 1::2]], 1)
+            out = moe_forward(x, ids, w, gu, m.down_proj.transpose(1, 2), "swiglu_oai", bgu, m.down_proj_bias,
+                              impl="torch")
+    assert rel_err(out, hf) <= 1e-6
