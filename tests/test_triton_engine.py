@@ -132,8 +132,19 @@ def test_tensor_parallel_2_equals_tp1(tiny):
 
 def test_bad_input_gives_one_clear_error(tiny):
     from engines.triton import TritonEngine
+    from engines.triton.config import model_config
+    from engines.triton.lora import stack_adapters
+    from engines.triton.shard import Shard
+    from harness.adapters import CanonicalAdapter
+    from harness.catalog import hf_config
 
     spec, adapters, prompts = tiny
+    # LoRA on a module the runtime has no LoRA path for must fail loudly, never be dropped
+    cfg = model_config(hf_config(spec))
+    head = CanonicalAdapter(2, 4.0, False, 2.0, {"lm_head": (torch.ones(2, cfg.hidden_size),
+                                                              torch.ones(cfg.vocab_size, 2))}, {})
+    with pytest.raises(ValueError, match="targets 'lm_head', which the triton engine does not run LoRA on"):
+        stack_adapters(cfg, {"head": head}, Shard(), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="does not support arch 'nemotron_h'.*supported: qwen3_moe, gpt_oss"):
         TritonEngine(EngineConfig(model=ModelSpec(name="x", arch="nemotron_h", path="/nonexistent"), device="cpu"))
     with pytest.raises(ValueError, match="unknown triton engine options"):

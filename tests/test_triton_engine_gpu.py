@@ -5,8 +5,9 @@ device with the catalog's seeded recipe), fp32 with IEEE matmuls on both sides:
 - gpu2 / gpu4: tensor parallelism 2 and 4 against TP 1.
 
 Random-init routers have near-ties: where a token's smallest top-k routing margin is below NEAR_TIE, two correct
-fp32 implementations may pick different experts. Those positions are counted (and must stay rare) and left out of
-the max, as lpdiff's verdicts do.
+fp32 implementations may pick different experts, and later tokens of the same prompt see the flipped token through
+attention. As lpdiff's verdicts do (PromptLogprobs.router_margin), positions at or after a near-tie are left out
+of the max; prompts must keep most of their positions.
 """
 from __future__ import annotations
 
@@ -67,11 +68,12 @@ def _run(engine, spec, adapters, prompts, choices, tp=1):
 
 def _check(got, ref, margins, what):
     d = np.concatenate([np.abs(x.logprobs - y.logprobs) for x, y in zip(got, ref)])
-    tie = np.concatenate([m[:-1] < NEAR_TIE for m in margins])
-    print(f"{what}: max |d| {d.max():.2e} (all), {d[~tie].max():.2e} (without {tie.sum()} near-tie positions "
-          f"of {tie.size}), mean {d.mean():.2e}")
-    assert tie.mean() < 0.005, f"{what}: {tie.sum()} of {tie.size} positions are router near-ties"
-    assert d[~tie].max() <= TOL, f"{what}: max |d| {d[~tie].max():.2e} > {TOL}"
+    # flagged: at or after the first near-tie of its prompt (logprobs[i] depends on tokens 0..i)
+    flagged = np.concatenate([np.maximum.accumulate(m[:-1] < NEAR_TIE) for m in margins])
+    print(f"{what}: max |d| {d.max():.2e} (all), {d[~flagged].max():.2e} (without {flagged.sum()} positions at or "
+          f"after a near-tie, of {flagged.size}), mean {d.mean():.2e}")
+    assert flagged.mean() < 0.5, f"{what}: {flagged.sum()} of {flagged.size} positions follow a router near-tie"
+    assert d[~flagged].max() <= TOL, f"{what}: max |d| {d[~flagged].max():.2e} > {TOL}"
 
 
 @needs(1)

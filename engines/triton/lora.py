@@ -53,23 +53,19 @@ class StackedLora:
 
 def _parse(cfg: ModelConfig, name: str, adapter) -> tuple[dict, dict]:
     """-> ({layer: {proj: (A, B)}}, {layer: {param: (A, B)}}) for layers < num_layers; unknown targets fail."""
-    dense: dict[int, dict] = {}
-    experts: dict[int, dict] = {}
-    for key, ab in adapter.dense.items():
-        m = _DENSE.match(key)
+    return _by_layer(cfg, name, adapter.dense, _DENSE), _by_layer(cfg, name, adapter.experts, _EXPERT)
+
+
+def _by_layer(cfg: ModelConfig, name: str, entries: dict, pattern: re.Pattern) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for key, ab in entries.items():
+        m = pattern.match(key)
         if m is None:
             raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on; "
                              f"supported targets: {SUPPORTED_TARGETS}")
         if int(m.group(1)) < cfg.num_layers:
-            dense.setdefault(int(m.group(1)), {})[m.group(2)] = ab
-    for key, ab in adapter.experts.items():
-        m = _EXPERT.match(key)
-        if m is None:
-            raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on; "
-                             f"supported targets: {SUPPORTED_TARGETS}")
-        if int(m.group(1)) < cfg.num_layers:
-            experts.setdefault(int(m.group(1)), {})[m.group(2)] = ab
-    return dense, experts
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = ab
+    return out
 
 
 def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, dtype: torch.dtype,
