@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="pre-flight check of an adapter against each engine's known LoRA limits")
     d.add_argument("rest", nargs=argparse.REMAINDER)
+    mm = sub.add_parser("metamorphic", help="an engine against itself on inputs that must give equal logprobs")
+    mm.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
 
@@ -254,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
             from harness.doctor import main as doctor_main
 
             return doctor_main(args.rest)
+        if args.cmd == "metamorphic":
+            from harness.metamorphic import main as metamorphic_main
+
+            return metamorphic_main(args.rest)
     except (KeyError, ValueError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

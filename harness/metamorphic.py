@@ -1,0 +1,695 @@
+"""``lpdiff metamorphic MODEL ADAPTER --engine E``: an engine against *itself* on inputs that must give the same
+logprobs (DESIGN.md "Self-consistency"), judged against the engine's own rerun noise instead of a reference's.
+
+A relation turns the adapter (or the engine's settings, or the batch) into one or more *lanes*; each lane's
+logprobs must equal those of its reference lane (the original adapter, or the base model, or another lane of the
+same relation) up to the engine's rerun noise. Rerun noise: the original lane and the base lane run ``k`` times;
+noise = the largest max |Δ| between a rerun and the first run. Then
+
+    ratio = max |Δ(lane, reference)| / max(noise, FLOOR[dtype])      FAIL when ratio > FACTOR[dtype]
+
+(``exact`` relations use no floor: a zero-B adapter must reproduce the base model bit for bit when reruns do).
+Each lane also reports k2 and the LoRA-delta difference ‖lane − ref‖₂ / ‖adapter − base‖₂ (= ‖Δ_lane − Δ_ref‖ /
+‖Δ_ref‖ when both are adapter lanes). A relation that cannot apply (no expert LoRA, an engine mode this engine or
+machine lacks, a layout the engine is known to drop — harness.doctor says which) is reported ``n/a`` with the
+reason, never skipped silently.
+
+Calibration (tiny zoo, CPU, fp32, hf and triton engines, every relation, 2 reruns; see tests/test_metamorphic.py
+and benchmarks/results/metamorphic.csv): reruns are bit-identical, so the floor decides. FLOOR float32 = 1e-6 (fp32
+rounding of a logprob of size ~10 is ~1e-6); the worst clean ratio measured was 3.8 (hf experts_impl eager vs
+grouped_mm, tiny-gpt-oss), so FACTOR = 40 (10x above it). The faults in tests (an expert dropped on one load path,
+gpt-oss interleaved gate/up read as concatenated) give ratios of 1e4 to 1e6. bf16/fp16 floors are unmeasured
+(GPU suites pending): 1e-2 with the same factor, marked so in every verdict note.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from harness.adapters import (CanonicalAdapter, ModelLayout, load_canonical, merge_into, peft_scaling,
+                              save_canonical)
+from harness.types import AdapterSpec, LogprobRun, ModelSpec
+
+FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-2}
+FLOOR_MEASURED = {"float32": True, "bfloat16": False, "float16": False}
+FACTOR = 40.0
+MAX_RANK = 512  # the largest max_lora_rank vLLM and SGLang accept: ranks beyond it are not expressible there
+CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "relation", "adapter", "max_abs",
+               "k2", "delta_rel", "rerun_noise", "ratio", "verdict", "note")
+DEFAULT_CSV = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "metamorphic.csv"
+# alone: every prompt with the lane's adapter in one call; beside_other: the same, in an engine that also holds a
+# different adapter of twice the rank; mixed: each prompt's row next to a base row and an other-adapter row in one
+# call; permuted: the mixed rows shuffled; single: one call per prompt
+ARRANGEMENTS = ("alone", "beside_other", "mixed", "permuted", "single")
+ORIG, OTHER = "orig", "other"  # adapter names of the original adapter and the unrelated neighbour in batches
+
+
+# -- lanes and relations -------------------------------------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class Lane:
+    """One way of running the prompts. ``reference``: "orig" (the original adapter lane), "base", the name of
+    another lane of the same relation, or "" (run only as another lane's reference). ``session`` groups lanes that
+    share one engine (same model, options, TP)."""
+
+    name: str  # relation:variant, e.g. "format:per_expert"
+    adapter: str | None  # adapter directory, or None for the base model
+    reference: str = ORIG
+    arrangement: str = "alone"  # one of ARRANGEMENTS
+    session: str = "transformed"
+    model: ModelSpec | None = None  # None: the original model
+    options: str = "{}"  # engine options (JSON) merged over the user's
+    tp: int | None = None
+    exact: bool = False
+
+    def __post_init__(self):
+        assert self.arrangement in ARRANGEMENTS, self.arrangement
+
+
+@dataclass(slots=True)
+class Context:
+    engine: str
+    spec: ModelSpec
+    hf_config: object
+    layout: ModelLayout
+    adapter: CanonicalAdapter
+    adapter_dir: Path
+    tmp: Path
+    dtype: str = "float32"
+    tp: int = 1
+    options: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def write(self, name: str, adapter: CanonicalAdapter, layout: str = "peft3d") -> str:
+        out = self.tmp / name
+        save_canonical(adapter, out, self.layout, layout)
+        return str(out)
+
+    def refused(self, adapter_dir: str) -> str | None:
+        """doctor's first error for this engine on this adapter: the engine refuses or drops it (known limit)."""
+        if self.engine not in ("hf", "vllm", "sglang"):
+            return None
+        from harness.doctor import doctor
+
+        errors = [f for f in doctor(self.spec, adapter_dir, [self.engine]).findings
+                  if f.severity == "error" and f.engine in (self.engine, "all")]
+        return f"doctor [{errors[0].code}]: {errors[0].message}" if errors else None
+
+
+@dataclass(slots=True, frozen=True)
+class Relation:
+    name: str
+    why: str
+    lanes: Callable[[Context], "list[Lane] | str"]  # a str says why the relation does not apply
+
+
+# -- exact adapter transformations (canonical form: W' = W + scaling * B @ A) ----------------------------------------
+
+def _with(ad: CanonicalAdapter, fn, alpha: float | None = None) -> CanonicalAdapter:
+    """A copy with every entry replaced by fn(name, A, B) -> (A, B) (experts: (E, r, in) / (E, out, r))."""
+    alpha = ad.alpha if alpha is None else alpha
+    return CanonicalAdapter(ad.rank, alpha, ad.use_rslora, peft_scaling(alpha, ad.rank, ad.use_rslora),
+                            {n: fn(n, a, b) for n, (a, b) in ad.dense.items()},
+                            {n: fn(n, a, b) for n, (a, b) in ad.experts.items()}, dict(ad.config), ad.layout)
+
+
+def pad_rank(ad: CanonicalAdapter, rank: int) -> CanonicalAdapter:
+    """Zero rows of A and zero columns of B up to ``rank`` (save_canonical then scales alpha to keep scaling)."""
+    def fn(name, a, b):
+        extra = rank - a.shape[-2]
+        return (torch.cat([a, a.new_zeros(*a.shape[:-2], extra, a.shape[-1])], -2),
+                torch.cat([b, b.new_zeros(*b.shape[:-1], extra)], -1))
+    return _with(ad, fn)
+
+
+def reparametrise(ad: CanonicalAdapter, seed: int = 0, spread: float = 2.0) -> CanonicalAdapter:
+    """A -> M·A, B -> B·M⁻¹ with M = Q·diag(s) per entry (per expert), Q orthogonal, s in [1/spread, spread]:
+    B·A is unchanged up to fp32 rounding (condition number <= spread²)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fn(name, a, b):
+        r = a.shape[-2]
+        lead = a.shape[:-2]
+        q, _ = torch.linalg.qr(torch.randn(*lead, r, r, generator=g, dtype=torch.float64))
+        s = spread ** (2 * torch.rand(*lead, 1, r, generator=g, dtype=torch.float64) - 1)
+        m = q * s
+        return ((m @ a.double()).to(a.dtype), (b.double() @ torch.linalg.inv(m)).to(b.dtype))
+    return _with(ad, fn)
+
+
+def rescale_alpha(ad: CanonicalAdapter, factor: float = 4.0) -> CanonicalAdapter:
+    """alpha x factor, B / factor: the same delta (exactly for a power-of-two factor)."""
+    return _with(ad, lambda n, a, b: (a, b / factor), alpha=ad.alpha * factor)
+
+
+def zero_b(ad: CanonicalAdapter) -> CanonicalAdapter:
+    return _with(ad, lambda n, a, b: (a, torch.zeros_like(b)))
+
+
+def negate_b(ad: CanonicalAdapter) -> CanonicalAdapter:
+    return _with(ad, lambda n, a, b: (a, -b))
+
+
+def shared_outer(ad: CanonicalAdapter, layout: ModelLayout) -> CanonicalAdapter:
+    """The shared-outer form at rank E·r, exact for any adapter: the input-side projection (gate_up / up) gets one
+    A for all experts (every expert's A stacked) and a block-diagonal B; down_proj gets one B for all experts and
+    a block-structured A. Dense entries are zero-padded to the new rank when written."""
+    def fn(name, a, b):
+        if name not in ad.experts:
+            return a, b
+        E, r = a.shape[0], a.shape[1]
+        eye = torch.eye(E, dtype=a.dtype)
+        if layout.experts[name].name == "down_proj":  # shared B: (E, out, E*r); A_e is zero outside block e
+            b_shared = b.permute(1, 0, 2).reshape(b.shape[1], E * r)
+            a_big = (eye[:, :, None, None] * a[:, None]).reshape(E, E * r, a.shape[-1])
+            return a_big, b_shared.expand(E, -1, -1).clone()
+        a_shared = a.reshape(E * r, a.shape[-1])
+        b_big = (eye[:, None, :, None] * b[:, :, None]).reshape(E, b.shape[1], E * r)
+        return a_shared.expand(E, -1, -1).clone(), b_big
+    return _with(ad, fn)
+
+
+def split_gate_up(ad: CanonicalAdapter, layout: ModelLayout, seed: int = 0) -> CanonicalAdapter | None:
+    """An adapter whose gate and up projections have different A matrices, as one canonical entry of inner dim 2r
+    (A = [A_gate; A_up], B_gate = [B_gate, 0], B_up = [0, B_up]). None when no expert entry has gate and up."""
+    g = torch.Generator().manual_seed(seed)
+    gated = [n for n in ad.experts if len(layout.experts[n].parts) == 2]
+    if not gated:
+        return None
+
+    def fn(name, a, b):
+        if name not in gated:
+            return a, b
+        p = layout.experts[name]
+        gate, up = p.part_rows()
+        a_up = torch.randn(a.shape, generator=g, dtype=torch.float32).to(a.dtype) / math.sqrt(a.shape[-1])
+        b2 = b.new_zeros(b.shape[0], b.shape[1], 2 * b.shape[2])
+        r = b.shape[2]
+        b2[:, gate, :r], b2[:, up, r:] = b[:, gate], b[:, up]
+        return torch.cat([a, a_up], 1), b2
+    return _with(ad, fn)
+
+
+def strip_zero_rank(src: str | Path, dst: str | Path) -> Path:
+    """Copy an adapter directory keeping, per module, only the rank components whose A row and B column are both
+    non-zero (the per-projection form of a block-structured stacked adapter). Every module must keep the same
+    number; alpha is rescaled so the scaling is unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    out, kept = {}, set()
+    for key in tensors:
+        if not key.endswith("lora_A.weight"):
+            continue
+        bkey = key[:-len("lora_A.weight")] + "lora_B.weight"
+        a, b = tensors[key], tensors[bkey]
+        keep = (a.abs().sum(1) > 0) & (b.abs().sum(0) > 0)
+        kept.add(int(keep.sum()))
+        out[key], out[bkey] = a[keep].contiguous(), b[:, keep].contiguous()
+    if len(kept) != 1:
+        raise ValueError(f"{src}: modules keep different numbers of non-zero rank components {sorted(kept)}; one "
+                         "rank per adapter file cannot hold them")
+    (new,) = kept
+    old_scaling = peft_scaling(cfg["lora_alpha"], cfg["r"], cfg.get("use_rslora", False))
+    alpha = cfg["lora_alpha"] * (math.sqrt(new / cfg["r"]) if cfg.get("use_rslora") else new / cfg["r"])
+    if peft_scaling(alpha, new, cfg.get("use_rslora", False)) != old_scaling:
+        raise ValueError(f"{src}: no lora_alpha keeps the scaling exactly at rank {new}")
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg.update(r=new, lora_alpha=alpha)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return dst
+
+
+def merged_checkpoint(ctx: Context, out: Path) -> ModelSpec:
+    """The base model with every delta merged in, saved as a checkpoint in the run dtype (config-built models
+    are built on the device they run on: the init's random stream is the device's)."""
+    from harness.catalog import load_hf_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_hf_model(ctx.spec, torch.float32, device)
+    merge_into(model, ctx.adapter)
+    model.config.use_cache = True
+    model.to(getattr(torch, ctx.dtype)).save_pretrained(str(out))
+    del model
+    if ctx.spec.path is not None:  # engines that start from a directory may want the tokenizer beside it
+        for f in Path(ctx.spec.path).glob("tokenizer*"):
+            shutil.copy(f, out / f.name)
+    return ModelSpec(name=f"{ctx.spec.name}+merged", arch=ctx.spec.arch, path=str(out))
+
+
+# -- the relations -------------------------------------------------------------------------------------------------
+
+def _needs_experts(ctx: Context) -> str | None:
+    return None if ctx.adapter.experts else "the adapter has no expert LoRA: both expert layouts are the same file"
+
+
+def _format(ctx: Context):
+    if (why := _needs_experts(ctx)) is not None:
+        return why
+    lanes = []
+    for layout in ("per_expert", "peft3d"):
+        if ctx.adapter.layout != layout:
+            path = ctx.write(f"format-{layout}", ctx.adapter, layout)
+            lanes.append(Lane(f"format:{layout}", path) if not ctx.refused(path) else
+                         f"format:{layout}: {ctx.refused(path)}")
+    so = ctx.adapter.rank * ctx.layout.experts[next(iter(ctx.adapter.experts))].num_experts
+    if so > MAX_RANK:
+        lanes.append(f"format:shared_outer: the exact shared-outer form needs rank E*r = {so} > {MAX_RANK}, more "
+                     "than vLLM/SGLang accept")
+    else:
+        lanes.append(Lane("format:shared_outer", ctx.write("format-shared_outer", shared_outer(ctx.adapter,
+                                                                                                 ctx.layout))))
+    return lanes
+
+
+def _rank(ctx: Context):
+    r = max(ctx.adapter.inner_dims | {ctx.adapter.rank})
+    padded = ctx.write("rank-pad", pad_rank(ctx.adapter, 2 * r))
+    # the original adapter in an engine that also holds a rank-2r adapter: a loaded rank below the max rank
+    return [Lane(f"rank:pad_{r}_to_{2 * r}", padded),
+            Lane(f"rank:loaded_{r}_below_max_{2 * r}", str(ctx.adapter_dir), arrangement="beside_other")]
+
+
+def _factors(ctx: Context):
+    return [Lane("factors:M_A_B_Minv", ctx.write("factors-reparam", reparametrise(ctx.adapter, ctx.seed))),
+            Lane("factors:alpha_x4_B_div4", ctx.write("factors-alpha", rescale_alpha(ctx.adapter, 4.0)))]
+
+
+def _gate_up(ctx: Context):
+    if (why := _needs_experts(ctx)) is not None:
+        return why
+    split = split_gate_up(ctx.adapter, ctx.layout, ctx.seed + 1)
+    if split is None:
+        return f"the experts of {ctx.spec.arch} are not gated (no gate/up pair)"
+    stacked = ctx.write("gate_up-stacked-peft3d", split, "peft3d")
+    shared_a = ctx.write("gate_up-stacked-per_expert", split, "per_expert")
+    per_proj = str(strip_zero_rank(shared_a, ctx.tmp / "gate_up-per_projection"))
+    ref = "gate_up:stacked_2r_peft3d"
+    lanes: list = [Lane(ref, stacked, reference="")]
+    for name, path in (("gate_up:stacked_2r_per_expert", shared_a), ("gate_up:per_projection_A", per_proj)):
+        why = ctx.refused(path)
+        lanes.append(f"{name}: {why}" if why else Lane(name, path, reference=ref))
+    if not any(isinstance(x, Lane) and x.reference == ref for x in lanes):
+        return f"the engine cannot load the per-projection form: {lanes[-1]}"
+    return lanes
+
+
+def _merged(ctx: Context):
+    spec = merged_checkpoint(ctx, ctx.tmp / "merged-model")
+    return [Lane("merged:base_plus_delta", None, model=spec, session="merged")]
+
+
+def _zero_b(ctx: Context):
+    return [Lane("zero_b:vs_base", ctx.write("zero-b", zero_b(ctx.adapter)), reference="base", exact=True)]
+
+
+def _batch(ctx: Context):
+    d = str(ctx.adapter_dir)
+    return [Lane("batch:mixed", d, arrangement="mixed", session="transformed"),
+            Lane("batch:permuted", d, arrangement="permuted", session="transformed"),
+            Lane("batch:size_1", d, arrangement="single", session="original")]
+
+
+# engine -> mode name -> (options, tp, applies(ctx) -> None or why not)
+def _cuda(ctx: Context, need: int = 1) -> str | None:
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return None if have >= need else f"needs {need} GPU(s), this machine has {have}"
+
+
+def _moe(ctx: Context) -> str | None:
+    return None if ctx.layout.experts else "the model has no experts"
+
+
+def _bf16_cuda(ctx: Context) -> str | None:
+    return _cuda(ctx) or (None if ctx.dtype != "float32" else "FlashAttention runs bf16/fp16 only")
+
+
+def _interpreter_or_cuda(ctx: Context) -> str | None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return _cuda(ctx) and "Triton kernels need CUDA (or TRITON_INTERPRET=1, slow)"
+
+
+def _tp2(engine: str):
+    def applies(ctx: Context) -> str | None:
+        if ctx.tp != 1:
+            return "the run is already tensor-parallel"
+        if engine == "triton" and not torch.cuda.is_available():
+            return None  # gloo on CPU: a real test of the sharding math
+        return _cuda(ctx, 2)
+    return applies
+
+
+ENGINE_MODES: dict[str, dict[str, tuple[dict, int | None, Callable]]] = {
+    "hf": {f"experts_{impl}": ({"experts_impl": impl}, None, _moe) for impl in ("eager", "batched_mm", "grouped_mm")},
+    "triton": {
+        "kernels_torch": ({"impl": "torch"}, None, lambda ctx: None),
+        "kernels_triton": ({"impl": "triton"}, None, _interpreter_or_cuda),
+        "attention_sdpa": ({"attention": "sdpa"}, None, lambda ctx: None),
+        "attention_flash": ({"attention": "flash"}, None, _bf16_cuda),
+        "tp2": ({}, 2, _tp2("triton")),
+    },
+    "vllm": {
+        "cuda_graphs_on": ({"llm_kwargs": {"enforce_eager": False}}, None, _cuda),
+        "chunked_prefill_64": ({"llm_kwargs": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}},
+                               None, lambda ctx: None),
+        "chunked_prefill_off": ({"llm_kwargs": {"enable_chunked_prefill": False}}, None, lambda ctx: None),
+        "tp2": ({}, 2, _tp2("vllm")),
+    },
+    "sglang": {
+        "cuda_graphs_on": ({"server_args": {"disable_cuda_graph": False}}, None, _cuda),
+        "chunked_prefill_64": ({"server_args": {"chunked_prefill_size": 64}}, None, _cuda),
+        "lora_backend_csgmv": ({"server_args": {"lora_backend": "csgmv"}}, None, _cuda),
+        "tp2": ({}, 2, _tp2("sglang")),
+    },
+}
+
+
+def _modes(ctx: Context):
+    modes = ENGINE_MODES.get(ctx.engine)
+    if not modes:
+        return f"no engine modes are known for engine {ctx.engine!r}"
+    lanes: list = []
+    for mode, (opts, tp, applies) in modes.items():
+        why = applies(ctx)
+        if why:
+            lanes += [f"mode:{mode}: {why}"]
+            continue
+        merged_opts = json.dumps(opts, sort_keys=True)
+        for adapter, ref, tag in ((str(ctx.adapter_dir), ORIG, "lora"), (None, "base", "base")):
+            lanes.append(Lane(f"mode:{mode}:{tag}", adapter, reference=ref, session=f"mode:{mode}",
+                              options=merged_opts, tp=tp))
+    return lanes
+
+
+RELATIONS: dict[str, Relation] = {r.name: r for r in [
+    Relation("format", "PEFT 3D <-> per-expert keys <-> shared-outer: one delta, three files", _format),
+    Relation("rank", "zero-padded rank, and a rank below the engine's max rank", _rank),
+    Relation("factors", "A -> M·A, B -> B·M⁻¹; alpha changed with B rescaled", _factors),
+    Relation("gate_up", "different gate/up As: per-projection vs rank-2r stacked", _gate_up),
+    Relation("merged", "delta merged into the base weights, no adapter", _merged),
+    Relation("zero_b", "an all-zero B is the base model, exactly", _zero_b),
+    Relation("batch", "the adapter's rows mixed with others, permuted, batch size 1", _batch),
+    Relation("modes", "engine switches that must not change the math", _modes),
+]}
+
+
+# -- running -------------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Result:
+    relation: str
+    verdict: str  # PASS | FAIL | n/a
+    max_abs: float | None = None
+    k2: float | None = None
+    delta_rel: float | None = None
+    rerun_noise: float | None = None
+    ratio: float | None = None
+    near_tie_share: float | None = None
+    note: str = ""
+
+
+@dataclass(slots=True)
+class Report:
+    engine: str
+    engine_version: str
+    model: str
+    adapter: str
+    dtype: str
+    k: int
+    results: list[Result]
+    gpu: str = "cpu"
+
+    @property
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if r.verdict == "FAIL"]
+
+    def get(self, relation: str) -> Result:
+        return next(r for r in self.results if r.relation == relation)
+
+
+def plan(ctx: Context, relations: Sequence[str] | None = None) -> tuple[list[Lane], list[Result]]:
+    """Apply the transformations (writing adapter directories under ctx.tmp) -> lanes to run, n/a results."""
+    names = list(RELATIONS) if relations is None else list(relations)
+    unknown = [n for n in names if n not in RELATIONS]
+    if unknown:
+        raise ValueError(f"unknown relation(s) {unknown}; known: {', '.join(RELATIONS)}")
+    lanes, na = [], []
+    for n in names:
+        got = RELATIONS[n].lanes(ctx)
+        if isinstance(got, str):
+            na.append(Result(n, "n/a", note=got))
+            continue
+        for x in got:
+            if isinstance(x, Lane):
+                lanes.append(x)
+            else:
+                rel, _, why = x.partition(": ")
+                na.append(Result(rel, "n/a", note=why))
+    return lanes, na
+
+
+def _arrange(lane: Lane, n: int, seed: int) -> list[tuple[list[int], list[str | None]]]:
+    """-> calls, each (prompt indices, adapter names per row); the lane's rows are those with adapter 'lane'."""
+    me = "lane"
+    if lane.arrangement in ("alone", "beside_other"):
+        return [(list(range(n)), [me] * n)]
+    if lane.arrangement == "single":
+        return [([i], [me]) for i in range(n)]
+    rows = [(i, who) for i in range(n) for who in ((me, None, OTHER) if i % 2 else (None, OTHER, me))]
+    if lane.arrangement == "permuted":
+        order = np.random.default_rng(seed).permutation(len(rows))
+        rows = [rows[j] for j in order]
+    return [([i for i, _ in rows], [w for _, w in rows])]
+
+
+def _run_lane(eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int) -> LogprobRun:
+    out = [None] * len(prompts)
+    for idx, who in _arrange(lane, len(prompts), seed):
+        got = eng.prompt_logprobs([prompts[i] for i in idx], [names.get(w, w) for w in who])
+        for i, w, res in zip(idx, who, got):
+            if w == "lane":
+                out[i] = res
+    return LogprobRun(out)
+
+
+def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 2,
+            log: Callable[[str], None] = lambda s: None) -> tuple[dict[str, LogprobRun], list[LogprobRun],
+                                                                  list[LogprobRun], str]:
+    """Run the original and base lanes k times, then every lane, one engine session per (session, model,
+    options, tp). -> (lane runs, original reruns, base reruns, engine version)."""
+    from engines import EngineConfig, open_engine
+
+    assert k >= 2, "rerun noise needs k >= 2 runs of the original lane"
+    orig_spec = AdapterSpec(ORIG, str(ctx.adapter_dir))
+    other_dir = ctx.write("other-neg-b-rank2x", pad_rank(negate_b(ctx.adapter), 2 * max(ctx.adapter.inner_dims)))
+    runs: dict[str, LogprobRun] = {}
+    origs, bases, version = [], [], ""
+    def signature(adapter_dir: str | None) -> str:
+        # PEFT holds several adapters in one model only when they name the same target_parameters; a base lane
+        # runs anywhere, so it joins the original adapter's sessions
+        return _peft_signature(adapter_dir or str(ctx.adapter_dir)) if ctx.engine == "hf" else ""
+
+    sessions: dict[tuple, list[Lane]] = {("original" + signature(None), None, "{}", None): []}
+    models = {None: None}
+    for lane in lanes:
+        key = lane.model.name if lane.model else None
+        models[key] = lane.model
+        sig = signature(lane.adapter) if lane.model is None else ""
+        sessions.setdefault((lane.session + sig, key, lane.options, lane.tp), []).append(lane)
+    for (session, key, options, tp), group in sessions.items():
+        model = models[key]
+        uses_orig = session.startswith("original") or any(lane.adapter == str(ctx.adapter_dir) for lane in group)
+        adapters = {ORIG: orig_spec} if uses_orig else {}
+        for j, lane in enumerate(group):
+            if lane.adapter is not None and lane.adapter != str(ctx.adapter_dir):
+                adapters[f"lane{j}"] = AdapterSpec(f"lane{j}", lane.adapter)
+        if any(lane.arrangement not in ("alone", "single") for lane in group):
+            adapters[OTHER] = AdapterSpec(OTHER, other_dir)
+        cfg = EngineConfig(model=model or ctx.spec, adapters=adapters, dtype=ctx.dtype, tp=tp or ctx.tp,
+                           options={**ctx.options, **json.loads(options)})
+        log(f"session {session}: {len(group)} lane(s), {len(adapters)} adapter(s)")
+        with open_engine(ctx.engine, cfg) as eng:
+            version = version or eng.version()
+            if session.startswith("original"):
+                for _ in range(k):
+                    bases.append(LogprobRun(eng.prompt_logprobs(prompts, None)))
+                    origs.append(LogprobRun(eng.prompt_logprobs(prompts, ORIG)))
+            for j, lane in enumerate(group):
+                adapter = None if lane.adapter is None else (
+                    ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
+                runs[lane.name] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed)
+    return runs, origs, bases, version
+
+
+def _peft_signature(adapter_dir: str) -> str:
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return f"|{sorted(cfg.get('target_parameters') or [])}"
+
+
+def _noise(reruns: list[LogprobRun]) -> float:
+    from harness.metrics import compare
+
+    return max(compare(r, reruns[0]).max_abs for r in reruns[1:])
+
+
+def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[LogprobRun], bases: list[LogprobRun],
+                dtype: str, factor: float = FACTOR, floor: float | None = None,
+                near_tie_eps: float | None = None) -> list[Result]:
+    """``near_tie_eps``: judge max |Δ| on the positions before any router near-tie (random-init full-size models,
+    where a last-bit difference flips an expert); the excluded share is in the note. None: every position."""
+    from harness.metrics import NEAR_TIE_EPS, compare
+
+    floor = FLOOR[dtype] if floor is None else floor
+    noise = max(_noise(origs), _noise(bases))
+    flat = {n: np.concatenate([p.logprobs for p in r.prompts]).astype(np.float64) for n, r in runs.items()}
+    flat[ORIG] = np.concatenate([p.logprobs for p in origs[0].prompts]).astype(np.float64)
+    flat["base"] = np.concatenate([p.logprobs for p in bases[0].prompts]).astype(np.float64)
+    refs = {ORIG: origs[0], "base": bases[0], **runs}
+    out = []
+    for lane in lanes:
+        ref_name = lane.reference
+        if not ref_name:
+            continue
+        m = compare(runs[lane.name], refs[ref_name], near_tie_eps=near_tie_eps or NEAR_TIE_EPS)
+        judged = m.clean if near_tie_eps is not None and m.clean is not None else m
+        # the size of the adapter effect the difference is measured in: the reference's own, or the original's
+        effect_ref = ORIG if ref_name in (ORIG, "base") else ref_name
+        effect = float(np.linalg.norm(flat[effect_ref] - flat["base"]))
+        delta_rel = float(np.linalg.norm(flat[lane.name] - flat[ref_name])) / effect if effect else float("nan")
+        bound = noise if lane.exact else max(noise, floor)
+        ratio = judged.max_abs / bound if bound else (0.0 if judged.max_abs == 0 else math.inf)
+        bad = m.num_nonfinite or not ratio <= factor
+        note = "" if ref_name == ORIG else f"vs {ref_name}"
+        if m.num_nonfinite:
+            note = f"{m.num_nonfinite} NaN/inf logprobs; " + note
+        if judged is not m:
+            note += f"; ratio over positions before a router near-tie ({m.near_tie_share:.1%} excluded)"
+        if not FLOOR_MEASURED[dtype]:
+            note = (note + "; " if note else "") + f"floor {floor:g} for {dtype} is unmeasured"
+        out.append(Result(lane.name, "FAIL" if bad else "PASS", m.max_abs, m.k2, delta_rel, noise, ratio,
+                          m.near_tie_share, note.strip("; ")))
+    return out
+
+
+def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, prompts: list[list[int]], *,
+                    adapter_name: str | None = None, dtype: str = "float32", tp: int = 1, options: dict | None = None,
+                    relations: Sequence[str] | None = None, k: int = 2, factor: float = FACTOR,
+                    near_tie_eps: float | None = None, tmp: str | Path | None = None,
+                    log: Callable[[str], None] = lambda s: None) -> Report:
+    """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps)."""
+    from harness.catalog import hf_config
+    from harness.job import _device_name
+
+    own_tmp = tmp is None
+    tmp = Path(tempfile.mkdtemp(prefix="lpdiff-metamorphic-") if own_tmp else tmp)
+    try:
+        hf = hf_config(spec)
+        layout = ModelLayout.from_config(hf)
+        ctx = Context(engine, spec, hf, layout, load_canonical(adapter_dir, layout), Path(adapter_dir), tmp, dtype,
+                      tp, dict(options or {}))
+        lanes, na = plan(ctx, relations)
+        runs, origs, bases, version = execute(ctx, lanes, prompts, k, log)
+        results = judge_lanes(lanes, runs, origs, bases, dtype, factor, near_tie_eps=near_tie_eps) + na
+        order = {n: i for i, n in enumerate(RELATIONS)}
+        results.sort(key=lambda r: (order.get(r.relation.split(":")[0], 99), r.relation))
+        return Report(engine, version, spec.name, adapter_name or Path(adapter_dir).name, dtype, k, results,
+                      _device_name(None))
+    finally:
+        if own_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- output --------------------------------------------------------------------------------------------------------
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.3g}"
+
+
+def format_report(rep: Report) -> str:
+    head = ("relation", "max |Δ|", "k2", "Δ rel", "rerun noise", "ratio", "verdict", "note")
+    rows = [head] + [(r.relation, _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise),
+                      _fmt(r.ratio), r.verdict, r.note) for r in rep.results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    title = (f"{rep.model} / {rep.adapter} on {rep.engine} ({rep.engine_version}), {rep.dtype}, {rep.k} reruns; "
+             f"FAIL when ratio > {FACTOR:g}")
+    return "\n".join([title] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "  " + row[-1]
+                                for row in rows]).rstrip()
+
+
+def _commit() -> str:
+    from harness.calibrate import _commit as commit
+
+    return commit()
+
+
+def write_csv(rep: Report, path: str | Path = DEFAULT_CSV) -> Path:
+    """Append the report's rows (header written when the file is new)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    date, commit = datetime.date.today().isoformat(), _commit()
+    with open(path, "a", newline="") as fh:
+        w = csv.writer(fh)
+        if new:
+            w.writerow(CSV_COLUMNS)
+        for r in rep.results:
+            w.writerow([date, commit, rep.gpu, rep.engine, rep.engine_version, rep.model, r.relation, rep.adapter,
+                        _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise), _fmt(r.ratio),
+                        r.verdict, r.note])
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from harness.catalog import get_model
+    from harness.cli import _parse_options
+    from harness.job import zoo_adapters
+    from harness.prompts import prompt_set
+
+    p = argparse.ArgumentParser(prog="lpdiff metamorphic", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="catalog model name")
+    p.add_argument("adapter", help="zoo adapter name of the model, or a PEFT adapter directory")
+    p.add_argument("--engine", default="hf")
+    p.add_argument("--dtype", default="float32", choices=sorted(FLOOR))
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--prompt-set", default="default")
+    p.add_argument("--relation", action="append", help=f"relation (repeatable; default all): {', '.join(RELATIONS)}")
+    p.add_argument("--k", type=int, default=2, help="reruns of the original lane for the noise (>= 2)")
+    p.add_argument("--factor", type=float, default=FACTOR)
+    p.add_argument("--option", action="append", help="engine option KEY=VALUE (repeatable)")
+    p.add_argument("--csv", default=None, help="append the rows to this CSV (benchmarks/results/metamorphic.csv)")
+    args = p.parse_args(list(argv or []))
+    spec = get_model(args.model, num_layers=args.num_layers)
+    zoo = zoo_adapters(args.model)
+    if args.adapter in zoo:
+        adapter_dir = zoo[args.adapter].path
+    elif (Path(args.adapter) / "adapter_config.json").is_file():
+        adapter_dir = args.adapter
+    else:
+        raise ValueError(f"adapter {args.adapter!r} is neither a zoo adapter of {args.model} ({sorted(zoo)}) nor a "
+                         "directory with an adapter_config.json")
+    rep = run_metamorphic(args.engine, spec, adapter_dir, prompt_set(args.model, args.prompt_set),
+                          adapter_name=Path(args.adapter).name, dtype=args.dtype, tp=args.tp,
+                          options=_parse_options(args.option), relations=args.relation, k=args.k,
+                          factor=args.factor, log=lambda s: print(s, file=sys.stderr))
+    print(format_report(rep))
+    if args.csv:
+        write_csv(rep, args.csv)
+    return 1 if rep.failed else 0

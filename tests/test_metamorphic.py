@@ -1,0 +1,175 @@
+"""harness.metamorphic: the transformations are exact, the judge flags what it should, not-applicable relations
+say why, and planted faults (a converter reading gpt-oss's interleaved gate/up as concatenated; an engine load path
+that drops an expert) make the relation that covers them FAIL far above the calibrated factor."""
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+import torch
+
+from harness import adapters as ad
+from harness import metamorphic as mm
+from harness.catalog import get_model, hf_config
+from harness.job import zoo_adapters
+from harness.prompts import prompt_set
+from harness.types import LogprobRun, PromptLogprobs
+
+
+def _ctx(model: str, adapter: str, tmp_path, engine: str = "triton") -> mm.Context:
+    spec = get_model(model)
+    hf = hf_config(spec)
+    layout = ad.ModelLayout.from_config(hf)
+    path = zoo_adapters(model)[adapter].path
+    return mm.Context(engine, spec, hf, layout, ad.load_canonical(path, layout), mm.Path(path), tmp_path)
+
+
+def _deltas(adapter: ad.CanonicalAdapter) -> dict[str, torch.Tensor]:
+    return {n: adapter.delta(n) for n in [*adapter.dense, *adapter.experts]}
+
+
+def _assert_same_deltas(a, b, rtol):
+    da, db = _deltas(a), _deltas(b)
+    assert da.keys() == db.keys()
+    for n in da:
+        torch.testing.assert_close(da[n], db[n], rtol=rtol, atol=rtol * float(db[n].abs().max()))
+
+
+@pytest.mark.parametrize("model", [
+    "tiny-gpt-oss",  # experts stored transposed with interleaved gate/up rows
+    "tiny-qwen3-moe",  # [gate; up] rows, (E, out, in)
+])
+@pytest.mark.parametrize("transform,rtol", [
+    (lambda c: mm.pad_rank(c.adapter, 16), 0),  # zero rows/columns: bit-exact
+    (lambda c: mm.rescale_alpha(c.adapter, 4.0), 0),  # power of two: bit-exact
+    (lambda c: mm.reparametrise(c.adapter, 0), 1e-5),  # M·A, B·M⁻¹: fp32 rounding only
+    (lambda c: mm.shared_outer(c.adapter, c.layout), 1e-6),  # rank E·r with one shared outer factor
+])
+def test_transforms_keep_every_delta_through_disk(model, transform, rtol, tmp_path):
+    ctx = _ctx(model, "all", tmp_path)
+    out = ctx.write("t", transform(ctx))
+    _assert_same_deltas(ad.load_canonical(out, ctx.layout), ctx.adapter, rtol)
+
+
+def test_shared_outer_really_shares_the_outer_factors(tmp_path):
+    ctx = _ctx("tiny-qwen3-moe", "experts", tmp_path)
+    so = mm.shared_outer(ctx.adapter, ctx.layout)
+    for name, (a, b) in so.experts.items():
+        shared = b if name.endswith("down_proj") else a
+        assert torch.equal(shared, shared[:1].expand_as(shared)), name
+        assert a.shape[1] == ctx.adapter.rank * a.shape[0]
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+def test_gate_up_split_forms_are_one_adapter(model, tmp_path):
+    """per-projection As (rank r per expert projection) == stacked rank-2r, whatever the row order of gate/up."""
+    ctx = _ctx(model, "experts", tmp_path)
+    split = mm.split_gate_up(ctx.adapter, ctx.layout, seed=3)
+    per_expert = ctx.write("pe", split, "per_expert")
+    per_proj = mm.strip_zero_rank(per_expert, tmp_path / "pp")
+    assert ad.inspect_adapter(per_proj).rank == ctx.adapter.rank  # each projection keeps its own rank-r A
+    for form in (per_proj, per_expert, ctx.write("3d", split, "peft3d")):
+        _assert_same_deltas(ad.load_canonical(form, ctx.layout), split, 0)
+    gu = next(n for n in split.experts if n.endswith("gate_up_proj"))
+    a = split.experts[gu][0]
+    r = ctx.adapter.rank
+    assert not torch.equal(a[:, :r], a[:, r:]), "gate and up must have different A matrices"
+
+
+def test_not_applicable_relations_say_why(tmp_path):
+    # nemotron's experts are not gated; an attention-only adapter has no expert layouts; PEFT drops per-expert
+    # adapters on gpt-oss (harness.doctor), so hf cannot run that format
+    na = {r.relation: r.note for r in mm.plan(_ctx("tiny-nemotron-h", "experts", tmp_path / "n", "hf"),
+                                              ["gate_up"])[1]}
+    assert "not gated" in na["gate_up"]
+    na = {r.relation: r.note for r in mm.plan(_ctx("tiny-qwen3-moe", "attention", tmp_path / "q"),
+                                              ["format"])[1]}
+    assert "no expert LoRA" in na["format"]
+    lanes, na = mm.plan(_ctx("tiny-gpt-oss", "experts", tmp_path / "g", "hf"), ["format"])
+    assert [r.relation for r in na] == ["format:per_expert"] and "per-expert-ignored-by-peft" in na[0].note
+    assert [lane.name for lane in lanes] == ["format:shared_outer"]
+    with pytest.raises(ValueError, match="unknown relation"):
+        mm.plan(_ctx("tiny-qwen3-moe", "attention", tmp_path / "x"), ["nope"])
+
+
+def _run(values: list[float]) -> LogprobRun:
+    return LogprobRun([PromptLogprobs(np.arange(len(values) + 1), np.asarray(values, np.float32))])
+
+
+def test_judge_floor_exactness_and_nonfinite():
+    base, orig = _run([-1.0, -2.0, -3.0]), _run([-1.5, -2.5, -2.0])
+    lanes = [mm.Lane("a", "x"), mm.Lane("b", "x"), mm.Lane("z", "x", reference="base", exact=True),
+             mm.Lane("n", "x")]
+    runs = {"a": _run([-1.5, -2.5, -2.0 + 2e-6]),  # fp32-rounding-sized: ratio 2 against the 1e-6 floor
+            "b": _run([-1.5, -2.5, -1.9]),  # 0.1 off: a bug
+            "z": _run([-1.0, -2.0, -3.0 + 2.4e-7]),  # one ulp off where the relation is exact
+            "n": _run([-1.5, float("nan"), -2.0])}
+    res = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "float32")}
+    assert res["a"].verdict == "PASS" and res["a"].ratio == pytest.approx(2.0, rel=0.1)
+    assert res["b"].verdict == "FAIL" and res["b"].ratio > 1e4
+    assert res["b"].delta_rel == pytest.approx(0.1 / np.linalg.norm([0.5, 0.5, 1.0]), rel=1e-4)
+    assert res["z"].verdict == "FAIL" and res["z"].ratio == float("inf")  # no floor for exact relations
+    assert res["n"].verdict == "FAIL" and "NaN" in res["n"].note
+
+
+def _concatenated_part_rows(self):
+    """The fault: gpt-oss's interleaved gate/up rows read as [gate; up] halves."""
+    return list(torch.arange(self.out_features).view(len(self.parts), -1))
+
+
+def test_converter_reading_interleave_as_concatenated_fails_format(tmp_path, monkeypatch):
+    """A per-expert converter copy with the gpt-oss interleave bug: its file loads fine and moves the logprobs, but
+    the engine computes another adapter, and format:per_expert FAILs; the unbroken shared-outer form passes."""
+    real_save = ad.save_canonical
+
+    def faulty_save(adapter, out_dir, model_config, layout="peft3d", **kw):
+        if layout != "per_expert":
+            return real_save(adapter, out_dir, model_config, layout, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(ad.ExpertParam, "part_rows", _concatenated_part_rows)
+            return real_save(adapter, out_dir, model_config, layout, **kw)
+
+    monkeypatch.setattr(mm, "save_canonical", faulty_save)
+    spec = get_model("tiny-gpt-oss")
+    rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["experts"].path,
+                             prompt_set(spec.name)[:4], relations=["format"], tmp=tmp_path)
+    bad, good = rep.get("format:per_expert"), rep.get("format:shared_outer")
+    assert bad.verdict == "FAIL" and bad.ratio > 100 * mm.FACTOR and bad.delta_rel > 0.1, mm.format_report(rep)
+    assert good.verdict == "PASS", mm.format_report(rep)
+
+
+def test_engine_path_dropping_an_expert_fails_format(tmp_path, monkeypatch):
+    """The engine's per-expert load path loses expert 0 (as an engine skipping weights it cannot map does): only
+    the per-expert lane sees it, so format:per_expert FAILs and names the dropped part."""
+    real_fuse = ad._fuse_per_expert
+
+    def drop_expert_0(layout, module, projs):
+        out = real_fuse(layout, module, projs)
+        for name, (a, b) in out.items():
+            b[0] = 0
+        return out
+
+    monkeypatch.setattr(ad, "_fuse_per_expert", drop_expert_0)
+    spec = get_model("tiny-qwen3-moe")
+    rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["experts"].path,
+                             prompt_set(spec.name)[:4], relations=["format"], tmp=tmp_path)
+    assert rep.get("format:per_expert").verdict == "FAIL", mm.format_report(rep)
+    assert rep.get("format:per_expert").ratio > 100 * mm.FACTOR
+    assert rep.get("format:shared_outer").verdict == "PASS"
+
+
+def test_cli_runs_relations_and_appends_csv(tmp_path, capsys):
+    from harness.cli import main
+
+    out = tmp_path / "m.csv"
+    rc = main(["metamorphic", "tiny-qwen3-moe", "attention", "--engine", "hf", "--prompt-set", "short",
+               "--relation", "zero_b", "--relation", "factors", "--relation", "format", "--csv", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = list(csv.DictReader(out.open()))
+    assert tuple(rows[0]) == mm.CSV_COLUMNS
+    got = {r["relation"]: r for r in rows}
+    assert got["zero_b:vs_base"]["verdict"] == "PASS" and float(got["zero_b:vs_base"]["max_abs"]) == 0
+    assert got["format"]["verdict"] == "n/a" and "no expert LoRA" in got["format"]["note"]
+    assert {r["engine"] for r in rows} == {"hf"} and "factors:M_A_B_Minv" in printed
