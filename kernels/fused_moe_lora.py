@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engines.triton import faults
 from kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
 from kernels.moe_align import MoeRouting, moe_align
 
@@ -80,13 +81,21 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling, rank:
 
 
 def add_slot_deltas(out: torch.Tensor, inp: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    lora: MoeLoraWeights) -> None:
+                    lora: MoeLoraWeights, unmasked_b: torch.Tensor | None = None) -> None:
     """out[rows of slot s] += LoRA delta of slot s for every slot used (-1 rows get none); a (L, R, in),
-    b (L, out, R) of one expert."""
+    b (L, out, R) of one expert. ``unmasked_b`` (fault lora_b_unmasked only): the whole stacked B buffer that an
+    expand without a column mask reads past this expert's rows."""
     for s in slots.unique().tolist():
         if s >= 0:
             rows = slots == s
-            out[rows] += lora_delta(inp[rows], a[s], b[s], lora.scaling[s], int(lora.ranks[s]))
+            rank = int(lora.ranks[s])
+            if unmasked_b is None:
+                out[rows] += lora_delta(inp[rows], a[s], b[s], lora.scaling[s], rank)
+                continue
+            sub = out[rows]
+            shrink = float(lora.scaling[s]) * (inp[rows].float() @ a[s][:rank].float().T)
+            faults.unmasked_expand(sub, shrink, b[s], unmasked_b, rank)
+            out[rows] = sub
 
 
 def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
@@ -94,6 +103,7 @@ def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, 
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     slots = token_adapter.long() if lora is not None else torch.full((T,), -1, device=x.device)
+    fault = faults.active() if lora is not None else None
     for e in range(w_gate_up.shape[0]):
         t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
         if t_idx.numel() == 0:
@@ -102,15 +112,25 @@ def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, 
         h = xe @ w_gate_up[e].float().T
         if b_gate_up is not None:
             h += b_gate_up[e].float()
+        # the zoo's faults on the LoRA path keep the delta apart where the buggy engine did (engines/triton/faults.py)
+        hd = torch.zeros_like(h) if fault == "lora_after_activation" else h
         if lora is not None:
-            add_slot_deltas(h, xe, slots[t_idx], lora.gate_up_a[:, e], lora.gate_up_b[:, e], lora)
-        act = activate(h, activation).to(x.dtype).float()
+            add_slot_deltas(hd, xe, slots[t_idx], lora.gate_up_a[:, e], lora.gate_up_b[:, e], lora,
+                            lora.gate_up_b if fault == "lora_b_unmasked" else None)
+        act = activate(h, activation)
+        if hd is not h:
+            act = act + activate(hd, activation)
+        act = act.to(x.dtype).float()
         y = act @ w_down[e].float().T
         if b_down is not None:
             y += b_down[e].float()
+        weight = topk_weights[t_idx, k_idx, None].float()
+        yd = torch.zeros_like(y) if fault in ("topk_weight_twice", "topk_weight_missing") else y
         if lora is not None:
-            add_slot_deltas(y, act, slots[t_idx], lora.down_a[:, e], lora.down_b[:, e], lora)
-        out.index_add_(0, t_idx, y * topk_weights[t_idx, k_idx, None].float())
+            add_slot_deltas(yd, act, slots[t_idx], lora.down_a[:, e], lora.down_b[:, e], lora)
+        if yd is not y:
+            y = y + yd * (weight if fault == "topk_weight_twice" else 1.0 / weight)
+        out.index_add_(0, t_idx, y * weight)
     return out.to(x.dtype)
 
 
@@ -167,10 +187,28 @@ def _lora_shrink_kernel(
     tl.store(s_ptrs, acc, mask=offs_r[None, :] < R)
 
 
+@triton.jit
+def _gated_act(acc, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Interleaved (gate, up) columns of acc -> the gated activation (BLOCK_M, BLOCK_N)."""
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    if ACT == 1:  # SiLU-gated
+        h = gate / (1.0 + tl.exp(-gate)) * up
+    else:  # gpt-oss clamped SwiGLU
+        gate = tl.minimum(gate, 7.0)
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+        h = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+    return h
+
+
+# Bug-zoo faults that live inside the grouped GEMM (engines/triton/faults.py), by the GEMM they break.
+KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
+                 "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
+
+
 @dual_jit
 def _grouped_gemm_kernel(
         X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded,
-        SliceOffs, num_pairs, N, Kdim,
+        SliceOffs, num_pairs, N, Kdim, lb_numel, out_numel,
         stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
         stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
         stride_lbl, stride_lbe, stride_lbn, stride_lbr,
@@ -179,13 +217,14 @@ def _grouped_gemm_kernel(
         NUM_SLICES: tl.constexpr, R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, FAULT: tl.constexpr):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection. A program's dot covers BLOCK_N gate and
     BLOCK_N up rows interleaved (even columns gate, odd up), so one MMA of width 2*BLOCK_N feeds the activation.
     LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
-    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (dense layers with slices)."""
+    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (dense layers with slices).
+    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; engines/triton/faults.py)."""
     WN: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
@@ -230,8 +269,14 @@ def _grouped_gemm_kernel(
                + wrow[None, :] * stride_lbn)
     if LORA == 1:
         # issued before the K-loop so that its latency hides behind the loop instead of stalling the epilogue
-        bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
+        if FAULT == 4:  # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end still holds)
+            lb_off = (a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+                      + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn)
+            bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
+        else:
+            bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
     acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)
+    acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
     acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, K_TILES):
         if EVEN_K:
@@ -262,7 +307,10 @@ def _grouped_gemm_kernel(
             if LORA == 1:
                 st = acc_s * tl.load(Scaling + a_safe)
                 st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-                acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
+                if FAULT == 1 or FAULT == 2 or FAULT == 3:
+                    acc_l = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc_l, input_precision=DOT_PREC)
+                else:
+                    acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
             else:
                 for s in tl.static_range(NUM_SLICES):
                     # S holds the slices' shrinks side by side; B rows of slice s live in [lo, hi)
@@ -277,27 +325,31 @@ def _grouped_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)[None, :]
     if GATED:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        if ACT == 1:  # SiLU-gated
-            h = gate / (1.0 + tl.exp(-gate)) * up
-        else:  # gpt-oss clamped SwiGLU
-            gate = tl.minimum(gate, 7.0)
-            up = tl.minimum(tl.maximum(up, -7.0), 7.0)
-            h = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+        h = _gated_act(acc, ACT, BLOCK_M, BLOCK_N)
+        if FAULT == 1:  # lora_after_activation
+            h += _gated_act(acc_l, ACT, BLOCK_M, BLOCK_N)
     elif ACT == 3:  # relu^2, not gated
         h = tl.maximum(acc, 0.0)
         h = h * h
     else:
         h = acc
     if MUL_TOPK:
-        h = h * tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+        tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+        h = h * tw
+        if FAULT == 2:  # topk_weight_twice
+            h += acc_l * tw * tw
+        if FAULT == 3:  # topk_weight_missing
+            h += acc_l
     if OUT_SORTED:
         orow = offs_m
     else:
         orow = pair
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_ptrs = Out + orow[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, h.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+    o_off = orow[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    o_mask = row_ok[:, None] & (offs_n < N)[None, :]
+    if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
+        o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
+    tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -383,7 +435,7 @@ def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool) -> 
 
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
                 activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
-                ranks=None, slice_offsets: tuple | None = None, topk_weights=None) -> torch.Tensor:
+                ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0) -> torch.Tensor:
     """w (E, N_w, Kdim) with N_w = 2N when gated; bias (E, N_w); lora_b viewed as (L, E, N_w, R).
     LoRA either as lora_a (L, E, R, Kdim) (shrink fused into the K-loop) or as a precomputed, scaled lora_s
     (M, S*R) with slice_offsets (dense layers)."""
@@ -402,7 +454,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         x, w, bias if bias is not None else dummy, out, la, sv, lb,
         scaling if mode else dummy, ranks if mode else dummy, topk_weights if topk_weights is not None else dummy,
         routing.sorted_ids, routing.block_expert, routing.block_adapter, routing.num_padded,
-        device_const(tuple(offs), x.device), routing.num_pairs, n, kdim,
+        device_const(tuple(offs), x.device), routing.num_pairs, n, kdim, lb.numel(), out.numel(),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         out.stride(0), out.stride(1), la.stride(0), la.stride(1), la.stride(2), la.stride(3),
@@ -412,7 +464,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(x.dtype, x.device))
+        FAULT=fault, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(x.dtype, x.device))
     return out
 
 
@@ -435,8 +487,10 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     kw1 = kw2 = {}
     if lora is not None:
         common = dict(scaling=lora.scaling, ranks=lora.ranks)
-        kw1 = dict(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
-        kw2 = dict(lora_a=lora.down_a, lora_b=lora.down_b, **common)
+        fault = faults.active()
+        kw1 = dict(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, fault=KERNEL_FAULTS["gate_up"].get(fault, 0),
+                   **common)
+        kw2 = dict(lora_a=lora.down_a, lora_b=lora.down_b, fault=KERNEL_FAULTS["down"].get(fault, 0), **common)
     launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
                 bias=b_gate_up, **kw1)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
@@ -490,12 +544,24 @@ def check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b
         raise ValueError(f"max rank {R} > 128 is not supported by the fused kernels; use impl='torch'")
 
 
+def _misread_as_gated(w_down, lora):
+    """Fault relu2_as_gated: a runner that knows only gated experts splits the I up rows into gate|up halves,
+    applies SiLU-and-mul, and runs the down GEMM (and its LoRA-A) over the first I/2 input columns."""
+    half = w_down.shape[2] // 2
+    if lora is not None:
+        lora = MoeLoraWeights(lora.gate_up_a, lora.gate_up_b, lora.down_a[..., :half], lora.down_b, lora.scaling,
+                              lora.ranks)
+    return "silu", w_down[..., :half], lora
+
+
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
                 lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto") -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
     "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside."""
+    if activation == "relu2" and faults.on("relu2_as_gated"):
+        activation, w_down, lora = _misread_as_gated(w_down, lora)
     check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora,
                      token_adapter)
     args = (x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter)

@@ -11,7 +11,8 @@ from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
 from engines.triton.config import SUPPORTED_ARCHS
 from harness.types import PromptLogprobs
 
-OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0}
+OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0,
+           "fault": None}
 IMPLS = ("auto", "triton", "torch")
 ATTENTION = ("auto", "flash", "sdpa")
 
@@ -31,6 +32,9 @@ class TritonEngine:
             raise ValueError(f"option impl must be one of {IMPLS}, got {self.options['impl']!r}")
         if self.options["attention"] not in ATTENTION:
             raise ValueError(f"option attention must be one of {ATTENTION}, got {self.options['attention']!r}")
+        from engines.triton import faults
+
+        self.options["fault"] = faults.resolve(self.options)  # resolved once, so TP workers run the same one
         if config.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp must be 1, 2, 4 or 8, got {config.tp}")
         self.config = config
@@ -41,6 +45,7 @@ class TritonEngine:
         self.runtime = None
         self.workers = None
         self.last_wall_s = 0.0
+        self._prev_fault = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> "TritonEngine":
@@ -53,10 +58,11 @@ class TritonEngine:
     def start(self) -> None:
         if self.runtime is not None:
             return
-        from engines.triton import tp
+        from engines.triton import faults, tp
         from engines.triton.runtime import Runtime
         from engines.triton.shard import Shard
 
+        self._prev_fault = faults.activate(self.options["fault"])
         world = self.config.tp
         if world > 1:
             import torch.distributed as dist
@@ -91,6 +97,9 @@ class TritonEngine:
                 dist.destroy_process_group()
             self.workers = None
         self.runtime = None
+        from engines.triton import faults
+
+        faults.activate(self._prev_fault)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -99,8 +108,9 @@ class TritonEngine:
         import triton
         import transformers
 
-        return (f"lpdiff-triton (impl {self.options['impl']}), torch {torch.__version__}, triton {triton.__version__}, "
-                f"transformers {transformers.__version__}")
+        fault = f", FAULT {self.options['fault']}" if self.options["fault"] else ""
+        return (f"lpdiff-triton (impl {self.options['impl']}{fault}), torch {torch.__version__}, "
+                f"triton {triton.__version__}, transformers {transformers.__version__}")
 
     # -- work ------------------------------------------------------------------------------------------------
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.triton import faults
 from engines.triton.config import ModelConfig
 from engines.triton.shard import Shard
 from engines.triton.weights import arch_module
@@ -53,7 +54,10 @@ class StackedLora:
 
 def _parse(cfg: ModelConfig, name: str, adapter) -> tuple[dict, dict]:
     """-> ({layer: {proj: (A, B)}}, {layer: {param: (A, B)}}) for layers < num_layers; unknown targets fail."""
-    return _by_layer(cfg, name, adapter.dense, _DENSE), _by_layer(cfg, name, adapter.experts, _EXPERT)
+    experts = _by_layer(cfg, name, adapter.experts, _EXPERT)
+    if faults.on("expert_adapter_dropped"):
+        experts = {}
+    return _by_layer(cfg, name, adapter.dense, _DENSE), experts
 
 
 def _by_layer(cfg: ModelConfig, name: str, entries: dict, pattern: re.Pattern) -> dict[int, dict]:
@@ -89,10 +93,14 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
     I2, I = 2 * cfg.expert_width, cfg.expert_width
 
     def z(*shape) -> Tensor:
+        if faults.on("lora_uninitialised"):
+            return faults.stale_empty(*shape, dtype=dtype, device=device)
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     def put(dst: Tensor, src: Tensor) -> None:
         """Copy a (possibly lower-rank) factor into a zero-padded slot; rank is dim -2 for A, -1 for B."""
+        if faults.on("lora_rank_layout"):
+            return faults.flat_put(dst, src)
         dst[tuple(slice(0, s) for s in src.shape)] = src.to(device=device, dtype=dtype)
 
     scaling = torch.tensor([float(adapters[n].scaling) for n in names], dtype=torch.float32, device=device)
@@ -120,7 +128,7 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
                 if "gate_up_proj" in ex:
                     A, B = ex["gate_up_proj"]
                     put(gu_a[s], A)
-                    put(gu_b[s], arch.gate_up_rows(B, 1))
+                    put(gu_b[s], B if faults.on("gpt_oss_gate_up_concat") else arch.gate_up_rows(B, 1))
                 if "down_proj" in ex:
                     A, B = ex["down_proj"]
                     put(dn_a[s], A)

@@ -50,10 +50,12 @@ def init_group(rank: int, world: int, init_method: str, device: torch.device, ti
 
 
 def worker_main(rank: int, world: int, init_method: str, config, device: torch.device, options: dict, queue):
+    from engines.triton import faults
     from engines.triton.runtime import Runtime
     from engines.triton.shard import Shard
 
     try:
+        faults.activate(options.get("fault"))
         device = rank_device(device, rank)
         queue.put((rank, "started", None))
         init_group(rank, world, init_method, device, options["timeout_s"])
