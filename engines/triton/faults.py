@@ -10,6 +10,7 @@ pays nothing and computes exactly what it computed before the zoo existed).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
 _active: str | None = None
 
 
+def applicable(name: str, arch: str) -> bool:
+    return arch in FAULTS[name].archs
+
+
 def resolve(options: dict) -> str | None:
     """The fault an engine with these options runs: the option wins over LPDIFF_FAULT. Unknown names fail."""
     name = options.get("fault") or os.environ.get(ENV) or None
@@ -83,6 +88,16 @@ def activate(name: str | None) -> str | None:
         raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
     prev, _active = _active, name
     return prev
+
+
+@contextmanager
+def injected(name: str | None):
+    """Kernel-level use (tests, bisect): ``with injected("lora_after_activation"): moe_forward(...)``."""
+    prev = activate(name)
+    try:
+        yield
+    finally:
+        activate(prev)
 
 
 def active() -> str | None:

@@ -1,0 +1,87 @@
+"""Bug zoo: the default triton-vs-HF-baseline job (suites/test_tiny_zoo.py) run with each named fault of
+engines/triton/faults.py must FAIL, and each caught fault names the metric that caught it; the clean runtime must
+pass 20 reruns without a false alarm. Faults are real engine bugs re-created at the spot where they lived."""
+import numpy as np
+import pytest
+
+from engines.triton.faults import FAULTS, applicable
+from harness.job import Job, judge_job, resolve, run_job
+
+MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
+
+ZOO = [
+    # slot of a rank-4 adapter among rank-8 ones copied flat (SGLang/vLLM max-rank padding bugs)
+    ("lora_rank_layout", "tiny-qwen3-moe"), ("lora_rank_layout", "tiny-gpt-oss"),
+    # gpt-oss interleaved gate/up LoRA-B rows read as gate-then-up (vLLM gpt-oss LoRA w13 layout)
+    ("gpt_oss_gate_up_concat", "tiny-gpt-oss"),
+    # torch.empty LoRA buffers: garbage in modules an adapter does not target
+    ("lora_uninitialised", "tiny-qwen3-moe"), ("lora_uninitialised", "tiny-gpt-oss"),
+    # LoRA-B expand without a column mask; the expert width 40 is not a multiple of the 32-column tile
+    ("lora_b_unmasked", "tiny-qwen3-moe"), ("lora_b_unmasked", "tiny-gpt-oss"),
+    # gate_up LoRA added after the activation (SiLU-gated on Qwen, clamped SwiGLU on gpt-oss)
+    ("lora_after_activation", "tiny-qwen3-moe"), ("lora_after_activation", "tiny-gpt-oss"),
+    # routing weight applied twice / not at all to the expert LoRA delta
+    ("topk_weight_twice", "tiny-qwen3-moe"), ("topk_weight_twice", "tiny-gpt-oss"),
+    ("topk_weight_missing", "tiny-qwen3-moe"), ("topk_weight_missing", "tiny-gpt-oss"),
+    # PEFT 3D expert adapter skipped on load: output equals the base model on the experts (vLLM #41384)
+    ("expert_adapter_dropped", "tiny-qwen3-moe"), ("expert_adapter_dropped", "tiny-gpt-oss"),
+]
+# relu2_as_gated is kernel-level only (the runtime has no relu^2 model): tests/test_bug_zoo.py
+
+
+def caught_by(verdict) -> list[str]:
+    """Metric names in the verdict's failure reasons: k2, max |Δ|, delta fidelity, NaN."""
+    out = [m for m in ("k2", "max |Δ|", "delta fidelity") if any(r.startswith(m + " ") for r in verdict.reasons)]
+    return out + ["NaN/inf"] * any("NaN" in r for r in verdict.reasons)
+
+
+def test_zoo_covers_every_runtime_fault():
+    """A new fault must get a case here (and the cases must name real faults on archs that have the bug)."""
+    runtime = {n for n, f in FAULTS.items() if not f.kernel_only}
+    assert {f for f, _ in ZOO} == runtime
+    assert all(applicable(f, MODELS[m]) for f, m in ZOO)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fault,model", ZOO, ids=[f"{f}-{m}" for f, m in ZOO])
+def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, record_verdict):
+    pytest.importorskip("engines.triton")
+    res = run_job(Job(model=model, engine="triton", options={"fault": fault}), lpdiff_store, regen=lpdiff_regen)
+    failed = [v for v in res.verdicts if not v.passed]
+    for v in res.verdicts:
+        v.adapter = f"{v.adapter} [fault {fault}]"
+        record_verdict(v)
+    assert failed, f"{fault} on {model} passed every verdict: " + "; ".join(
+        f"{v.adapter}: k2 {v.metrics.k2:.3g}" for v in res.verdicts)
+    for v in failed:
+        assert caught_by(v), f"{v.adapter} failed without a named metric: {v.reasons}"
+    print(f"{fault} on {model} caught by: " + "; ".join(f"{v.adapter}: {', '.join(caught_by(v))}" for v in failed))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("model", list(MODELS))
+def test_clean_runtime_20_reruns_no_false_alarm(model, lpdiff_store, lpdiff_regen):
+    """The clean runtime, rerun 20 times in one engine session, passes every verdict every time; reruns are
+    bit-identical (the CPU path is deterministic), so any failure is a real alarm, not noise."""
+    pytest.importorskip("engines.triton")
+    from engines import EngineConfig, open_engine
+    from harness.types import LogprobRun
+
+    job = Job(model=model, engine="triton")
+    first = run_job(job, lpdiff_store, regen=lpdiff_regen)  # refs (and regen if asked) through the normal path
+    spec, adapters, prompts = resolve(job)
+    choices = [None, *adapters]
+    flat_prompts = [p for _ in choices for p in prompts]
+    flat_adapters = [c for c in choices for _ in prompts]
+    n, alarms, spread = len(prompts), [], 0.0
+    with open_engine("triton", EngineConfig(model=spec, adapters=adapters)) as eng:
+        for i in range(20):
+            flat = eng.prompt_logprobs(flat_prompts, adapter=flat_adapters, top_k=job.top_k)
+            runs = {c: LogprobRun(flat[j * n:(j + 1) * n]) for j, c in enumerate(choices)}
+            alarms += [f"rerun {i} {v.adapter}: {v.reasons}" for v in judge_job(job, runs, first.refs) if not v.passed]
+            for c in choices:
+                for p, q in zip(runs[c].prompts, first.runs[c].prompts):
+                    spread = max(spread, float(np.abs(p.logprobs - q.logprobs).max()))
+    assert not alarms, alarms
+    assert all(v.passed for v in first.verdicts)
+    assert spread == 0.0, f"reruns differ by up to {spread:.3g}"
