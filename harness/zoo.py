@@ -1,8 +1,9 @@
 """The tiny model zoo: five small checkpoints (four MoE architectures and one dense model) that behave like trained
 models, so that verdicts on a laptop mean something (DESIGN.md: "Random init is a trap").
 
-    python -m harness.zoo build [--name N] [--steps S]   # tokenizer + held-out text (if missing) + model(s)
-    python -m harness.zoo measure [--name N]              # entropy, router margins, bf16-vs-fp32 noise
+    python -m harness.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]  # tokenizer + held-out text
+                                                                                # (if missing) + model(s)
+    python -m harness.zoo measure [--name N] [--prompt-set S] [--dir DIR] [--markdown]
 
 Recipe (seeded; the committed weights are the source of truth, a rebuild on another machine or torch may differ):
   1. Corpus: the top-level modules of the running Python's standard library (``Lib/*.py``), minus a few held-out
@@ -10,13 +11,18 @@ Recipe (seeded; the committed weights are the source of truth, a rebuild on anot
   2. Tokenizer: byte-level BPE with ``VOCAB`` entries trained on that corpus (one tokenizer for the whole zoo,
      committed to ``harness/data/tokenizer/`` and copied into every model directory).
   3. Each model: transformers' own init under ``torch.manual_seed(SEED)``, then AdamW on next-token loss over
-     random windows of ``SEQ_LEN`` tokens, plus two router terms on MoE layers:
-       - balance: Switch-style load balancing (fraction routed x mean probability) so that every expert is used
-         (Nemotron instead updates its ``e_score_correction_bias`` aux-loss-free, as the real model is trained);
-       - margin: a hinge on the scale-free routing margin, (s_k - s_k+1) / std(s) < ``margin_target``, where s are
-         the scores the router ranks by. Scaling the router does not move this ratio (bf16 rounding and the
-         propagated noise of bf16 hidden states scale with the scores too), so only a real gap satisfies it.
-  4. Saved with ``save_pretrained`` in fp32 (the Hub layout transformers writes) plus the tokenizer files.
+     random windows of ``SEQ_LEN`` tokens, plus three router terms on MoE layers:
+       - margin: a hinge on the scale-free routing margin, u_k - u_k+1 < ``margin_target``, where u are the scores
+         the router ranks by, standardized over experts per token. Scaling the router does not move u (bf16
+         rounding and the propagated noise of bf16 hidden states scale with the scores too), so only a real gap
+         satisfies it;
+       - balance: E * sum_e P_e^2, P_e the batch mean of softmax(3u)_e, so that the margins are not bought by
+         sending every token to the same experts (Nemotron also updates its ``e_score_correction_bias``
+         aux-loss-free, as the real model is trained);
+       - z: mean squared router logit, which keeps sigmoid routers out of saturation (saturated scores tie).
+  4. Conditioning: ``sharpen`` scales lm_head so that the mean next-token entropy on fixed training windows is
+     ``target_entropy`` x log V (a logit temperature; peaked distributions like a trained LLM's).
+  5. Saved with ``save_pretrained`` in fp32 (the Hub layout transformers writes) plus the tokenizer files.
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_attention_heads=4, num_key
                pad_token_id=0, initializer_range=0.02)
 
 # Within the brief's limits: hidden <= 256, <= 6 layers, >= 8 experts, top-k >= 2, about 1M params (4 MB fp32).
-# Expert widths are not multiples of 32 on purpose: kernels that forget to mask partial blocks must fail here.
+# Most expert widths are not multiples of 32 on purpose: kernels that forget to mask partial blocks must fail here.
 TINY_CONFIGS: dict[str, dict] = {
     "tiny-qwen3-moe": dict(
         _COMMON, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=4,
@@ -71,7 +77,7 @@ TINY_CONFIGS: dict[str, dict] = {
         _COMMON, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=72,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
     "tiny-nemotron-h": dict(
@@ -91,17 +97,17 @@ assert set(TINY_CONFIGS) == set(ZOO)
 
 @dataclass(slots=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 1000
     batch: int = 16
     lr: float = 3e-3
     warmup: int = 30
     weight_decay: float = 0.01
-    balance_weight: float = 0.01
-    margin_weight: float = 0.1
-    margin_target: float = 1.0  # wanted (s_k - s_k+1) / std(s) per token and MoE layer
+    balance_weight: float = 1.0
+    margin_weight: float = 0.3
+    margin_target: float = 1.0  # wanted u_k - u_k+1 (scores standardized over experts) per token and MoE layer
     router_z_weight: float = 1e-3  # mean(router logit^2): keeps sigmoid routers out of saturation
-    entropy_weight: float = 0.0  # mean next-token entropy: trains the model to commit (peaked predictions)
-    bias_update_rate: float = 1e-3  # Nemotron's aux-loss-free correction-bias step
+    bias_update_rate: float = 1e-4  # Nemotron's aux-loss-free correction-bias step
+    target_entropy: float = 0.32  # conditioning: lm_head scaled until mean entropy = this x log V (train windows)
     seed: int = SEED
 
     def __post_init__(self):
@@ -145,6 +151,7 @@ def heldout_docs() -> dict[str, str]:
 
 def build_tokenizer(docs: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -214,30 +221,34 @@ class RouterTap:
             h.remove()
 
 
-def normalized_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """(N, E) -> (N,) top-k routing margin in units of the scores' spread over experts (scale-free)."""
-    from harness.routing import topk_margin
+# softmax(3u) is close to the hard top-k choice (a 1-sigma gap is a factor e^3), so P_e tracks real expert usage;
+# with softmax(u) the penalty for sending every token to the same two experts was too soft to stop it.
+BALANCE_SHARPNESS = 3.0
 
-    return topk_margin(scores, k) / (scores.std(dim=-1) + 1e-6)
+
+def standardized(scores: torch.Tensor) -> torch.Tensor:
+    """Router scores in units of their spread over experts, per token: free of the router's scale."""
+    return (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + 1e-6)
 
 
 def router_losses(taps, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (balance, margin, z) averaged over MoE layers; zero for a dense model."""
-    from harness.routing import choice_scores
+    """-> (balance, margin, z) averaged over MoE layers; zero for a dense model.
+
+    Both read the standardized scores u, so that neither can be met by rescaling the router: margin is the hinge
+    relu(target - (u_k - u_k+1)); balance is E * sum_e P_e^2, P_e the batch mean of softmax(BALANCE_SHARPNESS * u)_e
+    (1 when usage is uniform). On raw probabilities (Switch's f_e * P_e, or P_e^2) a tiny-scale router with one
+    fixed ranking met the balance term while every token went to the same experts."""
+    from harness.routing import choice_scores, topk_margin
 
     balance = margin = z = torch.zeros(())
     for module, logits in taps:
-        k, n_exp = int(module.top_k), logits.shape[-1]
-        scores = choice_scores(module, logits)
-        margin = margin + torch.relu(tc.margin_target - normalized_margin(scores, k)).mean() / len(taps)
-        z = z + logits.float().pow(2).mean() / len(taps)
-        if getattr(module, "e_score_correction_bias", None) is not None:
-            continue  # sigmoid routers balance through their correction bias instead (update_correction_bias)
-        chosen = scores.topk(k, dim=-1).indices
-        frac = torch.zeros(n_exp).scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel())) / chosen.numel()
-        probs = torch.softmax(logits.float(), dim=-1).mean(0)
-        balance = balance + n_exp * (frac.detach() * probs).sum() / len(taps)
-    return balance, margin, z
+        logits = logits.float()
+        u = standardized(choice_scores(module, logits))
+        margin = margin + torch.relu(tc.margin_target - topk_margin(u, int(module.top_k))).mean()
+        balance = balance + u.shape[-1] * torch.softmax(BALANCE_SHARPNESS * u, dim=-1).mean(0).pow(2).sum()
+        z = z + logits.pow(2).mean()
+    n = max(1, len(taps))
+    return balance / n, margin / n, z / n
 
 
 @torch.no_grad()
@@ -278,25 +289,49 @@ def train(name: str, stream: torch.Tensor, tc: TrainConfig, log_every: int = 50)
             g["lr"] = lr_at(step, tc)
         starts = torch.randint(0, stream.numel() - SEQ_LEN, (tc.batch,), generator=gen)
         x = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
-        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
-        logp = logits.log_softmax(-1)
-        lm = -logp.gather(-1, x[:, 1:, None]).mean()
-        entropy = -(logp.exp() * logp).sum(-1).mean()
+        lm = model(input_ids=x, labels=x, use_cache=False).loss
         taps = tap.pop()
         balance, margin, z = router_losses(taps, tc)
-        loss = (lm + tc.entropy_weight * entropy + tc.balance_weight * balance + tc.margin_weight * margin
-                + tc.router_z_weight * z)
+        loss = lm + tc.balance_weight * balance + tc.margin_weight * margin + tc.router_z_weight * z
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         update_correction_bias(taps, tc.bias_update_rate)
         if step % log_every == 0 or step == tc.steps - 1:
-            log.append(f"step {step:4d} lm {lm.item():.3f} entropy {entropy.item():.3f} balance {balance.item():.3f} "
+            log.append(f"step {step:4d} lm {lm.item():.3f} balance {balance.item():.3f} "
                        f"margin {margin.item():.3f} z {z.item():.2f} t {time.time() - t0:.0f}s")
             print(f"[{name}] {log[-1]}", flush=True)
     tap.remove()
-    return model.eval(), log
+    model.eval()
+    scale = sharpen(model, stream, tc.target_entropy, tc.seed)
+    log.append(f"sharpen: lm_head x {scale:.4f}")
+    return model, log
+
+
+@torch.no_grad()
+def sharpen(model, stream: torch.Tensor, target: float, seed: int, windows: int = 32) -> float:
+    """Conditioning step: scale lm_head so that the mean next-token entropy on fixed training windows is
+    ``target`` x log V. A few CPU minutes leave a ~1M-parameter model calibrated but unsure (entropy ~0.5 log V on
+    held-out text); a logit temperature gives the peaked distributions of a trained LLM at a lower NLL cost than an
+    entropy penalty during training (both measured; see benchmarks/results/zoo.md)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    starts = torch.randint(0, stream.numel() - SEQ_LEN, (windows,), generator=gen).tolist()
+    x = torch.stack([stream[s:s + SEQ_LEN] for s in starts])
+    logits = model(input_ids=x, use_cache=False).logits.float()
+    want = target * math.log(logits.shape[-1])
+
+    def entropy(s: float) -> float:
+        logp = (logits * s).log_softmax(-1)
+        return float(-(logp.exp() * logp).sum(-1).mean())
+
+    lo, hi = 0.25, 8.0
+    for _ in range(40):  # entropy falls monotonically with the scale
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if entropy(mid) > want else (lo, mid)
+    scale = round((lo + hi) / 2, 4)
+    model.lm_head.weight.mul_(scale)
+    return scale
 
 
 def hub_compat(cfg: dict) -> dict:
@@ -322,8 +357,7 @@ def save_tokenizer(out: Path) -> None:
          "model_max_length": 1024}, indent=1) + "\n")
 
 
-def save(name: str, model, info: dict) -> Path:
-    out = ZOO_DIR / name
+def save(out: Path, model, info: dict) -> Path:
     if out.exists():
         shutil.rmtree(out)
     model.config.use_cache = True
@@ -335,13 +369,26 @@ def save(name: str, model, info: dict) -> Path:
     return out
 
 
-def build(names: list[str], tc: TrainConfig, corpus: str | None = None) -> None:
-    """Train and save ``names``. ``corpus``: a token file written by an earlier build (created when missing), so
-    that a build under another Python version trains on the same stdlib text."""
+def build_one(name: str, stream: torch.Tensor, tc: TrainConfig, out: Path) -> dict:
+    """Train ``name`` and save it to ``out`` with a build.json recording how."""
     import platform
 
     import transformers
 
+    t0 = time.time()
+    model, log = train(name, stream, tc)
+    info = {"name": name, "train": asdict(tc), "seq_len": SEQ_LEN, "corpus_tokens": stream.numel(), "log": log,
+            "build_s": round(time.time() - t0, 1), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "recipe": RECIPE}
+    save(out, model, info)
+    print(f"[{name}] saved to {out} in {info['build_s']}s", flush=True)
+    return info
+
+
+def build(names: list[str], steps: int | None = None, corpus: str | None = None, out: Path = ZOO_DIR) -> None:
+    """Train and save ``names`` under ``out`` (the zoo by default). ``corpus``: a token file written by an earlier
+    build (created when missing), so that a build under another Python version trains on the same stdlib text."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))  # the recipe's stated budget: 2 cores
     if not HELDOUT.exists():
         write_heldout()
@@ -353,13 +400,7 @@ def build(names: list[str], tc: TrainConfig, corpus: str | None = None) -> None:
         if corpus:
             torch.save(stream, corpus)
     for name in names:
-        t0 = time.time()
-        model, log = train(name, stream, tc)
-        info = {"name": name, "train": asdict(tc), "seq_len": SEQ_LEN, "corpus_tokens": stream.numel(),
-                "log": log, "build_s": round(time.time() - t0, 1), "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "transformers": transformers.__version__,
-                "python": platform.python_version(), "machine": platform.machine(), "recipe": RECIPE}
-        print(f"[{name}] saved to {save(name, model, info)} in {info['build_s']}s", flush=True)
+        build_one(name, stream, TrainConfig() if steps is None else TrainConfig(steps=steps), Path(out) / name)
 
 
 # -- measurement ---------------------------------------------------------------------------------------------------
@@ -372,22 +413,23 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_stats(model, prompts: list[list[int]]) -> dict:
-    """Per prompt (batch 1, no padding): next-token entropies, actual-token logprobs, and per MoE layer the router
-    choice scores (N, E) and top-k."""
+    """One right-padded batch (padding after a causal prompt changes none of its positions): next-token entropies
+    and actual-token logprobs over all real positions, and per MoE layer the router choice scores (N, E), top-k."""
     from harness.routing import choice_scores
 
+    lens = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    real = torch.arange(ids.shape[1])[None] < lens[:, None]  # (B, T)
     tap = RouterTap(model)
-    ent, lp, routers = [], [], []
-    for p in prompts:
-        ids = torch.tensor([p])
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-        logp = logits.log_softmax(-1)
-        ent.append(-(logp.exp() * logp).sum(-1))
-        lp.append(logp.gather(1, ids[0, 1:, None])[:, 0])
-        routers.append([(choice_scores(m, lg), int(m.top_k)) for m, lg in tap.pop()])
+    logp = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)
+    routers = [(choice_scores(m, lg)[real.flatten()], int(m.top_k)) for m, lg in tap.pop()]
     tap.remove()
-    layers = [(torch.cat([r[i][0] for r in routers]), routers[0][i][1]) for i in range(len(routers[0]))]
-    return {"entropy": torch.cat(ent), "logprobs": torch.cat(lp), "routers": layers}
+    pred = real[:, 1:]  # positions with a real next token
+    entropy = -(logp.exp() * logp).sum(-1)
+    actual = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    return {"entropy": entropy[pred], "logprobs": actual[pred], "routers": routers}
 
 
 def _pct(x: torch.Tensor, qs=(1, 10, 50)) -> dict[str, float]:
@@ -404,9 +446,11 @@ def measure(name: str, set_name: str = "default", path: Path | None = None) -> d
 
     path = path or ZOO_DIR / name
     prompts = prompt_set(name, set_name)
-    f32 = forward_stats(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    f32 = forward_stats(model, prompts)
+    # loaded again rather than cast: from_pretrained honours the modules a model keeps in fp32
     b16 = forward_stats(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), prompts)
-    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
     d = b16["logprobs"] - f32["logprobs"]
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     out = {
@@ -439,24 +483,51 @@ def measure(name: str, set_name: str = "default", path: Path | None = None) -> d
     return out
 
 
+def markdown(rows: list[dict]) -> str:
+    """The measured table of benchmarks/results/zoo.md."""
+    head = ("| model | params | vocab | entropy (nats) | entropy / log V | NLL | router margin p1 / p10 / p50 | "
+            "margin / bf16 spacing p1 / p10 / p50 | bf16 score noise p99 / max | fp32-vs-bf16 expert-set flips | "
+            "expert load min / max | bf16-vs-fp32 k2 | max abs d |\n" + "|---" * 13 + "|\n")
+    lines = []
+    for r in rows:
+        moe = "margin" in r
+        fmt3 = (lambda d: " / ".join(f"{v:.3g}" for v in d.values())) if moe else (lambda d: "-")
+        lines.append(
+            f"| {r['name']} | {r['params']:,} | {r['vocab']} | {r['entropy_mean']:.2f} | "
+            f"{r['entropy_mean'] / r['log_v']:.2f} | {r['nll_mean']:.2f} | {fmt3(r.get('margin'))} | "
+            f"{fmt3(r.get('margin_over_bf16_ulp'))} | "
+            + (f"{r['bf16_score_noise']['p99']:.3g} / {r['bf16_score_noise']['p100']:.3g} | "
+               f"{r['routing_flip_rate']:.2%} | {r['expert_load_min']:.2f} / {r['expert_load_max']:.2f} | "
+               if moe else "- | - | - | ")
+            + f"{r['bf16_k2']:.2e} | {r['bf16_max_abs']:.3f} |")
+    return head + "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.zoo", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="train and save zoo model(s) (all by default)")
     b.add_argument("--name", action="append", choices=list(TINY_CONFIGS))
-    b.add_argument("--steps", type=int, default=TrainConfig.steps)
+    b.add_argument("--steps", type=int, help=f"training steps (default {TrainConfig.steps})")
     b.add_argument("--corpus", help="token file of an earlier build (written when missing)")
+    b.add_argument("--out", default=str(ZOO_DIR), help="where to write the model directories (default: the zoo)")
     m = sub.add_parser("measure", help="print the zoo's measured properties as JSON lines")
     m.add_argument("--name", action="append", choices=list(TINY_CONFIGS))
     m.add_argument("--prompt-set", default="default")
+    m.add_argument("--dir", default=str(ZOO_DIR), help="where the model directories are (default: the zoo)")
+    m.add_argument("--markdown", action="store_true", help="print the table of benchmarks/results/zoo.md")
     args = ap.parse_args(argv)
     names = args.name or list(TINY_CONFIGS)
     if args.cmd == "build":
-        build(names, TrainConfig(steps=args.steps), args.corpus)
+        build(names, args.steps, args.corpus, Path(args.out))
     else:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+        rows = []
         for n in names:
-            print(json.dumps(measure(n, args.prompt_set)), flush=True)
+            rows.append(measure(n, args.prompt_set, Path(args.dir) / n))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.markdown:
+            print(markdown(rows))
     return 0
 
 
