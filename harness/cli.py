@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--tp", type=int, default=1)
     cal.add_argument("--num-layers", type=int, default=None)
 
+    sub.add_parser("bisect", help="first layer + module where triton leaves HF (per-module errors vs noise)",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     d = sub.add_parser("doctor", help="pre-flight check of an adapter against each engine's known LoRA limits")
     d.add_argument("rest", nargs=argparse.REMAINDER)
     mm = sub.add_parser("metamorphic", help="an engine against itself on inputs that must give equal logprobs")
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_adapters(args)
         if args.cmd == "calibrate":
             return cmd_calibrate(args)
+        if args.cmd == "bisect":
+            from harness.bisect import main as bisect_main
+            return bisect_main(args.rest)
         if args.cmd == "doctor":
             from harness.doctor import main as doctor_main
 

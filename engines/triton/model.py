@@ -22,6 +22,7 @@ class MoeTransformer:
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl = impl, attention_impl
+        self.capture: dict | None = None  # opt-in (lpdiff bisect): layer index -> that layer's output hidden states
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads = len(qh), len(kvh)
         d = cfg.head_dim
@@ -46,6 +47,8 @@ class MoeTransformer:
             margin = torch.minimum(margin, m)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
                                             batch.token_adapter, self.impl))
+            if self.capture is not None:
+                self.capture[i] = x + delta
         return self._norm(x, delta, self.w.norm)[0], margin
 
     def _linear(self, x, w, bias, lora_a, lora_b, offsets, token_adapter):

@@ -1,0 +1,67 @@
+"""lpdiff bisect names the module each zoo fault breaks, and nothing on the clean runtime."""
+import pytest
+
+from engines.triton.faults import FAULTS, applicable
+from harness import bisect as bs
+from harness.job import Job, resolve
+
+MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
+CASES = [(f, m) for m, arch in MODELS.items() for f, spec in FAULTS.items()
+         if not spec.kernel_only and applicable(f, arch)]
+
+
+@pytest.fixture(scope="module")
+def hf_side():
+    """HF captures and the clean runtime's floors, once per model (the expensive, fault-independent part)."""
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            spec, adapters, _ = resolve(Job(model=model))
+            prompts = bs.bisect_prompts(model)
+            hf = bs.hf_capture(spec, adapters, "experts", prompts)
+            clean = bs.triton_errors(spec, adapters, "experts", prompts, hf, None)
+            cache[model] = (spec, adapters, prompts, hf, clean)
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_clean_runtime_names_nothing(model, hf_side):
+    _, _, _, _, clean = hf_side(model)
+    floors = bs.noise_floors(clean)
+    assert bs.first_above(clean, floors, bs.FACTOR) is None
+    # the floor is fp32 rounding, not a tolerance wide enough to hide a bug
+    assert max(floors.values()) < 1e-5, floors
+
+
+@pytest.mark.parametrize("fault,model", CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def test_names_the_broken_module(fault, model, hf_side):
+    spec, adapters, prompts, hf, clean = hf_side(model)
+    errors = bs.triton_errors(spec, adapters, "experts", prompts, hf, fault)
+    found = bs.first_above(errors, bs.noise_floors(clean), bs.FACTOR)
+    assert found is not None, f"{fault}: nothing above noise"
+    assert (found.layer, found.module) == (0, FAULTS[fault].module), found
+    assert found.ratio > 1e3  # far above noise, not a borderline call
+
+
+def test_first_above_order_and_nan():
+    """Earlier layers win; inside a layer the data-flow order does; a NaN error is above any floor."""
+    floors = {m: 1e-6 for m in bs.MODULES}
+    errs = {(i, m): 0.0 for i in range(3) for m in bs.MODULES}
+    errs[2, "attention"] = 1.0
+    errs[1, "experts"] = errs[1, "expert_lora"] = 1.0
+    assert (bs.first_above(errs, floors, 10).layer, bs.first_above(errs, floors, 10).module) == (1, "expert_lora")
+    errs[0, "hidden"] = float("nan")
+    assert bs.first_above(errs, floors, 10).module == "hidden"
+
+
+def test_cli_bisect_reports_and_exit_code(capsys):
+    from harness.cli import main
+
+    assert main(["bisect", "tiny-gpt-oss", "--fault", "topk_weight_missing", "--num-prompts", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "layer 0 expert_lora" in out and "noise" in out
+    with pytest.raises(SystemExit):
+        main(["bisect", "tiny-gpt-oss", "--fault", "no_such_fault"])
