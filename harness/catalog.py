@@ -7,7 +7,7 @@ is spelled ``num_experts`` / ``num_local_experts`` / ``n_routed_experts`` depend
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -308,8 +308,3 @@ def describe(spec: ModelSpec) -> dict[str, Any]:
         "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
         "vocab": text.vocab_size, "params": count_params(cfg),
     }
-
-
-def with_layers(spec: ModelSpec, num_layers: int | None) -> ModelSpec:
-    """The same spec at another depth."""
-    return replace(spec, num_layers=num_layers)
