@@ -14,11 +14,12 @@ Each lane also reports k2 and the LoRA-delta difference ‖lane − ref‖₂ / 
 machine lacks, a layout the engine is known to drop — harness.doctor says which) is reported ``n/a`` with the
 reason, never skipped silently.
 
-Calibration (tiny zoo, CPU, fp32, hf and triton engines, every relation, 2 reruns; see tests/test_metamorphic.py
-and benchmarks/results/metamorphic.csv): reruns are bit-identical, so the floor decides. FLOOR float32 = 1e-6 (fp32
-rounding of a logprob of size ~10 is ~1e-6); the worst clean ratio measured was 3.8 (hf experts_impl eager vs
-grouped_mm, tiny-gpt-oss), so FACTOR = 40 (10x above it). The faults in tests (an expert dropped on one load path,
-gpt-oss interleaved gate/up read as concatenated) give ratios of 1e4 to 1e6. bf16/fp16 floors are unmeasured
+Calibration (benchmarks/results/metamorphic.csv, 2026-11-21: tiny zoo "all" adapters, CPU, fp32, hf on qwen3-moe /
+gpt-oss / nemotron-h and triton on qwen3-moe / gpt-oss, every relation, 2 reruns): reruns were bit-identical
+(noise 0) in every case, so the floor decides. FLOOR float32 = 1e-6 (fp32 rounding of a logprob of size ~10); the
+worst clean lane was 8.58e-6 (ratio 8.6, hf merged weights on tiny-qwen3-moe), so FACTOR = 100 (10x above it,
+rounded up). The faults in tests/test_metamorphic.py (an expert dropped on the per-expert load path, gpt-oss
+interleaved gate/up read as concatenated by a converter) give ratios above 1e5. bf16/fp16 floors are unmeasured
 (GPU suites pending): 1e-2 with the same factor, marked so in every verdict note.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ from harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-2}
 FLOOR_MEASURED = {"float32": True, "bfloat16": False, "float16": False}
-FACTOR = 40.0
+FACTOR = 100.0
 MAX_RANK = 512  # the largest max_lora_rank vLLM and SGLang accept: ranks beyond it are not expressible there
 CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "relation", "adapter", "max_abs",
                "k2", "delta_rel", "rerun_noise", "ratio", "verdict", "note")
@@ -435,6 +436,7 @@ class Report:
     k: int
     results: list[Result]
     gpu: str = "cpu"
+    factor: float = FACTOR
 
     @property
     def failed(self) -> list[Result]:
@@ -610,7 +612,7 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
         order = {n: i for i, n in enumerate(RELATIONS)}
         results.sort(key=lambda r: (order.get(r.relation.split(":")[0], 99), r.relation))
         return Report(engine, version, spec.name, adapter_name or Path(adapter_dir).name, dtype, k, results,
-                      _device_name(None))
+                      _device_name(None), factor)
     finally:
         if own_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -628,7 +630,7 @@ def format_report(rep: Report) -> str:
                       _fmt(r.ratio), r.verdict, r.note) for r in rep.results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
     title = (f"{rep.model} / {rep.adapter} on {rep.engine} ({rep.engine_version}), {rep.dtype}, {rep.k} reruns; "
-             f"FAIL when ratio > {FACTOR:g}")
+             f"FAIL when ratio > {rep.factor:g}")
     return "\n".join([title] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "  " + row[-1]
                                 for row in rows]).rstrip()
 
