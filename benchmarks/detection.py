@@ -1,0 +1,82 @@
+"""Detection power of the default triton-vs-HF verdicts: noise (20 clean reruns in one engine session) against the
+threshold, and the threshold against the weakest bug-zoo fault. Writes benchmarks/results/detection.csv rows.
+
+  PYTHONPATH=. python benchmarks/detection.py [--dtype float32 --dtype bfloat16] [--out CSV]
+
+effect of a fault = the largest k2 over its job's verdicts (a fault is caught when any verdict fails);
+min_zoo_effect_k2 = the smallest such effect over the faults; noise_*_p999 = 99.9th percentile over all
+(rerun, adapter) verdicts of the clean runtime."""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from engines import EngineConfig, open_engine
+from engines.triton.faults import FAULTS, applicable
+from harness.calibrate import _commit
+from harness.job import Job, _device_name, judge_job, resolve, run_job
+from harness.types import LogprobRun
+
+MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
+COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2_p999", "noise_max_p999",
+           "threshold_k2", "threshold_max", "min_zoo_effect_k2", "effect_over_threshold", "threshold_over_noise"]
+
+
+def measure(model: str, dtype: str, reruns: int = 20) -> dict:
+    job = Job(model=model, engine="triton", dtype=dtype)
+    first = run_job(job, log=lambda s: None)
+    spec, adapters, prompts = resolve(job)
+    choices = [None, *adapters]
+    k2s, maxs, n = [], [], len(prompts)
+    with open_engine("triton", EngineConfig(model=spec, adapters=adapters, dtype=dtype)) as eng:
+        for _ in range(reruns):
+            flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
+                                       adapter=[c for c in choices for _ in prompts], top_k=job.top_k)
+            runs = {c: LogprobRun(flat[j * n:(j + 1) * n]) for j, c in enumerate(choices)}
+            for v in judge_job(job, runs, first.refs):
+                k2s.append(v.metrics.k2)
+                maxs.append(v.metrics.max_abs)
+    thr = first.verdicts[0].threshold
+    effects = {}
+    for f, spec_f in FAULTS.items():
+        if spec_f.kernel_only or not applicable(f, MODELS[model]):
+            continue
+        res = run_job(Job(model=model, engine="triton", dtype=dtype, options={"fault": f}), log=lambda s: None)
+        effects[f] = (max(v.metrics.k2 for v in res.verdicts), max(v.metrics.max_abs for v in res.verdicts),
+                      all(v.passed for v in res.verdicts))
+    nk2, nmax = float(np.percentile(k2s, 99.9)), float(np.percentile(maxs, 99.9))
+    weakest = min(effects, key=lambda f: effects[f][0])
+    row = dict(date=datetime.date.today().isoformat(), commit=_commit(), gpu=_device_name(None), model=model,
+               engine_pair=job.engine_pair, dtype=dtype, tp=1, noise_k2_p999=f"{nk2:.3g}",
+               noise_max_p999=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
+               min_zoo_effect_k2=f"{effects[weakest][0]:.3g}",
+               effect_over_threshold=f"{effects[weakest][0] / thr.k2:.3g}",
+               threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}")
+    print(f"{model} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {len(k2s)}); threshold k2 {thr.k2:.3g} "
+          f"max {thr.max_abs:.3g} ({thr.provenance}); weakest fault {weakest}; per fault (k2, max, passed): "
+          + "; ".join(f"{f} {e[0]:.3g} {e[1]:.3g} {'PASSED' if e[2] else 'caught'}" for f, e in effects.items()),
+          file=sys.stderr)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", action="append")
+    p.add_argument("--model", action="append")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "detection.csv"))
+    args = p.parse_args(argv)
+    rows = [measure(m, d) for m in (args.model or list(MODELS)) for d in (args.dtype or ["float32"])]
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
