@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from harness.job import resolve, run_engine, Job, _device_name
 from harness.metrics import compare, delta_fidelity
+from harness.routing import near_tie_eps
 from harness.thresholds import Threshold, from_noise, record
 
 
@@ -46,8 +47,10 @@ def measure_noise(model: str, a: Lane, b: Lane, prompt_sets=("default", "long"),
         spec, adapters, prompts = resolve(Job(model=model, prompt_set=ps, num_layers=num_layers))
         ra = run_engine(a.engine, spec, adapters, prompts, a.dtype, a.tp, 0, a.options)
         rb = run_engine(b.engine, spec, adapters, prompts, b.dtype, b.tp, 0, b.options)
+        eps = near_tie_eps(a.dtype, b.dtype)
         for name in ra:
-            m = compare(ra[name], rb[name])
+            m = compare(ra[name], rb[name], near_tie_eps=eps)
+            m = m.clean if m.clean is not None else m  # verdicts judge near-tie positions apart, so must noise
             fid = None if name is None else delta_fidelity(ra[name], ra[None], rb[name], rb[None])
             noise.add(m.k2, m.max_abs, fid, m.num_positions)
             log(f"  {model} [{ps}] {name or 'base'}: k2 {m.k2:.3g} max|d| {m.max_abs:.3g}"

@@ -136,7 +136,9 @@ def judge_job(job: Job, runs, refs) -> list:
     verdicts = []
     for a in runs:
         fidelity = None if a is None else delta_fidelity(runs[a], runs[None], refs[a], refs[None])
-        v = judge(compare(runs[a], refs[a], near_tie_eps=eps), threshold, delta_fidelity=fidelity)
+        m = compare(runs[a], refs[a], near_tie_eps=eps)
+        # positions at or after a router near-tie are judged apart (reported as a share, never silently)
+        v = judge(m, threshold, delta_fidelity=fidelity, exclude_near_ties=m.clean is not None)
         v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
         verdicts.append(v)
     return verdicts

@@ -16,6 +16,7 @@ from harness.metrics import Metrics
 from harness.thresholds import Threshold
 
 Fidelity = float | Mapping[str, float] | None  # one number, or one per module group
+MIN_CLEAN_SHARE = 0.5  # judging only clean positions needs at least this share of them
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = Non
           exclude_near_ties: bool = False) -> Verdict:
     """Pass when k2, max |Δ| and (if both given) delta fidelity are within ``threshold`` and no logprob is
     NaN/inf. Model, engine pair, dtype and TP come from the threshold, which lookup() filled for this lane."""
-    notes = []
+    notes, reasons_pre = [], []
     if threshold.source != "measured" or threshold.match != "exact":
         notes.append(f"threshold is {threshold.provenance}: {threshold.note}".strip())
     if delta_fidelity is not None and threshold.delta_fidelity is None:
@@ -68,9 +69,13 @@ def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = Non
             raise ValueError("exclude_near_ties needs router margins, and neither run reports them; use an engine "
                              "that exposes routing (hf, triton) or judge all positions")
         judged = metrics.clean
+        if judged.num_positions < MIN_CLEAN_SHARE * metrics.num_positions:
+            # so many near-ties that the clean rest could no longer show a real failure: judge nothing silently
+            reasons_pre = [f"only {judged.num_positions} of {metrics.num_positions} positions are free of router "
+                           f"near-ties (< {MIN_CLEAN_SHARE:.0%}): too few to judge; use fp32 or a decisive model"]
         notes.append(f"judged on {judged.num_positions} positions; the {metrics.near_tie_share:.1%} at or after a "
                      "router near-tie were excluded")
-    reasons = _exceeded(judged, threshold, delta_fidelity)
+    reasons = reasons_pre + _exceeded(judged, threshold, delta_fidelity)
     clean = metrics.clean
     if reasons and not exclude_near_ties and clean is not None and clean.num_positions \
             and not _exceeded(clean, threshold, None):

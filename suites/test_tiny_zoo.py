@@ -38,7 +38,8 @@ def test_adapter_moves_output_far_above_threshold(model, lpdiff_store, lpdiff_re
     from harness.metrics import compare
 
     res = run_job(Job(model=model), lpdiff_store, regen=lpdiff_regen)
-    thr = lookup(model, Job(model=model, dtype="bfloat16").engine_pair, "bfloat16", 1)
+    # fp32 is where LoRA correctness is judged (bf16 noise on these models is reported, not relied on)
+    thr = lookup(model, Job(model=model).engine_pair, "float32", 1)
     for name, run in res.refs.items():
         if name is None:
             continue
