@@ -1,4 +1,4 @@
-"""``lpdiff``: run / regen / compare / models / adapters / doctor.
+"""``lpdiff``: run / regen / compare / models / adapters / calibrate / bisect / doctor / metamorphic.
 
 ``lpdiff run`` with no arguments judges every tiny zoo model (hf engine, fp32) against the committed baselines and
 prints a verdict table; the exit code is 1 when any verdict FAILs, 2 on bad input or a missing baseline.
