@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from engines import EngineConfig, open_engine
-from engines.triton.faults import FAULTS, applicable
+from kernels.faults import FAULTS, applicable
 from harness.calibrate import _commit
 from harness.job import Job, _device_name, judge_job, resolve, run_job
 from harness.types import LogprobRun

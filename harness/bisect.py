@@ -209,7 +209,7 @@ def bisect(model: str, adapter: str | None = None, fault: str | None = None, fac
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engines.triton.faults import FAULTS
+    from kernels.faults import FAULTS
 
     p = argparse.ArgumentParser(prog="lpdiff bisect", description=__doc__.splitlines()[0])
     p.add_argument("model", help="catalog model the triton runtime supports (e.g. tiny-qwen3-moe, tiny-gpt-oss)")

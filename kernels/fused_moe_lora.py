@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.triton import faults
+from kernels import faults
 from kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
 from kernels.moe_align import MoeRouting, moe_align
 
@@ -112,7 +112,7 @@ def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, 
         h = xe @ w_gate_up[e].float().T
         if b_gate_up is not None:
             h += b_gate_up[e].float()
-        # the zoo's faults on the LoRA path keep the delta apart where the buggy engine did (engines/triton/faults.py)
+        # the zoo's faults on the LoRA path keep the delta apart where the buggy engine did (kernels/faults.py)
         hd = torch.zeros_like(h) if fault == "lora_after_activation" else h
         if lora is not None:
             add_slot_deltas(hd, xe, slots[t_idx], lora.gate_up_a[:, e], lora.gate_up_b[:, e], lora,
@@ -200,7 +200,7 @@ def _gated_act(acc, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     return h
 
 
-# Bug-zoo faults that live inside the grouped GEMM (engines/triton/faults.py), by the GEMM they break.
+# Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
 KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
                  "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
 
@@ -224,7 +224,7 @@ def _grouped_gemm_kernel(
     BLOCK_N up rows interleaved (even columns gate, odd up), so one MMA of width 2*BLOCK_N feeds the activation.
     LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
     adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (dense layers with slices).
-    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; engines/triton/faults.py)."""
+    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py)."""
     WN: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M

@@ -1,10 +1,10 @@
 """Bug zoo: the default triton-vs-HF-baseline job (suites/test_tiny_zoo.py) run with each named fault of
-engines/triton/faults.py must FAIL, and each caught fault names the metric that caught it; the clean runtime must
+kernels/faults.py must FAIL, and each caught fault names the metric that caught it; the clean runtime must
 pass 20 reruns without a false alarm. Faults are real engine bugs re-created at the spot where they lived."""
 import numpy as np
 import pytest
 
-from engines.triton.faults import FAULTS, applicable
+from kernels.faults import FAULTS, applicable
 from harness.job import Job, judge_job, resolve, run_job
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}

@@ -1,7 +1,7 @@
 """lpdiff bisect names the module each zoo fault breaks, and nothing on the clean runtime."""
 import pytest
 
-from engines.triton.faults import FAULTS, applicable
+from kernels.faults import FAULTS, applicable
 from harness import bisect as bs
 from harness.job import Job, resolve
 

@@ -5,7 +5,7 @@ The runtime-level proof (default suite FAILs) is suites/test_bug_zoo.py."""
 import pytest
 import torch
 
-from engines.triton import faults
+from kernels import faults
 from kernels import moe_forward
 from tests.test_kernels_moe import make_moe, rel_err
 

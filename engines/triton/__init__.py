@@ -14,7 +14,7 @@ Options (``EngineConfig.options``):
   max_batch_tokens  packed tokens per forward (default 8192)
   logit_chunk       rows per log-softmax chunk (default 1024)
   timeout_s         tensor-parallel start-up and collective timeout (default 600)
-  fault             None (default) or a bug-zoo fault name (engines/triton/faults.py; also $LPDIFF_FAULT)
+  fault             None (default) or a bug-zoo fault name (kernels/faults.py; also $LPDIFF_FAULT)
 """
 from engines.triton.engine import TritonEngine
 

@@ -32,7 +32,7 @@ class TritonEngine:
             raise ValueError(f"option impl must be one of {IMPLS}, got {self.options['impl']!r}")
         if self.options["attention"] not in ATTENTION:
             raise ValueError(f"option attention must be one of {ATTENTION}, got {self.options['attention']!r}")
-        from engines.triton import faults
+        from kernels import faults
 
         self.options["fault"] = faults.resolve(self.options)  # resolved once, so TP workers run the same one
         if config.tp not in (1, 2, 4, 8):
@@ -58,7 +58,8 @@ class TritonEngine:
     def start(self) -> None:
         if self.runtime is not None:
             return
-        from engines.triton import faults, tp
+        from engines.triton import tp
+        from kernels import faults
         from engines.triton.runtime import Runtime
         from engines.triton.shard import Shard
 
@@ -97,7 +98,7 @@ class TritonEngine:
                 dist.destroy_process_group()
             self.workers = None
         self.runtime = None
-        from engines.triton import faults
+        from kernels import faults
 
         faults.activate(self._prev_fault)
         gc.collect()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.triton import faults
+from kernels import faults
 from engines.triton.config import ModelConfig
 from engines.triton.shard import Shard
 from engines.triton.weights import arch_module

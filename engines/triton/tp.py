@@ -50,7 +50,7 @@ def init_group(rank: int, world: int, init_method: str, device: torch.device, ti
 
 
 def worker_main(rank: int, world: int, init_method: str, config, device: torch.device, options: dict, queue):
-    from engines.triton import faults
+    from kernels import faults
     from engines.triton.runtime import Runtime
     from engines.triton.shard import Shard
 
