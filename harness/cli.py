@@ -6,6 +6,7 @@ prints a verdict table; the exit code is 1 when any verdict FAILs, 2 on bad inpu
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -157,6 +158,14 @@ def cmd_adapters(args) -> int:
     return 0
 
 
+# Subcommands whose module owns its argument parser: `lpdiff doctor ...` is `harness.doctor.main([...])`.
+DELEGATED = {
+    "bisect": "first layer + module where triton leaves HF (per-module errors vs noise)",
+    "doctor": "pre-flight check of an adapter against each engine's known LoRA limits",
+    "metamorphic": "an engine against itself on inputs that must give equal logprobs",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lpdiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd")
@@ -226,12 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--tp", type=int, default=1)
     cal.add_argument("--num-layers", type=int, default=None)
 
-    sub.add_parser("bisect", help="first layer + module where triton leaves HF (per-module errors vs noise)",
-                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
-    d = sub.add_parser("doctor", help="pre-flight check of an adapter against each engine's known LoRA limits")
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    mm = sub.add_parser("metamorphic", help="an engine against itself on inputs that must give equal logprobs")
-    mm.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, help_ in DELEGATED.items():  # their own parsers take every argument, --help included
+        sub.add_parser(name, help=help_, add_help=False)
     return p
 
 
@@ -239,9 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["run"]
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        if argv[0] in DELEGATED:
+            module = importlib.import_module(f"harness.{argv[0]}")
+            return module.main(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
         if args.cmd == "run":
             return cmd_run(args)
         if args.cmd == "regen":
@@ -254,17 +262,6 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_adapters(args)
         if args.cmd == "calibrate":
             return cmd_calibrate(args)
-        if args.cmd == "bisect":
-            from harness.bisect import main as bisect_main
-            return bisect_main(args.rest)
-        if args.cmd == "doctor":
-            from harness.doctor import main as doctor_main
-
-            return doctor_main(args.rest)
-        if args.cmd == "metamorphic":
-            from harness.metamorphic import main as metamorphic_main
-
-            return metamorphic_main(args.rest)
     except (KeyError, ValueError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
