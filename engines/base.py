@@ -49,6 +49,16 @@ class Engine(Protocol):
     def __exit__(self, *exc) -> None: ...
 
 
+def check_request(prompts: Sequence[Sequence[int]], adapter: AdapterChoice, known: dict[str, Any]
+                  ) -> list[str | None]:
+    """What every engine checks before any work: each prompt has a next token to score, and the adapter choice
+    names adapters the engine was opened with. Returns one adapter name (or None) per prompt."""
+    for i, p in enumerate(prompts):
+        if len(p) < 2:
+            raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
+    return per_prompt_adapters(adapter, len(prompts), known)
+
+
 def per_prompt_adapters(adapter: AdapterChoice, n: int, known: dict[str, Any]) -> list[str | None]:
     """Normalise the adapter argument to one name (or None) per prompt, failing early on unknown names."""
     names = [adapter] * n if adapter is None or isinstance(adapter, str) else list(adapter)

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
+from engines.base import AdapterChoice, EngineConfig, check_request
 from harness.logprobs import chunked_logprobs
 from harness.routing import RouterMarginRecorder
 from harness.types import PromptLogprobs
@@ -102,10 +102,7 @@ class HFEngine:
                         top_k: int = 0) -> list[PromptLogprobs]:
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
-        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
-        for i, p in enumerate(prompts):
-            if len(p) < 2:
-                raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
+        names = check_request(prompts, adapter, self.config.adapters)
         out: list[PromptLogprobs | None] = [None] * len(prompts)
         t0 = time.perf_counter()
         for name in dict.fromkeys(names):  # groups in first-seen order

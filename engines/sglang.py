@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
+from engines.base import AdapterChoice, EngineConfig, check_request
 from engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
                                      strip_lane_options)
 from harness.types import PromptLogprobs
@@ -108,9 +108,6 @@ def sglang_top_k(top_k: int, vocab_size: int) -> int:
 def generate_request(prompts: Sequence[Sequence[int]], names: Sequence[str | None], top_k: int,
                      vocab_size: int) -> dict[str, Any]:
     """One batched /generate request (also the keyword arguments of ``Engine.generate``)."""
-    for i, p in enumerate(prompts):
-        if len(p) < 2:
-            raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
     req: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts],
                            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
                            "return_logprob": True, "logprob_start_len": 0}
@@ -205,7 +202,7 @@ class SGLangOffline:
         return f"sglang {sglang.__version__}, torch {torch.__version__}"
 
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
-        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
+        names = check_request(prompts, adapter, self.config.adapters)
         out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab))
         out = out if isinstance(out, list) else [out]
         return [parse_response(p, o, top_k) for p, o in zip(prompts, out)]
@@ -297,7 +294,7 @@ class SGLangHTTP:
             return f"sglang server {self.url}"
 
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
-        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
+        names = check_request(prompts, adapter, self.config.adapters)
         out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab))
         out = out if isinstance(out, list) else [out]
         if len(out) != len(prompts):

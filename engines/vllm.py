@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
+from engines.base import AdapterChoice, EngineConfig, check_request
 from harness.types import PromptLogprobs, canonical_hash
 
 # vLLM's allowed max_lora_rank values (0.25-0.32); read from vLLM itself when it says.
@@ -358,10 +358,7 @@ class VLLMEngine:
             raise RuntimeError("use the engine as a context manager: `with open_engine('vllm', cfg) as eng:`")
         from vllm import SamplingParams
 
-        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
-        for i, p in enumerate(prompts):
-            if len(p) < 2:
-                raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
+        names = check_request(prompts, adapter, self.config.adapters)
         k = vllm_top_k(top_k, self._vocab)
         extra = {}
         if k == -1 and "flat_logprobs" in _fields(SamplingParams):

@@ -89,8 +89,11 @@ def test_sglang_top_k(top_k, want):
 
 
 def test_short_prompt_refused():
+    # both SGLang lanes check requests through the engines' shared check before building one
+    from engines.base import check_request
+
     with pytest.raises(ValueError, match="prompt 1 has 1 token"):
-        generate_request([[1, 2], [3]], [None, None], 0, 10)
+        check_request([[1, 2], [3]], None, {})
 
 
 def sglang_item(ids, lps, tops=None) -> dict:

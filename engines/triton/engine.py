@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from engines.base import AdapterChoice, EngineConfig, per_prompt_adapters
+from engines.base import AdapterChoice, EngineConfig, check_request
 from engines.triton.config import SUPPORTED_ARCHS
 from harness.types import PromptLogprobs
 
@@ -118,12 +118,10 @@ class TritonEngine:
                         top_k: int = 0) -> list[PromptLogprobs]:
         if self.runtime is None:
             raise RuntimeError("use the engine as a context manager: `with TritonEngine(cfg) as eng:`")
-        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
+        names = check_request(prompts, adapter, self.config.adapters)
         vocab = self.runtime.cfg.vocab_size
         prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):
-            if len(p) < 2:
-                raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (vocab of {self.config.model.name})")
         if not 0 <= top_k <= vocab:
