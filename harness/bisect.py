@@ -170,7 +170,7 @@ class BisectResult:
     def table(self) -> str:
         layers = sorted({i for i, _ in self.errors})
         head = "layer  " + "  ".join(f"{m:>14}" for m in MODULES)
-        rows = [f"noise  " + "  ".join(f"{self.floors[m]:>14.3g}" for m in MODULES), head]
+        rows = ["noise  " + "  ".join(f"{self.floors[m]:>14.3g}" for m in MODULES), head]
         for i in layers:
             cells = []
             for m in MODULES:

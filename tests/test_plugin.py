@@ -1,5 +1,4 @@
 """The pytest plugin as a user meets it: markers, GPU skips with a reason, the --lpdiff-regen option."""
-import pytest
 
 pytest_plugins = "pytester"
 
