@@ -18,8 +18,8 @@ import numpy as np
 
 from engines import EngineConfig, open_engine
 from kernels.faults import FAULTS, applicable
-from harness.calibrate import _commit
-from harness.job import Job, _device_name, judge_job, resolve, run_job
+from harness.job import Job, judge_job, resolve, run_job
+from harness.provenance import device_name, git_commit
 from harness.types import LogprobRun
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
@@ -51,7 +51,7 @@ def measure(model: str, dtype: str, reruns: int = 20) -> dict:
                       all(v.passed for v in res.verdicts))
     nk2, nmax = float(np.percentile(k2s, 99.9)), float(np.percentile(maxs, 99.9))
     weakest = min(effects, key=lambda f: effects[f][0])
-    row = dict(date=datetime.date.today().isoformat(), commit=_commit(), gpu=_device_name(None), model=model,
+    row = dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(), model=model,
                engine_pair=job.engine_pair, dtype=dtype, tp=1, noise_k2_p999=f"{nk2:.3g}",
                noise_max_p999=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
                min_zoo_effect_k2=f"{effects[weakest][0]:.3g}",

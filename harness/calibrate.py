@@ -7,10 +7,10 @@ fidelity seen between them is the noise floor, and ``factor`` times it becomes t
 """
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass, field
 
-from harness.job import resolve, run_engine, Job, _device_name
+from harness.job import Job, resolve, run_engine
+from harness.provenance import device_name, git_commit
 from harness.metrics import compare, delta_fidelity
 from harness.routing import near_tie_eps
 from harness.thresholds import Threshold, from_noise, record
@@ -58,20 +58,12 @@ def measure_noise(model: str, a: Lane, b: Lane, prompt_sets=("default", "long"),
     return noise
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def threshold_from(noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True) -> Threshold:
     # A noise of exactly 0 (bit-identical implementations) would give a zero threshold that fails on any other
     # machine's rounding: floor it at one fp32 ulp-scale difference.
     k2, mx = max(noise.k2, 1e-14), max(noise.max_abs, 1e-6)
     return from_noise(k2, mx, factor, noise_delta_fidelity=max(noise.delta_fidelity, 1e-6) if fidelity else None,
-                      gpu=_device_name(None), commit=_commit(),
+                      gpu=device_name(), commit=git_commit(),
                       note=f"noise = worst of {noise.runs} runs ({noise.positions} positions) between "
                            f"{a.engine}:{a.dtype}{a.options or ''} and {b.engine}:{b.dtype}{b.options or ''}")
 

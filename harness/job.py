@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from engines import EngineConfig, open_engine
+from harness.provenance import device_name
 from harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -93,17 +94,9 @@ def run_engine(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], p
                                    adapter=[c for c in choices for _ in prompts], top_k=top_k)
         wall = time.perf_counter() - t0
         meta = {"engine": engine, "engine_version": eng.version(), "dtype": dtype, "tp": tp, "model": spec.name,
-                "device": _device_name(cfg.device), "wall_s_all_adapters": round(wall, 3)}
+                "device": device_name(cfg.device), "wall_s_all_adapters": round(wall, 3)}
     n = len(prompts)
     return {c: LogprobRun(flat[i * n:(i + 1) * n], {**meta, "adapter": c}) for i, c in enumerate(choices)}
-
-
-def _device_name(device: str | None) -> str:
-    import torch
-
-    if (device is None or device.startswith("cuda")) and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return "cpu"
 
 
 def reference_runs(job: Job, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: list[list[int]],

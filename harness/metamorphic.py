@@ -597,7 +597,7 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
                     log: Callable[[str], None] = lambda s: None) -> Report:
     """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps)."""
     from harness.catalog import hf_config
-    from harness.job import _device_name
+    from harness.provenance import device_name
 
     own_tmp = tmp is None
     tmp = Path(tempfile.mkdtemp(prefix="lpdiff-metamorphic-") if own_tmp else tmp)
@@ -612,7 +612,7 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
         order = {n: i for i, n in enumerate(RELATIONS)}
         results.sort(key=lambda r: (order.get(r.relation.split(":")[0], 99), r.relation))
         return Report(engine, version, spec.name, adapter_name or Path(adapter_dir).name, dtype, k, results,
-                      _device_name(None), factor)
+                      device_name(), factor)
     finally:
         if own_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -635,18 +635,14 @@ def format_report(rep: Report) -> str:
                                 for row in rows]).rstrip()
 
 
-def _commit() -> str:
-    from harness.calibrate import _commit as commit
-
-    return commit()
-
-
 def write_csv(rep: Report, path: str | Path = DEFAULT_CSV) -> Path:
     """Append the report's rows (header written when the file is new)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
-    date, commit = datetime.date.today().isoformat(), _commit()
+    from harness.provenance import git_commit
+
+    date, commit = datetime.date.today().isoformat(), git_commit()
     with open(path, "a", newline="") as fh:
         w = csv.writer(fh)
         if new:

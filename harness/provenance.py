@@ -1,0 +1,25 @@
+"""Where a number came from: the commit and the device, stamped on thresholds, CSV rows and run metadata."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str:
+    """Short HEAD of the checkout lpdiff runs from ("unknown" outside a git checkout, e.g. a copied tree)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: str | None = None) -> str:
+    """The GPU's name when the work ran (or would run) on CUDA, else "cpu"."""
+    import torch
+
+    if (device is None or device.startswith("cuda")) and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
