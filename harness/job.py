@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from engines import EngineConfig, open_engine
-from harness.provenance import device_name
+from harness.provenance import REPO_ROOT, device_name
 from harness.types import AdapterSpec, LogprobRun, ModelSpec
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 ZOO_ADAPTERS = Path(__file__).resolve().parent / "zoo_adapters"
 
 

@@ -40,8 +40,15 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from harness.adapters import (CanonicalAdapter, ModelLayout, load_canonical, merge_into, peft_scaling,
-                              save_canonical)
+from harness.adapters import (
+    CanonicalAdapter,
+    ModelLayout,
+    load_canonical,
+    merge_into,
+    peft_scaling,
+    save_canonical,
+)
+from harness.provenance import REPO_ROOT
 from harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-2}
@@ -50,7 +57,7 @@ FACTOR = 100.0
 MAX_RANK = 512  # the largest max_lora_rank vLLM and SGLang accept: ranks beyond it are not expressible there
 CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "relation", "adapter", "max_abs",
                "k2", "delta_rel", "rerun_noise", "ratio", "verdict", "note")
-DEFAULT_CSV = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "metamorphic.csv"
+DEFAULT_CSV = REPO_ROOT / "benchmarks" / "results" / "metamorphic.csv"
 # alone: every prompt with the lane's adapter in one call; beside_other: the same, in an engine that also holds a
 # different adapter of twice the rank; mixed: each prompt's row next to a base row and an other-adapter row in one
 # call; permuted: the mixed rows shuffled; single: one call per prompt
