@@ -2,6 +2,9 @@
 threshold, and the threshold against the weakest bug-zoo fault. Writes benchmarks/results/detection.csv rows.
 
   PYTHONPATH=. python benchmarks/detection.py [--dtype float32 --dtype bfloat16] [--out CSV]
+  PYTHONPATH=. python benchmarks/detection.py --full-width qwen3-30b-a3b [--layers 4] [--reruns 20] (GPU;
+      harness/check.py: the reference is HF+PEFT fp32 on the full-width model, the threshold FACTOR x the noise
+      measured in the same run; rows are appended)
 
 effect of a fault = the largest k2 over its job's verdicts (a fault is caught when any verdict fails);
 min_zoo_effect_k2 = the smallest such effect over the faults; noise_*_p999 = 99.9th percentile over all
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -64,16 +68,67 @@ def measure(model: str, dtype: str, reruns: int = 20) -> dict:
     return row
 
 
+def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20) -> dict:
+    """The same row for a full-width catalog model, through harness.check (GPU): noise = the clean runtime's
+    ``reruns`` runs against HF+PEFT fp32 over every correct adapter lane and the base."""
+    import tempfile
+
+    from harness import check
+    from harness.catalog import get_model
+    from harness.metrics import compare
+
+    arch = get_model(model).arch
+    faults = [f for f, spec in FAULTS.items() if not spec.kernel_only and applicable(f, arch)]
+    store = check.default_store()
+    with tempfile.TemporaryDirectory() as tmp:
+        case = check.build_case(model, layers, tmp, layouts=("peft3d",))
+        clean, results = check.fault_sweep(case, faults, dtype, k=reruns, store=store, log=lambda s: None)
+        ref = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
+    correct = [v.adapter for v in clean.verdicts if clean.expected[v.adapter] == "PASS"]
+    base_of = {lane: None if lane == "base" else lane.split(".")[0] for lane in correct}
+    ms = [compare(run[None if lane == "base" else lane], ref[base_of[lane]]) for run in clean.runs for lane in correct]
+    nk2 = float(np.percentile([m.k2 for m in ms], 99.9))
+    nmax = float(np.percentile([m.max_abs for m in ms], 99.9))
+    effects = {f: max(v.metrics.k2 for v in r.verdicts if r.expected[v.adapter] == "PASS")
+               for f, r in results.items() if r is not None}
+    thr = clean.threshold
+    weakest = min(effects, key=effects.get)
+    print(f"{model} x{layers} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {len(ms)}); threshold k2 "
+          f"{thr.k2:.3g} max {thr.max_abs:.3g} ({thr.note}); clean {'as expected' if clean.as_expected else 'NOT'}; "
+          f"per fault k2 (caught?): " + "; ".join(
+              f"{f} " + ("not reached" if r is None else f"{effects[f]:.3g} {'MISSED' if check.missed(r) else 'caught'}")
+              for f, r in results.items()), file=sys.stderr)
+    return dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
+                model=f"{model} x{layers}", engine_pair=thr.engine_pair, dtype=dtype, tp=1, noise_k2_p999=f"{nk2:.3g}",
+                noise_max_p999=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
+                min_zoo_effect_k2=f"{effects[weakest]:.3g}", effect_over_threshold=f"{effects[weakest] / thr.k2:.3g}",
+                threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", action="append")
     p.add_argument("--model", action="append")
+    p.add_argument("--full-width", action="append", metavar="MODEL", help="catalog model at full width (GPU)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--reruns", type=int, default=20)
+    p.add_argument("--commit", help="the commit to record (GPU machines have no git)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "detection.csv"))
     args = p.parse_args(argv)
-    rows = [measure(m, d) for m in (args.model or list(MODELS)) for d in (args.dtype or ["float32"])]
-    with open(args.out, "w", newline="") as f:
+    if args.commit:
+        os.environ["LPDIFF_COMMIT"] = args.commit
+    dtypes = args.dtype or ["float32"]
+    if args.full_width:
+        rows = [measure_full_width(m, d, args.layers, args.reruns) for m in args.full_width for d in dtypes]
+        mode = "a"
+    else:
+        rows = [measure(m, d) for m in (args.model or list(MODELS)) for d in dtypes]
+        mode = "w"
+    new = mode == "w" or not Path(args.out).exists()
+    with open(args.out, mode, newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
+        if new:
+            w.writeheader()
         w.writerows(rows)
     return 0
 

@@ -1,4 +1,4 @@
-"""``lpdiff``: run / regen / compare / models / adapters / calibrate / bisect / doctor / metamorphic.
+"""``lpdiff``: run / regen / compare / models / adapters / calibrate / bisect / check / doctor / metamorphic.
 
 ``lpdiff run`` with no arguments judges every tiny zoo model (hf engine, fp32) against the committed baselines and
 prints a verdict table; the exit code is 1 when any verdict FAILs, 2 on bad input or a missing baseline.
@@ -161,6 +161,7 @@ def cmd_adapters(args) -> int:
 # Subcommands whose module owns its argument parser: `lpdiff doctor ...` is `harness.doctor.main([...])`.
 DELEGATED = {
     "bisect": "first layer + module where triton leaves HF (per-module errors vs noise)",
+    "check": "a bf16 engine vs an fp32 reference on a full-width model, thresholds from noise measured in the run",
     "doctor": "pre-flight check of an adapter against each engine's known LoRA limits",
     "metamorphic": "an engine against itself on inputs that must give equal logprobs",
 }

@@ -1,6 +1,7 @@
 """Where a number came from: the commit and the device, stamped on thresholds, CSV rows and run metadata."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -8,7 +9,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """Short HEAD of the checkout lpdiff runs from ("unknown" outside a git checkout, e.g. a copied tree)."""
+    """Short HEAD of the checkout lpdiff runs from; ``LPDIFF_COMMIT`` overrides it where there is no git (a copied
+    tree on a GPU machine), else "unknown" outside a git checkout."""
+    if os.environ.get("LPDIFF_COMMIT"):
+        return os.environ["LPDIFF_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()

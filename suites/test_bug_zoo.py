@@ -85,3 +85,33 @@ def test_clean_runtime_20_reruns_no_false_alarm(model, lpdiff_store, lpdiff_rege
     assert not alarms, alarms
     assert all(v.passed for v in first.verdicts)
     assert spread == 0.0, f"reruns differ by up to {spread:.3g}"
+
+
+# -- GPU: full-width models (4 layers of Qwen3-30B-A3B and gpt-oss-20b), fp32 against HF+PEFT fp32 -----------------
+
+@pytest.mark.gpu1
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_default_check_fails_on_every_fault_full_width(model, tmp_path):
+    """Each runtime fault, at full width, FAILs the fp32 check (harness/check.py: threshold = 10 x the HF
+    grouped_mm-vs-eager noise measured in the run); the clean runtime passes. A fault whose code path this shape
+    never reaches (output bit-identical to the clean run) is reported, not counted as caught."""
+    import torch
+
+    from harness import check
+    from harness.catalog import get_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    arch = get_model(model).arch
+    faults = [f for f, spec in FAULTS.items() if not spec.kernel_only and applicable(f, arch)]
+    case = check.build_case(model, 4, tmp_path, layouts=("peft3d",))
+    clean, results = check.fault_sweep(case, faults, "float32", store=check.default_store())
+    print("\n" + check.format_result(clean))
+    assert clean.as_expected, check.format_result(clean)
+    for fault, res in results.items():
+        print(f"{fault}: " + ("not reached at this shape" if res is None else
+                              "; ".join(f"{v.adapter} {', '.join(caught_by(v))}" for v in res.verdicts
+                                        if not v.passed and res.expected[v.adapter] == "PASS")))
+    escaped = [f for f, res in results.items() if res is not None and check.missed(res)]
+    assert not escaped, f"faults that passed every correct lane on {model}: {escaped}"
+    assert any(res is not None for res in results.values())

@@ -1,0 +1,423 @@
+"""``lpdiff check``: a serving engine (vllm, sglang, or our triton runtime) judged against an fp32 reference on a
+full-width, reduced-depth model built from a catalog config, with thresholds from noise measured in the same run.
+
+    lpdiff check --engine vllm --model qwen3-30b-a3b --layers 4 [--tp 2] [--csv benchmarks/results/vllm_gpu.csv]
+
+Why not the stored-baseline path (``lpdiff run``): vLLM and SGLang have no fp32 LoRA, and on random-init full-size
+MoE models bf16 rounding flips near-tied routers, so a bf16 engine differs from fp32 by an amount that depends on
+the model (DESIGN.md: k2 1e-4 on Qwen3-30B-A3B, 0.04 on gpt-oss-20b). No fixed threshold fits both; the noise has
+to be measured on the same model and prompts. Per (model, engine, dtype, TP):
+
+  reference noise  two correct runs of the reference engine (``NOISE_PAIR``): in bf16, the reference in bf16
+                   against its fp32 run (what bf16 rounding alone does, routing flips included); in fp32, two
+                   correct expert kernels (HF batched_mm vs eager; triton kernels vs torch) — over the base lane
+                   and every correct adapter lane;
+  rerun noise      the engine under test against its own first run, ``k`` reruns of the whole mixed batch (vLLM's
+                   LoRA runs are not bit-reproducible);
+  threshold        FACTOR[dtype] x max(reference noise, rerun noise), for k2, max |Δ| and LoRA-delta fidelity.
+
+A correct bf16 engine sits near 1x the reference noise (DESIGN.md: vLLM 1.4e-4 vs HF bf16 1.3e-4). Every lane is
+judged over all positions (the noise was measured over all of them too); the share after a router near-tie in
+the fp32 reference is reported beside it.
+
+Adapters, generated with fixed seeds (``ADAPTERS``): rank 16 on attention + experts, attention only and experts only
+(LoRA-delta fidelity per module group), rank 8 beside the rank-16 ones (a loaded rank below the engine's max rank),
+and ``broken``: the rank-16 adapter with every expert's LoRA-B shifted to the next expert (an expert-ordering bug
+in a loader), which the engine serves while the reference gets the correct adapter — it must FAIL. Each adapter is
+served to the engine in every layout that engine reads (``ENGINE_LAYOUTS``), all in one batch with base rows; the
+reference always reads PEFT's own 3D format.
+
+Reference runs are cached in a content-addressed store (default ~/.cache/lpdiff/check-store), so checks of
+several engines on one machine compute them once.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from harness.provenance import device_name, git_commit
+from harness.types import AdapterSpec, LogprobRun, ModelSpec
+
+# bf16: a correct engine sits near 1x (see above); fp32: the tiny zoo's calibrated factor (harness/calibrate.py)
+FACTOR = {"bfloat16": 3.0, "float32": 30.0}
+# (reference engine, dtype under test) -> two correct runs of the reference whose difference is the noise,
+# each (dtype, options)
+NOISE_PAIR = {
+    ("hf", "bfloat16"): (("bfloat16", {}), ("float32", {})),
+    ("hf", "float32"): (("float32", {"experts_impl": "batched_mm"}), ("float32", {"experts_impl": "eager"})),
+    ("triton", "bfloat16"): (("bfloat16", {}), ("float32", {})),
+    ("triton", "float32"): (("float32", {"impl": "torch"}), ("float32", {})),
+}
+ENGINE_LAYOUTS = {"vllm": ("peft3d", "per_expert"),  # 3D through enable_mixed_moe_lora_format
+                  "sglang": ("per_expert",),  # a PEFT 3D expert adapter kills SGLang 0.5.15's engine
+                  "triton": ("peft3d", "per_expert"), "hf": ("peft3d",)}
+REFERENCE_DTYPE = "float32"
+PROMPT_LENGTHS = (256, 131, 200, 64, 256, 97, 180, 33)
+CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "layers", "tp", "dtype", "adapter", "adapter_format",
+               "engine_pair", "k2", "max_abs", "mean_abs", "delta_fidelity", "near_tie_share", "threshold_k2",
+               "threshold_max", "threshold_fidelity", "ref_noise_k2", "ref_noise_max", "ref_noise_fidelity",
+               "rerun_noise_k2", "rerun_noise_max", "rerun_noise_fidelity", "expected", "verdict", "reasons")
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterPlan:
+    name: str
+    groups: tuple[str, ...]
+    rank: int
+    seed: int
+    broken_from: str | None = None  # the correct adapter this one is a broken copy of (the reference runs that)
+
+    @property
+    def expected(self) -> str:
+        return "FAIL" if self.broken_from else "PASS"
+
+
+ADAPTERS = (
+    AdapterPlan("all", ("attention", "experts"), 16, 1),
+    AdapterPlan("attention", ("attention",), 16, 2),
+    AdapterPlan("experts", ("experts",), 16, 3),
+    AdapterPlan("all_r8", ("attention", "experts"), 8, 4),  # below the max rank (16) the engine is started with
+    AdapterPlan("broken", ("attention", "experts"), 16, 1, broken_from="all"),
+)
+
+
+def engine_options(engine: str) -> dict:
+    """Options that point an engine at its own installation: ``LPDIFF_<ENGINE>_PYTHON`` (another interpreter) and
+    ``LPDIFF_<ENGINE>_PYTHONPATH`` (an unpacked offline bundle, put on the lane's PYTHONPATH, which implies a
+    subprocess lane running this interpreter)."""
+    python = os.environ.get(f"LPDIFF_{engine.upper()}_PYTHON")
+    path = os.environ.get(f"LPDIFF_{engine.upper()}_PYTHONPATH")
+    opts: dict = {}
+    if python or path:
+        opts["python"] = python or sys.executable
+    if path:
+        opts["lane_env"] = {"PYTHONPATH": path}
+    return opts
+
+
+def make_prompts(vocab_size: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@dataclass(slots=True)
+class Case:
+    """One model with its adapters (PEFT 3D for the reference, every engine layout) and prompts."""
+
+    spec: ModelSpec
+    plans: dict[str, AdapterPlan]
+    files: dict[tuple[str, str], AdapterSpec]  # (adapter, layout) -> directory
+    prompts: list[list[int]]
+
+    def reference_adapter(self, name: str) -> AdapterSpec:
+        plan = self.plans[name]
+        return self.files[(plan.broken_from or name, "peft3d")]
+
+
+def build_case(model: str, layers: int, root: str | Path, plans: Sequence[AdapterPlan] = ADAPTERS,
+               layouts: Sequence[str] = ("peft3d", "per_expert"), device: str = "cuda",
+               lengths: Sequence[int] = PROMPT_LENGTHS, log: Callable[[str], None] = print) -> Case:
+    import torch
+
+    from harness.adapters import convert_adapter, generate_adapter
+    from harness.catalog import get_model, hf_config, load_hf_model
+    from harness.mutations import permute_experts
+
+    spec = get_model(model, num_layers=layers)
+    root = Path(root)
+    t0 = time.perf_counter()
+    hf = load_hf_model(spec, torch.bfloat16, device)  # only its weights' RMS sizes the adapters
+    cfg = hf_config(spec)
+    files: dict[tuple[str, str], AdapterSpec] = {}
+    for p in plans:
+        d3 = root / f"{p.name}.peft3d"
+        if p.broken_from:
+            permute_experts(files[(p.broken_from, "peft3d")].path, d3)
+            files[(p.name, "peft3d")] = AdapterSpec(d3.name, str(d3))
+        else:
+            files[(p.name, "peft3d")] = generate_adapter(hf, d3, groups=p.groups, rank=p.rank, alpha=2 * p.rank,
+                                                         seed=p.seed)
+        for layout in layouts:
+            if layout != "peft3d":
+                dst = root / f"{p.name}.{layout}"
+                files[(p.name, layout)] = convert_adapter(d3, dst, layout, cfg)
+    del hf
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    log(f"[check] {model} x{layers} layers: {len(files)} adapter files in {time.perf_counter() - t0:.1f}s")
+    return Case(spec, {p.name: p for p in plans}, files, make_prompts(cfg.vocab_size, lengths))
+
+
+# -- runs ---------------------------------------------------------------------------------------------------------
+
+def _session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts, dtype: str, tp: int,
+             options: dict, reruns: int = 1) -> tuple[list[dict[str | None, LogprobRun]], str]:
+    """One engine session, the whole mixed batch (every prompt with every adapter and without) ``reruns`` times."""
+    from engines import EngineConfig, open_engine
+
+    choices: list[str | None] = [None, *adapters]
+    cfg = EngineConfig(model=spec, adapters=adapters, dtype=dtype, tp=tp, options=dict(options))
+    n, out = len(prompts), []
+    with open_engine(engine, cfg) as eng:
+        version = eng.version()
+        for _ in range(reruns):
+            flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
+                                       adapter=[c for c in choices for _ in prompts])
+            out.append({c: LogprobRun(flat[i * n:(i + 1) * n], {"engine": engine, "dtype": dtype})
+                        for i, c in enumerate(choices)})
+    return out, version
+
+
+def _peft_groups(adapters: dict[str, AdapterSpec]) -> list[dict[str, AdapterSpec]]:
+    # One PeftModel holds several adapters only when they target the same parameters (NOTES.md).
+    import json
+
+    groups: dict[str, dict[str, AdapterSpec]] = {}
+    for name, a in adapters.items():
+        cfg = json.loads((Path(a.path) / "adapter_config.json").read_text())
+        groups.setdefault(str(sorted(cfg.get("target_parameters") or [])), {})[name] = a
+    return list(groups.values())
+
+
+def reference_runs(case: Case, reference: str, dtype: str, options: dict | None = None, store=None,
+                   log=print) -> dict[str | None, LogprobRun]:
+    """The reference engine's runs (base + every correct adapter, PEFT 3D files), from the cache store or computed."""
+    from harness.store import BaselineMissing, baseline_key
+
+    options = options or {}
+    adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items() if not p.broken_from}
+    keys = {a: baseline_key(case.spec, adapters.get(a) if a else None, case.prompts, dtype, 1, reference,
+                            extra=options) for a in [None, *adapters]}
+    runs: dict[str | None, LogprobRun] = {}
+    if store is not None:
+        try:
+            runs = {a: store.get(k) for a, k in keys.items()}
+            log(f"[check] {reference}:{dtype}{options or ''} reference runs from {store.root}")
+            return runs
+        except BaselineMissing:
+            runs = {}
+    t0 = time.perf_counter()
+    groups = _peft_groups(adapters) if reference == "hf" else [adapters]
+    for i, group in enumerate(groups):
+        sess, _ = _session(reference, case.spec, group, case.prompts, dtype, 1, options)
+        runs.update({a: r for a, r in sess[0].items() if a is not None})
+        if i == 0:
+            runs[None] = sess[0][None]
+    log(f"[check] {reference}:{dtype}{options or ''} reference runs computed in {time.perf_counter() - t0:.1f}s")
+    if store is not None:
+        for a, k in keys.items():
+            store.put(k, runs[a], overwrite=True)
+    return runs
+
+
+# -- judging ------------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Noise:
+    k2: float = 0.0
+    max_abs: float = 0.0
+    fidelity: float = 0.0
+
+    def add(self, k2: float, max_abs: float, fidelity: float | None = None) -> None:
+        self.k2, self.max_abs = max(self.k2, k2), max(self.max_abs, max_abs)
+        if fidelity is not None:
+            self.fidelity = max(self.fidelity, fidelity)
+
+
+def _pair_noise(a: dict, b: dict, lanes) -> Noise:
+    """Noise between two runs of correct implementations: a vs b over the base and each adapter lane."""
+    from harness.metrics import compare, delta_fidelity
+
+    n = Noise()
+    for lane in lanes:
+        m = compare(a[lane], b[lane])
+        n.add(m.k2, m.max_abs, None if lane is None else delta_fidelity(a[lane], a[None], b[lane], b[None]))
+    return n
+
+
+@dataclass(slots=True)
+class CheckResult:
+    model: str
+    layers: int
+    engine: str
+    reference: str
+    tp: int
+    dtype: str
+    engine_version: str
+    ref_noise: Noise
+    rerun_noise: Noise
+    threshold: object
+    runs: list[dict]  # the engine's runs, each {lane (None = base): LogprobRun}
+    verdicts: list = field(default_factory=list)  # harness.verdict.Verdict, with .adapter "name.layout"
+    expected: dict[str, str] = field(default_factory=dict)  # "name.layout" -> PASS / FAIL
+
+    @property
+    def as_expected(self) -> bool:
+        return all(("PASS" if v.passed else "FAIL") == self.expected[v.adapter] for v in self.verdicts)
+
+
+def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3, options: dict | None = None,
+              store=None, dtype: str = "bfloat16", log: Callable[[str], None] = print) -> CheckResult:
+    """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here."""
+    from harness.metrics import compare, delta_fidelity
+    from harness.routing import near_tie_eps
+    from harness.thresholds import from_noise
+    from harness.verdict import judge
+
+    assert k >= 2, "rerun noise needs k >= 2 runs"
+    ref32 = reference_runs(case, reference, REFERENCE_DTYPE, None, store, log)
+    (da, oa), (db, ob) = NOISE_PAIR[(reference, dtype)]
+    ref_noise = _pair_noise(reference_runs(case, reference, da, oa, store, log),
+                            reference_runs(case, reference, db, ob, store, log), list(ref32))
+
+    lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()
+             if layout in ENGINE_LAYOUTS.get(engine, ("peft3d",))}
+    t0 = time.perf_counter()
+    runs, version = _session(engine, case.spec, lanes, case.prompts, dtype, tp,
+                             {**engine_options(engine), **(options or {})}, reruns=k)
+    log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
+        f"{time.perf_counter() - t0:.1f}s ({version})")
+    rerun_noise = Noise()
+    for later in runs[1:]:
+        n = _pair_noise(later, runs[0], list(runs[0]))
+        rerun_noise.add(n.k2, n.max_abs, n.fidelity)
+
+    noise = Noise()
+    for n in (ref_noise, rerun_noise):
+        noise.add(n.k2, n.max_abs, n.fidelity)
+    pair = f"{engine}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}"
+    t = from_noise(max(noise.k2, 1e-14), max(noise.max_abs, 1e-6), FACTOR[dtype],
+                   noise_delta_fidelity=max(noise.fidelity, 1e-6), gpu=device_name(), commit=git_commit(),
+                   note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} (k2 {ref_noise.k2:.3g}, max {ref_noise.max_abs:.3g}, "
+                        f"fidelity {ref_noise.fidelity:.3g}) and {engine} rerun noise over {k} runs (k2 "
+                        f"{rerun_noise.k2:.3g}, max {rerun_noise.max_abs:.3g}, fidelity {rerun_noise.fidelity:.3g}), "
+                        f"same model and prompts")
+    t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
+    res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, version, ref_noise,
+                      rerun_noise, t, runs)
+    eps = near_tie_eps(dtype, REFERENCE_DTYPE)
+    got = runs[0]
+    for lane in [None, *lanes]:
+        name = None if lane is None else lane.split(".")[0]
+        ref = ref32[None if name is None else case.plans[name].broken_from or name]
+        m = compare(got[lane], ref, near_tie_eps=eps)
+        fid = None if lane is None else delta_fidelity(got[lane], got[None], ref, ref32[None])
+        v = judge(m, t, fid, adapter=lane or "base")
+        res.verdicts.append(v)
+        res.expected[v.adapter] = case.plans[name].expected if name else "PASS"
+    return res
+
+
+def fault_sweep(case: Case, faults: Sequence[str], dtype: str = "float32", k: int = 2, store=None,
+                log: Callable[[str], None] = print) -> tuple[CheckResult, dict[str, CheckResult | None]]:
+    """The triton runtime clean and with each bug-zoo fault (kernels/faults.py), judged like any engine. A fault
+    whose runs are bit-identical to the clean ones is not reached at this shape (e.g. an unmasked tile on a width
+    that is a multiple of the block) and maps to None."""
+    import numpy as np
+
+    clean = run_check(case, "triton", k=k, store=store, dtype=dtype, log=log)
+    out: dict[str, CheckResult | None] = {}
+    for fault in faults:
+        res = run_check(case, "triton", k=2, options={"fault": fault}, store=store, dtype=dtype, log=log)
+        same = all(np.array_equal(p.logprobs, q.logprobs) for lane in res.runs[0]
+                   for p, q in zip(res.runs[0][lane].prompts, clean.runs[0][lane].prompts))
+        out[fault] = None if same else res
+    return clean, out
+
+
+def missed(res: CheckResult) -> bool:
+    """True when every lane that should PASS passed: the run shows no sign of a fault."""
+    return all(v.passed for v in res.verdicts if res.expected[v.adapter] == "PASS")
+
+
+def format_result(res: CheckResult) -> str:
+    from harness.verdict import format_table
+
+    ok = "as expected" if res.as_expected else "NOT AS EXPECTED"
+    head = (f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
+            f"x{res.layers} layers: {ok}\nthreshold = {FACTOR[res.dtype]:g} x noise: k2 {res.threshold.k2:.3g}, max |Δ| "
+            f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})")
+    bad = [f"  {v.adapter}: expected {res.expected[v.adapter]}" for v in res.verdicts
+           if ("PASS" if v.passed else "FAIL") != res.expected[v.adapter]]
+    return "\n".join([head, format_table(res.verdicts), *bad])
+
+
+def csv_rows(res: CheckResult) -> list[dict]:
+    date, commit, gpu = datetime.date.today().isoformat(), git_commit(), device_name()
+    t, rows = res.threshold, []
+    for v in res.verdicts:
+        name, _, layout = v.adapter.partition(".")
+        m = v.metrics
+        fid = "" if v.delta_fidelity is None else f"{v.delta_fidelity:.4g}"
+        rows.append(dict(date=date, commit=commit, gpu=gpu, engine_version=res.engine_version, model=res.model,
+                         layers=res.layers, tp=res.tp, dtype=res.dtype, adapter=name, adapter_format=layout or "-",
+                         engine_pair=t.engine_pair, k2=f"{m.k2:.4g}", max_abs=f"{m.max_abs:.4g}",
+                         mean_abs=f"{m.mean_abs:.4g}", delta_fidelity=fid,
+                         near_tie_share="" if m.near_tie_share is None else f"{m.near_tie_share:.3f}",
+                         threshold_k2=f"{t.k2:.4g}", threshold_max=f"{t.max_abs:.4g}",
+                         threshold_fidelity=f"{t.delta_fidelity:.4g}", ref_noise_k2=f"{res.ref_noise.k2:.4g}",
+                         ref_noise_max=f"{res.ref_noise.max_abs:.4g}",
+                         ref_noise_fidelity=f"{res.ref_noise.fidelity:.4g}",
+                         rerun_noise_k2=f"{res.rerun_noise.k2:.4g}", rerun_noise_max=f"{res.rerun_noise.max_abs:.4g}",
+                         rerun_noise_fidelity=f"{res.rerun_noise.fidelity:.4g}", expected=res.expected[v.adapter],
+                         verdict="PASS" if v.passed else "FAIL", reasons="; ".join(v.reasons)))
+    return rows
+
+
+def write_csv(res: CheckResult, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerows(csv_rows(res))
+    return path
+
+
+def default_store():
+    from harness.store import BaselineStore
+
+    return BaselineStore(Path(os.environ.get("LPDIFF_CHECK_STORE") or Path.home() / ".cache" / "lpdiff" / "check-store"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="lpdiff check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", required=True, choices=sorted(ENGINE_LAYOUTS))
+    p.add_argument("--model", action="append", required=True, help="catalog model (repeatable)")
+    p.add_argument("--layers", type=int, default=4, help="depth cut (full width always)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--reference", default="hf", choices=["hf", "triton"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(FACTOR))
+    p.add_argument("--k", type=int, default=3, help="runs of the engine under test (rerun noise)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--csv", help="append one row per lane to this CSV")
+    p.add_argument("--workdir", help="where adapters are written (default: a temporary directory)")
+    args = p.parse_args(argv)
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.model:
+            root = Path(args.workdir or tmp) / model
+            case = build_case(model, args.layers, root, layouts=ENGINE_LAYOUTS[args.engine], device=args.device)
+            res = run_check(case, args.engine, args.tp, args.reference, args.k, store=default_store(), dtype=args.dtype)
+            print(format_result(res), flush=True)
+            if args.csv:
+                write_csv(res, args.csv)
+            ok &= res.as_expected
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""harness/check.py (``lpdiff check``) on the tiny zoo, CPU: the triton runtime in bf16 and fp32 against HF+PEFT
+fp32 with thresholds from noise measured in the run. The full-width GPU runs are suites/test_engines_gpu.py."""
+import csv
+
+import pytest
+
+from harness import check
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    return check.build_case("tiny-qwen3-moe", 2, tmp_path_factory.mktemp("case"), device="cpu", lengths=(64, 33, 50),
+                            log=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from harness.store import BaselineStore
+
+    return BaselineStore(tmp_path_factory.mktemp("store"))
+
+
+@pytest.mark.parametrize("dtype", [
+    "bfloat16",  # threshold from HF bf16-vs-fp32 noise: the setting of the vLLM/SGLang GPU suites
+    "float32",  # threshold from HF grouped_mm/batched_mm-vs-eager noise: the fault-sweep setting
+])
+def test_correct_lanes_pass_and_the_broken_adapter_fails(case, store, dtype, tmp_path):
+    res = check.run_check(case, "triton", k=2, store=store, dtype=dtype, log=lambda s: None)
+    assert res.as_expected, check.format_result(res)
+    got = {v.adapter: v.passed for v in res.verdicts}
+    # every adapter in both layouts, plus the base lane; the broken one fails in both layouts
+    assert set(got) == {"base"} | {f"{p.name}.{layout}" for p in check.ADAPTERS for layout in ("peft3d", "per_expert")}
+    assert not got["broken.peft3d"] and not got["broken.per_expert"]
+    assert res.threshold.source == "measured" and res.threshold.margin_factor == check.FACTOR[dtype]
+    rows = list(csv.DictReader(open(check.write_csv(res, tmp_path / "x.csv"))))
+    assert len(rows) == len(res.verdicts) and set(rows[0]) == set(check.CSV_COLUMNS)
+    assert {r["verdict"] for r in rows if r["adapter"] == "broken"} == {"FAIL"}
+
+
+def test_reference_runs_come_from_the_store_the_second_time(case, store):
+    first = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
+    msgs = []
+    again = check.reference_runs(case, "hf", "float32", None, store, log=msgs.append)
+    assert "from" in msgs[0] and set(first) == set(again)
+
+
+def test_a_fault_fails_the_fp32_check(case, store):
+    # topk_weight_missing changes every expert LoRA delta: caught; relu2_as_gated is never reached by the runtime
+    clean, res = check.fault_sweep(case, ["topk_weight_missing"], "float32", store=store, log=lambda s: None)
+    assert clean.as_expected and res["topk_weight_missing"] is not None
+    assert not check.missed(res["topk_weight_missing"])
+
+
+def test_engine_options_point_at_a_bundle(monkeypatch):
+    monkeypatch.setenv("LPDIFF_SGLANG_PYTHONPATH", "/b/ssite:/b/sshim")
+    opts = check.engine_options("sglang")
+    assert opts["lane_env"] == {"PYTHONPATH": "/b/ssite:/b/sshim"} and opts["python"]
+    assert check.engine_options("triton") == {}
