@@ -240,7 +240,13 @@ def _pair_noise(a: dict, b: dict, lanes) -> Noise:
     n = Noise()
     for lane in lanes:
         m = compare(a[lane], b[lane])
-        n.add(m.k2, m.max_abs, None if lane is None else delta_fidelity(a[lane], a[None], b[lane], b[None]))
+        fid = None
+        if lane is not None:
+            try:
+                fid = delta_fidelity(a[lane], a[None], b[lane], b[None])
+            except ValueError:  # b's adapter changes nothing (a fault that drops it): no fidelity to measure
+                pass
+        n.add(m.k2, m.max_abs, fid)
     return n
 
 

@@ -7,8 +7,8 @@ not apply are printed as n/a with the reason. ``LPDIFF_METAMORPHIC_CSV=path`` ap
   stage runs in its own virtualenv).
 - gpu1 / gpu2: 4 layers of Qwen3-30B-A3B and gpt-oss-20b at full width, built on the device, on triton (fp32),
   vLLM and SGLang (bf16: their LoRA kernels have no fp32). Random-init routers have near-ties, so the ratio is taken
-  before the first near-tie of each prompt (harness.metamorphic.judge_lanes). vLLM / SGLang run through their own
-  interpreters when LPDIFF_VLLM_PYTHON / LPDIFF_SGLANG_PYTHON name one (engines' ``python`` option).
+  before the first near-tie of each prompt (harness.metamorphic.judge_lanes). vLLM / SGLang run in this interpreter,
+  or through LPDIFF_<ENGINE>_PYTHON / LPDIFF_<ENGINE>_PYTHONPATH (harness.check.engine_options).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import os
 import pytest
 
 from harness import metamorphic as mm
+from harness.check import engine_options
 from harness.catalog import get_model
 from harness.job import zoo_adapters
 from harness.prompts import prompt_set
@@ -59,11 +60,6 @@ GPU_ENGINES = {"triton": "float32", "vllm": "bfloat16", "sglang": "bfloat16"}
 NEAR_TIE = {"float32": 1e-5, "bfloat16": 4e-3}
 
 
-def _gpu_options(engine: str) -> dict:
-    python = os.environ.get(f"LPDIFF_{engine.upper()}_PYTHON")
-    return {"python": python} if python else {}
-
-
 @pytest.fixture(scope="module", params=GPU_MODELS)
 def gpu_case(request, tmp_path_factory):
     import torch
@@ -90,14 +86,14 @@ def _gpu_run(engine, gpu_case, relations, tmp_path):
     spec, adapter, prompts = gpu_case
     dtype = GPU_ENGINES[engine]
     return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name="a16", dtype=dtype,
-                              options=_gpu_options(engine), relations=relations, k=3,
+                              options=engine_options(engine), relations=relations, k=3,
                               near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path)
 
 
 @pytest.mark.gpu1
 @pytest.mark.parametrize("engine", list(GPU_ENGINES))
 def test_metamorphic_full_width(engine, gpu_case, tmp_path):
-    if engine != "triton" and not _gpu_options(engine):
+    if engine != "triton" and not engine_options(engine):
         pytest.importorskip(engine)
     _check(_gpu_run(engine, gpu_case, [r for r in mm.RELATIONS], tmp_path))
 
@@ -106,7 +102,7 @@ def test_metamorphic_full_width(engine, gpu_case, tmp_path):
 @pytest.mark.parametrize("engine", list(GPU_ENGINES))
 def test_metamorphic_tensor_parallel(engine, gpu_case, tmp_path):
     """The modes relation on two GPUs: TP 2 (and the other switches) against TP 1's rerun noise."""
-    if engine != "triton" and not _gpu_options(engine):
+    if engine != "triton" and not engine_options(engine):
         pytest.importorskip(engine)
     rep = _gpu_run(engine, gpu_case, ["modes"], tmp_path)
     assert any(r.relation.startswith("mode:tp2") and r.verdict != "n/a" for r in rep.results)
