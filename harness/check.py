@@ -265,15 +265,20 @@ class CheckResult:
     runs: list[dict]  # the engine's runs, each {lane (None = base): LogprobRun}
     verdicts: list = field(default_factory=list)  # harness.verdict.Verdict, with .adapter "name.layout"
     expected: dict[str, str] = field(default_factory=dict)  # "name.layout" -> PASS / FAIL
+    error: str | None = None  # the engine died or raised: every lane FAILs with this message
 
     @property
     def as_expected(self) -> bool:
-        return all(("PASS" if v.passed else "FAIL") == self.expected[v.adapter] for v in self.verdicts)
+        return self.error is None and all(("PASS" if v.passed else "FAIL") == self.expected[v.adapter]
+                                          for v in self.verdicts)
 
 
 def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3, options: dict | None = None,
-              store=None, dtype: str = "bfloat16", log: Callable[[str], None] = print) -> CheckResult:
-    """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here."""
+              store=None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
+              log: Callable[[str], None] = print) -> CheckResult:
+    """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here.
+    ``layouts``: the adapter files served (default: every layout the engine reads, ENGINE_LAYOUTS). An engine that
+    dies or raises gives a result whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
     from harness.metrics import compare, delta_fidelity
     from harness.routing import near_tie_eps
     from harness.thresholds import from_noise
@@ -285,11 +290,17 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     ref_noise = _pair_noise(reference_runs(case, reference, da, oa, store, log),
                             reference_runs(case, reference, db, ob, store, log), list(ref32))
 
+    layouts = layouts or ENGINE_LAYOUTS.get(engine, ("peft3d",))
     lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()
-             if layout in ENGINE_LAYOUTS.get(engine, ("peft3d",))}
+             if layout in layouts}
     t0 = time.perf_counter()
-    runs, version = _session(engine, case.spec, lanes, case.prompts, dtype, tp,
-                             {**engine_options(engine), **(options or {})}, reruns=k)
+    try:
+        runs, version = _session(engine, case.spec, lanes, case.prompts, dtype, tp,
+                                 {**engine_options(engine), **(options or {})}, reruns=k)
+    except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
+        log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
+        return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
+                           Noise(), None, [], error=f"{type(e).__name__}: {e}")
     log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
         f"{time.perf_counter() - t0:.1f}s ({version})")
     rerun_noise = Noise()
@@ -348,6 +359,9 @@ def missed(res: CheckResult) -> bool:
 def format_result(res: CheckResult) -> str:
     from harness.verdict import format_table
 
+    if res.error is not None:
+        return (f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the engine failed "
+                f"before giving logprobs:\n{res.error}")
     ok = "as expected" if res.as_expected else "NOT AS EXPECTED"
     head = (f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
             f"x{res.layers} layers: {ok}\nthreshold = {FACTOR[res.dtype]:g} x noise: k2 {res.threshold.k2:.3g}, max |Δ| "
@@ -359,6 +373,11 @@ def format_result(res: CheckResult) -> str:
 
 def csv_rows(res: CheckResult) -> list[dict]:
     date, commit, gpu = datetime.date.today().isoformat(), git_commit(), device_name()
+    if res.error is not None:
+        last = res.error.strip().splitlines()[-1][:300]
+        return [dict(date=date, commit=commit, gpu=gpu, model=res.model, layers=res.layers, tp=res.tp, dtype=res.dtype,
+                     engine_pair=f"{res.engine}:{res.dtype}-vs-{res.reference}:{REFERENCE_DTYPE}", verdict="FAIL",
+                     reasons=f"engine failed: {last}")]
     t, rows = res.threshold, []
     for v in res.verdicts:
         name, _, layout = v.adapter.partition(".")

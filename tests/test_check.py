@@ -56,3 +56,12 @@ def test_engine_options_point_at_a_bundle(monkeypatch):
     opts = check.engine_options("sglang")
     assert opts["lane_env"] == {"PYTHONPATH": "/b/ssite:/b/sshim"} and opts["python"]
     assert check.engine_options("triton") == {}
+
+
+def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
+    # the hf engine refuses tensor parallelism: the check reports it as the result, the session goes on
+    res = check.run_check(case, "hf", tp=2, k=2, store=store, log=lambda s: None)
+    assert res.error and "tp=1" in res.error and not res.as_expected
+    assert "FAIL" in check.format_result(res)
+    rows = list(csv.DictReader(open(check.write_csv(res, tmp_path / "x.csv"))))
+    assert rows[0]["verdict"] == "FAIL" and "engine failed" in rows[0]["reasons"]
