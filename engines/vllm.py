@@ -565,8 +565,12 @@ class VLLMEngine:
                                  "or convert the adapters to the model's native layout")
             kw["enable_mixed_moe_lora_format"] = True
         self._mixed = plan.mixed
-        self.known_defects = plan.known_defects
-        for d in plan.known_defects:
+        # per-expert adapters are packed with scaling lora_alpha / r whatever use_rslora says (lora_weights.py:205)
+        rslora = [f"vLLM 0.25.1 scales per-expert adapter {n!r}'s expert LoRA by lora_alpha/r, not rsLoRA's "
+                  "lora_alpha/sqrt(r) (lora_weights.py:205): its expert results are wrong"
+                  for n, i in infos.items() if i.rslora and i.layout == "per_expert"]
+        self.known_defects = plan.known_defects + tuple(rslora)
+        for d in self.known_defects:
             warnings.warn(d)
         if plan.rename:
             root = Path(o.get("checkpoint_dir") or Path.home() / ".cache" / "lpdiff" / "checkpoints") / "vllm-adapters"
