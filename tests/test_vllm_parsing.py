@@ -340,3 +340,23 @@ def test_reap_waits_for_what_started_during_construction_and_kills_the_hung():
         p.wait(5)
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)
+
+
+@pytest.mark.parametrize("layout", ["peft3d", "per_expert"])
+def test_engine_lora_setup_on_the_zoo_gpt_oss(tmp_path, layout):
+    # the wiring from real adapter files to vLLM's flags, without vLLM: 3D gets the native wrapper (no mixed
+    # format), per-expert is refused before anything starts
+    pytest.importorskip("torch")
+    from harness.adapters import convert_adapter
+    from harness.catalog import get_model, hf_config
+
+    spec = get_model("tiny-gpt-oss")
+    src = Path(__file__).parents[1] / "harness" / "zoo_adapters" / "tiny-gpt-oss" / "all"
+    path = src if layout == "peft3d" else convert_adapter(src, tmp_path / "pe", "per_expert", hf_config(spec)).path
+    eng = VLLMEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", str(path))}, dtype="bfloat16"))
+    if layout == "per_expert":
+        with pytest.raises(ValueError, match="interleaved"):
+            eng._lora_kwargs(hf_config(spec), on_cpu=False, known={"enable_mixed_moe_lora_format"})
+        return
+    kw = eng._lora_kwargs(hf_config(spec), on_cpu=False, known={"enable_mixed_moe_lora_format"})
+    assert kw["enable_lora"] and "enable_mixed_moe_lora_format" not in kw and not eng._mixed
