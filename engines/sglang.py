@@ -1,26 +1,41 @@
 """``sglang``: prompt logprobs from SGLang, through its offline ``sgl.Engine`` (always inside a subprocess lane) or
 its HTTP ``/generate`` API (a server lpdiff launches, or one already running).
 
-NOT RUN HERE. SGLang cannot run on lpdiff's own machines (CPU only; SGLang 0.5.15 needs CUDA and pins torch 2.11).
-This file is written against SGLang's documented API (``Engine.generate`` / ``GenerateReqInput``, ``ServerArgs``
-and ``launch_server`` flags of 0.5.x) and the facts measured on an H200 with 0.5.15 (DESIGN.md). Tested without
-SGLang (tests/test_sglang_engine.py): the launch settings, the request, the response parsing, the HTTP client
-against a local stand-in server, and that a dying engine or server becomes an error carrying its log tail. Never
-run: ``sgl.Engine`` construction, a real SGLang server, numbers from SGLang through this file.
+Written for SGLang 0.5.15 and checked line by line against its source (file:line below are in python/sglang/srt/ of
+0.5.15); not run from this file on a GPU yet. Tested without SGLang (tests/test_sglang_engine.py): the launch
+settings, the request, the response parsing, the HTTP client against a local stand-in server, and that a dying
+engine or server becomes an error carrying its log tail.
 
-Requests: ``input_ids`` (token-id prompts; ``skip_tokenizer_init=True``), ``sampling_params={"max_new_tokens": 0}``,
-``return_logprob=True``, ``logprob_start_len=0``, ``top_logprobs_num=k``, ``lora_path=[name or None per prompt]``
-(adapters are registered at start as ``lora_paths={name: path}``, requests pick them by name). Responses:
-``meta_info["input_token_logprobs"]`` as (logprob, token_id, text) with the first logprob None, and
-``meta_info["input_top_logprobs"]`` per position.
+Requests: ``input_ids`` (token-id prompts; ``skip_tokenizer_init=True``), ``sampling_params={"max_new_tokens": 0}``
+(0 is allowed, sampling/sampling_params.py:209, and makes the request prefill-only), ``return_logprob=True``,
+``logprob_start_len=0``, ``top_logprobs_num=k``, ``lora_path=[name or None per prompt]`` (adapters registered at
+start as ``lora_paths={name: path}``, server_args.py:6816; requests pick them by name). Responses: 
+``meta_info["input_token_logprobs"]`` = [(logprob, token_id, None)] per prompt token (text is None without
+return_text_in_logprobs, managers/tokenizer_manager.py:2302), the first logprob None ([None] + logprobs[:-1],
+managers/scheduler_components/logprob_result_processor.py:37); token ids >= vocab_size - 1 come back as 0
+(logprob_result_processor.py:53, meant for image-token hashes). ``meta_info["input_top_logprobs"]``: None at
+position 0, then a list of (logprob, token_id, None) per position.
 
-Why a lane: a PEFT 3D expert adapter kills SGLang 0.5.15's engine at the first LoRA request (weights "skipped",
-ValueError, process killed). In the lane that becomes a LaneDied error with the engine's last log lines, and the
-caller's other engines live on (convert the adapter: ``lpdiff adapters convert --to per_expert``).
+Why a lane: a PEFT 3D expert adapter kills SGLang 0.5.15's engine at the first LoRA request: its LoRAConfig reads
+target_modules only (lora/lora_config.py:42), the 3D expert tensors match no LoRA target, are "skipped"
+(lora/mem_pool.py:807) and then raise ValueError in the scheduler (lora/mem_pool.py:848). In the lane that becomes a
+LaneDied error with the engine's last log lines (convert the adapter: ``lpdiff adapters convert --to per_expert``).
+``Engine.shutdown()`` kills SGLang's scheduler/detokenizer processes and waits for them (entrypoints/engine.py:925);
+the lane then ends its whole process group (SGLang starts no process in a session of its own), so the GPU is free
+for the next lane (e.g. TP 2 after TP 1).
 
-Settings (MOE_LORA_SETTINGS) are the ones that ran MoE-LoRA on 0.5.15: triton attention, LoRA and MoE runner (gpt-oss
-LoRA needs moe_runner_backend="triton", not "triton_kernel"), pytorch sampling, no grammar backend, no CUDA graph,
-no radix cache (every prompt computed in full). SGLang has no fp32 path (sgl_kernel rmsnorm): bf16/fp16 only.
+Settings (MOE_LORA_SETTINGS) are the ones that ran MoE-LoRA on 0.5.15: triton attention, LoRA and MoE runner,
+pytorch sampling, no grammar backend, no CUDA graph, no radix cache (every prompt computed in full), no server
+warmup. moe_runner_backend must be "triton": MoE LoRA refuses other runners (lora/layers.py:954), and for bf16
+gpt-oss SGLang would otherwise pick "triton_kernel" (arg_groups/overrides.py:566). LoRA target modules are inferred
+from the adapters' target_modules lists (lora/lora_manager.py:582); the experts get LoRA only when the union names
+gate/up_proj and down_proj (lora/lora_manager.py:845). max_loras_per_batch counts the base model as one adapter
+(lora/lora_manager.py:277), so it is sized for every adapter plus base in one batch. SGLang has no fp32 path
+(sgl_kernel rmsnorm): bf16/fp16 only.
+
+The model checkpoint (config-built or layer-cut models) is written by the caller's process, with the caller's
+transformers, so that SGLang loads exactly the weights the HF reference builds (the SGLang bundle pins its own
+transformers, whose initialisation may differ); the lane gets the finished ServerArgs.
 
 Options (``EngineConfig.options``):
   mode               "offline" (default) | "http"
@@ -40,6 +55,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -52,9 +68,10 @@ from harness.types import PromptLogprobs
 MOE_LORA_SETTINGS: dict[str, Any] = {
     "attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
     "moe_runner_backend": "triton", "lora_backend": "triton",
-    "disable_cuda_graph": True, "disable_radix_cache": True,
+    "disable_cuda_graph": True, "disable_radix_cache": True, "skip_server_warmup": True,
 }
 _OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir")
+_RESOLVED = "_resolved"  # option the parent hands the lane: {"server_args": ..., "vocab_size": ...}
 _NOT_INSTALLED = ("sglang is not installed for {python}: install sglang==0.5.15 (or unpack the offline bundle from "
                   "gpu-bundles/sglang-0.5.15.sh and put it on PYTHONPATH), or pass options python=<interpreter "
                   "that has SGLang>")
@@ -69,12 +86,14 @@ def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any]
     if config.dtype == "float32":
         raise ValueError("SGLang has no fp32 path (sgl_kernel's rmsnorm takes bf16/fp16): use dtype bfloat16 and "
                          "compare against an fp32 reference")
+    # log_level: sgl.Engine defaults to "error", which would hide the LoRA loading lines ("loaded weights for
+    # target modules", "weight(s) skipped") that the lane's log tail should carry when something goes wrong
     args: dict[str, Any] = {"model_path": model_path, "skip_tokenizer_init": True, "dtype": config.dtype,
-                            "tp_size": config.tp, "random_seed": 0, **MOE_LORA_SETTINGS}
+                            "tp_size": config.tp, "random_seed": 0, "log_level": "info", **MOE_LORA_SETTINGS}
     if config.adapters:
         args.update(enable_lora=True, lora_paths={n: str(a.path) for n, a in config.adapters.items()},
                     max_lora_rank=max(adapter_max_rank(a.path) for a in config.adapters.values()),
-                    max_loras_per_batch=len(config.adapters))
+                    max_loras_per_batch=len(config.adapters) + 1)  # + the base model's slot
     args.update(overrides or {})
     return args
 
@@ -119,8 +138,10 @@ def generate_request(prompts: Sequence[Sequence[int]], names: Sequence[str | Non
     return req
 
 
-def parse_response(token_ids: Sequence[int], item: dict[str, Any], top_k: int = 0) -> PromptLogprobs:
-    """One element of SGLang's answer -> PromptLogprobs (``top_k`` as given to generate_request: 0, k or -1)."""
+def parse_response(token_ids: Sequence[int], item: dict[str, Any], top_k: int = 0,
+                   vocab_size: int | None = None) -> PromptLogprobs:
+    """One element of SGLang's answer -> PromptLogprobs (``top_k`` as given to generate_request: 0, k or -1).
+    ``vocab_size``: the model's; SGLang reports token ids >= vocab_size - 1 as 0, which is then not a mismatch."""
     n = len(token_ids)
     meta = item.get("meta_info") if isinstance(item, dict) else None
     entries = meta.get("input_token_logprobs") if meta else None
@@ -130,9 +151,12 @@ def parse_response(token_ids: Sequence[int], item: dict[str, Any], top_k: int = 
     if len(entries) != n:
         raise ValueError(f"SGLang returned {len(entries)} input logprobs for a prompt of {n} tokens "
                          "(logprob_start_len must be 0)")
+    want_ids = [int(t) for t in token_ids]
+    if vocab_size is not None:  # logprob_result_processor.py:53 clips these ids to 0
+        want_ids = [0 if t >= vocab_size - 1 else t for t in want_ids]
     got_ids = [int(e[1]) for e in entries]
-    if got_ids != [int(t) for t in token_ids]:
-        bad = next(i for i, (a, b) in enumerate(zip(got_ids, token_ids)) if a != b)
+    if got_ids != want_ids:
+        bad = next(i for i, (a, b) in enumerate(zip(got_ids, want_ids)) if a != b)
         raise ValueError(f"SGLang's logprobs are for other tokens (position {bad}: {got_ids[bad]} != "
                          f"{token_ids[bad]}); run it with skip_tokenizer_init=True and token-id prompts")
     if any(e[0] is None for e in entries[1:]):
@@ -157,16 +181,34 @@ def parse_response(token_ids: Sequence[int], item: dict[str, Any], top_k: int = 
                           topk_logprobs=tk_lp)
 
 
-def _vocab(config: EngineConfig) -> int:
+def parse_batch(prompts: Sequence[Sequence[int]], out: Any, top_k: int, vocab_size: int) -> list[PromptLogprobs]:
+    """SGLang's answer to one generate_request (a list, or one dict for one prompt) -> one PromptLogprobs each."""
+    out = out if isinstance(out, list) else [out]
+    if len(out) != len(prompts):
+        raise ValueError(f"SGLang answered {len(out)} items for {len(prompts)} prompts")
+    return [parse_response(p, o, top_k, vocab_size) for p, o in zip(prompts, out)]
+
+
+def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> dict[str, Any]:
+    """What the engine needs from lpdiff's side, computed in the caller's process: the vocabulary size and, when
+    lpdiff starts SGLang (``launch``), the ServerArgs with the checkpoint written by the caller's transformers (the
+    same build as the HF reference's). The lane child then needs neither lpdiff's catalog nor its transformers."""
     from harness.catalog import hf_config
 
-    return hf_config(config.model).get_text_config().vocab_size
+    out: dict[str, Any] = {"vocab_size": hf_config(config.model).get_text_config().vocab_size}
+    if launch:
+        from engines.vllm import checkpoint_dir
+
+        path = checkpoint_dir(config.model, opts.get("checkpoint_dir"), on_cpu=False)
+        _release_cuda_cache()  # building the checkpoint on the GPU leaves cached blocks SGLang would then lack
+        out["server_args"] = server_args(config, path, opts.get("server_args"))
+    return out
 
 
-def _model_path(config: EngineConfig, opts: dict[str, Any]) -> str:
-    from engines.vllm import checkpoint_dir
-
-    return checkpoint_dir(config.model, opts.get("checkpoint_dir"), on_cpu=False)
+def _release_cuda_cache() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # -- offline: sgl.Engine, run inside the lane's child process ------------------------------------------------------
@@ -185,9 +227,9 @@ class SGLangOffline:
             import sglang as sgl
         except ImportError as e:
             raise ImportError(_NOT_INSTALLED.format(python=sys.executable)) from e
-        self.vocab = _vocab(self.config)
-        args = server_args(self.config, _model_path(self.config, self.opts), self.opts.get("server_args"))
-        self.engine = sgl.Engine(**args)
+        res = self.opts.get(_RESOLVED) or resolve(self.config, self.opts)
+        self.vocab = res["vocab_size"]
+        self.engine = sgl.Engine(**res["server_args"])
         return self
 
     def __exit__(self, *exc) -> None:
@@ -204,8 +246,7 @@ class SGLangOffline:
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
         names = check_request(prompts, adapter, self.config.adapters)
         out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab))
-        out = out if isinstance(out, list) else [out]
-        return [parse_response(p, o, top_k) for p, o in zip(prompts, out)]
+        return parse_batch(prompts, out, top_k, self.vocab)
 
 
 # -- HTTP: a launched or running server ----------------------------------------------------------------------------
@@ -222,19 +263,18 @@ class SGLangHTTP:
 
     name = "sglang"
 
-    def __init__(self, config: EngineConfig, opts: dict[str, Any], lane: LaneConfig):
-        self.config, self.opts, self.lane = config, opts, lane
+    def __init__(self, config: EngineConfig, opts: dict[str, Any], lane: LaneConfig, resolved: dict[str, Any]):
+        self.config, self.opts, self.lane, self.resolved = config, opts, lane, resolved
         self.url = opts.get("url")
         self.timeout = float(opts.get("request_timeout_s", 1800))
         self.server: ManagedProcess | None = None
 
     def __enter__(self) -> "SGLangHTTP":
-        self.vocab = _vocab(self.config)
+        self.vocab = self.resolved["vocab_size"]
         if self.url is None:
             port = int(self.opts.get("port") or _free_port())
-            args = server_args(self.config, _model_path(self.config, self.opts), self.opts.get("server_args"))
-            argv = [self.lane.python, "-m", "sglang.launch_server", *server_cli(args), "--host", "127.0.0.1",
-                    "--port", str(port)]
+            argv = [self.lane.python, "-m", "sglang.launch_server", *server_cli(self.resolved["server_args"]),
+                    "--host", "127.0.0.1", "--port", str(port)]
             self.server = ManagedProcess(argv, self.lane.env, self.lane.log_path, self.lane.tail_lines,
                                          log_prefix="lpdiff-sglang-server-").start()
             self.url = f"http://127.0.0.1:{port}"
@@ -296,10 +336,7 @@ class SGLangHTTP:
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
         names = check_request(prompts, adapter, self.config.adapters)
         out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab))
-        out = out if isinstance(out, list) else [out]
-        if len(out) != len(prompts):
-            raise ValueError(f"SGLang answered {len(out)} items for {len(prompts)} prompts")
-        return [parse_response(p, o, top_k) for p, o in zip(prompts, out)]
+        return parse_batch(prompts, out, top_k, self.vocab)
 
 
 # -- the engine ----------------------------------------------------------------------------------------------------
@@ -325,11 +362,13 @@ class SGLangEngine:
         self._impl = None
 
     def __enter__(self) -> "SGLangEngine":
+        resolved = resolve(self.config, self.opts, launch=self.mode == "offline" or "url" not in self.opts)
         if self.mode == "offline":
             child = strip_lane_options(self.config)
+            child = replace(child, options={**child.options, _RESOLVED: resolved})
             self._impl = LaneEngine(self.name, "engines.sglang:SGLangOffline", child, self.lane)
         else:
-            self._impl = SGLangHTTP(self.config, self.opts, self.lane)
+            self._impl = SGLangHTTP(self.config, self.opts, self.lane, resolved)
         self._impl.__enter__()
         return self
 

@@ -50,8 +50,10 @@ def test_server_args_carry_moe_lora_settings_and_adapters(tiny):
     for k, v in MOE_LORA_SETTINGS.items():
         assert args[k] == v
     assert args["moe_runner_backend"] == "triton"  # gpt-oss LoRA fails with "triton_kernel"
-    assert args["lora_paths"] == {"a": ad.path} and args["max_lora_rank"] == 4 and args["max_loras_per_batch"] == 1
+    # the base model takes a LoRA slot of its own in a batch (SGLang 0.5.15 lora_manager.validate_lora_batch)
+    assert args["lora_paths"] == {"a": ad.path} and args["max_lora_rank"] == 4 and args["max_loras_per_batch"] == 2
     assert args["tp_size"] == 4 and args["skip_tokenizer_init"] and args["mem_fraction_static"] == 0.5
+    assert args["log_level"] == "info" and args["skip_server_warmup"]  # LoRA load lines reach the log tail
     base = server_args(EngineConfig(model=spec, dtype="bfloat16"), "/ckpt")
     assert "enable_lora" not in base and "lora_paths" not in base
 
@@ -121,6 +123,14 @@ def test_parse_response_errors(item, match):
         parse_response([3, 4, 1], item)
 
 
+def test_parse_response_accepts_sglangs_clipped_last_token_id():
+    # SGLang 0.5.15 reports input token ids >= vocab_size - 1 as 0 (logprob_result_processor.py:53)
+    item = sglang_item([3, 0, 1], [-1.0, -2.0])
+    assert parse_response([3, 99, 1], item, vocab_size=100).logprobs.tolist() == [-1.0, -2.0]
+    with pytest.raises(ValueError, match="position 1: 0 != 98"):  # only that id: others still must match
+        parse_response([3, 98, 1], item, vocab_size=100)
+
+
 # -- HTTP end to end against the stand-in server ---------------------------------------------------------------------
 
 class StandIn(BaseHTTPRequestHandler):
@@ -184,6 +194,51 @@ def test_launched_server_that_dies_reports_its_log_tail(tiny):
         with open_engine("sglang", cfg):
             pass
     assert "No module named 'sglang'" in err.value.log_tail
+
+
+STAND_IN_SGLANG = """
+import json, os, sys
+__version__ = "stand-in"
+
+def _log(entry):
+    with open(os.environ["STAND_IN_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+class Engine:  # sgl.Engine's call shape; records what the lane passes and what the lane process has imported
+    def __init__(self, **kwargs):
+        _log({"init": kwargs, "imported": sorted(m for m in ("harness.catalog", "transformers") if m in sys.modules)})
+
+    def generate(self, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num=None,
+                 lora_path=None):
+        _log({"generate": {"lora_path": lora_path, "sampling_params": sampling_params}})
+        return [{"meta_info": {"input_token_logprobs": [[None, ids[0], None]] +
+                 [[-0.25 * i, t, None] for i, t in enumerate(ids[1:], 1)]}} for ids in input_ids]
+
+    def shutdown(self):
+        _log({"shutdown": True})
+"""
+
+
+def test_offline_lane_gets_resolved_args_and_shuts_the_engine_down(tiny, tmp_path):
+    """The lane's child gets ServerArgs resolved by the caller (checkpoint and vocabulary from the caller's
+    transformers: the SGLang bundle pins another one), calls sgl.Engine with them, parses its answer and shuts it
+    down on close. A stand-in ``sglang`` module (STAND_IN_SGLANG) takes sgl.Engine's place: it says nothing about
+    SGLang's numbers."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text(STAND_IN_SGLANG)
+    log = tmp_path / "log.jsonl"
+    spec, ad = tiny
+    cfg = EngineConfig(model=spec, adapters={"a": ad}, dtype="bfloat16",
+                       options={"python": sys.executable, "lane_start_timeout_s": 60,
+                                "lane_env": {"PYTHONPATH": str(tmp_path), "STAND_IN_LOG": str(log)}})
+    with open_engine("sglang", cfg) as eng:
+        got = eng.prompt_logprobs([[5, 6, 7]], ["a"])
+    assert got[0].logprobs.tolist() == [-0.25, -0.5]
+    init, gen, down = (json.loads(line) for line in log.read_text().splitlines())
+    assert init["imported"] == []  # the child neither rebuilt the checkpoint nor read lpdiff's catalog
+    assert init["init"] == server_args(cfg, spec.path)
+    assert gen["generate"] == {"lora_path": ["a"], "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}
+    assert down == {"shutdown": True}
 
 
 def test_offline_without_sglang_says_how_to_install(tiny):
