@@ -48,16 +48,33 @@ from harness.types import AdapterSpec, LogprobRun, ModelSpec
 # bf16: a correct engine sits near 1x (see above); fp32: the tiny zoo's calibrated factor (harness/calibrate.py)
 FACTOR = {"bfloat16": 3.0, "float32": 30.0}
 # (reference engine, dtype under test) -> two correct runs of the reference whose difference is the noise,
-# each (dtype, options)
+# each (dtype, options). HF's second expert kernel: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm
+# on a GPU, where batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM).
 NOISE_PAIR = {
     ("hf", "bfloat16"): (("bfloat16", {}), ("float32", {})),
-    ("hf", "float32"): (("float32", {"experts_impl": "batched_mm"}), ("float32", {"experts_impl": "eager"})),
+    ("hf", "float32"): (("float32", {"experts_impl": "batched_mm|grouped_mm"}), ("float32", {"experts_impl": "eager"})),
     ("triton", "bfloat16"): (("bfloat16", {}), ("float32", {})),
     ("triton", "float32"): (("float32", {"impl": "torch"}), ("float32", {})),
 }
-ENGINE_LAYOUTS = {"vllm": ("peft3d", "per_expert"),  # 3D through enable_mixed_moe_lora_format
+
+
+def _on_device(options: dict) -> dict:
+    """Resolve "cpu-choice|gpu-choice" option values for this machine."""
+    import torch
+
+    pick = 1 if torch.cuda.is_available() else 0
+    return {k: v.split("|")[pick] if isinstance(v, str) and "|" in v else v for k, v in options.items()}
+ENGINE_LAYOUTS = {"vllm": ("peft3d", "per_expert"),  # Qwen3-MoE: 3D through enable_mixed_moe_lora_format
                   "sglang": ("per_expert",),  # a PEFT 3D expert adapter kills SGLang 0.5.15's engine
                   "triton": ("peft3d", "per_expert"), "hf": ("peft3d",)}
+# vLLM 0.25.1 serves gpt-oss expert LoRA correctly only in PEFT 3D form: its per-expert path (w1/w2/w3 through the
+# mixed-format 2D wrapper) adds gate/up as concatenated halves onto interleaved rows (engines/vllm.py); the engine
+# refuses it unless forced (suites/test_engines_gpu.py forces it once and expects the FAIL).
+ARCH_LAYOUTS = {("vllm", "gpt_oss"): ("peft3d",)}
+
+
+def layouts_for(engine: str, arch: str) -> tuple[str, ...]:
+    return ARCH_LAYOUTS.get((engine, arch), ENGINE_LAYOUTS.get(engine, ("peft3d",)))
 REFERENCE_DTYPE = "float32"
 PROMPT_LENGTHS = (256, 131, 200, 64, 256, 97, 180, 33)
 CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "layers", "tp", "dtype", "adapter", "adapter_format",
@@ -287,10 +304,11 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     assert k >= 2, "rerun noise needs k >= 2 runs"
     ref32 = reference_runs(case, reference, REFERENCE_DTYPE, None, store, log)
     (da, oa), (db, ob) = NOISE_PAIR[(reference, dtype)]
+    oa, ob = _on_device(oa), _on_device(ob)
     ref_noise = _pair_noise(reference_runs(case, reference, da, oa, store, log),
                             reference_runs(case, reference, db, ob, store, log), list(ref32))
 
-    layouts = layouts or ENGINE_LAYOUTS.get(engine, ("peft3d",))
+    layouts = layouts or layouts_for(engine, case.spec.arch)
     lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()
              if layout in layouts}
     t0 = time.perf_counter()
@@ -435,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.model:
             root = Path(args.workdir or tmp) / model
-            case = build_case(model, args.layers, root, layouts=ENGINE_LAYOUTS[args.engine], device=args.device)
+            case = build_case(model, args.layers, root, device=args.device)
             res = run_check(case, args.engine, args.tp, args.reference, args.k, store=default_store(), dtype=args.dtype)
             print(format_result(res), flush=True)
             if args.csv:

@@ -75,3 +75,47 @@ def test_engine_tp2_bf16_vs_hf_fp32(engine, case, record_verdict):
 def test_engine_tp4_bf16_vs_hf_fp32(engine, case, record_verdict):
     _installed(engine)
     _judge(engine, case, 4, record_verdict)
+
+
+# -- known engine defects, reproduced on purpose: lpdiff must report them ----------------------------------------
+
+EXPERT_ADAPTERS = {"all", "experts", "all_r8", "broken"}  # the ADAPTERS that carry expert LoRA
+
+
+@pytest.mark.gpu1
+def test_vllm_gpt_oss_per_expert_layout_fails(case, record_verdict):
+    """vLLM 0.25.1 reads per-expert gpt-oss expert LoRA (names w1/w2/w3) only with enable_mixed_moe_lora_format,
+    whose 2D kernel adds gate and up as concatenated halves onto gpt-oss's interleaved gate/up rows
+    (engines/vllm.py). The engine refuses that layout unless forced; forced, every lane with expert LoRA must
+    FAIL and the attention-only and base lanes must PASS."""
+    if case.spec.arch != "gpt_oss":
+        pytest.skip("gpt-oss only")
+    _installed("vllm")
+    res = check.run_check(case, "vllm", layouts=("per_expert",), options={"mixed_moe_lora_format": True},
+                          store=check.default_store())
+    print("\n" + check.format_result(res))
+    if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
+        check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "vllm_gpu.csv")
+    assert res.error is None, res.error
+    for v in res.verdicts:
+        record_verdict(v)
+    got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
+    assert not any(got[a] for a in EXPERT_ADAPTERS), got
+    assert got["base"] and got["attention"], got
+
+
+@pytest.mark.gpu1
+def test_sglang_peft3d_expert_adapter_is_a_fail_with_the_engine_log(case):
+    """SGLang 0.5.15 skips PEFT 3D expert weights and its scheduler dies at the first LoRA request (DESIGN.md;
+    `lpdiff doctor` says so before a run: peft3d-kills-sglang). Served anyway, the subprocess lane turns the dead
+    engine into a FAIL result carrying the engine's last log lines, and the test session goes on."""
+    if case.spec.arch != "qwen3_moe":
+        pytest.skip("one model is enough to show it")
+    _installed("sglang")
+    res = check.run_check(case, "sglang", k=2, layouts=("peft3d",), options={"lane_call_timeout_s": 120},
+                          store=check.default_store())
+    print("\n" + check.format_result(res))
+    if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
+        check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "sglang_gpu.csv")
+    assert res.error is not None and not res.as_expected, "SGLang served a PEFT 3D expert adapter: record the fix"
+    assert "Lane" in res.error
