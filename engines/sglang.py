@@ -31,7 +31,10 @@ gpt-oss SGLang would otherwise pick "triton_kernel" (arg_groups/overrides.py:566
 from the adapters' target_modules lists (lora/lora_manager.py:582); the experts get LoRA only when the union names
 gate/up_proj and down_proj (lora/lora_manager.py:845). max_loras_per_batch counts the base model as one adapter
 (lora/lora_manager.py:277), so it is sized for every adapter plus base in one batch. SGLang has no fp32 path
-(sgl_kernel rmsnorm): bf16/fp16 only.
+(sgl_kernel rmsnorm): bf16/fp16 only. mem_fraction_static 0.5: prompt logprobs need the whole batch's
+full-vocabulary logits at once (layers/logits_processor.py), which SGLang's default static fraction leaves no room
+for: gpt-oss-20b (vocab 201088), 4 layers, 48 prompts x ~150 tokens went out of memory asking 5.5 GiB beside a
+120 GB KV cache on an H200 (benchmarks/results/logs/gpu_run9_sglang.log).
 
 The model checkpoint (config-built or layer-cut models) is written by the caller's process, with the caller's
 transformers, so that SGLang loads exactly the weights the HF reference builds (the SGLang bundle pins its own
@@ -69,6 +72,7 @@ MOE_LORA_SETTINGS: dict[str, Any] = {
     "attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
     "moe_runner_backend": "triton", "lora_backend": "triton",
     "disable_cuda_graph": True, "disable_radix_cache": True, "skip_server_warmup": True,
+    "mem_fraction_static": 0.5,
 }
 _OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir")
 _RESOLVED = "_resolved"  # option the parent hands the lane: {"server_args": ..., "vocab_size": ...}

@@ -392,7 +392,8 @@ def format_result(res: CheckResult) -> str:
 def csv_rows(res: CheckResult) -> list[dict]:
     date, commit, gpu = datetime.date.today().isoformat(), git_commit(), device_name()
     if res.error is not None:
-        last = res.error.strip().splitlines()[-1][:300]
+        lines = res.error.strip().splitlines()
+        last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])[:300]  # the cause, not the teardown
         return [dict(date=date, commit=commit, gpu=gpu, model=res.model, layers=res.layers, tp=res.tp, dtype=res.dtype,
                      engine_pair=f"{res.engine}:{res.dtype}-vs-{res.reference}:{REFERENCE_DTYPE}", verdict="FAIL",
                      reasons=f"engine failed: {last}")]
