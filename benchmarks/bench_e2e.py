@@ -199,9 +199,10 @@ def breakdown(eng, prompts, adapter: str) -> None:
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
             rows[(piece, tag)] = ms * (2 if piece.endswith("x2") else 1) * nl
         sel = torch.arange(T - 1, device=rt.device)
-        rows[("logprobs (once)", tag)] = do_bench(lambda: chunked_logprobs(
-            x[sel], rt.weights.lm_head, b.input_ids[sel + 1], 0, rt.logit_chunk), warmup=5, rep=50,
-            return_mode="median")
+        for fused in (False, True):  # torch fp32 softmax vs the one-pass kernel (kernels/logprob.py)
+            rows[(f"logprobs (once{', fused' if fused else ''})", tag)] = do_bench(lambda: chunked_logprobs(
+                x[sel], rt.weights.lm_head, b.input_ids[sel + 1], 0, rt.logit_chunk, fused=fused), warmup=5,
+                rep=50, return_mode="median")
         rows[("whole forward", tag)] = do_bench(lambda: m.forward(b), warmup=3, rep=20, return_mode="median")
     print(f"{'piece (x layers)':28s} {'base ms':>9s} {'lora ms':>9s}", flush=True)
     for piece in dict.fromkeys(p for p, _ in rows):

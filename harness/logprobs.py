@@ -6,12 +6,15 @@ import torch
 
 
 def chunked_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, top_k: int = 0,
-                     chunk: int = 1024, lm_bias: torch.Tensor | None = None, logit_scale: float = 1.0
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                     chunk: int = 1024, lm_bias: torch.Tensor | None = None, logit_scale: float = 1.0,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """hidden (N, H) final-normed states, lm_head (V, H), targets (N,) -> logprobs (N,) fp32,
     topk ids (N, k) int64 and logprobs (N, k) fp32 when top_k > 0.
 
     Logits are formed in the model's dtype (as the engines under test do) and upcast to fp32 for the softmax.
+    ``fused``: without top-k, the fp32 softmax runs in one pass over the model-dtype logits
+    (kernels/logprob.py; on CUDA tensors, the torch reference elsewhere). The triton runtime uses it; the HF
+    reference keeps the plain torch path.
     """
     assert hidden.ndim == 2 and lm_head.ndim == 2 and hidden.shape[1] == lm_head.shape[1]
     assert targets.shape == (hidden.shape[0],)
@@ -24,6 +27,11 @@ def chunked_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch
         logits = hidden[s:e] @ lm_head.T  # (c, V) in model dtype
         if lm_bias is not None:
             logits = logits + lm_bias
+        if fused and not top_k:
+            from kernels.logprob import target_logprobs
+
+            lp[s:e] = target_logprobs(logits, targets[s:e], logit_scale)
+            continue
         logits = logits.float()
         if logit_scale != 1.0:
             logits = logits * logit_scale

@@ -56,7 +56,7 @@ class Runtime:
         lens = torch.tensor(batch.lens, device=self.device)
         sel = torch.nonzero(batch.positions < lens[batch.seq] - 1)[:, 0]  # rows that predict a next token
         lp, tk_ids, tk_lp = chunked_logprobs(hidden[sel], self.weights.lm_head, batch.input_ids[sel + 1], top_k,
-                                             self.logit_chunk)
+                                             self.logit_chunk, fused=True)
         lp, margin = lp.cpu().numpy(), margin.cpu().numpy()
         tk_ids = tk_ids.cpu().numpy() if top_k else None
         tk_lp = tk_lp.cpu().numpy() if top_k else None
