@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from engines import EngineConfig, open_engine
-from kernels.faults import FAULTS, applicable
+from kernels.faults import runtime_faults
 from harness.job import Job, judge_job, resolve, run_job
 from harness.provenance import device_name, git_commit
 from harness.types import LogprobRun
@@ -47,9 +47,7 @@ def measure(model: str, dtype: str, reruns: int = 20) -> dict:
                 maxs.append(v.metrics.max_abs)
     thr = first.verdicts[0].threshold
     effects = {}
-    for f, spec_f in FAULTS.items():
-        if spec_f.kernel_only or not applicable(f, MODELS[model]):
-            continue
+    for f in runtime_faults(MODELS[model]):
         res = run_job(Job(model=model, engine="triton", dtype=dtype, options={"fault": f}), log=lambda s: None)
         effects[f] = (max(v.metrics.k2 for v in res.verdicts), max(v.metrics.max_abs for v in res.verdicts),
                       all(v.passed for v in res.verdicts))
@@ -78,7 +76,7 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
     from harness.metrics import compare
 
     arch = get_model(model).arch
-    faults = [f for f, spec in FAULTS.items() if not spec.kernel_only and applicable(f, arch)]
+    faults = runtime_faults(arch)
     store = check.default_store()
     with tempfile.TemporaryDirectory() as tmp:
         case = check.build_case(model, layers, tmp, layouts=("peft3d",))

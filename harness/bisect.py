@@ -209,12 +209,12 @@ def bisect(model: str, adapter: str | None = None, fault: str | None = None, fac
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.faults import FAULTS
+    from kernels.faults import runtime_faults
 
     p = argparse.ArgumentParser(prog="lpdiff bisect", description=__doc__.splitlines()[0])
     p.add_argument("model", help="catalog model the triton runtime supports (e.g. tiny-qwen3-moe, tiny-gpt-oss)")
     p.add_argument("--adapter", default=None, help="zoo adapter run by both engines (default: experts)")
-    p.add_argument("--fault", default=None, choices=[n for n, f in FAULTS.items() if not f.kernel_only],
+    p.add_argument("--fault", default=None, choices=runtime_faults(),
                    help="bug-zoo fault injected into the triton runtime")
     p.add_argument("--factor", type=float, default=FACTOR, help="how far above its noise floor a module must be")
     p.add_argument("--num-prompts", type=int, default=8)

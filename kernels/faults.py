@@ -73,6 +73,11 @@ def applicable(name: str, arch: str) -> bool:
     return arch in FAULTS[name].archs
 
 
+def runtime_faults(arch: str | None = None) -> list[str]:
+    """The faults the triton runtime can carry (not kernel-only), those of ``arch`` when given."""
+    return [n for n, f in FAULTS.items() if not f.kernel_only and (arch is None or arch in f.archs)]
+
+
 def resolve(options: dict) -> str | None:
     """The fault an engine with these options runs: the option wins over LPDIFF_FAULT. Unknown names fail."""
     name = options.get("fault") or os.environ.get(ENV) or None

@@ -4,7 +4,7 @@ pass 20 reruns without a false alarm. Faults are real engine bugs re-created at 
 import numpy as np
 import pytest
 
-from kernels.faults import FAULTS, applicable
+from kernels.faults import applicable, runtime_faults
 from harness.job import Job, judge_job, resolve, run_job
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
@@ -37,8 +37,7 @@ def caught_by(verdict) -> list[str]:
 
 def test_zoo_covers_every_runtime_fault():
     """A new fault must get a case here (and the cases must name real faults on archs that have the bug)."""
-    runtime = {n for n, f in FAULTS.items() if not f.kernel_only}
-    assert {f for f, _ in ZOO} == runtime
+    assert {f for f, _ in ZOO} == set(runtime_faults())
     assert all(applicable(f, MODELS[m]) for f, m in ZOO)
 
 
@@ -103,7 +102,7 @@ def test_default_check_fails_on_every_fault_full_width(model, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     arch = get_model(model).arch
-    faults = [f for f, spec in FAULTS.items() if not spec.kernel_only and applicable(f, arch)]
+    faults = runtime_faults(arch)
     case = check.build_case(model, 4, tmp_path, layouts=("peft3d",))
     clean, results = check.fault_sweep(case, faults, "float32", store=check.default_store())
     print("\n" + check.format_result(clean))

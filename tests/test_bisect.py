@@ -1,13 +1,12 @@
 """lpdiff bisect names the module each zoo fault breaks, and nothing on the clean runtime."""
 import pytest
 
-from kernels.faults import FAULTS, applicable
+from kernels.faults import FAULTS, runtime_faults
 from harness import bisect as bs
 from harness.job import Job, resolve
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
-CASES = [(f, m) for m, arch in MODELS.items() for f, spec in FAULTS.items()
-         if not spec.kernel_only and applicable(f, arch)]
+CASES = [(f, m) for m, arch in MODELS.items() for f in runtime_faults(arch)]
 
 
 @pytest.fixture(scope="module")
