@@ -302,6 +302,12 @@ def _read_config(adapter_dir: Path) -> dict[str, Any]:
     return cfg
 
 
+def peft_signature(adapter_dir: str | Path) -> str:
+    """What decides whether PEFT can hold adapters side by side: one PeftModel takes several adapters only when
+    they spell ``target_parameters`` the same way (NOTES.md); equal signatures can share one."""
+    return f"|{sorted(_read_config(Path(adapter_dir)).get('target_parameters') or [])}"
+
+
 def _load_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

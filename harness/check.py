@@ -8,7 +8,7 @@ MoE models bf16 rounding flips near-tied routers, so a bf16 engine differs from 
 the model (DESIGN.md: k2 1e-4 on Qwen3-30B-A3B, 0.04 on gpt-oss-20b). No fixed threshold fits both; the noise has
 to be measured on the same model and prompts. Per (model, engine, dtype, TP):
 
-  reference noise  two correct runs of the reference engine (``NOISE_PAIR``): in bf16, the reference in bf16
+  reference noise  two correct runs of the reference engine (``noise_pair``): in bf16, the reference in bf16
                    against its fp32 run (what bf16 rounding alone does, routing flips included); in fp32, two
                    correct expert kernels (HF batched_mm vs eager; triton kernels vs torch) — over the base lane
                    and every correct adapter lane;
@@ -47,23 +47,21 @@ from harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 # bf16: a correct engine sits near 1x (see above); fp32: the tiny zoo's calibrated factor (harness/calibrate.py)
 FACTOR = {"bfloat16": 3.0, "float32": 30.0}
-# (reference engine, dtype under test) -> two correct runs of the reference whose difference is the noise,
-# each (dtype, options). HF's second expert kernel: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm
-# on a GPU, where batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM).
-NOISE_PAIR = {
-    ("hf", "bfloat16"): (("bfloat16", {}), ("float32", {})),
-    ("hf", "float32"): (("float32", {"experts_impl": "batched_mm|grouped_mm"}), ("float32", {"experts_impl": "eager"})),
-    ("triton", "bfloat16"): (("bfloat16", {}), ("float32", {})),
-    ("triton", "float32"): (("float32", {"impl": "torch"}), ("float32", {})),
-}
 
 
-def _on_device(options: dict) -> dict:
-    """Resolve "cpu-choice|gpu-choice" option values for this machine."""
+def noise_pair(reference: str, dtype: str) -> tuple[tuple[str, dict], tuple[str, dict]]:
+    """Two correct runs of the reference, each (dtype, options), whose difference is the reference noise for an
+    engine under test in ``dtype``: bf16 -> the reference in bf16 vs fp32; fp32 -> two correct kernels."""
     import torch
 
-    pick = 1 if torch.cuda.is_available() else 0
-    return {k: v.split("|")[pick] if isinstance(v, str) and "|" in v else v for k, v in options.items()}
+    if dtype != REFERENCE_DTYPE:
+        return (dtype, {}), (REFERENCE_DTYPE, {})
+    if reference == "triton":
+        return ("float32", {"impl": "torch"}), ("float32", {})
+    # HF's second expert kernel: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where
+    # batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
+    other = "grouped_mm" if torch.cuda.is_available() else "batched_mm"
+    return ("float32", {"experts_impl": other}), ("float32", {"experts_impl": "eager"})
 ENGINE_LAYOUTS = {"vllm": ("peft3d", "per_expert"),  # Qwen3-MoE: 3D through enable_mixed_moe_lora_format
                   "sglang": ("per_expert",),  # a PEFT 3D expert adapter kills SGLang 0.5.15's engine
                   "triton": ("peft3d", "per_expert"), "hf": ("peft3d",)}
@@ -195,13 +193,11 @@ def _session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], pro
 
 
 def _peft_groups(adapters: dict[str, AdapterSpec]) -> list[dict[str, AdapterSpec]]:
-    # One PeftModel holds several adapters only when they target the same parameters (NOTES.md).
-    import json
+    from harness.adapters import peft_signature
 
     groups: dict[str, dict[str, AdapterSpec]] = {}
     for name, a in adapters.items():
-        cfg = json.loads((Path(a.path) / "adapter_config.json").read_text())
-        groups.setdefault(str(sorted(cfg.get("target_parameters") or [])), {})[name] = a
+        groups.setdefault(peft_signature(a.path), {})[name] = a
     return list(groups.values())
 
 
@@ -302,11 +298,17 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     from harness.verdict import judge
 
     assert k >= 2, "rerun noise needs k >= 2 runs"
-    ref32 = reference_runs(case, reference, REFERENCE_DTYPE, None, store, log)
-    (da, oa), (db, ob) = NOISE_PAIR[(reference, dtype)]
-    oa, ob = _on_device(oa), _on_device(ob)
-    ref_noise = _pair_noise(reference_runs(case, reference, da, oa, store, log),
-                            reference_runs(case, reference, db, ob, store, log), list(ref32))
+    refs: dict[tuple[str, str], dict] = {}
+
+    def ref(d: str, o: dict) -> dict:  # each reference run once, whatever asks for it
+        key = (d, repr(sorted(o.items())))
+        if key not in refs:
+            refs[key] = reference_runs(case, reference, d, o, store, log)
+        return refs[key]
+
+    ref32 = ref(REFERENCE_DTYPE, {})
+    (da, oa), (db, ob) = noise_pair(reference, dtype)
+    ref_noise = _pair_noise(ref(da, oa), ref(db, ob), list(ref32))
 
     layouts = layouts or layouts_for(engine, case.spec.arch)
     lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()

@@ -46,6 +46,7 @@ from harness.adapters import (
     load_canonical,
     merge_into,
     peft_scaling,
+    peft_signature,
     save_canonical,
 )
 from harness.provenance import REPO_ROOT
@@ -513,7 +514,7 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
     def signature(adapter_dir: str | None) -> str:
         # PEFT holds several adapters in one model only when they name the same target_parameters; a base lane
         # runs anywhere, so it joins the original adapter's sessions
-        return _peft_signature(adapter_dir or str(ctx.adapter_dir)) if ctx.engine == "hf" else ""
+        return peft_signature(adapter_dir or str(ctx.adapter_dir)) if ctx.engine == "hf" else ""
 
     sessions: dict[tuple, list[Lane]] = {("original" + signature(None), None, "{}", None): []}
     models = {None: None}
@@ -545,11 +546,6 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
                     ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
                 runs[lane.name] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed)
     return runs, origs, bases, version
-
-
-def _peft_signature(adapter_dir: str) -> str:
-    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    return f"|{sorted(cfg.get('target_parameters') or [])}"
 
 
 def _noise(reruns: list[LogprobRun]) -> float:
