@@ -117,6 +117,17 @@ def engine_options(engine: str) -> dict:
     return opts
 
 
+def engine_missing(engine: str) -> str | None:
+    """Why ``engine`` cannot run here (None when it can): triton always can; vLLM / SGLang need to be importable
+    or pointed at by engine_options."""
+    import importlib.util
+
+    if engine in ("triton", "hf") or engine_options(engine) or importlib.util.find_spec(engine) is not None:
+        return None
+    return (f"{engine} is not installed here (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline "
+            "bundle)")
+
+
 def make_prompts(vocab_size: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     import torch
 

@@ -14,7 +14,6 @@ PYTHONPATH). ``LPDIFF_CHECK_CSV_DIR=dir`` appends every lane to ``dir/<engine>_g
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -37,11 +36,8 @@ def case(request, tmp_path_factory):
 
 
 def _installed(engine: str) -> None:
-    if engine == "triton" or check.engine_options(engine):
-        return
-    if importlib.util.find_spec(engine) is None:
-        pytest.skip(f"{engine} is not installed here (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked "
-                    "offline bundle)")
+    if why := check.engine_missing(engine):
+        pytest.skip(why)
 
 
 # vLLM serves each adapter layout through a different LoRA wrapper (PEFT 3D on Qwen3-MoE needs the mixed-format

@@ -17,7 +17,7 @@ import os
 import pytest
 
 from harness import metamorphic as mm
-from harness.check import engine_options
+from harness.check import engine_missing, engine_options
 from harness.catalog import get_model
 from harness.job import zoo_adapters
 from harness.prompts import prompt_set
@@ -96,8 +96,8 @@ def _gpu_run(engine, gpu_case, relations, tmp_path):
 @pytest.mark.gpu1
 @pytest.mark.parametrize("engine", list(GPU_ENGINES))
 def test_metamorphic_full_width(engine, gpu_case, tmp_path):
-    if engine != "triton" and not engine_options(engine):
-        pytest.importorskip(engine)
+    if why := engine_missing(engine):
+        pytest.skip(why)
     # LPDIFF_METAMORPHIC_RELATIONS=format,rank,... narrows a GPU run to what its device time allows
     chosen = os.environ.get("LPDIFF_METAMORPHIC_RELATIONS")
     _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path))
@@ -107,8 +107,8 @@ def test_metamorphic_full_width(engine, gpu_case, tmp_path):
 @pytest.mark.parametrize("engine", list(GPU_ENGINES))
 def test_metamorphic_tensor_parallel(engine, gpu_case, tmp_path):
     """The modes relation on two GPUs: TP 2 (and the other switches) against TP 1's rerun noise."""
-    if engine != "triton" and not engine_options(engine):
-        pytest.importorskip(engine)
+    if why := engine_missing(engine):
+        pytest.skip(why)
     rep = _gpu_run(engine, gpu_case, ["modes"], tmp_path)
     assert any(r.relation.startswith("mode:tp2") and r.verdict != "n/a" for r in rep.results)
     _check(rep)
