@@ -22,9 +22,8 @@ import numpy as np
 
 from engines import EngineConfig, open_engine
 from kernels.faults import runtime_faults
-from harness.job import Job, judge_job, resolve, run_job
+from harness.job import Job, judge_job, mixed_batch, resolve, run_job
 from harness.provenance import device_name, git_commit
-from harness.types import LogprobRun
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2_p999", "noise_max_p999",
@@ -35,13 +34,10 @@ def measure(model: str, dtype: str, reruns: int = 20) -> dict:
     job = Job(model=model, engine="triton", dtype=dtype)
     first = run_job(job, log=lambda s: None)
     spec, adapters, prompts = resolve(job)
-    choices = [None, *adapters]
-    k2s, maxs, n = [], [], len(prompts)
+    k2s, maxs = [], []
     with open_engine("triton", EngineConfig(model=spec, adapters=adapters, dtype=dtype)) as eng:
         for _ in range(reruns):
-            flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
-                                       adapter=[c for c in choices for _ in prompts], top_k=job.top_k)
-            runs = {c: LogprobRun(flat[j * n:(j + 1) * n]) for j, c in enumerate(choices)}
+            runs = mixed_batch(eng, prompts, [None, *adapters], job.top_k)
             for v in judge_job(job, runs, first.refs):
                 k2s.append(v.metrics.k2)
                 maxs.append(v.metrics.max_abs)

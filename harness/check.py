@@ -144,10 +144,6 @@ class Case:
     files: dict[tuple[str, str], AdapterSpec]  # (adapter, layout) -> directory
     prompts: list[list[int]]
 
-    def reference_adapter(self, name: str) -> AdapterSpec:
-        plan = self.plans[name]
-        return self.files[(plan.broken_from or name, "peft3d")]
-
 
 def build_case(model: str, layers: int, root: str | Path, plans: Sequence[AdapterPlan] = ADAPTERS,
                layouts: Sequence[str] = ("peft3d", "per_expert"), device: str = "cuda",
@@ -190,16 +186,13 @@ def _session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], pro
     """One engine session, the whole mixed batch (every prompt with every adapter and without) ``reruns`` times."""
     from engines import EngineConfig, open_engine
 
-    choices: list[str | None] = [None, *adapters]
+    from harness.job import mixed_batch
+
     cfg = EngineConfig(model=spec, adapters=adapters, dtype=dtype, tp=tp, options=dict(options))
-    n, out = len(prompts), []
     with open_engine(engine, cfg) as eng:
         version = eng.version()
-        for _ in range(reruns):
-            flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
-                                       adapter=[c for c in choices for _ in prompts])
-            out.append({c: LogprobRun(flat[i * n:(i + 1) * n], {"engine": engine, "dtype": dtype})
-                        for i, c in enumerate(choices)})
+        out = [mixed_batch(eng, prompts, [None, *adapters], meta={"engine": engine, "dtype": dtype})
+               for _ in range(reruns)]
     return out, version
 
 

@@ -79,6 +79,16 @@ def resolve(job: Job) -> tuple[ModelSpec, dict[str, AdapterSpec], list[list[int]
     return spec, {n: available[n] for n in names}, prompt_set(job.model, job.prompt_set)
 
 
+def mixed_batch(eng, prompts: list[list[int]], choices: list[str | None], top_k: int = 0,
+                meta: dict | None = None) -> dict[str | None, LogprobRun]:
+    """Every prompt once per adapter choice (None = base), all in one call of an open engine (the way a serving
+    engine sees a mixed batch) -> one LogprobRun per choice."""
+    flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
+                               adapter=[c for c in choices for _ in prompts], top_k=top_k)
+    n = len(prompts)
+    return {c: LogprobRun(flat[i * n:(i + 1) * n], {**(meta or {}), "adapter": c}) for i, c in enumerate(choices)}
+
+
 def run_engine(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: list[list[int]],
                dtype: str, tp: int = 1, top_k: int = 0, options: dict | None = None
                ) -> dict[str | None, LogprobRun]:
@@ -89,13 +99,13 @@ def run_engine(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], p
     choices: list[str | None] = [None, *adapters]
     with open_engine(engine, cfg) as eng:
         t0 = time.perf_counter()
-        flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
-                                   adapter=[c for c in choices for _ in prompts], top_k=top_k)
+        runs = mixed_batch(eng, prompts, choices, top_k)
         wall = time.perf_counter() - t0
         meta = {"engine": engine, "engine_version": eng.version(), "dtype": dtype, "tp": tp, "model": spec.name,
                 "device": device_name(cfg.device), "wall_s_all_adapters": round(wall, 3)}
-    n = len(prompts)
-    return {c: LogprobRun(flat[i * n:(i + 1) * n], {**meta, "adapter": c}) for i, c in enumerate(choices)}
+    for run in runs.values():
+        run.meta.update(meta)
+    return runs
 
 
 def reference_runs(job: Job, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: list[list[int]],

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kernels.faults import applicable, runtime_faults
-from harness.job import Job, judge_job, resolve, run_job
+from harness.job import Job, judge_job, mixed_batch, resolve, run_job
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 
@@ -64,19 +64,15 @@ def test_clean_runtime_20_reruns_no_false_alarm(model, lpdiff_store, lpdiff_rege
     bit-identical (the CPU path is deterministic), so any failure is a real alarm, not noise."""
     pytest.importorskip("engines.triton")
     from engines import EngineConfig, open_engine
-    from harness.types import LogprobRun
 
     job = Job(model=model, engine="triton")
     first = run_job(job, lpdiff_store, regen=lpdiff_regen)  # refs (and regen if asked) through the normal path
     spec, adapters, prompts = resolve(job)
     choices = [None, *adapters]
-    flat_prompts = [p for _ in choices for p in prompts]
-    flat_adapters = [c for c in choices for _ in prompts]
-    n, alarms, spread = len(prompts), [], 0.0
+    alarms, spread = [], 0.0
     with open_engine("triton", EngineConfig(model=spec, adapters=adapters)) as eng:
         for i in range(20):
-            flat = eng.prompt_logprobs(flat_prompts, adapter=flat_adapters, top_k=job.top_k)
-            runs = {c: LogprobRun(flat[j * n:(j + 1) * n]) for j, c in enumerate(choices)}
+            runs = mixed_batch(eng, prompts, choices, job.top_k)
             alarms += [f"rerun {i} {v.adapter}: {v.reasons}" for v in judge_job(job, runs, first.refs) if not v.passed]
             for c in choices:
                 for p, q in zip(runs[c].prompts, first.runs[c].prompts):

@@ -122,16 +122,15 @@ def run_session(plan: dict, s: Session) -> dict:
 
     from engines import EngineConfig, open_engine
     from harness.catalog import get_model
+    from harness.job import mixed_batch
 
     lanes, prompts = lanes_for(plan, s), prompts_for(plan, s)
     choices = ([None] if s.base else []) + list(lanes)
     cfg = EngineConfig(model=get_model(plan["model"], num_layers=plan["layers"]), adapters=lanes, dtype="bfloat16",
                        options=engine_options(s, len(lanes)))
     with open_engine("vllm", cfg) as eng:
-        flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
-                                   adapter=[c for c in choices for _ in prompts])
-    n = len(prompts)
-    runs = {c: np.concatenate([r.logprobs for r in flat[i * n:(i + 1) * n]]) for i, c in enumerate(choices)}
+        batch = mixed_batch(eng, prompts, choices)
+    runs = {c: np.concatenate([r.logprobs for r in batch[c].prompts]) for c in choices}
     # sanity on a survivor: a lane equal to base lost its adapter; two files of the same adapter (other layout,
     # other copy) must agree within LoRA rerun noise (DESIGN.md: max |d| up to 0.09)
     same_as_base = [c for c in lanes if s.base and float(np.abs(runs[c] - runs[None]).max()) == 0.0]
