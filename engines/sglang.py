@@ -203,16 +203,10 @@ def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> 
     if launch:
         from engines.vllm import checkpoint_dir
 
+        # checkpoint_dir gives back the GPU blocks its build cached: SGLang sizes its pools from free memory
         path = checkpoint_dir(config.model, opts.get("checkpoint_dir"), on_cpu=False)
-        _release_cuda_cache()  # building the checkpoint on the GPU leaves cached blocks SGLang would then lack
         out["server_args"] = server_args(config, path, opts.get("server_args"))
     return out
-
-
-def _release_cuda_cache() -> None:
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 # -- offline: sgl.Engine, run inside the lane's child process ------------------------------------------------------
