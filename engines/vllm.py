@@ -34,7 +34,9 @@ Options (``EngineConfig.options``):
                          virtualenv's interpreter to run vLLM there (implies the subprocess lane); ``lane_env``,
                          ``lane_start_timeout_s``, ``lane_call_timeout_s``, ``lane_log``
   max_lora_rank          default: the smallest rank vLLM accepts that holds every adapter's largest rank
-  max_loras              default: the number of adapters (all of them can share one batch)
+  max_loras              default: the number of adapters + 1 (all of them share one batch, plus a spare slot:
+                         vLLM's MoE-LoRA pipeline has faulted with an illegal memory access when max_loras equals
+                         the active LoRAs and base rows share the batch, vLLM issue #40038 / PR #40131)
   max_num_seqs           default: 1 on CPU with adapters (see above), else vLLM's default
   max_model_len          default: vLLM's (the model's max_position_embeddings)
   max_logprobs           default -1 (whole-vocabulary requests allowed)
@@ -555,7 +557,7 @@ class VLLMEngine:
             raise ValueError("vLLM would misread these adapters:\n  " + "\n  ".join(problems))
         ranks = [adapter_max_rank(a.path) for a in cfg.adapters.values()]
         kw: dict[str, Any] = {
-            "enable_lora": True, "max_loras": int(o.get("max_loras", len(infos))),
+            "enable_lora": True, "max_loras": int(o.get("max_loras", len(infos) + 1)),
             "max_lora_rank": int(o.get("max_lora_rank") or pick_max_lora_rank(ranks, _allowed_ranks()))}
         if max(ranks) > kw["max_lora_rank"]:
             raise ValueError(f"adapter rank {max(ranks)} > options max_lora_rank {kw['max_lora_rank']}")

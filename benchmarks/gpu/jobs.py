@@ -1,0 +1,112 @@
+"""The GPU jobs that benchmarks/gpu/pool.py runs side by side: name -> GPUs, time limit, command, software stack.
+
+Stacks: "image" = the device image's torch / transformers / peft (HF+PEFT and the triton runtime);
+"vllm" = the vLLM 0.25.1 bundle unpacked in $VW (default ~/vw) on PYTHONPATH, in-process as in vllm.sh;
+"sglang" = the SGLang 0.5.15 bundle in $SW (default ~/sw), run in a subprocess lane (LPDIFF_SGLANG_PYTHONPATH),
+because it pins transformers 5.12.1 while the HF+PEFT reference stays on the image's. Unpack the bundles before
+the pool starts (`bash ~/vw/unpack.sh ~/vw`, `bash ~/sw/unpack.sh ~/sw`).
+
+``{dir}`` in a command is the job's own folder (its CSVs, pytest's basetemp, a script's --out).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PYTEST = ("python", "-m", "pytest", "-p", "harness.plugin", "-q", "-s", "-W", "ignore", "-rs", "--basetemp={dir}/tmp")
+# metamorphic relations per model: gpt-oss's merged relation would write a second 4-layer checkpoint per engine,
+# and its modes are in the tp2 job
+QWEN_RELATIONS = "format,rank,factors,gate_up,merged,zero_b,batch,modes"
+GPT_OSS_RELATIONS = "format,rank,factors,gate_up,zero_b,batch,modes"
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    name: str
+    gpus: int
+    limit_s: float
+    argv: tuple[str, ...]
+    stack: str = "image"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        assert self.gpus in (1, 2, 4, 8) and self.limit_s > 0 and self.stack in ("image", "vllm", "sglang")
+
+
+def _pytest(*args: str) -> tuple[str, ...]:
+    return PYTEST + args
+
+
+def _engines(engine: str, marker: str, extra: str = "") -> tuple[str, ...]:
+    return _pytest("suites/test_engines_gpu.py", "-k", f"{engine}{extra}", "-m", marker)
+
+
+def _metamorphic(engine: str, model: str, marker: str = "gpu1") -> tuple[str, ...]:
+    which = "full_width" if marker == "gpu1" else "tensor_parallel"
+    return _pytest("suites/test_metamorphic.py", "-k", " and ".join(filter(None, (engine, which, model))),
+                   "-m", marker)
+
+
+def _jobs() -> list[Job]:
+    qwen_mm = {"LPDIFF_METAMORPHIC_RELATIONS": QWEN_RELATIONS}
+    gpt_mm = {"LPDIFF_METAMORPHIC_RELATIONS": GPT_OSS_RELATIONS}
+    jobs = []
+    for engine in ("vllm", "sglang", "triton"):
+        stack = engine if engine != "triton" else "image"
+        # SGLang's PEFT 3D reproduction has its own job: it waits for a dead scheduler
+        skip3d = " and not peft3d" if engine == "sglang" else ""
+        jobs += [
+            Job(f"{engine}-engines-qwen", 1, 420, _engines(engine, "gpu1", f"{skip3d} and a3b"), stack),
+            Job(f"{engine}-engines-gpt", 1, 420, _engines(engine, "gpu1", f"{skip3d} and 20b"), stack),
+            Job(f"{engine}-engines-tp2", 2, 480, _engines(engine, "gpu2"), stack),
+            Job(f"{engine}-engines-tp4", 4, 480, _engines(engine, "gpu4"), stack),
+            Job(f"{engine}-mm-qwen", 1, 420, _metamorphic(engine, "a3b"), stack, qwen_mm),
+            Job(f"{engine}-mm-gpt", 1, 420, _metamorphic(engine, "20b"), stack, gpt_mm),
+            Job(f"{engine}-mm-tp2", 2, 420, _metamorphic(engine, "", "gpu2"), stack),
+        ]
+    bisect = ("python", "benchmarks/gpu/vllm_qwen3_bisect.py", "--out", "{dir}", "--budget-s", "360")
+    jobs += [
+        Job("sglang-peft3d", 1, 200, _engines("sglang", "gpu1", " and peft3d and a3b"), "sglang"),
+        # the vLLM Qwen3-MoE crash (benchmarks/results/vllm_qwen3_crash.md), its most telling sessions on two GPUs
+        Job("vllm-bisect-a", 1, 420, bisect + ("--only", "repro-blocking,spare-slot,repro"), "vllm"),
+        Job("vllm-bisect-b", 1, 420, bisect + ("--only", "no-base,per-expert-x2,short-prompts"), "vllm"),
+        Job("triton-parity", 1, 300, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu1")),
+        Job("triton-parity-tp2", 2, 420, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu2")),
+        Job("triton-parity-tp4", 4, 480, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu4")),
+        Job("triton-zoo", 1, 240, _pytest("suites/test_bug_zoo.py", "-m", "gpu1")),
+        Job("kernels-gpu", 1, 300, _pytest("tests/test_kernels_moe.py", "tests/test_kernels_lora_linear.py",
+                                           "tests/test_kernels_logprob.py", "-m", "gpu1")),
+        Job("bench-e2e", 1, 480, ("python", "benchmarks/bench_e2e.py", "--profile", "--out", "{dir}",
+                                  "--commit", os.environ.get("LPDIFF_COMMIT", "unknown"))),
+        Job("bench-kernels", 1, 300, ("python", "benchmarks/bench_kernels.py", "--quick", "--out", "{dir}",
+                                      "--commit", os.environ.get("LPDIFF_COMMIT", "unknown"))),
+    ]
+    return jobs
+
+
+JOBS: dict[str, Job] = {j.name: j for j in _jobs()}
+
+
+def job_env(job: Job, jdir: Path) -> dict[str, str]:
+    """The environment of one job: common.sh's settings, the stack's PYTHONPATH, CSVs into the job's folder."""
+    env = dict(os.environ)
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OUT=str(jdir),
+               LPDIFF_CHECK_STORE=env.get("LPDIFF_CHECK_STORE", str(Path.home() / ".cache/lpdiff/check-store")),
+               LPDIFF_CHECK_CSV_DIR=str(jdir), LPDIFF_METAMORPHIC_CSV=str(jdir / "metamorphic.csv"))
+    path = [str(REPO)]
+    if job.stack == "vllm":
+        vw = Path(env.get("VW", Path.home() / "vw"))
+        path.insert(0, str(vw / "vsite"))
+        env.update(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if job.stack == "sglang":
+        sw = Path(env.get("SW", Path.home() / "sw"))
+        env["LPDIFF_SGLANG_PYTHONPATH"] = f"{sw / 'ssite'}:{sw / 'sshim'}"
+    env["PYTHONPATH"] = ":".join(path + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.update(job.env)
+    return env
+
+
+def argv_for(job: Job, jdir: Path) -> list[str]:
+    return [a.replace("{dir}", str(jdir)) for a in job.argv]
