@@ -306,16 +306,23 @@ def _gate_up(ctx: Context):
     split = split_gate_up(ctx.adapter, ctx.layout, ctx.seed + 1)
     if split is None:
         return f"the experts of {ctx.spec.arch} are not gated (no gate/up pair)"
-    stacked = ctx.write("gate_up-stacked-peft3d", split, "peft3d")
     shared_a = ctx.write("gate_up-stacked-per_expert", split, "per_expert")
-    per_proj = str(strip_zero_rank(shared_a, ctx.tmp / "gate_up-per_projection"))
-    ref = "gate_up:stacked_2r_peft3d"
-    lanes: list = [Lane(ref, stacked, reference="")]
-    for name, path in (("gate_up:stacked_2r_per_expert", shared_a), ("gate_up:per_projection_A", per_proj)):
-        why = ctx.refused(path)
-        lanes.append(f"{name}: {why}" if why else Lane(name, path, reference=ref))
-    if not any(isinstance(x, Lane) and x.reference == ref for x in lanes):
-        return f"the engine cannot load the per-projection form: {lanes[-1]}"
+    forms = [("gate_up:stacked_2r_peft3d", ctx.write("gate_up-stacked-peft3d", split, "peft3d")),
+             ("gate_up:stacked_2r_per_expert", shared_a),
+             ("gate_up:per_projection_A", str(strip_zero_rank(shared_a, ctx.tmp / "gate_up-per_projection")))]
+    # the first form the engine loads is the others' reference (SGLang dies on PEFT 3D, vLLM's gpt-oss misreads
+    # per-expert files: doctor refuses those, and the relation holds among the forms that remain)
+    lanes: list = []
+    ref = ""
+    for name, path in forms:
+        if why := ctx.refused(path):
+            lanes.append(f"{name}: {why}")
+            continue
+        lanes.append(Lane(name, path, reference=ref))
+        ref = ref or name
+    if sum(isinstance(x, Lane) for x in lanes) < 2:
+        return "the engine loads fewer than two forms of the split adapter: " + "; ".join(
+            x for x in lanes if isinstance(x, str))
     return lanes
 
 
