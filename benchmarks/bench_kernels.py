@@ -1,8 +1,11 @@
 """Benchmark of the fused MoE-LoRA kernels against the same kernels without LoRA, torch grouped_mm + unfused LoRA
-and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes.
+and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes; and the dense LoRA
+linear (lora_linear: cuBLAS base + in-place Triton LoRA, the fused Triton kernel, cuBLAS + torch LoRA, and the
+bases alone) at the Qwen3-30B-A3B q|k|v and o projection shapes.
 
     python benchmarks/bench_kernels.py --out DIR [--commit SHA] [--sweep] [--quick]
     python benchmarks/bench_kernels.py --check   # CPU: the baselines against the reference, no timing
+    python benchmarks/bench_kernels.py --out DIR --quick --dense-only   # lora_linear rows only
 
 Writes DIR/kernels.csv (date,commit,gpu,benchmark,shape,T,adapters,dtype,impl,ms,tflops,pct_roofline) and
 DIR/bench.log; prints a table last. Roofline: time = max(FLOPs / measured bf16 matmul rate, bytes / measured copy
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import itertools
 import os
 import sys
 import time
@@ -26,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.fused_moe_lora import (GemmConfig, MoeLoraWeights, activate, default_config,  # noqa: E402
                                     launch_gemm, moe_forward, moe_forward_triton)
-from kernels.lora_linear import lora_linear  # noqa: E402
+from kernels.lora_linear import base_linear, lora_linear  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
 
 COLUMNS = ["date", "commit", "gpu", "benchmark", "shape", "T", "adapters", "dtype", "impl", "ms", "tflops",
@@ -162,6 +166,45 @@ def moe_bytes(s: MoeShape, T: int, rank: int, L: int, elem=2) -> float:
     return b
 
 
+DENSE_SHAPES = [("qkv", 2048, (4096, 512, 512)), ("o", 4096, (2048,))]  # (name, input width, output slices)
+
+
+def dense_inputs(T: int, L: int, H: int, widths: tuple, rank: int, dtype, device, seed=0) -> dict:
+    """lora_linear's arguments; contiguous runs of tokens per adapter, as prompts of a batch would be."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale  # noqa
+    N = sum(widths)
+    offs = [0]
+    for w in widths:
+        offs.append(offs[-1] + w)
+    return dict(x=rnd(T, H), w=rnd(N, H, scale=H ** -0.5), bias=None, lora_a=rnd(L, len(widths), rank, H,
+                scale=H ** -0.5), lora_b=rnd(L, N, rank, scale=0.02), scaling=torch.full((L,), 2.0, device=device),
+                slice_offsets=tuple(offs), token_adapter=(torch.arange(T, device=device) * L // T).to(torch.int32))
+
+
+def dense_unfused(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter):
+    """Vendor GEMM + per-(adapter, slice) torch LoRA: what an engine gets without a LoRA kernel. Rows of adapter a
+    are the contiguous run dense_inputs gives it (no host sync to find them)."""
+    T, L = x.shape[0], lora_a.shape[0]
+    out = F.linear(x, w, bias)
+    for a in range(L):
+        rows = slice(-(-a * T // L), -(-(a + 1) * T // L))
+        for si, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
+            out[rows, lo:hi] += (x[rows] @ lora_a[a, si].T * scaling[a].to(x.dtype)) @ lora_b[a, lo:hi].T
+    return out
+
+
+def dense_impls(p: dict, impl: str = "triton") -> dict:
+    """The dense LoRA paths timed (and checked) against each other, by row label."""
+    return {"triton_cublas+lora": lambda: lora_linear(**p, impl=impl),
+            "triton_fused_lora": lambda: lora_linear(**p, impl=impl, fused=True),
+            "cublas+unfused_lora": lambda: dense_unfused(**p)}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 def bench(fn, rep=100) -> float:
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
@@ -223,6 +266,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T=4096 only")
     ap.add_argument("--check", action="store_true", help="CPU: baselines vs reference at small shapes, no timing")
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--dense-only", action="store_true", help="only the dense lora_linear rows (no MoE layers)")
     args = ap.parse_args()
     if args.check:
         return check_baselines()
@@ -262,15 +306,16 @@ def main():
         log(f"{bm:10s} {shape_label:40s} T={T:6d} L={L} {impl:34s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
             f"{100 * floor / ms:5.1f}% roofline (floor {floor:.3f} ms)")
 
+    moe_shapes = [] if args.dense_only else SHAPES
     # correctness at the benchmark shapes before timing them
-    for s in SHAPES:
+    for s in moe_shapes:
         p = make_inputs(s, 1024, 2, R, torch.bfloat16, "cuda", seed=1)
         ref = moe_forward(**p, impl="torch")
         err = ((moe_forward(**p, impl="triton").float() - ref.float()).norm() / ref.float().norm()).item()
         err_t = ((torch_grouped_lora(**p).float() - ref.float()).norm() / ref.float().norm()).item()
         log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e}, torch grouped_mm+LoRA rel err {err_t:.2e}")
 
-    if args.sweep:
+    if args.sweep and not args.dense_only:
         s = SHAPES[0]
         p = make_inputs(s, 4096, 1, R, torch.bfloat16, "cuda")
         # block_n counts output columns: the gated gate_up dot is 2*block_n wide
@@ -290,7 +335,7 @@ def main():
                 log(f"sweep c1={c1} c2={c2} failed: {type(exc).__name__}: {str(exc)[:200]}")
 
     Ts = (4096,) if args.quick else (512, 4096, 32768)
-    for s in SHAPES:
+    for s in moe_shapes:
         for T in Ts:
             for L in (1, 4):
                 p = make_inputs(s, T, L, R, torch.bfloat16, "cuda")
@@ -318,35 +363,25 @@ def main():
                 del p
                 torch.cuda.empty_cache()
 
-    # dense LoRA: Qwen3-30B-A3B q|k|v, fused kernel vs cuBLAS + unfused per-adapter LoRA
-    for T in Ts:
-        for L in (1, 4):
-            g = torch.Generator(device="cuda").manual_seed(0)
-            H, widths = 2048, (4096, 512, 512)
-            N = sum(widths)
-            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
-            w = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g) * H ** -0.5
-            la = torch.randn(L, 3, R, H, device="cuda", dtype=torch.bfloat16, generator=g) * H ** -0.5
-            lb = torch.randn(L, N, R, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-            sc = torch.full((L,), 2.0, device="cuda")
-            ta = (torch.arange(T, device="cuda") * L // T).to(torch.int32)
-            offs = (0, 4096, 4608, 5120)
-            fused = lambda: lora_linear(x, w, None, la, lb, sc, offs, ta)  # noqa: E731
-
-            def unfused():
-                out = x @ w.T
-                for a in range(L):
-                    rows = slice(a * T // L, (a + 1) * T // L)  # contiguous per adapter, as the batch is built
-                    for si, (lo, hi) in enumerate(zip(offs, offs[1:])):
-                        out[rows, lo:hi] += (x[rows] @ la[a, si].T * sc[a].to(x.dtype)) @ lb[a, lo:hi].T
-                return out
-            err = ((fused().float() - unfused().float()).norm() / unfused().float().norm()).item()
-            fl = 2 * T * H * N + 2 * T * R * (3 * H + N)
-            fb = (N * H + L * (3 * R * H + N * R) + T * H + T * N) * 2
-            lab = f"qwen3-30b-a3b qkv(H{H},N{N},S3,r{R})"
-            log(f"check lora_linear T={T} L={L}: fused vs unfused rel err {err:.2e}")
-            record("lora_linear", lab, T, L, "triton_fused_lora", bench(fused), fl, fb)
-            record("lora_linear", lab, T, L, "cublas+unfused_lora", bench(unfused), fl, fb)
+    # dense LoRA at the Qwen3-30B-A3B q|k|v and o shapes
+    for (name, H, widths), T, L in itertools.product(DENSE_SHAPES, Ts, (1, 4)):
+        N = sum(widths)
+        lab = f"qwen3-30b-a3b {name}(H{H},N{N},S{len(widths)},r{R})"
+        p = dense_inputs(T, L, H, widths, R, torch.bfloat16, "cuda")
+        ref = lora_linear(**p, impl="torch")
+        fl = 2 * T * H * N + 2 * T * R * (len(widths) * H + N)
+        fb = (N * H + L * (len(widths) * R * H + N * R) + T * H + T * N) * 2
+        for impl, fn in dense_impls(p).items():
+            log(f"check lora_linear {name} T={T} L={L} {impl}: rel err {rel_err(fn(), ref):.2e}")
+            record("lora_linear", lab, T, L, impl, bench(fn), fl, fb)
+        if L == 1:  # the bases alone: what the LoRA passes add to, and the old runtime's base without LoRA
+            base = dict(p, lora_a=None, lora_b=None, scaling=None, token_adapter=None)
+            fl0, fb0 = 2 * T * H * N, (N * H + T * H + T * N) * 2
+            record("lora_linear", lab, T, 0, "cublas_base", bench(lambda: base_linear(p["x"], p["w"])), fl0, fb0)
+            record("lora_linear", lab, T, 0, "triton_fused_no_lora",
+                   bench(lambda: lora_linear(**base, impl="triton", fused=True)), fl0, fb0)
+        del p, ref
+        torch.cuda.empty_cache()
 
     csvf.close()
     log(f"wrote {len(rows)} rows to {path}")
@@ -368,6 +403,14 @@ def check_baselines():
                     err = ((hf_experts(s, p)() - ref).norm() / ref.norm()).item()
                 print(f"{s.name}: HF experts rel err {err:.2e}")
                 assert err < 1e-5
+    for name, H, widths in (("qkv-tiny", 40, (24, 8, 12)), ("o-tiny", 48, (36,))):
+        for L in (1, 3):  # 37 rows over 3 adapters: runs that do not split evenly
+            p = dense_inputs(37, L, H, widths, 16, torch.float32, "cpu")
+            ref = lora_linear(**p, impl="torch")
+            for impl, fn in dense_impls(p).items():  # the Triton paths through the interpreter
+                err = rel_err(fn(), ref)
+                print(f"lora_linear {name} L={L} {impl}: rel err {err:.2e}")
+                assert err < 1e-5, impl
     print("baselines ok")
 
 

@@ -11,7 +11,8 @@ row block, about R/WN extra MMA work, but no extra pass over X and no launch), t
 epilogue, then bias, activation (gate_up) or top-k weight (down). Top-k slots of a token sit in different groups,
 so their sum is a separate deterministic reduction rather than atomics (reruns are bit-identical).
 Dense layers (lora_linear.py) use the same GEMM with one expert and a precomputed shrink (_lora_shrink_kernel),
-because their per-slice A matrices (q|k|v) would not fit one fused narrow dot.
+because their per-slice A matrices (q|k|v) would not fit one fused narrow dot; by default they run only its
+epilogue (ADD_TO_OUT: the LoRA delta added in place to a cuBLAS base output).
 Measured timings and the roofline analysis: benchmarks/results/kernels_notes.md.
 """
 from __future__ import annotations
@@ -200,6 +201,20 @@ def _gated_act(acc, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     return h
 
 
+@triton.jit
+def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Offsets and mask of a program's (BLOCK_M, BLOCK_N) output tile: padded rows in place, or scattered back
+    to their pair's row."""
+    if OUT_SORTED:
+        orow = offs_m
+    else:
+        orow = pair
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_off = orow[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    return o_off, row_ok[:, None] & (offs_n < N)[None, :]
+
+
 # Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
 KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
                  "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
@@ -217,14 +232,16 @@ def _grouped_gemm_kernel(
         NUM_SLICES: tl.constexpr, R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr, FAULT: tl.constexpr):
+        UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection. A program's dot covers BLOCK_N gate and
     BLOCK_N up rows interleaved (even columns gate, odd up), so one MMA of width 2*BLOCK_N feeds the activation.
     LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
     adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (dense layers with slices).
-    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py)."""
+    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py).
+    ADD_TO_OUT (dense layers after a cuBLAS base GEMM; LORA 2, K_TILES 0): Out[rows, n] += the LoRA delta in
+    place; blocks without an adapter neither read nor write Out."""
     WN: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
@@ -275,7 +292,13 @@ def _grouped_gemm_kernel(
             bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
         else:
             bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
-    acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)
+    if ADD_TO_OUT:  # the accumulator starts from the base output already in Out, and the K-loop is empty
+        if a < 0:
+            return  # rows without an adapter keep the cuBLAS output bit for bit
+        o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
+        acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)
     acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
     acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, K_TILES):
@@ -340,13 +363,7 @@ def _grouped_gemm_kernel(
             h += acc_l * tw * tw
         if FAULT == 3:  # topk_weight_missing
             h += acc_l
-    if OUT_SORTED:
-        orow = offs_m
-    else:
-        orow = pair
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_off = orow[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    o_mask = row_ok[:, None] & (offs_n < N)[None, :]
+    o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
     if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
         o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
     tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
@@ -435,14 +452,18 @@ def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool) -> 
 
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
                 activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
-                ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0) -> torch.Tensor:
+                ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0,
+                add_to_out: bool = False) -> torch.Tensor:
     """w (E, N_w, Kdim) with N_w = 2N when gated; bias (E, N_w); lora_b viewed as (L, E, N_w, R).
     LoRA either as lora_a (L, E, R, Kdim) (shrink fused into the K-loop) or as a precomputed, scaled lora_s
-    (M, S*R) with slice_offsets (dense layers)."""
+    (M, S*R) with slice_offsets (dense layers). add_to_out: out already holds x w^T (+ bias); only the
+    precomputed LoRA delta is added to it, in place (x and w are not read)."""
     gated = GATED.get(activation, False)
     E, n_w, kdim = w.shape
     n = n_w // 2 if gated else n_w
     mode = 1 if lora_a is not None else 2 if lora_s is not None else 0
+    assert not add_to_out or (mode == 2 and not gated and bias is None and topk_weights is None), \
+        "add_to_out adds a precomputed lora_s delta only: no activation, bias or top-k weight"
     dummy = routing.sorted_ids
     la = lora_a if mode == 1 else w.new_empty(1, 1, 1, 1)
     lb = lora_b if mode else w.new_empty(1, 1, 1, 1)
@@ -463,8 +484,9 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         HAS_BIAS=bias is not None, LORA=mode, MUL_TOPK=topk_weights is not None,
         NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
-        K_TILES=triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
-        FAULT=fault, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(x.dtype, x.device))
+        K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
+        FAULT=fault, ADD_TO_OUT=add_to_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dot_flags(x.dtype, x.device))
     return out
 
 

@@ -1,13 +1,16 @@
-"""Batched dense LoRA (fused base GEMM + per-row adapters, sliced outputs) against its torch reference: CPU cases
-through the Triton interpreter in fp32, gpu1 cases compiled in bf16 and fp32."""
+"""Batched dense LoRA (per-row adapters, sliced outputs) against its torch reference, on both Triton paths: the
+default (vendor GEMM base + in-place LoRA pass) and the fused kernel. CPU cases through the Triton interpreter in
+fp32, gpu1 cases compiled in bf16 and fp32."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels import lora_linear
+from kernels.lora_linear import base_linear, ieee_fp32_matmul
 
 CUDA = torch.cuda.is_available()
+PATHS = pytest.mark.parametrize("fused", [False, True], ids=["cublas+lora", "fused"])
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -15,8 +18,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def make_linear(T, kin, widths, L, R, *, bias=True, none_rows=True, dtype=torch.float32, device="cpu", seed=0):
-    """Random inputs; widths are the output slices (q|k|v style); each slot gets its own A per slice."""
+def make_linear(T, kin, widths, L, R, *, bias=True, none_rows=True, ranks=None, dtype=torch.float32, device="cpu",
+                seed=0):
+    """Random inputs; widths are the output slices (q|k|v style); each slot gets its own A per slice. ranks: each
+    slot's true rank, zero-padded to R as the runtime stacks adapters of different ranks."""
     g = torch.Generator().manual_seed(seed)
     n = sum(widths)
     offs = [0]
@@ -30,21 +35,30 @@ def make_linear(T, kin, widths, L, R, *, bias=True, none_rows=True, dtype=torch.
         p.update(lora_a=torch.randn(L, len(widths), R, kin, generator=g) * kin ** -0.5,
                  lora_b=torch.randn(L, n, R, generator=g) * R ** -0.5,
                  scaling=torch.rand(L, generator=g) + 0.5, token_adapter=ta)
+        for a, r in enumerate(ranks or ()):
+            p["lora_a"][a, :, r:] = 0
+            p["lora_b"][a, :, r:] = 0
     return {k: (v.to(device=device, dtype=dtype if v.is_floating_point() and k != "scaling" else v.dtype)
                 if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
 
 
-def check_linear(p, tol):
+def base_of(p):
+    return {k: v for k, v in p.items() if k in ("x", "w", "bias", "slice_offsets")}
+
+
+def check_linear(p, tol, fused=False):
     ref = lora_linear(**p, impl="torch")
-    out = lora_linear(**p, impl="triton")
+    out = lora_linear(**p, impl="triton", fused=fused)
     assert out.shape == ref.shape and out.dtype == p["x"].dtype
     err = rel_err(out, ref)
     assert err <= tol, f"rel err {err:.3g} > {tol}"
     if "lora_a" in p:  # the delta alone: a slice or a slot silently dropped would show here
-        base = {k: v for k, v in p.items() if k in ("x", "w", "bias", "slice_offsets")}
-        derr = rel_err(out.float() - lora_linear(**base, impl="triton").float(),
-                       ref.float() - lora_linear(**base, impl="torch").float())
+        derr = rel_err(out.float() - lora_linear(**base_of(p), impl="triton", fused=fused).float(),
+                       ref.float() - lora_linear(**base_of(p), impl="torch").float())
         assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
+        if not fused:  # the in-place pass skips rows without an adapter: they are the vendor GEMM's, bit for bit
+            none = p["token_adapter"] < 0
+            assert torch.equal(out[none], base_linear(p["x"], p["w"], p["bias"])[none])
     return out
 
 
@@ -55,21 +69,64 @@ CPU_CASES = [
     dict(T=19, kin=32, widths=(40,), L=1, R=8, bias=False),
     # gate|up of a shared expert, 4 slots at rank 1 (padded to a 16-wide tile), no none rows
     dict(T=40, kin=24, widths=(20, 20), L=4, R=1, none_rows=False),
-    # no LoRA: the fused kernel as a plain GEMM + bias
+    # no LoRA: the fused kernel as a plain GEMM + bias, the default path as the vendor GEMM alone
     dict(T=21, kin=40, widths=(36,), L=0, R=0),
+    # 5 slots of true ranks 3/16/1/9/5 zero-padded to 16; odd Kin (shrink K tail) and k|v widths; row blocks of
+    # one slot that end mid-tile next to blocks of another
+    dict(T=53, kin=72, widths=(40, 12, 12), L=5, R=16, ranks=(3, 16, 1, 9, 5)),
 ]
 
 
+@PATHS
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"T{c['T']}-S{len(c['widths'])}-L{c['L']}-R{c['R']}")
-def test_lora_linear_interpreter_fp32(case, tol=1e-5):
-    check_linear(make_linear(**case), tol)
+def test_lora_linear_interpreter_fp32(case, fused, tol=1e-5):
+    check_linear(make_linear(**case), tol, fused)
 
 
-def test_lora_linear_rows_without_adapter_equal_base():
+@PATHS
+def test_lora_linear_rows_without_adapter_equal_base(fused):
     p = make_linear(T=17, kin=32, widths=(16, 16), L=2, R=8)
     p["token_adapter"] = torch.full_like(p["token_adapter"], -1)
-    base = {k: v for k, v in p.items() if k in ("x", "w", "bias", "slice_offsets")}
-    assert torch.equal(lora_linear(**p, impl="triton"), lora_linear(**base, impl="triton"))
+    assert torch.equal(lora_linear(**p, impl="triton", fused=fused),
+                       lora_linear(**base_of(p), impl="triton", fused=fused))
+
+
+def test_lora_linear_bf16_interpreter(tol=1e-2):
+    # the default path's base is F.linear in bf16 and its pass adds to a bf16 out: the run dtype end to end
+    p = make_linear(T=24, kin=32, widths=(16, 24), L=2, R=8, dtype=torch.bfloat16)
+    check_linear(p, tol)
+
+
+@pytest.fixture
+def restore_matmul_precision():
+    yield
+    torch.set_float32_matmul_precision("highest")
+    for flags in (torch.backends, torch.backends.cuda.matmul, torch.backends.mkldnn.matmul):
+        flags.fp32_precision = "none"
+
+
+# what a user may have set before calling us: the legacy API (TF32 in cuBLAS; "medium" also bf16 in oneDNN),
+# or the new per-backend API only
+USER_PRECISIONS = {"high": lambda: torch.set_float32_matmul_precision("high"),
+                   "medium": lambda: torch.set_float32_matmul_precision("medium"),
+                   "new-api-tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32")}
+
+
+def matmul_flags():
+    return torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
+
+
+@pytest.mark.parametrize("user", USER_PRECISIONS)
+def test_ieee_fp32_matmul_forces_and_restores(user, restore_matmul_precision):
+    USER_PRECISIONS[user]()
+    before = matmul_flags()
+    assert before != ("ieee", "ieee")
+    with ieee_fp32_matmul():
+        assert matmul_flags() == ("ieee", "ieee")
+        assert not torch.backends.cuda.matmul.allow_tf32  # what cuBLAS reads; raises if legacy and new disagree
+    assert matmul_flags() == before
+    if user != "new-api-tf32":  # torch itself refuses to read the legacy flag after new-API settings
+        assert torch.get_float32_matmul_precision() == user
 
 
 def test_lora_linear_bad_inputs():
@@ -92,12 +149,23 @@ GPU_CASES = [
 ]
 
 
+@PATHS
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c['T']}-S{len(c['widths'])}-R{c['R']}")
 @pytest.mark.gpu1
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_lora_linear_gpu(case, dtype, tol):
+def test_lora_linear_gpu(case, dtype, tol, fused):
     p = make_linear(**case, dtype=dtype, device="cuda")
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
-    out = check_linear(p, tol)
-    assert torch.equal(out, lora_linear(**p, impl="triton")), "reruns must be bit-identical"
+    out = check_linear(p, tol, fused)
+    assert torch.equal(out, lora_linear(**p, impl="triton", fused=fused)), "reruns must be bit-identical"
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_lora_linear_gpu_fp32_ignores_tf32_setting(restore_matmul_precision, tol=1e-4):
+    # TF32 cuBLAS (about 5e-4 relative at Kin 2048) would fail the fp32 bound; the setting must survive the call
+    p = make_linear(**GPU_CASES[0], dtype=torch.float32, device="cuda")
+    torch.set_float32_matmul_precision("high")
+    check_linear(p, tol)
+    assert torch.get_float32_matmul_precision() == "high"
