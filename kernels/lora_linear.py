@@ -94,7 +94,7 @@ def ieee_fp32_matmul():
         return
     if legacy is not None:
         torch.set_float32_matmul_precision("highest")  # the legacy flag and both backends, consistently
-    else:  # the legacy flag is not read back, so leave it alone: cuBLAS checks it against the new one
+    else:  # torch will not give the legacy flag back, so only the per-backend flags are set (and restored)
         for m in mm:
             m.fp32_precision = "ieee"
     try:
