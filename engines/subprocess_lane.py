@@ -135,8 +135,9 @@ class ManagedProcess:
     def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, log_path: str | None = None,
                  tail_lines: int = 60, log_prefix: str = "lpdiff-proc-"):
         self.argv, self.env, self.tail_lines = list(argv), dict(env or {}), tail_lines
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+        if log_path is None:  # LPDIFF_LANE_LOG_DIR: keep every engine's log where a GPU job collects its files
+            fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log",
+                                            dir=os.environ.get("LPDIFF_LANE_LOG_DIR") or None)
             os.close(fd)
         self.log_path = str(log_path)
         self.proc: subprocess.Popen | None = None

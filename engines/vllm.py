@@ -50,7 +50,9 @@ Options (``EngineConfig.options``):
   seed, enable_prefix_caching (default False: every prompt is computed in full), allow_fp32_lora (default False),
                          checkpoint_dir (where a config-built or layer-cut model is written for vLLM to load),
                          close_timeout_s (default 30: how long closing waits for vLLM's processes to exit),
-                         llm_kwargs (dict passed to LLM as is)
+                         llm_kwargs (dict passed to LLM as is), env (environment variables for vLLM's processes,
+                         set while the engine is open: e.g. {"CUDA_LAUNCH_BLOCKING": "1"}, under which vLLM 0.25.1's
+                         Qwen3-MoE LoRA runs that otherwise fault, benchmarks/results/vllm_qwen3_crash.md)
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ _FALLBACK_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "max_logprobs",
                 "mixed_moe_lora_format", "gpu_memory_utilization", "attention_backend", "seed",
                 "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "enforce_eager", "close_timeout_s",
-                "llm_kwargs")
+                "llm_kwargs", "env")
 GPU_MEMORY_UTILIZATION = 0.6
 # vLLM 0.25.1 model classes with ``is_3d_moe_weight = True`` (gpt_oss.py:1173, qwen3_5.py:608, qwen3_vl_moe.py:203,
 # interns1_pro.py:547): used when vLLM's registry cannot be asked (no vLLM here).
@@ -425,6 +427,7 @@ class VLLMEngine:
         self._paths: dict[str, str] = {}  # adapter name -> the directory vLLM loads (a renamed copy where needed)
         self._layouts: dict[str, str] = {}  # adapter name -> peft3d | per_expert | dense_only
         self._procs: list[Any] = []  # the processes vLLM started (engine core, TP workers)
+        self._saved_env: dict[str, str | None] = {}  # what options env replaced, restored on close
         self._vocab = 0
         self.known_defects: tuple[str, ...] = ()  # vLLM paths this engine runs that are known to be wrong
         self.last_wall_s = 0.0
@@ -450,10 +453,17 @@ class VLLMEngine:
         os.environ.setdefault("DO_NOT_TRACK", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only: no Hub lookups that wait on a network
         kwargs = self._llm_kwargs(on_cpu)  # every refusal happens here, before any process or GPU memory
+        env = {str(k): str(v) for k, v in dict(self.opts.get("env") or {}).items()}
+        self._saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # vLLM's engine core and workers are spawned from this process: they inherit it
         from vllm import LLM
 
         before = set(_children())
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except BaseException:
+            self._restore_env()
+            raise
         self._procs = [p for pid, p in _children().items() if pid not in before]  # started while LLM() was built
         self._lora = self._lora_requests()
         return self
@@ -478,6 +488,15 @@ class VLLMEngine:
 
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+        self._restore_env()
+
+    def _restore_env(self) -> None:
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._saved_env = {}
 
     def version(self) -> str:
         if self._proxy is not None:

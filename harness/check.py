@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import os
 import sys
 import time
@@ -106,14 +107,24 @@ ADAPTERS = (
 def engine_options(engine: str) -> dict:
     """Options that point an engine at its own installation: ``LPDIFF_<ENGINE>_PYTHON`` (another interpreter) and
     ``LPDIFF_<ENGINE>_PYTHONPATH`` (an unpacked offline bundle, put on the lane's PYTHONPATH, which implies a
-    subprocess lane running this interpreter)."""
-    python = os.environ.get(f"LPDIFF_{engine.upper()}_PYTHON")
-    path = os.environ.get(f"LPDIFF_{engine.upper()}_PYTHONPATH")
+    subprocess lane running this interpreter); ``LPDIFF_<ENGINE>_OPTIONS``, a JSON object of engine options, is
+    merged over them (a suite run with a workaround, e.g. '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}' for vllm)."""
+    name = f"LPDIFF_{engine.upper()}"
+    python = os.environ.get(f"{name}_PYTHON")
+    path = os.environ.get(f"{name}_PYTHONPATH")
     opts: dict = {}
     if python or path:
         opts["python"] = python or sys.executable
     if path:
         opts["lane_env"] = {"PYTHONPATH": path}
+    if extra := os.environ.get(f"{name}_OPTIONS"):
+        try:
+            given = json.loads(extra)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}: {e}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}")
+        opts.update(given)
     return opts
 
 
@@ -122,7 +133,7 @@ def engine_missing(engine: str) -> str | None:
     or pointed at by engine_options."""
     import importlib.util
 
-    if engine in ("triton", "hf") or engine_options(engine) or importlib.util.find_spec(engine) is not None:
+    if engine in ("triton", "hf") or "python" in engine_options(engine) or importlib.util.find_spec(engine):
         return None
     return (f"{engine} is not installed here (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline "
             "bundle)")

@@ -27,6 +27,7 @@ VLLM_MAX_RANK = 512  # the largest max_lora_rank vLLM accepts (0.25-0.32: 1, 8, 
 # per-expert adapters (experts.{e}.gate_proj ...) in PEFT 0.21 + transformers 5: converted to the fused experts on
 # load for qwen3_moe, silently ignored for these (measured: DESIGN.md, tests/test_doctor.py; on gpt_oss an
 # experts-only one is refused outright, with attention targets its experts are dropped)
+VLLM_INTERLEAVED_GATE_UP = ("gpt_oss",)  # engines/vllm.py _INTERLEAVED_ARCHS, by model_type
 PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
 PEFT_CONVERTS_PER_EXPERT = ("qwen3_moe",)
 # target module names SGLang has LoRA shapes for on these models (0.5.15: utils/common.py:3985
@@ -396,6 +397,20 @@ def check_per_expert(f: Facts) -> list[Finding]:
     them for qwen3_5_moe and nemotron_h, so the HF reference would silently be the base model's experts."""
     if f.info.layout != "per_expert":
         return []
+    return _vllm_per_expert(f) + _hf_per_expert(f)
+
+
+def _vllm_per_expert(f: Facts) -> list[Finding]:
+    if f.arch not in VLLM_INTERLEAVED_GATE_UP:
+        return []
+    return [Finding("vllm", "error", "vllm-per-expert-interleaved",
+                    f"per-expert adapter on {f.arch}: vLLM 0.25.1 reads it only under enable_mixed_moe_lora_format, "
+                    "whose kernel adds the gate/up LoRA as concatenated halves onto the interleaved gate_up rows "
+                    "(fused_moe_lora_op.py:1355): every expert LoRA result is wrong; lpdiff's vllm engine refuses it "
+                    "unless forced", f"serve the PEFT 3D layout, which vLLM reads natively: {_convert_cmd(f, 'peft3d')}")]
+
+
+def _hf_per_expert(f: Facts) -> list[Finding]:
     if f.arch in PEFT_IGNORES_PER_EXPERT:
         return [Finding("hf", "error", "per-expert-ignored-by-peft",
                         f"per-expert adapter on {f.arch}: PEFT loads none of its expert tensors, so the HF "

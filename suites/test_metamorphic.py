@@ -88,8 +88,11 @@ def _gpu_run(engine, gpu_case, relations, tmp_path):
     spec, adapters, prompts = gpu_case
     dtype = GPU_ENGINES[engine]
     adapter = adapters["per_expert" if engine == "sglang" else "peft3d"]
+    options = engine_options(engine)
+    if "python" in options:  # a subprocess lane: an engine that hangs becomes an error carrying its log tail
+        options.setdefault("lane_call_timeout_s", 300)
     return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name="a16", dtype=dtype,
-                              options=engine_options(engine), relations=relations, k=3,
+                              options=options, relations=relations, k=3,
                               near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path)
 
 

@@ -65,3 +65,21 @@ def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
     assert "FAIL" in check.format_result(res)
     rows = list(csv.DictReader(open(check.write_csv(res, tmp_path / "x.csv"))))
     assert rows[0]["verdict"] == "FAIL" and "engine failed" in rows[0]["reasons"]
+
+
+def test_engine_options_from_the_environment(monkeypatch):
+    from harness.check import engine_missing, engine_options
+
+    monkeypatch.setenv("LPDIFF_VLLM_OPTIONS", '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}')
+    monkeypatch.delenv("LPDIFF_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("LPDIFF_VLLM_PYTHONPATH", raising=False)
+    assert engine_options("vllm") == {"env": {"CUDA_LAUNCH_BLOCKING": "1"}}
+    # options alone do not make an engine installed
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        assert engine_missing("vllm")
+    monkeypatch.setenv("LPDIFF_VLLM_PYTHONPATH", "/b")
+    assert engine_options("vllm")["lane_env"] == {"PYTHONPATH": "/b"} and engine_missing("vllm") is None
+    monkeypatch.setenv("LPDIFF_VLLM_OPTIONS", "[1]")
+    with pytest.raises(ValueError, match="LPDIFF_VLLM_OPTIONS must be a JSON object"):
+        engine_options("vllm")

@@ -115,6 +115,16 @@ def test_peft3d_expert_adapter(zoo, tmp_path):
     assert "hf" not in r.codes(severity="error")
 
 
+def test_per_expert_gpt_oss_adapter_is_refused_for_vllm(zoo, tmp_path):
+    # vLLM 0.25.1 adds gpt-oss's per-expert gate/up LoRA as concatenated halves onto interleaved rows (its engine
+    # refuses the layout): the metamorphic suite asks doctor which forms to send, so doctor must say so too
+    a = gen(zoo, tmp_path, "tiny-gpt-oss", ("experts",), layout="per_expert")
+    assert "--to peft3d" in check(doctor(zoo["tiny-gpt-oss"][0], a, engines=["vllm"]), "vllm", "error",
+                                  "vllm-per-expert-interleaved").fix
+    b = gen(zoo, tmp_path / "q", "tiny-qwen3-moe", ("experts",), layout="per_expert")
+    assert "vllm-per-expert-interleaved" not in doctor(zoo["tiny-qwen3-moe"][0], b, engines=["vllm"]).codes()
+
+
 @pytest.mark.parametrize("name, peft", [
     ("tiny-qwen3.5-moe", "ignores"),  # PEFT silently ignores per-expert adapters here
     ("tiny-nemotron-h", "ignores"),  # and here

@@ -49,8 +49,12 @@ def _metamorphic(engine: str, model: str, marker: str = "gpu1") -> tuple[str, ..
                    "-m", marker)
 
 
+def qwen_mm_env() -> dict[str, str]:
+    return {"LPDIFF_METAMORPHIC_RELATIONS": QWEN_RELATIONS}
+
+
 def _jobs() -> list[Job]:
-    qwen_mm = {"LPDIFF_METAMORPHIC_RELATIONS": QWEN_RELATIONS}
+    qwen_mm = qwen_mm_env()
     gpt_mm = {"LPDIFF_METAMORPHIC_RELATIONS": GPT_OSS_RELATIONS}
     jobs = []
     for engine in ("vllm", "sglang", "triton"):
@@ -66,6 +70,20 @@ def _jobs() -> list[Job]:
             Job(f"{engine}-mm-gpt", 1, 420, _metamorphic(engine, "20b"), stack, gpt_mm),
             Job(f"{engine}-mm-tp2", 2, 420, _metamorphic(engine, "", "gpu2"), stack),
         ]
+    # vLLM 0.25.1 on Qwen3-MoE with several LoRAs faults, hangs or returns garbage without CUDA_LAUNCH_BLOCKING
+    # (benchmarks/results/vllm_qwen3_crash.md): the workaround that ran, and async scheduling off as a suspect
+    blocking = {"LPDIFF_VLLM_OPTIONS": '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}'}
+    no_async = {"LPDIFF_VLLM_OPTIONS": '{"llm_kwargs": {"async_scheduling": false}}'}
+    jobs += [
+        Job("vllm-engines-qwen-blocking", 1, 480, _engines("vllm", "gpu1", " and a3b"), "vllm", blocking),
+        Job("vllm-engines-qwen-noasync", 1, 480, _engines("vllm", "gpu1", " and a3b"), "vllm", no_async),
+        Job("vllm-mm-qwen-blocking", 1, 480, _metamorphic("vllm", "a3b"), "vllm", {**qwen_mm_env(), **blocking}),
+        Job("vllm-engines-tp2-blocking", 2, 480, _engines("vllm", "gpu2"), "vllm", blocking),
+        Job("sglang-mm-qwen-a", 1, 420, _metamorphic("sglang", "a3b"), "sglang",
+            {"LPDIFF_METAMORPHIC_RELATIONS": "format,rank,factors,gate_up"}),
+        Job("sglang-mm-qwen-b", 1, 420, _metamorphic("sglang", "a3b"), "sglang",
+            {"LPDIFF_METAMORPHIC_RELATIONS": "merged,zero_b,batch,modes"}),
+    ]
     bisect = ("python", "benchmarks/gpu/vllm_qwen3_bisect.py", "--out", "{dir}", "--budget-s", "360")
     jobs += [
         Job("sglang-peft3d", 1, 200, _engines("sglang", "gpu1", " and peft3d and a3b"), "sglang"),
@@ -78,7 +96,8 @@ def _jobs() -> list[Job]:
         Job("triton-zoo", 1, 240, _pytest("suites/test_bug_zoo.py", "-m", "gpu1")),
         Job("kernels-gpu", 1, 300, _pytest("tests/test_kernels_moe.py", "tests/test_kernels_lora_linear.py",
                                            "tests/test_kernels_logprob.py", "-m", "gpu1")),
-        Job("bench-e2e", 1, 480, ("python", "benchmarks/bench_e2e.py", "--profile", "--out", "{dir}",
+        # HF / HF+PEFT at full depth were measured before (e2e.csv); --skip-hf times the runtime alone
+        Job("bench-e2e", 1, 480, ("python", "benchmarks/bench_e2e.py", "--profile", "--skip-hf", "--out", "{dir}",
                                   "--commit", os.environ.get("LPDIFF_COMMIT", "unknown"))),
         Job("bench-kernels", 1, 300, ("python", "benchmarks/bench_kernels.py", "--quick", "--out", "{dir}",
                                       "--commit", os.environ.get("LPDIFF_COMMIT", "unknown"))),
@@ -94,7 +113,8 @@ def job_env(job: Job, jdir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OUT=str(jdir),
                LPDIFF_CHECK_STORE=env.get("LPDIFF_CHECK_STORE", str(Path.home() / ".cache/lpdiff/check-store")),
-               LPDIFF_CHECK_CSV_DIR=str(jdir), LPDIFF_METAMORPHIC_CSV=str(jdir / "metamorphic.csv"))
+               LPDIFF_CHECK_CSV_DIR=str(jdir), LPDIFF_METAMORPHIC_CSV=str(jdir / "metamorphic.csv"),
+               LPDIFF_LANE_LOG_DIR=str(jdir))
     path = [str(REPO)]
     if job.stack == "vllm":
         vw = Path(env.get("VW", Path.home() / "vw"))

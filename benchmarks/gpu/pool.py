@@ -107,8 +107,11 @@ def merge_outputs(work: Path, out: Path, runs: list[Running], skipped: list[str]
             if header:
                 w.writerow(header)
             w.writerows(rows)
+    def small_text(ti: tarfile.TarInfo):  # logs and reports only: no CSVs (merged above), checkpoints or adapters
+        return ti if ti.isdir() or (ti.name.endswith((".log", ".txt")) and ti.size < 8 << 20) else None
+
     with tarfile.open(out / "logs.tgz", "w:gz") as tar:
-        tar.add(work, arcname="jobs", filter=lambda ti: None if ti.name.endswith(".csv") else ti)
+        tar.add(work, arcname="jobs", filter=small_text)
     lines = [f"{r.job.name:24s} gpus={','.join(map(str, r.gpus)):8s} {r.done - r.started:6.0f}s rc={r.rc} "
              f"{' '.join(r.notes)} :: {outcome(r)}" for r in runs]
     lines += [f"{name:24s} not started: {why}" for name, why in skipped]
