@@ -28,6 +28,7 @@ VLLM_MAX_RANK = 512  # the largest max_lora_rank vLLM accepts (0.25-0.32: 1, 8, 
 # load for qwen3_moe, silently ignored for these (measured: DESIGN.md, tests/test_doctor.py; on gpt_oss an
 # experts-only one is refused outright, with attention targets its experts are dropped)
 VLLM_INTERLEAVED_GATE_UP = ("gpt_oss",)  # engines/vllm.py _INTERLEAVED_ARCHS, by model_type
+VLLM_MIXED_FORMAT_FAULTS = ("qwen3_moe",)  # PEFT 3D through vLLM 0.25.1's mixed-format path: see check_peft3d
 PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
 PEFT_CONVERTS_PER_EXPERT = ("qwen3_moe",)
 # target module names SGLang has LoRA shapes for on these models (0.5.15: utils/common.py:3985
@@ -385,6 +386,12 @@ def check_peft3d(f: Facts) -> list[Finding]:
                 "PEFT 3D expert adapter: without LLM(enable_mixed_moe_lora_format=True) and LoRARequest("
                 "is_3d_lora_weight=True) vLLM drops the expert part silently (vLLM #41384)",
                 f"lpdiff's vllm engine sets both; with vLLM directly pass them, or convert: {conv}"),
+        *([Finding("vllm", "error", "vllm-peft3d-mixed-format-faults",
+                   f"PEFT 3D expert adapter on {f.arch}: vLLM 0.25.1 serves it through enable_mixed_moe_lora_format, "
+                   "which faulted with an illegal memory access (or hung, or returned garbage logprobs) with 5 "
+                   "adapters and base rows in a batch on an H200, while per-expert files of the same adapters ran "
+                   "correctly (benchmarks/results/vllm_qwen3_crash.md)", f"convert it to the per-expert layout: {conv}")]
+          if f.arch in VLLM_MIXED_FORMAT_FAULTS else []),
         Finding("sglang", "error", "peft3d-kills-sglang",
                 "PEFT 3D expert adapter: SGLang 0.5.15 ignores target_parameters, 'skips' the expert tensors and "
                 "its scheduler dies at the first LoRA request (lora/mem_pool.py:807, :848)",

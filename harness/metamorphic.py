@@ -102,8 +102,12 @@ class Context:
     options: dict = field(default_factory=dict)
     seed: int = 0
 
-    def write(self, name: str, adapter: CanonicalAdapter, layout: str = "peft3d") -> str:
+    def write(self, name: str, adapter: CanonicalAdapter, layout: str | None = None) -> str:
+        """Transformed adapters keep the original's expert layout (the one the engine was given because it reads
+        it), unless a relation asks for another."""
         out = self.tmp / name
+        if layout is None:
+            layout = self.adapter.layout if self.adapter.layout in ("peft3d", "per_expert") else "peft3d"
         save_canonical(adapter, out, self.layout, layout)
         return str(out)
 

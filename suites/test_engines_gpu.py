@@ -40,9 +40,9 @@ def _installed(engine: str) -> None:
         pytest.skip(why)
 
 
-# vLLM serves each adapter layout through a different LoRA wrapper (PEFT 3D on Qwen3-MoE needs the mixed-format
-# flag); one engine per layout keeps a crash in one path from hiding the other (2026-11-21, H200: the engine with
-# both layouts of Qwen3-MoE died with an illegal memory access, benchmarks/results/engines_gpu.md)
+# vLLM serves each adapter layout through a different LoRA wrapper (PEFT 3D on a per-expert model needs the
+# mixed-format flag); one engine per layout keeps a crash in one path from hiding the other (2026-11-21, H200: the
+# PEFT 3D path on Qwen3-MoE faults, benchmarks/results/vllm_qwen3_crash.md)
 ONE_SESSION_PER_LAYOUT = {"vllm"}
 
 
@@ -107,6 +107,26 @@ def test_vllm_gpt_oss_per_expert_layout_fails(case, record_verdict):
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
     assert not any(got[a] for a in EXPERT_ADAPTERS), got
     assert got["base"] and got["attention"], got
+
+
+@pytest.mark.gpu1
+def test_vllm_qwen3_peft3d_layout_fails(case, record_verdict):
+    """vLLM 0.25.1 serves PEFT 3D expert adapters on Qwen3-MoE through enable_mixed_moe_lora_format (converted to
+    its 2D per-expert buffers at load). With the check's 5 adapters and base rows in one batch its engine faulted
+    with an illegal memory access in 4 of 4 runs on an H200 (also with CUDA_LAUNCH_BLOCKING=1 and with async
+    scheduling off), while per-expert files of the same adapters PASS (benchmarks/results/vllm_qwen3_crash.md;
+    doctor: vllm-peft3d-mixed-format-faults). lpdiff must report a FAIL, never a crashed session; the day vLLM
+    serves it correctly this test fails: record the fix."""
+    if case.spec.arch != "qwen3_moe":
+        pytest.skip("the mixed-format path serves PEFT 3D only where the model's native layout is per-expert")
+    _installed("vllm")
+    res = check.run_check(case, "vllm", layouts=("peft3d",), store=check.default_store())
+    print("\n" + check.format_result(res))
+    if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
+        check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "vllm_gpu.csv")
+    for v in res.verdicts:
+        record_verdict(v)
+    assert not res.as_expected, "vLLM served PEFT 3D expert adapters on Qwen3-MoE correctly: record the fix"
 
 
 @pytest.mark.gpu1

@@ -112,6 +112,10 @@ def test_peft3d_expert_adapter(zoo, tmp_path):
     r = doctor(zoo["tiny-qwen3-moe"][0], a)
     assert "is_3d_lora_weight=True" in check(r, "vllm", "warning", "peft3d-needs-mixed-format").message
     assert "--to per_expert" in check(r, "sglang", "error", "peft3d-kills-sglang").fix
+    # vLLM's mixed-format path faults on Qwen3-MoE (H200); gpt-oss reads PEFT 3D natively
+    assert "--to per_expert" in check(r, "vllm", "error", "vllm-peft3d-mixed-format-faults").fix
+    g = gen(zoo, tmp_path / "g", "tiny-gpt-oss", ("experts",))
+    assert "vllm-peft3d-mixed-format-faults" not in doctor(zoo["tiny-gpt-oss"][0], g, engines=["vllm"]).codes()
     assert "hf" not in r.codes(severity="error")
 
 

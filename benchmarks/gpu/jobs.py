@@ -11,6 +11,7 @@ the pool starts (`bash ~/vw/unpack.sh ~/vw`, `bash ~/sw/unpack.sh ~/sw`).
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def _jobs() -> list[Job]:
         Job("sglang-mm-qwen-b", 1, 420, _metamorphic("sglang", "a3b"), "sglang",
             {"LPDIFF_METAMORPHIC_RELATIONS": "merged,zero_b,batch,modes"}),
     ]
+    # two sessions per engine (original + transformed): what a short call has time for; triton beside SGLang on one
+    # GPU (SGLang takes half its memory, the fp32 4-layer triton runs ~30 GB)
+    core = {"LPDIFF_METAMORPHIC_RELATIONS": "format,rank,factors,gate_up,zero_b,batch"}
+    for model, key in (("qwen", "a3b"), ("gpt", "20b")):
+        both = " & ".join(shlex.join(_metamorphic(e, key)).replace("{dir}/tmp", "{dir}/tmp-" + e)
+                          for e in ("sglang", "triton")) + " & wait"
+        jobs += [
+            Job(f"vllm-mm-{model}-core", 1, 480, _metamorphic("vllm", key), "vllm", core),
+            Job(f"sglang+triton-mm-{model}-core", 1, 480, ("bash", "-c", both), "sglang", core),
+        ]
     bisect = ("python", "benchmarks/gpu/vllm_qwen3_bisect.py", "--out", "{dir}", "--budget-s", "360")
     jobs += [
         Job("sglang-peft3d", 1, 200, _engines("sglang", "gpu1", " and peft3d and a3b"), "sglang"),
