@@ -47,6 +47,7 @@ Options (``EngineConfig.options``):
   gpu_memory_utilization GPU default 0.6: vLLM refuses to start unless this share of the whole GPU is free, and
                          the HF reference may share the process
   enforce_eager          default True (with optimization_level 0: no torch.compile, CUDA graphs or autotuning)
+  (GPU)                  async_scheduling False unless llm_kwargs says otherwise (see _llm_kwargs)
   seed, enable_prefix_caching (default False: every prompt is computed in full), allow_fp32_lora (default False),
                          checkpoint_dir (where a config-built or layer-cut model is written for vLLM to load),
                          close_timeout_s (default 30: how long closing waits for vLLM's processes to exit),
@@ -538,6 +539,11 @@ class VLLMEngine:
             kw["distributed_executor_backend"] = "uni"
         else:
             kw["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+            if "async_scheduling" in known:
+                # overlapping the next step's scheduling with this one's GPU work cannot change the math, and with
+                # it on, vLLM 0.25.1's Qwen3-MoE LoRA engine (per-expert adapters, 6 slots) died with a cuBLAS
+                # failure where it ran correctly with it off (H200, 2026-11-21, vllm_qwen3_crash.md)
+                kw["async_scheduling"] = False
             if "attention_backend" in known:
                 kw["attention_backend"] = default_attention_backend(cfg.dtype)
         for k in ("max_model_len", "gpu_memory_utilization", "attention_backend"):

@@ -71,15 +71,10 @@ def _jobs() -> list[Job]:
             Job(f"{engine}-mm-gpt", 1, 420, _metamorphic(engine, "20b"), stack, gpt_mm),
             Job(f"{engine}-mm-tp2", 2, 420, _metamorphic(engine, "", "gpu2"), stack),
         ]
-    # vLLM 0.25.1 on Qwen3-MoE with several LoRAs faults, hangs or returns garbage without CUDA_LAUNCH_BLOCKING
-    # (benchmarks/results/vllm_qwen3_crash.md): the workaround that ran, and async scheduling off as a suspect
+    # vLLM 0.25.1 on Qwen3-MoE (benchmarks/results/vllm_qwen3_crash.md): CUDA_LAUNCH_BLOCKING as a second workaround
     blocking = {"LPDIFF_VLLM_OPTIONS": '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}'}
-    no_async = {"LPDIFF_VLLM_OPTIONS": '{"llm_kwargs": {"async_scheduling": false}}'}
     jobs += [
         Job("vllm-engines-qwen-blocking", 1, 480, _engines("vllm", "gpu1", " and a3b"), "vllm", blocking),
-        Job("vllm-engines-qwen-noasync", 1, 480, _engines("vllm", "gpu1", " and a3b"), "vllm", no_async),
-        Job("vllm-mm-qwen-blocking", 1, 480, _metamorphic("vllm", "a3b"), "vllm", {**qwen_mm_env(), **blocking}),
-        Job("vllm-engines-tp2-blocking", 2, 480, _engines("vllm", "gpu2"), "vllm", blocking),
         Job("sglang-mm-qwen-a", 1, 420, _metamorphic("sglang", "a3b"), "sglang",
             {"LPDIFF_METAMORPHIC_RELATIONS": "format,rank,factors,gate_up"}),
         Job("sglang-mm-qwen-b", 1, 420, _metamorphic("sglang", "a3b"), "sglang",
