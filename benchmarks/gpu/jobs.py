@@ -96,6 +96,8 @@ def _jobs() -> list[Job]:
         # the vLLM Qwen3-MoE crash (benchmarks/results/vllm_qwen3_crash.md), its most telling sessions on two GPUs
         Job("vllm-bisect-a", 1, 420, bisect + ("--only", "repro-blocking,spare-slot,repro"), "vllm"),
         Job("vllm-bisect-b", 1, 420, bisect + ("--only", "no-base,per-expert-x2,short-prompts"), "vllm"),
+        Job("vllm-bisect-suite", 1, 420, bisect + ("--only", "suite-per-expert-async-on,suite-per-expert-async-off,"
+                                                   "suite-peft3d-async-off"), "vllm"),
         Job("triton-parity", 1, 300, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu1")),
         Job("triton-parity-tp2", 2, 420, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu2")),
         Job("triton-parity-tp4", 4, 480, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu4")),

@@ -48,6 +48,8 @@ class Session:
     prompt_div: int = 1  # prompt lengths divided by this: fewer tokens per step, same lanes
     spare_slots: int = 0  # max_loras = number of LoRAs + spare_slots
     env: dict[str, str] = field(default_factory=dict)
+    mixed: bool | None = True  # enable_mixed_moe_lora_format; None: the engine decides (on only for PEFT 3D)
+    async_scheduling: bool = True  # vLLM's default in the failing run (lpdiff turns it off on GPUs since 36bd4a4)
 
     def __post_init__(self):
         assert set(self.layouts) <= set(BOTH) and self.layouts, self.layouts
@@ -70,6 +72,13 @@ SESSIONS = (
     Session("repro", "control: the failing run as it was (no CUDA_LAUNCH_BLOCKING)"),
     Session("peft3d-only", "5 PEFT 3D LoRAs (the GPU suite's vLLM session since 685625a)", layouts=("peft3d",)),
     Session("per-expert-only", "5 per-expert LoRAs (the GPU suite's other vLLM session)", layouts=("per_expert",)),
+    # session 3 (vllm_qwen3_crash.md "Outcome"): the suite's engines, 5 adapters + a spare slot, one layout each
+    Session("suite-per-expert-async-on", "the suite's per-expert engine as in run 10 (died: cuBLAS failure): died "
+            "again and ok with async off -> async scheduling", layouts=("per_expert",), spare_slots=1, mixed=None),
+    Session("suite-per-expert-async-off", "its control (ran as expected twice in run 11)", layouts=("per_expert",),
+            spare_slots=1, mixed=None, async_scheduling=False),
+    Session("suite-peft3d-async-off", "the suite's PEFT 3D engine with async off (died in run 11): the mixed path "
+            "itself", layouts=("peft3d",), spare_slots=1, mixed=None, async_scheduling=False),
     Session("no-attention", "without the attention-only adapter (a slot disabled in every MoE layer): ok = 5",
             adapters=tuple(a for a in ALL if a != "attention")),
     Session("no-r8", "without the rank-8 adapter beside rank 16: ok = 6",
@@ -111,8 +120,12 @@ def prompts_for(plan: dict, s: Session) -> list[list[int]]:
 
 
 def engine_options(s: Session, n_loras: int) -> dict:
-    # the failing run had the mixed-format flag on; keep it on everywhere so only the session's change differs
-    return {**check.engine_options("vllm"), "mixed_moe_lora_format": True, "max_loras": n_loras + s.spare_slots}
+    # the failing run had the mixed-format flag and async scheduling on; sessions change one thing at a time
+    opts = {**check.engine_options("vllm"), "max_loras": n_loras + s.spare_slots,
+            "llm_kwargs": {"async_scheduling": s.async_scheduling}}
+    if s.mixed is not None:
+        opts["mixed_moe_lora_format"] = s.mixed
+    return opts
 
 
 # -- one session (in its own process) --------------------------------------------------------------------------------
@@ -208,12 +221,12 @@ def describe(plan: dict, s: Session) -> list[str]:
     lanes, prompts = lanes_for(plan, s), prompts_for(plan, s)
     arch = hf_config(get_model(plan["model"], num_layers=plan["layers"])).architectures[0]
     layouts = {n: inspect_adapter(a.path).layout for n, a in lanes.items()}
-    moe = plan_moe_lora(arch, list(layouts.values()), vllm_native_3d(arch), True)
+    moe = plan_moe_lora(arch, list(layouts.values()), vllm_native_3d(arch), s.mixed)
     ranks = {n: adapter_max_rank(a.path) for n, a in lanes.items()}
     rows = 1 + len(lanes) if s.base else len(lanes)
     head = (f"{s.name}: {len(lanes)} LoRAs, max_loras {engine_options(s, len(lanes))['max_loras']}, "
             f"max_lora_rank {pick_max_lora_rank(ranks.values())}, mixed {moe.mixed}, base rows {s.base}, "
-            f"{rows * sum(map(len, prompts))} tokens/step, env {s.env or '-'}")
+            f"{rows * sum(map(len, prompts))} tokens/step, async scheduling {s.async_scheduling}, env {s.env or '-'}")
     ids = [f"{i}:{n}({layouts[n]}, r{ranks[n]}, is_3d={moe.mixed and layouts[n] == 'peft3d'})"
            for i, n in enumerate(lanes, start=1)]
     return [head, "    " + " ".join(ids), f"    -> {s.why}"]
