@@ -55,3 +55,19 @@ def test_every_registered_job_names_a_real_file(tmp_path):
         files = [w for a in argv for w in shlex.split(a) if w.endswith(".py")]  # bash -c jobs name them inside
         assert files and all((REPO / f).exists() for f in files), (job.name, argv)
         assert "{dir}" not in " ".join(argv)
+
+
+def test_vllm_bisect_dry_run_plans_the_sessions(tmp_path):
+    """The one-call vLLM bisect (benchmarks/gpu/vllm_qwen3_bisect.py) plans its sessions on the tiny zoo without
+    vLLM: each session's LoRA ids, layouts, mixed flag and async scheduling as the GPU run will use them."""
+    import subprocess
+
+    from benchmarks.gpu.jobs import REPO
+
+    out = subprocess.run([PY, "benchmarks/gpu/vllm_qwen3_bisect.py", "--dry-run", "--only",
+                          "suite-peft3d-async-off,repro", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    heads = [ln for ln in out.splitlines() if ln.startswith(("suite-peft3d-async-off:", "repro:"))]
+    assert len(heads) == 2, out
+    assert "max_loras 6" in heads[0] and "mixed True" in heads[0] and "async scheduling False" in heads[0]
+    assert "max_loras 10" in heads[1] and "async scheduling True" in heads[1]
