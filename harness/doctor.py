@@ -128,6 +128,23 @@ def _resolve_model(model) -> Any:
                      "directory with a config.json")
 
 
+# What gather reads from the meta model and from PEFT's injection depends only on the model's config and the
+# adapter's adapter_config.json, not on its tensors. The metamorphic suite asks the doctor about a dozen transformed
+# copies of one adapter (same config, or only r/alpha changed), so both are kept per config (bounded: a handful of
+# models per process). The cached values are only read.
+_CACHE_SIZE = 16
+_MODEL_CACHE: dict[str, tuple] = {}  # model config JSON -> (meta model, layout, modules, params)
+_PEFT_CACHE: dict[tuple[str, str], tuple] = {}  # (model config JSON, adapter_config.json text) -> _peft_inject
+
+
+def _remember(cache: dict, key, make: Callable[[], Any]) -> Any:
+    if key not in cache:
+        if len(cache) >= _CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[key] = make()
+    return cache[key]
+
+
 def _meta_model(spec):
     import torch
     from transformers import AutoModelForCausalLM
@@ -138,15 +155,33 @@ def _meta_model(spec):
         return AutoModelForCausalLM.from_config(hf_config(spec))
 
 
+def _model_facts(spec) -> tuple[str, Any, Any, dict[str, str], set[str]]:
+    """-> (config key, meta model, its ModelLayout, module path -> class name, parameter names), built once per
+    model config."""
+    from harness.adapters import ModelLayout
+    from harness.catalog import hf_config
+
+    key = hf_config(spec).to_json_string()
+
+    def make():
+        meta = _meta_model(spec)
+        return (meta, ModelLayout.of(meta), {n: type(m).__name__ for n, m in meta.named_modules() if n},
+                {n for n, _ in meta.named_parameters()})
+    return (key, *_remember(_MODEL_CACHE, key, make))
+
+
 def _peft_inject(model, adapter_dir: str) -> tuple[str | None, set[str], set[str]]:
     """Let PEFT itself say whether it accepts the adapter's LoraConfig on this model, and what it wraps."""
     import warnings
 
+    import torch
     from peft import LoraConfig, get_peft_model
 
     try:
         cfg = LoraConfig.from_pretrained(adapter_dir)
-        with warnings.catch_warnings():
+        # on meta, as the model is: PEFT would otherwise random-initialise real LoRA weights (0.1-0.5 s per call
+        # at full width) only to move them to meta
+        with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
             tuner = get_peft_model(model, cfg).base_model
     except Exception as e:  # noqa: BLE001 - PEFT's refusal is the finding
@@ -155,16 +190,14 @@ def _peft_inject(model, adapter_dir: str) -> tuple[str | None, set[str], set[str
 
 
 def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None) -> tuple[Any, Facts]:
-    from harness.adapters import ModelLayout, inspect_adapter
+    from harness.adapters import inspect_adapter
 
     spec = _resolve_model(model)
     adapter_dir = str(adapter_dir)
     info = inspect_adapter(adapter_dir)
-    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    meta = _meta_model(spec)
-    layout = ModelLayout.of(meta)
-    modules = {n: type(m).__name__ for n, m in meta.named_modules() if n}
-    params = {n for n, _ in meta.named_parameters()}
+    config_text = (Path(adapter_dir) / "adapter_config.json").read_text()
+    config = json.loads(config_text)
+    model_key, meta, layout, modules, params = _model_facts(spec)
     experts = {p.module: p for p in layout.experts.values()}
     expert_modules = {m: tuple(part for q in layout.experts.values() if q.module == m for part in q.parts)
                       for m in experts}
@@ -177,10 +210,12 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
         except ValueError:
             foreign.append(k)
     num_experts = max((p.num_experts for p in layout.experts.values()), default=0)
-    peft_error, peft_modules, peft_params = _peft_inject(copy.deepcopy(meta), adapter_dir)
-    facts = Facts(arch=layout.model_type, num_experts=num_experts, modules=modules, params=params, routers=routers,
-                  expert_modules=expert_modules, info=info, config=config, key_modules=key_modules,
-                  foreign_keys=foreign, peft_error=peft_error, peft_modules=peft_modules, peft_params=peft_params,
+    peft_error, peft_modules, peft_params = _remember(_PEFT_CACHE, (model_key, config_text),
+                                                      lambda: _peft_inject(copy.deepcopy(meta), adapter_dir))
+    facts = Facts(arch=layout.model_type, num_experts=num_experts, modules=dict(modules), params=set(params),
+                  routers=routers, expert_modules=expert_modules, info=info, config=config, key_modules=key_modules,
+                  foreign_keys=foreign, peft_error=peft_error, peft_modules=set(peft_modules),
+                  peft_params=set(peft_params),
                   limits=dict(limits or {}), model_ref=str(model) if isinstance(model, (str, Path)) else spec.name)
     return spec, facts
 

@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -101,6 +102,8 @@ class Context:
     tp: int = 1
     options: dict = field(default_factory=dict)
     seed: int = 0
+    log: Callable[[str], None] = lambda s: None
+    refusals: dict[str, str | None] = field(default_factory=dict)  # adapter dir -> refused()'s answer
 
     def write(self, name: str, adapter: CanonicalAdapter, layout: str | None = None) -> str:
         """Transformed adapters keep the original's expert layout (the one the engine was given because it reads
@@ -115,11 +118,13 @@ class Context:
         """doctor's first error for this engine on this adapter: the engine refuses or drops it (known limit)."""
         if self.engine not in ("hf", "vllm", "sglang"):
             return None
-        from harness.doctor import doctor
+        if adapter_dir not in self.refusals:
+            from harness.doctor import doctor
 
-        errors = [f for f in doctor(self.spec, adapter_dir, [self.engine]).findings
-                  if f.severity == "error" and f.engine in (self.engine, "all")]
-        return f"doctor [{errors[0].code}]: {errors[0].message}" if errors else None
+            errors = [f for f in doctor(self.spec, adapter_dir, [self.engine]).findings
+                      if f.severity == "error" and f.engine in (self.engine, "all")]
+            self.refusals[adapter_dir] = f"doctor [{errors[0].code}]: {errors[0].message}" if errors else None
+        return self.refusals[adapter_dir]
 
 
 @dataclass(slots=True, frozen=True)
@@ -473,7 +478,9 @@ def plan(ctx: Context, relations: Sequence[str] | None = None) -> tuple[list[Lan
         raise ValueError(f"unknown relation(s) {unknown}; known: {', '.join(RELATIONS)}")
     lanes, na = [], []
     for n in names:
+        t0 = time.perf_counter()
         got = RELATIONS[n].lanes(ctx)
+        ctx.log(f"plan {n}: {time.perf_counter() - t0:.1f} s")
         if isinstance(got, str):
             na.append(Result(n, "n/a", note=got))
             continue
@@ -519,7 +526,9 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
 
     assert k >= 2, "rerun noise needs k >= 2 runs of the original lane"
     orig_spec = AdapterSpec(ORIG, str(ctx.adapter_dir))
+    t0 = time.perf_counter()
     other_dir = ctx.write("other-neg-b-rank2x", pad_rank(negate_b(ctx.adapter), 2 * max(ctx.adapter.inner_dims)))
+    log(f"write the neighbour adapter: {time.perf_counter() - t0:.1f} s")
     runs: dict[str, LogprobRun] = {}
     origs, bases, version = [], [], ""
     def signature(adapter_dir: str | None) -> str:
@@ -546,6 +555,7 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
         cfg = EngineConfig(model=model or ctx.spec, adapters=adapters, dtype=ctx.dtype, tp=tp or ctx.tp,
                            options={**ctx.options, **json.loads(options)})
         log(f"session {session}: {len(group)} lane(s), {len(adapters)} adapter(s)")
+        t0 = time.perf_counter()
         with open_engine(ctx.engine, cfg) as eng:
             version = version or eng.version()
             if session.startswith("original"):
@@ -556,6 +566,7 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
                 adapter = None if lane.adapter is None else (
                     ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
                 runs[lane.name] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed)
+        log(f"session {session}: done in {time.perf_counter() - t0:.1f} s")
     return runs, origs, bases, version
 
 
@@ -616,10 +627,12 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
     own_tmp = tmp is None
     tmp = Path(tempfile.mkdtemp(prefix="lpdiff-metamorphic-") if own_tmp else tmp)
     try:
+        t0 = time.perf_counter()
         hf = hf_config(spec)
         layout = ModelLayout.from_config(hf)
         ctx = Context(engine, spec, hf, layout, load_canonical(adapter_dir, layout), Path(adapter_dir), tmp, dtype,
-                      tp, dict(options or {}))
+                      tp, dict(options or {}), log=log)
+        log(f"read the adapter: {time.perf_counter() - t0:.1f} s")
         lanes, na = plan(ctx, relations)
         runs, origs, bases, version = execute(ctx, lanes, prompts, k, log)
         results = judge_lanes(lanes, runs, origs, bases, dtype, factor, near_tie_eps=near_tie_eps) + na

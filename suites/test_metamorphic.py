@@ -13,6 +13,9 @@ not apply are printed as n/a with the reason. ``LPDIFF_METAMORPHIC_CSV=path`` ap
 from __future__ import annotations
 
 import os
+import sys
+import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -55,6 +58,18 @@ def test_metamorphic_tiny_zoo(engine, model, adapter, relations, tmp_path):
 
 # -- GPU --------------------------------------------------------------------------------------------------------------
 
+def _progress(msg: str) -> None:
+    # a GPU job's log (pytest -s) shows which set-up step or engine session it is in
+    print(f"[metamorphic {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _step(what: str):
+    t0 = time.perf_counter()
+    yield
+    _progress(f"{what}: {time.perf_counter() - t0:.1f} s")
+
+
 GPU_MODELS = ["qwen3-30b-a3b", "gpt-oss-20b"]
 GPU_ENGINES = {"triton": "float32", "vllm": "bfloat16", "sglang": "bfloat16"}
 NEAR_TIE = {"float32": 1e-5, "bfloat16": 4e-3}
@@ -71,10 +86,13 @@ def gpu_case(request, tmp_path_factory):
         pytest.skip("needs a GPU")
     spec = get_model(request.param, num_layers=4)
     root = tmp_path_factory.mktemp(request.param)
-    model = load_hf_model(spec, torch.float32, "cuda")
+    with _step(f"build {spec.name} x4 layers on cuda"):
+        model = load_hf_model(spec, torch.float32, "cuda")
     # rank 16 on attention and experts (SGLang needs q and v together), in both expert layouts (see _original)
-    adapter = generate_adapter(model, root / "a16", groups=("attention", "experts"), rank=16, alpha=32, seed=1)
-    per_expert = convert_adapter(adapter.path, root / "a16-per-expert", "per_expert", model.config)
+    with _step("generate the rank-16 adapter"):
+        adapter = generate_adapter(model, root / "a16", groups=("attention", "experts"), rank=16, alpha=32, seed=1)
+    with _step("convert it to per-expert keys"):
+        per_expert = convert_adapter(adapter.path, root / "a16-per-expert", "per_expert", model.config)
     del model
     torch.cuda.empty_cache()
     g = torch.Generator().manual_seed(0)
@@ -97,13 +115,14 @@ def _original(engine: str, spec, adapters: dict) -> str:
 def _gpu_run(engine, gpu_case, relations, tmp_path):
     spec, adapters, prompts = gpu_case
     dtype = GPU_ENGINES[engine]
-    adapter = _original(engine, spec, adapters)
+    with _step(f"doctor picks the layout {engine} reads"):
+        adapter = _original(engine, spec, adapters)
     options = engine_options(engine)
     if "python" in options:  # a subprocess lane: an engine that hangs becomes an error carrying its log tail
         options.setdefault("lane_call_timeout_s", 300)
     return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name="a16", dtype=dtype,
                               options=options, relations=relations, k=3,
-                              near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path)
+                              near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path, log=_progress)
 
 
 @pytest.mark.gpu1
