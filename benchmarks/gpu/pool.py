@@ -52,11 +52,14 @@ def gpu_count() -> int:
     return len(out.stdout.split()) if out.returncode == 0 else 0
 
 
-def launch(job: Job, gpus: list[int], work: Path, limit: float) -> Running:
+def launch(job: Job, gpus: list[int], work: Path, limit: float, threads: int = 8) -> Running:
     jdir = work / job.name
     jdir.mkdir(parents=True, exist_ok=True)
     env = job_env(job, jdir)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    # torch's CPU pools default to every core: six jobs x 64 spinning OpenMP threads on one 64-core host is the
+    # likeliest reason run 12's set-up never finished; a share of the cores per job (two jobs may share a GPU)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
     log = jdir / "job.log"
     with open(log, "w") as f:
         argv = argv_for(job, jdir)
@@ -158,7 +161,8 @@ def main(argv=None, jobs: dict[str, Job] = JOBS) -> int:
                 break
             if job.gpus <= len(free):
                 gpus, free = free[:job.gpus], free[job.gpus:]
-                r = launch(job, gpus, work, min(job.limit_s, left - 10))
+                r = launch(job, gpus, work, min(job.limit_s, left - 10),
+                           threads=max(2, (os.cpu_count() or 16) // max(2, 2 * n_gpus)))
                 running.append(r)
                 pending.remove(job)
                 print(f"[pool {now:5.0f}s] start {job.name} on GPU {gpus} (limit {r.limit:.0f}s)", flush=True)
