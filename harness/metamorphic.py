@@ -115,16 +115,22 @@ class Context:
         return str(out)
 
     def refused(self, adapter_dir: str) -> str | None:
-        """doctor's first error for this engine on this adapter: the engine refuses or drops it (known limit)."""
-        if self.engine not in ("hf", "vllm", "sglang"):
-            return None
+        """refusal() for this engine, asked once per adapter directory."""
         if adapter_dir not in self.refusals:
-            from harness.doctor import doctor
-
-            errors = [f for f in doctor(self.spec, adapter_dir, [self.engine]).findings
-                      if f.severity == "error" and f.engine in (self.engine, "all")]
-            self.refusals[adapter_dir] = f"doctor [{errors[0].code}]: {errors[0].message}" if errors else None
+            self.refusals[adapter_dir] = refusal(self.spec, self.engine, adapter_dir)
         return self.refusals[adapter_dir]
+
+
+def refusal(spec: ModelSpec, engine: str, adapter_dir: str | Path) -> str | None:
+    """doctor's first error for this engine on this adapter: the engine refuses or drops it (known limit). None
+    for engines doctor knows nothing about."""
+    from harness.doctor import ENGINES, doctor
+
+    if engine not in ENGINES:
+        return None
+    errors = [f for f in doctor(spec, adapter_dir, [engine]).findings
+              if f.severity == "error" and f.engine in (engine, "all")]
+    return f"doctor [{errors[0].code}]: {errors[0].message}" if errors else None
 
 
 @dataclass(slots=True, frozen=True)

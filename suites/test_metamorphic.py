@@ -103,11 +103,8 @@ def gpu_case(request, tmp_path_factory):
 def _original(engine: str, spec, adapters: dict) -> str:
     """The first layout doctor lets this engine read: SGLang 0.5.15 dies on PEFT 3D expert adapters, and vLLM
     0.25.1's PEFT 3D path faults on Qwen3-MoE; both then get the same delta in per-expert keys."""
-    from harness.doctor import ENGINES, doctor
-
     for layout in ("peft3d", "per_expert"):
-        if engine not in ENGINES or not any(f.severity == "error" for f in doctor(spec, adapters[layout],
-                                                                                  [engine]).findings):
+        if mm.refusal(spec, engine, adapters[layout]) is None:
             return adapters[layout]
     pytest.fail(f"doctor refuses the adapter in every layout for {engine} on {spec.name}")
 
