@@ -50,12 +50,8 @@ def _metamorphic(engine: str, model: str, marker: str = "gpu1") -> tuple[str, ..
                    "-m", marker)
 
 
-def qwen_mm_env() -> dict[str, str]:
-    return {"LPDIFF_METAMORPHIC_RELATIONS": QWEN_RELATIONS}
-
-
 def _jobs() -> list[Job]:
-    qwen_mm = qwen_mm_env()
+    qwen_mm = {"LPDIFF_METAMORPHIC_RELATIONS": QWEN_RELATIONS}
     gpt_mm = {"LPDIFF_METAMORPHIC_RELATIONS": GPT_OSS_RELATIONS}
     jobs = []
     for engine in ("vllm", "sglang", "triton"):
