@@ -70,7 +70,7 @@ ENGINE_LAYOUTS = {"vllm": ("peft3d", "per_expert"),  # 3D on a per-expert model:
 # mixed-format 2D wrapper) adds gate/up as concatenated halves onto interleaved rows (engines/vllm.py); the engine
 # refuses it unless forced (suites/test_engines_gpu.py forces it once and expects the FAIL).
 # On Qwen3-MoE its PEFT 3D path (enable_mixed_moe_lora_format, converted to 2D at load) faults with an illegal
-# memory access at 5 adapters + base rows (H200, 4 of 4 engines, also with CUDA_LAUNCH_BLOCKING or async scheduling
+# memory access at 5 adapters + base rows (H200, 3 of 3 engines, also with CUDA_LAUNCH_BLOCKING or async scheduling
 # off) while per-expert files of the same adapters PASS: doctor says vllm-peft3d-mixed-format-faults, and
 # suites/test_engines_gpu.py serves PEFT 3D once on purpose and expects the FAIL.
 ARCH_LAYOUTS = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_expert",)}
