@@ -24,6 +24,10 @@ from typing import Any, Callable, Sequence
 ENGINES = ("hf", "vllm", "sglang")
 SEVERITIES = ("error", "warning", "info")
 VLLM_MAX_RANK = 512  # the largest max_lora_rank vLLM accepts (0.25-0.32: 1, 8, ..., 320, 512)
+# vLLM 0.25.1's fused MoE-LoRA kernel asserts max_lora_rank <= 128 outside fully sharded LoRA
+# (lora/ops/triton_ops/fused_moe_lora_op.py, _run_fused_moe_lora_one_shot); seen on an H200, 2026-11-21: a rank-512
+# shared-outer gpt-oss adapter killed the engine at its first batch
+VLLM_MOE_MAX_RANK = 128
 # per-expert adapters (experts.{e}.gate_proj ...) in PEFT 0.21 + transformers 5: converted to the fused experts on
 # load for qwen3_moe, silently ignored for these (measured: DESIGN.md, tests/test_doctor.py; on gpt_oss an
 # experts-only one is refused outright, with attention targets its experts are dropped)
@@ -481,6 +485,11 @@ def check_ranks(f: Facts) -> list[Finding]:
     if r > VLLM_MAX_RANK:
         out.append(Finding("vllm", "error", "rank-above-max", f"adapter rank {r} exceeds vLLM's largest "
                            f"max_lora_rank {VLLM_MAX_RANK}", f"re-train or truncate the adapter to rank <= {VLLM_MAX_RANK}"))
+    elif r > VLLM_MOE_MAX_RANK and "experts" in f.info.groups:
+        out.append(Finding("vllm", "error", "moe-rank-above-128", f"expert adapter of rank {r}: vLLM 0.25.1's fused "
+                           f"MoE-LoRA kernel asserts max_lora_rank <= {VLLM_MOE_MAX_RANK} and the engine dies at its "
+                           "first batch (lora/ops/triton_ops/fused_moe_lora_op.py)",
+                           f"re-train or truncate the expert LoRA to rank <= {VLLM_MOE_MAX_RANK}"))
     for engine, limit in f.limits.items():
         if r > limit:
             out.append(Finding(engine, "error", "rank-above-max", f"adapter rank {r} exceeds {engine}'s "

@@ -424,6 +424,14 @@ def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype, cuda: bool) -
 _CONST_CACHE: dict = {}
 
 
+MAX_RANK = 128  # the shrink keeps a (BLOCK_M, next_pow2(R)) fp32 accumulator in registers
+
+
+def check_kernel_rank(rank: int) -> None:
+    if rank > MAX_RANK:
+        raise ValueError(f"max rank {rank} > {MAX_RANK} is not supported by the Triton LoRA kernels; use impl='torch'")
+
+
 def device_const(values: tuple, device: torch.device) -> torch.Tensor:
     """A small int32 tensor built once per (values, device): building it per call would be a host-to-device copy."""
     key = (values, str(device))
@@ -493,6 +501,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
 def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
                        lora: MoeLoraWeights | None = None, token_adapter=None,
                        config: GemmConfig | None = None, down_config: GemmConfig | None = None) -> torch.Tensor:
+    check_kernel_rank(lora.gate_up_a.shape[2] if lora is not None else 0)
     T, H = x.shape
     E, n1, _ = w_gate_up.shape
     K = topk_ids.shape[1]
@@ -562,8 +571,6 @@ def check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b
     if (Ea, Ha) != (E, H) or lora.gate_up_b.shape[2] != n1 or lora.down_a.shape[3] != inter:
         raise ValueError(f"LoRA shapes {tuple(lora.gate_up_a.shape)}/{tuple(lora.gate_up_b.shape)}/"
                          f"{tuple(lora.down_a.shape)} do not fit experts E={E}, H={H}, N1={n1}, I={inter}")
-    if R > 128:
-        raise ValueError(f"max rank {R} > 128 is not supported by the fused kernels; use impl='torch'")
 
 
 def _misread_as_gated(w_down, lora):

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import resolve_impl, triton
-from kernels.fused_moe_lora import (GemmConfig, default_config, device_const, launch_gemm, launch_shrink,
-                                    lora_delta)
+from kernels.fused_moe_lora import (GemmConfig, check_kernel_rank, default_config, device_const, launch_gemm,
+                                    launch_shrink, lora_delta)
 from kernels.moe_align import moe_align
 
 
@@ -56,8 +56,6 @@ def check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_ad
         raise ValueError(f"scaling must be ({L},) float32, got {tuple(scaling.shape)} {scaling.dtype}")
     if token_adapter.shape != (T,):
         raise ValueError(f"token_adapter must be (T={T},), got {tuple(token_adapter.shape)}")
-    if R > 128:
-        raise ValueError(f"max rank {R} > 128 is not supported by the fused kernel; use impl='torch'")
 
 
 def lora_linear_torch(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None,
@@ -141,6 +139,7 @@ def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, 
     lora_kw = {}
     if has_lora:
         R = lora_a.shape[2]
+        check_kernel_rank(R)
         ranks = device_const((R,) * L, x.device)
         s = launch_shrink(x, lora_a.unsqueeze(1), scaling, ranks, routing, False)
         lora_kw = dict(lora_s=s, lora_b=lora_b.unsqueeze(1), scaling=scaling, ranks=ranks,

@@ -184,6 +184,15 @@ def test_rank_above_engine_max(zoo, tmp_path):
     assert "max_lora_rank >= 16" in check(r, "sglang", "error", "rank-above-max").fix
 
 
+def test_vllm_moe_lora_rank_above_128(zoo, tmp_path):
+    # vLLM's fused MoE-LoRA kernel stops at rank 128 while its attention LoRA goes to 512
+    experts = gen(zoo, tmp_path / "e", "tiny-qwen3-moe", ("experts",), rank=160)
+    check(doctor(zoo["tiny-qwen3-moe"][0], experts, engines=["vllm"]), "vllm", "error", "moe-rank-above-128")
+    attention = gen(zoo, tmp_path / "a", "tiny-qwen3-moe", ("attention",), rank=160)
+    assert not [f for f in doctor(zoo["tiny-qwen3-moe"][0], attention, engines=["vllm"]).findings
+                if f.code == "moe-rank-above-128"]
+
+
 @pytest.mark.parametrize("targets, severity, code", [
     (["q_proj", "v_proj", "qkv_projj"], "warning", "target-matches-nothing"),  # one typo: ignored silently
     (["nope_proj"], "error", "targets-match-nothing"),  # nothing at all: PEFT refuses, engines load nothing

@@ -120,6 +120,26 @@ def test_triton_interpreter_matches_torch_reference(tiny):
     assert _maxdiff(got, ref) <= TOL
 
 
+def test_rank_above_the_kernel_cap_runs_on_the_torch_references(tiny, tmp_path):
+    """The LoRA kernels stop at rank 128 (register accumulator); a larger adapter (the exact shared-outer form of
+    a real model is rank E*r, 512 for gpt-oss-20b at r 16) must still load and match HF+PEFT, with a warning."""
+    from transformers import AutoModelForCausalLM
+
+    from engines.base import open_engine
+    from harness.adapters import generate_adapter
+
+    spec, _, prompts = tiny
+    big = generate_adapter(AutoModelForCausalLM.from_pretrained(spec.path), tmp_path / "r130",
+                           groups=("attention", "experts"), rank=130, seed=4)
+    adapters = {"big": AdapterSpec("big", str(big.path))}
+    short = [p[:10] for p in prompts]  # the interpreter runs the base layers
+    with pytest.warns(UserWarning, match="rank 130 > 128"):
+        got = _run(spec, {"triton": adapters}, short, ["big", None, "big", "big", None], options={"impl": "triton"})
+    with open_engine("hf", EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu")) as hf:
+        want = hf.prompt_logprobs(short, ["big", None, "big", "big", None])
+    assert _maxdiff(got, want) <= TOL
+
+
 def test_tensor_parallel_2_equals_tp1(tiny):
     """TP=2 over gloo (a spawned worker holds half the heads, half of every expert's width and the matching
     LoRA shards) gives the TP=1 logprobs, with a mixed-adapter batch."""

@@ -17,10 +17,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PYTEST = ("python", "-m", "pytest", "-p", "harness.plugin", "-q", "-s", "-W", "ignore", "-rs", "--basetemp={dir}/tmp")
-# metamorphic relations per model: gpt-oss's merged relation would write a second 4-layer checkpoint per engine,
-# and its modes are in the tp2 job
-QWEN_RELATIONS = "format,rank,factors,gate_up,merged,zero_b,batch,modes"
-GPT_OSS_RELATIONS = "format,rank,factors,gate_up,zero_b,batch,modes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +46,19 @@ def _metamorphic(engine: str, model: str, marker: str = "gpu1") -> tuple[str, ..
                    "-m", marker)
 
 
+# a metamorphic run split in two sets that fit one call each: "core" (one engine session besides the original's)
+# and "extra" (a checkpoint with the delta merged in, and one session per engine mode); gpt-oss's merged relation
+# would write a second 4-layer checkpoint per engine, its TP modes are in the tp2 job
+MM_SETS = {
+    ("qwen", "core"): "format,rank,factors,gate_up,zero_b,batch",
+    ("qwen", "extra"): "merged,modes",
+    ("gpt", "core"): "format,rank,factors,gate_up,zero_b,batch",
+    ("gpt", "extra"): "modes",
+}
+MODEL_KEYS = {"qwen": "a3b", "gpt": "20b"}
+
+
 def _jobs() -> list[Job]:
-    qwen_mm = {"LPDIFF_METAMORPHIC_RELATIONS": QWEN_RELATIONS}
-    gpt_mm = {"LPDIFF_METAMORPHIC_RELATIONS": GPT_OSS_RELATIONS}
     jobs = []
     for engine in ("vllm", "sglang", "triton"):
         stack = engine if engine != "triton" else "image"
@@ -63,28 +69,23 @@ def _jobs() -> list[Job]:
             Job(f"{engine}-engines-gpt", 1, 420, _engines(engine, "gpu1", f"{skip3d} and 20b"), stack),
             Job(f"{engine}-engines-tp2", 2, 480, _engines(engine, "gpu2"), stack),
             Job(f"{engine}-engines-tp4", 4, 480, _engines(engine, "gpu4"), stack),
-            Job(f"{engine}-mm-qwen", 1, 420, _metamorphic(engine, "a3b"), stack, qwen_mm),
-            Job(f"{engine}-mm-gpt", 1, 420, _metamorphic(engine, "20b"), stack, gpt_mm),
             Job(f"{engine}-mm-tp2", 2, 420, _metamorphic(engine, "", "gpu2"), stack),
         ]
-    # vLLM 0.25.1 on Qwen3-MoE (benchmarks/results/vllm_qwen3_crash.md): CUDA_LAUNCH_BLOCKING as a second workaround
+    # vLLM 0.25.1 on Qwen3-MoE (benchmarks/results/vllm_qwen3_crash.md): CUDA_LAUNCH_BLOCKING as a second workaround,
+    # and at TP 4, where the per-expert path died with an illegal memory access (2026-11-21, run 14)
     blocking = {"LPDIFF_VLLM_OPTIONS": '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}'}
     jobs += [
         Job("vllm-engines-qwen-blocking", 1, 480, _engines("vllm", "gpu1", " and a3b"), "vllm", blocking),
-        Job("sglang-mm-qwen-a", 1, 420, _metamorphic("sglang", "a3b"), "sglang",
-            {"LPDIFF_METAMORPHIC_RELATIONS": "format,rank,factors,gate_up"}),
-        Job("sglang-mm-qwen-b", 1, 420, _metamorphic("sglang", "a3b"), "sglang",
-            {"LPDIFF_METAMORPHIC_RELATIONS": "merged,zero_b,batch,modes"}),
+        Job("vllm-engines-tp4-qwen-blocking", 4, 360, _engines("vllm", "gpu4", " and a3b"), "vllm", blocking),
     ]
-    # two sessions per engine (original + transformed): what a short call has time for; triton beside SGLang on one
-    # GPU (SGLang takes half its memory, the fp32 4-layer triton runs ~30 GB)
-    core = {"LPDIFF_METAMORPHIC_RELATIONS": "format,rank,factors,gate_up,zero_b,batch"}
-    for model, key in (("qwen", "a3b"), ("gpt", "20b")):
+    # triton beside SGLang on one GPU (SGLang takes half its memory, the fp32 4-layer triton runs ~30 GB)
+    for (model, which), relations in MM_SETS.items():
+        key, env = MODEL_KEYS[model], {"LPDIFF_METAMORPHIC_RELATIONS": relations}
         both = " & ".join(shlex.join(_metamorphic(e, key)).replace("{dir}/tmp", "{dir}/tmp-" + e)
                           for e in ("sglang", "triton")) + " & wait"
         jobs += [
-            Job(f"vllm-mm-{model}-core", 1, 480, _metamorphic("vllm", key), "vllm", core),
-            Job(f"sglang+triton-mm-{model}-core", 1, 480, ("bash", "-c", both), "sglang", core),
+            Job(f"vllm-mm-{model}-{which}", 1, 480, _metamorphic("vllm", key), "vllm", env),
+            Job(f"sglang+triton-mm-{model}-{which}", 1, 480, ("bash", "-c", both), "sglang", env),
         ]
     bisect = ("python", "benchmarks/gpu/vllm_qwen3_bisect.py", "--out", "{dir}", "--budget-s", "360")
     jobs += [
@@ -97,6 +98,7 @@ def _jobs() -> list[Job]:
         Job("triton-parity", 1, 300, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu1")),
         Job("triton-parity-tp2", 2, 420, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu2")),
         Job("triton-parity-tp4", 4, 480, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu4")),
+        Job("triton-parity-tp4-gpt", 4, 300, _pytest("tests/test_triton_engine_gpu.py", "-m", "gpu4", "-k", "20b")),
         Job("triton-zoo", 1, 240, _pytest("suites/test_bug_zoo.py", "-m", "gpu1")),
         Job("kernels-gpu", 1, 300, _pytest("tests/test_kernels_moe.py", "tests/test_kernels_lora_linear.py",
                                            "tests/test_kernels_logprob.py", "-m", "gpu1")),

@@ -3,6 +3,8 @@ embed -> [RMSNorm -> attention -> +res -> RMSNorm -> router + experts -> +res] x
 Each residual add is fused into the RMSNorm that follows it."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from engines.triton.attention import attention
@@ -13,6 +15,7 @@ from engines.triton.moe import experts, route
 from engines.triton.norm import add_rms_norm
 from engines.triton.rope import norm_rope
 from engines.triton.shard import Shard
+from kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
 from engines.triton.weights import LayerWeights, ModelWeights
 
 
@@ -22,6 +25,13 @@ class MoeTransformer:
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl = impl, attention_impl
+        # the LoRA kernels hold a (rows, rank) accumulator in registers up to rank KERNEL_MAX_RANK; a larger adapter
+        # (e.g. the exact shared-outer form, rank E*r) runs its LoRA-bearing layers on the torch references instead
+        self.lora_impl = impl
+        if lora is not None and int(lora.ranks.max()) > KERNEL_MAX_RANK:
+            self.lora_impl = "torch"
+            warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
+                          "run on the kernels' torch references", stacklevel=2)
         self.capture: dict | None = None  # opt-in (lpdiff bisect): layer index -> that layer's output hidden states
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads = len(qh), len(kvh)
@@ -46,7 +56,7 @@ class MoeTransformer:
             ids, weights, m = route(h, lw, cfg, self.impl)
             margin = torch.minimum(margin, m)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
-                                            batch.token_adapter, self.impl))
+                                            batch.token_adapter, self.lora_impl if ll is not None else self.impl))
             if self.capture is not None:
                 self.capture[i] = x + delta
         return self._norm(x, delta, self.w.norm)[0], margin
@@ -56,7 +66,7 @@ class MoeTransformer:
 
         if lora_a is None or token_adapter is None:
             return lora_linear(x, w, bias, impl=self.impl)
-        return lora_linear(x, w, bias, lora_a, lora_b, self.lora.scaling, offsets, token_adapter, impl=self.impl)
+        return lora_linear(x, w, bias, lora_a, lora_b, self.lora.scaling, offsets, token_adapter, impl=self.lora_impl)
 
     def attend(self, h: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch,
                   window: int | None) -> torch.Tensor:
