@@ -366,7 +366,11 @@ def _merged(ctx: Context):
 
 
 def _zero_b(ctx: Context):
-    return [Lane("zero_b:vs_base", ctx.write("zero-b", zero_b(ctx.adapter)), reference="base", exact=True)]
+    # against base rows of the same engine session: the session's other adapters may set kernels for every row (a
+    # larger max rank; triton's torch fallback above the kernels' rank cap), which is not what this relation tests
+    return [Lane("zero_b:base_rows", None, reference="", session="transformed"),
+            Lane("zero_b:vs_base", ctx.write("zero-b", zero_b(ctx.adapter)), reference="zero_b:base_rows",
+                 exact=True)]
 
 
 def _batch(ctx: Context):
@@ -543,10 +547,12 @@ def _run_lane(eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int)
 
 
 def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 2,
-            log: Callable[[str], None] = lambda s: None) -> tuple[dict[str, LogprobRun], list[LogprobRun],
-                                                                  list[LogprobRun], str]:
+            log: Callable[[str], None] = lambda s: None,
+            after_session: Callable[[list[Lane], dict, list, list, str], None] | None = None
+            ) -> tuple[dict[str, LogprobRun], list[LogprobRun], list[LogprobRun], str]:
     """Run the original and base lanes k times, then every lane, one engine session per (session, model,
-    options, tp). -> (lane runs, original reruns, base reruns, engine version)."""
+    options, tp); the original's session comes first. ``after_session(lanes, runs, origs, bases, version)`` after
+    each (a run cut short keeps what it judged). -> (lane runs, original reruns, base reruns, engine version)."""
     from engines import EngineConfig, open_engine
 
     assert k >= 2, "rerun noise needs k >= 2 runs of the original lane"
@@ -592,6 +598,8 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
                     ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
                 runs[lane.name] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed)
         log(f"session {session}: done in {time.perf_counter() - t0:.1f} s")
+        if after_session is not None:
+            after_session(group, runs, origs, bases, version)
     return runs, origs, bases, version
 
 
@@ -617,12 +625,13 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
     flat[ORIG] = np.concatenate([p.logprobs for p in origs[0].prompts]).astype(np.float64)
     flat["base"] = np.concatenate([p.logprobs for p in bases[0].prompts]).astype(np.float64)
     refs = {ORIG: origs[0], "base": bases[0], **runs}
+    base_rows = {"base"} | {x.name for x in lanes if x.adapter is None}
 
     def measure(lane: Lane):
         m = compare(runs[lane.name], refs[lane.reference], near_tie_eps=near_tie_eps or NEAR_TIE_EPS)
         judged = m.clean if near_tie_eps is not None and m.clean is not None else m
         # the size of the adapter effect the difference is measured in: the reference's own, or the original's
-        effect_ref = ORIG if lane.reference in (ORIG, "base") else lane.reference
+        effect_ref = ORIG if lane.reference == ORIG or lane.reference in base_rows else lane.reference
         effect = float(np.linalg.norm(flat[effect_ref] - flat["base"]))
         delta_rel = float(np.linalg.norm(flat[lane.name] - flat[lane.reference])) / effect if effect else float("nan")
         note = "" if lane.reference == ORIG else f"vs {lane.reference}"
@@ -659,8 +668,10 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
                     adapter_name: str | None = None, dtype: str = "float32", tp: int = 1, options: dict | None = None,
                     relations: Sequence[str] | None = None, k: int = 2, factor: float | None = None,
                     near_tie_eps: float | None = None, tmp: str | Path | None = None,
-                    log: Callable[[str], None] = lambda s: None) -> Report:
-    """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps)."""
+                    log: Callable[[str], None] = lambda s: None,
+                    on_results: Callable[[str, list[Result]], None] | None = None) -> Report:
+    """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps).
+    ``on_results(engine_version, results)``: each engine session's verdicts as soon as it ends, then the n/a ones."""
     from harness.catalog import hf_config
     from harness.provenance import device_name
 
@@ -674,12 +685,25 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
                       tp, dict(options or {}), log=log)
         log(f"read the adapter: {time.perf_counter() - t0:.1f} s")
         lanes, na = plan(ctx, relations)
-        if any(lane.reference and not lane.exact for lane in lanes):
-            lanes.append(Lane(ROUNDING, ctx.write("rerounded", rerounded(ctx.adapter, UNIT_ROUNDOFF[dtype],
-                                                                         ctx.seed + 2))))
-        runs, origs, bases, version = execute(ctx, lanes, prompts, k, log)
+        rounding = [Lane(ROUNDING, ctx.write("rerounded", rerounded(ctx.adapter, UNIT_ROUNDOFF[dtype], ctx.seed + 2)),
+                         session="original")] if any(lane.reference and not lane.exact for lane in lanes) else []
         factor = FACTORS[dtype] if factor is None else factor
-        results = judge_lanes(lanes, runs, origs, bases, dtype, factor, near_tie_eps=near_tie_eps) + na
+        results: list[Result] = []
+
+        def judge_session(group, runs, origs, bases, version):
+            # the rounding lane runs in the original's session, the first: every later session is judged with it
+            first = not results
+            got = judge_lanes([*rounding, *(x for x in group if x.name != ROUNDING)], runs, origs, bases, dtype,
+                              factor, near_tie_eps=near_tie_eps)
+            got = [r for r in got if first or r.relation != ROUNDING]
+            results.extend(got)
+            if on_results is not None:
+                on_results(version, got)
+
+        version = execute(ctx, lanes + rounding, prompts, k, log, judge_session)[3]
+        if on_results is not None and na:
+            on_results(version, na)
+        results += na
         order = {n: i for i, n in enumerate(RELATIONS)} | {"noise": -1}
         results.sort(key=lambda r: (order.get(r.relation.split(":")[0], 99), r.relation))
         return Report(engine, version, spec.name, adapter_name or Path(adapter_dir).name, dtype, k, results,

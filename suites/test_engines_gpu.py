@@ -55,13 +55,27 @@ def _report(engine: str, res, record_verdict=None) -> None:
         record_verdict(v)
 
 
+# engine defects lpdiff reproduces on purpose: the run must come out NOT as expected (a FAIL, or an engine that
+# died, reported as a FAIL); the day it comes out as expected the test fails, so that the fix gets recorded
+KNOWN_DEFECTS = {
+    # H200 x4, 2026-11-21 (runs 15 and 17, benchmarks/results/engines_gpu.md "Session 4"): illegal memory access in
+    # vLLM's _fused_moe_lora_one_shot_kernel on w13 (pinned by CUDA_LAUNCH_BLOCKING=1) with per-expert adapters
+    # at TP 4 (expert width 768 / 4 = 192 per rank); the same engine at TP 1 and TP 2 runs and PASSes
+    ("vllm", "qwen3_moe", 4): "vLLM 0.25.1 MoE-LoRA faults at TP 4 on Qwen3-MoE",
+}
+
+
 def _judge(engine: str, case, tp: int, record_verdict) -> None:
     layouts = check.layouts_for(engine, case.spec.arch)
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
     results = [check.run_check(case, engine, tp=tp, layouts=lays, store=check.default_store()) for lays in sessions]
     for res in results:
         _report(engine, res, record_verdict)
-    assert all(res.as_expected for res in results), "\n".join(check.format_result(r) for r in results)
+    table = "\n".join(check.format_result(r) for r in results)
+    if defect := KNOWN_DEFECTS.get((engine, case.spec.arch, tp)):
+        assert not all(res.as_expected for res in results), f"{defect}: no longer reproduced, record the fix\n{table}"
+        return
+    assert all(res.as_expected for res in results), table
 
 
 @pytest.mark.gpu1

@@ -26,9 +26,10 @@ from harness.job import zoo_adapters
 from harness.prompts import prompt_set
 
 
-def _check(rep: mm.Report) -> None:
+def _check(rep: mm.Report, written: bool = False) -> None:
+    """written: the rows already went to LPDIFF_METAMORPHIC_CSV session by session (_csv_writer)."""
     print("\n" + mm.format_report(rep))
-    if os.environ.get("LPDIFF_METAMORPHIC_CSV"):
+    if os.environ.get("LPDIFF_METAMORPHIC_CSV") and not written:
         mm.write_csv(rep, os.environ["LPDIFF_METAMORPHIC_CSV"])
     judged = [r for r in rep.results if r.verdict != "n/a"]
     assert judged, "no relation applied"
@@ -109,6 +110,19 @@ def _original(engine: str, spec, adapters: dict) -> str:
     pytest.fail(f"doctor refuses the adapter in every layout for {engine} on {spec.name}")
 
 
+def _csv_writer(engine: str, spec, dtype: str):
+    """Each engine session's rows into LPDIFF_METAMORPHIC_CSV as soon as it ends: a GPU job cut by its time limit
+    keeps what it measured (run 16 lost four finished SGLang sessions to a limit hit in the fifth)."""
+    path = os.environ.get("LPDIFF_METAMORPHIC_CSV")
+    if not path:
+        return None
+    from harness.provenance import device_name
+
+    def write(version, results):
+        mm.write_csv(mm.Report(engine, version, spec.name, "a16", dtype, 3, results, device_name()), path)
+    return write
+
+
 def _gpu_run(engine, gpu_case, relations, tmp_path):
     spec, adapters, prompts = gpu_case
     dtype = GPU_ENGINES[engine]
@@ -119,7 +133,8 @@ def _gpu_run(engine, gpu_case, relations, tmp_path):
         options.setdefault("lane_call_timeout_s", 300)
     return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name="a16", dtype=dtype,
                               options=options, relations=relations, k=3,
-                              near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path, log=_progress)
+                              near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path, log=_progress,
+                              on_results=_csv_writer(engine, spec, dtype))
 
 
 @pytest.mark.gpu1
@@ -129,7 +144,7 @@ def test_metamorphic_full_width(engine, gpu_case, tmp_path):
         pytest.skip(why)
     # LPDIFF_METAMORPHIC_RELATIONS=format,rank,... narrows a GPU run to what its device time allows
     chosen = os.environ.get("LPDIFF_METAMORPHIC_RELATIONS")
-    _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path))
+    _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path), written=True)
 
 
 @pytest.mark.gpu2
@@ -140,4 +155,4 @@ def test_metamorphic_tensor_parallel(engine, gpu_case, tmp_path):
         pytest.skip(why)
     rep = _gpu_run(engine, gpu_case, ["modes"], tmp_path)
     assert any(r.relation.startswith("mode:tp2") and r.verdict != "n/a" for r in rep.results)
-    _check(rep)
+    _check(rep, written=True)

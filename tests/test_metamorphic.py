@@ -113,6 +113,37 @@ def test_judge_floor_exactness_and_nonfinite():
     assert res["n"].verdict == "FAIL" and "NaN" in res["n"].note
 
 
+def test_rounding_noise_bounds_inexact_lanes_and_exact_lanes_use_their_own_reference():
+    base, orig = _run([-1.0, -2.0, -3.0]), _run([-1.5, -2.5, -2.0])
+    lanes = [mm.Lane(mm.ROUNDING, "x"), mm.Lane("f", "x"), mm.Lane("far", "x"),
+             mm.Lane("rows", None, reference=""), mm.Lane("z", "x", reference="rows", exact=True)]
+    runs = {mm.ROUNDING: _run([-1.5, -2.45, -2.0]),  # a bf16 re-rounding of the adapter moves a logprob by 0.05
+            "f": _run([-1.5, -2.4, -2.0]),  # 0.1: twice the rounding noise
+            "far": _run([-1.5, -1.9, -2.0]),  # 0.6: twelve times it
+            "rows": _run([-1.0, -2.0, -3.001]),  # base rows of another session: other kernels
+            "z": _run([-1.0, -2.0, -3.001])}  # the zero-B adapter there: exactly those rows
+    res = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "bfloat16")}
+    assert res[mm.ROUNDING].verdict == "noise" and res[mm.ROUNDING].max_abs == pytest.approx(0.05, rel=1e-4)
+    assert res["f"].verdict == "PASS" and res["f"].ratio == pytest.approx(2.0, rel=1e-3)
+    assert "rounding noise" in res["f"].note
+    assert res["far"].verdict == "FAIL" and res["far"].ratio == pytest.approx(12.0, rel=1e-3)
+    assert res["z"].verdict == "PASS" and res["z"].ratio == 0 and "rows" not in res
+
+
+def test_results_arrive_session_by_session(tmp_path):
+    """A GPU job cut by its time limit keeps the sessions it finished: run_metamorphic hands each session's
+    verdicts out as it ends, and together they are the report (the rounding-noise row once)."""
+    spec = get_model("tiny-qwen3-moe")
+    got = []
+    rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["all"].path, prompt_set(spec.name)[:3],
+                             relations=["factors", "zero_b", "batch", "gate_up"], tmp=tmp_path,
+                             on_results=lambda version, results: got.append((version, results)))
+    assert len(got) >= 2 and all(v == rep.engine_version for v, _ in got)
+    names = [r.relation for _, results in got for r in results]
+    assert sorted(names) == sorted(r.relation for r in rep.results) and names.count(mm.ROUNDING) == 1
+    assert not rep.failed, mm.format_report(rep)
+
+
 def _concatenated_part_rows(self):
     """The fault: gpt-oss's interleaved gate/up rows read as [gate; up] halves."""
     return list(torch.arange(self.out_features).view(len(self.parts), -1))
