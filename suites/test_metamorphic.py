@@ -72,6 +72,10 @@ def _step(what: str):
 
 
 GPU_MODELS = ["qwen3-30b-a3b", "gpt-oss-20b"]
+# adapter shapes: both module groups, experts only (no attention delta to hide an expert bug behind), attention
+# only (the expert relations are n/a, the rest must hold); LPDIFF_METAMORPHIC_ADAPTERS=a16,... narrows a GPU run
+GPU_ADAPTERS = {"a16": ("attention", "experts"), "experts16": ("experts",), "attention16": ("attention",)}
+CHOSEN_ADAPTERS = [a for a in os.environ.get("LPDIFF_METAMORPHIC_ADAPTERS", ",".join(GPU_ADAPTERS)).split(",") if a]
 GPU_ENGINES = {"triton": "float32", "vllm": "bfloat16", "sglang": "bfloat16"}
 NEAR_TIE = {"float32": 1e-5, "bfloat16": 4e-3}
 
@@ -89,28 +93,36 @@ def gpu_case(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     with _step(f"build {spec.name} x4 layers on cuda"):
         model = load_hf_model(spec, torch.float32, "cuda")
-    # rank 16 on attention and experts (SGLang needs q and v together), in both expert layouts (see _original)
-    with _step("generate the rank-16 adapter"):
-        adapter = generate_adapter(model, root / "a16", groups=("attention", "experts"), rank=16, alpha=32, seed=1)
-    with _step("convert it to per-expert keys"):
-        per_expert = convert_adapter(adapter.path, root / "a16-per-expert", "per_expert", model.config)
+    # rank 16 (SGLang needs q and v together: the attention group holds q/k/v/o), each shape in both expert layouts
+    # (see _original)
+    unknown = [a for a in CHOSEN_ADAPTERS if a not in GPU_ADAPTERS]
+    assert not unknown, f"LPDIFF_METAMORPHIC_ADAPTERS names {unknown}; known: {', '.join(GPU_ADAPTERS)}"
+    adapters = {}
+    for name, groups in ((a, GPU_ADAPTERS[a]) for a in CHOSEN_ADAPTERS):
+        with _step(f"generate the rank-16 adapter {name}"):
+            a = generate_adapter(model, root / name, groups=groups, rank=16, alpha=32, seed=1)
+            layouts = {"peft3d": a.path}
+            if "experts" in groups:
+                layouts["per_expert"] = convert_adapter(a.path, root / f"{name}-per-expert", "per_expert",
+                                                        model.config).path
+            adapters[name] = layouts
     del model
     torch.cuda.empty_cache()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (512, 333, 128, 480, 64, 257)]
-    return spec, {"peft3d": adapter.path, "per_expert": per_expert.path}, prompts
+    return spec, adapters, prompts
 
 
-def _original(engine: str, spec, adapters: dict) -> str:
+def _original(engine: str, spec, layouts: dict) -> str:
     """The first layout doctor lets this engine read: SGLang 0.5.15 dies on PEFT 3D expert adapters, and vLLM
     0.25.1's PEFT 3D path faults on Qwen3-MoE; both then get the same delta in per-expert keys."""
-    for layout in ("peft3d", "per_expert"):
-        if mm.refusal(spec, engine, adapters[layout]) is None:
-            return adapters[layout]
+    for path in layouts.values():
+        if mm.refusal(spec, engine, path) is None:
+            return path
     pytest.fail(f"doctor refuses the adapter in every layout for {engine} on {spec.name}")
 
 
-def _csv_writer(engine: str, spec, dtype: str):
+def _csv_writer(engine: str, spec, dtype: str, adapter: str):
     """Each engine session's rows into LPDIFF_METAMORPHIC_CSV as soon as it ends: a GPU job cut by its time limit
     keeps what it measured (run 16 lost four finished SGLang sessions to a limit hit in the fifth)."""
     path = os.environ.get("LPDIFF_METAMORPHIC_CSV")
@@ -119,32 +131,34 @@ def _csv_writer(engine: str, spec, dtype: str):
     from harness.provenance import device_name
 
     def write(version, results):
-        mm.write_csv(mm.Report(engine, version, spec.name, "a16", dtype, 3, results, device_name()), path)
+        mm.write_csv(mm.Report(engine, version, spec.name, adapter, dtype, 3, results, device_name()), path)
     return write
 
 
-def _gpu_run(engine, gpu_case, relations, tmp_path):
+def _gpu_run(engine, gpu_case, relations, tmp_path, name: str = "a16"):
     spec, adapters, prompts = gpu_case
     dtype = GPU_ENGINES[engine]
     with _step(f"doctor picks the layout {engine} reads"):
-        adapter = _original(engine, spec, adapters)
+        adapter = _original(engine, spec, adapters[name])
     options = engine_options(engine)
     if "python" in options:  # a subprocess lane: an engine that hangs becomes an error carrying its log tail
         options.setdefault("lane_call_timeout_s", 300)
-    return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name="a16", dtype=dtype,
+    return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name=name, dtype=dtype,
                               options=options, relations=relations, k=3,
                               near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path, log=_progress,
-                              on_results=_csv_writer(engine, spec, dtype))
+                              on_results=_csv_writer(engine, spec, dtype, name))
 
 
 @pytest.mark.gpu1
+@pytest.mark.parametrize("adapter", CHOSEN_ADAPTERS)
 @pytest.mark.parametrize("engine", list(GPU_ENGINES))
-def test_metamorphic_full_width(engine, gpu_case, tmp_path):
+def test_metamorphic_full_width(engine, adapter, gpu_case, tmp_path):
     if why := engine_missing(engine):
         pytest.skip(why)
     # LPDIFF_METAMORPHIC_RELATIONS=format,rank,... narrows a GPU run to what its device time allows
     chosen = os.environ.get("LPDIFF_METAMORPHIC_RELATIONS")
-    _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path), written=True)
+    _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path, adapter),
+           written=True)
 
 
 @pytest.mark.gpu2

@@ -46,14 +46,17 @@ def _metamorphic(engine: str, model: str, marker: str = "gpu1") -> tuple[str, ..
                    "-m", marker)
 
 
-# a metamorphic run split in two sets that fit one call each: "core" (one engine session besides the original's)
-# and "extra" (a checkpoint with the delta merged in, and one session per engine mode); gpt-oss's merged relation
-# would write a second 4-layer checkpoint per engine, its TP modes are in the tp2 job
+# a metamorphic run split in sets that fit one call each: "core" (one engine session besides the original's),
+# "extra" (a checkpoint with the delta merged in, and one session per engine mode; gpt-oss's merged relation
+# would write a second 4-layer checkpoint per engine, its TP modes are in the tp2 job) and "shapes" (the
+# experts-only and attention-only adapters on the relations that tell them apart)
 MM_SETS = {
-    ("qwen", "core"): "format,rank,factors,gate_up,zero_b,batch",
-    ("qwen", "extra"): "merged,modes",
-    ("gpt", "core"): "format,rank,factors,gate_up,zero_b,batch",
-    ("gpt", "extra"): "modes",
+    ("qwen", "core"): ("a16", "format,rank,factors,gate_up,zero_b,batch"),
+    ("qwen", "extra"): ("a16", "merged,modes"),
+    ("qwen", "shapes"): ("experts16,attention16", "format,factors,zero_b,batch"),
+    ("gpt", "core"): ("a16", "format,rank,factors,gate_up,zero_b,batch"),
+    ("gpt", "extra"): ("a16", "modes"),
+    ("gpt", "shapes"): ("experts16,attention16", "format,factors,zero_b,batch"),
 }
 MODEL_KEYS = {"qwen": "a3b", "gpt": "20b"}
 
@@ -69,7 +72,8 @@ def _jobs() -> list[Job]:
             Job(f"{engine}-engines-gpt", 1, 420, _engines(engine, "gpu1", f"{skip3d} and 20b"), stack),
             Job(f"{engine}-engines-tp2", 2, 480, _engines(engine, "gpu2"), stack),
             Job(f"{engine}-engines-tp4", 4, 480, _engines(engine, "gpu4"), stack),
-            Job(f"{engine}-mm-tp2", 2, 420, _metamorphic(engine, "", "gpu2"), stack),
+            Job(f"{engine}-mm-tp2", 2, 420, _metamorphic(engine, "", "gpu2"), stack,
+                {"LPDIFF_METAMORPHIC_ADAPTERS": "a16"}),
         ]
     # vLLM 0.25.1 on Qwen3-MoE (benchmarks/results/vllm_qwen3_crash.md): CUDA_LAUNCH_BLOCKING as a second workaround,
     # and at TP 4, where the per-expert path died with an illegal memory access (2026-11-21, run 14)
@@ -79,8 +83,9 @@ def _jobs() -> list[Job]:
         Job("vllm-engines-tp4-qwen-blocking", 4, 360, _engines("vllm", "gpu4", " and a3b"), "vllm", blocking),
     ]
     # triton beside SGLang on one GPU (SGLang takes half its memory, the fp32 4-layer triton runs ~30 GB)
-    for (model, which), relations in MM_SETS.items():
-        key, env = MODEL_KEYS[model], {"LPDIFF_METAMORPHIC_RELATIONS": relations}
+    for (model, which), (adapters, relations) in MM_SETS.items():
+        key = MODEL_KEYS[model]
+        env = {"LPDIFF_METAMORPHIC_ADAPTERS": adapters, "LPDIFF_METAMORPHIC_RELATIONS": relations}
         both = " & ".join(shlex.join(_metamorphic(e, key)).replace("{dir}/tmp", "{dir}/tmp-" + e)
                           for e in ("sglang", "triton")) + " & wait"
         jobs += [
