@@ -64,10 +64,13 @@ class HFEngine:
         if self.config.adapters:
             from peft import PeftModel
 
-            specs = list(self.config.adapters.values())
-            model = PeftModel.from_pretrained(model, specs[0].path, adapter_name=specs[0].name, is_trainable=False)
-            for spec in specs[1:]:
-                model.load_adapter(spec.path, adapter_name=spec.name, is_trainable=False)
+            # PEFT adapter names become module names (no '.'): lpdiff's names ("all.peft3d") map to slot names
+            self.peft_names = {name: f"adapter{i}" for i, name in enumerate(self.config.adapters)}
+            specs = list(self.config.adapters.items())
+            model = PeftModel.from_pretrained(model, specs[0][1].path, adapter_name=self.peft_names[specs[0][0]],
+                                              is_trainable=False)
+            for name, spec in specs[1:]:
+                model.load_adapter(spec.path, adapter_name=self.peft_names[name], is_trainable=False)
         self.model = model.eval()
         self.lm = model.get_base_model() if self.config.adapters else model
         self.decoder = self.lm.get_decoder()
@@ -94,7 +97,7 @@ class HFEngine:
             return nullcontext()
         if name is None:
             return self.model.disable_adapter()
-        self.model.set_adapter(name)
+        self.model.set_adapter(self.peft_names[name])
         return nullcontext()
 
     @torch.inference_mode()

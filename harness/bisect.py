@@ -67,7 +67,7 @@ def hf_capture(spec, adapters, adapter: str, prompts) -> dict:
     cap: dict = {}
     with open_engine("hf", EngineConfig(model=spec, adapters=adapters, options={"router_margins": False})) as eng:
         peft_model = eng.model
-        peft_model.set_adapter(adapter)
+        peft_model.set_adapter(eng.peft_names[adapter])
         handles = []
         for i, layer in enumerate(eng.decoder.layers):
             def attn_hook(mod, args, kwargs, out, i=i):

@@ -37,6 +37,15 @@ def test_correct_lanes_pass_and_the_broken_adapter_fails(case, store, dtype, tmp
     assert {r["verdict"] for r in rows if r["adapter"] == "broken"} == {"FAIL"}
 
 
+def test_triton_runtime_as_the_reference(case, store):
+    """HF+PEFT in bf16 judged against lpdiff's triton runtime in fp32 (noise: triton bf16 vs fp32): the engines'
+    roles swapped, the same verdicts."""
+    res = check.run_check(case, "hf", reference="triton", k=2, store=store, dtype="bfloat16", log=lambda s: None)
+    assert res.as_expected, check.format_result(res)
+    got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
+    assert not got["broken"] and all(ok for name, ok in got.items() if name != "broken"), got
+
+
 def test_reference_runs_come_from_the_store_the_second_time(case, store):
     first = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
     msgs = []

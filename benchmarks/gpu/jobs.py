@@ -82,6 +82,10 @@ def _jobs() -> list[Job]:
         Job("vllm-engines-qwen-blocking", 1, 480, _engines("vllm", "gpu1", " and a3b"), "vllm", blocking),
         Job("vllm-engines-tp4-qwen-blocking", 4, 360, _engines("vllm", "gpu4", " and a3b"), "vllm", blocking),
     ]
+    # vLLM / SGLang judged against lpdiff's triton runtime in fp32 instead of HF+PEFT
+    vs_triton = {"LPDIFF_CHECK_REFERENCE": "triton"}
+    jobs += [Job(f"{e}-engines-vs-triton", 1, 480, _engines(e, "gpu1", " and reference"), e, vs_triton)
+             for e in ("vllm", "sglang")]
     # triton beside SGLang on one GPU (SGLang takes half its memory, the fp32 4-layer triton runs ~30 GB)
     for (model, which), (adapters, relations) in MM_SETS.items():
         key = MODEL_KEYS[model]
