@@ -73,8 +73,9 @@ CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "re
 DEFAULT_CSV = REPO_ROOT / "benchmarks" / "results" / "metamorphic.csv"
 # alone: every prompt with the lane's adapter in one call; beside_other: the same, in an engine that also holds a
 # different adapter of twice the rank; mixed: each prompt's row next to a base row and an other-adapter row in one
-# call; permuted: the mixed rows shuffled; single: one call per prompt
-ARRANGEMENTS = ("alone", "beside_other", "mixed", "permuted", "single")
+# call; permuted: the mixed rows shuffled; single: one call per prompt; tripled: every prompt three times with the
+# lane's adapter (the mixed batch's size without its other adapters: tells a batch-size effect from a mixing one)
+ARRANGEMENTS = ("alone", "beside_other", "mixed", "permuted", "single", "tripled")
 ORIG, OTHER = "orig", "other"  # adapter names of the original adapter and the unrelated neighbour in batches
 
 
@@ -377,7 +378,8 @@ def _batch(ctx: Context):
     d = str(ctx.adapter_dir)
     return [Lane("batch:mixed", d, arrangement="mixed", session="transformed"),
             Lane("batch:permuted", d, arrangement="permuted", session="transformed"),
-            Lane("batch:size_1", d, arrangement="single", session="original")]
+            Lane("batch:size_1", d, arrangement="single", session="original"),
+            Lane("batch:tripled", d, arrangement="tripled", session="transformed")]
 
 
 # engine -> mode name -> (options, tp, applies(ctx) -> None or why not)
@@ -529,6 +531,8 @@ def _arrange(lane: Lane, n: int, seed: int) -> list[tuple[list[int], list[str | 
         return [(list(range(n)), [me] * n)]
     if lane.arrangement == "single":
         return [([i], [me]) for i in range(n)]
+    if lane.arrangement == "tripled":
+        return [([i for i in range(n) for _ in range(3)], [me] * (3 * n))]
     rows = [(i, who) for i in range(n) for who in ((me, None, OTHER) if i % 2 else (None, OTHER, me))]
     if lane.arrangement == "permuted":
         order = np.random.default_rng(seed).permutation(len(rows))
@@ -581,7 +585,7 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
         for j, lane in enumerate(group):
             if lane.adapter is not None and lane.adapter != str(ctx.adapter_dir):
                 adapters[f"lane{j}"] = AdapterSpec(f"lane{j}", lane.adapter)
-        if any(lane.arrangement not in ("alone", "single") for lane in group):
+        if any(lane.arrangement not in ("alone", "single", "tripled") for lane in group):
             adapters[OTHER] = AdapterSpec(OTHER, other_dir)
         cfg = EngineConfig(model=model or ctx.spec, adapters=adapters, dtype=ctx.dtype, tp=tp or ctx.tp,
                            options={**ctx.options, **json.loads(options)})
