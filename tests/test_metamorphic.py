@@ -130,6 +130,18 @@ def test_rounding_noise_bounds_inexact_lanes_and_exact_lanes_use_their_own_refer
     assert res["z"].verdict == "PASS" and res["z"].ratio == 0 and "rows" not in res
 
 
+def test_a_mode_lane_is_bounded_by_its_own_rerun_noise_too():
+    base, orig = _run([-1.0, -2.0, -3.0]), _run([-1.5, -2.5, -2.0])
+    lanes = [mm.Lane("mode:tp4:lora", "x", reruns=2), mm.Lane("mode:tp4:base", None, reference="base", reruns=2)]
+    runs = {"mode:tp4:lora": _run([-1.5, -2.4, -2.0]), mm.rerun_name("mode:tp4:lora", 1): _run([-1.5, -2.45, -2.0]),
+            "mode:tp4:base": _run([-1.0, -2.0, -3.0]), mm.rerun_name("mode:tp4:base", 1): _run([-1.0, -2.0, -3.0])}
+    res = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "float32")}
+    lora = res["mode:tp4:lora"]  # 0.1 off, reruns 0.05 apart: ratio 2 against its own noise, not 1e5 vs the floor
+    assert lora.verdict == "PASS" and lora.ratio == pytest.approx(2.0, rel=1e-3) and "this lane's" in lora.note
+    assert lora.rerun_noise == pytest.approx(0.05, rel=1e-3) and res["mode:tp4:base"].ratio == 0
+    assert len(res) == 2  # reruns are not lanes of their own
+
+
 def test_results_arrive_session_by_session(tmp_path):
     """A GPU job cut by its time limit keeps the sessions it finished: run_metamorphic hands each session's
     verdicts out as it ends, and together they are the report (the rounding-noise row once)."""
