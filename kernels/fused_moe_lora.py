@@ -584,11 +584,17 @@ def _misread_as_gated(w_down, lora):
 
 
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
-                lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto") -> torch.Tensor:
+                lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
+                backend: str = "triton") -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
-    "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside."""
+    "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside.
+    backend (impl triton only): "triton" (this file's fused kernel) or "grouped_mm" (kernels/moe_grouped.py)."""
+    from kernels.moe_grouped import BACKENDS, moe_forward_grouped  # lazy: moe_grouped builds on this file
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if activation == "relu2" and faults.on("relu2_as_gated"):
         activation, w_down, lora = _misread_as_gated(w_down, lora)
     check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora,
@@ -596,4 +602,4 @@ def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b
     args = (x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter)
     if resolve_impl(impl, x) == "torch":
         return moe_forward_torch(*args)
-    return moe_forward_triton(*args)
+    return (moe_forward_grouped if backend == "grouped_mm" else moe_forward_triton)(*args)

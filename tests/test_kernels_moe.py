@@ -77,7 +77,7 @@ def check_moe(p, tol, **kw):
     if p["lora"] is not None:
         base = dict(p, lora=None, token_adapter=None)
         d_ref = ref.float() - moe_forward(**base, impl="torch").float()
-        d_out = out.float() - moe_forward(**base, impl="triton").float()
+        d_out = out.float() - moe_forward(**base, impl="triton", **kw).float()
         derr = rel_err(d_out, d_ref)
         assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
     return out, ref

@@ -15,6 +15,9 @@ Options (``EngineConfig.options``):
   logit_chunk       rows per log-softmax chunk (default 1024)
   timeout_s         tensor-parallel start-up and collective timeout (default 600)
   fault             None (default) or a bug-zoo fault name (kernels/faults.py; also $LPDIFF_FAULT)
+  moe_backend       "triton" (default: the fused MoE-LoRA kernel) | "grouped_mm" (torch's CUTLASS grouped GEMM for
+                    the expert bases + Triton LoRA passes; bf16 on sm90/sm100, else the fused kernel;
+                    kernels/moe_grouped.py)
 """
 from engines.triton.engine import TritonEngine
 

@@ -12,7 +12,7 @@ from engines.triton.config import SUPPORTED_ARCHS
 from harness.types import PromptLogprobs
 
 OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0,
-           "fault": None}
+           "fault": None, "moe_backend": "triton"}
 IMPLS = ("auto", "triton", "torch")
 ATTENTION = ("auto", "flash", "sdpa")
 
@@ -33,6 +33,10 @@ class TritonEngine:
         if self.options["attention"] not in ATTENTION:
             raise ValueError(f"option attention must be one of {ATTENTION}, got {self.options['attention']!r}")
         from kernels import faults
+        from kernels.moe_grouped import BACKENDS
+
+        if self.options["moe_backend"] not in BACKENDS:
+            raise ValueError(f"option moe_backend must be one of {BACKENDS}, got {self.options['moe_backend']!r}")
 
         self.options["fault"] = faults.resolve(self.options)  # resolved once, so TP workers run the same one
         if config.tp not in (1, 2, 4, 8):
@@ -110,7 +114,8 @@ class TritonEngine:
         import transformers
 
         fault = f", FAULT {self.options['fault']}" if self.options["fault"] else ""
-        return (f"lpdiff-triton (impl {self.options['impl']}{fault}), torch {torch.__version__}, "
+        moe = f", moe {self.options['moe_backend']}" if self.options["moe_backend"] != OPTIONS["moe_backend"] else ""
+        return (f"lpdiff-triton (impl {self.options['impl']}{moe}{fault}), torch {torch.__version__}, "
                 f"triton {triton.__version__}, transformers {transformers.__version__}")
 
     # -- work ------------------------------------------------------------------------------------------------

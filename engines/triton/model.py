@@ -21,10 +21,10 @@ from engines.triton.weights import LayerWeights, ModelWeights
 
 class MoeTransformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: StackedLora | None, shard: Shard,
-                 all_reduce, impl: str = "auto", attention_impl: str = "auto"):
+                 all_reduce, impl: str = "auto", attention_impl: str = "auto", moe_backend: str = "triton"):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
-        self.impl, self.attention_impl = impl, attention_impl
+        self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
         # the LoRA kernels hold a (rows, rank) accumulator in registers up to rank KERNEL_MAX_RANK; a larger adapter
         # (e.g. the exact shared-outer form, rank E*r) runs its LoRA-bearing layers on the torch references instead
         self.lora_impl = impl
@@ -56,7 +56,8 @@ class MoeTransformer:
             ids, weights, m = route(h, lw, cfg, self.impl)
             margin = torch.minimum(margin, m)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
-                                            batch.token_adapter, self.lora_impl if ll is not None else self.impl))
+                                            batch.token_adapter, self.lora_impl if ll is not None else self.impl,
+                                            self.moe_backend))
             if self.capture is not None:
                 self.capture[i] = x + delta
         return self._norm(x, delta, self.w.norm)[0], margin

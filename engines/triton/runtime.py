@@ -8,6 +8,7 @@ import torch
 from engines.base import EngineConfig
 from engines.triton.batch import Batch
 from engines.triton.config import model_config
+from engines.triton.engine import OPTIONS
 from engines.triton.loader import open_source
 from engines.triton.lora import stack_adapters
 from engines.triton.model import MoeTransformer
@@ -42,7 +43,10 @@ class Runtime:
 
             adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)
-        self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl)
+        # read from the config, so that tensor-parallel workers (tp.worker_main) pick the same backend
+        moe_backend = config.options.get("moe_backend", OPTIONS["moe_backend"])
+        self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl,
+                                    moe_backend)
 
     def slot(self, name: str | None) -> int:
         return -1 if name is None else self.lora.slot(name)
