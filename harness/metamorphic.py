@@ -386,7 +386,6 @@ def _batch(ctx: Context):
             Lane("batch:tripled", d, arrangement="tripled", session="transformed")]
 
 
-# engine -> mode name -> (options, tp, applies(ctx) -> None or why not)
 def _cuda(ctx: Context, need: int = 1) -> str | None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return None if have >= need else f"needs {need} GPU(s), this machine has {have}"
@@ -406,16 +405,17 @@ def _interpreter_or_cuda(ctx: Context) -> str | None:
     return _cuda(ctx) and "Triton kernels need CUDA (or TRITON_INTERPRET=1, slow)"
 
 
-def _tp2(engine: str):
+def _tp_applies(engine: str, n: int):
     def applies(ctx: Context) -> str | None:
         if ctx.tp != 1:
             return "the run is already tensor-parallel"
-        if engine == "triton" and not torch.cuda.is_available():
+        if engine == "triton" and n == 2 and not torch.cuda.is_available():
             return None  # gloo on CPU: a real test of the sharding math
-        return _cuda(ctx, 2)
+        return _cuda(ctx, n)
     return applies
 
 
+# engine -> variant -> (options, tp, applies(ctx) -> None or why not)
 ENGINE_MODES: dict[str, dict[str, tuple[dict, int | None, Callable]]] = {
     "hf": {f"experts_{impl}": ({"experts_impl": impl}, None, _moe) for impl in ("eager", "batched_mm", "grouped_mm")},
     "triton": {
@@ -423,39 +423,45 @@ ENGINE_MODES: dict[str, dict[str, tuple[dict, int | None, Callable]]] = {
         "kernels_triton": ({"impl": "triton"}, None, _interpreter_or_cuda),
         "attention_sdpa": ({"attention": "sdpa"}, None, lambda ctx: None),
         "attention_flash": ({"attention": "flash"}, None, _bf16_cuda),
-        "tp2": ({}, 2, _tp2("triton")),
     },
     "vllm": {
         "cuda_graphs_on": ({"llm_kwargs": {"enforce_eager": False}}, None, _cuda),
         "chunked_prefill_64": ({"llm_kwargs": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}},
                                None, lambda ctx: None),
         "chunked_prefill_off": ({"llm_kwargs": {"enable_chunked_prefill": False}}, None, lambda ctx: None),
-        "tp2": ({}, 2, _tp2("vllm")),
     },
     "sglang": {
         "cuda_graphs_on": ({"server_args": {"disable_cuda_graph": False}}, None, _cuda),
         "chunked_prefill_64": ({"server_args": {"chunked_prefill_size": 64}}, None, _cuda),
         "lora_backend_csgmv": ({"server_args": {"lora_backend": "csgmv"}}, None, _cuda),
-        "tp2": ({}, 2, _tp2("sglang")),
     },
 }
+TP_SIZES = {e: {str(n): ({}, n, _tp_applies(e, n)) for n in (2, 4)} for e in ("triton", "vllm", "sglang")}
 
 
-def _modes(ctx: Context):
-    modes = ENGINE_MODES.get(ctx.engine)
-    if not modes:
-        return f"no engine modes are known for engine {ctx.engine!r}"
+def _variant_lanes(ctx: Context, relation: str, table: dict, session: str):
+    """One engine session per variant (options, TP), holding the adapter lane and a base lane, each run twice."""
+    variants = table.get(ctx.engine)
+    if not variants:
+        return f"no {relation} variants are known for engine {ctx.engine!r}"
     lanes: list = []
-    for mode, (opts, tp, applies) in modes.items():
-        why = applies(ctx)
-        if why:
-            lanes += [f"mode:{mode}: {why}"]
+    for variant, (opts, tp, applies) in variants.items():
+        if why := applies(ctx):
+            lanes.append(f"{relation}:{variant}: {why}")
             continue
         merged_opts = json.dumps(opts, sort_keys=True)
         for adapter, ref, tag in ((str(ctx.adapter_dir), ORIG, "lora"), (None, "base", "base")):
-            lanes.append(Lane(f"mode:{mode}:{tag}", adapter, reference=ref, session=f"mode:{mode}",
+            lanes.append(Lane(f"{relation}:{variant}:{tag}", adapter, reference=ref, session=f"{session}:{variant}",
                               options=merged_opts, tp=tp, reruns=2))
     return lanes
+
+
+def _modes(ctx: Context):
+    return _variant_lanes(ctx, "mode", ENGINE_MODES, "mode")
+
+
+def _tp(ctx: Context):
+    return _variant_lanes(ctx, "tp", TP_SIZES, "tp")
 
 
 RELATIONS: dict[str, Relation] = {r.name: r for r in [
@@ -467,6 +473,7 @@ RELATIONS: dict[str, Relation] = {r.name: r for r in [
     Relation("zero_b", "an all-zero B is the base model, exactly", _zero_b),
     Relation("batch", "the adapter's rows mixed with others, permuted, batch size 1", _batch),
     Relation("modes", "engine switches that must not change the math", _modes),
+    Relation("tp", "TP 2 and 4 against TP 1, each judged with its own rerun noise", _tp),
 ]}
 
 

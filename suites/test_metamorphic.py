@@ -43,8 +43,8 @@ CPU_CASES = [
     # merged weights, its expert kernels as modes
     pytest.param("hf", "tiny-qwen3-moe", "all", ["format", "merged", "zero_b", "modes"], id="hf-qwen3"),
     # our runtime on gpt-oss (interleaved, transposed experts): every relation but the slow ones (merged: another
-    # checkpoint; modes: tensor-parallel workers) that tests/test_metamorphic.py and the CSV cover
-    pytest.param("triton", "tiny-gpt-oss", "all", ["format", "rank", "factors", "gate_up", "zero_b", "batch"],
+    # checkpoint; modes: the Triton interpreter) that tests/test_metamorphic.py and the CSV cover; TP 2 over gloo
+    pytest.param("triton", "tiny-gpt-oss", "all", ["format", "rank", "factors", "gate_up", "zero_b", "batch", "tp"],
                  id="triton-gpt-oss"),
 ]
 
@@ -164,9 +164,10 @@ def test_metamorphic_full_width(engine, adapter, gpu_case, tmp_path):
 @pytest.mark.gpu2
 @pytest.mark.parametrize("engine", list(GPU_ENGINES))
 def test_metamorphic_tensor_parallel(engine, gpu_case, tmp_path):
-    """The modes relation on two GPUs: TP 2 (and the other switches) against TP 1's rerun noise."""
+    """The tp relation: TP 2 (and TP 4 where four GPUs are visible) against TP 1, each TP session judged with its
+    own rerun noise as well as TP 1's."""
     if why := engine_missing(engine):
         pytest.skip(why)
-    rep = _gpu_run(engine, gpu_case, ["modes"], tmp_path)
-    assert any(r.relation.startswith("mode:tp2") and r.verdict != "n/a" for r in rep.results)
+    rep = _gpu_run(engine, gpu_case, ["tp"], tmp_path)
+    assert any(r.relation.startswith("tp:2:") and r.verdict != "n/a" for r in rep.results)
     _check(rep, written=True)

@@ -48,7 +48,7 @@ def _metamorphic(engine: str, model: str, marker: str = "gpu1") -> tuple[str, ..
 
 # a metamorphic run split in sets that fit one call each: "core" (one engine session besides the original's),
 # "extra" (a checkpoint with the delta merged in, and one session per engine mode; gpt-oss's merged relation
-# would write a second 4-layer checkpoint per engine, its TP modes are in the tp2 job) and "shapes" (the
+# would write a second 4-layer checkpoint per engine; TP is the *-mm-tp2/tp4 jobs' relation) and "shapes" (the
 # experts-only and attention-only adapters on the relations that tell them apart)
 MM_SETS = {
     ("qwen", "core"): ("a16", "format,rank,factors,gate_up,zero_b,batch"),
@@ -73,6 +73,8 @@ def _jobs() -> list[Job]:
             Job(f"{engine}-engines-tp2", 2, 480, _engines(engine, "gpu2"), stack),
             Job(f"{engine}-engines-tp4", 4, 480, _engines(engine, "gpu4"), stack),
             Job(f"{engine}-mm-tp2", 2, 420, _metamorphic(engine, "", "gpu2"), stack,
+                {"LPDIFF_METAMORPHIC_ADAPTERS": "a16"}),
+            Job(f"{engine}-mm-tp4", 4, 480, _metamorphic(engine, "", "gpu2"), stack,
                 {"LPDIFF_METAMORPHIC_ADAPTERS": "a16"}),
         ]
     # vLLM 0.25.1 on Qwen3-MoE (benchmarks/results/vllm_qwen3_crash.md): CUDA_LAUNCH_BLOCKING as a second workaround,
