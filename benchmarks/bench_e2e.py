@@ -3,6 +3,7 @@ expert's gate_up/down) against HF+PEFT (engines.hf, grouped_mm experts), measure
 with peak GPU memory against the runtime's weights + LoRA bytes.
 
     python benchmarks/bench_e2e.py --models qwen3-30b-a3b gpt-oss-20b --out DIR [--commit SHA] [--layers N]
+        [--moe-backend triton|grouped_mm]   # the triton engine's moe_backend option (impl column triton+BACKEND)
 
 Models are the catalog's full-size configs built on the GPU with the seeded recipe (no downloads); both engines
 see the same weights. Rows are appended to DIR/e2e.csv as they are measured (columns of
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.base import EngineConfig  # noqa: E402
+from kernels.moe_grouped import BACKENDS  # noqa: E402
 from harness.types import AdapterSpec  # noqa: E402
 
 COLUMNS = ["date", "commit", "gpu", "model", "tokens", "tp", "dtype", "adapter", "impl", "tokens_per_s",
@@ -109,14 +111,17 @@ def bench_model(name: str, args, writer) -> None:
                     outs[("hf", a)] = hf.prompt_logprobs(prompts, a)
             free_gpu()
         t0 = time.perf_counter()
-        with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda")) as tr:
+        opts = {"moe_backend": args.moe_backend}
+        impl = "triton" if args.moe_backend == "triton" else f"triton+{args.moe_backend}"
+        with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
+                                       options=opts)) as tr:
             wbytes = tr.runtime.weights.nbytes()
             lbytes = tr.runtime.lora.nbytes()
             log(f"triton loaded in {time.perf_counter() - t0:.1f} s: weights {wbytes / 1e9:.2f} GB, "
                 f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
             for a in (None, adapter.name):
                 secs, peak = timed(tr, prompts, a, 2, args.reps)
-                results[("triton", a)] = row(f"r{args.rank}" if a else "none", "triton", secs, peak)
+                results[("triton", a)] = row(f"r{args.rank}" if a else "none", impl, secs, peak)
                 outs[("triton", a)] = tr.prompt_logprobs(prompts, a)
             if args.profile:
                 profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}.txt")
@@ -124,9 +129,9 @@ def bench_model(name: str, args, writer) -> None:
         free_gpu()
         if args.sdpa_too:  # the attention fallback path, LoRA only
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
-                                           options={"attention": "sdpa"})) as tr:
+                                           options={**opts, "attention": "sdpa"})) as tr:
                 secs, peak = timed(tr, prompts, adapter.name, 2, args.reps)
-                row(f"r{args.rank}", "triton-sdpa", secs, peak)
+                row(f"r{args.rank}", f"{impl}-sdpa", secs, peak)
                 outs[("sdpa", adapter.name)] = tr.prompt_logprobs(prompts, adapter.name)
             free_gpu()
     for a in (None, adapter.name):  # bf16 agreement: noisy on random full-size models, but catches gross errors
@@ -193,7 +198,7 @@ def breakdown(eng, prompts, adapter: str) -> None:
             "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
             "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, None, ta),
             "router+route": lambda: route(x, lw, cfg, m.impl),
-            "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl),
+            "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend),
         }
         for piece, fn in pieces.items():
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -223,6 +228,8 @@ def main():
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
+    p.add_argument("--moe-backend", default="triton", choices=BACKENDS,
+                   help="the triton engine's moe_backend option (kernels/moe_grouped.py)")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out) / "e2e.csv"

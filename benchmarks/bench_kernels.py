@@ -1,11 +1,14 @@
-"""Benchmark of the fused MoE-LoRA kernels against the same kernels without LoRA, torch grouped_mm + unfused LoRA
-and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes; and the dense LoRA
-linear (lora_linear: cuBLAS base + in-place Triton LoRA, the fused Triton kernel, cuBLAS + torch LoRA, and the
+"""Benchmark of the fused MoE-LoRA kernels against the same kernels without LoRA, the grouped_mm backend
+(kernels/moe_grouped.py: CUTLASS bases + Triton LoRA passes, with its per-stage times), torch grouped_mm + unfused
+LoRA and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes; and the dense
+LoRA linear (lora_linear: cuBLAS base + in-place Triton LoRA, the fused Triton kernel, cuBLAS + torch LoRA, and the
 bases alone) at the Qwen3-30B-A3B q|k|v and o projection shapes.
 
-    python benchmarks/bench_kernels.py --out DIR [--commit SHA] [--sweep] [--quick]
+    python benchmarks/bench_kernels.py --out DIR [--commit SHA] [--quick]
     python benchmarks/bench_kernels.py --check   # CPU: the baselines against the reference, no timing
     python benchmarks/bench_kernels.py --out DIR --quick --dense-only   # lora_linear rows only
+    python benchmarks/bench_kernels.py --out DIR --quick --moe-only     # MoE rows only (both backends)
+    python benchmarks/bench_kernels.py --out DIR --sweep   # only: moe_forward_triton over a grid of tiles
 
 Writes DIR/kernels.csv (date,commit,gpu,benchmark,shape,T,adapters,dtype,impl,ms,tflops,pct_roofline) and
 DIR/bench.log; prints a table last. Roofline: time = max(FLOPs / measured bf16 matmul rate, bytes / measured copy
@@ -32,6 +35,7 @@ from kernels.fused_moe_lora import (GemmConfig, MoeLoraWeights, activate, defaul
                                     launch_gemm, moe_forward, moe_forward_triton)
 from kernels.lora_linear import base_linear, lora_linear  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
+from kernels import moe_grouped as mg  # noqa: E402
 
 COLUMNS = ["date", "commit", "gpu", "benchmark", "shape", "T", "adapters", "dtype", "impl", "ms", "tflops",
            "pct_roofline"]
@@ -258,15 +262,93 @@ def stage_breakdown(p, cfg1: GemmConfig, cfg2: GemmConfig, rep=50) -> dict:
     return t
 
 
+def grouped_stages(p, rep=50) -> dict:
+    """Times each step of moe_forward_grouped alone (same inputs, same order). The key in parentheses is not a
+    step: gate_up's grouped GEMM on a contiguous (E, H, N1) copy of the weights, against the transposed view of
+    the nn.Linear layout that the backend passes (no copy)."""
+    x, lora, ids = p["x"], p["lora"], p["topk_ids"]
+    E, n1, _ = p["w_gate_up"].shape
+    K = ids.shape[1]
+    t = {"sort": bench(lambda: mg.sort_by_expert(ids, E), rep)}
+    row_pair, row_expert, offs = mg.sort_by_expert(ids, E)
+    t["gather"] = bench(lambda: x[row_pair // K], rep)
+    tok = row_pair // K
+    xg = x[tok]
+    t["gemm1"] = bench(lambda: mg.grouped_gemm(xg, p["w_gate_up"], offs), rep)
+    wt = p["w_gate_up"].transpose(1, 2).contiguous()
+    t["(gemm1, (E,H,N1) copy)"] = bench(lambda: mg._GROUPED_MM(xg, wt, offs=offs), rep)
+    del wt
+    h = mg.grouped_gemm(xg, p["w_gate_up"], offs)
+    if lora is not None:  # the in-place deltas add up over the repetitions: the values are not looked at
+        slot = p["token_adapter"][tok]
+        t["plan_lora"] = bench(lambda: mg.plan_lora(row_expert, slot, lora, E, (n1, x.shape[1])), rep)
+        blocks, cfg1, cfg2 = mg.plan_lora(row_expert, slot, lora, E, (n1, x.shape[1]))
+        t["delta1"] = bench(lambda: mg.add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks,
+                                                      p["w_gate_up"], cfg1), rep)
+    t["bias_act"] = bench(lambda: mg.bias_act(h, row_expert, p["b_gate_up"], p["activation"]), rep)
+    act = mg.bias_act(h, row_expert, p["b_gate_up"], p["activation"])
+    t["gemm2"] = bench(lambda: mg.grouped_gemm(act, p["w_down"], offs), rep)
+    y = mg.grouped_gemm(act, p["w_down"], offs)
+    if lora is not None:
+        t["delta2"] = bench(lambda: mg.add_lora_delta(y, act, lora.down_a, lora.down_b, lora, blocks, p["w_down"],
+                                                      cfg2), rep)
+    row_of = torch.empty_like(row_pair)
+    row_of[row_pair] = torch.arange(row_pair.shape[0], dtype=row_pair.dtype, device=x.device)
+    t["topk_sum"] = bench(lambda: mg.topk_sum(y, row_of, ids, p["topk_weights"], p["b_down"]), rep)
+    return t
+
+
+def stages_line(t: dict) -> str:
+    return (", ".join(f"{k} {v:.4f}" for k, v in t.items())
+            + f" | sum {sum(v for k, v in t.items() if not k.startswith('(')):.4f} ms")
+
+
+def sweep_pairs() -> list[tuple[GemmConfig, GemmConfig]]:
+    """24 tile configs of moe_forward_triton (gate_up, down): block_m x gate_up output columns x block_k x
+    (warps, stages). The down GEMM gets the same dot width (block_n counts output columns; gate_up's gated dot
+    is 2*block_n wide) and the same block_m (both GEMMs share one alignment). Today's default comes first."""
+    pairs = []
+    for bm, bn, bk, (warps, stages) in itertools.product((128, 64), (128, 64), (64, 32), ((8, 4), (8, 3), (4, 3))):
+        pairs.append((GemmConfig(bm, bn, bk, 4, warps, stages), GemmConfig(bm, 2 * bn, bk, 4, warps, stages)))
+    return pairs
+
+
+def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
+    """moe_forward_triton over sweep_pairs() at the Qwen3-30B-A3B shape, T=4096, one adapter and none; stops
+    starting configs after budget_s (each new config compiles four kernels). Best five of each printed last."""
+    s = SHAPES[0]
+    p = make_inputs(s, 4096, 1, R, torch.bfloat16, "cuda")
+    base = dict(p, lora=None, token_adapter=None)
+    t0, results = time.time(), {"lora": [], "no_lora": []}
+    for c1, c2 in sweep_pairs():
+        if time.time() - t0 > budget_s:
+            log(f"sweep: budget {budget_s:.0f} s spent, configs from c1={c1} on not tried")
+            break
+        for name, q in (("lora", p), ("no_lora", base)):
+            try:
+                ms = bench(lambda: moe_forward_triton(**q, config=c1, down_config=c2))
+            except Exception as exc:  # a config that does not compile or fit must not end the run
+                log(f"sweep {name} c1={c1} c2={c2} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            results[name].append((ms, c1, c2))
+            record_row(name, c1, c2, ms)
+    for name, res in results.items():
+        for ms, c1, c2 in sorted(res, key=lambda r: r[0])[:5]:
+            log(f"sweep best {name}: {ms:.4f} ms c1={c1} c2={c2}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/run")
     ap.add_argument("--commit", default=os.environ.get("LPDIFF_COMMIT", "unknown"))
-    ap.add_argument("--sweep", action="store_true", help="try several tile configs at Qwen3 T=4096 one adapter")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only: moe_forward_triton over a grid of tile configs at Qwen3 T=4096 (sweep_pairs)")
+    ap.add_argument("--sweep-budget-s", type=float, default=200.0, help="start no sweep config after this")
     ap.add_argument("--quick", action="store_true", help="T=4096 only")
     ap.add_argument("--check", action="store_true", help="CPU: baselines vs reference at small shapes, no timing")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--dense-only", action="store_true", help="only the dense lora_linear rows (no MoE layers)")
+    ap.add_argument("--moe-only", action="store_true", help="only the MoE layer rows (no dense lora_linear)")
     args = ap.parse_args()
     if args.check:
         return check_baselines()
@@ -306,33 +388,30 @@ def main():
         log(f"{bm:10s} {shape_label:40s} T={T:6d} L={L} {impl:34s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
             f"{100 * floor / ms:5.1f}% roofline (floor {floor:.3f} ms)")
 
+    if args.sweep:
+        def sweep_row(name, c1, c2, ms):
+            rows.append(dict(benchmark="moe_sweep", shape=SHAPES[0].label(R), T=4096, adapters=int(name == "lora"),
+                             dtype="bf16", impl=f"c1={c1} c2={c2}", ms=f"{ms:.4f}"))
+            log(f"sweep {name:7s} {ms:8.4f} ms c1={c1} c2={c2}")
+        tile_sweep(log, sweep_row, R, args.sweep_budget_s)
+        csvf.close()
+        log(f"wrote {len(rows)} rows to {path}")
+        return
+
     moe_shapes = [] if args.dense_only else SHAPES
     # correctness at the benchmark shapes before timing them
     for s in moe_shapes:
         p = make_inputs(s, 1024, 2, R, torch.bfloat16, "cuda", seed=1)
         ref = moe_forward(**p, impl="torch")
-        err = ((moe_forward(**p, impl="triton").float() - ref.float()).norm() / ref.float().norm()).item()
-        err_t = ((torch_grouped_lora(**p).float() - ref.float()).norm() / ref.float().norm()).item()
-        log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e}, torch grouped_mm+LoRA rel err {err_t:.2e}")
-
-    if args.sweep and not args.dense_only:
-        s = SHAPES[0]
-        p = make_inputs(s, 4096, 1, R, torch.bfloat16, "cuda")
-        # block_n counts output columns: the gated gate_up dot is 2*block_n wide
-        pairs = [(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3)),
-                 (GemmConfig(128, 64, 64, 8, 8, 4), GemmConfig(128, 128, 64, 8, 8, 4)),
-                 (GemmConfig(64, 128, 64, 8, 8, 3), GemmConfig(64, 256, 64, 8, 8, 3)),
-                 (GemmConfig(128, 128, 64, 16, 8, 3), GemmConfig(128, 256, 64, 16, 8, 3)),
-                 (GemmConfig(128, 128, 64, 4, 8, 4), GemmConfig(128, 256, 64, 4, 8, 4))]
-        for c1, c2 in pairs:
-            try:
-                for lora_on in (True, False):
-                    q = p if lora_on else dict(p, lora=None, token_adapter=None)
-                    t = stage_breakdown(q, c1, c2)
-                    log(f"sweep lora={lora_on} c1={c1} c2={c2}: " + ", ".join(f"{k} {v:.4f}" for k, v in t.items())
-                        + f" | total {sum(t.values()):.4f} ms")
-            except Exception as exc:  # a config that does not compile must not end the run
-                log(f"sweep c1={c1} c2={c2} failed: {type(exc).__name__}: {str(exc)[:200]}")
+        err = rel_err(moe_forward(**p, impl="triton"), ref)
+        err_g = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
+        err_t = rel_err(torch_grouped_lora(**p), ref)
+        log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e}, grouped_mm backend rel err {err_g:.2e}, "
+            f"torch grouped_mm+LoRA rel err {err_t:.2e}")
+        why = mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"])
+        if why is not None:
+            log(f"WARNING {s.name}: the grouped_mm backend falls back to the fused kernel here ({why}); its rows "
+                "are labelled grouped_mm(fallback)")
 
     Ts = (4096,) if args.quick else (512, 4096, 32768)
     for s in moe_shapes:
@@ -342,6 +421,10 @@ def main():
                 lab = s.label(R)
                 fl, fb = moe_flops(s, T, R, True), moe_bytes(s, T, R, L)
                 record("moe_layer", lab, T, L, "triton_fused_lora", bench(lambda: moe_forward_triton(**p)), fl, fb)
+                gname = "grouped_mm" if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None \
+                    else "grouped_mm(fallback)"
+                record("moe_layer", lab, T, L, f"{gname}+triton_lora",
+                       bench(lambda: moe_forward(**p, backend="grouped_mm")), fl, fb)
                 record("moe_layer", lab, T, L, "torch_grouped_mm+unfused_lora",
                        bench(lambda: torch_grouped_lora(**p)), fl, fb)
                 if L == 1:
@@ -349,6 +432,8 @@ def main():
                     fl0, fb0 = moe_flops(s, T, R, False), moe_bytes(s, T, R, 0)
                     record("moe_layer", lab, T, 0, "triton_no_lora", bench(lambda: moe_forward_triton(**base)),
                            fl0, fb0)
+                    record("moe_layer", lab, T, 0, f"{gname}_no_lora",
+                           bench(lambda: moe_forward(**base, backend="grouped_mm")), fl0, fb0)
                     record("moe_layer", lab, T, 0, "torch_grouped_mm", bench(lambda: torch_grouped_lora(**base)),
                            fl0, fb0)
                     record("moe_layer", lab, T, 0, "hf_experts_grouped_mm", bench(hf_experts(s, base)), fl0, fb0)
@@ -357,14 +442,13 @@ def main():
                         cfg = default_config(T * s.K, s.E, s.I, s.H, dev, gated=s.activation != "relu2", rank=R)
                         cfg2 = default_config(T * s.K, s.E, s.H, s.I, dev, rank=R)
                         for name, q in (("lora", p), ("no_lora", base)):
-                            t = stage_breakdown(q, cfg, cfg2)
-                            log(f"stages {s.name} T={T} {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in t.items())
-                                + f" | sum {sum(t.values()):.4f} ms")
+                            log(f"stages {s.name} T={T} {name}: " + stages_line(stage_breakdown(q, cfg, cfg2)))
+                            log(f"grouped_mm stages {s.name} T={T} {name}: " + stages_line(grouped_stages(q)))
                 del p
                 torch.cuda.empty_cache()
 
     # dense LoRA at the Qwen3-30B-A3B q|k|v and o shapes
-    for (name, H, widths), T, L in itertools.product(DENSE_SHAPES, Ts, (1, 4)):
+    for (name, H, widths), T, L in itertools.product([] if args.moe_only else DENSE_SHAPES, Ts, (1, 4)):
         N = sum(widths)
         lab = f"qwen3-30b-a3b {name}(H{H},N{N},S{len(widths)},r{R})"
         p = dense_inputs(T, L, H, widths, R, torch.bfloat16, "cuda")
@@ -397,6 +481,10 @@ def check_baselines():
             ref = moe_forward(**p, impl="torch")
             err = ((torch_grouped_lora(**p) - ref).norm() / ref.norm()).item()
             print(f"{s.name} L={L}: torch grouped_mm + unfused LoRA rel err {err:.2e}")
+            assert err < 1e-5
+            # the grouped_mm backend: torch's CPU grouped_mm + the Triton passes interpreted
+            err = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
+            print(f"{s.name} L={L}: grouped_mm backend rel err {err:.2e}")
             assert err < 1e-5
             if L == 0:
                 with torch.no_grad():

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from kernels import faults
 from kernels._triton import dual_jit, tl, triton
-from kernels.fused_moe_lora import (GATED, KERNEL_FAULTS, GemmConfig, MoeLoraWeights, _gated_act, activate, check_kernel_rank,
-                                    device_const, launch_gemm, launch_shrink, moe_forward_triton)
+from kernels.fused_moe_lora import (GATED, KERNEL_FAULTS, GemmConfig, MoeLoraWeights, _gated_act, activate,
+                                    check_kernel_rank, device_const, launch_gemm, launch_shrink, moe_forward_triton)
 from kernels.lora_linear import delta_config, ieee_fp32_matmul
 from kernels.moe_align import MoeRouting, moe_align
 
@@ -94,6 +94,15 @@ def lora_blocks(row_expert: torch.Tensor, row_slot: torch.Tensor, num_experts: i
     """The sorted rows grouped by (expert, slot) and padded to block_m: a routing with top-k 1 whose "pairs" are
     the sorted rows, so the LoRA passes read and write rows of the grouped GEMMs' outputs in place."""
     return moe_align(row_expert.view(-1, 1), row_slot, num_experts, num_slots, block_m, impl="triton")
+
+
+def plan_lora(row_expert: torch.Tensor, row_slot: torch.Tensor, lora: MoeLoraWeights, num_experts: int,
+              widths: tuple[int, int]) -> tuple[MoeRouting, GemmConfig, GemmConfig]:
+    """The LoRA blocks and the two delta passes' tiles (gate_up's N1 and down's H wide). One (expert, slot)
+    blocking serves both: block_m follows the expected rows of a group, which the two share."""
+    rows = max(1, row_expert.shape[0] // (num_experts * lora.num_slots))
+    cfg1, cfg2 = (delta_config(rows, n, row_expert.device, lora.gate_up_a.dtype) for n in widths)
+    return lora_blocks(row_expert, row_slot, num_experts, lora.num_slots, cfg1.block_m), cfg1, cfg2
 
 
 def add_lora_delta(out: torch.Tensor, inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora: MoeLoraWeights,
@@ -232,11 +241,7 @@ def moe_forward_grouped(x, topk_ids, topk_weights, w_gate_up, w_down, activation
     xg = x[tok]
     h = grouped_gemm(xg, w_gate_up, offs)
     if lora is not None:
-        # one (expert, slot) blocking for both deltas: their tiles differ in width only
-        rows = max(1, P // (E * lora.num_slots))
-        cfg1 = delta_config(rows, h.shape[1], x.device, x.dtype)
-        cfg2 = delta_config(rows, x.shape[1], x.device, x.dtype)
-        blocks = lora_blocks(row_expert, token_adapter[tok], E, lora.num_slots, cfg1.block_m)
+        blocks, cfg1, cfg2 = plan_lora(row_expert, token_adapter[tok], lora, E, (h.shape[1], x.shape[1]))
         add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks, w_gate_up, cfg1)
     del xg
     act = bias_act(h, row_expert, b_gate_up, activation)

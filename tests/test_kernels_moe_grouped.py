@@ -13,7 +13,6 @@ import torch
 
 from kernels import faults, moe_forward
 from kernels import moe_grouped as mg
-from kernels.fused_moe_lora import MoeLoraWeights
 
 from test_kernels_moe import CUDA, check_moe, make_moe, rel_err
 

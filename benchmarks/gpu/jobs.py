@@ -123,6 +123,18 @@ def _jobs() -> list[Job]:
         Job("bench-kernels", 1, 300, ("python", "benchmarks/bench_kernels.py", "--quick", "--out", "{dir}",
                                       "--commit", os.environ.get("LPDIFF_COMMIT", "unknown"))),
     ]
+    # the MoE backends A/B (kernels/moe_grouped.py vs the fused kernel) and the fused kernel's tile sweep
+    commit = ("--commit", os.environ.get("LPDIFF_COMMIT", "unknown"))
+    jobs += [
+        Job("bench-moe", 1, 300, ("python", "benchmarks/bench_kernels.py", "--quick", "--moe-only", "--out", "{dir}")
+            + commit),
+        Job("bench-moe-sweep", 1, 300, ("python", "benchmarks/bench_kernels.py", "--sweep", "--sweep-budget-s",
+                                        "200", "--out", "{dir}") + commit),
+        Job("kernels-grouped-gpu", 1, 300, _pytest("tests/test_kernels_moe_grouped.py", "-m", "gpu1")),
+        Job("bench-e2e-grouped", 1, 480, ("python", "benchmarks/bench_e2e.py", "--models", "qwen3-30b-a3b",
+                                          "--moe-backend", "grouped_mm", "--profile", "--skip-hf", "--out", "{dir}")
+            + commit),
+    ]
     return jobs
 
 
