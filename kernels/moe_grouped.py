@@ -18,6 +18,8 @@ Per layer:
   4. bias + activation (one Triton pass, fp32 math) -> (P, I) in x's dtype.
   5. grouped GEMM down -> (P, H); its LoRA delta as in 3 (same blocks).
   6. out[t] = sum_k w[t,k] (y[row(t,k)] + b_down[e]) in fp32, k in order (deterministic, no atomics).
+The weights stay in nn.Linear orientation (E, N, K): their transposed view is K-major, the layout CUTLASS reads
+natively, so no copy is made (bench_kernels.py times gate_up on a contiguous (E, K, N) copy beside it).
 Compared with the fused kernel this reads and writes the (P, N1) and (P, H) intermediates a few more times (the
 gather, the in-place deltas, the activation, the sum), and in exchange runs the two big GEMMs on CUTLASS.
 
@@ -36,8 +38,9 @@ import torch.nn.functional as F
 
 from kernels import faults
 from kernels._triton import dual_jit, tl, triton
-from kernels.fused_moe_lora import (GATED, KERNEL_FAULTS, GemmConfig, MoeLoraWeights, _gated_act, activate,
-                                    check_kernel_rank, device_const, launch_gemm, launch_shrink, moe_forward_triton)
+from kernels.fused_moe_lora import (ACTIVATIONS, GATED, KERNEL_FAULTS, GemmConfig, MoeLoraWeights, _gated_act,
+                                    activate, check_kernel_rank, device_const, launch_gemm, launch_shrink,
+                                    moe_forward_triton)
 from kernels.lora_linear import delta_config, ieee_fp32_matmul
 from kernels.moe_align import MoeRouting, moe_align
 
@@ -161,12 +164,10 @@ def bias_act(h: torch.Tensor, row_expert: torch.Tensor, bias: torch.Tensor | Non
     b = bias if bias is not None else h
     _bias_act_kernel[(triton.cdiv(M, bm), triton.cdiv(inter, bn)), h.device](
         h, b, row_expert, out, M, inter, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), ACT=ACTIVATION_CODE[activation], GATED=gated, HAS_BIAS=bias is not None,
+        out.stride(0), out.stride(1), ACT=ACTIVATIONS[activation], GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     return out
 
-
-ACTIVATION_CODE = {"silu": 1, "swiglu_oai": 2, "relu2": 3}  # the fused kernel's ACT codes (_gated_act)
 
 
 # ----------------------------------------------------------------------------------------------------------------
