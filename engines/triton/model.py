@@ -15,8 +15,8 @@ from engines.triton.moe import experts, route
 from engines.triton.norm import add_rms_norm
 from engines.triton.rope import norm_rope
 from engines.triton.shard import Shard
-from kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
 from engines.triton.weights import LayerWeights, ModelWeights
+from kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
 
 
 class MoeTransformer:
