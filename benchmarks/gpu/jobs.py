@@ -47,15 +47,14 @@ def _metamorphic(engine: str, model: str, marker: str = "gpu1") -> tuple[str, ..
 
 
 # a metamorphic run split in sets that fit one call each: "core" (one engine session besides the original's),
-# "extra" (a checkpoint with the delta merged in, and one session per engine mode; gpt-oss's merged relation
-# would write a second 4-layer checkpoint per engine; TP is the *-mm-tp2/tp4 jobs' relation) and "shapes" (the
-# experts-only and attention-only adapters on the relations that tell them apart)
+# "extra" (a checkpoint with the delta merged in, and one session per engine mode; TP is the *-mm-tp2/tp4 jobs'
+# relation) and "shapes" (the experts-only and attention-only adapters on the relations that tell them apart)
 MM_SETS = {
     ("qwen", "core"): ("a16", "format,rank,factors,gate_up,zero_b,batch"),
     ("qwen", "extra"): ("a16", "merged,modes"),
     ("qwen", "shapes"): ("experts16,attention16", "format,factors,zero_b,batch"),
     ("gpt", "core"): ("a16", "format,rank,factors,gate_up,zero_b,batch"),
-    ("gpt", "extra"): ("a16", "modes"),
+    ("gpt", "extra"): ("a16", "merged,modes"),
     ("gpt", "shapes"): ("experts16,attention16", "format,factors,zero_b,batch"),
 }
 MODEL_KEYS = {"qwen": "a3b", "gpt": "20b"}
