@@ -397,6 +397,10 @@ def _moe(ctx: Context) -> str | None:
     return None if ctx.layout.experts else "the model has no experts"
 
 
+def _expert_lora_cuda(ctx: Context) -> str | None:
+    return _needs_experts(ctx) or _cuda(ctx)  # MoE-LoRA in vLLM is a GPU (Triton) path
+
+
 def _bf16_cuda(ctx: Context) -> str | None:
     return _cuda(ctx) or (None if ctx.dtype != "float32" else "FlashAttention runs bf16/fp16 only")
 
@@ -427,6 +431,9 @@ ENGINE_MODES: dict[str, dict[str, tuple[dict, int | None, Callable]]] = {
         "attention_flash": ({"attention": "flash"}, None, _bf16_cuda),
     },
     "vllm": {
+        # the 2D MoE-LoRA wrapper for every adapter instead of the model's native path: the same math where it is
+        # right (Qwen3-MoE reads per-expert natively), vLLM 0.25.1's gate/up defect on gpt-oss (engines/vllm.py)
+        "mixed_moe_lora_format": ({"mixed_moe_lora_format": True}, None, _expert_lora_cuda),
         "cuda_graphs_on": ({"llm_kwargs": {"enforce_eager": False}}, None, _cuda),
         "chunked_prefill_64": ({"llm_kwargs": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}},
                                None, lambda ctx: None),

@@ -26,15 +26,27 @@ from harness.job import zoo_adapters
 from harness.prompts import prompt_set
 
 
-def _check(rep: mm.Report, written: bool = False) -> None:
+# engine defects a relation exposes on purpose: (engine, arch, lane) -> the defect. Such a lane must FAIL; the day
+# it passes the test fails, so that the fix gets recorded
+KNOWN_DEFECTS = {
+    ("vllm", "gpt_oss", "mode:mixed_moe_lora_format:lora"):
+        "vLLM 0.25.1 adds gpt-oss's expert gate/up LoRA as concatenated halves under enable_mixed_moe_lora_format "
+        "(engines/vllm.py; as a reference check: benchmarks/results/engines_gpu.md, forced per-expert session)",
+}
+
+
+def _check(rep: mm.Report, written: bool = False, arch: str = "") -> None:
     """written: the rows already went to LPDIFF_METAMORPHIC_CSV session by session (_csv_writer)."""
     print("\n" + mm.format_report(rep))
     if os.environ.get("LPDIFF_METAMORPHIC_CSV") and not written:
         mm.write_csv(rep, os.environ["LPDIFF_METAMORPHIC_CSV"])
     judged = [r for r in rep.results if r.verdict != "n/a"]
     assert judged, "no relation applied"
+    known = {lane: why for (engine, a, lane), why in KNOWN_DEFECTS.items() if engine == rep.engine and a == arch}
+    fixed = [f"{r.relation} ({known[r.relation]})" for r in judged if r.relation in known and r.verdict == "PASS"]
+    assert not fixed, "known defect no longer reproduced, record the fix: " + "; ".join(fixed)
     failed = [f"{r.relation}: ratio {r.ratio:.3g} (max |Δ| {r.max_abs:.3g}, noise {r.rerun_noise:.3g})"
-              for r in rep.failed]
+              for r in rep.failed if r.relation not in known]
     assert not failed, f"{rep.model}/{rep.adapter} on {rep.engine}: " + "; ".join(failed)
 
 
@@ -158,7 +170,7 @@ def test_metamorphic_full_width(engine, adapter, gpu_case, tmp_path):
     # LPDIFF_METAMORPHIC_RELATIONS=format,rank,... narrows a GPU run to what its device time allows
     chosen = os.environ.get("LPDIFF_METAMORPHIC_RELATIONS")
     _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path, adapter),
-           written=True)
+           written=True, arch=gpu_case[0].arch)
 
 
 @pytest.mark.gpu2
@@ -170,4 +182,4 @@ def test_metamorphic_tensor_parallel(engine, gpu_case, tmp_path):
         pytest.skip(why)
     rep = _gpu_run(engine, gpu_case, ["tp"], tmp_path)
     assert any(r.relation.startswith("tp:2:") and r.verdict != "n/a" for r in rep.results)
-    _check(rep, written=True)
+    _check(rep, written=True, arch=gpu_case[0].arch)

@@ -216,3 +216,24 @@ def test_cli_runs_relations_and_appends_csv(tmp_path, capsys):
     assert got["zero_b:vs_base"]["verdict"] == "PASS" and float(got["zero_b:vs_base"]["max_abs"]) == 0
     assert got["format"]["verdict"] == "n/a" and "no expert LoRA" in got["format"]["note"]
     assert {r["engine"] for r in rows} == {"hf"} and "factors:M_A_B_Minv" in printed
+
+
+def test_suite_expects_known_engine_defects_to_fail():
+    """A lane listed as a known engine defect must FAIL (and does not fail the suite); once it passes, the suite
+    fails so that the fix gets recorded. Other FAILs still fail it."""
+    from suites.test_metamorphic import _check
+
+    lane = "mode:mixed_moe_lora_format:lora"
+
+    def report(*results):
+        return mm.Report("vllm", "vllm 0.25.1", "gpt-oss-20b", "a16", "bfloat16", 3, list(results))
+
+    bad, good = mm.Result(lane, "FAIL", 3.0, ratio=30.0, rerun_noise=0.1), mm.Result(lane, "PASS", 0.1, ratio=1.0)
+    other = mm.Result("factors:M_A_B_Minv", "FAIL", 3.0, ratio=30.0, rerun_noise=0.1)
+    _check(report(bad), arch="gpt_oss")
+    with pytest.raises(AssertionError, match="no longer reproduced"):
+        _check(report(good), arch="gpt_oss")
+    with pytest.raises(AssertionError, match="factors"):
+        _check(report(bad, other), arch="gpt_oss")
+    with pytest.raises(AssertionError, match="mixed_moe"):  # on Qwen3-MoE the same lane is not a known defect
+        _check(report(bad), arch="qwen3_moe")
