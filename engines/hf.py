@@ -40,6 +40,8 @@ class HFEngine:
             raise ValueError("the hf engine runs on one device (tp=1); use engine 'triton' for tensor parallelism")
         self.config = config
         self.model = None  # the PeftModel (or the bare model when no adapter is given)
+        # PEFT adapter names become module names (no '.'): lpdiff's names ("all.peft3d") map to slot names
+        self.peft_names = {name: f"adapter{i}" for i, name in enumerate(config.adapters or {})}
         self.device = default_device(config.device)
         opts = dict(config.options)
         self.experts_impl = opts.pop("experts_impl", None)
@@ -64,8 +66,6 @@ class HFEngine:
         if self.config.adapters:
             from peft import PeftModel
 
-            # PEFT adapter names become module names (no '.'): lpdiff's names ("all.peft3d") map to slot names
-            self.peft_names = {name: f"adapter{i}" for i, name in enumerate(self.config.adapters)}
             specs = list(self.config.adapters.items())
             model = PeftModel.from_pretrained(model, specs[0][1].path, adapter_name=self.peft_names[specs[0][0]],
                                               is_trainable=False)

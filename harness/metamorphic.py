@@ -318,14 +318,16 @@ def _format(ctx: Context):
     written = [(f"format:{layout}", ctx.write(f"format-{layout}", ctx.adapter, layout))
                for layout in ("per_expert", "peft3d") if ctx.adapter.layout != layout]
     so = ctx.adapter.rank * ctx.layout.experts[next(iter(ctx.adapter.experts))].num_experts
+    not_written = []
     if so > MAX_RANK:
-        why = f"the exact shared-outer form needs rank E*r = {so} > {MAX_RANK}, more than vLLM/SGLang accept"
+        not_written.append(f"format:shared_outer: the exact shared-outer form needs rank E*r = {so} > {MAX_RANK}, "
+                           "more than vLLM/SGLang accept")
     else:
         written.append(("format:shared_outer", ctx.write("format-shared_outer", shared_outer(ctx.adapter,
                                                                                             ctx.layout))))
     # an engine limit doctor knows (e.g. vLLM's MoE-LoRA rank cap) makes a lane n/a instead of killing the session
-    lanes = [f"{name}: {ctx.refused(path)}" if ctx.refused(path) else Lane(name, path) for name, path in written]
-    return lanes + ([f"format:shared_outer: {why}"] if so > MAX_RANK else [])
+    return [f"{name}: {ctx.refused(path)}" if ctx.refused(path) else Lane(name, path)
+            for name, path in written] + not_written
 
 
 def _rank(ctx: Context):
@@ -620,8 +622,8 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
             for j, lane in enumerate(group):
                 adapter = None if lane.adapter is None else (
                     ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
-                for j in range(lane.reruns):
-                    runs[rerun_name(lane.name, j)] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed)
+                for r in range(lane.reruns):
+                    runs[rerun_name(lane.name, r)] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed)
         log(f"session {session}: done in {time.perf_counter() - t0:.1f} s")
         if after_session is not None:
             after_session(group, runs, origs, bases, version)

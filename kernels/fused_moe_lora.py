@@ -567,7 +567,7 @@ def check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b
     if token_adapter is None or token_adapter.shape != (T,):
         raise ValueError(f"lora given, so token_adapter must be a (T={T},) int tensor of slots (-1 = none); got "
                          f"{None if token_adapter is None else tuple(token_adapter.shape)}")
-    L, Ea, R, Ha = lora.gate_up_a.shape
+    _, Ea, _, Ha = lora.gate_up_a.shape
     if (Ea, Ha) != (E, H) or lora.gate_up_b.shape[2] != n1 or lora.down_a.shape[3] != inter:
         raise ValueError(f"LoRA shapes {tuple(lora.gate_up_a.shape)}/{tuple(lora.gate_up_b.shape)}/"
                          f"{tuple(lora.down_a.shape)} do not fit experts E={E}, H={H}, N1={n1}, I={inter}")

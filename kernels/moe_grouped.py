@@ -169,7 +169,6 @@ def bias_act(h: torch.Tensor, row_expert: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # weighted top-k sum
 

@@ -56,8 +56,7 @@ class MoeTransformer:
             ids, weights, m = route(h, lw, cfg, self.impl)
             margin = torch.minimum(margin, m)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
-                                            batch.token_adapter, self.lora_impl if ll is not None else self.impl,
-                                            self.moe_backend))
+                                            batch.token_adapter, self.lora_impl, self.moe_backend))
             if self.capture is not None:
                 self.capture[i] = x + delta
         return self._norm(x, delta, self.w.norm)[0], margin
