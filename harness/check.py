@@ -63,6 +63,8 @@ def noise_pair(reference: str, dtype: str) -> tuple[tuple[str, dict], tuple[str,
     # batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
     other = "grouped_mm" if torch.cuda.is_available() else "batched_mm"
     return ("float32", {"experts_impl": other}), ("float32", {"experts_impl": "eager"})
+
+
 ENGINE_LAYOUTS = {"vllm": ("peft3d", "per_expert"),  # 3D on a per-expert model: enable_mixed_moe_lora_format
                   "sglang": ("per_expert",),  # a PEFT 3D expert adapter kills SGLang 0.5.15's engine
                   "triton": ("peft3d", "per_expert"), "hf": ("peft3d",)}
@@ -78,6 +80,8 @@ ARCH_LAYOUTS = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_e
 
 def layouts_for(engine: str, arch: str) -> tuple[str, ...]:
     return ARCH_LAYOUTS.get((engine, arch), ENGINE_LAYOUTS.get(engine, ("peft3d",)))
+
+
 REFERENCE_DTYPE = "float32"
 PROMPT_LENGTHS = (256, 131, 200, 64, 256, 97, 180, 33)
 CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "layers", "tp", "dtype", "adapter", "adapter_format",
