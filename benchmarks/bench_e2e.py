@@ -3,7 +3,8 @@ expert's gate_up/down) against HF+PEFT (engines.hf, grouped_mm experts), measure
 with peak GPU memory against the runtime's weights + LoRA bytes.
 
     python benchmarks/bench_e2e.py --models qwen3-30b-a3b gpt-oss-20b --out DIR [--commit SHA] [--layers N]
-        [--moe-backend triton|grouped_mm]   # the triton engine's moe_backend option (impl column triton+BACKEND)
+        [--moe-backend triton [grouped_mm]]   # the triton engine's moe_backend option(s), each timed in the same
+                                              # run (impl column triton / triton+BACKEND)
 
 Models are the catalog's full-size configs built on the GPU with the seeded recipe (no downloads); both engines
 see the same weights. Rows are appended to DIR/e2e.csv as they are measured (columns of
@@ -110,44 +111,50 @@ def bench_model(name: str, args, writer) -> None:
                     results[("hf", a)] = row(f"r{args.rank}" if a else "none", "hf+peft" if a else "hf", secs, peak)
                     outs[("hf", a)] = hf.prompt_logprobs(prompts, a)
             free_gpu()
-        t0 = time.perf_counter()
-        opts = {"moe_backend": args.moe_backend}
-        impl = "triton" if args.moe_backend == "triton" else f"triton+{args.moe_backend}"
-        with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
-                                       options=opts)) as tr:
-            wbytes = tr.runtime.weights.nbytes()
-            lbytes = tr.runtime.lora.nbytes()
-            log(f"triton loaded in {time.perf_counter() - t0:.1f} s: weights {wbytes / 1e9:.2f} GB, "
-                f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
-            for a in (None, adapter.name):
-                secs, peak = timed(tr, prompts, a, 2, args.reps)
-                results[("triton", a)] = row(f"r{args.rank}" if a else "none", impl, secs, peak)
-                outs[("triton", a)] = tr.prompt_logprobs(prompts, a)
-            if args.profile:
-                profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}.txt")
-                breakdown(tr, prompts, adapter.name)
-        free_gpu()
-        if args.sdpa_too:  # the attention fallback path, LoRA only
+        for backend in args.moe_backend:
+            opts = {"moe_backend": backend}
+            impl = "triton" if backend == "triton" else f"triton+{backend}"
+            t0 = time.perf_counter()
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
-                                           options={**opts, "attention": "sdpa"})) as tr:
+                                           options=opts)) as tr:
+                wbytes = tr.runtime.weights.nbytes()
+                lbytes = tr.runtime.lora.nbytes()
+                log(f"{impl} loaded in {time.perf_counter() - t0:.1f} s: weights {wbytes / 1e9:.2f} GB, "
+                    f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
+                for a in (None, adapter.name):
+                    secs, peak = timed(tr, prompts, a, 2, args.reps)
+                    results[(impl, a)] = row(f"r{args.rank}" if a else "none", impl, secs, peak)
+                    outs[(impl, a)] = tr.prompt_logprobs(prompts, a)
+                if args.profile:
+                    profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
+                    breakdown(tr, prompts, adapter.name)
+            free_gpu()
+        first = "triton" if args.moe_backend[0] == "triton" else f"triton+{args.moe_backend[0]}"
+        if args.sdpa_too:  # the attention fallback path, LoRA only, on the first backend named
+            with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
+                                           options={"moe_backend": args.moe_backend[0], "attention": "sdpa"})) as tr:
                 secs, peak = timed(tr, prompts, adapter.name, 2, args.reps)
-                row(f"r{args.rank}", f"{impl}-sdpa", secs, peak)
+                row(f"r{args.rank}", f"{first}-sdpa", secs, peak)
                 outs[("sdpa", adapter.name)] = tr.prompt_logprobs(prompts, adapter.name)
             free_gpu()
+    # the other runs are compared with the first backend named
     for a in (None, adapter.name):  # bf16 agreement: noisy on random full-size models, but catches gross errors
-        for other in ("hf", "sdpa"):
+        for other in dict.fromkeys(["hf", "sdpa"] + [k for k, _ in outs if k.startswith("triton") and k != first]):
             if (other, a) in outs:
                 d = torch.cat([torch.from_numpy(x.logprobs - y.logprobs)
-                               for x, y in zip(outs[("triton", a)], outs[(other, a)])])
-                log(f"bf16 triton vs {other} adapter={a}: k2 {0.5 * d.pow(2).mean():.3g}, max |d| "
+                               for x, y in zip(outs[(first, a)], outs[(other, a)])])
+                log(f"bf16 {first} vs {other} adapter={a}: k2 {0.5 * d.pow(2).mean():.3g}, max |d| "
                     f"{d.abs().max():.3g}, mean |d| {d.abs().mean():.3g}")
-    base, lora = results[("triton", None)], results[("triton", adapter.name)]
-    summary = {"model": spec.name, "triton_lora_tok_s": lora["tokens_per_s"], "triton_base_tok_s": base["tokens_per_s"],
-               "lora_overhead_pct": round(100 * (base["tokens_per_s"] / lora["tokens_per_s"] - 1), 1),
-               "peak_over_weights_lora_pct": round(100 * (lora["peak_mem_gb"] * 1e9 / (wbytes + lbytes) - 1), 1)}
-    if ("hf", adapter.name) in results:
-        summary["speedup_vs_hf_peft"] = round(lora["tokens_per_s"] / results[("hf", adapter.name)]["tokens_per_s"], 2)
-    log("SUMMARY", summary)
+    for impl in (k for k, a in results if k.startswith("triton") and a is None):
+        base, lora = results[(impl, None)], results[(impl, adapter.name)]
+        summary = {"model": spec.name, "impl": impl, "lora_tok_s": lora["tokens_per_s"],
+                   "base_tok_s": base["tokens_per_s"],
+                   "lora_overhead_pct": round(100 * (base["tokens_per_s"] / lora["tokens_per_s"] - 1), 1),
+                   "peak_over_weights_lora_pct": round(100 * (lora["peak_mem_gb"] * 1e9 / (wbytes + lbytes) - 1), 1)}
+        if ("hf", adapter.name) in results:
+            summary["speedup_vs_hf_peft"] = round(lora["tokens_per_s"] / results[("hf", adapter.name)]["tokens_per_s"],
+                                                  2)
+        log("SUMMARY", summary)
 
 
 def profile(eng, prompts, adapter, path: Path) -> None:
@@ -228,8 +235,8 @@ def main():
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
-    p.add_argument("--moe-backend", default="triton", choices=BACKENDS,
-                   help="the triton engine's moe_backend option (kernels/moe_grouped.py)")
+    p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
+                   help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out) / "e2e.csv"
