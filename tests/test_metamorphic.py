@@ -130,6 +130,24 @@ def test_rounding_noise_bounds_inexact_lanes_and_exact_lanes_use_their_own_refer
     assert res["z"].verdict == "PASS" and res["z"].ratio == 0 and "rows" not in res
 
 
+def test_a_systematic_shift_under_the_max_bound_fails_on_k2_in_bf16():
+    """Routing flips make one position's difference large (the rounding lane's max), so a lane that moves every
+    position by a fifth of that passes the max test; its k2 is far above the noise's (vLLM's gpt-oss gate/up)."""
+    n = 200
+    base, orig = _run([-3.0] * n), _run([-2.0] * n)
+    flip = [-2.0] * n
+    flip[7] = -3.0  # one routing flip: max |Δ| 1, k2 1 / (2 n)
+    lanes = [mm.Lane(mm.ROUNDING, "x"), mm.Lane("shifted", "x"), mm.Lane("clean", "x")]
+    runs = {mm.ROUNDING: _run(flip), "shifted": _run([-2.2] * n), "clean": _run(flip[::-1])}
+    res = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "bfloat16")}
+    assert res["shifted"].ratio == pytest.approx(0.2, rel=1e-3) and res["shifted"].verdict == "FAIL"
+    assert res["shifted"].k2_ratio == pytest.approx(0.04 * n, rel=1e-3) and "k2 ratio" in res["shifted"].note
+    assert res["clean"].verdict == "PASS" and res["clean"].k2_ratio == pytest.approx(1.0, rel=1e-3)
+    # fp32 has no k2 test: there the max is taken before router near-ties and is sharp
+    fp32 = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "float32")}
+    assert fp32["shifted"].k2_ratio is None
+
+
 def test_a_mode_lane_is_bounded_by_its_own_rerun_noise_too():
     base, orig = _run([-1.0, -2.0, -3.0]), _run([-1.5, -2.5, -2.0])
     lanes = [mm.Lane("mode:tp4:lora", "x", reruns=2), mm.Lane("mode:tp4:base", None, reference="base", reruns=2)]
