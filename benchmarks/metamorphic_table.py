@@ -48,7 +48,8 @@ def tables(rows: dict) -> str:
             lines.append("| " + " | ".join([rel] + vals) + " |")
         fails = [r for r in cells.values() if r["verdict"] == "FAIL"]
         if fails:
-            lines += ["", "FAIL notes:"] + [f"- {r['engine']} {r['adapter']} {r['relation']}: {r['note']}" for r in fails]
+            lines += ["", "FAIL notes:"]
+            lines += [f"- {r['engine']} {r['adapter']} {r['relation']}: {r['note']}" for r in fails]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 

@@ -97,8 +97,11 @@ def _jobs() -> list[Job]:
     # triton beside SGLang on the same GPUs (SGLang takes half their memory, the fp32 4-layer triton runs ~30 GB);
     # 550 s: SGLang's Qwen3 extra set (6 sessions, 146 s for the first) missed 480 s by one session in run 16
     def both(key: str, marker: str = "gpu1") -> tuple[str, ...]:
-        return ("bash", "-c", " & ".join(shlex.join(_metamorphic(e, key, marker)).replace("{dir}/tmp", "{dir}/tmp-" + e)
-                                         for e in ("sglang", "triton")) + " & wait")
+        runs = [shlex.join(_metamorphic(e, key, marker)).replace("{dir}/tmp", "{dir}/tmp-" + e)
+                for e in ("sglang", "triton")]
+        # one after the other under TP: SGLang refuses to start when its GPUs hold unequal amounts ("memory capacity
+        # is unbalanced", run 20), which triton's TP 1 session on the first GPU causes
+        return ("bash", "-c", " & ".join(runs) + " & wait" if marker == "gpu1" else "; ".join(runs))
 
     for (model, which), (adapters, relations) in MM_SETS.items():
         key = MODEL_KEYS[model]
