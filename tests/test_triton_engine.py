@@ -179,3 +179,20 @@ def test_bad_input_gives_one_clear_error(tiny):
             eng.prompt_logprobs([[0, 10_000]])
     with pytest.raises(RuntimeError, match="context manager"):
         TritonEngine(EngineConfig(model=spec, device="cpu")).prompt_logprobs(prompts)
+
+
+@pytest.mark.parametrize("lens,window,sinks,expect", [
+    ([512] * 8, None, False, True),  # the benchmark's batch: no padding, plain causal (Qwen3): SDPA
+    ([512, 480, 500], None, False, True),  # 4% padding: still SDPA
+    ([512, 64, 64], None, False, False),  # 58% padding would be computed and thrown away: varlen
+    ([512] * 8, 128, False, False),  # a sliding window (gpt-oss): varlen handles it natively
+    ([512] * 8, None, True, False),  # sinks: varlen + the logsumexp correction beat SDPA's extra key
+])
+def test_attention_picks_padded_sdpa_only_where_it_pays(lens, window, sinks, expect):
+    from engines.triton.attention import padded_sdpa_pays
+    from engines.triton.batch import Batch
+
+    T = sum(lens)
+    b = Batch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
+              lens, torch.zeros(len(lens) + 1, dtype=torch.int32), None, None, None)
+    assert padded_sdpa_pays(b, window, torch.zeros(4) if sinks else None) is expect
