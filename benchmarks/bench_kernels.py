@@ -1,4 +1,6 @@
-"""Benchmark of the fused MoE-LoRA kernels against the same kernels without LoRA, the grouped_mm backend
+"""Benchmark of the fused MoE-LoRA kernels (row "triton_fused_lora": each GEMM's shrink precomputed once per row
+block, the default; "triton_fused_shrink_in_k_loop": the shrink inside every N tile's K-loop) against the same
+kernels without LoRA, the grouped_mm backend
 (kernels/moe_grouped.py: CUTLASS bases + Triton LoRA passes, with its per-stage times), torch grouped_mm + unfused
 LoRA and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes; and the dense
 LoRA linear (lora_linear: cuBLAS base + in-place Triton LoRA, the fused Triton kernel, cuBLAS + torch LoRA, and the
@@ -31,8 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.fused_moe_lora import (GemmConfig, MoeLoraWeights, activate, default_config,  # noqa: E402
-                                    launch_gemm, moe_forward, moe_forward_triton)
+from kernels.fused_moe_lora import (GemmConfig, MoeLoraWeights, activate, expert_lora_kwargs,  # noqa: E402
+                                    expert_shrink, launch_gemm, moe_configs, moe_forward, moe_forward_triton,
+                                    shrink_once)
 from kernels.lora_linear import base_linear, lora_linear  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
 from kernels import moe_grouped as mg  # noqa: E402
@@ -214,6 +217,12 @@ def bench(fn, rep=100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def untimed(fn, rep=0) -> float:
+    """bench's stand-in on CPU: runs fn once, so the staged launches can be checked without a GPU."""
+    fn()
+    return 0.0
+
+
 def ceilings(log) -> tuple[float, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -230,9 +239,14 @@ def ceilings(log) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------------------- drivers
 
-def stage_breakdown(p, cfg1: GemmConfig, cfg2: GemmConfig, rep=50) -> dict:
-    """Times each launch of moe_forward_triton alone (same inputs, same order of operations)."""
+def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None) -> tuple[dict, torch.Tensor]:
+    """Times each launch of moe_forward_triton alone (same inputs, tiles and order of operations); with
+    lora_shrink "once" the two shrink launches are stages of their own. timer(fn, rep) -> ms (default: bench).
+    Also returns the (T, H) output of the staged launches, so that a CPU test can check they compute the layer."""
+    timer = timer or bench
     x, lora = p["x"], p["lora"]
+    once = shrink_once(lora, lora_shrink)
+    cfg1, cfg2 = moe_configs(x, p["topk_ids"], p["w_gate_up"], p["activation"], lora, once)
     T, H = x.shape
     E, n1, _ = p["w_gate_up"].shape
     K = p["topk_ids"].shape[1]
@@ -244,22 +258,25 @@ def stage_breakdown(p, cfg1: GemmConfig, cfg2: GemmConfig, rep=50) -> dict:
     inter = torch.empty(M, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     tw = p["topk_weights"].reshape(-1).float()
-    t = {"align": bench(align, rep)}
-    kw1, kw2 = {}, {}
-    if lora is not None:
-        common = dict(scaling=lora.scaling, ranks=lora.ranks)
-        kw1 = dict(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, **common)
-        kw2 = dict(lora_a=lora.down_a, lora_b=lora.down_b, **common)
+    t = {"align": timer(align, rep)}
+    s1 = s2 = None
+    if once:
+        t["shrink1"] = timer(lambda: expert_shrink(x, lora, "gate_up", r), rep)
+        s1 = expert_shrink(x, lora, "gate_up", r)
     g1 = lambda: launch_gemm(x, p["w_gate_up"], inter, r, cfg1, x_sorted=False, out_sorted=True,  # noqa: E731
-                             activation=p["activation"], bias=p["b_gate_up"], **kw1)
+                             activation=p["activation"], bias=p["b_gate_up"],
+                             **expert_lora_kwargs(lora, "gate_up", s1))
     g1()
-    t["gemm1"] = bench(g1, rep)
+    t["gemm1"] = timer(g1, rep)
+    if once:
+        t["shrink2"] = timer(lambda: expert_shrink(inter, lora, "down", r), rep)
+        s2 = expert_shrink(inter, lora, "down", r)
     g2 = lambda: launch_gemm(inter, p["w_down"], y, r, cfg2, x_sorted=True, out_sorted=False,  # noqa: E731
-                             bias=p["b_down"], topk_weights=tw, **kw2)
+                             bias=p["b_down"], topk_weights=tw, **expert_lora_kwargs(lora, "down", s2))
     g2()
-    t["gemm2"] = bench(g2, rep)
-    t["sum"] = bench(lambda: y.view(T, K, H).sum(dim=1), rep)
-    return t
+    t["gemm2"] = timer(g2, rep)
+    t["sum"] = timer(lambda: y.view(T, K, H).sum(dim=1), rep)
+    return t, (y.view(T, K, H).sum(dim=1) if K > 1 else y)
 
 
 def grouped_stages(p, rep=50) -> dict:
@@ -404,9 +421,11 @@ def main():
         p = make_inputs(s, 1024, 2, R, torch.bfloat16, "cuda", seed=1)
         ref = moe_forward(**p, impl="torch")
         err = rel_err(moe_forward(**p, impl="triton"), ref)
+        err_k = rel_err(moe_forward(**p, impl="triton", lora_shrink="fused"), ref)
         err_g = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
         err_t = rel_err(torch_grouped_lora(**p), ref)
-        log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e}, grouped_mm backend rel err {err_g:.2e}, "
+        log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e} (shrink in the K-loop {err_k:.2e}), "
+            f"grouped_mm backend rel err {err_g:.2e}, "
             f"torch grouped_mm+LoRA rel err {err_t:.2e}")
         why = mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"])
         if why is not None:
@@ -421,6 +440,8 @@ def main():
                 lab = s.label(R)
                 fl, fb = moe_flops(s, T, R, True), moe_bytes(s, T, R, L)
                 record("moe_layer", lab, T, L, "triton_fused_lora", bench(lambda: moe_forward_triton(**p)), fl, fb)
+                record("moe_layer", lab, T, L, "triton_fused_shrink_in_k_loop",
+                       bench(lambda: moe_forward_triton(**p, lora_shrink="fused")), fl, fb)
                 gname = "grouped_mm" if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None \
                     else "grouped_mm(fallback)"
                 record("moe_layer", lab, T, L, f"{gname}+triton_lora",
@@ -438,11 +459,10 @@ def main():
                            fl0, fb0)
                     record("moe_layer", lab, T, 0, "hf_experts_grouped_mm", bench(hf_experts(s, base)), fl0, fb0)
                     if T == 4096:
-                        dev = torch.device("cuda")
-                        cfg = default_config(T * s.K, s.E, s.I, s.H, dev, gated=s.activation != "relu2", rank=R)
-                        cfg2 = default_config(T * s.K, s.E, s.H, s.I, dev, rank=R)
+                        for name, q, mode in (("lora", p, "once"), ("lora shrink_in_k_loop", p, "fused"),
+                                              ("no_lora", base, "once")):
+                            log(f"stages {s.name} T={T} {name}: " + stages_line(stage_breakdown(q, mode)[0]))
                         for name, q in (("lora", p), ("no_lora", base)):
-                            log(f"stages {s.name} T={T} {name}: " + stages_line(stage_breakdown(q, cfg, cfg2)))
                             log(f"grouped_mm stages {s.name} T={T} {name}: " + stages_line(grouped_stages(q)))
                 del p
                 torch.cuda.empty_cache()
@@ -482,6 +502,10 @@ def check_baselines():
             err = ((torch_grouped_lora(**p) - ref).norm() / ref.norm()).item()
             print(f"{s.name} L={L}: torch grouped_mm + unfused LoRA rel err {err:.2e}")
             assert err < 1e-5
+            for mode in ("once", "fused"):  # the staged launches the GPU run times, interpreted
+                err = rel_err(stage_breakdown(p, mode, timer=untimed)[1], ref)
+                print(f"{s.name} L={L}: triton stages, lora_shrink={mode}, rel err {err:.2e}")
+                assert err < 1e-5, mode
             # the grouped_mm backend: torch's CPU grouped_mm + the Triton passes interpreted
             err = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
             print(f"{s.name} L={L}: grouped_mm backend rel err {err:.2e}")

@@ -5,11 +5,13 @@ GEMM (N1 = 2I gated or I non-gated for gate_up, H for down), P = T*K (token, exp
 (pairs grouped by (expert, adapter slot), each group padded to BLOCK_M; see moe_align.py), S slices.
 
 Per layer the Triton path launches: alignment (a memset and three small kernels, no host sync), the gate_up
-GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carries its LoRA: the shrink X A^T is
-one more narrow dot per K step on the X tile already in shared memory (repeated by the N/BLOCK_N programs of a
-row block, about R/WN extra MMA work, but no extra pass over X and no launch), the expand one dot in the
-epilogue, then bias, activation (gate_up) or top-k weight (down). Top-k slots of a token sit in different groups,
-so their sum is a separate deterministic reduction rather than atomics (reruns are bit-identical).
+GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carries its LoRA expand as one dot in
+the epilogue, then bias, activation (gate_up) or top-k weight (down). Its shrink X A^T (lora_shrink="once", the
+default) is a launch of its own before the GEMM, once per row block, into a (M, R) fp32 buffer S; "fused" runs it
+as one more narrow dot per K step on the X tile already in shared memory instead: no launch and no S, but redone
+by each of the N/BLOCK_N programs of a row block (6 for Qwen3's gate_up, 8 for its down) and its A tile takes
+pipeline stages. The bug zoo's kernel faults live in the fused branch. Top-k slots of a token sit in different
+groups, so their sum is a separate deterministic reduction rather than atomics (reruns are bit-identical).
 Dense layers (lora_linear.py) use the same GEMM with one expert and a precomputed shrink (_lora_shrink_kernel),
 because their per-slice A matrices (q|k|v) would not fit one fused narrow dot; by default they run only its
 epilogue (ADD_TO_OUT: the LoRA delta added in place to a cuBLAS base output).
@@ -238,7 +240,8 @@ def _grouped_gemm_kernel(
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection. A program's dot covers BLOCK_N gate and
     BLOCK_N up rows interleaved (even columns gate, odd up), so one MMA of width 2*BLOCK_N feeds the activation.
     LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
-    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (dense layers with slices).
+    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (rows of S are padded rows, one
+    column block per slice; MoE: one slice (0, N), so gated B rows follow wrow like W's).
     FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py).
     ADD_TO_OUT (dense layers after a cuBLAS base GEMM; LORA 2, K_TILES 0): Out[rows, n] += the LoRA delta in
     place; blocks without an adapter neither read nor write Out."""
@@ -498,35 +501,88 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     return out
 
 
+LORA_SHRINK = ("once", "fused")
+
+
+def kernel_fault() -> str | None:
+    """The active bug-zoo fault when it lives inside the grouped GEMM's fused shrink path (KERNEL_FAULTS)."""
+    fault = faults.active()
+    return fault if fault in KERNEL_FAULTS["gate_up"] or fault in KERNEL_FAULTS["down"] else None
+
+
+def check_lora_shrink(lora_shrink: str) -> None:
+    if lora_shrink not in LORA_SHRINK:
+        raise ValueError(f"lora_shrink must be one of {LORA_SHRINK}, got {lora_shrink!r}")
+
+
+def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
+    """Whether the expert GEMMs get their shrink precomputed (LORA 2); a bug-zoo kernel fault forces the fused
+    shrink (LORA 1), the branch where those faults live."""
+    check_lora_shrink(lora_shrink)
+    return lora is not None and lora_shrink == "once" and kernel_fault() is None
+
+
+def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
+                once: bool) -> tuple[GemmConfig, GemmConfig]:
+    """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
+    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path."""
+    T, H = x.shape
+    n1 = w_gate_up.shape[1]
+    gated = GATED[activation]
+    inter_n = n1 // 2 if gated else n1
+    pairs = T * topk_ids.shape[1]
+    # rows spread over (expert, slot) groups; used slots are not known without a sync
+    groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
+    stage_rank = lora.max_rank if lora is not None and not once else 0
+    return (default_config(pairs, groups, inter_n, H, x.device, x.dtype, gated, stage_rank),
+            default_config(pairs, groups, H, inter_n, x.device, x.dtype, False, stage_rank))
+
+
+def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting) -> torch.Tensor:
+    """The scaled shrink of one expert GEMM ("gate_up": x gathered by pair // top_k; "down": the sorted
+    intermediate) over every routed row, once per row block: (M, R) float32."""
+    a = getattr(lora, f"{gemm}_a")
+    return launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down")
+
+
+def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor | None) -> dict:
+    """launch_gemm's LoRA arguments of one expert GEMM: the precomputed shrink s (LORA 2: only the expand in the
+    epilogue) or, s None, A for the shrink fused into the K-loop (LORA 1, where the bug zoo's kernel faults live)."""
+    if lora is None:
+        return {}
+    kw = dict(lora_b=getattr(lora, f"{gemm}_b"), scaling=lora.scaling, ranks=lora.ranks)
+    if s is not None:
+        return dict(kw, lora_s=s)
+    return dict(kw, lora_a=getattr(lora, f"{gemm}_a"), fault=KERNEL_FAULTS[gemm].get(faults.active(), 0))
+
+
 def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
                        lora: MoeLoraWeights | None = None, token_adapter=None,
-                       config: GemmConfig | None = None, down_config: GemmConfig | None = None) -> torch.Tensor:
-    check_kernel_rank(lora.gate_up_a.shape[2] if lora is not None else 0)
+                       config: GemmConfig | None = None, down_config: GemmConfig | None = None,
+                       lora_shrink: str = "once") -> torch.Tensor:
+    """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
+    N/BLOCK_N programs of a row block would each redo it); "fused" runs it inside every program's K-loop (no
+    launch and no S buffer). A bug-zoo kernel fault forces "fused": the faults live in that branch."""
+    check_kernel_rank(lora.max_rank if lora is not None else 0)
     T, H = x.shape
     E, n1, _ = w_gate_up.shape
     K = topk_ids.shape[1]
     inter_n = n1 // 2 if GATED[activation] else n1
-    slots = lora.num_slots if lora is not None else 0
-    rank = lora.max_rank if lora is not None else 0
-    groups = E * max(1, slots)  # rows spread over (expert, slot) groups; used slots are not known without a sync
-    cfg1 = config or default_config(T * K, groups, inter_n, H, x.device, x.dtype, GATED[activation], rank)
-    cfg2 = down_config or default_config(T * K, groups, H, inter_n, x.device, x.dtype, False, rank)
+    once = shrink_once(lora, lora_shrink)
+    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
+    cfg1, cfg2 = config or cfg1, down_config or cfg2
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
-    routing = moe_align(topk_ids, token_adapter if lora is not None else None, E, slots, cfg1.block_m,
-                        impl="triton")
+    routing = moe_align(topk_ids, token_adapter if lora is not None else None, E,
+                        lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton")
     inter = torch.empty(routing.sorted_ids.shape[0], inter_n, dtype=x.dtype, device=x.device)
-    kw1 = kw2 = {}
-    if lora is not None:
-        common = dict(scaling=lora.scaling, ranks=lora.ranks)
-        fault = faults.active()
-        kw1 = dict(lora_a=lora.gate_up_a, lora_b=lora.gate_up_b, fault=KERNEL_FAULTS["gate_up"].get(fault, 0),
-                   **common)
-        kw2 = dict(lora_a=lora.down_a, lora_b=lora.down_b, fault=KERNEL_FAULTS["down"].get(fault, 0), **common)
+    s1 = expert_shrink(x, lora, "gate_up", routing) if once else None
     launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
-                bias=b_gate_up, **kw1)
+                bias=b_gate_up, **expert_lora_kwargs(lora, "gate_up", s1))
+    del s1  # its memory can serve s2
+    s2 = expert_shrink(inter, lora, "down", routing) if once else None
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
-                topk_weights=topk_weights.reshape(-1).float(), **kw2)
+                topk_weights=topk_weights.reshape(-1).float(), **expert_lora_kwargs(lora, "down", s2))
     return y.view(T, K, H).sum(dim=1) if K > 1 else y
 
 
@@ -585,16 +641,18 @@ def _misread_as_gated(w_down, lora):
 
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
                 lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
-                backend: str = "triton") -> torch.Tensor:
+                backend: str = "triton", lora_shrink: str = "once") -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
     "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside.
-    backend (impl triton only): "triton" (this file's fused kernel) or "grouped_mm" (kernels/moe_grouped.py)."""
+    backend (impl triton only): "triton" (this file's fused kernel) or "grouped_mm" (kernels/moe_grouped.py).
+    lora_shrink (backend triton only): "once" or "fused", see moe_forward_triton."""
     from kernels.moe_grouped import BACKENDS, moe_forward_grouped  # lazy: moe_grouped builds on this file
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_lora_shrink(lora_shrink)
     if activation == "relu2" and faults.on("relu2_as_gated"):
         activation, w_down, lora = _misread_as_gated(w_down, lora)
     check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora,
@@ -602,4 +660,6 @@ def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b
     args = (x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter)
     if resolve_impl(impl, x) == "torch":
         return moe_forward_torch(*args)
-    return (moe_forward_grouped if backend == "grouped_mm" else moe_forward_triton)(*args)
+    if backend == "grouped_mm":
+        return moe_forward_grouped(*args)
+    return moe_forward_triton(*args, lora_shrink=lora_shrink)

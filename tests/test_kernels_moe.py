@@ -18,9 +18,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_moe(T, H, I, E, K, activation, *, ranks=(), R=None, shared_outer=False, bias=False, dtype=torch.float32,
-             device="cpu", none_rows=True, experts_used=None, x_scale=1.0, seed=0):
-    """Random inputs (never zeros). ranks: loaded rank per adapter slot, padded with garbage-free zeros to R;
-    experts_used: route only to these experts so that the others receive zero tokens."""
+             device="cpu", none_rows=True, experts_used=None, x_scale=1.0, seed=0, pad_garbage=False):
+    """Random inputs (never zeros). ranks: loaded rank per adapter slot, padded to R with zeros or, pad_garbage,
+    with garbage that the kernels must ignore (large values in A, NaN in B); experts_used: route only to these
+    experts so that the others receive zero tokens."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale)  # noqa: E731
     n1 = I if activation == "relu2" else 2 * I
@@ -43,11 +44,11 @@ def make_moe(T, H, I, E, K, activation, *, ranks=(), R=None, shared_outer=False,
         gu_b = rnd(L, E, n1, R, scale=R ** -0.5)
         d_a = rnd(L, E, R, I, scale=I ** -0.5)
         d_b = rnd(L, ea, H, R, scale=R ** -0.5)
-        for a, r in enumerate(ranks):  # zero padding past the loaded rank, as the runtime stores it
-            gu_a[a, :, r:] = 0
-            gu_b[a, :, :, r:] = 0
-            d_a[a, :, r:] = 0
-            d_b[a, :, :, r:] = 0
+        for a, r in enumerate(ranks):  # padding past the loaded rank: zeros, as the runtime stores it, or garbage
+            for t in (gu_a[a, :, r:], d_a[a, :, r:]):  # large: a shrink that reads it is far off
+                t.copy_(rnd(*t.shape, scale=1e3) if pad_garbage else torch.zeros(t.shape))
+            for t in (gu_b[a, ..., r:], d_b[a, ..., r:]):  # NaN: an expand that reads it is NaN even times S = 0
+                t.fill_(float("nan") if pad_garbage else 0.0)
         if shared_outer:
             gu_a, d_b = gu_a.expand(L, E, R, H), d_b.expand(L, E, H, R)
         lora = MoeLoraWeights(gu_a, gu_b, d_a, d_b, scaling=(rnd(L).abs() + 0.5).float(),
@@ -143,6 +144,63 @@ def test_moe_forward_interpreter_bf16_upcast(tol=1e-2):
     check_moe(make_moe(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16), tol)
 
 
+SHRINK_MODES = ["once", "fused"]  # the shrink precomputed once per row block (default) / inside every K-loop
+SHRINK_CASES = [
+    # SiLU-gated with odd sizes: T*K not a multiple of BLOCK_M, H and I not multiples of 16 (masked K tails,
+    # wrapped gate/up columns); 3 adapters + none rows; slot 1 loaded at rank 5 < max rank 16 with garbage past it
+    (dict(T=29, H=37, I=21, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True), 1e-5),
+    # gpt-oss clamped SwiGLU with per-expert biases, clamps engaged; gated B rows follow the interleaved columns
+    (dict(T=23, H=40, I=24, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0,
+          pad_garbage=True), 1e-5),
+    # relu^2 non-gated, top-1 (the down GEMM's top-k weight times its LoRA delta on single-copy tokens)
+    (dict(T=26, H=24, I=40, E=6, K=1, activation="relu2", ranks=(8, 2), pad_garbage=True), 1e-5),
+    # bf16 through the interpreter (tiles upcast): S rounded to bf16 in the epilogue like the fused shrink's
+    (dict(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16, pad_garbage=True),
+     1e-2),
+]
+
+
+@pytest.mark.parametrize("lora_shrink", SHRINK_MODES)
+@pytest.mark.parametrize("case,tol", SHRINK_CASES,
+                         ids=lambda c: f"{c['activation']}-{c.get('dtype', torch.float32)}".replace("torch.", "")
+                         if isinstance(c, dict) else f"tol{c}")
+def test_lora_shrink_modes_match_reference(case, tol, lora_shrink):
+    check_moe(make_moe(**case), tol, lora_shrink=lora_shrink)
+
+
+def test_lora_shrink_launches(monkeypatch):
+    """"once" precomputes both shrinks (gate_up over x gathered by pair, down over the sorted intermediate),
+    "fused" none; a bug-zoo kernel fault forces "fused", so the zoo keeps exercising the branch its faults live in."""
+    import kernels.fused_moe_lora as fm
+    from kernels import faults
+    calls = []
+    real = fm.launch_shrink
+    monkeypatch.setattr(fm, "launch_shrink", lambda *a, **kw: calls.append(kw["x_sorted"]) or real(*a, **kw))
+    p = make_moe(T=9, H=16, I=16, E=2, K=2, activation="silu", ranks=(4,))
+    moe_forward(**p, impl="triton")
+    assert calls == [False, True]
+    moe_forward(**p, impl="triton", lora_shrink="fused")
+    moe_forward(**dict(p, lora=None, token_adapter=None), impl="triton")
+    for fault in fm.KERNEL_FAULTS["gate_up"] | fm.KERNEL_FAULTS["down"]:
+        with faults.injected(fault):
+            moe_forward(**p, impl="triton")
+    assert calls == [False, True]
+    with faults.injected("lora_rank_layout"):  # a runtime-level fault leaves the kernel path as it is
+        moe_forward(**p, impl="triton")
+    assert calls == [False, True] * 2
+
+
+@pytest.mark.parametrize("lora_shrink", SHRINK_MODES)
+def test_bench_stage_breakdown_on_cpu(lora_shrink):
+    """The staged launches that bench_kernels.py times on a GPU, run once each here: same stages, same output."""
+    from benchmarks.bench_kernels import stage_breakdown, untimed
+    p = make_moe(T=21, H=40, I=24, E=4, K=3, activation="swiglu_oai", ranks=(8, 5), bias=True)
+    times, out = stage_breakdown(p, lora_shrink, timer=untimed)
+    once = ["shrink1", "shrink2"] if lora_shrink == "once" else []
+    assert sorted(times) == sorted(["align", "gemm1", "gemm2", "sum"] + once)
+    assert rel_err(out, moe_forward(**p, impl="torch")) <= 1e-5
+
+
 def test_padded_rank_is_exact_and_ignores_garbage():
     """A rank-5 adapter zero-padded to max rank 32 must give exactly what the same adapter gives at R=5, and
     columns past the loaded rank must be ignored even when they hold garbage (uninitialised slots)."""
@@ -181,6 +239,8 @@ def test_bad_inputs_raise_one_clear_error():
         moe_forward(**dict(p, activation="gelu"))
     with pytest.raises(ValueError, match="impl"):
         moe_forward(**p, impl="cuda")
+    with pytest.raises(ValueError, match="lora_shrink must be one of"):
+        moe_forward(**p, lora_shrink="twice")
 
 
 def test_auto_picks_torch_on_cpu_without_interpreter(monkeypatch):
@@ -206,15 +266,17 @@ GPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("lora_shrink", SHRINK_MODES)
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}")
 @pytest.mark.gpu1
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_moe_forward_gpu(case, dtype, tol):
+def test_moe_forward_gpu(case, dtype, tol, lora_shrink):
     p = make_moe(**case, dtype=dtype, device="cuda")
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
-    out, _ = check_moe(p, tol)
-    assert torch.equal(out, moe_forward(**p, impl="triton")), "reruns must be bit-identical"
+    out, _ = check_moe(p, tol, lora_shrink=lora_shrink)
+    assert torch.equal(out, moe_forward(**p, impl="triton", lora_shrink=lora_shrink)), \
+        "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
