@@ -3,19 +3,30 @@ per batch, rows with none, outputs split into slices (q|k|v, gate|up) that each 
 
 Shapes: T tokens, Kin input width, N output width, S slices, R max rank, L adapter slots, M padded rows.
 
-Two Triton paths, both on the grouped GEMM of fused_moe_lora.py with one "expert": tokens are sorted by adapter
-slot and padded to the block size, so every tile has one adapter; the shrink writes S*R columns per row (scaled).
-- default: the base GEMM is cuBLAS (F.linear in the run dtype, IEEE fp32 for fp32 runs), then one pass adds, for
-  each slice that overlaps an output tile, S[:, s*R:(s+1)*R] B[a, lo_s:hi_s]^T to that tile in place. The base
-  is the big cost and cuBLAS runs it near peak; the delta pass is memory-bound (one read and write of the
-  adapter rows of out), and rows without an adapter are not touched.
-- fused=True: the base GEMM and the expand in one Triton kernel (the expand is the GEMM's epilogue), kept to be
-  timed against (benchmarks/bench_kernels.py). Its base GEMM ran at about half cuBLAS's rate at the Qwen3 q|k|v
-  and o shapes on an H200 (benchmarks/results/e2e_notes.md), which is why it is no longer the default.
+Three paths (``path=``):
+- "cublas" (the default): three vendor GEMMs and no Triton launch. Base x w^T (+ bias); shrink S = x A_all^T with
+  A_all every slot's and slice's A viewed as one (L*S*R, Kin) matrix; each row keeps only its own slot's columns
+  (a (T, L) one-hot, or no mask at all when the caller knows every row uses one slot); expand by one in-place
+  out += S B_packed^T, where B_packed (N, L*S*R) is block-diagonal over slices with the slot's scaling folded in
+  (pack_lora_b; it depends only on the adapters, so the engine builds it once). The LoRA math is tiny next to the
+  base, so what counted was launches: the Triton delta path (alignment, shrink and delta kernels, each launch
+  with ~50 arguments costing tens of microseconds of Python) took Qwen3's q|k|v from 6.06 to 13.19 ms and o from
+  4.56 to 13.22 ms per forward for a rank-32 delta (H200, benchmarks/results/e2e_notes.md, run 18). Every row
+  computes all L slots' shrink columns: L*S*R / N extra work on the base, small for the few adapters of a batch.
+- "triton_delta": tokens sorted by slot and padded to the block size (moe_align), the shrink kernel of
+  fused_moe_lora.py, then a Triton pass that adds each slice's S B^T to the cuBLAS base output in place.
+- "fused" (or fused=True): the base GEMM and the expand in one Triton kernel (the expand is the GEMM's epilogue).
+  Its base GEMM ran at about half cuBLAS's rate at the Qwen3 q|k|v and o shapes on an H200
+  (benchmarks/results/e2e_notes.md).
+The last two are kept to be timed against (benchmarks/bench_kernels.py).
+
+Precision ("cublas"): bf16/fp16 runs round S = x A^T to the run dtype before the expand (as PEFT's lora_B(lora_A(x))
+does) and hold scaling * B rounded once to it; the expand adds onto the base output inside the GEMM (beta = 1; on
+cuBLAS one rounding of out). fp32 runs are IEEE fp32 in every GEMM, whatever torch's float32 matmul precision says.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +115,74 @@ def ieee_fp32_matmul():
             m.fp32_precision = p
 
 
+def exact_matmuls(dtype: torch.dtype):
+    """The matmul setting of a run in ``dtype``: IEEE for fp32 (see ieee_fp32_matmul), as is for 16-bit types."""
+    return ieee_fp32_matmul() if dtype == torch.float32 else nullcontext()
+
+
 def base_linear(x, w, bias=None) -> torch.Tensor:
     """x w^T + bias by the vendor GEMM in x's dtype (cuBLAS on CUDA), IEEE for fp32."""
-    if x.dtype != torch.float32:
+    with exact_matmuls(x.dtype):
         return F.linear(x, w, bias)
-    with ieee_fp32_matmul():
-        return F.linear(x, w, bias)
+
+
+def pack_lora_b(lora_b, scaling, slice_offsets=None, R: int | None = None) -> torch.Tensor:
+    """lora_b (L, N, R) -> B_packed (N, L*S*R) in lora_b's dtype: column l*S*R + s*R + r holds
+    scaling[l] * B[l, :, r] on the rows lo_s:hi_s of slice s and zeros elsewhere, so that one GEMM with the shrink
+    S = x A_all^T (A_all = lora_a viewed (L*S*R, Kin)) adds every slice's delta to its own output columns only.
+    The scaling multiplies in fp32 and rounds once. R, if given, must be lora_b's rank (lora_a.shape[2])."""
+    L, n, rank = lora_b.shape
+    if R is not None and R != rank:
+        raise ValueError(f"lora_b has rank {rank} but R={R}; pass lora_a.shape[2] and the matching lora_b")
+    if scaling.shape != (L,):
+        raise ValueError(f"scaling must be (L={L},), got {tuple(scaling.shape)}")
+    offs = _offsets(slice_offsets, n)
+    S = len(offs) - 1
+    packed = lora_b.new_zeros(n, L, S, rank)
+    scaled = lora_b.float() * scaling.float().to(lora_b.device)[:, None, None]
+    for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
+        packed[lo:hi, :, s] = scaled[:, lo:hi].transpose(0, 1).to(lora_b.dtype)
+    return packed.view(n, L * S * rank)
+
+
+def slot_one_hot(token_adapter: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """(T,) slot per row (-1 none) -> (T, num_slots) one-hot in ``dtype``; rows of -1 are all zero."""
+    return (token_adapter[:, None].long() == torch.arange(num_slots, device=token_adapter.device)).to(dtype)
+
+
+def check_cublas_extras(x, lora_a, n, b_packed, slot_mask, uniform_slot) -> None:
+    L, S, R, _ = lora_a.shape
+    if b_packed is not None and (b_packed.shape != (n, L * S * R) or b_packed.dtype != x.dtype):
+        raise ValueError(f"b_packed must be (N, L*S*R) = {(n, L * S * R)} {x.dtype} (pack_lora_b of lora_b in the "
+                         f"run dtype), got {tuple(b_packed.shape)} {b_packed.dtype}")
+    if slot_mask is not None and (slot_mask.shape != (x.shape[0], L) or slot_mask.dtype != x.dtype):
+        raise ValueError(f"slot_mask must be (T, L) = {(x.shape[0], L)} {x.dtype} (slot_one_hot of token_adapter), "
+                         f"got {tuple(slot_mask.shape)} {slot_mask.dtype}")
+    if uniform_slot is not None and not 0 <= uniform_slot < L:
+        raise ValueError(f"uniform_slot must be a slot in [0, {L}) used by every row, got {uniform_slot}; pass "
+                         "None when rows differ or some have no adapter")
+
+
+def lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter, b_packed=None,
+                       slot_mask=None, uniform_slot: int | None = None) -> torch.Tensor:
+    """The "cublas" path (module docstring). b_packed: pack_lora_b(lora_b, scaling, slice_offsets), built here
+    when None. uniform_slot: the slot of every row, when the caller knows it (then no mask is applied and only that
+    slot's columns are computed); else slot_mask (T, L) (slot_one_hot of token_adapter, built here when None)."""
+    with exact_matmuls(x.dtype):
+        out = F.linear(x, w, bias)
+        if lora_a is None:
+            return out
+        L, S, R, kin = lora_a.shape
+        if b_packed is None:
+            b_packed = pack_lora_b(lora_b, scaling, slice_offsets)
+        if uniform_slot is not None:
+            width = S * R
+            s = F.linear(x, lora_a[uniform_slot].reshape(width, kin))
+            return out.addmm_(s, b_packed[:, uniform_slot * width:(uniform_slot + 1) * width].T)
+        s = F.linear(x, lora_a.reshape(L * S * R, kin))
+        mask = slot_mask if slot_mask is not None else slot_one_hot(token_adapter, L, x.dtype)
+        s.view(x.shape[0], L, S * R).mul_(mask[:, :, None])
+        return out.addmm_(s, b_packed.T)
 
 
 def delta_config(num_tokens: int, n: int, device: torch.device, dtype: torch.dtype) -> GemmConfig:
@@ -123,9 +196,20 @@ def delta_config(num_tokens: int, n: int, device: torch.device, dtype: torch.dty
                       num_warps=4, num_stages=1)
 
 
+PATHS = ("cublas", "triton_delta", "fused")
+
+
 def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None,
-                       token_adapter=None, config: GemmConfig | None = None, fused: bool = False) -> torch.Tensor:
-    """config: tiles of the fused GEMM (fused=True) or of the delta pass (default)."""
+                       token_adapter=None, config: GemmConfig | None = None, fused: bool = False,
+                       path: str = "cublas", b_packed=None, slot_mask=None,
+                       uniform_slot: int | None = None) -> torch.Tensor:
+    """path: see the module docstring (fused=True is path="fused"). config: tiles of the fused GEMM or of the
+    delta pass. b_packed, slot_mask, uniform_slot: precomputed pieces of the "cublas" path (lora_linear_cublas)."""
+    path = "fused" if fused else path
+    if path == "cublas":
+        return lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter, b_packed,
+                                  slot_mask, uniform_slot)
+    fused = path == "fused"
     T, kin = x.shape
     n = w.shape[0]
     has_lora = lora_a is not None
@@ -153,13 +237,23 @@ def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, 
 
 
 def lora_linear(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None, token_adapter=None,
-                impl: str = "auto", fused: bool = False) -> torch.Tensor:
+                impl: str = "auto", fused: bool = False, path: str = "cublas", b_packed=None, slot_mask=None,
+                uniform_slot: int | None = None) -> torch.Tensor:
     """(T, N) = x w^T + bias + per-row LoRA: for row t with slot a = token_adapter[t] >= 0 and each slice s,
     out[t, lo_s:hi_s] += scaling[a] * (x[t] A[a, s]^T) B[a, lo_s:hi_s]^T. Padded rank columns must be zero.
-    Triton: base by cuBLAS + in-place LoRA pass, or (fused=True) the single fused kernel; ignored by 'torch'."""
+    Triton impl: path "cublas" (default; three vendor GEMMs, b_packed / slot_mask / uniform_slot let a caller pass
+    what it precomputed), "triton_delta" or "fused" (= fused=True); see the module docstring. impl 'torch' runs
+    the reference and ignores path and the precomputed pieces. uniform_slot is trusted: every row must use it."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if fused and path not in ("cublas", "fused"):
+        raise ValueError(f"fused=True is path='fused'; it cannot be combined with path={path!r}")
     offs = _offsets(slice_offsets, w.shape[0]) if w.ndim == 2 else None
     check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_adapter)
+    if lora_a is not None:
+        check_cublas_extras(x, lora_a, w.shape[0], b_packed, slot_mask, uniform_slot)
     args = (x, w, bias, lora_a, lora_b, scaling, offs, token_adapter)
     if resolve_impl(impl, x) == "torch":
         return lora_linear_torch(*args)
-    return lora_linear_triton(*args, fused=fused)
+    return lora_linear_triton(*args, fused=fused, path=path, b_packed=b_packed, slot_mask=slot_mask,
+                              uniform_slot=uniform_slot)

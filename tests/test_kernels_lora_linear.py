@@ -1,16 +1,18 @@
-"""Batched dense LoRA (per-row adapters, sliced outputs) against its torch reference, on both Triton paths: the
-default (vendor GEMM base + in-place LoRA pass) and the fused kernel. CPU cases through the Triton interpreter in
-fp32, gpu1 cases compiled in bf16 and fp32."""
+"""Batched dense LoRA (per-row adapters, sliced outputs) against its torch reference, on the three paths: the
+default "cublas" (base, shrink and expand as vendor GEMMs, no Triton launch), "triton_delta" (vendor GEMM base +
+in-place Triton LoRA pass) and "fused" (one Triton kernel). CPU cases: the cublas path on CPU torch GEMMs, the
+Triton paths through the interpreter, fp32 (and bf16 where the interpreter allows); gpu1 cases compiled in bf16 and
+fp32."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels import lora_linear
-from kernels.lora_linear import base_linear, ieee_fp32_matmul
+from kernels.lora_linear import PATHS, base_linear, ieee_fp32_matmul, pack_lora_b, slot_one_hot
 
 CUDA = torch.cuda.is_available()
-PATHS = pytest.mark.parametrize("fused", [False, True], ids=["cublas+lora", "fused"])
+ALL_PATHS = pytest.mark.parametrize("path", PATHS)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -46,17 +48,18 @@ def base_of(p):
     return {k: v for k, v in p.items() if k in ("x", "w", "bias", "slice_offsets")}
 
 
-def check_linear(p, tol, fused=False):
+def check_linear(p, tol, path="cublas"):
     ref = lora_linear(**p, impl="torch")
-    out = lora_linear(**p, impl="triton", fused=fused)
+    out = lora_linear(**p, impl="triton", path=path)
     assert out.shape == ref.shape and out.dtype == p["x"].dtype
     err = rel_err(out, ref)
     assert err <= tol, f"rel err {err:.3g} > {tol}"
     if "lora_a" in p:  # the delta alone: a slice or a slot silently dropped would show here
-        derr = rel_err(out.float() - lora_linear(**base_of(p), impl="triton", fused=fused).float(),
+        derr = rel_err(out.float() - lora_linear(**base_of(p), impl="triton", path=path).float(),
                        ref.float() - lora_linear(**base_of(p), impl="torch").float())
         assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
-        if not fused:  # the in-place pass skips rows without an adapter: they are the vendor GEMM's, bit for bit
+        if path != "fused":  # rows without an adapter get an exact zero added (cublas) or are not touched
+            # (triton_delta): they are the vendor GEMM's, bit for bit
             none = p["token_adapter"] < 0
             assert torch.equal(out[none], base_linear(p["x"], p["w"], p["bias"])[none])
     return out
@@ -77,24 +80,89 @@ CPU_CASES = [
 ]
 
 
-@PATHS
+@ALL_PATHS
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"T{c['T']}-S{len(c['widths'])}-L{c['L']}-R{c['R']}")
-def test_lora_linear_interpreter_fp32(case, fused, tol=1e-5):
-    check_linear(make_linear(**case), tol, fused)
+def test_lora_linear_cpu_fp32(case, path, tol=1e-5):
+    check_linear(make_linear(**case), tol, path)
 
 
-@PATHS
-def test_lora_linear_rows_without_adapter_equal_base(fused):
+@ALL_PATHS
+def test_lora_linear_rows_without_adapter_equal_base(path):
     p = make_linear(T=17, kin=32, widths=(16, 16), L=2, R=8)
     p["token_adapter"] = torch.full_like(p["token_adapter"], -1)
-    assert torch.equal(lora_linear(**p, impl="triton", fused=fused),
-                       lora_linear(**base_of(p), impl="triton", fused=fused))
+    assert torch.equal(lora_linear(**p, impl="triton", path=path), lora_linear(**base_of(p), impl="triton", path=path))
 
 
-def test_lora_linear_bf16_interpreter(tol=1e-2):
-    # the default path's base is F.linear in bf16 and its pass adds to a bf16 out: the run dtype end to end
+def test_fused_keyword_is_the_fused_path():
+    # benchmarks/bench_kernels.py and older callers pass fused=True
+    p = make_linear(T=19, kin=24, widths=(16, 8), L=2, R=4)
+    assert torch.equal(lora_linear(**p, impl="triton", fused=True), lora_linear(**p, impl="triton", path="fused"))
+
+
+@pytest.mark.parametrize("path", ["cublas", "triton_delta"])
+def test_lora_linear_bf16_cpu(path, tol=1e-2):
+    # both paths' base is F.linear in bf16 and their LoRA adds to a bf16 out: the run dtype end to end (the fused
+    # kernel's bf16 tl.dot is garbage in the interpreter, DESIGN.md)
     p = make_linear(T=24, kin=32, widths=(16, 24), L=2, R=8, dtype=torch.bfloat16)
-    check_linear(p, tol)
+    check_linear(p, tol, path)
+
+
+# the cublas path with what the engine precomputes (b_packed once per layer, the (T, L) slot mask once per batch,
+# or the one slot of a batch whose prompts all use it) against the reference and against building them on the fly
+CUBLAS_CASES = [
+    # q|k|v of three different widths, none of T, Kin, N a multiple of 16, 3 slots + rows without an adapter
+    dict(T=45, kin=37, widths=(26, 10, 7), L=3, R=8),
+    # o-like: one slice, no bias, 2 slots, no none rows
+    dict(T=29, kin=50, widths=(43,), L=2, R=16, bias=False, none_rows=False),
+    # 4 slots of true ranks 2/8/5/1 zero-padded to 8 (padded columns must add nothing), none rows
+    dict(T=61, kin=27, widths=(30, 14, 14), L=4, R=8, ranks=(2, 8, 5, 1)),
+    # a single slot at rank 1 mixed with rows without an adapter
+    dict(T=13, kin=19, widths=(11, 5), L=1, R=1),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CUBLAS_CASES, ids=lambda c: f"T{c['T']}-K{c['kin']}-S{len(c['widths'])}-L{c['L']}")
+def test_cublas_path_precomputed_pieces(case, dtype, tol):
+    p = make_linear(**case, dtype=dtype, seed=case["T"])
+    out = check_linear(p, tol)
+    L, R = case["L"], case["R"]
+    b_packed = pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"], R)
+    mask = slot_one_hot(p["token_adapter"], L, dtype)
+    assert torch.equal(lora_linear(**p, impl="triton", b_packed=b_packed, slot_mask=mask), out)
+    for slot in range(L):  # every row on one slot: the maskless branch that reads only that slot's columns
+        one = dict(p, token_adapter=torch.full_like(p["token_adapter"], slot))
+        got = lora_linear(**one, impl="triton", b_packed=b_packed, uniform_slot=slot)
+        assert rel_err(got, lora_linear(**one, impl="torch")) <= tol
+        # against the masked branch: the same sums up to the order of the expand's additions
+        assert rel_err(got, lora_linear(**one, impl="triton")) <= tol / 10
+
+
+def test_pack_lora_b_is_block_diagonal_and_scaled():
+    # the layout that the expand relies on, element by element: slice s of slot l sees only its own rows
+    p = make_linear(T=4, kin=8, widths=(5, 3, 2), L=2, R=3)
+    packed = pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"]).view(10, 2, 3, 3)
+    offs = p["slice_offsets"]
+    for l in range(2):
+        for s in range(3):
+            rows = torch.arange(10)
+            inside = (rows >= offs[s]) & (rows < offs[s + 1])
+            torch.testing.assert_close(packed[inside, l, s], p["scaling"][l] * p["lora_b"][l, inside], rtol=1e-6,
+                                       atol=0)
+            assert (packed[~inside, l, s] == 0).all()
+
+
+@ALL_PATHS
+def test_row_parallel_shards_sum_to_the_whole(path, tol=1e-5):
+    # tensor parallelism's o projection: x, w and A split on Kin, B whole, the bias on one rank only; the sum of
+    # the ranks' outputs (the engine's all-reduce) must be the unsharded result
+    p = make_linear(T=33, kin=48, widths=(40,), L=3, R=8)
+    k = 20
+    parts = [dict(p, x=p["x"][:, :k], w=p["w"][:, :k].contiguous(), lora_a=p["lora_a"][..., :k].contiguous()),
+             dict(p, x=p["x"][:, k:], w=p["w"][:, k:].contiguous(), lora_a=p["lora_a"][..., k:].contiguous(),
+                  bias=None)]
+    got = sum(lora_linear(**q, impl="triton", path=path) for q in parts)
+    assert rel_err(got, lora_linear(**p, impl="torch")) <= tol
 
 
 @pytest.fixture
@@ -137,6 +205,16 @@ def test_lora_linear_bad_inputs():
         lora_linear(**dict(p, slice_offsets=None))
     with pytest.raises(ValueError, match="token_adapter"):
         lora_linear(**dict(p, token_adapter=None))
+    with pytest.raises(ValueError, match="b_packed"):  # B packed for other slices (or not packed at all)
+        lora_linear(**p, b_packed=pack_lora_b(p["lora_b"], p["scaling"]))
+    with pytest.raises(ValueError, match="slot_mask"):
+        lora_linear(**p, slot_mask=slot_one_hot(p["token_adapter"], 2, torch.float32))
+    with pytest.raises(ValueError, match="uniform_slot"):
+        lora_linear(**p, uniform_slot=1)
+    with pytest.raises(ValueError, match="path"):
+        lora_linear(**p, path="cutlass")
+    with pytest.raises(ValueError, match="R="):
+        pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"], R=8)
 
 
 GPU_CASES = [
@@ -149,16 +227,23 @@ GPU_CASES = [
 ]
 
 
-@PATHS
+@ALL_PATHS
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c['T']}-S{len(c['widths'])}-R{c['R']}")
 @pytest.mark.gpu1
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_lora_linear_gpu(case, dtype, tol, fused):
+def test_lora_linear_gpu(case, dtype, tol, path):
     p = make_linear(**case, dtype=dtype, device="cuda")
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
-    out = check_linear(p, tol, fused)
-    assert torch.equal(out, lora_linear(**p, impl="triton", fused=fused)), "reruns must be bit-identical"
+    out = check_linear(p, tol, path)
+    assert torch.equal(out, lora_linear(**p, impl="triton", path=path)), "reruns must be bit-identical"
+    if path == "cublas":  # what the engine passes: packed B, the batch's mask; and the one-slot branch
+        b_packed = pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"])
+        mask = slot_one_hot(p["token_adapter"], case["L"], dtype)
+        assert torch.equal(lora_linear(**p, impl="triton", b_packed=b_packed, slot_mask=mask), out)
+        one = dict(p, token_adapter=torch.zeros_like(p["token_adapter"]))
+        got = lora_linear(**one, impl="triton", b_packed=b_packed, uniform_slot=0)
+        assert rel_err(got, lora_linear(**one, impl="torch")) <= tol
 
 
 @pytest.mark.gpu1

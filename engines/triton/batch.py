@@ -21,6 +21,9 @@ class Batch:
     cos: torch.Tensor  # (T, head_dim // 2) in the model dtype
     sin: torch.Tensor
     _masks: dict = field(default_factory=dict)
+    # the slot of every prompt when they all use one adapter (known on the host, no sync); else None
+    uniform_slot: int | None = None
+    _slot_masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype,
@@ -38,7 +41,9 @@ class Batch:
         cos = (freqs.cos() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
         sin = (freqs.sin() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        return cls(ids.to(device), positions.to(device), seq.to(device), lens, cu, adapter, cos, sin)
+        uniform = slots[0] if adapter is not None and all(s == slots[0] for s in slots) else None
+        return cls(ids.to(device), positions.to(device), seq.to(device), lens, cu, adapter, cos, sin,
+                   uniform_slot=uniform)
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +71,16 @@ class Batch:
         if self.uniform:
             return y.reshape(self.num_tokens, *y.shape[2:])
         return y[self.seq, self.positions]
+
+    def slot_mask(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+        """(T, num_slots) one-hot of token_adapter in ``dtype`` (rows without an adapter all zero), for the dense
+        LoRA layers' shrink; built once per batch and shared by every layer."""
+        from kernels.lora_linear import slot_one_hot
+
+        key = (num_slots, dtype)
+        if key not in self._slot_masks:
+            self._slot_masks[key] = slot_one_hot(self.token_adapter, num_slots, dtype)
+        return self._slot_masks[key]
 
     def mask(self, window: int | None, sink: bool) -> torch.Tensor:
         """(L_max, L_max [+1]) bool, True = may attend: causal, within ``window`` keys (query i sees keys

@@ -30,6 +30,10 @@ class LayerLora:
     o_a: Tensor | None  # (L, 1, R, q_loc)
     o_b: Tensor | None  # (L, H, R)
     moe: object | None  # kernels.MoeLoraWeights
+    # B of q|k|v and o for lora_linear's cublas path (kernels.lora_linear.pack_lora_b, scaling folded in), built
+    # once here so that a forward does no per-layer packing: (q_loc + 2 kv_loc, L*3*R) and (H, L*R)
+    qkv_b_packed: Tensor | None = None
+    o_b_packed: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -45,7 +49,7 @@ class StackedLora:
     def nbytes(self) -> int:
         total = 0
         for layer in self.layers:
-            ts = [layer.qkv_a, layer.qkv_b, layer.o_a, layer.o_b]
+            ts = [layer.qkv_a, layer.qkv_b, layer.o_a, layer.o_b, layer.qkv_b_packed, layer.o_b_packed]
             if layer.moe is not None:
                 ts += [layer.moe.gate_up_a, layer.moe.gate_up_b, layer.moe.down_a, layer.moe.down_b]
             total += sum(t.numel() * t.element_size() for t in ts if t is not None)
@@ -78,6 +82,7 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
     if not adapters:
         return None
     from kernels import MoeLoraWeights
+    from kernels.lora_linear import pack_lora_b
 
     arch = arch_module(cfg.arch)
     names = list(adapters)
@@ -88,7 +93,9 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
     any_experts = any(e for _, e in parsed)
     H, E, d = cfg.hidden_size, cfg.num_experts, cfg.head_dim
     heads = (cfg.num_heads, cfg.num_kv_heads, d)
-    q_loc = len(shard.heads(cfg.num_heads, cfg.num_kv_heads)[0]) * d
+    q_heads, kv_heads = shard.heads(cfg.num_heads, cfg.num_kv_heads)
+    q_loc, kv_loc = len(q_heads) * d, len(kv_heads) * d
+    qkv_loc_offsets = (0, q_loc, q_loc + kv_loc, q_loc + 2 * kv_loc)  # this rank's q|k|v columns
     n_qkv = cfg.q_size + 2 * cfg.kv_size
     I2, I = 2 * cfg.expert_width, cfg.expert_width
 
@@ -137,11 +144,15 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
                 gate_up_a=gu_a, gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
                 down_a=shard.split(dn_a, 3).contiguous(), down_b=dn_b,
                 scaling=scaling, ranks=ranks)
+        qkv_b = None if qkv_b_full is None else shard.split_qkv(qkv_b_full, 1, *heads).contiguous()
+        # o is row-parallel: A split on its input, B whole; each rank expands its partial shrink with the whole
+        # packed B and the all-reduce of o's output sums the partial deltas (linear in the shrink)
         layers.append(LayerLora(
-            qkv_a=qkv_a,
-            qkv_b=None if qkv_b_full is None else shard.split_qkv(qkv_b_full, 1, *heads).contiguous(),
+            qkv_a=qkv_a, qkv_b=qkv_b,
             o_a=None if o_a_full is None else shard.split_heads(o_a_full, 3, *heads).contiguous(),
-            o_b=o_b, moe=moe))
+            o_b=o_b, moe=moe,
+            qkv_b_packed=None if qkv_b is None else pack_lora_b(qkv_b, scaling, qkv_loc_offsets, R),
+            o_b_packed=None if o_b is None else pack_lora_b(o_b, scaling, None, R)))
         assert qkv_a is None or layers[-1].o_a.shape[-1] == q_loc
     return StackedLora(names=names, scaling=scaling, ranks=ranks, layers=layers)
 

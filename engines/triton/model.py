@@ -61,22 +61,27 @@ class MoeTransformer:
                 self.capture[i] = x + delta
         return self._norm(x, delta, self.w.norm)[0], margin
 
-    def _linear(self, x, w, bias, lora_a, lora_b, offsets, token_adapter):
+    def _linear(self, x, w, bias, lora_a, lora_b, b_packed, offsets, batch: Batch):
         from kernels import lora_linear
 
-        if lora_a is None or token_adapter is None:
+        if lora_a is None or batch.token_adapter is None:
             return lora_linear(x, w, bias, impl=self.impl)
-        return lora_linear(x, w, bias, lora_a, lora_b, self.lora.scaling, offsets, token_adapter, impl=self.lora_impl)
+        # the pieces lora_linear's cublas path would otherwise rebuild per call: B packed per layer (lora.py),
+        # the slot mask per batch, or no mask when every prompt uses one adapter
+        uniform = batch.uniform_slot
+        mask = batch.slot_mask(lora_a.shape[0], x.dtype) if uniform is None else None
+        return lora_linear(x, w, bias, lora_a, lora_b, self.lora.scaling, offsets, batch.token_adapter,
+                           impl=self.lora_impl, b_packed=b_packed, slot_mask=mask, uniform_slot=uniform)
 
     def attend(self, h: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch,
                   window: int | None) -> torch.Tensor:
         cfg, d, T = self.cfg, self.cfg.head_dim, h.shape[0]
-        ta = batch.token_adapter
-        qkv = self._linear(h, lw.qkv, lw.qkv_bias, ll and ll.qkv_a, ll and ll.qkv_b, self.qkv_offsets, ta)
+        qkv = self._linear(h, lw.qkv, lw.qkv_bias, ll and ll.qkv_a, ll and ll.qkv_b, ll and ll.qkv_b_packed,
+                           self.qkv_offsets, batch)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = norm_rope(q.view(T, self.heads, d), lw.q_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
         k = norm_rope(k.view(T, self.kv_heads, d), lw.k_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
         o = attention(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, window, lw.sinks,
                       self.attention_impl).reshape(T, self.heads * d)
-        out = self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, None, ta)
+        out = self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, ll and ll.o_b_packed, None, batch)
         return self.all_reduce(out)
