@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.fused_moe_lora import (GemmConfig, MoeLoraWeights, activate, expert_lora_kwargs,  # noqa: E402
                                     expert_shrink, launch_gemm, moe_configs, moe_forward, moe_forward_triton,
                                     shrink_once)
-from kernels.lora_linear import base_linear, lora_linear  # noqa: E402
+from kernels.lora_linear import base_linear, lora_linear, pack_lora_b  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
 from kernels import moe_grouped as mg  # noqa: E402
 
@@ -203,7 +203,9 @@ def dense_unfused(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adap
 
 def dense_impls(p: dict, impl: str = "triton") -> dict:
     """The dense LoRA paths timed (and checked) against each other, by row label."""
-    return {"triton_cublas+lora": lambda: lora_linear(**p, impl=impl),
+    packed = pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"])  # built once per layer by the engine
+    return {"triton_cublas+lora": lambda: lora_linear(**p, impl=impl, b_packed=packed),
+            "triton_delta_lora": lambda: lora_linear(**p, impl=impl, path="triton_delta"),
             "triton_fused_lora": lambda: lora_linear(**p, impl=impl, fused=True),
             "cublas+unfused_lora": lambda: dense_unfused(**p)}
 
