@@ -169,10 +169,12 @@ def profile(eng, prompts, adapter, path: Path) -> None:
     print(table[:6000], flush=True)
 
 
-def breakdown(eng, prompts, adapter: str) -> None:
+def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
     """Median time of each piece of one layer at the benchmark's shapes (triton.testing.do_bench), x num_layers,
-    next to one whole forward: where the time goes, base and LoRA."""
-    from triton.testing import do_bench
+    next to one whole forward: where the time goes, base and LoRA. -> {(piece, "base"|"lora"): ms}.
+    ``do_bench``: the timer (tests pass one that runs each piece once on CPU)."""
+    if do_bench is None:
+        from triton.testing import do_bench
 
     from engines.triton.attention import attention
     from engines.triton.batch import Batch
@@ -190,7 +192,7 @@ def breakdown(eng, prompts, adapter: str) -> None:
         b = Batch.build(prompts, [slot] * len(prompts), cfg, rt.dtype, rt.device)
         T, ta = b.num_tokens, b.token_adapter
         x = torch.randn(T, cfg.hidden_size, dtype=rt.dtype, device=rt.device)
-        qkv = m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, m.qkv_offsets, ta)
+        qkv = m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, ll.qkv_b_packed, m.qkv_offsets, b)
         q = qkv[:, : m.heads * d].view(T, m.heads, d)
         k = qkv[:, m.heads * d: (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
         v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
@@ -199,11 +201,12 @@ def breakdown(eng, prompts, adapter: str) -> None:
         tag = "lora" if slot >= 0 else "base"
         pieces = {
             "add_rms_norm x2": lambda: add_rms_norm(x, x, lw.input_norm, cfg.rms_norm_eps, cfg.norm_weight_fp32),
-            "qkv lora_linear": lambda: m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, m.qkv_offsets, ta),
+            "qkv lora_linear": lambda: m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, ll.qkv_b_packed,
+                                                 m.qkv_offsets, b),
             "norm_rope q+k": lambda: (norm_rope(q, lw.q_norm, cfg.rms_norm_eps, b.cos, b.sin),
                                       norm_rope(k, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin)),
             "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
-            "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, None, ta),
+            "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, ll.o_b_packed, None, b),
             "router+route": lambda: route(x, lw, cfg, m.impl),
             "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend),
         }
@@ -219,6 +222,7 @@ def breakdown(eng, prompts, adapter: str) -> None:
     print(f"{'piece (x layers)':28s} {'base ms':>9s} {'lora ms':>9s}", flush=True)
     for piece in dict.fromkeys(p for p, _ in rows):
         print(f"{piece:28s} {rows[(piece, 'base')]:9.2f} {rows[(piece, 'lora')]:9.2f}", flush=True)
+    return rows
 
 
 def main():

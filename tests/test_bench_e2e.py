@@ -1,0 +1,42 @@
+"""benchmarks/bench_e2e.py's per-piece breakdown calls the runtime's internals (MoeTransformer._linear, route,
+experts, attention) directly; run it on CPU on the tiny zoo so that a change of those signatures fails here and not
+in a paid GPU job (run 21 lost its breakdown to one)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from engines.base import EngineConfig
+from harness.catalog import get_model
+from harness.job import zoo_adapters
+from harness.types import AdapterSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _once(fn, **_):  # stands in for triton.testing.do_bench: run the piece once, report 1 ms
+    fn()
+    return 1.0
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gpt-oss"])
+def test_breakdown_runs_every_piece_on_the_runtime(model):
+    from engines.triton import TritonEngine
+
+    spec = get_model(model)
+    adapter = zoo_adapters(model)["all"]
+    prompts = [list(range(3, 3 + n)) for n in (9, 9, 9)]
+    with TritonEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapter.path)}, device="cpu")) as eng:
+        rows = _bench_e2e().breakdown(eng, prompts, "a", do_bench=_once)
+    pieces = {p for p, _ in rows}
+    assert {"qkv lora_linear", "o lora_linear", "moe_forward", "attention", "whole forward"} <= pieces
+    assert all((p, tag) in rows for p in pieces for tag in ("base", "lora"))
