@@ -36,11 +36,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kernels import faults
 from kernels._triton import dual_jit, tl, triton
-from kernels.fused_moe_lora import (ACTIVATIONS, GATED, KERNEL_FAULTS, GemmConfig, MoeLoraWeights, _gated_act,
-                                    activate, check_kernel_rank, device_const, launch_gemm, launch_shrink,
-                                    moe_forward_triton)
+from kernels.fused_moe_lora import (ACTIVATIONS, GATED, GemmConfig, MoeLoraWeights, _gated_act,
+                                    activate, check_kernel_rank, device_const, kernel_fault, launch_gemm,
+                                    launch_shrink, moe_forward_triton)
 from kernels.lora_linear import delta_config, ieee_fp32_matmul
 from kernels.moe_align import MoeRouting, moe_align
 
@@ -65,8 +64,8 @@ def grouped_mm_unsupported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: tor
             return f"{x.dtype} on CUDA (torch's CUTLASS grouped GEMM is bf16 only; fp32 stays IEEE on Triton)"
         if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
             return "not an sm90/sm100 GPU (torch's grouped_mm would loop over experts after a host sync)"
-    if faults.active() in KERNEL_FAULTS["gate_up"] or faults.active() in KERNEL_FAULTS["down"]:
-        return f"bug-zoo fault {faults.active()!r} lives in the fused kernel"
+    if (fault := kernel_fault()) is not None:
+        return f"bug-zoo fault {fault!r} lives in the fused kernel"
     H, I = x.shape[1], w_down.shape[2]
     if not all(_operand_ok(t) for t in (w_gate_up, w_down)) or any(n % (16 // x.element_size()) for n in (H, I)):
         return f"H={H} / I={I} or the weights' strides are not 16-byte aligned (grouped_mm's rule)"
