@@ -559,10 +559,12 @@ def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor |
 def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
                        lora: MoeLoraWeights | None = None, token_adapter=None,
                        config: GemmConfig | None = None, down_config: GemmConfig | None = None,
-                       lora_shrink: str = "once") -> torch.Tensor:
+                       lora_shrink: str = "once", sum_topk: bool = True) -> torch.Tensor:
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it); "fused" runs it inside every program's K-loop (no
-    launch and no S buffer). A bug-zoo kernel fault forces "fused": the faults live in that branch."""
+    launch and no S buffer). A bug-zoo kernel fault forces "fused": the faults live in that branch.
+    sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
+    its next pass (the runtime's residual add + RMSNorm)."""
     check_kernel_rank(lora.max_rank if lora is not None else 0)
     T, H = x.shape
     E, n1, _ = w_gate_up.shape
@@ -583,6 +585,8 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
                 topk_weights=topk_weights.reshape(-1).float(), **expert_lora_kwargs(lora, "down", s2))
+    if not sum_topk:
+        return y.view(T, K, H)
     return y.view(T, K, H).sum(dim=1) if K > 1 else y
 
 
@@ -641,13 +645,15 @@ def _misread_as_gated(w_down, lora):
 
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
                 lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
-                backend: str = "triton", lora_shrink: str = "once") -> torch.Tensor:
+                backend: str = "triton", lora_shrink: str = "once", sum_topk: bool = True) -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
     "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside.
     backend (impl triton only): "triton" (this file's fused kernel) or "grouped_mm" (kernels/moe_grouped.py).
-    lora_shrink (backend triton only): "once" or "fused", see moe_forward_triton."""
+    lora_shrink (backend triton only): "once" or "fused", see moe_forward_triton.
+    sum_topk False (impl and backend triton only; the other paths return (T, H) summed): (T, K, H) per-pair
+    outputs, already top-k weighted, for the caller to sum."""
     from kernels.moe_grouped import BACKENDS, moe_forward_grouped  # lazy: moe_grouped builds on this file
 
     if backend not in BACKENDS:
@@ -662,4 +668,4 @@ def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b
         return moe_forward_torch(*args)
     if backend == "grouped_mm":
         return moe_forward_grouped(*args)
-    return moe_forward_triton(*args, lora_shrink=lora_shrink)
+    return moe_forward_triton(*args, lora_shrink=lora_shrink, sum_topk=sum_topk)
