@@ -1,6 +1,7 @@
 """Benchmark of the fused MoE-LoRA kernels (row "triton_fused_lora": each GEMM's shrink precomputed once per row
-block, the default; "triton_fused_shrink_in_k_loop": the shrink inside every N tile's K-loop) against the same
-kernels without LoRA, the grouped_mm backend
+block, the default; "triton_fused_shrink_in_k_loop": the shrink inside every N tile's K-loop;
+"*_epilogue_loads": the GEMM epilogue's operands loaded after the K-loop, GemmConfig(prefetch=False), the old
+order) against the same kernels without LoRA, the grouped_mm backend
 (kernels/moe_grouped.py: CUTLASS bases + Triton LoRA passes, with its per-stage times), torch grouped_mm + unfused
 LoRA and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes; and the dense
 LoRA linear (lora_linear: cuBLAS base + in-place Triton LoRA, the fused Triton kernel, cuBLAS + torch LoRA, and the
@@ -241,14 +242,22 @@ def ceilings(log) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------------------- drivers
 
-def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None) -> tuple[dict, torch.Tensor]:
+def configs(p, lora_shrink: str = "once", **flags) -> dict:
+    """moe_forward_triton's default tiles of both GEMMs with GemmConfig flags changed, as its keywords."""
+    c1, c2 = moe_configs(p["x"], p["topk_ids"], p["w_gate_up"], p["activation"], p["lora"],
+                         shrink_once(p["lora"], lora_shrink), **flags)
+    return dict(config=c1, down_config=c2)
+
+
+def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None, **flags) -> tuple[dict, torch.Tensor]:
     """Times each launch of moe_forward_triton alone (same inputs, tiles and order of operations); with
-    lora_shrink "once" the two shrink launches are stages of their own. timer(fn, rep) -> ms (default: bench).
-    Also returns the (T, H) output of the staged launches, so that a CPU test can check they compute the layer."""
+    lora_shrink "once" the two shrink launches are stages of their own. timer(fn, rep) -> ms (default: bench);
+    flags: GemmConfig fields changed in both GEMMs. Also returns the (T, H) output of the staged launches, so that
+    a CPU test can check they compute the layer."""
     timer = timer or bench
     x, lora = p["x"], p["lora"]
     once = shrink_once(lora, lora_shrink)
-    cfg1, cfg2 = moe_configs(x, p["topk_ids"], p["w_gate_up"], p["activation"], lora, once)
+    cfg1, cfg2 = configs(p, lora_shrink, **flags).values()
     T, H = x.shape
     E, n1, _ = p["w_gate_up"].shape
     K = p["topk_ids"].shape[1]
@@ -442,6 +451,8 @@ def main():
                 lab = s.label(R)
                 fl, fb = moe_flops(s, T, R, True), moe_bytes(s, T, R, L)
                 record("moe_layer", lab, T, L, "triton_fused_lora", bench(lambda: moe_forward_triton(**p)), fl, fb)
+                record("moe_layer", lab, T, L, "triton_fused_lora_epilogue_loads",
+                       bench(lambda: moe_forward_triton(**p, **configs(p, prefetch=False))), fl, fb)
                 record("moe_layer", lab, T, L, "triton_fused_shrink_in_k_loop",
                        bench(lambda: moe_forward_triton(**p, lora_shrink="fused")), fl, fb)
                 gname = "grouped_mm" if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None \
@@ -455,15 +466,20 @@ def main():
                     fl0, fb0 = moe_flops(s, T, R, False), moe_bytes(s, T, R, 0)
                     record("moe_layer", lab, T, 0, "triton_no_lora", bench(lambda: moe_forward_triton(**base)),
                            fl0, fb0)
+                    record("moe_layer", lab, T, 0, "triton_no_lora_epilogue_loads",
+                           bench(lambda: moe_forward_triton(**base, **configs(base, prefetch=False))), fl0, fb0)
                     record("moe_layer", lab, T, 0, f"{gname}_no_lora",
                            bench(lambda: moe_forward(**base, backend="grouped_mm")), fl0, fb0)
                     record("moe_layer", lab, T, 0, "torch_grouped_mm", bench(lambda: torch_grouped_lora(**base)),
                            fl0, fb0)
                     record("moe_layer", lab, T, 0, "hf_experts_grouped_mm", bench(hf_experts(s, base)), fl0, fb0)
                     if T == 4096:
-                        for name, q, mode in (("lora", p, "once"), ("lora shrink_in_k_loop", p, "fused"),
-                                              ("no_lora", base, "once")):
-                            log(f"stages {s.name} T={T} {name}: " + stages_line(stage_breakdown(q, mode)[0]))
+                        for name, q, mode, flags in (
+                                ("lora", p, "once", {}), ("lora epilogue_loads", p, "once", dict(prefetch=False)),
+                                ("lora shrink_in_k_loop", p, "fused", {}), ("no_lora", base, "once", {}),
+                                ("no_lora epilogue_loads", base, "once", dict(prefetch=False))):
+                            log(f"stages {s.name} T={T} {name}: "
+                                + stages_line(stage_breakdown(q, mode, **flags)[0]))
                         for name, q in (("lora", p), ("no_lora", base)):
                             log(f"grouped_mm stages {s.name} T={T} {name}: " + stages_line(grouped_stages(q)))
                 del p

@@ -19,7 +19,7 @@ Measured timings and the roofline analysis: benchmarks/results/kernels_notes.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -204,6 +204,21 @@ def _gated_act(acc, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R, stride_sm, stride_sr,
+                     UPCAST: tl.constexpr):
+    """LORA 2's expand operands of slice s: the S tile (BLOCK_M, R), rounded to the B dtype right after its load
+    (as LORA 1 rounds its in-register shrink; half the registers while it waits), and the B tile (R, WN) of the
+    slice's columns [lo, hi)."""
+    lo = tl.load(SliceOffs + s)
+    hi = tl.load(SliceOffs + s + 1)
+    st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
+                 mask=r_ok[None, :], other=0.0)
+    st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+    bt = tl.load(lb_ptrs, mask=r_ok[:, None] & ((col >= lo) & (col < hi))[None, :], other=0.0)
+    return st, bt.to(tl.float32) if UPCAST else bt
+
+
+@triton.jit
 def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED: tl.constexpr,
               BLOCK_N: tl.constexpr):
     """Offsets and mask of a program's (BLOCK_M, BLOCK_N) output tile: padded rows in place, or scattered back
@@ -234,7 +249,8 @@ def _grouped_gemm_kernel(
         NUM_SLICES: tl.constexpr, R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False):
+        UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
+        PREFETCH: tl.constexpr = False):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection. A program's dot covers BLOCK_N gate and
@@ -244,8 +260,12 @@ def _grouped_gemm_kernel(
     column block per slice; MoE: one slice (0, N), so gated B rows follow wrow like W's).
     FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py).
     ADD_TO_OUT (dense layers after a cuBLAS base GEMM; LORA 2, K_TILES 0): Out[rows, n] += the LoRA delta in
-    place; blocks without an adapter neither read nor write Out."""
+    place; blocks without an adapter neither read nor write Out.
+    PREFETCH: the epilogue's operands (LORA 2's S and B tiles when there is one slice, the bias, the top-k
+    weights) are loaded before the K-loop, so that their latency hides behind it instead of stalling every
+    program after its last MMA; off, they are loaded where they are used (the A/B in bench_kernels.py)."""
     WN: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -295,6 +315,13 @@ def _grouped_gemm_kernel(
             bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
         else:
             bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
+    if EARLY_S:
+        st, bt = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, 0, R, stride_sm, stride_sr,
+                                  UPCAST)
+    if HAS_BIAS and PREFETCH:
+        bias = tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)
+    if MUL_TOPK and PREFETCH:
+        tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
     if ADD_TO_OUT:  # the accumulator starts from the base output already in Out, and the K-loop is empty
         if a < 0:
             return  # rows without an adapter keep the cuBLAS output bit for bit
@@ -338,18 +365,16 @@ def _grouped_gemm_kernel(
                 else:
                     acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
             else:
-                for s in tl.static_range(NUM_SLICES):
-                    # S holds the slices' shrinks side by side; B rows of slice s live in [lo, hi)
-                    lo = tl.load(SliceOffs + s)
-                    hi = tl.load(SliceOffs + s + 1)
-                    st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
-                                 mask=r_ok[None, :], other=0.0)
-                    st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-                    bt = tl.load(lb_ptrs, mask=r_ok[:, None] & ((col >= lo) & (col < hi))[None, :], other=0.0)
-                    acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
+                for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
+                    if not EARLY_S:
+                        st, bt = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R,
+                                                  stride_sm, stride_sr, UPCAST)
+                    acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
 
     if HAS_BIAS:
-        acc += tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)[None, :]
+        if not PREFETCH:
+            bias = tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)
+        acc += bias[None, :]
     if GATED:
         h = _gated_act(acc, ACT, BLOCK_M, BLOCK_N)
         if FAULT == 1:  # lora_after_activation
@@ -360,7 +385,9 @@ def _grouped_gemm_kernel(
     else:
         h = acc
     if MUL_TOPK:
-        tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+        if not PREFETCH:
+            tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
+        tw = tw[:, None]
         h = h * tw
         if FAULT == 2:  # topk_weight_twice
             h += acc_l * tw * tw
@@ -383,6 +410,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    prefetch: bool = True  # the epilogue's operands loaded before the K-loop (see _grouped_gemm_kernel)
 
     def __post_init__(self):
         for b in (self.block_m, self.block_n, self.block_k):
@@ -496,7 +524,8 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
-        FAULT=fault, ADD_TO_OUT=add_to_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
 
@@ -523,9 +552,10 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
 
 
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
-                once: bool) -> tuple[GemmConfig, GemmConfig]:
+                once: bool, **flags) -> tuple[GemmConfig, GemmConfig]:
     """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
-    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path."""
+    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path. flags: GemmConfig
+    fields to change in both (prefetch=False for the A/B of the epilogue loads)."""
     T, H = x.shape
     n1 = w_gate_up.shape[1]
     gated = GATED[activation]
@@ -534,8 +564,8 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     # rows spread over (expert, slot) groups; used slots are not known without a sync
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
-    return (default_config(pairs, groups, inter_n, H, x.device, x.dtype, gated, stage_rank),
-            default_config(pairs, groups, H, inter_n, x.device, x.dtype, False, stage_rank))
+    return (replace(default_config(pairs, groups, inter_n, H, x.device, x.dtype, gated, stage_rank), **flags),
+            replace(default_config(pairs, groups, H, inter_n, x.device, x.dtype, False, stage_rank), **flags))
 
 
 def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting) -> torch.Tensor:

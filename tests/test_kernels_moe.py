@@ -3,10 +3,14 @@ layouts, mixed ranks, rows without adapter. CPU cases run the real Triton kernel
 gpu1 cases run them compiled in bf16 and fp32."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from kernels import MoeLoraWeights, moe_align, moe_forward
+from kernels.fused_moe_lora import moe_forward_triton
+from benchmarks.bench_kernels import configs  # default tiles of both GEMMs with GemmConfig flags changed
 from kernels.moe_align import align_groups_reference
 
 CUDA = torch.cuda.is_available()
@@ -67,18 +71,20 @@ def move(v, dtype, device):
     return v
 
 
-def check_moe(p, tol, **kw):
+def check_moe(p, tol, triton_fn=None, **kw):
     """Kernel vs reference on the full output and on the LoRA delta alone (a dropped adapter is a large delta
-    error even when the full output barely moves)."""
+    error even when the full output barely moves). triton_fn: the Triton path to run instead of moe_forward's
+    (moe_forward_triton, which takes tile configs)."""
+    triton_fn = triton_fn or partial(moe_forward, impl="triton")
     ref = moe_forward(**p, impl="torch")
-    out = moe_forward(**p, impl="triton", **kw)
+    out = triton_fn(**p, **kw)
     assert out.shape == ref.shape and out.dtype == p["x"].dtype
     err = rel_err(out, ref)
     assert err <= tol, f"rel err {err:.3g} > {tol}"
     if p["lora"] is not None:
         base = dict(p, lora=None, token_adapter=None)
         d_ref = ref.float() - moe_forward(**base, impl="torch").float()
-        d_out = out.float() - moe_forward(**base, impl="triton", **kw).float()
+        d_out = out.float() - triton_fn(**base, **kw).float()
         derr = rel_err(d_out, d_ref)
         assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
     return out, ref
@@ -199,6 +205,48 @@ def test_bench_stage_breakdown_on_cpu(lora_shrink):
     once = ["shrink1", "shrink2"] if lora_shrink == "once" else []
     assert sorted(times) == sorted(["align", "gemm1", "gemm2", "sum"] + once)
     assert rel_err(out, moe_forward(**p, impl="torch")) <= 1e-5
+
+
+GEMM_FLAGS = [
+    dict(prefetch=True),   # the epilogue's S, B, bias and top-k weights loaded before the K-loop (default)
+    dict(prefetch=False),  # loaded in the epilogue where they are used (the old order, kept for the A/B)
+]
+FLAG_CASES = [
+    # SiLU-gated, odd sizes (H, I not multiples of BLOCK_K / BLOCK_N, T*K not of BLOCK_M), 3 adapters + none
+    # rows, slot 1 loaded at rank 5 < max rank 16 with garbage past it (NaN in B: an expand reading it is NaN)
+    dict(T=29, H=37, I=21, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
+    # gpt-oss clamped SwiGLU with biases on both GEMMs (the prefetched bias), clamps engaged
+    dict(T=23, H=40, I=24, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0,
+         pad_garbage=True),
+    # relu^2 non-gated, top-1 (the prefetched top-k weight times the delta on single-copy tokens), 3 of 6 experts
+    dict(T=26, H=24, I=40, E=6, K=1, activation="relu2", ranks=(8, 2), pad_garbage=True, experts_used=(0, 2, 5)),
+]
+
+
+def flag_id(flags: dict) -> str:
+    return "-".join(f"{k}{int(v)}" for k, v in flags.items())
+
+
+@pytest.mark.parametrize("flags", GEMM_FLAGS, ids=flag_id)
+@pytest.mark.parametrize("case", FLAG_CASES, ids=lambda c: c["activation"])
+def test_gemm_flags_match_reference(case, flags, tol=1e-5):
+    p = make_moe(**case)
+    check_moe(p, tol, moe_forward_triton, **configs(p, **flags))
+
+
+@pytest.mark.parametrize("flags", GEMM_FLAGS, ids=flag_id)
+def test_sum_topk_false_gives_each_weighted_pair(flags, tol=1e-5):
+    """sum_topk=False: (T, K, H), entry k the top-k weighted expert output of slot k alone (the reference run
+    with that slot as top-1); summed over K it is the summed output bit for bit."""
+    p = make_moe(T=21, H=32, I=24, E=5, K=3, activation="swiglu_oai", ranks=(8, 3), bias=True, pad_garbage=True)
+    cfg = configs(p, **flags)
+    pairs = moe_forward_triton(**p, sum_topk=False, **cfg)
+    assert pairs.shape == (21, 3, 32)
+    for k in range(3):
+        ref = moe_forward(**dict(p, topk_ids=p["topk_ids"][:, k:k + 1], topk_weights=p["topk_weights"][:, k:k + 1]),
+                          impl="torch")
+        assert rel_err(pairs[:, k], ref) <= tol, k
+    assert torch.equal(pairs.sum(dim=1), moe_forward_triton(**p, **cfg))
 
 
 def test_padded_rank_is_exact_and_ignores_garbage():
