@@ -12,6 +12,7 @@ bases alone) at the Qwen3-30B-A3B q|k|v and o projection shapes.
     python benchmarks/bench_kernels.py --out DIR --quick --dense-only   # lora_linear rows only
     python benchmarks/bench_kernels.py --out DIR --quick --moe-only     # MoE rows only (both backends)
     python benchmarks/bench_kernels.py --out DIR --sweep   # only: moe_forward_triton over a grid of tiles
+    python benchmarks/bench_kernels.py --out DIR --sweep-shrink   # only: the LoRA shrink launch over a grid
 
 Writes DIR/kernels.csv (date,commit,gpu,benchmark,shape,T,adapters,dtype,impl,ms,tflops,pct_roofline) and
 DIR/bench.log; prints a table last. Roofline: time = max(FLOPs / measured bf16 matmul rate, bytes / measured copy
@@ -34,9 +35,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.fused_moe_lora import (GemmConfig, MoeLoraWeights, activate, expert_lora_kwargs,  # noqa: E402
-                                    expert_shrink, launch_gemm, moe_configs, moe_forward, moe_forward_triton,
-                                    shrink_once)
+from kernels.fused_moe_lora import (SMEM_BUDGET, GemmConfig, MoeLoraWeights, ShrinkConfig,  # noqa: E402
+                                    activate, expert_lora_kwargs, expert_shrink, launch_gemm, moe_configs,
+                                    moe_forward, moe_forward_triton, shrink_block_k, shrink_once)
+from kernels._triton import next_pow2  # noqa: E402
 from kernels.lora_linear import base_linear, lora_linear, pack_lora_b  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
 from kernels import moe_grouped as mg  # noqa: E402
@@ -365,6 +367,64 @@ def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
             log(f"sweep best {name}: {ms:.4f} ms c1={c1} c2={c2}")
 
 
+def shrink_sweep_configs(R: int, dtype=torch.bfloat16) -> list[ShrinkConfig]:
+    """Today's launch (ShrinkConfig()) first, then rows per program (sub-blocks of the 128-row routing blocks
+    first) x block_k x (warps, stages) whose pipelined tiles fit in shared memory."""
+    cfgs = [ShrinkConfig()]
+    today = (128, shrink_block_k(128, next_pow2(R), dtype, True), 4, 3)  # what ShrinkConfig() resolves to at T=4096
+    for rows, bk, (warps, stages) in itertools.product((64, 32, 128), (128, 64, 256),
+                                                       ((4, 3), (8, 3), (4, 4), (4, 2))):
+        fits = stages * (rows + next_pow2(R)) * bk * torch.finfo(dtype).bits // 8 <= SMEM_BUDGET
+        if fits and (rows, bk, warps, stages) != today:
+            cfgs.append(ShrinkConfig(rows, bk, warps, stages))
+    return cfgs
+
+
+def shrink_label(c: ShrinkConfig) -> str:
+    return f"rows={c.rows or 'block_m'} bk={c.block_k or 'auto'} w={c.num_warps} s={c.num_stages}"
+
+
+def shrink_sweep(log, record_row, shapes, T: int, R: int, budget_s: float, device="cuda", dtype=torch.bfloat16,
+                 timer=None, cfgs=None) -> list[tuple[float, ShrinkConfig]]:
+    """expert_shrink of both GEMMs (gate_up over x gathered per pair, down over the sorted intermediate) at each
+    shape, T tokens, one adapter, under each ShrinkConfig (default shrink_sweep_configs); each output is checked
+    against the default launch's. Stops starting configs after budget_s. record_row(shape, gemm, cfg, ms, err).
+    Returns (ms summed over shapes and GEMMs, cfg) of the configs that ran everywhere, best first."""
+    timer = timer or bench
+    cases = []
+    for s in shapes:
+        p = make_inputs(s, T, 1, R, dtype, device)
+        block_m = configs(p)["config"].block_m  # the routing the GEMMs would use
+        r = moe_align(p["topk_ids"], p["token_adapter"], s.E, 1, block_m, impl="triton")
+        used = int(r.num_padded)  # rows past it are never written
+        inter = torch.randn(r.sorted_ids.shape[0], s.I, device=device, dtype=dtype)
+        for gemm, inp in (("gate_up", p["x"]), ("down", inter)):
+            cases.append((s, gemm, inp, p["lora"], r, used, expert_shrink(inp, p["lora"], gemm, r)[:used]))
+    t0, totals = time.time(), []
+    for cfg in cfgs or shrink_sweep_configs(R, dtype):
+        if time.time() - t0 > budget_s:
+            log(f"shrink sweep: budget {budget_s:.0f} s spent, configs from {shrink_label(cfg)} on not tried")
+            break
+        total = 0.0
+        for s, gemm, inp, lora, r, used, ref in cases:
+            fn = lambda: expert_shrink(inp, lora, gemm, r, cfg)  # noqa: E731
+            try:
+                err = rel_err(fn()[:used], ref)
+                ms = timer(fn)
+            except Exception as exc:  # a config that does not compile or fit must not end the run
+                log(f"shrink sweep {s.name} {gemm} {shrink_label(cfg)} failed: {type(exc).__name__}: "
+                    f"{str(exc)[:200]}")
+                break
+            record_row(s, gemm, cfg, ms, err)
+            total += ms
+        else:
+            totals.append((total, cfg))
+    totals.sort(key=lambda t: t[0])
+    for total, cfg in totals[:5]:
+        log(f"shrink sweep best (sum over shapes and GEMMs): {total:.4f} ms {shrink_label(cfg)}")
+    return totals
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/run")
@@ -372,6 +432,8 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="only: moe_forward_triton over a grid of tile configs at Qwen3 T=4096 (sweep_pairs)")
     ap.add_argument("--sweep-budget-s", type=float, default=200.0, help="start no sweep config after this")
+    ap.add_argument("--sweep-shrink", action="store_true",
+                    help="only: the LoRA shrink launch (ShrinkConfig) over a grid, Qwen3 and gpt-oss, T=4096")
     ap.add_argument("--quick", action="store_true", help="T=4096 only")
     ap.add_argument("--check", action="store_true", help="CPU: baselines vs reference at small shapes, no timing")
     ap.add_argument("--rank", type=int, default=32)
@@ -403,10 +465,21 @@ def main():
             wr.writerow({c: r.get(c, "") for c in COLUMNS} | dict(date=date, commit=args.commit, gpu=gpu))
             csvf.flush()
     rows = Rows()
+    R = args.rank
+    if args.sweep_shrink:
+        def shrink_row(s, gemm, cfg, ms, err):
+            flops = 2 * 4096 * s.K * R * (s.H if gemm == "gate_up" else s.I)
+            rows.append(dict(benchmark="shrink_sweep", shape=s.label(R), T=4096, adapters=1, dtype="bf16",
+                             impl=f"{gemm} {shrink_label(cfg)}", ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.1f}"))
+            log(f"shrink {s.name:14s} {gemm:7s} {shrink_label(cfg):34s} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s"
+                f" rel err vs default {err:.1e}" + ("  MISMATCH" if err > 1e-3 else ""))
+        shrink_sweep(log, shrink_row, SHAPES, 4096, R, args.sweep_budget_s)
+        csvf.close()
+        log(f"wrote {len(rows)} rows to {path}")
+        return
     peak, bw = ceilings(log)
     rows.append(dict(benchmark="ceiling", shape="bf16 matmul 8192^3", impl="torch.matmul", tflops=f"{peak:.1f}"))
     rows.append(dict(benchmark="ceiling", shape=f"copy 1GiB: {bw:.0f} GB/s (read+write)", impl="Tensor.copy_"))
-    R = args.rank
 
     def record(bm, shape_label, T, L, impl, ms, flops, nbytes):
         floor = max(flops / (peak * 1e12), nbytes / (bw * 1e9)) * 1e3

@@ -145,20 +145,22 @@ def _lora_shrink_kernel(
         X, A, S, Scaling, Ranks, SortedIds, BlockExpert, BlockAdapter, NumPadded,
         num_pairs, Kdim,
         stride_xm, stride_xk, stride_al, stride_ae, stride_as, stride_ar, stride_ak, stride_sm, stride_sr,
-        TOPK: tl.constexpr, X_SORTED: tl.constexpr, R: tl.constexpr,
+        TOPK: tl.constexpr, X_SORTED: tl.constexpr, R: tl.constexpr, ROUTE_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """S[row, s*R : s*R+R] = scaling[a] * X[row] A[a, e, s]^T for every padded row of blocks with an adapter."""
-    pid_m = tl.program_id(0)
+    """S[row, s*R : s*R+R] = scaling[a] * X[row] A[a, e, s]^T for every padded row of blocks with an adapter.
+    A program covers BLOCK_M rows, a sub-block of a routing block of ROUTE_M rows (one expert, one slot)."""
+    pid = tl.program_id(0)
     sl = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(NumPadded):
+    blk = pid // (ROUTE_M // BLOCK_M)
+    if blk * ROUTE_M >= tl.load(NumPadded):
         return
-    a = tl.load(BlockAdapter + pid_m)
+    a = tl.load(BlockAdapter + blk)
     if a < 0:
         return  # the expand skips these blocks too, so S rows stay unwritten
-    e = tl.load(BlockExpert + pid_m)
+    e = tl.load(BlockExpert + blk)
     rank = tl.load(Ranks + a)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # sub-blocks of one block are consecutive programs
     pair = tl.load(SortedIds + offs_m)
     if X_SORTED:
         xrow = offs_m
@@ -442,6 +444,28 @@ def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: t
                       num_warps=8 if block_m * wn >= 128 * 128 else 4, num_stages=stages)
 
 
+@dataclass(slots=True)
+class ShrinkConfig:
+    """Launch of _lora_shrink_kernel. rows: rows per program, a divisor of the routing block (programs then
+    cover sub-blocks of it: more programs, fewer rows each); 0 = the routing block. block_k: 0 = shrink_block_k's
+    choice. The defaults are the launch before this config existed."""
+    rows: int = 0
+    block_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for b in (self.rows, self.block_k):
+            assert b == 0 or (b >= 16 and b & (b - 1) == 0), f"rows / block_k must be 0 or powers of two >= 16: {b}"
+
+    def resolve(self, route_m: int, block_r: int, dtype: torch.dtype, cuda: bool) -> tuple[int, int]:
+        """(rows, block_k) for a routing block of route_m rows."""
+        rows = self.rows or route_m
+        if route_m % rows:
+            raise ValueError(f"ShrinkConfig.rows={rows} must divide the routing block_m={route_m}")
+        return rows, self.block_k or shrink_block_k(rows, block_r, dtype, cuda)
+
+
 def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype, cuda: bool) -> int:
     """K step of the shrink: long steps (few rows, narrow output) unless 3 stages of fp32 tiles would not fit."""
     if not cuda:
@@ -471,21 +495,23 @@ def device_const(values: tuple, device: torch.device) -> torch.Tensor:
     return _CONST_CACHE[key]
 
 
-def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool) -> torch.Tensor:
+def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool,
+                  cfg: ShrinkConfig | None = None) -> torch.Tensor:
     """a viewed as (L, E, S, R, Kdim) (expand()ed dims may have stride 0) -> S (M, S*R) float32."""
     L, E, NS, R, Kdim = a.shape
     M = routing.sorted_ids.shape[0]
     s = torch.empty(M, NS * R, dtype=torch.float32, device=x.device)
-    block_k = shrink_block_k(routing.block_m, next_pow2(R), x.dtype, x.is_cuda)
-    grid = (routing.num_blocks, NS)
+    cfg = cfg or ShrinkConfig()
+    rows, block_k = cfg.resolve(routing.block_m, next_pow2(R), x.dtype, x.is_cuda)
+    grid = (routing.num_blocks * (routing.block_m // rows), NS)
     _lora_shrink_kernel[grid, x.device](
         x, a, s, scaling, ranks, routing.sorted_ids, routing.block_expert, routing.block_adapter,
         routing.num_padded, routing.num_pairs, Kdim,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3), a.stride(4),
         s.stride(0), s.stride(1),
-        TOPK=routing.top_k, X_SORTED=x_sorted, R=R, BLOCK_M=routing.block_m, BLOCK_R=next_pow2(R),
+        TOPK=routing.top_k, X_SORTED=x_sorted, R=R, ROUTE_M=routing.block_m, BLOCK_M=rows, BLOCK_R=next_pow2(R),
         BLOCK_K=block_k, K_TILES=triton.cdiv(Kdim, block_k), EVEN_K=Kdim % block_k == 0,
-        num_warps=4, num_stages=3, **dot_flags(x.dtype, x.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(x.dtype, x.device))
     return s
 
 
@@ -568,11 +594,12 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
             replace(default_config(pairs, groups, H, inter_n, x.device, x.dtype, False, stage_rank), **flags))
 
 
-def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting) -> torch.Tensor:
+def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting,
+                  cfg: ShrinkConfig | None = None) -> torch.Tensor:
     """The scaled shrink of one expert GEMM ("gate_up": x gathered by pair // top_k; "down": the sorted
     intermediate) over every routed row, once per row block: (M, R) float32."""
     a = getattr(lora, f"{gemm}_a")
-    return launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down")
+    return launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down", cfg=cfg)
 
 
 def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor | None) -> dict:
@@ -589,10 +616,12 @@ def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor |
 def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
                        lora: MoeLoraWeights | None = None, token_adapter=None,
                        config: GemmConfig | None = None, down_config: GemmConfig | None = None,
-                       lora_shrink: str = "once", sum_topk: bool = True) -> torch.Tensor:
+                       lora_shrink: str = "once", sum_topk: bool = True,
+                       shrink_config: ShrinkConfig | None = None) -> torch.Tensor:
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
-    N/BLOCK_N programs of a row block would each redo it); "fused" runs it inside every program's K-loop (no
-    launch and no S buffer). A bug-zoo kernel fault forces "fused": the faults live in that branch.
+    N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
+    "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
+    "fused": the faults live in that branch.
     sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
     its next pass (the runtime's residual add + RMSNorm)."""
     check_kernel_rank(lora.max_rank if lora is not None else 0)
@@ -607,11 +636,11 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     routing = moe_align(topk_ids, token_adapter if lora is not None else None, E,
                         lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton")
     inter = torch.empty(routing.sorted_ids.shape[0], inter_n, dtype=x.dtype, device=x.device)
-    s1 = expert_shrink(x, lora, "gate_up", routing) if once else None
+    s1 = expert_shrink(x, lora, "gate_up", routing, shrink_config) if once else None
     launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
                 bias=b_gate_up, **expert_lora_kwargs(lora, "gate_up", s1))
     del s1  # its memory can serve s2
-    s2 = expert_shrink(inter, lora, "down", routing) if once else None
+    s2 = expert_shrink(inter, lora, "down", routing, shrink_config) if once else None
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
                 topk_weights=topk_weights.reshape(-1).float(), **expert_lora_kwargs(lora, "down", s2))

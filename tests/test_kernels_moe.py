@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import MoeLoraWeights, moe_align, moe_forward
-from kernels.fused_moe_lora import moe_forward_triton
+from kernels.fused_moe_lora import GemmConfig, ShrinkConfig, moe_forward_triton
 from benchmarks.bench_kernels import configs  # default tiles of both GEMMs with GemmConfig flags changed
 from kernels.moe_align import align_groups_reference
 
@@ -247,6 +247,51 @@ def test_sum_topk_false_gives_each_weighted_pair(flags, tol=1e-5):
                           impl="torch")
         assert rel_err(pairs[:, k], ref) <= tol, k
     assert torch.equal(pairs.sum(dim=1), moe_forward_triton(**p, **cfg))
+
+
+SHRINK_LAUNCHES = [
+    ShrinkConfig(),  # one program per 64-row routing block, block_k from shrink_block_k (today's launch)
+    ShrinkConfig(rows=16),  # four programs per routing block, each on its own 16-row sub-block
+    # two sub-blocks, K steps of 16 (several K tiles and a masked tail), other warps / stages
+    ShrinkConfig(rows=32, block_k=16, num_warps=8, num_stages=2),
+]
+
+
+@pytest.mark.parametrize("shrink_config", SHRINK_LAUNCHES, ids=lambda c: f"rows{c.rows}-bk{c.block_k}")
+@pytest.mark.parametrize("case", [
+    # SiLU-gated, odd sizes, 3 adapters + none rows, rank 5 < max 16 with garbage past it; routing blocks of 64
+    # rows hold fewer pairs than that, so sub-blocks of padding rows exist and must not disturb the others
+    dict(T=29, H=37, I=21, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
+    # gpt-oss SwiGLU with biases; (expert, slot) groups of 64 and 72 pairs: one and two routing blocks
+    dict(T=136, H=24, I=40, E=2, K=2, activation="swiglu_oai", ranks=(8, 3), bias=True, x_scale=8.0,
+         none_rows=False),
+], ids=lambda c: c["activation"])
+def test_shrink_launch_configs_match_reference(case, shrink_config, tol=1e-5):
+    p = make_moe(**case)
+    tiles = GemmConfig(64, 32, 32, group_m=4, num_warps=4, num_stages=1)
+    check_moe(p, tol, moe_forward_triton, config=tiles, down_config=tiles, shrink_config=shrink_config)
+
+
+def test_shrink_rows_must_divide_the_routing_block():
+    p = make_moe(T=9, H=16, I=16, E=2, K=2, activation="silu", ranks=(4,))
+    tiles = GemmConfig(32, 32, 32, num_stages=1)
+    with pytest.raises(ValueError, match="must divide the routing block_m=32"):
+        moe_forward_triton(**p, config=tiles, down_config=tiles, shrink_config=ShrinkConfig(rows=64))
+
+
+def test_bench_shrink_sweep_on_cpu():
+    """bench_kernels.py --sweep-shrink's loop on a tiny shape through the interpreter: every config's S is checked
+    against the default launch's, and a config that cannot run is logged and skipped, not fatal."""
+    from benchmarks.bench_kernels import MoeShape, shrink_sweep, untimed
+    rows, logs = [], []
+    good = [ShrinkConfig(), ShrinkConfig(block_k=16, num_stages=2)]
+    totals = shrink_sweep(logs.append, lambda *r: rows.append(r), [MoeShape("tiny", 4, 48, 40, 2, "silu", False)],
+                          T=37, R=8, budget_s=60, device="cpu", dtype=torch.float32, timer=untimed,
+                          cfgs=good + [ShrinkConfig(rows=32)])  # the CPU routing block is 16 rows: 32 cannot run
+    assert [(gemm, cfg) for _, gemm, cfg, _, _ in rows] == [(g, c) for c in good for g in ("gate_up", "down")]
+    assert all(err <= 1e-6 for *_, err in rows)
+    assert [cfg for _, cfg in totals] == good or [cfg for _, cfg in totals] == good[::-1]
+    assert any("rows=32" in line and "must divide" in line for line in logs)
 
 
 def test_padded_rank_is_exact_and_ignores_garbage():

@@ -139,6 +139,9 @@ def _jobs() -> list[Job]:
             + commit),
         Job("bench-moe-sweep", 1, 300, ("python", "benchmarks/bench_kernels.py", "--sweep", "--sweep-budget-s",
                                         "200", "--out", "{dir}") + commit),
+        # the LoRA shrink launch (ShrinkConfig: rows per program, block_k, warps, stages) at both models' shapes
+        Job("bench-shrink-sweep", 1, 240, ("python", "benchmarks/bench_kernels.py", "--sweep-shrink",
+                                           "--sweep-budget-s", "170", "--out", "{dir}") + commit),
         Job("kernels-grouped-gpu", 1, 300, _pytest("tests/test_kernels_moe_grouped.py", "-m", "gpu1")),
         Job("bench-e2e-grouped", 1, 480, ("python", "benchmarks/bench_e2e.py", "--models", "qwen3-30b-a3b",
                                           "--moe-backend", "grouped_mm", "--profile", "--skip-hf", "--out", "{dir}")
