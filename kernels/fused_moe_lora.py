@@ -423,12 +423,16 @@ SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses 
 
 
 def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device,
-                   dtype: torch.dtype = torch.bfloat16, gated: bool = False, rank: int = 0) -> GemmConfig:
+                   dtype: torch.dtype = torch.bfloat16, gated: bool = False, rank: int = 0,
+                   held_rank: int = 0) -> GemmConfig:
     """Small heuristic instead of autotuning (the interpreter cannot autotune, and tuning per call would cost the
     runtime a compile storm). block_m follows the expected rows per group, so padding stays small; the dot is 256
     wide for big row blocks (128 x 256 x 64 bf16 tiles were the fastest of those tried on an H100, see
     benchmarks/results/kernels_notes.md); fp32 runs on FMA units and gets smaller tiles; the pipeline depth is
-    what fits in shared memory. block_n counts output columns: a gated dot is twice as wide."""
+    what fits in shared memory. block_n counts output columns: a gated dot is twice as wide.
+    rank: an A tile of that rank per pipeline stage (LORA 1). held_rank: a B tile (held_rank, dot width) that stays
+    in shared memory through the K-loop (LORA 2 with the epilogue prefetched; compiled for sm90 it takes
+    next_pow2(held_rank) x 256 bf16 beside the stages: 16 KB at rank 32, 64 KB at rank 128)."""
     if device.type != "cuda":  # interpreter: small tiles keep the program count and the per-step cost low
         return GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1)
     rows = num_pairs / max(1, num_groups)
@@ -438,8 +442,10 @@ def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: t
         block_m, wn = min(block_m, 64), 128
     wn = min(wn, max(32, triton.next_power_of_2(n * (2 if gated else 1))))
     block_k = 64
-    per_stage = (block_m + wn + (next_pow2(rank) if rank else 0)) * block_k * torch.finfo(dtype).bits // 8
-    stages = max(2, min(4, SMEM_BUDGET // per_stage))
+    elem = torch.finfo(dtype).bits // 8
+    per_stage = (block_m + wn + (next_pow2(rank) if rank else 0)) * block_k * elem
+    held = next_pow2(held_rank) * wn * elem if held_rank else 0
+    stages = max(2, min(4, (SMEM_BUDGET - held) // per_stage))
     return GemmConfig(block_m, wn // 2 if gated else wn, block_k, group_m=4,
                       num_warps=8 if block_m * wn >= 128 * 128 else 4, num_stages=stages)
 
@@ -580,8 +586,9 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
                 once: bool, **flags) -> tuple[GemmConfig, GemmConfig]:
     """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
-    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path. flags: GemmConfig
-    fields to change in both (prefetch=False for the A/B of the epilogue loads)."""
+    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless the
+    prefetched B tile leaves room for fewer (rank 64 and up at 128 x 256 x 64 bf16 tiles: 3 stages instead of 4).
+    flags: GemmConfig fields to change in both (prefetch=False for the A/B of the epilogue loads)."""
     T, H = x.shape
     n1 = w_gate_up.shape[1]
     gated = GATED[activation]
@@ -590,8 +597,11 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     # rows spread over (expert, slot) groups; used slots are not known without a sync
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
-    return (replace(default_config(pairs, groups, inter_n, H, x.device, x.dtype, gated, stage_rank), **flags),
-            replace(default_config(pairs, groups, H, inter_n, x.device, x.dtype, False, stage_rank), **flags))
+    held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) else 0
+    return (replace(default_config(pairs, groups, inter_n, H, x.device, x.dtype, gated, stage_rank, held_rank),
+                    **flags),
+            replace(default_config(pairs, groups, H, inter_n, x.device, x.dtype, False, stage_rank, held_rank),
+                    **flags))
 
 
 def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting,
