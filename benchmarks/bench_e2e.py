@@ -179,40 +179,47 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
     from engines.triton.attention import attention
     from engines.triton.batch import Batch
     from engines.triton.moe import experts, route
-    from engines.triton.norm import add_rms_norm
     from engines.triton.rope import norm_rope
     from harness.logprobs import chunked_logprobs
 
     rt = eng.runtime
     m, cfg = rt.model, rt.cfg
     lw, ll = m.w.layers[0], m.lora.layers[0]
-    d, nl = cfg.head_dim, cfg.num_layers
+    d, nl, H = cfg.head_dim, cfg.num_layers, cfg.hidden_size
     rows = {}
     for slot in (-1, rt.slot(adapter)):
         b = Batch.build(prompts, [slot] * len(prompts), cfg, rt.dtype, rt.device)
         T, ta = b.num_tokens, b.token_adapter
-        x = torch.randn(T, cfg.hidden_size, dtype=rt.dtype, device=rt.device)
-        qkv = m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, ll.qkv_b_packed, m.qkv_offsets, b)
+        x = torch.randn(T, H, dtype=rt.dtype, device=rt.device)
+        # what the q|k|v projection reads: x, or the augmented buffer the input norm writes x into (LoRA batches)
+        xa = m.qkv_input(b, x)
+        h = x if xa is None else xa
+        if xa is not None:
+            xa[:, :H] = x
+        qkv = m.qkv(h, lw, ll, b)
         q = qkv[:, : m.heads * d].view(T, m.heads, d)
         k = qkv[:, m.heads * d: (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
         v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
         o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
         ids, wts, _ = route(x, lw, cfg, m.impl)
+        moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum)
         tag = "lora" if slot >= 0 else "base"
         pieces = {
-            "add_rms_norm x2": lambda: add_rms_norm(x, x, lw.input_norm, cfg.rms_norm_eps, cfg.norm_weight_fp32),
-            "qkv lora_linear": lambda: m._linear(x, lw.qkv, lw.qkv_bias, ll.qkv_a, ll.qkv_b, ll.qkv_b_packed,
-                                                 m.qkv_offsets, b),
+            "add_rms_norm (attention)": lambda: m._norm(x, x, lw.input_norm, None if xa is None else xa[:, :H]),
+            # at TP 1 the MoE's top-k sum is fused into this norm (moe_out is (T, K, H) there)
+            "add_rms_norm (moe top-k)": lambda: m._norm(x, moe_out, lw.post_norm),
+            "qkv lora_linear": lambda: m.qkv(h, lw, ll, b),
             "norm_rope q+k": lambda: (norm_rope(q, lw.q_norm, cfg.rms_norm_eps, b.cos, b.sin),
                                       norm_rope(k, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin)),
             "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
             "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, ll.o_b_packed, None, b),
             "router+route": lambda: route(x, lw, cfg, m.impl),
-            "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend),
+            "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend,
+                                           sum_topk=not m.fuse_topk_sum),
         }
         for piece, fn in pieces.items():
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-            rows[(piece, tag)] = ms * (2 if piece.endswith("x2") else 1) * nl
+            rows[(piece, tag)] = ms * nl
         sel = torch.arange(T - 1, device=rt.device)
         for fused in (False, True):  # torch fp32 softmax vs the one-pass kernel (kernels/logprob.py)
             rows[(f"logprobs (once{', fused' if fused else ''})", tag)] = do_bench(lambda: chunked_logprobs(

@@ -20,6 +20,11 @@ Three paths (``path=``):
   (benchmarks/results/e2e_notes.md).
 The last two are kept to be timed against (benchmarks/bench_kernels.py).
 
+lora_linear_aug is the "cublas" path with the expand folded into the base GEMM as extra K columns, for a caller
+that can write x into a wider buffer for free (the engine's q|k|v: its input RMSNorm writes there): out =
+[x | S] [w | B_packed]^T, the output written once instead of written and then re-read and re-written by the
+expand (29.4 us of Qwen3's q|k|v per layer at 4096 tokens, H200 profile of commit 957fb7b), for 96 extra K of 2048.
+
 Precision ("cublas"): bf16/fp16 runs round S = x A^T to the run dtype before the expand (as PEFT's lora_B(lora_A(x))
 does) and hold scaling * B rounded once to it; the expand adds onto the base output inside the GEMM (beta = 1; on
 cuBLAS one rounding of out). fp32 runs are IEEE fp32 in every GEMM, whatever torch's float32 matmul precision says.
@@ -183,6 +188,65 @@ def lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token
         mask = slot_mask if slot_mask is not None else slot_one_hot(token_adapter, L, x.dtype)
         s.view(x.shape[0], L, S * R).mul_(mask[:, :, None])
         return out.addmm_(s, b_packed.T)
+
+
+def augment_weight(w: torch.Tensor, b_packed: torch.Tensor) -> torch.Tensor:
+    """W_aug = [w | b_packed] (N, Kin + L*S*R), one allocation: the weight of lora_linear_aug. Batches without an
+    adapter run the base GEMM on the view W_aug[:, :Kin] (a strided operand cuBLAS reads through its leading
+    dimension, no copy), so the layer keeps no second copy of w."""
+    if w.ndim != 2 or b_packed.ndim != 2 or b_packed.shape[0] != w.shape[0] or b_packed.dtype != w.dtype:
+        raise ValueError(f"b_packed must be (N={w.shape[0]}, L*S*R) {w.dtype} (pack_lora_b in the run dtype), got "
+                         f"{tuple(b_packed.shape)} {b_packed.dtype}")
+    return torch.cat([w, b_packed], dim=1)
+
+
+def check_aug_inputs(xa, w_aug, bias, lora_a, slot_mask, uniform_slot) -> None:
+    L, S, R, kin = lora_a.shape
+    width = kin + L * S * R
+    if xa.ndim != 2 or xa.shape[1] != width or xa.stride(1) != 1:
+        raise ValueError(f"xa must be (T, Kin + L*S*R) = (T, {width}) with unit column stride (x in its first Kin "
+                         f"columns), got {tuple(xa.shape)} strides {xa.stride()}")
+    if w_aug.ndim != 2 or w_aug.shape[1] != width or w_aug.dtype != xa.dtype:
+        raise ValueError(f"w_aug must be (N, {width}) {xa.dtype} (augment_weight(w, pack_lora_b(...))), got "
+                         f"{tuple(w_aug.shape)} {w_aug.dtype}")
+    if bias is not None and bias.shape != (w_aug.shape[0],):
+        raise ValueError(f"bias must be (N={w_aug.shape[0]},), got {tuple(bias.shape)}")
+    check_cublas_extras(xa[:, :kin], lora_a, w_aug.shape[0], None, slot_mask, uniform_slot)
+    if (slot_mask is None) == (uniform_slot is None):
+        raise ValueError("pass exactly one of slot_mask (T, L) (slot_one_hot of token_adapter) and uniform_slot")
+
+
+def lora_linear_aug(xa, w_aug, bias, lora_a, slot_mask=None, uniform_slot: int | None = None,
+                    others_zero: bool = False) -> torch.Tensor:
+    """The "cublas" path with the expand folded into the base GEMM as extra K columns, so the output is written
+    once (no in-place expand re-reading and re-writing it): out = [x | s] [w | B_packed]^T + bias.
+
+    xa (T, Kin + L*S*R): x in its first Kin columns, put there by the caller (the engine's input RMSNorm writes
+    straight into them); the shrink s = x A_all^T goes into the other columns here (a GEMM into a strided column
+    block: cuBLAS writes it through its leading dimension, no copy), masked per row by slot_mask (T, L).
+    w_aug = augment_weight(w, pack_lora_b(lora_b, scaling, slice_offsets)). uniform_slot (every row uses it):
+    only that slot's S*R shrink columns are computed and the other slots' columns must be zero; they are zeroed
+    here unless ``others_zero`` says the caller's buffer already holds zeros there (a buffer zeroed once and shared
+    by every layer). The other slots then cost (L-1)*S*R zero columns of extra K (Qwen3's q|k|v: 96 of 2048 per
+    slot at rank 32), cheaper than the separate expand this replaces; a GEMM over one slot's columns alone would
+    need [w | B_slot] contiguous, a copy of w per slot.
+    Precision: s is rounded to the run dtype before the expand (as PEFT's lora_B(lora_A(x)) is); base and delta
+    accumulate in one GEMM and round once. fp32 runs are IEEE fp32 in both GEMMs."""
+    check_aug_inputs(xa, w_aug, bias, lora_a, slot_mask, uniform_slot)
+    L, S, R, kin = lora_a.shape
+    T, width = xa.shape[0], S * R
+    x, s = xa[:, :kin], xa[:, kin:]
+    with exact_matmuls(xa.dtype):
+        if uniform_slot is None:
+            torch.mm(x, lora_a.reshape(L * width, kin).T, out=s)
+            s.view(T, L, width).mul_(slot_mask[:, :, None])
+        else:
+            lo, hi = uniform_slot * width, (uniform_slot + 1) * width
+            torch.mm(x, lora_a[uniform_slot].reshape(width, kin).T, out=s[:, lo:hi])
+            if not others_zero:
+                s[:, :lo].zero_()
+                s[:, hi:].zero_()
+        return F.linear(xa, w_aug, bias)
 
 
 def delta_config(num_tokens: int, n: int, device: torch.device, dtype: torch.dtype) -> GemmConfig:

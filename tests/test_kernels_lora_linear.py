@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernels import lora_linear
-from kernels.lora_linear import PATHS, base_linear, ieee_fp32_matmul, pack_lora_b, slot_one_hot
+from kernels.lora_linear import (PATHS, augment_weight, base_linear, ieee_fp32_matmul, lora_linear_aug, pack_lora_b,
+                                  slot_one_hot)
 
 CUDA = torch.cuda.is_available()
 ALL_PATHS = pytest.mark.parametrize("path", PATHS)
@@ -138,6 +139,73 @@ def test_cublas_path_precomputed_pieces(case, dtype, tol):
         assert rel_err(got, lora_linear(**one, impl="triton")) <= tol / 10
 
 
+def aug_inputs(p, fill=float("nan")):
+    """lora_linear_aug's inputs for make_linear's case p: W_aug = [w | B_packed] and xa (T, Kin + L*S*R) holding x
+    and, in the shrink columns, ``fill`` (NaN: whatever a reused buffer held; the shrink must overwrite it)."""
+    L, S, R, kin = p["lora_a"].shape
+    w_aug = augment_weight(p["w"], pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"], R))
+    xa = torch.full((p["x"].shape[0], kin + L * S * R), fill, dtype=p["x"].dtype, device=p["x"].device)
+    xa[:, :kin] = p["x"]
+    return xa, w_aug
+
+
+def check_aug(p, tol, **kw):
+    """lora_linear_aug against the reference, its delta alone, and x left as it was in xa."""
+    xa, w_aug = aug_inputs(p)
+    kin = p["x"].shape[1]
+    mask = None if "uniform_slot" in kw else slot_one_hot(p["token_adapter"], p["lora_a"].shape[0], p["x"].dtype)
+    out = lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], mask, **kw)
+    ref = lora_linear(**p, impl="torch")
+    assert out.shape == ref.shape and out.dtype == p["x"].dtype
+    assert rel_err(out, ref) <= tol, f"rel err {rel_err(out, ref):.3g} > {tol}"
+    base = lora_linear(**base_of(p), impl="torch")
+    derr = rel_err(out.float() - base.float(), ref.float() - base.float())
+    assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
+    assert torch.equal(xa[:, :kin], p["x"]), "the input columns must stay x"
+    return out, xa, w_aug
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CUBLAS_CASES, ids=lambda c: f"T{c['T']}-K{c['kin']}-S{len(c['widths'])}-L{c['L']}")
+def test_lora_linear_aug_matches_reference(case, dtype, tol):
+    """The q|k|v LoRA as extra K of the base GEMM: slot-masked (several adapters, rows without one) and one-slot
+    batches, against the reference; the one-slot branch zeroes the other slots' columns itself or trusts a buffer
+    that already holds zeros there, with the same result."""
+    p = make_linear(**case, dtype=dtype, seed=case["T"])
+    out, _, w_aug = check_aug(p, tol)
+    none = p["token_adapter"] < 0  # rows without an adapter: the base plus exact zeros (K order may differ)
+    assert rel_err(out[none], base_linear(p["x"], p["w"], p["bias"])[none]) <= tol / 10
+    # base-only batches run on the strided view W_aug[:, :Kin]: the base GEMM itself
+    view = w_aug[:, :p["x"].shape[1]]
+    assert view.data_ptr() == w_aug.data_ptr() and torch.equal(view, p["w"])
+    for slot in range(case["L"]):
+        one = dict(p, token_adapter=torch.full_like(p["token_adapter"], slot))
+        got, xa, _ = check_aug(one, tol, uniform_slot=slot)
+        trusted = xa.clone()
+        trusted[:, p["x"].shape[1]:] = 0
+        trusted[:, :p["x"].shape[1]] = p["x"]
+        again = lora_linear_aug(trusted, w_aug, p["bias"], p["lora_a"], uniform_slot=slot, others_zero=True)
+        assert torch.equal(again, got)
+
+
+def test_lora_linear_aug_bad_inputs():
+    p = make_linear(T=4, kin=16, widths=(8, 8), L=2, R=4)
+    xa, w_aug = aug_inputs(p, 0.0)
+    mask = slot_one_hot(p["token_adapter"], 2, torch.float32)
+    with pytest.raises(ValueError, match="xa must be"):  # x alone, without the shrink columns
+        lora_linear_aug(p["x"], w_aug, p["bias"], p["lora_a"], mask)
+    with pytest.raises(ValueError, match="w_aug must be"):  # the plain weight
+        lora_linear_aug(xa, p["w"], p["bias"], p["lora_a"], mask)
+    with pytest.raises(ValueError, match="exactly one of slot_mask"):
+        lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], mask, uniform_slot=0)
+    with pytest.raises(ValueError, match="exactly one of slot_mask"):
+        lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"])
+    with pytest.raises(ValueError, match="uniform_slot"):
+        lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], uniform_slot=2)
+    with pytest.raises(ValueError, match="b_packed must be"):
+        augment_weight(p["w"], pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"]).double())
+
+
 def test_pack_lora_b_is_block_diagonal_and_scaled():
     # the layout that the expand relies on, element by element: slice s of slot l sees only its own rows
     p = make_linear(T=4, kin=8, widths=(5, 3, 2), L=2, R=3)
@@ -257,3 +325,30 @@ def test_lora_linear_gpu_fp32_ignores_tf32_setting(restore_matmul_precision, tol
     err = rel_err(lora_linear(**p, impl="triton"), ref)
     assert err <= tol, f"rel err {err:.3g} > {tol}: the fp32 base GEMM ran in TF32?"
     assert torch.get_float32_matmul_precision() == "high"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.gpu1
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_lora_linear_aug_gpu_writes_in_place(dtype, tol, restore_matmul_precision):
+    """Qwen3-30B-A3B's q|k|v with 4 slots: lora_linear_aug matches the reference (fp32 IEEE under a TF32 setting),
+    and a warm call allocates only its output: the shrink GEMM writes straight into xa's strided column block and
+    the base-only GEMM reads the strided view W_aug[:, :Kin], with no copy of either."""
+    p = make_linear(**GPU_CASES[0], dtype=dtype, device="cuda")
+    torch.set_float32_matmul_precision("high")
+    mask = slot_one_hot(p["token_adapter"], GPU_CASES[0]["L"], dtype)
+    check_aug(p, tol)
+    xa, w_aug = aug_inputs(p)
+    view = w_aug[:, :p["x"].shape[1]]
+    runs = {"aug": lambda: lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], mask),
+            "uniform": lambda: lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], uniform_slot=1),
+            "base view": lambda: base_linear(p["x"], view, p["bias"])}
+    for name, fn in runs.items():
+        fn()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        fn()
+        allocs = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+        assert allocs == 1, f"{name}: {allocs} allocations, expected only the output (a copy of a strided operand?)"
+    # the strided view may pick another cuBLAS kernel than the contiguous weight: equal up to rounding
+    assert rel_err(runs["base view"](), base_linear(p["x"], p["w"], p["bias"])) <= tol / 10

@@ -1,11 +1,19 @@
-"""The triton engine's dense LoRA layers (q|k|v and o) on lora_linear's cublas path (B packed once per layer, the
-slot mask once per batch, no mask when every prompt uses one adapter), on CPU.
+"""The triton engine's dense LoRA layers on CPU: o on lora_linear's cublas path (B packed once per layer, the slot
+mask once per batch, no mask when every prompt uses one adapter), q|k|v as extra K columns of the base GEMM
+(lora_linear_aug, fed by the input norm), and at TP 1 the MoE's top-k sum fused into the next norm.
 
 test_triton_engine.py runs its TP=2 test on impl "auto", which on CPU is the torch reference of every kernel, so
-this file is where the engine's cublas path meets tensor parallelism (o row-parallel: each rank expands its
-partial shrink with the whole packed B, and the all-reduce sums the partial deltas) and one-adapter batches.
+this file is where those paths meet tensor parallelism (o row-parallel: each rank expands its partial shrink with
+the whole packed B, and the all-reduce sums the partial deltas; q|k|v's W_aug sharded by rows; the top-k sum
+before the all-reduce), one-adapter batches, HF+PEFT at TP 1, and the runtime's own kernels under the interpreter.
 """
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +68,87 @@ def test_cublas_dense_lora_tp2_equals_torch_reference(tiny):
     ref, got = run(1, "torch"), run(2, "triton")
     for c, g, r in zip(choices, got, ref):
         assert _maxdiff(g, r) <= TOL, f"adapter choice {c}"
+
+
+def test_fused_paths_at_tp1_match_hf_peft(tiny, monkeypatch):
+    """impl triton at TP 1 runs q|k|v LoRA as extra K of the base GEMM (kernels.lora_linear_aug, the input norm
+    writing into its buffer) and hands the MoE's unsummed top-k outputs to the next norm; both must be the paths
+    taken and match HF+PEFT: a mixed batch (three adapters, rows without one), one-adapter batches of slot 0 and
+    of slot 2 (the other slots' shrink columns stay zero), an experts-only adapter (zero q|k|v columns), base."""
+    import importlib
+
+    from engines.base import open_engine
+    from engines.triton import TritonEngine
+    import engines.triton.norm as norm
+
+    lora_mod = importlib.import_module("kernels.lora_linear")  # kernels re-exports a function of that name
+    seen = {"aug_slots": set(), "delta_ndim": set()}
+    aug, norm_ref = lora_mod.lora_linear_aug, norm.add_rms_norm_torch
+
+    def spy_aug(*args, **kw):
+        seen["aug_slots"].add(args[5] if len(args) > 5 else kw.get("uniform_slot"))
+        return aug(*args, **kw)
+
+    def spy_norm(x, delta, *args, **kw):  # in this process the norm runs its torch reference
+        seen["delta_ndim"].add(None if delta is None else delta.ndim)
+        return norm_ref(x, delta, *args, **kw)
+
+    monkeypatch.setattr(lora_mod, "lora_linear_aug", spy_aug)
+    monkeypatch.setattr(norm, "add_rms_norm_torch", spy_norm)
+    spec, adapters, prompts = tiny
+    short = [p[:10] for p in prompts]  # the interpreter's cost grows with the grid
+    choices = [["attn_experts", None, "shared_outer", "experts_pe", "attn_experts"], "attn_experts", "shared_outer",
+               "experts_pe", None]
+
+    def run(engine, names):
+        options = {"impl": "triton"} if engine == "triton" else {}
+        with open_engine(engine, EngineConfig(model=spec, adapters=adapters[names], dtype="float32", device="cpu",
+                                              options=options)) as eng:
+            if isinstance(eng, TritonEngine):
+                assert eng.runtime.model.fuse_topk_sum
+            return [eng.prompt_logprobs(short, c) for c in choices]
+
+    got, want = run("triton", "triton"), run("hf", "hf")
+    for c, g, w in zip(choices, got, want):
+        assert _maxdiff(g, w) <= TOL, f"adapter choice {c}"
+    assert seen["aug_slots"] == {None, 0, 1, 2}, seen  # mixed (mask), then each one-adapter batch's slot
+    assert 3 in seen["delta_ndim"], seen
+
+
+@pytest.mark.parametrize("tiny", ["qwen3_moe"], indirect=True)  # one arch: everything runs interpreted
+def test_fused_norm_kernel_in_a_forward_under_the_interpreter(tiny):
+    """With TRITON_INTERPRET=1 set before import (a child process) the runtime's own kernels run as Triton too, so
+    a real forward has add_rms_norm's kernel sum the MoE's (T, K, H) outputs and write into the q|k|v LoRA's
+    augmented buffer (a mixed and a one-adapter batch): against the torch references."""
+    spec, adapters, prompts = tiny
+    job = dict(path=spec.path, name=spec.name, arch=spec.arch,
+               adapters={n: a.path for n, a in adapters["triton"].items()},
+               prompts=[p[:6] for p in prompts[:3]], choices=[["attn_experts", None, "shared_outer"], "shared_outer"])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(diffs) == 2 and max(diffs) <= TOL, diffs
+
+
+def _interpreted_forward(job: dict) -> None:
+    """The child of the test above: prints [max |d| per choice] of impl triton against impl torch."""
+    from engines.triton import TritonEngine
+    from engines.triton._jit import INTERPRETED
+    from harness.types import AdapterSpec, ModelSpec
+
+    assert INTERPRETED, "run through the test (it sets TRITON_INTERPRET=1)"
+    spec = ModelSpec(name=job["name"], arch=job["arch"], path=job["path"])
+    adapters = {n: AdapterSpec(n, p) for n, p in job["adapters"].items()}
+    out = {}
+    for impl in ("torch", "triton"):
+        with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu",
+                                       options={"impl": impl})) as eng:
+            assert impl == "torch" or eng.runtime.model.lora.layers[0].qkv_w_aug is not None
+            out[impl] = [eng.prompt_logprobs(job["prompts"], c) for c in job["choices"]]
+    print(json.dumps([_maxdiff(g, r) for g, r in zip(out["triton"], out["torch"])]))
+
+
+if __name__ == "__main__":
+    _interpreted_forward(json.loads(sys.argv[1]))

@@ -34,6 +34,9 @@ class LayerLora:
     # once here so that a forward does no per-layer packing: (q_loc + 2 kv_loc, L*3*R) and (H, L*R)
     qkv_b_packed: Tensor | None = None
     o_b_packed: Tensor | None = None
+    # [W_qkv | qkv_b_packed] (q_loc + 2 kv_loc, H + L*3*R) for kernels.lora_linear_aug (the q|k|v LoRA as extra K
+    # columns of the base GEMM), set by fold_qkv_lora; the layer's weight and qkv_b_packed are then views into it
+    qkv_w_aug: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -155,6 +158,22 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
             o_b_packed=None if o_b is None else pack_lora_b(o_b, scaling, None, R)))
         assert qkv_a is None or layers[-1].o_a.shape[-1] == q_loc
     return StackedLora(names=names, scaling=scaling, ranks=ranks, layers=layers)
+
+
+def fold_qkv_lora(weights, lora: StackedLora | None) -> None:
+    """Store each layer's q|k|v weight once, as W_aug = [W | B_packed] (kernels.lora_linear.augment_weight): the
+    layer's ``qkv`` becomes the view W_aug[:, :H] (base-only batches) and ``qkv_b_packed`` the view W_aug[:, H:].
+    Under TP both W and B_packed hold this rank's q|k|v rows, so W_aug is sharded row-wise like them."""
+    from kernels.lora_linear import augment_weight
+
+    if lora is None:
+        return
+    for lw, ll in zip(weights.layers, lora.layers):
+        if ll.qkv_b_packed is None:
+            continue
+        H = lw.qkv.shape[1]
+        ll.qkv_w_aug = augment_weight(lw.qkv, ll.qkv_b_packed)
+        lw.qkv, ll.qkv_b_packed = ll.qkv_w_aug[:, :H], ll.qkv_w_aug[:, H:]
 
 
 def _rank(adapter) -> int:

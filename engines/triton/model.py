@@ -1,6 +1,8 @@
 """The decoder stack shared by the supported MoE archs (their differences live in ModelConfig flags):
 embed -> [RMSNorm -> attention -> +res -> RMSNorm -> router + experts -> +res] x N -> RMSNorm.
-Each residual add is fused into the RMSNorm that follows it."""
+Each residual add is fused into the RMSNorm that follows it; at TP 1 so is the MoE's top-k sum. With q|k|v LoRA
+in the batch (and not on the torch references) the input RMSNorm writes into the first H columns of the buffer
+whose other columns take the LoRA shrink, and q|k|v is one GEMM with the LoRA as extra K (lora_linear_aug)."""
 from __future__ import annotations
 
 import warnings
@@ -12,10 +14,11 @@ from engines.triton.batch import Batch
 from engines.triton.config import ModelConfig
 from engines.triton.lora import LayerLora, StackedLora
 from engines.triton.moe import experts, route
-from engines.triton.norm import add_rms_norm
+from engines.triton.norm import add_rms_norm, sum_topk
 from engines.triton.rope import norm_rope
 from engines.triton.shard import Shard
 from engines.triton.weights import LayerWeights, ModelWeights
+from kernels._triton import resolve_impl
 from kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
 
 
@@ -32,14 +35,17 @@ class MoeTransformer:
             self.lora_impl = "torch"
             warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
                           "run on the kernels' torch references", stacklevel=2)
+        # at TP 1 the experts hand back their unsummed top-k outputs (T, K, H) and the next add_rms_norm sums them;
+        # under TP each rank's partial output is all-reduced, and summing first keeps that to one (T, H)
+        self.fuse_topk_sum = shard.size == 1
         self.capture: dict | None = None  # opt-in (lpdiff bisect): layer index -> that layer's output hidden states
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads = len(qh), len(kvh)
         d = cfg.head_dim
         self.qkv_offsets = [0, self.heads * d, (self.heads + self.kv_heads) * d, (self.heads + 2 * self.kv_heads) * d]
 
-    def _norm(self, x, delta, weight):
-        return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, self.cfg.norm_weight_fp32, self.impl)
+    def _norm(self, x, delta, weight, out=None):
+        return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, self.cfg.norm_weight_fp32, self.impl, out)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,19 +53,44 @@ class MoeTransformer:
         cfg = self.cfg
         x = self.w.embed[batch.input_ids]
         margin = torch.full((batch.num_tokens,), float("inf"), device=x.device)
-        delta = None  # output of the last sublayer, not yet added to the residual stream x
+        xa = self.qkv_input(batch, x)
+        delta = None  # output of the last sublayer (or the MoE's top-k outputs), not yet added to the residual x
         for i, lw in enumerate(self.w.layers):
             ll = self.lora.layers[i] if self.lora is not None else None
-            h, x = self._norm(x, delta, lw.input_norm)
-            delta = self.attend(h, lw, ll, batch, cfg.sliding_windows[i])
+            h, x = self._norm(x, delta, lw.input_norm, None if xa is None else xa[:, :cfg.hidden_size])
+            delta = self.attend(h if xa is None else xa, lw, ll, batch, cfg.sliding_windows[i])
             h, x = self._norm(x, delta, lw.post_norm)
             ids, weights, m = route(h, lw, cfg, self.impl)
             margin = torch.minimum(margin, m)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
-                                            batch.token_adapter, self.lora_impl, self.moe_backend))
+                                            batch.token_adapter, self.lora_impl, self.moe_backend,
+                                            sum_topk=not self.fuse_topk_sum))
             if self.capture is not None:
-                self.capture[i] = x + delta
+                self.capture[i] = x + sum_topk(delta)
         return self._norm(x, delta, self.w.norm)[0], margin
+
+    def qkv_input(self, batch: Batch, x: torch.Tensor) -> torch.Tensor | None:
+        """The (T, H + L*3*R) input of lora_linear_aug when this batch runs q|k|v LoRA as extra K (an adapter in
+        the batch, q|k|v LoRA stacked, the vendor-GEMM path rather than the torch references), else None. One buffer
+        serves every layer: each input norm overwrites its first H columns and each layer's shrink the rest. For a
+        one-adapter batch only that slot's columns are ever written, so the others are zeroed once, here."""
+        if self.lora is None or batch.token_adapter is None or self.lora.layers[0].qkv_w_aug is None:
+            return None
+        if resolve_impl(self.lora_impl, x) == "torch":
+            return None
+        shape = (x.shape[0], self.lora.layers[0].qkv_w_aug.shape[1])
+        return x.new_zeros(shape) if batch.uniform_slot is not None else x.new_empty(shape)
+
+    def qkv(self, h: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch) -> torch.Tensor:
+        """q|k|v of the normed input: h (T, H), or qkv_input's buffer with the normed input in its first H columns."""
+        if h.shape[1] == lw.qkv.shape[1]:
+            return self._linear(h, lw.qkv, lw.qkv_bias, ll and ll.qkv_a, ll and ll.qkv_b, ll and ll.qkv_b_packed,
+                                self.qkv_offsets, batch)
+        from kernels.lora_linear import lora_linear_aug
+
+        uniform = batch.uniform_slot
+        mask = batch.slot_mask(ll.qkv_a.shape[0], h.dtype) if uniform is None else None
+        return lora_linear_aug(h, ll.qkv_w_aug, lw.qkv_bias, ll.qkv_a, mask, uniform, others_zero=True)
 
     def _linear(self, x, w, bias, lora_a, lora_b, b_packed, offsets, batch: Batch):
         from kernels import lora_linear
@@ -74,10 +105,10 @@ class MoeTransformer:
                            impl=self.lora_impl, b_packed=b_packed, slot_mask=mask, uniform_slot=uniform)
 
     def attend(self, h: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch,
-                  window: int | None) -> torch.Tensor:
+               window: int | None) -> torch.Tensor:
+        """h: as qkv() takes it."""
         cfg, d, T = self.cfg, self.cfg.head_dim, h.shape[0]
-        qkv = self._linear(h, lw.qkv, lw.qkv_bias, ll and ll.qkv_a, ll and ll.qkv_b, ll and ll.qkv_b_packed,
-                           self.qkv_offsets, batch)
+        qkv = self.qkv(h, lw, ll, batch)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = norm_rope(q.view(T, self.heads, d), lw.q_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
         k = norm_rope(k.view(T, self.kv_heads, d), lw.k_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)

@@ -1,8 +1,16 @@
 """RMSNorm (optionally fused with the residual add before it) in the two rounding orders the supported models use.
 
-Shapes: T tokens, H hidden. Qwen casts the normalised row back to the model dtype and then multiplies by the
-weight in that dtype; gpt-oss keeps its weight in fp32 and multiplies before casting back (``weight_fp32``).
+Shapes: T tokens, H hidden, K top-k. Qwen casts the normalised row back to the model dtype and then multiplies by
+the weight in that dtype; gpt-oss keeps its weight in fp32 and multiplies before casting back (``weight_fp32``).
 The residual sum is rounded to the model dtype before it is normalised, as transformers' ``residual + h`` is.
+
+The delta added to the residual may be the MoE's unsummed top-k outputs (T, K, H) (kernels.moe_forward with
+sum_topk=False): they are summed here in fp32 in k order and rounded to the model dtype once, then added. That is
+the rounding of the unfused ``y.view(T, K, H).sum(1)`` (transformers' grouped_mm / batched_mm experts sum the same
+way; its eager expert loop instead accumulates in the model dtype with index_add_, in expert order), and fusing it
+saves a separate reduction's (T, K, H) read and its (T, H) write and re-read. Only the order of the fp32 additions
+may differ from torch's reduction (on CUDA it combines K = 8 values as four interleaved partial sums): the results
+differ only where an fp32 sum of bf16 values is inexact and lands next to a bf16 rounding boundary.
 """
 from __future__ import annotations
 
@@ -20,22 +28,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: boo
     return weight * xf.to(x.dtype)
 
 
+def sum_topk(delta: torch.Tensor) -> torch.Tensor:
+    """(T, H) as is, or (T, K, H) -> (T, H): the sum over k in fp32 in k order, rounded once to delta's dtype."""
+    if delta.ndim == 2:
+        return delta
+    acc = delta[:, 0].float()
+    for k in range(1, delta.shape[1]):
+        acc = acc + delta[:, k].float()  # out of place: for fp32 .float() is delta itself
+    return acc.to(delta.dtype)
+
+
 def add_rms_norm_torch(x, delta, weight, eps, weight_fp32=False):
-    s = x if delta is None else x + delta
+    s = x if delta is None else x + sum_topk(delta)
     return rms_norm(s, weight, eps, weight_fp32), s
 
 
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(X, D, W, Out, Sum, H, eps, stride_x, stride_d, stride_o, stride_s,
-                             HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(X, D, W, Out, Sum, H, eps, stride_x, stride_d, stride_dk, stride_o, stride_s,
+                             HAS_DELTA: tl.constexpr, K: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+                             BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         ok = offs < H
         x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
         if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(D + row * stride_d + offs, mask=ok, other=0.0).to(tl.float32))
-            x = x.to(Sum.dtype.element_ty)
+            d = tl.load(D + row * stride_d + offs, mask=ok, other=0.0)
+            acc = d.to(tl.float32)
+            for k in tl.static_range(1, K):  # k order, fp32, one rounding below (sum_topk)
+                acc += tl.load(D + row * stride_d + k * stride_dk + offs, mask=ok, other=0.0).to(tl.float32)
+            acc = acc.to(d.dtype).to(tl.float32)
+            x = (x.to(tl.float32) + acc).to(Sum.dtype.element_ty)
             tl.store(Sum + row * stride_s + offs, x, mask=ok)
         xf = x.to(tl.float32)
         r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
@@ -47,17 +70,35 @@ if triton is not None:
         tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=ok)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 weight_fp32: bool = False, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, H) -> (rms_norm(x + delta), x + delta): the next sublayer's input and the new residual stream."""
-    if not use_triton(x, impl):
-        return add_rms_norm_torch(x, delta, weight, eps, weight_fp32)
+def check_delta(x: torch.Tensor, delta: torch.Tensor | None) -> None:
     T, H = x.shape
-    out = torch.empty_like(x)
+    if delta is not None and not (delta.ndim in (2, 3) and delta.shape[0] == T and delta.shape[-1] == H
+                                  and delta.dtype == x.dtype):
+        raise ValueError(f"delta must be (T, H) = {(T, H)} or (T, K, H) (the MoE's unsummed top-k outputs) in "
+                         f"{x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 weight_fp32: bool = False, impl: str = "auto",
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H) x, delta (T, H) or (T, K, H) -> (rms_norm(x + sum_topk(delta)), x + sum_topk(delta)): the next
+    sublayer's input and the new residual stream. ``out``: a (T, H) view with unit column stride (e.g. the first H
+    columns of the q|k|v LoRA's augmented input) that receives the normed rows in place of a new tensor."""
+    check_delta(x, delta)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be a (T, H) = {tuple(x.shape)} {x.dtype} view with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    if not use_triton(x, impl):
+        normed, s = add_rms_norm_torch(x, delta, weight, eps, weight_fp32)
+        return (normed if out is None else out.copy_(normed)), s
+    T, H = x.shape
+    out = torch.empty_like(x) if out is None else out
     s = torch.empty_like(x) if delta is not None else x
     d = delta if delta is not None else x
+    assert d.stride(-1) == 1, "delta rows must be contiguous"
+    K, stride_dk = (d.shape[1], d.stride(1)) if d.ndim == 3 else (1, 0)
     block = pow2(H)
-    _add_rms_norm_kernel[(T,)](x, d, weight, out, s, H, eps, x.stride(0), d.stride(0), out.stride(0), s.stride(0),
-                               HAS_DELTA=delta is not None, WEIGHT_FP32=weight_fp32, BLOCK=block,
+    _add_rms_norm_kernel[(T,)](x, d, weight, out, s, H, eps, x.stride(0), d.stride(0), stride_dk, out.stride(0),
+                               s.stride(0), HAS_DELTA=delta is not None, K=K, WEIGHT_FP32=weight_fp32, BLOCK=block,
                                num_warps=min(16, max(1, block // 256)))
     return out, s

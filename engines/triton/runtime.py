@@ -10,7 +10,7 @@ from engines.triton.batch import Batch
 from engines.triton.config import model_config
 from engines.triton.engine import OPTIONS
 from engines.triton.loader import open_source
-from engines.triton.lora import stack_adapters
+from engines.triton.lora import fold_qkv_lora, stack_adapters
 from engines.triton.model import MoeTransformer
 from engines.triton.shard import Shard
 from engines.triton.weights import load_weights
@@ -43,6 +43,7 @@ class Runtime:
 
             adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)
+        fold_qkv_lora(self.weights, self.lora)
         # read from the config, so that tensor-parallel workers (tp.worker_main) pick the same backend
         moe_backend = config.options.get("moe_backend", OPTIONS["moe_backend"])
         self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl,
