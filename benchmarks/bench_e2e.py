@@ -16,6 +16,7 @@ import argparse
 import csv
 import datetime
 import gc
+import gzip
 import os
 import statistics
 import sys
@@ -165,8 +166,17 @@ def profile(eng, prompts, adapter, path: Path) -> None:
         eng.prompt_logprobs(prompts, adapter)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    path.write_text(table)
-    print(table[:6000], flush=True)
+    # where the GPU waits on the host (benchmarks/trace_gaps.py): the gzipped chrome trace comes back for a closer look
+    from benchmarks.trace_gaps import analyse, load_events, report
+
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    gaps = report(analyse(load_events(trace), min_gap_us=20), top=20)
+    with open(trace, "rb") as src, gzip.open(path.with_suffix(".trace.json.gz"), "wb") as dst:
+        dst.write(src.read())
+    trace.unlink()
+    path.write_text(table + "\n\nGPU idle gaps (>= 20 us):\n" + gaps + "\n")
+    print(table[:6000], "\n" + gaps, flush=True)
 
 
 def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:

@@ -110,8 +110,9 @@ def merge_outputs(work: Path, out: Path, runs: list[Running], skipped: list[str]
             if header:
                 w.writerow(header)
             w.writerows(rows)
-    def small_text(ti: tarfile.TarInfo):  # logs and reports only: no CSVs (merged above), checkpoints or adapters
-        return ti if ti.isdir() or (ti.name.endswith((".log", ".txt")) and ti.size < 8 << 20) else None
+    def small_text(ti: tarfile.TarInfo):  # logs, reports and profiler traces only: no CSVs (merged above),
+        # checkpoints or adapters
+        return ti if ti.isdir() or (ti.name.endswith((".log", ".txt", ".trace.json.gz")) and ti.size < 8 << 20) else None
 
     with tarfile.open(out / "logs.tgz", "w:gz") as tar:
         tar.add(work, arcname="jobs", filter=small_text)
