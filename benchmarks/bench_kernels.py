@@ -1,7 +1,8 @@
 """Benchmark of the fused MoE-LoRA kernels (row "triton_fused_lora": each GEMM's shrink precomputed once per row
 block, the default; "triton_fused_shrink_in_k_loop": the shrink inside every N tile's K-loop;
 "*_epilogue_loads": the GEMM epilogue's operands loaded after the K-loop, GemmConfig(prefetch=False), the old
-order) against the same kernels without LoRA, the grouped_mm backend
+order; "*_tma": expert weight tiles, and the down GEMM's sorted rows, by TMA, GemmConfig(tma=True)) against the
+same kernels without LoRA, the grouped_mm backend
 (kernels/moe_grouped.py: CUTLASS bases + Triton LoRA passes, with its per-stage times), torch grouped_mm + unfused
 LoRA and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes; and the dense
 LoRA linear (lora_linear: cuBLAS base + in-place Triton LoRA, the fused Triton kernel, cuBLAS + torch LoRA, and the
@@ -13,6 +14,7 @@ bases alone) at the Qwen3-30B-A3B q|k|v and o projection shapes.
     python benchmarks/bench_kernels.py --out DIR --quick --moe-only     # MoE rows only (both backends)
     python benchmarks/bench_kernels.py --out DIR --sweep   # only: moe_forward_triton over a grid of tiles
     python benchmarks/bench_kernels.py --out DIR --sweep-shrink   # only: the LoRA shrink launch over a grid
+    python benchmarks/bench_kernels.py --compile-sm90   # CPU: the MoE launches compiled for sm90 (smem, regs, TMA)
 
 Writes DIR/kernels.csv (date,commit,gpu,benchmark,shape,T,adapters,dtype,impl,ms,tflops,pct_roofline) and
 DIR/bench.log; prints a table last. Roofline: time = max(FLOPs / measured bf16 matmul rate, bytes / measured copy
@@ -70,7 +72,8 @@ SHAPES = [MoeShape("qwen3-30b-a3b", 128, 2048, 768, 8, "silu", False),
 
 
 def make_inputs(s: MoeShape, T: int, L: int, rank: int, dtype, device, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
+    """device "meta": shapes only (--compile-sm90 builds launches from them)."""
+    g = torch.Generator(device=device).manual_seed(seed) if device != "meta" else None
     rnd = lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale  # noqa
     x = rnd(T, s.H)
     w, ids = torch.randn(T, s.E, generator=g, device=device).softmax(-1).topk(s.K, dim=-1)
@@ -244,10 +247,11 @@ def ceilings(log) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------------------- drivers
 
-def configs(p, lora_shrink: str = "once", **flags) -> dict:
-    """moe_forward_triton's default tiles of both GEMMs with GemmConfig flags changed, as its keywords."""
+def configs(p, lora_shrink: str = "once", device=None, **flags) -> dict:
+    """moe_forward_triton's default tiles of both GEMMs with GemmConfig flags changed, as its keywords; device:
+    the tiles for that device instead of x's."""
     c1, c2 = moe_configs(p["x"], p["topk_ids"], p["w_gate_up"], p["activation"], p["lora"],
-                         shrink_once(p["lora"], lora_shrink), **flags)
+                         shrink_once(p["lora"], lora_shrink), device, **flags)
     return dict(config=c1, down_config=c2)
 
 
@@ -335,21 +339,25 @@ def stages_line(t: dict) -> str:
 
 def sweep_pairs() -> list[tuple[GemmConfig, GemmConfig]]:
     """24 tile configs of moe_forward_triton (gate_up, down): block_m x gate_up output columns x block_k x
-    (warps, stages). The down GEMM gets the same dot width (block_n counts output columns; gate_up's gated dot
-    is 2*block_n wide) and the same block_m (both GEMMs share one alignment). Today's default comes first."""
+    (warps, stages), each with pointer loads and then with TMA weight tiles (GemmConfig.tma). The down GEMM gets
+    the same dot width (block_n counts output columns; gate_up's gated dot is 2*block_n wide, two block_n dots
+    under TMA) and the same block_m (both GEMMs share one alignment). Today's default comes first."""
     pairs = []
-    for bm, bn, bk, (warps, stages) in itertools.product((128, 64), (128, 64), (64, 32), ((8, 4), (8, 3), (4, 3))):
-        pairs.append((GemmConfig(bm, bn, bk, 4, warps, stages), GemmConfig(bm, 2 * bn, bk, 4, warps, stages)))
+    for bm, bn, bk, (warps, stages), tma in itertools.product((128, 64), (128, 64), (64, 32),
+                                                              ((8, 4), (8, 3), (4, 3)), (False, True)):
+        pairs.append((GemmConfig(bm, bn, bk, 4, warps, stages, tma=tma),
+                      GemmConfig(bm, 2 * bn, bk, 4, warps, stages, tma=tma)))
     return pairs
 
 
 def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
     """moe_forward_triton over sweep_pairs() at the Qwen3-30B-A3B shape, T=4096, one adapter and none; stops
-    starting configs after budget_s (each new config compiles four kernels). Best five of each printed last."""
+    starting configs after budget_s (each new config compiles four kernels). Best five of each (with and without
+    TMA apart) printed last."""
     s = SHAPES[0]
     p = make_inputs(s, 4096, 1, R, torch.bfloat16, "cuda")
     base = dict(p, lora=None, token_adapter=None)
-    t0, results = time.time(), {"lora": [], "no_lora": []}
+    t0, results = time.time(), {"lora": [], "no_lora": [], "lora_tma": [], "no_lora_tma": []}
     for c1, c2 in sweep_pairs():
         if time.time() - t0 > budget_s:
             log(f"sweep: budget {budget_s:.0f} s spent, configs from c1={c1} on not tried")
@@ -360,7 +368,7 @@ def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
             except Exception as exc:  # a config that does not compile or fit must not end the run
                 log(f"sweep {name} c1={c1} c2={c2} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            results[name].append((ms, c1, c2))
+            results[name + ("_tma" if c1.tma else "")].append((ms, c1, c2))
             record_row(name, c1, c2, ms)
     for name, res in results.items():
         for ms, c1, c2 in sorted(res, key=lambda r: r[0])[:5]:
@@ -425,6 +433,89 @@ def shrink_sweep(log, record_row, shapes, T: int, R: int, budget_s: float, devic
     return totals
 
 
+# ------------------------------------------------------------------------------------- sm90 compile, no GPU
+
+SM90_SMEM = 232448  # bytes of shared memory one block may use on sm90 (227 KiB)
+
+
+def record_launches(fn) -> list[tuple]:
+    """Runs fn with every Triton launch recorded instead of run: [(kernel, args, kwargs)]."""
+    from kernels._triton import DualKernel
+    launches, original = [], DualKernel.__getitem__
+    DualKernel.__getitem__ = lambda kernel, grid_device: lambda *a, **kw: launches.append((kernel, a, kw))
+    try:
+        fn()
+    finally:
+        DualKernel.__getitem__ = original
+    return launches
+
+
+def compile_sm90(kernel, args, kwargs) -> dict:
+    """One recorded launch compiled for sm90 with the JIT's own argument specialization (pointers and ints
+    divisible by 16, ints equal to 1 as constants; Triton 3.6 internals), no GPU needed; ptxas -v gives the
+    registers and spills, the TTGIR which loads are TMA / cp.async and whether the dots are wgmma."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget("cuda", 90, 64)
+    backend, jf, kwargs = make_backend(target), kernel.jit, dict(kwargs)
+    if kwargs.get("UPCAST"):  # meta tensors count as interpreted; the GPU multiplies bf16 in tl.dot
+        kwargs.update(UPCAST=False, DOT_PREC="tf32")
+    bound, spec, options = create_function_from_signature(jf.signature, jf.params, backend)(*args, **kwargs)
+    options, sig, const, attrs = jf._pack_args(backend, kwargs, bound, spec, options)
+    k = triton.compile(ASTSource(jf, sig, const, attrs), target=target,
+                       options=dict(num_warps=options.num_warps, num_stages=options.num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(k.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    ttgir = k.asm["ttgir"]
+    return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill=int(re.search(r"(\d+) bytes spill stores", log).group(1)), smem=k.metadata.shared,
+                tma="async_tma_copy_global_to_local" in ttgir, cp_async="async_copy_global_to_local" in ttgir,
+                wgmma="warp_group_dot" in ttgir)
+
+
+SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+             "num_stages")
+
+
+def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
+    """moe_forward_triton's shrink and GEMM launches at each shape (T tokens, one adapter, and without LoRA; bf16;
+    the default GPU tiles with each set of GemmConfig flags) compiled for sm90 on this machine: shared memory
+    against the 227 KiB a block may use, registers, spills, TMA. One line per distinct launch. Needs a process in
+    which the Triton interpreter has not run: Triton 3.6 leaves triton.language patched after an interpreted
+    device-function call, and compiling then fails."""
+    from kernels._triton import next_pow2 as np2
+    seen, out = set(), []
+    for s, flags in itertools.product(shapes, flag_sets):
+        p = make_inputs(s, T, 1, R, torch.bfloat16, "meta")
+        for q in (p, dict(p, lora=None, token_adapter=None)):
+            cfg = configs(q, device=torch.device("cuda"), **flags)
+            shrink = ShrinkConfig(block_k=shrink_block_k(cfg["config"].block_m, np2(R), torch.bfloat16, True))
+            for kernel, args, kw in record_launches(lambda: moe_forward_triton(**q, **cfg, shrink_config=shrink)):
+                name = kernel.fn.__name__
+                key = (s.name, name, tuple(sorted(kw.items())))
+                if name.startswith("_align") or key in seen:
+                    continue
+                seen.add(key)
+                r = dict(compile_sm90(kernel, args, kw), shape=s.name, kernel=name,
+                         **{k: kw[k] for k in SM90_KEYS if k in kw})
+                out.append(r)
+                log(f"sm90 {s.name:14s} {name:22s} " + " ".join(f"{k}={kw[k]}" for k in SM90_KEYS if k in kw)
+                    + f" | smem {r['smem']}{' OVER' if r['smem'] > SM90_SMEM else ''} regs {r['regs']} spill "
+                    f"{r['spill']} B tma {int(r['tma'])} cp.async {int(r['cp_async'])} wgmma {int(r['wgmma'])}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/run")
@@ -439,9 +530,15 @@ def main():
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--dense-only", action="store_true", help="only the dense lora_linear rows (no MoE layers)")
     ap.add_argument("--moe-only", action="store_true", help="only the MoE layer rows (no dense lora_linear)")
+    ap.add_argument("--compile-sm90", action="store_true",
+                    help="CPU, no GPU: compile the MoE launches for sm90 at both shapes (default, prefetch off, TMA) "
+                         "and print shared memory, registers, spills and TMA use")
     args = ap.parse_args()
     if args.check:
         return check_baselines()
+    if args.compile_sm90:
+        sm90_report(print, SHAPES, 4096, args.rank, [{}, dict(prefetch=False), dict(tma=True)])
+        return
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench.log"), "a")
 
@@ -500,15 +597,22 @@ def main():
         return
 
     moe_shapes = [] if args.dense_only else SHAPES
+    no_tma = set()  # shapes whose TMA variant failed its check: no TMA rows for them
     # correctness at the benchmark shapes before timing them
     for s in moe_shapes:
         p = make_inputs(s, 1024, 2, R, torch.bfloat16, "cuda", seed=1)
         ref = moe_forward(**p, impl="torch")
         err = rel_err(moe_forward(**p, impl="triton"), ref)
         err_k = rel_err(moe_forward(**p, impl="triton", lora_shrink="fused"), ref)
+        try:  # exploratory: a TMA failure on this GPU must not cost the other rows
+            err_tma = f"{rel_err(moe_forward_triton(**p, **configs(p, tma=True)), ref):.2e}"
+        except Exception as exc:
+            err_tma = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+            no_tma.add(s.name)
         err_g = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
         err_t = rel_err(torch_grouped_lora(**p), ref)
-        log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e} (shrink in the K-loop {err_k:.2e}), "
+        log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e} (shrink in the K-loop {err_k:.2e}, "
+            f"TMA weight tiles {err_tma}), "
             f"grouped_mm backend rel err {err_g:.2e}, "
             f"torch grouped_mm+LoRA rel err {err_t:.2e}")
         why = mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"])
@@ -526,6 +630,9 @@ def main():
                 record("moe_layer", lab, T, L, "triton_fused_lora", bench(lambda: moe_forward_triton(**p)), fl, fb)
                 record("moe_layer", lab, T, L, "triton_fused_lora_epilogue_loads",
                        bench(lambda: moe_forward_triton(**p, **configs(p, prefetch=False))), fl, fb)
+                if s.name not in no_tma:
+                    record("moe_layer", lab, T, L, "triton_fused_lora_tma",
+                           bench(lambda: moe_forward_triton(**p, **configs(p, tma=True))), fl, fb)
                 record("moe_layer", lab, T, L, "triton_fused_shrink_in_k_loop",
                        bench(lambda: moe_forward_triton(**p, lora_shrink="fused")), fl, fb)
                 gname = "grouped_mm" if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None \
@@ -541,6 +648,9 @@ def main():
                            fl0, fb0)
                     record("moe_layer", lab, T, 0, "triton_no_lora_epilogue_loads",
                            bench(lambda: moe_forward_triton(**base, **configs(base, prefetch=False))), fl0, fb0)
+                    if s.name not in no_tma:
+                        record("moe_layer", lab, T, 0, "triton_no_lora_tma",
+                               bench(lambda: moe_forward_triton(**base, **configs(base, tma=True))), fl0, fb0)
                     record("moe_layer", lab, T, 0, f"{gname}_no_lora",
                            bench(lambda: moe_forward(**base, backend="grouped_mm")), fl0, fb0)
                     record("moe_layer", lab, T, 0, "torch_grouped_mm", bench(lambda: torch_grouped_lora(**base)),
@@ -549,8 +659,12 @@ def main():
                     if T == 4096:
                         for name, q, mode, flags in (
                                 ("lora", p, "once", {}), ("lora epilogue_loads", p, "once", dict(prefetch=False)),
-                                ("lora shrink_in_k_loop", p, "fused", {}), ("no_lora", base, "once", {}),
-                                ("no_lora epilogue_loads", base, "once", dict(prefetch=False))):
+                                ("lora tma", p, "once", dict(tma=True)), ("lora shrink_in_k_loop", p, "fused", {}),
+                                ("no_lora", base, "once", {}),
+                                ("no_lora epilogue_loads", base, "once", dict(prefetch=False)),
+                                ("no_lora tma", base, "once", dict(tma=True))):
+                            if flags.get("tma") and s.name in no_tma:
+                                continue
                             log(f"stages {s.name} T={T} {name}: "
                                 + stages_line(stage_breakdown(q, mode, **flags)[0]))
                         for name, q in (("lora", p), ("no_lora", base)):

@@ -12,6 +12,9 @@ as one more narrow dot per K step on the X tile already in shared memory instead
 by each of the N/BLOCK_N programs of a row block (6 for Qwen3's gate_up, 8 for its down) and its A tile takes
 pipeline stages. The bug zoo's kernel faults live in the fused branch. Top-k slots of a token sit in different
 groups, so their sum is a separate deterministic reduction rather than atomics (reruns are bit-identical).
+The epilogue's operands (S and B tiles, bias, top-k weights) are loaded before the K-loop (GemmConfig.prefetch);
+GemmConfig.tma (off by default, exploratory) brings the expert weight tiles, and the down GEMM's sorted rows, by
+TMA through host tensor descriptors; ShrinkConfig sets the shrink's launch (rows per program, K step, warps, stages).
 Dense layers (lora_linear.py) use the same GEMM with one expert and a precomputed shrink (_lora_shrink_kernel),
 because their per-slice A matrices (q|k|v) would not fit one fused narrow dot; by default they run only its
 epilogue (ADD_TO_OUT: the LoRA delta added in place to a cuBLAS base output).
@@ -196,6 +199,12 @@ def _lora_shrink_kernel(
 def _gated_act(acc, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Interleaved (gate, up) columns of acc -> the gated activation (BLOCK_M, BLOCK_N)."""
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    return _act(gate, up, ACT)
+
+
+@triton.jit
+def _act(gate, up, ACT: tl.constexpr):
+    """The gated activation of same-shape gate and up tiles."""
     if ACT == 1:  # SiLU-gated
         h = gate / (1.0 + tl.exp(-gate)) * up
     else:  # gpt-oss clamped SwiGLU
@@ -206,18 +215,34 @@ def _gated_act(acc, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R, stride_sm, stride_sr,
-                     UPCAST: tl.constexpr):
+def _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R, N, stride_sm, stride_sr,
+                     stride_lbn, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     """LORA 2's expand operands of slice s: the S tile (BLOCK_M, R), rounded to the B dtype right after its load
     (as LORA 1 rounds its in-register shrink; half the registers while it waits), and the B tile (R, WN) of the
-    slice's columns [lo, hi)."""
+    slice's columns [lo, hi); SPLIT: also the up rows' tile (N rows further), else that is the B tile again."""
     lo = tl.load(SliceOffs + s)
     hi = tl.load(SliceOffs + s + 1)
     st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
                  mask=r_ok[None, :], other=0.0)
     st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-    bt = tl.load(lb_ptrs, mask=r_ok[:, None] & ((col >= lo) & (col < hi))[None, :], other=0.0)
-    return st, bt.to(tl.float32) if UPCAST else bt
+    b_ok = r_ok[:, None] & ((col >= lo) & (col < hi))[None, :]
+    bt = tl.load(lb_ptrs, mask=b_ok, other=0.0)
+    bu = bt
+    if SPLIT:
+        bu = tl.load(lb_ptrs + N * stride_lbn, mask=b_ok, other=0.0)
+    if UPCAST:
+        bt, bu = bt.to(tl.float32), bu.to(tl.float32)
+    return st, bt, bu
+
+
+@triton.jit
+def _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT: tl.constexpr):
+    """The bias of the program's columns (rows wrow of W) in fp32; SPLIT: also the up rows' (N rows further)."""
+    bias = tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)
+    bias_up = bias
+    if SPLIT:
+        bias_up = tl.load(Bias + e * stride_be + (wrow + N) * stride_bn).to(tl.float32)
+    return bias, bias_up
 
 
 @triton.jit
@@ -252,7 +277,7 @@ def _grouped_gemm_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False):
+        PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection. A program's dot covers BLOCK_N gate and
@@ -265,8 +290,13 @@ def _grouped_gemm_kernel(
     place; blocks without an adapter neither read nor write Out.
     PREFETCH: the epilogue's operands (LORA 2's S and B tiles when there is one slice, the bias, the top-k
     weights) are loaded before the K-loop, so that their latency hides behind it instead of stalling every
-    program after its last MMA; off, they are loaded where they are used (the A/B in bench_kernels.py)."""
-    WN: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    program after its last MMA; off, they are loaded where they are used (the A/B in bench_kernels.py).
+    TMA (LORA 0 or 2, no ADD_TO_OUT): W is a host tensor descriptor over (E, N_w, Kdim) with blocks
+    (1, BLOCK_N, BLOCK_K), its tiles come by TMA (rows or K past the end zero-filled). GATED then loads the gate
+    block [n0, n0 + BLOCK_N) and the up block N rows further as two tiles into two accumulators (SPLIT): no
+    interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K)."""
+    SPLIT: tl.constexpr = GATED and TMA
+    WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
     EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
@@ -280,7 +310,8 @@ def _grouped_gemm_kernel(
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
 
-    e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    e32 = tl.load(BlockExpert + pid_m)
+    e = e32.to(tl.int64)
     a = tl.load(BlockAdapter + pid_m)
     a_safe = tl.maximum(a, 0).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -291,20 +322,22 @@ def _grouped_gemm_kernel(
     else:
         xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
     j = tl.arange(0, WN)
-    if GATED:
+    if GATED and not TMA:
         col = pid_n * BLOCK_N + j // 2
         wrow = col % N + (j % 2) * N  # wrapped columns are valid rows, so K-loop loads need no column mask
     else:
         col = pid_n * BLOCK_N + j
-        wrow = col % N
+        wrow = col % N  # SPLIT: the gate rows; the up rows are N further
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < 0
     if LORA > 0:
         rank = tl.load(Ranks + a_safe)
         r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
-    x_ptrs = X + xrow[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = W + e * stride_we + wrow[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if not TMA_X:
+        x_ptrs = X + xrow[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    if not TMA:
+        w_ptrs = W + e * stride_we + wrow[None, :] * stride_wn + offs_k[:, None] * stride_wk
     la_ptrs = (LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar
                + offs_k[:, None] * stride_lak)
     lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
@@ -318,10 +351,10 @@ def _grouped_gemm_kernel(
         else:
             bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
     if EARLY_S:
-        st, bt = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, 0, R, stride_sm, stride_sr,
-                                  UPCAST)
+        st, bt, bu = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, 0, R, N, stride_sm,
+                                      stride_sr, stride_lbn, SPLIT, UPCAST)
     if HAS_BIAS and PREFETCH:
-        bias = tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)
+        bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
     if MUL_TOPK and PREFETCH:
         tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
     if ADD_TO_OUT:  # the accumulator starts from the base output already in Out, and the K-loop is empty
@@ -330,21 +363,33 @@ def _grouped_gemm_kernel(
         o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
         acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # SPLIT: the gate columns
+    if SPLIT:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
     acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, K_TILES):
-        if EVEN_K:
+        if not EVEN_K:
+            k_ok = offs_k < Kdim - k * BLOCK_K
+        if TMA_X:
+            xt = X.load([pid_m * BLOCK_M, k * BLOCK_K])
+        elif EVEN_K:
             xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        if TMA:
+            wt = tl.reshape(W.load([e32, pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
+        elif EVEN_K:
             wt = tl.load(w_ptrs)
         else:
-            k_ok = offs_k < Kdim - k * BLOCK_K
-            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(xt, wt, acc, input_precision=DOT_PREC)
+        if SPLIT:
+            wu = tl.reshape(W.load([e32, N + pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
+            acc_up = tl.dot(xt, wu.to(tl.float32) if UPCAST else wu, acc_up, input_precision=DOT_PREC)
         if LORA == 1:
             if EVEN_K:
                 at = tl.load(la_ptrs, mask=r_ok[None, :], other=0.0)
@@ -354,8 +399,10 @@ def _grouped_gemm_kernel(
                 at = at.to(tl.float32)
             acc_s = tl.dot(xt, at, acc_s, input_precision=DOT_PREC)
             la_ptrs += BLOCK_K * stride_lak
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        if not TMA_X:
+            x_ptrs += BLOCK_K * stride_xk
+        if not TMA:
+            w_ptrs += BLOCK_K * stride_wk
 
     if LORA > 0:
         if a >= 0:
@@ -369,15 +416,21 @@ def _grouped_gemm_kernel(
             else:
                 for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
                     if not EARLY_S:
-                        st, bt = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R,
-                                                  stride_sm, stride_sr, UPCAST)
+                        st, bt, bu = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R,
+                                                      N, stride_sm, stride_sr, stride_lbn, SPLIT, UPCAST)
                     acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                    if SPLIT:
+                        acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
 
     if HAS_BIAS:
         if not PREFETCH:
-            bias = tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)
+            bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
         acc += bias[None, :]
-    if GATED:
+        if SPLIT:
+            acc_up += bias_up[None, :]
+    if SPLIT:
+        h = _act(acc, acc_up, ACT)
+    elif GATED:
         h = _gated_act(acc, ACT, BLOCK_M, BLOCK_N)
         if FAULT == 1:  # lora_after_activation
             h += _gated_act(acc_l, ACT, BLOCK_M, BLOCK_N)
@@ -413,6 +466,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     prefetch: bool = True  # the epilogue's operands loaded before the K-loop (see _grouped_gemm_kernel)
+    tma: bool = False  # expert weight tiles (and the down GEMM's sorted rows) by TMA; see gemm_tma
 
     def __post_init__(self):
         for b in (self.block_m, self.block_n, self.block_k):
@@ -521,6 +575,22 @@ def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool,
     return s
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and 16-byte aligned strides, the last one 1."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]))
+
+
+def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool) -> tuple[bool, bool]:
+    """(W by TMA, X by TMA) for a launch asking cfg.tma. W: without the K-loop shrink (LORA 1, the bug zoo's
+    branch) and add_to_out, and when its strides allow a descriptor, else the pointer loads; X: sorted rows only
+    (gathered rows are not a block of the tensor), and only beside W. fp32 on the GPU keeps the pointer loads:
+    compiled for sm90, its TMA variant came out at 32 registers with ~16 KB of spills per thread (ptxas -v)."""
+    tma_w = (cfg.tma and mode != 1 and not add_to_out and tma_ok(w)
+             and (w.element_size() == 2 or w.device.type != "cuda"))
+    return tma_w, tma_w and x_sorted and tma_ok(x)
+
+
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
                 activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
                 ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0,
@@ -542,8 +612,15 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     sv = lora_s if mode == 2 else w.new_empty(1, 1, dtype=torch.float32)
     offs = slice_offsets if slice_offsets is not None else (0, n)
     grid = (routing.num_blocks * triton.cdiv(n, cfg.block_n),)
+    tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)
+    xa, wa = x, w
+    if tma_w:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        wa = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.block_n, cfg.block_k])
+        if tma_x:
+            xa = TensorDescriptor(x, list(x.shape), list(x.stride()), [routing.block_m, cfg.block_k])
     _grouped_gemm_kernel[grid, x.device](
-        x, w, bias if bias is not None else dummy, out, la, sv, lb,
+        xa, wa, bias if bias is not None else dummy, out, la, sv, lb,
         scaling if mode else dummy, ranks if mode else dummy, topk_weights if topk_weights is not None else dummy,
         routing.sorted_ids, routing.block_expert, routing.block_adapter, routing.num_padded,
         device_const(tuple(offs), x.device), routing.num_pairs, n, kdim, lb.numel(), out.numel(),
@@ -556,8 +633,8 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
-        FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
 
@@ -584,11 +661,13 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
 
 
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
-                once: bool, **flags) -> tuple[GemmConfig, GemmConfig]:
+                once: bool, device: torch.device | None = None, **flags) -> tuple[GemmConfig, GemmConfig]:
     """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
     runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless the
     prefetched B tile leaves room for fewer (rank 64 and up at 128 x 256 x 64 bf16 tiles: 3 stages instead of 4).
-    flags: GemmConfig fields to change in both (prefetch=False for the A/B of the epilogue loads)."""
+    flags: GemmConfig fields to change in both (prefetch=False for the A/B of the epilogue loads). device: the
+    device to pick tiles for, if not x's (bench_kernels --compile-sm90 builds GPU launches on meta tensors)."""
+    device = device or x.device
     T, H = x.shape
     n1 = w_gate_up.shape[1]
     gated = GATED[activation]
@@ -598,9 +677,9 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
     held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) else 0
-    return (replace(default_config(pairs, groups, inter_n, H, x.device, x.dtype, gated, stage_rank, held_rank),
+    return (replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank),
                     **flags),
-            replace(default_config(pairs, groups, H, inter_n, x.device, x.dtype, False, stage_rank, held_rank),
+            replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank),
                     **flags))
 
 

@@ -4,6 +4,7 @@ gpu1 cases run them compiled in bf16 and fp32."""
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,12 +197,13 @@ def test_lora_shrink_launches(monkeypatch):
     assert calls == [False, True] * 2
 
 
-@pytest.mark.parametrize("lora_shrink", SHRINK_MODES)
-def test_bench_stage_breakdown_on_cpu(lora_shrink):
+@pytest.mark.parametrize("lora_shrink,flags", [("once", {}), ("fused", {}), ("once", dict(tma=True, prefetch=False))],
+                         ids=["once", "fused", "once-tma-epilogue_loads"])
+def test_bench_stage_breakdown_on_cpu(lora_shrink, flags):
     """The staged launches that bench_kernels.py times on a GPU, run once each here: same stages, same output."""
     from benchmarks.bench_kernels import stage_breakdown, untimed
     p = make_moe(T=21, H=40, I=24, E=4, K=3, activation="swiglu_oai", ranks=(8, 5), bias=True)
-    times, out = stage_breakdown(p, lora_shrink, timer=untimed)
+    times, out = stage_breakdown(p, lora_shrink, timer=untimed, **flags)
     once = ["shrink1", "shrink2"] if lora_shrink == "once" else []
     assert sorted(times) == sorted(["align", "gemm1", "gemm2", "sum"] + once)
     assert rel_err(out, moe_forward(**p, impl="torch")) <= 1e-5
@@ -210,12 +212,18 @@ def test_bench_stage_breakdown_on_cpu(lora_shrink):
 GEMM_FLAGS = [
     dict(prefetch=True),   # the epilogue's S, B, bias and top-k weights loaded before the K-loop (default)
     dict(prefetch=False),  # loaded in the epilogue where they are used (the old order, kept for the A/B)
+    dict(tma=True),        # weight tiles (and the down GEMM's sorted rows) through tensor descriptors
+    dict(tma=True, prefetch=False),  # both flags are independent constexprs: every combination compiles apart
 ]
 FLAG_CASES = [
-    # SiLU-gated, odd sizes (H, I not multiples of BLOCK_K / BLOCK_N, T*K not of BLOCK_M), 3 adapters + none
-    # rows, slot 1 loaded at rank 5 < max rank 16 with garbage past it (NaN in B: an expand reading it is NaN)
-    dict(T=29, H=37, I=21, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
-    # gpt-oss clamped SwiGLU with biases on both GEMMs (the prefetched bias), clamps engaged
+    # SiLU-gated, 3 adapters + none rows, slot 1 loaded at rank 5 < max rank 16 with garbage past it (NaN in B:
+    # an expand reading it is NaN); H and I multiples of 4 (fp32 TMA strides) but not of BLOCK_K / BLOCK_N: the
+    # gate tile of the last column block runs into the up rows and the up tile past the expert's end (zero-filled)
+    dict(T=29, H=36, I=20, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
+    # odd H and I: no TMA descriptor can cover them, so tma=True must fall back to the pointer loads
+    dict(T=21, H=37, I=21, E=4, K=2, activation="silu", ranks=(8, 3), pad_garbage=True),
+    # gpt-oss clamped SwiGLU with biases on both GEMMs (the prefetched bias; with TMA the gate and up biases
+    # apart), clamps engaged
     dict(T=23, H=40, I=24, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0,
          pad_garbage=True),
     # relu^2 non-gated, top-1 (the prefetched top-k weight times the delta on single-copy tokens), 3 of 6 experts
@@ -227,14 +235,39 @@ def flag_id(flags: dict) -> str:
     return "-".join(f"{k}{int(v)}" for k, v in flags.items())
 
 
-@pytest.mark.parametrize("flags", GEMM_FLAGS, ids=flag_id)
-@pytest.mark.parametrize("case", FLAG_CASES, ids=lambda c: c["activation"])
+@pytest.mark.parametrize("case,flags", [(c, f) for c in FLAG_CASES for f in GEMM_FLAGS
+                                         if c["H"] != 37 or f.get("tma")],  # H=37: only the TMA fallback is new
+                         ids=lambda v: flag_id(v) if "T" not in v else f"{v['activation']}-H{v['H']}")
 def test_gemm_flags_match_reference(case, flags, tol=1e-5):
     p = make_moe(**case)
     check_moe(p, tol, moe_forward_triton, **configs(p, **flags))
 
 
-@pytest.mark.parametrize("flags", GEMM_FLAGS, ids=flag_id)
+def test_tma_launches(monkeypatch):
+    """Which loads go through descriptors: W in both GEMMs, X only in the down GEMM (sorted rows); none with the
+    shrink in the K-loop (LORA 1, the bug zoo's branch), when the strides do not allow a descriptor, or without
+    the flag."""
+    import kernels.fused_moe_lora as fm
+    launches = []
+
+    class Recording:
+        def __getitem__(self, grid_device):
+            run = real[grid_device]
+            return lambda *a, **kw: launches.append((kw["TMA"], kw["TMA_X"])) or run(*a, **kw)
+    real = fm._grouped_gemm_kernel
+    monkeypatch.setattr(fm, "_grouped_gemm_kernel", Recording())
+    for case, flags, kw, want in [
+            (FLAG_CASES[0], dict(tma=True), {}, [(True, False), (True, True)]),
+            (FLAG_CASES[0], dict(tma=True), dict(lora_shrink="fused"), [(False, False)] * 2),
+            (FLAG_CASES[1], dict(tma=True), {}, [(False, False)] * 2),  # H=37: strides not 16-byte multiples
+            (FLAG_CASES[0], {}, {}, [(False, False)] * 2)]:
+        p = make_moe(**case)
+        launches.clear()
+        moe_forward_triton(**p, **configs(p, kw.get("lora_shrink", "once"), **flags), **kw)
+        assert launches == want, (case["H"], flags, kw)
+
+
+@pytest.mark.parametrize("flags", [GEMM_FLAGS[0], GEMM_FLAGS[3]], ids=flag_id)  # the default and the farthest
 def test_sum_topk_false_gives_each_weighted_pair(flags, tol=1e-5):
     """sum_topk=False: (T, K, H), entry k the top-k weighted expert output of slot k alone (the reference run
     with that slot as top-1); summed over K it is the summed output bit for bit."""
@@ -292,6 +325,31 @@ def test_bench_shrink_sweep_on_cpu():
     assert all(err <= 1e-6 for *_, err in rows)
     assert [cfg for _, cfg in totals] == good or [cfg for _, cfg in totals] == good[::-1]
     assert any("rows=32" in line and "must divide" in line for line in logs)
+
+
+def test_moe_launches_compile_for_sm90():
+    """No GPU here, but the GPU's compiler runs: the Qwen3 launches (default tiles, one adapter and none) compiled
+    for sm90 fit the 227 KiB of shared memory a block may use, do not spill, and under tma=True the weight tiles
+    (and the down GEMM's rows) really come by TMA. Catches what the interpreter cannot: a variant that does not
+    compile, a prefetched tile that costs a stage's worth of shared memory, a descriptor that falls back."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from benchmarks.bench_kernels import SM90_SMEM
+    # a fresh process: the interpreter leaves triton.language patched once it ran (sm90_report's docstring)
+    code = ("import json; from benchmarks.bench_kernels import SHAPES, sm90_report; "
+            "print(json.dumps(sm90_report(lambda line: None, SHAPES[:1], 4096, 32, [{}, dict(tma=True)])))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    gemms = [r for r in report if r["kernel"] == "_grouped_gemm_kernel"]
+    assert len(gemms) == 8 and len(report) == 10  # 2 GEMMs x (LoRA, none) x 2 flag sets, 2 shrinks
+    for r in report:
+        assert r["smem"] <= SM90_SMEM and r["spill"] == 0 and r["wgmma"], r
+    assert all(r["tma"] == r["TMA"] and r["TMA_X"] == (r["TMA"] and r["X_SORTED"]) for r in gemms)
+    assert sum(r["TMA"] for r in gemms) == 4
 
 
 def test_padded_rank_is_exact_and_ignores_garbage():
@@ -370,6 +428,21 @@ def test_moe_forward_gpu(case, dtype, tol, lora_shrink):
     out, _ = check_moe(p, tol, lora_shrink=lora_shrink)
     assert torch.equal(out, moe_forward(**p, impl="triton", lora_shrink=lora_shrink)), \
         "reruns must be bit-identical"
+
+
+@pytest.mark.parametrize("flags", GEMM_FLAGS[1:], ids=flag_id)
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]],
+                         ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}")
+@pytest.mark.gpu1
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gemm_flags_gpu(case, flags, tol=1e-2):
+    """The non-default GEMM variants compiled (epilogue loads after the K-loop; TMA weight tiles) in bf16, against
+    the reference and bit-stable on rerun."""
+    p = make_moe(**case, dtype=torch.bfloat16, device="cuda")
+    torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
+    cfg = configs(p, **flags)
+    out, _ = check_moe(p, tol, moe_forward_triton, **cfg)
+    assert torch.equal(out, moe_forward_triton(**p, **cfg)), "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
