@@ -280,7 +280,9 @@ def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, 
     if not fused and not has_lora:
         return base_linear(x, w, bias)
     L = lora_a.shape[0] if has_lora else 0
-    cfg = config or (default_config(T, 1, n, kin, x.device, x.dtype) if fused
+    # fused: the prefetched B tile (one slice) stays in shared memory through the K-loop, off the stage budget
+    held = lora_a.shape[2] if fused and has_lora and len(_offsets(slice_offsets, n)) == 2 else 0
+    cfg = config or (default_config(T, 1, n, kin, x.device, x.dtype, held_rank=held) if fused
                      else delta_config(T, n, x.device, x.dtype))
     routing = moe_align(None, token_adapter if has_lora else None, 1, L, cfg.block_m, impl="triton",
                         num_tokens=T, device=x.device)

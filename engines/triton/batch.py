@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engines.triton.config import ModelConfig
@@ -28,22 +29,27 @@ class Batch:
     @classmethod
     def build(cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype,
               device: torch.device) -> "Batch":
+        # index maps in numpy, not torch: torch's CPU ops wake its OpenMP pool, whose spinning threads then slowed
+        # the host's kernel launches for tens of milliseconds (profiled on an H200 host, 2026-11-21)
         lens = [len(p) for p in prompts]
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        n = np.asarray(lens)
+        ids = np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=int(n.sum()))
+        positions = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        seq = np.repeat(np.arange(len(lens)), n)
         adapter = None
         if any(s >= 0 for s in slots):
-            adapter = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32), torch.tensor(lens))
-            adapter = adapter.to(device)
-        # rope angles in fp32 (as transformers does), scaled by YaRN's factor, then cast to the model dtype
-        freqs = positions[:, None].float() * cfg.rope_inv_freq[None, :]
-        cos = (freqs.cos() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
-        sin = (freqs.sin() * cfg.rope_attention_scaling).to(device=device, dtype=dtype)
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            adapter = torch.from_numpy(np.repeat(np.asarray(slots, dtype=np.int32), n)).to(device)
+        positions = torch.from_numpy(positions).to(device)
+        # rope angles in fp32 (as transformers does), scaled by YaRN's factor, then cast to the model dtype; computed
+        # where the model runs, as transformers does (on the host they cost a megabyte of pageable copies before the
+        # GPU got its first kernel)
+        freqs = positions[:, None].float() * cfg.rope_inv_freq.to(device)[None, :]
+        cos = (freqs.cos() * cfg.rope_attention_scaling).to(dtype)
+        sin = (freqs.sin() * cfg.rope_attention_scaling).to(dtype)
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)).to(device)
         uniform = slots[0] if adapter is not None and all(s == slots[0] for s in slots) else None
-        return cls(ids.to(device), positions.to(device), seq.to(device), lens, cu, adapter, cos, sin,
-                   uniform_slot=uniform)
+        return cls(torch.from_numpy(ids).to(device), positions, torch.from_numpy(seq).to(device), lens, cu, adapter,
+                   cos, sin, uniform_slot=uniform)
 
     @property
     def num_tokens(self) -> int:

@@ -58,8 +58,10 @@ class Runtime:
         hidden, margin = self.model.forward(batch)
         if not self.shard.first:
             return None
-        lens = torch.tensor(batch.lens, device=self.device)
-        sel = torch.nonzero(batch.positions < lens[batch.seq] - 1)[:, 0]  # rows that predict a next token
+        # rows that predict a next token (all but each prompt's last), from the host's lengths: no device sync
+        starts = np.cumsum([0, *batch.lens[:-1]])
+        sel = torch.from_numpy(np.concatenate([np.arange(s, s + n - 1) for s, n in zip(starts, batch.lens)]))
+        sel = sel.to(self.device)
         lp, tk_ids, tk_lp = chunked_logprobs(hidden[sel], self.weights.lm_head, batch.input_ids[sel + 1], top_k,
                                              self.logit_chunk, fused=True)
         lp, margin = lp.cpu().numpy(), margin.cpu().numpy()
