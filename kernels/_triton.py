@@ -21,12 +21,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_impl(impl: str, x: torch.Tensor) -> str:
-    """'auto' means Triton on CUDA tensors or under TRITON_INTERPRET=1, the torch reference otherwise."""
+def resolve_impl(impl: str, x: torch.Tensor | torch.device) -> str:
+    """'auto' means Triton on CUDA tensors (or a CUDA device) or under TRITON_INTERPRET=1, the torch reference
+    otherwise."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "triton" if (x.is_cuda or interpreting()) else "torch"
+        cuda = x.type == "cuda" if isinstance(x, torch.device) else x.is_cuda
+        impl = "triton" if (cuda or interpreting()) else "torch"
     if impl == "triton" and triton is None:
         raise RuntimeError("impl='triton' needs the triton package (pip install triton), or pass impl='torch'")
     return impl

@@ -555,6 +555,15 @@ def device_const(values: tuple, device: torch.device) -> torch.Tensor:
     return _CONST_CACHE[key]
 
 
+def placeholder(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A never-read stand-in for an absent tensor argument, allocated once per (shape, dtype, device): an
+    allocation per launch costs microseconds of host time, and the runtime's LoRA path is host-bound."""
+    key = (shape, dtype, str(device))
+    if key not in _CONST_CACHE:
+        _CONST_CACHE[key] = torch.empty(shape, dtype=dtype, device=device)
+    return _CONST_CACHE[key]
+
+
 def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool,
                   cfg: ShrinkConfig | None = None) -> torch.Tensor:
     """a viewed as (L, E, S, R, Kdim) (expand()ed dims may have stride 0) -> S (M, S*R) float32."""
@@ -606,10 +615,10 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     assert not add_to_out or (mode == 2 and not gated and bias is None and topk_weights is None), \
         "add_to_out adds a precomputed lora_s delta only: no activation, bias or top-k weight"
     dummy = routing.sorted_ids
-    la = lora_a if mode == 1 else w.new_empty(1, 1, 1, 1)
-    lb = lora_b if mode else w.new_empty(1, 1, 1, 1)
+    la = lora_a if mode == 1 else placeholder((1, 1, 1, 1), w.dtype, w.device)
+    lb = lora_b if mode else placeholder((1, 1, 1, 1), w.dtype, w.device)
     R = lb.shape[3] if mode else 1
-    sv = lora_s if mode == 2 else w.new_empty(1, 1, dtype=torch.float32)
+    sv = lora_s if mode == 2 else placeholder((1, 1), torch.float32, w.device)
     offs = slice_offsets if slice_offsets is not None else (0, n)
     grid = (routing.num_blocks * triton.cdiv(n, cfg.block_n),)
     tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)

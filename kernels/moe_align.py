@@ -57,7 +57,7 @@ def moe_align(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor | None,
     if topk_ids is None:
         assert num_tokens is not None and device is not None, "topk_ids=None needs num_tokens and device"
     dev = torch.device(device) if topk_ids is None else topk_ids.device
-    if resolve_impl(impl, torch.empty(0, device=dev)) == "triton":
+    if resolve_impl(impl, dev) == "triton":
         return moe_align_triton(topk_ids, token_adapter, num_experts, num_slots, block_m, num_tokens, dev)
     if topk_ids is None:
         topk_ids = torch.zeros(num_tokens, 1, dtype=torch.int32, device=dev)
@@ -191,16 +191,14 @@ def moe_align_triton(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor 
     S1 = num_slots + 1 if has_slots else 1
     G = E * S1
     m_max = max_padded_rows(P, G, block_m)
-    counts = torch.zeros(G, dtype=torch.int32, device=dev)
+    # one allocation carved into the eight int32 arrays: the runtime is host-bound at full depth, and each
+    # allocation is a few microseconds of Python per layer
+    sizes = (G, P, G, G, 1, m_max, m_max // block_m, m_max // block_m)
+    buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
+    counts, pos, start, end, num_padded, sorted_ids, block_expert, block_adapter = buf.split(sizes)
+    counts.zero_()
     ids = topk_ids.contiguous() if topk_ids is not None else counts  # unread when absent (HAS_IDS=False)
     ta = token_adapter.contiguous() if has_slots else counts
-    pos = torch.empty(P, dtype=torch.int32, device=dev)
-    start = torch.empty(G, dtype=torch.int32, device=dev)
-    end = torch.empty(G, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(m_max, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(m_max // block_m, dtype=torch.int32, device=dev)
-    block_adapter = torch.empty(m_max // block_m, dtype=torch.int32, device=dev)
     BLOCK = 1024 if dev.type == "cuda" else 256
     flags = dict(TOPK=K, HAS_IDS=topk_ids is not None, HAS_SLOTS=has_slots, BLOCK=BLOCK)
     _align_count_kernel[(triton.cdiv(P, BLOCK),), dev](ids, ta, counts, pos, P, S1, **flags)
