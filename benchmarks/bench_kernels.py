@@ -379,7 +379,8 @@ def shrink_sweep_configs(R: int, dtype=torch.bfloat16) -> list[ShrinkConfig]:
     """Today's launch (ShrinkConfig()) first, then rows per program (sub-blocks of the 128-row routing blocks
     first) x block_k x (warps, stages) whose pipelined tiles fit in shared memory."""
     cfgs = [ShrinkConfig()]
-    today = (128, shrink_block_k(128, next_pow2(R), dtype, True), 4, 3)  # what ShrinkConfig() resolves to at T=4096
+    d = ShrinkConfig()  # what it resolves to at T=4096 (128-row routing blocks)
+    today = (128, shrink_block_k(128, next_pow2(R), dtype, True), d.num_warps, d.num_stages)
     for rows, bk, (warps, stages) in itertools.product((64, 32, 128), (128, 64, 256),
                                                        ((4, 3), (8, 3), (4, 4), (4, 2))):
         fits = stages * (rows + next_pow2(R)) * bk * torch.finfo(dtype).bits // 8 <= SMEM_BUDGET
