@@ -138,6 +138,12 @@ def check_route(dtype, tol):
             _close(m, rm, 1e-6, what + " margin")
         else:
             assert torch.isinf(m).all() and torch.isinf(rm).all(), what
+        # MIN_INTO: the margin buffer holds earlier layers' minimum (some rows below, some above this layer's)
+        prev = torch.rand(37, generator=torch.Generator().manual_seed(E * 10 + K)) * 2 * torch.where(torch.isinf(rm), 1.0, rm.abs().float() + 1e-3)
+        acc = prev.clone()
+        moe._route_kernel[(3,)](logits, ids, w, acc, 37, E, logits.stride(0), K=K, SOFTMAX_ALL=softmax_all,
+                                NORM_TOPK=norm, BLOCK_T=16, BLOCK_E=moe.pow2(E), BLOCK_K=moe.pow2(K), MIN_INTO=True)
+        _close(acc, torch.minimum(prev, rm), 1e-6, what + " running minimum")
 
 
 def run_all():

@@ -60,8 +60,7 @@ class MoeTransformer:
             h, x = self._norm(x, delta, lw.input_norm, None if xa is None else xa[:, :cfg.hidden_size])
             delta = self.attend(h if xa is None else xa, lw, ll, batch, cfg.sliding_windows[i])
             h, x = self._norm(x, delta, lw.post_norm)
-            ids, weights, m = route(h, lw, cfg, self.impl)
-            margin = torch.minimum(margin, m)
+            ids, weights, margin = route(h, lw, cfg, self.impl, min_into=margin)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
                                             batch.token_adapter, self.lora_impl, self.moe_backend,
                                             sum_topk=not self.fuse_topk_sum))

@@ -38,7 +38,7 @@ if triton is not None:
     @triton.jit
     def _route_kernel(Logits, Ids, Weights, Margin, T, E, stride_l, K: tl.constexpr, SOFTMAX_ALL: tl.constexpr,
                       NORM_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, MIN_INTO: tl.constexpr = False):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         cols = tl.arange(0, BLOCK_E)[None, :]
@@ -68,24 +68,31 @@ if triton is not None:
         ok = row_ok[:, None] & (kcols < K)
         tl.store(Ids + out, ids, mask=ok)
         tl.store(Weights + out, w, mask=ok)
+        if MIN_INTO:  # Margin holds the smallest margin of the layers before: keep the minimum
+            margin = tl.minimum(margin, tl.load(Margin + rows, mask=row_ok, other=0.0))
         tl.store(Margin + rows, margin, mask=row_ok)
 
 
-def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto"):
-    """-> topk ids (T, K) int64, topk weights (T, K) float32, routing margin (T,) float32."""
+def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto",
+          min_into: torch.Tensor | None = None):
+    """-> topk ids (T, K) int64, topk weights (T, K) float32, routing margin (T,) float32.
+    min_into (T,) float32: the running minimum of earlier layers' margins, updated in place and returned as the
+    margin (the kernel does it in its store: one launch fewer per layer on a host-bound forward)."""
     logits = F.linear(x, w.router, w.router_bias)
     softmax_all = cfg.router == "softmax_topk"
     if not use_triton(x, impl):
-        return route_torch(logits, cfg.top_k, softmax_all, cfg.norm_topk_prob)
+        ids, weights, margin = route_torch(logits, cfg.top_k, softmax_all, cfg.norm_topk_prob)
+        return ids, weights, margin if min_into is None else torch.minimum(min_into, margin, out=min_into)
     T, E = logits.shape
     K = cfg.top_k
     ids = torch.empty(T, K, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, K, dtype=torch.float32, device=x.device)
-    margin = torch.empty(T, dtype=torch.float32, device=x.device)
+    margin = torch.empty(T, dtype=torch.float32, device=x.device) if min_into is None else min_into
     block_t = 16
     _route_kernel[(triton.cdiv(T, block_t),)](logits, ids, weights, margin, T, E, logits.stride(0), K=K,
                                               SOFTMAX_ALL=softmax_all, NORM_TOPK=cfg.norm_topk_prob,
-                                              BLOCK_T=block_t, BLOCK_E=pow2(E), BLOCK_K=pow2(K), num_warps=4)
+                                              BLOCK_T=block_t, BLOCK_E=pow2(E), BLOCK_K=pow2(K),
+                                              MIN_INTO=min_into is not None, num_warps=4)
     return ids, weights, margin
 
 
