@@ -510,7 +510,9 @@ class ShrinkConfig:
     cover sub-blocks of it: more programs, fewer rows each); 0 = the routing block. block_k: 0 = shrink_block_k's
     choice. Defaults: the best of the sweep on an H200 (bench_kernels --sweep-shrink, run 24, commit e35340a, bf16,
     T=4096, rank 32; sum over Qwen3 and gpt-oss, gate_up and down: 0.177 ms with 8 warps vs 0.217 with the 4 used
-    before, most of it Qwen3's down shrink (K=768): 0.056 -> 0.032 ms)."""
+    before, most of it Qwen3's down shrink, 0.056 -> 0.032 ms). In the full forward (run 26) the 96 shrink
+    launches took 3.711 ms with 8 warps vs 3.712 ms with 4 (run 24): the sweep's gain did not carry over, so
+    treat 4 vs 8 as a tie (the sweep times the default first, cold)."""
     rows: int = 0
     block_k: int = 0
     num_warps: int = 8
