@@ -189,7 +189,7 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
     from engines.triton.attention import attention
     from engines.triton.batch import Batch
     from engines.triton.moe import experts, route
-    from engines.triton.rope import norm_rope
+    from engines.triton.rope import norm_rope_qk
     from harness.logprobs import chunked_logprobs
 
     rt = eng.runtime
@@ -219,8 +219,7 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
             # at TP 1 the MoE's top-k sum is fused into this norm (moe_out is (T, K, H) there)
             "add_rms_norm (moe top-k)": lambda: m._norm(x, moe_out, lw.post_norm),
             "qkv lora_linear": lambda: m.qkv(h, lw, ll, b),
-            "norm_rope q+k": lambda: (norm_rope(q, lw.q_norm, cfg.rms_norm_eps, b.cos, b.sin),
-                                      norm_rope(k, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin)),
+            "norm_rope q+k": lambda: norm_rope_qk(q, k, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin),
             "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
             "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, ll.o_b_packed, None, b),
             "router+route": lambda: route(x, lw, cfg, m.impl),

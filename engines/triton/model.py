@@ -15,7 +15,7 @@ from engines.triton.config import ModelConfig
 from engines.triton.lora import LayerLora, StackedLora
 from engines.triton.moe import experts, route
 from engines.triton.norm import add_rms_norm, sum_topk
-from engines.triton.rope import norm_rope
+from engines.triton.rope import norm_rope_qk
 from engines.triton.shard import Shard
 from engines.triton.weights import LayerWeights, ModelWeights
 from kernels._triton import resolve_impl
@@ -109,8 +109,8 @@ class MoeTransformer:
         cfg, d, T = self.cfg, self.cfg.head_dim, h.shape[0]
         qkv = self.qkv(h, lw, ll, batch)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = norm_rope(q.view(T, self.heads, d), lw.q_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
-        k = norm_rope(k.view(T, self.kv_heads, d), lw.k_norm, cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
+        q, k = norm_rope_qk(q.view(T, self.heads, d), k.view(T, self.kv_heads, d), lw.q_norm, lw.k_norm,
+                            cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
         o = attention(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, window, lw.sinks,
                       self.attention_impl).reshape(T, self.heads * d)
         out = self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, ll and ll.o_b_packed, None, batch)

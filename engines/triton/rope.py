@@ -26,9 +26,9 @@ def norm_rope_torch(x, weight, eps, cos, sin):
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(Src, Cos, Sin, W, Out, nh, eps, stride_t, stride_c, stride_o,
-                          HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _norm_rope_heads(Src, Cos, Sin, W, Out, t, nh, eps, stride_t, stride_c, stride_o, HALF: tl.constexpr,
+                         NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One token's nh heads: optional per-head RMSNorm, then rope."""
         h = tl.arange(0, BLOCK_H)[:, None]
         dd = tl.arange(0, BLOCK_D)[None, :]
         ok = (h < nh) & (dd < HALF)
@@ -50,6 +50,22 @@ if triton is not None:
         tl.store(dst, (f1 * c - f2 * s).to(Out.dtype.element_ty), mask=ok)
         tl.store(dst + HALF, (f2 * c + f1 * s).to(Out.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _norm_rope_kernel(Src, Cos, Sin, W, Out, nh, eps, stride_t, stride_c, stride_o,
+                          HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        _norm_rope_heads(Src, Cos, Sin, W, Out, tl.program_id(0).to(tl.int64), nh, eps, stride_t, stride_c,
+                         stride_o, HALF, NORM, BLOCK_H, BLOCK_D)
+
+    @triton.jit
+    def _norm_rope_qk_kernel(SrcQ, SrcK, Cos, Sin, WQ, WK, OutQ, OutK, nq, nk, eps, stride_tq, stride_tk, stride_c,
+                             stride_oq, stride_ok, HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        _norm_rope_heads(SrcQ, Cos, Sin, WQ, OutQ, t, nq, eps, stride_tq, stride_c, stride_oq, HALF, NORM,
+                         BLOCK_HQ, BLOCK_D)
+        _norm_rope_heads(SrcK, Cos, Sin, WK, OutK, t, nk, eps, stride_tk, stride_c, stride_ok, HALF, NORM,
+                         BLOCK_HK, BLOCK_D)
+
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
               impl: str = "auto") -> torch.Tensor:
@@ -63,3 +79,21 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
                             cos.stride(0), out.stride(0), HALF=d // 2, NORM=weight is not None,
                             BLOCK_H=pow2(h), BLOCK_D=pow2(d // 2), num_warps=4)
     return out
+
+
+def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, ...]:
+    """norm_rope of q (T, hq, d) and k (T, hk, d) in one launch (the runtime is host-bound: a launch per layer is
+    worth saving); both weights or neither (Qwen3 norms both, gpt-oss neither)."""
+    assert (q_weight is None) == (k_weight is None), "q and k are both normed or neither"
+    if not use_triton(q, impl):
+        return norm_rope_torch(q, q_weight, eps, cos, sin), norm_rope_torch(k, k_weight, eps, cos, sin)
+    (T, hq, d), hk = q.shape, k.shape[1]
+    assert k.shape == (T, hk, d) and q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == d
+    oq = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)
+    ok = torch.empty(T, hk, d, dtype=k.dtype, device=k.device)
+    norm = q_weight is not None
+    _norm_rope_qk_kernel[(T,)](q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, oq, ok, hq, hk,
+                               eps, q.stride(0), k.stride(0), cos.stride(0), oq.stride(0), ok.stride(0), HALF=d // 2,
+                               NORM=norm, BLOCK_HQ=pow2(hq), BLOCK_HK=pow2(hk), BLOCK_D=pow2(d // 2), num_warps=4)
+    return oq, ok
