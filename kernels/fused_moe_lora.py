@@ -551,21 +551,22 @@ def check_kernel_rank(rank: int) -> None:
         raise ValueError(f"max rank {rank} > {MAX_RANK} is not supported by the Triton LoRA kernels; use impl='torch'")
 
 
+def _cached(key: tuple, make) -> torch.Tensor:
+    """A small device tensor made once per key and reused by every launch after."""
+    if key not in _CONST_CACHE:
+        _CONST_CACHE[key] = make()
+    return _CONST_CACHE[key]
+
+
 def device_const(values: tuple, device: torch.device) -> torch.Tensor:
     """A small int32 tensor built once per (values, device): building it per call would be a host-to-device copy."""
-    key = (values, str(device))
-    if key not in _CONST_CACHE:
-        _CONST_CACHE[key] = torch.tensor(values, dtype=torch.int32, device=device)
-    return _CONST_CACHE[key]
+    return _cached(("const", values, str(device)), lambda: torch.tensor(values, dtype=torch.int32, device=device))
 
 
 def placeholder(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A never-read stand-in for an absent tensor argument, allocated once per (shape, dtype, device): an
     allocation per launch costs microseconds of host time, and the runtime's LoRA path is host-bound."""
-    key = (shape, dtype, str(device))
-    if key not in _CONST_CACHE:
-        _CONST_CACHE[key] = torch.empty(shape, dtype=dtype, device=device)
-    return _CONST_CACHE[key]
+    return _cached(("placeholder", shape, dtype, str(device)), lambda: torch.empty(shape, dtype=dtype, device=device))
 
 
 def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool,

@@ -29,8 +29,8 @@ class Batch:
     @classmethod
     def build(cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype,
               device: torch.device) -> "Batch":
-        # index maps in numpy, not torch: torch's CPU ops wake its OpenMP pool, whose spinning threads then slowed
-        # the host's kernel launches for tens of milliseconds (profiled on an H200 host, 2026-11-21)
+        # index maps in numpy and rope on the device: no torch CPU kernels on the host's path to the first launch
+        # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e_notes.md, session 6)
         lens = [len(p) for p in prompts]
         n = np.asarray(lens)
         ids = np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=int(n.sum()))
