@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.base import EngineConfig  # noqa: E402
+from engines.triton.engine import OPTIONS  # noqa: E402
 from kernels.moe_grouped import BACKENDS  # noqa: E402
 from harness.types import AdapterSpec  # noqa: E402
 
@@ -76,6 +77,10 @@ def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
     return AdapterSpec("r%d" % rank, ad.path)
 
 
+def impl_name(backend: str, graphs: bool) -> str:
+    return ("triton" if backend == "triton" else f"triton+{backend}") + ("" if graphs else "-eager")
+
+
 def bench_model(name: str, args, writer) -> None:
     from engines.hf import HFEngine
     from engines.triton import TritonEngine
@@ -112,9 +117,12 @@ def bench_model(name: str, args, writer) -> None:
                     results[("hf", a)] = row(f"r{args.rank}" if a else "none", "hf+peft" if a else "hf", secs, peak)
                     outs[("hf", a)] = hf.prompt_logprobs(prompts, a)
             free_gpu()
-        for backend in args.moe_backend:
-            opts = {"moe_backend": backend}
-            impl = "triton" if backend == "triton" else f"triton+{backend}"
+        # CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"
+        variants = [(b, g) for b in args.moe_backend for g in {"on": (True,), "off": (False,),
+                                                                  "both": (True, False)}[args.graphs]]
+        for backend, graphs in variants:
+            opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0}
+            impl = impl_name(backend, graphs)
             t0 = time.perf_counter()
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
                                            options=opts)) as tr:
@@ -123,18 +131,22 @@ def bench_model(name: str, args, writer) -> None:
                 log(f"{impl} loaded in {time.perf_counter() - t0:.1f} s: weights {wbytes / 1e9:.2f} GB, "
                     f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
                 for a in (None, adapter.name):
-                    secs, peak = timed(tr, prompts, a, 2, args.reps)
+                    # 3 warm-up calls: the 2nd captures the layout's CUDA graph, the 3rd is its first replay
+                    secs, peak = timed(tr, prompts, a, 3, args.reps)
                     results[(impl, a)] = row(f"r{args.rank}" if a else "none", impl, secs, peak)
                     outs[(impl, a)] = tr.prompt_logprobs(prompts, a)
-                if args.profile:
+                log(f"{impl}: reserved {torch.cuda.max_memory_reserved() / 1e9:.2f} GB at most (allocator pools and "
+                    f"graph pools), graphs {tr.runtime.graphs and (tr.runtime.graphs.captures, tr.runtime.graphs.hits)}"
+                    " (captures, replays)")
+                if args.profile and graphs == (args.graphs != "off"):
                     profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
                     breakdown(tr, prompts, adapter.name)
             free_gpu()
-        first = "triton" if args.moe_backend[0] == "triton" else f"triton+{args.moe_backend[0]}"
+        first = impl_name(*variants[0])
         if args.sdpa_too:  # the attention fallback path, LoRA only, on the first backend named
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
                                            options={"moe_backend": args.moe_backend[0], "attention": "sdpa"})) as tr:
-                secs, peak = timed(tr, prompts, adapter.name, 2, args.reps)
+                secs, peak = timed(tr, prompts, adapter.name, 3, args.reps)
                 row(f"r{args.rank}", f"{first}-sdpa", secs, peak)
                 outs[("sdpa", adapter.name)] = tr.prompt_logprobs(prompts, adapter.name)
             free_gpu()
@@ -255,6 +267,8 @@ def main():
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
+    p.add_argument("--graphs", choices=("on", "off", "both"), default="both",
+                   help="the triton engine's CUDA graphs: on (default option), off (impl '...-eager'), or both timed")
     p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
                    help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
     args = p.parse_args()

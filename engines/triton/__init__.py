@@ -18,6 +18,9 @@ Options (``EngineConfig.options``):
   moe_backend       "triton" (default: the fused MoE-LoRA kernel) | "grouped_mm" (torch's CUTLASS grouped GEMM for
                     the expert bases + Triton LoRA passes; bf16 on sm90/sm100, else the fused kernel;
                     kernels/moe_grouped.py)
+  cuda_graphs       CUDA graphs kept of whole calls (default 4; 0 = none; TP 1 on CUDA only): a batch layout (prompt
+                    lengths, adapter per prompt, top-k) seen a second time is captured, and replayed from then on
+                    with the new token ids (engines/triton/graphs.py)
 """
 from engines.triton.engine import TritonEngine
 

@@ -25,6 +25,8 @@ class Batch:
     # the slot of every prompt when they all use one adapter (known on the host, no sync); else None
     uniform_slot: int | None = None
     _slot_masks: dict = field(default_factory=dict)
+    # (T - B,) int64: the packed rows that predict a next token (all but each prompt's last), from the host's lengths
+    rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype,
@@ -33,7 +35,7 @@ class Batch:
         # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e_notes.md, session 6)
         lens = [len(p) for p in prompts]
         n = np.asarray(lens)
-        ids = np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=int(n.sum()))
+        ids = cls.token_ids(prompts)
         positions = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
         seq = np.repeat(np.arange(len(lens)), n)
         adapter = None
@@ -48,8 +50,14 @@ class Batch:
         sin = (freqs.sin() * cfg.rope_attention_scaling).to(dtype)
         cu = torch.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)).to(device)
         uniform = slots[0] if adapter is not None and all(s == slots[0] for s in slots) else None
+        rows = np.concatenate([np.arange(s, s + k - 1) for s, k in zip(np.cumsum(n) - n, lens)])
         return cls(torch.from_numpy(ids).to(device), positions, torch.from_numpy(seq).to(device), lens, cu, adapter,
-                   cos, sin, uniform_slot=uniform)
+                   cos, sin, uniform_slot=uniform, rows=torch.from_numpy(rows).to(device))
+
+    @staticmethod
+    def token_ids(prompts: list[list[int]]) -> np.ndarray:
+        """The packed (T,) int64 token ids."""
+        return np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=sum(map(len, prompts)))
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ from engines.triton.config import SUPPORTED_ARCHS
 from harness.types import PromptLogprobs
 
 OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0,
-           "fault": None, "moe_backend": "triton"}
+           "fault": None, "moe_backend": "triton", "cuda_graphs": 4}
 IMPLS = ("auto", "triton", "torch")
 ATTENTION = ("auto", "flash", "sdpa")
 
@@ -38,6 +38,9 @@ class TritonEngine:
         if self.options["moe_backend"] not in BACKENDS:
             raise ValueError(f"option moe_backend must be one of {BACKENDS}, got {self.options['moe_backend']!r}")
 
+        graphs = self.options["cuda_graphs"]
+        if isinstance(graphs, bool) or not isinstance(graphs, int) or graphs < 0:
+            raise ValueError(f"option cuda_graphs is the number of CUDA graphs kept (0 = none), got {graphs!r}")
         self.options["fault"] = faults.resolve(self.options)  # resolved once, so TP workers run the same one
         if config.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp must be 1, 2, 4 or 8, got {config.tp}")

@@ -2,6 +2,8 @@
 (pack prompts, forward, and on rank 0 the chunked log-softmax)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -9,6 +11,7 @@ from engines.base import EngineConfig
 from engines.triton.batch import Batch
 from engines.triton.config import model_config
 from engines.triton.engine import OPTIONS
+from engines.triton.graphs import GraphCache
 from engines.triton.loader import open_source
 from engines.triton.lora import fold_qkv_lora, stack_adapters
 from engines.triton.model import MoeTransformer
@@ -48,25 +51,33 @@ class Runtime:
         moe_backend = config.options.get("moe_backend", OPTIONS["moe_backend"])
         self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl,
                                     moe_backend)
+        # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
+        capacity = int(config.options.get("cuda_graphs", OPTIONS["cuda_graphs"]))
+        self.graphs = None
+        if capacity and device.type == "cuda" and shard.size == 1:
+            self.graphs = GraphCache(capacity, torch.cuda.graph_pool_handle())
 
     def slot(self, name: str | None) -> int:
         return -1 if name is None else self.lora.slot(name)
 
     def run(self, prompts: list[list[int]], slots: list[int], top_k: int) -> list[PromptLogprobs] | None:
-        """Forward one packed batch; rank 0 returns the logprobs, other ranks only take part."""
-        batch = Batch.build(prompts, slots, self.cfg, self.dtype, self.device)
-        hidden, margin = self.model.forward(batch)
+        """Forward one packed batch; rank 0 returns the logprobs, other ranks only take part. A layout seen before
+        replays its CUDA graph (graphs.py) with these prompts' token ids."""
+        key = (tuple(map(len, prompts)), tuple(slots), top_k)
+        entry = self.graphs.get(key) if self.graphs is not None and self.model.capture is None else None
+        if entry is not None:
+            batch, outs = entry.batch, entry.outs
+            batch.input_ids.copy_(torch.from_numpy(Batch.token_ids(prompts)))
+            entry.graph.replay()
+        else:
+            batch = Batch.build(prompts, slots, self.cfg, self.dtype, self.device)
+            entry = None
+            if self.graphs is not None and self.model.capture is None and self.graphs.want(key):
+                entry = self.graphs.capture(key, lambda: self._capture(batch, top_k))
+            outs = entry.outs if entry is not None else self._compute(batch, top_k)
         if not self.shard.first:
             return None
-        # rows that predict a next token (all but each prompt's last), from the host's lengths: no device sync
-        starts = np.cumsum([0, *batch.lens[:-1]])
-        sel = torch.from_numpy(np.concatenate([np.arange(s, s + n - 1) for s, n in zip(starts, batch.lens)]))
-        sel = sel.to(self.device)
-        lp, tk_ids, tk_lp = chunked_logprobs(hidden[sel], self.weights.lm_head, batch.input_ids[sel + 1], top_k,
-                                             self.logit_chunk, fused=True)
-        lp, margin = lp.cpu().numpy(), margin.cpu().numpy()
-        tk_ids = tk_ids.cpu().numpy() if top_k else None
-        tk_lp = tk_lp.cpu().numpy() if top_k else None
+        lp, tk_ids, tk_lp, margin = (t.cpu().numpy() if t is not None else None for t in outs)
         out, tok, pos = [], 0, 0
         for p, n in zip(prompts, batch.lens):
             s = slice(pos, pos + n - 1)
@@ -76,3 +87,36 @@ class Runtime:
                                       router_margin=margin[tok:tok + n]))
             tok, pos = tok + n, pos + n - 1
         return out
+
+    @torch.inference_mode()
+    def _compute(self, batch: Batch, top_k: int) -> tuple:
+        """-> device tensors (logprobs, top-k ids, top-k logprobs, router margin); the ones a rank does not make
+        are None. No host sync: a CUDA graph can capture it."""
+        hidden, margin = self.model.forward(batch)
+        if not self.shard.first:
+            return None, None, None, None
+        rows = batch.rows
+        lp, tk_ids, tk_lp = chunked_logprobs(hidden[rows], self.weights.lm_head, batch.input_ids[rows + 1], top_k,
+                                             self.logit_chunk, fused=True)
+        return lp, tk_ids, tk_lp, margin
+
+    def _capture(self, batch: Batch, top_k: int) -> "Captured":
+        """Warm up on a side stream (lazy library set-up must not happen inside the capture), capture, replay once
+        (the capture itself computes nothing)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._compute(batch, top_k)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graphs.pool):
+            outs = self._compute(batch, top_k)
+        graph.replay()
+        return Captured(graph, batch, outs)
+
+
+@dataclass(slots=True)
+class Captured:
+    graph: "torch.cuda.CUDAGraph"
+    batch: Batch  # the captured inputs: replays copy new token ids into batch.input_ids
+    outs: tuple  # what _compute returned inside the capture, rewritten by every replay
