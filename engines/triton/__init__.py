@@ -20,7 +20,8 @@ Options (``EngineConfig.options``):
                     kernels/moe_grouped.py)
   cuda_graphs       CUDA graphs kept of whole calls (default 4; 0 = none; TP 1 on CUDA only): a batch layout (prompt
                     lengths, adapter per prompt, top-k) seen a second time is captured, and replayed from then on
-                    with the new token ids (engines/triton/graphs.py)
+                    with the new token ids (engines/triton/graphs.py); that second call costs about two forwards
+                    (a warm-up and the capture)
 """
 from engines.triton.engine import TritonEngine
 
