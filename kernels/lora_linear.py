@@ -24,6 +24,8 @@ lora_linear_aug is the "cublas" path with the expand folded into the base GEMM a
 that can write x into a wider buffer for free (the engine's q|k|v: its input RMSNorm writes there): out =
 [x | S] [w | B_packed]^T, the output written once instead of written and then re-read and re-written by the
 expand (29.4 us of Qwen3's q|k|v per layer at 4096 tokens, H200 profile of commit 957fb7b), for 96 extra K of 2048.
+lora_linear_shrink_out is the mirror for a layer whose input cannot be widened for free (the engine's o reads the
+attention output): the shrink as extra output rows, [out | S] = x [w ; A_all]^T, then the in-place expand.
 
 Precision ("cublas"): bf16/fp16 runs round S = x A^T to the run dtype before the expand (as PEFT's lora_B(lora_A(x))
 does) and hold scaling * B rounded once to it; the expand adds onto the base output inside the GEMM (beta = 1; on
@@ -160,12 +162,19 @@ def check_cublas_extras(x, lora_a, n, b_packed, slot_mask, uniform_slot) -> None
     if b_packed is not None and (b_packed.shape != (n, L * S * R) or b_packed.dtype != x.dtype):
         raise ValueError(f"b_packed must be (N, L*S*R) = {(n, L * S * R)} {x.dtype} (pack_lora_b of lora_b in the "
                          f"run dtype), got {tuple(b_packed.shape)} {b_packed.dtype}")
+    check_slot_choice(x, L, slot_mask, uniform_slot, required=False)
+
+
+def check_slot_choice(x, L: int, slot_mask, uniform_slot, required: bool = True) -> None:
+    """slot_mask (T, L) in x's dtype and/or a uniform_slot in [0, L); ``required``: exactly one of them."""
     if slot_mask is not None and (slot_mask.shape != (x.shape[0], L) or slot_mask.dtype != x.dtype):
         raise ValueError(f"slot_mask must be (T, L) = {(x.shape[0], L)} {x.dtype} (slot_one_hot of token_adapter), "
                          f"got {tuple(slot_mask.shape)} {slot_mask.dtype}")
     if uniform_slot is not None and not 0 <= uniform_slot < L:
         raise ValueError(f"uniform_slot must be a slot in [0, {L}) used by every row, got {uniform_slot}; pass "
                          "None when rows differ or some have no adapter")
+    if required and (slot_mask is None) == (uniform_slot is None):
+        raise ValueError("pass exactly one of slot_mask (T, L) (slot_one_hot of token_adapter) and uniform_slot")
 
 
 def lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter, b_packed=None,
@@ -181,13 +190,61 @@ def lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token
         if b_packed is None:
             b_packed = pack_lora_b(lora_b, scaling, slice_offsets)
         if uniform_slot is not None:
-            width = S * R
-            s = F.linear(x, lora_a[uniform_slot].reshape(width, kin))
-            return out.addmm_(s, b_packed[:, uniform_slot * width:(uniform_slot + 1) * width].T)
-        s = F.linear(x, lora_a.reshape(L * S * R, kin))
-        mask = slot_mask if slot_mask is not None else slot_one_hot(token_adapter, L, x.dtype)
-        s.view(x.shape[0], L, S * R).mul_(mask[:, :, None])
-        return out.addmm_(s, b_packed.T)
+            s = F.linear(x, lora_a[uniform_slot].reshape(S * R, kin))
+        else:
+            s = F.linear(x, lora_a.reshape(L * S * R, kin))
+            slot_mask = slot_mask if slot_mask is not None else slot_one_hot(token_adapter, L, x.dtype)
+        return add_expand(out, s, b_packed, S * R, slot_mask, uniform_slot)
+
+
+def add_expand(out: torch.Tensor, s: torch.Tensor, b_packed: torch.Tensor, width: int, slot_mask, uniform_slot):
+    """out += S B_packed^T in place (one GEMM with beta = 1). s (T, L*width): every slot's shrink columns, masked
+    here per row by slot_mask (T, L); with uniform_slot, s holds only that slot's width columns or all of them
+    (the slot's are used)."""
+    if uniform_slot is not None:
+        lo, hi = uniform_slot * width, (uniform_slot + 1) * width
+        return out.addmm_(s if s.shape[1] == width else s[:, lo:hi], b_packed[:, lo:hi].T)
+    s.view(s.shape[0], -1, width).mul_(slot_mask[:, :, None])
+    return out.addmm_(s, b_packed.T)
+
+
+def stack_shrink_rows(w: torch.Tensor, lora_a: torch.Tensor, bias: torch.Tensor | None = None):
+    """-> (W_s, bias_s): W_s = [w ; A_all] (N + L*S*R, Kin) in one allocation, the weight of
+    lora_linear_shrink_out, and its bias [bias ; 0] (None without a bias). Batches without an adapter run the base
+    GEMM on the contiguous view W_s[:N], so the layer keeps no second copy of w."""
+    L, S, R, kin = lora_a.shape
+    if w.ndim != 2 or w.shape[1] != kin:
+        raise ValueError(f"w must be (N, Kin={kin}) like lora_a's last dim, got {tuple(w.shape)}")
+    w_s = torch.cat([w, lora_a.reshape(L * S * R, kin).to(w.dtype)], dim=0)
+    bias_s = None if bias is None else torch.cat([bias, bias.new_zeros(L * S * R)])
+    return w_s, bias_s
+
+
+def lora_linear_shrink_out(x, w_s, bias_s, n: int, b_packed, width: int, slot_mask=None,
+                           uniform_slot: int | None = None) -> torch.Tensor:
+    """The "cublas" path with the shrink folded into the base GEMM as extra output columns: [out | S] =
+    x [w ; A_all]^T (+ [bias ; 0]), then out += S B_packed^T in place. For a layer whose input cannot be widened
+    for free (the engine's o projection reads the attention output), this drops the separate shrink GEMM (Qwen3's
+    o at 4096 tokens: a split-K GEMM and its reduction, ~13 us per layer on an H200, run 27) for L*S*R extra
+    columns of N (32 of 2048 per slot at rank 32).
+    w_s, bias_s: stack_shrink_rows(w, lora_a, bias); n: the base width N; b_packed (N, L*S*R); width: S*R, the
+    columns of one slot; slot_mask (T, L) or uniform_slot, as lora_linear_aug. -> (T, N), a view with row stride N + L*S*R of the GEMM's output.
+    Precision as the "cublas" path: S rounded to the run dtype (every slot's columns are computed; a row keeps its
+    own), the expand accumulated onto the base output with one rounding; fp32 runs are IEEE fp32."""
+    if x.ndim != 2 or w_s.ndim != 2 or w_s.shape[1] != x.shape[1] or w_s.dtype != x.dtype:
+        raise ValueError(f"w_s must be (N + L*S*R, Kin={x.shape[-1]}) {x.dtype} (stack_shrink_rows), got "
+                         f"{tuple(w_s.shape)} {w_s.dtype}")
+    if b_packed.ndim != 2 or b_packed.shape != (n, w_s.shape[0] - n):
+        raise ValueError(f"b_packed must be (N, L*S*R) = {(n, w_s.shape[0] - n)} (pack_lora_b), got "
+                         f"{tuple(b_packed.shape)}")
+    L = (w_s.shape[0] - n) // width
+    if L * width != w_s.shape[0] - n:
+        raise ValueError(f"w_s has {w_s.shape[0] - n} shrink rows, not a multiple of the slot width {width}")
+    check_slot_choice(x, L, slot_mask, uniform_slot)
+    with exact_matmuls(x.dtype):
+        y = F.linear(x, w_s, bias_s)
+        out, s = y[:, :n], y[:, n:]
+        return add_expand(out, s, b_packed, width, slot_mask, uniform_slot)
 
 
 def augment_weight(w: torch.Tensor, b_packed: torch.Tensor) -> torch.Tensor:
@@ -212,8 +269,7 @@ def check_aug_inputs(xa, w_aug, bias, lora_a, slot_mask, uniform_slot) -> None:
     if bias is not None and bias.shape != (w_aug.shape[0],):
         raise ValueError(f"bias must be (N={w_aug.shape[0]},), got {tuple(bias.shape)}")
     check_cublas_extras(xa[:, :kin], lora_a, w_aug.shape[0], None, slot_mask, uniform_slot)
-    if (slot_mask is None) == (uniform_slot is None):
-        raise ValueError("pass exactly one of slot_mask (T, L) (slot_one_hot of token_adapter) and uniform_slot")
+    check_slot_choice(xa, L, slot_mask, uniform_slot)
 
 
 def lora_linear_aug(xa, w_aug, bias, lora_a, slot_mask=None, uniform_slot: int | None = None,

@@ -10,7 +10,8 @@ import torch
 
 from kernels import lora_linear
 from kernels.lora_linear import (PATHS, augment_weight, base_linear, exact_matmuls, ieee_fp32_matmul,
-                                  lora_linear_aug, pack_lora_b, slot_one_hot)
+                                  lora_linear_aug, lora_linear_shrink_out, pack_lora_b, slot_one_hot,
+                                  stack_shrink_rows)
 
 CUDA = torch.cuda.is_available()
 ALL_PATHS = pytest.mark.parametrize("path", PATHS)
@@ -187,6 +188,35 @@ def test_lora_linear_aug_matches_reference(case, dtype, tol):
         trusted[:, :p["x"].shape[1]] = p["x"]
         again = lora_linear_aug(trusted, w_aug, p["bias"], p["lora_a"], uniform_slot=slot, others_zero=True)
         assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CUBLAS_CASES, ids=lambda c: f"T{c['T']}-K{c['kin']}-S{len(c['widths'])}-L{c['L']}")
+def test_lora_linear_shrink_out_matches_reference(case, dtype, tol):
+    """The o projection's LoRA with the shrink as extra output rows of the base GEMM ([w ; A_all]): slot-masked
+    (several adapters, rows without one) and one-slot batches against the reference, the delta alone too; the
+    result is the first N columns of the wider product; base-only batches use the contiguous view W_s[:N]."""
+    p = make_linear(**case, dtype=dtype, seed=case["T"])
+    L, S, R, kin = p["lora_a"].shape
+    n = p["w"].shape[0]
+    b_packed = pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"], R)
+    w_s, bias_s = stack_shrink_rows(p["w"], p["lora_a"], p["bias"])
+    assert w_s[:n].is_contiguous() and w_s[:n].data_ptr() == w_s.data_ptr() and torch.equal(w_s[:n], p["w"])
+    base = lora_linear(**base_of(p), impl="torch")
+    for slot in (None, *range(L)):
+        one = p if slot is None else dict(p, token_adapter=torch.full_like(p["token_adapter"], slot))
+        mask = slot_one_hot(one["token_adapter"], L, dtype) if slot is None else None
+        got = lora_linear_shrink_out(one["x"], w_s, bias_s, n, b_packed, S * R, mask, slot)
+        with exact_matmuls(dtype):
+            ref = lora_linear(**one, impl="torch")
+        assert got.shape == ref.shape and got.dtype == dtype and got.stride() == (n + L * S * R, 1)
+        assert rel_err(got, ref) <= tol, f"slot {slot}: rel err {rel_err(got, ref):.3g} > {tol}"
+        derr = rel_err(got.float() - base.float(), ref.float() - base.float())
+        assert derr <= 3 * tol, f"slot {slot}: LoRA delta rel err {derr:.3g} > {3 * tol}"
+    with pytest.raises(ValueError, match="w_s must be"):  # the plain weight: no shrink rows
+        lora_linear_shrink_out(p["x"], p["w"].T.contiguous(), None, n, b_packed, S * R, uniform_slot=0)
+    with pytest.raises(ValueError, match="exactly one of slot_mask"):
+        lora_linear_shrink_out(p["x"], w_s, bias_s, n, b_packed, S * R)
 
 
 def test_lora_linear_aug_bad_inputs():

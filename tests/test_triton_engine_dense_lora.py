@@ -119,7 +119,8 @@ def test_fused_paths_at_tp1_match_hf_peft(tiny, monkeypatch):
 def test_fused_norm_kernel_in_a_forward_under_the_interpreter(tiny):
     """With TRITON_INTERPRET=1 set before import (a child process) the runtime's own kernels run as Triton too, so
     a real forward has add_rms_norm's kernel sum the MoE's (T, K, H) outputs and write into the q|k|v LoRA's
-    augmented buffer (a mixed and a one-adapter batch): against the torch references."""
+    augmented buffer, and o's shrink come out of its base GEMM (lora_linear_shrink_out; a mixed and a one-adapter
+    batch): against the torch references."""
     spec, adapters, prompts = tiny
     job = dict(path=spec.path, name=spec.name, arch=spec.arch,
                adapters={n: a.path for n, a in adapters["triton"].items()},
@@ -145,7 +146,8 @@ def _interpreted_forward(job: dict) -> None:
     for impl in ("torch", "triton"):
         with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu",
                                        options={"impl": impl})) as eng:
-            assert impl == "torch" or eng.runtime.model.lora.layers[0].qkv_w_aug is not None
+            ll = eng.runtime.model.lora.layers[0]
+            assert impl == "torch" or (ll.qkv_w_aug is not None and ll.o_w_s is not None)
             out[impl] = [eng.prompt_logprobs(job["prompts"], c) for c in job["choices"]]
     print(json.dumps([_maxdiff(g, r) for g, r in zip(out["triton"], out["torch"])]))
 

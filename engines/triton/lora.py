@@ -37,6 +37,10 @@ class LayerLora:
     # [W_qkv | qkv_b_packed] (q_loc + 2 kv_loc, H + L*3*R) for kernels.lora_linear_aug (the q|k|v LoRA as extra K
     # columns of the base GEMM), set by fold_qkv_lora; the layer's weight and qkv_b_packed are then views into it
     qkv_w_aug: Tensor | None = None
+    # [W_o ; o's A of every slot] (H + L*R, q_loc) and its bias [b_o ; 0] for kernels.lora_linear_shrink_out (o's
+    # shrink as extra output rows of the base GEMM), set by fold_o_lora at TP 1; the layer's o is then a view
+    o_w_s: Tensor | None = None
+    o_bias_s: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -55,6 +59,8 @@ class StackedLora:
             ts = [layer.qkv_a, layer.qkv_b, layer.o_a, layer.o_b, layer.qkv_b_packed, layer.o_b_packed]
             if layer.moe is not None:
                 ts += [layer.moe.gate_up_a, layer.moe.gate_up_b, layer.moe.down_a, layer.moe.down_b]
+            if layer.o_w_s is not None:  # the A rows stacked under W_o (its first H rows are the weight itself)
+                ts.append(layer.o_w_s[layer.o_b.shape[1]:])
             total += sum(t.numel() * t.element_size() for t in ts if t is not None)
         return total
 
@@ -174,6 +180,22 @@ def fold_qkv_lora(weights, lora: StackedLora | None) -> None:
         H = lw.qkv.shape[1]
         ll.qkv_w_aug = augment_weight(lw.qkv, ll.qkv_b_packed)
         lw.qkv, ll.qkv_b_packed = ll.qkv_w_aug[:, :H], ll.qkv_w_aug[:, H:]
+
+
+def fold_o_lora(weights, lora: StackedLora | None, shard: Shard) -> None:
+    """Store each layer's o weight once, as W_s = [W_o ; A_all] (kernels.lora_linear.stack_shrink_rows): the layer's
+    ``o`` becomes the contiguous view W_s[:H]. TP 1 only: under TP the o output is all-reduced, which needs it
+    contiguous, while lora_linear_shrink_out returns a view of a wider product."""
+    from kernels.lora_linear import stack_shrink_rows
+
+    if lora is None or shard.size != 1:
+        return
+    for lw, ll in zip(weights.layers, lora.layers):
+        if ll.o_a is None:
+            continue
+        H = lw.o.shape[0]
+        ll.o_w_s, ll.o_bias_s = stack_shrink_rows(lw.o, ll.o_a, lw.o_bias)
+        lw.o = ll.o_w_s[:H]
 
 
 def _rank(adapter) -> int:

@@ -13,7 +13,7 @@ from engines.triton.config import model_config
 from engines.triton.engine import OPTIONS
 from engines.triton.graphs import GraphCache
 from engines.triton.loader import open_source
-from engines.triton.lora import fold_qkv_lora, stack_adapters
+from engines.triton.lora import fold_o_lora, fold_qkv_lora, stack_adapters
 from engines.triton.model import MoeTransformer
 from engines.triton.shard import Shard
 from engines.triton.weights import load_weights
@@ -47,6 +47,7 @@ class Runtime:
             adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)
         fold_qkv_lora(self.weights, self.lora)
+        fold_o_lora(self.weights, self.lora, shard)
         # read from the config, so that tensor-parallel workers (tp.worker_main) pick the same backend
         moe_backend = config.options.get("moe_backend", OPTIONS["moe_backend"])
         self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl,
