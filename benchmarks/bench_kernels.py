@@ -485,24 +485,33 @@ def compile_sm90(kernel, args, kwargs) -> dict:
                 wgmma="warp_group_dot" in ttgir)
 
 
-SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-             "num_stages")
+SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "N_TILES", "BLOCK_M", "BLOCK_N",
+             "BLOCK_K", "num_stages")
+
+
+# --compile-sm90's variants: default, prefetch off, TMA; then the programs walking several N tiles (GemmConfig
+# n_tiles): the shrink in the first tile's K-loop ("fused") at 1-4 tiles, and "once" / no LoRA at 2
+SM90_FLAG_SETS = ([{}, dict(prefetch=False), dict(tma=True)]
+                  + [dict(lora_shrink="fused", n_tiles=k) for k in (1, 2, 3, 4)] + [dict(n_tiles=2)])
 
 
 def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
     """moe_forward_triton's shrink and GEMM launches at each shape (T tokens, one adapter, and without LoRA; bf16;
-    the default GPU tiles with each set of GemmConfig flags) compiled for sm90 on this machine: shared memory
-    against the 227 KiB a block may use, registers, spills, TMA. One line per distinct launch. Needs a process in
-    which the Triton interpreter has not run: Triton 3.6 leaves triton.language patched after an interpreted
-    device-function call, and compiling then fails."""
+    the default GPU tiles with each set of GemmConfig flags; a set's "lora_shrink" key picks the shrink mode)
+    compiled for sm90 on this machine: shared memory against the 227 KiB a block may use, registers, spills, TMA.
+    One line per distinct launch. Needs a process in which the Triton interpreter has not run: Triton 3.6 leaves
+    triton.language patched after an interpreted device-function call, and compiling then fails."""
     from kernels._triton import next_pow2 as np2
     seen, out = set(), []
     for s, flags in itertools.product(shapes, flag_sets):
+        flags = dict(flags)
+        mode = flags.pop("lora_shrink", "once")
         p = make_inputs(s, T, 1, R, torch.bfloat16, "meta")
         for q in (p, dict(p, lora=None, token_adapter=None)):
-            cfg = configs(q, device=torch.device("cuda"), **flags)
+            cfg = configs(q, mode, device=torch.device("cuda"), **flags)
             shrink = ShrinkConfig(block_k=shrink_block_k(cfg["config"].block_m, np2(R), torch.bfloat16, True))
-            for kernel, args, kw in record_launches(lambda: moe_forward_triton(**q, **cfg, shrink_config=shrink)):
+            run = lambda: moe_forward_triton(**q, **cfg, shrink_config=shrink, lora_shrink=mode)  # noqa: E731
+            for kernel, args, kw in record_launches(run):
                 name = kernel.fn.__name__
                 key = (s.name, name, tuple(sorted(kw.items())))
                 if name.startswith("_align") or key in seen:
@@ -538,7 +547,7 @@ def main():
     if args.check:
         return check_baselines()
     if args.compile_sm90:
-        sm90_report(print, SHAPES, 4096, args.rank, [{}, dict(prefetch=False), dict(tma=True)])
+        sm90_report(print, SHAPES, 4096, args.rank, SM90_FLAG_SETS)
         return
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench.log"), "a")

@@ -9,9 +9,11 @@ GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carrie
 the epilogue, then bias, activation (gate_up) or top-k weight (down). Its shrink X A^T (lora_shrink="once", the
 default) is a launch of its own before the GEMM, once per row block, into a (M, R) fp32 buffer S; "fused" runs it
 as one more narrow dot per K step on the X tile already in shared memory instead: no launch and no S, but redone
-by each of the N/BLOCK_N programs of a row block (6 for Qwen3's gate_up, 8 for its down) and its A tile takes
-pipeline stages. The bug zoo's kernel faults live in the fused branch. Top-k slots of a token sit in different
-groups, so their sum is a separate deterministic reduction rather than atomics (reruns are bit-identical).
+by each program of a row block (6 for Qwen3's gate_up, 8 for its down) and its A tile takes pipeline stages;
+GemmConfig.n_tiles lets a program walk several N tiles of its row block and shrink only on the first, keeping S in
+registers for the others' expands (the redundancy drops to 1/n_tiles). The bug zoo's kernel faults live in the
+fused branch. Top-k slots of a token sit in different groups, so their sum is a separate deterministic reduction
+rather than atomics (reruns are bit-identical).
 The epilogue's operands (S and B tiles, bias, top-k weights) are loaded before the K-loop (GemmConfig.prefetch);
 GemmConfig.tma (off by default, exploratory) brings the expert weight tiles, and the down GEMM's sorted rows, by
 TMA through host tensor descriptors; ShrinkConfig sets the shrink's launch (rows per program, K step, warps, stages).
@@ -215,16 +217,20 @@ def _act(gate, up, ACT: tl.constexpr):
 
 
 @triton.jit
-def _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R, N, stride_sm, stride_sr,
-                     stride_lbn, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
-    """LORA 2's expand operands of slice s: the S tile (BLOCK_M, R), rounded to the B dtype right after its load
-    (as LORA 1 rounds its in-register shrink; half the registers while it waits), and the B tile (R, WN) of the
-    slice's columns [lo, hi); SPLIT: also the up rows' tile (N rows further), else that is the B tile again."""
-    lo = tl.load(SliceOffs + s)
-    hi = tl.load(SliceOffs + s + 1)
+def _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST: tl.constexpr):
+    """LORA 2's S tile of slice s (BLOCK_M, R), rounded to the B dtype right after its load (as LORA 1 rounds its
+    in-register shrink; half the registers while it waits)."""
     st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
                  mask=r_ok[None, :], other=0.0)
-    st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+    return st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+
+
+@triton.jit
+def _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    """LORA 2's B tile (R, WN) of slice s's columns [lo, hi); SPLIT: also the up rows' tile (N rows further), else
+    that is the B tile again."""
+    lo = tl.load(SliceOffs + s)
+    hi = tl.load(SliceOffs + s + 1)
     b_ok = r_ok[:, None] & ((col >= lo) & (col < hi))[None, :]
     bt = tl.load(lb_ptrs, mask=b_ok, other=0.0)
     bu = bt
@@ -232,7 +238,7 @@ def _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R,
         bu = tl.load(lb_ptrs + N * stride_lbn, mask=b_ok, other=0.0)
     if UPCAST:
         bt, bu = bt.to(tl.float32), bu.to(tl.float32)
-    return st, bt, bu
+    return bt, bu
 
 
 @triton.jit
@@ -259,115 +265,39 @@ def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED: 
     return o_off, row_ok[:, None] & (offs_n < N)[None, :]
 
 
-# Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
-KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
-                 "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
-
-
-@dual_jit
-def _grouped_gemm_kernel(
-        X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded,
-        SliceOffs, num_pairs, N, Kdim, lb_numel, out_numel,
-        stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
-        stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
-        stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-        TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
-        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
-        NUM_SLICES: tl.constexpr, R: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-        GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False):
-    """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
-
-    GATED: W rows [0, N) are the gate and [N, 2N) the up projection. A program's dot covers BLOCK_N gate and
-    BLOCK_N up rows interleaved (even columns gate, odd up), so one MMA of width 2*BLOCK_N feeds the activation.
-    LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
-    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (rows of S are padded rows, one
-    column block per slice; MoE: one slice (0, N), so gated B rows follow wrow like W's).
-    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py).
-    ADD_TO_OUT (dense layers after a cuBLAS base GEMM; LORA 2, K_TILES 0): Out[rows, n] += the LoRA delta in
-    place; blocks without an adapter neither read nor write Out.
-    PREFETCH: the epilogue's operands (LORA 2's S and B tiles when there is one slice, the bias, the top-k
-    weights) are loaded before the K-loop, so that their latency hides behind it instead of stalling every
-    program after its last MMA; off, they are loaded where they are used (the A/B in bench_kernels.py).
-    TMA (LORA 0 or 2, no ADD_TO_OUT): W is a host tensor descriptor over (E, N_w, Kdim) with blocks
-    (1, BLOCK_N, BLOCK_K), its tiles come by TMA (rows or K past the end zero-filled). GATED then loads the gate
-    block [n0, n0 + BLOCK_N) and the up block N rows further as two tiles into two accumulators (SPLIT): no
-    interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K)."""
-    SPLIT: tl.constexpr = GATED and TMA
-    WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
-    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
-    pid = tl.program_id(0)
-    num_m = tl.load(NumPadded) // BLOCK_M
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    if pid >= num_m * num_n:
-        return
-    # GROUP_M blocks of rows walk the N tiles together, so a weight tile is read once from DRAM per group
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-
-    e32 = tl.load(BlockExpert + pid_m)
-    e = e32.to(tl.int64)
-    a = tl.load(BlockAdapter + pid_m)
-    a_safe = tl.maximum(a, 0).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(SortedIds + offs_m)
-    row_ok = pair < num_pairs
-    if X_SORTED:
-        xrow = offs_m
-    else:
-        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
+@triton.jit
+def _tile_cols(pid_n, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl.constexpr):
+    """The dot's WN columns of N tile pid_n: j, the output column of each, and the row of W (and of LoRA B) it
+    reads. INTERLEAVE (gated, no TMA): BLOCK_N gate and BLOCK_N up rows interleaved (even j gate, odd j up), so
+    one MMA of width 2*BLOCK_N feeds the activation; columns past N wrap to valid rows, so the K-loop's loads need
+    no column mask (their results are never stored). Else wrow are the gate rows (SPLIT: the up rows N further)."""
     j = tl.arange(0, WN)
-    if GATED and not TMA:
+    if INTERLEAVE:
         col = pid_n * BLOCK_N + j // 2
-        wrow = col % N + (j % 2) * N  # wrapped columns are valid rows, so K-loop loads need no column mask
+        wrow = col % N + (j % 2) * N
     else:
         col = pid_n * BLOCK_N + j
-        wrow = col % N  # SPLIT: the gate rows; the up rows are N further
+        wrow = col % N
+    return j, col, wrow
+
+
+@triton.jit
+def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, wrow, e, e32, a_safe, pid_m, pid_n, N, Kdim, r_ok,
+            stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar, stride_lak,
+            SHRINK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr,
+            K_TILES: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One N tile's K-loop: acc (SPLIT: and acc_up, the up rows) += X[rows] W[e, tile]^T. SHRINK (LORA 1, the
+    first tile a program walks): also acc_s += X[rows] A[a, e]^T, a narrow dot on the X tile already loaded."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < 0
-    if LORA > 0:
-        rank = tl.load(Ranks + a_safe)
-        r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
     if not TMA_X:
         x_ptrs = X + xrow[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
     if not TMA:
         w_ptrs = W + e * stride_we + wrow[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    la_ptrs = (LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar
-               + offs_k[:, None] * stride_lak)
-    lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
-               + wrow[None, :] * stride_lbn)
-    if LORA == 1:
-        # issued before the K-loop so that its latency hides behind the loop instead of stalling the epilogue
-        if FAULT == 4:  # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end still holds)
-            lb_off = (a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
-                      + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn)
-            bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
-        else:
-            bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
-    if EARLY_S:
-        st, bt, bu = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, 0, R, N, stride_sm,
-                                      stride_sr, stride_lbn, SPLIT, UPCAST)
-    if HAS_BIAS and PREFETCH:
-        bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
-    if MUL_TOPK and PREFETCH:
-        tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
-    if ADD_TO_OUT:  # the accumulator starts from the base output already in Out, and the K-loop is empty
-        if a < 0:
-            return  # rows without an adapter keep the cuBLAS output bit for bit
-        o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
-        acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # SPLIT: the gate columns
-    if SPLIT:
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
-    acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if SHRINK:
+        la_ptrs = (LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar
+                   + offs_k[:, None] * stride_lak)
     for k in range(0, K_TILES):
         if not EVEN_K:
             k_ok = offs_k < Kdim - k * BLOCK_K
@@ -390,7 +320,7 @@ def _grouped_gemm_kernel(
         if SPLIT:
             wu = tl.reshape(W.load([e32, N + pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
             acc_up = tl.dot(xt, wu.to(tl.float32) if UPCAST else wu, acc_up, input_precision=DOT_PREC)
-        if LORA == 1:
+        if SHRINK:
             if EVEN_K:
                 at = tl.load(la_ptrs, mask=r_ok[None, :], other=0.0)
             else:
@@ -403,55 +333,183 @@ def _grouped_gemm_kernel(
             x_ptrs += BLOCK_K * stride_xk
         if not TMA:
             w_ptrs += BLOCK_K * stride_wk
+    return acc, acc_up, acc_s
 
+
+# Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
+KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
+                 "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
+
+
+@dual_jit
+def _grouped_gemm_kernel(
+        X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded,
+        SliceOffs, num_pairs, N, Kdim, lb_numel, out_numel,
+        stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
+        stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+        stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+        TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
+        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
+        NUM_SLICES: tl.constexpr, R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
+        PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False,
+        N_TILES: tl.constexpr = 1):
+    """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
+
+    GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
+    LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
+    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (rows of S are padded rows, one
+    column block per slice; MoE: one slice (0, N), so gated B rows follow wrow like W's).
+    N_TILES: a program walks that many consecutive N tiles of its row block (the row block's last group may be
+    short), each with its own K-loop and epilogue; LORA 1 runs its shrink only in the first tile's K-loop and keeps
+    the scaled S in registers for the later tiles' expands, so the shrink is redone once per N_TILES tiles instead
+    of once per tile.
+    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py).
+    ADD_TO_OUT (dense layers after a cuBLAS base GEMM; LORA 2, K_TILES 0): Out[rows, n] += the LoRA delta in
+    place; blocks without an adapter neither read nor write Out.
+    PREFETCH: the epilogue's operands (LORA 2's S and B tiles when there is one slice, the bias unless LORA 1
+    walks several tiles, the top-k weights) are loaded before the K-loop, so that their latency hides behind it
+    instead of stalling every program after its last MMA; off, they are loaded where they are used (the A/B in
+    bench_kernels.py).
+    TMA (LORA 0 or 2, no ADD_TO_OUT): W is a host tensor descriptor over (E, N_w, Kdim) with blocks
+    (1, BLOCK_N, BLOCK_K), its tiles come by TMA (rows or K past the end zero-filled). GATED then loads the gate
+    block [n0, n0 + BLOCK_N) and the up block N rows further as two tiles into two accumulators (SPLIT): no
+    interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K)."""
+    SPLIT: tl.constexpr = GATED and TMA
+    WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
+    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
+    # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
+    # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
+    EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
+    pid = tl.program_id(0)
+    num_m = tl.load(NumPadded) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    num_g = (num_n + N_TILES - 1) // N_TILES  # groups of N_TILES tiles, one per program
+    if pid >= num_m * num_g:
+        return
+    # GROUP_M blocks of rows walk the N tiles together, so a weight tile is read once from DRAM per group
+    per_group = GROUP_M * num_g
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    first_n = (pid % per_group) // group_size * N_TILES
+
+    e32 = tl.load(BlockExpert + pid_m)
+    e = e32.to(tl.int64)
+    a = tl.load(BlockAdapter + pid_m)
+    if ADD_TO_OUT:
+        if a < 0:
+            return  # rows without an adapter keep the cuBLAS output bit for bit
+    a_safe = tl.maximum(a, 0).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + offs_m)
+    row_ok = pair < num_pairs
+    if X_SORTED:
+        xrow = offs_m
+    else:
+        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < 0
     if LORA > 0:
-        if a >= 0:
+        rank = tl.load(Ranks + a_safe)
+        r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
+    if MUL_TOPK and PREFETCH:
+        tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
+    if EARLY_S:  # one S tile per row block, whichever N tiles the program walks
+        st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, stride_sm, stride_sr, UPCAST)
+    else:  # LORA 1: the first tile's shrink replaces it before any expand reads it
+        st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        if not UPCAST:
+            st = st.to(LB.dtype.element_ty)
+
+    for t in tl.static_range(N_TILES):
+        pid_n = first_n + t
+        if pid_n < num_n:  # always for t == 0; the row block's last group may be short
+            j, col, wrow = _tile_cols(pid_n, N, GATED and not TMA, BLOCK_N, WN)
+            lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+                       + wrow[None, :] * stride_lbn)
+            # this tile's epilogue operands, issued before its K-loop so their latency hides behind it
             if LORA == 1:
+                if FAULT == 4:  # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
+                    lb_off = (a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+                              + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn)
+                    bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
+                else:
+                    bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
+            if EARLY_S:
+                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
+            if EARLY_BIAS:
+                bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+            if ADD_TO_OUT:  # the accumulator starts from the base output already in Out, and the K-loop is empty
+                o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
+                acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # SPLIT: the gate columns
+            acc_up = acc
+            if SPLIT:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            acc, acc_up, acc_s = _k_loop(
+                X, W, LA, acc, acc_up, acc_s, xrow, wrow, e, e32, a_safe, pid_m, pid_n, N, Kdim, r_ok,
+                stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar,
+                stride_lak, LORA == 1 and t == 0, SPLIT, TMA, TMA_X, K_TILES, EVEN_K, UPCAST, DOT_PREC,
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+
+            acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
+            if LORA == 1 and t == 0:
                 st = acc_s * tl.load(Scaling + a_safe)
                 st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-                if FAULT == 1 or FAULT == 2 or FAULT == 3:
-                    acc_l = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc_l, input_precision=DOT_PREC)
-                else:
-                    acc = tl.dot(st, bt.to(tl.float32) if UPCAST else bt, acc, input_precision=DOT_PREC)
-            else:
-                for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
-                    if not EARLY_S:
-                        st, bt, bu = _expand_operands(S, LB, lb_ptrs, offs_m, offs_r, r_ok, col, SliceOffs, s, R,
-                                                      N, stride_sm, stride_sr, stride_lbn, SPLIT, UPCAST)
-                    acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
-                    if SPLIT:
-                        acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+            if LORA > 0:
+                if a >= 0:
+                    if LORA == 1:
+                        bl = bt.to(tl.float32) if UPCAST else bt
+                        if FAULT == 1 or FAULT == 2 or FAULT == 3:
+                            acc_l = tl.dot(st, bl, acc_l, input_precision=DOT_PREC)
+                        else:
+                            acc = tl.dot(st, bl, acc, input_precision=DOT_PREC)
+                    else:
+                        for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
+                            if not EARLY_S:
+                                st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST)
+                                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT,
+                                                  UPCAST)
+                            acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                            if SPLIT:
+                                acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
 
-    if HAS_BIAS:
-        if not PREFETCH:
-            bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
-        acc += bias[None, :]
-        if SPLIT:
-            acc_up += bias_up[None, :]
-    if SPLIT:
-        h = _act(acc, acc_up, ACT)
-    elif GATED:
-        h = _gated_act(acc, ACT, BLOCK_M, BLOCK_N)
-        if FAULT == 1:  # lora_after_activation
-            h += _gated_act(acc_l, ACT, BLOCK_M, BLOCK_N)
-    elif ACT == 3:  # relu^2, not gated
-        h = tl.maximum(acc, 0.0)
-        h = h * h
-    else:
-        h = acc
-    if MUL_TOPK:
-        if not PREFETCH:
-            tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
-        tw = tw[:, None]
-        h = h * tw
-        if FAULT == 2:  # topk_weight_twice
-            h += acc_l * tw * tw
-        if FAULT == 3:  # topk_weight_missing
-            h += acc_l
-    o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
-    if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
-        o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
-    tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
+            if HAS_BIAS:
+                if not EARLY_BIAS:
+                    bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+                acc += bias[None, :]
+                if SPLIT:
+                    acc_up += bias_up[None, :]
+            if SPLIT:
+                h = _act(acc, acc_up, ACT)
+            elif GATED:
+                h = _gated_act(acc, ACT, BLOCK_M, BLOCK_N)
+                if FAULT == 1:  # lora_after_activation
+                    h += _gated_act(acc_l, ACT, BLOCK_M, BLOCK_N)
+            elif ACT == 3:  # relu^2, not gated
+                h = tl.maximum(acc, 0.0)
+                h = h * h
+            else:
+                h = acc
+            if MUL_TOPK:
+                if PREFETCH:
+                    twc = tw[:, None]
+                else:
+                    twc = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+                h = h * twc
+                if FAULT == 2:  # topk_weight_twice
+                    h += acc_l * twc * twc
+                if FAULT == 3:  # topk_weight_missing
+                    h += acc_l
+            o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
+            if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
+                o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
+            tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -467,13 +525,16 @@ class GemmConfig:
     num_stages: int = 3
     prefetch: bool = True  # the epilogue's operands loaded before the K-loop (see _grouped_gemm_kernel)
     tma: bool = False  # expert weight tiles (and the down GEMM's sorted rows) by TMA; see gemm_tma
+    n_tiles: int = 1  # consecutive N tiles per program; LORA 1 shrinks on the first only (_grouped_gemm_kernel)
 
     def __post_init__(self):
         for b in (self.block_m, self.block_n, self.block_k):
             assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
+        assert self.n_tiles >= 1, f"n_tiles must be >= 1, got {self.n_tiles}"
 
 
 SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses them for the epilogue); Hopper: 227 KiB
+SMEM_LIMIT = 227 * 1024  # what one block may use on Hopper (sm90)
 
 
 def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device,
@@ -486,7 +547,10 @@ def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: t
     what fits in shared memory. block_n counts output columns: a gated dot is twice as wide.
     rank: an A tile of that rank per pipeline stage (LORA 1). held_rank: a B tile (held_rank, dot width) that stays
     in shared memory through the K-loop (LORA 2 with the epilogue prefetched; compiled for sm90 it takes
-    next_pow2(held_rank) x 256 bf16 beside the stages: 16 KB at rank 32, 64 KB at rank 128)."""
+    next_pow2(held_rank) x 256 bf16 beside the stages: 16 KB at rank 32, 64 KB at rank 128). LORA 1 holds its B
+    tile too (always loaded before the K-loop); it is kept within SMEM_LIMIT rather than the stage budget, which
+    leaves rank 32's 4 stages as they were measured (229376 B compiled for sm90) and gives rank 128 2 stages
+    instead of 3 (262144 B, more than a block may have)."""
     if device.type != "cuda":  # interpreter: small tiles keep the program count and the per-step cost low
         return GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1)
     rows = num_pairs / max(1, num_groups)
@@ -500,6 +564,8 @@ def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: t
     per_stage = (block_m + wn + (next_pow2(rank) if rank else 0)) * block_k * elem
     held = next_pow2(held_rank) * wn * elem if held_rank else 0
     stages = max(2, min(4, (SMEM_BUDGET - held) // per_stage))
+    if rank:
+        stages = max(2, min(stages, (SMEM_LIMIT - next_pow2(rank) * wn * elem) // per_stage))
     return GemmConfig(block_m, wn // 2 if gated else wn, block_k, group_m=4,
                       num_warps=8 if block_m * wn >= 128 * 128 else 4, num_stages=stages)
 
@@ -619,13 +685,15 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     mode = 1 if lora_a is not None else 2 if lora_s is not None else 0
     assert not add_to_out or (mode == 2 and not gated and bias is None and topk_weights is None), \
         "add_to_out adds a precomputed lora_s delta only: no activation, bias or top-k weight"
+    offs = slice_offsets if slice_offsets is not None else (0, n)
+    assert cfg.n_tiles == 1 or (not add_to_out and len(offs) == 2), \
+        "n_tiles > 1 is for the expert GEMMs: the dense path (add_to_out, several slices) walks one N tile"
     dummy = routing.sorted_ids
     la = lora_a if mode == 1 else placeholder((1, 1, 1, 1), w.dtype, w.device)
     lb = lora_b if mode else placeholder((1, 1, 1, 1), w.dtype, w.device)
     R = lb.shape[3] if mode else 1
     sv = lora_s if mode == 2 else placeholder((1, 1), torch.float32, w.device)
-    offs = slice_offsets if slice_offsets is not None else (0, n)
-    grid = (routing.num_blocks * triton.cdiv(n, cfg.block_n),)
+    grid = (routing.num_blocks * triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.n_tiles),)
     tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)
     xa, wa = x, w
     if tma_w:
@@ -647,7 +715,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
-        FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x,
+        FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
@@ -720,11 +788,13 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
                        lora: MoeLoraWeights | None = None, token_adapter=None,
                        config: GemmConfig | None = None, down_config: GemmConfig | None = None,
                        lora_shrink: str = "once", sum_topk: bool = True,
-                       shrink_config: ShrinkConfig | None = None) -> torch.Tensor:
+                       shrink_config: ShrinkConfig | None = None, n_tiles: int | None = None) -> torch.Tensor:
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
     "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
     "fused": the faults live in that branch.
+    n_tiles: GemmConfig.n_tiles of both GEMMs (each program walks that many N tiles of its row block; "fused" then
+    redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1).
     sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
     its next pass (the runtime's residual add + RMSNorm)."""
     check_kernel_rank(lora.max_rank if lora is not None else 0)
@@ -735,6 +805,8 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     once = shrink_once(lora, lora_shrink)
     cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
     cfg1, cfg2 = config or cfg1, down_config or cfg2
+    if n_tiles is not None:
+        cfg1, cfg2 = replace(cfg1, n_tiles=n_tiles), replace(cfg2, n_tiles=n_tiles)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
     routing = moe_align(topk_ids, token_adapter if lora is not None else None, E,
                         lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton")
@@ -807,13 +879,14 @@ def _misread_as_gated(w_down, lora):
 
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
                 lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
-                backend: str = "triton", lora_shrink: str = "once", sum_topk: bool = True) -> torch.Tensor:
+                backend: str = "triton", lora_shrink: str = "once", sum_topk: bool = True,
+                n_tiles: int | None = None) -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
     "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside.
     backend (impl triton only): "triton" (this file's fused kernel) or "grouped_mm" (kernels/moe_grouped.py).
-    lora_shrink (backend triton only): "once" or "fused", see moe_forward_triton.
+    lora_shrink, n_tiles (backend triton only): see moe_forward_triton.
     sum_topk False (impl and backend triton only; the other paths return (T, H) summed): (T, K, H) per-pair
     outputs, already top-k weighted, for the caller to sum."""
     from kernels.moe_grouped import BACKENDS, moe_forward_grouped  # lazy: moe_grouped builds on this file
@@ -830,4 +903,4 @@ def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b
         return moe_forward_torch(*args)
     if backend == "grouped_mm":
         return moe_forward_grouped(*args)
-    return moe_forward_triton(*args, lora_shrink=lora_shrink, sum_topk=sum_topk)
+    return moe_forward_triton(*args, lora_shrink=lora_shrink, sum_topk=sum_topk, n_tiles=n_tiles)

@@ -312,6 +312,90 @@ def test_shrink_rows_must_divide_the_routing_block():
         moe_forward_triton(**p, config=tiles, down_config=tiles, shrink_config=ShrinkConfig(rows=64))
 
 
+def tiles(n_tiles: int, **flags) -> dict:
+    """Small interpreter tiles for both GEMMs, 32 output columns per tile so that N spans several tiles."""
+    cfg = GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1, n_tiles=n_tiles, **flags)
+    return dict(config=cfg, down_config=cfg)
+
+
+NTILE_CASES = [
+    # SiLU-gated, 3 adapters + none rows, slot 1 at rank 5 < max 16 with garbage past it, T*K not a multiple of 16;
+    # gate_up 3 N tiles (I=72), down 4 (H=100): n_tiles 2 and 3 each leave one GEMM a short last group; H and I
+    # not multiples of 32 (masked K tails, wrapped gate/up columns in the last tile)
+    dict(T=29, H=100, I=72, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
+    # gpt-oss clamped SwiGLU with biases on both GEMMs (a bias per tile), gated interleaved columns, clamps engaged;
+    # gate_up 5 tiles (I=136), down 2 (H=48): n_tiles 3 covers the down GEMM in one short group
+    dict(T=19, H=48, I=136, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0,
+         pad_garbage=True),
+    # relu^2, not gated, top-1 (the top-k weight times every tile's delta), only 3 of 6 experts receive tokens;
+    # gate_up 4 tiles (I=104), down 2 (H=40)
+    dict(T=26, H=40, I=104, E=6, K=1, activation="relu2", ranks=(8, 2), pad_garbage=True, experts_used=(0, 2, 5)),
+]
+
+
+@pytest.mark.parametrize("lora_shrink", SHRINK_MODES)
+@pytest.mark.parametrize("n_tiles", [1, 2, 3])  # one tile per program (today), two, three (short last groups)
+@pytest.mark.parametrize("case", NTILE_CASES, ids=lambda c: f"{c['activation']}-H{c['H']}-I{c['I']}")
+def test_n_tiles_match_reference(case, n_tiles, lora_shrink, tol=1e-5):
+    """Programs walking n_tiles N tiles of their row block; "fused" shrinks in the first tile's K-loop only and
+    every later tile's expand reuses that S, so a stale, missing or per-tile-wrong S shows in the LoRA delta."""
+    check_moe(make_moe(**case), tol, moe_forward_triton, lora_shrink=lora_shrink, **tiles(n_tiles))
+
+
+@pytest.mark.parametrize("lora_shrink,n_tiles,flags,dtype,tol", [
+    # bf16 through the interpreter (tiles upcast): S rounded to bf16 once, reused by the second tile's expand
+    ("fused", 2, {}, torch.bfloat16, 1e-2),
+    # TMA weight tiles (host descriptors, interpreted) at the tile each program walks to; the gate and up blocks
+    # of the gated GEMM as two tiles
+    ("once", 3, dict(tma=True), torch.float32, 1e-5),
+    # epilogue operands loaded after each tile's K-loop
+    ("fused", 3, dict(prefetch=False), torch.float32, 1e-5),
+], ids=["fused-bf16", "once-tma", "fused-epilogue_loads"])
+def test_n_tiles_with_flags(lora_shrink, n_tiles, flags, dtype, tol):
+    p = make_moe(T=29, H=36, I=68, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True, dtype=dtype)
+    check_moe(p, tol, moe_forward_triton, lora_shrink=lora_shrink, **tiles(n_tiles, **flags))
+
+
+def test_n_tiles_keyword_sum_topk_false(tol=1e-5):
+    """moe_forward's n_tiles sets both GEMMs' (default interpreter tiles: H=100 and I=72 span several 32-column
+    tiles), and sum_topk=False gives the per-pair outputs of the same launches."""
+    p = make_moe(T=21, H=100, I=72, E=5, K=3, activation="swiglu_oai", ranks=(8, 3), bias=True, pad_garbage=True)
+    ref = moe_forward(**p, impl="torch")
+    out = moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=2)
+    assert rel_err(out, ref) <= tol
+    pairs = moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=2, sum_topk=False)
+    assert pairs.shape == (21, 3, 100) and torch.equal(pairs.sum(dim=1), out)
+
+
+@pytest.mark.parametrize("fault", ["lora_after_activation", "topk_weight_twice"])  # gate_up's / down's epilogue
+def test_kernel_fault_with_n_tiles(fault):
+    """A bug-zoo kernel fault (forced onto the fused shrink) in programs walking 2 N tiles: the kernel computes the
+    faulty reference's output, far from the clean one, on every tile the programs walk."""
+    from kernels import faults
+    from tests.test_bug_zoo import NOISE
+    p = make_moe(T=24, H=100, I=72, E=4, K=2, activation="silu", ranks=(8, 4))
+    clean = moe_forward(**p, impl="torch")
+    with faults.injected(fault):
+        bad_ref = moe_forward(**p, impl="torch")
+        bad = moe_forward_triton(**p, **tiles(2))
+    assert rel_err(bad_ref, clean) > 1e3 * NOISE
+    assert rel_err(bad, bad_ref) < NOISE
+
+
+def test_n_tiles_is_for_expert_gemms_only():
+    import kernels.fused_moe_lora as fm
+    with pytest.raises(AssertionError, match="n_tiles must be >= 1"):
+        GemmConfig(16, 32, 32, n_tiles=0)
+    x, w = torch.randn(4, 16), torch.randn(1, 40, 16)
+    r = moe_align(torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 1, 1, 16,
+                  impl="torch")
+    with pytest.raises(AssertionError, match="dense path .* walks one N tile"):
+        fm.launch_gemm(x, w, torch.zeros(4, 40), r, GemmConfig(16, 32, 32, n_tiles=2), x_sorted=False,
+                       out_sorted=False, lora_s=torch.zeros(16, 8), lora_b=torch.zeros(1, 1, 40, 8),
+                       scaling=torch.ones(1), ranks=torch.full((1,), 8, dtype=torch.int32),
+                       slice_offsets=(0, 24, 40))
+
+
 def test_bench_shrink_sweep_on_cpu():
     """bench_kernels.py --sweep-shrink's loop on a tiny shape through the interpreter: every config's S is checked
     against the default launch's, and a config that cannot run is logged and skipped, not fatal."""
