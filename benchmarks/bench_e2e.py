@@ -233,7 +233,7 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
             "qkv lora_linear": lambda: m.qkv(h, lw, ll, b),
             "norm_rope q+k": lambda: norm_rope_qk(q, k, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin),
             "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
-            "o lora_linear": lambda: m._linear(o, lw.o, lw.o_bias, ll.o_a, ll.o_b, ll.o_b_packed, None, b),
+            "o lora_linear": lambda: m.o_proj(o, lw, ll, b),
             "router+route": lambda: route(x, lw, cfg, m.impl),
             "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend,
                                            sum_topk=not m.fuse_topk_sum),

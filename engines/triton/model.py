@@ -113,6 +113,10 @@ class MoeTransformer:
                             cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
         o = attention(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, window, lw.sinks,
                       self.attention_impl).reshape(T, self.heads * d)
+        return self.all_reduce(self.o_proj(o, lw, ll, batch))
+
+    def o_proj(self, o: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch) -> torch.Tensor:
+        """o (T, heads * d) -> (T, H), this rank's partial sum under TP."""
         if ll is not None and ll.o_w_s is not None and batch.token_adapter is not None \
                 and resolve_impl(self.lora_impl, o) != "torch":
             from kernels.lora_linear import lora_linear_shrink_out
@@ -122,5 +126,4 @@ class MoeTransformer:
             # a (T, H) view with row stride H + L*R: the next add_rms_norm reads it as it is (TP 1 only)
             return lora_linear_shrink_out(o, ll.o_w_s, ll.o_bias_s, lw.o.shape[0], ll.o_b_packed,
                                           ll.o_a.shape[1] * ll.o_a.shape[2], mask, uniform)
-        out = self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, ll and ll.o_b_packed, None, batch)
-        return self.all_reduce(out)
+        return self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, ll and ll.o_b_packed, None, batch)
