@@ -1,8 +1,11 @@
 """Benchmark of the fused MoE-LoRA kernels (row "triton_fused_lora": each GEMM's shrink precomputed once per row
 block, the default; "triton_fused_shrink_in_k_loop": the shrink inside every N tile's K-loop;
-"*_epilogue_loads": the GEMM epilogue's operands loaded after the K-loop, GemmConfig(prefetch=False), the old
-order; "*_tma": expert weight tiles, and the down GEMM's sorted rows, by TMA, GemmConfig(tma=True)) against the
-same kernels without LoRA, the grouped_mm backend
+"*_ntilesK": each GEMM program walks K N tiles of its row block, GemmConfig(n_tiles=K), with the shrink inside the
+first tile's K-loop only (triton_fused_lora_ntilesK), the shrink precomputed (triton_fused_lora_once_ntilesK) or no
+LoRA (triton_no_lora_ntilesK), each checked against the default row's output; "*_epilogue_loads": the GEMM
+epilogue's operands loaded after the K-loop, GemmConfig(prefetch=False), the old order; "*_tma": expert weight
+tiles, and the down GEMM's sorted rows, by TMA, GemmConfig(tma=True)) against the same kernels without LoRA, the
+grouped_mm backend
 (kernels/moe_grouped.py: CUTLASS bases + Triton LoRA passes, with its per-stage times), torch grouped_mm + unfused
 LoRA and transformers' grouped_mm experts forward, at Qwen3-30B-A3B and gpt-oss-20b expert shapes; and the dense
 LoRA linear (lora_linear: cuBLAS base + in-place Triton LoRA, the fused Triton kernel, cuBLAS + torch LoRA, and the
@@ -246,6 +249,17 @@ def ceilings(log) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------------------- drivers
+
+# programs walking several N tiles (GemmConfig.n_tiles): (row label, lora_shrink, n_tiles) of the LoRA rows
+NTILE_ROWS = [("triton_fused_lora_ntiles2", "fused", 2), ("triton_fused_lora_ntiles3", "fused", 3),
+              ("triton_fused_lora_ntiles4", "fused", 4), ("triton_fused_lora_once_ntiles2", "once", 2)]
+NO_LORA_NTILES = 2  # the base path's row triton_no_lora_ntiles2: the same K-loops, so bit-identical to the default
+
+
+def ntile_run(p, lora_shrink: str, n_tiles: int):
+    """moe_forward_triton with the default tiles of lora_shrink's mode, both GEMMs walking n_tiles N tiles."""
+    return lambda: moe_forward_triton(**p, **configs(p, lora_shrink, n_tiles=n_tiles), lora_shrink=lora_shrink)
+
 
 def configs(p, lora_shrink: str = "once", device=None, **flags) -> dict:
     """moe_forward_triton's default tiles of both GEMMs with GemmConfig flags changed, as its keywords; device:
@@ -621,8 +635,10 @@ def main():
             no_tma.add(s.name)
         err_g = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
         err_t = rel_err(torch_grouped_lora(**p), ref)
+        err_n = ", ".join(f"{name[len('triton_fused_lora_'):]} {rel_err(ntile_run(p, mode, k)(), ref):.2e}"
+                          for name, mode, k in NTILE_ROWS)
         log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e} (shrink in the K-loop {err_k:.2e}, "
-            f"TMA weight tiles {err_tma}), "
+            f"TMA weight tiles {err_tma}, {err_n}), "
             f"grouped_mm backend rel err {err_g:.2e}, "
             f"torch grouped_mm+LoRA rel err {err_t:.2e}")
         why = mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"])
@@ -645,6 +661,13 @@ def main():
                            bench(lambda: moe_forward_triton(**p, **configs(p, tma=True))), fl, fb)
                 record("moe_layer", lab, T, L, "triton_fused_shrink_in_k_loop",
                        bench(lambda: moe_forward_triton(**p, lora_shrink="fused")), fl, fb)
+                default_out = moe_forward_triton(**p)
+                for name, mode, k in NTILE_ROWS:
+                    fn = ntile_run(p, mode, k)
+                    log(f"check {name} {s.name} T={T} L={L}: rel err vs triton_fused_lora "
+                        f"{rel_err(fn(), default_out):.2e}")
+                    record("moe_layer", lab, T, L, name, bench(fn), fl, fb)
+                del default_out
                 gname = "grouped_mm" if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None \
                     else "grouped_mm(fallback)"
                 record("moe_layer", lab, T, L, f"{gname}+triton_lora",
@@ -661,6 +684,11 @@ def main():
                     if s.name not in no_tma:
                         record("moe_layer", lab, T, 0, "triton_no_lora_tma",
                                bench(lambda: moe_forward_triton(**base, **configs(base, tma=True))), fl0, fb0)
+                    fn = ntile_run(base, "once", NO_LORA_NTILES)
+                    same = torch.equal(fn(), moe_forward_triton(**base))
+                    log(f"check triton_no_lora_ntiles{NO_LORA_NTILES} {s.name} T={T}: bit-identical to "
+                        f"triton_no_lora: {same}" + ("" if same else "  MISMATCH"))
+                    record("moe_layer", lab, T, 0, f"triton_no_lora_ntiles{NO_LORA_NTILES}", bench(fn), fl0, fb0)
                     record("moe_layer", lab, T, 0, f"{gname}_no_lora",
                            bench(lambda: moe_forward(**base, backend="grouped_mm")), fl0, fb0)
                     record("moe_layer", lab, T, 0, "torch_grouped_mm", bench(lambda: torch_grouped_lora(**base)),
@@ -670,6 +698,8 @@ def main():
                         for name, q, mode, flags in (
                                 ("lora", p, "once", {}), ("lora epilogue_loads", p, "once", dict(prefetch=False)),
                                 ("lora tma", p, "once", dict(tma=True)), ("lora shrink_in_k_loop", p, "fused", {}),
+                                *((f"lora {'shrink_in_k_loop ' if m == 'fused' else ''}ntiles{k}", p, m,
+                                   dict(n_tiles=k)) for _, m, k in NTILE_ROWS),
                                 ("no_lora", base, "once", {}),
                                 ("no_lora epilogue_loads", base, "once", dict(prefetch=False)),
                                 ("no_lora tma", base, "once", dict(tma=True))):

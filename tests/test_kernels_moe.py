@@ -197,8 +197,9 @@ def test_lora_shrink_launches(monkeypatch):
     assert calls == [False, True] * 2
 
 
-@pytest.mark.parametrize("lora_shrink,flags", [("once", {}), ("fused", {}), ("once", dict(tma=True, prefetch=False))],
-                         ids=["once", "fused", "once-tma-epilogue_loads"])
+@pytest.mark.parametrize("lora_shrink,flags", [("once", {}), ("fused", {}), ("once", dict(tma=True, prefetch=False)),
+                                               ("fused", dict(n_tiles=3))],
+                         ids=["once", "fused", "once-tma-epilogue_loads", "fused-ntiles3"])
 def test_bench_stage_breakdown_on_cpu(lora_shrink, flags):
     """The staged launches that bench_kernels.py times on a GPU, run once each here: same stages, same output."""
     from benchmarks.bench_kernels import stage_breakdown, untimed
@@ -312,7 +313,7 @@ def test_shrink_rows_must_divide_the_routing_block():
         moe_forward_triton(**p, config=tiles, down_config=tiles, shrink_config=ShrinkConfig(rows=64))
 
 
-def tiles(n_tiles: int, **flags) -> dict:
+def ntile_configs(n_tiles: int, **flags) -> dict:
     """Small interpreter tiles for both GEMMs, 32 output columns per tile so that N spans several tiles."""
     cfg = GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1, n_tiles=n_tiles, **flags)
     return dict(config=cfg, down_config=cfg)
@@ -339,7 +340,7 @@ NTILE_CASES = [
 def test_n_tiles_match_reference(case, n_tiles, lora_shrink, tol=1e-5):
     """Programs walking n_tiles N tiles of their row block; "fused" shrinks in the first tile's K-loop only and
     every later tile's expand reuses that S, so a stale, missing or per-tile-wrong S shows in the LoRA delta."""
-    check_moe(make_moe(**case), tol, moe_forward_triton, lora_shrink=lora_shrink, **tiles(n_tiles))
+    check_moe(make_moe(**case), tol, moe_forward_triton, lora_shrink=lora_shrink, **ntile_configs(n_tiles))
 
 
 @pytest.mark.parametrize("lora_shrink,n_tiles,flags,dtype,tol", [
@@ -353,7 +354,7 @@ def test_n_tiles_match_reference(case, n_tiles, lora_shrink, tol=1e-5):
 ], ids=["fused-bf16", "once-tma", "fused-epilogue_loads"])
 def test_n_tiles_with_flags(lora_shrink, n_tiles, flags, dtype, tol):
     p = make_moe(T=29, H=36, I=68, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True, dtype=dtype)
-    check_moe(p, tol, moe_forward_triton, lora_shrink=lora_shrink, **tiles(n_tiles, **flags))
+    check_moe(p, tol, moe_forward_triton, lora_shrink=lora_shrink, **ntile_configs(n_tiles, **flags))
 
 
 def test_n_tiles_keyword_sum_topk_false(tol=1e-5):
@@ -377,7 +378,7 @@ def test_kernel_fault_with_n_tiles(fault):
     clean = moe_forward(**p, impl="torch")
     with faults.injected(fault):
         bad_ref = moe_forward(**p, impl="torch")
-        bad = moe_forward_triton(**p, **tiles(2))
+        bad = moe_forward_triton(**p, **ntile_configs(2))
     assert rel_err(bad_ref, clean) > 1e3 * NOISE
     assert rel_err(bad, bad_ref) < NOISE
 
@@ -412,7 +413,8 @@ def test_bench_shrink_sweep_on_cpu():
 
 
 def test_moe_launches_compile_for_sm90():
-    """No GPU here, but the GPU's compiler runs: the Qwen3 launches (default tiles, one adapter and none) compiled
+    """No GPU here, but the GPU's compiler runs: the Qwen3 launches (default tiles, one adapter and none; also the
+    shrink in the K-loop with programs walking 2 N tiles, which holds S in registers across tiles) compiled
     for sm90 fit the 227 KiB of shared memory a block may use, do not spill, and under tma=True the weight tiles
     (and the down GEMM's rows) really come by TMA. Catches what the interpreter cannot: a variant that does not
     compile, a prefetched tile that costs a stage's worth of shared memory, a descriptor that falls back."""
@@ -423,13 +425,15 @@ def test_moe_launches_compile_for_sm90():
     from benchmarks.bench_kernels import SM90_SMEM
     # a fresh process: the interpreter leaves triton.language patched once it ran (sm90_report's docstring)
     code = ("import json; from benchmarks.bench_kernels import SHAPES, sm90_report; "
-            "print(json.dumps(sm90_report(lambda line: None, SHAPES[:1], 4096, 32, [{}, dict(tma=True)])))")
+            "print(json.dumps(sm90_report(lambda line: None, SHAPES[:1], 4096, 32, [{}, dict(tma=True), "
+            "dict(lora_shrink='fused', n_tiles=2)])))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
     gemms = [r for r in report if r["kernel"] == "_grouped_gemm_kernel"]
-    assert len(gemms) == 8 and len(report) == 10  # 2 GEMMs x (LoRA, none) x 2 flag sets, 2 shrinks
+    assert len(gemms) == 12 and len(report) == 10 + 4  # 2 GEMMs x (LoRA, none) x 3 flag sets, 2 shrinks
+    assert sum(r["N_TILES"] == 2 for r in gemms) == 4 and sum(r["LORA"] == 1 for r in gemms) == 2
     for r in report:
         assert r["smem"] <= SM90_SMEM and r["spill"] == 0 and r["wgmma"], r
     assert all(r["tma"] == r["TMA"] and r["TMA_X"] == (r["TMA"] and r["X_SORTED"]) for r in gemms)
@@ -527,6 +531,25 @@ def test_gemm_flags_gpu(case, flags, tol=1e-2):
     cfg = configs(p, **flags)
     out, _ = check_moe(p, tol, moe_forward_triton, **cfg)
     assert torch.equal(out, moe_forward_triton(**p, **cfg)), "reruns must be bit-identical"
+
+
+@pytest.mark.parametrize("lora_shrink,n_tiles", [
+    ("fused", 2),  # the shrink in the first of 2 tiles' K-loops: Qwen3's 6 gate_up / 8 down tiles in groups of 2
+    ("fused", 4),  # groups of 4: gate_up's 6 tiles end in a short group
+    ("once", 3),  # precomputed S loaded once per program for 3 tiles; down's 8 tiles end in a short group
+], ids=lambda v: str(v))
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]],
+                         ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}")
+@pytest.mark.gpu1
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_n_tiles_gpu(case, lora_shrink, n_tiles, tol=1e-2):
+    """Programs walking several N tiles, compiled (default GPU tiles) in bf16: against the reference, the LoRA
+    delta included, and bit-stable on rerun."""
+    p = make_moe(**case, dtype=torch.bfloat16, device="cuda")
+    torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
+    kw = dict(lora_shrink=lora_shrink, n_tiles=n_tiles)
+    out, _ = check_moe(p, tol, moe_forward_triton, **kw)
+    assert torch.equal(out, moe_forward_triton(**p, **kw)), "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])

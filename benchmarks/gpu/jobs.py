@@ -143,6 +143,9 @@ def _jobs() -> list[Job]:
         Job("bench-shrink-sweep", 1, 240, ("python", "benchmarks/bench_kernels.py", "--sweep-shrink",
                                            "--sweep-budget-s", "170", "--out", "{dir}") + commit),
         Job("kernels-grouped-gpu", 1, 300, _pytest("tests/test_kernels_moe_grouped.py", "-m", "gpu1")),
+        # programs walking several N tiles (GemmConfig.n_tiles) compiled in bf16; their timings are bench-moe's
+        # *_ntiles* rows and stage lines
+        Job("kernels-ntiles-gpu", 1, 240, _pytest("tests/test_kernels_moe.py", "-m", "gpu1", "-k", "n_tiles")),
         Job("bench-e2e-grouped", 1, 480, ("python", "benchmarks/bench_e2e.py", "--models", "qwen3-30b-a3b",
                                           "--moe-backend", "grouped_mm", "--profile", "--skip-hf", "--out", "{dir}")
             + commit),
