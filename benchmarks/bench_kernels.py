@@ -1,5 +1,7 @@
 """Benchmark of the fused MoE-LoRA kernels (row "triton_fused_lora": each GEMM's shrink precomputed once per row
-block, the default; "triton_fused_shrink_in_k_loop": the shrink inside every N tile's K-loop;
+block, lora_shrink="once"; "triton_fused_lora_auto": the default lora_shrink="auto" (fused at half the N tiles per
+program where the GEMMs have few N tiles, else once); "triton_fused_shrink_in_k_loop": the shrink inside every N
+tile's K-loop;
 "*_ntilesK": each GEMM program walks K N tiles of its row block, GemmConfig(n_tiles=K), with the shrink inside the
 first tile's K-loop only (triton_fused_lora_ntilesK), the shrink precomputed (triton_fused_lora_once_ntilesK) or no
 LoRA (triton_no_lora_ntilesK), each checked against the default row's output; "*_epilogue_loads": the GEMM
@@ -653,7 +655,10 @@ def main():
                 p = make_inputs(s, T, L, R, torch.bfloat16, "cuda")
                 lab = s.label(R)
                 fl, fb = moe_flops(s, T, R, True), moe_bytes(s, T, R, L)
-                record("moe_layer", lab, T, L, "triton_fused_lora", bench(lambda: moe_forward_triton(**p)), fl, fb)
+                record("moe_layer", lab, T, L, "triton_fused_lora",
+                       bench(lambda: moe_forward_triton(**p, lora_shrink="once")), fl, fb)
+                record("moe_layer", lab, T, L, "triton_fused_lora_auto",
+                       bench(lambda: moe_forward_triton(**p, lora_shrink="auto")), fl, fb)
                 record("moe_layer", lab, T, L, "triton_fused_lora_epilogue_loads",
                        bench(lambda: moe_forward_triton(**p, **configs(p, prefetch=False))), fl, fb)
                 if s.name not in no_tma:
@@ -661,7 +666,7 @@ def main():
                            bench(lambda: moe_forward_triton(**p, **configs(p, tma=True))), fl, fb)
                 record("moe_layer", lab, T, L, "triton_fused_shrink_in_k_loop",
                        bench(lambda: moe_forward_triton(**p, lora_shrink="fused")), fl, fb)
-                default_out = moe_forward_triton(**p)
+                default_out = moe_forward_triton(**p, lora_shrink="once")
                 for name, mode, k in NTILE_ROWS:
                     fn = ntile_run(p, mode, k)
                     log(f"check {name} {s.name} T={T} L={L}: rel err vs triton_fused_lora "

@@ -721,7 +721,13 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     return out
 
 
-LORA_SHRINK = ("once", "fused")
+LORA_SHRINK = ("auto", "once", "fused")
+# "auto": the shrink inside the first tile's K-loop, each program walking half its row block's N tiles, when each
+# GEMM has at most this many N tiles (Qwen3-30B-A3B: 6 and 8); else "once". H200, bf16, T 4096, rank 32 (run 30,
+# bench_kernels stage times, ms per layer): Qwen3 gate_up 0.524 once -> 0.493 fused at 3 tiles, down 0.323 -> 0.311
+# at 4 tiles; gpt-oss (23 and 12 N tiles) was slower fused at every n_tiles tried (1.911 vs 1.752 ms per layer).
+AUTO_FUSED_MAX_TILES = 8
+AUTO_FUSED_MAX_RANK = 64  # at rank 128 the S tile held across tiles spills (sm90 compile, kernels_notes.md)
 
 
 def kernel_fault() -> str | None:
@@ -737,9 +743,29 @@ def check_lora_shrink(lora_shrink: str) -> None:
 
 def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
     """Whether the expert GEMMs get their shrink precomputed (LORA 2); a bug-zoo kernel fault forces the fused
-    shrink (LORA 1), the branch where those faults live."""
+    shrink (LORA 1), the branch where those faults live. lora_shrink must be resolved ("once" or "fused")."""
     check_lora_shrink(lora_shrink)
+    assert lora_shrink != "auto", "resolve 'auto' first (resolve_lora_shrink)"
     return lora is not None and lora_shrink == "once" and kernel_fault() is None
+
+
+def resolve_lora_shrink(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
+                        lora_shrink: str, device: torch.device | None = None) -> tuple[str, tuple[int, int] | None]:
+    """-> (mode, tiles): "auto" becomes ("fused", (N tiles of gate_up, of down)) at the default tiles, for
+    moe_forward_triton to give each program half of them, or ("once", None); other modes come back as given.
+    device: the device to decide for, if not x's (tests decide for CUDA on meta tensors)."""
+    check_lora_shrink(lora_shrink)
+    if lora_shrink != "auto":
+        return lora_shrink, None
+    device = device or x.device
+    if lora is None or device.type != "cuda" or lora.max_rank > AUTO_FUSED_MAX_RANK:
+        return "once", None
+    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once=False, device=device)
+    n1 = w_gate_up.shape[1] // 2 if GATED[activation] else w_gate_up.shape[1]
+    tiles = (triton.cdiv(n1, cfg1.block_n), triton.cdiv(x.shape[1], cfg2.block_n))
+    if max(tiles) > AUTO_FUSED_MAX_TILES:
+        return "once", None
+    return "fused", tiles
 
 
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
@@ -787,12 +813,14 @@ def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor |
 def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
                        lora: MoeLoraWeights | None = None, token_adapter=None,
                        config: GemmConfig | None = None, down_config: GemmConfig | None = None,
-                       lora_shrink: str = "once", sum_topk: bool = True,
+                       lora_shrink: str = "auto", sum_topk: bool = True,
                        shrink_config: ShrinkConfig | None = None, n_tiles: int | None = None) -> torch.Tensor:
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
     "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
-    "fused": the faults live in that branch.
+    "fused": the faults live in that branch. "auto" (default): "fused" with each program walking half its row
+    block's N tiles (so the shrink runs twice per row block) where both GEMMs have at most AUTO_FUSED_MAX_TILES N
+    tiles, on CUDA, at rank <= AUTO_FUSED_MAX_RANK; else "once" (resolve_lora_shrink; measurements there).
     n_tiles: GemmConfig.n_tiles of both GEMMs (each program walks that many N tiles of its row block; "fused" then
     redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1). Compiled for sm90 at rank
     32 no variant spills; at rank 128 the S tile held in registers across tiles does (4-96 B per thread at 2 tiles).
@@ -803,8 +831,11 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     E, n1, _ = w_gate_up.shape
     K = topk_ids.shape[1]
     inter_n = n1 // 2 if GATED[activation] else n1
+    lora_shrink, auto_tiles = resolve_lora_shrink(x, topk_ids, w_gate_up, activation, lora, lora_shrink)
     once = shrink_once(lora, lora_shrink)
     cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
+    if auto_tiles is not None:  # half of each GEMM's N tiles per program: two programs per row block
+        cfg1, cfg2 = (replace(c, n_tiles=triton.cdiv(t, 2)) for c, t in zip((cfg1, cfg2), auto_tiles))
     cfg1, cfg2 = config or cfg1, down_config or cfg2
     if n_tiles is not None:
         cfg1, cfg2 = replace(cfg1, n_tiles=n_tiles), replace(cfg2, n_tiles=n_tiles)
@@ -880,7 +911,7 @@ def _misread_as_gated(w_down, lora):
 
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
                 lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
-                backend: str = "triton", lora_shrink: str = "once", sum_topk: bool = True,
+                backend: str = "triton", lora_shrink: str = "auto", sum_topk: bool = True,
                 n_tiles: int | None = None) -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 

@@ -98,6 +98,7 @@ def check_moe(p, tol, triton_fn=None, **kw):
     (37, 8, 8, 2, 16),  # several adapters + none rows, T*K not a multiple of the block
     (5, 1, 8, 0, 16),   # no LoRA, top-1, most experts empty
     (40, 3, 3, 4, 32),  # more slots than experts, top-k = E, big blocks
+    (300, 4, 8, 2, 16),  # 1200 pairs: five count programs on the CPU (256 pairs each), several sub-counters per group
 ])
 def test_moe_align_matches_reference(T, K, E, L, block_m, impl):
     g = torch.Generator().manual_seed(T)
@@ -151,7 +152,7 @@ def test_moe_forward_interpreter_bf16_upcast(tol=1e-2):
     check_moe(make_moe(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16), tol)
 
 
-SHRINK_MODES = ["once", "fused"]  # the shrink precomputed once per row block (default) / inside every K-loop
+SHRINK_MODES = ["once", "fused"]  # the shrink precomputed once per row block / inside every K-loop ("auto" picks)
 SHRINK_CASES = [
     # SiLU-gated with odd sizes: T*K not a multiple of BLOCK_M, H and I not multiples of 16 (masked K tails,
     # wrapped gate/up columns); 3 adapters + none rows; slot 1 loaded at rank 5 < max rank 16 with garbage past it
@@ -580,3 +581,29 @@ def test_reference_matches_transformers_experts(arch):
             out = moe_forward(x, ids, w, gu, m.down_proj.transpose(1, 2), "swiglu_oai", bgu, m.down_proj_bias,
                               impl="torch")
     assert rel_err(out, hf) <= 1e-6
+
+
+@pytest.mark.parametrize("shape,rank,want", [
+    # Qwen3-30B-A3B experts: 6 gate_up and 8 down N tiles at the default CUDA tiles -> fused, half per program
+    (dict(E=128, H=2048, I=768, K=8), 32, ("fused", (6, 8))),
+    # gpt-oss-20b experts: 23 and 12 N tiles, measured slower fused -> once
+    (dict(E=32, H=2880, I=2880, K=4), 32, ("once", None)),
+    # rank 128: the S tile held across tiles spills -> once
+    (dict(E=128, H=2048, I=768, K=8), 128, ("once", None)),
+])
+def test_auto_lora_shrink_picks_by_shape(shape, rank, want):
+    """lora_shrink="auto" decided for CUDA from shapes alone (meta tensors, no GPU)."""
+    from kernels.fused_moe_lora import resolve_lora_shrink
+
+    E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x, w = torch.empty(4096, H, **meta), torch.empty(E, 2 * I, H, **meta)
+    ids = torch.empty(4096, K, device="meta", dtype=torch.int32)
+    lora = MoeLoraWeights(torch.empty(1, E, rank, H, **meta), torch.empty(1, E, 2 * I, rank, **meta),
+                          torch.empty(1, E, rank, I, **meta), torch.empty(1, E, H, rank, **meta),
+                          torch.ones(1), torch.tensor([rank], dtype=torch.int32))
+    cuda = torch.device("cuda")
+    assert resolve_lora_shrink(x, ids, w, "silu", lora, "auto", device=cuda) == want
+    assert resolve_lora_shrink(x, ids, w, "silu", None, "auto", device=cuda) == ("once", None)
+    assert resolve_lora_shrink(x, ids, w, "silu", lora, "auto") == ("once", None)  # not CUDA: once
+    assert resolve_lora_shrink(x, ids, w, "silu", lora, "fused", device=cuda) == ("fused", None)
