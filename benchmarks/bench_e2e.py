@@ -140,6 +140,7 @@ def bench_model(name: str, args, writer) -> None:
                     " (captures, replays)")
                 if args.profile and graphs == (args.graphs != "off"):
                     profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
+                    profile(tr, prompts, None, Path(args.out) / f"profile_{name}_{impl}_base.txt")
                     breakdown(tr, prompts, adapter.name)
             free_gpu()
         first = impl_name(*variants[0])
@@ -171,7 +172,7 @@ def bench_model(name: str, args, writer) -> None:
 
 
 def profile(eng, prompts, adapter, path: Path) -> None:
-    """Top CUDA kernels of one LoRA call (where the time goes)."""
+    """Top CUDA kernels of one call (where the time goes), with ``adapter`` (None: the base call)."""
     from torch.profiler import ProfilerActivity, profile as tprof
 
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -223,13 +224,16 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
         k = qkv[:, m.heads * d: (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
         v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
         o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
+        po = m.o_proj(o, lw, ll, b)  # LoRA batches at TP 1: (out, S, B), the expand left to the next norm
         ids, wts, _ = route(x, lw, cfg, m.impl)
         moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum)
         tag = "lora" if slot >= 0 else "base"
         pieces = {
-            "add_rms_norm (attention)": lambda: m._norm(x, x, lw.input_norm, None if xa is None else xa[:, :H]),
+            "add_rms_norm (before attention)": lambda: m._norm(x, x, lw.input_norm,
+                                                               None if xa is None else xa[:, :H]),
             # at TP 1 the MoE's top-k sum is fused into this norm (moe_out is (T, K, H) there)
-            "add_rms_norm (moe top-k)": lambda: m._norm(x, moe_out, lw.post_norm),
+            "add_rms_norm (after o)": lambda: m._norm(x, po, lw.post_norm),  # with o's LoRA expand
+            "add_rms_norm (moe top-k)": lambda: m._norm(x, moe_out, lw.input_norm),
             "qkv lora_linear": lambda: m.qkv(h, lw, ll, b),
             "norm_rope q+k": lambda: norm_rope_qk(q, k, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin),
             "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
