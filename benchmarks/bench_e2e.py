@@ -224,15 +224,14 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
         k = qkv[:, m.heads * d: (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
         v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
         o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
-        po = m.o_proj(o, lw, ll, b)  # LoRA batches at TP 1: (out, S, B), the expand left to the next norm
         ids, wts, _ = route(x, lw, cfg, m.impl)
         moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum)
         tag = "lora" if slot >= 0 else "base"
         pieces = {
             "add_rms_norm (before attention)": lambda: m._norm(x, x, lw.input_norm,
                                                                None if xa is None else xa[:, :H]),
+            "add_rms_norm (after o)": lambda: m._norm(x, x, lw.post_norm),
             # at TP 1 the MoE's top-k sum is fused into this norm (moe_out is (T, K, H) there)
-            "add_rms_norm (after o)": lambda: m._norm(x, po, lw.post_norm),  # with o's LoRA expand
             "add_rms_norm (moe top-k)": lambda: m._norm(x, moe_out, lw.input_norm),
             "qkv lora_linear": lambda: m.qkv(h, lw, ll, b),
             "norm_rope q+k": lambda: norm_rope_qk(q, k, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin),

@@ -197,21 +197,15 @@ def lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token
         return add_expand(out, s, b_packed, S * R, slot_mask, uniform_slot)
 
 
-def expand_operands(s: torch.Tensor, b_packed: torch.Tensor, width: int, slot_mask, uniform_slot):
-    """-> (S, B) with out += S B^T the expand. s (T, L*width): every slot's shrink columns, masked here in place per
-    row by slot_mask (T, L); with uniform_slot, s holds only that slot's width columns or all of them (the slot's
-    are used, unmasked)."""
+def add_expand(out: torch.Tensor, s: torch.Tensor, b_packed: torch.Tensor, width: int, slot_mask, uniform_slot):
+    """out += S B_packed^T in place (one GEMM with beta = 1). s (T, L*width): every slot's shrink columns, masked
+    here per row by slot_mask (T, L); with uniform_slot, s holds only that slot's width columns or all of them
+    (the slot's are used)."""
     if uniform_slot is not None:
         lo, hi = uniform_slot * width, (uniform_slot + 1) * width
-        return (s if s.shape[1] == width else s[:, lo:hi]), b_packed[:, lo:hi]
+        return out.addmm_(s if s.shape[1] == width else s[:, lo:hi], b_packed[:, lo:hi].T)
     s.view(s.shape[0], -1, width).mul_(slot_mask[:, :, None])
-    return s, b_packed
-
-
-def add_expand(out: torch.Tensor, s: torch.Tensor, b_packed: torch.Tensor, width: int, slot_mask, uniform_slot):
-    """out += S B_packed^T in place (one GEMM with beta = 1), S and B from expand_operands."""
-    s, b = expand_operands(s, b_packed, width, slot_mask, uniform_slot)
-    return out.addmm_(s, b.T)
+    return out.addmm_(s, b_packed.T)
 
 
 def stack_shrink_rows(w: torch.Tensor, lora_a: torch.Tensor, bias: torch.Tensor | None = None):
@@ -227,16 +221,14 @@ def stack_shrink_rows(w: torch.Tensor, lora_a: torch.Tensor, bias: torch.Tensor 
 
 
 def lora_linear_shrink_out(x, w_s, bias_s, n: int, b_packed, width: int, slot_mask=None,
-                           uniform_slot: int | None = None, expand: bool = True):
+                           uniform_slot: int | None = None) -> torch.Tensor:
     """The "cublas" path with the shrink folded into the base GEMM as extra output columns: [out | S] =
     x [w ; A_all]^T (+ [bias ; 0]), then out += S B_packed^T in place. For a layer whose input cannot be widened
     for free (the engine's o projection reads the attention output), this drops the separate shrink GEMM (Qwen3's
     o at 4096 tokens: a split-K GEMM and its reduction, ~13 us per layer on an H200, run 27) for L*S*R extra
     columns of N (32 of 2048 per slot at rank 32).
     w_s, bias_s: stack_shrink_rows(w, lora_a, bias); n: the base width N; b_packed (N, L*S*R); width: S*R, the
-    columns of one slot; slot_mask (T, L) or uniform_slot, as lora_linear_aug. -> (T, N), a view with row stride
-    N + L*S*R of the GEMM's output; with expand False the base output and the expand's operands (out, S, B) (S
-    masked per row; out += S B^T left to the caller, e.g. the engine's next residual add + RMSNorm).
+    columns of one slot; slot_mask (T, L) or uniform_slot, as lora_linear_aug. -> (T, N), a view with row stride N + L*S*R of the GEMM's output.
     Precision as the "cublas" path: S rounded to the run dtype (every slot's columns are computed; a row keeps its
     own), the expand accumulated onto the base output with one rounding; fp32 runs are IEEE fp32."""
     if x.ndim != 2 or w_s.ndim != 2 or w_s.shape[1] != x.shape[1] or w_s.dtype != x.dtype:
@@ -252,8 +244,6 @@ def lora_linear_shrink_out(x, w_s, bias_s, n: int, b_packed, width: int, slot_ma
     with exact_matmuls(x.dtype):
         y = F.linear(x, w_s, bias_s)
         out, s = y[:, :n], y[:, n:]
-        if not expand:
-            return (out, *expand_operands(s, b_packed, width, slot_mask, uniform_slot))
         return add_expand(out, s, b_packed, width, slot_mask, uniform_slot)
 
 

@@ -45,12 +45,7 @@ class MoeTransformer:
         self.qkv_offsets = [0, self.heads * d, (self.heads + self.kv_heads) * d, (self.heads + 2 * self.kv_heads) * d]
 
     def _norm(self, x, delta, weight, out=None):
-        """delta: a tensor, or (o, S, B) from o_proj: o's LoRA expand S B^T is added inside the norm kernel."""
-        lora = None
-        if isinstance(delta, tuple):
-            delta, *lora = delta
-        return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, self.cfg.norm_weight_fp32, self.impl, out,
-                            lora)
+        return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, self.cfg.norm_weight_fp32, self.impl, out)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,19 +113,17 @@ class MoeTransformer:
                             cfg.rms_norm_eps, batch.cos, batch.sin, self.impl)
         o = attention(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, window, lw.sinks,
                       self.attention_impl).reshape(T, self.heads * d)
-        out = self.o_proj(o, lw, ll, batch)
-        return out if isinstance(out, tuple) else self.all_reduce(out)  # a tuple only at TP 1
+        return self.all_reduce(self.o_proj(o, lw, ll, batch))
 
-    def o_proj(self, o: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch):
-        """o (T, heads * d) -> (T, H), this rank's partial sum under TP; on the shrink-out LoRA path (TP 1) the base
-        output and the expand's operands (out, S, B), for the next add_rms_norm to add S B^T (_norm)."""
+    def o_proj(self, o: torch.Tensor, lw: LayerWeights, ll: LayerLora | None, batch: Batch) -> torch.Tensor:
+        """o (T, heads * d) -> (T, H), this rank's partial sum under TP."""
         if ll is not None and ll.o_w_s is not None and batch.token_adapter is not None \
                 and resolve_impl(self.lora_impl, o) != "torch":
             from kernels.lora_linear import lora_linear_shrink_out
 
             uniform = batch.uniform_slot
             mask = batch.slot_mask(ll.o_a.shape[0], o.dtype) if uniform is None else None
-            # views of the (T, H + L*R) product, read as they are by the next add_rms_norm (TP 1 only)
+            # a (T, H) view with row stride H + L*R: the next add_rms_norm reads it as it is (TP 1 only)
             return lora_linear_shrink_out(o, ll.o_w_s, ll.o_bias_s, lw.o.shape[0], ll.o_b_packed,
-                                          ll.o_a.shape[1] * ll.o_a.shape[2], mask, uniform, expand=False)
+                                          ll.o_a.shape[1] * ll.o_a.shape[2], mask, uniform)
         return self._linear(o, lw.o, lw.o_bias, ll and ll.o_a, ll and ll.o_b, ll and ll.o_b_packed, None, batch)

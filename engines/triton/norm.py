@@ -38,17 +38,8 @@ def sum_topk(delta: torch.Tensor) -> torch.Tensor:
     return acc.to(delta.dtype)
 
 
-def add_lora(delta: torch.Tensor, lora) -> torch.Tensor:
-    """delta (T, H) + s b^T for lora = (s (T, R), b (H, R)), accumulated in fp32 and rounded once to delta's dtype
-    (as a cuBLAS addmm_ onto delta does); delta as is without lora."""
-    if lora is None:
-        return delta
-    s, b = lora
-    return (delta.float() + s.float() @ b.float().T).to(delta.dtype)
-
-
-def add_rms_norm_torch(x, delta, weight, eps, weight_fp32=False, lora=None):
-    s = x if delta is None else x + sum_topk(add_lora(delta, lora))
+def add_rms_norm_torch(x, delta, weight, eps, weight_fp32=False):
+    s = x if delta is None else x + sum_topk(delta)
     return rms_norm(s, weight, eps, weight_fp32), s
 
 
@@ -79,51 +70,6 @@ if triton is not None:
         tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=ok)
 
 
-if triton is not None:
-    @triton.jit
-    def _add_rms_norm_lora_kernel(X, D, S, B, W, Out, Sum, T, H, R, eps, stride_x, stride_d, stride_s, stride_bh,
-                                  stride_br, stride_o, stride_sum, WEIGHT_FP32: tl.constexpr, ROWS: tl.constexpr,
-                                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
-                                  UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-        """add_rms_norm with the delta's LoRA expand s b^T done here (ROWS rows per program, H in CHUNKS chunks): a
-        first pass writes the residual sum and its sum of squares, a second re-reads it to normalise."""
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < T
-        r = tl.arange(0, BLOCK_R)
-        st = tl.load(S + rows[:, None].to(tl.int64) * stride_s + r[None, :], mask=row_ok[:, None] & (r < R)[None, :],
-                     other=0.0)
-        if UPCAST:
-            st = st.to(tl.float32)
-        sq = tl.zeros((ROWS,), tl.float32)
-        for c in tl.static_range(CHUNKS):
-            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-            ok = row_ok[:, None] & (cols < H)[None, :]
-            bt = tl.load(B + cols[None, :] * stride_bh + r[:, None] * stride_br,
-                         mask=(r < R)[:, None] & (cols < H)[None, :], other=0.0)
-            if UPCAST:
-                bt = bt.to(tl.float32)
-            d = tl.load(D + rows[:, None].to(tl.int64) * stride_d + cols[None, :], mask=ok, other=0.0)
-            delta = (d.to(tl.float32) + tl.dot(st, bt, input_precision=DOT_PREC)).to(d.dtype).to(tl.float32)
-            x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok, other=0.0)
-            sm = (x.to(tl.float32) + delta).to(Sum.dtype.element_ty)
-            tl.store(Sum + rows[:, None].to(tl.int64) * stride_sum + cols[None, :], sm, mask=ok)
-            smf = sm.to(tl.float32)
-            sq += tl.sum(smf * smf, axis=1)
-        rinv = tl.math.rsqrt(sq / H + eps)
-        tl.debug_barrier()  # the second pass reads sums other threads of this program wrote
-        for c in tl.static_range(CHUNKS):
-            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-            ok = row_ok[:, None] & (cols < H)[None, :]
-            xf = tl.load(Sum + rows[:, None].to(tl.int64) * stride_sum + cols[None, :], mask=ok, other=0.0)
-            xf = xf.to(tl.float32)
-            w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-            if WEIGHT_FP32:
-                y = w * (xf * rinv[:, None])
-            else:
-                y = w * (xf * rinv[:, None]).to(Out.dtype.element_ty).to(tl.float32)
-            tl.store(Out + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y.to(Out.dtype.element_ty), mask=ok)
-
-
 def check_delta(x: torch.Tensor, delta: torch.Tensor | None) -> None:
     T, H = x.shape
     if delta is not None and not (delta.ndim in (2, 3) and delta.shape[0] == T and delta.shape[-1] == H
@@ -134,41 +80,20 @@ def check_delta(x: torch.Tensor, delta: torch.Tensor | None) -> None:
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  weight_fp32: bool = False, impl: str = "auto",
-                 out: torch.Tensor | None = None, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) x, delta (T, H) or (T, K, H) -> (rms_norm(x + sum_topk(delta)), x + sum_topk(delta)): the next
     sublayer's input and the new residual stream. ``out``: a (T, H) view with unit column stride (e.g. the first H
-    columns of the q|k|v LoRA's augmented input) that receives the normed rows in place of a new tensor.
-    ``lora``: (s (T, R), b (H, R)) in x's dtype, unit column strides: the delta (T, H) gets s b^T added first (fp32
-    accumulation, one rounding, as an addmm_ onto it: add_lora) — the o projection's LoRA expand, done here instead
-    of reading and writing the o output once more."""
+    columns of the q|k|v LoRA's augmented input) that receives the normed rows in place of a new tensor."""
     check_delta(x, delta)
-    if lora is not None:
-        s_, b_ = lora
-        if delta is None or delta.ndim != 2 or s_.shape[0] != x.shape[0] or b_.shape[0] != x.shape[1] \
-                or s_.shape[1] != b_.shape[1] or s_.stride(-1) != 1:
-            raise ValueError(f"lora must be (s (T, R), b (H, R)) for a (T, H) delta, got s {tuple(s_.shape)} "
-                             f"b {tuple(b_.shape)} delta {None if delta is None else tuple(delta.shape)}")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a (T, H) = {tuple(x.shape)} {x.dtype} view with unit column stride, got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if not use_triton(x, impl):
-        normed, s = add_rms_norm_torch(x, delta, weight, eps, weight_fp32, lora)
+        normed, s = add_rms_norm_torch(x, delta, weight, eps, weight_fp32)
         return (normed if out is None else out.copy_(normed)), s
     T, H = x.shape
     out = torch.empty_like(x) if out is None else out
     s = torch.empty_like(x) if delta is not None else x
-    if lora is not None:
-        from kernels._triton import dot_flags
-
-        sl, bl = lora
-        R = sl.shape[1]
-        rows, block_h = 16, min(256, pow2(H))
-        _add_rms_norm_lora_kernel[(triton.cdiv(T, rows),)](
-            x, delta, sl, bl, weight, out, s, T, H, R, eps, x.stride(0), delta.stride(0), sl.stride(0),
-            bl.stride(0), bl.stride(1), out.stride(0), s.stride(0), WEIGHT_FP32=weight_fp32, ROWS=rows,
-            BLOCK_H=block_h, BLOCK_R=max(16, pow2(R)), CHUNKS=triton.cdiv(H, block_h), num_warps=4,
-            **dot_flags(x.dtype, x.device))
-        return out, s
     d = delta if delta is not None else x
     assert d.stride(-1) == 1, "delta rows must be contiguous"
     K, stride_dk = (d.shape[1], d.stride(1)) if d.ndim == 3 else (1, 0)
