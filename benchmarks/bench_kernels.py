@@ -1,6 +1,6 @@
 """Benchmark of the fused MoE-LoRA kernels (row "triton_fused_lora": each GEMM's shrink precomputed once per row
-block, lora_shrink="once"; "triton_fused_lora_auto": the default lora_shrink="auto" (fused, AUTO_N_TILES N tiles per
-program, where the GEMMs have few N tiles, else once); "triton_fused_shrink_in_k_loop": the shrink inside every N
+block, lora_shrink="once"; "triton_fused_lora_auto": the default lora_shrink="auto" (fused at half the N tiles per
+program where the GEMMs have few N tiles, else once); "triton_fused_shrink_in_k_loop": the shrink inside every N
 tile's K-loop;
 "*_ntilesK": each GEMM program walks K N tiles of its row block, GemmConfig(n_tiles=K), with the shrink inside the
 first tile's K-loop only (triton_fused_lora_ntilesK), the shrink precomputed (triton_fused_lora_once_ntilesK) or no

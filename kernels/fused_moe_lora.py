@@ -722,13 +722,11 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
 
 
 LORA_SHRINK = ("auto", "once", "fused")
-# "auto": the shrink inside the first tile's K-loop, each program walking AUTO_N_TILES N tiles of its row block, when
-# each GEMM has at most AUTO_FUSED_MAX_TILES N tiles (Qwen3-30B-A3B: 6 and 8); else "once". H200, bf16, T 4096,
-# rank 32, whole MoE layer (bench_kernels --quick, ms): Qwen3 once 0.914 / 0.907, fused at 3 tiles in both GEMMs
-# 0.903 / 0.885, at (3, 4) tiles 0.896, at 4 tiles 0.914 / 0.915 (runs 30 / 31); gpt-oss (23 and 12 N tiles) was
-# slower fused at every n_tiles tried (1.911 at 3 vs 1.752 once, run 30).
+# "auto": the shrink inside the first tile's K-loop, each program walking half its row block's N tiles, when each
+# GEMM has at most this many N tiles (Qwen3-30B-A3B: 6 and 8); else "once". H200, bf16, T 4096, rank 32 (run 30,
+# bench_kernels stage times, ms per layer): Qwen3 gate_up 0.524 once -> 0.493 fused at 3 tiles, down 0.323 -> 0.311
+# at 4 tiles; gpt-oss (23 and 12 N tiles) was slower fused at every n_tiles tried (1.911 vs 1.752 ms per layer).
 AUTO_FUSED_MAX_TILES = 8
-AUTO_N_TILES = 3
 AUTO_FUSED_MAX_RANK = 64  # at rank 128 the S tile held across tiles spills (sm90 compile, kernels_notes.md)
 
 
@@ -754,7 +752,7 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
 def resolve_lora_shrink(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
                         lora_shrink: str, device: torch.device | None = None) -> tuple[str, tuple[int, int] | None]:
     """-> (mode, tiles): "auto" becomes ("fused", (N tiles of gate_up, of down)) at the default tiles, for
-    moe_forward_triton to give each program AUTO_N_TILES of them, or ("once", None); other modes as given.
+    moe_forward_triton to give each program half of them, or ("once", None); other modes come back as given.
     device: the device to decide for, if not x's (tests decide for CUDA on meta tensors)."""
     check_lora_shrink(lora_shrink)
     if lora_shrink != "auto":
@@ -820,10 +818,9 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
     "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
-    "fused": the faults live in that branch. "auto" (default): "fused" with each program walking AUTO_N_TILES N
-    tiles of its row block (the shrink then runs once per AUTO_N_TILES tiles) where both GEMMs have at most
-    AUTO_FUSED_MAX_TILES N tiles, on CUDA, at rank <= AUTO_FUSED_MAX_RANK; else "once" (measurements at
-    AUTO_N_TILES).
+    "fused": the faults live in that branch. "auto" (default): "fused" with each program walking half its row
+    block's N tiles (so the shrink runs twice per row block) where both GEMMs have at most AUTO_FUSED_MAX_TILES N
+    tiles, on CUDA, at rank <= AUTO_FUSED_MAX_RANK; else "once" (resolve_lora_shrink; measurements there).
     n_tiles: GemmConfig.n_tiles of both GEMMs (each program walks that many N tiles of its row block; "fused" then
     redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1). Compiled for sm90 at rank
     32 no variant spills; at rank 128 the S tile held in registers across tiles does (4-96 B per thread at 2 tiles).
@@ -837,8 +834,8 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     lora_shrink, auto_tiles = resolve_lora_shrink(x, topk_ids, w_gate_up, activation, lora, lora_shrink)
     once = shrink_once(lora, lora_shrink)
     cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
-    if auto_tiles is not None:
-        cfg1, cfg2 = (replace(c, n_tiles=min(AUTO_N_TILES, t)) for c, t in zip((cfg1, cfg2), auto_tiles))
+    if auto_tiles is not None:  # half of each GEMM's N tiles per program: two programs per row block
+        cfg1, cfg2 = (replace(c, n_tiles=triton.cdiv(t, 2)) for c, t in zip((cfg1, cfg2), auto_tiles))
     cfg1, cfg2 = config or cfg1, down_config or cfg2
     if n_tiles is not None:
         cfg1, cfg2 = replace(cfg1, n_tiles=n_tiles), replace(cfg2, n_tiles=n_tiles)

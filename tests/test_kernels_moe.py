@@ -584,7 +584,7 @@ def test_reference_matches_transformers_experts(arch):
 
 
 @pytest.mark.parametrize("shape,rank,want", [
-    # Qwen3-30B-A3B experts: 6 gate_up and 8 down N tiles at the default CUDA tiles -> fused (AUTO_N_TILES each)
+    # Qwen3-30B-A3B experts: 6 gate_up and 8 down N tiles at the default CUDA tiles -> fused, half per program
     (dict(E=128, H=2048, I=768, K=8), 32, ("fused", (6, 8))),
     # gpt-oss-20b experts: 23 and 12 N tiles, measured slower fused -> once
     (dict(E=32, H=2880, I=2880, K=4), 32, ("once", None)),
