@@ -77,8 +77,9 @@ def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
     return AdapterSpec("r%d" % rank, ad.path)
 
 
-def impl_name(backend: str, graphs: bool) -> str:
-    return ("triton" if backend == "triton" else f"triton+{backend}") + ("" if graphs else "-eager")
+def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink"]) -> str:
+    return (("triton" if backend == "triton" else f"triton+{backend}") + ("" if graphs else "-eager")
+            + ("" if shrink == OPTIONS["moe_lora_shrink"] else f"@{shrink}"))
 
 
 def bench_model(name: str, args, writer) -> None:
@@ -118,11 +119,13 @@ def bench_model(name: str, args, writer) -> None:
                     outs[("hf", a)] = hf.prompt_logprobs(prompts, a)
             free_gpu()
         # CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"
-        variants = [(b, g) for b in args.moe_backend for g in {"on": (True,), "off": (False,),
-                                                                  "both": (True, False)}[args.graphs]]
-        for backend, graphs in variants:
-            opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0}
-            impl = impl_name(backend, graphs)
+        # and each --moe-shrink value (the engine's moe_lora_shrink option; impl "...@<value>" unless the default)
+        variants = [(b, g, sh) for b in args.moe_backend for sh in args.moe_shrink
+                    for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]]
+        for backend, graphs, shrink in variants:
+            opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0,
+                    "moe_lora_shrink": shrink}
+            impl = impl_name(backend, graphs, shrink)
             t0 = time.perf_counter()
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
                                            options=opts)) as tr:
@@ -138,7 +141,7 @@ def bench_model(name: str, args, writer) -> None:
                 log(f"{impl}: reserved {torch.cuda.max_memory_reserved() / 1e9:.2f} GB at most (allocator pools and "
                     f"graph pools), graphs {tr.runtime.graphs and (tr.runtime.graphs.captures, tr.runtime.graphs.hits)}"
                     " (captures, replays)")
-                if args.profile and graphs == (args.graphs != "off"):
+                if args.profile and graphs == (args.graphs != "off") and shrink == args.moe_shrink[0]:
                     profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
                     profile(tr, prompts, None, Path(args.out) / f"profile_{name}_{impl}_base.txt")
                     breakdown(tr, prompts, adapter.name)
@@ -225,7 +228,8 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
         v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
         o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
         ids, wts, _ = route(x, lw, cfg, m.impl)
-        moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum)
+        moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum,
+                          shrink=m.moe_shrink)
         tag = "lora" if slot >= 0 else "base"
         pieces = {
             "add_rms_norm (before attention)": lambda: m._norm(x, x, lw.input_norm,
@@ -239,7 +243,7 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
             "o lora_linear": lambda: m.o_proj(o, lw, ll, b),
             "router+route": lambda: route(x, lw, cfg, m.impl),
             "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend,
-                                           sum_topk=not m.fuse_topk_sum),
+                                           sum_topk=not m.fuse_topk_sum, shrink=m.moe_shrink),
         }
         for piece, fn in pieces.items():
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -272,6 +276,9 @@ def main():
     p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
     p.add_argument("--graphs", choices=("on", "off", "both"), default="both",
                    help="the triton engine's CUDA graphs: on (default option), off (impl '...-eager'), or both timed")
+    p.add_argument("--moe-shrink", nargs="+", default=[OPTIONS["moe_lora_shrink"]],
+                   help="the triton engine's moe_lora_shrink option(s), each timed in this run (e.g. auto once "
+                        "fused:6,8)")
     p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
                    help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
     args = p.parse_args()

@@ -814,14 +814,15 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
                        lora: MoeLoraWeights | None = None, token_adapter=None,
                        config: GemmConfig | None = None, down_config: GemmConfig | None = None,
                        lora_shrink: str = "auto", sum_topk: bool = True,
-                       shrink_config: ShrinkConfig | None = None, n_tiles: int | None = None) -> torch.Tensor:
+                       shrink_config: ShrinkConfig | None = None,
+                       n_tiles: int | tuple[int, int] | None = None) -> torch.Tensor:
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
     "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
     "fused": the faults live in that branch. "auto" (default): "fused" with each program walking half its row
     block's N tiles (so the shrink runs twice per row block) where both GEMMs have at most AUTO_FUSED_MAX_TILES N
     tiles, on CUDA, at rank <= AUTO_FUSED_MAX_RANK; else "once" (resolve_lora_shrink; measurements there).
-    n_tiles: GemmConfig.n_tiles of both GEMMs (each program walks that many N tiles of its row block; "fused" then
+    n_tiles: GemmConfig.n_tiles of both GEMMs, or (gate_up's, down's) (each program walks that many N tiles of its row block; "fused" then
     redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1). Compiled for sm90 at rank
     32 no variant spills; at rank 128 the S tile held in registers across tiles does (4-96 B per thread at 2 tiles).
     sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
@@ -838,7 +839,8 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
         cfg1, cfg2 = (replace(c, n_tiles=triton.cdiv(t, 2)) for c, t in zip((cfg1, cfg2), auto_tiles))
     cfg1, cfg2 = config or cfg1, down_config or cfg2
     if n_tiles is not None:
-        cfg1, cfg2 = replace(cfg1, n_tiles=n_tiles), replace(cfg2, n_tiles=n_tiles)
+        t1, t2 = (n_tiles, n_tiles) if isinstance(n_tiles, int) else n_tiles
+        cfg1, cfg2 = replace(cfg1, n_tiles=t1), replace(cfg2, n_tiles=t2)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
     routing = moe_align(topk_ids, token_adapter if lora is not None else None, E,
                         lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton")
@@ -912,7 +914,7 @@ def _misread_as_gated(w_down, lora):
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
                 lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
                 backend: str = "triton", lora_shrink: str = "auto", sum_topk: bool = True,
-                n_tiles: int | None = None) -> torch.Tensor:
+                n_tiles: int | tuple[int, int] | None = None) -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),

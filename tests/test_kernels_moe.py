@@ -360,13 +360,15 @@ def test_n_tiles_with_flags(lora_shrink, n_tiles, flags, dtype, tol):
 
 def test_n_tiles_keyword_sum_topk_false(tol=1e-5):
     """moe_forward's n_tiles sets both GEMMs' (default interpreter tiles: H=100 and I=72 span several 32-column
-    tiles), and sum_topk=False gives the per-pair outputs of the same launches."""
+    tiles) or, as a pair, each GEMM's, and sum_topk=False gives the per-pair outputs of the same launches."""
     p = make_moe(T=21, H=100, I=72, E=5, K=3, activation="swiglu_oai", ranks=(8, 3), bias=True, pad_garbage=True)
     ref = moe_forward(**p, impl="torch")
     out = moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=2)
     assert rel_err(out, ref) <= tol
     pairs = moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=2, sum_topk=False)
     assert pairs.shape == (21, 3, 100) and torch.equal(pairs.sum(dim=1), out)
+    # a count per GEMM (gate_up 3 tiles, down 4 — the engine's moe_lora_shrink "fused:3,4")
+    assert rel_err(moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=(3, 4)), ref) <= tol
 
 
 @pytest.mark.parametrize("fault", ["lora_after_activation", "topk_weight_twice"])  # gate_up's / down's epilogue

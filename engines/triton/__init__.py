@@ -18,6 +18,9 @@ Options (``EngineConfig.options``):
   moe_backend       "triton" (default: the fused MoE-LoRA kernel) | "grouped_mm" (torch's CUTLASS grouped GEMM for
                     the expert bases + Triton LoRA passes; bf16 on sm90/sm100, else the fused kernel;
                     kernels/moe_grouped.py)
+  moe_lora_shrink   the expert GEMMs' LoRA shrink: "auto" (default; kernels.fused_moe_lora.resolve_lora_shrink),
+                    "once" (its own launch), "fused" (in every program's K-loop) or "fused:G,D" (in the first of
+                    the G (gate_up) / D (down) N tiles each program walks); numerics alike, for timing them
   cuda_graphs       CUDA graphs kept of whole calls (default 4; 0 = none; TP 1 on CUDA only): a batch layout (prompt
                     lengths, adapter per prompt, top-k) seen a second time is captured, and replayed from then on
                     with the new token ids (engines/triton/graphs.py); that second call costs about two forwards

@@ -12,7 +12,7 @@ from engines.triton.config import SUPPORTED_ARCHS
 from harness.types import PromptLogprobs
 
 OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0,
-           "fault": None, "moe_backend": "triton", "cuda_graphs": 4}
+           "fault": None, "moe_backend": "triton", "cuda_graphs": 4, "moe_lora_shrink": "auto"}
 IMPLS = ("auto", "triton", "torch")
 ATTENTION = ("auto", "flash", "sdpa")
 
@@ -38,6 +38,9 @@ class TritonEngine:
         if self.options["moe_backend"] not in BACKENDS:
             raise ValueError(f"option moe_backend must be one of {BACKENDS}, got {self.options['moe_backend']!r}")
 
+        from engines.triton.moe import parse_shrink
+
+        parse_shrink(str(self.options["moe_lora_shrink"]))  # one clear error now, not in every TP worker later
         graphs = self.options["cuda_graphs"]
         if isinstance(graphs, bool) or not isinstance(graphs, int) or graphs < 0:
             raise ValueError(f"option cuda_graphs is the number of CUDA graphs kept (0 = none), got {graphs!r}")

@@ -98,13 +98,29 @@ def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto"
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
             lora, token_adapter: torch.Tensor | None, impl: str, backend: str = "triton",
-            sum_topk: bool = True) -> torch.Tensor:
+            sum_topk: bool = True, shrink: tuple = ("auto", None)) -> torch.Tensor:
     """(T, H), or with sum_topk False on the paths that can skip the sum (kernels.moe_forward) the weighted
-    per-pair outputs (T, K, H) for the next residual add + RMSNorm to sum (norm.add_rms_norm)."""
+    per-pair outputs (T, K, H) for the next residual add + RMSNorm to sum (norm.add_rms_norm).
+    shrink: (lora_shrink, n_tiles) of kernels.moe_forward (the engine's moe_lora_shrink option, parse_shrink)."""
     from kernels import moe_forward
 
     use_lora = lora is not None and token_adapter is not None
     return moe_forward(x, ids, weights, w.w_gate_up, w.w_down, cfg.activation, b_gate_up=w.b_gate_up,
                        b_down=w.b_down, lora=lora if use_lora else None,
                        token_adapter=token_adapter if use_lora else None, impl=impl, backend=backend,
-                       sum_topk=sum_topk)
+                       sum_topk=sum_topk, lora_shrink=shrink[0], n_tiles=shrink[1])
+
+
+def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
+    """The engine's moe_lora_shrink option -> (lora_shrink, n_tiles): "auto" | "once" | "fused" | "fused:G,D" (the
+    shrink in the first tile's K-loop, gate_up programs walking G N tiles and down programs D)."""
+    mode, _, tiles = option.partition(":")
+    ok = mode in ("auto", "once", "fused") and (not tiles or mode == "fused")
+    try:
+        n = tuple(int(t) for t in tiles.split(",")) if tiles else None
+    except ValueError:
+        ok = False
+    if not ok or (n is not None and (len(n) != 2 or min(n) < 1)):
+        raise ValueError(f"option moe_lora_shrink must be auto, once, fused or fused:G,D (N tiles per program of the "
+                         f"gate_up and down GEMMs, e.g. fused:3,4), got {option!r}")
+    return mode, n

@@ -15,6 +15,7 @@ from engines.triton.graphs import GraphCache
 from engines.triton.loader import open_source
 from engines.triton.lora import fold_o_lora, fold_qkv_lora, stack_adapters
 from engines.triton.model import MoeTransformer
+from engines.triton.moe import parse_shrink
 from engines.triton.shard import Shard
 from engines.triton.weights import load_weights
 from harness.logprobs import chunked_logprobs
@@ -50,8 +51,9 @@ class Runtime:
         fold_o_lora(self.weights, self.lora, shard)
         # read from the config, so that tensor-parallel workers (tp.worker_main) pick the same backend
         moe_backend = config.options.get("moe_backend", OPTIONS["moe_backend"])
+        moe_shrink = parse_shrink(config.options.get("moe_lora_shrink", OPTIONS["moe_lora_shrink"]))
         self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl,
-                                    moe_backend)
+                                    moe_backend, moe_shrink)
         # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
         capacity = int(config.options.get("cuda_graphs", OPTIONS["cuda_graphs"]))
         self.graphs = None
