@@ -108,7 +108,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerW
     return moe_forward(x, ids, weights, w.w_gate_up, w.w_down, cfg.activation, b_gate_up=w.b_gate_up,
                        b_down=w.b_down, lora=lora if use_lora else None,
                        token_adapter=token_adapter if use_lora else None, impl=impl, backend=backend,
-                       sum_topk=sum_topk, lora_shrink=shrink[0], n_tiles=shrink[1])
+                       sum_topk=sum_topk, lora_shrink=shrink[0], n_tiles=shrink[1] if use_lora else None)
 
 
 def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
