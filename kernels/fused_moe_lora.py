@@ -822,9 +822,10 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     "fused": the faults live in that branch. "auto" (default): "fused" with each program walking half its row
     block's N tiles (so the shrink runs twice per row block) where both GEMMs have at most AUTO_FUSED_MAX_TILES N
     tiles, on CUDA, at rank <= AUTO_FUSED_MAX_RANK; else "once" (resolve_lora_shrink; measurements there).
-    n_tiles: GemmConfig.n_tiles of both GEMMs, or (gate_up's, down's) (each program walks that many N tiles of its row block; "fused" then
-    redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1). Compiled for sm90 at rank
-    32 no variant spills; at rank 128 the S tile held in registers across tiles does (4-96 B per thread at 2 tiles).
+    n_tiles: GemmConfig.n_tiles of both GEMMs, or (gate_up's, down's) (each program walks that many N tiles of its
+    row block; "fused" then redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1).
+    Compiled for sm90 at rank 32 no variant spills; at rank 128 the S tile held in registers across tiles does
+    (4-96 B per thread at 2 tiles).
     sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
     its next pass (the runtime's residual add + RMSNorm)."""
     check_kernel_rank(lora.max_rank if lora is not None else 0)

@@ -228,7 +228,8 @@ def lora_linear_shrink_out(x, w_s, bias_s, n: int, b_packed, width: int, slot_ma
     o at 4096 tokens: a split-K GEMM and its reduction, ~13 us per layer on an H200, run 27) for L*S*R extra
     columns of N (32 of 2048 per slot at rank 32).
     w_s, bias_s: stack_shrink_rows(w, lora_a, bias); n: the base width N; b_packed (N, L*S*R); width: S*R, the
-    columns of one slot; slot_mask (T, L) or uniform_slot, as lora_linear_aug. -> (T, N), a view with row stride N + L*S*R of the GEMM's output.
+    columns of one slot; slot_mask (T, L) or uniform_slot, as lora_linear_aug. -> (T, N), a view with row stride
+    N + L*S*R of the GEMM's output.
     Precision as the "cublas" path: S rounded to the run dtype (every slot's columns are computed; a row keeps its
     own), the expand accumulated onto the base output with one rounding; fp32 runs are IEEE fp32."""
     if x.ndim != 2 or w_s.ndim != 2 or w_s.shape[1] != x.shape[1] or w_s.dtype != x.dtype:
@@ -268,7 +269,6 @@ def check_aug_inputs(xa, w_aug, bias, lora_a, slot_mask, uniform_slot) -> None:
                          f"{tuple(w_aug.shape)} {w_aug.dtype}")
     if bias is not None and bias.shape != (w_aug.shape[0],):
         raise ValueError(f"bias must be (N={w_aug.shape[0]},), got {tuple(bias.shape)}")
-    check_cublas_extras(xa[:, :kin], lora_a, w_aug.shape[0], None, slot_mask, uniform_slot)
     check_slot_choice(xa, L, slot_mask, uniform_slot)
 
 

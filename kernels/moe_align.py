@@ -13,8 +13,9 @@ Everything stays on the device: the capacity is an upper bound known from shapes
 actually used (num_padded) is a device tensor that the kernels read, so no host synchronisation happens.
 
 Two implementations: torch ops (about fifteen small launches, pairs in stable order) and three Triton kernels
-(count with atomics on SUBS sub-counters per group, prefix sum, fill). The Triton one places pairs inside a group in arrival order of the
-atomics, which varies between runs; the GEMM rows are independent, so the layer's output does not.
+(count with atomics on SUBS sub-counters per group, prefix sum, fill). The Triton one places pairs inside a group
+in arrival order of the atomics, which varies between runs; the GEMM rows are independent, so the layer's output
+does not.
 """
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def moe_align_triton(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor 
     S1 = num_slots + 1 if has_slots else 1
     G = E * S1
     m_max = max_padded_rows(P, G, block_m)
-    # one allocation carved into the eight int32 arrays: the runtime is host-bound at full depth, and each
+    # one allocation carved into the ten int32 arrays: the runtime is host-bound at full depth, and each
     # allocation is a few microseconds of Python per layer
     sizes = (G * SUBS, G * SUBS, G, P, G, G, 1, m_max, m_max // block_m, m_max // block_m)
     buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)

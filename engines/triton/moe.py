@@ -114,8 +114,10 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerW
 def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
     """The engine's moe_lora_shrink option -> (lora_shrink, n_tiles): "auto" | "once" | "fused" | "fused:G,D" (the
     shrink in the first tile's K-loop, gate_up programs walking G N tiles and down programs D)."""
+    from kernels.fused_moe_lora import LORA_SHRINK
+
     mode, _, tiles = option.partition(":")
-    ok = mode in ("auto", "once", "fused") and (not tiles or mode == "fused")
+    ok = mode in LORA_SHRINK and (not tiles or mode == "fused")
     try:
         n = tuple(int(t) for t in tiles.split(",")) if tiles else None
     except ValueError:

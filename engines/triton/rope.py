@@ -51,12 +51,6 @@ if triton is not None:
         tl.store(dst + HALF, (f2 * c + f1 * s).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _norm_rope_kernel(Src, Cos, Sin, W, Out, nh, eps, stride_t, stride_c, stride_o,
-                          HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        _norm_rope_heads(Src, Cos, Sin, W, Out, tl.program_id(0).to(tl.int64), nh, eps, stride_t, stride_c,
-                         stride_o, HALF, NORM, BLOCK_H, BLOCK_D)
-
-    @triton.jit
     def _norm_rope_qk_kernel(SrcQ, SrcK, Cos, Sin, WQ, WK, OutQ, OutK, nq, nk, eps, stride_tq, stride_tk, stride_c,
                              stride_oq, stride_ok, HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -67,24 +61,10 @@ if triton is not None:
                          BLOCK_HK, BLOCK_D)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-              impl: str = "auto") -> torch.Tensor:
-    """x (T, h, d) view with unit stride inside a row of heads -> rope(rms_norm(x) if weight else x), contiguous."""
-    if not use_triton(x, impl):
-        return norm_rope_torch(x, weight, eps, cos, sin)
-    T, h, d = x.shape
-    assert x.stride(2) == 1 and x.stride(1) == d and d % 2 == 0
-    out = torch.empty(T, h, d, dtype=x.dtype, device=x.device)
-    _norm_rope_kernel[(T,)](x, cos, sin, weight if weight is not None else cos, out, h, eps, x.stride(0),
-                            cos.stride(0), out.stride(0), HALF=d // 2, NORM=weight is not None,
-                            BLOCK_H=pow2(h), BLOCK_D=pow2(d // 2), num_warps=4)
-    return out
-
-
 def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  eps: float, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, ...]:
-    """norm_rope of q (T, hq, d) and k (T, hk, d) in one launch (the runtime is host-bound: a launch per layer is
-    worth saving); both weights or neither (Qwen3 norms both, gpt-oss neither)."""
+    """q (T, hq, d) and k (T, hk, d), each optionally RMS-normed per head and then roped (norm_rope_torch), in one
+    launch; both weights or neither (Qwen3 norms both, gpt-oss neither)."""
     assert (q_weight is None) == (k_weight is None), "q and k are both normed or neither"
     if not use_triton(q, impl):
         return norm_rope_torch(q, q_weight, eps, cos, sin), norm_rope_torch(k, k_weight, eps, cos, sin)

@@ -74,7 +74,6 @@ class Runtime:
             entry.graph.replay()
         else:
             batch = Batch.build(prompts, slots, self.cfg, self.dtype, self.device)
-            entry = None
             if self.graphs is not None and self.model.capture is None and self.graphs.want(key):
                 entry = self.graphs.capture(key, lambda: self._capture(batch, top_k))
             outs = entry.outs if entry is not None else self._compute(batch, top_k)
