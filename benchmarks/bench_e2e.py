@@ -141,6 +141,9 @@ def bench_model(name: str, args, writer) -> None:
                 log(f"{impl}: reserved {torch.cuda.max_memory_reserved() / 1e9:.2f} GB at most (allocator pools and "
                     f"graph pools), graphs {tr.runtime.graphs and (tr.runtime.graphs.captures, tr.runtime.graphs.hits)}"
                     " (captures, replays)")
+                if args.split and graphs:
+                    for a in (None, adapter.name):
+                        host_split(tr, prompts, a, args.reps)
                 if args.profile and graphs == (args.graphs != "off") and shrink == args.moe_shrink[0]:
                     profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
                     profile(tr, prompts, None, Path(args.out) / f"profile_{name}_{impl}_base.txt")
@@ -172,6 +175,59 @@ def bench_model(name: str, args, writer) -> None:
             summary["speedup_vs_hf_peft"] = round(lora["tokens_per_s"] / results[("hf", adapter.name)]["tokens_per_s"],
                                                   2)
         log("SUMMARY", summary)
+
+
+def host_split(eng, prompts, adapter, reps: int) -> dict:
+    """Where a replayed call's wall time goes: the whole call (prompt_logprobs), the graph replay alone (replay +
+    sync, no host work around it), the replay's GPU time between CUDA events, and the SM clock after the loop (a
+    throttled clock under sustained load would show as replay time above the profiled GPU time). Logged; -> dict
+    of medians in ms."""
+    import cProfile
+    import io
+    import pstats
+
+    rt = eng.runtime
+    key = (tuple(map(len, prompts)), tuple([rt.slot(adapter)] * len(prompts)), 0)
+    entry = rt.graphs.graphs.get(key) if rt.graphs is not None else None
+    if entry is None:
+        log(f"split adapter={adapter}: no graph for this layout, skipped")
+        return {}
+    med = {}
+    walls, replays, gpu = [], [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.prompt_logprobs(prompts, adapter)
+        walls.append(time.perf_counter() - t0)
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        entry.graph.replay()
+        torch.cuda.synchronize()
+        replays.append(time.perf_counter() - t0)
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        entry.graph.replay()
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) / 1e3)
+    med = {k: 1e3 * statistics.median(v) for k, v in (("call", walls), ("replay", replays), ("replay_gpu", gpu))}
+    try:
+        clock = torch.cuda.clock_rate()
+    except Exception as e:  # noqa: BLE001 - nvml may be missing; the split stands without it
+        clock = f"n/a ({type(e).__name__})"
+    log(f"split adapter={adapter}: call {med['call']:.2f} ms, replay+sync {med['replay']:.2f} ms, replay GPU (events) "
+        f"{med['replay_gpu']:.2f} ms -> host around the replay {med['call'] - med['replay']:.2f} ms; SM clock {clock} MHz")
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.prompt_logprobs(prompts, adapter)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    print(buf.getvalue()[:4000], flush=True)
+    return med
 
 
 def profile(eng, prompts, adapter, path: Path) -> None:
@@ -273,6 +329,8 @@ def main():
     p.add_argument("--hf-reps", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--split", action="store_true",
+                   help="graph variants: split a call's wall time into the replay and the host work around it")
     p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
     p.add_argument("--graphs", choices=("on", "off", "both"), default="both",
                    help="the triton engine's CUDA graphs: on (default option), off (impl '...-eager'), or both timed")
