@@ -77,9 +77,11 @@ def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
     return AdapterSpec("r%d" % rank, ad.path)
 
 
-def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink"]) -> str:
+def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink"],
+              padding: str = OPTIONS["moe_padding"]) -> str:
     return (("triton" if backend == "triton" else f"triton+{backend}") + ("" if graphs else "-eager")
-            + ("" if shrink == OPTIONS["moe_lora_shrink"] else f"@{shrink}"))
+            + ("" if shrink == OPTIONS["moe_lora_shrink"] else f"@{shrink}")
+            + ("" if padding == OPTIONS["moe_padding"] else f"@pad:{padding}"))
 
 
 def bench_model(name: str, args, writer) -> None:
@@ -120,12 +122,13 @@ def bench_model(name: str, args, writer) -> None:
             free_gpu()
         # CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"
         # and each --moe-shrink value (the engine's moe_lora_shrink option; impl "...@<value>" unless the default)
-        variants = [(b, g, sh) for b in args.moe_backend for sh in args.moe_shrink
+        # and each --moe-padding value (moe_padding; impl "...@pad:<value>" unless the default)
+        variants = [(b, g, sh, pad) for b in args.moe_backend for sh in args.moe_shrink for pad in args.moe_padding
                     for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]]
-        for backend, graphs, shrink in variants:
+        for backend, graphs, shrink, padding in variants:
             opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0,
-                    "moe_lora_shrink": shrink}
-            impl = impl_name(backend, graphs, shrink)
+                    "moe_lora_shrink": shrink, "moe_padding": padding}
+            impl = impl_name(backend, graphs, shrink, padding)
             t0 = time.perf_counter()
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
                                            options=opts)) as tr:
@@ -144,7 +147,8 @@ def bench_model(name: str, args, writer) -> None:
                 if args.split and graphs:
                     for a in (None, adapter.name):
                         host_split(tr, prompts, a, args.reps)
-                if args.profile and graphs == (args.graphs != "off") and shrink == args.moe_shrink[0]:
+                if (args.profile and graphs == (args.graphs != "off") and shrink == args.moe_shrink[0]
+                        and padding == args.moe_padding[0]):
                     profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
                     profile(tr, prompts, None, Path(args.out) / f"profile_{name}_{impl}_base.txt")
                     breakdown(tr, prompts, adapter.name)
@@ -218,7 +222,8 @@ def host_split(eng, prompts, adapter, reps: int) -> dict:
     except Exception as e:  # noqa: BLE001 - nvml may be missing; the split stands without it
         clock = f"n/a ({type(e).__name__})"
     log(f"split adapter={adapter}: call {med['call']:.2f} ms, replay+sync {med['replay']:.2f} ms, replay GPU (events) "
-        f"{med['replay_gpu']:.2f} ms -> host around the replay {med['call'] - med['replay']:.2f} ms; SM clock {clock} MHz")
+        f"{med['replay_gpu']:.2f} ms -> host around the replay {med['call'] - med['replay']:.2f} ms; "
+        f"SM clock {clock} MHz")
     prof = cProfile.Profile()
     prof.enable()
     eng.prompt_logprobs(prompts, adapter)
@@ -285,7 +290,7 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
         o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
         ids, wts, _ = route(x, lw, cfg, m.impl)
         moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum,
-                          shrink=m.moe_shrink)
+                          shrink=m.moe_shrink, padding=m.moe_padding)
         tag = "lora" if slot >= 0 else "base"
         pieces = {
             "add_rms_norm (before attention)": lambda: m._norm(x, x, lw.input_norm,
@@ -299,7 +304,7 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
             "o lora_linear": lambda: m.o_proj(o, lw, ll, b),
             "router+route": lambda: route(x, lw, cfg, m.impl),
             "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend,
-                                           sum_topk=not m.fuse_topk_sum, shrink=m.moe_shrink),
+                                           sum_topk=not m.fuse_topk_sum, shrink=m.moe_shrink, padding=m.moe_padding),
         }
         for piece, fn in pieces.items():
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -337,6 +342,8 @@ def main():
     p.add_argument("--moe-shrink", nargs="+", default=[OPTIONS["moe_lora_shrink"]],
                    help="the triton engine's moe_lora_shrink option(s), each timed in this run (e.g. auto once "
                         "fused:6,8)")
+    p.add_argument("--moe-padding", nargs="+", default=[OPTIONS["moe_padding"]],
+                   help="the triton engine's moe_padding option(s), each timed in this run (compute zero half)")
     p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
                    help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
     args = p.parse_args()

@@ -501,14 +501,16 @@ def compile_sm90(kernel, args, kwargs) -> dict:
                 wgmma="warp_group_dot" in ttgir)
 
 
-SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "N_TILES", "BLOCK_M", "BLOCK_N",
-             "BLOCK_K", "num_stages")
+SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "N_TILES", "ZERO_PAD", "HALF_TAIL",
+             "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")
 
 
 # --compile-sm90's variants: default, prefetch off, TMA; then the programs walking several N tiles (GemmConfig
-# n_tiles): the shrink in the first tile's K-loop ("fused") at 1-4 tiles, and "once" / no LoRA at 2
+# n_tiles): the shrink in the first tile's K-loop ("fused") at 1-4 tiles, and "once" / no LoRA at 2; padding
+# "half" (two tile heights in one kernel) with each shrink placement
 SM90_FLAG_SETS = ([{}, dict(prefetch=False), dict(tma=True)]
-                  + [dict(lora_shrink="fused", n_tiles=k) for k in (1, 2, 3, 4)] + [dict(n_tiles=2)])
+                  + [dict(lora_shrink="fused", n_tiles=k) for k in (1, 2, 3, 4)] + [dict(n_tiles=2)]
+                  + [dict(padding="half"), dict(lora_shrink="fused", n_tiles=3, padding="half")])
 
 
 def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:

@@ -282,13 +282,15 @@ def _tile_cols(pid_n, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl
 
 
 @triton.jit
-def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, wrow, e, e32, a_safe, pid_m, pid_n, N, Kdim, r_ok,
+def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar, stride_lak,
             SHRINK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr,
             K_TILES: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+            ZERO_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     """One N tile's K-loop: acc (SPLIT: and acc_up, the up rows) += X[rows] W[e, tile]^T. SHRINK (LORA 1, the
-    first tile a program walks): also acc_s += X[rows] A[a, e]^T, a narrow dot on the X tile already loaded."""
+    first tile a program walks): also acc_s += X[rows] A[a, e]^T, a narrow dot on the X tile already loaded.
+    ZERO_PAD: padding rows load zeros instead of a real row (their results are never stored either way); under a
+    power cap the tensor cores spend less energy on zeros (see GemmConfig.padding)."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     if not TMA_X:
@@ -302,9 +304,14 @@ def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, wrow, e, e32, a_safe, pid_m, pid
         if not EVEN_K:
             k_ok = offs_k < Kdim - k * BLOCK_K
         if TMA_X:
-            xt = X.load([pid_m * BLOCK_M, k * BLOCK_K])
+            xt = X.load([row0, k * BLOCK_K])
         elif EVEN_K:
-            xt = tl.load(x_ptrs)
+            if ZERO_PAD:
+                xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                xt = tl.load(x_ptrs)
+        elif ZERO_PAD:
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         else:
             xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
         if TMA:
@@ -355,7 +362,7 @@ def _grouped_gemm_kernel(
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
         PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False,
-        N_TILES: tl.constexpr = 1):
+        N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
@@ -376,13 +383,10 @@ def _grouped_gemm_kernel(
     TMA (LORA 0 or 2, no ADD_TO_OUT): W is a host tensor descriptor over (E, N_w, Kdim) with blocks
     (1, BLOCK_N, BLOCK_K), its tiles come by TMA (rows or K past the end zero-filled). GATED then loads the gate
     block [n0, n0 + BLOCK_N) and the up block N rows further as two tiles into two accumulators (SPLIT): no
-    interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K)."""
-    SPLIT: tl.constexpr = GATED and TMA
-    WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
-    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
-    # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
-    # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
-    EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
+    interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K).
+    ZERO_PAD: padding rows are loaded as zeros (_k_loop). HALF_TAIL: a routing block whose rows past the first half
+    are all padding (a group's last block, at most BLOCK_M / 2 rows used) runs as a BLOCK_M / 2 tile: padding rows
+    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding)."""
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -402,14 +406,53 @@ def _grouped_gemm_kernel(
     if ADD_TO_OUT:
         if a < 0:
             return  # rows without an adapter keep the cuBLAS output bit for bit
+    if HALF_TAIL:  # a constexpr branch: without it the kernel compiles one row-block body, as before
+        if tl.load(SortedIds + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs:
+            _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
+                       lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                       stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+                       stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
+                       TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M // 2,
+                       BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
+                       TMA_X, N_TILES, ZERO_PAD)
+            return
+    _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
+               lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
+               TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M,
+               BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
+               TMA_X, N_TILES, ZERO_PAD)
+
+
+@triton.jit
+def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
+               lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, row0, first_n, num_n,
+               TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
+               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
+               NUM_SLICES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
+               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
+               PREFETCH: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr, N_TILES: tl.constexpr,
+               ZERO_PAD: tl.constexpr):
+    """_grouped_gemm_kernel's work on BLOCK_M rows from row0 (a routing block, or its first half) and N_TILES N
+    tiles from first_n: the K-loops and epilogues."""
+    SPLIT: tl.constexpr = GATED and TMA
+    WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
+    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
+    # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
+    # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
+    EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
     a_safe = tl.maximum(a, 0).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     pair = tl.load(SortedIds + offs_m)
     row_ok = pair < num_pairs
     if X_SORTED:
         xrow = offs_m
     else:
-        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
+        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows: a valid address, never stored
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < 0
     if LORA > 0:
@@ -452,10 +495,10 @@ def _grouped_gemm_kernel(
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             acc, acc_up, acc_s = _k_loop(
-                X, W, LA, acc, acc_up, acc_s, xrow, wrow, e, e32, a_safe, pid_m, pid_n, N, Kdim, r_ok,
+                X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
                 stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar,
                 stride_lak, LORA == 1 and t == 0, SPLIT, TMA, TMA_X, K_TILES, EVEN_K, UPCAST, DOT_PREC,
-                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+                ZERO_PAD, BLOCK_N, BLOCK_K, BLOCK_R)
 
             acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
             if LORA == 1 and t == 0:
@@ -526,11 +569,21 @@ class GemmConfig:
     prefetch: bool = True  # the epilogue's operands loaded before the K-loop (see _grouped_gemm_kernel)
     tma: bool = False  # expert weight tiles (and the down GEMM's sorted rows) by TMA; see gemm_tma
     n_tiles: int = 1  # consecutive N tiles per program; LORA 1 shrinks on the first only (_grouped_gemm_kernel)
+    padding: str = "compute"  # what the padding rows of a group's last block cost; see PADDING
 
     def __post_init__(self):
         for b in (self.block_m, self.block_n, self.block_k):
             assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
         assert self.n_tiles >= 1, f"n_tiles must be >= 1, got {self.n_tiles}"
+        assert self.padding in PADDING, f"padding must be one of {PADDING}, got {self.padding!r}"
+
+
+# Padding rows (a group's rows rounded up to block_m, ~24 % of the executed rows at Qwen3-30B-A3B's shape, T 4096,
+# BLOCK_M 128) never reach the output, but the MMAs still run on them. "compute": they load a real row (no mask);
+# "zero": they load zeros (under the H200's 700 W cap the clock falls to ~1.5-1.7 GHz in these GEMMs, and zeros
+# cost the tensor cores less energy); "half": "zero", and a group's last block with at most block_m / 2 rows runs
+# as a block_m / 2 tile (half its padding never computed; block_m >= 32, as a dot needs 16 rows, else as "zero").
+PADDING = ("compute", "zero", "half")
 
 
 SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses them for the epilogue); Hopper: 227 KiB
@@ -664,11 +717,12 @@ def tma_ok(t: torch.Tensor) -> bool:
 def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool) -> tuple[bool, bool]:
     """(W by TMA, X by TMA) for a launch asking cfg.tma. W: without the K-loop shrink (LORA 1, the bug zoo's
     branch) and add_to_out, and when its strides allow a descriptor, else the pointer loads; X: sorted rows only
-    (gathered rows are not a block of the tensor), and only beside W. fp32 on the GPU keeps the pointer loads:
+    (gathered rows are not a block of the tensor), and only beside W, and not with padding "half" (a descriptor's
+    blocks are block_m rows; half blocks load block_m / 2). fp32 on the GPU keeps the pointer loads:
     compiled for sm90, its TMA variant came out at 32 registers with ~16 KB of spills per thread (ptxas -v)."""
     tma_w = (cfg.tma and mode != 1 and not add_to_out and tma_ok(w)
              and (w.element_size() == 2 or w.device.type != "cuda"))
-    return tma_w, tma_w and x_sorted and tma_ok(x)
+    return tma_w, tma_w and x_sorted and tma_ok(x) and cfg.padding != "half"
 
 
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
@@ -716,6 +770,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
         FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
+        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=cfg.padding == "half" and routing.block_m >= 32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
@@ -815,7 +870,7 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
                        config: GemmConfig | None = None, down_config: GemmConfig | None = None,
                        lora_shrink: str = "auto", sum_topk: bool = True,
                        shrink_config: ShrinkConfig | None = None,
-                       n_tiles: int | tuple[int, int] | None = None) -> torch.Tensor:
+                       n_tiles: int | tuple[int, int] | None = None, padding: str | None = None) -> torch.Tensor:
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
     "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
@@ -826,6 +881,7 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     row block; "fused" then redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1).
     Compiled for sm90 at rank 32 no variant spills; at rank 128 the S tile held in registers across tiles does
     (4-96 B per thread at 2 tiles).
+    padding: GemmConfig.padding of both GEMMs (PADDING); None keeps the configs' own.
     sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
     its next pass (the runtime's residual add + RMSNorm)."""
     check_kernel_rank(lora.max_rank if lora is not None else 0)
@@ -842,6 +898,8 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     if n_tiles is not None:
         t1, t2 = (n_tiles, n_tiles) if isinstance(n_tiles, int) else n_tiles
         cfg1, cfg2 = replace(cfg1, n_tiles=t1), replace(cfg2, n_tiles=t2)
+    if padding is not None:
+        cfg1, cfg2 = replace(cfg1, padding=padding), replace(cfg2, padding=padding)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
     routing = moe_align(topk_ids, token_adapter if lora is not None else None, E,
                         lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton")
@@ -915,13 +973,13 @@ def _misread_as_gated(w_down, lora):
 def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
                 lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
                 backend: str = "triton", lora_shrink: str = "auto", sum_topk: bool = True,
-                n_tiles: int | tuple[int, int] | None = None) -> torch.Tensor:
+                n_tiles: int | tuple[int, int] | None = None, padding: str | None = None) -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
     "relu2" (non-gated relu(x)^2). Same dtype as x; fp32 accumulation inside.
     backend (impl triton only): "triton" (this file's fused kernel) or "grouped_mm" (kernels/moe_grouped.py).
-    lora_shrink, n_tiles (backend triton only): see moe_forward_triton.
+    lora_shrink, n_tiles, padding (backend triton only): see moe_forward_triton.
     sum_topk False (impl and backend triton only; the other paths return (T, H) summed): (T, K, H) per-pair
     outputs, already top-k weighted, for the caller to sum."""
     from kernels.moe_grouped import BACKENDS, moe_forward_grouped  # lazy: moe_grouped builds on this file
@@ -938,4 +996,4 @@ def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b
         return moe_forward_torch(*args)
     if backend == "grouped_mm":
         return moe_forward_grouped(*args)
-    return moe_forward_triton(*args, lora_shrink=lora_shrink, sum_topk=sum_topk, n_tiles=n_tiles)
+    return moe_forward_triton(*args, lora_shrink=lora_shrink, sum_topk=sum_topk, n_tiles=n_tiles, padding=padding)

@@ -609,3 +609,53 @@ def test_auto_lora_shrink_picks_by_shape(shape, rank, want):
     assert resolve_lora_shrink(x, ids, w, "silu", None, "auto", device=cuda) == ("once", None)
     assert resolve_lora_shrink(x, ids, w, "silu", lora, "auto") == ("once", None)  # not CUDA: once
     assert resolve_lora_shrink(x, ids, w, "silu", lora, "fused", device=cuda) == ("fused", None)
+
+
+PAD_CASES = [
+    # SiLU-gated, 2 adapters + none rows, T*K = 180 pairs over 9 (expert, slot) groups of ~10-40 rows: at block_m 32
+    # some groups end in a block of <= 16 rows (run as a 16-row tile under "half"), some in 17-31 (a full tile with
+    # zeroed padding); slot 1 at rank 5 < max 16 with garbage past it; H, I not multiples of 32 (masked K tails)
+    dict(T=90, H=40, I=36, E=3, K=2, activation="silu", ranks=(16, 5), pad_garbage=True),
+    # gpt-oss clamped SwiGLU with biases on both GEMMs, clamps engaged, one adapter and none rows
+    dict(T=70, H=48, I=40, E=4, K=2, activation="swiglu_oai", ranks=(12,), bias=True, x_scale=8.0, pad_garbage=True),
+]
+
+
+def last_block_kinds(p, block_m: int) -> tuple[int, int]:
+    """(blocks at most half used, blocks more than half used with padding) of the case's routing."""
+    E = p["w_gate_up"].shape[0]
+    L = p["lora"].num_slots if p["lora"] is not None else 0
+    r = moe_align(p["topk_ids"], p["token_adapter"], E, L, block_m, impl="torch")
+    ids = r.sorted_ids[: int(r.num_padded)].view(-1, block_m)
+    used = (ids < r.num_pairs).sum(1)
+    return int((used <= block_m // 2).sum()), int(((used > block_m // 2) & (used < block_m)).sum())
+
+
+@pytest.mark.parametrize("lora_shrink", SHRINK_MODES)
+@pytest.mark.parametrize("padding", ["compute", "zero", "half"])  # real rows / zeros / half tiles for half blocks
+@pytest.mark.parametrize("case", PAD_CASES, ids=lambda c: c["activation"])
+def test_padding_modes_match_reference(case, padding, lora_shrink, tol=1e-5):
+    """GemmConfig.padding: padding rows loaded as zeros, or a group's last block with at most half its rows used
+    run as a half-height tile (rows placed, S rows read and outputs stored from the block's first half only)."""
+    p = make_moe(**case)
+    half, padded_full = last_block_kinds(p, 32)
+    assert half and padded_full, f"the case must hold both kinds of last blocks, got {half} half, {padded_full} full"
+    cfg = GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1, n_tiles=2, padding=padding)
+    check_moe(p, tol, moe_forward_triton, lora_shrink=lora_shrink, config=cfg, down_config=cfg)
+
+
+@pytest.mark.parametrize("padding", ["zero", "half"])
+@pytest.mark.gpu1
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_padding_modes_gpu(padding, tol=1e-2):
+    """The padding modes compiled at the default GPU tiles in bf16: ~170 rows per (expert, slot) group, so the
+    tiles are 128 rows and groups end in half-used and more-than-half-used blocks alike; against the reference,
+    the LoRA delta included, and bit-stable on rerun."""
+    p = make_moe(T=2048, H=256, I=192, E=16, K=4, activation="silu", ranks=(32, 8), dtype=torch.bfloat16,
+                 device="cuda")
+    assert all(last_block_kinds(p, 128)), "the case must hold both kinds of last blocks"
+    torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
+    for shrink in SHRINK_MODES:
+        kw = dict(lora_shrink=shrink, padding=padding)
+        out, _ = check_moe(p, tol, moe_forward_triton, **kw)
+        assert torch.equal(out, moe_forward_triton(**p, **kw)), "reruns must be bit-identical"

@@ -54,11 +54,11 @@ def case(request, tmp_path_factory):
     return spec, {"a": AdapterSpec("a", a.path), "b": AdapterSpec("b", b.path)}, prompts
 
 
-def _run(engine, spec, adapters, prompts, choices, tp=1):
+def _run(engine, spec, adapters, prompts, choices, tp=1, options=None):
     from engines.base import open_engine
 
     # the reference is HF's eager expert loop: the plainest fp32 computation transformers has
-    options = {"experts_impl": "eager"} if engine == "hf" else {}
+    options = {"experts_impl": "eager"} if engine == "hf" else (options or {})
     with open_engine(engine, EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cuda", tp=tp,
                                           options=options)) as eng:
         out = [eng.prompt_logprobs(prompts, c) for c in choices]
@@ -87,6 +87,18 @@ def test_fp32_parity_with_hf_peft_full_width(case):
         _check(g, r, [p.router_margin for p in g], f"{spec.name} adapter={c}")
     effect = max(float(np.abs(x.logprobs - y.logprobs).max()) for x, y in zip(got[1], got[0]))
     assert effect > 100 * TOL, f"adapter moved logprobs by only {effect:.2e}"
+
+
+@needs(1)
+@pytest.mark.gpu1
+def test_fp32_parity_padding_modes(case):
+    """The expert GEMMs' other padding modes (moe_padding: zeros in the padding rows; half-height tiles for a
+    group's last, at most half-used block) against HF+PEFT on the mixed batch (two adapters and base rows)."""
+    spec, adapters, prompts = case
+    ref = _run("hf", spec, adapters, prompts, [MIXED])[0]
+    for padding in ("zero", "half"):
+        got = _run("triton", spec, adapters, prompts, [MIXED], options={"moe_padding": padding})[0]
+        _check(got, ref, [p.router_margin for p in got], f"{spec.name} moe_padding={padding}")
 
 
 @needs(1)

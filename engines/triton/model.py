@@ -25,9 +25,10 @@ from kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
 class MoeTransformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: StackedLora | None, shard: Shard,
                  all_reduce, impl: str = "auto", attention_impl: str = "auto", moe_backend: str = "triton",
-                 moe_shrink: tuple = ("auto", None)):
+                 moe_shrink: tuple = ("auto", None), moe_padding: str | None = None):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.moe_shrink = moe_shrink  # (lora_shrink, n_tiles) of the expert GEMMs (moe.parse_shrink)
+        self.moe_padding = moe_padding  # the expert GEMMs' GemmConfig.padding (None: the kernels' default)
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
         # the LoRA kernels hold a (rows, rank) accumulator in registers up to rank KERNEL_MAX_RANK; a larger adapter
@@ -65,7 +66,8 @@ class MoeTransformer:
             ids, weights, margin = route(h, lw, cfg, self.impl, min_into=margin)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
                                             batch.token_adapter, self.lora_impl, self.moe_backend,
-                                            sum_topk=not self.fuse_topk_sum, shrink=self.moe_shrink))
+                                            sum_topk=not self.fuse_topk_sum, shrink=self.moe_shrink,
+                                            padding=self.moe_padding))
             if self.capture is not None:
                 self.capture[i] = x + sum_topk(delta)
         return self._norm(x, delta, self.w.norm)[0], margin

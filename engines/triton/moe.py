@@ -98,17 +98,19 @@ def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto"
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
             lora, token_adapter: torch.Tensor | None, impl: str, backend: str = "triton",
-            sum_topk: bool = True, shrink: tuple = ("auto", None)) -> torch.Tensor:
+            sum_topk: bool = True, shrink: tuple = ("auto", None), padding: str | None = None) -> torch.Tensor:
     """(T, H), or with sum_topk False on the paths that can skip the sum (kernels.moe_forward) the weighted
     per-pair outputs (T, K, H) for the next residual add + RMSNorm to sum (norm.add_rms_norm).
-    shrink: (lora_shrink, n_tiles) of kernels.moe_forward (the engine's moe_lora_shrink option, parse_shrink)."""
+    shrink: (lora_shrink, n_tiles) of kernels.moe_forward (the engine's moe_lora_shrink option, parse_shrink);
+    padding: its padding (the engine's moe_padding option; kernels.fused_moe_lora.PADDING)."""
     from kernels import moe_forward
 
     use_lora = lora is not None and token_adapter is not None
     return moe_forward(x, ids, weights, w.w_gate_up, w.w_down, cfg.activation, b_gate_up=w.b_gate_up,
                        b_down=w.b_down, lora=lora if use_lora else None,
                        token_adapter=token_adapter if use_lora else None, impl=impl, backend=backend,
-                       sum_topk=sum_topk, lora_shrink=shrink[0], n_tiles=shrink[1] if use_lora else None)
+                       sum_topk=sum_topk, lora_shrink=shrink[0], n_tiles=shrink[1] if use_lora else None,
+                       padding=padding)
 
 
 def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:

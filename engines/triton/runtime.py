@@ -53,7 +53,8 @@ class Runtime:
         moe_backend = config.options.get("moe_backend", OPTIONS["moe_backend"])
         moe_shrink = parse_shrink(config.options.get("moe_lora_shrink", OPTIONS["moe_lora_shrink"]))
         self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl,
-                                    moe_backend, moe_shrink)
+                                    moe_backend, moe_shrink,
+                                    config.options.get("moe_padding", OPTIONS["moe_padding"]))
         # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
         capacity = int(config.options.get("cuda_graphs", OPTIONS["cuda_graphs"]))
         self.graphs = None
