@@ -147,11 +147,12 @@ def bench_model(name: str, args, writer) -> None:
                 if args.split and graphs:
                     for a in (None, adapter.name):
                         host_split(tr, prompts, a, args.reps)
-                if (args.profile and graphs == (args.graphs != "off") and shrink == args.moe_shrink[0]
-                        and padding == args.moe_padding[0]):
+                first_variant = shrink == args.moe_shrink[0] and padding == args.moe_padding[0]
+                if args.profile and graphs == (args.graphs != "off") and (first_variant or args.profile_all):
                     profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
                     profile(tr, prompts, None, Path(args.out) / f"profile_{name}_{impl}_base.txt")
-                    breakdown(tr, prompts, adapter.name)
+                    if first_variant:
+                        breakdown(tr, prompts, adapter.name)
             free_gpu()
         first = impl_name(*variants[0])
         if args.sdpa_too:  # the attention fallback path, LoRA only, on the first backend named
@@ -334,6 +335,8 @@ def main():
     p.add_argument("--hf-reps", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-all", action="store_true", help="with --profile: every shrink/padding variant, not "
+                   "only the first")
     p.add_argument("--split", action="store_true",
                    help="graph variants: split a call's wall time into the replay and the host work around it")
     p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
