@@ -149,8 +149,9 @@ def bench_model(name: str, args, writer) -> None:
                         host_split(tr, prompts, a, args.reps)
                 first_variant = shrink == args.moe_shrink[0] and padding == args.moe_padding[0]
                 if args.profile and graphs == (args.graphs != "off") and (first_variant or args.profile_all):
-                    profile(tr, prompts, adapter.name, Path(args.out) / f"profile_{name}_{impl}.txt")
-                    profile(tr, prompts, None, Path(args.out) / f"profile_{name}_{impl}_base.txt")
+                    stem = f"profile_{name}_{impl}".replace("@", "_").replace(":", "-")  # file names the device returns
+                    profile(tr, prompts, adapter.name, Path(args.out) / f"{stem}.txt")
+                    profile(tr, prompts, None, Path(args.out) / f"{stem}_base.txt")
                     if first_variant:
                         breakdown(tr, prompts, adapter.name)
             free_gpu()
@@ -346,7 +347,7 @@ def main():
                    help="the triton engine's moe_lora_shrink option(s), each timed in this run (e.g. auto once "
                         "fused:6,8)")
     p.add_argument("--moe-padding", nargs="+", default=[OPTIONS["moe_padding"]],
-                   help="the triton engine's moe_padding option(s), each timed in this run (compute zero half)")
+                   help="the triton engine's moe_padding option(s), each timed in this run (auto compute zero half)")
     p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
                    help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
     args = p.parse_args()

@@ -166,11 +166,14 @@ def _lora_shrink_kernel(
     e = tl.load(BlockExpert + blk)
     rank = tl.load(Ranks + a)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # sub-blocks of one block are consecutive programs
+    if tl.load(SortedIds + pid * BLOCK_M) >= num_pairs:
+        return  # all padding (it sits at the end of its group): no expand reads these rows
     pair = tl.load(SortedIds + offs_m)
+    row_ok = pair < num_pairs
     if X_SORTED:
         xrow = offs_m
     else:
-        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows read a valid row; never stored
+        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows: a valid address, loaded as zeros
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     r_ok = (offs_r < rank) & (offs_r < R)  # columns past the loaded rank are ignored even if not zero
@@ -180,11 +183,11 @@ def _lora_shrink_kernel(
     acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
     for k in range(0, K_TILES):
         if EVEN_K:
-            xt = tl.load(x_ptrs)
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < Kdim - k * BLOCK_K
-            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
@@ -583,7 +586,20 @@ class GemmConfig:
 # "zero": they load zeros (under the H200's 700 W cap the clock falls to ~1.5-1.7 GHz in these GEMMs, and zeros
 # cost the tensor cores less energy); "half": "zero", and a group's last block with at most block_m / 2 rows runs
 # as a block_m / 2 tile (half its padding never computed; block_m >= 32, as a dot needs 16 rows, else as "zero").
+# moe_configs' default (auto_padding): "half", except "zero" for the GEMMs with the shrink in the K-loop (LORA 1),
+# whose half-height branch made them slower. Measured on an H200, bf16, full-depth Qwen3-30B-A3B at 8 x 512 tokens
+# (benchmarks/results/e2e_notes.md, session 8): base calls 69.6k tok/s computed, 72.0k zero, 74.1k half; LoRA calls
+# with the shrink in the K-loop 61.8k / 64.1k / 63.2k, with the shrink once 63.0k zero / 64.5k half.
 PADDING = ("compute", "zero", "half")
+
+
+def auto_padding(lora: "MoeLoraWeights | None", once: bool) -> str:
+    return "zero" if lora is not None and not once else "half"
+
+
+def half_tail(cfg: GemmConfig) -> bool:
+    """Whether the kernel runs half-used last blocks as half-height tiles (cfg.block_m is the routing block)."""
+    return cfg.padding == "half" and cfg.block_m >= 32
 
 
 SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses them for the epilogue); Hopper: 227 KiB
@@ -722,7 +738,7 @@ def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool)
     compiled for sm90, its TMA variant came out at 32 registers with ~16 KB of spills per thread (ptxas -v)."""
     tma_w = (cfg.tma and mode != 1 and not add_to_out and tma_ok(w)
              and (w.element_size() == 2 or w.device.type != "cuda"))
-    return tma_w, tma_w and x_sorted and tma_ok(x) and cfg.padding != "half"
+    return tma_w, tma_w and x_sorted and tma_ok(x) and not half_tail(cfg)
 
 
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
@@ -748,6 +764,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     R = lb.shape[3] if mode else 1
     sv = lora_s if mode == 2 else placeholder((1, 1), torch.float32, w.device)
     grid = (routing.num_blocks * triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.n_tiles),)
+    assert not half_tail(cfg) or cfg.block_m == routing.block_m, "padding 'half' halves the routing block"
     tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)
     xa, wa = x, w
     if tma_w:
@@ -770,7 +787,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
         FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
-        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=cfg.padding == "half" and routing.block_m >= 32,
+        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
@@ -828,7 +845,8 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
     runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless the
     prefetched B tile leaves room for fewer (rank 64 and up at 128 x 256 x 64 bf16 tiles: 3 stages instead of 4).
-    flags: GemmConfig fields to change in both (prefetch=False for the A/B of the epilogue loads). device: the
+    padding: auto_padding's unless flags say. flags: GemmConfig fields to change in both (prefetch=False for the
+    A/B of the epilogue loads). device: the
     device to pick tiles for, if not x's (bench_kernels --compile-sm90 builds GPU launches on meta tensors)."""
     device = device or x.device
     T, H = x.shape
@@ -840,6 +858,7 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
     held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) else 0
+    flags = dict(padding=auto_padding(lora, once)) | flags
     return (replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank),
                     **flags),
             replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank),
@@ -881,7 +900,7 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     row block; "fused" then redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1).
     Compiled for sm90 at rank 32 no variant spills; at rank 128 the S tile held in registers across tiles does
     (4-96 B per thread at 2 tiles).
-    padding: GemmConfig.padding of both GEMMs (PADDING); None keeps the configs' own.
+    padding: GemmConfig.padding of both GEMMs (PADDING); None keeps the configs' own (default configs: auto_padding).
     sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
     its next pass (the runtime's residual add + RMSNorm)."""
     check_kernel_rank(lora.max_rank if lora is not None else 0)

@@ -172,7 +172,7 @@ def test_bad_input_gives_one_clear_error(tiny):
     for bad in ("fused:3", "once:3,4", "fused:0,2", "fast"):  # one count, tiles on once, zero tiles, no such mode
         with pytest.raises(ValueError, match="moe_lora_shrink must be auto, once, fused or fused:G,D"):
             TritonEngine(EngineConfig(model=spec, device="cpu", options={"moe_lora_shrink": bad}))
-    with pytest.raises(ValueError, match="option moe_padding must be one of .*'compute', 'zero', 'half'"):
+    with pytest.raises(ValueError, match="option moe_padding must be auto or one of .*'compute', 'zero', 'half'"):
         TritonEngine(EngineConfig(model=spec, device="cpu", options={"moe_padding": "skip"}))
     with TritonEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapters["hf"]["attn_experts"].path)},
                                    device="cpu")) as eng:

@@ -13,7 +13,7 @@ from harness.types import PromptLogprobs
 
 OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0,
            "fault": None, "moe_backend": "triton", "cuda_graphs": 4, "moe_lora_shrink": "auto",
-           "moe_padding": "compute"}
+           "moe_padding": "auto"}
 IMPLS = ("auto", "triton", "torch")
 ATTENTION = ("auto", "flash", "sdpa")
 
@@ -44,9 +44,9 @@ class TritonEngine:
         parse_shrink(str(self.options["moe_lora_shrink"]))  # one clear error now, not in every TP worker later
         from kernels.fused_moe_lora import PADDING
 
-        if self.options["moe_padding"] not in PADDING:
-            raise ValueError(f"option moe_padding must be one of {PADDING} (what the expert GEMMs do with a group's "
-                             f"padding rows), got {self.options['moe_padding']!r}")
+        if self.options["moe_padding"] not in ("auto",) + PADDING:
+            raise ValueError(f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
+                             f"group's padding rows), got {self.options['moe_padding']!r}")
         graphs = self.options["cuda_graphs"]
         if isinstance(graphs, bool) or not isinstance(graphs, int) or graphs < 0:
             raise ValueError(f"option cuda_graphs is the number of CUDA graphs kept (0 = none), got {graphs!r}")

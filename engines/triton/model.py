@@ -28,7 +28,8 @@ class MoeTransformer:
                  moe_shrink: tuple = ("auto", None), moe_padding: str | None = None):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.moe_shrink = moe_shrink  # (lora_shrink, n_tiles) of the expert GEMMs (moe.parse_shrink)
-        self.moe_padding = moe_padding  # the expert GEMMs' GemmConfig.padding (None: the kernels' default)
+        # the expert GEMMs' GemmConfig.padding; "auto" / None: the kernels' default (fused_moe_lora.auto_padding)
+        self.moe_padding = None if moe_padding == "auto" else moe_padding
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
         # the LoRA kernels hold a (rows, rank) accumulator in registers up to rank KERNEL_MAX_RANK; a larger adapter
