@@ -21,6 +21,10 @@ Options (``EngineConfig.options``):
   moe_lora_shrink   the expert GEMMs' LoRA shrink: "auto" (default; kernels.fused_moe_lora.resolve_lora_shrink),
                     "once" (its own launch), "fused" (in every program's K-loop) or "fused:G,D" (in the first of
                     the G (gate_up) / D (down) N tiles each program walks); numerics alike, for timing them
+  moe_padding       what the expert GEMMs do with a group's padding rows: "auto" (default;
+                    kernels.fused_moe_lora.auto_padding), "compute" (a real row, no mask), "zero" (loaded as zeros:
+                    less energy under the GPU's power cap) or "half" ("zero", and a group's last block with at most
+                    half its rows used runs as a half-height tile); numerics alike (bit-identical in bf16)
   cuda_graphs       CUDA graphs kept of whole calls (default 4; 0 = none; TP 1 on CUDA only): a batch layout (prompt
                     lengths, adapter per prompt, top-k) seen a second time is captured, and replayed from then on
                     with the new token ids (engines/triton/graphs.py); that second call costs about two forwards
