@@ -14,6 +14,9 @@ GemmConfig.n_tiles lets a program walk several N tiles of its row block and shri
 registers for the others' expands (the redundancy drops to 1/n_tiles). The bug zoo's kernel faults live in the
 fused branch. Top-k slots of a token sit in different groups, so their sum is a separate deterministic reduction
 rather than atomics (reruns are bit-identical).
+Padding rows (each group rounded up to BLOCK_M) load zeros, and a group's last block with at most half its rows
+used runs as a half-height tile (GemmConfig.padding, PADDING): the GPU is at its power cap here, so work thrown away
+still costs time.
 The epilogue's operands (S and B tiles, bias, top-k weights) are loaded before the K-loop (GemmConfig.prefetch);
 GemmConfig.tma (off by default, exploratory) brings the expert weight tiles, and the down GEMM's sorted rows, by
 TMA through host tensor descriptors; ShrinkConfig sets the shrink's launch (rows per program, K step, warps, stages).
@@ -846,8 +849,8 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless the
     prefetched B tile leaves room for fewer (rank 64 and up at 128 x 256 x 64 bf16 tiles: 3 stages instead of 4).
     padding: auto_padding's unless flags say. flags: GemmConfig fields to change in both (prefetch=False for the
-    A/B of the epilogue loads). device: the
-    device to pick tiles for, if not x's (bench_kernels --compile-sm90 builds GPU launches on meta tensors)."""
+    A/B of the epilogue loads). device: the device to pick tiles for, if not x's (bench_kernels --compile-sm90
+    builds GPU launches on meta tensors)."""
     device = device or x.device
     T, H = x.shape
     n1 = w_gate_up.shape[1]
