@@ -67,16 +67,17 @@ class Runtime:
     def run(self, prompts: list[list[int]], slots: list[int], top_k: int) -> list[PromptLogprobs] | None:
         """Forward one packed batch; rank 0 returns the logprobs, other ranks only take part. A layout seen before
         replays its CUDA graph (graphs.py) with these prompts' token ids."""
-        key = (tuple(map(len, prompts)), tuple(slots), top_k)
-        entry = self.graphs.get(key) if self.graphs is not None and self.model.capture is None else None
+        key = self.layout(prompts, slots, top_k)
+        graphs = self.graphs if self.model.capture is None else None  # lpdiff bisect's capture runs eagerly
+        entry = graphs.get(key) if graphs is not None else None
         if entry is not None:
             batch, outs = entry.batch, entry.outs
             batch.input_ids.copy_(torch.from_numpy(Batch.token_ids(prompts)))
             entry.graph.replay()
         else:
             batch = Batch.build(prompts, slots, self.cfg, self.dtype, self.device)
-            if self.graphs is not None and self.model.capture is None and self.graphs.want(key):
-                entry = self.graphs.capture(key, lambda: self._capture(batch, top_k))
+            if graphs is not None and graphs.want(key):
+                entry = graphs.capture(key, lambda: self._capture(batch, top_k))
             outs = entry.outs if entry is not None else self._compute(batch, top_k)
         if not self.shard.first:
             return None
@@ -90,6 +91,11 @@ class Runtime:
                                       router_margin=margin[tok:tok + n]))
             tok, pos = tok + n, pos + n - 1
         return out
+
+    @staticmethod
+    def layout(prompts: list[list[int]], slots: list[int], top_k: int) -> tuple:
+        """What a CUDA graph of a call is keyed on: everything but the token ids (graphs.py)."""
+        return tuple(map(len, prompts)), tuple(slots), top_k
 
     @torch.inference_mode()
     def _compute(self, batch: Batch, top_k: int) -> tuple:
