@@ -149,7 +149,7 @@ def bench_model(name: str, args, writer) -> None:
                         host_split(tr, prompts, a, args.reps)
                 first_variant = shrink == args.moe_shrink[0] and padding == args.moe_padding[0]
                 if args.profile and graphs == (args.graphs != "off") and (first_variant or args.profile_all):
-                    stem = f"profile_{name}_{impl}".replace("@", "_").replace(":", "-").replace("/", "+")  # names the device returns
+                    stem = f"profile_{name}_{impl}".replace("@", "_").replace(":", "-")  # file names the device returns
                     profile(tr, prompts, adapter.name, Path(args.out) / f"{stem}.txt")
                     profile(tr, prompts, None, Path(args.out) / f"{stem}_base.txt")
                     if first_variant:

@@ -44,8 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.fused_moe_lora import (SMEM_BUDGET, GemmConfig, MoeLoraWeights, ShrinkConfig,  # noqa: E402
                                     activate, expert_lora_kwargs, expert_shrink, launch_gemm, moe_configs,
-                                    moe_forward, moe_forward_triton, shrink_block_k, shrink_placement,
-                                    epilogue_shrink_kwargs)
+                                    moe_forward, moe_forward_triton, shrink_block_k, shrink_once)
 from kernels._triton import next_pow2  # noqa: E402
 from kernels.lora_linear import base_linear, lora_linear, pack_lora_b  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
@@ -268,7 +267,7 @@ def configs(p, lora_shrink: str = "once", device=None, **flags) -> dict:
     """moe_forward_triton's default tiles of both GEMMs with GemmConfig flags changed, as its keywords; device:
     the tiles for that device instead of x's."""
     c1, c2 = moe_configs(p["x"], p["topk_ids"], p["w_gate_up"], p["activation"], p["lora"],
-                         shrink_placement(p["lora"], lora_shrink), device, **flags)
+                         shrink_once(p["lora"], lora_shrink), device, **flags)
     return dict(config=c1, down_config=c2)
 
 
@@ -279,7 +278,7 @@ def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None, **flags) -
     a CPU test can check they compute the layer."""
     timer = timer or bench
     x, lora = p["x"], p["lora"]
-    place = shrink_placement(lora, lora_shrink)
+    once = shrink_once(lora, lora_shrink)
     cfg1, cfg2 = configs(p, lora_shrink, **flags).values()
     T, H = x.shape
     E, n1, _ = p["w_gate_up"].shape
@@ -294,17 +293,15 @@ def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None, **flags) -
     tw = p["topk_weights"].reshape(-1).float()
     t = {"align": timer(align, rep)}
     s1 = s2 = None
-    if place[0] == "once":
+    if once:
         t["shrink1"] = timer(lambda: expert_shrink(x, lora, "gate_up", r), rep)
         s1 = expert_shrink(x, lora, "gate_up", r)
-    epi = epilogue_shrink_kwargs(lora, place, I, cfg1, M, x.device)  # gate_up's epilogue writes down's S
-    s2 = epi.get("next_s")
     g1 = lambda: launch_gemm(x, p["w_gate_up"], inter, r, cfg1, x_sorted=False, out_sorted=True,  # noqa: E731
                              activation=p["activation"], bias=p["b_gate_up"],
-                             **expert_lora_kwargs(lora, "gate_up", s1), **epi)
+                             **expert_lora_kwargs(lora, "gate_up", s1))
     g1()
     t["gemm1"] = timer(g1, rep)
-    if place[1] == "once":
+    if once:
         t["shrink2"] = timer(lambda: expert_shrink(inter, lora, "down", r), rep)
         s2 = expert_shrink(inter, lora, "down", r)
     g2 = lambda: launch_gemm(inter, p["w_down"], y, r, cfg2, x_sorted=True, out_sorted=False,  # noqa: E731
@@ -505,16 +502,15 @@ def compile_sm90(kernel, args, kwargs) -> dict:
 
 
 SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "N_TILES", "ZERO_PAD", "HALF_TAIL",
-             "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages", "NUM_PARTS", "EPI_SHRINK")
+             "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")
 
 
 # --compile-sm90's variants: default, prefetch off, TMA; then the programs walking several N tiles (GemmConfig
 # n_tiles): the shrink in the first tile's K-loop ("fused") at 1-4 tiles, and "once" / no LoRA at 2; padding
-# "half" (two tile heights in one kernel) with each shrink placement; the down shrink in gate_up's epilogue
+# "half" (two tile heights in one kernel) with each shrink placement
 SM90_FLAG_SETS = ([{}, dict(prefetch=False), dict(tma=True)]
                   + [dict(lora_shrink="fused", n_tiles=k) for k in (1, 2, 3, 4)] + [dict(n_tiles=2)]
-                  + [dict(padding="half"), dict(lora_shrink="fused", n_tiles=3, padding="half")]
-                  + [dict(lora_shrink="fused/epilogue", n_tiles=3), dict(lora_shrink="once/epilogue")])
+                  + [dict(padding="half"), dict(lora_shrink="fused", n_tiles=3, padding="half")])
 
 
 def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:

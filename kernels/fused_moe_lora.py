@@ -223,16 +223,11 @@ def _act(gate, up, ACT: tl.constexpr):
 
 
 @triton.jit
-def _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, stride_sp, UPCAST: tl.constexpr,
-            NUM_PARTS: tl.constexpr):
+def _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST: tl.constexpr):
     """LORA 2's S tile of slice s (BLOCK_M, R), rounded to the B dtype right after its load (as LORA 1 rounds its
-    in-register shrink; half the registers while it waits). NUM_PARTS > 1: S holds that many partial sums
-    stride_sp apart (the down shrink from the gate_up GEMM's N tiles, EPI_SHRINK), added in tile order so reruns
-    are bit-identical."""
-    s_ptrs = S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr
-    st = tl.load(s_ptrs, mask=r_ok[None, :], other=0.0)
-    for t in range(1, NUM_PARTS):
-        st += tl.load(s_ptrs + t * stride_sp, mask=r_ok[None, :], other=0.0)
+    in-register shrink; half the registers while it waits)."""
+    st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
+                 mask=r_ok[None, :], other=0.0)
     return st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
 
 
@@ -354,24 +349,6 @@ def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, ro
     return acc, acc_up, acc_s
 
 
-@triton.jit
-def _epilogue_shrink(h, LD, SP, Scaling, a_safe, e, offs_m, offs_r, r_ok, pid_n, N, R, stride_ldl, stride_lde,
-                     stride_ldr, stride_ldk, stride_spt, stride_spm, stride_spr, OUT_DTYPE: tl.constexpr,
-                     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """EPI_SHRINK: SP[pid_n, rows] = scaling * h A_down[a, e][:, tile columns]^T, the down GEMM's shrink over this
-    tile's BLOCK_N activation columns, h rounded to the stored dtype (what the down GEMM reads). Columns past N
-    meet zero A rows, ranks past the loaded one zero A columns."""
-    hb = h.to(OUT_DTYPE)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ad = tl.load(LD + a_safe * stride_ldl + e * stride_lde + offs_r[None, :] * stride_ldr + offs_n[:, None] * stride_ldk,
-                 mask=r_ok[None, :] & (offs_n < N)[:, None], other=0.0)  # (BLOCK_N, BLOCK_R)
-    if UPCAST:
-        hb, ad = hb.to(tl.float32), ad.to(tl.float32)
-    part = tl.dot(hb, ad, input_precision=DOT_PREC) * tl.load(Scaling + a_safe)
-    tl.store(SP + pid_n * stride_spt + offs_m[:, None].to(tl.int64) * stride_spm + offs_r[None, :] * stride_spr,
-             part, mask=offs_r[None, :] < R)
-
-
 # Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
 KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
                  "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
@@ -380,11 +357,10 @@ KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
 @dual_jit
 def _grouped_gemm_kernel(
         X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded,
-        SliceOffs, LD, SP, num_pairs, N, Kdim, lb_numel, out_numel,
+        SliceOffs, num_pairs, N, Kdim, lb_numel, out_numel,
         stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
-        stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr, stride_sp,
-        stride_lbl, stride_lbe, stride_lbn, stride_lbr, stride_ldl, stride_lde, stride_ldr, stride_ldk,
-        stride_spt, stride_spm, stride_spr,
+        stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+        stride_lbl, stride_lbe, stride_lbn, stride_lbr,
         TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
         ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
         NUM_SLICES: tl.constexpr, R: tl.constexpr,
@@ -392,8 +368,7 @@ def _grouped_gemm_kernel(
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
         PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False,
-        N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
-        NUM_PARTS: tl.constexpr = 1, EPI_SHRINK: tl.constexpr = False):
+        N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
@@ -417,12 +392,7 @@ def _grouped_gemm_kernel(
     interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K).
     ZERO_PAD: padding rows are loaded as zeros (_k_loop). HALF_TAIL: a routing block whose rows past the first half
     are all padding (a group's last block, at most BLOCK_M / 2 rows used) runs as a BLOCK_M / 2 tile: padding rows
-    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding).
-    EPI_SHRINK (the gate_up GEMM of lora_shrink ".../epilogue", rows with an adapter): the epilogue also computes
-    the down GEMM's shrink over this tile's activation columns, scaling * h A_down[a, e][:, cols]^T with h rounded
-    as stored, into SP[pid_n] (fp32 partial sums, one per N tile; LD: A_down (L, E, R, N)); the down GEMM then runs
-    LORA 2 with S = those partials (NUM_PARTS > 1: summed in tile order as its S tile is loaded), so it neither
-    re-reads the intermediate for a shrink launch nor runs a shrink dot in its K-loop."""
+    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding)."""
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -444,39 +414,35 @@ def _grouped_gemm_kernel(
             return  # rows without an adapter keep the cuBLAS output bit for bit
     if HALF_TAIL:  # a constexpr branch: without it the kernel compiles one row-block body, as before
         if tl.load(SortedIds + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs:
-            _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, LD, SP, num_pairs, N,
-                       Kdim, lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be,
-                       stride_bn, stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm,
-                       stride_sr, stride_sp, stride_lbl, stride_lbe, stride_lbn, stride_lbr, stride_ldl, stride_lde,
-                       stride_ldr, stride_ldk, stride_spt, stride_spm, stride_spr, e, e32, a, pid_m * BLOCK_M,
-                       first_n, num_n,
+            _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
+                       lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                       stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+                       stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
                        TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M // 2,
                        BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-                       TMA_X, N_TILES, ZERO_PAD, NUM_PARTS, EPI_SHRINK)
+                       TMA_X, N_TILES, ZERO_PAD)
             return
-    _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, LD, SP, num_pairs, N, Kdim,
+    _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
                lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr, stride_sp,
-               stride_lbl, stride_lbe, stride_lbn, stride_lbr, stride_ldl, stride_lde, stride_ldr, stride_ldk,
-               stride_spt, stride_spm, stride_spr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
+               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
                TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M,
                BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-               TMA_X, N_TILES, ZERO_PAD, NUM_PARTS, EPI_SHRINK)
+               TMA_X, N_TILES, ZERO_PAD)
 
 
 @triton.jit
-def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, LD, SP, num_pairs, N, Kdim,
+def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
                lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr, stride_sp,
-               stride_lbl, stride_lbe, stride_lbn, stride_lbr, stride_ldl, stride_lde, stride_ldr, stride_ldk,
-               stride_spt, stride_spm, stride_spr, e, e32, a, row0, first_n, num_n,
+               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, row0, first_n, num_n,
                TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
                NUM_SLICES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
                PREFETCH: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr, N_TILES: tl.constexpr,
-               ZERO_PAD: tl.constexpr, NUM_PARTS: tl.constexpr, EPI_SHRINK: tl.constexpr):
+               ZERO_PAD: tl.constexpr):
     """_grouped_gemm_kernel's work on BLOCK_M rows from row0 (a routing block, or its first half) and N_TILES N
     tiles from first_n: the K-loops and epilogues."""
     SPLIT: tl.constexpr = GATED and TMA
@@ -501,7 +467,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
     if MUL_TOPK and PREFETCH:
         tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
     if EARLY_S:  # one S tile per row block, whichever N tiles the program walks
-        st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, stride_sm, stride_sr, stride_sp, UPCAST, NUM_PARTS)
+        st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, stride_sm, stride_sr, UPCAST)
     else:  # LORA 1: the first tile's shrink replaces it before any expand reads it
         st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if not UPCAST:
@@ -555,8 +521,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                     else:
                         for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
                             if not EARLY_S:
-                                st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, stride_sp, UPCAST,
-                                               NUM_PARTS)
+                                st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST)
                                 bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT,
                                                   UPCAST)
                             acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
@@ -590,11 +555,6 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                     h += acc_l * twc * twc
                 if FAULT == 3:  # topk_weight_missing
                     h += acc_l
-            if EPI_SHRINK:
-                if a >= 0:
-                    _epilogue_shrink(h, LD, SP, Scaling, a_safe, e, offs_m, offs_r, r_ok, pid_n, N, R, stride_ldl,
-                                     stride_lde, stride_ldr, stride_ldk, stride_spt, stride_spm, stride_spr,
-                                     Out.dtype.element_ty, UPCAST, DOT_PREC, BLOCK_N)
             o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
             if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
                 o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
@@ -636,9 +596,8 @@ class GemmConfig:
 PADDING = ("compute", "zero", "half")
 
 
-def auto_padding(placement: str) -> str:
-    """The default padding of an expert GEMM whose shrink is placed so (shrink_placement)."""
-    return "zero" if placement == "fused" else "half"
+def auto_padding(lora: "MoeLoraWeights | None", once: bool) -> str:
+    return "zero" if lora is not None and not once else "half"
 
 
 def half_tail(cfg: GemmConfig) -> bool:
@@ -788,14 +747,11 @@ def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool)
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
                 activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
                 ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0,
-                add_to_out: bool = False, next_a=None, next_s=None) -> torch.Tensor:
+                add_to_out: bool = False) -> torch.Tensor:
     """w (E, N_w, Kdim) with N_w = 2N when gated; bias (E, N_w); lora_b viewed as (L, E, N_w, R).
     LoRA either as lora_a (L, E, R, Kdim) (shrink fused into the K-loop) or as a precomputed, scaled lora_s
-    (M, S*R) with slice_offsets (dense layers), or (P, M, R): P partial sums to add (next_s of the GEMM before).
-    add_to_out: out already holds x w^T (+ bias); only the precomputed LoRA delta is added to it, in place (x and w
-    are not read). next_a (L, E, R, N), next_s (cdiv(N, block_n), M, R) float32: the epilogue also writes the next
-    GEMM's scaled shrink of this one's output, one partial sum per N tile (EPI_SHRINK; needs lora_b's scaling and
-    ranks, out sorted)."""
+    (M, S*R) with slice_offsets (dense layers). add_to_out: out already holds x w^T (+ bias); only the
+    precomputed LoRA delta is added to it, in place (x and w are not read)."""
     gated = GATED.get(activation, False)
     E, n_w, kdim = w.shape
     n = n_w // 2 if gated else n_w
@@ -810,14 +766,6 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     lb = lora_b if mode else placeholder((1, 1, 1, 1), w.dtype, w.device)
     R = lb.shape[3] if mode else 1
     sv = lora_s if mode == 2 else placeholder((1, 1), torch.float32, w.device)
-    parts = sv.shape[0] if sv.dim() == 3 else 1
-    sv3 = sv if sv.dim() == 3 else sv.unsqueeze(0)  # (parts, M, S*R)
-    epi = next_s is not None
-    assert not epi or (mode and out_sorted and next_a.shape[-1] == n and next_a.shape[2] == R
-                       and next_s.shape[0] == triton.cdiv(n, cfg.block_n)), \
-        "next_a / next_s: the next GEMM's A (L, E, R, N) and one (M, R) partial per N tile, LoRA on this GEMM"
-    ld = next_a if epi else placeholder((1, 1, 1, 1), w.dtype, w.device)
-    sp = next_s if epi else placeholder((1, 1, 1), torch.float32, w.device)
     grid = (routing.num_blocks * triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.n_tiles),)
     assert not half_tail(cfg) or cfg.block_m == routing.block_m, "padding 'half' halves the routing block"
     tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)
@@ -828,30 +776,27 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         if tma_x:
             xa = TensorDescriptor(x, list(x.shape), list(x.stride()), [routing.block_m, cfg.block_k])
     _grouped_gemm_kernel[grid, x.device](
-        xa, wa, bias if bias is not None else dummy, out, la, sv3, lb,
+        xa, wa, bias if bias is not None else dummy, out, la, sv, lb,
         scaling if mode else dummy, ranks if mode else dummy, topk_weights if topk_weights is not None else dummy,
         routing.sorted_ids, routing.block_expert, routing.block_adapter, routing.num_padded,
-        device_const(tuple(offs), x.device), ld, sp, routing.num_pairs, n, kdim, lb.numel(), out.numel(),
+        device_const(tuple(offs), x.device), routing.num_pairs, n, kdim, lb.numel(), out.numel(),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         out.stride(0), out.stride(1), la.stride(0), la.stride(1), la.stride(2), la.stride(3),
-        sv3.stride(1), sv3.stride(2), sv3.stride(0), lb.stride(0), lb.stride(1), lb.stride(2), lb.stride(3),
-        ld.stride(0), ld.stride(1), ld.stride(2), ld.stride(3), sp.stride(0), sp.stride(1), sp.stride(2),
+        sv.stride(0), sv.stride(1), lb.stride(0), lb.stride(1), lb.stride(2), lb.stride(3),
         TOPK=routing.top_k, X_SORTED=x_sorted, OUT_SORTED=out_sorted, GATED=gated, ACT=ACTIVATIONS[activation],
         HAS_BIAS=bias is not None, LORA=mode, MUL_TOPK=topk_weights is not None,
         NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
         FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
-        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), NUM_PARTS=parts, EPI_SHRINK=epi,
+        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
 
 
-LORA_SHRINK = ("auto", "once", "fused", "once/epilogue", "fused/epilogue")
-# "G/epilogue": the gate_up GEMM's shrink placed as G says, the down GEMM's computed in the gate_up GEMM's epilogue
-# (EPI_SHRINK: partial sums per N tile, no re-read of the intermediate and no shrink in the down GEMM's K-loop).
+LORA_SHRINK = ("auto", "once", "fused")
 # "auto": the shrink inside the first tile's K-loop, each program walking half its row block's N tiles, when each
 # GEMM has at most this many N tiles (Qwen3-30B-A3B: 6 and 8); else "once". H200, bf16, T 4096, rank 32 (run 30,
 # bench_kernels stage times, ms per layer): Qwen3 gate_up 0.524 once -> 0.493 fused at 3 tiles, down 0.323 -> 0.311
@@ -871,18 +816,12 @@ def check_lora_shrink(lora_shrink: str) -> None:
         raise ValueError(f"lora_shrink must be one of {LORA_SHRINK}, got {lora_shrink!r}")
 
 
-def shrink_placement(lora: MoeLoraWeights | None, lora_shrink: str) -> tuple[str, str]:
-    """Where each expert GEMM's shrink runs, (gate_up, down): "fused" (its own K-loop, LORA 1), "once" (a launch
-    before it, LORA 2), "epilogue" (down only: the gate_up GEMM's epilogue, LORA 2), or "none" without LoRA. A bug-zoo
-    kernel fault forces "fused" for both, the branch where those faults live. lora_shrink must be resolved."""
+def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
+    """Whether the expert GEMMs get their shrink precomputed (LORA 2); a bug-zoo kernel fault forces the fused
+    shrink (LORA 1), the branch where those faults live. lora_shrink must be resolved ("once" or "fused")."""
     check_lora_shrink(lora_shrink)
     assert lora_shrink != "auto", "resolve 'auto' first (resolve_lora_shrink)"
-    if lora is None:
-        return "none", "none"
-    if kernel_fault() is not None:
-        return "fused", "fused"
-    gate_up, _, down = lora_shrink.partition("/")
-    return gate_up, down or gate_up
+    return lora is not None and lora_shrink == "once" and kernel_fault() is None
 
 
 def resolve_lora_shrink(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
@@ -896,7 +835,7 @@ def resolve_lora_shrink(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWe
     device = device or x.device
     if lora is None or device.type != "cuda" or lora.max_rank > AUTO_FUSED_MAX_RANK:
         return "once", None
-    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, ("fused", "fused"), device=device)
+    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once=False, device=device)
     n1 = w_gate_up.shape[1] // 2 if GATED[activation] else w_gate_up.shape[1]
     tiles = (triton.cdiv(n1, cfg1.block_n), triton.cdiv(x.shape[1], cfg2.block_n))
     if max(tiles) > AUTO_FUSED_MAX_TILES:
@@ -905,11 +844,9 @@ def resolve_lora_shrink(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWe
 
 
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
-                placement: tuple[str, str], device: torch.device | None = None,
-                **flags) -> tuple[GemmConfig, GemmConfig]:
-    """Default tiles of the gate_up and down GEMMs, their shrinks placed as shrink_placement says. The LoRA A tile
-    takes pipeline stages only when the shrink runs in the K-loop ("fused"); precomputed ("once", "epilogue"), the
-    GEMMs get the stage count of the no-LoRA path unless the
+                once: bool, device: torch.device | None = None, **flags) -> tuple[GemmConfig, GemmConfig]:
+    """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
+    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless the
     prefetched B tile leaves room for fewer (rank 64 and up at 128 x 256 x 64 bf16 tiles: 3 stages instead of 4).
     padding: auto_padding's unless flags say. flags: GemmConfig fields to change in both (prefetch=False for the
     A/B of the epilogue loads). device: the device to pick tiles for, if not x's (bench_kernels --compile-sm90
@@ -922,14 +859,13 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     pairs = T * topk_ids.shape[1]
     # rows spread over (expert, slot) groups; used slots are not known without a sync
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
-    rank = lora.max_rank if lora is not None else 0
-
-    def config(place: str, n: int, kdim: int, gated: bool) -> GemmConfig:
-        held = rank if place in ("once", "epilogue") and flags.get("prefetch", True) else 0
-        cfg = default_config(pairs, groups, n, kdim, device, x.dtype, gated, rank if place == "fused" else 0, held)
-        return replace(cfg, **(dict(padding=auto_padding(place)) | flags))
-
-    return config(placement[0], inter_n, H, gated), config(placement[1], H, inter_n, False)
+    stage_rank = lora.max_rank if lora is not None and not once else 0
+    held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) else 0
+    flags = dict(padding=auto_padding(lora, once)) | flags
+    return (replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank),
+                    **flags),
+            replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank),
+                    **flags))
 
 
 def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting,
@@ -938,16 +874,6 @@ def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: M
     intermediate) over every routed row, once per row block: (M, R) float32."""
     a = getattr(lora, f"{gemm}_a")
     return launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down", cfg=cfg)
-
-
-def epilogue_shrink_kwargs(lora: MoeLoraWeights | None, place: tuple[str, str], inter_n: int, cfg1: GemmConfig,
-                           M: int, device: torch.device) -> dict:
-    """launch_gemm's next_a / next_s for the gate_up GEMM when the down shrink is placed in its epilogue: down's A
-    and a buffer for one (M, R) partial sum per gate_up N tile (the down GEMM's lora_s); else nothing."""
-    if place[1] != "epilogue":
-        return {}
-    return dict(next_a=lora.down_a, next_s=torch.empty(triton.cdiv(inter_n, cfg1.block_n), M, lora.max_rank,
-                                                       dtype=torch.float32, device=device))
 
 
 def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor | None) -> dict:
@@ -986,8 +912,8 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     K = topk_ids.shape[1]
     inter_n = n1 // 2 if GATED[activation] else n1
     lora_shrink, auto_tiles = resolve_lora_shrink(x, topk_ids, w_gate_up, activation, lora, lora_shrink)
-    place = shrink_placement(lora, lora_shrink)
-    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, place)
+    once = shrink_once(lora, lora_shrink)
+    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
     if auto_tiles is not None:  # half of each GEMM's N tiles per program: two programs per row block
         cfg1, cfg2 = (replace(c, n_tiles=triton.cdiv(t, 2)) for c, t in zip((cfg1, cfg2), auto_tiles))
     cfg1, cfg2 = config or cfg1, down_config or cfg2
@@ -999,14 +925,12 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
     routing = moe_align(topk_ids, token_adapter if lora is not None else None, E,
                         lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton")
-    M = routing.sorted_ids.shape[0]
-    inter = torch.empty(M, inter_n, dtype=x.dtype, device=x.device)
-    s1 = expert_shrink(x, lora, "gate_up", routing, shrink_config) if place[0] == "once" else None
-    epi = epilogue_shrink_kwargs(lora, place, inter_n, cfg1, M, x.device)
+    inter = torch.empty(routing.sorted_ids.shape[0], inter_n, dtype=x.dtype, device=x.device)
+    s1 = expert_shrink(x, lora, "gate_up", routing, shrink_config) if once else None
     launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
-                bias=b_gate_up, **expert_lora_kwargs(lora, "gate_up", s1), **epi)
+                bias=b_gate_up, **expert_lora_kwargs(lora, "gate_up", s1))
     del s1  # its memory can serve s2
-    s2 = expert_shrink(inter, lora, "down", routing, shrink_config) if place[1] == "once" else epi.get("next_s")
+    s2 = expert_shrink(inter, lora, "down", routing, shrink_config) if once else None
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
                 topk_weights=topk_weights.reshape(-1).float(), **expert_lora_kwargs(lora, "down", s2))

@@ -103,19 +103,6 @@ def test_fp32_parity_padding_modes(case):
 
 @needs(1)
 @pytest.mark.gpu1
-def test_fp32_parity_shrink_placements(case):
-    """The down GEMM's LoRA shrink computed in the gate_up GEMM's epilogue (moe_lora_shrink ".../epilogue": partial
-    sums per N tile), after the gate_up shrink in its K-loop or in its own launch, against HF+PEFT on the mixed
-    batch (two adapters of different ranks, one shared-outer, and base rows)."""
-    spec, adapters, prompts = case
-    ref = _run("hf", spec, adapters, prompts, [MIXED])[0]
-    for shrink in ("fused/epilogue:3,4", "once/epilogue"):
-        got = _run("triton", spec, adapters, prompts, [MIXED], options={"moe_lora_shrink": shrink})[0]
-        _check(got, ref, [p.router_margin for p in got], f"{spec.name} moe_lora_shrink={shrink}")
-
-
-@needs(1)
-@pytest.mark.gpu1
 @pytest.mark.parametrize("window,sinks", [(None, False), (16, False), (None, True), (16, True)])
 def test_flash_varlen_attention_matches_fp32_sdpa(window, sinks):
     """The bf16 path (FlashAttention varlen + sink rescaling by the logsumexp) against the fp32 SDPA path on the same

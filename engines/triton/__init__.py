@@ -20,9 +20,7 @@ Options (``EngineConfig.options``):
                     kernels/moe_grouped.py)
   moe_lora_shrink   the expert GEMMs' LoRA shrink: "auto" (default; kernels.fused_moe_lora.resolve_lora_shrink),
                     "once" (its own launch), "fused" (in every program's K-loop) or "fused:G,D" (in the first of
-                    the G (gate_up) / D (down) N tiles each program walks); "/epilogue" after once or fused
-                    ("fused/epilogue:3,4"): the down GEMM's shrink computed in the gate_up GEMM's epilogue;
-                    numerics alike, for timing them
+                    the G (gate_up) / D (down) N tiles each program walks); numerics alike, for timing them
   moe_padding       what the expert GEMMs do with a group's padding rows: "auto" (default;
                     kernels.fused_moe_lora.auto_padding), "compute" (a real row, no mask), "zero" (loaded as zeros:
                     less energy under the GPU's power cap) or "half" ("zero", and a group's last block with at most

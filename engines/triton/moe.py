@@ -115,18 +115,16 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerW
 
 def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
     """The engine's moe_lora_shrink option -> (lora_shrink, n_tiles): "auto" | "once" | "fused" | "fused:G,D" (the
-    shrink in the first tile's K-loop, gate_up programs walking G N tiles and down programs D); "/epilogue" after
-    once or fused: the down GEMM's shrink computed in the gate_up GEMM's epilogue (e.g. "fused/epilogue:3,4")."""
+    shrink in the first tile's K-loop, gate_up programs walking G N tiles and down programs D)."""
     from kernels.fused_moe_lora import LORA_SHRINK
 
     mode, _, tiles = option.partition(":")
-    ok = mode in LORA_SHRINK and (not tiles or mode.startswith("fused"))
+    ok = mode in LORA_SHRINK and (not tiles or mode == "fused")
     try:
         n = tuple(int(t) for t in tiles.split(",")) if tiles else None
     except ValueError:
         ok = False
     if not ok or (n is not None and (len(n) != 2 or min(n) < 1)):
         raise ValueError(f"option moe_lora_shrink must be auto, once, fused or fused:G,D (N tiles per program of the "
-                         f"gate_up and down GEMMs, e.g. fused:3,4), each optionally with /epilogue after the mode "
-                         f"(once/epilogue, fused/epilogue:3,4), got {option!r}")
+                         f"gate_up and down GEMMs, e.g. fused:3,4), got {option!r}")
     return mode, n
