@@ -5,8 +5,9 @@ GEMM (N1 = 2I gated or I non-gated for gate_up, H for down), P = T*K (token, exp
 (pairs grouped by (expert, adapter slot), each group padded to BLOCK_M; see moe_align.py), S slices.
 
 Per layer the Triton path launches: alignment (a memset and three small kernels, no host sync), the gate_up
-GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carries its LoRA expand as one dot in
-the epilogue, then bias, activation (gate_up) or top-k weight (down). Its shrink X A^T (lora_shrink="once", the
+GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carries its LoRA expand as one more dot
+(the accumulator's first product, before the K-loop, or with the shrink in the K-loop after it in the epilogue),
+and its epilogue adds bias, activation (gate_up) or top-k weight (down). Its shrink X A^T (lora_shrink="once", the
 default) is a launch of its own before the GEMM, once per row block, into a (M, R) fp32 buffer S; "fused" runs it
 as one more narrow dot per K step on the X tile already in shared memory instead: no launch and no S, but redone
 by each program of a row block (6 for Qwen3's gate_up, 8 for its down) and its A tile takes pipeline stages;
@@ -368,7 +369,8 @@ def _grouped_gemm_kernel(
         GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
         PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False,
-        N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False):
+        N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
+        EXPAND_FIRST: tl.constexpr = False):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
@@ -392,7 +394,10 @@ def _grouped_gemm_kernel(
     interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K).
     ZERO_PAD: padding rows are loaded as zeros (_k_loop). HALF_TAIL: a routing block whose rows past the first half
     are all padding (a group's last block, at most BLOCK_M / 2 rows used) runs as a BLOCK_M / 2 tile: padding rows
-    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding)."""
+    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding).
+    EXPAND_FIRST (with PREFETCH, LORA 2, one slice): the expand S B^T is the accumulator's first product, before the
+    K-loop, while the pipeline's first tiles are still loading, instead of a dot in the epilogue after it, which one
+    program per SM cannot hide (GemmConfig.expand_first)."""
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -420,7 +425,7 @@ def _grouped_gemm_kernel(
                        stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
                        TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M // 2,
                        BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-                       TMA_X, N_TILES, ZERO_PAD)
+                       TMA_X, N_TILES, ZERO_PAD, EXPAND_FIRST)
             return
     _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
                lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
@@ -428,7 +433,7 @@ def _grouped_gemm_kernel(
                stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
                TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M,
                BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-               TMA_X, N_TILES, ZERO_PAD)
+               TMA_X, N_TILES, ZERO_PAD, EXPAND_FIRST)
 
 
 @triton.jit
@@ -442,12 +447,13 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
                PREFETCH: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr, N_TILES: tl.constexpr,
-               ZERO_PAD: tl.constexpr):
+               ZERO_PAD: tl.constexpr, EXPAND_FIRST: tl.constexpr):
     """_grouped_gemm_kernel's work on BLOCK_M rows from row0 (a routing block, or its first half) and N_TILES N
     tiles from first_n: the K-loops and epilogues."""
     SPLIT: tl.constexpr = GATED and TMA
     WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
     EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
+    FIRST: tl.constexpr = EARLY_S and EXPAND_FIRST  # the expand before the K-loop
     # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
     # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
     EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
@@ -499,6 +505,11 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
             acc_up = acc
             if SPLIT:
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if FIRST:
+                if a >= 0:
+                    acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                    if SPLIT:
+                        acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
             acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             acc, acc_up, acc_s = _k_loop(
                 X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
@@ -510,7 +521,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
             if LORA == 1 and t == 0:
                 st = acc_s * tl.load(Scaling + a_safe)
                 st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-            if LORA > 0:
+            if LORA > 0 and not FIRST:
                 if a >= 0:
                     if LORA == 1:
                         bl = bt.to(tl.float32) if UPCAST else bt
@@ -576,6 +587,7 @@ class GemmConfig:
     tma: bool = False  # expert weight tiles (and the down GEMM's sorted rows) by TMA; see gemm_tma
     n_tiles: int = 1  # consecutive N tiles per program; LORA 1 shrinks on the first only (_grouped_gemm_kernel)
     padding: str = "compute"  # what the padding rows of a group's last block cost; see PADDING
+    expand_first: bool = True  # LORA 2 with prefetch: the expand before the K-loop (EXPAND_FIRST), not after it
 
     def __post_init__(self):
         for b in (self.block_m, self.block_n, self.block_k):
@@ -594,6 +606,11 @@ class GemmConfig:
 # (benchmarks/results/e2e_notes.md, session 8): base calls 69.6k tok/s computed, 72.0k zero, 74.1k half; LoRA calls
 # with the shrink in the K-loop 61.8k / 64.1k / 63.2k, with the shrink once 63.0k zero / 64.5k half.
 PADDING = ("compute", "zero", "half")
+
+
+# moe_configs' GemmConfig.expand_first. A module constant rather than an engine option: benchmarks/bench_e2e.py
+# (--moe-expand) flips it per engine to time the epilogue expand against the expand before the K-loop.
+EXPAND_FIRST = True
 
 
 def auto_padding(lora: "MoeLoraWeights | None", once: bool) -> str:
@@ -790,19 +807,17 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
         FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
-        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg),
+        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), EXPAND_FIRST=cfg.expand_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
 
 
 LORA_SHRINK = ("auto", "once", "fused")
-# "auto": the shrink inside the first tile's K-loop, each program walking half its row block's N tiles, when each
-# GEMM has at most this many N tiles (Qwen3-30B-A3B: 6 and 8); else "once". H200, bf16, T 4096, rank 32 (run 30,
-# bench_kernels stage times, ms per layer): Qwen3 gate_up 0.524 once -> 0.493 fused at 3 tiles, down 0.323 -> 0.311
-# at 4 tiles; gpt-oss (23 and 12 N tiles) was slower fused at every n_tiles tried (1.911 vs 1.752 ms per layer).
-AUTO_FUSED_MAX_TILES = 8
-AUTO_FUSED_MAX_RANK = 64  # at rank 128 the S tile held across tiles spills (sm90 compile, kernels_notes.md)
+# "auto" = "once". The shrink in the K-loop ("fused", programs walking several N tiles) was auto's choice for Qwen3's
+# shape from session 7 (kernel stage times, run 30) until full-depth timed loops on an H200 ranked once (padding half)
+# above it three runs in a row: LoRA call 64.5k vs 64.1k tok/s (run 40), 66.4k vs 65.1k (run 41), 66.5k vs 64.8k
+# (run 45, benchmarks/results/e2e_notes.md); gpt-oss was faster once already (23 and 12 N tiles).
 
 
 def kernel_fault() -> str | None:
@@ -824,23 +839,10 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
     return lora is not None and lora_shrink == "once" and kernel_fault() is None
 
 
-def resolve_lora_shrink(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
-                        lora_shrink: str, device: torch.device | None = None) -> tuple[str, tuple[int, int] | None]:
-    """-> (mode, tiles): "auto" becomes ("fused", (N tiles of gate_up, of down)) at the default tiles, for
-    moe_forward_triton to give each program half of them, or ("once", None); other modes come back as given.
-    device: the device to decide for, if not x's (tests decide for CUDA on meta tensors)."""
+def resolve_lora_shrink(lora_shrink: str) -> str:
+    """"auto" -> the mode it stands for ("once"); other modes come back as given."""
     check_lora_shrink(lora_shrink)
-    if lora_shrink != "auto":
-        return lora_shrink, None
-    device = device or x.device
-    if lora is None or device.type != "cuda" or lora.max_rank > AUTO_FUSED_MAX_RANK:
-        return "once", None
-    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once=False, device=device)
-    n1 = w_gate_up.shape[1] // 2 if GATED[activation] else w_gate_up.shape[1]
-    tiles = (triton.cdiv(n1, cfg1.block_n), triton.cdiv(x.shape[1], cfg2.block_n))
-    if max(tiles) > AUTO_FUSED_MAX_TILES:
-        return "once", None
-    return "fused", tiles
+    return "once" if lora_shrink == "auto" else lora_shrink
 
 
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
@@ -861,7 +863,7 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
     held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) else 0
-    flags = dict(padding=auto_padding(lora, once)) | flags
+    flags = dict(padding=auto_padding(lora, once), expand_first=EXPAND_FIRST) | flags
     return (replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank),
                     **flags),
             replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank),
@@ -896,9 +898,7 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
     "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
-    "fused": the faults live in that branch. "auto" (default): "fused" with each program walking half its row
-    block's N tiles (so the shrink runs twice per row block) where both GEMMs have at most AUTO_FUSED_MAX_TILES N
-    tiles, on CUDA, at rank <= AUTO_FUSED_MAX_RANK; else "once" (resolve_lora_shrink; measurements there).
+    "fused": the faults live in that branch. "auto" (default): "once" (LORA_SHRINK; measurements there).
     n_tiles: GemmConfig.n_tiles of both GEMMs, or (gate_up's, down's) (each program walks that many N tiles of its
     row block; "fused" then redoes the shrink once per n_tiles tiles); None keeps the configs' own (default 1).
     Compiled for sm90 at rank 32 no variant spills; at rank 128 the S tile held in registers across tiles does
@@ -911,11 +911,8 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     E, n1, _ = w_gate_up.shape
     K = topk_ids.shape[1]
     inter_n = n1 // 2 if GATED[activation] else n1
-    lora_shrink, auto_tiles = resolve_lora_shrink(x, topk_ids, w_gate_up, activation, lora, lora_shrink)
-    once = shrink_once(lora, lora_shrink)
+    once = shrink_once(lora, resolve_lora_shrink(lora_shrink))
     cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
-    if auto_tiles is not None:  # half of each GEMM's N tiles per program: two programs per row block
-        cfg1, cfg2 = (replace(c, n_tiles=triton.cdiv(t, 2)) for c, t in zip((cfg1, cfg2), auto_tiles))
     cfg1, cfg2 = config or cfg1, down_config or cfg2
     if n_tiles is not None:
         t1, t2 = (n_tiles, n_tiles) if isinstance(n_tiles, int) else n_tiles

@@ -18,7 +18,7 @@ Options (``EngineConfig.options``):
   moe_backend       "triton" (default: the fused MoE-LoRA kernel) | "grouped_mm" (torch's CUTLASS grouped GEMM for
                     the expert bases + Triton LoRA passes; bf16 on sm90/sm100, else the fused kernel;
                     kernels/moe_grouped.py)
-  moe_lora_shrink   the expert GEMMs' LoRA shrink: "auto" (default; kernels.fused_moe_lora.resolve_lora_shrink),
+  moe_lora_shrink   the expert GEMMs' LoRA shrink: "auto" (default; = "once", kernels.fused_moe_lora.LORA_SHRINK),
                     "once" (its own launch), "fused" (in every program's K-loop) or "fused:G,D" (in the first of
                     the G (gate_up) / D (down) N tiles each program walks); numerics alike, for timing them
   moe_padding       what the expert GEMMs do with a group's padding rows: "auto" (default;
