@@ -485,7 +485,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
             j, col, wrow = _tile_cols(pid_n, N, GATED and not TMA, BLOCK_N, WN)
             lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
                        + wrow[None, :] * stride_lbn)
-            # this tile's epilogue operands, issued before its K-loop so their latency hides behind it
+            # this tile's LoRA B tile (and bias), issued before its K-loop so their latency hides behind it
             if LORA == 1:
                 if FAULT == 4:  # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
                     lb_off = (a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
@@ -816,8 +816,9 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
 LORA_SHRINK = ("auto", "once", "fused")
 # "auto" = "once". The shrink in the K-loop ("fused", programs walking several N tiles) was auto's choice for Qwen3's
 # shape from session 7 (kernel stage times, run 30) until full-depth timed loops on an H200 ranked once (padding half)
-# above it three runs in a row: LoRA call 64.5k vs 64.1k tok/s (run 40), 66.4k vs 65.1k (run 41), 66.5k vs 64.8k
-# (run 45, benchmarks/results/e2e_notes.md); gpt-oss was faster once already (23 and 12 N tiles).
+# above it four runs in a row: LoRA call 64.5k vs 64.1k tok/s (run 40), 66.4k vs 65.1k (run 41), 66.5k vs 64.8k
+# (run 45), 65.3k vs 63.9k (run 46; benchmarks/results/e2e_notes.md); gpt-oss was faster once already (23 and 12 N
+# tiles). The fused GEMMs run padding "zero" where once runs "half" (auto_padding), which the stage times missed.
 
 
 def kernel_fault() -> str | None:
