@@ -1,7 +1,6 @@
 """Benchmark of the fused MoE-LoRA kernels (row "triton_fused_lora": each GEMM's shrink precomputed once per row
-block, lora_shrink="once"; "triton_fused_lora_auto": the default lora_shrink="auto" (fused at half the N tiles per
-program where the GEMMs have few N tiles, else once); "triton_fused_shrink_in_k_loop": the shrink inside every N
-tile's K-loop;
+block, lora_shrink="once", the default ("auto"); "triton_fused_shrink_in_k_loop": the shrink inside every N tile's
+K-loop;
 "*_ntilesK": each GEMM program walks K N tiles of its row block, GemmConfig(n_tiles=K), with the shrink inside the
 first tile's K-loop only (triton_fused_lora_ntilesK), the shrink precomputed (triton_fused_lora_once_ntilesK) or no
 LoRA (triton_no_lora_ntilesK), each checked against the default row's output; "*_epilogue_loads": the GEMM
@@ -659,8 +658,6 @@ def main():
                 fl, fb = moe_flops(s, T, R, True), moe_bytes(s, T, R, L)
                 record("moe_layer", lab, T, L, "triton_fused_lora",
                        bench(lambda: moe_forward_triton(**p, lora_shrink="once")), fl, fb)
-                record("moe_layer", lab, T, L, "triton_fused_lora_auto",
-                       bench(lambda: moe_forward_triton(**p, lora_shrink="auto")), fl, fb)
                 record("moe_layer", lab, T, L, "triton_fused_lora_epilogue_loads",
                        bench(lambda: moe_forward_triton(**p, **configs(p, prefetch=False))), fl, fb)
                 if s.name not in no_tma:

@@ -832,18 +832,16 @@ def check_lora_shrink(lora_shrink: str) -> None:
         raise ValueError(f"lora_shrink must be one of {LORA_SHRINK}, got {lora_shrink!r}")
 
 
-def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
-    """Whether the expert GEMMs get their shrink precomputed (LORA 2); a bug-zoo kernel fault forces the fused
-    shrink (LORA 1), the branch where those faults live. lora_shrink must be resolved ("once" or "fused")."""
-    check_lora_shrink(lora_shrink)
-    assert lora_shrink != "auto", "resolve 'auto' first (resolve_lora_shrink)"
-    return lora is not None and lora_shrink == "once" and kernel_fault() is None
-
-
 def resolve_lora_shrink(lora_shrink: str) -> str:
     """"auto" -> the mode it stands for ("once"); other modes come back as given."""
     check_lora_shrink(lora_shrink)
     return "once" if lora_shrink == "auto" else lora_shrink
+
+
+def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
+    """Whether the expert GEMMs get their shrink precomputed (LORA 2); a bug-zoo kernel fault forces the fused
+    shrink (LORA 1), the branch where those faults live."""
+    return lora is not None and resolve_lora_shrink(lora_shrink) == "once" and kernel_fault() is None
 
 
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
@@ -912,7 +910,7 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     E, n1, _ = w_gate_up.shape
     K = topk_ids.shape[1]
     inter_n = n1 // 2 if GATED[activation] else n1
-    once = shrink_once(lora, resolve_lora_shrink(lora_shrink))
+    once = shrink_once(lora, lora_shrink)
     cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
     cfg1, cfg2 = config or cfg1, down_config or cfg2
     if n_tiles is not None:
