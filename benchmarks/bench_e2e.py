@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.base import EngineConfig  # noqa: E402
 from engines.triton.engine import OPTIONS  # noqa: E402
 from kernels import fused_moe_lora as fm  # noqa: E402
+from kernels.fused_moe_lora import EXPAND, MOE_EXPAND  # noqa: E402
 from kernels.moe_grouped import BACKENDS  # noqa: E402
 from harness.types import AdapterSpec  # noqa: E402
 
@@ -79,11 +80,11 @@ def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
 
 
 def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink"],
-              padding: str = OPTIONS["moe_padding"], expand: str = "first") -> str:
+              padding: str = OPTIONS["moe_padding"], expand: str = MOE_EXPAND) -> str:
     return (("triton" if backend == "triton" else f"triton+{backend}") + ("" if graphs else "-eager")
             + ("" if shrink == OPTIONS["moe_lora_shrink"] else f"@{shrink}")
             + ("" if padding == OPTIONS["moe_padding"] else f"@pad:{padding}")
-            + ("" if expand == "first" else f"@expand:{expand}"))
+            + ("" if expand == MOE_EXPAND else f"@expand:{expand}"))
 
 
 def bench_model(name: str, args, writer) -> None:
@@ -125,7 +126,8 @@ def bench_model(name: str, args, writer) -> None:
         # CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"
         # and each --moe-shrink value (the engine's moe_lora_shrink option; impl "...@<value>" unless the default)
         # and each --moe-padding value (moe_padding; impl "...@pad:<value>" unless the default)
-        # and each --moe-expand value (fused_moe_lora.EXPAND_FIRST while that engine runs; impl "...@expand:last")
+        # and each --moe-expand value (fused_moe_lora.MOE_EXPAND while that engine runs; impl "...@expand:<value>"
+        # unless the default)
         variants = [(b, g, sh, pad, ex) for b in args.moe_backend for sh in args.moe_shrink for pad in args.moe_padding
                     for ex in args.moe_expand
                     for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]]
@@ -133,7 +135,7 @@ def bench_model(name: str, args, writer) -> None:
             opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0,
                     "moe_lora_shrink": shrink, "moe_padding": padding}
             impl = impl_name(backend, graphs, shrink, padding, expand)
-            fm.EXPAND_FIRST = expand == "first"
+            fm.MOE_EXPAND = expand
             t0 = time.perf_counter()
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
                                            options=opts)) as tr:
@@ -161,7 +163,7 @@ def bench_model(name: str, args, writer) -> None:
                     if first_variant:
                         breakdown(tr, prompts, adapter.name)
             free_gpu()
-        fm.EXPAND_FIRST = True
+        fm.MOE_EXPAND = MOE_EXPAND
         first = impl_name(*variants[0])
         if args.sdpa_too:  # the attention fallback path, LoRA only, on the first backend named
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
@@ -350,9 +352,10 @@ def main():
                         "fused:6,8)")
     p.add_argument("--moe-padding", nargs="+", default=[OPTIONS["moe_padding"]],
                    help="the triton engine's moe_padding option(s), each timed in this run (auto compute zero half)")
-    p.add_argument("--moe-expand", nargs="+", default=["first"], choices=("first", "last"),
-                   help="where the expert GEMMs' LoRA expand runs (GemmConfig.expand_first): before the K-loop "
-                        "(first, the default) or in the epilogue (last); each timed in this run")
+    p.add_argument("--moe-expand", nargs="+", default=[MOE_EXPAND], choices=EXPAND,
+                   help="where the expert GEMMs' LoRA expand runs (GemmConfig.expand, kernels/fused_moe_lora.py "
+                        "EXPAND): the K-loop's first step (loop, the default), before the K-loop (first) or in the "
+                        "epilogue (last); each timed in this run")
     p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
                    help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
     args = p.parse_args()

@@ -6,9 +6,9 @@ GEMM (N1 = 2I gated or I non-gated for gate_up, H for down), P = T*K (token, exp
 
 Per layer the Triton path launches: alignment (a memset and three small kernels, no host sync), the gate_up
 GEMM, the down GEMM, and a sum over the K copies of each token. Each GEMM carries its LoRA expand as one more dot
-(the accumulator's first product, before the K-loop, or with the shrink in the K-loop after it in the epilogue),
-and its epilogue adds bias, activation (gate_up) or top-k weight (down). Its shrink X A^T (lora_shrink="once", the
-default) is a launch of its own before the GEMM, once per row block, into a (M, R) fp32 buffer S; "fused" runs it
+(the K-loop's first step, or with the shrink in the K-loop after it in the epilogue; EXPAND), and its epilogue
+adds bias, activation (gate_up) or top-k weight (down). Its shrink X A^T (lora_shrink="once", the default) is a
+launch of its own before the GEMM, once per row block, into a (M, R) buffer S in X's dtype; "fused" runs it
 as one more narrow dot per K step on the X tile already in shared memory instead: no launch and no S, but redone
 by each program of a row block (6 for Qwen3's gate_up, 8 for its down) and its A tile takes pipeline stages;
 GemmConfig.n_tiles lets a program walk several N tiles of its row block and shrink only on the first, keeping S in
@@ -289,6 +289,54 @@ def _tile_cols(pid_n, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl
 
 
 @triton.jit
+def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, rank, Kdim, R,
+                   stride_xm, stride_xk, stride_wn, stride_we, stride_wk, stride_sm, stride_sr,
+                   stride_lbl, stride_lbe, stride_lbn, stride_lbr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
+                   UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ZERO_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_k_loop for LORA 2 with pointer loads (GemmConfig.expand "loop"): the first cdiv(R, BLOCK_K) steps are the
+    LoRA expand (S rows, x dtype, scaled, zero past the loaded rank, against B[a, e] rows wrow; every K column
+    masked for a block without an adapter), then the K_TILES steps of acc += X W^T. Each step selects its pointers and masks, so one
+    pipelined loop carries both: the expand's loads overlap the K-loop's instead of waiting before it. The trip
+    count stays a constant (the interpreter cannot take a loaded scalar as a bound); blocks without an adapter
+    multiply zeros in the expand's steps."""
+    offs_k = tl.arange(0, BLOCK_K)
+    # row / column base pointers only (1-D): each step builds its 2-D tiles from them, so no pair of 2-D pointer
+    # tensors stays live through the loop (compiled for sm90 that spilled)
+    x_rows = X + xrow.to(tl.int64) * stride_xm  # (BLOCK_M,)
+    s_rows = S + offs_m.to(tl.int64) * stride_sm
+    w_cols = W + e * stride_we + wrow * stride_wn  # (WN,)
+    b_cols = LB + a_safe * stride_lbl + e * stride_lbe + wrow * stride_lbn
+    R_STEPS: tl.constexpr = (R + BLOCK_K - 1) // BLOCK_K
+    for i in range(0, K_TILES + R_STEPS):
+        lora = i < R_STEPS
+        kk = tl.where(lora, i, i - R_STEPS) * BLOCK_K + offs_k  # the step's K columns (of S / B, or of X / W)
+        if EVEN_K:
+            k_ok = offs_k < BLOCK_K
+        else:
+            k_ok = kk < Kdim
+        # S is (M, R): no column past it. B is masked at R, not at the loaded rank: a mask at a loaded (runtime)
+        # column along B's contiguous dimension makes its load synchronous (compiled for sm90, the loop lost its
+        # pipeline and spilled). The rank still holds: S is exactly zero past it (the shrink masks A there), so
+        # finite values past the rank in B add nothing (NaN or inf there would; the runtime stores zeros).
+        x_ok = tl.where(lora, (kk < R) & (a >= 0), k_ok)
+        w_ok = x_ok
+        # a select of offsets, not of strides: unit strides are compile-time 1, so the columns stay provably
+        # contiguous and the loads can be asynchronous copies (a selected stride made W's load synchronous)
+        xp = tl.where(lora, s_rows, x_rows)[:, None] + tl.where(lora, kk * stride_sr, kk * stride_xk)[None, :]
+        wp = tl.where(lora, b_cols, w_cols)[None, :] + tl.where(lora, kk * stride_lbr, kk * stride_wk)[:, None]
+        if ZERO_PAD:
+            xt = tl.load(xp, mask=row_ok[:, None] & x_ok[None, :], other=0.0)
+        else:
+            xt = tl.load(xp, mask=x_ok[None, :], other=0.0)
+        wt = tl.load(wp, mask=w_ok[:, None], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar, stride_lak,
             SHRINK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr,
@@ -370,7 +418,7 @@ def _grouped_gemm_kernel(
         UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
         PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False,
         N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
-        EXPAND_FIRST: tl.constexpr = False):
+        EXPAND: tl.constexpr = 0):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
@@ -395,9 +443,9 @@ def _grouped_gemm_kernel(
     ZERO_PAD: padding rows are loaded as zeros (_k_loop). HALF_TAIL: a routing block whose rows past the first half
     are all padding (a group's last block, at most BLOCK_M / 2 rows used) runs as a BLOCK_M / 2 tile: padding rows
     sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding).
-    EXPAND_FIRST (with PREFETCH, LORA 2, one slice): the expand S B^T is the accumulator's first product, before the
-    K-loop, while the pipeline's first tiles are still loading, instead of a dot in the epilogue after it, which one
-    program per SM cannot hide (GemmConfig.expand_first)."""
+    EXPAND (LORA 2, one slice; GemmConfig.expand, EXPAND): 0 the expand S B^T is a dot in the epilogue; 1 (with
+    PREFETCH) the accumulator's first product, before the K-loop; 2 (pointer loads of W, not ADD_TO_OUT) the K-loop's
+    first step, S and B loaded by its pipeline (_k_loop_expand; S then has X's dtype)."""
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -425,7 +473,7 @@ def _grouped_gemm_kernel(
                        stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
                        TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M // 2,
                        BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-                       TMA_X, N_TILES, ZERO_PAD, EXPAND_FIRST)
+                       TMA_X, N_TILES, ZERO_PAD, EXPAND)
             return
     _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
                lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
@@ -433,7 +481,7 @@ def _grouped_gemm_kernel(
                stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
                TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M,
                BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-               TMA_X, N_TILES, ZERO_PAD, EXPAND_FIRST)
+               TMA_X, N_TILES, ZERO_PAD, EXPAND)
 
 
 @triton.jit
@@ -447,13 +495,15 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
                PREFETCH: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr, N_TILES: tl.constexpr,
-               ZERO_PAD: tl.constexpr, EXPAND_FIRST: tl.constexpr):
+               ZERO_PAD: tl.constexpr, EXPAND: tl.constexpr):
     """_grouped_gemm_kernel's work on BLOCK_M rows from row0 (a routing block, or its first half) and N_TILES N
     tiles from first_n: the K-loops and epilogues."""
     SPLIT: tl.constexpr = GATED and TMA
     WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
-    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1
-    FIRST: tl.constexpr = EARLY_S and EXPAND_FIRST  # the expand before the K-loop
+    # the expand as the K-loop's first step (GemmConfig.expand "loop"): pointer loads of W only
+    LOOP: tl.constexpr = EXPAND == 2 and LORA == 2 and NUM_SLICES == 1 and not TMA and not ADD_TO_OUT
+    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1 and not LOOP
+    FIRST: tl.constexpr = EARLY_S and EXPAND == 1  # the expand before the K-loop
     # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
     # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
     EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
@@ -467,6 +517,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
         xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows: a valid address, never stored
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < 0
+    rank = 0
     if LORA > 0:
         rank = tl.load(Ranks + a_safe)
         r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
@@ -511,17 +562,23 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                     if SPLIT:
                         acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
             acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            acc, acc_up, acc_s = _k_loop(
-                X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
-                stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar,
-                stride_lak, LORA == 1 and t == 0, SPLIT, TMA, TMA_X, K_TILES, EVEN_K, UPCAST, DOT_PREC,
-                ZERO_PAD, BLOCK_N, BLOCK_K, BLOCK_R)
+            if LOOP:
+                acc = _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, rank, Kdim, R,
+                                     stride_xm, stride_xk, stride_wn, stride_we, stride_wk, stride_sm, stride_sr,
+                                     stride_lbl, stride_lbe, stride_lbn, stride_lbr, K_TILES, EVEN_K, UPCAST,
+                                     DOT_PREC, ZERO_PAD, BLOCK_K)
+            else:
+                acc, acc_up, acc_s = _k_loop(
+                    X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
+                    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar,
+                    stride_lak, LORA == 1 and t == 0, SPLIT, TMA, TMA_X, K_TILES, EVEN_K, UPCAST, DOT_PREC,
+                    ZERO_PAD, BLOCK_N, BLOCK_K, BLOCK_R)
 
             acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
             if LORA == 1 and t == 0:
                 st = acc_s * tl.load(Scaling + a_safe)
                 st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-            if LORA > 0 and not FIRST:
+            if LORA > 0 and not FIRST and not LOOP:
                 if a >= 0:
                     if LORA == 1:
                         bl = bt.to(tl.float32) if UPCAST else bt
@@ -587,13 +644,14 @@ class GemmConfig:
     tma: bool = False  # expert weight tiles (and the down GEMM's sorted rows) by TMA; see gemm_tma
     n_tiles: int = 1  # consecutive N tiles per program; LORA 1 shrinks on the first only (_grouped_gemm_kernel)
     padding: str = "compute"  # what the padding rows of a group's last block cost; see PADDING
-    expand_first: bool = True  # LORA 2 with prefetch: the expand before the K-loop (EXPAND_FIRST), not after it
+    expand: str = "loop"  # where LORA 2's expand runs; see EXPAND
 
     def __post_init__(self):
         for b in (self.block_m, self.block_n, self.block_k):
             assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
         assert self.n_tiles >= 1, f"n_tiles must be >= 1, got {self.n_tiles}"
         assert self.padding in PADDING, f"padding must be one of {PADDING}, got {self.padding!r}"
+        assert self.expand in EXPAND, f"expand must be one of {EXPAND}, got {self.expand!r}"
 
 
 # Padding rows (a group's rows rounded up to block_m, ~24 % of the executed rows at Qwen3-30B-A3B's shape, T 4096,
@@ -608,9 +666,15 @@ class GemmConfig:
 PADDING = ("compute", "zero", "half")
 
 
-# moe_configs' GemmConfig.expand_first. A module constant rather than an engine option: benchmarks/bench_e2e.py
-# (--moe-expand) flips it per engine to time the epilogue expand against the expand before the K-loop.
-EXPAND_FIRST = True
+# Where the expert GEMMs' LoRA expand S B^T runs when the shrink comes precomputed (LORA 2), the kernel's EXPAND
+# constexpr by index. "last": a dot in the epilogue after the K-loop; "first" (needs prefetch): the accumulator's
+# first product, before the K-loop, its S and B tiles loaded outside the pipeline; "loop": the K-loop's first step,
+# its tiles loaded by the same pipeline as X and W (pointer loads only: a TMA launch runs "first"). Session 9
+# (run 46, H200, full-depth bf16): first vs last a tie on Qwen3, +1.7 % on gpt-oss.
+EXPAND = ("last", "first", "loop")
+# moe_configs' GemmConfig.expand. A module constant rather than an engine option: benchmarks/bench_e2e.py
+# (--moe-expand) sets it per engine to time the placements in one run.
+MOE_EXPAND = "loop"
 
 
 def auto_padding(lora: "MoeLoraWeights | None", once: bool) -> str:
@@ -725,11 +789,12 @@ def placeholder(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def launch_shrink(x, a, scaling, ranks, routing: MoeRouting, x_sorted: bool,
-                  cfg: ShrinkConfig | None = None) -> torch.Tensor:
-    """a viewed as (L, E, S, R, Kdim) (expand()ed dims may have stride 0) -> S (M, S*R) float32."""
+                  cfg: ShrinkConfig | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a viewed as (L, E, S, R, Kdim) (expand()ed dims may have stride 0) -> S (M, S*R) in dtype, default float32
+    (computed in fp32, rounded once on store)."""
     L, E, NS, R, Kdim = a.shape
     M = routing.sorted_ids.shape[0]
-    s = torch.empty(M, NS * R, dtype=torch.float32, device=x.device)
+    s = torch.empty(M, NS * R, dtype=dtype or torch.float32, device=x.device)
     cfg = cfg or ShrinkConfig()
     rows, block_k = cfg.resolve(routing.block_m, next_pow2(R), x.dtype, x.is_cuda)
     grid = (routing.num_blocks * (routing.block_m // rows), NS)
@@ -786,6 +851,8 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     grid = (routing.num_blocks * triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.n_tiles),)
     assert not half_tail(cfg) or cfg.block_m == routing.block_m, "padding 'half' halves the routing block"
     tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)
+    assert not (cfg.expand == "loop" and mode == 2 and len(offs) == 2 and not tma_w and not add_to_out) \
+        or lora_s.dtype == x.dtype, f"expand 'loop' loads S through X's pointers: S must be {x.dtype}"
     xa, wa = x, w
     if tma_w:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -807,7 +874,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
         FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
-        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), EXPAND_FIRST=cfg.expand_first,
+        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), EXPAND=EXPAND.index(cfg.expand),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out
@@ -862,7 +929,7 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
     held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) else 0
-    flags = dict(padding=auto_padding(lora, once), expand_first=EXPAND_FIRST) | flags
+    flags = dict(padding=auto_padding(lora, once), expand=MOE_EXPAND) | flags
     return (replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank),
                     **flags),
             replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank),
@@ -872,9 +939,11 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
 def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting,
                   cfg: ShrinkConfig | None = None) -> torch.Tensor:
     """The scaled shrink of one expert GEMM ("gate_up": x gathered by pair // top_k; "down": the sorted
-    intermediate) over every routed row, once per row block: (M, R) float32."""
+    intermediate) over every routed row, once per row block: (M, R) in inp's dtype, the rounding every expand
+    placement applies before its dot (expand "loop" loads it through X's pointers)."""
     a = getattr(lora, f"{gemm}_a")
-    return launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down", cfg=cfg)
+    return launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down", cfg=cfg,
+                         dtype=inp.dtype)
 
 
 def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor | None) -> dict:

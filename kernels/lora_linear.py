@@ -347,7 +347,8 @@ def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, 
         R = lora_a.shape[2]
         check_kernel_rank(R)
         ranks = device_const((R,) * L, x.device)
-        s = launch_shrink(x, lora_a.unsqueeze(1), scaling, ranks, routing, False)
+        # the fused GEMM's expand may load S through x's pointers (GemmConfig.expand "loop"): S in x's dtype
+        s = launch_shrink(x, lora_a.unsqueeze(1), scaling, ranks, routing, False, dtype=x.dtype if fused else None)
         lora_kw = dict(lora_s=s, lora_b=lora_b.unsqueeze(1), scaling=scaling, ranks=ranks,
                        slice_offsets=_offsets(slice_offsets, n))
     if fused:
