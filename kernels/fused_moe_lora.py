@@ -669,8 +669,9 @@ PADDING = ("compute", "zero", "half")
 # Where the expert GEMMs' LoRA expand S B^T runs when the shrink comes precomputed (LORA 2), the kernel's EXPAND
 # constexpr by index. "last": a dot in the epilogue after the K-loop; "first" (needs prefetch): the accumulator's
 # first product, before the K-loop, its S and B tiles loaded outside the pipeline; "loop": the K-loop's first step,
-# its tiles loaded by the same pipeline as X and W (pointer loads only: a TMA launch runs "first"). Session 9
-# (run 46, H200, full-depth bf16): first vs last a tie on Qwen3, +1.7 % on gpt-oss.
+# its tiles loaded by the same pipeline as X and W (pointer loads only: a TMA launch runs "first"). H200, full-depth
+# bf16 forward (benchmarks/results/e2e_notes.md): first vs last a tie on Qwen3, +1.7 % on gpt-oss (run 46); loop vs
+# first +2.4 % on Qwen3's LoRA call (67.0k vs 65.5k tok/s), +0.9 % on gpt-oss (run 52).
 EXPAND = ("last", "first", "loop")
 # moe_configs' GemmConfig.expand. A module constant rather than an engine option: benchmarks/bench_e2e.py
 # (--moe-expand) sets it per engine to time the placements in one run.
@@ -914,8 +915,9 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
 def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
                 once: bool, device: torch.device | None = None, **flags) -> tuple[GemmConfig, GemmConfig]:
     """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
-    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless the
-    prefetched B tile leaves room for fewer (rank 64 and up at 128 x 256 x 64 bf16 tiles: 3 stages instead of 4).
+    runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless a B tile
+    prefetched outside the pipeline (expand "first" / "last") leaves room for fewer (rank 64 and up at 128 x 256 x
+    64 bf16 tiles: 3 stages instead of 4).
     padding: auto_padding's unless flags say. flags: GemmConfig fields to change in both (prefetch=False for the
     A/B of the epilogue loads). device: the device to pick tiles for, if not x's (bench_kernels --compile-sm90
     builds GPU launches on meta tensors)."""
@@ -928,8 +930,10 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     # rows spread over (expert, slot) groups; used slots are not known without a sync
     groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
-    held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) else 0
     flags = dict(padding=auto_padding(lora, once), expand=MOE_EXPAND) | flags
+    # the expand "loop" brings B through the pipeline's own buffers (a TMA launch runs "first" instead)
+    in_loop = flags["expand"] == "loop" and not flags.get("tma", False)
+    held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) and not in_loop else 0
     return (replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank),
                     **flags),
             replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank),

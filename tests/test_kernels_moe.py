@@ -660,3 +660,24 @@ def test_padding_modes_gpu(padding, tol=1e-2):
         kw = dict(lora_shrink=shrink, padding=padding)
         out, _ = check_moe(p, tol, moe_forward_triton, **kw)
         assert torch.equal(out, moe_forward_triton(**p, **kw)), "reruns must be bit-identical"
+
+
+@pytest.mark.parametrize("expand,tma,stages", [
+    ("loop", False, 4),  # B comes through the pipeline's own buffers: the no-LoRA stage count
+    ("first", False, 3),  # a 128 x 256 B tile prefetched outside the pipeline takes a stage's worth
+    ("loop", True, 3),  # a TMA launch runs "first"
+])
+def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
+    """moe_configs' GPU tiles at rank 128 (built here for a CUDA device without one): the stage budget keeps room
+    for a B tile held outside the pipeline only where one is (compiled for sm90, loop at 4 stages is 196608 B)."""
+    import kernels.fused_moe_lora as fm
+    x = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(4096, 8, dtype=torch.int32, device="meta")
+    w1 = torch.empty(128, 1536, 2048, dtype=torch.bfloat16, device="meta")
+    lora = MoeLoraWeights(*(torch.empty(*s, dtype=torch.bfloat16, device="meta") for s in
+                            ((1, 128, 128, 2048), (1, 128, 1536, 128), (1, 128, 128, 768), (1, 128, 2048, 128))),
+                          scaling=torch.ones(1), ranks=torch.ones(1, dtype=torch.int32))
+    c1, c2 = fm.moe_configs(x, ids, w1, "silu", lora, once=True, device=torch.device("cuda"), expand=expand, tma=tma)
+    assert (c1.num_stages, c2.num_stages) == (stages, stages)
+    base = fm.moe_configs(x, ids, w1, "silu", None, once=True, device=torch.device("cuda"))
+    assert base[0].num_stages == base[1].num_stages == 4
