@@ -497,7 +497,7 @@ def compile_sm90(kernel, args, kwargs) -> dict:
     return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
                 spill=int(re.search(r"(\d+) bytes spill stores", log).group(1)), smem=k.metadata.shared,
                 tma="async_tma_copy_global_to_local" in ttgir, cp_async="async_copy_global_to_local" in ttgir,
-                wgmma="warp_group_dot" in ttgir)
+                wgmma="warp_group_dot" in ttgir, warp_specialized="ttg.warp_specialize" in ttgir)
 
 
 SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "N_TILES", "ZERO_PAD", "HALF_TAIL",

@@ -24,22 +24,17 @@ def tflops(m, n, k, ms):
 def main():
     print(f"gpu {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     dev = "cuda"
-    for rep in range(2):  # twice: the spread between identical shapes
+    for _ in range(2):  # twice: the spread between identical shapes
         for name, (H, NQKV, A) in SHAPES.items():
-            for extra in (0, 96, 128, 192):  # q|k|v: extra K (3 slices x 32 at one rank-32 adapter = 96)
-                k = H + extra
-                x = torch.randn(T, k, device=dev, dtype=torch.bfloat16)
-                w = torch.randn(NQKV, k, device=dev, dtype=torch.bfloat16)
-                ms = do_bench(lambda: x @ w.T, warmup=50, rep=300)
-                print(f"{name} qkv  K={k:5d} (H + {extra:3d}) N={NQKV}: {ms * 1e3:7.1f} us "
-                      f"{tflops(T, NQKV, k, ms):5.0f} TFLOP/s", flush=True)
-            for extra in (0, 32, 64, 128):  # o: extra output rows (1 slice x 32)
-                n = H + extra
-                x = torch.randn(T, A, device=dev, dtype=torch.bfloat16)
-                w = torch.randn(n, A, device=dev, dtype=torch.bfloat16)
-                ms = do_bench(lambda: x @ w.T, warmup=50, rep=300)
-                print(f"{name} o    N={n:5d} (H + {extra:3d}) K={A}: {ms * 1e3:7.1f} us "
-                      f"{tflops(T, n, A, ms):5.0f} TFLOP/s", flush=True)
+            # q|k|v: extra K (3 slices x 32 at one rank-32 adapter = 96); o: extra output rows (1 slice x 32)
+            for kind, extras in (("qkv", (0, 96, 128, 192)), ("o", (0, 32, 64, 128))):
+                for extra in extras:
+                    m, n, k = (T, NQKV, H + extra) if kind == "qkv" else (T, H + extra, A)
+                    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+                    ms = do_bench(lambda: x @ w.T, warmup=50, rep=300)
+                    print(f"{name} {kind:4s} N={n:5d} K={k:5d} (+{extra:3d}): {ms * 1e3:7.1f} us "
+                          f"{tflops(m, n, k, ms):5.0f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import subprocess
 import sys
-import tempfile
 
 import torch
 
@@ -126,13 +124,9 @@ def make(shape: str, T: int, device):
 
 def compile_report():
     """Compile every variant for sm90 on this CPU machine (meta tensors): WS or not, registers, spills, smem."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-    target = GPUTarget("cuda", 90, 64)
-    backend, jf = make_backend(target), _ws_gemm
+    from types import SimpleNamespace
+
+    from benchmarks.bench_kernels import compile_sm90
     for shape, gemm, (label, ws, bn, warps, stages), tma_x in itertools.product(
             SHAPES, ("gate_up", "down"), VARIANTS, (True, False)):
         H, I, E, K, act, _ = SHAPES[shape]
@@ -160,20 +154,9 @@ def compile_report():
                   WS=ws, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, K_TILES=triton.cdiv(kdim, 64), GROUP_M=4,
                   num_warps=warps, num_stages=stages)
         try:
-            bound, spec, options = create_function_from_signature(jf.signature, jf.params, backend)(*args, **kw)
-            options, sig, const, attrs = jf._pack_args(backend, kw, bound, spec, options)
-            k = triton.compile(ASTSource(jf, sig, const, attrs), target=target,
-                               options=dict(num_warps=options.num_warps, num_stages=options.num_stages))
-            with tempfile.TemporaryDirectory() as tmp:
-                with open(f"{tmp}/k.ptx", "w") as f:
-                    f.write(k.asm["ptx"])
-                log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o",
-                                      f"{tmp}/k.cubin"], capture_output=True, text=True, check=True).stderr
-            g = k.asm["ttgir"]
-            regs = re.search(r"Used (\d+) registers", log).group(1)
-            spill = re.search(r"(\d+) bytes spill stores", log).group(1)
-            print(f"{shape:14s} {gemm:7s} tma_x={int(tma_x)} {label:18s} ws_op={int('ttg.warp_specialize' in g)} "
-                  f"regs {regs} spill {spill} smem {k.metadata.shared}", flush=True)
+            r = compile_sm90(SimpleNamespace(jit=_ws_gemm), args, kw)
+            print(f"{shape:14s} {gemm:7s} tma_x={int(tma_x)} {label:18s} ws_op={int(r['warp_specialized'])} "
+                  f"regs {r['regs']} spill {r['spill']} smem {r['smem']}", flush=True)
         except Exception as exc:  # noqa: BLE001 — a probe: report what the compiler refused
             print(f"{shape:14s} {gemm:7s} tma_x={int(tma_x)} {label:18s} FAILED {type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:200] if str(exc) else ''}", flush=True)
