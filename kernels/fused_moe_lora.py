@@ -295,10 +295,10 @@ def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, r
                    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ZERO_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
     """_k_loop for LORA 2 with pointer loads (GemmConfig.expand "loop"): the first cdiv(R, BLOCK_K) steps are the
     LoRA expand (S rows, x dtype, scaled, zero past the loaded rank, against B[a, e] rows wrow; every K column
-    masked for a block without an adapter), then the K_TILES steps of acc += X W^T. Each step selects its pointers and masks, so one
-    pipelined loop carries both: the expand's loads overlap the K-loop's instead of waiting before it. The trip
-    count stays a constant (the interpreter cannot take a loaded scalar as a bound); blocks without an adapter
-    multiply zeros in the expand's steps."""
+    masked for a block without an adapter), then the K_TILES steps of acc += X W^T. Each step selects its pointers
+    and masks, so one pipelined loop carries both: the expand's loads overlap the K-loop's instead of waiting
+    before it. The trip count stays a constant (the interpreter cannot take a loaded scalar as a bound); blocks
+    without an adapter multiply zeros in the expand's steps."""
     offs_k = tl.arange(0, BLOCK_K)
     # row / column base pointers only (1-D): each step builds its 2-D tiles from them, so no pair of 2-D pointer
     # tensors stays live through the loop (compiled for sm90 that spilled)
