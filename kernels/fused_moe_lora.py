@@ -318,17 +318,16 @@ def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, r
         # column along B's contiguous dimension makes its load synchronous (compiled for sm90, the loop lost its
         # pipeline and spilled). The rank still holds: S is exactly zero past it (the shrink masks A there), so
         # finite values past the rank in B add nothing (NaN or inf there would; the runtime stores zeros).
-        x_ok = tl.where(lora, (kk < R) & (a >= 0), k_ok)
-        w_ok = x_ok
+        ok = tl.where(lora, (kk < R) & (a >= 0), k_ok)  # the step's K columns, of X / S and of W / B alike
         # a select of offsets, not of strides: unit strides are compile-time 1, so the columns stay provably
         # contiguous and the loads can be asynchronous copies (a selected stride made W's load synchronous)
         xp = tl.where(lora, s_rows, x_rows)[:, None] + tl.where(lora, kk * stride_sr, kk * stride_xk)[None, :]
         wp = tl.where(lora, b_cols, w_cols)[None, :] + tl.where(lora, kk * stride_lbr, kk * stride_wk)[:, None]
         if ZERO_PAD:
-            xt = tl.load(xp, mask=row_ok[:, None] & x_ok[None, :], other=0.0)
+            xt = tl.load(xp, mask=row_ok[:, None] & ok[None, :], other=0.0)
         else:
-            xt = tl.load(xp, mask=x_ok[None, :], other=0.0)
-        wt = tl.load(wp, mask=w_ok[:, None], other=0.0)
+            xt = tl.load(xp, mask=ok[None, :], other=0.0)
+        wt = tl.load(wp, mask=ok[:, None], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
@@ -443,9 +442,9 @@ def _grouped_gemm_kernel(
     ZERO_PAD: padding rows are loaded as zeros (_k_loop). HALF_TAIL: a routing block whose rows past the first half
     are all padding (a group's last block, at most BLOCK_M / 2 rows used) runs as a BLOCK_M / 2 tile: padding rows
     sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding).
-    EXPAND (LORA 2, one slice; GemmConfig.expand, EXPAND): 0 the expand S B^T is a dot in the epilogue; 1 (with
-    PREFETCH) the accumulator's first product, before the K-loop; 2 (pointer loads of W, not ADD_TO_OUT) the K-loop's
-    first step, S and B loaded by its pipeline (_k_loop_expand; S then has X's dtype)."""
+    EXPAND (LORA 2, one slice; launch_expand): 0 the expand S B^T is a dot in the epilogue; 1 (with PREFETCH) the
+    accumulator's first product, before the K-loop; 2 the K-loop's first step, S and B loaded by its pipeline
+    (_k_loop_expand; S then has X's dtype)."""
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -500,8 +499,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
     tiles from first_n: the K-loops and epilogues."""
     SPLIT: tl.constexpr = GATED and TMA
     WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
-    # the expand as the K-loop's first step (GemmConfig.expand "loop"): pointer loads of W only
-    LOOP: tl.constexpr = EXPAND == 2 and LORA == 2 and NUM_SLICES == 1 and not TMA and not ADD_TO_OUT
+    LOOP: tl.constexpr = EXPAND == 2  # the expand as the K-loop's first step (launch_expand says where it can)
     EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1 and not LOOP
     FIRST: tl.constexpr = EARLY_S and EXPAND == 1  # the expand before the K-loop
     # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
@@ -827,6 +825,14 @@ def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool)
     return tma_w, tma_w and x_sorted and tma_ok(x) and not half_tail(cfg)
 
 
+def launch_expand(cfg: GemmConfig, mode: int, num_slices: int, tma_w: bool, add_to_out: bool) -> int:
+    """The kernel's EXPAND for a launch: cfg.expand's index, except that "loop" needs the one-slice precomputed
+    shrink (LORA 2) with W by pointer loads and a K-loop (not add_to_out); elsewhere it runs "first"."""
+    if cfg.expand == "loop" and not (mode == 2 and num_slices == 1 and not tma_w and not add_to_out):
+        return EXPAND.index("first")
+    return EXPAND.index(cfg.expand)
+
+
 def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
                 activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
                 ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0,
@@ -852,8 +858,8 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     grid = (routing.num_blocks * triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.n_tiles),)
     assert not half_tail(cfg) or cfg.block_m == routing.block_m, "padding 'half' halves the routing block"
     tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)
-    assert not (cfg.expand == "loop" and mode == 2 and len(offs) == 2 and not tma_w and not add_to_out) \
-        or lora_s.dtype == x.dtype, f"expand 'loop' loads S through X's pointers: S must be {x.dtype}"
+    expand = launch_expand(cfg, mode, len(offs) - 1, tma_w, add_to_out)
+    assert expand != 2 or lora_s.dtype == x.dtype, f"expand 'loop' loads S through X's pointers: S must be {x.dtype}"
     xa, wa = x, w
     if tma_w:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -875,7 +881,7 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
         BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
         K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
         FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
-        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), EXPAND=EXPAND.index(cfg.expand),
+        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), EXPAND=expand,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device))
     return out

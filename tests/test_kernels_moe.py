@@ -681,3 +681,14 @@ def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
     assert (c1.num_stages, c2.num_stages) == (stages, stages)
     base = fm.moe_configs(x, ids, w1, "silu", None, once=True, device=torch.device("cuda"))
     assert base[0].num_stages == base[1].num_stages == 4
+
+
+def test_loop_expand_runs_first_where_it_cannot_run():
+    """launch_expand: "loop" needs the one-slice precomputed shrink, W by pointer loads and a K-loop; a TMA launch,
+    the dense delta pass (add_to_out) and several slices run "first"; the other placements are taken as asked."""
+    from kernels.fused_moe_lora import EXPAND, launch_expand
+    cfg = GemmConfig(64, 64, 32)  # expand "loop" by default
+    assert launch_expand(cfg, 2, 1, False, False) == EXPAND.index("loop")
+    for mode, slices, tma_w, add_to_out in [(2, 1, True, False), (2, 1, False, True), (2, 3, False, False)]:
+        assert launch_expand(cfg, mode, slices, tma_w, add_to_out) == EXPAND.index("first")
+    assert launch_expand(GemmConfig(64, 64, 32, expand="last"), 2, 1, False, False) == EXPAND.index("last")
