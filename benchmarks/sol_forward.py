@@ -1,0 +1,261 @@
+"""Speed of light of one prompt-logprob call at a model's shapes on this GPU: what any implementation of the
+forward could reach if every matrix product ran as a single cuBLAS GEMM and the rest moved its bytes at copy speed.
+
+Each layer is timed as its GEMMs and attention only, on random buffers (nothing here computes the model):
+  q|k|v, o, the router    one cuBLAS GEMM each ((T, H) rows, T = batch x seq)
+  attention               one SDPA call, causal, GQA, on (batch, heads, seq, head_dim) buffers (sliding windows
+                          and sinks ignored: full causal is the larger cost, and attention is a few % of the call)
+  experts                 gate_up and down as batched GEMMs over E experts of exactly T*K/E pre-gathered rows:
+                          perfectly balanced routing, no gather, no padding rows, activation and top-k weights
+                          folded away
+  lm_head                 one (T, H) x (H, V) GEMM
+and, with a LoRA (rank R, one adapter on q/k/v/o and every expert), each shrink as its own GEMM and each expand as
+extra K of the base GEMM (q|k|v, gate_up, down) or an addmm (o, whose shrink is extra output rows of its GEMM):
+the runtime's own folding (kernels/lora_linear.py, kernels/fused_moe_lora.py), at cuBLAS speed.
+The whole call (every layer, then the lm_head) is captured in one CUDA graph and replayed the way
+benchmarks/bench_e2e.py times the runtime (median of --reps calls after warm-up), so the sustained clock under
+the GPU's power cap is in the number, as it is in the runtime's.
+The memory-bound passes the runtime also runs are added as a floor, their bytes at the device-to-device copy
+bandwidth measured in the same run (read + write): per layer two residual adds + RMSNorms (read x and residual,
+write both), the top-k sum (K rows read per token), q/k norm + rope (q and k read and written); the x gather,
+the activation pass, routing and the log-softmax pass are taken as free.
+
+Printed per model: the graph's ms per call (base / LoRA), the floor's ms, the total, tokens/s, and each GEMM alone
+by do_bench (one launch at a time: boost clocks, not the power-capped sustained rate).
+
+    python benchmarks/sol_forward.py [--models qwen3-30b-a3b gpt-oss-20b] [--batch 8 --seq 512 --rank 32]
+        [--reps 10] [--layers N] [--device cuda|cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass(slots=True)
+class Shapes:
+    """One model's forward at one batch: T tokens in B prompts of S, hidden H, experts E of width I, top-k K,
+    attention q (query heads x head_dim), kv, vocab V, LoRA rank R (0: none)."""
+    T: int
+    B: int
+    S: int
+    H: int
+    L: int
+    E: int
+    I: int
+    K: int
+    heads: int
+    kv_heads: int
+    d: int
+    V: int
+
+    def __post_init__(self):
+        assert self.T == self.B * self.S and (self.T * self.K) % self.E == 0, \
+            "balanced routing needs T * K to be a multiple of E"
+
+    @property
+    def m(self) -> int:  # rows per expert at perfectly balanced routing
+        return self.T * self.K // self.E
+
+
+def shapes_of(model: str, batch: int, seq: int, layers: int | None) -> Shapes:
+    from engines.triton.config import model_config
+    from harness.catalog import get_model, hf_config
+
+    cfg = model_config(hf_config(get_model(model, num_layers=layers)))
+    return Shapes(T=batch * seq, B=batch, S=seq, H=cfg.hidden_size, L=cfg.num_layers, E=cfg.num_experts,
+                  I=cfg.expert_width, K=cfg.top_k, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, d=cfg.head_dim,
+                  V=cfg.vocab_size)
+
+
+class SolForward:
+    """Buffers for one call, base and LoRA variants apart so that each GEMM reads contiguous operands (one layer's
+    weights serve every layer: each layer's expert weights are far larger than L2, so nothing of them survives to
+    the next layer anyway), and the call itself."""
+
+    def __init__(self, s: Shapes, rank: int, device: str, dtype: torch.dtype):
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rnd(*shape):  # random, not zeros: zeros cost the tensor cores less energy under the power cap
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype) * 0.02
+
+        self.s, self.R = s, rank
+        q, R = s.heads * s.d, rank
+        self.n_qkv = q + 2 * s.kv_heads * s.d
+        self.x = rnd(s.T, s.H)
+        # k and v at every query head: the FLOPs are the same as GQA's, and SDPA's fastest kernels take it
+        self.q, self.k, self.v = (rnd(s.B, s.heads, s.S, s.d) for _ in range(3))
+        self.attn = rnd(s.T, q)
+        self.router_w = rnd(s.E, s.H)
+        self.lm_head = rnd(s.V, s.H)
+        # per variant r (0 and R): extra K of q|k|v, gate_up, down; extra output rows of o
+        self.w = {r: dict(xa=rnd(s.T, s.H + 3 * r), qkv=rnd(self.n_qkv, s.H + 3 * r), o=rnd(s.H + r, q),
+                          xe=rnd(s.E, s.m, s.H + r), gu=rnd(s.E, 2 * s.I, s.H + r), he=rnd(s.E, s.m, s.I + r),
+                          dn=rnd(s.E, s.H, s.I + r))
+                  for r in sorted({0, R})}
+        if R:
+            self.a_qkv, self.b_o, self.s_o = rnd(3 * R, s.H), rnd(s.H, R), rnd(s.T, R)
+            self.a_gu, self.a_dn = rnd(s.E, R, s.H), rnd(s.E, R, s.I)
+            self.x_e, self.h_e = rnd(s.E, s.m, s.H), rnd(s.E, s.m, s.I)
+            self.out = rnd(s.T, s.H)
+
+    def gemms(self, lora: bool) -> dict:
+        """name -> (fn, flops) of every product of one layer, as the call runs them."""
+        s, R = self.s, self.R if lora else 0
+        w, H, I, q = self.w[R], s.H, s.I, s.heads * s.d
+        ops = {
+            "qkv": (lambda: F.linear(w["xa"], w["qkv"]), 2 * s.T * self.n_qkv * (H + 3 * R)),
+            "attention": (lambda: F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True),
+                          2 * 2 * s.B * s.heads * s.S * s.S * s.d // 2),
+            "o": (lambda: F.linear(self.attn, w["o"]), 2 * s.T * (H + R) * q),
+            "router": (lambda: F.linear(self.x, self.router_w), 2 * s.T * s.E * H),
+            "gate_up": (lambda: torch.bmm(w["xe"], w["gu"].transpose(1, 2)), 2 * s.E * s.m * 2 * I * (H + R)),
+            "down": (lambda: torch.bmm(w["he"], w["dn"].transpose(1, 2)), 2 * s.E * s.m * H * (I + R)),
+        }
+        if R:
+            ops |= {
+                "qkv shrink": (lambda: F.linear(self.x, self.a_qkv), 2 * s.T * 3 * R * H),
+                "o expand": (lambda: self.out.addmm_(self.s_o, self.b_o.T), 2 * s.T * H * R),
+                "gate_up shrink": (lambda: torch.bmm(self.x_e, self.a_gu.transpose(1, 2)), 2 * s.E * s.m * R * H),
+                "down shrink": (lambda: torch.bmm(self.h_e, self.a_dn.transpose(1, 2)), 2 * s.E * s.m * R * I),
+            }
+        return ops
+
+    def lm_head_op(self):
+        return (lambda: F.linear(self.x, self.lm_head)), 2 * self.s.T * self.s.V * self.s.H
+
+    def call(self, lora: bool) -> None:
+        ops = [fn for fn, _ in self.gemms(lora).values()]
+        for _ in range(self.s.L):
+            for fn in ops:
+                fn()
+        self.lm_head_op()[0]()
+
+    def floor_bytes(self) -> int:
+        """Bytes of the memory-bound passes of one call (see the module docstring)."""
+        s = self.s
+        el = self.x.element_size()
+        row = s.H * el
+        norms = 2 * 4 * s.T * row  # two residual adds + RMSNorms per layer: read x, residual; write both
+        topk_sum = s.K * s.T * row  # the next norm reads the K weighted expert rows of each token
+        rope = 2 * s.T * (s.heads + s.kv_heads) * s.d * el  # q and k read and written once
+        return s.L * (norms + topk_sum + rope) + 2 * s.T * row  # + the final norm
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes moved (read + write) per second, median of a few."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(7):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fwd: SolForward, lora: bool, warmup: int, reps: int, graphs: bool) -> float:
+    """Median seconds per call: the call replayed from a CUDA graph (graphs) or run eagerly."""
+    run = lambda: fwd.call(lora)  # noqa: E731
+    if graphs:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # warm cuBLAS's handles and workspaces outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+    for _ in range(warmup):
+        run()
+    walls = []
+    for _ in range(reps):
+        sync(fwd.x.device.type)
+        t0 = time.perf_counter()
+        run()
+        sync(fwd.x.device.type)
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
+def bench_ms(fn, device: str) -> float:
+    if device == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def sol(model: str, args) -> dict:
+    s = shapes_of(model, args.batch, args.seq, args.layers)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    fwd = SolForward(s, args.rank, args.device, dtype)
+    graphs = args.device == "cuda"
+    bw = copy_bandwidth(args.device)
+    floor_s = fwd.floor_bytes() / bw
+    out = dict(model=model, layers=s.L, tokens=s.T, copy_tb_s=bw / 1e12, floor_ms=floor_s * 1e3)
+    print(f"{model}: {s.L} layers, T {s.T} ({s.B} x {s.S}), experts {s.E} x {s.m} rows, LoRA rank {args.rank}; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s -> memory-bound passes {floor_s * 1e3:.2f} ms per call", flush=True)
+    for lora in (False, True):
+        tag = "lora" if lora else "base"
+        call_s = time_call(fwd, lora, args.warmup, args.reps, graphs)
+        total = call_s + floor_s
+        out |= {f"{tag}_gemm_ms": call_s * 1e3, f"{tag}_ms": total * 1e3, f"{tag}_tokens_per_s": s.T / total}
+        print(f"  {tag}: GEMMs + attention {call_s * 1e3:.2f} ms + floor {floor_s * 1e3:.2f} = {total * 1e3:.2f} ms "
+              f"per call -> {s.T / total:,.0f} tokens/s", flush=True)
+    ops = fwd.gemms(lora=True) | {"lm_head": fwd.lm_head_op()}
+    base_ops = fwd.gemms(lora=False)
+    for name, (fn, flops) in ops.items():
+        ms = bench_ms(fn, args.device)
+        per_call = ms * (1 if name == "lm_head" else s.L)
+        line = f"    {name:15s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s  x{1 if name == 'lm_head' else s.L}"
+        if args.rank and name in base_ops:
+            bms = bench_ms(base_ops[name][0], args.device)
+            line += f"  (without LoRA {bms * 1e3:.1f} us)"
+        print(line + f"  = {per_call:.2f} ms per call", flush=True)
+        out[f"op_{name}_us"] = ms * 1e3
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--layers", type=int, default=None, help="reduced depth (default: full depth)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    if args.device == "cuda":
+        print(f"gpu {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    results = []
+    for model in args.models:
+        results.append(sol(model, args))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+if __name__ == "__main__":
+    main()
