@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.base import EngineConfig  # noqa: E402
-from engines.triton.engine import OPTIONS  # noqa: E402
+from engines.triton.engine import ATTENTION, OPTIONS  # noqa: E402
 from kernels import fused_moe_lora as fm  # noqa: E402
 from kernels.fused_moe_lora import EXPAND, MOE_EXPAND  # noqa: E402
 from kernels.moe_grouped import BACKENDS  # noqa: E402
@@ -80,11 +80,13 @@ def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
 
 
 def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink"],
-              padding: str = OPTIONS["moe_padding"], expand: str = MOE_EXPAND) -> str:
+              padding: str = OPTIONS["moe_padding"], expand: str = MOE_EXPAND,
+              attention: str = OPTIONS["attention"]) -> str:
     return (("triton" if backend == "triton" else f"triton+{backend}") + ("" if graphs else "-eager")
             + ("" if shrink == OPTIONS["moe_lora_shrink"] else f"@{shrink}")
             + ("" if padding == OPTIONS["moe_padding"] else f"@pad:{padding}")
-            + ("" if expand == MOE_EXPAND else f"@expand:{expand}"))
+            + ("" if expand == MOE_EXPAND else f"@expand:{expand}")
+            + ("" if attention == OPTIONS["attention"] else f"@attn:{attention}"))
 
 
 def bench_model(name: str, args, writer) -> None:
@@ -128,13 +130,14 @@ def bench_model(name: str, args, writer) -> None:
         # and each --moe-padding value (moe_padding; impl "...@pad:<value>" unless the default)
         # and each --moe-expand value (fused_moe_lora.MOE_EXPAND while that engine runs; impl "...@expand:<value>"
         # unless the default)
-        variants = [(b, g, sh, pad, ex) for b in args.moe_backend for sh in args.moe_shrink for pad in args.moe_padding
-                    for ex in args.moe_expand
+        # and each --attention value (the engine's attention option; impl "...@attn:<value>" unless the default)
+        variants = [(b, g, sh, pad, ex, at) for b in args.moe_backend for sh in args.moe_shrink
+                    for pad in args.moe_padding for ex in args.moe_expand for at in args.attention
                     for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]]
-        for backend, graphs, shrink, padding, expand in variants:
+        for backend, graphs, shrink, padding, expand, attn in variants:
             opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0,
-                    "moe_lora_shrink": shrink, "moe_padding": padding}
-            impl = impl_name(backend, graphs, shrink, padding, expand)
+                    "moe_lora_shrink": shrink, "moe_padding": padding, "attention": attn}
+            impl = impl_name(backend, graphs, shrink, padding, expand, attn)
             fm.MOE_EXPAND = expand
             t0 = time.perf_counter()
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
@@ -154,8 +157,8 @@ def bench_model(name: str, args, writer) -> None:
                 if args.split and graphs:
                     for a in (None, adapter.name):
                         host_split(tr, prompts, a, args.reps)
-                first_variant = (shrink, padding, expand) == (args.moe_shrink[0], args.moe_padding[0],
-                                                              args.moe_expand[0])
+                first_variant = (shrink, padding, expand, attn) == (args.moe_shrink[0], args.moe_padding[0],
+                                                                    args.moe_expand[0], args.attention[0])
                 if args.profile and graphs == (args.graphs != "off") and (first_variant or args.profile_all):
                     stem = f"profile_{name}_{impl}".replace("@", "_").replace(":", "-")  # file names the device returns
                     profile(tr, prompts, adapter.name, Path(args.out) / f"{stem}.txt")
@@ -165,16 +168,9 @@ def bench_model(name: str, args, writer) -> None:
             free_gpu()
         fm.MOE_EXPAND = MOE_EXPAND
         first = impl_name(*variants[0])
-        if args.sdpa_too:  # the attention fallback path, LoRA only, on the first backend named
-            with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
-                                           options={"moe_backend": args.moe_backend[0], "attention": "sdpa"})) as tr:
-                secs, peak = timed(tr, prompts, adapter.name, 3, args.reps)
-                row(f"r{args.rank}", f"{first}-sdpa", secs, peak)
-                outs[("sdpa", adapter.name)] = tr.prompt_logprobs(prompts, adapter.name)
-            free_gpu()
     # the other runs are compared with the first backend named
     for a in (None, adapter.name):  # bf16 agreement: noisy on random full-size models, but catches gross errors
-        for other in dict.fromkeys(["hf", "sdpa"] + [k for k, _ in outs if k.startswith("triton") and k != first]):
+        for other in dict.fromkeys(["hf"] + [k for k, _ in outs if k.startswith("triton") and k != first]):
             if (other, a) in outs:
                 d = torch.cat([torch.from_numpy(x.logprobs - y.logprobs)
                                for x, y in zip(outs[(first, a)], outs[(other, a)])])
@@ -344,7 +340,6 @@ def main():
                    "only the first")
     p.add_argument("--split", action="store_true",
                    help="graph variants: split a call's wall time into the replay and the host work around it")
-    p.add_argument("--sdpa-too", action="store_true", help="also time the SDPA attention path")
     p.add_argument("--graphs", choices=("on", "off", "both"), default="both",
                    help="the triton engine's CUDA graphs: on (default option), off (impl '...-eager'), or both timed")
     p.add_argument("--moe-shrink", nargs="+", default=[OPTIONS["moe_lora_shrink"]],
@@ -356,6 +351,8 @@ def main():
                    help="where the expert GEMMs' LoRA expand runs (GemmConfig.expand, kernels/fused_moe_lora.py "
                         "EXPAND): the K-loop's first step (loop, the default), before the K-loop (first) or in the "
                         "epilogue (last); each timed in this run")
+    p.add_argument("--attention", nargs="+", default=[OPTIONS["attention"]], choices=ATTENTION,
+                   help="the triton engine's attention option(s) (engines/triton/attention.py), each timed in this run")
     p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
                    help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
     args = p.parse_args()

@@ -85,6 +85,29 @@ def dual_jit(fn):
     return DualKernel(fn)
 
 
+def _patch_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``, and its scalars (program ids,
+    loaded values) are (1,)-shaped numpy arrays, which numpy 2.4 no longer converts: any loop bounded by one
+    (``range(lo, hi)`` with lo from a program id or a load) failed with "only 0-dimensional arrays can be converted
+    to Python scalars". Convert the array's single element instead; compiled kernels are not affected."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_lang_tensor, "_lpdiff", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._lpdiff = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton is not None:
+    _patch_interpreter_scalars()
+
+
 def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
     """IEEE fp32 dots for fp32 inputs (tf32 would break exact parity with the fp32 reference); the interpreter
     multiplies raw bits for bf16/fp16 dots, so there the tiles are upcast to fp32 first."""

@@ -120,6 +120,26 @@ def test_triton_interpreter_matches_torch_reference(tiny):
     assert _maxdiff(got, ref) <= TOL
 
 
+def test_attention_kernel_matches_the_sdpa_path(tiny, monkeypatch):
+    """attention="triton" (kernels/attention.py, interpreted here: window and sinks inside the kernel) gives the
+    engine's fp32 SDPA path's logprobs on the ragged batch, and runs the kernel once per layer."""
+    import kernels.attention as ka
+
+    spec, adapters, prompts = tiny
+    mixed = ["attn_experts", None, "shared_outer", None, "attn_experts"]
+    ref = _run(spec, adapters, prompts, mixed, options={"attention": "sdpa"})
+    calls, kernel = [], ka.attention
+
+    def counted(*a, **kw):
+        calls.append(kw["impl"])
+        return kernel(*a, **kw)
+
+    monkeypatch.setattr(ka, "attention", counted)
+    got = _run(spec, adapters, prompts, mixed, options={"attention": "triton"})
+    assert calls == ["triton"] * SMALL["num_hidden_layers"]
+    assert _maxdiff(got, ref) <= TOL
+
+
 def test_rank_above_the_kernel_cap_runs_on_the_torch_references(tiny, tmp_path):
     """The LoRA kernels stop at rank 128 (register accumulator); a larger adapter (the exact shared-outer form of
     a real model is rank E*r, 512 for gpt-oss-20b at r 16) must still load and match HF+PEFT, with a warning."""

@@ -24,7 +24,12 @@ from engines.triton.batch import Batch
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
               sinks: torch.Tensor | None, impl: str = "auto") -> torch.Tensor:
-    """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | flash | sdpa."""
+    """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | flash | sdpa |
+    triton (kernels/attention.py: varlen, window and sinks in one kernel; compiled on CUDA, interpreted on CPU)."""
+    if impl == "triton":
+        from kernels.attention import attention as triton_attention
+
+        return triton_attention(q, k, v, batch.cu_seqlens, batch.max_len, scale, window, sinks, impl="triton")
     if impl == "flash" or (impl == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
                            and not padded_sdpa_pays(batch, window, sinks)
                            and flash_works(q.device, q.dtype, q.shape[-1])):

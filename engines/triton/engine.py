@@ -15,7 +15,7 @@ OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit
            "fault": None, "moe_backend": "triton", "cuda_graphs": 4, "moe_lora_shrink": "auto",
            "moe_padding": "auto"}
 IMPLS = ("auto", "triton", "torch")
-ATTENTION = ("auto", "flash", "sdpa")
+ATTENTION = ("auto", "flash", "sdpa", "triton")
 
 
 class TritonEngine:
