@@ -445,6 +445,7 @@ ENGINE_MODES: dict[str, dict[str, tuple[dict, int | None, Callable]]] = {
         "kernels_triton": ({"impl": "triton"}, None, _interpreter_or_cuda),
         "attention_sdpa": ({"attention": "sdpa"}, None, lambda ctx: None),
         "attention_flash": ({"attention": "flash"}, None, _bf16_cuda),
+        "attention_triton": ({"attention": "triton"}, None, lambda ctx: None),  # interpreted on CPU, any dtype
     },
     "vllm": {
         # the 2D MoE-LoRA wrapper for every adapter instead of the model's native path: the same math where it is

@@ -99,6 +99,21 @@ def test_bad_input_gives_one_clear_error(bad, match):
         attention(q, k, v, cu, 6, 0.25, window=0)
     with pytest.raises(ValueError, match="one logit per query head"):
         attention(q, k, v, cu, 6, 0.25, sinks=torch.zeros(3))
+    # 64 x 128 tiles read keys past the diagonal unmasked (max |d| 1.25 on the GPU, run 57) before this check
+    with pytest.raises(ValueError, match="must divide BLOCK_M"):
+        attention(q, k, v, cu, 6, 0.25, impl="triton", config=dict(BLOCK_M=16, BLOCK_N=32))
+
+
+@pytest.mark.parametrize("tiles", [(32, 16), (32, 32)])
+def test_tiles_with_several_key_blocks_per_query_block(tiles):
+    """BLOCK_M a multiple of BLOCK_N: the diagonal stage walks several key blocks, the window's edge moves."""
+    lens, hq, hkv, d = [70, 33], 4, 2, 16
+    q, k, v, cu = make_qkv(lens, hq, hkv, d)
+    s = torch.randn(hq, generator=torch.Generator().manual_seed(3))
+    for window in (None, 9, 40):
+        got = attention(q, k, v, cu, max(lens), d ** -0.5, window, s, impl="triton",
+                        config=dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
+        torch.testing.assert_close(got, attention_torch(q, k, v, cu, d ** -0.5, window, s), atol=2e-6, rtol=1e-5)
 
 
 GPU_CASES = [

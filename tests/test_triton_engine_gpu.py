@@ -103,10 +103,11 @@ def test_fp32_parity_padding_modes(case):
 
 @needs(1)
 @pytest.mark.gpu1
+@pytest.mark.parametrize("impl", ["triton", "flash"])
 @pytest.mark.parametrize("window,sinks", [(None, False), (16, False), (None, True), (16, True)])
-def test_flash_varlen_attention_matches_fp32_sdpa(window, sinks):
-    """The bf16 path (FlashAttention varlen + sink rescaling by the logsumexp) against the fp32 SDPA path on the same
-    ragged batch: GQA 8/2 heads, prompts shorter and longer than the window."""
+def test_bf16_varlen_attention_matches_fp32_sdpa(window, sinks, impl):
+    """The bf16 paths (the Triton kernel, "auto"'s; FlashAttention varlen + sink rescaling by the logsumexp) against
+    the fp32 SDPA path on the same ragged batch: GQA 8/2 heads, prompts shorter and longer than the window."""
     from engines.triton.attention import attention
     from engines.triton.batch import Batch
     from engines.triton.config import model_config
@@ -121,7 +122,7 @@ def test_flash_varlen_attention_matches_fp32_sdpa(window, sinks):
     s = torch.randn(h, generator=g, device="cuda") * 2 if sinks else None
     ref = attention(q, k, v, b, d ** -0.5, window, s, impl="sdpa")
     got = attention(*(t.bfloat16() for t in (q, k, v)), b, d ** -0.5, window,
-                    s.bfloat16() if sinks else None, impl="flash")
+                    s.bfloat16() if sinks else None, impl=impl)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"relative error {err:.3g}"
 

@@ -10,8 +10,9 @@ under TRITON_INTERPRET=1).
 
 Options (``EngineConfig.options``):
   impl              "auto" | "triton" | "torch": kernels implementation (auto: Triton on CUDA, torch otherwise)
-  attention         "auto" | "flash" | "sdpa" | "triton": auto is FlashAttention varlen for bf16/fp16 on CUDA, else
-                    SDPA (engines/triton/attention.py); triton is kernels/attention.py (window and sinks in-kernel)
+  attention         "auto" | "triton" | "flash" | "sdpa": auto is the Triton kernel (kernels/attention.py) for
+                    bf16/fp16 on CUDA, except padded SDPA for plain causal prompts of one length, else SDPA
+                    (engines/triton/attention.py)
   max_batch_tokens  packed tokens per forward (default 8192)
   logit_chunk       rows per log-softmax chunk (default 1024)
   timeout_s         tensor-parallel start-up and collective timeout (default 600)

@@ -1,15 +1,19 @@
 """Causal self-attention over a packed batch, with optional sliding window (gpt-oss, alternate layers) and attention
 sinks (gpt-oss: one learned logit per head that joins every softmax row but has no value).
 
-Two paths, both exact for what they compute:
-- bf16/fp16 on CUDA: FlashAttention's variable-length kernel on the packed tokens (no padding; GQA, window and
-  causality native) — torch's ``aten._flash_attention_forward``. It returns each row's logsumexp L, so a sink s
-  enters as out * exp(L) / (exp(L) + exp(s)) = out * sigmoid(L - s).
+Three paths, each exact for what it computes:
+- bf16/fp16 on CUDA ("auto"): kernels/attention.py's Triton kernel on the packed tokens (no padding; GQA, window,
+  causality and sinks inside the kernel, q/k/v read in place from the q|k|v output). gpt-oss-20b, 8 x 512 tokens,
+  H200 (benchmarks/attention_probe.py, run 57): 75.8 / 80.4 us per sliding / full layer against 288 / 324 us for
+  "flash"; the full-depth bf16 call 60.6k -> 64.1k tokens/s with LoRA (run 57, at the kernel's earlier 128 x 64
+  tiles).
+- "flash": torch's private FlashAttention-2 varlen op (``aten._flash_attention_forward``), which returns each row's
+  logsumexp L, so a sink s enters as out * exp(L) / (exp(L) + exp(s)) = out * sigmoid(L - s) in fp32 after it.
+  "auto" used it until run 57.
 - fp32 (IEEE, for parity verdicts), CPU, ``attention="sdpa"``, or plain causal attention (no sinks, no window)
   over prompts of nearly one length: torch SDPA over the right-padded (B, L_max) view. For plain causal attention
-  SDPA's kernels beat the varlen one when padding is small: Qwen3-30B-A3B, 48 layers, 8 x 512 tokens, bf16, H200:
-  2.7 ms per forward (commit 887be5a) against 6.8 ms for the varlen kernel (run 18, 8b445a0); with sinks the varlen
-  path wins (gpt-oss-20b: 7.0 ms against 18.2 ms for SDPA with the sink as an extra key).
+  SDPA's kernels beat the others when padding is small: Qwen3-30B-A3B, 8 x 512 tokens, bf16, H200: 56 us per
+  layer against 87.5 us for the Triton kernel and 139 us for "flash" (run 57).
   The sink becomes one extra key that every query sees: q gets a constant-1 extra dimension, the sink key is zero
   except sink/scale there, and its value is zero, so q'.k_sink * scale = sink and the sink only enlarges the
   softmax denominator, which is what transformers' eager path computes.
@@ -24,15 +28,16 @@ from engines.triton.batch import Batch
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
               sinks: torch.Tensor | None, impl: str = "auto") -> torch.Tensor:
-    """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | flash | sdpa |
-    triton (kernels/attention.py: varlen, window and sinks in one kernel; compiled on CUDA, interpreted on CPU)."""
+    """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | triton | flash |
+    sdpa (module docstring); "triton" on CPU tensors runs the kernel interpreted."""
+    if impl == "auto":
+        half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+        impl = "triton" if half and not padded_sdpa_pays(batch, window, sinks) else "sdpa"
     if impl == "triton":
         from kernels.attention import attention as triton_attention
 
         return triton_attention(q, k, v, batch.cu_seqlens, batch.max_len, scale, window, sinks, impl="triton")
-    if impl == "flash" or (impl == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-                           and not padded_sdpa_pays(batch, window, sinks)
-                           and flash_works(q.device, q.dtype, q.shape[-1])):
+    if impl == "flash" and flash_works(q.device, q.dtype, q.shape[-1]):
         return flash_varlen(q, k, v, batch, scale, window, sinks)
     return sdpa(q, k, v, batch, scale, window, sinks)
 
@@ -42,7 +47,7 @@ MAX_PADDING = 0.2  # share of the padded (B, L_max) view that is padding, up to 
 
 def padded_sdpa_pays(batch: Batch, window: int | None, sinks: torch.Tensor | None) -> bool:
     """Plain causal attention (no sinks, no window) over prompts of nearly one length: SDPA's padded batch is faster
-    than the varlen kernel (module docstring); the padding it computes grows with the spread of prompt lengths."""
+    than the varlen kernels (module docstring); the padding it computes grows with the spread of prompt lengths."""
     if sinks is not None or window is not None:
         return False
     return 1 - batch.num_tokens / (len(batch.lens) * batch.max_len) <= MAX_PADDING
@@ -53,7 +58,7 @@ _FLASH_OK: dict = {}
 
 def flash_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """``aten._flash_attention_forward`` is private API: check it once per (device, dtype, head_dim) on a small
-    ragged batch with window, sinks and GQA against fp32 SDPA; if it fails or disagrees, "auto" uses SDPA."""
+    ragged batch with window, sinks and GQA against fp32 SDPA; if it fails or disagrees, "flash" runs SDPA."""
     key = (str(device), dtype, head_dim)
     if key not in _FLASH_OK:
         import warnings
