@@ -380,16 +380,27 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
 def fault_sweep(case: Case, faults: Sequence[str], dtype: str = "float32", k: int = 2, store=None,
                 log: Callable[[str], None] = print) -> tuple[CheckResult, dict[str, CheckResult | None]]:
     """The triton runtime clean and with each bug-zoo fault (kernels/faults.py), judged like any engine. A fault
-    whose runs are bit-identical to the clean ones is not reached at this shape (e.g. an unmasked tile on a width
-    that is a multiple of the block) and maps to None."""
+    whose runs are bit-identical to clean runs on the same code path is not reached at this shape (e.g. an unmasked
+    tile on a width that is a multiple of the block) and maps to None. The faults inside the grouped GEMM
+    (KERNEL_FAULTS) force its K-loop shrink (moe_lora_shrink "fused"), which rounds differently from the default
+    "once": they are compared with a clean "fused" run, else an unreached fault would look reached and missed."""
     import numpy as np
 
+    from kernels.fused_moe_lora import KERNEL_FAULTS
+
     clean = run_check(case, "triton", k=k, store=store, dtype=dtype, log=log)
+    clean_fused = None
     out: dict[str, CheckResult | None] = {}
     for fault in faults:
+        ref = clean
+        if any(fault in by_gemm for by_gemm in KERNEL_FAULTS.values()):
+            if clean_fused is None:
+                clean_fused = run_check(case, "triton", k=2, options={"moe_lora_shrink": "fused"}, store=store,
+                                        dtype=dtype, log=log)
+            ref = clean_fused
         res = run_check(case, "triton", k=2, options={"fault": fault}, store=store, dtype=dtype, log=log)
         same = all(np.array_equal(p.logprobs, q.logprobs) for lane in res.runs[0]
-                   for p, q in zip(res.runs[0][lane].prompts, clean.runs[0][lane].prompts))
+                   for p, q in zip(res.runs[0][lane].prompts, ref.runs[0][lane].prompts))
         out[fault] = None if same else res
     return clean, out
 
