@@ -92,9 +92,9 @@ def _patch_interpreter_scalars() -> None:
     to Python scalars". Convert the array's single element instead; compiled kernels are not affected."""
     from triton.runtime import interpreter
 
-    if getattr(interpreter._patch_lang_tensor, "_lpdiff", False):
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_lpdiff", False):  # another triton's layout, or patched already
         return
-    original = interpreter._patch_lang_tensor
 
     def patched(tensor, scope):
         original(tensor, scope)
