@@ -7,7 +7,8 @@ Each layer is timed as its GEMMs and attention only, on random buffers (nothing 
                           and sinks ignored: full causal is the larger cost, and attention is a few % of the call)
   experts                 gate_up and down as batched GEMMs over E experts of exactly T*K/E pre-gathered rows:
                           perfectly balanced routing, no gather, no padding rows, activation and top-k weights
-                          folded away
+                          folded away (--dense-experts: one dense GEMM each over one expert's weight, the
+                          same FLOPs without the weight streaming: the bound at the dense GEMMs' rate)
   lm_head                 one (T, H) x (H, V) GEMM
 and, with a LoRA (rank R, one adapter on q/k/v/o and every expert), each shrink as its own GEMM and each expand as
 extra K of the base GEMM (q|k|v, gate_up, down) or an addmm (o, whose shrink is extra output rows of its GEMM):
@@ -24,7 +25,7 @@ Printed per model: the graph's ms per call (base / LoRA), the floor's ms, the to
 by do_bench (one launch at a time: boost clocks, not the power-capped sustained rate).
 
     python benchmarks/sol_forward.py [--models qwen3-30b-a3b gpt-oss-20b] [--batch 8 --seq 512 --rank 32]
-        [--reps 10] [--layers N] [--device cuda|cpu]
+        [--reps 10] [--layers N] [--dense-experts] [--device cuda|cpu]
 """
 from __future__ import annotations
 
@@ -82,13 +83,13 @@ class SolForward:
     weights serve every layer: each layer's expert weights are far larger than L2, so nothing of them survives to
     the next layer anyway), and the call itself."""
 
-    def __init__(self, s: Shapes, rank: int, device: str, dtype: torch.dtype):
+    def __init__(self, s: Shapes, rank: int, device: str, dtype: torch.dtype, dense_experts: bool = False):
         g = torch.Generator(device=device).manual_seed(0)
 
         def rnd(*shape):  # random, not zeros: zeros cost the tensor cores less energy under the power cap
             return torch.randn(*shape, generator=g, device=device, dtype=dtype) * 0.02
 
-        self.s, self.R = s, rank
+        self.s, self.R, self.dense_experts = s, rank, dense_experts
         q, R = s.heads * s.d, rank
         self.n_qkv = q + 2 * s.kv_heads * s.d
         self.x = rnd(s.T, s.H)
@@ -121,6 +122,11 @@ class SolForward:
             "gate_up": (lambda: torch.bmm(w["xe"], w["gu"].transpose(1, 2)), 2 * s.E * s.m * 2 * I * (H + R)),
             "down": (lambda: torch.bmm(w["he"], w["dn"].transpose(1, 2)), 2 * s.E * s.m * H * (I + R)),
         }
+        if self.dense_experts:  # one (T*K, K_in) x (K_in, N) GEMM each, over the first expert's weight
+            ops |= {
+                "gate_up": (lambda: F.linear(w["xe"].view(-1, H + R), w["gu"][0]), ops["gate_up"][1]),
+                "down": (lambda: F.linear(w["he"].view(-1, I + R), w["dn"][0]), ops["down"][1]),
+            }
         if R:
             ops |= {
                 "qkv shrink": (lambda: F.linear(self.x, self.a_qkv), 2 * s.T * 3 * R * H),
@@ -208,12 +214,13 @@ def bench_ms(fn, device: str) -> float:
 def sol(model: str, args) -> dict:
     s = shapes_of(model, args.batch, args.seq, args.layers)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    fwd = SolForward(s, args.rank, args.device, dtype)
+    fwd = SolForward(s, args.rank, args.device, dtype, args.dense_experts)
     graphs = args.device == "cuda"
     bw = copy_bandwidth(args.device)
     floor_s = fwd.floor_bytes() / bw
     out = dict(model=model, layers=s.L, tokens=s.T, copy_tb_s=bw / 1e12, floor_ms=floor_s * 1e3)
-    print(f"{model}: {s.L} layers, T {s.T} ({s.B} x {s.S}), experts {s.E} x {s.m} rows, LoRA rank {args.rank}; "
+    print(f"{model}: {s.L} layers, T {s.T} ({s.B} x {s.S}), experts {s.E} x {s.m} rows"
+          f"{' as one dense GEMM' if args.dense_experts else ''}, LoRA rank {args.rank}; "
           f"copy bandwidth {bw / 1e12:.2f} TB/s -> memory-bound passes {floor_s * 1e3:.2f} ms per call", flush=True)
     for lora in (False, True):
         tag = "lora" if lora else "base"
@@ -245,6 +252,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layers", type=int, default=None, help="reduced depth (default: full depth)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--dense-experts", action="store_true",
+                   help="the expert GEMMs as one dense GEMM each over the first expert's weight (same FLOPs, no "
+                        "weight streaming): the bound if they ran at the dense GEMMs' rate")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.device == "cuda":

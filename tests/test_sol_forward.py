@@ -21,10 +21,11 @@ def _sol():
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gpt-oss"])
-def test_flops_match_the_products_run(model):
+@pytest.mark.parametrize("dense_experts", [False, True])
+def test_flops_match_the_products_run(model, dense_experts):
     sol = _sol()
     s = sol.shapes_of(model, batch=2, seq=8, layers=1)
-    fwd = sol.SolForward(s, rank=4, device="cpu", dtype=torch.float32)
+    fwd = sol.SolForward(s, rank=4, device="cpu", dtype=torch.float32, dense_experts=dense_experts)
     for lora in (False, True):
         ops = fwd.gemms(lora)
         assert ("gate_up shrink" in ops) == lora
