@@ -3,8 +3,9 @@ forward could reach if every matrix product ran as a single cuBLAS GEMM and the 
 
 Each layer is timed as its GEMMs and attention only, on random buffers (nothing here computes the model):
   q|k|v, o, the router    one cuBLAS GEMM each ((T, H) rows, T = batch x seq)
-  attention               one SDPA call, causal, GQA, on (batch, heads, seq, head_dim) buffers (sliding windows
-                          and sinks ignored: full causal is the larger cost, and attention is a few % of the call)
+  attention               one SDPA call, causal, on (batch, heads, seq, head_dim) buffers, k and v at every query
+                          head (GQA's FLOPs; sliding windows and sinks ignored: full causal is the larger cost, and
+                          attention is a few % of the call)
   experts                 gate_up and down as batched GEMMs over E experts of exactly T*K/E pre-gathered rows:
                           perfectly balanced routing, no gather, no padding rows, activation and top-k weights
                           folded away (--dense-experts: one dense GEMM each over one expert's weight, the
