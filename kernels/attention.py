@@ -147,7 +147,10 @@ def attention_config(head_dim: int, dtype: torch.dtype, cuda: bool) -> dict:
     interpreter small tiles: the cost is per program step."""
     if not cuda:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    if dtype == torch.float32:
+    fp32 = dtype == torch.float32
+    if head_dim > 128:  # K and V tiles grow with head_dim: fewer keys per step and stages keep them in shared memory
+        return dict(BLOCK_M=32 if fp32 else 64, BLOCK_N=16 if fp32 else 32, num_warps=4, num_stages=2)
+    if fp32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 

@@ -121,7 +121,8 @@ GPU_CASES = [
     ([512] * 8, 64, 8, 64, 128, True),  # gpt-oss-20b's sliding layers at the e2e batch
     ([512] * 8, 64, 8, 64, None, True),  # its full layers
     ([700, 3, 129, 64, 1000], 64, 8, 64, 128, True),  # ragged, with prompts shorter and longer than a block
-    ([512] * 8, 32, 4, 128, None, False),  # Qwen3-30B-A3B (head_dim 128, 8 warps)
+    ([512] * 8, 32, 4, 128, None, False),  # Qwen3-30B-A3B (head_dim 128)
+    ([300, 77], 16, 2, 256, 128, True),  # head_dim 256: the smaller tiles that fit shared memory
 ]
 
 
