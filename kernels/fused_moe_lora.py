@@ -289,7 +289,7 @@ def _tile_cols(pid_n, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl
 
 
 @triton.jit
-def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, rank, Kdim, R,
+def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, Kdim, R,
                    stride_xm, stride_xk, stride_wn, stride_we, stride_wk, stride_sm, stride_sr,
                    stride_lbl, stride_lbe, stride_lbn, stride_lbr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ZERO_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -297,8 +297,8 @@ def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, r
     LoRA expand (S rows, x dtype, scaled, zero past the loaded rank, against B[a, e] rows wrow; every K column
     masked for a block without an adapter), then the K_TILES steps of acc += X W^T. Each step selects its pointers
     and masks, so one pipelined loop carries both: the expand's loads overlap the K-loop's instead of waiting
-    before it. The trip count stays a constant (the interpreter cannot take a loaded scalar as a bound); blocks
-    without an adapter multiply zeros in the expand's steps."""
+    before it. The trip count is a constant: blocks without an adapter multiply zeros in the expand's steps
+    instead of skipping them."""
     offs_k = tl.arange(0, BLOCK_K)
     # row / column base pointers only (1-D): each step builds its 2-D tiles from them, so no pair of 2-D pointer
     # tensors stays live through the loop (compiled for sm90 that spilled)
@@ -515,7 +515,6 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
         xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows: a valid address, never stored
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < 0
-    rank = 0
     if LORA > 0:
         rank = tl.load(Ranks + a_safe)
         r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
@@ -561,7 +560,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                         acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
             acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             if LOOP:
-                acc = _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, rank, Kdim, R,
+                acc = _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, Kdim, R,
                                      stride_xm, stride_xk, stride_wn, stride_we, stride_wk, stride_sm, stride_sr,
                                      stride_lbl, stride_lbe, stride_lbn, stride_lbr, K_TILES, EVEN_K, UPCAST,
                                      DOT_PREC, ZERO_PAD, BLOCK_K)
