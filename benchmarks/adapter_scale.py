@@ -16,9 +16,9 @@ import tempfile
 
 import torch
 
-from harness import adapters as ad
-from harness.catalog import ZOO, get_model, load_hf_model
-from harness.prompts import prompt_set
+from lpdiff.harness import adapters as ad
+from lpdiff.harness.catalog import ZOO, get_model, load_hf_model
+from lpdiff.harness.prompts import prompt_set
 
 
 def actual_logprobs(model, prompts: list[list[int]]) -> torch.Tensor:

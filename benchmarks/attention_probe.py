@@ -16,9 +16,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.triton.attention import attention as runtime_attention  # noqa: E402
-from engines.triton.batch import Batch  # noqa: E402
-from kernels.attention import attention, attention_torch  # noqa: E402
+from lpdiff.engines.triton.attention import attention as runtime_attention  # noqa: E402
+from lpdiff.engines.triton.batch import Batch  # noqa: E402
+from lpdiff.kernels.attention import attention, attention_torch  # noqa: E402
 from tests.test_kernels_attention import make_qkv  # noqa: E402
 
 SHAPES = {  # name: (query heads, kv heads, head_dim, window, sinks)

@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.base import EngineConfig  # noqa: E402
-from engines.triton.engine import ATTENTION, OPTIONS  # noqa: E402
-from kernels import fused_moe_lora as fm  # noqa: E402
-from kernels.fused_moe_lora import EXPAND, MOE_EXPAND  # noqa: E402
-from kernels.moe_grouped import BACKENDS  # noqa: E402
-from harness.types import AdapterSpec  # noqa: E402
+from lpdiff.engines.base import EngineConfig  # noqa: E402
+from lpdiff.engines.triton.engine import ATTENTION, OPTIONS  # noqa: E402
+from lpdiff.kernels import fused_moe_lora as fm  # noqa: E402
+from lpdiff.kernels.fused_moe_lora import EXPAND, MOE_EXPAND  # noqa: E402
+from lpdiff.kernels.moe_grouped import BACKENDS  # noqa: E402
+from lpdiff.harness.types import AdapterSpec  # noqa: E402
 
 COLUMNS = ["date", "commit", "gpu", "model", "tokens", "tp", "dtype", "adapter", "impl", "tokens_per_s",
            "peak_mem_gb"]
@@ -66,8 +66,8 @@ def timed(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float]:
 
 
 def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
-    from harness.adapters import generate_adapter
-    from harness.catalog import load_hf_model
+    from lpdiff.harness.adapters import generate_adapter
+    from lpdiff.harness.catalog import load_hf_model
 
     model = load_hf_model(spec, torch.bfloat16, "cuda")
     t0 = time.perf_counter()
@@ -90,9 +90,9 @@ def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink
 
 
 def bench_model(name: str, args, writer) -> None:
-    from engines.hf import HFEngine
-    from engines.triton import TritonEngine
-    from harness.catalog import get_model
+    from lpdiff.engines.hf import HFEngine
+    from lpdiff.engines.triton import TritonEngine
+    from lpdiff.harness.catalog import get_model
 
     spec = get_model(name, num_layers=args.layers)
     tokens = args.batch * args.seq
@@ -101,7 +101,7 @@ def bench_model(name: str, args, writer) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapter = make_adapter(spec, Path(tmp) / "r32", args.rank)
         adapters = {adapter.name: adapter}
-        from harness.catalog import hf_config
+        from lpdiff.harness.catalog import hf_config
 
         vocab = hf_config(spec).vocab_size
         prompts = [torch.randint(0, vocab, (args.seq,), generator=g).tolist() for _ in range(args.batch)]
@@ -265,11 +265,11 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
     if do_bench is None:
         from triton.testing import do_bench
 
-    from engines.triton.attention import attention
-    from engines.triton.batch import Batch
-    from engines.triton.moe import experts, route
-    from engines.triton.rope import norm_rope_qk
-    from harness.logprobs import chunked_logprobs
+    from lpdiff.engines.triton.attention import attention
+    from lpdiff.engines.triton.batch import Batch
+    from lpdiff.engines.triton.moe import experts, route
+    from lpdiff.engines.triton.rope import norm_rope_qk
+    from lpdiff.harness.logprobs import chunked_logprobs
 
     rt = eng.runtime
     m, cfg = rt.model, rt.cfg

@@ -41,13 +41,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.fused_moe_lora import (SMEM_BUDGET, GemmConfig, MoeLoraWeights, ShrinkConfig,  # noqa: E402
+from lpdiff.kernels.fused_moe_lora import (SMEM_BUDGET, GemmConfig, MoeLoraWeights, ShrinkConfig,  # noqa: E402
                                     activate, expert_lora_kwargs, expert_shrink, launch_gemm, moe_configs,
                                     moe_forward, moe_forward_triton, shrink_block_k, shrink_once)
-from kernels._triton import next_pow2  # noqa: E402
-from kernels.lora_linear import base_linear, lora_linear, pack_lora_b  # noqa: E402
-from kernels.moe_align import moe_align  # noqa: E402
-from kernels import moe_grouped as mg  # noqa: E402
+from lpdiff.kernels._triton import next_pow2  # noqa: E402
+from lpdiff.kernels.lora_linear import base_linear, lora_linear, pack_lora_b  # noqa: E402
+from lpdiff.kernels.moe_align import moe_align  # noqa: E402
+from lpdiff.kernels import moe_grouped as mg  # noqa: E402
 
 COLUMNS = ["date", "commit", "gpu", "benchmark", "shape", "T", "adapters", "dtype", "impl", "ms", "tflops",
            "pct_roofline"]
@@ -456,7 +456,7 @@ SM90_SMEM = 232448  # bytes of shared memory one block may use on sm90 (227 KiB)
 
 def record_launches(fn) -> list[tuple]:
     """Runs fn with every Triton launch recorded instead of run: [(kernel, args, kwargs)]."""
-    from kernels._triton import DualKernel
+    from lpdiff.kernels._triton import DualKernel
     launches, original = [], DualKernel.__getitem__
     DualKernel.__getitem__ = lambda kernel, grid_device: lambda *a, **kw: launches.append((kernel, a, kw))
     try:
@@ -518,7 +518,7 @@ def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
     compiled for sm90 on this machine: shared memory against the 227 KiB a block may use, registers, spills, TMA.
     One line per distinct launch. Needs a process in which the Triton interpreter has not run: Triton 3.6 leaves
     triton.language patched after an interpreted device-function call, and compiling then fails."""
-    from kernels._triton import next_pow2 as np2
+    from lpdiff.kernels._triton import next_pow2 as np2
     seen, out = set(), []
     for s, flags in itertools.product(shapes, flag_sets):
         flags = dict(flags)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_align import moe_align
+from lpdiff.kernels.moe_align import moe_align
 
 
 @triton.jit

@@ -15,9 +15,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_kernels import SHAPES, bench, make_inputs  # noqa: E402
-from kernels.fused_moe_lora import (expert_lora_kwargs, expert_shrink, launch_gemm, moe_configs,  # noqa: E402
+from lpdiff.kernels.fused_moe_lora import (expert_lora_kwargs, expert_shrink, launch_gemm, moe_configs,  # noqa: E402
                                     shrink_once)
-from kernels.moe_align import moe_align  # noqa: E402
+from lpdiff.kernels.moe_align import moe_align  # noqa: E402
 
 # (block_n, block_k, warps, stages, group_m); block_n counts output columns (gate_up's dot is twice as wide)
 GATE_UP = [(128, 64, 8, 4, 4), (128, 64, 8, 3, 4), (128, 64, 8, 4, 8), (64, 64, 4, 3, 4), (64, 64, 4, 4, 4),

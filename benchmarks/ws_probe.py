@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.fused_moe_lora import _act, default_config, launch_gemm  # noqa: E402
-from kernels.moe_align import moe_align  # noqa: E402
+from lpdiff.kernels.fused_moe_lora import _act, default_config, launch_gemm  # noqa: E402
+from lpdiff.kernels.moe_align import moe_align  # noqa: E402
 
 
 @triton.jit

@@ -1,4 +1,4 @@
 """Engine adapters, imported lazily by name (see engines.base.ENGINES)."""
-from engines.base import ENGINES, Engine, EngineConfig, engine_class, open_engine
+from lpdiff.engines.base import ENGINES, Engine, EngineConfig, engine_class, open_engine
 
 __all__ = ["ENGINES", "Engine", "EngineConfig", "engine_class", "open_engine"]

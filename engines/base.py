@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from harness.types import AdapterSpec, ModelSpec, PromptLogprobs
+from lpdiff.harness.types import AdapterSpec, ModelSpec, PromptLogprobs
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -72,10 +72,10 @@ def per_prompt_adapters(adapter: AdapterChoice, n: int, known: dict[str, Any]) -
 
 
 ENGINES: dict[str, str] = {
-    "hf": "engines.hf:HFEngine",
-    "triton": "engines.triton:TritonEngine",
-    "vllm": "engines.vllm:VLLMEngine",
-    "sglang": "engines.sglang:SGLangEngine",
+    "hf": "lpdiff.engines.hf:HFEngine",
+    "triton": "lpdiff.engines.triton:TritonEngine",
+    "vllm": "lpdiff.engines.vllm:VLLMEngine",
+    "sglang": "lpdiff.engines.sglang:SGLangEngine",
 }
 
 

@@ -63,10 +63,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engines.base import AdapterChoice, EngineConfig, check_request
-from engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
+from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
                                      strip_lane_options)
-from harness.types import PromptLogprobs
+from lpdiff.harness.types import PromptLogprobs
 
 MOE_LORA_SETTINGS: dict[str, Any] = {
     "attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
@@ -85,7 +85,7 @@ _NOT_INSTALLED = ("sglang is not installed for {python}: install sglang==0.5.15 
 
 def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """ServerArgs fields (the keyword arguments of ``sgl.Engine``) for this config."""
-    from engines.vllm import adapter_max_rank
+    from lpdiff.engines.vllm import adapter_max_rank
 
     if config.dtype == "float32":
         raise ValueError("SGLang has no fp32 path (sgl_kernel's rmsnorm takes bf16/fp16): use dtype bfloat16 and "
@@ -197,11 +197,11 @@ def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> 
     """What the engine needs from lpdiff's side, computed in the caller's process: the vocabulary size and, when
     lpdiff starts SGLang (``launch``), the ServerArgs with the checkpoint written by the caller's transformers (the
     same build as the HF reference's). The lane child then needs neither lpdiff's catalog nor its transformers."""
-    from harness.catalog import hf_config
+    from lpdiff.harness.catalog import hf_config
 
     out: dict[str, Any] = {"vocab_size": hf_config(config.model).get_text_config().vocab_size}
     if launch:
-        from engines.vllm import checkpoint_dir
+        from lpdiff.engines.vllm import checkpoint_dir
 
         # checkpoint_dir gives back the GPU blocks its build cached: SGLang sizes its pools from free memory
         path = checkpoint_dir(config.model, opts.get("checkpoint_dir"), on_cpu=False)
@@ -364,7 +364,7 @@ class SGLangEngine:
         if self.mode == "offline":
             child = strip_lane_options(self.config)
             child = replace(child, options={**child.options, _RESOLVED: resolved})
-            self._impl = LaneEngine(self.name, "engines.sglang:SGLangOffline", child, self.lane)
+            self._impl = LaneEngine(self.name, "lpdiff.engines.sglang:SGLangOffline", child, self.lane)
         else:
             self._impl = SGLangHTTP(self.config, self.opts, self.lane, resolved)
         self._impl.__enter__()

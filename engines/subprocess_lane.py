@@ -31,7 +31,23 @@ from typing import Any, Sequence
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # lpdiff/ in a wheel, the source tree's root otherwise
+
+
+def _import_root() -> str:
+    """A directory whose only entry is ``lpdiff``, for the child's PYTHONPATH: the child may be another virtualenv's
+    interpreter (vLLM pins its own transformers), so the parent's site-packages must not come along with lpdiff."""
+    import lpdiff
+
+    pkg = Path(lpdiff.__file__).resolve().parent
+    root = Path(tempfile.gettempdir()) / f"lpdiff-import-{os.getuid()}-{abs(hash(str(pkg))) % 10**8}"
+    link = root / "lpdiff"
+    if not link.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".lpdiff-{os.getpid()}"
+        tmp.symlink_to(pkg, target_is_directory=True)
+        os.replace(tmp, link)
+    return str(root)
 _HEADER = struct.Struct("<Q")
 
 
@@ -145,11 +161,11 @@ class ManagedProcess:
     def start(self, **popen) -> "ManagedProcess":
         assert self.proc is None, "process already started"
         env = {**os.environ, **self.env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_import_root(), env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, cwd=str(REPO_ROOT), **popen)
+                                         start_new_session=True, cwd=str(PACKAGE_DIR), **popen)
         return self
 
     def poll(self) -> int | None:
@@ -187,7 +203,7 @@ class ManagedProcess:
 
 
 class SubprocessLane:
-    """``lane = SubprocessLane("engines.vllm:VLLMEngine", (config,)).start(); lane.call("prompt_logprobs", ...)``.
+    """``lane = SubprocessLane("lpdiff.engines.vllm:VLLMEngine", (config,)).start(); lane.call("prompt_logprobs", ...)``.
 
     The child builds ``target(*args)`` and enters it when it has ``__enter__``; ``call`` runs one method there;
     ``close`` exits it cleanly, then ends the child's process group."""
@@ -195,7 +211,7 @@ class SubprocessLane:
     def __init__(self, target: str, args: Sequence[Any] = (), config: LaneConfig | None = None):
         assert ":" in target, f"target must be 'module:callable', got {target!r}"
         self.target, self.args, self.config = target, tuple(args), config or LaneConfig()
-        self.child = ManagedProcess([self.config.python, "-m", "engines.subprocess_lane"], self.config.env,
+        self.child = ManagedProcess([self.config.python, "-m", "lpdiff.engines.subprocess_lane"], self.config.env,
                                     self.config.log_path, self.config.tail_lines, log_prefix="lpdiff-lane-")
         self._resp_fd: int | None = None
         self.info: dict[str, Any] = {}
@@ -372,6 +388,6 @@ def _serve(resp_fd: int) -> int:
 if __name__ == "__main__":
     # Serve through the module imported by its real name, so what the child pickles (numpy arrays via _npy_load)
     # names engines.subprocess_lane rather than __main__.
-    from engines.subprocess_lane import _serve as serve
+    from lpdiff.engines.subprocess_lane import _serve as serve
 
     sys.exit(serve(int(sys.argv[1])))

@@ -70,8 +70,8 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import AdapterChoice, EngineConfig, check_request
-from harness.types import PromptLogprobs, canonical_hash
+from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.harness.types import PromptLogprobs, canonical_hash
 
 # vLLM's allowed max_lora_rank values (0.25-0.32); read from vLLM itself when it says.
 _FALLBACK_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -95,7 +95,7 @@ _PER_EXPERT_NAMES = {"GptOssForCausalLM": {"gate_proj": "w1", "down_proj": "w2",
 
 def adapter_max_rank(adapter_dir: str | Path) -> int:
     """The largest rank an adapter uses (``r`` and every ``rank_pattern`` entry)."""
-    from harness.adapters import inspect_adapter
+    from lpdiff.harness.adapters import inspect_adapter
 
     info = inspect_adapter(adapter_dir)
     return max([info.rank, *info.rank_pattern.values()])
@@ -230,7 +230,7 @@ def vllm_native_3d(arch: str) -> bool:
 
 
 def adapter_problems(info, gated: bool = True) -> list[str]:
-    """What vLLM 0.25.1 would misread in an adapter (``harness.adapters.inspect_adapter`` output), each with its fix.
+    """What vLLM 0.25.1 would misread in an adapter (``lpdiff.harness.adapters.inspect_adapter`` output), each with its fix.
 
     - rank_pattern / alpha_pattern: vLLM's PEFTHelper has no such fields (peft_helper.py), every module gets
       lora_alpha / r.
@@ -272,7 +272,7 @@ def renamed_per_expert_adapter(src: str | Path, rename: dict[str, str], root: st
 
     from safetensors.torch import load_file, save_file
 
-    from harness.types import dir_hash
+    from lpdiff.harness.types import dir_hash
 
     out = Path(root) / f"{dir_hash(src)[:16]}-{canonical_hash(rename)[:8]}"
     if (out / "adapter_model.safetensors").is_file():
@@ -362,7 +362,7 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
         return spec.path
     import torch
 
-    from harness.catalog import load_hf_model
+    from lpdiff.harness.catalog import load_hf_model
 
     root = Path(root or Path.home() / ".cache" / "lpdiff" / "checkpoints")
     device = "cpu" if on_cpu else "cuda"
@@ -397,7 +397,7 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
 
 
 def is_moe_config(cfg) -> bool:
-    from harness.catalog import moe_fields
+    from lpdiff.harness.catalog import moe_fields
 
     try:
         return moe_fields(cfg).is_moe
@@ -412,7 +412,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, config: EngineConfig):
-        from engines.subprocess_lane import lane_config_from_options
+        from lpdiff.engines.subprocess_lane import lane_config_from_options
 
         self.config = config
         self.lane_config, opts = lane_config_from_options(config.options)
@@ -436,9 +436,9 @@ class VLLMEngine:
     # -- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> VLLMEngine:
         if self.lane_config is not None:
-            from engines.subprocess_lane import LaneEngine, strip_lane_options
+            from lpdiff.engines.subprocess_lane import LaneEngine, strip_lane_options
 
-            self._proxy = LaneEngine(self.name, "engines.vllm:VLLMEngine", strip_lane_options(self.config),
+            self._proxy = LaneEngine(self.name, "lpdiff.engines.vllm:VLLMEngine", strip_lane_options(self.config),
                                      self.lane_config).__enter__()
             return self
         on_cpu = self._on_cpu()
@@ -515,7 +515,7 @@ class VLLMEngine:
         return not cuda_visible()
 
     def _hf_config(self):
-        from harness.catalog import hf_config
+        from lpdiff.harness.catalog import hf_config
 
         return hf_config(self.config.model)
 
@@ -564,7 +564,7 @@ class VLLMEngine:
 
     def _lora_kwargs(self, hf, on_cpu: bool, known: set[str]) -> dict[str, Any]:
         """enable_lora and friends; also decides the MoE-LoRA mode and the directory vLLM loads per adapter."""
-        from harness.adapters import inspect_adapter
+        from lpdiff.harness.adapters import inspect_adapter
 
         cfg, o = self.config, self.opts
         moe = is_moe_config(hf)

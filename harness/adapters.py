@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from harness.types import AdapterSpec
+from lpdiff.harness.types import AdapterSpec
 
 GROUPS = ("attention", "linear_attention", "mlp", "shared_expert", "experts")
 LAYOUTS = ("peft3d", "per_expert")

@@ -53,7 +53,7 @@ def _dense_routing(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -
 def bisect_prompts(model: str, num_prompts: int = 8) -> list[list[int]]:
     """Equal-length prompts (the shortest of the default set), so HF's batch needs no padding and its flattened
     tokens are the triton runtime's packed order."""
-    from harness.prompts import prompt_set
+    from lpdiff.harness.prompts import prompt_set
 
     prompts = prompt_set(model, "default")[:num_prompts]
     n = min(len(p) for p in prompts)
@@ -62,7 +62,7 @@ def bisect_prompts(model: str, num_prompts: int = 8) -> list[list[int]]:
 
 def hf_capture(spec, adapters, adapter: str, prompts) -> dict:
     """HF's per-layer module inputs and outputs (with and without the adapter) on ``prompts`` (fp32)."""
-    from engines import EngineConfig, open_engine
+    from lpdiff.engines import EngineConfig, open_engine
 
     cap: dict = {}
     with open_engine("hf", EngineConfig(model=spec, adapters=adapters, options={"router_margins": False})) as eng:
@@ -103,9 +103,9 @@ def hf_capture(spec, adapters, adapter: str, prompts) -> dict:
 
 def triton_errors(spec, adapters, adapter: str, prompts, hf: dict, fault: str | None) -> dict[tuple[int, str], float]:
     """Each triton module re-run on HF's inputs to it (fp32, TP 1) -> relative error per (layer, module)."""
-    from engines import EngineConfig, open_engine
-    from engines.triton.batch import Batch
-    from engines.triton.moe import experts, route
+    from lpdiff.engines import EngineConfig, open_engine
+    from lpdiff.engines.triton.batch import Batch
+    from lpdiff.engines.triton.moe import experts, route
 
     opts = {"fault": fault} if fault else {}
     err: dict[tuple[int, str], float] = {}
@@ -191,7 +191,7 @@ class BisectResult:
 
 def bisect(model: str, adapter: str | None = None, fault: str | None = None, factor: float = FACTOR,
            num_prompts: int = 8) -> BisectResult:
-    from harness.job import Job, resolve
+    from lpdiff.harness.job import Job, resolve
 
     spec, adapters, _ = resolve(Job(model=model))
     if not adapters:
@@ -209,7 +209,7 @@ def bisect(model: str, adapter: str | None = None, fault: str | None = None, fac
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.faults import runtime_faults
+    from lpdiff.kernels.faults import runtime_faults
 
     p = argparse.ArgumentParser(prog="lpdiff bisect", description=__doc__.splitlines()[0])
     p.add_argument("model", help="catalog model the triton runtime supports (e.g. tiny-qwen3-moe, tiny-gpt-oss)")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from harness.types import ModelSpec
+from lpdiff.harness.types import ModelSpec
 
 ZOO_DIR = Path(__file__).resolve().parent / "zoo"
 
@@ -162,7 +162,7 @@ def hf_config(spec: ModelSpec):
     if spec.path is not None:
         if not (Path(spec.path) / "config.json").is_file():
             raise FileNotFoundError(f"{spec.path} has no config.json; for a zoo model run "
-                                    f"`python -m harness.zoo build --name {spec.name}`")
+                                    f"`python -m lpdiff.harness.zoo build --name {spec.name}`")
         cfg = AutoConfig.from_pretrained(spec.path)
     else:
         kw = dict(spec.config)

@@ -28,7 +28,7 @@ def chunked_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch
         if lm_bias is not None:
             logits = logits + lm_bias
         if fused and not top_k:
-            from kernels.logprob import target_logprobs
+            from lpdiff.kernels.logprob import target_logprobs
 
             lp[s:e] = target_logprobs(logits, targets[s:e], logit_scale)
             continue

@@ -10,7 +10,7 @@ from typing import Mapping
 
 import numpy as np
 
-from harness.types import LogprobRun
+from lpdiff.harness.types import LogprobRun
 
 TAIL_CUTS = (0.1, 0.5, 1.0)  # the |d| levels whose exceedance shares are reported
 K3_CLAMP = 10.0  # miles clamps the log-ratio before exp() so one wild position cannot overflow k3

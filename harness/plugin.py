@@ -59,7 +59,7 @@ def lpdiff_regen(request) -> bool:
 
 @pytest.fixture(scope="session")
 def lpdiff_store(request):
-    from harness.job import default_store
+    from lpdiff.harness.job import default_store
 
     return default_store(request.config.getoption("--lpdiff-baselines"))
 
@@ -69,7 +69,7 @@ def engine_factory():
     """``eng = engine_factory("hf", cfg)`` opens an engine that is closed (GPU freed) when the test ends."""
     from contextlib import ExitStack
 
-    from engines import open_engine
+    from lpdiff.engines import open_engine
 
     with ExitStack() as stack:
         yield lambda name, config: stack.enter_context(open_engine(name, config))
@@ -90,7 +90,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     verdicts = config.stash.get(_VERDICTS_KEY, [])
     if not verdicts:
         return
-    from harness.verdict import format_table, to_json
+    from lpdiff.harness.verdict import format_table, to_json
 
     terminalreporter.section("lpdiff verdicts")
     terminalreporter.write_line(format_table(verdicts))
@@ -105,7 +105,7 @@ def pytest_testnodedown(node, error):
     """Collect verdicts from xdist workers so the table covers the whole run."""
     data = getattr(node, "workeroutput", {}).get("lpdiff_verdicts")
     if data:
-        from harness.verdict import from_json
+        from lpdiff.harness.verdict import from_json
 
         node.config.stash[_VERDICTS_KEY].extend(from_json(data))
 
@@ -113,6 +113,6 @@ def pytest_testnodedown(node, error):
 def pytest_sessionfinish(session, exitstatus):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # this is an xdist worker: ship verdicts to the controller
-        from harness.verdict import to_json
+        from lpdiff.harness.verdict import to_json
 
         workeroutput["lpdiff_verdicts"] = to_json(session.config.stash.get(_VERDICTS_KEY, []))

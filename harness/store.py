@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from filelock import FileLock
 
-from harness.types import AdapterSpec, LogprobRun, ModelSpec, canonical_hash, prompts_hash
+from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, canonical_hash, prompts_hash
 
 FORMAT = 1
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")

@@ -2,9 +2,9 @@
 
 Every op takes impl="auto" | "triton" | "torch"; auto picks Triton for CUDA tensors or under TRITON_INTERPRET=1.
 """
-from kernels.fused_moe_lora import MoeLoraWeights, moe_forward, moe_forward_torch
-from kernels.lora_linear import lora_linear, lora_linear_torch
-from kernels.moe_align import MoeRouting, moe_align
+from lpdiff.kernels.fused_moe_lora import MoeLoraWeights, moe_forward, moe_forward_torch
+from lpdiff.kernels.lora_linear import lora_linear, lora_linear_torch
+from lpdiff.kernels.moe_align import MoeRouting, moe_align
 
 __all__ = ["MoeLoraWeights", "moe_forward", "moe_forward_torch", "lora_linear", "lora_linear_torch",
            "MoeRouting", "moe_align"]

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
+from lpdiff.kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
 
 LOG2E = math.log2(math.e)
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kernels import faults
-from kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
-from kernels.moe_align import MoeRouting, moe_align
+from lpdiff.kernels import faults
+from lpdiff.kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
+from lpdiff.kernels.moe_align import MoeRouting, moe_align
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2, "relu2": 3}
 GATED = {"silu": True, "swiglu_oai": True, "relu2": False}
@@ -1078,7 +1078,7 @@ def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b
     lora_shrink, n_tiles, padding (backend triton only): see moe_forward_triton.
     sum_topk False (impl and backend triton only; the other paths return (T, H) summed): (T, K, H) per-pair
     outputs, already top-k weighted, for the caller to sum."""
-    from kernels.moe_grouped import BACKENDS, moe_forward_grouped  # lazy: moe_grouped builds on this file
+    from lpdiff.kernels.moe_grouped import BACKENDS, moe_forward_grouped  # lazy: moe_grouped builds on this file
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

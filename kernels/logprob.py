@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import dual_jit, resolve_impl, tl, triton
+from lpdiff.kernels._triton import dual_jit, resolve_impl, tl, triton
 
 DEFAULT_BLOCK_V = 4096
 

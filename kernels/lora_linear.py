@@ -38,10 +38,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import resolve_impl, triton
-from kernels.fused_moe_lora import (GemmConfig, check_kernel_rank, default_config, device_const, launch_gemm,
+from lpdiff.kernels._triton import resolve_impl, triton
+from lpdiff.kernels.fused_moe_lora import (GemmConfig, check_kernel_rank, default_config, device_const, launch_gemm,
                                     launch_shrink, lora_delta)
-from kernels.moe_align import moe_align
+from lpdiff.kernels.moe_align import moe_align
 
 
 def _offsets(slice_offsets, n: int) -> tuple[int, ...]:

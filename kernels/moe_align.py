@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import dual_jit, resolve_impl, tl, triton
+from lpdiff.kernels._triton import dual_jit, resolve_impl, tl, triton
 
 
 @dataclass(slots=True)

@@ -36,12 +36,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import dual_jit, tl, triton
-from kernels.fused_moe_lora import (ACTIVATIONS, GATED, GemmConfig, MoeLoraWeights, _gated_act,
+from lpdiff.kernels._triton import dual_jit, tl, triton
+from lpdiff.kernels.fused_moe_lora import (ACTIVATIONS, GATED, GemmConfig, MoeLoraWeights, _gated_act,
                                     activate, check_kernel_rank, device_const, kernel_fault, launch_gemm,
                                     launch_shrink, moe_forward_triton)
-from kernels.lora_linear import delta_config, ieee_fp32_matmul
-from kernels.moe_align import MoeRouting, moe_align
+from lpdiff.kernels.lora_linear import delta_config, ieee_fp32_matmul
+from lpdiff.kernels.moe_align import MoeRouting, moe_align
 
 BACKENDS = ("triton", "grouped_mm")
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

@@ -4,8 +4,8 @@ pass 20 reruns without a false alarm. Faults are real engine bugs re-created at 
 import numpy as np
 import pytest
 
-from kernels.faults import applicable, runtime_faults
-from harness.job import Job, judge_job, mixed_batch, resolve, run_job
+from lpdiff.kernels.faults import applicable, runtime_faults
+from lpdiff.harness.job import Job, judge_job, mixed_batch, resolve, run_job
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 
@@ -44,7 +44,7 @@ def test_zoo_covers_every_runtime_fault():
 @pytest.mark.cpu
 @pytest.mark.parametrize("fault,model", ZOO, ids=[f"{f}-{m}" for f, m in ZOO])
 def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, record_verdict):
-    pytest.importorskip("engines.triton")
+    pytest.importorskip("lpdiff.engines.triton")
     res = run_job(Job(model=model, engine="triton", options={"fault": fault}), lpdiff_store, regen=lpdiff_regen)
     failed = [v for v in res.verdicts if not v.passed]
     for v in res.verdicts:
@@ -62,8 +62,8 @@ def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, 
 def test_clean_runtime_20_reruns_no_false_alarm(model, lpdiff_store, lpdiff_regen):
     """The clean runtime, rerun 20 times in one engine session, passes every verdict every time; reruns are
     bit-identical (the CPU path is deterministic), so any failure is a real alarm, not noise."""
-    pytest.importorskip("engines.triton")
-    from engines import EngineConfig, open_engine
+    pytest.importorskip("lpdiff.engines.triton")
+    from lpdiff.engines import EngineConfig, open_engine
 
     job = Job(model=model, engine="triton")
     first = run_job(job, lpdiff_store, regen=lpdiff_regen)  # refs (and regen if asked) through the normal path
@@ -92,8 +92,8 @@ def test_default_check_fails_on_every_fault_full_width(model, tmp_path):
     never reaches (output bit-identical to the clean run) is reported, not counted as caught."""
     import torch
 
-    from harness import check
-    from harness.catalog import get_model
+    from lpdiff.harness import check
+    from lpdiff.harness.catalog import get_model
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

@@ -5,8 +5,8 @@ harness/thresholds.json with their provenance (measured noise floor, date, machi
 """
 import pytest
 
-from harness.job import Job, run_job
-from harness.thresholds import lookup
+from lpdiff.harness.job import Job, run_job
+from lpdiff.harness.thresholds import lookup
 
 TINY_MOE = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"]
 # the Triton runtime covers these architectures (engines/triton)
@@ -35,7 +35,7 @@ def test_hf_matches_committed_baseline(model, lpdiff_store, lpdiff_regen, record
 def test_adapter_moves_output_far_above_threshold(model, lpdiff_store, lpdiff_regen):
     """An adapter that did nothing would pass every engine comparison; each zoo adapter must move the
     logprobs by at least 10x the threshold a verdict uses, or the suite could not see it dropped."""
-    from harness.metrics import compare
+    from lpdiff.harness.metrics import compare
 
     res = run_job(Job(model=model), lpdiff_store, regen=lpdiff_regen)
     # fp32 is where LoRA correctness is judged (bf16 noise on these models is reported, not relied on)
@@ -58,5 +58,5 @@ def test_hf_bf16_vs_fp32_within_noise_threshold(model, lpdiff_store, lpdiff_rege
 @pytest.mark.parametrize("model", TRITON_ARCHS)
 def test_triton_fp32_matches_hf_baseline(model, lpdiff_store, lpdiff_regen, record_verdict):
     """Our runtime (on the kernels' torch references or the Triton interpreter) against the HF baselines."""
-    pytest.importorskip("engines.triton")
+    pytest.importorskip("lpdiff.engines.triton")
     _judge(Job(model=model, engine="triton"), lpdiff_store, lpdiff_regen, record_verdict)

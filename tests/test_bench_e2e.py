@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engines.base import EngineConfig
-from harness.catalog import get_model
-from harness.job import zoo_adapters
-from harness.types import AdapterSpec
+from lpdiff.engines.base import EngineConfig
+from lpdiff.harness.catalog import get_model
+from lpdiff.harness.job import zoo_adapters
+from lpdiff.harness.types import AdapterSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def _once(fn, **_):  # stands in for triton.testing.do_bench: run the piece once
     ("tiny-qwen3-moe", "triton"),
 ])
 def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
-    from engines.triton import TritonEngine
+    from lpdiff.engines.triton import TritonEngine
 
     spec = get_model(model)
     adapter = zoo_adapters(model)["all"]

@@ -1,9 +1,9 @@
 """lpdiff bisect names the module each zoo fault breaks, and nothing on the clean runtime."""
 import pytest
 
-from kernels.faults import FAULTS, runtime_faults
-from harness import bisect as bs
-from harness.job import Job, resolve
+from lpdiff.kernels.faults import FAULTS, runtime_faults
+from lpdiff.harness import bisect as bs
+from lpdiff.harness.job import Job, resolve
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 CASES = [(f, m) for m, arch in MODELS.items() for f in runtime_faults(arch)]
@@ -57,7 +57,7 @@ def test_first_above_order_and_nan():
 
 
 def test_cli_bisect_reports_and_exit_code(capsys):
-    from harness.cli import main
+    from lpdiff.harness.cli import main
 
     assert main(["bisect", "tiny-gpt-oss", "--fault", "topk_weight_missing", "--num-prompts", "2"]) == 1
     out = capsys.readouterr().out

@@ -5,8 +5,8 @@ The runtime-level proof (default suite FAILs) is suites/test_bug_zoo.py."""
 import pytest
 import torch
 
-from kernels import faults
-from kernels import moe_forward
+from lpdiff.kernels import faults
+from lpdiff.kernels import moe_forward
 from tests.test_kernels_moe import make_moe, rel_err
 
 # expert width 40: not a multiple of the interpreter's 32-column tile, so the unmasked LoRA-B spills
@@ -59,9 +59,9 @@ def test_relu2_read_as_gated(impl):
 
 
 def test_fault_selection_is_explicit_and_scoped(monkeypatch):
-    from engines import EngineConfig
-    from engines.triton import TritonEngine
-    from harness.catalog import get_model
+    from lpdiff.engines import EngineConfig
+    from lpdiff.engines.triton import TritonEngine
+    from lpdiff.harness.catalog import get_model
 
     spec = get_model("tiny-qwen3-moe")
     with pytest.raises(ValueError, match="unknown fault 'nope'.*lora_rank_layout"):

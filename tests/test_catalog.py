@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.catalog import (FULL_CONFIGS, INIT_RECIPE, ZOO, describe, get_model, hf_config, known_models,
+from lpdiff.harness.catalog import (FULL_CONFIGS, INIT_RECIPE, ZOO, describe, get_model, hf_config, known_models,
                              load_hf_model, moe_fields)
-from harness.types import ModelSpec
+from lpdiff.harness.types import ModelSpec
 
 # DESIGN.md's model table: hidden, layers, experts, top-k, expert width, shared width, heads, kv heads, head_dim,
 # vocab.

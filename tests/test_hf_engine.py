@@ -5,8 +5,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from engines import EngineConfig, open_engine
-from harness.types import AdapterSpec, ModelSpec
+from lpdiff.engines import EngineConfig, open_engine
+from lpdiff.harness.types import AdapterSpec, ModelSpec
 
 PROMPTS = [list(range(5, 29)), list(range(40, 51)), list(range(7, 70)), [3, 4]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import attention, attention_torch
+from lpdiff.kernels.attention import attention, attention_torch
 
 CUDA = torch.cuda.is_available()
 
@@ -57,8 +57,8 @@ def test_kernel_bf16_within_rounding(lens, hq, hkv, d, window):
 @pytest.mark.parametrize("window,sinks", [(None, False), (5, False), (None, True), (7, True)])
 def test_reference_matches_the_runtime_sdpa_path(window, sinks):
     """Two independent references: this file's loop over prompts and the runtime's padded SDPA (sink as an extra key)."""
-    from engines.triton.attention import sdpa
-    from engines.triton.batch import Batch
+    from lpdiff.engines.triton.attention import sdpa
+    from lpdiff.engines.triton.batch import Batch
 
     lens, hq, hkv, d = [3, 26, 11], 4, 2, 16
     q, k, v, cu = make_qkv(lens, hq, hkv, d)

@@ -4,7 +4,7 @@ at Qwen3's vocabulary."""
 import pytest
 import torch
 
-from kernels.logprob import target_logprobs, target_logprobs_torch
+from lpdiff.kernels.logprob import target_logprobs, target_logprobs_torch
 
 
 def _case(n: int, v: int, dtype, device="cpu", seed=0):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import lora_linear
-from kernels.lora_linear import (PATHS, augment_weight, base_linear, exact_matmuls, ieee_fp32_matmul,
+from lpdiff.kernels import lora_linear
+from lpdiff.kernels.lora_linear import (PATHS, augment_weight, base_linear, exact_matmuls, ieee_fp32_matmul,
                                   lora_linear_aug, lora_linear_shrink_out, pack_lora_b, slot_one_hot,
                                   stack_shrink_rows)
 

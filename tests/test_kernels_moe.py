@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import MoeLoraWeights, moe_align, moe_forward
-from kernels.fused_moe_lora import GemmConfig, ShrinkConfig, moe_forward_triton
+from lpdiff.kernels import MoeLoraWeights, moe_align, moe_forward
+from lpdiff.kernels.fused_moe_lora import GemmConfig, ShrinkConfig, moe_forward_triton
 from benchmarks.bench_kernels import configs  # default tiles of both GEMMs with GemmConfig flags changed
-from kernels.moe_align import align_groups_reference
+from lpdiff.kernels.moe_align import align_groups_reference
 
 CUDA = torch.cuda.is_available()
 
@@ -183,8 +183,8 @@ def test_lora_shrink_modes_match_reference(case, tol, lora_shrink):
 def test_lora_shrink_launches(monkeypatch):
     """"once" precomputes both shrinks (gate_up over x gathered by pair, down over the sorted intermediate),
     "fused" none; a bug-zoo kernel fault forces "fused", so the zoo keeps exercising the branch its faults live in."""
-    import kernels.fused_moe_lora as fm
-    from kernels import faults
+    import lpdiff.kernels.fused_moe_lora as fm
+    from lpdiff.kernels import faults
     calls = []
     real = fm.launch_shrink
     monkeypatch.setattr(fm, "launch_shrink", lambda *a, **kw: calls.append(kw["x_sorted"]) or real(*a, **kw))
@@ -257,7 +257,7 @@ def test_tma_launches(monkeypatch):
     """Which loads go through descriptors: W in both GEMMs, X only in the down GEMM (sorted rows); none with the
     shrink in the K-loop (LORA 1, the bug zoo's branch), when the strides do not allow a descriptor, or without
     the flag."""
-    import kernels.fused_moe_lora as fm
+    import lpdiff.kernels.fused_moe_lora as fm
     launches = []
 
     class Recording:
@@ -383,7 +383,7 @@ def test_n_tiles_keyword_sum_topk_false(tol=1e-5):
 def test_kernel_fault_with_n_tiles(fault):
     """A bug-zoo kernel fault (forced onto the fused shrink) in programs walking 2 N tiles: the kernel computes the
     faulty reference's output, far from the clean one, on every tile the programs walk."""
-    from kernels import faults
+    from lpdiff.kernels import faults
     from tests.test_bug_zoo import NOISE
     p = make_moe(T=24, H=100, I=72, E=4, K=2, activation="silu", ranks=(8, 4))
     clean = moe_forward(**p, impl="torch")
@@ -395,7 +395,7 @@ def test_kernel_fault_with_n_tiles(fault):
 
 
 def test_n_tiles_is_for_expert_gemms_only():
-    import kernels.fused_moe_lora as fm
+    import lpdiff.kernels.fused_moe_lora as fm
     with pytest.raises(AssertionError, match="n_tiles must be >= 1"):
         GemmConfig(16, 32, 32, n_tiles=0)
     x, w = torch.randn(4, 16), torch.randn(1, 40, 16)
@@ -473,7 +473,7 @@ def test_padded_rank_is_exact_and_ignores_garbage(monkeypatch):
     dirty.down_b[..., 5:] = 1e30
     for impl in ("torch", "triton"):
         assert rel_err(moe_forward(**dict(p, lora=dirty), impl=impl), out_pad) <= 1e-5, impl
-    import kernels.fused_moe_lora as fm
+    import lpdiff.kernels.fused_moe_lora as fm
     dirty.gate_up_b[..., 5:] = float("nan")
     for expand in ("first", "last"):
         monkeypatch.setattr(fm, "MOE_EXPAND", expand)
@@ -504,7 +504,7 @@ def test_bad_inputs_raise_one_clear_error():
 
 
 def test_auto_picks_torch_on_cpu_without_interpreter(monkeypatch):
-    from kernels._triton import resolve_impl
+    from lpdiff.kernels._triton import resolve_impl
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert resolve_impl("auto", torch.zeros(1)) == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -605,7 +605,7 @@ def test_reference_matches_transformers_experts(arch):
 
 def test_auto_lora_shrink_is_once():
     """"auto" stands for "once" on every device and shape (LORA_SHRINK says why); other modes stay as given."""
-    from kernels.fused_moe_lora import resolve_lora_shrink
+    from lpdiff.kernels.fused_moe_lora import resolve_lora_shrink
 
     assert [resolve_lora_shrink(m) for m in ("auto", "once", "fused")] == ["once", "once", "fused"]
     with pytest.raises(ValueError, match="lora_shrink must be one of"):
@@ -670,7 +670,7 @@ def test_padding_modes_gpu(padding, tol=1e-2):
 def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
     """moe_configs' GPU tiles at rank 128 (built here for a CUDA device without one): the stage budget keeps room
     for a B tile held outside the pipeline only where one is (compiled for sm90, loop at 4 stages is 196608 B)."""
-    import kernels.fused_moe_lora as fm
+    import lpdiff.kernels.fused_moe_lora as fm
     x = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
     ids = torch.empty(4096, 8, dtype=torch.int32, device="meta")
     w1 = torch.empty(128, 1536, 2048, dtype=torch.bfloat16, device="meta")
@@ -686,7 +686,7 @@ def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
 def test_loop_expand_runs_first_where_it_cannot_run():
     """launch_expand: "loop" needs the one-slice precomputed shrink, W by pointer loads and a K-loop; a TMA launch,
     the dense delta pass (add_to_out) and several slices run "first"; the other placements are taken as asked."""
-    from kernels.fused_moe_lora import EXPAND, launch_expand
+    from lpdiff.kernels.fused_moe_lora import EXPAND, launch_expand
     cfg = GemmConfig(64, 64, 32)  # expand "loop" by default
     assert launch_expand(cfg, 2, 1, False, False) == EXPAND.index("loop")
     for mode, slices, tma_w, add_to_out in [(2, 1, True, False), (2, 1, False, True), (2, 3, False, False)]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import faults, moe_forward
-from kernels import moe_grouped as mg
+from lpdiff.kernels import faults, moe_forward
+from lpdiff.kernels import moe_grouped as mg
 
 from test_kernels_moe import CUDA, check_moe, make_moe, rel_err
 
@@ -159,15 +159,15 @@ def test_bad_backend_is_one_clear_error():
 
 
 def test_triton_engine_moe_backend_option(gemm_calls, tmp_path):
-    """engines.triton with moe_backend="grouped_mm" (kernels interpreted on CPU) gives its torch-reference
+    """lpdiff.engines.triton with moe_backend="grouped_mm" (kernels interpreted on CPU) gives its torch-reference
     logprobs for a batch with an expert adapter and a prompt without, and a bad value is refused by name."""
     import numpy as np
 
-    from engines.base import EngineConfig
-    from engines.triton import TritonEngine
-    from harness.adapters import generate_adapter
-    from harness.catalog import get_model, load_hf_model
-    from harness.types import AdapterSpec
+    from lpdiff.engines.base import EngineConfig
+    from lpdiff.engines.triton import TritonEngine
+    from lpdiff.harness.adapters import generate_adapter
+    from lpdiff.harness.catalog import get_model, load_hf_model
+    from lpdiff.harness.types import AdapterSpec
 
     spec = get_model("tiny-qwen3-moe", num_layers=2)
     with pytest.raises(ValueError, match="moe_backend must be one of"):

@@ -1,4 +1,4 @@
-"""harness.metamorphic: the transformations are exact, the judge flags what it should, not-applicable relations
+"""lpdiff.harness.metamorphic: the transformations are exact, the judge flags what it should, not-applicable relations
 say why, and planted faults (a converter reading gpt-oss's interleaved gate/up as concatenated; an engine load path
 that drops an expert) make the relation that covers them FAIL far above the calibrated factor."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from harness import adapters as ad
-from harness import metamorphic as mm
-from harness.catalog import get_model, hf_config
-from harness.job import zoo_adapters
-from harness.prompts import prompt_set
-from harness.types import LogprobRun, PromptLogprobs
+from lpdiff.harness import adapters as ad
+from lpdiff.harness import metamorphic as mm
+from lpdiff.harness.catalog import get_model, hf_config
+from lpdiff.harness.job import zoo_adapters
+from lpdiff.harness.prompts import prompt_set
+from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
 
 def _ctx(model: str, adapter: str, tmp_path, engine: str = "triton") -> mm.Context:
@@ -221,7 +221,7 @@ def test_engine_path_dropping_an_expert_fails_format(tmp_path, monkeypatch):
 
 
 def test_cli_runs_relations_and_appends_csv(tmp_path, capsys):
-    from harness.cli import main
+    from lpdiff.harness.cli import main
 
     out = tmp_path / "m.csv"
     rc = main(["metamorphic", "tiny-qwen3-moe", "attention", "--engine", "hf", "--prompt-set", "short",

@@ -4,9 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from harness.metrics import (compare, delta_fidelity, delta_fidelity_by_group, full_vocab_kl,
+from lpdiff.harness.metrics import (compare, delta_fidelity, delta_fidelity_by_group, full_vocab_kl,
                              topk_kl_per_position)
-from harness.types import LogprobRun, PromptLogprobs
+from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
 
 def run_of(*prompts, **kw):

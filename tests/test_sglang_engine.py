@@ -15,11 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from engines.base import EngineConfig, open_engine
-from engines.sglang import (MOE_LORA_SETTINGS, SGLangEngine, generate_request, parse_response, server_args,
+from lpdiff.engines.base import EngineConfig, open_engine
+from lpdiff.engines.sglang import (MOE_LORA_SETTINGS, SGLangEngine, generate_request, parse_response, server_args,
                             server_cli, sglang_top_k)
-from engines.subprocess_lane import LaneDied, LaneError
-from harness.types import AdapterSpec, ModelSpec
+from lpdiff.engines.subprocess_lane import LaneDied, LaneError
+from lpdiff.harness.types import AdapterSpec, ModelSpec
 
 torch = pytest.importorskip("torch")
 
@@ -29,8 +29,8 @@ def tiny(tmp_path_factory):
     """A 2-layer dense Qwen3 of the zoo's shape, with one attention adapter."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from harness.adapters import generate_adapter
-    from harness.zoo import TINY_CONFIGS
+    from lpdiff.harness.adapters import generate_adapter
+    from lpdiff.harness.zoo import TINY_CONFIGS
 
     root = tmp_path_factory.mktemp("sglang")
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], num_hidden_layers=2, initializer_range=0.25)
@@ -92,7 +92,7 @@ def test_sglang_top_k(top_k, want):
 
 def test_short_prompt_refused():
     # both SGLang lanes check requests through the engines' shared check before building one
-    from engines.base import check_request
+    from lpdiff.engines.base import check_request
 
     with pytest.raises(ValueError, match="prompt 1 has 1 token"):
         check_request([[1, 2], [3]], None, {})
@@ -206,7 +206,7 @@ def _log(entry):
 
 class Engine:  # sgl.Engine's call shape; records what the lane passes and what the lane process has imported
     def __init__(self, **kwargs):
-        _log({"init": kwargs, "imported": sorted(m for m in ("harness.catalog", "transformers") if m in sys.modules)})
+        _log({"init": kwargs, "imported": sorted(m for m in ("lpdiff.harness.catalog", "transformers") if m in sys.modules)})
 
     def generate(self, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num=None,
                  lora_path=None):

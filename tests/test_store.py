@@ -5,9 +5,9 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from harness.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale, BaselineStore,
+from lpdiff.harness.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale, BaselineStore,
                            baseline_key)
-from harness.types import AdapterSpec, LogprobRun, ModelSpec, PromptLogprobs
+from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, PromptLogprobs
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 

@@ -1,4 +1,4 @@
-"""engines.triton against HF+PEFT (engines.hf) in fp32 on tiny qwen3_moe and gpt_oss models, on CPU.
+"""lpdiff.engines.triton against HF+PEFT (engines.hf) in fp32 on tiny qwen3_moe and gpt_oss models, on CPU.
 
 The tiny models are built here (random init with a wide initializer so that distributions are peaked and an
 adapter moves logprobs far above the 1e-4 tolerance) and saved with save_pretrained: Qwen's checkpoint is sharded
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.base import EngineConfig
-from harness.types import AdapterSpec, ModelSpec
+from lpdiff.engines.base import EngineConfig
+from lpdiff.harness.types import AdapterSpec, ModelSpec
 
 TOL = 1e-4
 SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -43,7 +43,7 @@ def tiny(request, tmp_path_factory):
     """-> (ModelSpec, {engine: {name: AdapterSpec}}, prompts) for one arch, saved under a temporary directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from harness.adapters import convert_adapter, generate_adapter
+    from lpdiff.harness.adapters import convert_adapter, generate_adapter
 
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
@@ -62,7 +62,7 @@ def tiny(request, tmp_path_factory):
 
 
 def _run(spec, adapters, prompts, choice, top_k=0, **kw):
-    from engines.triton import TritonEngine
+    from lpdiff.engines.triton import TritonEngine
 
     with TritonEngine(EngineConfig(model=spec, adapters=adapters["triton"], dtype="float32", device="cpu",
                                    **kw)) as eng:
@@ -79,7 +79,7 @@ def test_parity_with_hf_peft_base_adapters_and_mixed_batch(tiny):
     spec, adapters, prompts = tiny
     mixed = ["attn_experts", None, "experts_pe", "shared_outer", "attn_experts"]
     choices = [None, "attn_experts", "experts_pe", "shared_outer", mixed]
-    from engines.base import open_engine
+    from lpdiff.engines.base import open_engine
 
     with_hf = {}
     def cfg(engine):
@@ -123,7 +123,7 @@ def test_triton_interpreter_matches_torch_reference(tiny):
 def test_attention_kernel_matches_the_sdpa_path(tiny, monkeypatch):
     """attention="triton" (kernels/attention.py, interpreted here: window and sinks inside the kernel) gives the
     engine's fp32 SDPA path's logprobs on the ragged batch, and runs the kernel once per layer."""
-    import kernels.attention as ka
+    import lpdiff.kernels.attention as ka
 
     spec, adapters, prompts = tiny
     mixed = ["attn_experts", None, "shared_outer", None, "attn_experts"]
@@ -145,8 +145,8 @@ def test_rank_above_the_kernel_cap_runs_on_the_torch_references(tiny, tmp_path):
     a real model is rank E*r, 512 for gpt-oss-20b at r 16) must still load and match HF+PEFT, with a warning."""
     from transformers import AutoModelForCausalLM
 
-    from engines.base import open_engine
-    from harness.adapters import generate_adapter
+    from lpdiff.engines.base import open_engine
+    from lpdiff.harness.adapters import generate_adapter
 
     spec, _, prompts = tiny
     big = generate_adapter(AutoModelForCausalLM.from_pretrained(spec.path), tmp_path / "r130",
@@ -171,12 +171,12 @@ def test_tensor_parallel_2_equals_tp1(tiny):
 
 
 def test_bad_input_gives_one_clear_error(tiny):
-    from engines.triton import TritonEngine
-    from engines.triton.config import model_config
-    from engines.triton.lora import stack_adapters
-    from engines.triton.shard import Shard
-    from harness.adapters import CanonicalAdapter
-    from harness.catalog import hf_config
+    from lpdiff.engines.triton import TritonEngine
+    from lpdiff.engines.triton.config import model_config
+    from lpdiff.engines.triton.lora import stack_adapters
+    from lpdiff.engines.triton.shard import Shard
+    from lpdiff.harness.adapters import CanonicalAdapter
+    from lpdiff.harness.catalog import hf_config
 
     spec, adapters, prompts = tiny
     # LoRA on a module the runtime has no LoRA path for must fail loudly, never be dropped
@@ -214,8 +214,8 @@ def test_bad_input_gives_one_clear_error(tiny):
     ([512] * 8, None, True, False),  # sinks: varlen + the logsumexp correction beat SDPA's extra key
 ])
 def test_attention_picks_padded_sdpa_only_where_it_pays(lens, window, sinks, expect):
-    from engines.triton.attention import padded_sdpa_pays
-    from engines.triton.batch import Batch
+    from lpdiff.engines.triton.attention import padded_sdpa_pays
+    from lpdiff.engines.triton.batch import Batch
 
     T = sum(lens)
     b = Batch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),

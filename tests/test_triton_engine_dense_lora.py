@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.base import EngineConfig
+from lpdiff.engines.base import EngineConfig
 from tests import test_triton_engine as engine_tests
 from tests.test_triton_engine import TOL, _maxdiff
 
@@ -28,8 +28,8 @@ tiny = engine_tests.tiny  # the tiny-model fixture (module scope), built again f
 def test_batch_knows_the_uniform_slot_and_caches_the_slot_mask():
     from transformers import AutoConfig
 
-    from engines.triton.batch import Batch
-    from engines.triton.config import model_config
+    from lpdiff.engines.triton.batch import Batch
+    from lpdiff.engines.triton.config import model_config
 
     cfg = model_config(AutoConfig.for_model("qwen3_moe", **engine_tests.ARCHS["qwen3_moe"]))
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -53,7 +53,7 @@ def test_batch_knows_the_uniform_slot_and_caches_the_slot_mask():
 def test_cublas_dense_lora_tp2_equals_torch_reference(tiny):
     """TP=2 on the Triton impl (dense LoRA on the cublas path, experts on the interpreted kernels) against the
     TP=1 torch reference: a mixed batch (slot mask) and a one-adapter batch (uniform slot), attention adapters."""
-    from engines.triton import TritonEngine
+    from lpdiff.engines.triton import TritonEngine
 
     spec, adapters, prompts = tiny
     short = [p[:10] for p in prompts]  # the interpreter's cost grows with the grid
@@ -77,11 +77,11 @@ def test_fused_paths_at_tp1_match_hf_peft(tiny, monkeypatch):
     of slot 2 (the other slots' shrink columns stay zero), an experts-only adapter (zero q|k|v columns), base."""
     import importlib
 
-    from engines.base import open_engine
-    from engines.triton import TritonEngine
-    import engines.triton.norm as norm
+    from lpdiff.engines.base import open_engine
+    from lpdiff.engines.triton import TritonEngine
+    import lpdiff.engines.triton.norm as norm
 
-    lora_mod = importlib.import_module("kernels.lora_linear")  # kernels re-exports a function of that name
+    lora_mod = importlib.import_module("lpdiff.kernels.lora_linear")  # kernels re-exports a function of that name
     seen = {"aug_slots": set(), "delta_ndim": set()}
     aug, norm_ref = lora_mod.lora_linear_aug, norm.add_rms_norm_torch
 
@@ -135,9 +135,9 @@ def test_fused_norm_kernel_in_a_forward_under_the_interpreter(tiny):
 
 def _interpreted_forward(job: dict) -> None:
     """The child of the test above: prints [max |d| per choice] of impl triton against impl torch."""
-    from engines.triton import TritonEngine
-    from engines.triton._jit import INTERPRETED
-    from harness.types import AdapterSpec, ModelSpec
+    from lpdiff.engines.triton import TritonEngine
+    from lpdiff.engines.triton._jit import INTERPRETED
+    from lpdiff.harness.types import AdapterSpec, ModelSpec
 
     assert INTERPRETED, "run through the test (it sets TRITON_INTERPRET=1)"
     spec = ModelSpec(name=job["name"], arch=job["arch"], path=job["path"])

@@ -1,4 +1,4 @@
-"""engines.triton on GPUs at full width and reduced depth (4 layers of Qwen3-30B-A3B and gpt-oss-20b, built on the
+"""lpdiff.engines.triton on GPUs at full width and reduced depth (4 layers of Qwen3-30B-A3B and gpt-oss-20b, built on the
 device with the catalog's seeded recipe), fp32 with IEEE matmuls on both sides:
 
 - gpu1: against HF+PEFT (engines.hf), base, one adapter, and two adapters plus base rows in one batch;
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.base import EngineConfig
-from harness.types import AdapterSpec
+from lpdiff.engines.base import EngineConfig
+from lpdiff.harness.types import AdapterSpec
 
 TOL = 1e-4
 NEAR_TIE = 1e-5
@@ -35,8 +35,8 @@ def needs(n: int):
 
 @pytest.fixture(scope="module", params=MODELS)
 def case(request, tmp_path_factory):
-    from harness.adapters import generate_adapter
-    from harness.catalog import get_model, load_hf_model
+    from lpdiff.harness.adapters import generate_adapter
+    from lpdiff.harness.catalog import get_model, load_hf_model
 
     if _gpus() < 1:
         pytest.skip("needs a GPU")
@@ -55,7 +55,7 @@ def case(request, tmp_path_factory):
 
 
 def _run(engine, spec, adapters, prompts, choices, tp=1, options=None):
-    from engines.base import open_engine
+    from lpdiff.engines.base import open_engine
 
     # the reference is HF's eager expert loop: the plainest fp32 computation transformers has
     options = {"experts_impl": "eager"} if engine == "hf" else (options or {})
@@ -108,10 +108,10 @@ def test_fp32_parity_padding_modes(case):
 def test_bf16_varlen_attention_matches_fp32_sdpa(window, sinks, impl):
     """The bf16 paths (the Triton kernel, "auto"'s; FlashAttention varlen + sink rescaling by the logsumexp) against
     the fp32 SDPA path on the same ragged batch: GQA 8/2 heads, prompts shorter and longer than the window."""
-    from engines.triton.attention import attention
-    from engines.triton.batch import Batch
-    from engines.triton.config import model_config
-    from harness.catalog import get_model, hf_config
+    from lpdiff.engines.triton.attention import attention
+    from lpdiff.engines.triton.batch import Batch
+    from lpdiff.engines.triton.config import model_config
+    from lpdiff.harness.catalog import get_model, hf_config
 
     cfg = model_config(hf_config(get_model("gpt-oss-20b", num_layers=1)))
     lens = [37, 128, 200, 5]
@@ -135,7 +135,7 @@ def test_topk_sum_fused_into_norm_bf16(K, H, weight_fp32):
     the k-order torch reference bit for bit, and the unfused path (torch's sum over K, then the (T, H) kernel)
     except where torch's CUDA reduction adds in another order and an inexact fp32 sum lands on the other side of a
     bf16 rounding boundary (printed; bounded at 1e-5 of the elements). Rows whose residual agrees are normed alike."""
-    from engines.triton.norm import add_rms_norm, add_rms_norm_torch
+    from lpdiff.engines.triton.norm import add_rms_norm, add_rms_norm_torch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     T = 4096
@@ -161,7 +161,7 @@ def test_cuda_graph_replay_equals_eager(case, dtype):
     """A replayed CUDA graph gives the eager forward's logprobs, top-k and margins bit for bit: on the captured
     prompts (3rd call) and on other token ids of the same layout (the graph's only input), mixed adapters and base
     rows in one batch; the 2nd call captures, so the 3rd and 4th are replays (counted)."""
-    from engines.base import open_engine
+    from lpdiff.engines.base import open_engine
 
     spec, adapters, prompts = case
     vocab = max(max(p) for p in prompts) + 1

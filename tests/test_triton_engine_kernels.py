@@ -23,7 +23,7 @@ def _close(got, ref, tol, what):
 
 
 def check_add_rms_norm(dtype, tol):
-    from engines.triton.norm import add_rms_norm, add_rms_norm_torch
+    from lpdiff.engines.triton.norm import add_rms_norm, add_rms_norm_torch
 
     g = torch.Generator().manual_seed(0)
     T, H = 5, 72  # H not a power of two: masked tail of the row block
@@ -61,7 +61,7 @@ def check_add_rms_norm_topk(dtype):
     for the kernel where the interpreter rounds as the GPU does (fp16; its bf16 casts truncate). fp32 sums are
     inexact, so there torch's own summation order shows (relative 1e-6); the kernel's residual equals the torch
     reference's bit for bit in fp32 and fp16 (both sum in k order)."""
-    from engines.triton.norm import add_rms_norm, add_rms_norm_torch, sum_topk
+    from lpdiff.engines.triton.norm import add_rms_norm, add_rms_norm_torch, sum_topk
 
     def same(a, b, what):
         if dtype == torch.float32:
@@ -105,7 +105,7 @@ def check_add_rms_norm_topk(dtype):
 
 
 def check_norm_rope(dtype, tol):
-    from engines.triton.rope import norm_rope_qk, norm_rope_torch
+    from lpdiff.engines.triton.rope import norm_rope_qk, norm_rope_torch
 
     g = torch.Generator().manual_seed(1)
     T, h, hkv, d = 7, 3, 1, 16  # 3 heads: masked head rows; q is a strided view into the q|k|v GEMM output
@@ -122,9 +122,9 @@ def check_norm_rope(dtype, tol):
 
 
 def check_route(dtype, tol):
-    from engines.triton.moe import route_torch
+    from lpdiff.engines.triton.moe import route_torch
 
-    import engines.triton.moe as moe
+    import lpdiff.engines.triton.moe as moe
 
     g = torch.Generator().manual_seed(2)
     # T=37: not a multiple of the 16-row block; K=E: every expert chosen, the margin is +inf

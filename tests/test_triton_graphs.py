@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.triton.graphs import GraphCache
+from lpdiff.engines.triton.graphs import GraphCache
 
 
 def test_second_sighting_captures_and_hits_count():
@@ -42,9 +42,9 @@ def test_failed_capture_is_refused_for_good():
 
 
 def test_engine_option_is_checked_and_cpu_runs_without_graphs():
-    from engines.base import EngineConfig
-    from engines.triton import TritonEngine
-    from harness.catalog import get_model
+    from lpdiff.engines.base import EngineConfig
+    from lpdiff.engines.triton import TritonEngine
+    from lpdiff.harness.catalog import get_model
 
     spec = get_model("tiny-qwen3-moe")
     with pytest.raises(ValueError, match="cuda_graphs"):

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from harness.metrics import Metrics
-from harness.thresholds import DEFAULT_PATH, Threshold, from_noise, lookup, pair_name, record
-from harness.verdict import format_table, judge, to_json
+from lpdiff.harness.metrics import Metrics
+from lpdiff.harness.thresholds import DEFAULT_PATH, Threshold, from_noise, lookup, pair_name, record
+from lpdiff.harness.verdict import format_table, judge, to_json
 
 
 def metrics(k2=1e-9, max_abs=1e-4, **kw) -> Metrics:

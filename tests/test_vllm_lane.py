@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from engines.subprocess_lane import LaneConfig, LaneDied, LaneError, SubprocessLane, lane_config_from_options
+from lpdiff.engines.subprocess_lane import LaneConfig, LaneDied, LaneError, SubprocessLane, lane_config_from_options
 
 
 class Doubles:
@@ -107,7 +107,7 @@ def test_close_ends_the_engines_own_subprocesses():
 
 def test_bad_target_fails_at_start_with_the_import_error():
     with pytest.raises(LaneError, match="ModuleNotFoundError"):
-        SubprocessLane("engines.no_such_engine:X", (), fast_lane()).start()
+        SubprocessLane("lpdiff.engines.no_such_engine:X", (), fast_lane()).start()
 
 
 @pytest.mark.parametrize("options, mode, rest", [
@@ -133,11 +133,11 @@ def test_real_hf_engine_in_a_lane_matches_in_process(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.base import EngineConfig
-    from engines.hf import HFEngine
-    from engines.subprocess_lane import LaneEngine
-    from harness.types import ModelSpec
-    from harness.zoo import TINY_CONFIGS
+    from lpdiff.engines.base import EngineConfig
+    from lpdiff.engines.hf import HFEngine
+    from lpdiff.engines.subprocess_lane import LaneEngine
+    from lpdiff.harness.types import ModelSpec
+    from lpdiff.harness.zoo import TINY_CONFIGS
 
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], num_hidden_layers=2, initializer_range=0.25)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -147,7 +147,7 @@ def test_real_hf_engine_in_a_lane_matches_in_process(tmp_path):
     prompts = [[1, 5, 9, 200, 17], [7, 7, 100, 2, 250, 31, 4]]
     with HFEngine(ecfg) as eng:
         want = eng.prompt_logprobs(prompts, top_k=3)
-    with LaneEngine("hf", "engines.hf:HFEngine", ecfg, fast_lane()) as eng:
+    with LaneEngine("hf", "lpdiff.engines.hf:HFEngine", ecfg, fast_lane()) as eng:
         got = eng.prompt_logprobs(prompts, top_k=3)
         assert eng.version().startswith("transformers ")
     for g, w in zip(got, want):

@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPA
 export LPDIFF_COMMIT=${LPDIFF_COMMIT:?set LPDIFF_COMMIT to the commit of the copied tree}
 export LPDIFF_CHECK_STORE=${LPDIFF_CHECK_STORE:-$HOME/.cache/lpdiff/check-store}
 export LPDIFF_CHECK_CSV_DIR=$OUT LPDIFF_METAMORPHIC_CSV=$OUT/metamorphic.csv
-PYTEST=(python -m pytest -p harness.plugin -q -s -W ignore -rs)
+PYTEST=(python -m pytest -p lpdiff.harness.plugin -q -s -W ignore -rs)
 T0=$(date +%s)
 step() {  # step LOG SECONDS CMD...: run CMD with a time limit, output to $OUT/LOG.log
   local log=$1 limit=$2; shift 2

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PYTEST = ("python", "-m", "pytest", "-p", "harness.plugin", "-q", "-s", "-W", "ignore", "-rs", "--basetemp={dir}/tmp")
+PYTEST = ("python", "-m", "pytest", "-p", "lpdiff.harness.plugin", "-q", "-s", "-W", "ignore", "-rs", "--basetemp={dir}/tmp")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import check
+from lpdiff.harness import check
 
 MODEL, LAYERS = "qwen3-30b-a3b", 4
 DRY_MODEL = "tiny-qwen3-moe"
@@ -92,7 +92,7 @@ def write_plan(model: str, layers: int | None, root: Path, device: str) -> Path:
     """Adapters (both layouts) and prompts exactly as harness.check builds them for the failing run."""
     case = check.build_case(model, layers, root / "adapters", layouts=BOTH, device=device)
     if device == "cuda":  # vLLM loads a checkpoint directory: write it here once, not inside a timed session
-        from engines.vllm import checkpoint_dir
+        from lpdiff.engines.vllm import checkpoint_dir
 
         checkpoint_dir(case.spec, None, on_cpu=False)
     plan = {"model": model, "layers": layers, "prompts": case.prompts,
@@ -104,7 +104,7 @@ def write_plan(model: str, layers: int | None, root: Path, device: str) -> Path:
 
 def lanes_for(plan: dict, s: Session):
     """Lane name -> AdapterSpec, in harness.check's order (adapter by adapter, PEFT 3D first)."""
-    from harness.types import AdapterSpec
+    from lpdiff.harness.types import AdapterSpec
 
     lanes = {}
     for name, layout, path in plan["files"]:
@@ -133,9 +133,9 @@ def engine_options(s: Session, n_loras: int) -> dict:
 def run_session(plan: dict, s: Session) -> dict:
     import numpy as np
 
-    from engines import EngineConfig, open_engine
-    from harness.catalog import get_model
-    from harness.job import mixed_batch
+    from lpdiff.engines import EngineConfig, open_engine
+    from lpdiff.harness.catalog import get_model
+    from lpdiff.harness.job import mixed_batch
 
     lanes, prompts = lanes_for(plan, s), prompts_for(plan, s)
     choices = ([None] if s.base else []) + list(lanes)
@@ -209,14 +209,14 @@ def spawn_session(plan_path: Path, s: Session, limit_s: float, log) -> str:
 
 def describe(plan: dict, s: Session) -> list[str]:
     """What the engine would be given, from lpdiff's own pure helpers (no vLLM): LoRA ids, is_3d flags, ranks."""
-    from engines.vllm import (
+    from lpdiff.engines.vllm import (
         adapter_max_rank,
         pick_max_lora_rank,
         plan_moe_lora,
         vllm_native_3d,
     )
-    from harness.adapters import inspect_adapter
-    from harness.catalog import get_model, hf_config
+    from lpdiff.harness.adapters import inspect_adapter
+    from lpdiff.harness.catalog import get_model, hf_config
 
     lanes, prompts = lanes_for(plan, s), prompts_for(plan, s)
     arch = hf_config(get_model(plan["model"], num_layers=plan["layers"])).architectures[0]
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
             for s in chosen:
                 print("\n".join(describe(plan, s)))
             return 0
-        from harness.provenance import device_name, git_commit
+        from lpdiff.harness.provenance import device_name, git_commit
 
         plan_path = write_plan(MODEL, LAYERS, Path(tmp), "cuda")
         out = Path(args.out)

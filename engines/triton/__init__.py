@@ -32,6 +32,6 @@ Options (``EngineConfig.options``):
                     with the new token ids (engines/triton/graphs.py); that second call costs about two forwards
                     (a warm-up and the capture)
 """
-from engines.triton.engine import TritonEngine
+from lpdiff.engines.triton.engine import TritonEngine
 
 __all__ = ["TritonEngine"]

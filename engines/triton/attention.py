@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.triton.batch import Batch
+from lpdiff.engines.triton.batch import Batch
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
@@ -34,7 +34,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, s
         half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
         impl = "triton" if half and not padded_sdpa_pays(batch, window, sinks) else "sdpa"
     if impl == "triton":
-        from kernels.attention import attention as triton_attention
+        from lpdiff.kernels.attention import attention as triton_attention
 
         return triton_attention(q, k, v, batch.cu_seqlens, batch.max_len, scale, window, sinks, impl="triton")
     if impl == "flash" and flash_works(q.device, q.dtype, q.shape[-1]):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engines.triton.config import ModelConfig
+from lpdiff.engines.triton.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class Batch:
     def slot_mask(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """(T, num_slots) one-hot of token_adapter in ``dtype`` (rows without an adapter all zero), for the dense
         LoRA layers' shrink; built once per batch and shared by every layer."""
-        from kernels.lora_linear import slot_one_hot
+        from lpdiff.kernels.lora_linear import slot_one_hot
 
         key = (num_slots, dtype)
         if key not in self._slot_masks:

@@ -71,7 +71,7 @@ def rope_from_hf(rotary_cls: type, hf_config) -> tuple[torch.Tensor, float]:
 
 def model_config(hf_config, num_layers: int | None = None) -> ModelConfig:
     """Normalise a transformers config (optionally reduced to ``num_layers``) for the arch it names."""
-    from engines.triton import gpt_oss, qwen3_moe
+    from lpdiff.engines.triton import gpt_oss, qwen3_moe
 
     archs = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
     arch = getattr(hf_config, "model_type", None)

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import torch
 
-from engines.base import AdapterChoice, EngineConfig, check_request
-from engines.triton.config import SUPPORTED_ARCHS
-from harness.types import PromptLogprobs
+from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.engines.triton.config import SUPPORTED_ARCHS
+from lpdiff.harness.types import PromptLogprobs
 
 OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0,
            "fault": None, "moe_backend": "triton", "cuda_graphs": 4, "moe_lora_shrink": "auto",
@@ -33,16 +33,16 @@ class TritonEngine:
             raise ValueError(f"option impl must be one of {IMPLS}, got {self.options['impl']!r}")
         if self.options["attention"] not in ATTENTION:
             raise ValueError(f"option attention must be one of {ATTENTION}, got {self.options['attention']!r}")
-        from kernels import faults
-        from kernels.moe_grouped import BACKENDS
+        from lpdiff.kernels import faults
+        from lpdiff.kernels.moe_grouped import BACKENDS
 
         if self.options["moe_backend"] not in BACKENDS:
             raise ValueError(f"option moe_backend must be one of {BACKENDS}, got {self.options['moe_backend']!r}")
 
-        from engines.triton.moe import parse_shrink
+        from lpdiff.engines.triton.moe import parse_shrink
 
         parse_shrink(str(self.options["moe_lora_shrink"]))  # one clear error now, not in every TP worker later
-        from kernels.fused_moe_lora import PADDING
+        from lpdiff.kernels.fused_moe_lora import PADDING
 
         if self.options["moe_padding"] not in ("auto",) + PADDING:
             raise ValueError(f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
@@ -74,10 +74,10 @@ class TritonEngine:
     def start(self) -> None:
         if self.runtime is not None:
             return
-        from engines.triton import tp
-        from kernels import faults
-        from engines.triton.runtime import Runtime
-        from engines.triton.shard import Shard
+        from lpdiff.engines.triton import tp
+        from lpdiff.kernels import faults
+        from lpdiff.engines.triton.runtime import Runtime
+        from lpdiff.engines.triton.shard import Shard
 
         self._prev_fault = faults.activate(self.options["fault"])
         world = self.config.tp
@@ -105,7 +105,7 @@ class TritonEngine:
         if self.workers is not None:
             import torch.distributed as dist
 
-            from engines.triton import tp
+            from lpdiff.engines.triton import tp
 
             if not force and self.runtime is not None:
                 tp.broadcast(None)  # workers leave their loop and destroy their group
@@ -114,7 +114,7 @@ class TritonEngine:
                 dist.destroy_process_group()
             self.workers = None
         self.runtime = None
-        from kernels import faults
+        from lpdiff.kernels import faults
 
         faults.activate(self._prev_fault)
         gc.collect()
@@ -149,7 +149,7 @@ class TritonEngine:
         for lo, hi in _batches([len(p) for p in prompts], int(self.options["max_batch_tokens"])):
             msg = (prompts[lo:hi], slots[lo:hi], top_k)
             if self.workers is not None:
-                from engines.triton import tp
+                from lpdiff.engines.triton import tp
 
                 tp.broadcast(msg)
             out += self.runtime.run(*msg)

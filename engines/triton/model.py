@@ -9,17 +9,17 @@ import warnings
 
 import torch
 
-from engines.triton.attention import attention
-from engines.triton.batch import Batch
-from engines.triton.config import ModelConfig
-from engines.triton.lora import LayerLora, StackedLora
-from engines.triton.moe import experts, route
-from engines.triton.norm import add_rms_norm, sum_topk
-from engines.triton.rope import norm_rope_qk
-from engines.triton.shard import Shard
-from engines.triton.weights import LayerWeights, ModelWeights
-from kernels._triton import resolve_impl
-from kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
+from lpdiff.engines.triton.attention import attention
+from lpdiff.engines.triton.batch import Batch
+from lpdiff.engines.triton.config import ModelConfig
+from lpdiff.engines.triton.lora import LayerLora, StackedLora
+from lpdiff.engines.triton.moe import experts, route
+from lpdiff.engines.triton.norm import add_rms_norm, sum_topk
+from lpdiff.engines.triton.rope import norm_rope_qk
+from lpdiff.engines.triton.shard import Shard
+from lpdiff.engines.triton.weights import LayerWeights, ModelWeights
+from lpdiff.kernels._triton import resolve_impl
+from lpdiff.kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
 
 
 class MoeTransformer:
@@ -90,14 +90,14 @@ class MoeTransformer:
         if h.shape[1] == lw.qkv.shape[1]:
             return self._linear(h, lw.qkv, lw.qkv_bias, ll and ll.qkv_a, ll and ll.qkv_b, ll and ll.qkv_b_packed,
                                 self.qkv_offsets, batch)
-        from kernels.lora_linear import lora_linear_aug
+        from lpdiff.kernels.lora_linear import lora_linear_aug
 
         uniform = batch.uniform_slot
         mask = batch.slot_mask(ll.qkv_a.shape[0], h.dtype) if uniform is None else None
         return lora_linear_aug(h, ll.qkv_w_aug, lw.qkv_bias, ll.qkv_a, mask, uniform, others_zero=True)
 
     def _linear(self, x, w, bias, lora_a, lora_b, b_packed, offsets, batch: Batch):
-        from kernels import lora_linear
+        from lpdiff.kernels import lora_linear
 
         if lora_a is None or batch.token_adapter is None:
             return lora_linear(x, w, bias, impl=self.impl)
@@ -124,7 +124,7 @@ class MoeTransformer:
         """o (T, heads * d) -> (T, H), this rank's partial sum under TP."""
         if ll is not None and ll.o_w_s is not None and batch.token_adapter is not None \
                 and resolve_impl(self.lora_impl, o) != "torch":
-            from kernels.lora_linear import lora_linear_shrink_out
+            from lpdiff.kernels.lora_linear import lora_linear_shrink_out
 
             uniform = batch.uniform_slot
             mask = batch.slot_mask(ll.o_a.shape[0], o.dtype) if uniform is None else None

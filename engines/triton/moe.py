@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.triton._jit import pow2, tl, triton, use_triton
-from engines.triton.config import ModelConfig
-from engines.triton.weights import LayerWeights
-from harness.routing import topk_margin
+from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
+from lpdiff.engines.triton.config import ModelConfig
+from lpdiff.engines.triton.weights import LayerWeights
+from lpdiff.harness.routing import topk_margin
 
 
 def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool):
@@ -103,7 +103,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerW
     per-pair outputs (T, K, H) for the next residual add + RMSNorm to sum (norm.add_rms_norm).
     shrink: (lora_shrink, n_tiles) of kernels.moe_forward (the engine's moe_lora_shrink option, parse_shrink);
     padding: its padding (the engine's moe_padding option; kernels.fused_moe_lora.PADDING)."""
-    from kernels import moe_forward
+    from lpdiff.kernels import moe_forward
 
     use_lora = lora is not None and token_adapter is not None
     return moe_forward(x, ids, weights, w.w_gate_up, w.w_down, cfg.activation, b_gate_up=w.b_gate_up,
@@ -116,7 +116,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerW
 def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
     """The engine's moe_lora_shrink option -> (lora_shrink, n_tiles): "auto" | "once" | "fused" | "fused:G,D" (the
     shrink in the first tile's K-loop, gate_up programs walking G N tiles and down programs D)."""
-    from kernels.fused_moe_lora import LORA_SHRINK
+    from lpdiff.kernels.fused_moe_lora import LORA_SHRINK
 
     mode, _, tiles = option.partition(":")
     ok = mode in LORA_SHRINK and (not tiles or mode == "fused")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.triton._jit import pow2, tl, triton, use_triton
+from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.triton.config import ModelConfig, rope_from_hf
+from lpdiff.engines.triton.config import ModelConfig, rope_from_hf
 
 ROUTER = "mlp.gate"
 

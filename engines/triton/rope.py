@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engines.triton._jit import pow2, tl, triton, use_triton
-from engines.triton.norm import rms_norm
+from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
+from lpdiff.engines.triton.norm import rms_norm
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,19 +7,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engines.base import EngineConfig
-from engines.triton.batch import Batch
-from engines.triton.config import model_config
-from engines.triton.engine import OPTIONS
-from engines.triton.graphs import GraphCache
-from engines.triton.loader import open_source
-from engines.triton.lora import fold_o_lora, fold_qkv_lora, stack_adapters
-from engines.triton.model import MoeTransformer
-from engines.triton.moe import parse_shrink
-from engines.triton.shard import Shard
-from engines.triton.weights import load_weights
-from harness.logprobs import chunked_logprobs
-from harness.types import PromptLogprobs
+from lpdiff.engines.base import EngineConfig
+from lpdiff.engines.triton.batch import Batch
+from lpdiff.engines.triton.config import model_config
+from lpdiff.engines.triton.engine import OPTIONS
+from lpdiff.engines.triton.graphs import GraphCache
+from lpdiff.engines.triton.loader import open_source
+from lpdiff.engines.triton.lora import fold_o_lora, fold_qkv_lora, stack_adapters
+from lpdiff.engines.triton.model import MoeTransformer
+from lpdiff.engines.triton.moe import parse_shrink
+from lpdiff.engines.triton.shard import Shard
+from lpdiff.engines.triton.weights import load_weights
+from lpdiff.harness.logprobs import chunked_logprobs
+from lpdiff.harness.types import PromptLogprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +43,7 @@ class Runtime:
         del source  # drops whatever the model did not use (lm_head of a tied model, layers past num_layers)
         adapters = {}
         if config.adapters:
-            from harness.adapters import load_canonical
+            from lpdiff.harness.adapters import load_canonical
 
             adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)

@@ -50,9 +50,9 @@ def init_group(rank: int, world: int, init_method: str, device: torch.device, ti
 
 
 def worker_main(rank: int, world: int, init_method: str, config, device: torch.device, options: dict, queue):
-    from kernels import faults
-    from engines.triton.runtime import Runtime
-    from engines.triton.shard import Shard
+    from lpdiff.kernels import faults
+    from lpdiff.engines.triton.runtime import Runtime
+    from lpdiff.engines.triton.shard import Shard
 
     try:
         faults.activate(options.get("fault"))

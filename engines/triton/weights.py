@@ -8,8 +8,8 @@ from types import ModuleType
 
 import torch
 
-from engines.triton.config import ModelConfig
-from engines.triton.shard import Shard
+from lpdiff.engines.triton.config import ModelConfig
+from lpdiff.engines.triton.shard import Shard
 
 Tensor = torch.Tensor
 
@@ -53,7 +53,7 @@ class ModelWeights:
 
 
 def arch_module(arch: str) -> ModuleType:
-    from engines.triton import gpt_oss, qwen3_moe
+    from lpdiff.engines.triton import gpt_oss, qwen3_moe
 
     return {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}[arch]
 
