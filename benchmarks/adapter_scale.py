@@ -16,9 +16,9 @@ import tempfile
 
 import torch
 
-from lpdiff.harness import adapters as ad
-from lpdiff.harness.catalog import ZOO, get_model, load_hf_model
-from lpdiff.harness.prompts import prompt_set
+from lpdiff.harness.spec import adapters as ad
+from lpdiff.harness.spec.catalog import ZOO, get_model, load_hf_model
+from lpdiff.harness.spec.prompts import prompt_set
 
 
 def actual_logprobs(model, prompts: list[list[int]]) -> torch.Tensor:

@@ -66,8 +66,8 @@ def timed(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float]:
 
 
 def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
-    from lpdiff.harness.adapters import generate_adapter
-    from lpdiff.harness.catalog import load_hf_model
+    from lpdiff.harness.spec.adapters import generate_adapter
+    from lpdiff.harness.spec.catalog import load_hf_model
 
     model = load_hf_model(spec, torch.bfloat16, "cuda")
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink
 def bench_model(name: str, args, writer) -> None:
     from lpdiff.engines.hf import HFEngine
     from lpdiff.engines.triton import TritonEngine
-    from lpdiff.harness.catalog import get_model
+    from lpdiff.harness.spec.catalog import get_model
 
     spec = get_model(name, num_layers=args.layers)
     tokens = args.batch * args.seq
@@ -101,7 +101,7 @@ def bench_model(name: str, args, writer) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapter = make_adapter(spec, Path(tmp) / "r32", args.rank)
         adapters = {adapter.name: adapter}
-        from lpdiff.harness.catalog import hf_config
+        from lpdiff.harness.spec.catalog import hf_config
 
         vocab = hf_config(spec).vocab_size
         prompts = [torch.randint(0, vocab, (args.seq,), generator=g).tolist() for _ in range(args.batch)]
@@ -269,7 +269,7 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
     from lpdiff.engines.triton.batch import Batch
     from lpdiff.engines.triton.moe import experts, route
     from lpdiff.engines.triton.rope import norm_rope_qk
-    from lpdiff.harness.logprobs import chunked_logprobs
+    from lpdiff.engines.logprobs import chunked_logprobs
 
     rt = eng.runtime
     m, cfg = rt.model, rt.cfg

@@ -22,8 +22,8 @@ import numpy as np
 
 from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.kernels.faults import runtime_faults
-from lpdiff.harness.job import Job, judge_job, mixed_batch, resolve, run_job
-from lpdiff.harness.provenance import device_name, git_commit
+from lpdiff.harness.pipeline.job import Job, judge_job, mixed_batch, resolve, run_job
+from lpdiff.harness.pipeline.provenance import device_name, git_commit
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2_p999", "noise_max_p999",
@@ -67,9 +67,9 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
     ``reruns`` runs against HF+PEFT fp32 over every correct adapter lane and the base."""
     import tempfile
 
-    from lpdiff.harness import check
-    from lpdiff.harness.catalog import get_model
-    from lpdiff.harness.metrics import compare
+    from lpdiff.harness.commands import check
+    from lpdiff.harness.spec.catalog import get_model
+    from lpdiff.harness.pipeline.metrics import compare
 
     arch = get_model(model).arch
     faults = runtime_faults(arch)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
-from lpdiff.harness.logprobs import chunked_logprobs
-from lpdiff.harness.routing import RouterMarginRecorder
+from lpdiff.engines.logprobs import chunked_logprobs
+from lpdiff.harness.spec.routing import RouterMarginRecorder
 from lpdiff.harness.types import PromptLogprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,7 +54,7 @@ class HFEngine:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> "HFEngine":
-        from lpdiff.harness.catalog import load_hf_model
+        from lpdiff.harness.spec.catalog import load_hf_model
 
         if self.config.dtype == "float32" and self.device.type == "cuda":
             # fp32 verdicts need IEEE fp32: tf32 would add noise the size of a small bug.

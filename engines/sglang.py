@@ -197,7 +197,7 @@ def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> 
     """What the engine needs from lpdiff's side, computed in the caller's process: the vocabulary size and, when
     lpdiff starts SGLang (``launch``), the ServerArgs with the checkpoint written by the caller's transformers (the
     same build as the HF reference's). The lane child then needs neither lpdiff's catalog nor its transformers."""
-    from lpdiff.harness.catalog import hf_config
+    from lpdiff.harness.spec.catalog import hf_config
 
     out: dict[str, Any] = {"vocab_size": hf_config(config.model).get_text_config().vocab_size}
     if launch:

@@ -95,7 +95,7 @@ _PER_EXPERT_NAMES = {"GptOssForCausalLM": {"gate_proj": "w1", "down_proj": "w2",
 
 def adapter_max_rank(adapter_dir: str | Path) -> int:
     """The largest rank an adapter uses (``r`` and every ``rank_pattern`` entry)."""
-    from lpdiff.harness.adapters import inspect_adapter
+    from lpdiff.harness.spec.adapters import inspect_adapter
 
     info = inspect_adapter(adapter_dir)
     return max([info.rank, *info.rank_pattern.values()])
@@ -230,7 +230,7 @@ def vllm_native_3d(arch: str) -> bool:
 
 
 def adapter_problems(info, gated: bool = True) -> list[str]:
-    """What vLLM 0.25.1 would misread in an adapter (``lpdiff.harness.adapters.inspect_adapter`` output), each with its fix.
+    """What vLLM 0.25.1 would misread in an adapter (``lpdiff.harness.spec.adapters.inspect_adapter`` output), each with its fix.
 
     - rank_pattern / alpha_pattern: vLLM's PEFTHelper has no such fields (peft_helper.py), every module gets
       lora_alpha / r.
@@ -362,7 +362,7 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
         return spec.path
     import torch
 
-    from lpdiff.harness.catalog import load_hf_model
+    from lpdiff.harness.spec.catalog import load_hf_model
 
     root = Path(root or Path.home() / ".cache" / "lpdiff" / "checkpoints")
     device = "cpu" if on_cpu else "cuda"
@@ -397,7 +397,7 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
 
 
 def is_moe_config(cfg) -> bool:
-    from lpdiff.harness.catalog import moe_fields
+    from lpdiff.harness.spec.catalog import moe_fields
 
     try:
         return moe_fields(cfg).is_moe
@@ -515,7 +515,7 @@ class VLLMEngine:
         return not cuda_visible()
 
     def _hf_config(self):
-        from lpdiff.harness.catalog import hf_config
+        from lpdiff.harness.spec.catalog import hf_config
 
         return hf_config(self.config.model)
 
@@ -564,7 +564,7 @@ class VLLMEngine:
 
     def _lora_kwargs(self, hf, on_cpu: bool, known: set[str]) -> dict[str, Any]:
         """enable_lora and friends; also decides the MoE-LoRA mode and the directory vLLM loads per adapter."""
-        from lpdiff.harness.adapters import inspect_adapter
+        from lpdiff.harness.spec.adapters import inspect_adapter
 
         cfg, o = self.config, self.opts
         moe = is_moe_config(hf)

@@ -26,8 +26,8 @@ def _parse_options(items: list[str]) -> dict:
 
 
 def _jobs(args) -> list:
-    from lpdiff.harness.catalog import list_models
-    from lpdiff.harness.job import Job
+    from lpdiff.harness.spec.catalog import list_models
+    from lpdiff.harness.pipeline.job import Job
 
     models = args.model or [m.name for m in list_models() if m.path is not None and m.name.startswith("tiny-")
                             and m.arch != "qwen3"]
@@ -43,9 +43,9 @@ def _progress(jobs, desc):
 
 
 def cmd_run(args, regen: bool = False) -> int:
-    from lpdiff.harness.job import default_store, run_job
-    from lpdiff.harness.store import BaselineError
-    from lpdiff.harness.verdict import format_table, to_json
+    from lpdiff.harness.pipeline.job import default_store, run_job
+    from lpdiff.harness.pipeline.store import BaselineError
+    from lpdiff.harness.pipeline.verdict import format_table, to_json
 
     store = default_store(args.baselines)
     verdicts = []
@@ -75,10 +75,10 @@ def cmd_run(args, regen: bool = False) -> int:
 
 
 def cmd_compare(args) -> int:
-    from lpdiff.harness.metrics import compare
-    from lpdiff.harness.thresholds import lookup
+    from lpdiff.harness.pipeline.metrics import compare
+    from lpdiff.harness.pipeline.thresholds import lookup
     from lpdiff.harness.types import AdapterSpec, LogprobRun
-    from lpdiff.harness.verdict import format_table, judge
+    from lpdiff.harness.pipeline.verdict import format_table, judge
 
     if args.runs:
         a, b = (LogprobRun.load(p) for p in args.runs)
@@ -90,7 +90,7 @@ def cmd_compare(args) -> int:
         return 0 if v.passed else 1
     if not args.model:
         raise SystemExit("compare needs --model (two engines) or --runs A.npz B.npz (two stored runs)")
-    from lpdiff.harness.job import Job, judge_job, resolve, run_engine
+    from lpdiff.harness.pipeline.job import Job, judge_job, resolve, run_engine
 
     job = Job(model=args.model, engine=args.engine, dtype=args.dtype, reference=args.against,
               ref_dtype=args.against_dtype, tp=args.tp, adapters=(args.adapter,) if args.adapter else None,
@@ -110,8 +110,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from lpdiff.harness import calibrate as cal
-    from lpdiff.harness.adapter_zoo import MOE_MODELS
+    from lpdiff.harness.commands import calibrate as cal
+    from lpdiff.harness.spec.adapter_zoo import MOE_MODELS
 
     models = args.model or MOE_MODELS
     if args.engine is None:
@@ -128,7 +128,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from lpdiff.harness.catalog import describe, list_models
+    from lpdiff.harness.spec.catalog import describe, list_models
 
     rows = [describe(m) for m in list_models()]
     cols = list(rows[0]) if rows else []
@@ -140,10 +140,10 @@ def cmd_models(args) -> int:
 
 
 def cmd_adapters(args) -> int:
-    from lpdiff.harness import adapters as ad
+    from lpdiff.harness.spec import adapters as ad
 
     if args.adapters_cmd == "gen":
-        from lpdiff.harness.catalog import get_model, load_hf_model
+        from lpdiff.harness.spec.catalog import get_model, load_hf_model
         import torch
 
         model = load_hf_model(get_model(args.model), torch.float32, "cpu")
@@ -151,14 +151,14 @@ def cmd_adapters(args) -> int:
                             seed=args.seed, layout=args.layout)
         print(f"wrote {args.out}")
     else:
-        from lpdiff.harness.catalog import get_model, hf_config
+        from lpdiff.harness.spec.catalog import get_model, hf_config
 
         ad.convert_adapter(args.src, args.dst, to=args.to, model_config=hf_config(get_model(args.model)))
         print(f"wrote {args.dst}")
     return 0
 
 
-# Subcommands whose module owns its argument parser: `lpdiff doctor ...` is `lpdiff.harness.doctor.main([...])`.
+# Subcommands whose module owns its argument parser: `lpdiff doctor ...` is `lpdiff.harness.commands.doctor.main([...])`.
 DELEGATED = {
     "bisect": "first layer + module where triton leaves HF (per-module errors vs noise)",
     "check": "a bf16 engine vs an fp32 reference on a full-width model, thresholds from noise measured in the run",
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["run"]
     try:
         if argv[0] in DELEGATED:
-            module = importlib.import_module(f"harness.{argv[0]}")
+            module = importlib.import_module(f"lpdiff.harness.commands.{argv[0]}")
             return module.main(argv[1:])
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -59,7 +59,7 @@ def lpdiff_regen(request) -> bool:
 
 @pytest.fixture(scope="session")
 def lpdiff_store(request):
-    from lpdiff.harness.job import default_store
+    from lpdiff.harness.pipeline.job import default_store
 
     return default_store(request.config.getoption("--lpdiff-baselines"))
 
@@ -90,7 +90,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     verdicts = config.stash.get(_VERDICTS_KEY, [])
     if not verdicts:
         return
-    from lpdiff.harness.verdict import format_table, to_json
+    from lpdiff.harness.pipeline.verdict import format_table, to_json
 
     terminalreporter.section("lpdiff verdicts")
     terminalreporter.write_line(format_table(verdicts))
@@ -105,7 +105,7 @@ def pytest_testnodedown(node, error):
     """Collect verdicts from xdist workers so the table covers the whole run."""
     data = getattr(node, "workeroutput", {}).get("lpdiff_verdicts")
     if data:
-        from lpdiff.harness.verdict import from_json
+        from lpdiff.harness.pipeline.verdict import from_json
 
         node.config.stash[_VERDICTS_KEY].extend(from_json(data))
 
@@ -113,6 +113,6 @@ def pytest_testnodedown(node, error):
 def pytest_sessionfinish(session, exitstatus):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # this is an xdist worker: ship verdicts to the controller
-        from lpdiff.harness.verdict import to_json
+        from lpdiff.harness.pipeline.verdict import to_json
 
         workeroutput["lpdiff_verdicts"] = to_json(session.config.stash.get(_VERDICTS_KEY, []))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lpdiff.kernels.faults import applicable, runtime_faults
-from lpdiff.harness.job import Job, judge_job, mixed_batch, resolve, run_job
+from lpdiff.harness.pipeline.job import Job, judge_job, mixed_batch, resolve, run_job
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 
@@ -92,8 +92,8 @@ def test_default_check_fails_on_every_fault_full_width(model, tmp_path):
     never reaches (output bit-identical to the clean run) is reported, not counted as caught."""
     import torch
 
-    from lpdiff.harness import check
-    from lpdiff.harness.catalog import get_model
+    from lpdiff.harness.commands import check
+    from lpdiff.harness.spec.catalog import get_model
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

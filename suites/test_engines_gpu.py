@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lpdiff.harness import check
+from lpdiff.harness.commands import check
 
 MODELS = ["qwen3-30b-a3b", "gpt-oss-20b"]
 LAYERS = 4

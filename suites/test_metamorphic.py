@@ -19,11 +19,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from lpdiff.harness import metamorphic as mm
-from lpdiff.harness.check import engine_missing, engine_options
-from lpdiff.harness.catalog import get_model
-from lpdiff.harness.job import zoo_adapters
-from lpdiff.harness.prompts import prompt_set
+from lpdiff.harness.commands import metamorphic as mm
+from lpdiff.harness.commands.check import engine_missing, engine_options
+from lpdiff.harness.spec.catalog import get_model
+from lpdiff.harness.pipeline.job import zoo_adapters
+from lpdiff.harness.spec.prompts import prompt_set
 
 
 # engine defects a relation exposes on purpose: (engine, arch, lane) -> the defect. Such a lane must FAIL; the day
@@ -96,8 +96,8 @@ NEAR_TIE = {"float32": 1e-5, "bfloat16": 4e-3}
 def gpu_case(request, tmp_path_factory):
     import torch
 
-    from lpdiff.harness.adapters import convert_adapter, generate_adapter
-    from lpdiff.harness.catalog import load_hf_model
+    from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
+    from lpdiff.harness.spec.catalog import load_hf_model
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
@@ -140,7 +140,7 @@ def _csv_writer(engine: str, spec, dtype: str, adapter: str):
     path = os.environ.get("LPDIFF_METAMORPHIC_CSV")
     if not path:
         return None
-    from lpdiff.harness.provenance import device_name
+    from lpdiff.harness.pipeline.provenance import device_name
 
     def write(version, results):
         mm.write_csv(mm.Report(engine, version, spec.name, adapter, dtype, 3, results, device_name()), path)

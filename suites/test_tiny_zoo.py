@@ -5,8 +5,8 @@ harness/thresholds.json with their provenance (measured noise floor, date, machi
 """
 import pytest
 
-from lpdiff.harness.job import Job, run_job
-from lpdiff.harness.thresholds import lookup
+from lpdiff.harness.pipeline.job import Job, run_job
+from lpdiff.harness.pipeline.thresholds import lookup
 
 TINY_MOE = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"]
 # the Triton runtime covers these architectures (engines/triton)
@@ -35,7 +35,7 @@ def test_hf_matches_committed_baseline(model, lpdiff_store, lpdiff_regen, record
 def test_adapter_moves_output_far_above_threshold(model, lpdiff_store, lpdiff_regen):
     """An adapter that did nothing would pass every engine comparison; each zoo adapter must move the
     logprobs by at least 10x the threshold a verdict uses, or the suite could not see it dropped."""
-    from lpdiff.harness.metrics import compare
+    from lpdiff.harness.pipeline.metrics import compare
 
     res = run_job(Job(model=model), lpdiff_store, regen=lpdiff_regen)
     # fp32 is where LoRA correctness is judged (bf16 noise on these models is reported, not relied on)

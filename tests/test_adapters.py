@@ -1,4 +1,4 @@
-"""lpdiff.harness.adapters against PEFT itself: generated adapters change the model, the canonical form reproduces PEFT's
+"""lpdiff.harness.spec.adapters against PEFT itself: generated adapters change the model, the canonical form reproduces PEFT's
 merge_and_unload, conversions are exact, and bad requests fail with one clear error.
 
 Tiny random models are built here from transformers configs (hidden 32, expert width 24 so that no two of hidden,
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lpdiff.harness import adapters as ad
+from lpdiff.harness.spec import adapters as ad
 from lpdiff.harness.types import dir_hash
 
 H, I, E, R = 32, 24, 4, 4  # hidden, expert width, experts, rank
@@ -176,8 +176,8 @@ def test_generated_adapter_is_nonzero_and_moves_logprobs(arch, generated):
 def test_default_scale_moves_zoo_logprobs_visibly_not_destructively(name, tmp_path):
     from peft import PeftModel
 
-    from lpdiff.harness.catalog import get_model, load_hf_model
-    from lpdiff.harness.prompts import prompt_set
+    from lpdiff.harness.spec.catalog import get_model, load_hf_model
+    from lpdiff.harness.spec.prompts import prompt_set
 
     model = load_hf_model(get_model(name), torch.float32, "cpu")
     ids = torch.tensor([p[:24] for p in prompt_set(name, "default")])  # ragged set: cut to the shortest
@@ -218,7 +218,7 @@ def test_generated_dir_is_byte_stable_across_processes(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM; from lpdiff.harness import adapters as ad; "
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; from lpdiff.harness.spec import adapters as ad; "
             "from tests.test_adapters import _config; torch.manual_seed(0); "
             "m = AutoModelForCausalLM.from_config(_config('qwen3_moe')); "
             "ad.generate_adapter(m, sys.argv[1], ['attention', 'experts'], seed=0)")

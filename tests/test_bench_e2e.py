@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lpdiff.engines.base import EngineConfig
-from lpdiff.harness.catalog import get_model
-from lpdiff.harness.job import zoo_adapters
+from lpdiff.harness.spec.catalog import get_model
+from lpdiff.harness.pipeline.job import zoo_adapters
 from lpdiff.harness.types import AdapterSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,8 +2,8 @@
 import pytest
 
 from lpdiff.kernels.faults import FAULTS, runtime_faults
-from lpdiff.harness import bisect as bs
-from lpdiff.harness.job import Job, resolve
+from lpdiff.harness.commands import bisect as bs
+from lpdiff.harness.pipeline.job import Job, resolve
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 CASES = [(f, m) for m, arch in MODELS.items() for f in runtime_faults(arch)]

@@ -61,7 +61,7 @@ def test_relu2_read_as_gated(impl):
 def test_fault_selection_is_explicit_and_scoped(monkeypatch):
     from lpdiff.engines import EngineConfig
     from lpdiff.engines.triton import TritonEngine
-    from lpdiff.harness.catalog import get_model
+    from lpdiff.harness.spec.catalog import get_model
 
     spec = get_model("tiny-qwen3-moe")
     with pytest.raises(ValueError, match="unknown fault 'nope'.*lora_rank_layout"):

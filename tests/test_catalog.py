@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lpdiff.harness.catalog import (FULL_CONFIGS, INIT_RECIPE, ZOO, describe, get_model, hf_config, known_models,
+from lpdiff.harness.spec.catalog import (FULL_CONFIGS, INIT_RECIPE, ZOO, describe, get_model, hf_config, known_models,
                              load_hf_model, moe_fields)
 from lpdiff.harness.types import ModelSpec
 

@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from lpdiff.harness import check
+from lpdiff.harness.commands import check
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def case(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from lpdiff.harness.store import BaselineStore
+    from lpdiff.harness.pipeline.store import BaselineStore
 
     return BaselineStore(tmp_path_factory.mktemp("store"))
 
@@ -77,7 +77,7 @@ def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
 
 
 def test_engine_options_from_the_environment(monkeypatch):
-    from lpdiff.harness.check import engine_missing, engine_options
+    from lpdiff.harness.commands.check import engine_missing, engine_options
 
     monkeypatch.setenv("LPDIFF_VLLM_OPTIONS", '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}')
     monkeypatch.delenv("LPDIFF_VLLM_PYTHON", raising=False)

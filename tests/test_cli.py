@@ -1,9 +1,9 @@
 """The lpdiff CLI end to end on the tiny zoo: regen/run round trip, clear errors, and planted faults caught."""
 import pytest
 
-from lpdiff.harness import mutations
+from lpdiff.harness.spec import mutations
 from lpdiff.harness.cli import main
-from lpdiff.harness.job import zoo_adapters
+from lpdiff.harness.pipeline.job import zoo_adapters
 
 
 def test_models_lists_catalog_with_shapes(capsys):

@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lpdiff.harness.doctor import ENGINES, doctor, format_report, main  # noqa: E402
+from lpdiff.harness.commands.doctor import ENGINES, doctor, format_report, main  # noqa: E402
 from lpdiff.harness.types import ModelSpec  # noqa: E402
 
 
@@ -24,8 +24,8 @@ def zoo(tmp_path_factory):
     """name -> (ModelSpec, model): the zoo checkpoint when built, else the zoo's config with a seeded init."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lpdiff.harness.catalog import ZOO, get_model, load_hf_model
-    from lpdiff.harness.zoo import TINY_CONFIGS
+    from lpdiff.harness.spec.catalog import ZOO, get_model, load_hf_model
+    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     root, out = tmp_path_factory.mktemp("doctor"), {}
     for name in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"):
@@ -41,7 +41,7 @@ def zoo(tmp_path_factory):
 
 
 def gen(zoo, tmp_path, name, groups, layout="peft3d", rank=4):
-    from lpdiff.harness.adapters import generate_adapter
+    from lpdiff.harness.spec.adapters import generate_adapter
 
     return generate_adapter(zoo[name][1], tmp_path / f"{name}-{layout}-{rank}", groups=groups, rank=rank,
                             alpha=2 * rank, layout=layout).path
@@ -81,7 +81,7 @@ def test_router_target(zoo, tmp_path):
     # qwen3_moe's router is Linear-like: PEFT wraps it (hf fine), SGLang refuses router LoRA
     from peft import LoraConfig, get_peft_model
 
-    from lpdiff.harness.catalog import load_hf_model
+    from lpdiff.harness.spec.catalog import load_hf_model
 
     spec = zoo["tiny-qwen3-moe"][0]
     model = load_hf_model(spec, torch.float32, "cpu")
@@ -138,7 +138,7 @@ def test_per_expert_gpt_oss_adapter_is_refused_for_vllm(zoo, tmp_path):
 def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, peft):
     from peft import PeftModel
 
-    from lpdiff.harness.catalog import load_hf_model
+    from lpdiff.harness.spec.catalog import load_hf_model
 
     spec = zoo[name][0]
     a = gen(zoo, tmp_path, name, ("experts",), layout="per_expert")

@@ -165,8 +165,8 @@ def test_triton_engine_moe_backend_option(gemm_calls, tmp_path):
 
     from lpdiff.engines.base import EngineConfig
     from lpdiff.engines.triton import TritonEngine
-    from lpdiff.harness.adapters import generate_adapter
-    from lpdiff.harness.catalog import get_model, load_hf_model
+    from lpdiff.harness.spec.adapters import generate_adapter
+    from lpdiff.harness.spec.catalog import get_model, load_hf_model
     from lpdiff.harness.types import AdapterSpec
 
     spec = get_model("tiny-qwen3-moe", num_layers=2)

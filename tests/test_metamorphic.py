@@ -1,4 +1,4 @@
-"""lpdiff.harness.metamorphic: the transformations are exact, the judge flags what it should, not-applicable relations
+"""lpdiff.harness.commands.metamorphic: the transformations are exact, the judge flags what it should, not-applicable relations
 say why, and planted faults (a converter reading gpt-oss's interleaved gate/up as concatenated; an engine load path
 that drops an expert) make the relation that covers them FAIL far above the calibrated factor."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from lpdiff.harness import adapters as ad
-from lpdiff.harness import metamorphic as mm
-from lpdiff.harness.catalog import get_model, hf_config
-from lpdiff.harness.job import zoo_adapters
-from lpdiff.harness.prompts import prompt_set
+from lpdiff.harness.spec import adapters as ad
+from lpdiff.harness.commands import metamorphic as mm
+from lpdiff.harness.spec.catalog import get_model, hf_config
+from lpdiff.harness.pipeline.job import zoo_adapters
+from lpdiff.harness.spec.prompts import prompt_set
 from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
 

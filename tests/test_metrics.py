@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from lpdiff.harness.metrics import (compare, delta_fidelity, delta_fidelity_by_group, full_vocab_kl,
+from lpdiff.harness.pipeline.metrics import (compare, delta_fidelity, delta_fidelity_by_group, full_vocab_kl,
                              topk_kl_per_position)
 from lpdiff.harness.types import LogprobRun, PromptLogprobs
 

@@ -4,7 +4,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3MoeConfig
 
-from lpdiff.harness import mutations
+from lpdiff.harness.spec import mutations
 
 E = 4
 CONFIGS = {

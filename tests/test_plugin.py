@@ -30,9 +30,9 @@ def test_markers_registered_and_gpu_tests_skipped_with_reason(pytester, monkeypa
 def test_regen_option_and_verdict_table(pytester):
     pytester.makepyfile(
         """
-        from lpdiff.harness.thresholds import Threshold
-        from lpdiff.harness.verdict import judge
-        from lpdiff.harness.metrics import Metrics
+        from lpdiff.harness.pipeline.thresholds import Threshold
+        from lpdiff.harness.pipeline.verdict import judge
+        from lpdiff.harness.pipeline.metrics import Metrics
 
         def test_regen(lpdiff_regen):
             assert lpdiff_regen
@@ -40,8 +40,8 @@ def test_regen_option_and_verdict_table(pytester):
         def test_table(record_verdict):
             import numpy as np
             from lpdiff.harness.types import LogprobRun, PromptLogprobs
-            from lpdiff.harness.metrics import compare
-            from lpdiff.harness.thresholds import lookup
+            from lpdiff.harness.pipeline.metrics import compare
+            from lpdiff.harness.pipeline.thresholds import lookup
             a = LogprobRun([PromptLogprobs(np.arange(4), np.array([-1.0, -2.0, -0.5]))])
             b = LogprobRun([PromptLogprobs(np.arange(4), np.array([-1.0, -2.5, -0.5]))])
             v = judge(compare(a, b), lookup("tiny-x", "hf:float32-vs-hf:float32", "float32", 1))

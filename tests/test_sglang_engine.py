@@ -29,8 +29,8 @@ def tiny(tmp_path_factory):
     """A 2-layer dense Qwen3 of the zoo's shape, with one attention adapter."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lpdiff.harness.adapters import generate_adapter
-    from lpdiff.harness.zoo import TINY_CONFIGS
+    from lpdiff.harness.spec.adapters import generate_adapter
+    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     root = tmp_path_factory.mktemp("sglang")
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], num_hidden_layers=2, initializer_range=0.25)
@@ -206,7 +206,7 @@ def _log(entry):
 
 class Engine:  # sgl.Engine's call shape; records what the lane passes and what the lane process has imported
     def __init__(self, **kwargs):
-        _log({"init": kwargs, "imported": sorted(m for m in ("lpdiff.harness.catalog", "transformers") if m in sys.modules)})
+        _log({"init": kwargs, "imported": sorted(m for m in ("lpdiff.harness.spec.catalog", "transformers") if m in sys.modules)})
 
     def generate(self, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num=None,
                  lora_path=None):

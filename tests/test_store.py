@@ -5,7 +5,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from lpdiff.harness.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale, BaselineStore,
+from lpdiff.harness.pipeline.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale, BaselineStore,
                            baseline_key)
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, PromptLogprobs
 

@@ -43,7 +43,7 @@ def tiny(request, tmp_path_factory):
     """-> (ModelSpec, {engine: {name: AdapterSpec}}, prompts) for one arch, saved under a temporary directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lpdiff.harness.adapters import convert_adapter, generate_adapter
+    from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
 
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
@@ -146,7 +146,7 @@ def test_rank_above_the_kernel_cap_runs_on_the_torch_references(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lpdiff.engines.base import open_engine
-    from lpdiff.harness.adapters import generate_adapter
+    from lpdiff.harness.spec.adapters import generate_adapter
 
     spec, _, prompts = tiny
     big = generate_adapter(AutoModelForCausalLM.from_pretrained(spec.path), tmp_path / "r130",
@@ -175,8 +175,8 @@ def test_bad_input_gives_one_clear_error(tiny):
     from lpdiff.engines.triton.config import model_config
     from lpdiff.engines.triton.lora import stack_adapters
     from lpdiff.engines.triton.shard import Shard
-    from lpdiff.harness.adapters import CanonicalAdapter
-    from lpdiff.harness.catalog import hf_config
+    from lpdiff.harness.spec.adapters import CanonicalAdapter
+    from lpdiff.harness.spec.catalog import hf_config
 
     spec, adapters, prompts = tiny
     # LoRA on a module the runtime has no LoRA path for must fail loudly, never be dropped

@@ -35,8 +35,8 @@ def needs(n: int):
 
 @pytest.fixture(scope="module", params=MODELS)
 def case(request, tmp_path_factory):
-    from lpdiff.harness.adapters import generate_adapter
-    from lpdiff.harness.catalog import get_model, load_hf_model
+    from lpdiff.harness.spec.adapters import generate_adapter
+    from lpdiff.harness.spec.catalog import get_model, load_hf_model
 
     if _gpus() < 1:
         pytest.skip("needs a GPU")
@@ -111,7 +111,7 @@ def test_bf16_varlen_attention_matches_fp32_sdpa(window, sinks, impl):
     from lpdiff.engines.triton.attention import attention
     from lpdiff.engines.triton.batch import Batch
     from lpdiff.engines.triton.config import model_config
-    from lpdiff.harness.catalog import get_model, hf_config
+    from lpdiff.harness.spec.catalog import get_model, hf_config
 
     cfg = model_config(hf_config(get_model("gpt-oss-20b", num_layers=1)))
     lens = [37, 128, 200, 5]

@@ -44,7 +44,7 @@ def test_failed_capture_is_refused_for_good():
 def test_engine_option_is_checked_and_cpu_runs_without_graphs():
     from lpdiff.engines.base import EngineConfig
     from lpdiff.engines.triton import TritonEngine
-    from lpdiff.harness.catalog import get_model
+    from lpdiff.harness.spec.catalog import get_model
 
     spec = get_model("tiny-qwen3-moe")
     with pytest.raises(ValueError, match="cuda_graphs"):

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from lpdiff.harness.metrics import Metrics
-from lpdiff.harness.thresholds import DEFAULT_PATH, Threshold, from_noise, lookup, pair_name, record
-from lpdiff.harness.verdict import format_table, judge, to_json
+from lpdiff.harness.pipeline.metrics import Metrics
+from lpdiff.harness.pipeline.thresholds import DEFAULT_PATH, Threshold, from_noise, lookup, pair_name, record
+from lpdiff.harness.pipeline.verdict import format_table, judge, to_json
 
 
 def metrics(k2=1e-9, max_abs=1e-4, **kw) -> Metrics:

@@ -38,14 +38,14 @@ def record(name: str, **numbers) -> None:
 def tiny_checkpoint(name: str, root: Path) -> ModelSpec:
     """The zoo's checkpoint when it is built; otherwise the zoo's config with a seeded init whose wide weights give
     peaked distributions (the default 0.02 init gives near-uniform ones, where a dropped adapter hides)."""
-    from lpdiff.harness.catalog import ZOO, get_model
+    from lpdiff.harness.spec.catalog import ZOO, get_model
 
     spec = get_model(name)
     if (Path(spec.path) / "config.json").is_file():
         return spec
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lpdiff.harness.zoo import TINY_CONFIGS
+    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     kw = dict(TINY_CONFIGS[name], initializer_range=0.25)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -57,8 +57,8 @@ def tiny_checkpoint(name: str, root: Path) -> ModelSpec:
 
 
 def make_adapter(spec: ModelSpec, out: Path, groups, rank: int, seed: int, layout: str = "peft3d") -> AdapterSpec:
-    from lpdiff.harness.adapters import generate_adapter
-    from lpdiff.harness.catalog import load_hf_model
+    from lpdiff.harness.spec.adapters import generate_adapter
+    from lpdiff.harness.spec.catalog import load_hf_model
 
     model = load_hf_model(spec, torch.float32, "cpu")
     a = generate_adapter(model, out, groups=groups, rank=rank, alpha=2 * rank, seed=seed, layout=layout)
@@ -92,7 +92,7 @@ def dense(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dense_runs(dense):
     """One vLLM engine holding both adapters, one batch mixing them with the base model, and the reference."""
-    from lpdiff.harness.catalog import hf_config
+    from lpdiff.harness.spec.catalog import hf_config
 
     spec, adapters = dense
     vocab = hf_config(spec).vocab_size
@@ -176,7 +176,7 @@ def moe(tmp_path_factory):
 
 
 def test_moe_without_lora_matches_hf(moe):
-    from lpdiff.harness.catalog import hf_config
+    from lpdiff.harness.spec.catalog import hf_config
 
     ps = prompts(hf_config(moe).vocab_size, lengths=(12, 40, 25))
     out = {}
@@ -205,12 +205,12 @@ def test_moe_lora_on_cpu_is_refused_with_the_fix(moe, tmp_path):
     ("tiny-gpt-oss", "peft3d"),  # gpt-oss's native layout: interleaved gate/up kept by FusedMoE3DWithLoRA
 ])
 def test_moe_lora_bf16_matches_hf_fp32(model, layout, tmp_path):
-    from lpdiff.harness.metrics import compare, delta_fidelity
+    from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
     from lpdiff.harness.types import LogprobRun
 
     spec = tiny_checkpoint(model, tmp_path)
     a = make_adapter(spec, tmp_path / f"a-{layout}", ("attention", "experts"), rank=8, seed=5, layout=layout)
-    from lpdiff.harness.catalog import hf_config
+    from lpdiff.harness.spec.catalog import hf_config
 
     ps = prompts(hf_config(spec).vocab_size, lengths=(64, 128, 96, 32))
     runs = {}
@@ -243,7 +243,7 @@ def test_gpt_oss_per_expert_adapter_is_refused_before_start(tmp_path):
 def test_moe_lora_tp2_matches_tp1(tmp_path):
     # TP shards LoRA-A/B and the experts' width (40 -> 2 x 20, not a multiple of any block): a delta counted once
     # per rank or a mis-sliced B shows up as a TP=2 vs TP=1 gap far above LoRA's run-to-run noise
-    from lpdiff.harness.metrics import compare
+    from lpdiff.harness.pipeline.metrics import compare
     from lpdiff.harness.types import LogprobRun
 
     spec = tiny_checkpoint("tiny-qwen3-moe", tmp_path)

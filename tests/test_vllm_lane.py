@@ -137,7 +137,7 @@ def test_real_hf_engine_in_a_lane_matches_in_process(tmp_path):
     from lpdiff.engines.hf import HFEngine
     from lpdiff.engines.subprocess_lane import LaneEngine
     from lpdiff.harness.types import ModelSpec
-    from lpdiff.harness.zoo import TINY_CONFIGS
+    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], num_hidden_layers=2, initializer_range=0.25)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)

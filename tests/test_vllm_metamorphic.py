@@ -10,16 +10,16 @@ import pytest
 vllm = pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from lpdiff.harness import metamorphic as mm  # noqa: E402
-from lpdiff.harness.catalog import get_model, load_hf_model  # noqa: E402
-from lpdiff.harness.prompts import prompt_set  # noqa: E402
+from lpdiff.harness.commands import metamorphic as mm  # noqa: E402
+from lpdiff.harness.spec.catalog import get_model, load_hf_model  # noqa: E402
+from lpdiff.harness.spec.prompts import prompt_set  # noqa: E402
 
 MODEL = "tiny-qwen3-dense"
 
 
 @pytest.fixture(scope="module")
 def dense_adapter(tmp_path_factory):
-    from lpdiff.harness.adapters import generate_adapter
+    from lpdiff.harness.spec.adapters import generate_adapter
 
     spec = get_model(MODEL)
     model = load_hf_model(spec, torch.float32, "cpu")

@@ -179,8 +179,8 @@ def test_checkpoint_dir_writes_a_layer_cut_model_once(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lpdiff.engines.vllm import checkpoint_dir
-    from lpdiff.harness.catalog import load_hf_model
-    from lpdiff.harness.zoo import TINY_CONFIGS
+    from lpdiff.harness.spec.catalog import load_hf_model
+    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], initializer_range=0.25)
     torch.manual_seed(0)
@@ -269,14 +269,14 @@ def _per_expert(parts=("gate_proj", "up_proj", "down_proj"), experts=2):
     (_per_expert(), {"rank_pattern": {"down_proj": 4}}, "rank_pattern"),  # vLLM scales every module alpha/r
 ])
 def test_adapter_problems_name_what_vllm_would_misread(tmp_path, keys, cfg, match):
-    from lpdiff.harness.adapters import inspect_adapter
+    from lpdiff.harness.spec.adapters import inspect_adapter
 
     problems = adapter_problems(inspect_adapter(_adapter_dir(tmp_path, keys, **cfg)))
     assert len(problems) == 1 and re.search(match, problems[0])
 
 
 def test_adapter_problems_accept_what_vllm_reads(tmp_path):
-    from lpdiff.harness.adapters import inspect_adapter
+    from lpdiff.harness.spec.adapters import inspect_adapter
 
     both = {f"{P}.base_layer.lora_A.weight": (4, 3), f"{P}.base_layer.lora_B.weight": (6, 4),
             f"{P}.lora_A.weight": (4, 3), f"{P}.lora_B.weight": (3, 4)}
@@ -347,8 +347,8 @@ def test_engine_lora_setup_on_the_zoo_gpt_oss(tmp_path, layout):
     # the wiring from real adapter files to vLLM's flags, without vLLM: 3D gets the native wrapper (no mixed
     # format), per-expert is refused before anything starts
     pytest.importorskip("torch")
-    from lpdiff.harness.adapters import convert_adapter
-    from lpdiff.harness.catalog import get_model, hf_config
+    from lpdiff.harness.spec.adapters import convert_adapter
+    from lpdiff.harness.spec.catalog import get_model, hf_config
 
     spec = get_model("tiny-gpt-oss")
     src = Path(__file__).parents[1] / "harness" / "zoo_adapters" / "tiny-gpt-oss" / "all"

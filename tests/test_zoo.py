@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lpdiff.harness.catalog import ZOO, ZOO_DIR
-from lpdiff.harness.prompts import SETS, prompt_set
+from lpdiff.harness.spec.catalog import ZOO, ZOO_DIR
+from lpdiff.harness.spec.prompts import SETS, prompt_set
 from lpdiff.harness.types import prompts_hash
 
-# sha256 of each committed model.safetensors: a rebuild (python -m lpdiff.harness.zoo build) changes these on purpose
+# sha256 of each committed model.safetensors: a rebuild (python -m lpdiff.harness.spec.zoo build) changes these on purpose
 # only; update them together with benchmarks/results/zoo.md and regenerate the baselines.
 WEIGHTS_SHA256 = {
     "tiny-qwen3-moe": "1550d4bd7f88354bcb4f84ee24bbd14b941a32b8df69f723b90057847f37815f",
@@ -72,7 +72,7 @@ def test_hub_layout_on_disk():
 def test_tokenizer_loads_and_round_trips():
     from transformers import AutoTokenizer
 
-    from lpdiff.harness.zoo import heldout_docs
+    from lpdiff.harness.spec.zoo import heldout_docs
 
     tok = AutoTokenizer.from_pretrained(ZOO_DIR / "tiny-qwen3-dense")
     text = heldout_docs()["textwrap.py"][:2000]
@@ -99,7 +99,7 @@ def test_prompt_sets_deterministic_and_ragged():
 
 @pytest.fixture(scope="module")
 def measured():
-    from lpdiff.harness.zoo import measure
+    from lpdiff.harness.spec.zoo import measure
 
     torch.manual_seed(0)
     return {name: measure(name) for name in ZOO}

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lpdiff.harness import check
+from lpdiff.harness.commands import check
 
 MODEL, LAYERS = "qwen3-30b-a3b", 4
 DRY_MODEL = "tiny-qwen3-moe"
@@ -134,8 +134,8 @@ def run_session(plan: dict, s: Session) -> dict:
     import numpy as np
 
     from lpdiff.engines import EngineConfig, open_engine
-    from lpdiff.harness.catalog import get_model
-    from lpdiff.harness.job import mixed_batch
+    from lpdiff.harness.spec.catalog import get_model
+    from lpdiff.harness.pipeline.job import mixed_batch
 
     lanes, prompts = lanes_for(plan, s), prompts_for(plan, s)
     choices = ([None] if s.base else []) + list(lanes)
@@ -215,8 +215,8 @@ def describe(plan: dict, s: Session) -> list[str]:
         plan_moe_lora,
         vllm_native_3d,
     )
-    from lpdiff.harness.adapters import inspect_adapter
-    from lpdiff.harness.catalog import get_model, hf_config
+    from lpdiff.harness.spec.adapters import inspect_adapter
+    from lpdiff.harness.spec.catalog import get_model, hf_config
 
     lanes, prompts = lanes_for(plan, s), prompts_for(plan, s)
     arch = hf_config(get_model(plan["model"], num_layers=plan["layers"])).architectures[0]
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
             for s in chosen:
                 print("\n".join(describe(plan, s)))
             return 0
-        from lpdiff.harness.provenance import device_name, git_commit
+        from lpdiff.harness.pipeline.provenance import device_name, git_commit
 
         plan_path = write_plan(MODEL, LAYERS, Path(tmp), "cuda")
         out = Path(args.out)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
 from lpdiff.engines.triton.config import ModelConfig
 from lpdiff.engines.triton.weights import LayerWeights
-from lpdiff.harness.routing import topk_margin
+from lpdiff.harness.spec.routing import topk_margin
 
 
 def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool):

@@ -18,7 +18,7 @@ from lpdiff.engines.triton.model import MoeTransformer
 from lpdiff.engines.triton.moe import parse_shrink
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.engines.triton.weights import load_weights
-from lpdiff.harness.logprobs import chunked_logprobs
+from lpdiff.engines.logprobs import chunked_logprobs
 from lpdiff.harness.types import PromptLogprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +43,7 @@ class Runtime:
         del source  # drops whatever the model did not use (lm_head of a tied model, layers past num_layers)
         adapters = {}
         if config.adapters:
-            from lpdiff.harness.adapters import load_canonical
+            from lpdiff.harness.spec.adapters import load_canonical
 
             adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)

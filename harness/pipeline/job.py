@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Callable
 
 from lpdiff.engines import EngineConfig, open_engine
-from lpdiff.harness.provenance import REPO_ROOT, device_name
+from lpdiff.harness.pipeline.provenance import PACKAGE_ROOT, device_name
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
 
-ZOO_ADAPTERS = Path(__file__).resolve().parent / "zoo_adapters"
+ZOO_ADAPTERS = Path(__file__).resolve().parents[1] / "zoo_adapters"
 
 
 def default_store(root: str | os.PathLike | None = None):
-    from lpdiff.harness.store import BaselineStore
+    from lpdiff.harness.pipeline.store import BaselineStore
 
-    root = root or os.environ.get("LPDIFF_BASELINES") or REPO_ROOT / "baselines"
+    root = root or os.environ.get("LPDIFF_BASELINES") or PACKAGE_ROOT / "baselines"
     return BaselineStore(Path(root))
 
 
@@ -67,8 +67,8 @@ class JobResult:
 
 
 def resolve(job: Job) -> tuple[ModelSpec, dict[str, AdapterSpec], list[list[int]]]:
-    from lpdiff.harness.catalog import get_model
-    from lpdiff.harness.prompts import prompt_set
+    from lpdiff.harness.spec.catalog import get_model
+    from lpdiff.harness.spec.prompts import prompt_set
 
     spec = get_model(job.model, num_layers=job.num_layers)
     available = zoo_adapters(job.model)
@@ -111,7 +111,7 @@ def run_engine(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], p
 def reference_runs(job: Job, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: list[list[int]],
                    store, regen: bool = False, log: Callable[[str], None] = lambda s: None
                    ) -> dict[str | None, LogprobRun]:
-    from lpdiff.harness.store import baseline_key
+    from lpdiff.harness.pipeline.store import baseline_key
 
     keys = {a: baseline_key(spec, adapters.get(a) if a else None, prompts, job.ref_dtype, 1, job.reference,
                             job.top_k) for a in [None, *adapters]}
@@ -127,11 +127,11 @@ def reference_runs(job: Job, spec: ModelSpec, adapters: dict[str, AdapterSpec], 
 
 
 def judge_job(job: Job, runs, refs) -> list:
-    from lpdiff.harness.metrics import compare, delta_fidelity
-    from lpdiff.harness.thresholds import lookup
-    from lpdiff.harness.verdict import judge
+    from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
+    from lpdiff.harness.pipeline.thresholds import lookup
+    from lpdiff.harness.pipeline.verdict import judge
 
-    from lpdiff.harness.routing import near_tie_eps
+    from lpdiff.harness.spec.routing import near_tie_eps
 
     threshold = lookup(job.model, job.engine_pair, job.dtype, job.tp)
     eps = near_tie_eps(job.dtype, job.ref_dtype)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from lpdiff.harness.metrics import Metrics
-from lpdiff.harness.thresholds import Threshold
+from lpdiff.harness.pipeline.metrics import Metrics
+from lpdiff.harness.pipeline.thresholds import Threshold
 
 Fidelity = float | Mapping[str, float] | None  # one number, or one per module group
 MIN_CLEAN_SHARE = 0.5  # judging only clean positions needs at least this share of them

@@ -1,9 +1,9 @@
 """The tiny model zoo: five small checkpoints (four MoE architectures and one dense model) that behave like trained
 models, so that verdicts on a laptop mean something (DESIGN.md: "Random init is a trap").
 
-    python -m lpdiff.harness.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]  # tokenizer + held-out text
+    python -m lpdiff.harness.spec.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]  # tokenizer + held-out text
                                                                                 # (if missing) + model(s)
-    python -m lpdiff.harness.zoo measure [--name N] [--prompt-set S] [--dir DIR] [--markdown]
+    python -m lpdiff.harness.spec.zoo measure [--name N] [--prompt-set S] [--dir DIR] [--markdown]
 
 Recipe (seeded; the committed weights are the source of truth, a rebuild on another machine or torch may differ):
   1. Corpus: the top-level modules of the running Python's standard library (``Lib/*.py``), minus a few held-out
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from lpdiff.harness.catalog import ZOO, ZOO_DIR
+from lpdiff.harness.spec.catalog import ZOO, ZOO_DIR
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 TOKENIZER_DIR = DATA_DIR / "tokenizer"
 HELDOUT = DATA_DIR / "heldout.txt"
 VOCAB = 1024
@@ -202,7 +202,7 @@ class RouterTap:
     """Keeps the router logits of the current forward (with their graph) for the router loss terms."""
 
     def __init__(self, model):
-        from lpdiff.harness.routing import is_router
+        from lpdiff.harness.spec.routing import is_router
 
         self.routers = [m for m in model.modules() if is_router(m)]
         self.logits: list[tuple[torch.nn.Module, torch.Tensor]] = []
@@ -238,7 +238,7 @@ def router_losses(taps, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, to
     relu(target - (u_k - u_k+1)); balance is E * sum_e P_e^2, P_e the batch mean of softmax(BALANCE_SHARPNESS * u)_e
     (1 when usage is uniform). On raw probabilities (Switch's f_e * P_e, or P_e^2) a tiny-scale router with one
     fixed ranking met the balance term while every token went to the same experts."""
-    from lpdiff.harness.routing import choice_scores, topk_margin
+    from lpdiff.harness.spec.routing import choice_scores, topk_margin
 
     balance = margin = z = torch.zeros(())
     for module, logits in taps:
@@ -255,7 +255,7 @@ def router_losses(taps, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, to
 def update_correction_bias(taps, rate: float) -> None:
     """Aux-loss-free balancing (how Nemotron-H / DeepSeek-V3 train the bias): raise the bias of under-used
     experts, lower it for over-used ones."""
-    from lpdiff.harness.routing import choice_scores
+    from lpdiff.harness.spec.routing import choice_scores
 
     for module, logits in taps:
         bias = getattr(module, "e_score_correction_bias", None)
@@ -415,7 +415,7 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 def forward_stats(model, prompts: list[list[int]]) -> dict:
     """One right-padded batch (padding after a causal prompt changes none of its positions): next-token entropies
     and actual-token logprobs over all real positions, and per MoE layer the router choice scores (N, E), top-k."""
-    from lpdiff.harness.routing import choice_scores
+    from lpdiff.harness.spec.routing import choice_scores
 
     lens = torch.tensor([len(p) for p in prompts])
     ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64)
@@ -441,8 +441,8 @@ def measure(name: str, set_name: str = "default", path: Path | None = None) -> d
     """Entropy vs log V, router margins vs bf16 rounding and vs measured bf16 noise, bf16-vs-fp32 logprob noise."""
     from transformers import AutoModelForCausalLM
 
-    from lpdiff.harness.prompts import prompt_set
-    from lpdiff.harness.routing import topk_margin
+    from lpdiff.harness.spec.prompts import prompt_set
+    from lpdiff.harness.spec.routing import topk_margin
 
     path = path or ZOO_DIR / name
     prompts = prompt_set(name, set_name)
@@ -504,7 +504,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.zoo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.spec.zoo", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="train and save zoo model(s) (all by default)")
     b.add_argument("--name", action="append", choices=list(TINY_CONFIGS))

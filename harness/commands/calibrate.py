@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lpdiff.harness.job import Job, resolve, run_engine
-from lpdiff.harness.provenance import device_name, git_commit
-from lpdiff.harness.metrics import compare, delta_fidelity
-from lpdiff.harness.routing import near_tie_eps
-from lpdiff.harness.thresholds import Threshold, from_noise, record
+from lpdiff.harness.pipeline.job import Job, resolve, run_engine
+from lpdiff.harness.pipeline.provenance import device_name, git_commit
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
+from lpdiff.harness.spec.routing import near_tie_eps
+from lpdiff.harness.pipeline.thresholds import Threshold, from_noise, record
 
 
 @dataclass(slots=True)

@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from lpdiff.harness.adapters import (
+from lpdiff.harness.spec.adapters import (
     CanonicalAdapter,
     ModelLayout,
     load_canonical,
@@ -67,7 +67,7 @@ from lpdiff.harness.adapters import (
     peft_signature,
     save_canonical,
 )
-from lpdiff.harness.provenance import REPO_ROOT
+from lpdiff.harness.pipeline.provenance import PACKAGE_ROOT
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-2}
@@ -88,7 +88,7 @@ ROUNDING = "noise:rounding"
 MAX_RANK = 512  # the largest max_lora_rank vLLM and SGLang accept: ranks beyond it are not expressible there
 CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "relation", "adapter", "max_abs",
                "k2", "delta_rel", "rerun_noise", "ratio", "verdict", "note")
-DEFAULT_CSV = REPO_ROOT / "benchmarks" / "results" / "metamorphic.csv"
+DEFAULT_CSV = PACKAGE_ROOT / "benchmarks" / "results" / "metamorphic.csv"
 # alone: every prompt with the lane's adapter in one call; beside_other: the same, in an engine that also holds a
 # different adapter of twice the rank; mixed: each prompt's row next to a base row and an other-adapter row in one
 # call; permuted: the mixed rows shuffled; single: one call per prompt; tripled: every prompt three times with the
@@ -156,7 +156,7 @@ class Context:
 def refusal(spec: ModelSpec, engine: str, adapter_dir: str | Path) -> str | None:
     """doctor's first error for this engine on this adapter: the engine refuses or drops it (known limit). None
     for engines doctor knows nothing about."""
-    from lpdiff.harness.doctor import ENGINES, doctor
+    from lpdiff.harness.commands.doctor import ENGINES, doctor
 
     if engine not in ENGINES:
         return None
@@ -306,7 +306,7 @@ def strip_zero_rank(src: str | Path, dst: str | Path) -> Path:
 def merged_checkpoint(ctx: Context, out: Path) -> ModelSpec:
     """The base model with every delta merged in, saved as a checkpoint in the run dtype (config-built models
     are built on the device they run on: the init's random stream is the device's)."""
-    from lpdiff.harness.catalog import load_hf_model
+    from lpdiff.harness.spec.catalog import load_hf_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_hf_model(ctx.spec, torch.float32, device)
@@ -652,7 +652,7 @@ def rerun_name(lane: str, j: int) -> str:
 
 
 def _noise(reruns: list[LogprobRun], stat: str = "max_abs") -> float:
-    from lpdiff.harness.metrics import compare
+    from lpdiff.harness.pipeline.metrics import compare
 
     return max(getattr(compare(r, reruns[0]), stat) for r in reruns[1:])
 
@@ -664,7 +664,7 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
     where a last-bit difference flips an expert); the excluded share is in the note. None: every position.
     A lane named ROUNDING (the adapter re-rounded, see rerounded) is not judged: its difference from the original
     is the rounding noise, part of the bound of every inexact lane."""
-    from lpdiff.harness.metrics import NEAR_TIE_EPS, compare
+    from lpdiff.harness.pipeline.metrics import NEAR_TIE_EPS, compare
 
     factor = FACTORS[dtype] if factor is None else factor
     floor = FLOOR[dtype] if floor is None else floor
@@ -730,8 +730,8 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
                     on_results: Callable[[str, list[Result]], None] | None = None) -> Report:
     """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps).
     ``on_results(engine_version, results)``: each engine session's verdicts as soon as it ends, then the n/a ones."""
-    from lpdiff.harness.catalog import hf_config
-    from lpdiff.harness.provenance import device_name
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.pipeline.provenance import device_name
 
     own_tmp = tmp is None
     tmp = Path(tempfile.mkdtemp(prefix="lpdiff-metamorphic-") if own_tmp else tmp)
@@ -793,7 +793,7 @@ def write_csv(rep: Report, path: str | Path = DEFAULT_CSV) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
-    from lpdiff.harness.provenance import git_commit
+    from lpdiff.harness.pipeline.provenance import git_commit
 
     date, commit = datetime.date.today().isoformat(), git_commit()
     with open(path, "a", newline="") as fh:
@@ -808,10 +808,10 @@ def write_csv(rep: Report, path: str | Path = DEFAULT_CSV) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lpdiff.harness.catalog import get_model
+    from lpdiff.harness.spec.catalog import get_model
     from lpdiff.harness.cli import _parse_options
-    from lpdiff.harness.job import zoo_adapters
-    from lpdiff.harness.prompts import prompt_set
+    from lpdiff.harness.pipeline.job import zoo_adapters
+    from lpdiff.harness.spec.prompts import prompt_set
 
     p = argparse.ArgumentParser(prog="lpdiff metamorphic", description=__doc__.splitlines()[0])
     p.add_argument("model", help="catalog model name")

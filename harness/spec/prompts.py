@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +47,7 @@ def _streams() -> tuple[tuple[int, ...], ...]:
 
 def prompt_set(model_name: str, name: str = "default") -> list[list[int]]:
     """The prompts of set ``name`` for catalog model ``model_name`` (fresh lists; callers may mutate them)."""
-    from lpdiff.harness.catalog import get_model
+    from lpdiff.harness.spec.catalog import get_model
 
     get_model(model_name)  # unknown model -> KeyError listing the known ones
     if name not in SETS:

@@ -119,7 +119,7 @@ def _resolve_model(model) -> Any:
 
     if isinstance(model, ModelSpec):
         return model
-    from lpdiff.harness.catalog import get_model, known_models
+    from lpdiff.harness.spec.catalog import get_model, known_models
 
     name = str(model)
     if name in known_models():
@@ -153,7 +153,7 @@ def _meta_model(spec):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lpdiff.harness.catalog import hf_config
+    from lpdiff.harness.spec.catalog import hf_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config(spec))
@@ -162,8 +162,8 @@ def _meta_model(spec):
 def _model_facts(spec) -> tuple[str, Any, Any, dict[str, str], set[str]]:
     """-> (config key, meta model, its ModelLayout, module path -> class name, parameter names), built once per
     model config."""
-    from lpdiff.harness.adapters import ModelLayout
-    from lpdiff.harness.catalog import hf_config
+    from lpdiff.harness.spec.adapters import ModelLayout
+    from lpdiff.harness.spec.catalog import hf_config
 
     key = hf_config(spec).to_json_string()
 
@@ -194,7 +194,7 @@ def _peft_inject(model, adapter_dir: str) -> tuple[str | None, set[str], set[str
 
 
 def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None) -> tuple[Any, Facts]:
-    from lpdiff.harness.adapters import inspect_adapter
+    from lpdiff.harness.spec.adapters import inspect_adapter
 
     spec = _resolve_model(model)
     adapter_dir = str(adapter_dir)
@@ -379,7 +379,7 @@ def check_sglang_gpt_oss_gate_up(f: Facts) -> list[Finding]:
         return []
     from safetensors import safe_open
 
-    from lpdiff.harness.adapters import WEIGHTS_NAME
+    from lpdiff.harness.spec.adapters import WEIGHTS_NAME
 
     gates = [k for k in f.info.keys if ".gate_proj.lora_A." in k]
     differ = 0

@@ -5,7 +5,7 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the source tree (or lpdiff/ in a wheel)
 
 
 def git_commit() -> str:
@@ -14,7 +14,7 @@ def git_commit() -> str:
     if os.environ.get("LPDIFF_COMMIT"):
         return os.environ["LPDIFF_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lpdiff.harness.store import path_lock
+from lpdiff.harness.pipeline.store import path_lock
 
 DEFAULT_PATH = Path(__file__).with_name("thresholds.json")
 SOURCES = ("measured", "unmeasured")

@@ -15,7 +15,7 @@ import torch
 
 from lpdiff.harness.types import ModelSpec
 
-ZOO_DIR = Path(__file__).resolve().parent / "zoo"
+ZOO_DIR = Path(__file__).resolve().parents[1] / "zoo"
 
 # How a config-built model gets its weights. Bump the version whenever any step changes: it is part of every
 # baseline key, so old baselines stop matching instead of silently comparing different weights.
@@ -162,7 +162,7 @@ def hf_config(spec: ModelSpec):
     if spec.path is not None:
         if not (Path(spec.path) / "config.json").is_file():
             raise FileNotFoundError(f"{spec.path} has no config.json; for a zoo model run "
-                                    f"`python -m lpdiff.harness.zoo build --name {spec.name}`")
+                                    f"`python -m lpdiff.harness.spec.zoo build --name {spec.name}`")
         cfg = AutoConfig.from_pretrained(spec.path)
     else:
         kw = dict(spec.config)

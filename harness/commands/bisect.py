@@ -53,7 +53,7 @@ def _dense_routing(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -
 def bisect_prompts(model: str, num_prompts: int = 8) -> list[list[int]]:
     """Equal-length prompts (the shortest of the default set), so HF's batch needs no padding and its flattened
     tokens are the triton runtime's packed order."""
-    from lpdiff.harness.prompts import prompt_set
+    from lpdiff.harness.spec.prompts import prompt_set
 
     prompts = prompt_set(model, "default")[:num_prompts]
     n = min(len(p) for p in prompts)
@@ -191,7 +191,7 @@ class BisectResult:
 
 def bisect(model: str, adapter: str | None = None, fault: str | None = None, factor: float = FACTOR,
            num_prompts: int = 8) -> BisectResult:
-    from lpdiff.harness.job import Job, resolve
+    from lpdiff.harness.pipeline.job import Job, resolve
 
     spec, adapters, _ = resolve(Job(model=model))
     if not adapters:

@@ -5,7 +5,7 @@ Three per model, so that verdicts can name which part of an adapter an engine mi
              expert, routed experts), rank 8
   experts    routed experts only (PEFT ``target_parameters``), rank 4 — a different rank from ``all`` on purpose
   attention  attention projections only, rank 8
-Generated deterministically (``python -m lpdiff.harness.adapter_zoo``); the committed files are the source of truth.
+Generated deterministically (``python -m lpdiff.harness.spec.adapter_zoo``); the committed files are the source of truth.
 Their size depends on the model's weights (generate_adapter scales each delta to its weight), so rebuild them
 after the zoo changes, then ``lpdiff regen``.
 """
@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from lpdiff.harness.adapters import GROUPS, ModelLayout, generate_adapter, resolve_targets
-from lpdiff.harness.catalog import ZOO, get_model, load_hf_model
-from lpdiff.harness.job import ZOO_ADAPTERS
+from lpdiff.harness.spec.adapters import GROUPS, ModelLayout, generate_adapter, resolve_targets
+from lpdiff.harness.spec.catalog import ZOO, get_model, load_hf_model
+from lpdiff.harness.pipeline.job import ZOO_ADAPTERS
 
 SEED = 20261121
 MOE_MODELS = [m for m, arch in ZOO.items() if arch != "qwen3"]

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lpdiff.harness.provenance import device_name, git_commit
+from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 # bf16: a correct engine sits near 1x (see above); fp32: the tiny zoo's calibrated factor (harness/calibrate.py)
@@ -169,9 +169,9 @@ def build_case(model: str, layers: int, root: str | Path, plans: Sequence[Adapte
                lengths: Sequence[int] = PROMPT_LENGTHS, log: Callable[[str], None] = print) -> Case:
     import torch
 
-    from lpdiff.harness.adapters import convert_adapter, generate_adapter
-    from lpdiff.harness.catalog import get_model, hf_config, load_hf_model
-    from lpdiff.harness.mutations import permute_experts
+    from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
+    from lpdiff.harness.spec.catalog import get_model, hf_config, load_hf_model
+    from lpdiff.harness.spec.mutations import permute_experts
 
     spec = get_model(model, num_layers=layers)
     root = Path(root)
@@ -205,7 +205,7 @@ def _session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], pro
     """One engine session, the whole mixed batch (every prompt with every adapter and without) ``reruns`` times."""
     from lpdiff.engines import EngineConfig, open_engine
 
-    from lpdiff.harness.job import mixed_batch
+    from lpdiff.harness.pipeline.job import mixed_batch
 
     cfg = EngineConfig(model=spec, adapters=adapters, dtype=dtype, tp=tp, options=dict(options))
     with open_engine(engine, cfg) as eng:
@@ -216,7 +216,7 @@ def _session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], pro
 
 
 def _peft_groups(adapters: dict[str, AdapterSpec]) -> list[dict[str, AdapterSpec]]:
-    from lpdiff.harness.adapters import peft_signature
+    from lpdiff.harness.spec.adapters import peft_signature
 
     groups: dict[str, dict[str, AdapterSpec]] = {}
     for name, a in adapters.items():
@@ -227,7 +227,7 @@ def _peft_groups(adapters: dict[str, AdapterSpec]) -> list[dict[str, AdapterSpec
 def reference_runs(case: Case, reference: str, dtype: str, options: dict | None = None, store=None,
                    log=print) -> dict[str | None, LogprobRun]:
     """The reference engine's runs (base + every correct adapter, PEFT 3D files), from the cache store or computed."""
-    from lpdiff.harness.store import BaselineMissing, baseline_key
+    from lpdiff.harness.pipeline.store import BaselineMissing, baseline_key
 
     options = options or {}
     adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items() if not p.broken_from}
@@ -271,7 +271,7 @@ class Noise:
 
 def _pair_noise(a: dict, b: dict, lanes) -> Noise:
     """Noise between two runs of correct implementations: a vs b over the base and each adapter lane."""
-    from lpdiff.harness.metrics import compare, delta_fidelity
+    from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
 
     n = Noise()
     for lane in lanes:
@@ -315,10 +315,10 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here.
     ``layouts``: the adapter files served (default: every layout the engine reads, ENGINE_LAYOUTS). An engine that
     dies or raises gives a result whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
-    from lpdiff.harness.metrics import compare, delta_fidelity
-    from lpdiff.harness.routing import near_tie_eps
-    from lpdiff.harness.thresholds import from_noise
-    from lpdiff.harness.verdict import judge
+    from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
+    from lpdiff.harness.spec.routing import near_tie_eps
+    from lpdiff.harness.pipeline.thresholds import from_noise
+    from lpdiff.harness.pipeline.verdict import judge
 
     assert k >= 2, "rerun noise needs k >= 2 runs"
     refs: dict[tuple[str, str], dict] = {}
@@ -411,7 +411,7 @@ def missed(res: CheckResult) -> bool:
 
 
 def format_result(res: CheckResult) -> str:
-    from lpdiff.harness.verdict import format_table
+    from lpdiff.harness.pipeline.verdict import format_table
 
     if res.error is not None:
         return (f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the engine failed "
@@ -466,7 +466,7 @@ def write_csv(res: CheckResult, path: str | Path) -> Path:
 
 
 def default_store():
-    from lpdiff.harness.store import BaselineStore
+    from lpdiff.harness.pipeline.store import BaselineStore
 
     return BaselineStore(Path(os.environ.get("LPDIFF_CHECK_STORE") or Path.home() / ".cache" / "lpdiff" / "check-store"))
 

@@ -1,0 +1,1 @@
+"""The pipeline every command runs: engine sessions, the baseline store, noise, metrics, thresholds, verdicts, reports."""
