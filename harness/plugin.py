@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-GPU_MARKS = {"gpu1": 1, "gpu2": 2, "gpu4": 4, "gpu8": 8}
+from lpdiff.harness import gpus
+
+GPU_MARKS = gpus.GPU_MARKS
 _VERDICTS_KEY = pytest.StashKey[list]()
 
 
@@ -26,6 +28,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    gpus.on_configure(config)  # an xdist worker takes its own GPUs before anything starts CUDA
     config.addinivalue_line("markers", "cpu: runs on a CPU-only machine (the default CI suite)")
     for mark, n in GPU_MARKS.items():
         config.addinivalue_line("markers", f"{mark}: needs {n} GPU{'s' if n > 1 else ''} (skipped on fewer)")
@@ -48,8 +51,13 @@ def pytest_collection_modifyitems(config, items):
         if not need:
             continue
         have = gpu_count() if have is None else have
-        if have < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), this machine has {have}"))
+        reason = gpus.skip_reason(need, have, config.stash.get(gpus.HELD_KEY, None))
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_report_header(config):
+    return gpus.report_header(config)
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +67,7 @@ def lpdiff_regen(request) -> bool:
 
 @pytest.fixture(scope="session")
 def lpdiff_store(request):
-    from lpdiff.harness.pipeline.job import default_store
+    from lpdiff.harness.pipeline.references import default_store
 
     return default_store(request.config.getoption("--lpdiff-baselines"))
 
@@ -103,6 +111,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """Collect verdicts from xdist workers so the table covers the whole run."""
+    gpus.on_node_down(node)
     data = getattr(node, "workeroutput", {}).get("lpdiff_verdicts")
     if data:
         from lpdiff.harness.pipeline.verdict import from_json

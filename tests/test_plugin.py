@@ -21,7 +21,7 @@ def test_markers_registered_and_gpu_tests_skipped_with_reason(pytester, monkeypa
     )
     res = pytester.runpytest("--strict-markers", "-rs")
     res.assert_outcomes(passed=2, skipped=1)
-    res.stdout.fnmatch_lines(["*needs 8 GPU(s), this machine has 1*"])
+    res.stdout.fnmatch_lines(["*needs 8 GPUs, this machine has 1*"])
     # -m gpu8 selects exactly the 8-GPU suite
     res = pytester.runpytest("--strict-markers", "-m", "gpu8", "-rs")
     res.assert_outcomes(skipped=1, deselected=2)
