@@ -1,57 +1,45 @@
 """Content-addressed store of reference runs (baselines) in a local directory.
 
 A key hashes a canonical description of what was computed (model and adapter identity, prompts, dtype, TP, engine,
-top-k). The value is the run's .npz plus a sidecar .json holding that description, the run's metadata and the
-.npz's sha256. Layout: ``root/<digest[:2]>/<digest>.npz`` and ``.json``. Writes go to a temp file in the same
-directory and are renamed into place under a per-key file lock (see path_lock), so pytest-xdist workers can share
-one store.
+top-k). Its value is one parquet file, ``root/<digest[:2]>/<digest>.parquet``, holding the run and its manifest
+(see store_format): written whole and renamed into place (see store_files), so pytest-xdist workers and concurrent
+regens can share one store and a kill never leaves a valid baseline unreadable. Many prompt sets, depths and
+reference engines coexist; nothing is deleted except by ``prune`` (or ``delete`` of one named key).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
+import errno
+import functools
 import hashlib
-import io
 import json
-import os
+import platform
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from filelock import FileLock
 
+from lpdiff.harness.pipeline import store_format
+from lpdiff.harness.pipeline.store_errors import (BaselineCorrupt, BaselineError, BaselineExists, BaselineMissing,
+                                                  BaselineStale, BaselineStorePath)
+from lpdiff.harness.pipeline.store_files import atomic_write, sweep_temps, write_lock
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, canonical_hash, prompts_hash
 
-FORMAT = 1
+__all__ = ["BaselineError", "BaselineMissing", "BaselineCorrupt", "BaselineStale", "BaselineExists",
+           "BaselineStorePath", "BaselineKey", "BaselineStore", "StoreEntry", "baseline_key", "path_lock"]
+
+FORMAT = store_format.FORMAT
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
-
-
-class BaselineError(Exception):
-    """Base of every store error; each message names the command that fixes it."""
-
-
-class BaselineMissing(BaselineError):
-    pass
-
-
-class BaselineCorrupt(BaselineError):
-    pass
-
-
-class BaselineStale(BaselineError):
-    pass
-
-
-class BaselineExists(BaselineError):
-    pass
+LEGACY_SUFFIXES = (".npz", ".json")  # format 1: an .npz with a .json sidecar (store_legacy converts them)
 
 
 def path_lock(path: str | Path) -> FileLock:
-    """An inter-process lock for one file. It lives in the temp dir, not beside the file, so that reading
-    committed baselines (or a read-only checkout) never leaves lock files behind. Guards processes of one host."""
+    """An inter-process lock for one file outside the baseline store (thresholds.json). It lives in the temp dir,
+    not beside the file, so that a read-only checkout never gets lock files. Guards processes of one host."""
     name = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:32]
     lock_dir = Path(tempfile.gettempdir()) / "lpdiff-locks"
     lock_dir.mkdir(exist_ok=True)
@@ -66,8 +54,9 @@ def _canonical(obj: Any) -> str:
 class BaselineKey:
     digest: str  # sha256 of description
     description: str  # canonical JSON of what was computed (identities, not names or paths)
-    model_name: str  # names are for messages and stale detection; they are not part of the digest
+    model_name: str  # names are for messages and the stale rule; they are not part of the digest
     adapter_name: str | None = None
+    prompt_set: str | None = None  # the prompt set's name; None: prompts given as a list (their hash names them)
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -76,22 +65,37 @@ class BaselineKey:
     def label(self) -> str:
         f = self.fields
         adapter = f"adapter {self.adapter_name!r}" if self.adapter_name else "no adapter"
-        return (f"model {self.model_name!r}, {adapter} (engine {f['engine']}, {f['dtype']}, tp={f['tp']}, "
-                f"top_k={f['top_k']})")
+        depth = f", {f['model']['num_layers']} layers" if f["model"].get("num_layers") is not None else ""
+        prompts = f"prompt set {self.prompt_set!r}" if self.prompt_set else f"prompts {f['prompts'][:12]}"
+        return (f"model {self.model_name!r}{depth}, {adapter}, {prompts} (engine {f['engine']}, {f['dtype']}, "
+                f"tp={f['tp']}, top_k={f['top_k']})")
 
     def regen_hint(self) -> str:
         f = self.fields
         cmd = f"lpdiff regen --model {self.model_name}"
         cmd += f" --adapter {self.adapter_name}" if self.adapter_name else ""
+        cmd += f" --prompt-set {self.prompt_set}" if self.prompt_set not in (None, "default") else ""
+        cmd += f" --num-layers {f['model']['num_layers']}" if f["model"].get("num_layers") is not None else ""
         cmd += f" --engine {f['engine']} --dtype {f['dtype']} --tp {f['tp']}"
         cmd += f" --top-k {f['top_k']}" if f["top_k"] else ""
         return f"regenerate it with `{cmd}` or run the suite with `pytest --lpdiff-regen`"
 
+    def computation(self) -> tuple:
+        """What a human calls "the same baseline": names, depth, prompt set and run settings, but not the content
+        identities. Two keys with equal computations and other digests: the older one is stale (the model,
+        adapter or prompt set changed under its name). Prompts given without a set name are named by their hash,
+        so two such lists never make each other stale."""
+        f = self.fields
+        return (self.model_name, f["model"].get("num_layers"), self.adapter_name, self.prompt_set or f["prompts"],
+                f["engine"], f["dtype"], f["tp"], f["top_k"], _canonical(f.get("extra")))
+
 
 def baseline_key(model: ModelSpec, adapter: AdapterSpec | None, prompts: Sequence[Sequence[int]], dtype: str,
-                 tp: int, engine: str, top_k: int = 0, extra: dict | None = None) -> BaselineKey:
-    """Key of the reference run of ``engine`` on ``model`` (+ ``adapter``) over ``prompts``. ``extra`` holds
-    anything else that changes the numbers (engine options, reference-engine version pins)."""
+                 tp: int, engine: str, top_k: int = 0, extra: dict | None = None,
+                 prompt_set: str | None = None) -> BaselineKey:
+    """Key of the reference run of ``engine`` on ``model`` (+ ``adapter``) over ``prompts`` (the prompt set
+    ``prompt_set`` when they are one: a name, not hashed, that the stale rule and the regen hint use). ``extra``
+    holds anything else that changes the numbers (engine options, reference-engine version pins)."""
     content = {
         "model": model.identity(),
         "adapter": None if adapter is None else adapter.identity(),
@@ -103,7 +107,24 @@ def baseline_key(model: ModelSpec, adapter: AdapterSpec | None, prompts: Sequenc
         "extra": extra or {},
     }
     return BaselineKey(canonical_hash(content), _canonical(content), model.name,
-                       None if adapter is None else adapter.name)
+                       None if adapter is None else adapter.name, prompt_set)
+
+
+def key_from_manifest(manifest: dict[str, Any]) -> BaselineKey:
+    names = manifest["names"]
+    return BaselineKey(manifest["digest"], _canonical(manifest["key"]), names["model"], names.get("adapter"),
+                       names.get("prompt_set"))
+
+
+@functools.lru_cache(maxsize=1)
+def _libraries() -> dict[str, str]:
+    import pyarrow
+
+    from lpdiff import __version__
+    from lpdiff.harness.pipeline.provenance import git_commit
+
+    return {"lpdiff": __version__, "commit": git_commit(), "python": platform.python_version(),
+            "numpy": np.__version__, "pyarrow": pyarrow.__version__}
 
 
 def _same_arrays(a: LogprobRun, b: LogprobRun) -> bool:
@@ -111,57 +132,165 @@ def _same_arrays(a: LogprobRun, b: LogprobRun) -> bool:
     return xa.keys() == xb.keys() and all(np.array_equal(xa[k], xb[k], equal_nan=True) for k in xa)
 
 
-def _lane(fields: dict[str, Any], names: dict[str, Any]) -> tuple:
-    """What a human calls "the same baseline": names and run settings, but not the content identities."""
-    return (names.get("model"), names.get("adapter"), fields.get("engine"), fields.get("dtype"), fields.get("tp"),
-            fields.get("top_k"), _canonical(fields.get("extra")))
+@dataclass(slots=True, frozen=True)
+class StoreEntry:
+    """One file of the store as ``ls`` sees it: a baseline (``key`` set) or a file that is not one (``problem``)."""
+
+    path: Path
+    key: BaselineKey | None
+    created: str = ""
+    size: int = 0
+    problem: str | None = None
+
+    def describe(self) -> str:
+        if self.key is None:
+            return f"{self.path.name}  UNREADABLE: {self.problem}"
+        return f"{self.key.digest[:12]}  {self.created}  {self.key.label()}"
 
 
 class BaselineStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    def _paths(self, key: BaselineKey) -> tuple[Path, Path]:
+    # -- paths and their errors ------------------------------------------------------------------------------------
+    def path(self, key: BaselineKey) -> Path:
         assert _DIGEST.match(key.digest), f"not a sha256 digest: {key.digest!r}"
-        d = self.root / key.digest[:2]
-        return d / f"{key.digest}.npz", d / f"{key.digest}.json"
+        return self.root / key.digest[:2] / f"{key.digest}{store_format.SUFFIX}"
 
-    def _locked(self, key: BaselineKey) -> FileLock:
-        return path_lock(self._paths(key)[0])
+    def _check_folders(self, path: Path) -> None:
+        for folder in (self.root, path.parent):
+            if folder.exists() and not folder.is_dir():
+                what = "the baseline store" if folder == self.root else "a file where the baseline store expects a"
+                raise BaselineStorePath(f"{what} folder {folder} is a file; "
+                                        + ("pass --baselines (or LPDIFF_BASELINES) a folder" if folder == self.root
+                                           else "move that file out of the store"))
 
-    def put(self, key: BaselineKey, run: LogprobRun, overwrite: bool = False) -> bool:
-        """Store ``run`` under ``key``. Returns False when an equal run (same arrays; metadata such as wall time
-        may differ) is already there, e.g. another xdist worker won the race. A different stored run raises
-        BaselineExists unless ``overwrite``."""
-        self._check_run(key, run)
-        npz, side = self._paths(key)
-        npz.parent.mkdir(parents=True, exist_ok=True)
-        with self._locked(key):
-            if side.exists() and not overwrite:
-                if _same_arrays(self._read(key), run):
-                    return False
-                raise BaselineExists(f"a different baseline is already stored for {key.label()} at {npz}; "
-                                     f"refusing to overwrite it. If the reference really changed, "
-                                     f"{key.regen_hint()}")
-            fd, tmp = tempfile.mkstemp(dir=npz.parent, prefix=f".{key.digest}.", suffix=".npz")
-            os.close(fd)
-            tmp_side = tmp[:-len(".npz")] + ".json"
+    def _os_error(self, e: OSError, path: Path) -> BaselineStorePath:
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            return BaselineStorePath(f"{e.filename or path}: a file stands where the baseline store expects a "
+                                     "folder; move it out of the store or pass --baselines another folder")
+        return BaselineStorePath(f"cannot write to the baseline store {self.root} ({e.strerror or e} at "
+                                 f"{e.filename or path}); pass --baselines (or LPDIFF_BASELINES) a writable folder")
+
+    # -- reading (never locks, never writes) ---------------------------------------------------------------------
+    def get(self, key: BaselineKey) -> LogprobRun:
+        """The stored run, checksum-verified. Raises BaselineMissing / BaselineStale / BaselineCorrupt /
+        BaselineStorePath, each naming the path and the fix."""
+        path = self.path(key)
+        self._check_folders(path)
+        try:
+            run, manifest = store_format.read(path)
+        except FileNotFoundError:
+            raise self._absent(key, path) from None
+        except BaselineCorrupt as e:
+            raise BaselineCorrupt(f"{e}; {key.regen_hint()}") from None
+        stored = _canonical(manifest.get("key"))
+        if stored != key.description:
+            raise BaselineStale(f"the baseline stored at {path} describes another computation than "
+                                f"{key.label()} (hash collision or edited file): stored {stored}, wanted "
+                                f"{key.description}; {key.regen_hint()}")
+        return run
+
+    def _absent(self, key: BaselineKey, path: Path) -> BaselineError:
+        legacy = path.with_suffix(".json")
+        if legacy.exists():
+            return BaselineStale(f"the baseline for {key.label()} is stored in the old .npz format at {legacy}; "
+                                 f"convert the store with `python -m lpdiff.harness.pipeline.store_legacy "
+                                 f"{self.root}`, or {key.regen_hint()}")
+        stale = self.find_stale(key)
+        if stale:
+            return BaselineStale(f"the baseline for {key.label()} was computed from something else: "
+                                 f"{self._differences(key, stale[0])} changed; {key.regen_hint()}")
+        return BaselineMissing(f"no baseline for {key.label()} in {self.root} (key {key.digest[:12]}); "
+                               f"{key.regen_hint()}")
+
+    def manifest(self, key: BaselineKey) -> dict[str, Any]:
+        """The stored manifest of ``key`` (provenance, metadata), without reading the numbers."""
+        path = self.path(key)
+        self._check_folders(path)
+        try:
+            return store_format.read_manifest(path)
+        except FileNotFoundError:
+            raise self._absent(key, path) from None
+
+    def ls(self) -> list[StoreEntry]:
+        """Every baseline file in the store, sorted by path; files that are not readable baselines are listed with
+        their problem (``prune`` removes them)."""
+        self._check_folders(self.root)
+        out = []
+        for path in sorted(self.root.glob(f"??/*{store_format.SUFFIX}")):
+            if not _DIGEST.match(path.stem):
+                continue
             try:
-                run.save(tmp)
-                blob = Path(tmp).read_bytes()
-                info = {"format": FORMAT, "digest": key.digest, "key": key.fields,
-                        "names": {"model": key.model_name, "adapter": key.adapter_name},
-                        "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob), "meta": run.meta,
-                        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-                Path(tmp_side).write_text(json.dumps(info, indent=1, sort_keys=True, default=str) + "\n")
-                # the sidecar lands last: it is what marks the key as present
-                os.replace(tmp, npz)
-                os.replace(tmp_side, side)
-            finally:
-                for t in (tmp, tmp_side):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(t)
+                m = store_format.read_manifest(path)
+                key = key_from_manifest(m)
+                if key.digest != path.stem:
+                    raise BaselineCorrupt(f"its manifest names key {key.digest[:12]}")
+                out.append(StoreEntry(path, key, str(m.get("created", "")), path.stat().st_size))
+            except FileNotFoundError:
+                continue  # deleted while listing
+            except (BaselineCorrupt, KeyError, TypeError, AttributeError) as e:
+                out.append(StoreEntry(path, None, problem=str(e) or type(e).__name__))
+        return out
+
+    def list(self) -> list[BaselineKey]:
+        return [e.key for e in self.ls() if e.key is not None]
+
+    def find_stale(self, key: BaselineKey) -> list[BaselineKey]:
+        """Stored keys of the same computation as ``key`` (names, depth, prompt set, engine, dtype, TP, top-k,
+        options) but other content: what a regen of ``key`` supersedes. Other prompt sets, depths or reference
+        engines are other computations and never stale."""
+        want = key.computation()
+        return [k for k in self.list() if k.digest != key.digest and k.computation() == want]
+
+    @staticmethod
+    def _differences(key: BaselineKey, old: BaselineKey) -> str:
+        new_f, old_f = key.fields, old.fields
+        return ", ".join(f"{k} ({_canonical(old_f.get(k))} -> {_canonical(new_f.get(k))})"
+                         for k in sorted(new_f) if new_f.get(k) != old_f.get(k))
+
+    # -- writing -----------------------------------------------------------------------------------------------
+    def put(self, key: BaselineKey, run: LogprobRun, overwrite: bool = False) -> bool:
+        """Store ``run`` under ``key`` as one file. Returns False when an equal run (same arrays; metadata such as
+        wall time may differ) is already there, e.g. another xdist worker won the race. A different stored run
+        raises BaselineExists unless ``overwrite``. Other keys are never touched: superseded baselines stay until
+        ``prune``."""
+        self._check_run(key, run)
+        path = self.path(key)
+        self._check_folders(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with write_lock(self.root, key.digest):
+                sweep_temps(self.root, path)
+                if not overwrite and self._equal_or_refuse(key, path, run):
+                    return False
+                manifest = self._manifest(key, run)
+                atomic_write(path, lambda fh: store_format.write(store_format.encode(run, manifest), fh))
+        except OSError as e:
+            raise self._os_error(e, path) from None
         return True
+
+    def _equal_or_refuse(self, key: BaselineKey, path: Path, run: LogprobRun) -> bool:
+        try:
+            stored, _ = store_format.read(path)
+        except FileNotFoundError:
+            return False
+        except BaselineCorrupt as e:
+            raise BaselineCorrupt(f"{e}; refusing to write over it without overwrite: {key.regen_hint()}") from None
+        if _same_arrays(stored, run):
+            return True
+        raise BaselineExists(f"a different baseline is already stored for {key.label()} at {path}; refusing to "
+                             f"overwrite it. If the reference really changed, {key.regen_hint()}")
+
+    def _manifest(self, key: BaselineKey, run: LogprobRun) -> dict[str, Any]:
+        meta = run.meta
+        provenance = {"engine": meta.get("engine", key.fields["engine"]), "engine_version": meta.get("engine_version"),
+                      "dtype": meta.get("dtype", key.fields["dtype"]), "tp": meta.get("tp", key.fields["tp"]),
+                      "device": meta.get("device"), **_libraries()}
+        return {"format": FORMAT, "digest": key.digest, "key": key.fields,
+                "names": {"model": key.model_name, "adapter": key.adapter_name, "prompt_set": key.prompt_set},
+                "meta": meta, "provenance": provenance, "data_sha256": store_format.data_sha256(run),
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
     def _check_run(self, key: BaselineKey, run: LogprobRun) -> None:
         f = key.fields
@@ -173,69 +302,46 @@ class BaselineStore:
             raise ValueError(f"the key asks for top_k={f['top_k']} but the run's top-k widths are {widths}; "
                              f"run the engine with top_k={f['top_k']}")
 
-    def get(self, key: BaselineKey) -> LogprobRun:
-        """The stored run, checksum-verified. Raises BaselineMissing / BaselineStale / BaselineCorrupt."""
-        _, side = self._paths(key)
-        if not side.exists():
-            stale = self.find_stale(key)
-            if stale:
-                raise BaselineStale(f"the baseline for {key.label()} was computed from something else: "
-                                    f"{self._differences(key, stale[0])} changed; {key.regen_hint()}")
-            raise BaselineMissing(f"no baseline for {key.label()} in {self.root} (key {key.digest[:12]}); "
-                                  f"{key.regen_hint()}")
-        with self._locked(key):
-            return self._read(key)
-
-    def _read(self, key: BaselineKey) -> LogprobRun:
-        npz, side = self._paths(key)
-        try:
-            info = json.loads(side.read_text())
-            stored, checksum = _canonical(info["key"]), info["sha256"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise BaselineCorrupt(f"baseline sidecar {side} is unreadable ({e}); {key.regen_hint()}") from None
-        if stored != key.description:
-            raise BaselineStale(f"the baseline stored at {side} describes another computation than "
-                                f"{key.label()} (hash collision or edited file): stored {stored}, wanted "
-                                f"{key.description}; {key.regen_hint()}")
-        try:
-            blob = npz.read_bytes()
-        except FileNotFoundError:
-            raise BaselineCorrupt(f"baseline {npz} is missing next to its sidecar; {key.regen_hint()}") from None
-        if hashlib.sha256(blob).hexdigest() != checksum:
-            raise BaselineCorrupt(f"baseline {npz} fails its sha256 check (the file was damaged or edited); "
-                                  f"{key.regen_hint()}")
-        return LogprobRun.load(io.BytesIO(blob))
-
-    def _sidecars(self) -> Iterator[dict[str, Any]]:
-        for side in sorted(self.root.glob("??/*.json")):
-            if not _DIGEST.match(side.stem):
-                continue  # a temp file of a writer in progress
-            with contextlib.suppress(ValueError, OSError):
-                yield json.loads(side.read_text())
-
-    def list(self) -> list[BaselineKey]:
-        return [BaselineKey(i["digest"], _canonical(i["key"]), i["names"]["model"], i["names"]["adapter"])
-                for i in self._sidecars() if {"digest", "key", "names"} <= i.keys()]
-
-    def find_stale(self, key: BaselineKey) -> list[BaselineKey]:
-        """Stored keys with the same names and settings as ``key`` but other content (the model, adapter or
-        prompts changed under the same name): what ``lpdiff regen`` replaces."""
-        want = _lane(key.fields, {"model": key.model_name, "adapter": key.adapter_name})
-        return [k for k in self.list() if k.digest != key.digest
-                and _lane(k.fields, {"model": k.model_name, "adapter": k.adapter_name}) == want]
-
-    @staticmethod
-    def _differences(key: BaselineKey, old: BaselineKey) -> str:
-        new_f, old_f = key.fields, old.fields
-        return ", ".join(f"{k} ({_canonical(old_f.get(k))} -> {_canonical(new_f.get(k))})"
-                         for k in sorted(new_f) if new_f.get(k) != old_f.get(k))
-
+    # -- removing (explicit only) ----------------------------------------------------------------------------------
     def delete(self, key: BaselineKey) -> bool:
-        npz, side = self._paths(key)
-        if not side.exists() and not npz.exists():
+        """Remove the baseline of ``key`` (an explicit request; regen never calls this)."""
+        path = self.path(key)
+        if not path.exists():
             return False
-        with self._locked(key):
-            for p in (side, npz):  # sidecar first: a reader then sees "missing", never a half-deleted value
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+        try:
+            with write_lock(self.root, key.digest):
+                path.unlink(missing_ok=True)
+        except OSError as e:
+            raise self._os_error(e, path) from None
         return True
+
+    def prune(self, keep: Iterable[BaselineKey | str] | None = None, dry_run: bool = True) -> list[StoreEntry]:
+        """What to remove, removed unless ``dry_run``: with ``keep`` (keys or digests), every baseline not in it;
+        without, each baseline superseded by a newer one of the same computation (see ``find_stale``). Files that
+        are not readable baselines go too. Returns the entries, sorted by path; temp files of killed writers are
+        swept as a side effect of a real run."""
+        entries = self.ls()
+        good = [e for e in entries if e.key is not None]
+        if keep is not None:
+            kept = {k if isinstance(k, str) else k.digest for k in keep}
+            drop = [e for e in good if e.key.digest not in kept]
+        else:
+            newest: dict[tuple, StoreEntry] = {}
+            for e in good:
+                c = e.key.computation()
+                if c not in newest or (e.created, e.path.stat().st_mtime) > (newest[c].created,
+                                                                              newest[c].path.stat().st_mtime):
+                    newest[c] = e
+            drop = [e for e in good if newest[e.key.computation()] is not e]
+        drop = sorted(drop + [e for e in entries if e.key is None], key=lambda e: e.path)
+        if not dry_run:
+            for e in drop:
+                if e.key is not None:
+                    self.delete(e.key)
+                else:
+                    try:
+                        e.path.unlink(missing_ok=True)
+                    except OSError as err:
+                        raise self._os_error(err, e.path) from None
+            sweep_temps(self.root)
+        return drop

@@ -1,0 +1,146 @@
+"""One baseline = one parquet file: a row per prompt (token ids, logprobs, top-k ids / logprobs and router margins
+as list columns) and the manifest (key, what was computed, provenance) as JSON in the file's key-value metadata.
+
+One file makes a baseline one unit: it is renamed into place whole, so a reader sees the old file or the new one,
+never a data file beside another run's description. Plain parquet, so ``datasets.load_dataset("parquet", ...)``
+and the Hub's dataset viewer read it; the per-row ``baseline`` / ``model`` / ``adapter`` / ``engine`` / ``dtype``
+columns let one dataset hold many baselines and still be filtered.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, BinaryIO
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lpdiff.harness.pipeline.store_errors import BaselineCorrupt
+from lpdiff.harness.types import LogprobRun
+
+FORMAT = 2
+META_KEY = b"lpdiff.manifest"
+SUFFIX = ".parquet"
+
+SCHEMA = pa.schema([
+    ("baseline", pa.string()), ("model", pa.string()), ("adapter", pa.string()), ("engine", pa.string()),
+    ("dtype", pa.string()), ("prompt", pa.int32()),
+    ("token_ids", pa.list_(pa.int64())), ("logprobs", pa.list_(pa.float32())),
+    ("topk_ids", pa.list_(pa.list_(pa.int64()))), ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+    ("router_margin", pa.list_(pa.float32())),
+])
+
+
+def data_sha256(run: LogprobRun) -> str:
+    """Checksum of the numbers (names, dtypes, shapes and bytes of the flattened arrays in a fixed order): a file
+    edited or damaged in a way parquet itself accepts still fails it."""
+    h = hashlib.sha256()
+    for name, arr in sorted(run.to_arrays().items()):
+        arr = np.ascontiguousarray(arr)
+        h.update(f"{name}:{arr.dtype.str}:{arr.shape}\0".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def _lists(flat: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=typ.value_type))
+
+
+def _nested(flat: np.ndarray, pos_lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """(positions, k) rows grouped per prompt: list<list<T>>."""
+    k = flat.shape[1]
+    inner = _lists(flat.reshape(-1), np.full(flat.shape[0], k), typ.value_type)
+    offsets = np.concatenate([[0], np.cumsum(pos_lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), inner)
+
+
+def encode(run: LogprobRun, manifest: dict[str, Any]) -> pa.Table:
+    arrays = run.to_arrays()
+    lens = arrays["lengths"]
+    n = len(lens)
+    names = manifest.get("names", {})
+    per_row = {"baseline": manifest.get("digest"), "model": names.get("model"), "adapter": names.get("adapter"),
+               "engine": manifest.get("key", {}).get("engine"), "dtype": manifest.get("key", {}).get("dtype")}
+    cols: dict[str, pa.Array] = {c: pa.array([v] * n, type=pa.string()) for c, v in per_row.items()}
+    cols["prompt"] = pa.array(np.arange(n, dtype=np.int32))
+    cols["token_ids"] = _lists(arrays["token_ids"], lens, SCHEMA.field("token_ids").type)
+    cols["logprobs"] = _lists(arrays["logprobs"], lens - 1, SCHEMA.field("logprobs").type)
+    for name in ("topk_ids", "topk_logprobs"):
+        typ = SCHEMA.field(name).type
+        cols[name] = _nested(arrays[name], lens - 1, typ) if name in arrays else pa.nulls(n, type=typ)
+    typ = SCHEMA.field("router_margin").type
+    cols["router_margin"] = _lists(arrays["router_margin"], lens, typ) if "router_margin" in arrays \
+        else pa.nulls(n, type=typ)
+    meta = {META_KEY: json.dumps(manifest, sort_keys=True, default=str).encode()}
+    return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA.with_metadata(meta))
+
+
+def write(table: pa.Table, fh: BinaryIO) -> None:
+    pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
+
+
+def _flat(col: pa.ChunkedArray, dtype) -> np.ndarray:
+    return np.asarray(pa.concat_arrays(col.chunks).flatten().to_numpy(zero_copy_only=False), dtype=dtype)
+
+
+def _optional(table: pa.Table, name: str, dtype, nested: bool) -> np.ndarray | None:
+    col = table.column(name)
+    if col.null_count == len(col):
+        return None
+    if col.null_count:
+        raise ValueError(f"column {name} is null for some prompts only")
+    if not nested:
+        return _flat(col, dtype)
+    inner = pa.concat_arrays(col.chunks).flatten()
+    widths = set(np.asarray(inner.value_lengths()).tolist())
+    if len(widths) > 1:
+        raise ValueError(f"column {name} has rows of different widths {sorted(widths)}")
+    k = widths.pop() if widths else 0
+    return np.asarray(inner.flatten().to_numpy(zero_copy_only=False), dtype=dtype).reshape(-1, k)
+
+
+def _unreadable(path, e: Exception) -> BaselineCorrupt:
+    return BaselineCorrupt(f"baseline {path} is not a readable lpdiff baseline ({type(e).__name__}: {str(e)[:200]})")
+
+
+def read(path) -> tuple[LogprobRun, dict[str, Any]]:
+    """(run, manifest) of a baseline file; BaselineCorrupt naming ``path`` when it is not one (unreadable, junk,
+    truncated, or its numbers fail their checksum)."""
+    try:
+        with pq.ParquetFile(path) as pf:
+            table = pf.read()
+        if not table.schema.equals(SCHEMA, check_metadata=False):
+            raise ValueError(f"columns {table.schema.names} are not those of format {FORMAT}")
+        manifest = json.loads(table.schema.metadata[META_KEY])
+        lens = np.asarray(table.column("token_ids").combine_chunks().value_lengths(), dtype=np.int64)
+        arrays = {"lengths": lens, "token_ids": _flat(table.column("token_ids"), np.int64),
+                  "logprobs": _flat(table.column("logprobs"), np.float32)}
+        for name, dtype, nested in (("topk_ids", np.int64, True), ("topk_logprobs", np.float32, True),
+                                    ("router_margin", np.float32, False)):
+            arr = _optional(table, name, dtype, nested)
+            if arr is not None:
+                arrays[name] = arr
+        run = LogprobRun.from_arrays(arrays, manifest.get("meta", {}))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AssertionError, pa.ArrowException) as e:
+        raise _unreadable(path, e) from None
+    if manifest.get("format") != FORMAT:
+        raise BaselineCorrupt(f"baseline {path} has format {manifest.get('format')!r}; this lpdiff reads "
+                              f"format {FORMAT}")
+    if data_sha256(run) != manifest.get("data_sha256"):
+        raise BaselineCorrupt(f"baseline {path} fails its checksum (the file was damaged or edited)")
+    return run, manifest
+
+
+def read_manifest(path) -> dict[str, Any]:
+    """The manifest alone (the footer; no data pages are read): what ``ls`` and the stale rule need."""
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        return json.loads(meta[META_KEY])
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as e:
+        raise _unreadable(path, e) from None
