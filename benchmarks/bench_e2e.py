@@ -2,7 +2,7 @@
 expert's gate_up/down) against HF+PEFT (engines.hf, grouped_mm experts), measured in the same run on the same GPU,
 with peak GPU memory against the runtime's weights + LoRA bytes.
 
-    python benchmarks/bench_e2e.py --models qwen3-30b-a3b gpt-oss-20b --out DIR [--commit SHA] [--layers N]
+    python -m benchmarks.bench_e2e --models qwen3-30b-a3b gpt-oss-20b --out DIR [--commit SHA] [--layers N]
         [--moe-backend triton [grouped_mm]]   # the triton engine's moe_backend option(s), each timed in the same
                                               # run (impl column triton / triton+BACKEND)
 
@@ -19,21 +19,18 @@ import gc
 import gzip
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lpdiff.engines.base import EngineConfig  # noqa: E402
-from lpdiff.engines.triton.engine import ATTENTION, OPTIONS  # noqa: E402
-from lpdiff.kernels import fused_moe_lora as fm  # noqa: E402
-from lpdiff.kernels.fused_moe_lora import EXPAND, MOE_EXPAND  # noqa: E402
-from lpdiff.kernels.moe_grouped import BACKENDS  # noqa: E402
-from lpdiff.harness.types import AdapterSpec  # noqa: E402
+from lpdiff.engines.base import EngineConfig
+from lpdiff.engines.triton.engine import ATTENTION, OPTIONS
+from lpdiff.kernels import fused_moe_lora as fm
+from lpdiff.kernels.fused_moe_lora import EXPAND, MOE_EXPAND
+from lpdiff.kernels.moe_grouped import BACKENDS
+from lpdiff.harness.types import AdapterSpec
 
 COLUMNS = ["date", "commit", "gpu", "model", "tokens", "tp", "dtype", "adapter", "impl", "tokens_per_s",
            "peak_mem_gb"]

@@ -1,7 +1,7 @@
 """The latest metamorphic verdict of every engine x model x adapter x relation, as markdown tables (one per model),
 from benchmarks/results/metamorphic.csv: what a closing note lists.
 
-    python benchmarks/metamorphic_table.py [CSV] [--gpu-only] [--engines vllm sglang triton]
+    python -m benchmarks.metamorphic_table [CSV] [--gpu-only] [--engines vllm sglang triton]
 
 A later row for the same key replaces an earlier one (rows are appended run after run), so a relation re-run after
 a fix shows its new verdict; the commit column says which run each cell comes from.

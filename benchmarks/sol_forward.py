@@ -25,22 +25,18 @@ the activation pass, routing and the log-softmax pass are taken as free.
 Printed per model: the graph's ms per call (base / LoRA), the floor's ms, the total, tokens/s, and each GEMM alone
 by do_bench (one launch at a time: boost clocks, not the power-capped sustained rate).
 
-    python benchmarks/sol_forward.py [--models qwen3-30b-a3b gpt-oss-20b] [--batch 8 --seq 512 --rank 32]
+    python -m benchmarks.sol_forward [--models qwen3-30b-a3b gpt-oss-20b] [--batch 8 --seq 512 --rank 32]
         [--reps 10] [--layers N] [--dense-experts] [--device cuda|cpu]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Where the GPU waits for the host: idle gaps between the kernels of a torch-profiler chrome trace, each with the
 host work that was going on meanwhile.
 
-    python benchmarks/trace_gaps.py TRACE.json[.gz] [--min-gap-us 20] [--top 15]
+    python -m benchmarks.trace_gaps TRACE.json[.gz] [--min-gap-us 20] [--top 15]
 
 bench_e2e.py --profile writes such a trace of one LoRA call. A gap is a stretch with no kernel or memcpy/memset on
 any GPU stream; the host side of it is the outermost CPU ops (and CUDA runtime calls: a cudaStreamSynchronize or a

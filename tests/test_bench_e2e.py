@@ -1,26 +1,16 @@
 """benchmarks/bench_e2e.py's per-piece breakdown calls the runtime's internals (MoeTransformer._linear, route,
 experts, attention) directly; run it on CPU on the tiny zoo so that a change of those signatures fails here and not
-in a paid GPU job (run 21 lost its breakdown to one)."""
+in a GPU job, where the breakdown would be lost after the timing it followed."""
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.spec.catalog import get_model
-from lpdiff.harness.pipeline.job import zoo_adapters
+from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.types import AdapterSpec
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench_e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks import bench_e2e
 
 
 def _once(fn, **_):  # stands in for triton.testing.do_bench: run the piece once, report 1 ms
@@ -42,7 +32,7 @@ def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
     prompts = [list(range(3, 3 + n)) for n in (5, 5)]  # the interpreter (impl triton) pays per token
     with TritonEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapter.path)}, device="cpu",
                                    options={"impl": impl})) as eng:
-        rows = _bench_e2e().breakdown(eng, prompts, "a", do_bench=_once)
+        rows = bench_e2e.breakdown(eng, prompts, "a", do_bench=_once)
     pieces = {p for p, _ in rows}
     assert {"qkv lora_linear", "o lora_linear", "moe_forward", "attention", "whole forward"} <= pieces
     assert all((p, tag) in rows for p in pieces for tag in ("base", "lora"))

@@ -11,7 +11,7 @@ import torch
 
 from lpdiff.kernels import MoeLoraWeights, moe_align, moe_forward
 from lpdiff.kernels.fused_moe_lora import GemmConfig, ShrinkConfig, moe_forward_triton
-from benchmarks.bench_kernels import configs  # default tiles of both GEMMs with GemmConfig flags changed
+from tests.helpers.moe_bench import configs  # default tiles of both GEMMs with GemmConfig flags changed
 from lpdiff.kernels.moe_align import align_groups_reference
 
 CUDA = torch.cuda.is_available()
@@ -207,7 +207,7 @@ def test_lora_shrink_launches(monkeypatch):
                          ids=["once", "fused", "once-tma-epilogue_loads", "fused-ntiles3"])
 def test_bench_stage_breakdown_on_cpu(lora_shrink, flags):
     """The staged launches that bench_kernels.py times on a GPU, run once each here: same stages, same output."""
-    from benchmarks.bench_kernels import stage_breakdown, untimed
+    from tests.helpers.moe_bench import stage_breakdown, untimed
     p = make_moe(T=21, H=40, I=24, E=4, K=3, activation="swiglu_oai", ranks=(8, 5), bias=True)
     times, out = stage_breakdown(p, lora_shrink, timer=untimed, **flags)
     once = ["shrink1", "shrink2"] if lora_shrink == "once" else []
@@ -411,7 +411,7 @@ def test_n_tiles_is_for_expert_gemms_only():
 def test_bench_shrink_sweep_on_cpu():
     """bench_kernels.py --sweep-shrink's loop on a tiny shape through the interpreter: every config's S is checked
     against the default launch's, and a config that cannot run is logged and skipped, not fatal."""
-    from benchmarks.bench_kernels import MoeShape, shrink_sweep, untimed
+    from tests.helpers.moe_bench import MoeShape, shrink_sweep, untimed
     rows, logs = [], []
     good = [ShrinkConfig(), ShrinkConfig(block_k=16, num_stages=2)]
     totals = shrink_sweep(logs.append, lambda *r: rows.append(r), [MoeShape("tiny", 4, 48, 40, 2, "silu", False)],
@@ -433,9 +433,9 @@ def test_moe_launches_compile_for_sm90():
     import subprocess
     import sys
     pytest.importorskip("triton.backends.nvidia.compiler")
-    from benchmarks.bench_kernels import SM90_SMEM
+    from tests.helpers.moe_bench import SM90_SMEM
     # a fresh process: the interpreter leaves triton.language patched once it ran (sm90_report's docstring)
-    code = ("import json; from benchmarks.bench_kernels import SHAPES, sm90_report; "
+    code = ("import json; from tests.helpers.moe_bench import SHAPES, sm90_report; "
             "print(json.dumps(sm90_report(lambda line: None, SHAPES[:1], 4096, 32, [{}, dict(tma=True), "
             "dict(lora_shrink='fused', n_tiles=2)])))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

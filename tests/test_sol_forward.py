@@ -2,28 +2,16 @@
 product runs, and the FLOPs it reports per product are those of the shapes it actually multiplies."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _sol():
-    spec = importlib.util.spec_from_file_location("sol_forward", ROOT / "benchmarks" / "sol_forward.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks import sol_forward
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gpt-oss"])
 @pytest.mark.parametrize("dense_experts", [False, True])
 def test_flops_match_the_products_run(model, dense_experts):
-    sol = _sol()
+    sol = sol_forward
     s = sol.shapes_of(model, batch=2, seq=8, layers=1)
     fwd = sol.SolForward(s, rank=4, device="cpu", dtype=torch.float32, dense_experts=dense_experts)
     for lora in (False, True):
@@ -43,7 +31,7 @@ def test_flops_match_the_products_run(model, dense_experts):
 
 
 def test_main_reports_base_and_lora_on_cpu(capsys):
-    res = _sol().main(["--models", "tiny-qwen3-moe", "--device", "cpu", "--layers", "1", "--batch", "2",
+    res = sol_forward.main(["--models", "tiny-qwen3-moe", "--device", "cpu", "--layers", "1", "--batch", "2",
                        "--seq", "8", "--reps", "1", "--warmup", "0", "--rank", "4"])
     (r,) = res
     assert r["base_tokens_per_s"] > 0 and r["lora_tokens_per_s"] > 0 and r["floor_ms"] > 0
