@@ -1,0 +1,417 @@
+"""Baseline stores kept in a Hugging Face Hub dataset repo, named ``hf://datasets/ORG/NAME[@REV]``.
+
+A store is treated as a directory tree of files. ``pull`` fetches one revision with ``snapshot_download`` into the
+standard HF cache and returns the snapshot folder (a read-only store); with ``HF_HUB_OFFLINE=1`` and a full commit
+hash it is served from the cache without a request. Every pulled file is checked against the checksum the Hub
+served for it (the cache names each blob by it: sha256 for LFS files, the git blob sha1 for others), because
+huggingface_hub checks only a download's length. ``push`` uploads a local store as ONE commit whose
+``parent_commit`` is the revision the push is based on, so a push racing another is refused (HTTP 412) instead of
+overwriting it; the commit also writes a dataset card (README.md) listing the store's entries, with a ``configs``
+front matter so the Hub viewer and ``datasets`` find the parquet files.
+
+``baselines.lock`` pins the revision (CI reads it): ``#`` comment lines and exactly one line
+``hf://datasets/ORG/NAME@<40-hex commit>``, the same string ``--baselines`` takes, so a workflow can pass
+``--baselines "$(grep -v '^#' baselines.lock)"``. ``push`` rewrites it with the new commit.
+
+HF_ENDPOINT, HF_HUB_OFFLINE and HF_HOME / HF_HUB_CACHE are read when a function here is called, not when
+huggingface_hub was imported (transformers imports it early): the endpoint and cache are passed to every call,
+and the offline flag, which has no parameter, is copied into ``huggingface_hub.constants`` first.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+LOCK_NAME = "baselines.lock"
+CARD = "README.md"
+_SKIP = {CARD, ".gitattributes"}  # repo files that are not store entries
+_URL = re.compile(r"^hf://datasets/([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+class HubError(Exception):
+    """A Hub store problem; the message names the repo and the command that fixes it."""
+
+
+class HubConflict(HubError):
+    """The branch moved since the revision a push was based on."""
+
+
+@dataclass(slots=True, frozen=True)
+class HubRef:
+    repo_id: str
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", self.repo_id):
+            raise HubError(f"bad Hub dataset id {self.repo_id!r}: expected ORG/NAME")
+
+    @property
+    def url(self) -> str:
+        return f"hf://datasets/{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+
+def is_hub_url(text: str | os.PathLike) -> bool:
+    return isinstance(text, str) and text.startswith("hf://")
+
+
+def parse_url(text: str) -> HubRef:
+    """``hf://datasets/ORG/NAME[@REV]`` -> HubRef; HubError naming the expected form otherwise."""
+    m = _URL.match(text.strip())
+    if not m:
+        raise HubError(f"bad baselines URL {text!r}: expected hf://datasets/ORG/NAME or hf://datasets/ORG/NAME@REV "
+                       "(REV a branch, tag or 40-hex commit)")
+    return HubRef(m.group(1), m.group(2))
+
+
+# -- lock file ------------------------------------------------------------------------------------------------
+def read_lock(path: str | Path) -> HubRef | None:
+    """The pinned repo and commit, or None when there is no lock file."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    ref = parse_url(lines[0]) if len(lines) == 1 else None
+    if ref is None or not ref.revision or not _COMMIT.match(ref.revision):
+        raise HubError(f"{path} must hold one line hf://datasets/ORG/NAME@<40-hex commit>; rewrite it with "
+                       "`lpdiff baselines pull hf://datasets/ORG/NAME@REV`")
+    return ref
+
+
+def write_lock(path: str | Path, ref: HubRef) -> None:
+    assert ref.revision and _COMMIT.match(ref.revision), ref
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("# Baselines revision used by `lpdiff run` and CI; `lpdiff baselines pull|push` rewrite it.\n"
+                   f"{ref.url}\n")
+    tmp.replace(path)
+
+
+# -- environment and client -----------------------------------------------------------------------------------
+def _true(v: str | None) -> bool:
+    return (v or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+@dataclass(slots=True, frozen=True)
+class HubEnv:
+    endpoint: str
+    offline: bool
+    cache_dir: Path
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "HubEnv":
+        """The same precedence huggingface_hub.constants applies at its import, applied now."""
+        env = os.environ if env is None else env
+        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                  "huggingface")
+        cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+        return cls(endpoint=(env.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/"),
+                   offline=_true(env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE")),
+                   cache_dir=Path(os.path.expandvars(os.path.expanduser(cache))))
+
+
+def _client(env: HubEnv):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = env.offline  # read by every request; it has no per-call parameter
+    return huggingface_hub, huggingface_hub.HfApi(endpoint=env.endpoint)
+
+
+def _explain(e: Exception, ref: HubRef, env: HubEnv) -> HubError:
+    from huggingface_hub import errors
+
+    where = f"{ref.url} at {env.endpoint}"
+    if isinstance(e, errors.RevisionNotFoundError):
+        return HubError(f"{where}: no revision {ref.revision!r}; list the repo's commits on the Hub or fix the "
+                        "revision in --baselines / baselines.lock")
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return HubError(f"{where}: no such dataset repo (or no access: set HF_TOKEN); create it with "
+                        "`lpdiff baselines push`")
+    if env.offline and isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
+        return HubError(f"{where} is not in the HF cache ({env.cache_dir}) and HF_HUB_OFFLINE is set: run "
+                        "`lpdiff baselines pull` once with network access, or unset HF_HUB_OFFLINE")
+    return HubError(f"{where}: {type(e).__name__}: {e}")
+
+
+# -- checksums ------------------------------------------------------------------------------------------------
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _store_files(root: Path) -> dict[str, Path]:
+    """Relative posix path -> file, for every file of a store (dot-files and the card left out)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and not any(part.startswith(".") for part in rel.split("/")) and rel != CARD:
+            out[rel] = p
+    return out
+
+
+def _verify_snapshot(folder: Path, ref: HubRef) -> None:
+    """Each cached file must hash to the etag its blob is named by; a mismatch removes the bad blob so that the
+    next pull downloads it again."""
+    for rel, p in _store_files(folder).items():
+        if not p.is_symlink():
+            continue  # a cache without symlinks keeps no etag beside the file
+        blob = Path(os.path.realpath(p))
+        data = blob.read_bytes()
+        want = blob.name
+        got = hashlib.sha256(data).hexdigest() if len(want) == 64 else git_blob_sha1(data)
+        if got != want:
+            blob.unlink(missing_ok=True)
+            p.unlink(missing_ok=True)
+            raise HubError(f"{rel} pulled from {ref.url} is corrupt: its checksum is {got}, the Hub's is {want}; "
+                           "the bad copy was removed from the HF cache: run `lpdiff baselines pull` again")
+
+
+def _remote_checksums(api, ref: HubRef) -> dict[str, str]:
+    from huggingface_hub.hf_api import RepoFile
+
+    return {f.path: (f.lfs.sha256 if f.lfs is not None else f.blob_id)
+            for f in api.list_repo_tree(ref.repo_id, recursive=True, revision=ref.revision, repo_type="dataset")
+            if isinstance(f, RepoFile)}
+
+
+def _local_checksum(path: Path, like: str | None) -> str:
+    """The checksum the Hub would give this file, in the same kind as ``like`` (sha256 for LFS files)."""
+    data = path.read_bytes()
+    return hashlib.sha256(data).hexdigest() if like is not None and len(like) == 64 else git_blob_sha1(data)
+
+
+# -- pull -----------------------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Pulled:
+    ref: HubRef  # revision = the full commit hash
+    path: Path  # the snapshot folder in the HF cache: a read-only store
+
+
+def _pin(ref: HubRef, lock: str | Path | None) -> HubRef:
+    if ref.revision:
+        return ref
+    pinned = read_lock(lock) if lock is not None else None
+    if pinned is not None and pinned.repo_id == ref.repo_id:
+        return pinned
+    return HubRef(ref.repo_id, "main")
+
+
+def pull(source: str | HubRef, *, lock: str | Path | None = LOCK_NAME, update_lock: bool = False,
+         env: HubEnv | None = None) -> Pulled:
+    """Fetch a revision (the given one, else the lock's for that repo, else main) and check every file.
+    ``update_lock`` writes the resolved commit to ``lock``."""
+    env = env or HubEnv.from_environ()
+    ref = _pin(parse_url(source) if isinstance(source, str) else source, lock)
+    if env.offline and not _COMMIT.match(ref.revision or ""):
+        raise HubError(f"{ref.url}: offline (HF_HUB_OFFLINE) a pull needs a 40-hex commit, not {ref.revision!r}; "
+                       "pin one with `lpdiff baselines pull` online (it writes baselines.lock)")
+    hf, _ = _client(env)
+    try:
+        folder = Path(hf.snapshot_download(ref.repo_id, repo_type="dataset", revision=ref.revision,
+                                           cache_dir=env.cache_dir, endpoint=env.endpoint,
+                                           local_files_only=env.offline))
+    except Exception as e:  # every huggingface_hub / httpx failure becomes one message naming the fix
+        raise _explain(e, ref, env) from e
+    pulled = Pulled(HubRef(ref.repo_id, folder.name), folder)
+    _verify_snapshot(folder, pulled.ref)
+    if update_lock and lock is not None:
+        write_lock(lock, pulled.ref)
+    return pulled
+
+
+def resolve_store(spec: str, *, lock: str | Path | None = LOCK_NAME) -> Path:
+    """A ``--baselines`` value -> a store directory: hf:// URLs are pulled (or served from the cache)."""
+    return pull(spec, lock=lock).path if is_hub_url(spec) else Path(spec)
+
+
+# -- dataset card ---------------------------------------------------------------------------------------------
+ENTRY_FIELDS = ("model", "adapter", "engine", "dtype", "tp", "prompt_set", "file")
+
+
+def _entry_from_manifest(m: Mapping[str, Any], rel: str) -> dict[str, Any] | None:
+    key, names, meta = m.get("key"), m.get("names") or {}, m.get("meta") or {}
+    if not isinstance(key, Mapping):
+        return None
+    prompts = names.get("prompt_set") or meta.get("prompt_set") or str(key.get("prompts", "-"))[:12]
+    return {"model": names.get("model") or meta.get("model"), "adapter": names.get("adapter") or "-",
+            "engine": key.get("engine"), "dtype": key.get("dtype"), "tp": key.get("tp"), "prompt_set": prompts,
+            "file": rel}
+
+
+def _parquet_manifest(path: Path) -> tuple[str, dict | None]:
+    """(schema signature, manifest) of a parquet file: the manifest is whichever key-value metadata entry holds a
+    JSON object with a ``key`` field (only the footer is read)."""
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    manifest = None
+    for v in (schema.metadata or {}).values():
+        try:
+            obj = json.loads(v)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "key" in obj:
+            manifest = obj
+    return str(schema.remove_metadata()), manifest
+
+
+def describe(root: str | Path) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """(entries, parquet files grouped by schema) of a store: entries come from JSON sidecars with a ``key`` and
+    from parquet files' manifests."""
+    entries, groups = [], {}
+    for rel, p in _store_files(Path(root)).items():
+        manifest = None
+        if rel.endswith(".parquet"):
+            sig, manifest = _parquet_manifest(p)
+            groups.setdefault(sig, []).append(rel)
+        elif rel.endswith(".json"):
+            try:
+                manifest = json.loads(p.read_text())
+            except (ValueError, UnicodeDecodeError):
+                manifest = None
+        entry = _entry_from_manifest(manifest, rel) if isinstance(manifest, Mapping) else None
+        if entry:
+            entries.append(entry)
+    return entries, {f"config_{i}" if i else "default": files for i, files in enumerate(
+        sorted(groups.values(), key=len, reverse=True))}
+
+
+def _table(rows: Iterable[Mapping[str, Any]], fields: tuple[str, ...]) -> str:
+    """A markdown table: the card is markdown, which the Hub renders."""
+    lines = ["| " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
+    lines += ["| " + " | ".join(str(r.get(f, "-")) for f in fields) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def dataset_card(root: str | Path, repo_id: str) -> str:
+    import yaml
+
+    entries, configs = describe(root)
+    front: dict[str, Any] = {"pretty_name": f"lpdiff baselines ({repo_id})", "tags": ["lpdiff", "logprobs"]}
+    if configs:
+        front["configs"] = [{"config_name": name, "data_files": [{"split": "train", "path": files}]}
+                            for name, files in configs.items()]
+    body = (f"# lpdiff baselines\n\nReference logprob runs for `lpdiff` ({len(entries)} entries). Use them with "
+            f"`lpdiff run --baselines hf://datasets/{repo_id}@<commit>`; `baselines.lock` in the project pins the "
+            "commit.\n\n")
+    body += _table(sorted(entries, key=lambda e: tuple(str(e[f]) for f in ENTRY_FIELDS)), ENTRY_FIELDS) + "\n"
+    return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + body
+
+
+# -- push -----------------------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Pushed:
+    ref: HubRef  # the new commit (or the base when nothing changed)
+    added: list[str] = field(default_factory=list)  # new or changed files
+    deleted: list[str] = field(default_factory=list)
+
+
+def push(store: str | Path, target: str | HubRef, *, lock: str | Path | None = LOCK_NAME,
+         parent: str | None = None, message: str = "lpdiff: update baselines", env: HubEnv | None = None) -> Pushed:
+    """Make the branch ``main`` of the target repo hold exactly ``store`` plus its card, in one commit on top of
+    ``parent`` (default: the lock's commit for that repo). A repo that does not exist yet is created. The lock is
+    rewritten with the new commit."""
+    env = env or HubEnv.from_environ()
+    if env.offline:
+        raise HubError("cannot push with HF_HUB_OFFLINE set; unset it")
+    ref = parse_url(target) if isinstance(target, str) else target
+    root = Path(store)
+    if not root.is_dir():
+        raise HubError(f"store {root} is not a directory; pass the local baselines directory to push")
+    hf, api = _client(env)
+    pinned = read_lock(lock) if lock is not None else None
+    base = parent or (pinned.revision if pinned is not None and pinned.repo_id == ref.repo_id else None)
+    try:
+        if base is None:
+            api.create_repo(ref.repo_id, repo_type="dataset", exist_ok=True)
+            base = api.dataset_info(ref.repo_id, revision="main").sha
+            remote = _remote_checksums(api, HubRef(ref.repo_id, base))
+            if set(remote) - _SKIP:
+                raise HubError(f"{ref.url} already holds baselines and no base revision is known: run "
+                               f"`lpdiff baselines pull {ref.url}` (it writes {LOCK_NAME}), then push again")
+        else:
+            remote = _remote_checksums(api, HubRef(ref.repo_id, base))
+    except HubError:
+        raise
+    except Exception as e:
+        raise _explain(e, HubRef(ref.repo_id, base), env) from e
+    ops, added = [], []
+    local = _store_files(root)
+    for rel, p in local.items():
+        if remote.get(rel) != _local_checksum(p, remote.get(rel)):
+            ops.append(hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)))
+            added.append(rel)
+    card = dataset_card(root, ref.repo_id).encode()
+    if remote.get(CARD) != git_blob_sha1(card):
+        ops.append(hf.CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card))
+    deleted = sorted(set(remote) - set(local) - _SKIP)
+    ops += [hf.CommitOperationDelete(path_in_repo=rel) for rel in deleted]
+    if not ops:
+        out = Pushed(HubRef(ref.repo_id, base))
+    else:
+        try:
+            info = api.create_commit(ref.repo_id, ops, commit_message=message, repo_type="dataset",
+                                     revision="main", parent_commit=base)
+        except hf.errors.HfHubHTTPError as e:
+            if e.response is not None and e.response.status_code in (409, 412):
+                raise HubConflict(f"{ref.url}: someone pushed since {base[:12]}, the revision this push is based "
+                                  f"on; nothing was written. Run `lpdiff baselines pull {ref.url}` (it updates "
+                                  f"{LOCK_NAME}), regenerate or merge your baselines, then push again") from e
+            raise _explain(e, ref, env) from e
+        out = Pushed(HubRef(ref.repo_id, info.oid), added, deleted)
+    if lock is not None:
+        write_lock(lock, out.ref)
+    return out
+
+
+# -- ls / diff ------------------------------------------------------------------------------------------------
+def ls(source: str | HubRef, *, lock: str | Path | None = LOCK_NAME) -> list[dict[str, Any]]:
+    """The entries (model, adapter, engine, dtype, TP, prompt set, file) of a pulled revision."""
+    return describe(pull(source, lock=lock).path)[0]
+
+
+def _entry_name(rel: str) -> str:
+    """A store entry's files share a path up to the first dot of the file name (``ab/abcd.json`` + ``.npz``)."""
+    head, _, name = rel.rpartition("/")
+    return (f"{head}/" if head else "") + name.split(".")[0]
+
+
+@dataclass(slots=True, frozen=True)
+class StoreDiff:
+    added: list[str]
+    removed: list[str]
+    changed: list[str]  # entries whose files differ in any checksum
+
+
+def diff(repo: str | HubRef, rev1: str, rev2: str, *, env: HubEnv | None = None) -> StoreDiff:
+    """Entries added / removed / changed from ``rev1`` to ``rev2``, from the two revisions' file lists and
+    checksums (the tree listing online; the cached snapshots offline)."""
+    env = env or HubEnv.from_environ()
+    base = parse_url(repo) if isinstance(repo, str) else repo
+    sums = []
+    for rev in (rev1, rev2):
+        ref = HubRef(base.repo_id, rev)
+        if env.offline:
+            folder = pull(ref, lock=None, env=env).path
+            sums.append({rel: Path(os.path.realpath(p)).name for rel, p in _store_files(folder).items()})
+            continue
+        _, api = _client(env)
+        try:
+            sums.append({k: v for k, v in _remote_checksums(api, ref).items() if k not in _SKIP})
+        except Exception as e:
+            raise _explain(e, ref, env) from e
+    entries = []
+    for s in sums:
+        grouped: dict[str, set[tuple[str, str]]] = {}
+        for rel, checksum in s.items():
+            grouped.setdefault(_entry_name(rel), set()).add((rel, checksum))
+        entries.append(grouped)
+    a, b = entries
+    return StoreDiff(added=sorted(set(b) - set(a)), removed=sorted(set(a) - set(b)),
+                     changed=sorted(k for k in set(a) & set(b) if a[k] != b[k]))

@@ -1,0 +1,228 @@
+"""The Hub baseline backend driven through the real huggingface_hub client against tests/hub_server.py.
+
+Each scenario runs in a subprocess so that HF_ENDPOINT / HF_HOME / HF_HUB_OFFLINE are set before huggingface_hub
+is imported, as in a CI job; HF_HUB_DISABLE_XET=1 makes the client upload through git-LFS (see hub_server.py).
+"""
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hub_server import HubServer
+
+REPO = "lpdiff-ci/baselines"
+URL = f"hf://datasets/{REPO}"
+BASELINES = Path(__file__).resolve().parents[1] / "baselines"
+
+_SCRIPT = """
+import json, sys
+from lpdiff.harness.pipeline import hub
+args = json.loads(sys.argv[1])
+try:
+    op = args.pop("op")
+    if op == "push":
+        r = hub.push(args["store"], args["url"], lock=args["lock"], parent=args.get("parent"))
+        out = {"commit": r.ref.revision, "added": r.added, "deleted": r.deleted}
+    elif op == "pull":
+        r = hub.pull(args["url"], lock=args["lock"], update_lock=True)
+        out = {"commit": r.ref.revision, "path": str(r.path)}
+    elif op == "diff":
+        d = hub.diff(args["url"], args["rev1"], args["rev2"])
+        out = {"added": d.added, "removed": d.removed, "changed": d.changed}
+    elif op == "ls":
+        out = {"entries": hub.ls(args["url"], lock=args["lock"])}
+    elif op == "datasets":
+        import datasets
+        ds = datasets.load_dataset("parquet", data_files=args["files"], split="train")
+        card = datasets.load_dataset(args["dir"], split="train")  # through the card's configs/data_files
+        out = {"rows": ds.num_rows, "columns": ds.column_names, "card_rows": card.num_rows}
+except hub.HubError as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+    sys.exit(2)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def server():
+    with HubServer() as s:
+        yield s
+
+
+@pytest.fixture()
+def env(server, tmp_path):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    e.update(HF_ENDPOINT=server.endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
+             HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    return e
+
+
+def run(env: dict, offline: bool = False, expect_rc: int = 0, **args) -> dict:
+    e = dict(env, HF_HUB_OFFLINE="1" if offline else "0")
+    p = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(args)], env=e, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == expect_rc, p.stdout + p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _fresh_repo(server, name: str) -> str:
+    return f"hf://datasets/lpdiff-ci/{name}"
+
+
+def _tree_equal(a: Path, b: Path) -> list[str]:
+    """Relative paths of files that differ or exist on one side only (README.md / dot-files of b ignored)."""
+    fa = {p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    fb = {p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file() or p.is_symlink()}
+    fb = {r for r in fb if r != "README.md" and not r.startswith(".")}
+    bad = sorted(fa ^ fb)
+    bad += [r for r in sorted(fa & fb) if not filecmp.cmp(a / r, b / r, shallow=False)]
+    return bad
+
+
+def _rewrite(path: Path) -> None:
+    """Change a file's bytes and keep it valid: parquet re-encoded uncompressed, anything else a trailing newline."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(pq.read_table(path), path, compression="none")
+    else:
+        path.write_bytes(path.read_bytes() + b"\n")
+
+
+def test_url_and_lock(tmp_path):
+    from lpdiff.harness.pipeline import hub
+
+    assert hub.parse_url("hf://datasets/org/name@" + "a" * 40) == hub.HubRef("org/name", "a" * 40)
+    assert hub.parse_url("hf://datasets/org/name").revision is None
+    for bad in ("hf://models/org/name", "hf://datasets/name", "datasets/org/name", "hf://datasets/o/n@"):
+        with pytest.raises(hub.HubError, match="hf://datasets/ORG/NAME"):
+            hub.parse_url(bad)
+    lock = tmp_path / "baselines.lock"
+    assert hub.read_lock(lock) is None
+    hub.write_lock(lock, hub.HubRef("org/name", "b" * 40))
+    assert hub.read_lock(lock) == hub.HubRef("org/name", "b" * 40)
+    assert [ln for ln in lock.read_text().splitlines() if not ln.startswith("#")] == [f"hf://datasets/org/name@{'b' * 40}"]
+    lock.write_text("hf://datasets/org/name@main\n")
+    with pytest.raises(hub.HubError, match="40-hex commit"):
+        hub.read_lock(lock)
+
+
+def test_env_read_at_call_time(monkeypatch, tmp_path):
+    from lpdiff.harness.pipeline import hub
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9/")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    e = hub.HubEnv.from_environ()
+    assert e == hub.HubEnv("http://127.0.0.1:9", True, tmp_path / "hub")
+    # offline and no commit hash: refused before any request, naming the fix
+    with pytest.raises(hub.HubError, match="needs a 40-hex commit"):
+        hub.pull("hf://datasets/org/name@main", lock=None)
+    # offline with a hash that is not cached: a clear error, and huggingface_hub's own flag was synced
+    with pytest.raises(hub.HubError, match="not in the HF cache"):
+        hub.pull(f"hf://datasets/org/name@{'c' * 40}", lock=None)
+    from huggingface_hub import constants
+    assert constants.HF_HUB_OFFLINE is True
+
+
+def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
+    """push -> pull by revision byte-identical; a second writer on a stale parent is refused; a pull with
+    HF_HUB_OFFLINE=1 is served from the cache; diff names the changed entry; datasets reads the parquet files."""
+    store = tmp_path / "store"
+    shutil.copytree(BASELINES, store)
+    lock = tmp_path / "baselines.lock"
+    url = _fresh_repo(server, "round-trip")
+    first = run(env, op="push", store=str(store), url=url, lock=str(lock))
+    files = [p for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert len(first["added"]) == len(files) > 0
+    assert f"{url}@{first['commit']}" in lock.read_text()
+    posts = [r for r in server.state.requests if r.startswith("POST /api/datasets/lpdiff-ci/round-trip/commit/")]
+    assert len(posts) == 1  # every file and the card in ONE commit
+
+    got = run(env, op="pull", url=f"{url}@{first['commit']}", lock=str(tmp_path / "other.lock"))
+    assert got["commit"] == first["commit"]
+    snap = Path(got["path"])
+    assert _tree_equal(store, snap) == []
+    card = (snap / "README.md").read_text()
+    assert card.startswith("---\n") and "tiny-gpt-oss" in card
+
+    # a second writer changes one entry and pushes on the first commit
+    writer2 = tmp_path / "writer2"
+    shutil.copytree(store, writer2)
+    changed = sorted(p for p in writer2.rglob("*") if p.is_file() and not p.name.startswith("."))[0]
+    _rewrite(changed)
+    second = run(env, op="push", store=str(writer2), url=url, lock=str(tmp_path / "w2.lock"),
+                 parent=first["commit"])
+    assert second["added"] == [changed.relative_to(writer2).as_posix()]
+    # the first writer, still on the first commit, is refused and told how to recover
+    (store / "new.json").write_text("{}")
+    err = run(env, op="push", store=str(store), url=url, lock=str(lock), expect_rc=2)
+    assert err["error"] == "HubConflict" and "lpdiff baselines pull" in err["message"]
+    assert f"{url}@{first['commit']}" in lock.read_text()  # the lock still names what was really pushed
+
+    # offline, by commit hash: served from the cache; a revision never pulled is a clear error
+    hits = len(server.state.requests)
+    off = run(env, offline=True, op="pull", url=f"{url}@{first['commit']}", lock=str(tmp_path / "off.lock"))
+    assert off["path"] == got["path"] and len(server.state.requests) == hits
+    miss = run(env, offline=True, op="pull", url=f"{url}@{second['commit']}", lock=str(tmp_path / "off.lock"),
+               expect_rc=2)
+    assert "not in the HF cache" in miss["message"] and "HF_HUB_OFFLINE" in miss["message"]
+
+    d = run(env, op="diff", url=url, rev1=first["commit"], rev2=second["commit"])
+    entry = changed.relative_to(writer2).as_posix().split(".")[0]
+    assert d == {"added": [], "removed": [], "changed": [entry]}
+
+    parquet = sorted(str(p) for p in snap.rglob("*.parquet"))
+    if not parquet:
+        pytest.skip("the committed baselines hold no parquet files yet: datasets.load_dataset not exercised")
+    rows = run(env, op="datasets", files=parquet, dir=str(snap))
+    assert rows["rows"] > 0 and "logprobs" in rows["columns"] and rows["card_rows"] == rows["rows"]
+
+
+def test_corrupt_download_detected(server, env, tmp_path):
+    store = tmp_path / "store"
+    (store / "ab").mkdir(parents=True)
+    (store / "ab" / "run.npz").write_bytes(bytes(range(256)) * 40)  # binary: an LFS file
+    (store / "ab" / "run.json").write_text('{"key": {"engine": "hf"}}')  # text: a regular file
+    url = _fresh_repo(server, "corrupt")
+    pushed = run(env, op="push", store=str(store), url=url, lock=str(tmp_path / "l"))
+    for rel in ("ab/run.npz", "ab/run.json"):
+        server.state.corrupt = {rel}
+        home = tmp_path / f"home-{rel.replace('/', '_')}"
+        e = dict(env, HF_HOME=str(home))
+        err = run(e, op="pull", url=f"{url}@{pushed['commit']}", lock=str(tmp_path / "l2"), expect_rc=2)
+        assert rel in err["message"] and "corrupt" in err["message"] and "pull" in err["message"]
+        server.state.corrupt = set()
+        ok = run(e, op="pull", url=f"{url}@{pushed['commit']}", lock=str(tmp_path / "l2"))  # the retry heals it
+        assert _tree_equal(store, Path(ok["path"])) == []
+    lfs_uploads = [r for r in server.state.requests if r.startswith("PUT /lfs-upload/")]
+    assert lfs_uploads, "the binary file should have gone through the LFS batch API"
+
+
+def test_card_front_matter_lists_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    import yaml
+
+    from lpdiff.harness.pipeline import hub
+
+    for i, model in enumerate(("m1", "m2")):
+        manifest = {"key": {"engine": "hf", "dtype": "float32", "tp": 1, "prompts": "abc" * 20},
+                    "names": {"model": model, "adapter": None, "prompt_set": "short"}}
+        t = pa.table({"logprobs": [[0.1, 0.2]]}).replace_schema_metadata({b"m": json.dumps(manifest).encode()})
+        (tmp_path / f"{i:02d}").mkdir()
+        pq.write_table(t, tmp_path / f"{i:02d}" / f"run{i}.parquet")
+    card = hub.dataset_card(tmp_path, "org/name")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["configs"] == [{"config_name": "default", "data_files": [
+        {"split": "train", "path": ["00/run0.parquet", "01/run1.parquet"]}]}]
+    assert "| m1 | - | hf | float32 | 1 | short | 00/run0.parquet |" in card
