@@ -1,4 +1,7 @@
-"""Engine adapters, imported lazily by name (see engines.base.ENGINES)."""
-from lpdiff.engines.base import ENGINES, Engine, EngineConfig, engine_class, open_engine
+"""Engine adapters, imported lazily by name (see engines.base.ENGINES), and their declared capabilities."""
+from lpdiff.engines.base import (ENGINES, CapturesLayers, Engine, EngineConfig, capabilities, engine_class,
+                                 engine_modes, layouts_for, max_rank, open_engine)
+from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
 
-__all__ = ["ENGINES", "Engine", "EngineConfig", "engine_class", "open_engine"]
+__all__ = ["ENGINES", "Capabilities", "CapturesLayers", "Engine", "EngineConfig", "KnownDefect", "Mode",
+           "capabilities", "engine_class", "engine_modes", "layouts_for", "max_rank", "open_engine"]

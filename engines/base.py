@@ -3,6 +3,8 @@
 An engine computes prompt logprobs for token-id prompts, each prompt with one of the engine's adapters or none.
 Engines are context managers: leaving the ``with`` block frees the GPU (and stops worker processes). Registry
 entries are import strings, so naming ``vllm`` on a CPU box that lacks it fails only when that engine is opened.
+Each engine module declares ``CAPABILITIES`` (engines/capabilities.py); adding an engine is its module plus one
+line in ``ENGINES``.
 """
 from __future__ import annotations
 
@@ -10,9 +12,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from lpdiff.engines.capabilities import DTYPES, Capabilities, Mode
 from lpdiff.harness.types import AdapterSpec, ModelSpec, PromptLogprobs
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
@@ -49,6 +50,35 @@ class Engine(Protocol):
     def __exit__(self, *exc) -> None: ...
 
 
+# What ``capture_layers`` returns, per (layer index, point): every tensor is (tokens, width) over the prompts'
+# tokens in order, except the routing (tokens, top-k ids and weights). "_base" points are the same module re-run on
+# the same input with the adapter off. An engine leaves out the points it cannot capture.
+CAPTURE_POINTS = ("attention_in", "attention", "attention_base", "experts_in", "router_ids", "router_weights",
+                  "experts", "experts_base", "hidden")
+
+
+@runtime_checkable
+class CapturesLayers(Protocol):
+    """Optional: an engine whose ``Capabilities.per_layer_capture`` is True offers per-layer module outputs
+    (lpdiff bisect), so the harness never drives the engine's internals."""
+
+    def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: str | None = None,
+                       inputs: dict[tuple[int, str], Any] | None = None) -> dict[tuple[int, str], Any]:
+        """Equal-length prompts (no padding) -> {(layer, point): tensor} for the CAPTURE_POINTS the engine has.
+        Without ``inputs`` each module sees the engine's own activations. With ``inputs`` (another engine's
+        capture) attention and experts re-run on that capture's "attention_in" / "experts_in", "router_ids" and
+        "router_weights" (its own routing of "experts_in" is reported), so each module's error is its own;
+        "hidden" is always the engine's free run."""
+        ...
+
+
+def dense_routing(ids, weights, num_experts: int):
+    """Top-k routing (tokens, k) ids and weights -> (tokens, experts) fp32 weights: two engines' routings compare
+    whatever order each lists a token's top k in."""
+    w = weights.float()
+    return w.new_zeros(ids.shape[0], num_experts).scatter_(1, ids.long(), w)
+
+
 def check_request(prompts: Sequence[Sequence[int]], adapter: AdapterChoice, known: dict[str, Any]
                   ) -> list[str | None]:
     """What every engine checks before any work: each prompt has a next token to score, and the adapter choice
@@ -79,13 +109,40 @@ ENGINES: dict[str, str] = {
 }
 
 
-def engine_class(name: str) -> type:
+def _target(name: str) -> tuple[str, str]:
     try:
-        target = ENGINES[name]
+        module, cls = ENGINES[name].split(":")
     except KeyError:
         raise KeyError(f"unknown engine {name!r}; known engines: {', '.join(sorted(ENGINES))}") from None
-    module, cls = target.split(":")
+    return module, cls
+
+
+def engine_class(name: str) -> type:
+    module, cls = _target(name)
     return getattr(importlib.import_module(module), cls)
+
+
+def capabilities(name: str) -> Capabilities:
+    """The engine's declared facts (its module's ``CAPABILITIES``), read without importing the engine's own
+    library: works for vllm and sglang on a machine that has neither."""
+    caps = importlib.import_module(_target(name)[0]).CAPABILITIES
+    assert isinstance(caps, Capabilities) and caps.engine == name, f"{name}: CAPABILITIES is not its own"
+    return caps
+
+
+def layouts_for(engine: str, arch: str) -> tuple[str, ...]:
+    """The expert adapter layouts ``engine`` reads correctly on model type ``arch``: what a check serves it."""
+    return capabilities(engine).layouts_for(arch)
+
+
+def max_rank(engine: str) -> int | None:
+    """The largest LoRA rank ``engine`` accepts (None: no limit)."""
+    return capabilities(engine).max_rank
+
+
+def engine_modes(engine: str) -> dict[str, Mode]:
+    """Metamorphic modes: name -> Mode(options, needs)."""
+    return capabilities(engine).mode_table()
 
 
 def open_engine(name: str, config: EngineConfig) -> Engine:

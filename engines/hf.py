@@ -21,11 +21,47 @@ import numpy as np
 import torch
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
 from lpdiff.engines.logprobs import chunked_logprobs
 from lpdiff.harness.spec.routing import RouterMarginRecorder
 from lpdiff.harness.types import PromptLogprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PEFT = "PEFT 0.21, transformers 5"
+# PEFT 0.21 + transformers 5 with per-expert adapters (experts.{e}.gate_proj ...): converted to the fused experts on
+# load for qwen3_moe, silently ignored for these (tests/test_doctor.py checks both against real PEFT; on gpt_oss an
+# experts-only one is refused outright, with attention targets its experts are dropped)
+_PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
+
+CAPABILITIES = Capabilities(
+    engine="hf", label="HF+PEFT", versions=_PEFT, archs=None, layouts=("peft3d",), dtypes=tuple(_DTYPES),
+    lora_fp32=True, max_rank=None, max_moe_rank=None, tp=(1,),
+    modes=tuple(Mode(f"experts_{impl}", {"experts_impl": impl}, ("experts",))
+                for impl in ("eager", "batched_mm", "grouped_mm")),
+    router_lora="peft", per_layer_capture=True,
+    known_defects=(
+        KnownDefect("per-expert-ignored-by-peft", "per-expert adapter on {arch}: PEFT loads none of its expert "
+                    "tensors, so the HF reference runs the base experts (silently)", "convert it: {to_peft3d}",
+                    _PEFT, archs=_PEFT_IGNORES_PER_EXPERT, layouts=("per_expert",)),
+        KnownDefect("per-expert-converted-by-peft", "per-expert adapter on {arch}: PEFT converts it to the fused "
+                    "experts on load", "none needed", _PEFT, archs=("qwen3_moe",), layouts=("per_expert",),
+                    severity="info"),
+        KnownDefect("per-expert-unknown", "per-expert adapter on {arch}: whether PEFT loads it is not known to "
+                    "lpdiff", "use the PEFT 3D layout for the reference: {to_peft3d}", _PEFT,
+                    layouts=("per_expert",), severity="warning", when="no per-expert entry for this arch"),
+        KnownDefect("peft-mamba-refused", "PEFT refuses LoRA on Mamba out_proj/conv1d on {arch} ({error})",
+                    "drop out_proj and conv1d from target_modules; target the mixer's in_proj", _PEFT,
+                    when="PEFT raises 'incompatible with Mamba'"),
+        KnownDefect("peft-refused", "PEFT refuses this adapter on {arch}{router}: {error}",
+                    "remove the targets PEFT names from the adapter's config", _PEFT, when="PEFT raises"),
+        KnownDefect("peft-random-init-modules", "PEFT wraps {where} but the adapter has no weights for them, and "
+                    "init_lora_weights=false leaves them random: the reference gets a random extra adapter",
+                    "set init_lora_weights to true in adapter_config.json (missing modules then start at B = 0)",
+                    _PEFT, when="targets match modules without tensors, init_lora_weights=false"),
+        KnownDefect("peft-empty-modules", "PEFT wraps {where} but the adapter has no weights for them: they stay at "
+                    "zero (no effect)", "name only the modules the adapter holds in target_modules", _PEFT,
+                    severity="warning", when="targets match modules without tensors"),
+    ))
 
 
 def default_device(device: str | None) -> torch.device:
@@ -116,6 +152,60 @@ class HFEngine:
                         out[i] = res
         self.last_wall_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: str | None = None,
+                       inputs: dict | None = None) -> dict[tuple[int, str], torch.Tensor]:
+        """Per-layer module inputs and outputs (engines.base.CapturesLayers) on equal-length prompts: decoder
+        layers, self_attn and the MoE experts (with their routing) are hooked in one forward, then attention and
+        experts re-run on the same inputs with the adapter off ("_base"). The reference engine: no ``inputs``."""
+        if inputs is not None:
+            raise ValueError("the hf engine is the reference: it captures its own activations only (inputs=None)")
+        if self.model is None:
+            raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
+        check_request(prompts, adapter, self.config.adapters)
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("capture_layers takes prompts of one length (no padding)")
+        cap: dict = {}
+        calls: dict = {}
+        handles = []
+        for i, layer in enumerate(self.decoder.layers):
+            def attn_hook(mod, args, kwargs, out, i=i):
+                calls[i, "attention"] = (args, kwargs)
+                h = kwargs.get("hidden_states", args[0] if args else None)
+                cap[i, "attention"] = out[0].reshape(-1, out[0].shape[-1])
+                cap[i, "attention_in"] = h.reshape(-1, h.shape[-1])
+
+            def experts_hook(mod, args, out, i=i):
+                calls[i, "experts"] = args
+                x, ids, weights = args[:3]
+                cap[i, "experts_in"], cap[i, "router_ids"], cap[i, "router_weights"] = x, ids, weights
+                cap[i, "experts"] = out
+
+            def layer_hook(mod, args, out, i=i):
+                h = out[0] if isinstance(out, tuple) else out
+                cap[i, "hidden"] = h.reshape(-1, h.shape[-1])
+
+            handles.append(layer.self_attn.register_forward_hook(attn_hook, with_kwargs=True))
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None:
+                handles.append(experts.register_forward_hook(experts_hook))
+            handles.append(layer.register_forward_hook(layer_hook))
+        ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=self.device)
+        try:
+            with self._adapter_ctx(adapter):
+                self.decoder(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        with self._adapter_ctx(None):  # the same module inputs through the base weights
+            for i, layer in enumerate(self.decoder.layers):
+                args, kwargs = calls[i, "attention"]
+                base = layer.self_attn(*args, **kwargs)[0]
+                cap[i, "attention_base"] = base.reshape(-1, base.shape[-1])
+                if (i, "experts") in calls:
+                    cap[i, "experts_base"] = layer.mlp.experts(*calls[i, "experts"])
+        return cap
 
     def _forward(self, prompts: list[Sequence[int]], top_k: int) -> list[PromptLogprobs]:
         lens = [len(p) for p in prompts]

@@ -34,7 +34,7 @@ gate/up_proj and down_proj (lora/lora_manager.py:845). max_loras_per_batch count
 (sgl_kernel rmsnorm): bf16/fp16 only. mem_fraction_static 0.5: prompt logprobs need the whole batch's
 full-vocabulary logits at once (layers/logits_processor.py), which SGLang's default static fraction leaves no room
 for: gpt-oss-20b (vocab 201088), 4 layers, 48 prompts x ~150 tokens went out of memory asking 5.5 GiB beside a
-120 GB KV cache on an H200 (benchmarks/results/logs/gpu_run9_sglang.log).
+120 GB KV cache on an H200 (docs/engines.md, SGLang).
 
 The model checkpoint (config-built or layer-cut models) is written by the caller's process, with the caller's
 transformers, so that SGLang loads exactly the weights the HF reference builds (the SGLang bundle pins its own
@@ -66,6 +66,7 @@ import numpy as np
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
 from lpdiff.engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
                                      strip_lane_options)
+from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
 from lpdiff.harness.types import PromptLogprobs
 
 MOE_LORA_SETTINGS: dict[str, Any] = {
@@ -80,6 +81,66 @@ _NOT_INSTALLED = ("sglang is not installed for {python}: install sglang==0.5.15 
                   "gpu-bundles/sglang-0.5.15.sh and put it on PYTHONPATH), or pass options python=<interpreter "
                   "that has SGLang>")
 
+_V = "SGLang 0.5.15"  # file:line below are in python/sglang/srt/ of this version
+_FIX_QV = "add q_proj and v_proj to the adapter (zero lora_B keeps its math)"
+
+CAPABILITIES = Capabilities(
+    engine="sglang", label="SGLang", versions=_V, archs=("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3"),
+    layouts=("peft3d", "per_expert"), dtypes=("bfloat16", "float16"), lora_fp32=False,  # no fp32 path (rmsnorm)
+    max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), router_lora="refused",
+    # utils/common.py:3985 SUPPORTED_LORA_TARGET_MODULES; any other name has no get_hidden_dim entry
+    # (lora/utils.py:224) and the engine fails to start
+    lora_targets=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
+                            "gate_up_proj", "embed_tokens", "lm_head"}),
+    # lora/lora_config.py:42-45 reads r, lora_alpha, target_modules and use_dora only; lora/lora.py:71 scales alpha/r
+    ignored_features=("rank_pattern", "alpha_pattern", "use_rslora"),
+    modes=(Mode("cuda_graphs_on", {"server_args": {"disable_cuda_graph": False}}, ("cuda",)),
+           Mode("chunked_prefill_64", {"server_args": {"chunked_prefill_size": 64}}, ("cuda",)),
+           Mode("lora_backend_csgmv", {"server_args": {"lora_backend": "csgmv"}}, ("cuda",))),
+    known_defects=(
+        KnownDefect("peft3d-kills-sglang", "PEFT 3D expert adapter: SGLang 0.5.15 ignores target_parameters, 'skips' "
+                    "the expert tensors and its scheduler dies at the first LoRA request (lora/mem_pool.py:807, :848)",
+                    "convert it to the per-expert layout: {to_per_expert}", _V, layouts=("peft3d",)),
+        KnownDefect("router-target", "LoRA on the MoE router ({where}) is not supported by SGLang 0.5.15: it wraps "
+                    "the router but has no LoRA shape for it, so the engine fails to start (lora/utils.py:224 "
+                    "get_hidden_dim NotImplementedError)", "{router_fix}", _V, when="LoRA on the MoE router"),
+        # q/k/v LoRA is fused into qkv_proj, which needs q_proj and v_proj (a missing k_proj gets zeros)
+        KnownDefect("q-without-v", "the adapter targets q_proj but not v_proj: SGLang fails to load it (KeyError on "
+                    "v_proj while fusing q/k/v)", "add v_proj to the adapter (a zero lora_B for v_proj keeps its math)",
+                    _V, when="q_proj without v_proj (lora/lora.py:245)"),
+        KnownDefect("kv-without-q", "the adapter targets {qkv} without q_proj: SGLang loads it, then its scheduler "
+                    "dies at the first LoRA request (the k/v tensors match no fused qkv target)", _FIX_QV, _V,
+                    when="k_proj or v_proj without q_proj (lora/mem_pool.py:848)"),
+        KnownDefect("sglang-experts-half-targeted", "the adapter's expert LoRA covers {parts} but not {missing}: "
+                    "SGLang puts LoRA on the experts only when gate/up and down are both targeted, so its expert part "
+                    "is silently dropped (unless an adapter loaded beside it targets both)",
+                    "add {missing} to the adapter's experts (zero lora_B keeps its math)", _V,
+                    layouts=("per_expert",), when="gated experts, not both gate/up and down (lora_manager.py:845)"),
+        # lora/layers.py:1176 interleaves gate/up's B; lora_moe_runners.py:342-345 and
+        # triton_ops/fused_moe_lora_kernel.py:407 still apply gate's A to the first half of the rows, up's A to the
+        # second: right only when they share one A (as PEFT's fused gate_up_proj LoRA does)
+        KnownDefect("sglang-gpt-oss-gate-up-a", "{differ} gpt-oss expert(s) have different lora_A for gate_proj and "
+                    "up_proj: SGLang 0.5.15 pairs them with the wrong half of gpt-oss's interleaved gate/up rows and "
+                    "computes a different delta (silently)",
+                    "give gate_proj and up_proj one shared lora_A per expert (PEFT's fused layout)", _V,
+                    archs=("gpt_oss",), layouts=("per_expert",), when="gate_proj and up_proj lora_A differ"),
+        KnownDefect("sglang-target-modules-string", "target_modules is the pattern {pattern}: SGLang 0.5.15 accepts "
+                    "only a list of module names (or 'all-linear') and refuses to start",
+                    "save target_modules as a list of module names", _V,
+                    when="target_modules is a regex string (lora/lora_manager.py:576)"),
+        KnownDefect("sglang-unsupported-target", "SGLang has no LoRA support for {bad} (0.5.x supports {supported}): "
+                    "the adapter fails to load", "drop {bad} from the adapter to run it on SGLang", _V,
+                    when="a target outside lora_targets"),
+        KnownDefect("sglang-ignores-scaling", "SGLang (0.5.15 source) ignores {features}: those modules get alpha/r "
+                    "scaling instead of PEFT's", "re-save the adapter with one rank and alpha and no rsLoRA (the "
+                    "scaling folded into B)", _V, severity="warning", when="an ignored_features entry is set"),
+        # SGLang picks "triton_kernel" for bf16 gpt-oss (arg_groups/overrides.py:566); MoE LoRA refuses it
+        # (lora/layers.py:954)
+        KnownDefect("sglang-gpt-oss-runner", "gpt-oss LoRA on SGLang needs moe_runner_backend='triton': SGLang picks "
+                    "'triton_kernel' for bf16 gpt-oss by default (arg_groups/overrides.py:566) and its MoE LoRA "
+                    "refuses that runner (lora/layers.py:954)", "lpdiff's sglang engine sets it", _V,
+                    archs=("gpt_oss",), severity="info"),
+    ))
 
 # -- settings, requests, responses (pure: tested without SGLang) ---------------------------------------------------
 

@@ -9,8 +9,8 @@ expert's LoRA-B shifted to the next expert) must FAIL.
 
 Engines run where they are installed: in this interpreter, or through ``LPDIFF_VLLM_PYTHONPATH`` /
 ``LPDIFF_SGLANG_PYTHONPATH`` (an unpacked offline bundle; the engine then runs in a subprocess lane with that
-PYTHONPATH). ``LPDIFF_CHECK_CSV_DIR=dir`` appends every lane to ``dir/<engine>_gpu.csv``
-(benchmarks/results/vllm_gpu.csv and sglang_gpu.csv hold the committed runs).
+PYTHONPATH). ``LPDIFF_CHECK_CSV_DIR=dir`` appends every lane to ``dir/engines_gpu.csv``
+(benchmarks/results/engines_gpu.csv holds the committed runs).
 """
 from __future__ import annotations
 
@@ -45,16 +45,16 @@ def _installed(engine: str) -> None:
 
 
 # vLLM serves each adapter layout through a different LoRA wrapper (PEFT 3D on a per-expert model needs the
-# mixed-format flag); one engine per layout keeps a crash in one path from hiding the other (2026-11-21, H200: the
-# PEFT 3D path on Qwen3-MoE faults, benchmarks/results/vllm_qwen3_crash.md)
+# mixed-format flag); one engine per layout keeps a crash in one path from hiding the other (H200: the
+# PEFT 3D path on Qwen3-MoE faults, docs/engines.md)
 ONE_SESSION_PER_LAYOUT = {"vllm"}
 
 
 def _report(engine: str, res, record_verdict=None) -> None:
-    """Print the result, append it to LPDIFF_CHECK_CSV_DIR/<engine>_gpu.csv, hand its verdicts to the plugin."""
+    """Print the result, append it to LPDIFF_CHECK_CSV_DIR/engines_gpu.csv, hand its verdicts to the plugin."""
     print("\n" + check.format_result(res))
     if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
-        check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / f"{engine}_gpu.csv")
+        check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "engines_gpu.csv")
     for v in res.verdicts if record_verdict else ():
         record_verdict(v)
 
@@ -62,7 +62,7 @@ def _report(engine: str, res, record_verdict=None) -> None:
 # engine defects lpdiff reproduces on purpose: the run must come out NOT as expected (a FAIL, or an engine that
 # died, reported as a FAIL); the day it comes out as expected the test fails, so that the fix gets recorded
 KNOWN_DEFECTS = {
-    # H200 x4, 2026-11-21 (runs 15 and 17, benchmarks/results/engines_gpu.md "Session 4"): illegal memory access in
+    # H200 x4 (benchmarks/results/engines_gpu.md, TP 2 / TP 4 verdicts): illegal memory access in
     # vLLM's _fused_moe_lora_one_shot_kernel on w13 (pinned by CUDA_LAUNCH_BLOCKING=1) with per-expert adapters
     # at TP 4 (expert width 768 / 4 = 192 per rank); the same engine at TP 1 and TP 2 runs and PASSes
     ("vllm", "qwen3_moe", 4): "vLLM 0.25.1 MoE-LoRA faults at TP 4 on Qwen3-MoE",
@@ -134,7 +134,7 @@ def test_vllm_qwen3_peft3d_layout_fails(case, record_verdict):
     """vLLM 0.25.1 serves PEFT 3D expert adapters on Qwen3-MoE through enable_mixed_moe_lora_format (converted to
     its 2D per-expert buffers at load). With the check's 5 adapters and base rows in one batch its engine faulted
     with an illegal memory access in 3 of 3 runs on an H200 (also with CUDA_LAUNCH_BLOCKING=1 and with async
-    scheduling off; one 10-LoRA bisect engine under CUDA_LAUNCH_BLOCKING survived), while per-expert files of the same adapters PASS (benchmarks/results/vllm_qwen3_crash.md;
+    scheduling off; one 10-LoRA bisect engine under CUDA_LAUNCH_BLOCKING survived), while per-expert files of the same adapters PASS (docs/engines.md;
     doctor: vllm-peft3d-mixed-format-faults). lpdiff must report a FAIL, never a crashed session; the day vLLM
     serves it correctly this test fails: record the fix."""
     if case.spec.arch != "qwen3_moe":
@@ -147,7 +147,7 @@ def test_vllm_qwen3_peft3d_layout_fails(case, record_verdict):
 
 @pytest.mark.gpu1
 def test_sglang_peft3d_expert_adapter_is_a_fail_with_the_engine_log(case):
-    """SGLang 0.5.15 skips PEFT 3D expert weights and its scheduler dies at the first LoRA request (DESIGN.md;
+    """SGLang 0.5.15 skips PEFT 3D expert weights and its scheduler dies at the first LoRA request (docs/engines.md;
     `lpdiff doctor` says so before a run: peft3d-kills-sglang). Served anyway, the subprocess lane turns the dead
     engine into a FAIL result carrying the engine's last log lines, and the test session goes on."""
     if case.spec.arch != "qwen3_moe":

@@ -136,7 +136,7 @@ def _original(engine: str, spec, layouts: dict) -> str:
 
 def _csv_writer(engine: str, spec, dtype: str, adapter: str):
     """Each engine session's rows into LPDIFF_METAMORPHIC_CSV as soon as it ends: a GPU job cut by its time limit
-    keeps what it measured (run 16 lost four finished SGLang sessions to a limit hit in the fifth)."""
+    keeps what it measured (one limit hit in a fifth SGLang session would otherwise lose four finished ones)."""
     path = os.environ.get("LPDIFF_METAMORPHIC_CSV")
     if not path:
         return None

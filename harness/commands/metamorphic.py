@@ -1,5 +1,5 @@
 """``lpdiff metamorphic MODEL ADAPTER --engine E``: an engine against *itself* on inputs that must give the same
-logprobs (DESIGN.md "Self-consistency"), judged against the engine's own rerun noise instead of a reference's.
+logprobs (docs/metrics.md, "Metamorphic verdicts"), judged against the engine's own rerun noise instead of a reference's.
 
 A relation turns the adapter (or the engine's settings, or the batch) into one or more *lanes*; each lane's
 logprobs must equal those of its reference lane (the original adapter, or the base model, or another lane of the
@@ -23,21 +23,21 @@ reruns are. Each lane also reports k2 and the LoRA-delta difference ‖lane − 
 mode this engine or machine lacks, a layout the engine is known to drop or a rank it cannot hold — harness.doctor
 says which) is reported ``n/a`` with the reason, never skipped silently.
 
-Calibration, fp32 (benchmarks/results/metamorphic.csv, 2026-11-21: tiny zoo "all" adapters, CPU, hf on qwen3-moe /
+Calibration, fp32 (benchmarks/results/metamorphic.csv: tiny zoo "all" adapters, CPU, hf on qwen3-moe /
 gpt-oss / nemotron-h and triton on qwen3-moe / gpt-oss, every relation, 2 reruns): reruns were bit-identical
 (noise 0) in every case, so the floor decides. FLOOR float32 = 1e-6 (fp32 rounding of a logprob of size ~10); the
 worst clean lane was 8.58e-6 (ratio 8.6, hf merged weights on tiny-qwen3-moe), so FACTOR = 100 (10x above it,
 rounded up). The faults in tests/test_metamorphic.py (an expert dropped on the per-expert load path, gpt-oss
 interleaved gate/up read as concatenated by a converter) give ratios above 1e5.
-bf16: FLOOR 1e-2 is one bf16 rounding of a logit of size ~2-5; the rounding-noise lane was added after the first GPU
-run (H200, 2026-11-21) showed SGLang (rerun noise 0) at max |Δ| 1.7 on gpt-oss-20b for M·A / B·M⁻¹ — the size of HF's
-own bf16-vs-fp32 difference there — against a 1e-2 floor. Calibration, bf16 (run 16, H200, 4-layer Qwen3-30B-A3B and
+bf16: FLOOR 1e-2 is one bf16 rounding of a logit of size ~2-5; the rounding-noise lane exists because SGLang (rerun
+noise 0) moved by max |Δ| 1.7 on gpt-oss-20b for M·A / B·M⁻¹ (H200) — the size of HF's own bf16-vs-fp32 difference
+there — against a 1e-2 floor. Calibration, bf16 (H200, 4-layer Qwen3-30B-A3B and
 gpt-oss-20b, vLLM 0.25.1 and SGLang 0.5.15, 39 clean relation lanes): the worst ratio against the new bound was 1.3
 (SGLang gpt-oss M·A / B·M⁻¹), then 1.21 (vLLM Qwen3 merged weights); FACTORS[bfloat16] = 10, ~8x above it.
-k2, bf16 (runs 16, 19 and 20, the same engines and models, 65 clean inexact lanes): the worst k2 ratio was 1.3 (SGLang
+k2, bf16 (the same engines and models, 65 clean inexact lanes): the worst k2 ratio was 1.3 (SGLang
 gpt-oss and vLLM Qwen3 merged weights), vLLM's gpt-oss gate/up defect (mode mixed_moe_lora_format) 10.3;
-K2_FACTORS[bfloat16] = 5, ~4x above the clean worst and 2x below the defect. Checked on runs 22-23 (commit 29ba91c:
-vLLM shapes and TP 2, SGLang Qwen3 extra / shapes / TP 2): 59 more clean lanes, worst k2 ratio 1.29; the defect 10.9.
+K2_FACTORS[bfloat16] = 5, ~4x above the clean worst and 2x below the defect. Checked again (vLLM shapes and TP 2,
+SGLang Qwen3 extra / shapes / TP 2): 59 more clean lanes, worst k2 ratio 1.29; the defect 10.9.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ FACTORS = {"float32": FACTOR, "bfloat16": 10.0, "float16": 10.0}
 # the second test of an inexact lane in 16-bit runs: its k2 (mean of half squared differences, every position)
 # against the largest k2 of the rerun and rounding noise. Routing flips make max |Δ| of random-init models large
 # everywhere, so a systematic error that moves every position a little stays under the max bound; the mean sees it
-# (vLLM 0.25.1's gate/up defect on gpt-oss-20b, run 19: max ratio 1.74, k2 ratio 10.3). fp32 runs have no such test:
+# (vLLM 0.25.1's gate/up defect on gpt-oss-20b: max ratio 1.74, k2 ratio 10.3). fp32 runs have no such test:
 # their max is taken before the first router near-tie and is sharp there, while their k2 over every position counts
 # those flips (triton fp32 kernel modes reach k2 ratios of 1e5 with every position before a near-tie clean).
 K2_FLOOR = {"bfloat16": 0.5 * FLOOR["bfloat16"] ** 2, "float16": 0.5 * FLOOR["float16"] ** 2}

@@ -591,7 +591,7 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     Every A and B is non-zero. Sizes: A ~ N(0, 1/in), B ~ N(0, c^2) with c chosen so that the RMS of each
     delta scaling * B @ A is `scale` times the RMS of the weight it adapts. The default 0.2 moves the tiny zoo's
     actual-token logprobs by mean |d| 0.17-0.28 (max 1.0-2.5) with every group, 0.07-0.13 (max 0.5-1.0) with
-    experts only (benchmarks/results/adapter_scale.md). `shared_outer`: A of gate_up (Nemotron: up) and B of down_proj identical
+    experts only (docs/zoo.md, "Generated adapter scale"). `shared_outer`: A of gate_up (Nemotron: up) and B of down_proj identical
     across experts (the layout some engines use). The caller's model is not modified: PEFT wraps a meta-device
     copy of it."""
     from peft import LoraConfig, get_peft_model

@@ -1,7 +1,7 @@
 """Router near-tie accounting for HF models: forward hooks on every top-k router record, per token, the smallest
 margin between the k-th and (k+1)-th routing score over all MoE layers. Where that margin is below rounding, two
 correct implementations may route the token to different experts, and the verdict must say so instead of
-letting the position pass or fail silently (DESIGN.md: "Random init is a trap")."""
+letting the position pass or fail silently (docs/models.md, "Random init is a trap")."""
 from __future__ import annotations
 
 import numpy as np

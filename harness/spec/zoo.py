@@ -1,5 +1,5 @@
 """The tiny model zoo: five small checkpoints (four MoE architectures and one dense model) that behave like trained
-models, so that verdicts on a laptop mean something (DESIGN.md: "Random init is a trap").
+models, so that verdicts on a laptop mean something (docs/models.md, "Random init is a trap").
 
     python -m lpdiff.harness.spec.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]  # tokenizer + held-out text
                                                                                 # (if missing) + model(s)
@@ -314,7 +314,7 @@ def sharpen(model, stream: torch.Tensor, target: float, seed: int, windows: int 
     """Conditioning step: scale lm_head so that the mean next-token entropy on fixed training windows is
     ``target`` x log V. A few CPU minutes leave a ~1M-parameter model calibrated but unsure (entropy ~0.5 log V on
     held-out text); a logit temperature gives the peaked distributions of a trained LLM at a lower NLL cost than an
-    entropy penalty during training (both measured; see benchmarks/results/zoo.md)."""
+    entropy penalty during training (both measured; see docs/zoo.md)."""
     gen = torch.Generator().manual_seed(seed + 1)
     starts = torch.randint(0, stream.numel() - SEQ_LEN, (windows,), generator=gen).tolist()
     x = torch.stack([stream[s:s + SEQ_LEN] for s in starts])
@@ -484,7 +484,7 @@ def measure(name: str, set_name: str = "default", path: Path | None = None) -> d
 
 
 def markdown(rows: list[dict]) -> str:
-    """The measured table of benchmarks/results/zoo.md."""
+    """The measured table of docs/zoo.md."""
     head = ("| model | params | vocab | entropy (nats) | entropy / log V | NLL | router margin p1 / p10 / p50 | "
             "margin / bf16 spacing p1 / p10 / p50 | bf16 score noise p99 / max | fp32-vs-bf16 expert-set flips | "
             "expert load min / max | bf16-vs-fp32 k2 | max abs d |\n" + "|---" * 13 + "|\n")
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--name", action="append", choices=list(TINY_CONFIGS))
     m.add_argument("--prompt-set", default="default")
     m.add_argument("--dir", default=str(ZOO_DIR), help="where the model directories are (default: the zoo)")
-    m.add_argument("--markdown", action="store_true", help="print the table of benchmarks/results/zoo.md")
+    m.add_argument("--markdown", action="store_true", help="print the table of docs/zoo.md")
     args = ap.parse_args(argv)
     names = args.name or list(TINY_CONFIGS)
     if args.cmd == "build":

@@ -1,0 +1,126 @@
+"""What an engine can serve and where it is known to go wrong, declared by the engine in one typed object.
+
+Each engine module declares ``CAPABILITIES`` at module level without importing its engine's own library (vLLM,
+SGLang, Triton), so the harness (doctor, check, metamorphic, the GPU suites) reads every engine's facts on any
+machine through ``lpdiff.engines.base.capabilities(name)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+# expert adapter layouts: PEFT 3D (target_parameters on fused experts), one module per expert
+# (experts.{e}.gate_proj ...), and per-expert with A of gate_up / B of down shared by every expert
+LAYOUTS = ("peft3d", "per_expert", "shared_outer")
+# what a metamorphic mode needs of the run: an MoE model, a GPU, a bf16/fp16 run, or Triton kernels that can run
+# (a GPU or TRITON_INTERPRET=1)
+MODE_NEEDS = ("experts", "cuda", "low_precision", "triton_kernels")
+ROUTER_LORA = ("applied", "refused", "peft")  # "peft": whatever PEFT can wrap (the hf engine)
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass(slots=True, frozen=True)
+class KnownDefect:
+    """One engine behaviour a user must know before running: the engine refuses the adapter, dies, or silently
+    computes something else. ``what`` and ``fix`` are one line each; they may hold ``{name}`` fields that the
+    reader fills (doctor: ``arch``, ``where``, ``convert_to_peft3d``, ``convert_to_per_expert``, ...)."""
+
+    id: str  # stable code: doctor's finding code, a suite's expected failure
+    what: str  # what happens
+    fix: str
+    versions: str  # the engine versions it was measured on or read in (e.g. "vLLM 0.25.1")
+    archs: tuple[str, ...] = ()  # model_type names it applies to; () = any
+    layouts: tuple[str, ...] = ()  # expert adapter layouts it applies to; () = any
+    tp: tuple[int, ...] = ()  # tensor-parallel sizes it applies to; () = any
+    severity: str = "error"  # error: fails or silently wrong; warning: may; info: handled, good to know
+    when: str = ""  # the adapter condition beyond arch/layout/tp ("" = every adapter of that layout)
+
+    def __post_init__(self):
+        assert self.severity in SEVERITIES, self.severity
+        assert set(self.layouts) <= set(LAYOUTS), self.layouts
+        assert "\n" not in self.what and "\n" not in self.fix, self.id
+
+    def applies(self, arch: str | None = None, layout: str | None = None, tp: int | None = None) -> bool:
+        """Whether it applies to this arch / layout / TP size (None: not asked, matches)."""
+        return ((arch is None or not self.archs or arch in self.archs)
+                and (layout is None or not self.layouts or layout in self.layouts)
+                and (tp is None or not self.tp or tp in self.tp))
+
+    def message(self, **fields: Any) -> tuple[str, str]:
+        """-> (what, fix) with the fields filled."""
+        return self.what.format(**fields), self.fix.format(**fields)
+
+
+@dataclass(slots=True, frozen=True)
+class Mode:
+    """A metamorphic mode: the same run under other engine options, which must not change the logprobs beyond
+    rounding."""
+
+    name: str
+    options: dict[str, Any]
+    needs: tuple[str, ...] = ()  # of MODE_NEEDS
+
+    def __post_init__(self):
+        assert set(self.needs) <= set(MODE_NEEDS), self.needs
+
+
+@dataclass(slots=True, frozen=True)
+class Capabilities:
+    engine: str
+    label: str  # how messages name it ("vLLM", "HF+PEFT")
+    versions: str  # the engine versions these facts were read from
+    archs: tuple[str, ...] | None  # model_type names it serves; None = whatever transformers loads
+    layouts: tuple[str, ...]  # expert adapter layouts it reads (before arch-specific defects)
+    dtypes: tuple[str, ...]
+    lora_fp32: bool  # LoRA runs in fp32 (else an fp32 run with adapters is refused)
+    max_rank: int | None  # largest LoRA rank it accepts; None = no limit
+    max_moe_rank: int | None  # largest expert (MoE) LoRA rank; None = max_rank
+    tp: tuple[int, ...]
+    modes: tuple[Mode, ...] = ()
+    lora_targets: frozenset[str] | None = None  # module leaf names it has LoRA for; None = any
+    router_lora: str = "applied"  # of ROUTER_LORA
+    refused_features: tuple[str, ...] = ()  # adapter_config.json features it refuses (use_dora, bias, ...)
+    ignored_features: tuple[str, ...] = ()  # features it reads past (rank_pattern, use_rslora, ...)
+    moe_lora_cpu: bool = True  # MoE models with LoRA run without a GPU
+    per_layer_capture: bool = False  # offers capture_layers (lpdiff bisect)
+    known_defects: tuple[KnownDefect, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        assert set(self.layouts) <= set(LAYOUTS), self.layouts
+        assert set(self.dtypes) <= set(DTYPES), self.dtypes
+        assert self.router_lora in ROUTER_LORA, self.router_lora
+        for d in self.known_defects:  # one id twice only as an arch-specific entry beside its any-arch fallback
+            twins = [e for e in self.known_defects if e.id == d.id and e is not d]
+            assert all(bool(e.archs) != bool(d.archs) or not set(e.archs) & set(d.archs) for e in twins), d.id
+
+    def serves(self, arch: str) -> bool:
+        return self.archs is None or arch in self.archs
+
+    def defect(self, id: str, arch: str | None = None) -> KnownDefect:
+        for d in self.defects(arch):
+            if d.id == id:
+                return d
+        raise KeyError(f"engine {self.engine!r} declares no defect {id!r}")
+
+    def defects(self, arch: str | None = None, layout: str | None = None, tp: int | None = None
+                ) -> tuple[KnownDefect, ...]:
+        """The defects that apply; of an id declared for some archs and as an any-arch fallback, the entry for
+        ``arch`` wins."""
+        hits = [d for d in self.known_defects if d.applies(arch, layout, tp)]
+        specific = {d.id for d in hits if d.archs}
+        return tuple(d for d in hits if d.archs or d.id not in specific)
+
+    def layouts_for(self, arch: str) -> tuple[str, ...]:
+        """The layouts it reads correctly on this arch: its layouts, less those an unconditional error defect of
+        this arch (at any TP size) rules out."""
+        return tuple(lay for lay in self.layouts if not any(
+            d.severity == "error" and not d.when and not d.tp and d.layouts and d.applies(arch, lay)
+            for d in self.known_defects))
+
+    @property
+    def moe_rank(self) -> int | None:
+        return self.max_moe_rank if self.max_moe_rank is not None else self.max_rank
+
+    def mode_table(self) -> dict[str, Mode]:
+        return {m.name: m for m in self.modes}
