@@ -1,9 +1,9 @@
 """Detection power of the default triton-vs-HF verdicts: noise (20 clean reruns in one engine session) against the
 threshold, and the threshold against the weakest bug-zoo fault. Writes benchmarks/results/detection.csv rows.
 
-  PYTHONPATH=. python benchmarks/detection.py [--dtype float32 --dtype bfloat16] [--out CSV]
-  PYTHONPATH=. python benchmarks/detection.py --full-width qwen3-30b-a3b [--layers 4] [--reruns 20] (GPU;
-      harness/check.py: the reference is HF+PEFT fp32 on the full-width model, the threshold FACTOR x the noise
+  python -m benchmarks.detection [--dtype float32 --dtype bfloat16] [--out CSV]
+  python -m benchmarks.detection --full-width qwen3-30b-a3b [--layers 4] [--reruns 20] (GPU;
+      lpdiff check's method: the reference is HF+PEFT fp32 on the full-width model, the threshold FACTOR x the noise
       measured in the same run; rows are appended)
 
 effect of a fault = the largest k2 over its job's verdicts (a fault is caught when any verdict fails);

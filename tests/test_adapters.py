@@ -74,7 +74,7 @@ MOE = [
     pytest.param("qwen3_5_moe_text", id="qwen3_5"),  # linear attention + shared expert next to routed experts
     pytest.param("nemotron_h", id="nemotron_h"),  # non-gated up/down experts, mamba in_proj, `mixer.` paths
 ]
-# Facts from DESIGN.md, written out here so the per-expert checks do not reuse the code they check.
+# Facts from docs/engines.md (PEFT), written out here so the per-expert checks do not reuse the code they check.
 INTERLEAVED = {"gpt_oss"}
 TRANSPOSED = {"gpt_oss"}
 

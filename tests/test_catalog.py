@@ -1,4 +1,4 @@
-"""The catalog: full-size configs carry DESIGN.md's shapes (read from the config objects; nothing full-size is
+"""The catalog: full-size configs carry docs/models.md's shapes (read from the config objects; nothing full-size is
 instantiated), moe_fields reads every architecture's spelling, and load_hf_model honours num_layers and seed."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from lpdiff.harness.spec.catalog import (FULL_CONFIGS, INIT_RECIPE, ZOO, describ
                              load_hf_model, moe_fields)
 from lpdiff.harness.types import ModelSpec
 
-# DESIGN.md's model table: hidden, layers, experts, top-k, expert width, shared width, heads, kv heads, head_dim,
+# docs/models.md's model table: hidden, layers, experts, top-k, expert width, shared width, heads, kv heads, head_dim,
 # vocab.
 DESIGN_SHAPES = {
     "qwen3-30b-a3b": (2048, 48, 128, 8, 768, 0, 32, 4, 128, 151936),

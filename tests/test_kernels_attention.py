@@ -99,7 +99,7 @@ def test_bad_input_gives_one_clear_error(bad, match):
         attention(q, k, v, cu, 6, 0.25, window=0)
     with pytest.raises(ValueError, match="one logit per query head"):
         attention(q, k, v, cu, 6, 0.25, sinks=torch.zeros(3))
-    # 64 x 128 tiles read keys past the diagonal unmasked (max |d| 1.25 on the GPU, run 57) before this check
+    # 64 x 128 tiles read keys past the diagonal unmasked (max |d| 1.25 on an H200) before this check
     with pytest.raises(ValueError, match="must divide BLOCK_M"):
         attention(q, k, v, cu, 6, 0.25, impl="triton", config=dict(BLOCK_M=16, BLOCK_N=32))
 

@@ -104,7 +104,7 @@ def test_fused_keyword_is_the_fused_path():
 @pytest.mark.parametrize("path", ["cublas", "triton_delta"])
 def test_lora_linear_bf16_cpu(path, tol=1e-2):
     # both paths' base is F.linear in bf16 and their LoRA adds to a bf16 out: the run dtype end to end (the fused
-    # kernel's bf16 tl.dot is garbage in the interpreter, DESIGN.md)
+    # kernel's bf16 tl.dot is garbage in the interpreter, docs/engines.md)
     p = make_linear(T=24, kin=32, widths=(16, 24), L=2, R=8, dtype=torch.bfloat16)
     check_linear(p, tol, path)
 

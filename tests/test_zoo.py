@@ -15,7 +15,7 @@ from lpdiff.harness.spec.prompts import SETS, prompt_set
 from lpdiff.harness.types import prompts_hash
 
 # sha256 of each committed model.safetensors: a rebuild (python -m lpdiff.harness.spec.zoo build) changes these on purpose
-# only; update them together with benchmarks/results/zoo.md and regenerate the baselines.
+# only; update them together with docs/zoo.md and regenerate the baselines.
 WEIGHTS_SHA256 = {
     "tiny-qwen3-moe": "1550d4bd7f88354bcb4f84ee24bbd14b941a32b8df69f723b90057847f37815f",
     "tiny-gpt-oss": "2f2b15c6fb10b31cb4ed75539e68c71e4056437d3bc47c6e94dca59d4e7cc8a2",
@@ -30,7 +30,7 @@ PROMPTS_SHA256 = {
 }
 
 # Properties the recipe must deliver on the default prompt set, with room below what was measured
-# (benchmarks/results/zoo.md): a model that regressed to random-init behaviour fails each of them.
+# (docs/zoo.md): a model that regressed to random-init behaviour fails each of them.
 MAX_ENTROPY_FRACTION = 0.45  # mean next-token entropy / log V
 MIN_MARGIN_OVER_ULP_P1 = 8.0  # 1st percentile of (top-k routing margin / bf16 spacing at the k-th score)
 MAX_FLIP_RATE = 0.01  # share of (token, MoE layer) whose expert set differs between fp32 and bf16
