@@ -1,19 +1,23 @@
-"""BaselineStore: exact round trip, clear errors naming the regen command, and concurrent writers."""
+"""BaselineStore: exact round trip through parquet, clear errors naming the regen command, many computations
+side by side (prompt sets, depths, engines), explicit prune, and concurrent writers."""
 import json
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
 
-from lpdiff.harness.pipeline.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale, BaselineStore,
-                           baseline_key)
+from lpdiff.harness.pipeline import store_format
+from lpdiff.harness.pipeline.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale,
+                                           BaselineStore, baseline_key)
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, PromptLogprobs
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 
 
-def model(seed=0, name="tiny-moe"):
-    return ModelSpec(name=name, arch="qwen3_moe", config={"hidden_size": 8}, init_seed=seed, init_recipe="r1")
+def model(seed=0, name="tiny-moe", num_layers=None):
+    return ModelSpec(name=name, arch="qwen3_moe", config={"hidden_size": 8}, init_seed=seed, init_recipe="r1",
+                     num_layers=num_layers)
 
 
 def make_run(shift=0.0, top_k=2, wall=1.0, prompts=PROMPTS):
@@ -21,6 +25,9 @@ def make_run(shift=0.0, top_k=2, wall=1.0, prompts=PROMPTS):
     out = []
     for p in prompts:
         n = len(p)
+        if top_k is None:  # an engine that gives neither top-k nor router margins
+            out.append(PromptLogprobs(p, -rng.random(n - 1) - shift))
+            continue
         out.append(PromptLogprobs(p, -rng.random(n - 1) - shift, rng.integers(0, 10, (n - 1, top_k)),
                                   -rng.random((n - 1, top_k)), rng.random(n)))
     return LogprobRun(out, {"engine": "hf", "wall_s": wall})
@@ -51,28 +58,53 @@ def test_key_hashes_content_not_names(tmp_path):
 
 
 def test_round_trip_is_exact(tmp_path):
-    store, k, run = BaselineStore(tmp_path), key(), make_run()
+    store, k, run = BaselineStore(tmp_path), key(prompt_set="default"), make_run()
     assert store.put(k, run) is True
     got = store.get(k)
     assert_same(got, run)
     assert got.meta == run.meta
-    npz = tmp_path / k.digest[:2] / f"{k.digest}.npz"
-    side = json.loads(npz.with_suffix(".json").read_text())
-    assert side["key"] == k.fields and side["names"]["model"] == "tiny-moe" and side["meta"]["wall_s"] == 1.0
+    path = tmp_path / k.digest[:2] / f"{k.digest}.parquet"
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()
+                  and ".locks" not in p.parts) == [path.relative_to(tmp_path).as_posix()]  # one file per baseline
+    m = store.manifest(k)
+    assert m["key"] == k.fields and m["names"] == {"model": "tiny-moe", "adapter": None, "prompt_set": "default"}
+    assert m["meta"]["wall_s"] == 1.0 and m["provenance"]["engine"] == "hf" and m["provenance"]["numpy"]
+    assert {"commit", "lpdiff", "python", "pyarrow", "dtype", "tp", "device"} <= m["provenance"].keys()
     assert store.list() == [k]
     assert store.delete(k) and not store.delete(k)
-    assert store.list() == [] and not npz.exists()
+    assert store.list() == [] and not path.exists()
+
+
+def test_datasets_reads_the_store(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    store = BaselineStore(tmp_path)
+    store.put(key(), make_run())
+    store.put(key(top_k=0, engine="triton"), make_run(top_k=None, shift=1.0))  # no top-k: null list columns
+    files = sorted(str(p) for p in tmp_path.glob("??/*.parquet"))
+    ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=str(tmp_path / ".hf"))
+    assert ds.num_rows == 2 * len(PROMPTS)
+    rows = [r for r in ds if r["engine"] == "hf"]
+    assert [r["token_ids"] for r in rows] == PROMPTS and rows[0]["model"] == "tiny-moe"
+    want = make_run()
+    assert np.array_equal(np.asarray(rows[0]["topk_ids"]), want.prompts[0].topk_ids)
+    assert np.allclose(rows[1]["logprobs"], want.prompts[1].logprobs)
+    assert all(r["topk_ids"] is None and r["router_margin"] is None for r in ds if r["engine"] == "triton")
+    assert_same(store.get(key(top_k=0, engine="triton")), make_run(top_k=None, shift=1.0))
 
 
 def test_corrupt_byte_is_detected(tmp_path):
     store, k = BaselineStore(tmp_path), key()
     store.put(k, make_run())
-    npz = tmp_path / k.digest[:2] / f"{k.digest}.npz"
-    blob = bytearray(npz.read_bytes())
-    blob[len(blob) // 2] ^= 0x01
-    npz.write_bytes(bytes(blob))
-    with pytest.raises(BaselineCorrupt, match="sha256.*lpdiff regen --model tiny-moe .*pytest --lpdiff-regen"):
-        store.get(k)
+    path = store.path(k)
+    blob = path.read_bytes()
+    # data pages, and the manifest in the footer (a flip in the footer's column statistics changes nothing read)
+    for where in (len(blob) // 10, len(blob) // 3, blob.index(b'"provenance"') + 3):
+        store.put(k, make_run(), overwrite=True)
+        blob = bytearray(path.read_bytes())
+        blob[where] ^= 0x01
+        path.write_bytes(bytes(blob))
+        with pytest.raises(BaselineCorrupt, match=f"{path}.*lpdiff regen --model tiny-moe .*pytest --lpdiff-regen"):
+            store.get(k)
 
 
 def test_missing_names_the_command(tmp_path):
@@ -93,13 +125,13 @@ def test_stale_when_content_changes_under_the_same_name(tmp_path):
 
 
 def test_stale_when_stored_description_differs(tmp_path):
-    # what a digest collision or a hand-edited sidecar looks like: same file name, other description
+    # what a digest collision or a hand-edited manifest looks like: same file name, other description
     store, k = BaselineStore(tmp_path), key()
     store.put(k, make_run())
-    side = tmp_path / k.digest[:2] / f"{k.digest}.json"
-    info = json.loads(side.read_text())
-    info["key"]["tp"] = 8
-    side.write_text(json.dumps(info))
+    m = store.manifest(k)
+    m["key"]["tp"] = 8
+    with open(store.path(k), "wb") as fh:
+        store_format.write(store_format.encode(make_run(), m), fh)
     with pytest.raises(BaselineStale, match="describes another computation"):
         store.get(k)
 
@@ -164,5 +196,93 @@ def test_concurrent_writers(tmp_path, shifts, want):
         winner = next(s for o, s in mine if o == "written")
         assert_same(store.get(key(extra={"round": i})), make_run(shift=winner))
     digests = sorted(key(extra={"round": i}).digest for i in range(ROUNDS))
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == \
-        sorted(f"{d}.{ext}" for d in digests for ext in ("json", "npz"))
+    assert sorted(p.name for p in tmp_path.glob("??/*")) == sorted(f"{d}.parquet" for d in digests)
+
+
+def test_other_prompt_sets_depths_and_engines_coexist(tmp_path):
+    """A regen of another prompt set, depth or reference engine is another computation: it supersedes nothing
+    (today's committed baselines survive `lpdiff regen --prompt-set short` and `--num-layers 2`)."""
+    store = BaselineStore(tmp_path)
+    base = key(prompt_set="default")
+    store.put(base, make_run())
+    others = {key(prompt_set="short", prompts=PROMPTS[:1]): PROMPTS[:1],
+              key(model=model(num_layers=2), prompt_set="default"): PROMPTS,
+              key(engine="triton", prompt_set="default"): PROMPTS,
+              key(prompts=PROMPTS[1:]): PROMPTS[1:]}  # a prompt list without a set name
+    for k, prompts in others.items():
+        assert store.find_stale(k) == [] and store.put(k, make_run(prompts=prompts)) is True
+    assert store.prune() == []  # nothing superseded
+    assert sorted(k.digest for k in store.list()) == sorted(k.digest for k in [base, *others])
+    assert_same(store.get(base), make_run())
+    # the same prompt set whose prompts changed: stale, and regen of it leaves the old one for prune
+    changed = key(prompt_set="default", prompts=[[3, 1, 4, 1, 5], [9, 2, 7]])
+    assert store.find_stale(changed) == [base]
+    with pytest.raises(BaselineStale, match="prompts .* changed"):
+        store.get(changed)
+    store.put(changed, make_run(prompts=[[3, 1, 4, 1, 5], [9, 2, 7]]), overwrite=True)
+    assert base in store.list()
+
+
+def test_hint_names_prompt_set_and_depth(tmp_path):
+    with pytest.raises(BaselineMissing) as e:
+        BaselineStore(tmp_path).get(key(model=model(num_layers=2), prompt_set="short"))
+    assert "`lpdiff regen --model tiny-moe --prompt-set short --num-layers 2 --engine hf" in str(e.value)
+    assert "prompt set 'short'" in str(e.value) and "2 layers" in str(e.value)
+
+
+def test_prune_lists_exactly_what_goes(tmp_path):
+    store = BaselineStore(tmp_path)
+    old, new, other = key(prompt_set="default"), key(model=model(seed=3), prompt_set="default"), key(tp=2)
+    for k in (old, new, other):
+        store.put(k, make_run())
+        time.sleep(1.01)  # manifests carry creation times to the second
+    junk = tmp_path / "ab" / ("ab" + "0" * 62 + ".parquet")
+    junk.parent.mkdir(exist_ok=True)
+    junk.write_bytes(b"not parquet")
+    listed = store.ls()
+    assert [e.path for e in listed] == sorted(e.path for e in listed) and len(listed) == 4
+    assert any("UNREADABLE" in e.describe() for e in listed) and any("prompt set 'default'" in e.describe()
+                                                                     for e in listed)
+    plan = store.prune()  # dry run by default
+    assert sorted(e.path for e in plan) == sorted([store.path(old), junk])
+    assert len(store.ls()) == 4  # a dry run removes nothing
+    assert store.prune(dry_run=False) == plan
+    assert sorted(k.digest for k in store.list()) == sorted([new.digest, other.digest])
+    assert [e.key for e in store.prune(keep=[new], dry_run=False)] == [other]
+    assert store.list() == [new]
+
+
+def test_old_npz_store_is_converted_with_its_keys(tmp_path):
+    from lpdiff.harness.pipeline.store_legacy import main as migrate_main
+
+    import hashlib
+    k, run = key(), make_run()
+    folder = tmp_path / k.digest[:2]
+    folder.mkdir()
+    run.save(folder / f"{k.digest}.npz")
+    blob = (folder / f"{k.digest}.npz").read_bytes()
+    (folder / f"{k.digest}.json").write_text(json.dumps({
+        "format": 1, "digest": k.digest, "key": k.fields, "names": {"model": k.model_name, "adapter": None},
+        "sha256": hashlib.sha256(blob).hexdigest(), "meta": run.meta}))
+    store = BaselineStore(tmp_path)
+    with pytest.raises(BaselineStale, match="old .npz format.*store_legacy"):
+        store.get(k)
+    assert migrate_main([str(tmp_path)]) == 0
+    assert_same(store.get(k), run) and store.get(k).meta == run.meta
+    assert sorted(p.name for p in folder.iterdir()) == [f"{k.digest}.parquet"]
+
+
+def test_junk_old_npz_is_refused_without_numpy_advice(tmp_path, capsys):
+    from lpdiff.harness.pipeline.store_legacy import main as migrate_main
+
+    import hashlib
+    k = key()
+    folder = tmp_path / k.digest[:2]
+    folder.mkdir()
+    (folder / f"{k.digest}.npz").write_bytes(b"junk junk junk")
+    (folder / f"{k.digest}.json").write_text(json.dumps({
+        "digest": k.digest, "key": k.fields, "names": {"model": k.model_name},
+        "sha256": hashlib.sha256(b"junk junk junk").hexdigest()}))
+    assert migrate_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder / k.digest}.json" in err and "not an lpdiff .npz run" in err and "allow_pickle" not in err

@@ -23,13 +23,23 @@ FORMAT = 2
 META_KEY = b"lpdiff.manifest"
 SUFFIX = ".parquet"
 
+def _list(t: pa.DataType) -> pa.DataType:
+    return pa.list_(pa.field("element", t))  # parquet's own name for list items: what a reader sees anyway
+
+
 SCHEMA = pa.schema([
     ("baseline", pa.string()), ("model", pa.string()), ("adapter", pa.string()), ("engine", pa.string()),
     ("dtype", pa.string()), ("prompt", pa.int32()),
-    ("token_ids", pa.list_(pa.int64())), ("logprobs", pa.list_(pa.float32())),
-    ("topk_ids", pa.list_(pa.list_(pa.int64()))), ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
-    ("router_margin", pa.list_(pa.float32())),
+    ("token_ids", _list(pa.int64())), ("logprobs", _list(pa.float32())),
+    ("topk_ids", _list(_list(pa.int64()))), ("topk_logprobs", _list(_list(pa.float32()))),
+    ("router_margin", _list(pa.float32())),
 ])
+
+
+def manifest_sha256(manifest: dict[str, Any]) -> str:
+    """Checksum of the manifest itself (without this field), so that damage to the provenance is seen too."""
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
 def data_sha256(run: LogprobRun) -> str:
@@ -73,12 +83,17 @@ def encode(run: LogprobRun, manifest: dict[str, Any]) -> pa.Table:
     typ = SCHEMA.field("router_margin").type
     cols["router_margin"] = _lists(arrays["router_margin"], lens, typ) if "router_margin" in arrays \
         else pa.nulls(n, type=typ)
+    manifest = {**manifest, "manifest_sha256": manifest_sha256(manifest)}
     meta = {META_KEY: json.dumps(manifest, sort_keys=True, default=str).encode()}
     return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA.with_metadata(meta))
 
 
 def write(table: pa.Table, fh: BinaryIO) -> None:
-    pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
+    # store_schema=False: no second (base64) copy of the schema and manifest, whose damage nothing would notice;
+    # the manifest goes into the file's own key-value metadata instead
+    with pq.ParquetWriter(fh, SCHEMA, compression="zstd", write_page_checksum=True, store_schema=False) as w:
+        w.write_table(table.replace_schema_metadata(None))
+        w.add_key_value_metadata(table.schema.metadata)
 
 
 def _flat(col: pa.ChunkedArray, dtype) -> np.ndarray:
@@ -101,19 +116,27 @@ def _optional(table: pa.Table, name: str, dtype, nested: bool) -> np.ndarray | N
     return np.asarray(inner.flatten().to_numpy(zero_copy_only=False), dtype=dtype).reshape(-1, k)
 
 
+def _manifest(kv: dict[bytes, bytes] | None) -> dict[str, Any]:
+    manifest = json.loads((kv or {})[META_KEY])
+    if manifest.get("manifest_sha256") != manifest_sha256(manifest):
+        raise ValueError("the manifest fails its checksum")
+    return manifest
+
+
 def _unreadable(path, e: Exception) -> BaselineCorrupt:
-    return BaselineCorrupt(f"baseline {path} is not a readable lpdiff baseline ({type(e).__name__}: {str(e)[:200]})")
+    why = " ".join(str(e).split())[:200]  # pyarrow's messages span lines; the CLI prints one
+    return BaselineCorrupt(f"baseline {path} is not a readable lpdiff baseline ({type(e).__name__}: {why})")
 
 
 def read(path) -> tuple[LogprobRun, dict[str, Any]]:
     """(run, manifest) of a baseline file; BaselineCorrupt naming ``path`` when it is not one (unreadable, junk,
     truncated, or its numbers fail their checksum)."""
     try:
-        with pq.ParquetFile(path) as pf:
+        with pq.ParquetFile(path, page_checksum_verification=True) as pf:
             table = pf.read()
+            manifest = _manifest(pf.metadata.metadata)
         if not table.schema.equals(SCHEMA, check_metadata=False):
             raise ValueError(f"columns {table.schema.names} are not those of format {FORMAT}")
-        manifest = json.loads(table.schema.metadata[META_KEY])
         lens = np.asarray(table.column("token_ids").combine_chunks().value_lengths(), dtype=np.int64)
         arrays = {"lengths": lens, "token_ids": _flat(table.column("token_ids"), np.int64),
                   "logprobs": _flat(table.column("logprobs"), np.float32)}
@@ -138,8 +161,7 @@ def read(path) -> tuple[LogprobRun, dict[str, Any]]:
 def read_manifest(path) -> dict[str, Any]:
     """The manifest alone (the footer; no data pages are read): what ``ls`` and the stale rule need."""
     try:
-        meta = pq.read_schema(path).metadata or {}
-        return json.loads(meta[META_KEY])
+        return _manifest(pq.read_metadata(path).metadata)
     except FileNotFoundError:
         raise
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as e:

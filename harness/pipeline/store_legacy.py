@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import sys
+import zipfile
 from pathlib import Path
 
 from lpdiff.harness.pipeline.store import BaselineKey, BaselineStore, _canonical
@@ -26,8 +27,11 @@ def read_pair(side: Path) -> tuple[BaselineKey, LogprobRun]:
         info = json.loads(side.read_text())
         blob = npz.read_bytes()
         if hashlib.sha256(blob).hexdigest() != info["sha256"]:
-            raise ValueError("the .npz fails the sidecar's sha256")
-        run = LogprobRun.load(io.BytesIO(blob))
+            raise ValueError(f"{npz.name} fails the sidecar's sha256")
+        try:
+            run = LogprobRun.load(io.BytesIO(blob))
+        except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as e:  # numpy's text would advise allow_pickle: never
+            raise ValueError(f"{npz.name} is not an lpdiff .npz run") from e
         names = info["names"]
         key = BaselineKey(info["digest"], _canonical(info["key"]), names["model"], names.get("adapter"))
     except (OSError, ValueError, KeyError, TypeError) as e:
