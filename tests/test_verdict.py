@@ -111,7 +111,9 @@ def test_table_and_json():
     assert "PASS" in lines[1] and "r8" in lines[1] and "0.01" in lines[1]
     assert "FAIL" in lines[2] and "1 [experts]" in lines[2] and "NaN or inf" in lines[2]
     assert lines[1].index("PASS") == lines[2].index("FAIL")  # columns line up
-    data = json.loads(to_json(vs))
+    doc = json.loads(to_json(vs))
+    assert doc["schema_version"] == 1 and doc["lpdiff_version"] and doc["created"]
+    data = doc["verdicts"]
     assert data[0]["passed"] is True and data[0]["metrics"]["k2"] == 1e-9
     assert data[1]["metrics"]["k2"] == "nan" and data[1]["delta_fidelity"]["experts"] == 1.0
     assert data[1]["threshold"]["source"] == "unmeasured" and not math.isnan(data[0]["threshold"]["k2"])

@@ -179,6 +179,36 @@ def compare(a: LogprobRun, b: LogprobRun, near_tie_eps: float = NEAR_TIE_EPS,
     return out
 
 
+DETAIL_MAX_POSITIONS = 2000  # positions per lane kept in verdict JSON for reports: ~25 kB a lane
+DETAIL_BINS = 40
+
+
+def position_detail(a: LogprobRun, b: LogprobRun, near_tie_eps: float,
+                    max_positions: int = DETAIL_MAX_POSITIONS) -> dict:
+    """What a report draws for one lane: d = a - b along each prompt's positions (4 significant digits) and the
+    positions at or after a router near-tie, for prompts in order until ``max_positions`` are listed, plus a
+    histogram of d over every finite position (so the histogram is never truncated). ``near_tie_eps`` as given to
+    compare()."""
+    check_same_prompts(a, b)
+    d = _flat(a, "logprobs") - _flat(b, "logprobs")
+    masks = [m for m in (near_tie_mask(a, near_tie_eps), near_tie_mask(b, near_tie_eps)) if m is not None]
+    flagged = np.logical_or.reduce(masks) if masks else None
+    prompts, start = [], 0
+    for i, p in enumerate(a.prompts):
+        n = len(p.logprobs)
+        take = min(n, max_positions - sum(len(q["d"]) for q in prompts))
+        if take <= 0:
+            break
+        seg = slice(start, start + take)
+        prompts.append({"prompt": i, "d": [float(f"{x:.4g}") for x in d[seg]],
+                        "near_tie": None if flagged is None else np.flatnonzero(flagged[seg]).tolist()})
+        start += n
+    finite = d[np.isfinite(d)]
+    counts, edges = np.histogram(finite, bins=DETAIL_BINS) if finite.size else (np.zeros(0), np.zeros(0))
+    return {"num_positions": int(d.size), "prompts": prompts,
+            "hist": {"edges": [float(f"{x:.4g}") for x in edges], "counts": counts.astype(int).tolist()}}
+
+
 def delta_fidelity(a_lora: LogprobRun, a_base: LogprobRun, b_lora: LogprobRun, b_base: LogprobRun) -> float:
     """||Δa - Δb||₂ / ||Δb||₂ with Δ = logprobs(with adapter) - logprobs(base) per engine: 0 when the engine
     applies the adapter exactly as the reference does, ~1 when it drops it (its output equals the base model)."""

@@ -7,6 +7,7 @@ positions and records the excluded share in the notes.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ class Verdict:
     reasons: list[str]  # one per exceeded limit, naming the metric, its value and the limit
     near_tie_share: float | None
     notes: list[str] = field(default_factory=list)  # context that does not decide pass/fail
+    expected: str = "PASS"  # "FAIL" for lanes that must fail (bug-zoo faults, known defects); reports mark them
+    detail: dict[str, Any] | None = None  # per-prompt d and near-tie positions for reports (metrics.position_detail)
 
 
 def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity) -> list[str]:
@@ -122,8 +125,33 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def to_json(verdicts: Sequence[Verdict]) -> str:
-    return json.dumps([_plain(dataclasses.asdict(v)) for v in verdicts], indent=1, sort_keys=True)
+SCHEMA_VERSION = 1  # of the JSON document to_json writes; readers refuse a newer one
+
+
+def to_json(verdicts: Sequence[Verdict], *, metamorphic: Sequence[Mapping[str, Any]] = ()) -> str:
+    """``{"schema_version", "lpdiff_version", "created", "verdicts": [...]}`` plus, when given, ``"metamorphic"``:
+    metamorphic reports as plain dicts (``dataclasses.asdict`` of a Report), which ``lpdiff report`` draws."""
+    from lpdiff import __version__
+
+    doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "lpdiff_version": __version__,
+                           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "verdicts": [_plain(dataclasses.asdict(v)) for v in verdicts]}
+    if metamorphic:
+        doc["metamorphic"] = _plain(list(metamorphic))
+    return json.dumps(doc, indent=1, sort_keys=True)
+
+
+def load_document(text: str) -> dict[str, Any]:
+    """The parsed document; the bare list older versions wrote reads as schema version 0."""
+    doc = json.loads(text)
+    if isinstance(doc, list):
+        return {"schema_version": 0, "verdicts": doc}
+    if not isinstance(doc, dict) or "verdicts" not in doc:
+        raise ValueError("not an lpdiff verdict document: expected a JSON object with 'verdicts'")
+    if doc.get("schema_version", 0) > SCHEMA_VERSION:
+        raise ValueError(f"verdict document has schema_version {doc['schema_version']}; this lpdiff reads up to "
+                         f"{SCHEMA_VERSION}: upgrade lpdiff")
+    return doc
 
 
 def _num(x: Any) -> Any:
@@ -141,7 +169,7 @@ def _metrics(d: Mapping[str, Any] | None) -> Metrics | None:
 def from_json(text: str) -> list[Verdict]:
     """Inverse of to_json (pytest-xdist workers ship verdicts to the controller this way)."""
     out = []
-    for d in json.loads(text):
+    for d in load_document(text)["verdicts"]:
         d = dict(d)
         d["metrics"] = _metrics(d["metrics"])
         d["threshold"] = Threshold(**{k: _num(v) for k, v in d["threshold"].items()})
