@@ -122,6 +122,8 @@ def test_env_read_at_call_time(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as if imported online; restored after the test
     e = hub.HubEnv.from_environ()
     assert e == hub.HubEnv("http://127.0.0.1:9", True, tmp_path / "hub")
     # offline and no commit hash: refused before any request, naming the fix
@@ -130,7 +132,6 @@ def test_env_read_at_call_time(monkeypatch, tmp_path):
     # offline with a hash that is not cached: a clear error, and huggingface_hub's own flag was synced
     with pytest.raises(hub.HubError, match="not in the HF cache"):
         hub.pull(f"hf://datasets/org/name@{'c' * 40}", lock=None)
-    from huggingface_hub import constants
     assert constants.HF_HUB_OFFLINE is True
 
 
@@ -152,6 +153,8 @@ def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
     assert got["commit"] == first["commit"]
     snap = Path(got["path"])
     assert _tree_equal(store, snap) == []
+    listed = run(env, op="ls", url=url, lock=str(tmp_path / "other.lock"))["entries"]  # the lock's commit
+    assert len(listed) == len([f for f in files if f.suffix in (".parquet", ".json")])
     card = (snap / "README.md").read_text()
     assert card.startswith("---\n") and "tiny-gpt-oss" in card
 
