@@ -22,7 +22,8 @@ import numpy as np
 
 from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.kernels.faults import runtime_faults
-from lpdiff.harness.pipeline.job import Job, judge_job, mixed_batch, resolve, run_job
+from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
+from lpdiff.harness.pipeline.session import mixed_batch
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
@@ -33,12 +34,12 @@ COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "nois
 def measure(model: str, dtype: str, reruns: int = 20) -> dict:
     job = Job(model=model, engine="triton", dtype=dtype)
     first = run_job(job, log=lambda s: None)
-    spec, adapters, prompts = resolve(job)
+    spec, adapters, prompts = resolve_job(job)
     k2s, maxs = [], []
     with open_engine("triton", EngineConfig(model=spec, adapters=adapters, dtype=dtype)) as eng:
         for _ in range(reruns):
             runs = mixed_batch(eng, prompts, [None, *adapters], job.top_k)
-            for v in judge_job(job, runs, first.refs):
+            for v in judge_runs(job, runs, first.refs):
                 k2s.append(v.metrics.k2)
                 maxs.append(v.metrics.max_abs)
     thr = first.verdicts[0].threshold

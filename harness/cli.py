@@ -1,22 +1,40 @@
-"""``lpdiff``: run / regen / compare / models / adapters / calibrate / bisect / check / doctor / metamorphic.
+"""``lpdiff``: one click command tree over the commands in harness/commands/.
 
-``lpdiff run`` with no arguments judges every tiny zoo model (hf engine, fp32) against the committed baselines and
-prints a verdict table; the exit code is 1 when any verdict FAILs, 2 on bad input or a missing baseline.
+Exit codes (README "Exit codes"): 0 every verdict as expected; 1 a verdict failed (or was not as expected);
+2 bad input, a missing/stale/corrupt baseline or an engine that is not installed — one line naming the fix;
+3 lpdiff itself crashed (a bug: the traceback is printed). ``lpdiff`` alone runs ``lpdiff run``.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import sys
+import traceback
 from pathlib import Path
 
+import click
 
-def _parse_options(items: list[str]) -> dict:
+import lpdiff
+from lpdiff.harness.pipeline.store import BaselineError
+from lpdiff.harness.spec.resolve import SpecError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
+DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+
+
+class UsageError(Exception):
+    """Bad input found after parsing (a missing engine, an unknown adapter...): exit 2 with this message."""
+
+
+# Exceptions that mean the input was wrong, not lpdiff: one line, exit 2.
+USER_ERRORS = (UsageError, BaselineError, SpecError, ValueError, KeyError, OSError, json.JSONDecodeError)
+
+
+def parse_options(items) -> dict:
+    """``--option KEY=VALUE`` (repeatable): VALUE is JSON when it parses as JSON, else a string."""
     out = {}
-    for item in items or []:
+    for item in items or ():
         if "=" not in item:
-            raise SystemExit(f"--option takes KEY=VALUE, got {item!r}")
+            raise click.BadParameter(f"takes KEY=VALUE, got {item!r}", param_hint="--option")
         k, v = item.split("=", 1)
         try:
             out[k] = json.loads(v)
@@ -25,249 +43,348 @@ def _parse_options(items: list[str]) -> dict:
     return out
 
 
-def _jobs(args) -> list:
-    from lpdiff.harness.spec.catalog import list_models
-    from lpdiff.harness.pipeline.job import Job
-
-    models = args.model or [m.name for m in list_models() if m.path is not None and m.name.startswith("tiny-")
-                            and m.arch != "qwen3"]
-    return [Job(model=m, engine=args.engine, reference=args.reference, dtype=args.dtype, ref_dtype=args.ref_dtype,
-                tp=args.tp, adapters=tuple(args.adapter) if args.adapter else None, prompt_set=args.prompt_set,
-                top_k=args.top_k, num_layers=args.num_layers, options=_parse_options(args.option)) for m in models]
+def _log(msg: str) -> None:
+    click.echo(msg, err=True)
 
 
-def _progress(jobs, desc):
+def _progress(items, desc: str):
     from tqdm import tqdm
 
-    return tqdm(jobs, desc=desc, unit="model", file=sys.stderr, disable=len(jobs) < 2 or not sys.stderr.isatty())
+    return tqdm(items, desc=desc, unit="model", file=sys.stderr, disable=len(items) < 2 or not sys.stderr.isatty())
 
 
-def cmd_run(args, regen: bool = False) -> int:
-    from lpdiff.harness.pipeline.job import default_store, run_job
-    from lpdiff.harness.pipeline.store import BaselineError
-    from lpdiff.harness.pipeline.verdict import format_table, to_json
+def _need_engine(engine: str) -> None:
+    from lpdiff.harness.pipeline.session import engine_missing
 
-    store = default_store(args.baselines)
+    if why := engine_missing(engine):
+        raise UsageError(why)
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(lpdiff.__version__, "--version", prog_name="lpdiff")
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Logprob-diff regression harness for LoRA adapters on Mixture-of-Experts LLMs."""
+    if ctx.invoked_subcommand is None:
+        ctx.exit(ctx.invoke(run))
+
+
+def selection(f):
+    """The options that pick what ``run`` and ``regen`` compute."""
+    opts = [
+        click.option("--model", "models", multiple=True, help="catalog model (repeatable; default: every tiny zoo "
+                     "model the engine serves)"),
+        click.option("--engine", default="hf", show_default=True, help="engine under test: hf, triton, vllm, sglang"),
+        click.option("--dtype", type=DTYPES, default="float32", show_default=True),
+        click.option("--reference", default="hf", show_default=True, help="engine of the stored reference runs"),
+        click.option("--ref-dtype", type=DTYPES, default="float32", show_default=True),
+        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option("--adapter", "adapters", multiple=True, help="zoo adapter name (repeatable; default: all)"),
+        click.option("--prompt-set", default="default", show_default=True),
+        click.option("--top-k", type=click.IntRange(min=0), default=8, show_default=True,
+                     help="top-k logprobs stored and compared (KL, top-1)"),
+        click.option("--num-layers", type=click.IntRange(min=1), default=None, help="keep the first N layers"),
+        click.option("--option", "options", multiple=True, help="engine option KEY=VALUE (repeatable)"),
+        click.option("--baselines", default=None, help="baseline store (default: $LPDIFF_BASELINES or lpdiff's)"),
+        click.option("--json", "json_path", default=None, help="also write the verdicts as JSON here"),
+        click.option("--save-runs", default=None, help="save the engine-under-test runs (.npz) here"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, adapters, prompt_set, top_k,
+                  num_layers, options, baselines, json_path, save_runs) -> int:
+    from lpdiff.harness.commands.run import Job, run_job, zoo_models
+    from lpdiff.harness.pipeline.references import default_store
+    from lpdiff.harness.pipeline.report import verdict_table
+    from lpdiff.harness.pipeline.verdict import to_json
+
+    _need_engine(engine)
+    chosen, skipped = zoo_models(engine, models)
+    for model, why in skipped:
+        _log(f"skipped {model}: {why}")
+    jobs = [Job(model=m, engine=engine, reference=reference, dtype=dtype, ref_dtype=ref_dtype, tp=tp,
+                adapters=tuple(adapters) or None, prompt_set=prompt_set, top_k=top_k, num_layers=num_layers,
+                options=parse_options(options)) for m in chosen]
+    if not jobs:
+        raise UsageError(f"engine {engine!r} serves none of the models asked for")
+    store = default_store(baselines)
     verdicts = []
-    jobs = _jobs(args)
     bar = _progress(jobs, "regen" if regen else "run")
     for job in bar:
         bar.set_postfix_str(job.model)
-        try:
-            res = run_job(job, store, regen=regen, log=lambda s: bar.write(s, file=sys.stderr))
-        except BaselineError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        res = run_job(job, store, regen=regen, log=lambda s: bar.write(s, file=sys.stderr))
         verdicts += res.verdicts
-        if args.save_runs:
-            out = Path(args.save_runs)
+        if save_runs:
+            out = Path(save_runs)
             out.mkdir(parents=True, exist_ok=True)
-            for a, run in res.runs.items():
-                run.save(out / f"{job.model}.{job.engine}.{job.dtype}.{a or 'base'}.npz")
-    print(format_table(verdicts))
-    if args.json:
-        Path(args.json).write_text(to_json(verdicts))
+            for a, r in res.runs.items():
+                r.save(out / f"{job.model}.{job.engine}.{job.dtype}.{a or 'base'}.npz")
+    click.echo(verdict_table(verdicts))
+    if json_path:
+        Path(json_path).write_text(to_json(verdicts))
     if regen:
-        return 0
+        return EXIT_OK
     failed = [v for v in verdicts if not v.passed]
-    print(f"{len(verdicts) - len(failed)} passed, {len(failed)} failed", file=sys.stderr)
-    return 1 if failed else 0
+    _log(f"{len(verdicts) - len(failed)} passed, {len(failed)} failed" +
+         (f"; skipped: {', '.join(m for m, _ in skipped)}" if skipped else ""))
+    return EXIT_FAILED if failed else EXIT_OK
 
 
-def cmd_compare(args) -> int:
-    from lpdiff.harness.pipeline.metrics import compare
-    from lpdiff.harness.pipeline.thresholds import lookup
-    from lpdiff.harness.types import AdapterSpec, LogprobRun
-    from lpdiff.harness.pipeline.verdict import format_table, judge
-
-    if args.runs:
-        a, b = (LogprobRun.load(p) for p in args.runs)
-        lane = [f"{r.meta.get('engine', '?')}:{r.meta.get('dtype', 'float32')}" for r in (a, b)]
-        model, dtype = a.meta.get("model", "?"), a.meta.get("dtype", "float32")
-        v = judge(compare(a, b), lookup(model, f"{lane[0]}-vs-{lane[1]}", dtype, int(a.meta.get("tp", 1))),
-                  adapter=f"{a.meta.get('adapter') or '-'} vs {b.meta.get('adapter') or '-'}")
-        print(format_table([v]))
-        return 0 if v.passed else 1
-    if not args.model:
-        raise SystemExit("compare needs --model (two engines) or --runs A.npz B.npz (two stored runs)")
-    from lpdiff.harness.pipeline.job import Job, judge_job, resolve, run_engine
-
-    job = Job(model=args.model, engine=args.engine, dtype=args.dtype, reference=args.against,
-              ref_dtype=args.against_dtype, tp=args.tp, adapters=(args.adapter,) if args.adapter else None,
-              prompt_set=args.prompt_set, num_layers=args.num_layers)
-    spec, adapters, prompts = resolve(job)
-    test_adapters = dict(adapters)
-    if args.test_adapter_dir:  # the engine under test gets other adapter files under the same name
-        if len(adapters) != 1:
-            raise SystemExit("--test-adapter-dir needs exactly one --adapter")
-        name = next(iter(adapters))
-        test_adapters = {name: AdapterSpec(name, args.test_adapter_dir)}
-    runs = run_engine(job.engine, spec, test_adapters, prompts, job.dtype, job.tp, job.top_k)
-    refs = run_engine(job.reference, spec, adapters, prompts, job.ref_dtype, 1, job.top_k)
-    verdicts = judge_job(job, runs, refs)
-    print(format_table(verdicts))
-    return 0 if all(v.passed for v in verdicts) else 1
+@cli.command()
+@selection
+def run(**kw) -> int:
+    """Judge an engine against stored reference runs (the default command)."""
+    return _run_or_regen(False, **kw)
 
 
-def cmd_calibrate(args) -> int:
-    from lpdiff.harness.commands import calibrate as cal
-    from lpdiff.harness.spec.adapter_zoo import MOE_MODELS
-
-    models = args.model or MOE_MODELS
-    if args.engine is None:
-        cal.calibrate_zoo(models)
-        return 0
-    if not args.record_as:
-        raise SystemExit("--engine needs --record-as PAIR@DTYPE (which threshold entry the noise sets)")
-    a = cal.Lane(args.engine, args.dtype, _parse_options(args.option), args.tp)
-    b = cal.Lane(args.against, args.against_dtype, _parse_options(args.against_option))
-    record_as = [tuple(r.rsplit("@", 1)) for r in args.record_as]
-    for m in models:
-        cal.calibrate(m, a, b, record_as, args.factor, tp=args.tp, num_layers=args.num_layers)
-    return 0
+@cli.command()
+@selection
+def regen(**kw) -> int:
+    """(Re)compute reference runs and write them to the store (nothing else is touched)."""
+    return _run_or_regen(True, **kw)
 
 
-def cmd_models(args) -> int:
+@cli.command()
+@click.option("--runs", nargs=2, type=click.Path(), default=None, metavar="A.npz B.npz",
+              help="compare two stored runs instead of two live engines")
+@click.option("--model", default=None)
+@click.option("--engine", default="hf", show_default=True)
+@click.option("--dtype", type=DTYPES, default="float32", show_default=True)
+@click.option("--against", default="hf", show_default=True)
+@click.option("--against-dtype", type=DTYPES, default="float32", show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), default=1)
+@click.option("--adapter", default=None)
+@click.option("--test-adapter-dir", default=None,
+              help="give the engine under test these adapter files instead (e.g. a deliberately broken copy)")
+@click.option("--prompt-set", default="default")
+@click.option("--num-layers", type=click.IntRange(min=1), default=None)
+def compare(runs, model, engine, dtype, against, against_dtype, tp, adapter, test_adapter_dir, prompt_set,
+            num_layers) -> int:
+    """Compare two engines live, or two stored runs."""
+    from lpdiff.harness.commands.compare import compare_live, compare_runs
+    from lpdiff.harness.pipeline.report import verdict_table
+
+    if runs:
+        verdicts = [compare_runs(*runs)]
+    elif model:
+        for e in (engine, against):
+            _need_engine(e)
+        verdicts = compare_live(model, engine, dtype, against, against_dtype, tp, adapter, test_adapter_dir,
+                                prompt_set, num_layers)
+    else:
+        raise click.UsageError("compare needs --model (two engines live) or --runs A.npz B.npz (two stored runs)")
+    click.echo(verdict_table(verdicts))
+    return EXIT_OK if all(v.passed for v in verdicts) else EXIT_FAILED
+
+
+@cli.command()
+def models() -> int:
+    """The model catalog with shapes."""
+    from lpdiff.harness.pipeline.report import table
     from lpdiff.harness.spec.catalog import describe, list_models
 
     rows = [describe(m) for m in list_models()]
     cols = list(rows[0]) if rows else []
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
-    print("  ".join(c.ljust(widths[c]) for c in cols))
-    for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
-    return 0
+    click.echo(table([[r.get(c, "") for c in cols] for r in rows], cols))
+    return EXIT_OK
 
 
-def cmd_adapters(args) -> int:
+@cli.group()
+def adapters() -> None:
+    """Generate or convert LoRA adapters."""
+
+
+@adapters.command("gen")
+@click.option("--model", required=True)
+@click.option("--out", required=True)
+@click.option("--groups", default="attention,experts", show_default=True)
+@click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--alpha", type=float, default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--layout", type=click.Choice(["peft3d", "per_expert"]), default="peft3d", show_default=True)
+def adapters_gen(model, out, groups, rank, alpha, seed, layout) -> int:
+    """Write a seeded random adapter for a catalog model."""
+    import torch
+
     from lpdiff.harness.spec import adapters as ad
+    from lpdiff.harness.spec.catalog import load_hf_model
+    from lpdiff.harness.spec.resolve import resolve
 
-    if args.adapters_cmd == "gen":
-        from lpdiff.harness.spec.catalog import get_model, load_hf_model
-        import torch
+    hf = load_hf_model(resolve(model, adapters=()).spec, torch.float32, "cpu")
+    ad.generate_adapter(hf, out, groups=groups.split(","), rank=rank, alpha=alpha, seed=seed, layout=layout)
+    click.echo(f"wrote {out}")
+    return EXIT_OK
 
-        model = load_hf_model(get_model(args.model), torch.float32, "cpu")
-        ad.generate_adapter(model, args.out, groups=args.groups.split(","), rank=args.rank, alpha=args.alpha,
-                            seed=args.seed, layout=args.layout)
-        print(f"wrote {args.out}")
+
+@adapters.command("convert")
+@click.option("--model", required=True)
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", type=click.Choice(["peft3d", "per_expert"]), required=True)
+def adapters_convert(model, src, dst, to) -> int:
+    """Rewrite an adapter in another expert layout (checked against PEFT's merge in the tests)."""
+    from lpdiff.harness.spec import adapters as ad
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.spec.resolve import resolve
+
+    ad.convert_adapter(src, dst, to=to, model_config=hf_config(resolve(model, adapters=()).spec))
+    click.echo(f"wrote {dst}")
+    return EXIT_OK
+
+
+@cli.command()
+@click.option("--model", "models", multiple=True, help="model (repeatable; default: the tiny MoE zoo)")
+@click.option("--engine", default=None, help="with --against: calibrate one pair instead of the zoo plan")
+@click.option("--dtype", type=DTYPES, default="float32")
+@click.option("--option", "options", multiple=True, help="engine option KEY=VALUE for --engine")
+@click.option("--against", default="hf")
+@click.option("--against-dtype", type=DTYPES, default="float32")
+@click.option("--against-option", "against_options", multiple=True)
+@click.option("--record-as", multiple=True, metavar="PAIR@DTYPE",
+              help="threshold entry to write, e.g. vllm:bfloat16-vs-hf:float32@bfloat16")
+@click.option("--factor", type=float, default=10.0)
+@click.option("--tp", type=click.IntRange(min=1), default=1)
+@click.option("--num-layers", type=click.IntRange(min=1), default=None)
+def calibrate(models, engine, dtype, options, against, against_dtype, against_options, record_as, factor, tp,
+              num_layers) -> int:
+    """Measure noise floors between correct implementations and record thresholds from them."""
+    from lpdiff.harness.commands import calibrate as cal
+    from lpdiff.harness.spec.adapter_zoo import MOE_MODELS
+
+    models = list(models) or MOE_MODELS
+    if engine is None:
+        cal.calibrate_zoo(models)
+        return EXIT_OK
+    if not record_as:
+        raise click.UsageError("--engine needs --record-as PAIR@DTYPE (which threshold entry the noise sets)")
+    a = cal.Lane(engine, dtype, parse_options(options), tp)
+    b = cal.Lane(against, against_dtype, parse_options(against_options))
+    targets = [tuple(r.rsplit("@", 1)) for r in record_as]
+    for m in models:
+        cal.calibrate(m, a, b, targets, factor, tp=tp, num_layers=num_layers)
+    return EXIT_OK
+
+
+@cli.command()
+@click.option("--engine", required=True, type=click.Choice(["vllm", "sglang", "triton", "hf"]))
+@click.option("--model", "models", multiple=True, required=True, help="catalog model (repeatable)")
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="depth cut (full width)")
+@click.option("--tp", type=click.IntRange(min=1), default=1)
+@click.option("--reference", type=click.Choice(["hf", "triton"]), default="hf")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--k", type=click.IntRange(min=2), default=3, show_default=True,
+              help="runs of the engine under test (rerun noise)")
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--csv", "csv_path", default=None, help="append one row per lane to this CSV")
+@click.option("--workdir", default=None, help="where adapters are written (default: a temporary directory)")
+@click.option("--baselines", default=None, help="store for the reference runs (default: $LPDIFF_BASELINES or lpdiff's)")
+def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, workdir, baselines) -> int:
+    """A bf16 engine vs an fp32 reference on a full-width model; thresholds from noise measured in the same run."""
+    import tempfile
+
+    from lpdiff.harness.commands import check as chk
+    from lpdiff.harness.pipeline.references import default_store
+
+    _need_engine(engine)
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            case = chk.build_case(model, layers, Path(workdir or tmp) / model, device=device, log=_log)
+            res = chk.run_check(case, engine, tp, reference, k, store=default_store(baselines), dtype=dtype, log=_log)
+            click.echo(chk.format_result(res))
+            if csv_path:
+                chk.write_csv(res, csv_path)
+            ok &= res.as_expected
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+@cli.command()
+@click.argument("model")
+@click.argument("adapter")
+@click.option("--engine", default="hf", show_default=True)
+@click.option("--dtype", type=DTYPES, default="float32", show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), default=1)
+@click.option("--num-layers", type=click.IntRange(min=1), default=None)
+@click.option("--prompt-set", default="default")
+@click.option("--relation", "relations", multiple=True, help="relation (repeatable; default: all)")
+@click.option("--k", type=click.IntRange(min=2), default=2, show_default=True, help="reruns for the noise")
+@click.option("--factor", type=float, default=None, help="FAIL when ratio > this (default: by dtype)")
+@click.option("--option", "options", multiple=True, help="engine option KEY=VALUE (repeatable)")
+@click.option("--csv", "csv_path", default=None, help="append the rows to this CSV")
+def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relations, k, factor, options,
+                csv_path) -> int:
+    """An engine against itself on inputs that must give equal logprobs."""
+    from lpdiff.harness.commands import metamorphic as mm
+    from lpdiff.harness.spec.resolve import resolve, zoo_adapters
+
+    _need_engine(engine)
+    r = resolve(model, adapters=(), prompts=prompt_set, num_layers=num_layers)
+    zoo = zoo_adapters(model)
+    if adapter in zoo:
+        adapter_dir = zoo[adapter].path
+    elif (Path(adapter) / "adapter_config.json").is_file():
+        adapter_dir = adapter
     else:
-        from lpdiff.harness.spec.catalog import get_model, hf_config
+        raise UsageError(f"adapter {adapter!r} is neither a zoo adapter of {model} ({', '.join(sorted(zoo))}) nor a "
+                         "directory with an adapter_config.json")
+    unknown = [x for x in relations if x not in mm.RELATIONS]
+    if unknown:
+        raise click.BadParameter(f"unknown relation(s) {unknown}; known: {', '.join(mm.RELATIONS)}",
+                                 param_hint="--relation")
+    rep = mm.run_metamorphic(engine, r.spec, adapter_dir, r.prompts, adapter_name=Path(adapter).name, dtype=dtype,
+                             tp=tp, options=parse_options(options), relations=list(relations) or None, k=k,
+                             factor=factor, log=_log)
+    click.echo(mm.format_report(rep))
+    if csv_path:
+        mm.write_csv(rep, csv_path)
+    return EXIT_FAILED if rep.failed else EXIT_OK
 
-        ad.convert_adapter(args.src, args.dst, to=args.to, model_config=hf_config(get_model(args.model)))
-        print(f"wrote {args.dst}")
-    return 0
+
+def _delegate(name: str, help_: str):
+    """Commands whose module still parses its own arguments (every argument, --help included, goes to it)."""
+
+    @cli.command(name, help=help_, add_help_option=False,
+                 context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @click.pass_context
+    def command(ctx: click.Context) -> int:
+        import importlib
+
+        return importlib.import_module(f"lpdiff.harness.commands.{name}").main(list(ctx.args))
+
+    return command
 
 
-# Subcommands whose module owns its argument parser: `lpdiff doctor ...` is `lpdiff.harness.commands.doctor.main([...])`.
-DELEGATED = {
-    "bisect": "first layer + module where triton leaves HF (per-module errors vs noise)",
-    "check": "a bf16 engine vs an fp32 reference on a full-width model, thresholds from noise measured in the run",
-    "doctor": "pre-flight check of an adapter against each engine's known LoRA limits",
-    "metamorphic": "an engine against itself on inputs that must give equal logprobs",
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lpdiff", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd")
-
-    def selection(sp, engine_default="hf"):
-        sp.add_argument("--model", action="append", help="catalog model name (repeatable; default: the tiny zoo)")
-        sp.add_argument("--engine", default=engine_default, help="engine under test: hf, triton, vllm, sglang")
-        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        sp.add_argument("--reference", default="hf", help="engine of the stored reference runs")
-        sp.add_argument("--ref-dtype", default="float32")
-        sp.add_argument("--tp", type=int, default=1)
-        sp.add_argument("--adapter", action="append", help="zoo adapter name (repeatable; default: all)")
-        sp.add_argument("--prompt-set", default="default")
-        sp.add_argument("--top-k", type=int, default=8, help="top-k logprobs stored and compared (KL, top-1)")
-        sp.add_argument("--num-layers", type=int, default=None, help="reduce depth (config-built models)")
-        sp.add_argument("--option", action="append", help="engine option KEY=VALUE (repeatable)")
-        sp.add_argument("--baselines", default=None, help="baseline store dir (default: repo baselines/)")
-        sp.add_argument("--json", default=None, help="also write the verdicts as JSON here")
-        sp.add_argument("--save-runs", default=None, help="save the engine-under-test runs (.npz) here")
-
-    selection(sub.add_parser("run", help="judge an engine against stored reference runs (default job)"))
-    selection(sub.add_parser("regen", help="(re)compute reference runs and overwrite them in the store"))
-
-    c = sub.add_parser("compare", help="compare two engines live, or two stored runs")
-    c.add_argument("--runs", nargs=2, metavar=("A.npz", "B.npz"))
-    c.add_argument("--model")
-    c.add_argument("--engine", default="hf")
-    c.add_argument("--dtype", default="float32")
-    c.add_argument("--against", default="hf")
-    c.add_argument("--against-dtype", default="float32")
-    c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--adapter", default=None)
-    c.add_argument("--test-adapter-dir", default=None,
-                   help="give the engine under test these adapter files instead (e.g. a deliberately broken copy)")
-    c.add_argument("--prompt-set", default="default")
-    c.add_argument("--num-layers", type=int, default=None)
-
-    sub.add_parser("models", help="the model catalog with shapes")
-
-    a = sub.add_parser("adapters", help="generate or convert LoRA adapters")
-    asub = a.add_subparsers(dest="adapters_cmd", required=True)
-    g = asub.add_parser("gen")
-    g.add_argument("--model", required=True)
-    g.add_argument("--out", required=True)
-    g.add_argument("--groups", default="attention,experts")
-    g.add_argument("--rank", type=int, default=8)
-    g.add_argument("--alpha", type=float, default=16)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--layout", default="peft3d", choices=["peft3d", "per_expert"])
-    cv = asub.add_parser("convert")
-    cv.add_argument("--model", required=True)
-    cv.add_argument("src")
-    cv.add_argument("dst")
-    cv.add_argument("--to", required=True, choices=["peft3d", "per_expert"])
-
-    cal = sub.add_parser("calibrate", help="measure noise floors between correct implementations -> thresholds")
-    cal.add_argument("--model", action="append", help="model (repeatable; default: the tiny zoo)")
-    cal.add_argument("--engine", default=None, help="with --against: calibrate one pair instead of the zoo plan")
-    cal.add_argument("--dtype", default="float32")
-    cal.add_argument("--option", action="append", help="engine option KEY=VALUE for --engine")
-    cal.add_argument("--against", default="hf")
-    cal.add_argument("--against-dtype", default="float32")
-    cal.add_argument("--against-option", action="append")
-    cal.add_argument("--record-as", action="append", metavar="PAIR@DTYPE",
-                     help="threshold entry to write, e.g. vllm:bfloat16-vs-hf:float32@bfloat16")
-    cal.add_argument("--factor", type=float, default=10.0)
-    cal.add_argument("--tp", type=int, default=1)
-    cal.add_argument("--num-layers", type=int, default=None)
-
-    for name, help_ in DELEGATED.items():  # their own parsers take every argument, --help included
-        sub.add_parser(name, help=help_, add_help=False)
-    return p
+_delegate("bisect", "First layer + module where the engine under test leaves the reference.")
+_delegate("doctor", "What each engine will refuse or silently ignore in an adapter, before any run.")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: the exit-code contract lives here, so every command keeps it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        argv = ["run"]
     try:
-        if argv[0] in DELEGATED:
-            module = importlib.import_module(f"lpdiff.harness.commands.{argv[0]}")
-            return module.main(argv[1:])
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if args.cmd == "run":
-            return cmd_run(args)
-        if args.cmd == "regen":
-            return cmd_run(args, regen=True)
-        if args.cmd == "compare":
-            return cmd_compare(args)
-        if args.cmd == "models":
-            return cmd_models(args)
-        if args.cmd == "adapters":
-            return cmd_adapters(args)
-        if args.cmd == "calibrate":
-            return cmd_calibrate(args)
-    except (KeyError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
-    parser.print_help()
-    return 2
+        rc = cli.main(args=argv, prog_name="lpdiff", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:  # usage errors: unknown option, bad value, missing argument
+        e.show()
+        return EXIT_USAGE
+    except click.exceptions.Abort:
+        _log("aborted")
+        return EXIT_FAILED
+    except USER_ERRORS as e:
+        msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
+        _log(f"error: {msg}")
+        return EXIT_USAGE
+    except SystemExit as e:  # a delegated argparse command
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    except Exception:  # noqa: BLE001 - a bug in lpdiff: show everything
+        traceback.print_exc()
+        _log("error: lpdiff crashed (the traceback above is a bug; please report it)")
+        return EXIT_CRASH
+    return EXIT_OK if rc is None else int(rc)
 
 
 if __name__ == "__main__":

@@ -98,10 +98,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     verdicts = config.stash.get(_VERDICTS_KEY, [])
     if not verdicts:
         return
-    from lpdiff.harness.pipeline.verdict import format_table, to_json
+    from lpdiff.harness.pipeline.report import verdict_table
+    from lpdiff.harness.pipeline.verdict import to_json
 
     terminalreporter.section("lpdiff verdicts")
-    terminalreporter.write_line(format_table(verdicts))
+    terminalreporter.write_line(verdict_table(verdicts))
     path = config.getoption("--lpdiff-report")
     if path:
         with open(path, "w") as f:

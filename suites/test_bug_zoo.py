@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from lpdiff.kernels.faults import applicable, runtime_faults
-from lpdiff.harness.pipeline.job import Job, judge_job, mixed_batch, resolve, run_job
+from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
+from lpdiff.harness.pipeline.session import mixed_batch
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 
@@ -67,13 +68,13 @@ def test_clean_runtime_20_reruns_no_false_alarm(model, lpdiff_store, lpdiff_rege
 
     job = Job(model=model, engine="triton")
     first = run_job(job, lpdiff_store, regen=lpdiff_regen)  # refs (and regen if asked) through the normal path
-    spec, adapters, prompts = resolve(job)
+    spec, adapters, prompts = resolve_job(job)
     choices = [None, *adapters]
     alarms, spread = [], 0.0
     with open_engine("triton", EngineConfig(model=spec, adapters=adapters)) as eng:
         for i in range(20):
             runs = mixed_batch(eng, prompts, choices, job.top_k)
-            alarms += [f"rerun {i} {v.adapter}: {v.reasons}" for v in judge_job(job, runs, first.refs) if not v.passed]
+            alarms += [f"rerun {i} {v.adapter}: {v.reasons}" for v in judge_runs(job, runs, first.refs) if not v.passed]
             for c in choices:
                 for p, q in zip(runs[c].prompts, first.runs[c].prompts):
                     spread = max(spread, float(np.abs(p.logprobs - q.logprobs).max()))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from lpdiff.harness.commands import check
+from lpdiff.harness.pipeline.session import engine_missing
 
 MODELS = ["qwen3-30b-a3b", "gpt-oss-20b"]
 LAYERS = 4
@@ -40,7 +41,7 @@ def case(request, tmp_path_factory):
 
 
 def _installed(engine: str) -> None:
-    if why := check.engine_missing(engine):
+    if why := engine_missing(engine):
         pytest.skip(why)
 
 

@@ -8,7 +8,7 @@ not apply are printed as n/a with the reason. ``LPDIFF_METAMORPHIC_CSV=path`` ap
 - gpu1 / gpu2: 4 layers of Qwen3-30B-A3B and gpt-oss-20b at full width, built on the device, on triton (fp32),
   vLLM and SGLang (bf16: their LoRA kernels have no fp32). Random-init routers have near-ties, so the ratio is taken
   before the first near-tie of each prompt (harness.metamorphic.judge_lanes). vLLM / SGLang run in this interpreter,
-  or through LPDIFF_<ENGINE>_PYTHON / LPDIFF_<ENGINE>_PYTHONPATH (harness.check.engine_options).
+  or through LPDIFF_<ENGINE>_PYTHON / LPDIFF_<ENGINE>_PYTHONPATH (lpdiff.harness.pipeline.session.engine_options).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from contextlib import contextmanager
 import pytest
 
 from lpdiff.harness.commands import metamorphic as mm
-from lpdiff.harness.commands.check import engine_missing, engine_options
+from lpdiff.harness.pipeline.session import engine_missing, engine_options
 from lpdiff.harness.spec.catalog import get_model
-from lpdiff.harness.pipeline.job import zoo_adapters
+from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.spec.prompts import prompt_set
 
 

@@ -5,7 +5,7 @@ harness/thresholds.json with their provenance (measured noise floor, date, machi
 """
 import pytest
 
-from lpdiff.harness.pipeline.job import Job, run_job
+from lpdiff.harness.commands.run import Job, run_job
 from lpdiff.harness.pipeline.thresholds import lookup
 
 TINY_MOE = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"]

@@ -3,7 +3,7 @@ import pytest
 
 from lpdiff.kernels.faults import FAULTS, runtime_faults
 from lpdiff.harness.commands import bisect as bs
-from lpdiff.harness.pipeline.job import Job, resolve
+from lpdiff.harness.spec.resolve import resolve
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 CASES = [(f, m) for m, arch in MODELS.items() for f in runtime_faults(arch)]
@@ -16,7 +16,7 @@ def hf_side():
 
     def get(model):
         if model not in cache:
-            spec, adapters, _ = resolve(Job(model=model))
+            spec, adapters, _ = resolve(model)
             prompts = bs.bisect_prompts(model)
             hf = bs.hf_capture(spec, adapters, "experts", prompts)
             clean = bs.triton_errors(spec, adapters, "experts", prompts, hf, None)

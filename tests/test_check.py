@@ -5,6 +5,7 @@ import csv
 import pytest
 
 from lpdiff.harness.commands import check
+from lpdiff.harness.pipeline import session
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,9 @@ def test_a_fault_fails_the_fp32_check(case, store):
 
 def test_engine_options_point_at_a_bundle(monkeypatch):
     monkeypatch.setenv("LPDIFF_SGLANG_PYTHONPATH", "/b/ssite:/b/sshim")
-    opts = check.engine_options("sglang")
+    opts = session.engine_options("sglang")
     assert opts["lane_env"] == {"PYTHONPATH": "/b/ssite:/b/sshim"} and opts["python"]
-    assert check.engine_options("triton") == {}
+    assert session.engine_options("triton") == {}
 
 
 def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
@@ -77,7 +78,7 @@ def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
 
 
 def test_engine_options_from_the_environment(monkeypatch):
-    from lpdiff.harness.commands.check import engine_missing, engine_options
+    from lpdiff.harness.pipeline.session import engine_missing, engine_options
 
     monkeypatch.setenv("LPDIFF_VLLM_OPTIONS", '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}')
     monkeypatch.delenv("LPDIFF_VLLM_PYTHON", raising=False)

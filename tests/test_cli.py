@@ -3,7 +3,7 @@ import pytest
 
 from lpdiff.harness.spec import mutations
 from lpdiff.harness.cli import main
-from lpdiff.harness.pipeline.job import zoo_adapters
+from lpdiff.harness.spec.resolve import zoo_adapters
 
 
 def test_models_lists_catalog_with_shapes(capsys):
@@ -25,7 +25,8 @@ def test_regen_then_run_passes_and_saves_runs(tmp_path, capsys):
     capsys.readouterr()
     assert main(["run", *sel, "--save-runs", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS") == 2 and "FAIL" not in out
+    rows = [ln.split() for ln in out.splitlines()[2:] if ln.strip()]
+    assert len(rows) == 2 and all(r[-2:] == ["PASS", "PASS"] for r in rows) and "FAIL" not in out
     saved = sorted((tmp_path / "runs").glob("*.npz"))
     assert len(saved) == 2
     # two stored runs compared: base vs adapter differ far beyond any fp32 threshold

@@ -12,7 +12,7 @@ import torch
 from lpdiff.harness.spec import adapters as ad
 from lpdiff.harness.commands import metamorphic as mm
 from lpdiff.harness.spec.catalog import get_model, hf_config
-from lpdiff.harness.pipeline.job import zoo_adapters
+from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.spec.prompts import prompt_set
 from lpdiff.harness.types import LogprobRun, PromptLogprobs
 

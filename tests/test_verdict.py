@@ -7,7 +7,8 @@ import pytest
 
 from lpdiff.harness.pipeline.metrics import Metrics
 from lpdiff.harness.pipeline.thresholds import DEFAULT_PATH, Threshold, from_noise, lookup, pair_name, record
-from lpdiff.harness.pipeline.verdict import format_table, judge, to_json
+from lpdiff.harness.pipeline.report import verdict_table
+from lpdiff.harness.pipeline.verdict import judge, to_json
 
 
 def metrics(k2=1e-9, max_abs=1e-4, **kw) -> Metrics:
@@ -105,12 +106,12 @@ def test_near_ties_reported_not_hidden():
 def test_table_and_json():
     vs = [judge(metrics(), thr(), 0.01, adapter="r8"),
           judge(metrics(k2=float("nan"), num_nonfinite=1), thr(), {"attention": 0.0, "experts": 1.0})]
-    text = format_table(vs)
+    text = verdict_table(vs)
     lines = text.splitlines()
-    assert len(lines) == 3 and lines[0].split()[:2] == ["model", "engine"]
-    assert "PASS" in lines[1] and "r8" in lines[1] and "0.01" in lines[1]
-    assert "FAIL" in lines[2] and "1 [experts]" in lines[2] and "NaN or inf" in lines[2]
-    assert lines[1].index("PASS") == lines[2].index("FAIL")  # columns line up
+    assert len(lines) == 4 and lines[0].split()[:2] == ["model", "engine"] and set(lines[1]) <= {"-", " "}
+    assert "PASS" in lines[2] and "r8" in lines[2] and "0.01" in lines[2]
+    assert "FAIL (unexpected)" in lines[3] and "1 [experts]" in lines[3] and "NaN or inf" in lines[3]
+    assert lines[2].rindex("PASS") == lines[3].index("FAIL")  # columns line up: expected PASS, got FAIL
     doc = json.loads(to_json(vs))
     assert doc["schema_version"] == 1 and doc["lpdiff_version"] and doc["created"]
     data = doc["verdicts"]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lpdiff.engines.base import dense_routing
+
 MODULES = ("attention_lora", "attention", "router", "expert_lora", "experts", "hidden")
 FACTOR = 10.0
 FLOOR_MIN = 1e-7  # fp32 relative rounding: a bit-exact clean module would otherwise give a zero floor
@@ -46,10 +48,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm()) / max(den, 1e-30)
 
 
-def _dense_routing(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return torch.zeros(ids.shape[0], num_experts).scatter_(1, ids.long().cpu(), weights.float().cpu())
-
-
 def bisect_prompts(model: str, num_prompts: int = 8) -> list[list[int]]:
     """Equal-length prompts (the shortest of the default set), so HF's batch needs no padding and its flattened
     tokens are the triton runtime's packed order."""
@@ -61,86 +59,38 @@ def bisect_prompts(model: str, num_prompts: int = 8) -> list[list[int]]:
 
 
 def hf_capture(spec, adapters, adapter: str, prompts) -> dict:
-    """HF's per-layer module inputs and outputs (with and without the adapter) on ``prompts`` (fp32)."""
+    """HF's per-layer module inputs and outputs, with and without the adapter, on ``prompts`` (fp32)."""
     from lpdiff.engines import EngineConfig, open_engine
 
-    cap: dict = {}
     with open_engine("hf", EngineConfig(model=spec, adapters=adapters, options={"router_margins": False})) as eng:
-        peft_model = eng.model
-        peft_model.set_adapter(eng.peft_names[adapter])
-        handles = []
-        for i, layer in enumerate(eng.decoder.layers):
-            def attn_hook(mod, args, kwargs, out, i=i):
-                cap[i, "attn_call"] = (args, kwargs)
-                cap[i, "attention"] = out[0].reshape(-1, out[0].shape[-1])
-                cap[i, "attn_in"] = (kwargs.get("hidden_states", args[0] if args else None)).reshape(
-                    -1, out[0].shape[-1])
-
-            def experts_hook(mod, args, out, i=i):
-                cap[i, "experts_call"] = args
-                cap[i, "experts"] = out
-
-            def layer_hook(mod, args, out, i=i):
-                h = out[0] if isinstance(out, tuple) else out
-                cap[i, "hidden"] = h.reshape(-1, h.shape[-1])
-
-            handles += [layer.self_attn.register_forward_hook(attn_hook, with_kwargs=True),
-                        layer.mlp.experts.register_forward_hook(experts_hook),
-                        layer.register_forward_hook(layer_hook)]
-        ids = torch.tensor(prompts, dtype=torch.long, device=eng.device)
-        with torch.inference_mode():
-            eng.decoder(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-            for h in handles:
-                h.remove()
-            with peft_model.disable_adapter():  # the same module inputs through the base weights
-                for i, layer in enumerate(eng.decoder.layers):
-                    args, kwargs = cap[i, "attn_call"]
-                    base = layer.self_attn(*args, **kwargs)[0]
-                    cap[i, "attention_base"] = base.reshape(-1, base.shape[-1])
-                    cap[i, "experts_base"] = layer.mlp.experts(*cap[i, "experts_call"])
-    return cap
+        return eng.capture_layers(prompts, adapter)
 
 
 def triton_errors(spec, adapters, adapter: str, prompts, hf: dict, fault: str | None) -> dict[tuple[int, str], float]:
     """Each triton module re-run on HF's inputs to it (fp32, TP 1) -> relative error per (layer, module)."""
     from lpdiff.engines import EngineConfig, open_engine
-    from lpdiff.engines.triton.batch import Batch
-    from lpdiff.engines.triton.moe import experts, route
 
     opts = {"fault": fault} if fault else {}
-    err: dict[tuple[int, str], float] = {}
     with open_engine("triton", EngineConfig(model=spec, adapters=adapters, options=opts)) as eng:
-        rt = eng.runtime
-        m, cfg = rt.model, rt.cfg
-        slot = rt.slot(adapter)
-        batch = Batch.build(prompts, [slot] * len(prompts), cfg, rt.dtype, rt.device)
-        m.capture = {}
-        try:
-            m.forward(batch)
-            free = m.capture
-        finally:
-            m.capture = None
-        with torch.inference_mode():
-            for i, lw in enumerate(m.w.layers):
-                ll = m.lora.layers[i] if m.lora is not None else None
-                window = cfg.sliding_windows[i]
-                h_attn = hf[i, "attn_in"].to(rt.dtype)
-                att = m.attend(h_attn, lw, ll, batch, window)
-                att_base = m.attend(h_attn, lw, None, batch, window)
-                ref, ref_base = hf[i, "attention"], hf[i, "attention_base"]
-                err[i, "attention_lora"] = _rel(att - att_base, ref - ref_base, ref)
-                err[i, "attention"] = _rel(att, ref, ref)
-                x, ids, weights = hf[i, "experts_call"]
-                t_ids, t_w, _ = route(x, lw, cfg, m.impl)
-                dense_ref = _dense_routing(ids, weights, cfg.num_experts)
-                err[i, "router"] = _rel(_dense_routing(t_ids, t_w, cfg.num_experts), dense_ref, dense_ref)
-                w32 = weights.float()
-                ex = experts(x, ids, w32, lw, cfg, ll.moe if ll is not None else None, batch.token_adapter, m.impl)
-                ex_base = experts(x, ids, w32, lw, cfg, None, None, m.impl)
-                ref, ref_base = hf[i, "experts"], hf[i, "experts_base"]
-                err[i, "expert_lora"] = _rel(ex - ex_base, ref - ref_base, ref)
-                err[i, "experts"] = _rel(ex, ref, ref)
-                err[i, "hidden"] = _rel(free[i], hf[i, "hidden"], hf[i, "hidden"])
+        got = eng.capture_layers(prompts, adapter, inputs=hf)
+    return module_errors(got, hf)
+
+
+def module_errors(got: dict, ref: dict) -> dict[tuple[int, str], float]:
+    """Two engines' captures -> relative error per (layer, MODULES entry); deltas are scaled by the reference
+    module's full output, so a delta that should be zero still has a scale."""
+    err: dict[tuple[int, str], float] = {}
+    for i in sorted({i for i, _ in got}):
+        for mod, delta in (("attention", "attention_lora"), ("experts", "expert_lora")):
+            out, base, r, r_base = got[i, mod], got[i, f"{mod}_base"], ref[i, mod], ref[i, f"{mod}_base"]
+            err[i, delta] = _rel(out - base, r - r_base, r)
+            err[i, mod] = _rel(out, r, r)
+        ids, ref_ids = got[i, "router_ids"], ref[i, "router_ids"]
+        width = 1 + max(int(ids.max()), int(ref_ids.max()))  # the same width for both: the error is unchanged by it
+        dense = dense_routing(ids, got[i, "router_weights"], width)
+        dense_ref = dense_routing(ref_ids, ref[i, "router_weights"], width)
+        err[i, "router"] = _rel(dense, dense_ref, dense_ref)
+        err[i, "hidden"] = _rel(got[i, "hidden"], ref[i, "hidden"], ref[i, "hidden"])
     return err
 
 
@@ -191,9 +141,9 @@ class BisectResult:
 
 def bisect(model: str, adapter: str | None = None, fault: str | None = None, factor: float = FACTOR,
            num_prompts: int = 8) -> BisectResult:
-    from lpdiff.harness.pipeline.job import Job, resolve
+    from lpdiff.harness.spec.resolve import resolve
 
-    spec, adapters, _ = resolve(Job(model=model))
+    spec, adapters, _ = resolve(model)
     if not adapters:
         raise ValueError(f"model {model!r} has no zoo adapters to bisect")
     if adapter is None:

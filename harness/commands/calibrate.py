@@ -3,17 +3,16 @@
 Two implementations that are both correct (HF's eager vs batched expert kernels, bf16 vs fp32, a rerun vs
 itself, TP 1 vs TP n) are run over every prompt set and adapter of a model; the worst k2, max |Δ| and LoRA-delta
 fidelity seen between them is the noise floor, and ``factor`` times it becomes the threshold that verdicts for
-``record_as`` read (harness/thresholds.json), with the provenance: noise, factor, date, commit, device.
+``record_as`` read (harness/pipeline/thresholds.json), with the provenance: noise, factor, date, commit, device.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lpdiff.harness.pipeline.job import Job, resolve, run_engine
-from lpdiff.harness.pipeline.provenance import device_name, git_commit
-from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
-from lpdiff.harness.spec.routing import near_tie_eps
-from lpdiff.harness.pipeline.thresholds import Threshold, from_noise, record
+from lpdiff.harness.pipeline.noise import Noise, pair_noise, threshold_from
+from lpdiff.harness.pipeline.session import run_session
+from lpdiff.harness.pipeline.thresholds import Threshold, record
+from lpdiff.harness.spec.resolve import resolve
 
 
 @dataclass(slots=True)
@@ -24,55 +23,32 @@ class Lane:
     tp: int = 1
 
 
-@dataclass(slots=True)
-class Noise:
-    k2: float = 0.0
-    max_abs: float = 0.0
-    delta_fidelity: float = 0.0
-    positions: int = 0
-    runs: int = 0
-
-    def add(self, k2: float, max_abs: float, fid: float | None, positions: int) -> None:
-        self.k2, self.max_abs = max(self.k2, k2), max(self.max_abs, max_abs)
-        if fid is not None:
-            self.delta_fidelity = max(self.delta_fidelity, fid)
-        self.positions += positions
-        self.runs += 1
-
-
 def measure_noise(model: str, a: Lane, b: Lane, prompt_sets=("default", "long"), num_layers=None,
                   log=print) -> Noise:
+    """Verdicts judge near-tie positions apart, so the noise is measured on the clean positions too."""
     noise = Noise()
     for ps in prompt_sets:
-        spec, adapters, prompts = resolve(Job(model=model, prompt_set=ps, num_layers=num_layers))
-        ra = run_engine(a.engine, spec, adapters, prompts, a.dtype, a.tp, 0, a.options)
-        rb = run_engine(b.engine, spec, adapters, prompts, b.dtype, b.tp, 0, b.options)
-        eps = near_tie_eps(a.dtype, b.dtype)
+        spec, adapters, prompts = resolve(model, prompts=ps, num_layers=num_layers)
+        ra = run_session(a.engine, spec, adapters, prompts, a.dtype, a.tp, 0, a.options).first
+        rb = run_session(b.engine, spec, adapters, prompts, b.dtype, b.tp, 0, b.options).first
         for name in ra:
-            m = compare(ra[name], rb[name], near_tie_eps=eps)
-            m = m.clean if m.clean is not None else m  # verdicts judge near-tie positions apart, so must noise
-            fid = None if name is None else delta_fidelity(ra[name], ra[None], rb[name], rb[None])
-            noise.add(m.k2, m.max_abs, fid, m.num_positions)
-            log(f"  {model} [{ps}] {name or 'base'}: k2 {m.k2:.3g} max|d| {m.max_abs:.3g}"
-                + ("" if fid is None else f" delta-fidelity {fid:.3g}"))
+            lane = pair_noise(ra, rb, [name], dtypes=(a.dtype, b.dtype), clean_only=True)
+            noise.merge(lane)
+            log(f"  {model} [{ps}] {name or 'base'}: {lane.describe()}")
     return noise
 
 
-def threshold_from(noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True) -> Threshold:
-    # A noise of exactly 0 (bit-identical implementations) would give a zero threshold that fails on any other
-    # machine's rounding: floor it at one fp32 ulp-scale difference.
-    k2, mx = max(noise.k2, 1e-14), max(noise.max_abs, 1e-6)
-    return from_noise(k2, mx, factor, noise_delta_fidelity=max(noise.delta_fidelity, 1e-6) if fidelity else None,
-                      gpu=device_name(), commit=git_commit(),
-                      note=f"noise = worst of {noise.runs} runs ({noise.positions} positions) between "
-                           f"{a.engine}:{a.dtype}{a.options or ''} and {b.engine}:{b.dtype}{b.options or ''}")
+def zoo_threshold(noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True) -> Threshold:
+    return threshold_from(noise, factor, fidelity=fidelity,
+                          note=f"noise = worst of {noise.comparisons} comparisons ({noise.positions} positions) "
+                               f"between {a.engine}:{a.dtype}{a.options or ''} and {b.engine}:{b.dtype}{b.options or ''}")
 
 
 def calibrate(model: str, a: Lane, b: Lane, record_as: list[tuple[str, str]], factor: float = 10.0,
               fidelity: bool = True, tp: int = 1, num_layers=None, log=print) -> Threshold:
     """Measure the a-vs-b noise on ``model`` and record factor x noise for each (engine pair, dtype)."""
     noise = measure_noise(model, a, b, num_layers=num_layers, log=log)
-    t = threshold_from(noise, factor, a, b, fidelity)
+    t = zoo_threshold(noise, factor, a, b, fidelity)
     for pair, dtype in record_as:
         record(model, pair, dtype, tp, t)
         log(f"recorded {model} {pair} {dtype} tp={tp}: k2 {t.k2:.3g} max|d| {t.max_abs:.3g} "

@@ -5,7 +5,7 @@ full-width, reduced-depth model built from a catalog config, with thresholds fro
 
 Why not the stored-baseline path (``lpdiff run``): vLLM and SGLang have no fp32 LoRA, and on random-init full-size
 MoE models bf16 rounding flips near-tied routers, so a bf16 engine differs from fp32 by an amount that depends on
-the model (DESIGN.md: k2 1e-4 on Qwen3-30B-A3B, 0.04 on gpt-oss-20b). No fixed threshold fits both; the noise has
+the model (k2 1e-4 on Qwen3-30B-A3B, 0.04 on gpt-oss-20b, H200). No fixed threshold fits both; the noise has
 to be measured on the same model and prompts. Per (model, engine, dtype, TP):
 
   reference noise  two correct runs of the reference engine (``noise_pair``): in bf16, the reference in bf16
@@ -16,7 +16,7 @@ to be measured on the same model and prompts. Per (model, engine, dtype, TP):
                    LoRA runs are not bit-reproducible);
   threshold        FACTOR[dtype] x max(reference noise, rerun noise), for k2, max |Δ| and LoRA-delta fidelity.
 
-A correct bf16 engine sits near 1x the reference noise (DESIGN.md: vLLM 1.4e-4 vs HF bf16 1.3e-4). Every lane is
+A correct bf16 engine sits near 1x the reference noise (vLLM k2 1.4e-4 vs HF bf16 1.3e-4 on Qwen3-30B-A3B). Every lane is
 judged over all positions (the noise was measured over all of them too); the share after a router near-tie in
 the fp32 reference is reported beside it.
 
@@ -27,24 +27,26 @@ in a loader), which the engine serves while the reference gets the correct adapt
 served to the engine in every layout that engine reads (``ENGINE_LAYOUTS``), all in one batch with base rows; the
 reference always reads PEFT's own 3D format.
 
-Reference runs are cached in a content-addressed store (default ~/.cache/lpdiff/check-store), so checks of
-several engines on one machine compute them once.
+Reference runs go through the baseline store (policy ``cache``: computed once, then answered from the store), so
+checks of several engines on one machine compute them once.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import datetime
-import json
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps
+from lpdiff.harness.pipeline.noise import Noise, pair_noise, rerun_noise, threshold_from
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
-from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
+from lpdiff.harness.pipeline.references import References
+from lpdiff.harness.pipeline.report import append_csv, verdict_table
+from lpdiff.harness.pipeline.session import Lanes, engine_options, run_session
+from lpdiff.harness.pipeline.store import BaselineStore
+from lpdiff.harness.pipeline.verdict import judge
+from lpdiff.harness.types import AdapterSpec, ModelSpec
 
 # bf16: a correct engine sits near 1x (see above); fp32: the tiny zoo's calibrated factor (harness/calibrate.py)
 FACTOR = {"bfloat16": 3.0, "float32": 30.0}
@@ -112,41 +114,6 @@ ADAPTERS = (
 )
 
 
-def engine_options(engine: str) -> dict:
-    """Options that point an engine at its own installation: ``LPDIFF_<ENGINE>_PYTHON`` (another interpreter) and
-    ``LPDIFF_<ENGINE>_PYTHONPATH`` (an unpacked offline bundle, put on the lane's PYTHONPATH, which implies a
-    subprocess lane running this interpreter); ``LPDIFF_<ENGINE>_OPTIONS``, a JSON object of engine options, is
-    merged over them (a suite run with a workaround, e.g. '{"env": {"CUDA_LAUNCH_BLOCKING": "1"}}' for vllm)."""
-    name = f"LPDIFF_{engine.upper()}"
-    python = os.environ.get(f"{name}_PYTHON")
-    path = os.environ.get(f"{name}_PYTHONPATH")
-    opts: dict = {}
-    if python or path:
-        opts["python"] = python or sys.executable
-    if path:
-        opts["lane_env"] = {"PYTHONPATH": path}
-    if extra := os.environ.get(f"{name}_OPTIONS"):
-        try:
-            given = json.loads(extra)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}: {e}") from None
-        if not isinstance(given, dict):
-            raise ValueError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}")
-        opts.update(given)
-    return opts
-
-
-def engine_missing(engine: str) -> str | None:
-    """Why ``engine`` cannot run here (None when it can): triton always can; vLLM / SGLang need to be importable
-    or pointed at by engine_options."""
-    import importlib.util
-
-    if engine in ("triton", "hf") or "python" in engine_options(engine) or importlib.util.find_spec(engine):
-        return None
-    return (f"{engine} is not installed here (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline "
-            "bundle)")
-
-
 def make_prompts(vocab_size: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     import torch
 
@@ -200,90 +167,13 @@ def build_case(model: str, layers: int, root: str | Path, plans: Sequence[Adapte
 
 # -- runs ---------------------------------------------------------------------------------------------------------
 
-def _session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts, dtype: str, tp: int,
-             options: dict, reruns: int = 1) -> tuple[list[dict[str | None, LogprobRun]], str]:
-    """One engine session, the whole mixed batch (every prompt with every adapter and without) ``reruns`` times."""
-    from lpdiff.engines import EngineConfig, open_engine
-
-    from lpdiff.harness.pipeline.job import mixed_batch
-
-    cfg = EngineConfig(model=spec, adapters=adapters, dtype=dtype, tp=tp, options=dict(options))
-    with open_engine(engine, cfg) as eng:
-        version = eng.version()
-        out = [mixed_batch(eng, prompts, [None, *adapters], meta={"engine": engine, "dtype": dtype})
-               for _ in range(reruns)]
-    return out, version
-
-
-def _peft_groups(adapters: dict[str, AdapterSpec]) -> list[dict[str, AdapterSpec]]:
-    from lpdiff.harness.spec.adapters import peft_signature
-
-    groups: dict[str, dict[str, AdapterSpec]] = {}
-    for name, a in adapters.items():
-        groups.setdefault(peft_signature(a.path), {})[name] = a
-    return list(groups.values())
-
-
-def reference_runs(case: Case, reference: str, dtype: str, options: dict | None = None, store=None,
-                   log=print) -> dict[str | None, LogprobRun]:
-    """The reference engine's runs (base + every correct adapter, PEFT 3D files), from the cache store or computed."""
-    from lpdiff.harness.pipeline.store import BaselineMissing, baseline_key
-
-    options = options or {}
+def reference_runs(case: Case, reference: str, dtype: str, options: dict | None, store: BaselineStore,
+                   log: Callable[[str], None] = print) -> Lanes:
+    """The reference engine's runs (base + every correct adapter, PEFT 3D files), from the store or computed and
+    kept there (reference runs of several engines' checks on one machine are computed once)."""
     adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items() if not p.broken_from}
-    keys = {a: baseline_key(case.spec, adapters.get(a) if a else None, case.prompts, dtype, 1, reference,
-                            extra=options) for a in [None, *adapters]}
-    runs: dict[str | None, LogprobRun] = {}
-    if store is not None:
-        try:
-            runs = {a: store.get(k) for a, k in keys.items()}
-            log(f"[check] {reference}:{dtype}{options or ''} reference runs from {store.root}")
-            return runs
-        except BaselineMissing:
-            runs = {}
-    t0 = time.perf_counter()
-    groups = _peft_groups(adapters) if reference == "hf" else [adapters]
-    for i, group in enumerate(groups):
-        sess, _ = _session(reference, case.spec, group, case.prompts, dtype, 1, options)
-        runs.update({a: r for a, r in sess[0].items() if a is not None})
-        if i == 0:
-            runs[None] = sess[0][None]
-    log(f"[check] {reference}:{dtype}{options or ''} reference runs computed in {time.perf_counter() - t0:.1f}s")
-    if store is not None:
-        for a, k in keys.items():
-            store.put(k, runs[a], overwrite=True)
-    return runs
-
-
-# -- judging ------------------------------------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class Noise:
-    k2: float = 0.0
-    max_abs: float = 0.0
-    fidelity: float = 0.0
-
-    def add(self, k2: float, max_abs: float, fidelity: float | None = None) -> None:
-        self.k2, self.max_abs = max(self.k2, k2), max(self.max_abs, max_abs)
-        if fidelity is not None:
-            self.fidelity = max(self.fidelity, fidelity)
-
-
-def _pair_noise(a: dict, b: dict, lanes) -> Noise:
-    """Noise between two runs of correct implementations: a vs b over the base and each adapter lane."""
-    from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
-
-    n = Noise()
-    for lane in lanes:
-        m = compare(a[lane], b[lane])
-        fid = None
-        if lane is not None:
-            try:
-                fid = delta_fidelity(a[lane], a[None], b[lane], b[None])
-            except ValueError:  # b's adapter changes nothing (a fault that drops it): no fidelity to measure
-                pass
-        n.add(m.k2, m.max_abs, fid)
-    return n
+    refs = References(store, reference, dtype, options or None, 0, "cache", log=lambda m: log(f"[check] {m}"))
+    return refs.runs(case.spec, adapters, case.prompts)
 
 
 @dataclass(slots=True)
@@ -310,20 +200,18 @@ class CheckResult:
 
 
 def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3, options: dict | None = None,
-              store=None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
+              store: BaselineStore | None = None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
               log: Callable[[str], None] = print) -> CheckResult:
     """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here.
-    ``layouts``: the adapter files served (default: every layout the engine reads, ENGINE_LAYOUTS). An engine that
-    dies or raises gives a result whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
-    from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
-    from lpdiff.harness.spec.routing import near_tie_eps
-    from lpdiff.harness.pipeline.thresholds import from_noise
-    from lpdiff.harness.pipeline.verdict import judge
+    ``layouts``: the adapter files served (default: every layout the engine reads). An engine that dies or raises
+    gives a result whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
+    from lpdiff.harness.pipeline.references import default_store
 
     assert k >= 2, "rerun noise needs k >= 2 runs"
-    refs: dict[tuple[str, str], dict] = {}
+    store = store if store is not None else default_store()
+    refs: dict[tuple[str, str], Lanes] = {}
 
-    def ref(d: str, o: dict) -> dict:  # each reference run once, whatever asks for it
+    def ref(d: str, o: dict) -> Lanes:  # each reference run once, whatever asks for it
         key = (d, repr(sorted(o.items())))
         if key not in refs:
             refs[key] = reference_runs(case, reference, d, o, store, log)
@@ -331,46 +219,35 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
 
     ref32 = ref(REFERENCE_DTYPE, {})
     (da, oa), (db, ob) = noise_pair(reference, dtype)
-    ref_noise = _pair_noise(ref(da, oa), ref(db, ob), list(ref32))
+    ref_noise = pair_noise(ref(da, oa), ref(db, ob), list(ref32))
 
     layouts = layouts or layouts_for(engine, case.spec.arch)
     lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()
              if layout in layouts}
-    t0 = time.perf_counter()
     try:
-        runs, version = _session(engine, case.spec, lanes, case.prompts, dtype, tp,
-                                 {**engine_options(engine), **(options or {})}, reruns=k)
+        sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp,
+                           options={**engine_options(engine), **(options or {})}, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
         log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
         return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
                            Noise(), None, [], error=f"{type(e).__name__}: {e}")
     log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
-        f"{time.perf_counter() - t0:.1f}s ({version})")
-    rerun_noise = Noise()
-    for later in runs[1:]:
-        n = _pair_noise(later, runs[0], list(runs[0]))
-        rerun_noise.add(n.k2, n.max_abs, n.fidelity)
-
-    noise = Noise()
-    for n in (ref_noise, rerun_noise):
-        noise.add(n.k2, n.max_abs, n.fidelity)
-    pair = f"{engine}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}"
-    t = from_noise(max(noise.k2, 1e-14), max(noise.max_abs, 1e-6), FACTOR[dtype],
-                   noise_delta_fidelity=max(noise.fidelity, 1e-6), gpu=device_name(), commit=git_commit(),
-                   note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} (k2 {ref_noise.k2:.3g}, max {ref_noise.max_abs:.3g}, "
-                        f"fidelity {ref_noise.fidelity:.3g}) and {engine} rerun noise over {k} runs (k2 "
-                        f"{rerun_noise.k2:.3g}, max {rerun_noise.max_abs:.3g}, fidelity {rerun_noise.fidelity:.3g}), "
-                        f"same model and prompts")
-    t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
-    res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, version, ref_noise,
-                      rerun_noise, t, runs)
+        f"{sess.wall_s:.1f}s ({sess.version})")
+    reruns = rerun_noise(sess.runs)
+    noise = Noise().merge(ref_noise, reruns)
+    t = threshold_from(noise, FACTOR[dtype], note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} "
+                       f"({ref_noise.describe()}) and {engine} rerun noise over {k} runs ({reruns.describe()}), "
+                       f"same model and prompts")
+    t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, f"{engine}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}", dtype, tp
+    res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, sess.version,
+                      ref_noise, reruns, t, sess.runs)
     eps = near_tie_eps(dtype, REFERENCE_DTYPE)
-    got = runs[0]
+    got = sess.first
     for lane in [None, *lanes]:
         name = None if lane is None else lane.split(".")[0]
-        ref = ref32[None if name is None else case.plans[name].broken_from or name]
-        m = compare(got[lane], ref, near_tie_eps=eps)
-        fid = None if lane is None else delta_fidelity(got[lane], got[None], ref, ref32[None])
+        ref_run = ref32[None if name is None else case.plans[name].broken_from or name]
+        m = compare(got[lane], ref_run, near_tie_eps=eps)
+        fid = None if lane is None else delta_fidelity(got[lane], got[None], ref_run, ref32[None])
         v = judge(m, t, fid, adapter=lane or "base")
         res.verdicts.append(v)
         res.expected[v.adapter] = case.plans[name].expected if name else "PASS"
@@ -411,8 +288,6 @@ def missed(res: CheckResult) -> bool:
 
 
 def format_result(res: CheckResult) -> str:
-    from lpdiff.harness.pipeline.verdict import format_table
-
     if res.error is not None:
         return (f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the engine failed "
                 f"before giving logprobs:\n{res.error}")
@@ -422,7 +297,7 @@ def format_result(res: CheckResult) -> str:
             f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})")
     bad = [f"  {v.adapter}: expected {res.expected[v.adapter]}" for v in res.verdicts
            if ("PASS" if v.passed else "FAIL") != res.expected[v.adapter]]
-    return "\n".join([head, format_table(res.verdicts), *bad])
+    return "\n".join([head, verdict_table(res.verdicts), *bad])
 
 
 def csv_rows(res: CheckResult) -> list[dict]:
@@ -454,50 +329,4 @@ def csv_rows(res: CheckResult) -> list[dict]:
 
 
 def write_csv(res: CheckResult, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        if new:
-            w.writeheader()
-        w.writerows(csv_rows(res))
-    return path
-
-
-def default_store():
-    from lpdiff.harness.pipeline.store import BaselineStore
-
-    return BaselineStore(Path(os.environ.get("LPDIFF_CHECK_STORE") or Path.home() / ".cache" / "lpdiff" / "check-store"))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import tempfile
-
-    p = argparse.ArgumentParser(prog="lpdiff check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", required=True, choices=sorted(ENGINE_LAYOUTS))
-    p.add_argument("--model", action="append", required=True, help="catalog model (repeatable)")
-    p.add_argument("--layers", type=int, default=4, help="depth cut (full width always)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--reference", default="hf", choices=["hf", "triton"])
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(FACTOR))
-    p.add_argument("--k", type=int, default=3, help="runs of the engine under test (rerun noise)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--csv", help="append one row per lane to this CSV")
-    p.add_argument("--workdir", help="where adapters are written (default: a temporary directory)")
-    args = p.parse_args(argv)
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        for model in args.model:
-            root = Path(args.workdir or tmp) / model
-            case = build_case(model, args.layers, root, device=args.device)
-            res = run_check(case, args.engine, args.tp, args.reference, args.k, store=default_store(), dtype=args.dtype)
-            print(format_result(res), flush=True)
-            if args.csv:
-                write_csv(res, args.csv)
-            ok &= res.as_expected
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return append_csv(path, CSV_COLUMNS, csv_rows(res))

@@ -41,14 +41,11 @@ SGLang Qwen3 extra / shapes / TP 2): 59 more clean lanes, worst k2 ratio 1.29; t
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import datetime
 import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -63,11 +60,22 @@ from lpdiff.harness.spec.adapters import (
     ModelLayout,
     load_canonical,
     merge_into,
-    peft_scaling,
     peft_signature,
     save_canonical,
 )
-from lpdiff.harness.pipeline.provenance import PACKAGE_ROOT
+from lpdiff.harness.pipeline.provenance import git_commit
+from lpdiff.harness.pipeline.report import append_csv, table
+from lpdiff.harness.spec.transforms import (
+    negate_b,
+    pad_rank,
+    reparametrise,
+    rerounded,
+    rescale_alpha,
+    shared_outer,
+    split_gate_up,
+    strip_zero_rank,
+    zero_b,
+)
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-2}
@@ -88,7 +96,6 @@ ROUNDING = "noise:rounding"
 MAX_RANK = 512  # the largest max_lora_rank vLLM and SGLang accept: ranks beyond it are not expressible there
 CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "relation", "adapter", "max_abs",
                "k2", "delta_rel", "rerun_noise", "ratio", "verdict", "note")
-DEFAULT_CSV = PACKAGE_ROOT / "benchmarks" / "results" / "metamorphic.csv"
 # alone: every prompt with the lane's adapter in one call; beside_other: the same, in an engine that also holds a
 # different adapter of twice the rank; mixed: each prompt's row next to a base row and an other-adapter row in one
 # call; permuted: the mixed rows shuffled; single: one call per prompt; tripled: every prompt three times with the
@@ -170,137 +177,6 @@ class Relation:
     name: str
     why: str
     lanes: Callable[[Context], "list[Lane] | str"]  # a str says why the relation does not apply
-
-
-# -- exact adapter transformations (canonical form: W' = W + scaling * B @ A) ----------------------------------------
-
-def _with(ad: CanonicalAdapter, fn, alpha: float | None = None) -> CanonicalAdapter:
-    """A copy with every entry replaced by fn(name, A, B) -> (A, B) (experts: (E, r, in) / (E, out, r))."""
-    alpha = ad.alpha if alpha is None else alpha
-    return CanonicalAdapter(ad.rank, alpha, ad.use_rslora, peft_scaling(alpha, ad.rank, ad.use_rslora),
-                            {n: fn(n, a, b) for n, (a, b) in ad.dense.items()},
-                            {n: fn(n, a, b) for n, (a, b) in ad.experts.items()}, dict(ad.config), ad.layout)
-
-
-def pad_rank(ad: CanonicalAdapter, rank: int) -> CanonicalAdapter:
-    """Zero rows of A and zero columns of B up to ``rank`` (save_canonical then scales alpha to keep scaling)."""
-    def fn(name, a, b):
-        extra = rank - a.shape[-2]
-        return (torch.cat([a, a.new_zeros(*a.shape[:-2], extra, a.shape[-1])], -2),
-                torch.cat([b, b.new_zeros(*b.shape[:-1], extra)], -1))
-    return _with(ad, fn)
-
-
-def reparametrise(ad: CanonicalAdapter, seed: int = 0, spread: float = 2.0) -> CanonicalAdapter:
-    """A -> M·A, B -> B·M⁻¹ with M = Q·diag(s) per entry (per expert), Q orthogonal, s in [1/spread, spread]:
-    B·A is unchanged up to fp32 rounding (condition number <= spread²)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def fn(name, a, b):
-        r = a.shape[-2]
-        lead = a.shape[:-2]
-        q, _ = torch.linalg.qr(torch.randn(*lead, r, r, generator=g, dtype=torch.float64))
-        s = spread ** (2 * torch.rand(*lead, 1, r, generator=g, dtype=torch.float64) - 1)
-        m = q * s
-        return ((m @ a.double()).to(a.dtype), (b.double() @ torch.linalg.inv(m)).to(b.dtype))
-    return _with(ad, fn)
-
-
-def rescale_alpha(ad: CanonicalAdapter, factor: float = 4.0) -> CanonicalAdapter:
-    """alpha x factor, B / factor: the same delta (exactly for a power-of-two factor)."""
-    return _with(ad, lambda n, a, b: (a, b / factor), alpha=ad.alpha * factor)
-
-
-def zero_b(ad: CanonicalAdapter) -> CanonicalAdapter:
-    return _with(ad, lambda n, a, b: (a, torch.zeros_like(b)))
-
-
-def negate_b(ad: CanonicalAdapter) -> CanonicalAdapter:
-    return _with(ad, lambda n, a, b: (a, -b))
-
-
-def rerounded(ad: CanonicalAdapter, rel: float, seed: int = 0) -> CanonicalAdapter:
-    """Every A and B entry times (1 + rel·u), u uniform in [-1, 1): NOT the same delta, but one that differs from
-    it by what one rounding to a dtype of unit roundoff ``rel`` does; the engine's answer to it is the floor for
-    relations whose arithmetic differs at that level."""
-    g = torch.Generator().manual_seed(seed)
-
-    def jitter(t):
-        return t * (1 + rel * (2 * torch.rand(t.shape, generator=g, dtype=torch.float64) - 1)).to(t.dtype)
-    return _with(ad, lambda n, a, b: (jitter(a), jitter(b)))
-
-
-def shared_outer(ad: CanonicalAdapter, layout: ModelLayout) -> CanonicalAdapter:
-    """The shared-outer form at rank E·r, exact for any adapter: the input-side projection (gate_up / up) gets one
-    A for all experts (every expert's A stacked) and a block-diagonal B; down_proj gets one B for all experts and
-    a block-structured A. Dense entries are zero-padded to the new rank when written."""
-    def fn(name, a, b):
-        if name not in ad.experts:
-            return a, b
-        E, r = a.shape[0], a.shape[1]
-        eye = torch.eye(E, dtype=a.dtype)
-        if layout.experts[name].name == "down_proj":  # shared B: (E, out, E*r); A_e is zero outside block e
-            b_shared = b.permute(1, 0, 2).reshape(b.shape[1], E * r)
-            a_big = (eye[:, :, None, None] * a[:, None]).reshape(E, E * r, a.shape[-1])
-            return a_big, b_shared.expand(E, -1, -1).clone()
-        a_shared = a.reshape(E * r, a.shape[-1])
-        b_big = (eye[:, None, :, None] * b[:, :, None]).reshape(E, b.shape[1], E * r)
-        return a_shared.expand(E, -1, -1).clone(), b_big
-    return _with(ad, fn)
-
-
-def split_gate_up(ad: CanonicalAdapter, layout: ModelLayout, seed: int = 0) -> CanonicalAdapter | None:
-    """An adapter whose gate and up projections have different A matrices, as one canonical entry of inner dim 2r
-    (A = [A_gate; A_up], B_gate = [B_gate, 0], B_up = [0, B_up]). None when no expert entry has gate and up."""
-    g = torch.Generator().manual_seed(seed)
-    gated = [n for n in ad.experts if len(layout.experts[n].parts) == 2]
-    if not gated:
-        return None
-
-    def fn(name, a, b):
-        if name not in gated:
-            return a, b
-        p = layout.experts[name]
-        gate, up = p.part_rows()
-        a_up = torch.randn(a.shape, generator=g, dtype=torch.float32).to(a.dtype) / math.sqrt(a.shape[-1])
-        b2 = b.new_zeros(b.shape[0], b.shape[1], 2 * b.shape[2])
-        r = b.shape[2]
-        b2[:, gate, :r], b2[:, up, r:] = b[:, gate], b[:, up]
-        return torch.cat([a, a_up], 1), b2
-    return _with(ad, fn)
-
-
-def strip_zero_rank(src: str | Path, dst: str | Path) -> Path:
-    """Copy an adapter directory keeping, per module, only the rank components whose A row and B column are both
-    non-zero (the per-projection form of a block-structured stacked adapter). Every module must keep the same
-    number; alpha is rescaled so the scaling is unchanged."""
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(src), Path(dst)
-    cfg = json.loads((src / "adapter_config.json").read_text())
-    tensors = load_file(str(src / "adapter_model.safetensors"))
-    out, kept = {}, set()
-    for key in tensors:
-        if not key.endswith("lora_A.weight"):
-            continue
-        bkey = key[:-len("lora_A.weight")] + "lora_B.weight"
-        a, b = tensors[key], tensors[bkey]
-        keep = (a.abs().sum(1) > 0) & (b.abs().sum(0) > 0)
-        kept.add(int(keep.sum()))
-        out[key], out[bkey] = a[keep].contiguous(), b[:, keep].contiguous()
-    if len(kept) != 1:
-        raise ValueError(f"{src}: modules keep different numbers of non-zero rank components {sorted(kept)}; one "
-                         "rank per adapter file cannot hold them")
-    (new,) = kept
-    old_scaling = peft_scaling(cfg["lora_alpha"], cfg["r"], cfg.get("use_rslora", False))
-    alpha = cfg["lora_alpha"] * (math.sqrt(new / cfg["r"]) if cfg.get("use_rslora") else new / cfg["r"])
-    if peft_scaling(alpha, new, cfg.get("use_rslora", False)) != old_scaling:
-        raise ValueError(f"{src}: no lora_alpha keeps the scaling exactly at rank {new}")
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst / "adapter_model.safetensors"), metadata={"format": "pt"})
-    cfg.update(r=new, lora_alpha=alpha)
-    (dst / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return dst
 
 
 def merged_checkpoint(ctx: Context, out: Path) -> ModelSpec:
@@ -677,7 +553,8 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
     base_rows = {"base"} | {x.name for x in lanes if x.adapter is None}
 
     def measure(lane: Lane):
-        m = compare(runs[lane.name], refs[lane.reference], near_tie_eps=near_tie_eps or NEAR_TIE_EPS)
+        m = compare(runs[lane.name], refs[lane.reference],
+                    near_tie_eps=near_tie_eps if near_tie_eps is not None else NEAR_TIE_EPS[dtype])
         judged = m.clean if near_tie_eps is not None and m.clean is not None else m
         # the size of the adapter effect the difference is measured in: the reference's own, or the original's
         effect_ref = ORIG if lane.reference == ORIG or lane.reference in base_rows else lane.reference
@@ -778,70 +655,19 @@ def _fmt(x: float | None) -> str:
 
 
 def format_report(rep: Report) -> str:
-    head = ("relation", "max |Δ|", "k2", "Δ rel", "rerun noise", "ratio", "verdict", "note")
-    rows = [head] + [(r.relation, _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise),
-                      _fmt(r.ratio), r.verdict, r.note) for r in rep.results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
     title = (f"{rep.model} / {rep.adapter} on {rep.engine} ({rep.engine_version}), {rep.dtype}, {rep.k} reruns; "
              f"FAIL when ratio > {rep.factor:g}")
-    return "\n".join([title] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "  " + row[-1]
-                                for row in rows]).rstrip()
+    rows = [(r.relation, _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise), _fmt(r.ratio),
+             r.verdict, r.note) for r in rep.results]
+    return title + "\n" + table(rows, ("relation", "max |Δ|", "k2", "Δ rel", "rerun noise", "ratio", "verdict", "note"))
 
 
-def write_csv(rep: Report, path: str | Path = DEFAULT_CSV) -> Path:
-    """Append the report's rows (header written when the file is new)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    from lpdiff.harness.pipeline.provenance import git_commit
-
+def csv_rows(rep: Report) -> list[dict]:
     date, commit = datetime.date.today().isoformat(), git_commit()
-    with open(path, "a", newline="") as fh:
-        w = csv.writer(fh)
-        if new:
-            w.writerow(CSV_COLUMNS)
-        for r in rep.results:
-            w.writerow([date, commit, rep.gpu, rep.engine, rep.engine_version, rep.model, r.relation, rep.adapter,
-                        _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise), _fmt(r.ratio),
-                        r.verdict, r.note])
-    return path
+    return [dict(zip(CSV_COLUMNS, (date, commit, rep.gpu, rep.engine, rep.engine_version, rep.model, r.relation,
+                                   rep.adapter, _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise),
+                                   _fmt(r.ratio), r.verdict, r.note))) for r in rep.results]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from lpdiff.harness.spec.catalog import get_model
-    from lpdiff.harness.cli import _parse_options
-    from lpdiff.harness.pipeline.job import zoo_adapters
-    from lpdiff.harness.spec.prompts import prompt_set
-
-    p = argparse.ArgumentParser(prog="lpdiff metamorphic", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="catalog model name")
-    p.add_argument("adapter", help="zoo adapter name of the model, or a PEFT adapter directory")
-    p.add_argument("--engine", default="hf")
-    p.add_argument("--dtype", default="float32", choices=sorted(FLOOR))
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--prompt-set", default="default")
-    p.add_argument("--relation", action="append", help=f"relation (repeatable; default all): {', '.join(RELATIONS)}")
-    p.add_argument("--k", type=int, default=2, help="reruns of the original lane for the noise (>= 2)")
-    p.add_argument("--factor", type=float, default=None,
-                   help=f"FAIL when ratio > this (default by dtype: {', '.join(f'{k} {v:g}' for k, v in FACTORS.items())})")
-    p.add_argument("--option", action="append", help="engine option KEY=VALUE (repeatable)")
-    p.add_argument("--csv", default=None, help="append the rows to this CSV (benchmarks/results/metamorphic.csv)")
-    args = p.parse_args(list(argv or []))
-    spec = get_model(args.model, num_layers=args.num_layers)
-    zoo = zoo_adapters(args.model)
-    if args.adapter in zoo:
-        adapter_dir = zoo[args.adapter].path
-    elif (Path(args.adapter) / "adapter_config.json").is_file():
-        adapter_dir = args.adapter
-    else:
-        raise ValueError(f"adapter {args.adapter!r} is neither a zoo adapter of {args.model} ({sorted(zoo)}) nor a "
-                         "directory with an adapter_config.json")
-    rep = run_metamorphic(args.engine, spec, adapter_dir, prompt_set(args.model, args.prompt_set),
-                          adapter_name=Path(args.adapter).name, dtype=args.dtype, tp=args.tp,
-                          options=_parse_options(args.option), relations=args.relation, k=args.k,
-                          factor=args.factor, log=lambda s: print(s, file=sys.stderr))
-    print(format_report(rep))
-    if args.csv:
-        write_csv(rep, args.csv)
-    return 1 if rep.failed else 0
+def write_csv(rep: Report, path: str | Path) -> Path:
+    return append_csv(path, CSV_COLUMNS, csv_rows(rep))

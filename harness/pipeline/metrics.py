@@ -1,4 +1,4 @@
-"""Logprob-diff metrics (DESIGN.md "Metrics"): a = engine under test, b = reference, d = a - b per position.
+"""Logprob-diff metrics (docs/metrics.md): a = engine under test, b = reference, d = a - b per position.
 
 All arithmetic is float64 whatever the runs store, so the metrics of two fp32 runs that differ in the last bit are
 not themselves rounding noise. Pure numpy: nothing here needs torch or a model.
@@ -14,9 +14,10 @@ from lpdiff.harness.types import LogprobRun
 
 TAIL_CUTS = (0.1, 0.5, 1.0)  # the |d| levels whose exceedance shares are reported
 K3_CLAMP = 10.0  # miles clamps the log-ratio before exp() so one wild position cannot overflow k3
-# Router margins below this (in the engine's router-score units) mark a position as a near-tie. A parameter of
-# compare(); this default suits softmax/sigmoid scores in [0, 1], where bf16 rounds a score by ~4e-3 of itself.
-NEAR_TIE_EPS = 1e-3
+# The near-tie rule, the only one: a routing margin below this may flip under the rounding of the compared dtype
+# (about the relative rounding of a router logit of magnitude ~2-5: bf16 keeps 8 significant bits, fp16 11, fp32
+# 24), with headroom. The coarsest dtype of a comparison decides.
+NEAR_TIE_EPS = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
 _TINY = 1e-300  # floor for probabilities inside log(); keeps 0·log 0 = 0 and a zero denominator finite
 
 
@@ -111,6 +112,13 @@ def full_vocab_kl(a_rows: np.ndarray, b_rows: np.ndarray, chunk: int = 1024) -> 
     return total / a_rows.shape[0]
 
 
+def near_tie_eps(*dtypes: str) -> float:
+    """The tie margin for a comparison of runs in ``dtypes``: the coarsest dtype involved decides what can flip."""
+    unknown = [d for d in dtypes if d not in NEAR_TIE_EPS]
+    assert dtypes and not unknown, f"near_tie_eps needs dtypes among {sorted(NEAR_TIE_EPS)}, got {dtypes}"
+    return max(NEAR_TIE_EPS[d] for d in dtypes)
+
+
 def near_tie_mask(run: LogprobRun, eps: float) -> np.ndarray | None:
     """Per position: True when some token up to and including that position's last input token had a router
     margin below eps (a routing flip there changes every later hidden state). None when the run has no margins."""
@@ -146,7 +154,7 @@ def _aggregate(d: np.ndarray, nonfinite: np.ndarray, kl: np.ndarray | None, top1
     )
 
 
-def compare(a: LogprobRun, b: LogprobRun, near_tie_eps: float = NEAR_TIE_EPS,
+def compare(a: LogprobRun, b: LogprobRun, near_tie_eps: float = NEAR_TIE_EPS["float32"],
             full_rows: tuple[np.ndarray, np.ndarray] | None = None) -> Metrics:
     """Metrics of run a (engine under test) against run b (reference) over the same prompts.
 

@@ -18,7 +18,7 @@ import torch
 
 from lpdiff.harness.spec.adapters import GROUPS, ModelLayout, generate_adapter, resolve_targets
 from lpdiff.harness.spec.catalog import ZOO, get_model, load_hf_model
-from lpdiff.harness.pipeline.job import ZOO_ADAPTERS
+from lpdiff.harness.spec.resolve import ZOO_ADAPTERS
 
 SEED = 20261121
 MOE_MODELS = [m for m, arch in ZOO.items() if arch != "qwen3"]

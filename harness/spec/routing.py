@@ -58,13 +58,3 @@ class RouterMarginRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
-
-
-# A routing margin below this may flip under the rounding of the compared dtype: about the relative rounding of
-# a router logit of magnitude ~2-5 (bf16 keeps 8 significant bits, fp16 11, fp32 24), with headroom.
-NEAR_TIE_EPS = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
-
-
-def near_tie_eps(*dtypes: str) -> float:
-    """The tie margin for a comparison: the coarsest dtype involved decides what can flip."""
-    return max(NEAR_TIE_EPS[d] for d in dtypes)

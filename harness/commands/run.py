@@ -1,0 +1,133 @@
+"""``lpdiff run`` / ``lpdiff regen``: one model, its adapters and a prompt set, run on the engine under test and
+judged against stored reference runs. The CLI and the pytest suites both go through here, so a verdict means the
+same thing wherever it is printed.
+
+Route: resolve the spec -> reference runs through the store (``stored``; ``regen`` recomputes them) -> one engine
+session over the mixed batch -> metrics against the references -> verdicts against the recorded thresholds.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps
+from lpdiff.harness.pipeline.references import References, default_store
+from lpdiff.harness.pipeline.session import Lanes, run_session
+from lpdiff.harness.pipeline.store import BaselineStore
+from lpdiff.harness.pipeline.thresholds import lookup
+from lpdiff.harness.pipeline.verdict import Verdict, judge
+from lpdiff.harness.spec.resolve import Resolved, resolve
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class Job:
+    """What one ``lpdiff run`` lane computes; validated once here."""
+
+    model: str  # catalog name
+    engine: str = "hf"  # engine under test
+    reference: str = "hf"  # engine whose stored runs are the reference
+    dtype: str = "float32"
+    ref_dtype: str = "float32"
+    tp: int = 1
+    adapters: tuple[str, ...] | None = None  # zoo adapter names; None = all of the model's
+    prompt_set: str = "default"
+    top_k: int = 8
+    num_layers: int | None = None
+    options: dict = field(default_factory=dict)  # engine options for the engine under test
+
+    def __post_init__(self):
+        if self.tp < 1 or self.top_k < 0:
+            raise ValueError(f"--tp must be >= 1 and --top-k >= 0, got tp={self.tp}, top_k={self.top_k}")
+        for flag, d in (("--dtype", self.dtype), ("--ref-dtype", self.ref_dtype)):
+            if d not in DTYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {d!r}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"--num-layers must be >= 1, got {self.num_layers}")
+
+    @property
+    def engine_pair(self) -> str:
+        return f"{self.engine}:{self.dtype}-vs-{self.reference}:{self.ref_dtype}"
+
+    def regen_command(self) -> str:
+        """The command that regenerates exactly this job's references."""
+        cmd = f"lpdiff regen --model {self.model} --engine {self.reference} --dtype {self.ref_dtype}"
+        cmd += "".join(f" --adapter {a}" for a in self.adapters or ())
+        cmd += f" --prompt-set {self.prompt_set}" if self.prompt_set != "default" else ""
+        cmd += f" --num-layers {self.num_layers}" if self.num_layers else ""
+        cmd += f" --top-k {self.top_k}" if self.top_k != 8 else ""
+        return cmd
+
+
+@dataclass(slots=True)
+class JobResult:
+    job: Job
+    runs: Lanes  # engine-under-test runs
+    refs: Lanes  # reference runs
+    verdicts: list[Verdict] = field(default_factory=list)
+
+
+def resolve_job(job: Job) -> Resolved:
+    return resolve(job.model, job.adapters, job.prompt_set, job.num_layers)
+
+
+def references(job: Job, store: BaselineStore, regen: bool = False, log: Callable[[str], None] = lambda s: None
+               ) -> References:
+    return References(store, job.reference, job.ref_dtype, None, job.top_k, "regen" if regen else "stored",
+                      job.regen_command(), log)
+
+
+def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
+    """One verdict per lane; positions at or after a router near-tie are judged apart (reported as a share)."""
+    threshold = lookup(job.model, job.engine_pair, job.dtype, job.tp)
+    eps = near_tie_eps(job.dtype, job.ref_dtype)
+    verdicts = []
+    for a in runs:
+        fidelity = None if a is None else delta_fidelity(runs[a], runs[None], refs[a], refs[None])
+        m = compare(runs[a], refs[a], near_tie_eps=eps)
+        v = judge(m, threshold, delta_fidelity=fidelity, exclude_near_ties=m.clean is not None)
+        v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
+        verdicts.append(v)
+    return verdicts
+
+
+def run_job(job: Job, store: BaselineStore | None = None, regen: bool = False,
+            log: Callable[[str], None] | None = None) -> JobResult:
+    log = log or (lambda s: print(s, file=sys.stderr))
+    store = store if store is not None else default_store()
+    r = resolve_job(job)
+    if regen:
+        log(f"regenerating {len(r.adapters) + 1} reference run(s) for {job.model} with {job.reference} "
+            f"({job.ref_dtype})")
+    refs = references(job, store, regen, log).runs(r.spec, r.adapters, r.prompts)
+    if regen and job.engine == job.reference and job.dtype == job.ref_dtype and job.tp == 1:
+        runs = refs  # nothing new to compute: the job is the reference itself
+    else:
+        runs = run_session(job.engine, r.spec, r.adapters, r.prompts, job.dtype, job.tp, job.top_k,
+                           job.options).first
+    return JobResult(job, runs, refs, judge_runs(job, runs, refs))
+
+
+def unsupported(engine: str, model: str) -> str | None:
+    """Why ``engine`` cannot serve ``model`` (None when it can), from the engine's own capabilities."""
+    from lpdiff.engines.base import capabilities
+
+    arch = resolve(model, adapters=()).spec.arch
+    c = capabilities(engine)
+    return None if c.serves(arch) else f"the {engine} engine does not serve {arch} (it serves {', '.join(c.archs)})"
+
+
+def zoo_models(engine: str, asked: Sequence[str] = ()) -> tuple[list[str], list[tuple[str, str]]]:
+    """The models a run covers and those skipped with the reason: ``asked`` as given (a model the engine cannot
+    serve is skipped, not fatal), or by default every tiny MoE zoo model."""
+    from lpdiff.harness.spec.catalog import list_models
+
+    names = list(asked) or [m.name for m in list_models() if m.path is not None and m.name.startswith("tiny-")
+                            and m.arch != "qwen3"]
+    chosen, skipped = [], []
+    for name in names:
+        why = unsupported(engine, name)
+        (skipped.append((name, why)) if why else chosen.append(name))
+    return chosen, skipped

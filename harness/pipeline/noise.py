@@ -1,0 +1,78 @@
+"""Noise: the worst k2, max |Δ| and LoRA-delta fidelity seen between runs that are all correct (two correct
+implementations, bf16 against fp32, an engine against its own rerun). Thresholds are a factor times this."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps
+from lpdiff.harness.pipeline.session import Lanes
+
+
+@dataclass(slots=True)
+class Noise:
+    k2: float = 0.0
+    max_abs: float = 0.0
+    fidelity: float = 0.0
+    positions: int = 0
+    comparisons: int = 0
+
+    def add(self, k2: float, max_abs: float, fidelity: float | None = None, positions: int = 0) -> "Noise":
+        self.k2, self.max_abs = max(self.k2, k2), max(self.max_abs, max_abs)
+        if fidelity is not None:
+            self.fidelity = max(self.fidelity, fidelity)
+        self.positions += positions
+        self.comparisons += 1
+        return self
+
+    def merge(self, *others: "Noise") -> "Noise":
+        for o in others:
+            self.k2, self.max_abs = max(self.k2, o.k2), max(self.max_abs, o.max_abs)
+            self.fidelity = max(self.fidelity, o.fidelity)
+            self.positions += o.positions
+            self.comparisons += o.comparisons
+        return self
+
+    def describe(self) -> str:
+        return f"k2 {self.k2:.3g}, max {self.max_abs:.3g}, fidelity {self.fidelity:.3g}"
+
+
+def pair_noise(a: Lanes, b: Lanes, lanes: Iterable[str | None] | None = None, *, dtypes: Sequence[str] = (),
+               clean_only: bool = False, into: Noise | None = None) -> Noise:
+    """Noise between runs ``a`` and ``b`` of two correct implementations over the base and each adapter lane.
+    ``clean_only``: measure on positions before any router near-tie (for verdicts that judge those apart); the
+    near-tie margin comes from ``dtypes`` (the coarsest decides)."""
+    noise = into if into is not None else Noise()
+    eps = near_tie_eps(*dtypes) if dtypes else near_tie_eps("float32")
+    for lane in (a if lanes is None else lanes):
+        m = compare(a[lane], b[lane], near_tie_eps=eps)
+        if clean_only and m.clean is not None:
+            m = m.clean
+        fid = None
+        if lane is not None:
+            try:
+                fid = delta_fidelity(a[lane], a[None], b[lane], b[None])
+            except ValueError:  # b's adapter changes nothing (a fault that drops it): no fidelity to measure
+                pass
+        noise.add(m.k2, m.max_abs, fid, m.num_positions)
+    return noise
+
+
+def rerun_noise(runs: Sequence[Lanes]) -> Noise:
+    """An engine against its own first pass, over every later pass of the same mixed batch."""
+    noise = Noise()
+    for later in runs[1:]:
+        pair_noise(later, runs[0], into=noise)
+    return noise
+
+
+def threshold_from(noise: Noise, factor: float, note: str, fidelity: bool = True):
+    """``factor`` x the noise as a Threshold with its provenance. A noise of exactly 0 (bit-identical
+    implementations) would give a zero threshold that fails on any other machine's rounding: it is floored at an
+    fp32 ulp-scale difference (k2 1e-14, max |Δ| 1e-6, fidelity 1e-6)."""
+    from lpdiff.harness.pipeline.provenance import device_name, git_commit
+    from lpdiff.harness.pipeline.thresholds import from_noise
+
+    return from_noise(max(noise.k2, 1e-14), max(noise.max_abs, 1e-6), factor,
+                      noise_delta_fidelity=max(noise.fidelity, 1e-6) if fidelity else None,
+                      gpu=device_name(), commit=git_commit(), note=note)
