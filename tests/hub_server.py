@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar, Self
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import yaml
@@ -86,7 +87,7 @@ class HubState:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "HubServer"
+    server: HubServer
 
     def log_message(self, *args) -> None:  # keep pytest output clean
         pass
@@ -207,7 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def validate_yaml(self, query) -> None:
         content = json.loads(self._body())["content"]
-        m = re.match(r"^---\n(.*?)\n---\n", content, re.S)
+        m = re.match(r"^---\n(.*?)\n---\n", content, re.DOTALL)
         errors = []
         try:
             meta = yaml.safe_load(m.group(1)) if m else {}
@@ -326,7 +327,7 @@ class _Handler(BaseHTTPRequestHandler):
                    head=head)
 
     _REPO = r"([^/]+/[^/]+)"
-    ROUTES = {
+    ROUTES: ClassVar[dict] = {
         "GET": [
             (rf"/api/datasets/{_REPO}", lambda h, r, query: h.repo_info(r, None, query)),
             (rf"/api/datasets/{_REPO}/revision/([^/]+)", repo_info),
@@ -360,7 +361,7 @@ class HubServer(ThreadingHTTPServer):
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

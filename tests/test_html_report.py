@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from lpdiff.harness.pipeline.html_report import write_report
 from lpdiff.harness.pipeline.metrics import compare, position_detail
 from lpdiff.harness.pipeline.thresholds import Threshold

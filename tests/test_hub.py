@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hub_server import HubServer
 
 REPO = "lpdiff-ci/baselines"
@@ -67,7 +66,7 @@ def env(server, tmp_path):
 def run(env: dict, offline: bool = False, expect_rc: int = 0, **args) -> dict:
     e = dict(env, HF_HUB_OFFLINE="1" if offline else "0")
     p = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(args)], env=e, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, check=False)
     assert p.returncode == expect_rc, p.stdout + p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -161,7 +160,7 @@ def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
     # a second writer changes one entry and pushes on the first commit
     writer2 = tmp_path / "writer2"
     shutil.copytree(store, writer2)
-    changed = sorted(p for p in writer2.rglob("*") if p.is_file() and not p.name.startswith("."))[0]
+    changed = min(p for p in writer2.rglob("*") if p.is_file() and not p.name.startswith("."))
     _rewrite(changed)
     second = run(env, op="push", store=str(writer2), url=url, lock=str(tmp_path / "w2.lock"),
                  parent=first["commit"])
@@ -215,7 +214,6 @@ def test_card_front_matter_lists_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
     import yaml
-
     from lpdiff.harness.pipeline import hub
 
     for i, model in enumerate(("m1", "m2")):

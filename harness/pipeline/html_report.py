@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from lpdiff.harness.pipeline.verdict import load_document
 
@@ -114,7 +115,7 @@ def positions_svg(detail: Mapping[str, Any]) -> str:
         return _svg('<text x="10" y="70">no per-position detail</text>', title="|d| along positions")
     y = _Log(ds, H - 18, 16)
     n = len(ds)
-    x = lambda i: PAD + i / max(n - 1, 1) * (W - PAD - 6)  # noqa: E731
+    x = lambda i: PAD + i / max(n - 1, 1) * (W - PAD - 6)
     parts, i0 = [_y_log_axis(y, W)], 0
     for p in prompts:
         vals = [abs(_num(v) or 0.0) for v in p["d"]]
@@ -174,7 +175,7 @@ def history_svg(points: Sequence[tuple[str, float | None, float | None]]) -> str
     ys = [k for _, k, _ in points] + [t for _, _, t in points]
     y = _Log(ys, H - 22, 16)
     n = len(points)
-    x = lambda i: PAD + 8 + i / max(n - 1, 1) * (W - PAD - 24)  # noqa: E731
+    x = lambda i: PAD + 8 + i / max(n - 1, 1) * (W - PAD - 24)
     parts = [_y_log_axis(y, W)]
     for key, color, dash in ((2, "#b71c1c", ' stroke-dasharray="4 3"'), (1, _LINE, "")):
         pts = " ".join(f"{x(i):.1f},{y(p[key]):.1f}" for i, p in enumerate(points) if p[key] is not None)

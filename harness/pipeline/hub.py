@@ -23,9 +23,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 LOCK_NAME = "baselines.lock"
 CARD = "README.md"
@@ -105,7 +106,7 @@ class HubEnv:
     cache_dir: Path
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> "HubEnv":
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> HubEnv:
         """The same precedence huggingface_hub.constants applies at its import, applied now."""
         env = os.environ if env is None else env
         home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
