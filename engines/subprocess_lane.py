@@ -9,7 +9,10 @@ pins its own transformers, so it usually lives in its own virtualenv.
 Protocol: the parent writes length-prefixed pickles to the child's stdin; the child answers on an inherited pipe.
 Everything the engine prints (stdout, stderr, C-level logs, its own subprocesses) goes to one log file whose tail
 is attached to every failure. numpy arrays travel as ``.npy`` bytes, so two virtualenvs with different numpy
-versions can talk. The child runs in its own session, so closing the lane can end the engine's whole process group.
+versions can talk. The child runs in its own session, so closing the lane can end the engine's whole process group;
+a watchdog thread in the child ends that group when the parent dies, so a killed caller leaves nothing running.
+Every call has a deadline (scaled from its tokens unless given), so a hung engine becomes a LaneDied with its log
+tail: a FAIL for that engine, and the caller goes on.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import threading
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -109,8 +113,14 @@ def _read_exact(fd: int, n: int, deadline: float | None, alive) -> bytes:
 class LaneConfig:
     python: str = sys.executable  # the interpreter (and so the virtualenv) the engine runs under
     env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
-    start_timeout_s: float = 1800.0  # building the engine: model load, compilation
-    call_timeout_s: float | None = None  # one call; None waits as long as the child lives
+    # Building the engine: a full-size MoE checkpoint loads and compiles in 2-5 minutes on one H100; 15 leaves room
+    # for a cold disk cache and TP 8 without hiding a hang for half an hour.
+    start_timeout_s: float = 900.0
+    call_timeout_s: float | None = None  # one call; None: call_floor_s + call_per_token_s x the call's tokens
+    # A prefill-only logprob call runs at thousands of tokens/s on a GPU and hundreds on CPU for the tiny zoo;
+    # 20 ms a token plus 5 minutes is 10-100x that, so only a hang reaches it.
+    call_floor_s: float = 300.0
+    call_per_token_s: float = 0.02
     close_timeout_s: float = 60.0  # a clean __exit__ before the process group is killed
     log_path: str | None = None  # None: a temp file, kept after the lane closes
     tail_lines: int = 60
@@ -118,6 +128,21 @@ class LaneConfig:
     def __post_init__(self):
         assert self.start_timeout_s > 0 and self.close_timeout_s > 0 and self.tail_lines > 0
         assert self.call_timeout_s is None or self.call_timeout_s > 0
+        assert self.call_floor_s > 0 and self.call_per_token_s >= 0
+
+    def call_timeout(self, tokens: int = 0) -> float:
+        """The deadline of one call over ``tokens`` tokens: ``call_timeout_s`` when given, else scaled."""
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        return self.call_floor_s + self.call_per_token_s * max(0, int(tokens))
+
+
+def work_tokens(args: Sequence[Any]) -> int:
+    """Tokens in a call whose first argument is a batch of prompts (token-id sequences); 0 for any other call."""
+    batch = args[0] if args else None
+    if isinstance(batch, (list, tuple)) and all(isinstance(p, (list, tuple, np.ndarray)) for p in batch):
+        return sum(len(p) for p in batch)
+    return 0
 
 
 _LANE_KEYS = {"python": "python", "lane_env": "env", "lane_start_timeout_s": "start_timeout_s",
@@ -227,7 +252,7 @@ class SubprocessLane:
     # lifecycle
     def start(self) -> "SubprocessLane":
         r, w = os.pipe()
-        self.child.argv.append(str(w))
+        self.child.argv += [str(w), str(os.getpid())]
         self.child.start(stdin=subprocess.PIPE, pass_fds=(w,))
         os.close(w)
         self._resp_fd = r
@@ -242,7 +267,8 @@ class SubprocessLane:
     def call(self, method: str, *args, **kwargs) -> Any:
         if self.proc is None:
             raise RuntimeError("the lane is not running: use it as a context manager or call start() first")
-        return self._request(("call", method, args, kwargs), self.config.call_timeout_s, f"{self.target}.{method}")
+        timeout = self.config.call_timeout(work_tokens(args))
+        return self._request(("call", method, args, kwargs), timeout, f"{self.target}.{method}")
 
     def close(self) -> None:
         if self.proc is None:
@@ -350,15 +376,31 @@ def _resolve(target: str):
     return obj
 
 
-def _serve(resp_fd: int) -> int:
+def _end_group_when_orphaned(parent_pid: int, poll_s: float = 0.2) -> None:
+    """Kill this process's group (the lane child leads it: the engine and what it started) within ``poll_s`` of the
+    parent's death. A thread polling the parent pid rather than PR_SET_PDEATHSIG: that signal fires when the
+    *thread* that started the child exits (a caller's worker thread), a SIGKILL from it would end the child before
+    it could end its group, and a Python handler for a softer signal needs the GIL just as this thread does."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="lpdiff-lane-watchdog", daemon=True).start()
+
+
+def _serve(resp_fd: int, parent_pid: int | None = None) -> int:
+    if parent_pid is not None:
+        _end_group_when_orphaned(parent_pid)
     requests, answers = sys.stdin.buffer, os.fdopen(resp_fd, "wb")
     obj = None
     while True:
         header = requests.read(_HEADER.size)
-        if len(header) < _HEADER.size:  # the parent went away: leave, closing the engine if we can
+        if len(header) < _HEADER.size:  # the parent went away: close the engine if we can, end what it started
             if obj is not None and hasattr(obj, "__exit__"):
                 obj.__exit__(None, None, None)
-            return 0
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         msg = pickle.loads(requests.read(_HEADER.unpack(header)[0]))
         try:
             if msg[0] == "open":
@@ -390,4 +432,4 @@ if __name__ == "__main__":
     # names engines.subprocess_lane rather than __main__.
     from lpdiff.engines.subprocess_lane import _serve as serve
 
-    sys.exit(serve(int(sys.argv[1])))
+    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None))
