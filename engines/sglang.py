@@ -47,7 +47,8 @@ Options (``EngineConfig.options``):
   server_args        dict of ServerArgs fields merged over lpdiff's settings (e.g. {"mem_fraction_static": 0.5})
   python             the interpreter that has SGLang (offline lane and launched server); lane_env,
                      lane_start_timeout_s, lane_call_timeout_s, lane_log as in engines.subprocess_lane
-  port               launched server's port (default: a free one); request_timeout_s (default 1800)
+  port               launched server's port (default: a free one); request_timeout_s (default: scaled from the
+                     request's tokens like a lane call, see LaneConfig.call_timeout)
   checkpoint_dir     where a config-built or layer-cut model is written for SGLang to load
 """
 from __future__ import annotations
@@ -325,7 +326,7 @@ class SGLangHTTP:
     def __init__(self, config: EngineConfig, opts: dict[str, Any], lane: LaneConfig, resolved: dict[str, Any]):
         self.config, self.opts, self.lane, self.resolved = config, opts, lane, resolved
         self.url = opts.get("url")
-        self.timeout = float(opts.get("request_timeout_s", 1800))
+        self.timeout = opts.get("request_timeout_s")  # None: the lane's work-scaled call deadline
         self.server: ManagedProcess | None = None
 
     def __enter__(self) -> "SGLangHTTP":
@@ -365,11 +366,12 @@ class SGLangHTTP:
                 raise died
             time.sleep(1.0)
 
-    def post(self, path: str, payload: dict[str, Any]) -> Any:
+    def post(self, path: str, payload: dict[str, Any], tokens: int = 0) -> Any:
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            timeout = float(self.timeout) if self.timeout is not None else self.lane.call_timeout(tokens)
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:  # the server answered: its message says what was wrong
             raise RuntimeError(f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}") \
@@ -394,7 +396,7 @@ class SGLangHTTP:
 
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
         names = check_request(prompts, adapter, self.config.adapters)
-        out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab))
+        out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab), sum(map(len, prompts)))
         return parse_batch(prompts, out, top_k, self.vocab)
 
 
