@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from lpdiff.engines.base import layouts_for
 from lpdiff.harness.commands import check
 from lpdiff.harness.pipeline.session import engine_missing
 
@@ -71,7 +72,7 @@ KNOWN_DEFECTS = {
 
 
 def _judge(engine: str, case, tp: int, record_verdict) -> None:
-    layouts = check.layouts_for(engine, case.spec.arch)
+    layouts = layouts_for(engine, case.spec.arch)
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
     results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, store=check.default_store())
                for lays in sessions]

@@ -24,7 +24,7 @@ Adapters, generated with fixed seeds (``ADAPTERS``): rank 16 on attention + expe
 (LoRA-delta fidelity per module group), rank 8 beside the rank-16 ones (a loaded rank below the engine's max rank),
 and ``broken``: the rank-16 adapter with every expert's LoRA-B shifted to the next expert (an expert-ordering bug
 in a loader), which the engine serves while the reference gets the correct adapter — it must FAIL. Each adapter is
-served to the engine in every layout that engine reads (``ENGINE_LAYOUTS``), all in one batch with base rows; the
+served to the engine in every layout that engine reads (its capabilities), all in one batch with base rows; the
 reference always reads PEFT's own 3D format.
 
 Reference runs go through the baseline store (policy ``cache``: computed once, then answered from the store), so
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lpdiff.engines.base import layouts_for
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps
 from lpdiff.harness.pipeline.noise import Noise, pair_noise, rerun_noise, threshold_from
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
@@ -65,23 +66,6 @@ def noise_pair(reference: str, dtype: str) -> tuple[tuple[str, dict], tuple[str,
     # batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
     other = "grouped_mm" if torch.cuda.is_available() else "batched_mm"
     return ("float32", {"experts_impl": other}), ("float32", {"experts_impl": "eager"})
-
-
-ENGINE_LAYOUTS = {"vllm": ("peft3d", "per_expert"),  # 3D on a per-expert model: enable_mixed_moe_lora_format
-                  "sglang": ("per_expert",),  # a PEFT 3D expert adapter kills SGLang 0.5.15's engine
-                  "triton": ("peft3d", "per_expert"), "hf": ("peft3d",)}
-# vLLM 0.25.1 serves gpt-oss expert LoRA correctly only in PEFT 3D form: its per-expert path (w1/w2/w3 through the
-# mixed-format 2D wrapper) adds gate/up as concatenated halves onto interleaved rows (engines/vllm.py); the engine
-# refuses it unless forced (suites/test_engines_gpu.py forces it once and expects the FAIL).
-# On Qwen3-MoE its PEFT 3D path (enable_mixed_moe_lora_format, converted to 2D at load) faults with an illegal
-# memory access at 5 adapters + base rows (H200, 3 of 3 engines, also with CUDA_LAUNCH_BLOCKING or async scheduling
-# off) while per-expert files of the same adapters PASS: doctor says vllm-peft3d-mixed-format-faults, and
-# suites/test_engines_gpu.py serves PEFT 3D once on purpose and expects the FAIL.
-ARCH_LAYOUTS = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_expert",)}
-
-
-def layouts_for(engine: str, arch: str) -> tuple[str, ...]:
-    return ARCH_LAYOUTS.get((engine, arch), ENGINE_LAYOUTS.get(engine, ("peft3d",)))
 
 
 REFERENCE_DTYPE = "float32"

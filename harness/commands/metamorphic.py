@@ -93,7 +93,6 @@ K2_FACTORS = {"bfloat16": 5.0, "float16": 5.0}
 # B·M⁻¹, merged weights) or another kernel tiling (a different batch) makes to the arithmetic
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 ROUNDING = "noise:rounding"
-MAX_RANK = 512  # the largest max_lora_rank vLLM and SGLang accept: ranks beyond it are not expressible there
 CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "relation", "adapter", "max_abs",
                "k2", "delta_rel", "rerun_noise", "ratio", "verdict", "note")
 # alone: every prompt with the lane's adapter in one call; beside_other: the same, in an engine that also holds a
@@ -209,9 +208,12 @@ def _format(ctx: Context):
                for layout in ("per_expert", "peft3d") if ctx.adapter.layout != layout]
     so = ctx.adapter.rank * ctx.layout.experts[next(iter(ctx.adapter.experts))].num_experts
     not_written = []
-    if so > MAX_RANK:
-        not_written.append(f"format:shared_outer: the exact shared-outer form needs rank E*r = {so} > {MAX_RANK}, "
-                           "more than vLLM/SGLang accept")
+    from lpdiff.engines.base import max_rank
+
+    limit = max_rank(ctx.engine)
+    if limit is not None and so > limit:
+        not_written.append(f"format:shared_outer: the exact shared-outer form needs rank E*r = {so} > {limit}, "
+                           f"more than {ctx.engine} accepts")
     else:
         written.append(("format:shared_outer", ctx.write("format-shared_outer", shared_outer(ctx.adapter,
                                                                                             ctx.layout))))
@@ -289,10 +291,6 @@ def _moe(ctx: Context) -> str | None:
     return None if ctx.layout.experts else "the model has no experts"
 
 
-def _expert_lora_cuda(ctx: Context) -> str | None:
-    return _needs_experts(ctx) or _cuda(ctx)  # MoE-LoRA in vLLM is a GPU (Triton) path
-
-
 def _bf16_cuda(ctx: Context) -> str | None:
     return _cuda(ctx) or (None if ctx.dtype != "float32" else "FlashAttention runs bf16/fp16 only")
 
@@ -313,31 +311,26 @@ def _tp_applies(engine: str, n: int):
     return applies
 
 
-# engine -> variant -> (options, tp, applies(ctx) -> None or why not)
-ENGINE_MODES: dict[str, dict[str, tuple[dict, int | None, Callable]]] = {
-    "hf": {f"experts_{impl}": ({"experts_impl": impl}, None, _moe) for impl in ("eager", "batched_mm", "grouped_mm")},
-    "triton": {
-        "kernels_torch": ({"impl": "torch"}, None, lambda ctx: None),
-        "kernels_triton": ({"impl": "triton"}, None, _interpreter_or_cuda),
-        "attention_sdpa": ({"attention": "sdpa"}, None, lambda ctx: None),
-        "attention_flash": ({"attention": "flash"}, None, _bf16_cuda),
-        "attention_triton": ({"attention": "triton"}, None, lambda ctx: None),  # interpreted on CPU, any dtype
-    },
-    "vllm": {
-        # the 2D MoE-LoRA wrapper for every adapter instead of the model's native path: the same math where it is
-        # right (Qwen3-MoE reads per-expert natively), vLLM 0.25.1's gate/up defect on gpt-oss (engines/vllm.py)
-        "mixed_moe_lora_format": ({"mixed_moe_lora_format": True}, None, _expert_lora_cuda),
-        "cuda_graphs_on": ({"llm_kwargs": {"enforce_eager": False}}, None, _cuda),
-        "chunked_prefill_64": ({"llm_kwargs": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}},
-                               None, lambda ctx: None),
-        "chunked_prefill_off": ({"llm_kwargs": {"enable_chunked_prefill": False}}, None, lambda ctx: None),
-    },
-    "sglang": {
-        "cuda_graphs_on": ({"server_args": {"disable_cuda_graph": False}}, None, _cuda),
-        "chunked_prefill_64": ({"server_args": {"chunked_prefill_size": 64}}, None, _cuda),
-        "lora_backend_csgmv": ({"server_args": {"lora_backend": "csgmv"}}, None, _cuda),
-    },
-}
+# what a mode's ``needs`` (engines' capabilities, MODE_NEEDS) asks of this run -> None, or why it cannot run here
+NEEDS: dict[str, Callable[[Context], str | None]] = {"experts": _moe, "cuda": _cuda, "low_precision": _bf16_cuda,
+                                                     "triton_kernels": _interpreter_or_cuda}
+
+
+def _applies(needs: Sequence[str]) -> Callable[[Context], str | None]:
+    def applies(ctx: Context) -> str | None:
+        return next((why for n in needs if (why := NEEDS[n](ctx))), None)
+    return applies
+
+
+def engine_modes_table() -> dict[str, dict[str, tuple[dict, int | None, Callable]]]:
+    """engine -> variant -> (options, tp, applies(ctx) -> None or why not), from each engine's capabilities."""
+    from lpdiff.engines import ENGINES
+    from lpdiff.engines.base import engine_modes
+
+    return {e: {name: (dict(m.options), None, _applies(m.needs)) for name, m in engine_modes(e).items()}
+            for e in ENGINES}
+
+
 TP_SIZES = {e: {str(n): ({}, n, _tp_applies(e, n)) for n in (2, 4)} for e in ("triton", "vllm", "sglang")}
 
 
@@ -359,7 +352,7 @@ def _variant_lanes(ctx: Context, relation: str, table: dict, session: str):
 
 
 def _modes(ctx: Context):
-    return _variant_lanes(ctx, "mode", ENGINE_MODES, "mode")
+    return _variant_lanes(ctx, "mode", engine_modes_table(), "mode")
 
 
 def _tp(ctx: Context):
