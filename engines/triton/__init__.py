@@ -32,6 +32,18 @@ Options (``EngineConfig.options``):
                     with the new token ids (engines/triton/graphs.py); that second call costs about two forwards
                     (a warm-up and the capture)
 """
+from lpdiff.engines.capabilities import Capabilities, Mode
+from lpdiff.engines.triton.config import SUPPORTED_ARCHS
 from lpdiff.engines.triton.engine import TritonEngine
 
-__all__ = ["TritonEngine"]
+CAPABILITIES = Capabilities(
+    engine="triton", label="lpdiff-triton", versions="this lpdiff", archs=SUPPORTED_ARCHS,
+    layouts=("peft3d", "per_expert"), dtypes=("float32", "bfloat16", "float16"), lora_fp32=True,
+    # above the kernels' register-held rank (kernels.MAX_RANK) a session runs the torch LoRA path
+    max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), per_layer_capture=True,
+    modes=(Mode("kernels_torch", {"impl": "torch"}), Mode("kernels_triton", {"impl": "triton"}, ("triton_kernels",)),
+           Mode("attention_sdpa", {"attention": "sdpa"}),
+           Mode("attention_flash", {"attention": "flash"}, ("cuda", "low_precision")),
+           Mode("attention_triton", {"attention": "triton"})))  # interpreted on CPU, any dtype
+
+__all__ = ["CAPABILITIES", "TritonEngine"]

@@ -131,6 +131,12 @@ class TritonEngine:
                 f"triton {triton.__version__}, transformers {transformers.__version__}")
 
     # -- work ------------------------------------------------------------------------------------------------
+    def capture_layers(self, prompts, adapter=None, inputs=None):
+        """Per-layer module outputs for lpdiff bisect (engines/triton/capture.py)."""
+        from lpdiff.engines.triton.capture import capture_layers
+
+        return capture_layers(self, prompts, adapter, inputs)
+
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
                         top_k: int = 0) -> list[PromptLogprobs]:
         if self.runtime is None:
