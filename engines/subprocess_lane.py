@@ -26,8 +26,8 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path

@@ -34,7 +34,6 @@ __all__ = ["BaselineError", "BaselineMissing", "BaselineCorrupt", "BaselineStale
 
 FORMAT = store_format.FORMAT
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
-LEGACY_SUFFIXES = (".npz", ".json")  # format 1: an .npz with a .json sidecar (store_legacy converts them)
 
 
 def path_lock(path: str | Path) -> FileLock:
