@@ -145,18 +145,21 @@ def configure(env: MutableMapping[str, str], markexpr: str, smi=None) -> Assignm
 
 
 def on_configure(config) -> None:
-    """First thing in a worker's pytest_configure, before any test module can start CUDA."""
+    """First thing in a worker's pytest_configure, before any test module can start CUDA. Only a real xdist worker
+    (it has ``workerinput``) takes GPUs: a pytest started inside a worker inherits its PYTEST_XDIST_WORKER."""
+    if not hasattr(config, "workerinput"):
+        config.stash[HELD_KEY] = None
+        return
     held = configure(os.environ, config.option.markexpr or "")
     config.stash[HELD_KEY] = held
-    workeroutput = getattr(config, "workeroutput", None)
-    if held is not None and workeroutput is not None:
-        workeroutput["lpdiff_gpus"] = held.line()
+    if held is not None:
+        config.workeroutput["lpdiff_gpus"] = held.line()
 
 
 def report_header(config) -> list[str]:
     """The controller's plan, one line per worker (the workers report what they took when they finish)."""
     workers = getattr(config.option, "numprocesses", None)
-    if not isinstance(workers, int) or workers < 1 or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not isinstance(workers, int) or workers < 1 or hasattr(config, "workerinput"):
         return []
     machine = machine_gpus(os.environ)
     if not machine:

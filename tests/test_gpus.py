@@ -91,6 +91,9 @@ def test_pytest_n2_gives_each_worker_its_own_gpus(pytester, monkeypatch, tmp_pat
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # as if this test ran in an outer xdist worker: the inner controller inherits its id but is no worker
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
     out = tmp_path / "seen"
     out.mkdir()
     # eight quick cpu cases, each recording the worker that ran it and the devices that worker saw; each case
