@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lpdiff.harness import gpus
@@ -89,20 +91,35 @@ def record_verdict(request):
 
     def record(verdict):
         verdicts.append(verdict)
+        # junit XML carries each verdict as a <property> of its test case
+        request.node.user_properties.append(("lpdiff_verdict", _junit_value(verdict)))
         return verdict
 
     return record
 
 
+def _junit_value(v) -> str:
+    import json
+
+    got = "PASS" if v.passed else "FAIL"
+    return json.dumps({"model": v.model, "engine_pair": v.engine_pair, "dtype": v.dtype, "tp": v.tp,
+                       "adapter": v.adapter, "k2": v.metrics.k2, "max_abs": v.metrics.max_abs,
+                       "expected": v.expected, "verdict": got, "as_expected": got == v.expected}, default=str)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     verdicts = config.stash.get(_VERDICTS_KEY, [])
-    if not verdicts:
+    if not verdicts or hasattr(config, "workerinput"):  # an xdist worker: the controller reports for everyone
         return
-    from lpdiff.harness.pipeline.report import verdict_table
+    from lpdiff.harness.pipeline.report import verdict_summary, verdict_table
     from lpdiff.harness.pipeline.verdict import to_json
 
     terminalreporter.section("lpdiff verdicts")
     terminalreporter.write_line(verdict_table(verdicts))
+    terminalreporter.write_line(verdict_summary(verdicts))
+    if summary := os.environ.get("GITHUB_STEP_SUMMARY"):  # GitHub Actions renders this markdown on the run page
+        with open(summary, "a") as f:
+            f.write(f"### lpdiff verdicts\n\n{verdict_summary(verdicts)}\n\n{verdict_table(verdicts, 'github')}\n")
     path = config.getoption("--lpdiff-report")
     if path:
         with open(path, "w") as f:

@@ -48,8 +48,8 @@ def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, 
     pytest.importorskip("lpdiff.engines.triton")
     res = run_job(Job(model=model, engine="triton", options={"fault": fault}), lpdiff_store, regen=lpdiff_regen)
     failed = [v for v in res.verdicts if not v.passed]
-    for v in res.verdicts:
-        v.adapter = f"{v.adapter} [fault {fault}]"
+    for v in failed or res.verdicts:  # the lanes that caught the fault; every lane when none did
+        v.adapter, v.expected = f"{v.adapter} [fault {fault}]", "FAIL"
         record_verdict(v)
     assert failed, f"{fault} on {model} passed every verdict: " + "; ".join(
         f"{v.adapter}: k2 {v.metrics.k2:.3g}" for v in res.verdicts)

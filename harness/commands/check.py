@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from lpdiff.engines.base import layouts_for
-from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.noise import Noise, pair_noise, rerun_noise, threshold_from
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import References
@@ -233,8 +233,10 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
         m = compare(got[lane], ref_run, near_tie_eps=eps)
         fid = None if lane is None else delta_fidelity(got[lane], got[None], ref_run, ref32[None])
         v = judge(m, t, fid, adapter=lane or "base")
+        v.expected = case.plans[name].expected if name else "PASS"
+        v.detail = position_detail(got[lane], ref_run, eps)
         res.verdicts.append(v)
-        res.expected[v.adapter] = case.plans[name].expected if name else "PASS"
+        res.expected[v.adapter] = v.expected
     return res
 
 

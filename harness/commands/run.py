@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.references import References, default_store
 from lpdiff.harness.pipeline.session import Lanes, run_session
 from lpdiff.harness.pipeline.store import BaselineStore
@@ -89,6 +89,7 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
         m = compare(runs[a], refs[a], near_tie_eps=eps)
         v = judge(m, threshold, delta_fidelity=fidelity, exclude_near_ties=m.clean is not None)
         v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
+        v.detail = position_detail(runs[a], refs[a], eps)
         verdicts.append(v)
     return verdicts
 

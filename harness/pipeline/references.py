@@ -23,8 +23,11 @@ PACKAGE_BASELINES = Path(__file__).resolve().parents[2] / "baselines"  # the sou
 
 def default_store(root: str | os.PathLike | None = None) -> BaselineStore:
     """The one default store: ``root`` (--baselines), else ``$LPDIFF_BASELINES``, else the baselines shipped with
-    lpdiff (the tiny zoo's committed references)."""
-    return BaselineStore(Path(root or os.environ.get("LPDIFF_BASELINES") or PACKAGE_BASELINES))
+    lpdiff (the tiny zoo's committed references). ``hf://datasets/ORG/NAME[@REV]`` is a Hub dataset, pulled at the
+    pinned revision (or served from the HF cache offline)."""
+    from lpdiff.harness.pipeline.hub import resolve_store
+
+    return BaselineStore(resolve_store(str(root or os.environ.get("LPDIFF_BASELINES") or PACKAGE_BASELINES)))
 
 
 def peft_groups(adapters: dict[str, AdapterSpec]) -> list[dict[str, AdapterSpec]]:

@@ -49,8 +49,16 @@ def verdict_rows(verdicts: Sequence[Verdict]) -> list[list[str]]:
             for v in verdicts]
 
 
-def verdict_table(verdicts: Sequence[Verdict]) -> str:
-    return table(verdict_rows(verdicts), VERDICT_HEADERS)
+def verdict_table(verdicts: Sequence[Verdict], fmt: str = "simple") -> str:
+    """``fmt``: a tabulate format ("simple" for terminals, "github" for markdown such as a CI step summary)."""
+    rows = [[("-" if c is None else c) for c in r] for r in verdict_rows(verdicts)]
+    return tabulate(rows, headers=list(VERDICT_HEADERS), tablefmt=fmt, disable_numparse=True)
+
+
+def verdict_summary(verdicts: Sequence[Verdict]) -> str:
+    """One line: how many verdicts came out as expected (a bug-zoo lane that FAILs is as expected)."""
+    unexpected = [v for v in verdicts if outcome(v).endswith("(unexpected)")]
+    return f"{len(verdicts)} verdicts: {len(verdicts) - len(unexpected)} as expected, {len(unexpected)} not"
 
 
 def append_csv(path: str | Path, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> Path:
