@@ -1,0 +1,253 @@
+"""The import graph keeps one direction: kernels <- engines <- harness.pipeline <- harness.commands <- cli / plugin.
+
+Every .py under kernels/, engines/, harness/, suites/ and tests/ is parsed (not imported): ``import`` and ``from``
+statements at any depth, ``importlib.import_module("...")`` / ``pytest.importorskip("...")`` with a literal name,
+and registry strings such as ``"lpdiff.engines.vllm:VLLMEngine"``. Each failure names file:line and the rule.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"kernels": "lpdiff.kernels", "engines": "lpdiff.engines", "harness": "lpdiff.harness",
+            "suites": "suites", "tests": "tests"}
+REGISTRY_STRING = re.compile(r"(lpdiff(?:\.\w+)+):\w+")
+IMPORT_CALLS = ("import_module", "importorskip", "__import__")
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    source: str  # importing module
+    target: str  # imported module (a submodule where ``from pkg import sub`` names one)
+    path: Path
+    line: int
+    top_level: bool  # executed on import (not inside a function or class body, not under TYPE_CHECKING)
+    type_only: bool = False  # under ``if TYPE_CHECKING:``: never executed
+
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    prefix = PACKAGES[parts[0]]
+    rest = parts[1:-1] if parts[-1] == "__init__" else parts[1:]
+    return ".".join([prefix, *rest])
+
+
+def source_files() -> list[Path]:
+    return sorted(p for d in PACKAGES for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+MODULES = {module_name(p): p for p in source_files()}
+
+
+def _resolve_from(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+class _Collector(ast.NodeVisitor):
+    def __init__(self, module: str, path: Path):
+        self.module, self.path, self.depth, self.edges, self.type_only = module, path, 0, [], False
+        self.is_package = path.name == "__init__.py"
+
+    def _add(self, target: str, node: ast.AST) -> None:
+        if target:
+            self.edges.append(Edge(self.module, target, self.path, node.lineno, self.depth == 0, self.type_only))
+
+    def _nested(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = _nested
+
+    def visit_If(self, node: ast.If) -> None:
+        test = ast.unparse(node.test)
+        if "TYPE_CHECKING" in test:  # never executed: still an import of the file, not a runtime edge
+            self.type_only = True
+            self._nested(node)
+            self.type_only = False
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = _resolve_from(node, self.module, self.is_package)
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            self._add(sub if sub in MODULES else base, node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name in IMPORT_CALLS and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            self._add(node.args[0].value, node)
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str):
+            m = REGISTRY_STRING.fullmatch(node.value)
+            if m:
+                self._add(m.group(1), node)
+
+
+def _edges() -> list[Edge]:
+    out = []
+    for module, path in MODULES.items():
+        c = _Collector(module, path)
+        c.visit(ast.parse(path.read_text(), filename=str(path)))
+        out += c.edges
+    return out
+
+
+EDGES = _edges()
+
+
+def _under(name: str, *prefixes: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _violations(sources: tuple[str, ...], allowed, rule: str) -> list[str]:
+    """Edges from modules under ``sources`` to lpdiff modules that ``allowed(target)`` refuses."""
+    return [f"{e.where()}: {rule}: {e.source} imports {e.target}" for e in EDGES
+            if _under(e.source, *sources) and _under(e.target, "lpdiff") and not allowed(e.target)]
+
+
+def _assert_none(bad: list[str]) -> None:
+    bad = list(dict.fromkeys(bad))  # `from x import a, b` is one line
+    assert not bad, f"{len(bad)} import(s) break the layer rules:\n" + "\n".join(bad)
+
+
+def test_the_parser_sees_every_kind_of_import():
+    """The rules are only as good as the edges: each kind the docstring names is found somewhere."""
+    by_source = {}
+    for e in EDGES:
+        by_source.setdefault(e.source, set()).add(e.target)
+    assert "lpdiff.engines.vllm" in by_source["lpdiff.engines.base"]  # registry string
+    assert any(not e.top_level for e in EDGES if e.source.startswith("lpdiff.harness"))  # inside functions
+    assert len(MODULES) > 90 and "lpdiff.engines.triton" in MODULES and "lpdiff.kernels" in MODULES
+    tree = ast.parse("import importlib\nimportlib.import_module('lpdiff.kernels.x')\n"
+                     "def f():\n    from .y import z\n")
+    c = _Collector("lpdiff.engines.triton.a", ROOT / "engines/triton/a.py")
+    c.visit(tree)
+    assert [(e.target, e.top_level) for e in c.edges] == [("importlib", True), ("lpdiff.kernels.x", True),
+                                                           ("lpdiff.engines.triton.y", False)]
+
+
+def test_kernels_import_nothing_else_of_lpdiff():
+    _assert_none(_violations(("lpdiff.kernels",), lambda t: _under(t, "lpdiff.kernels"),
+                             "lpdiff.kernels imports nothing else of lpdiff"))
+
+
+def test_engines_import_only_the_shared_vocabulary():
+    ok = ("lpdiff.kernels", "lpdiff.engines", "lpdiff.harness.types", "lpdiff.harness.spec")
+    _assert_none(_violations(("lpdiff.engines",), lambda t: t == "lpdiff" or _under(t, *ok),
+                             "engines import only kernels, engines, harness.types and harness.spec"))
+
+
+def test_spec_imports_only_types_and_spec():
+    ok = ("lpdiff.harness.types", "lpdiff.harness.spec")
+    _assert_none(_violations(("lpdiff.harness.spec", "lpdiff.harness.types"),
+                             lambda t: t in ("lpdiff", "lpdiff.harness") or _under(t, *ok),
+                             "harness.spec / harness.types import only types and spec"))
+
+
+def test_pipeline_and_commands_import_no_layer_above():
+    above = {"lpdiff.harness.pipeline": ("lpdiff.harness.commands", "lpdiff.harness.cli", "lpdiff.harness.plugin"),
+             "lpdiff.harness.commands": ("lpdiff.harness.cli", "lpdiff.harness.plugin")}
+    bad = []
+    for layer, refused in above.items():
+        bad += _violations((layer,), lambda t, r=refused: not _under(t, *r), f"{layer} imports no layer above it")
+    _assert_none(bad)
+
+
+ENGINE_API = ("lpdiff.engines", "lpdiff.engines.base", "lpdiff.engines.capabilities")
+
+
+def test_harness_never_reaches_into_an_engine():
+    _assert_none(_violations(("lpdiff.harness",),
+                             lambda t: not _under(t, "lpdiff.engines") or t in ENGINE_API,
+                             f"harness uses only the public engine API {', '.join(ENGINE_API)}"))
+
+
+def test_tests_and_suites_never_import_benchmarks():
+    bad = [f"{e.where()}: tests and suites never import benchmarks/: {e.source} imports {e.target}"
+           for e in EDGES if _under(e.source, "tests", "suites") and _under(e.target, "benchmarks")]
+    _assert_none(bad)
+
+
+def _cycles(prefix: str) -> list[list[Edge]]:
+    """Cycles among the modules under ``prefix``, one per strongly connected component. Imports inside functions
+    count too: a lazy import is how such a circle is hidden (kernels' fused_moe_lora importing moe_grouped, which
+    builds on it; engines/triton's engine -> tp -> runtime -> engine), and it still ties the modules together.
+    Only ``if TYPE_CHECKING:`` imports, never executed, are left out."""
+    graph: dict[str, dict[str, Edge]] = {m: {} for m in MODULES if _under(m, prefix)}
+    for e in EDGES:
+        if not e.type_only and e.source in graph and e.target in graph and e.target != e.source:
+            graph[e.source].setdefault(e.target, e)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    comps: list[list[str]] = []
+
+    def strong(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return [[e for s in comp for t, e in graph[s].items() if t in comp] for comp in comps]
+
+
+@pytest.mark.parametrize("prefix", ["lpdiff.kernels", "lpdiff.engines.triton"])
+def test_no_import_cycles(prefix):
+    found = _cycles(prefix)
+    lines = [f"  {e.where()}: {e.source} -> {e.target}" for cycle in found for e in cycle]
+    assert not found, (f"{len(found)} import cycle(s) among {prefix} modules (rule: no cycles, lazy imports "
+                       "included):\n" + "\n".join(lines))
+
+
+def test_cycle_finder_finds_a_cycle():
+    global EDGES
+    saved = EDGES
+    try:
+        a, b = "lpdiff.kernels.logprob", "lpdiff.kernels.attention"
+        EDGES = [Edge(a, b, ROOT / "kernels/logprob.py", 1, True), Edge(b, a, ROOT / "kernels/attention.py", 2, True),
+                 Edge(a, b, ROOT / "kernels/logprob.py", 3, False, True)]
+        assert [[(e.source, e.target) for e in c] for c in _cycles("lpdiff.kernels")] == [[(b, a), (a, b)]]
+        EDGES = EDGES[1:]  # a lazy import closes a cycle as well; a TYPE_CHECKING one does not
+        assert _cycles("lpdiff.kernels") == []
+        EDGES = [*EDGES, Edge(a, b, ROOT / "kernels/logprob.py", 4, False)]
+        assert len(_cycles("lpdiff.kernels")) == 1
+    finally:
+        EDGES = saved
