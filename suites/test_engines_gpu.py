@@ -19,26 +19,63 @@ from pathlib import Path
 
 import pytest
 
-from lpdiff.engines.base import layouts_for
+from lpdiff.engines.base import capabilities, layouts_for
 from lpdiff.harness.commands import check
 from lpdiff.harness.pipeline.session import engine_missing
+from lpdiff.harness.spec.catalog import get_model, known_models
 
-MODELS = ["qwen3-30b-a3b", "gpt-oss-20b"]
-LAYERS = 4
-ENGINES = ["vllm", "sglang", "triton"]
+# depth per model: full width, cut so that every layer kind is present (Qwen3.5: three Gated-DeltaNet layers then
+# full attention; Nemotron-H: mamba, MoE and one attention layer of its pattern), the fp32 reference fits one GPU
+# beside the engine, and an engine start stays under a minute
+LAYERS = {"qwen3-30b-a3b": 4, "gpt-oss-20b": 4, "qwen3.5-35b-a3b": 4, "nemotron-3-nano-30b-a3b": 8,
+          "nemotron-3-super-120b-a12b": 8}
+MODELS = [m for m in LAYERS if m in known_models()]
+ENGINES = ["triton", "vllm", "sglang", "hf"]  # hf in bf16 is an engine too: the reference's own rounding
+TPS = [1, 2, 4, 8]
 # the fp32 reference the engines are judged against: HF+PEFT, or lpdiff's triton runtime (fp32 parity with HF+PEFT
 # to ~1e-5 at these shapes, tests/test_triton_engine_gpu.py); its noise pair is its torch-reference kernels vs Triton
 REFERENCE = os.environ.get("LPDIFF_CHECK_REFERENCE", "hf")
 assert REFERENCE in ("hf", "triton"), f"LPDIFF_CHECK_REFERENCE must be hf or triton, got {REFERENCE!r}"
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def case(request, tmp_path_factory):
+def grid():
+    """Every model x engine x TP, marked gpuN by the GPUs the case needs (TP N): ``-m gpu8`` selects every model
+    at TP 8. A combination the engine's capabilities rule out is still collected and skips with their reason."""
+    for model in MODELS:
+        for engine in ENGINES:
+            for tp in TPS:
+                yield pytest.param(model, engine, tp, marks=getattr(pytest.mark, f"gpu{tp}"),
+                                   id=f"{model}-{engine}-tp{tp}")
+
+
+def cannot_serve(engine: str, model: str, tp: int) -> str | None:
+    caps = capabilities(engine)
+    arch = get_model(model).arch
+    if not caps.serves(arch):
+        return f"{caps.label} does not serve {arch} (capabilities: {', '.join(caps.archs or ())})"
+    if tp not in caps.tp:
+        return f"{caps.label} runs TP {', '.join(map(str, caps.tp))} only (capabilities)"
+    return None
+
+
+_CASES: dict[str, check.Case] = {}
+
+
+def case_for(model: str, tmp_path_factory) -> check.Case:
+    """One case per model per worker process (adapters written once, ~10 s)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    return check.build_case(request.param, LAYERS, tmp_path_factory.mktemp(request.param))
+    if model not in _CASES:
+        _CASES.clear()  # one model's files at a time
+        _CASES[model] = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(model))
+    return _CASES[model]
+
+
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b", "gpt-oss-20b"])
+def case(request, tmp_path_factory):
+    return case_for(request.param, tmp_path_factory)
 
 
 def _installed(engine: str) -> None:
@@ -61,51 +98,35 @@ def _report(engine: str, res, record_verdict=None) -> None:
         record_verdict(v)
 
 
-# engine defects lpdiff reproduces on purpose: the run must come out NOT as expected (a FAIL, or an engine that
-# died, reported as a FAIL); the day it comes out as expected the test fails, so that the fix gets recorded
-KNOWN_DEFECTS = {
-    # H200 x4 (benchmarks/results/engines_gpu.md, TP 2 / TP 4 verdicts): illegal memory access in
-    # vLLM's _fused_moe_lora_one_shot_kernel on w13 (pinned by CUDA_LAUNCH_BLOCKING=1) with per-expert adapters
-    # at TP 4 (expert width 768 / 4 = 192 per rank); the same engine at TP 1 and TP 2 runs and PASSes
-    ("vllm", "qwen3_moe", 4): "vLLM 0.25.1 MoE-LoRA faults at TP 4 on Qwen3-MoE",
-}
-
-
 def _judge(engine: str, case, tp: int, record_verdict) -> None:
     layouts = layouts_for(engine, case.spec.arch)
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
-    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, store=check.default_store())
-               for lays in sessions]
+    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays) for lays in sessions]
+    # engine defects lpdiff reproduces on purpose (declared in the engine's capabilities for this TP size): the run
+    # must come out NOT as expected; the day it comes out as expected the test fails, so the fix gets recorded
+    defects = [d for d in capabilities(engine).defects(case.spec.arch, tp=tp) if d.tp and d.severity == "error"]
     for res in results:
+        for v in res.verdicts if defects else ():
+            v.expected = "FAIL"
         _report(engine, res, record_verdict)
     table = "\n".join(check.format_result(r) for r in results)
-    if defect := KNOWN_DEFECTS.get((engine, case.spec.arch, tp)):
-        assert not all(res.as_expected for res in results), f"{defect}: no longer reproduced, record the fix\n{table}"
+    if defects:
+        assert not all(res.as_expected for res in results), (
+            f"{defects[0].id} ({defects[0].versions}): no longer reproduced, record the fix\n{table}")
         return
     assert all(res.as_expected for res in results), table
 
 
-@pytest.mark.gpu1
-@pytest.mark.parametrize("engine", ENGINES)
-def test_engine_bf16_vs_fp32_reference(engine, case, record_verdict):
+@pytest.mark.parametrize("model,engine,tp", list(grid()))
+def test_engine_bf16_vs_fp32_reference(model, engine, tp, tmp_path_factory, record_verdict):
+    """The engine in bf16 at TP ``tp`` against the fp32 reference at TP 1, every adapter lane of check.ADAPTERS
+    in every layout the engine reads: correct adapters PASS, the broken one FAILs. Tensor parallelism is judged
+    the same way: a delta counted once per rank or a mis-sliced LoRA shard moves every adapter lane far above the
+    bf16 noise."""
+    if why := cannot_serve(engine, model, tp):
+        pytest.skip(why)
     _installed(engine)
-    _judge(engine, case, 1, record_verdict)
-
-
-@pytest.mark.gpu2
-@pytest.mark.parametrize("engine", ENGINES)
-def test_engine_tp2_bf16_vs_fp32_reference(engine, case, record_verdict):
-    """Tensor parallelism 2 judged the same way: a delta counted once per rank or a mis-sliced LoRA shard moves
-    every adapter lane far above the bf16 noise."""
-    _installed(engine)
-    _judge(engine, case, 2, record_verdict)
-
-
-@pytest.mark.gpu4
-@pytest.mark.parametrize("engine", ENGINES)
-def test_engine_tp4_bf16_vs_fp32_reference(engine, case, record_verdict):
-    _installed(engine)
-    _judge(engine, case, 4, record_verdict)
+    _judge(engine, case_for(model, tmp_path_factory), tp, record_verdict)
 
 
 # -- known engine defects, reproduced on purpose: lpdiff must report them ----------------------------------------
@@ -123,7 +144,7 @@ def test_vllm_gpt_oss_per_expert_layout_fails(case, record_verdict):
         pytest.skip("gpt-oss only")
     _installed("vllm")
     res = check.run_check(case, "vllm", layouts=("per_expert",), options={"mixed_moe_lora_format": True},
-                          store=check.default_store())
+                          )
     _report("vllm", res, record_verdict)
     assert res.error is None, res.error
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
@@ -142,7 +163,7 @@ def test_vllm_qwen3_peft3d_layout_fails(case, record_verdict):
     if case.spec.arch != "qwen3_moe":
         pytest.skip("the mixed-format path serves PEFT 3D only where the model's native layout is per-expert")
     _installed("vllm")
-    res = check.run_check(case, "vllm", layouts=("peft3d",), store=check.default_store())
+    res = check.run_check(case, "vllm", layouts=("peft3d",), )
     _report("vllm", res, record_verdict)
     assert not res.as_expected, "vLLM served PEFT 3D expert adapters on Qwen3-MoE correctly: record the fix"
 
@@ -156,7 +177,7 @@ def test_sglang_peft3d_expert_adapter_is_a_fail_with_the_engine_log(case):
         pytest.skip("one model is enough to show it")
     _installed("sglang")
     res = check.run_check(case, "sglang", k=2, layouts=("peft3d",), options={"lane_call_timeout_s": 120},
-                          store=check.default_store())
+                          )
     _report("sglang", res)
     assert res.error is not None and not res.as_expected, "SGLang served a PEFT 3D expert adapter: record the fix"
     assert "Lane" in res.error

@@ -70,8 +70,13 @@ class References:
                 if self.policy == "stored":
                     raise type(e)(self._hint(str(e))) from None
         runs = self.compute(spec, adapters, prompts)
-        for a, k in keys.items():
-            self.store.put(k, runs[a], overwrite=True)
+        try:
+            for a, k in keys.items():
+                self.store.put(k, runs[a], overwrite=True)
+        except BaselineError as e:
+            if self.policy == "regen":
+                raise
+            self.log(f"reference runs not cached ({e})")  # a read-only store: the runs are still good to judge
         return runs
 
     def compute(self, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]]) -> Lanes:
