@@ -97,6 +97,7 @@ def selection(f):
 
 def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, adapters, prompt_set, top_k,
                   num_layers, options, baselines, json_path, save_runs) -> int:
+    from lpdiff.engines.subprocess_lane import LaneDied, LaneError
     from lpdiff.harness.commands.run import Job, run_job, zoo_models
     from lpdiff.harness.pipeline.references import default_store
     from lpdiff.harness.pipeline.report import verdict_table
@@ -114,9 +115,15 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, 
     store = default_store(baselines)
     verdicts = []
     bar = _progress(jobs, "regen" if regen else "run")
+    died = []
     for job in bar:
         bar.set_postfix_str(job.model)
-        res = run_job(job, store, regen=regen, log=lambda s: bar.write(s, file=sys.stderr))
+        try:
+            res = run_job(job, store, regen=regen, log=lambda s: bar.write(s, file=sys.stderr))
+        except (LaneDied, LaneError) as e:  # the engine hung, crashed or raised: a FAIL with its log, go on
+            died.append(job.model)
+            _log(f"FAIL {job.model}: the {job.engine} engine failed before giving logprobs:\n{e}")
+            continue
         verdicts += res.verdicts
         if save_runs:
             out = Path(save_runs)
@@ -130,8 +137,9 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, 
         return EXIT_OK
     failed = [v for v in verdicts if not v.passed]
     _log(f"{len(verdicts) - len(failed)} passed, {len(failed)} failed" +
+         (f"; engine failed on: {', '.join(died)}" if died else "") +
          (f"; skipped: {', '.join(m for m, _ in skipped)}" if skipped else ""))
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_FAILED if failed or died else EXIT_OK
 
 
 @cli.command()

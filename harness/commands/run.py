@@ -76,7 +76,7 @@ def resolve_job(job: Job) -> Resolved:
 def references(job: Job, store: BaselineStore, regen: bool = False, log: Callable[[str], None] = lambda s: None
                ) -> References:
     return References(store, job.reference, job.ref_dtype, None, job.top_k, "regen" if regen else "stored",
-                      job.regen_command(), log)
+                      job.regen_command(), job.prompt_set, log)
 
 
 def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:

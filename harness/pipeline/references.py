@@ -51,6 +51,7 @@ class References:
     top_k: int = 0
     policy: str = "stored"
     regen_command: str | None = None
+    prompt_set: str | None = None  # the prompt set's name: lets regen / prune tell a changed set from another one
     log: Callable[[str], None] = lambda s: None
 
     def __post_init__(self):
@@ -59,7 +60,8 @@ class References:
     def runs(self, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]]) -> Lanes:
         """Base + one run per adapter (reference engines run at TP 1: the reference does not shard)."""
         keys = {a: baseline_key(spec, adapters.get(a) if a else None, prompts, self.dtype, 1, self.engine,
-                                self.top_k, extra=self.options or None) for a in [None, *adapters]}
+                                self.top_k, extra=self.options or None, prompt_set=self.prompt_set)
+                for a in [None, *adapters]}
         if self.policy != "regen":
             try:
                 runs = {a: self.store.get(k) for a, k in keys.items()}
