@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import pytest
 
 from lpdiff.harness.commands import metamorphic as mm
+from lpdiff.harness.pipeline.metrics import near_tie_eps
 from lpdiff.harness.pipeline.session import engine_missing, engine_options
 from lpdiff.harness.spec.catalog import get_model
 from lpdiff.harness.spec.resolve import zoo_adapters
@@ -89,7 +90,6 @@ GPU_MODELS = ["qwen3-30b-a3b", "gpt-oss-20b"]
 GPU_ADAPTERS = {"a16": ("attention", "experts"), "experts16": ("experts",), "attention16": ("attention",)}
 CHOSEN_ADAPTERS = [a for a in os.environ.get("LPDIFF_METAMORPHIC_ADAPTERS", ",".join(GPU_ADAPTERS)).split(",") if a]
 GPU_ENGINES = {"triton": "float32", "vllm": "bfloat16", "sglang": "bfloat16"}
-NEAR_TIE = {"float32": 1e-5, "bfloat16": 4e-3}
 
 
 @pytest.fixture(scope="module", params=GPU_MODELS)
@@ -157,7 +157,7 @@ def _gpu_run(engine, gpu_case, relations, tmp_path, name: str = "a16"):
         options.setdefault("lane_call_timeout_s", 300)
     return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name=name, dtype=dtype,
                               options=options, relations=relations, k=3,
-                              near_tie_eps=NEAR_TIE[dtype], tmp=tmp_path, log=_progress,
+                              near_tie_eps=near_tie_eps(dtype), tmp=tmp_path, log=_progress,
                               on_results=_csv_writer(engine, spec, dtype, name))
 
 

@@ -17,7 +17,7 @@ K3_CLAMP = 10.0  # miles clamps the log-ratio before exp() so one wild position 
 # The near-tie rule, the only one: a routing margin below this may flip under the rounding of the compared dtype
 # (about the relative rounding of a router logit of magnitude ~2-5: bf16 keeps 8 significant bits, fp16 11, fp32
 # 24), with headroom. The coarsest dtype of a comparison decides.
-NEAR_TIE_EPS = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
+NEAR_TIE_EPS = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 4e-3}
 _TINY = 1e-300  # floor for probabilities inside log(); keeps 0·log 0 = 0 and a zero denominator finite
 
 
