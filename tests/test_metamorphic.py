@@ -203,7 +203,7 @@ def test_converter_reading_interleave_as_concatenated_fails_format(tmp_path, mon
 def test_engine_path_dropping_an_expert_fails_format(tmp_path, monkeypatch):
     """The engine's per-expert load path loses expert 0 (as an engine skipping weights it cannot map does): only
     the per-expert lane sees it, so format:per_expert FAILs and names the dropped part."""
-    real_fuse = ad._fuse_per_expert
+    real_fuse = ad.canonical._fuse_per_expert
 
     def drop_expert_0(layout, module, projs):
         out = real_fuse(layout, module, projs)
@@ -211,7 +211,7 @@ def test_engine_path_dropping_an_expert_fails_format(tmp_path, monkeypatch):
             b[0] = 0
         return out
 
-    monkeypatch.setattr(ad, "_fuse_per_expert", drop_expert_0)
+    monkeypatch.setattr(ad.canonical, "_fuse_per_expert", drop_expert_0)
     spec = get_model("tiny-qwen3-moe")
     rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["experts"].path,
                              prompt_set(spec.name)[:4], relations=["format"], tmp=tmp_path)

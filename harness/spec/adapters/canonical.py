@@ -1,0 +1,194 @@
+"""The canonical in-memory adapter (W' = W + scaling * B @ A per module and per expert), read from either disk
+layout and merged into a model exactly as PEFT merges it."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lpdiff.harness.spec.adapters.files import load_tensors, read_config
+from lpdiff.harness.spec.adapters.layout import PER_EXPERT_RE, ModelLayout
+
+
+def peft_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    """Exactly as PEFT computes it (Python floats)."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+@dataclass(slots=True)
+class CanonicalAdapter:
+    """An adapter in one in-memory form, whatever its disk layout.
+
+    Math contract, every entry in (out, in) orientation: W' = W + scaling * B @ A; for experts, per expert e,
+    W'_e = W_e + scaling * B[e] @ A[e]. This equals PEFT's merged weight (for gpt-oss, whose parameter is stored
+    (E, in, out), compare against the transposed parameter). Expert output rows stay in the HF parameter's own
+    order: gpt-oss gate_up rows remain interleaved (gate = rows 0::2, up = rows 1::2), the others are [gate; up].
+
+    An entry's inner dimension can exceed `rank`: per-expert gate and up projections with different A matrices
+    fuse exactly into one gate_up entry of inner dimension 2*rank (A stacked, B block-structured); `scaling` is
+    the adapter's and applies to every entry.
+    """
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    scaling: float
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path -> (A (r, in), B (out, r))
+    experts: dict[str, tuple[torch.Tensor, torch.Tensor]]  # param path -> (A (E, r, in), B (E, out, r))
+    config: dict[str, Any] = field(default_factory=dict)  # the adapter_config.json it was read from
+    layout: str = "peft3d"  # the disk layout it was read from: peft3d | per_expert | dense_only
+
+    def __post_init__(self):
+        assert self.scaling == peft_scaling(self.alpha, self.rank, self.use_rslora)
+        for name, (a, b) in self.dense.items():
+            assert a.ndim == 2 and b.ndim == 2 and a.shape[0] == b.shape[1], f"{name}: A {a.shape} B {b.shape}"
+        for name, (a, b) in self.experts.items():
+            assert a.ndim == 3 and b.ndim == 3 and a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2], \
+                f"{name}: A {a.shape} B {b.shape}"
+
+    def delta(self, name: str) -> torch.Tensor:
+        """scaling * B @ A in (out, in) orientation ((E, out, in) for experts), in fp32."""
+        a, b = self.dense[name] if name in self.dense else self.experts[name]
+        return self.scaling * (b.float() @ a.float())
+
+    @property
+    def inner_dims(self) -> set[int]:
+        return {a.shape[-2] for a, _ in [*self.dense.values(), *self.experts.values()]}
+
+
+def _targeted(layout: ModelLayout, module: str, target_parameters) -> list[str]:
+    """The module's parameters PEFT wraps for `target_parameters`, innermost first (definition order)."""
+    return [p for p in layout.module_params[module]
+            if any(f"{module}.{p}" == t or f"{module}.{p}".endswith("." + t) for t in target_parameters or ())]
+
+
+def as_layout(model_config) -> ModelLayout:
+    return model_config if isinstance(model_config, ModelLayout) else ModelLayout.from_config(model_config)
+
+
+def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
+    """Read an adapter in either disk layout. `model_config`: the base model's transformers config (or a dict,
+    or a ModelLayout); it decides which key is which parameter and how fused rows split."""
+    adapter_dir = Path(adapter_dir)
+    cfg = read_config(adapter_dir)
+    layout = as_layout(model_config)
+    pairs: dict[tuple, dict[str, torch.Tensor]] = {}  # (kind, ...) -> {"A": t, "B": t}
+    for key, t in load_tensors(adapter_dir).items():
+        mod, which = layout.memory_path(key)
+        base = re.sub(r"(\.base_layer)+$", "", mod)
+        depth = (len(mod) - len(base)) // len(".base_layer")
+        pe = PER_EXPERT_RE.fullmatch(mod)
+        if base in layout.module_params:
+            names = _targeted(layout, base, cfg.get("target_parameters"))
+            if depth >= len(names):
+                raise ValueError(f"{key}: {len(names)} parameter(s) of {base} are in target_parameters "
+                                 f"{cfg.get('target_parameters')}, so PEFT nests at most {len(names) - 1} base_layer")
+            ident = ("3d", f"{base}.{names[len(names) - 1 - depth]}")
+        elif pe is not None and pe.group(1) in layout.module_params:
+            ident = ("pe", pe.group(1), pe.group(3), int(pe.group(2)))
+        elif mod in layout.linears:
+            ident = ("dense", mod)
+        else:
+            raise ValueError(f"{key}: no module {mod!r} in this {layout.model_type} model; is the adapter for "
+                             "another model (or another depth)?")
+        slot = pairs.setdefault(ident, {})
+        if which in slot:
+            raise ValueError(f"{key}: two tensors map to the same LoRA {which} of {ident[1]}")
+        slot[which] = t
+    for ident, slot in pairs.items():
+        if set(slot) != {"A", "B"}:
+            raise ValueError(f"{adapter_dir}: {ident[1]} has lora_{''.join(slot)} but not both A and B")
+
+    dense, experts, per_expert = {}, {}, {}
+    for ident, s in pairs.items():
+        if ident[0] == "dense":
+            out_f, in_f = layout.linears[ident[1]]
+            _check_shapes(ident[1], s["A"], s["B"], in_f, out_f)
+            dense[ident[1]] = (s["A"], s["B"])
+        elif ident[0] == "3d":
+            p = layout.experts[ident[1]]
+            E = p.num_experts
+            a, b = s["A"], s["B"]
+            if a.ndim != 2 or b.ndim != 2 or a.shape[0] % E or b.shape[1] % E:
+                raise ValueError(f"{ident[1]}: A {tuple(a.shape)} / B {tuple(b.shape)} are not (r*{E}, in) / "
+                                 f"(out, r*{E})")
+            a = a.reshape(E, -1, a.shape[-1])
+            b = b.reshape(b.shape[0], -1, E).permute(2, 0, 1).contiguous()
+            _check_shapes(ident[1], a, b, p.in_features, p.out_features)
+            experts[ident[1]] = (a, b)
+        else:
+            per_expert.setdefault(ident[1], {}).setdefault(ident[2], {})[ident[3]] = (s["A"], s["B"])
+    for module, projs in per_expert.items():
+        experts.update(_fuse_per_expert(layout, module, projs))
+
+    layout_name = "per_expert" if per_expert else "peft3d" if experts else "dense_only"
+    if per_expert and any(ident[0] == "3d" for ident in pairs):
+        raise ValueError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
+    rank, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
+    return CanonicalAdapter(rank, alpha, rslora, peft_scaling(alpha, rank, rslora), dense, experts, cfg, layout_name)
+
+
+def _check_shapes(name: str, a: torch.Tensor, b: torch.Tensor, in_f: int, out_f: int) -> None:
+    if a.shape[-1] != in_f or b.shape[-2] != out_f or a.shape[-2] != b.shape[-1]:
+        raise ValueError(f"{name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
+                         f"(out={out_f}, in={in_f}); is the adapter for another model size?")
+
+
+def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int, tuple]]):
+    """Per-expert gate/up/down matrices -> canonical fused entries. Parts that share A (as a peft3d adapter
+    converted to per_expert does) fuse at rank r; otherwise A is stacked and B is block-structured (rank k*r),
+    which is exact too. A missing part contributes zero rows."""
+    out = {}
+    used = set()
+    for pname in layout.module_params[module]:
+        p = layout.experts[f"{module}.{pname}"]
+        present = [(j, part) for j, part in enumerate(p.parts) if part in projs]
+        if not present:
+            continue
+        A, B = [], []
+        for j, part in present:
+            used.add(part)
+            got = projs[part]
+            if sorted(got) != list(range(p.num_experts)):
+                raise ValueError(f"{module}.<e>.{part}: the adapter has {len(got)} experts (indices {min(got)}.."
+                                 f"{max(got)}) but the model has {p.num_experts}; every expert needs its A and B")
+            A.append(torch.stack([got[e][0] for e in range(p.num_experts)]))
+            B.append(torch.stack([got[e][1] for e in range(p.num_experts)]))
+        rows = p.part_rows()
+        shared_a = all(a.shape == A[0].shape and torch.equal(a, A[0]) for a in A)
+        inner = A[0].shape[1] if shared_a else sum(a.shape[1] for a in A)
+        b_full = B[0].new_zeros(p.num_experts, p.out_features, inner)
+        col = 0
+        for (j, part), a, b in zip(present, A, B):
+            if b.shape[1] != rows[j].numel() or a.shape[2] != p.in_features:
+                raise ValueError(f"{module}.*.{part}: A {tuple(a.shape[1:])} / B {tuple(b.shape[1:])} do not fit "
+                                 f"({rows[j].numel()}, {p.in_features})")
+            width = b.shape[2]
+            b_full[:, rows[j], col:col + width] = b
+            col += 0 if shared_a else width
+        out[p.path] = (A[0] if shared_a else torch.cat(A, dim=1), b_full)
+    unknown = set(projs) - used
+    if unknown:
+        raise ValueError(f"{module}: per-expert projections {sorted(unknown)} are not part of this model's experts "
+                         f"({', '.join(layout.module_params[module])})")
+    return out
+
+
+@torch.no_grad()
+def merge_into(model: nn.Module, adapter: CanonicalAdapter) -> nn.Module:
+    """Add every delta into the model's weights in place (as PEFT's merge does: delta cast to the weight dtype)."""
+    for name in adapter.dense:
+        w = model.get_submodule(name).weight
+        w += adapter.delta(name).to(w.device, w.dtype)
+    for name in adapter.experts:
+        w = model.get_parameter(name)
+        d = adapter.delta(name)
+        if getattr(model.get_submodule(name.rsplit(".", 1)[0]), "is_transposed", False):
+            d = d.transpose(1, 2)
+        w += d.to(w.device, w.dtype)
+    return model

@@ -1,0 +1,126 @@
+"""Writing a canonical adapter as a PEFT directory in either expert layout, and exact conversion between layouts
+(the rank change and its reason recorded in the provenance file)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lpdiff.harness.spec.adapters.canonical import (
+    CanonicalAdapter,
+    as_layout,
+    load_canonical,
+    peft_scaling,
+)
+from lpdiff.harness.spec.adapters.files import (
+    CONFIG_NAME,
+    PROVENANCE_NAME,
+    WEIGHTS_NAME,
+    read_provenance,
+    write_json,
+)
+from lpdiff.harness.spec.adapters.layout import LAYOUTS, PEFT_PREFIX, suffixes
+from lpdiff.harness.types import AdapterSpec
+
+
+def _rerank(adapter: CanonicalAdapter) -> tuple[int, float]:
+    """One rank for every entry (engines take one per adapter): the largest inner dimension, with alpha chosen so
+    the scaling stays bit-identical. Refuses when no alpha gives exactly the same scaling."""
+    new_rank = max(adapter.inner_dims | {adapter.rank})
+    if new_rank == adapter.rank:
+        return adapter.rank, adapter.alpha
+    ratio = new_rank / adapter.rank
+    alpha = adapter.alpha * (math.sqrt(ratio) if adapter.use_rslora else ratio)
+    if peft_scaling(alpha, new_rank, adapter.use_rslora) != adapter.scaling:
+        raise ValueError(f"this adapter needs rank {new_rank} (from {adapter.rank}) in one file, but no lora_alpha "
+                         f"gives exactly the same scaling {adapter.scaling!r}{' with rslora' if adapter.use_rslora else ''}"
+                         "; refusing to approximate. Use the source adapter as it is.")
+    return new_rank, alpha
+
+
+def _pad(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero rows of A and zero columns of B up to `rank`: B @ A is unchanged exactly."""
+    extra = rank - a.shape[-2]
+    if extra == 0:
+        return a, b
+    a_pad = torch.cat([a, a.new_zeros(*a.shape[:-2], extra, a.shape[-1])], dim=-2)
+    b_pad = torch.cat([b, b.new_zeros(*b.shape[:-1], extra)], dim=-1)
+    return a_pad, b_pad
+
+
+def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config, layout: str = "peft3d",
+                   disk_root: str | None = None, provenance: dict | None = None) -> dict[str, Any]:
+    """Write a canonical adapter as a PEFT-format directory in `layout`. Entries of different inner dimensions
+    are zero-padded to one rank with alpha adjusted (exactly; see _rerank). `disk_root`: write the decoder under
+    this name instead of ``model`` (e.g. "backbone" for Nemotron-H's on-disk names). Returns the written config."""
+    from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    mlayout = as_layout(model_config)
+    rank, alpha = _rerank(adapter)
+    root = "model." if disk_root is None else disk_root.rstrip(".") + "."
+
+    def key(path: str, which: str) -> str:
+        assert path.startswith("model."), path
+        return f"{PEFT_PREFIX}{root}{path[len('model.'):]}.lora_{which}.weight"
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (a, b) in adapter.dense.items():
+        a, b = _pad(a, b, rank)
+        tensors[key(name, "A")], tensors[key(name, "B")] = a, b
+    expert_names: set[str] = set()
+    target_parameters: list[str] = []
+    for name, (a, b) in adapter.experts.items():
+        p = mlayout.experts[name]
+        a, b = _pad(a, b, rank)
+        if layout == "peft3d":
+            names = [n for n in mlayout.module_params[p.module] if f"{p.module}.{n}" in adapter.experts]
+            nest = ".base_layer" * (len(names) - 1 - names.index(p.name))
+            tensors[key(p.module + nest, "A")] = a.reshape(-1, a.shape[-1])
+            tensors[key(p.module + nest, "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+            target_parameters.append(name)
+        else:
+            for part, rows in zip(p.parts, p.part_rows()):
+                expert_names.add(part)
+                for e in range(p.num_experts):
+                    tensors[key(f"{p.module}.{e}.{part}", "A")] = a[e].clone()  # gate and up share A
+                    tensors[key(f"{p.module}.{e}.{part}", "B")] = b[e, rows]
+
+    cfg = dict(adapter.config)
+    cfg.update(r=rank, lora_alpha=alpha, rank_pattern={}, alpha_pattern={}, peft_type="LORA")
+    dense = sorted(adapter.dense)
+    cfg["target_modules"] = sorted(set(suffixes(dense, [*mlayout.linears, *mlayout.per_expert_paths()]))
+                                   | expert_names)
+    cfg["target_parameters"] = suffixes(sorted(target_parameters), mlayout.experts, min_depth=3) or None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_json(out_dir / CONFIG_NAME, cfg)
+    if provenance is not None:
+        write_json(out_dir / PROVENANCE_NAME, provenance)
+    return cfg
+
+
+def convert_adapter(src_dir: str | Path, dst_dir: str | Path, to: str, model_config,
+                    disk_root: str | None = None) -> AdapterSpec:
+    """Convert between the peft3d and per_expert layouts (dense entries are copied). Exact both ways:
+    per_expert -> peft3d stays at rank r when gate and up share A in every expert, and otherwise stacks to rank 2r
+    (block-structured B, alpha doubled so the scaling is identical); the rank change is recorded in
+    lpdiff_adapter.json. Refuses (clear error) where exactness is impossible (rslora with a rank change)."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    if src_dir.resolve() == dst_dir.resolve():
+        raise ValueError("convert_adapter writes a new directory; give a dst_dir other than src_dir")
+    adapter = load_canonical(src_dir, model_config)
+    prov = read_provenance(src_dir)
+    cfg = save_canonical(adapter, dst_dir, model_config, to, disk_root)
+    step = {"from": adapter.layout, "to": to, "rank": [adapter.rank, cfg["r"]],
+            "alpha": [adapter.alpha, cfg["lora_alpha"]], "disk_root": disk_root or "model"}
+    if cfg["r"] != adapter.rank:
+        step["why"] = ("per-expert gate and up have different A matrices; fused exactly by stacking A and "
+                       "block-structured B, other entries zero-padded")
+    prov["conversions"] = [*prov.get("conversions", []), step]
+    write_json(dst_dir / PROVENANCE_NAME, prov)
+    return AdapterSpec(name=dst_dir.name, path=str(dst_dir))

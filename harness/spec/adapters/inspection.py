@@ -1,0 +1,83 @@
+"""What an adapter directory holds, read from its config and safetensors header without a model (for doctor and
+for naming the module groups a verdict judges)."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lpdiff.harness.spec.adapters.files import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    read_provenance,
+)
+from lpdiff.harness.spec.adapters.layout import KEY_RE, PER_EXPERT_RE, module_group
+
+
+@dataclass(slots=True)
+class AdapterInfo:
+    """What an adapter directory holds, read without a model (for `lpdiff doctor`)."""
+
+    path: str
+    rank: int
+    alpha: float
+    rslora: bool
+    target_modules: list[str] | str | None
+    target_parameters: list[str] | None
+    base_model_name_or_path: str | None
+    layout: str  # "peft3d" | "per_expert" | "dense_only"
+    keys: list[str]  # tensor keys, sorted
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: list[str]  # tensor dtypes present
+    groups: list[str]  # module groups present (GROUPS, plus "router"/"other" when an adapter has them)
+    num_experts: int | None  # per_expert: experts seen; peft3d: rows of A / r
+    rank_pattern: dict = field(default_factory=dict)
+    alpha_pattern: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)  # lpdiff_adapter.json, when lpdiff made it
+
+
+def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
+    from safetensors import safe_open
+
+    adapter_dir = Path(adapter_dir)
+    path = adapter_dir / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no {CONFIG_NAME}: not a PEFT adapter directory")
+    cfg = json.loads(path.read_text())
+    weights = adapter_dir / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
+    shapes, dtypes = {}, set()
+    with safe_open(str(weights), framework="pt") as f:
+        for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            sl = f.get_slice(k)
+            shapes[k] = tuple(sl.get_shape())
+            dtypes.add(sl.get_dtype())
+    keys = sorted(shapes)
+    groups, experts_seen, three_d, rank = set(), set(), [], int(cfg.get("r", 0))
+    for k in keys:
+        m = KEY_RE.fullmatch(k)
+        mod = m.group(1) if m else k
+        groups.add(module_group(mod))
+        pe = PER_EXPERT_RE.fullmatch(mod)
+        if pe:
+            experts_seen.add(int(pe.group(2)))
+        elif re.search(r"\.experts(\.base_layer)*$", mod):
+            three_d.append(k)
+    if experts_seen and three_d:
+        raise ValueError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
+    layout = "per_expert" if experts_seen else "peft3d" if three_d else "dense_only"
+    num_experts = None
+    if experts_seen:
+        num_experts = max(experts_seen) + 1
+    elif three_d and rank:
+        a_key = next(k for k in three_d if k.endswith("lora_A.weight"))
+        num_experts = shapes[a_key][0] // rank
+    return AdapterInfo(
+        path=str(adapter_dir), rank=rank, alpha=float(cfg.get("lora_alpha", 0)),
+        rslora=bool(cfg.get("use_rslora", False)), target_modules=cfg.get("target_modules"),
+        target_parameters=cfg.get("target_parameters"), base_model_name_or_path=cfg.get("base_model_name_or_path"),
+        layout=layout, keys=keys, shapes=shapes, dtypes=sorted(dtypes), groups=sorted(groups),
+        num_experts=num_experts, rank_pattern=dict(cfg.get("rank_pattern") or {}),
+        alpha_pattern=dict(cfg.get("alpha_pattern") or {}), provenance=read_provenance(adapter_dir))

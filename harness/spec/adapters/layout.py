@@ -1,0 +1,206 @@
+"""What a model lets an adapter target: its nn.Linear modules and fused 3D expert parameters, the module group of
+every path (name-based, so it works on adapter keys without a model), and group names resolved to exact targets."""
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUPS = ("attention", "linear_attention", "mlp", "shared_expert", "experts")
+LAYOUTS = ("peft3d", "per_expert")
+PEFT_PREFIX = "base_model.model."
+
+_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
+_MLP = {"gate_proj", "up_proj", "down_proj"}
+_ROUTERS = {"gate", "router", "shared_expert_gate"}
+_SHARED = {"shared_expert", "shared_experts"}
+# PEFT raises for LoRA on these leaves of Mamba models; the linear_attention group leaves them out.
+_PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}
+_PEFT_MAMBA_REFUSED = {"out_proj", "conv1d"}
+_ROOT_ALIASES = {"nemotron_h": ("backbone.",), "qwen3_5_moe_text": ("model.language_model.",),
+                 "qwen3_5_moe": ("model.language_model.",)}
+# fused expert parameter -> its per-expert projections, in the order their rows appear in the fused output
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+KEY_RE = re.compile(r"(.+)\.lora_([AB])\.weight")
+PER_EXPERT_RE = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)")
+
+
+def module_group(path: str) -> str:
+    """The target group of a module or parameter path (in-memory or on-disk names): one of GROUPS, "router" or
+    "other". Name-based, so it works on adapter keys without a model."""
+    parts = path.split(".")
+    leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
+    if leaf in _ROUTERS:
+        return "router"
+    if "experts" in parts:
+        return "experts"
+    if any(p in _SHARED for p in parts):
+        return "shared_expert"
+    if leaf in _ATTENTION:
+        return "attention"
+    if parent == "linear_attn" or (parent == "mixer" and leaf in ("in_proj", "out_proj")):
+        return "linear_attention"
+    if leaf in _MLP:
+        return "mlp"
+    return "other"
+
+
+@dataclass(slots=True, frozen=True)
+class ExpertParam:
+    """One fused 3D expert parameter, described by the module that holds it."""
+
+    path: str  # model.layers.1.mlp.experts.gate_up_proj
+    module: str  # model.layers.1.mlp.experts
+    name: str  # gate_up_proj
+    num_experts: int
+    out_features: int
+    in_features: int
+    transposed: bool  # stored (E, in, out) (gpt-oss) instead of (E, out, in)
+    interleaved: bool  # fused gate/up rows alternate (gpt-oss) instead of [gate; up]
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        try:
+            return EXPERT_PARTS[self.name]
+        except KeyError:
+            raise ValueError(f"expert parameter {self.path} has no known per-expert layout (known: "
+                             f"{sorted(EXPERT_PARTS)})") from None
+
+    def part_rows(self) -> list[torch.Tensor]:
+        """Row indices (in the fused output) of each per-expert projection."""
+        n = len(self.parts)
+        rows = torch.arange(self.out_features)
+        if n == 1:
+            return [rows]
+        return list(rows.view(-1, n).T if self.interleaved else rows.view(n, -1))
+
+
+@dataclass(slots=True)
+class ModelLayout:
+    """What adapters can target in a model: its nn.Linear modules and fused expert parameters."""
+
+    model_type: str
+    linears: dict[str, tuple[int, int]]  # module path -> (out, in)
+    experts: dict[str, ExpertParam]  # parameter path -> description
+    module_params: dict[str, tuple[str, ...]]  # experts module -> its 3D parameter names, in definition order
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelLayout:
+        linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        experts, module_params = {}, {}
+        for mname, mod in model.named_modules():
+            if mname.rsplit(".", 1)[-1] != "experts":
+                continue
+            names = []
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.ndim != 3:  # biases (E, out) are not LoRA targets
+                    continue
+                transposed = bool(getattr(mod, "is_transposed", False))
+                e, a, b = p.shape
+                out_f, in_f = (b, a) if transposed else (a, b)
+                path = f"{mname}.{pname}"
+                experts[path] = ExpertParam(path, mname, pname, e, out_f, in_f, transposed,
+                                            not bool(getattr(mod, "is_concatenated", True)))
+                names.append(pname)
+            module_params[mname] = tuple(names)
+        return cls(model.config.model_type, linears, experts, module_params)
+
+    @classmethod
+    def from_config(cls, config) -> ModelLayout:
+        """Built on the meta device: no memory, no weights, full-size configs are fine."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if isinstance(config, dict):
+            kw = dict(config)
+            config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        return cls.of(model)
+
+    def per_expert_paths(self) -> list[str]:
+        """Expert 0's per-expert module names: names a dense target must not also match (engines read them)."""
+        return [f"{p.module}.0.{part}" for p in self.experts.values() for part in p.parts if p.name in EXPERT_PARTS]
+
+    def memory_path(self, key: str) -> tuple[str, str]:
+        """'base_model.model.backbone.layers.1.x.lora_A.weight' -> ('model.layers.1.x', 'A')."""
+        if not key.startswith(PEFT_PREFIX):
+            raise ValueError(f"tensor {key!r} does not start with {PEFT_PREFIX!r}: not a PEFT LoRA adapter")
+        path = key[len(PEFT_PREFIX):]
+        for alias in _ROOT_ALIASES.get(self.model_type, ()):
+            if path.startswith(alias):
+                path = "model." + path[len(alias):]
+                break
+        m = KEY_RE.fullmatch(path)
+        if m is None:
+            raise ValueError(f"tensor {key!r} is not a LoRA A/B weight; lpdiff handles plain LoRA only (no DoRA "
+                             "magnitudes, LoRA biases, embedding LoRA or modules_to_save)")
+        return m.group(1), m.group(2)
+
+
+@dataclass(slots=True, frozen=True)
+class Targets:
+    modules: tuple[str, ...]  # nn.Linear module paths (through PEFT target_modules)
+    params: tuple[str, ...]  # fused expert parameter paths (through PEFT target_parameters)
+    target_modules: tuple[str, ...]  # the shortest unambiguous suffixes naming exactly `modules`
+    target_parameters: tuple[str, ...]  # same for `params`
+
+
+def _router_error(target: str) -> ValueError:
+    return ValueError(f"adapter target {target!r} is a router/gate: LoRA on the router is not supported by the "
+                      "engines (vLLM and SGLang refuse it); drop it and target the experts with group 'experts'")
+
+
+def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
+    """Group names (GROUPS) or module/parameter suffixes (e.g. 'self_attn.q_proj', 'mlp.experts.down_proj') ->
+    the exact modules and parameters they name in this model. Raises on routers and on targets matching nothing."""
+    if isinstance(groups, str):
+        groups = [groups]
+    candidates = {**{n: "module" for n in layout.linears}, **{n: "param" for n in layout.experts}}
+    present = sorted({module_group(n) for n in candidates} & set(GROUPS))
+    mamba = layout.model_type in _PEFT_MAMBA_TYPES
+    chosen: set[str] = set()
+    for g in groups:
+        if module_group(g) == "router":
+            raise _router_error(g)
+        if g in GROUPS:
+            hits = {n for n in candidates if module_group(n) == g}
+            if mamba:  # the group means what PEFT accepts: mamba in_proj only
+                hits = {n for n in hits if n.rsplit(".", 1)[-1] not in _PEFT_MAMBA_REFUSED}
+        else:
+            hits = {n for n in candidates if n == g or n.endswith("." + g)}
+            if any(module_group(n) == "router" for n in hits):
+                raise _router_error(g)
+            if mamba and any(n.rsplit(".", 1)[-1] in _PEFT_MAMBA_REFUSED for n in hits):
+                raise ValueError(f"adapter target {g!r} names a Mamba {sorted(_PEFT_MAMBA_REFUSED)} module: PEFT "
+                                 f"refuses LoRA there on {layout.model_type}; target the mamba in_proj instead")
+        if not hits:
+            raise ValueError(f"adapter target {g!r} matches nothing in this {layout.model_type} model; groups it "
+                             f"has: {present} (or give a module/parameter suffix such as 'self_attn.q_proj')")
+        chosen |= hits
+    modules = sorted(n for n in chosen if candidates[n] == "module")
+    params = sorted(n for n in chosen if candidates[n] == "param")
+    return Targets(tuple(modules), tuple(params),
+                   tuple(suffixes(modules, [*layout.linears, *layout.per_expert_paths()])),
+                   tuple(suffixes(params, layout.experts, min_depth=3)))
+
+
+def suffixes(chosen: Sequence[str], universe, min_depth: int = 1) -> list[str]:
+    """The shortest dotted suffixes that, with PEFT's matching (equal, or ends with '.' + suffix), name exactly
+    `chosen` among `universe`: 'q_proj' when every q_proj is chosen, 'shared_expert.gate_proj' when a bare
+    'gate_proj' would also name an expert projection."""
+    chosen_set, left, out = set(chosen), set(chosen), []
+    depth = min_depth
+    while left:
+        if depth > max(len(n.split(".")) for n in left):
+            raise AssertionError(f"no suffix names exactly {sorted(left)[:3]}...")  # a path nested in another
+        for suf in sorted({".".join(n.split(".")[-depth:]) for n in left}):
+            hits = {u for u in universe if u == suf or u.endswith("." + suf)}
+            if hits <= chosen_set:
+                out.append(suf)
+                left -= hits
+        depth += 1
+    return out
