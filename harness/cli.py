@@ -97,7 +97,7 @@ def selection(f):
 
 def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, adapters, prompt_set, top_k,
                   num_layers, options, baselines, json_path, save_runs) -> int:
-    from lpdiff.engines.subprocess_lane import LaneDied, LaneError
+    from lpdiff.engines import LaneDied, LaneError
     from lpdiff.harness.commands.run import Job, run_job, zoo_models
     from lpdiff.harness.pipeline.references import default_store
     from lpdiff.harness.pipeline.report import verdict_table
