@@ -110,7 +110,10 @@ def prompts_hash(prompts: Sequence[Sequence[int]]) -> str:
     return canonical_hash([list(map(int, p)) for p in prompts])
 
 
-def dir_hash(path: str | Path, suffixes: tuple[str, ...] = (".json", ".safetensors", ".bin", ".txt")) -> str:
+HASHED_SUFFIXES = (".json", ".safetensors", ".bin", ".txt")  # the files dir_hash reads
+
+
+def dir_hash(path: str | Path, suffixes: tuple[str, ...] = HASHED_SUFFIXES) -> str:
     """Content hash of a checkpoint or adapter directory: file names (relative) and bytes, in sorted order."""
     path = Path(path)
     h = hashlib.sha256()
@@ -127,7 +130,12 @@ def dir_hash(path: str | Path, suffixes: tuple[str, ...] = (".json", ".safetenso
 class ModelSpec:
     """What model to run. Either a checkpoint directory in the Hub's layout (``path``), or a config from which the
     model is built with a seeded init recipe (``config`` + ``init_seed`` + ``init_recipe``: full-size suites build
-    random models on the GPU instead of downloading them). ``num_layers`` reduces depth for either."""
+    random models on the GPU instead of downloading them). ``num_layers`` reduces depth for either.
+
+    ``source`` replaces the hash of ``path`` in the identity where hashing it every run would cost too much or say
+    the wrong thing: ``{"hub": repo, "commit": sha}`` for a Hub snapshot, ``{"weights": hash}`` for a local
+    directory (hash cached per file stat); with ``"num_layers": n`` when ``path`` is a copy already cut to n layers
+    (then ``num_layers`` is None: engines must not cut it again)."""
 
     name: str
     arch: str  # transformers model_type: qwen3_moe, gpt_oss, qwen3_5_moe_text, nemotron_h, ...
@@ -136,16 +144,18 @@ class ModelSpec:
     init_seed: int | None = None
     init_recipe: str | None = None
     num_layers: int | None = None
+    source: dict[str, Any] | None = None
 
     def __post_init__(self):
         assert (self.path is None) != (self.config is None), "give exactly one of path or config"
+        assert self.source is None or self.path is not None, "source identifies a checkpoint directory"
         if self.config is not None:
             assert self.init_seed is not None and self.init_recipe, "a config-built model needs a seed and recipe"
 
     def identity(self) -> dict[str, Any]:
         """The canonical description hashed into baseline keys (content, never a local path)."""
         if self.path is not None:
-            ident: dict[str, Any] = {"arch": self.arch, "weights": dir_hash(self.path)}
+            ident: dict[str, Any] = {"arch": self.arch, **(self.source or {"weights": dir_hash(self.path)})}
         else:
             ident = {"arch": self.arch, "config": canonical_hash(self.config), "seed": self.init_seed,
                      "recipe": self.init_recipe}
