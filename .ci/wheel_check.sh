@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Wheel check: build lpdiff's wheel from the working tree, install it into a fresh virtualenv beside Hugging Face's
+# `kernels` package, and from a directory outside the repo run `lpdiff --version` and the default job. Proves the
+# package data (zoo, zoo adapters, tokenizer, baselines, thresholds) ships and that lpdiff claims no top-level
+# import name but `lpdiff` (a top-level `kernels` would shadow or be shadowed by Hugging Face's).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=.ci/lib.sh
+source "$repo/.ci/lib.sh"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Build from a copy of what git would commit (tracked + untracked, minus ignored): a stale build/ in the checkout
+# cannot leak into the wheel.
+mkdir "$work/src"
+git -C "$repo" ls-files -z -co --exclude-standard | (cd "$repo" && xargs -0 -r sh -c \
+  'for f; do [ -e "$f" ] && printf "%s\0" "$f"; done' sh) | tar -C "$repo" --null -T - -cf - | tar -C "$work/src" -xf -
+fresh_venv "$work/venv"
+pipq wheel -q --no-deps "$work/src" -w "$work/dist"
+whl=$(ls "$work"/dist/lpdiff-*.whl)
+echo "== built $(basename "$whl") ($(( $(stat -c %s "$whl") / 1024 )) KiB)"
+python - "$whl" <<'PY'
+import sys
+import zipfile
+
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+tops = sorted({n.split("/")[0] for n in names})
+bad = [t for t in tops if t != "lpdiff" and not t.endswith(".dist-info")]
+assert not bad, f"the wheel claims top-level names besides lpdiff: {bad}"
+need = {"zoo": "lpdiff/harness/zoo/", "zoo adapters": "lpdiff/harness/zoo_adapters/",
+        "tokenizer": "tokenizer", "baselines": "lpdiff/baselines/", "thresholds": "thresholds.json"}
+missing = [what for what, part in need.items() if not any(part in n for n in names)]
+assert not missing, f"the wheel lacks package data: {missing}"
+print(f"== wheel: {len(names)} files, top level {tops}; zoo, zoo adapters, tokenizer, baselines, thresholds present")
+PY
+
+pipq install -q torch==2.13.0  # README's torch first (the CPU build where one is on offer)
+pipq install -q "$whl" kernels -c "$repo/constraints.txt"
+print_stack "wheel + kernels"
+
+mkdir "$work/elsewhere"
+cd "$work/elsewhere"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+python -c "import kernels, lpdiff; print('== kernels from', kernels.__file__, '| lpdiff from', lpdiff.__file__)"
+python -c "import kernels, sys; sys.exit(0 if '/site-packages/kernels/' in kernels.__file__ else 1)" \
+  || { echo "top-level 'kernels' is not Hugging Face's package"; exit 1; }
+lpdiff --version
+lpdiff run
