@@ -18,14 +18,13 @@ import time
 from contextlib import contextmanager
 
 import pytest
-
 from lpdiff.harness.commands import metamorphic as mm
+from lpdiff.harness.commands import relations as rel
 from lpdiff.harness.pipeline.metrics import near_tie_eps
 from lpdiff.harness.pipeline.session import engine_missing, engine_options
 from lpdiff.harness.spec.catalog import get_model
-from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.spec.prompts import prompt_set
-
+from lpdiff.harness.spec.resolve import zoo_adapters
 
 # engine defects a relation exposes on purpose: (engine, arch, lane) -> the defect. Such a lane must FAIL; the day
 # it passes the test fails, so that the fix gets recorded
@@ -95,7 +94,6 @@ GPU_ENGINES = {"triton": "float32", "vllm": "bfloat16", "sglang": "bfloat16"}
 @pytest.fixture(scope="module", params=GPU_MODELS)
 def gpu_case(request, tmp_path_factory):
     import torch
-
     from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
     from lpdiff.harness.spec.catalog import load_hf_model
 
@@ -129,7 +127,7 @@ def _original(engine: str, spec, layouts: dict) -> str:
     """The first layout doctor lets this engine read: SGLang 0.5.15 dies on PEFT 3D expert adapters, and vLLM
     0.25.1's PEFT 3D path faults on Qwen3-MoE; both then get the same delta in per-expert keys."""
     for path in layouts.values():
-        if mm.refusal(spec, engine, path) is None:
+        if rel.refusal(spec, engine, path) is None:
             return path
     pytest.fail(f"doctor refuses the adapter in every layout for {engine} on {spec.name}")
 

@@ -4,16 +4,18 @@ that drops an expert) make the relation that covers them FAIL far above the cali
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-from lpdiff.harness.spec import adapters as ad
 from lpdiff.harness.commands import metamorphic as mm
+from lpdiff.harness.commands import relations as rel
+from lpdiff.harness.spec import adapters as ad
+from lpdiff.harness.spec import transforms as tf
 from lpdiff.harness.spec.catalog import get_model, hf_config
-from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.spec.prompts import prompt_set
+from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
 
@@ -22,7 +24,7 @@ def _ctx(model: str, adapter: str, tmp_path, engine: str = "triton") -> mm.Conte
     hf = hf_config(spec)
     layout = ad.ModelLayout.from_config(hf)
     path = zoo_adapters(model)[adapter].path
-    return mm.Context(engine, spec, hf, layout, ad.load_canonical(path, layout), mm.Path(path), tmp_path)
+    return rel.Context(engine, spec, hf, layout, ad.load_canonical(path, layout), Path(path), tmp_path)
 
 
 def _deltas(adapter: ad.CanonicalAdapter) -> dict[str, torch.Tensor]:
@@ -41,10 +43,10 @@ def _assert_same_deltas(a, b, rtol):
     "tiny-qwen3-moe",  # [gate; up] rows, (E, out, in)
 ])
 @pytest.mark.parametrize("transform,rtol", [
-    (lambda c: mm.pad_rank(c.adapter, 16), 0),  # zero rows/columns: bit-exact
-    (lambda c: mm.rescale_alpha(c.adapter, 4.0), 0),  # power of two: bit-exact
-    (lambda c: mm.reparametrise(c.adapter, 0), 1e-5),  # M·A, B·M⁻¹: fp32 rounding only
-    (lambda c: mm.shared_outer(c.adapter, c.layout), 1e-6),  # rank E·r with one shared outer factor
+    (lambda c: tf.pad_rank(c.adapter, 16), 0),  # zero rows/columns: bit-exact
+    (lambda c: tf.rescale_alpha(c.adapter, 4.0), 0),  # power of two: bit-exact
+    (lambda c: tf.reparametrise(c.adapter, 0), 1e-5),  # M·A, B·M⁻¹: fp32 rounding only
+    (lambda c: tf.shared_outer(c.adapter, c.layout), 1e-6),  # rank E·r with one shared outer factor
 ])
 def test_transforms_keep_every_delta_through_disk(model, transform, rtol, tmp_path):
     ctx = _ctx(model, "all", tmp_path)
@@ -54,7 +56,7 @@ def test_transforms_keep_every_delta_through_disk(model, transform, rtol, tmp_pa
 
 def test_shared_outer_really_shares_the_outer_factors(tmp_path):
     ctx = _ctx("tiny-qwen3-moe", "experts", tmp_path)
-    so = mm.shared_outer(ctx.adapter, ctx.layout)
+    so = tf.shared_outer(ctx.adapter, ctx.layout)
     for name, (a, b) in so.experts.items():
         shared = b if name.endswith("down_proj") else a
         assert torch.equal(shared, shared[:1].expand_as(shared)), name
@@ -65,9 +67,9 @@ def test_shared_outer_really_shares_the_outer_factors(tmp_path):
 def test_gate_up_split_forms_are_one_adapter(model, tmp_path):
     """per-projection As (rank r per expert projection) == stacked rank-2r, whatever the row order of gate/up."""
     ctx = _ctx(model, "experts", tmp_path)
-    split = mm.split_gate_up(ctx.adapter, ctx.layout, seed=3)
+    split = tf.split_gate_up(ctx.adapter, ctx.layout, seed=3)
     per_expert = ctx.write("pe", split, "per_expert")
-    per_proj = mm.strip_zero_rank(per_expert, tmp_path / "pp")
+    per_proj = tf.strip_zero_rank(per_expert, tmp_path / "pp")
     assert ad.inspect_adapter(per_proj).rank == ctx.adapter.rank  # each projection keeps its own rank-r A
     for form in (per_proj, per_expert, ctx.write("3d", split, "peft3d")):
         _assert_same_deltas(ad.load_canonical(form, ctx.layout), split, 0)
@@ -191,7 +193,7 @@ def test_converter_reading_interleave_as_concatenated_fails_format(tmp_path, mon
             m.setattr(ad.ExpertParam, "part_rows", _concatenated_part_rows)
             return real_save(adapter, out_dir, model_config, layout, **kw)
 
-    monkeypatch.setattr(mm, "save_canonical", faulty_save)
+    monkeypatch.setattr(rel, "save_canonical", faulty_save)
     spec = get_model("tiny-gpt-oss")
     rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["experts"].path,
                              prompt_set(spec.name)[:4], relations=["format"], tmp=tmp_path)
