@@ -1,4 +1,4 @@
-"""engines/vllm.py without vLLM: prompt-logprob parsing, top-k mapping, rank slots, option checks. Runs in the main
+"""engines/vllm/ without vLLM: prompt-logprob parsing, top-k mapping, rank slots, option checks. Runs in the main
 virtualenv (no vLLM there) and again in the vLLM stage.
 
 The ``Fake*`` classes below are stand-ins for vLLM's output types (``Logprob``, ``FlatLogprobs``), for parsing
@@ -198,7 +198,7 @@ def test_checkpoint_dir_writes_a_layer_cut_model_once(tmp_path):
     assert AutoConfig.from_pretrained(out).num_hidden_layers == 2 and torch.equal(got, want)
 
 
-# -- vLLM 0.25.1's MoE-LoRA modes (what its source does: engines/vllm.py module docstring) -------------------------
+# -- vLLM 0.25.1's MoE-LoRA modes (what its source does: engines/vllm/adapters.py module docstring) ----------------
 
 GPT_OSS, QWEN3 = "GptOssForCausalLM", "Qwen3MoeForCausalLM"
 

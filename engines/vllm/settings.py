@@ -1,0 +1,48 @@
+"""What the vllm engine asks vLLM for: its own options, their defaults, and the feature detection that tells vLLM
+versions apart (engine arguments this vLLM lacks are not passed, and a needed one is an error that names the fix;
+``LoRARequest`` / ``SamplingParams`` fields are read off the struct), never version strings."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+
+# vLLM's allowed max_lora_rank values (0.25-0.32); read from vLLM itself when it says.
+FALLBACK_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "max_logprobs",
+                "mixed_moe_lora_format", "gpu_memory_utilization", "attention_backend", "seed",
+                "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "enforce_eager", "close_timeout_s",
+                "llm_kwargs", "env")
+GPU_MEMORY_UTILIZATION = 0.6
+
+
+def pick_max_lora_rank(ranks: Sequence[int], allowed: Sequence[int] = FALLBACK_RANKS) -> int:
+    """The smallest rank vLLM accepts that holds every adapter's rank."""
+    need = max(ranks, default=1)
+    fits = [r for r in sorted(allowed) if r >= need]
+    if not fits:
+        raise ValueError(f"adapter rank {need} exceeds vLLM's largest max_lora_rank {max(allowed)}; re-train or "
+                         f"truncate the adapter to rank <= {max(allowed)}")
+    return fits[0]
+
+
+def allowed_ranks() -> tuple[int, ...]:
+    try:
+        from vllm.config.lora import MaxLoRARanks
+
+        ranks = tuple(int(r) for r in typing.get_args(MaxLoRARanks))
+        return ranks or FALLBACK_RANKS
+    except ImportError:
+        return FALLBACK_RANKS
+
+
+def default_attention_backend(dtype: str) -> str:
+    """FlashAttention (what ran MoE-LoRA on 0.25.1, FA3 with gpt-oss's sinks on Hopper) takes fp16/bf16 only
+    (flash_attn.py:68); Triton attention takes fp32 too and has sinks."""
+    return "TRITON_ATTN" if dtype == "float32" else "FLASH_ATTN"
+
+
+def struct_fields(cls) -> set[str]:
+    """Field names of a vLLM msgspec struct or dataclass: how the engine tells vLLM versions apart."""
+    names = getattr(cls, "__struct_fields__", None)
+    return set(names) if names else {f.name for f in dataclasses.fields(cls)}
