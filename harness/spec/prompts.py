@@ -50,6 +50,11 @@ def prompt_set(model_name: str, name: str = "default") -> list[list[int]]:
     from lpdiff.harness.spec.catalog import get_model
 
     get_model(model_name)  # unknown model -> KeyError listing the known ones
+    return named_prompts(name)
+
+
+def named_prompts(name: str = "default") -> list[list[int]]:
+    """The prompts of set ``name``, for any model (every id is < 1024; resolve checks them against the model)."""
     if name not in SETS:
         raise KeyError(f"unknown prompt set {name!r}; known sets: "
                        + ", ".join(f"{k} ({v.why})" for k, v in SETS.items()))
