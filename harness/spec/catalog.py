@@ -37,75 +37,51 @@ ZOO: dict[str, str] = {
 }
 
 
-def _alternate(a: str, b: str, n: int) -> list[str]:
-    return [a if i % 2 == 0 else b for i in range(n)]
+HUB_DIR = Path(__file__).resolve().parent / "hub_configs"
 
-
-_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
-_NEMOTRON_BLOCKS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-
-# Full-size configs, with transformers' field names (as ``save_pretrained`` writes them), quirks included:
-# qwen3_moe keeps num_experts as num_local_experts; gpt_oss's expert width is intermediate_size; Nemotron's
-# hybrid_override_pattern becomes layers_block_type (mamba layers are "linear_attention"). Extra keys the
-# real config.json carries (swiglu_limit, experts_per_token, ...) are kept: transformers stores them untouched.
-FULL_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3-30b-a3b": {
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_local_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
-        "max_position_embeddings": 40960, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
-        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151645,
-    },
-    "gpt-oss-20b": {
-        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
-        "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 24,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-        "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
-        "router_aux_loss_coef": 0.9, "swiglu_limit": 7.0,
-        "layer_types": _alternate("sliding_attention", "full_attention", 24), "sliding_window": 128,
-        "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072, "initial_context_length": 4096,
-        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                            "original_max_position_embeddings": 4096, "truncate": False, "rope_theta": 150000.0},
-        "tie_word_embeddings": False, "initializer_range": 0.02, "eos_token_id": 200002, "pad_token_id": 199999,
-    },
-    "qwen3.5-35b-a3b": {
-        "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
-        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "attn_output_gate": True,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10, "full_attention_interval": 4,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
-        "max_position_embeddings": 262144,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        "tie_word_embeddings": False, "initializer_range": 0.02,
-    },
-    "nemotron-3-nano-30b-a3b": {
-        "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
-        "vocab_size": 131072, "hidden_size": 2688,
-        "layers_block_type": [_NEMOTRON_BLOCKS[c] for c in _NANO_PATTERN],
-        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "attention_bias": False,
-        "max_position_embeddings": 262144, "intermediate_size": 1856, "mlp_hidden_act": "relu2", "mlp_bias": False,
-        "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
-        "expand": 2, "chunk_size": 128, "mamba_hidden_act": "silu", "use_conv_bias": True, "mamba_proj_bias": False,
-        "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 0.0001,
-        "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 6,
-        "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
-        "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
-        "layer_norm_epsilon": 1e-5, "residual_in_fp32": False, "rescale_prenorm_residual": True, "use_bias": False,
-        "tie_word_embeddings": False, "initializer_range": 0.02,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    },
+# Full-size models: catalog name -> the Hub repo whose config.json ``hub_configs/<name>.json`` is, and where its
+# text was read (the repos' weights and files cannot be downloaded here; these are stored public copies):
+#   qwen3-30b-a3b: Qwen/Qwen3-30B-A3B, verbatim (a copy of the repo's config.json quoted in a public test; the
+#     MLX conversion of the same repo quotes the same fields plus its quantization).
+#   gpt-oss-20b: openai/gpt-oss-20b, verbatim except ``quantization_config`` (MXFP4) is dropped: lpdiff builds bf16
+#     weights, the layout of the bf16 copy SGLang tests with (lmsys/gpt-oss-20b-bf16); an MXFP4 entry would make
+#     engines look for *_blocks / *_scales tensors that a bf16 checkpoint does not have.
+#   qwen3.5-35b-a3b: Qwen/Qwen3.5-35B-A3B, the ConditionalGeneration wrapper (model_type qwen3_5_moe, text_config,
+#     vision_config) with the vision config kept and vision weights written: SGLang and vLLM register Qwen3.5 only
+#     as Qwen3_5MoeForConditionalGeneration, which builds the vision tower, and vLLM refuses a checkpoint that
+#     leaves built parameters unloaded. text_config is the repo's as copied by mlc-ai/pith-train
+#     (examples/pretrain_lm/qwen3.5-35b-a3b/config.json); the wrapper, vision_config and the fields pith-train
+#     left out (output_router_logits, pad_token_id, partial_rotary_factor) from a verbatim copy of the same-shape
+#     Qwen3.6-35B-A3B config quoted in a public test. MTP weights (mtp.*) are not written: engines skip them
+#     unless they run speculative decoding.
+#   nemotron-3-nano-30b-a3b: nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16; fields from a verbatim copy of the
+#     NVFP4 release's config.json (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-NVFP4 @ 6efb4a2a, whose quantization
+#     lives in hf_quant_config.json) quoted in a public test. ``auto_map`` (remote code) is dropped: the
+#     configuration_/modeling_nemotron_h.py files it names are not in a catalog checkpoint, and a loader run with
+#     trust_remote_code would look for them; every engine we pin has nemotron_h built in.
+#   nemotron-3-super-120b-a12b: nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 (latent MoE); fields from a copy of
+#     the NVFP4 release's config.json (@ 4f0cf9da) quoted in a public test, ``quantization_config`` (NVFP4/FP8)
+#     and ``auto_map`` dropped as above. Its shape (512 experts, top-22, hidden 4096, 88 layers: 40 mamba, 40 MoE,
+#     8 attention, routed_scaling 5.0, moe_latent_size 1024) agrees with SGLang's sibling test model and
+#     Megatron-Bridge's nemotron_h tests.
+HUB_REPOS: dict[str, str] = {
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B",
+    "nemotron-3-nano-30b-a3b": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+    "nemotron-3-super-120b-a12b": "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16",
 }
+
+# name -> config.json as the Hub ships it (with the deviations above). transformers accepts these spellings on
+# load and keeps its own in memory (num_experts, layers_block_type, rope_parameters); the checkpoint writer
+# (spec/checkpoint.py) writes these dicts, not transformers' re-serialisation, so older transformers (SGLang's
+# 5.12.1) and the engines read what they read from the real repo.
+FULL_CONFIGS: dict[str, dict[str, Any]] = {n: json.loads((HUB_DIR / f"{n}.json").read_text()) for n in HUB_REPOS}
+
+
+def text_arch(cfg: dict[str, Any]) -> str:
+    """The model_type of the causal LM lpdiff runs: the text model's for a multimodal wrapper."""
+    return (cfg.get("text_config") or cfg)["model_type"]
 
 
 # -- specs ---------------------------------------------------------------------------------------------------------
@@ -121,7 +97,7 @@ def get_model(name: str, num_layers: int | None = None, init_seed: int = DEFAULT
         return ModelSpec(name=name, arch=ZOO[name], path=str(ZOO_DIR / name), num_layers=num_layers)
     if name in FULL_CONFIGS:
         cfg = FULL_CONFIGS[name]
-        return ModelSpec(name=name, arch=cfg["model_type"], config=json.loads(json.dumps(cfg)),
+        return ModelSpec(name=name, arch=text_arch(cfg), config=json.loads(json.dumps(cfg)),
                          init_seed=init_seed, init_recipe=INIT_RECIPE, num_layers=num_layers)
     raise KeyError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
 
@@ -156,7 +132,9 @@ def with_num_layers(cfg, num_layers: int):
 
 
 def hf_config(spec: ModelSpec):
-    """The transformers config of a spec, with ``spec.num_layers`` applied."""
+    """The transformers config of the causal LM a spec runs, with ``spec.num_layers`` applied: a multimodal
+    wrapper's text config (Qwen3.5's ``text_config``), so every engine and metric sees one text model; the
+    checkpoint on disk keeps the wrapper (spec/checkpoint.py)."""
     from transformers import AutoConfig
 
     if spec.path is not None:
@@ -167,6 +145,8 @@ def hf_config(spec: ModelSpec):
     else:
         kw = dict(spec.config)
         cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    if getattr(cfg, "text_config", None) is not None:
+        cfg = cfg.get_text_config()
     if spec.num_layers is not None:
         cfg = with_num_layers(cfg, spec.num_layers)
     return cfg
