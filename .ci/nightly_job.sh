@@ -9,6 +9,12 @@ marker=$1 workers=$2 out=$3
 case "$marker" in cpu|gpu1|gpu2|gpu4|gpu8) ;; *) echo "unknown marker '$marker' (cpu, gpu1, gpu2, gpu4, gpu8)" >&2; exit 2;; esac
 case "$workers" in ''|*[!0-9]*) echo "WORKERS must be a number, got '$workers'" >&2; exit 2;; esac
 mkdir -p "$out"
+# The revision baselines.lock pins (one line hf://datasets/ORG/NAME@COMMIT besides # comments) is the store.
+if [ -f baselines.lock ] && [ -z "${LPDIFF_BASELINES:-}" ]; then
+  LPDIFF_BASELINES=$(grep -v '^#' baselines.lock)
+  export LPDIFF_BASELINES
+  echo "baselines: $LPDIFF_BASELINES (baselines.lock)"
+fi
 
 rc=0
 python -m pytest suites -m "$marker" -n "$workers" -p no:cacheprovider -rs \
