@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 from lpdiff.engines.base import layouts_for
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
-from lpdiff.harness.pipeline.noise import Noise, pair_noise, rerun_noise, threshold_from
+from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import References
 from lpdiff.harness.pipeline.report import append_csv, verdict_table
@@ -53,22 +53,6 @@ from lpdiff.harness.types import AdapterSpec, ModelSpec
 FACTOR = {"bfloat16": 3.0, "float32": 30.0}
 
 
-def noise_pair(reference: str, dtype: str) -> tuple[tuple[str, dict], tuple[str, dict]]:
-    """Two correct runs of the reference, each (dtype, options), whose difference is the reference noise for an
-    engine under test in ``dtype``: bf16 -> the reference in bf16 vs fp32; fp32 -> two correct kernels."""
-    import torch
-
-    if dtype != REFERENCE_DTYPE:
-        return (dtype, {}), (REFERENCE_DTYPE, {})
-    if reference == "triton":
-        return ("float32", {"impl": "torch"}), ("float32", {})
-    # HF's second expert kernel: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where
-    # batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
-    other = "grouped_mm" if torch.cuda.is_available() else "batched_mm"
-    return ("float32", {"experts_impl": other}), ("float32", {"experts_impl": "eager"})
-
-
-REFERENCE_DTYPE = "float32"
 PROMPT_LENGTHS = (256, 131, 200, 64, 256, 97, 180, 33)
 CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "layers", "tp", "dtype", "adapter", "adapter_format",
                "engine_pair", "k2", "max_abs", "mean_abs", "delta_fidelity", "near_tie_share", "threshold_k2",

@@ -9,6 +9,24 @@ from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_ep
 from lpdiff.harness.pipeline.session import Lanes
 
 
+REFERENCE_DTYPE = "float32"  # references are computed in fp32: no engine's bf16 rounding is trusted as truth
+
+
+def noise_pair(reference: str, dtype: str) -> tuple[tuple[str, dict], tuple[str, dict]]:
+    """Two correct runs of the reference, each (dtype, options), whose difference is the reference noise for an
+    engine under test in ``dtype``: bf16 -> the reference in bf16 vs fp32; fp32 -> two correct kernels."""
+    import torch
+
+    if dtype != REFERENCE_DTYPE:
+        return (dtype, {}), (REFERENCE_DTYPE, {})
+    if reference == "triton":
+        return ("float32", {"impl": "torch"}), ("float32", {})
+    # HF's second expert kernel: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where
+    # batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
+    other = "grouped_mm" if torch.cuda.is_available() else "batched_mm"
+    return ("float32", {"experts_impl": other}), ("float32", {"experts_impl": "eager"})
+
+
 @dataclass(slots=True)
 class Noise:
     k2: float = 0.0
