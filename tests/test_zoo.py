@@ -72,7 +72,7 @@ def test_hub_layout_on_disk():
 def test_tokenizer_loads_and_round_trips():
     from transformers import AutoTokenizer
 
-    from lpdiff.harness.spec.zoo import heldout_docs
+    from lpdiff.harness.spec.zoo_data import heldout_docs
 
     tok = AutoTokenizer.from_pretrained(ZOO_DIR / "tiny-qwen3-dense")
     text = heldout_docs()["textwrap.py"][:2000]
@@ -99,7 +99,7 @@ def test_prompt_sets_deterministic_and_ragged():
 
 @pytest.fixture(scope="module")
 def measured():
-    from lpdiff.harness.spec.zoo import measure
+    from lpdiff.harness.spec.zoo_measure import measure
 
     torch.manual_seed(0)
     return {name: measure(name) for name in ZOO}
