@@ -79,14 +79,24 @@ def dense_routing(ids, weights, num_experts: int):
     return w.new_zeros(ids.shape[0], num_experts).scatter_(1, ids.long(), w)
 
 
-def check_request(prompts: Sequence[Sequence[int]], adapter: AdapterChoice, known: dict[str, Any]
-                  ) -> list[str | None]:
-    """What every engine checks before any work: each prompt has a next token to score, and the adapter choice
-    names adapters the engine was opened with. Returns one adapter name (or None) per prompt."""
-    for i, p in enumerate(prompts):
-        if len(p) < 2:
-            raise ValueError(f"prompt {i} has {len(p)} token(s); logprobs need at least 2")
+def check_request(prompts: Sequence[Sequence[int]], adapter: AdapterChoice, known: dict[str, Any],
+                  model: ModelSpec | None = None) -> list[str | None]:
+    """What every engine checks before any work, through the harness's one validation layer: a non-empty list of
+    integer prompts of >= 2 tokens (ids in ``model``'s vocabulary, within its positions), and adapter choices that
+    name adapters the engine was opened with. Returns one adapter name (or None) per prompt."""
+    from lpdiff.harness.spec.validate import check_prompts, model_limits
+
+    vocab, positions = model_limits(model) if model is not None else (None, None)
+    check_prompts(prompts, vocab, positions, source=f"prompts for {model.name}" if model is not None else "prompts")
     return per_prompt_adapters(adapter, len(prompts), known)
+
+
+def check_adapters(config: EngineConfig, engine: str) -> None:
+    """Every adapter of ``config`` against its model, before the engine loads any (the validation layer's checks,
+    with the router rule of ``engine``'s capabilities)."""
+    from lpdiff.harness.spec.validate import check_adapters as check
+
+    check(config.model, config.adapters, router_lora=capabilities(engine).router_lora, engine=engine)
 
 
 def per_prompt_adapters(adapter: AdapterChoice, n: int, known: dict[str, Any]) -> list[str | None]:

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, check_request
 from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
 from lpdiff.engines.logprobs import chunked_logprobs
 from lpdiff.harness.spec.routing import RouterMarginRecorder
@@ -92,6 +92,7 @@ class HFEngine:
     def __enter__(self) -> "HFEngine":
         from lpdiff.harness.spec.catalog import load_hf_model
 
+        check_adapters(self.config, self.name)
         if self.config.dtype == "float32" and self.device.type == "cuda":
             # fp32 verdicts need IEEE fp32: tf32 would add noise the size of a small bug.
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -141,7 +142,7 @@ class HFEngine:
                         top_k: int = 0) -> list[PromptLogprobs]:
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
-        names = check_request(prompts, adapter, self.config.adapters)
+        names = check_request(prompts, adapter, self.config.adapters, self.config.model)
         out: list[PromptLogprobs | None] = [None] * len(prompts)
         t0 = time.perf_counter()
         for name in dict.fromkeys(names):  # groups in first-seen order
@@ -163,7 +164,7 @@ class HFEngine:
             raise ValueError("the hf engine is the reference: it captures its own activations only (inputs=None)")
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
-        check_request(prompts, adapter, self.config.adapters)
+        check_request(prompts, adapter, self.config.adapters, self.config.model)
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("capture_layers takes prompts of one length (no padding)")
         cap: dict = {}

@@ -6,12 +6,14 @@ from lpdiff.harness.pipeline.metrics import compare
 from lpdiff.harness.pipeline.session import run_session
 from lpdiff.harness.pipeline.thresholds import lookup
 from lpdiff.harness.pipeline.verdict import Verdict, judge
-from lpdiff.harness.types import AdapterSpec, LogprobRun
+from lpdiff.harness.spec.validate import check_adapters, load_run_pair
+from lpdiff.harness.types import AdapterSpec
 
 
-def compare_runs(path_a: str, path_b: str) -> Verdict:
-    """Two runs saved by ``lpdiff run --save-runs``: a is judged against b."""
-    a, b = (LogprobRun.load(p) for p in (path_a, path_b))
+def compare_runs(path_a: str, path_b: str, allow_different: bool = False) -> Verdict:
+    """Two runs saved by ``lpdiff run --save-runs``: a is judged against b (same prompts; same model and adapter
+    unless ``allow_different``)."""
+    a, b = load_run_pair(path_a, path_b, allow_different)
     lane = [f"{r.meta.get('engine', '?')}:{r.meta.get('dtype', 'float32')}" for r in (a, b)]
     model, dtype = a.meta.get("model", "?"), a.meta.get("dtype", "float32")
     return judge(compare(a, b), lookup(model, f"{lane[0]}-vs-{lane[1]}", dtype, int(a.meta.get("tp", 1))),
@@ -32,6 +34,7 @@ def compare_live(model: str, engine: str, dtype: str, against: str, against_dtyp
             raise ValueError("--test-adapter-dir needs exactly one --adapter")
         name = next(iter(adapters))
         test_adapters = {name: AdapterSpec(name, test_adapter_dir)}
+    check_adapters(spec, test_adapters)
     runs = run_session(engine, spec, test_adapters, prompts, dtype, tp, job.top_k).first
     refs = run_session(against, spec, adapters, prompts, against_dtype, 1, job.top_k).first
     return judge_runs(job, runs, refs)

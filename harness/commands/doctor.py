@@ -84,6 +84,7 @@ class Facts:
     peft_params: set[str]  # parameters PEFT wrapped (target_parameters, and routers it converts to them)
     limits: dict[str, int]  # engine -> max_lora_rank the user runs it with
     model_ref: str = "MODEL"  # how the user named the model (for the commands in fixes)
+    problems: list = field(default_factory=list)  # the validation layer's Problems: what a run refuses (or warns)
 
     @property
     def max_rank(self) -> int:
@@ -115,12 +116,11 @@ def _resolve_model(model) -> Any:
                      "directory with a config.json")
 
 
-# What gather reads from the meta model and from PEFT's injection depends only on the model's config and the
-# adapter's adapter_config.json, not on its tensors. The metamorphic suite asks the doctor about a dozen transformed
-# copies of one adapter (same config, or only r/alpha changed), so both are kept per config (bounded: a handful of
-# models per process). The cached values are only read.
+# PEFT's injection depends only on the model's config and the adapter's adapter_config.json, not on its tensors:
+# the metamorphic suite asks the doctor about a dozen transformed copies of one adapter (same config, or only
+# r/alpha changed), so it is kept per config (bounded: a handful of models per process); the model's facts are
+# the validation layer's (built once per config there). The cached values are only read.
 _CACHE_SIZE = 16
-_MODEL_CACHE: dict[str, tuple] = {}  # model config JSON -> (meta model, layout, modules, params)
 _PEFT_CACHE: dict[tuple[str, str], tuple] = {}  # (model config JSON, adapter_config.json text) -> _peft_inject
 
 
@@ -130,31 +130,6 @@ def _remember(cache: dict, key, make: Callable[[], Any]) -> Any:
             cache.pop(next(iter(cache)))
         cache[key] = make()
     return cache[key]
-
-
-def _meta_model(spec):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lpdiff.harness.spec.catalog import hf_config
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(spec))
-
-
-def _model_facts(spec) -> tuple[str, Any, Any, dict[str, str], set[str]]:
-    """-> (config key, meta model, its ModelLayout, module path -> class name, parameter names), built once per
-    model config."""
-    from lpdiff.harness.spec.adapters import ModelLayout
-    from lpdiff.harness.spec.catalog import hf_config
-
-    key = hf_config(spec).to_json_string()
-
-    def make():
-        meta = _meta_model(spec)
-        return (meta, ModelLayout.of(meta), {n: type(m).__name__ for n, m in meta.named_modules() if n},
-                {n for n, _ in meta.named_parameters()})
-    return (key, *_remember(_MODEL_CACHE, key, make))
 
 
 def _peft_inject(model, adapter_dir: str) -> tuple[str | None, set[str], set[str]]:
@@ -177,19 +152,23 @@ def _peft_inject(model, adapter_dir: str) -> tuple[str | None, set[str], set[str
 
 
 def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None) -> tuple[Any, Facts]:
+    """Unreadable adapter files (no directory, broken JSON, pickle weights) raise the validation layer's one-line
+    ValidationError (exit 2); what the files hold is checked by its ``adapter_problems``."""
     from lpdiff.harness.spec.adapters import inspect_adapter
+    from lpdiff.harness.spec.validate import adapter_problems, model_facts, read_adapter_config
 
     spec = _resolve_model(model)
     adapter_dir = str(adapter_dir)
-    info = inspect_adapter(adapter_dir)
+    config = read_adapter_config(adapter_dir)
     config_text = (Path(adapter_dir) / "adapter_config.json").read_text()
-    config = json.loads(config_text)
-    model_key, meta, layout, modules, params = _model_facts(spec)
+    mf = model_facts(spec)
+    problems = adapter_problems(adapter_dir, mf, spec.num_layers)
+    info = inspect_adapter(adapter_dir)
+    model_key, meta, layout, modules, params = mf.key, mf.meta, mf.layout, mf.modules, mf.params
     experts = {p.module: p for p in layout.experts.values()}
     expert_modules = {m: tuple(part for q in layout.experts.values() if q.module == m for part in q.parts)
                       for m in experts}
-    routers = {n for n in modules if n.rsplit(".", 1)[-1] in _ROUTER_LEAVES
-               and n.rsplit(".", 1)[0] + ".experts" in modules}
+    routers = set(mf.routers)
     key_modules, foreign = set(), []
     for k in info.keys:
         try:
@@ -203,7 +182,8 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
                   routers=routers, expert_modules=expert_modules, info=info, config=config, key_modules=key_modules,
                   foreign_keys=foreign, peft_error=peft_error, peft_modules=set(peft_modules),
                   peft_params=set(peft_params),
-                  limits=dict(limits or {}), model_ref=str(model) if isinstance(model, (str, Path)) else spec.name)
+                  limits=dict(limits or {}), model_ref=str(model) if isinstance(model, (str, Path)) else spec.name,
+                  problems=problems)
     return spec, facts
 
 
@@ -219,51 +199,17 @@ def _matches(target: str, names) -> list[str]:
     return [n for n in names if n == target or n.endswith("." + target)]
 
 
-def check_targets_match(f: Facts) -> list[Finding]:
-    """Targets naming nothing in the model: PEFT raises when none match and ignores the ones that do not."""
-    out = []
-    tm, tp = f.config.get("target_modules"), f.config.get("target_parameters") or []
-    per_expert = {f"{m}.0.{part}" for m, parts in f.expert_modules.items() for part in parts}  # suffixes suffice
-    universe = [*f.modules, *per_expert]
-    if isinstance(tm, str):
-        entries = [] if tm in ("all-linear", "all") else [tm]
-        dead = [t for t in entries if not any(re.fullmatch(t, n) for n in f.modules)]
-    else:
-        entries = list(tm or [])
-        dead = [t for t in entries if not _matches(t, universe)]
-    dead += [t for t in tp if not _matches(t, f.params)]
-    total = len(entries) + len(tp)
-    if dead and len(dead) == total:
-        out.append(Finding("all", "error", "targets-match-nothing",
-                           f"no target of the adapter ({', '.join(dead)}) names a module or parameter of this "
-                           f"{f.arch} model: nothing would be adapted (PEFT refuses it)",
-                           "generate the adapter for this model (lpdiff adapters gen --model MODEL ...)"))
-    elif dead:
-        out.append(Finding("all", "warning", "target-matches-nothing",
-                           f"target(s) {', '.join(dead)} name nothing in this {f.arch} model and are ignored",
-                           "drop them from target_modules/target_parameters or fix their names"))
-    stray = sorted(k for k in f.key_modules if not _known_module(f, k))
-    if stray:
-        out.append(Finding("all", "warning", "tensors-for-missing-modules",
-                           f"{len(stray)} adapter tensor(s) are for modules this model lacks (e.g. {stray[0]}); "
-                           "every engine skips them", "check that the adapter was made for this model and depth"))
+def check_adapter_files(f: Facts) -> list[Finding]:
+    """What the validation layer finds for every engine (a run refuses the errors: exit 2): another architecture,
+    no tensors, NaN/Inf, shapes or ranks that do not fit, targets naming nothing or without tensors; plus tensors
+    that are not plain LoRA A/B weights (vLLM and SGLang refuse them)."""
+    out = [Finding("all", p.severity, p.code, p.what, p.fix) for p in f.problems]
     if f.foreign_keys:
         out.append(Finding("all", "error", "not-plain-lora",
                            f"{len(f.foreign_keys)} tensor(s) are not LoRA A/B weights (e.g. {f.foreign_keys[0]}): "
                            "DoRA magnitudes, biases or modules_to_save, which vLLM and SGLang refuse",
                            "save a plain LoRA adapter (no use_dora, lora_bias or modules_to_save)"))
     return out
-
-
-def _known_module(f: Facts, path: str) -> bool:
-    if path in f.modules:
-        return True
-    base = re.sub(r"(\.base_layer)+$", "", path)
-    if base in f.expert_modules:
-        return True
-    m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+)", path)
-    return bool(m and m.group(1) in f.expert_modules and int(m.group(2)) < f.num_experts
-                and m.group(3) in f.expert_modules[m.group(1)])
 
 
 def check_expert_count(f: Facts) -> list[Finding]:
@@ -468,7 +414,7 @@ def doctor(model, adapter_dir: str | Path, engines: Sequence[str] | None = None,
         if e not in ENGINES:
             raise ValueError(f"doctor knows engines {', '.join(ENGINES)}, not {e!r}")
     spec, facts = gather(model, adapter_dir, limits)
-    findings = [*check_targets_match(facts), *check_expert_count(facts), *check_ranks(facts, engines),
+    findings = [*check_adapter_files(facts), *check_expert_count(facts), *check_ranks(facts, engines),
                 *(x for e in engines for x in check_engine_defects(facts, e))]
     findings = [x for x in findings if x.engine in (*engines, "all")]
     rank = {"error": 0, "warning": 1, "info": 2}
@@ -505,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits = {e: args.max_lora_rank for e in ("vllm", "sglang")} if args.max_lora_rank else None
     try:
         report = doctor(args.model, args.adapter, args.engine, limits)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, OSError, KeyError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))

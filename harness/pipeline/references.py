@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from lpdiff.harness.pipeline.session import Lanes, run_session
 from lpdiff.harness.pipeline.store import BaselineError, BaselineStore, baseline_key
 from lpdiff.harness.spec.adapters import peft_signature
+from lpdiff.harness.spec.validate import check_reference_runs
 from lpdiff.harness.types import AdapterSpec, ModelSpec
 
 POLICIES = ("stored", "regen", "cache")
@@ -72,6 +73,7 @@ class References:
                 if self.policy == "stored":
                     raise type(e)(self._hint(str(e))) from None
         runs = self.compute(spec, adapters, prompts)
+        check_reference_runs(runs, f"{self.engine}:{self.dtype} reference runs of {spec.name}")  # before any put
         try:
             for a, k in keys.items():
                 self.store.put(k, runs[a], overwrite=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from lpdiff.harness.spec import validate
 from lpdiff.harness.spec.errors import SpecError
 
 KINDS = ("token_ids", "text", "messages")
@@ -131,16 +132,8 @@ def _ids(record: Any, where: str, model: ModelText, tok: list) -> list[int]:
 
 
 def check_prompt(ids: list[int], where: str, model: ModelText) -> list[int]:
-    """``ids`` when the model can score them; SpecError naming ``where`` and the problem otherwise."""
-    if len(ids) < 2:
-        raise SpecError(f"{where}: {'empty prompt' if not ids else 'one token'}; logprobs need at least two tokens")
-    bad = [x for x in ids if not 0 <= x < model.vocab_size]
-    if bad:
-        raise SpecError(f"{where}: token id(s) {bad[:5]} outside {model.name}'s vocabulary [0, {model.vocab_size})")
-    if model.max_positions and len(ids) > model.max_positions:
-        raise SpecError(f"{where}: {len(ids)} tokens, more than {model.name}'s max_position_embeddings "
-                        f"{model.max_positions}; shorten it")
-    return [int(x) for x in ids]
+    """``ids`` when the model can score them; ValidationError naming ``where`` and the problem otherwise."""
+    return validate.check_prompt(ids, where, model.vocab_size, model.max_positions)
 
 
 def load_prompts(src: PromptSource, model: ModelText) -> list[list[int]]:

@@ -112,7 +112,8 @@ def _config(spec: ModelSpec):
 
 # -- adapters ------------------------------------------------------------------------------------------------------
 
-def _hub_adapter(ref: src.HubRef, text: str) -> Path:
+def _hub_adapter(ref: src.HubRef, text: str) -> tuple[Path, str]:
+    """-> (adapter folder in the snapshot, its name: the subfolder's, else the repo's)."""
     try:
         snap = src.snapshot(ref, ADAPTER_FILES)
     except SpecError as first:
@@ -122,11 +123,12 @@ def _hub_adapter(ref: src.HubRef, text: str) -> Path:
             snap = src.snapshot(ref.other_kind(), ADAPTER_FILES)
         except SpecError:
             raise SpecError(f"{first} (tried the dataset repo {ref.repo_id} too)") from None
+    name = Path(ref.subfolder).name or ref.repo_id.split("/")[1]
     if (snap.path / "adapter_config.json").is_file():
-        return snap.path
+        return snap.path, name
     found = sorted({p.parent for p in snap.path.rglob("adapter_config.json")})
     if len(found) == 1:
-        return found[0]
+        return found[0], found[0].name
     where = f"{snap.ref.label} (commit {snap.commit[:12]})"
     if not found:
         raise SpecError(f"--adapter {text}: {where} holds no adapter_config.json; not a PEFT adapter")
@@ -147,8 +149,8 @@ def _adapter(text: str, model: str, zoo: dict[str, AdapterSpec]) -> tuple[Adapte
         known = f"a zoo adapter of {model} ({', '.join(sorted(zoo))}), " if zoo else ""
         raise SpecError(f"model {model!r} has no adapter {text!r}: give {known}a PEFT adapter directory or a Hub "
                         "repo [hf://datasets/]ORG/NAME[@REV][/SUBDIR]")
-    path = _hub_adapter(ref, text)
-    return AdapterSpec(path.name if path.name != path.parent.name else ref.repo_id.split("/")[1], str(path)), False
+    path, name = _hub_adapter(ref, text)
+    return AdapterSpec(name, str(path)), False
 
 
 def _adapters(model: str, asked: Sequence[str] | None) -> tuple[dict[str, AdapterSpec], tuple[str, ...]]:
@@ -195,15 +197,14 @@ def resolve(model: str, adapters: Sequence[str] | None = None, prompts: str | Pr
             num_layers: int | None = None, weights: bool = True) -> Resolved:
     """``adapters`` None = every committed adapter of a zoo model (none for other models). ``weights`` False:
     the model's config and tokenizer suffice (doctor, adapters convert, capability checks)."""
-    from lpdiff.harness.spec.adapter_fit import check_fit
     from lpdiff.harness.spec.catalog import known_models
+    from lpdiff.harness.spec.validate import check_adapters
 
     catalog = model in known_models()
     shallow = resolve_model(model, num_layers, weights=False)  # nothing cut or hashed until the rest is checked
     config = _config(shallow)
     chosen, user = _adapters(model, adapters)
-    for name in user:
-        check_fit(shallow, config, chosen[name])
+    check_adapters(shallow, chosen)  # every adapter against the model, before anything runs or is written
     ids = _prompts(prompts, shallow, config, catalog)
     spec = shallow if catalog or not weights else resolve_model(model, num_layers, weights=True)
     return Resolved(spec, chosen, ids, user)

@@ -1,0 +1,120 @@
+"""Logprob runs checked before they are judged or stored: files that are runs, finite logprobs <= 0, top-k ids in
+the vocabulary, and two runs of the same prompts (and, unless asked otherwise, of the same model and adapter)."""
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from lpdiff.harness.spec.validate.errors import ValidationError
+from lpdiff.harness.types import LogprobRun
+
+# A log-probability is <= 0; a log-softmax in fp32/bf16 can round a certain token's to a little above 0.
+LOGPROB_TOL = 1e-3
+RUN_ARRAYS = ("lengths", "token_ids", "logprobs")
+_SAVED = "give a run saved by `lpdiff run --save-runs DIR`"
+
+
+def load_run(path: str | Path, arg: str = "--runs") -> LogprobRun:
+    """A run saved by ``LogprobRun.save``; anything else is a ValidationError naming the file (never unpickled)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValidationError(f"{arg} {p}: no such file; {_SAVED}")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            if not hasattr(z, "files"):
+                raise ValidationError(f"{arg} {p}: a single .npy array, not an .npz run; {_SAVED}")
+            missing = [k for k in RUN_ARRAYS if k not in z.files]
+            if missing:
+                raise ValidationError(f"{arg} {p}: no {', '.join(repr(k) for k in missing)} array(s), so not a "
+                                      f"logprob run; {_SAVED}")
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+            meta = json.loads(bytes(z["__meta__"]).decode()) if "__meta__" in z.files else {}
+        return LogprobRun.from_arrays(arrays, meta)
+    except ValidationError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, UnicodeDecodeError) as e:
+        why = "holds pickled objects, which lpdiff never loads" if "pickle" in str(e) else "not a readable .npz file"
+        raise ValidationError(f"{arg} {p}: {why}; {_SAVED}") from None
+    except (AssertionError, IndexError):
+        raise ValidationError(f"{arg} {p}: its arrays disagree in length (a damaged run); {_SAVED}") from None
+
+
+def run_vocab(meta: dict) -> int | None:
+    """The vocabulary size of the model a run names: its meta's vocab_size, else the catalog model's."""
+    if isinstance(meta.get("vocab_size"), int):
+        return meta["vocab_size"]
+    try:
+        from lpdiff.harness.spec.catalog import get_model
+        from lpdiff.harness.spec.validate.prompts import model_limits
+
+        return model_limits(get_model(str(meta.get("model"))))[0]
+    except (KeyError, OSError, ValueError):
+        return None  # a model lpdiff does not know: ids are checked against 0 only
+
+
+def _first(mask_per_prompt: list[np.ndarray]) -> tuple[int, int, int]:
+    """(count, prompt, position) of the first True."""
+    n = sum(int(m.sum()) for m in mask_per_prompt)
+    for i, m in enumerate(mask_per_prompt):
+        if m.any():
+            return n, i, int(np.argwhere(m)[0][0])
+    return 0, -1, -1
+
+
+def check_run(run: LogprobRun, source: str, vocab_size: int | None = None,
+              fix: str = "regenerate it (the engine or adapter that wrote it produced these values)") -> None:
+    """Finite logprobs <= LOGPROB_TOL, top-k values finite and <= LOGPROB_TOL, top-k and token ids in the vocabulary."""
+    checks = [
+        ("logprob(s) are NaN or Inf", [~np.isfinite(p.logprobs) for p in run.prompts]),
+        (f"logprob(s) are above 0 (+{LOGPROB_TOL})", [np.isfinite(p.logprobs) & (p.logprobs > LOGPROB_TOL)
+                                                      for p in run.prompts]),
+    ]
+    if all(p.topk_logprobs is not None for p in run.prompts):
+        checks += [("top-k logprob(s) are NaN or Inf", [~np.isfinite(p.topk_logprobs) for p in run.prompts]),
+                   (f"top-k logprob(s) are above 0 (+{LOGPROB_TOL})",
+                    [np.isfinite(p.topk_logprobs) & (p.topk_logprobs > LOGPROB_TOL) for p in run.prompts])]
+        hi = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
+        where = f"[0, {vocab_size})" if vocab_size is not None else "the non-negative ids"
+        checks.append((f"top-k id(s) are outside {where}", [(p.topk_ids < 0) | (p.topk_ids >= hi) for p in run.prompts]))
+    for what, masks in checks:
+        n, i, j = _first(masks)
+        if n:
+            raise ValidationError(f"{source}: {n} {what} (first: prompt {i}, position {j}); {fix}")
+
+
+def check_run_pair(a: LogprobRun, b: LogprobRun, names: tuple[str, str], allow_different: bool = False) -> None:
+    """Two runs that can be compared position by position: the same prompts, and unless ``allow_different`` the same
+    model and adapter according to their metadata."""
+    same = len(a.prompts) == len(b.prompts) and all(
+        np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a.prompts, b.prompts))
+    if not same:
+        raise ValidationError(f"--runs: {names[0]} ({len(a.prompts)} prompts) and {names[1]} ({len(b.prompts)} "
+                              "prompts) score different prompts; compare runs of the same prompt set")
+    if allow_different:
+        return
+    for key in ("model", "adapter"):
+        if a.meta.get(key) != b.meta.get(key):
+            raise ValidationError(f"--runs: {names[0]} has {key} {a.meta.get(key) or '-'!s} but {names[1]} has "
+                                  f"{b.meta.get(key) or '-'!s}; compare runs of the same {key}, or pass "
+                                  "--allow-different to compare them anyway")
+
+
+def load_run_pair(path_a: str | Path, path_b: str | Path, allow_different: bool = False
+                  ) -> tuple[LogprobRun, LogprobRun]:
+    """``lpdiff compare --runs A B``: both loaded and checked, alone and as a pair."""
+    runs = tuple(load_run(p) for p in (path_a, path_b))
+    for p, r in zip((path_a, path_b), runs):
+        check_run(r, f"--runs {p}", run_vocab(r.meta))
+    check_run_pair(*runs, names=(str(path_a), str(path_b)), allow_different=allow_different)
+    return runs
+
+
+def check_reference_runs(runs: dict, source: str) -> None:
+    """Reference runs about to be stored (adapter name or None -> run): a non-finite one is refused, nothing
+    stored."""
+    for adapter, run in runs.items():
+        check_run(run, f"{source} ({adapter or 'base'} run)", run_vocab(run.meta),
+                  fix="nothing was stored; check the adapter (lpdiff doctor MODEL ADAPTER) and the engine")
