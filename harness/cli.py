@@ -73,15 +73,23 @@ def cli(ctx: click.Context) -> None:
 def selection(f):
     """The options that pick what ``run`` and ``regen`` compute."""
     opts = [
-        click.option("--model", "models", multiple=True, help="catalog model (repeatable; default: every tiny zoo "
-                     "model the engine serves)"),
+        click.option("--model", "models", multiple=True, help="catalog model, checkpoint directory or Hub id "
+                     "ORG/NAME[@REV] (repeatable; default: every tiny zoo model the engine serves)"),
         click.option("--engine", default="hf", show_default=True, help="engine under test: hf, triton, vllm, sglang"),
         click.option("--dtype", type=DTYPES, default="float32", show_default=True),
         click.option("--reference", default="hf", show_default=True, help="engine of the stored reference runs"),
         click.option("--ref-dtype", type=DTYPES, default="float32", show_default=True),
         click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True),
-        click.option("--adapter", "adapters", multiple=True, help="zoo adapter name (repeatable; default: all)"),
+        click.option("--adapter", "adapters", multiple=True, help="zoo adapter name, PEFT directory or Hub repo "
+                     "[hf://datasets/]ORG/NAME[@REV][/SUBDIR] (repeatable; default: a zoo model's all)"),
         click.option("--prompt-set", default="default", show_default=True),
+        click.option("--prompts", default=None, help="prompts FILE.jsonl (token_ids | text | messages per line) or "
+                     "hf://datasets/ORG/NAME[@REV], instead of --prompt-set"),
+        click.option("--prompts-split", default="train", show_default=True, help="dataset split for --prompts"),
+        click.option("--prompts-column", default=None, help="dataset column for --prompts (default: first of "
+                     "token_ids, input_ids, messages, text, prompt)"),
+        click.option("--prompts-count", type=click.IntRange(min=1), default=None, help="use only N prompts"),
+        click.option("--prompts-seed", type=int, default=None, help="shuffle the dataset with this seed first"),
         click.option("--top-k", type=click.IntRange(min=0), default=8, show_default=True,
                      help="top-k logprobs stored and compared (KL, top-1)"),
         click.option("--num-layers", type=click.IntRange(min=1), default=None, help="keep the first N layers"),
@@ -95,8 +103,19 @@ def selection(f):
     return f
 
 
-def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, adapters, prompt_set, top_k,
-                  num_layers, options, baselines, json_path, save_runs) -> int:
+def _prompt_source(prompts, split, column, count, seed):
+    from lpdiff.harness.spec.prompt_sources import PromptSource
+
+    if prompts is None:
+        if column or count or seed is not None or split != "train":
+            raise click.UsageError("--prompts-split/-column/-count/-seed need --prompts")
+        return None
+    return PromptSource(prompts, split, column, count, seed)
+
+
+def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, adapters, prompt_set, prompts,
+                  prompts_split, prompts_column, prompts_count, prompts_seed, top_k, num_layers, options, baselines,
+                  json_path, save_runs) -> int:
     from lpdiff.engines import LaneDied, LaneError
     from lpdiff.harness.commands.run import Job, run_job, zoo_models
     from lpdiff.harness.pipeline.references import default_store
@@ -109,6 +128,7 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, 
         _log(f"skipped {model}: {why}")
     jobs = [Job(model=m, engine=engine, reference=reference, dtype=dtype, ref_dtype=ref_dtype, tp=tp,
                 adapters=tuple(adapters) or None, prompt_set=prompt_set, top_k=top_k, num_layers=num_layers,
+                prompts=_prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed),
                 options=parse_options(options)) for m in chosen]
     if not jobs:
         raise UsageError(f"engine {engine!r} serves none of the models asked for")
@@ -129,7 +149,8 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, 
             out = Path(save_runs)
             out.mkdir(parents=True, exist_ok=True)
             for a, r in res.runs.items():
-                r.save(out / f"{job.model}.{job.engine}.{job.dtype}.{a or 'base'}.npz")
+                model = job.model.strip("/").replace("/", "--")  # a directory or Hub id names one file
+                r.save(out / f"{model}.{job.engine}.{job.dtype}.{a or 'base'}.npz")
     click.echo(verdict_table(verdicts))
     if json_path:
         Path(json_path).write_text(to_json(verdicts))
@@ -165,7 +186,7 @@ def regen(**kw) -> int:
 @click.option("--against", default="hf", show_default=True)
 @click.option("--against-dtype", type=DTYPES, default="float32", show_default=True)
 @click.option("--tp", type=click.IntRange(min=1), default=1)
-@click.option("--adapter", default=None)
+@click.option("--adapter", default=None, help="zoo adapter name, PEFT directory or Hub repo id")
 @click.option("--test-adapter-dir", default=None,
               help="give the engine under test these adapter files instead (e.g. a deliberately broken copy)")
 @click.option("--prompt-set", default="default")
@@ -207,7 +228,7 @@ def adapters() -> None:
 
 
 @adapters.command("gen")
-@click.option("--model", required=True)
+@click.option("--model", required=True, help="catalog model, checkpoint directory or Hub id ORG/NAME[@REV]")
 @click.option("--out", required=True)
 @click.option("--groups", default="attention,experts", show_default=True)
 @click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True)
@@ -229,7 +250,7 @@ def adapters_gen(model, out, groups, rank, alpha, seed, layout) -> int:
 
 
 @adapters.command("convert")
-@click.option("--model", required=True)
+@click.option("--model", required=True, help="catalog model, checkpoint directory or Hub id ORG/NAME[@REV]")
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", type=click.Choice(["peft3d", "per_expert"]), required=True)
@@ -239,7 +260,7 @@ def adapters_convert(model, src, dst, to) -> int:
     from lpdiff.harness.spec.catalog import hf_config
     from lpdiff.harness.spec.resolve import resolve
 
-    ad.convert_adapter(src, dst, to=to, model_config=hf_config(resolve(model, adapters=()).spec))
+    ad.convert_adapter(src, dst, to=to, model_config=hf_config(resolve(model, adapters=(), weights=False).spec))
     click.echo(f"wrote {dst}")
     return EXIT_OK
 
@@ -327,23 +348,16 @@ def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relat
                 csv_path) -> int:
     """An engine against itself on inputs that must give equal logprobs."""
     from lpdiff.harness.commands import metamorphic as mm
-    from lpdiff.harness.spec.resolve import resolve, zoo_adapters
+    from lpdiff.harness.spec.resolve import resolve
 
     _need_engine(engine)
-    r = resolve(model, adapters=(), prompts=prompt_set, num_layers=num_layers)
-    zoo = zoo_adapters(model)
-    if adapter in zoo:
-        adapter_dir = zoo[adapter].path
-    elif (Path(adapter) / "adapter_config.json").is_file():
-        adapter_dir = adapter
-    else:
-        raise UsageError(f"adapter {adapter!r} is neither a zoo adapter of {model} ({', '.join(sorted(zoo))}) nor a "
-                         "directory with an adapter_config.json")
+    r = resolve(model, adapters=(adapter,), prompts=prompt_set, num_layers=num_layers)
+    adapter_dir = next(iter(r.adapters.values())).path
     unknown = [x for x in relations if x not in mm.RELATIONS]
     if unknown:
         raise click.BadParameter(f"unknown relation(s) {unknown}; known: {', '.join(mm.RELATIONS)}",
                                  param_hint="--relation")
-    rep = mm.run_metamorphic(engine, r.spec, adapter_dir, r.prompts, adapter_name=Path(adapter).name, dtype=dtype,
+    rep = mm.run_metamorphic(engine, r.spec, adapter_dir, r.prompts, adapter_name=next(iter(r.adapters)), dtype=dtype,
                              tp=tp, options=parse_options(options), relations=list(relations) or None, k=k,
                              factor=factor, log=_log)
     click.echo(mm.format_report(rep))

@@ -11,12 +11,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from lpdiff.harness.commands.preflight import preflight
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.references import References, default_store
 from lpdiff.harness.pipeline.session import Lanes, run_session
 from lpdiff.harness.pipeline.store import BaselineStore
 from lpdiff.harness.pipeline.thresholds import lookup
 from lpdiff.harness.pipeline.verdict import Verdict, judge
+from lpdiff.harness.spec.prompt_sources import PromptSource
 from lpdiff.harness.spec.resolve import Resolved, resolve
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -26,14 +28,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 class Job:
     """What one ``lpdiff run`` lane computes; validated once here."""
 
-    model: str  # catalog name
+    model: str  # catalog name, checkpoint directory or Hub id ORG/NAME[@REV]
     engine: str = "hf"  # engine under test
     reference: str = "hf"  # engine whose stored runs are the reference
     dtype: str = "float32"
     ref_dtype: str = "float32"
     tp: int = 1
-    adapters: tuple[str, ...] | None = None  # zoo adapter names; None = all of the model's
+    adapters: tuple[str, ...] | None = None  # zoo names, PEFT dirs or Hub ids; None = all of a zoo model's
     prompt_set: str = "default"
+    prompts: PromptSource | None = None  # user prompts (JSONL or Hub dataset) instead of prompt_set
     top_k: int = 8
     num_layers: int | None = None
     options: dict = field(default_factory=dict)  # engine options for the engine under test
@@ -56,6 +59,7 @@ class Job:
         cmd = f"lpdiff regen --model {self.model} --engine {self.reference} --dtype {self.ref_dtype}"
         cmd += "".join(f" --adapter {a}" for a in self.adapters or ())
         cmd += f" --prompt-set {self.prompt_set}" if self.prompt_set != "default" else ""
+        cmd += self.prompts.flags() if self.prompts else ""
         cmd += f" --num-layers {self.num_layers}" if self.num_layers else ""
         cmd += f" --top-k {self.top_k}" if self.top_k != 8 else ""
         return cmd
@@ -70,7 +74,7 @@ class JobResult:
 
 
 def resolve_job(job: Job) -> Resolved:
-    return resolve(job.model, job.adapters, job.prompt_set, job.num_layers)
+    return resolve(job.model, job.adapters, job.prompts or job.prompt_set, job.num_layers)
 
 
 def references(job: Job, store: BaselineStore, regen: bool = False, log: Callable[[str], None] = lambda s: None
@@ -99,6 +103,7 @@ def run_job(job: Job, store: BaselineStore | None = None, regen: bool = False,
     log = log or (lambda s: print(s, file=sys.stderr))
     store = store if store is not None else default_store()
     r = resolve_job(job)
+    preflight(r, [job.engine, *([job.reference] if regen else [])], log)
     if regen:
         log(f"regenerating {len(r.adapters) + 1} reference run(s) for {job.model} with {job.reference} "
             f"({job.ref_dtype})")
@@ -115,7 +120,7 @@ def unsupported(engine: str, model: str) -> str | None:
     """Why ``engine`` cannot serve ``model`` (None when it can), from the engine's own capabilities."""
     from lpdiff.engines.base import capabilities
 
-    arch = resolve(model, adapters=()).spec.arch
+    arch = resolve(model, adapters=(), weights=False).spec.arch
     c = capabilities(engine)
     return None if c.serves(arch) else f"the {engine} engine does not serve {arch} (it serves {', '.join(c.archs)})"
 
