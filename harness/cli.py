@@ -165,8 +165,19 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, 
 
 @cli.command()
 @selection
-def run(**kw) -> int:
+@click.option("--case", default=None, help="judge against a trainer test case: DIR or hf://datasets/ORG/NAME[@REV] "
+              "(adapter + compare_sample_train_data.pt or reference.jsonl/.parquet; docs/cases.md)")
+def run(case=None, **kw) -> int:
     """Judge an engine against stored reference runs (the default command)."""
+    if case:
+        from lpdiff.harness.commands.case import run_case
+
+        _need_engine(kw["engine"])
+        models = kw["models"]
+        if len(models) > 1:
+            raise UsageError("--case takes one --model (the case's base model)")
+        return run_case(case, models[0] if models else None, kw["engine"], kw["dtype"], kw["tp"], kw["num_layers"],
+                        parse_options(kw["options"]), kw["json_path"], click.echo)
     return _run_or_regen(False, **kw)
 
 
@@ -191,14 +202,15 @@ def regen(**kw) -> int:
               help="give the engine under test these adapter files instead (e.g. a deliberately broken copy)")
 @click.option("--prompt-set", default="default")
 @click.option("--num-layers", type=click.IntRange(min=1), default=None)
+@click.option("--allow-different", is_flag=True, help="with --runs: compare runs of different models or adapters")
 def compare(runs, model, engine, dtype, against, against_dtype, tp, adapter, test_adapter_dir, prompt_set,
-            num_layers) -> int:
+            num_layers, allow_different) -> int:
     """Compare two engines live, or two stored runs."""
     from lpdiff.harness.commands.compare import compare_live, compare_runs
     from lpdiff.harness.pipeline.report import verdict_table
 
     if runs:
-        verdicts = [compare_runs(*runs)]
+        verdicts = [compare_runs(*runs, allow_different=allow_different)]
     elif model:
         for e in (engine, against):
             _need_engine(e)
@@ -411,7 +423,7 @@ def baselines_pull(source, lock, update_lock) -> int:
     from lpdiff.harness.pipeline import hub
 
     pulled = hub.pull(source, lock=lock, update_lock=update_lock)
-    click.echo(f"{pulled.ref} -> {pulled.path}")
+    click.echo(f"{pulled.ref.url} -> {pulled.path}")
     return EXIT_OK
 
 
@@ -426,7 +438,7 @@ def baselines_push(target, source, lock, message) -> int:
     from lpdiff.harness.pipeline.references import default_store
 
     pushed = hub.push(default_store(source).root, target, lock=lock, message=message)
-    click.echo(f"{pushed.ref}: {len(pushed.added)} added or changed, {len(pushed.deleted)} deleted")
+    click.echo(f"{pushed.ref.url}: {len(pushed.added)} added or changed, {len(pushed.deleted)} deleted")
     return EXIT_OK
 
 

@@ -227,3 +227,33 @@ def test_card_front_matter_lists_parquet(tmp_path):
     assert front["configs"] == [{"config_name": "default", "data_files": [
         {"split": "train", "path": ["00/run0.parquet", "01/run1.parquet"]}]}]
     assert "| m1 | - | hf | float32 | 1 | short | 00/run0.parquet |" in card
+
+
+def _lpdiff(env: dict, *argv: str, offline: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    e = dict(env, HF_HUB_OFFLINE="1" if offline else "0")
+    return subprocess.run([sys.executable, "-m", "lpdiff.harness.cli", *argv], env=e, capture_output=True, text=True,
+                          timeout=600, check=False, cwd=cwd)
+
+
+def test_cli_push_pull_then_run_offline_from_the_hub_cache(server, env, tmp_path):
+    """The user's path end to end through the CLI: `lpdiff baselines push` of the zoo baselines, `lpdiff baselines
+    pull` pins the revision in baselines.lock, and `lpdiff run --baselines hf://...@REV` with HF_HUB_OFFLINE=1
+    judges against the cached snapshot (exit 0) without a single request to the server."""
+    store = tmp_path / "store"
+    shutil.copytree(BASELINES, store)
+    url = _fresh_repo(server, "cli")
+    pushed = _lpdiff(env, "baselines", "push", url, "--baselines", str(store), cwd=tmp_path)
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    commit = pushed.stdout.split("@", 1)[1].split(":", 1)[0]
+    assert len(commit) == 40 and commit in (tmp_path / "baselines.lock").read_text()
+    pulled = _lpdiff(env, "baselines", "pull", f"{url}@{commit}", cwd=tmp_path)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    hits = len(server.state.requests)
+    ran = _lpdiff(env, "run", "--model", "tiny-qwen3-moe", "--baselines", f"{url}@{commit}", offline=True,
+                  cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "PASS" in ran.stdout and "FAIL" not in ran.stdout and len(server.state.requests) == hits
+    # a revision that was never pulled cannot be served offline: one clear error, exit 2
+    missing = _lpdiff(env, "run", "--model", "tiny-qwen3-moe", "--baselines", f"{url}@{'0' * 40}", offline=True,
+                      cwd=tmp_path)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
