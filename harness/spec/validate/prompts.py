@@ -27,6 +27,8 @@ def _ids(p: Any, where: str) -> np.ndarray:
     """One prompt as int64 ids; floats are refused, never rounded."""
     if hasattr(p, "detach"):  # a torch tensor
         p = p.detach().cpu().numpy()
+    if isinstance(p, (list, tuple)) and any(isinstance(x, bool) for x in p):
+        raise ValidationError(f"{where} holds booleans, not integer token ids; give integers")
     if isinstance(p, (str, bytes, dict)) or not hasattr(p, "__len__"):
         raise ValidationError(f"{where} is a {type(p).__name__}, not a list of token ids; give each "
                               "prompt as a list of integers")

@@ -22,10 +22,11 @@ def load_run(path: str | Path, arg: str = "--runs") -> LogprobRun:
     p = Path(path)
     if not p.is_file():
         raise ValidationError(f"{arg} {p}: no such file; {_SAVED}")
+    with open(p, "rb") as fh:
+        if fh.read(4) != b"PK\x03\x04":  # not a zip: numpy would take it for a pickle
+            raise ValidationError(f"{arg} {p}: not an .npz file; {_SAVED}")
     try:
         with np.load(p, allow_pickle=False) as z:
-            if not hasattr(z, "files"):
-                raise ValidationError(f"{arg} {p}: a single .npy array, not an .npz run; {_SAVED}")
             missing = [k for k in RUN_ARRAYS if k not in z.files]
             if missing:
                 raise ValidationError(f"{arg} {p}: no {', '.join(repr(k) for k in missing)} array(s), so not a "
@@ -36,7 +37,7 @@ def load_run(path: str | Path, arg: str = "--runs") -> LogprobRun:
     except ValidationError:
         raise
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, UnicodeDecodeError) as e:
-        why = "holds pickled objects, which lpdiff never loads" if "pickle" in str(e) else "not a readable .npz file"
+        why = "holds pickled objects, which lpdiff never loads" if "pickle" in str(e) else "a damaged .npz file"
         raise ValidationError(f"{arg} {p}: {why}; {_SAVED}") from None
     except (AssertionError, IndexError):
         raise ValidationError(f"{arg} {p}: its arrays disagree in length (a damaged run); {_SAVED}") from None
