@@ -66,7 +66,7 @@ ALL_GROUPS = {
     "qwen3_moe": ["attention", "experts"],
     "gpt_oss": ["attention", "experts"],
     "qwen3_5_moe_text": ["attention", "linear_attention", "shared_expert", "experts"],
-    "nemotron_h": ["attention", "linear_attention", "shared_expert", "experts"],
+    "nemotron_h": ["attention", "mamba", "shared_expert", "experts"],
 }
 MOE = [
     pytest.param("qwen3_moe", id="qwen3_moe"),  # [gate; up] concatenated, (E, out, in)

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lpdiff.harness.commands.preflight import preflight
-from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
+from lpdiff.harness.pipeline.metrics import compare, lane_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.references import References, default_store
 from lpdiff.harness.pipeline.session import Lanes, run_session
 from lpdiff.harness.pipeline.store import BaselineStore
 from lpdiff.harness.pipeline.thresholds import lookup
 from lpdiff.harness.pipeline.verdict import Verdict, judge
+from lpdiff.harness.spec.adapters import adapter_groups
 from lpdiff.harness.spec.prompt_sources import PromptSource
 from lpdiff.harness.spec.resolve import Resolved, resolve
 
@@ -84,12 +85,15 @@ def references(job: Job, store: BaselineStore, regen: bool = False, log: Callabl
 
 
 def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
-    """One verdict per lane; positions at or after a router near-tie are judged apart (reported as a share)."""
+    """One verdict per lane; positions at or after a router near-tie are judged apart (reported as a share).
+    Delta fidelity is reported per module group where the batch has single-group adapters (lane_fidelity)."""
     threshold = lookup(job.model, job.engine_pair, job.dtype, job.tp)
     eps = near_tie_eps(job.dtype, job.ref_dtype)
+    groups = {a: adapter_groups(s.path) for a, s in resolve_job(job).adapters.items() if a in runs}
+    fidelities = lane_fidelity(runs, refs, groups)
     verdicts = []
     for a in runs:
-        fidelity = None if a is None else delta_fidelity(runs[a], runs[None], refs[a], refs[None])
+        fidelity = None if a is None else fidelities[a]
         m = compare(runs[a], refs[a], near_tie_eps=eps)
         v = judge(m, threshold, delta_fidelity=fidelity, exclude_near_ties=m.clean is not None)
         v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"

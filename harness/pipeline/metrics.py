@@ -6,7 +6,7 @@ not themselves rounding noise. Pure numpy: nothing here needs torch or a model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -236,3 +236,29 @@ def delta_fidelity_by_group(groups: Mapping[str, tuple[LogprobRun, LogprobRun]],
     """Delta fidelity per module group (e.g. "attention", "experts", "shared_expert"): each group maps to
     (a_lora, b_lora) runs of an adapter restricted to that group; the base runs are shared. Names the broken part."""
     return {name: delta_fidelity(a_lora, a_base, b_lora, b_base) for name, (a_lora, b_lora) in groups.items()}
+
+
+def lane_fidelity(runs: Mapping[str | None, LogprobRun], refs: Mapping[str | None, LogprobRun],
+                  lane_groups: Mapping[str, Sequence[str]]) -> dict[str, float | dict[str, float]]:
+    """Delta fidelity of every adapter lane of one run (None = the base lane), by module group where the batch
+    allows it: a lane whose adapter touches one group is reported as {group: fidelity}; a lane touching several
+    gets {"adapter": its own, group: the worst single-group lane of that group, ...} for each of its groups that
+    has such a lane (delta_fidelity_by_group), so a verdict names the group an engine dropped instead of only the
+    adapter. Lanes without ``lane_groups`` entries, or with nothing to split by, stay one number."""
+    single: dict[str, list[str]] = {}
+    for lane, groups in lane_groups.items():
+        if lane in runs and len(groups) == 1:
+            single.setdefault(groups[0], []).append(lane)
+    out: dict[str, float | dict[str, float]] = {}
+    for lane in runs:
+        if lane is None:
+            continue
+        own = delta_fidelity(runs[lane], runs[None], refs[lane], refs[None])
+        groups = tuple(lane_groups.get(lane, ()))
+        if len(groups) == 1:
+            out[lane] = {groups[0]: own}
+            continue
+        split = {g: max(delta_fidelity_by_group({s: (runs[s], refs[s]) for s in single[g]}, runs[None],
+                                                refs[None]).values()) for g in groups if g in single}
+        out[lane] = {"adapter": own, **split} if split else own
+    return out

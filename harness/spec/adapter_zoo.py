@@ -1,16 +1,23 @@
 """The committed adapters of the tiny zoo (harness/zoo_adapters/<model>/<adapter>/, PEFT format).
 
-Three per model, so that verdicts can name which part of an adapter an engine mishandles:
-  all        every target group the architecture has (attention, linear attention / mamba, dense MLP, shared
-             expert, routed experts), rank 8
-  experts    routed experts only (PEFT ``target_parameters``), rank 4 — a different rank from ``all`` on purpose
-  attention  attention projections only, rank 8
-Generated deterministically (``python -m lpdiff.harness.spec.adapter_zoo``); the committed files are the source of truth.
-Their size depends on the model's weights (generate_adapter scales each delta to its weight), so rebuild them
-after the zoo changes, then ``lpdiff regen``.
+One batch per model mixes them, so that verdicts can name which part of an adapter an engine mishandles:
+  all                   every target group the architecture has, rank 8
+  experts               routed experts only (PEFT ``target_parameters``), rank 4: a different rank from ``all``
+  attention             attention projections only, rank 8 (Qwen3.5: q_proj with its output-gate half)
+  <group>               one per other module group the architecture has, rank 8: linear_attention (Qwen3.5's
+                        Gated DeltaNet), mamba (Nemotron-H's mixer in_proj: PEFT refuses out_proj), mlp
+                        (Nemotron-H's dense layer), shared_expert; a verdict reports delta fidelity under the group
+                        of each single-group adapter, so a dropped group is named
+  experts_shared_outer  routed experts in the shared-outer form (one gate_up A and one down B for all experts),
+                        rank 16, on the models the triton engine serves: a third rank in the same batch
+Generated deterministically (``python -m lpdiff.harness.spec.adapter_zoo [--force] [MODEL ...]``); the committed
+files are the source of truth and existing ones are kept unless ``--force``. Their size depends on the model's
+weights (generate_adapter scales each delta to its weight), so rebuild them after the zoo changes (``--force``),
+then ``lpdiff regen``; a new adapter needs ``lpdiff regen --model M --adapter A``.
 """
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 
@@ -22,6 +29,7 @@ from lpdiff.harness.spec.resolve import ZOO_ADAPTERS
 
 SEED = 20261121
 MOE_MODELS = [m for m, arch in ZOO.items() if arch != "qwen3"]
+SHARED_OUTER_ARCHS = ("qwen3_moe", "gpt_oss")  # the archs the triton engine serves, which reads this form
 
 
 def available_groups(model) -> list[str]:
@@ -36,31 +44,42 @@ def available_groups(model) -> list[str]:
 
 
 def plan(model) -> dict[str, dict]:
+    """Adapter name -> generate_adapter arguments. Seeds follow the order here: append, never reorder."""
     groups = available_groups(model)
-    return {
+    out = {
         "all": {"groups": groups, "rank": 8},
         "experts": {"groups": ["experts"], "rank": 4},
         "attention": {"groups": ["attention"], "rank": 8},
     }
+    if model.config.model_type in SHARED_OUTER_ARCHS:
+        out["experts_shared_outer"] = {"groups": ["experts"], "rank": 16, "shared_outer": True}
+    out.update({g: {"groups": [g], "rank": 8} for g in groups if g not in out})
+    return out
 
 
-def build(name: str) -> list[str]:
+def build(name: str, force: bool = False) -> list[str]:
+    """Write the adapters of ``plan`` that are missing (all of them with ``force``); returns one line per adapter."""
     model = load_hf_model(get_model(name), torch.float32, "cpu")
     root = ZOO_ADAPTERS / name
-    if root.exists():
-        shutil.rmtree(root)
     made = []
     for i, (adapter, p) in enumerate(plan(model).items()):
-        generate_adapter(model, root / adapter, groups=p["groups"], rank=p["rank"], alpha=2 * p["rank"],
-                         seed=SEED + i)
-        made.append(f"{name}/{adapter}: groups={','.join(p['groups'])} rank={p['rank']}")
+        kept = (root / adapter / "adapter_config.json").exists() and not force
+        if not kept:
+            shutil.rmtree(root / adapter, ignore_errors=True)
+            generate_adapter(model, root / adapter, groups=p["groups"], rank=p["rank"], alpha=2 * p["rank"],
+                             seed=SEED + i, shared_outer=p.get("shared_outer", False))
+        made.append(f"{name}/{adapter}: groups={','.join(p['groups'])} rank={p['rank']}"
+                    f"{' shared-outer' if p.get('shared_outer') else ''}{' (kept)' if kept else ''}")
     return made
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or MOE_MODELS
-    for n in names:
-        for line in build(n):
+    ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.spec.adapter_zoo")
+    ap.add_argument("models", nargs="*", help=f"zoo models (default: {' '.join(MOE_MODELS)})")
+    ap.add_argument("--force", action="store_true", help="regenerate adapters that exist too")
+    args = ap.parse_args(argv)
+    for n in args.models or MOE_MODELS:
+        for line in build(n, args.force):
             print(line)
     return 0
 

@@ -1,9 +1,10 @@
-"""Deliberately broken copies of a PEFT adapter: the faults an engine commits when it mishandles expert LoRA,
+"""Deliberately broken copies of a PEFT adapter: the faults an engine commits when it mishandles LoRA,
 written as adapters so that any engine can be fed them and lpdiff must FAIL the result.
 
-All mutations act on PEFT's stacked 3D expert tensors (``target_parameters``), where expert e's B is
-``B.reshape(out, r, E)[:, :, e]`` (rank-major columns), and leave everything else byte-identical.
-tests/test_mutations.py checks each one against PEFT's ``merge_and_unload`` (only the intended experts move).
+The expert mutations act on PEFT's stacked 3D expert tensors (``target_parameters``), where expert e's B is
+``B.reshape(out, r, E)[:, :, e]`` (rank-major columns); ``drop_group`` acts on one module group (attention, linear
+attention, mamba, shared expert, ...) in any layout. Everything else stays byte-identical. tests/test_mutations.py
+checks each one against PEFT's ``merge_and_unload`` (only the intended weights move).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from lpdiff.harness.spec.adapters import GROUPS, adapter_groups, module_group
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -61,4 +64,26 @@ def permute_experts(src, dst, shift: int = 1) -> Path:
     return _mutate(src, dst, lambda b, r: torch.roll(b, shifts=shift, dims=2))
 
 
-MUTATIONS = {"zero_expert": zero_expert, "scale_experts": scale_experts, "permute_experts": permute_experts}
+def drop_group(src, dst, group: str) -> Path:
+    """Every LoRA of one module group silently dropped (LoRA-B zeroed), as an engine does when it skips the
+    tensors of modules it has no LoRA path for (a shared expert, linear attention, a Mamba mixer). Keys and config
+    stay as they are, so every engine loads the copy the way it loads the original."""
+    if group not in GROUPS:
+        raise ValueError(f"drop_group: unknown group {group!r}; groups: {', '.join(GROUPS)}")
+    src, dst = Path(src), Path(dst)
+    present = adapter_groups(src)
+    if group not in present:
+        raise ValueError(f"{src} has no {group} LoRA to drop; its groups: {', '.join(present) or 'none'}")
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    state = load_file(dst / WEIGHTS)
+    for k in state:
+        if k.endswith(".lora_B.weight") and module_group(k.removesuffix(".lora_B.weight")) == group:
+            state[k] = torch.zeros_like(state[k])
+    save_file(state, dst / WEIGHTS, metadata={"format": "pt"})
+    return dst
+
+
+MUTATIONS = {"zero_expert": zero_expert, "scale_experts": scale_experts, "permute_experts": permute_experts,
+             "drop_group": drop_group}

@@ -36,7 +36,7 @@ from lpdiff.harness.spec.adapters.generate import (
     GENERATOR_VERSION,
     generate_adapter,
 )
-from lpdiff.harness.spec.adapters.inspection import AdapterInfo, inspect_adapter
+from lpdiff.harness.spec.adapters.inspection import AdapterInfo, adapter_groups, inspect_adapter
 from lpdiff.harness.spec.adapters.layout import (
     GROUPS,
     LAYOUTS,
@@ -62,6 +62,7 @@ __all__ = [
     "ExpertParam",
     "ModelLayout",
     "Targets",
+    "adapter_groups",
     "convert_adapter",
     "generate_adapter",
     "inspect_adapter",

@@ -12,7 +12,7 @@ from lpdiff.harness.spec.adapters.files import (
     WEIGHTS_NAME,
     read_provenance,
 )
-from lpdiff.harness.spec.adapters.layout import KEY_RE, PER_EXPERT_RE, module_group
+from lpdiff.harness.spec.adapters.layout import GROUPS, KEY_RE, PER_EXPERT_RE, module_group
 
 
 @dataclass(slots=True)
@@ -81,3 +81,20 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
         layout=layout, keys=keys, shapes=shapes, dtypes=sorted(dtypes), groups=sorted(groups),
         num_experts=num_experts, rank_pattern=dict(cfg.get("rank_pattern") or {}),
         alpha_pattern=dict(cfg.get("alpha_pattern") or {}), provenance=read_provenance(adapter_dir))
+
+
+def adapter_groups(adapter_dir: str | Path) -> tuple[str, ...]:
+    """The module groups (GROUPS) an adapter's tensors touch, from the file's keys alone: an adapter with exactly
+    one is that group's lane, whose delta fidelity a verdict reports under the group's name."""
+    from safetensors import safe_open
+
+    weights = Path(adapter_dir) / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
+    with safe_open(str(weights), framework="pt") as f:
+        keys = list(f.keys())  # noqa: SIM118 (safe_open is not iterable)
+    found = set()
+    for k in keys:
+        m = KEY_RE.fullmatch(k)
+        found.add(module_group(m.group(1) if m else k))
+    return tuple(g for g in GROUPS if g in found)

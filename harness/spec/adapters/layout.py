@@ -10,7 +10,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-GROUPS = ("attention", "linear_attention", "mlp", "shared_expert", "experts")
+# Module groups an adapter can target, one per kind of block of the four families: full attention (Qwen3.5's
+# q_proj is twice as wide: query and output gate), Gated DeltaNet linear attention (Qwen3.5: in_proj_qkv, in_proj_z,
+# in_proj_b, in_proj_a, out_proj), Mamba-2 mixers (Nemotron-H: in_proj, out_proj), dense MLPs, shared experts and
+# routed experts. A verdict names the group whose LoRA an engine mishandles by these names.
+GROUPS = ("attention", "linear_attention", "mamba", "mlp", "shared_expert", "experts")
 LAYOUTS = ("peft3d", "per_expert")
 PEFT_PREFIX = "base_model.model."
 
@@ -18,7 +22,8 @@ _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj"}
 _ROUTERS = {"gate", "router", "shared_expert_gate"}
 _SHARED = {"shared_expert", "shared_experts"}
-# PEFT raises for LoRA on these leaves of Mamba models; the linear_attention group leaves them out.
+# PEFT 0.21 raises for LoRA on these leaves of Mamba models (peft/tuners/tuners_utils.py,
+# _check_lora_target_modules_mamba): the mamba group is in_proj alone there.
 _PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}
 _PEFT_MAMBA_REFUSED = {"out_proj", "conv1d"}
 _ROOT_ALIASES = {"nemotron_h": ("backbone.",), "qwen3_5_moe_text": ("model.language_model.",),
@@ -42,8 +47,10 @@ def module_group(path: str) -> str:
         return "shared_expert"
     if leaf in _ATTENTION:
         return "attention"
-    if parent == "linear_attn" or (parent == "mixer" and leaf in ("in_proj", "out_proj")):
+    if parent == "linear_attn":
         return "linear_attention"
+    if parent in ("mixer", "mamba") and leaf in ("in_proj", "out_proj"):  # Nemotron-H / Mamba-2, Falcon-H1
+        return "mamba"
     if leaf in _MLP:
         return "mlp"
     return "other"
