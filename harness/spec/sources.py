@@ -89,6 +89,7 @@ def snapshot(ref: HubRef, allow_patterns: list[str] | None) -> Snapshot:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
+        IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -101,7 +102,8 @@ def snapshot(ref: HubRef, allow_patterns: list[str] | None) -> Snapshot:
     fetch = f"fetch it with `{ref.fetch_command()}`"
     try:
         path = Path(snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=ref.revision,
-                                      cache_dir=str(hub_cache()), allow_patterns=patterns))
+                                      cache_dir=str(hub_cache()), allow_patterns=patterns,
+                                      local_files_only=offline))  # offline: even a commit hash asks no server
     except RevisionNotFoundError:
         raise SpecError(f"{ref.label}: no revision {ref.revision!r} (a branch, tag or commit of the repo); "
                         f"pass an existing one, e.g. `{HubRef(ref.repo_id, None, ref.repo_type).fetch_command()}` "
@@ -109,6 +111,10 @@ def snapshot(ref: HubRef, allow_patterns: list[str] | None) -> Snapshot:
     except RepositoryNotFoundError:
         raise SpecError(f"{ref.label} not found on the Hub (or private/gated: log in with `hf auth login`); "
                         f"check the id, then {fetch}") from None
+    except IncompleteSnapshotError as e:
+        missing = str(e).split("are missing (")[-1].split(")")[0] if "are missing (" in str(e) else "some files"
+        raise SpecError(f"{ref.label}: the cached snapshot lacks {missing} (cache {hub_cache()}); {fetch}"
+                        + (" (with HF_HUB_OFFLINE unset)" if offline else "")) from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         why = ("is not in the HF cache and HF_HUB_OFFLINE is set" if offline
                else f"could not be fetched ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
