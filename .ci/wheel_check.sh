@@ -19,11 +19,21 @@ fresh_venv "$work/venv"
 pipq wheel -q --no-deps "$work/src" -w "$work/dist"
 whl=$(ls "$work"/dist/lpdiff-*.whl)
 echo "== built $(basename "$whl") ($(( $(stat -c %s "$whl") / 1024 )) KiB)"
-python - "$whl" <<'PY'
+python - "$whl" "$work/src" <<'PY'
 import sys
 import zipfile
+from pathlib import Path
 
 names = zipfile.ZipFile(sys.argv[1]).namelist()
+src = Path(sys.argv[2])
+# every file of the source tree (code and data), under the name it installs as: harness/x -> lpdiff/harness/x
+want = sorted(str(p.relative_to(src)) if top == "lpdiff" else f"lpdiff/{p.relative_to(src)}"
+              for top in ("lpdiff", "harness", "engines", "kernels", "baselines")
+              for p in (src / top).rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith("."))
+lost = [w for w in want if w not in names]
+assert not lost, (f"{len(lost)} files of the tree are missing from the wheel (pyproject's packages / package-data "
+                  f"must name them): {lost[:20]}")
 tops = sorted({n.split("/")[0] for n in names})
 bad = [t for t in tops if t != "lpdiff" and not t.endswith(".dist-info")]
 assert not bad, f"the wheel claims top-level names besides lpdiff: {bad}"
@@ -31,7 +41,8 @@ need = {"zoo": "lpdiff/harness/zoo/", "zoo adapters": "lpdiff/harness/zoo_adapte
         "tokenizer": "tokenizer", "baselines": "lpdiff/baselines/", "thresholds": "thresholds.json"}
 missing = [what for what, part in need.items() if not any(part in n for n in names)]
 assert not missing, f"the wheel lacks package data: {missing}"
-print(f"== wheel: {len(names)} files, top level {tops}; zoo, zoo adapters, tokenizer, baselines, thresholds present")
+print(f"== wheel: {len(names)} files, top level {tops}; all {len(want)} files of lpdiff/ harness/ engines/ kernels/ "
+      f"baselines/ in it (zoo, zoo adapters, tokenizer, baselines, thresholds among them)")
 PY
 
 pipq install -q torch==2.13.0  # README's torch first (the CPU build where one is on offer)
