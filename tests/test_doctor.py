@@ -267,3 +267,48 @@ def test_sglang_refuses_target_modules_pattern(zoo, tmp_path):
     r = doctor(zoo["tiny-qwen3-moe"][0], a)
     assert "list of module names" in check(r, "sglang", "error", "sglang-target-modules-string").fix
     assert r.codes("hf", "error") == set()  # PEFT takes the pattern
+
+
+# -- what the validation layer refuses, doctor reports (exit 1): the same Problems, engine "all" ----------------------
+
+def _zoo_copy(tmp_path, model="tiny-qwen3-moe", name="attention") -> Path:
+    import shutil
+
+    from lpdiff.harness.spec.resolve import zoo_adapters
+
+    shutil.copytree(zoo_adapters(model)[name].path, tmp_path / name)
+    return tmp_path / name
+
+
+def _tensors(d: Path, fn) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    save_file(fn(load_file(str(d / "adapter_model.safetensors"))), str(d / "adapter_model.safetensors"))
+    return d
+
+
+def _with_router_target(d: Path) -> Path:
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_parameters": [*cfg["target_parameters"],
+                                                                                     "mlp.gate.weight"]}))
+    return d
+
+
+@pytest.mark.parametrize("model, name, breaks, code", [
+    ("tiny-gpt-oss", "attention", lambda d: d, "arch-mismatch"),  # a qwen3_moe adapter on gpt-oss
+    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {}), "empty-adapter"),
+    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {k: v * float("inf") for k, v in t.items()}),
+     "non-finite"),
+    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {k: v[:4].contiguous() if ".lora_A." in k
+                                                                    else v[:, :4].contiguous() for k, v in t.items()}),
+     "rank-mismatch"),
+    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {k: torch.cat([v, v], 1) if ".lora_A." in k else v
+                                                                    for k, v in t.items()}), "shape-mismatch"),
+    ("tiny-qwen3-moe", "experts", _with_router_target, "target-without-tensors"),
+], ids=["arch", "empty", "non-finite", "rank", "shape", "target-without-tensors"])
+def test_doctor_reports_what_a_run_refuses(tmp_path, model, name, breaks, code):
+    from lpdiff.harness.spec.catalog import get_model
+
+    bad = breaks(_zoo_copy(tmp_path, name=name))
+    r = doctor(get_model(model), bad, engines=["hf"])
+    assert str(bad) in check(r, "all", "error", code).message and r.exit_code == 1
