@@ -30,7 +30,7 @@ def test_regen_then_run_passes_and_saves_runs(tmp_path, capsys):
     saved = sorted((tmp_path / "runs").glob("*.npz"))
     assert len(saved) == 2
     # two stored runs compared: base vs adapter differ far beyond any fp32 threshold
-    assert main(["compare", "--runs", str(saved[0]), str(saved[1])]) == 1
+    assert main(["compare", "--runs", str(saved[0]), str(saved[1]), "--allow-different"]) == 1
 
 
 # Each planted fault is a real mechanism an engine gets wrong; the verdict must FAIL and name what moved.
