@@ -9,11 +9,11 @@ import struct
 
 import pytest
 import torch
-
 from lpdiff.harness.spec import cut
 from lpdiff.harness.spec.catalog import ZOO_DIR, get_model, load_hf_model
 from lpdiff.harness.spec.resolve import SpecError, resolve_model
 from lpdiff.harness.types import dir_hash
+
 from tests.helpers.hf_cache import offline_home
 
 

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from lpdiff.harness.spec import sources
 from lpdiff.harness.spec.catalog import ZOO_DIR, get_model
 from lpdiff.harness.spec.resolve import SpecError, resolve, resolve_model
+
 from tests.helpers.hf_cache import offline_home, populate
 
 MODEL = "tiny-qwen3-moe"

@@ -7,7 +7,7 @@ wrappers work around for them.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from lpdiff.harness.spec.errors import SpecError
 from lpdiff.harness.spec.resolve import Resolved

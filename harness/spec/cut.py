@@ -97,8 +97,7 @@ def cut_shard(src: Path, dst: Path, n: int) -> int:
             out.write(struct.pack("<Q", len(blob)) + blob)
             for k in names:
                 b, e = header[k]["data_offsets"]
-                for off in range(b, e, _CHUNK):
-                    out.write(_read(fh, base + off, min(_CHUNK, e - off)))
+                out.writelines(_read(fh, base + off, min(_CHUNK, e - off)) for off in range(b, e, _CHUNK))
         return pos
 
 
