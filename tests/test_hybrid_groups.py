@@ -182,10 +182,9 @@ def _run(values):
 def test_lane_fidelity_names_the_dropped_group():
     """A lane per group plus an all-groups lane: the engine drops the shared expert everywhere. The group's own lane
     and the all-groups lane both report it under its name; the intact group stays within the threshold."""
-    from lpdiff.harness.pipeline.metrics import lane_fidelity
+    from lpdiff.harness.pipeline.metrics import compare, lane_fidelity
     from lpdiff.harness.pipeline.thresholds import Threshold
     from lpdiff.harness.pipeline.verdict import judge
-    from lpdiff.harness.pipeline.metrics import compare
 
     base = [-1.0, -2.0, -3.0]
     refs = {None: _run(base), "attention": _run([-1.1, -2.0, -3.0]), "shared_expert": _run([-1.0, -2.2, -3.0]),
