@@ -13,11 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from lpdiff.harness.cli import main  # noqa: E402
-from lpdiff.harness.spec.resolve import zoo_adapters  # noqa: E402
-from lpdiff.harness.types import LogprobRun, PromptLogprobs  # noqa: E402
+from lpdiff.harness.cli import main
+from lpdiff.harness.spec.resolve import zoo_adapters
+from lpdiff.harness.types import LogprobRun, PromptLogprobs
+from safetensors.torch import load_file, save_file
 
 MODEL = "tiny-qwen3-moe"
 

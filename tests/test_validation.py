@@ -10,12 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from lpdiff.engines import EngineConfig, open_engine  # noqa: E402
-from lpdiff.harness.spec.catalog import get_model  # noqa: E402
-from lpdiff.harness.spec.resolve import zoo_adapters  # noqa: E402
-from lpdiff.harness.spec.validate import (  # noqa: E402
+from lpdiff.engines import EngineConfig, open_engine
+from lpdiff.harness.spec.catalog import get_model
+from lpdiff.harness.spec.resolve import zoo_adapters
+from lpdiff.harness.spec.validate import (
     LOGPROB_TOL,
     ValidationError,
     adapter_problems,
@@ -23,7 +21,8 @@ from lpdiff.harness.spec.validate import (  # noqa: E402
     check_run,
     model_facts,
 )
-from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs  # noqa: E402
+from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs
+from safetensors.torch import load_file, save_file
 
 MODEL = "tiny-qwen3-moe"
 

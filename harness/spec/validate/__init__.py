@@ -9,7 +9,11 @@ from lpdiff.harness.spec.validate.adapters import (
     read_adapter_config,
 )
 from lpdiff.harness.spec.validate.errors import Problem, ValidationError, first_error
-from lpdiff.harness.spec.validate.prompts import check_prompt, check_prompts, model_limits
+from lpdiff.harness.spec.validate.prompts import (
+    check_prompt,
+    check_prompts,
+    model_limits,
+)
 from lpdiff.harness.spec.validate.runs import (
     LOGPROB_TOL,
     check_reference_runs,

@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lpdiff.harness.spec.adapters.files import CONFIG_NAME, WEIGHTS_NAME, read_provenance
-from lpdiff.harness.spec.adapters.layout import PER_EXPERT_RE, ModelLayout, module_group
+from lpdiff.harness.spec.adapters.files import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    read_provenance,
+)
+from lpdiff.harness.spec.adapters.layout import PER_EXPERT_RE, ModelLayout
 from lpdiff.harness.spec.validate.errors import Problem, ValidationError, first_error
 
 PICKLE_NAMES = ("adapter_model.bin", "pytorch_model.bin")
@@ -134,7 +138,8 @@ def _arch_problem(d: Path, cfg: dict, facts: ModelFacts) -> Problem | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     ours = {type(facts.meta).__name__, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(facts.arch, "?")}
-    said = (cfg.get("auto_mapping") or {}).get("base_model_class") if isinstance(cfg.get("auto_mapping"), dict) else None
+    mapping = cfg.get("auto_mapping")
+    said = mapping.get("base_model_class") if isinstance(mapping, dict) else None
     made_for = (read_provenance(d).get("generated") or {}).get("model_type")
     if said and said not in ours:
         what = f"{CONFIG_NAME} says it was made for {said} (auto_mapping.base_model_class)"
@@ -217,8 +222,8 @@ def tensor_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, num_la
         rank = (t.shape[0] if which == "A" else t.shape[1]) if t.ndim == 2 else None
         if t.ndim != 2 or got != want:
             found.setdefault("shape-mismatch", []).append(
-                f"{key} is {tuple(t.shape)}, the model's {mod} needs {'(r, ' + str(want) + ')' if which == 'A' else '(' + str(want) + ', r)'}"
-                + (f" x {n} experts" if n > 1 else ""))
+                f"{key} is {tuple(t.shape)}, the model's {mod} needs "
+                + (f"(r, {want})" if which == "A" else f"({want}, r)") + (f" x {n} experts" if n > 1 else ""))
         elif rank % n or rank // n not in ranks:
             found.setdefault("rank-mismatch", []).append(
                 f"{key} has rank {rank // n if rank % n == 0 else rank / n} but {CONFIG_NAME} says r={min(ranks)}")

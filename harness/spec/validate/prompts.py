@@ -2,10 +2,10 @@
 two integer token ids inside the vocabulary and within the model's positions."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-
 from lpdiff.harness.spec.validate.errors import ValidationError
 
 _LIMITS: dict[tuple, tuple[int | None, int | None]] = {}

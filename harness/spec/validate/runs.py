@@ -7,7 +7,6 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-
 from lpdiff.harness.spec.validate.errors import ValidationError
 from lpdiff.harness.types import LogprobRun
 
@@ -79,7 +78,8 @@ def check_run(run: LogprobRun, source: str, vocab_size: int | None = None,
                     [np.isfinite(p.topk_logprobs) & (p.topk_logprobs > LOGPROB_TOL) for p in run.prompts])]
         hi = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
         where = f"[0, {vocab_size})" if vocab_size is not None else "the non-negative ids"
-        checks.append((f"top-k id(s) are outside {where}", [(p.topk_ids < 0) | (p.topk_ids >= hi) for p in run.prompts]))
+        checks.append((f"top-k id(s) are outside {where}",
+                       [(p.topk_ids < 0) | (p.topk_ids >= hi) for p in run.prompts]))
     for what, masks in checks:
         n, i, j = _first(masks)
         if n:
