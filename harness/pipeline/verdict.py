@@ -91,29 +91,6 @@ def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = Non
                    near_tie_share=metrics.near_tie_share, notes=notes)
 
 
-def _fidelity_cell(f: Fidelity) -> str:
-    if f is None:
-        return "-"
-    if isinstance(f, Mapping):
-        group, worst = max(f.items(), key=lambda kv: kv[1] if not math.isnan(kv[1]) else math.inf)
-        return f"{worst:.3g} [{group}]"
-    return f"{f:.3g}"
-
-
-def format_table(verdicts: Sequence[Verdict]) -> str:
-    """Plain-text table, one row per verdict, for terminals and PR descriptions."""
-    head = ("model", "engine pair", "dtype", "TP", "adapter", "k2", "max |Δ|", "Δ fidelity", "near-tie",
-            "threshold", "verdict", "reason")
-    rows = [head] + [(
-        v.model, v.engine_pair, v.dtype, str(v.tp), v.adapter or "-", f"{v.metrics.k2:.3g}",
-        f"{v.metrics.max_abs:.3g}", _fidelity_cell(v.delta_fidelity),
-        "-" if v.near_tie_share is None else f"{v.near_tie_share:.1%}", v.threshold.provenance,
-        "PASS" if v.passed else "FAIL", "; ".join(v.reasons)) for v in verdicts]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def _plain(obj: Any) -> Any:
     """JSON-safe copy: NaN and inf become strings (JSON has no such numbers, and None would hide them)."""
     if isinstance(obj, float) and not math.isfinite(obj):
