@@ -76,6 +76,14 @@ MOE_LORA_SETTINGS: dict[str, Any] = {
     "disable_cuda_graph": True, "disable_radix_cache": True, "skip_server_warmup": True,
     "mem_fraction_static": 0.5,
 }
+# Per model type, over MOE_LORA_SETTINGS. Nemotron-H: server_args asserts against triton attention for it and the
+# offline bundle has no FA3 (flash_ops, 1.76 GB), so torch_native (SDPA). Hybrids with a shared expert: SGLang's
+# own LoRA tests for Qwen3.5 / Nemotron-H disable shared-expert fusion (the fused kernel would carry the shared
+# expert's LoRA as a routed expert's).
+ARCH_SETTINGS: dict[str, dict[str, Any]] = {
+    "nemotron_h": {"attention_backend": "torch_native", "disable_shared_experts_fusion": True},
+    "qwen3_5_moe": {"disable_shared_experts_fusion": True},
+}
 _OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir")
 _RESOLVED = "_resolved"  # option the parent hands the lane: {"server_args": ..., "vocab_size": ...}
 _NOT_INSTALLED = ("sglang is not installed for {python}: install sglang==0.5.15 (or unpack the offline bundle from "
@@ -155,7 +163,8 @@ def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any]
     # log_level: sgl.Engine defaults to "error", which would hide the LoRA loading lines ("loaded weights for
     # target modules", "weight(s) skipped") that the lane's log tail should carry when something goes wrong
     args: dict[str, Any] = {"model_path": model_path, "skip_tokenizer_init": True, "dtype": config.dtype,
-                            "tp_size": config.tp, "random_seed": 0, "log_level": "info", **MOE_LORA_SETTINGS}
+                            "tp_size": config.tp, "random_seed": 0, "log_level": "info", **MOE_LORA_SETTINGS,
+                            **ARCH_SETTINGS.get(config.model.arch, {})}
     if config.adapters:
         args.update(enable_lora=True, lora_paths={n: str(a.path) for n, a in config.adapters.items()},
                     max_lora_rank=max(adapter_max_rank(a.path) for a in config.adapters.values()),
