@@ -3,7 +3,6 @@ layout and merged into a model exactly as PEFT merges it."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from lpdiff.harness.spec.adapters.files import load_tensors, read_config
-from lpdiff.harness.spec.adapters.layout import PER_EXPERT_RE, ModelLayout
+from lpdiff.harness.spec.adapters.layout import ModelLayout
 
 
 def peft_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -62,9 +61,8 @@ class CanonicalAdapter:
 
 
 def _targeted(layout: ModelLayout, module: str, target_parameters) -> list[str]:
-    """The module's parameters PEFT wraps for `target_parameters`, innermost first (definition order)."""
-    return [p for p in layout.module_params[module]
-            if any(f"{module}.{p}" == t or f"{module}.{p}".endswith("." + t) for t in target_parameters or ())]
+    """ModelLayout.targeted_params (spec/validate imports this name)."""
+    return layout.targeted_params(module, target_parameters)
 
 
 def as_layout(model_config) -> ModelLayout:
@@ -80,22 +78,10 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     pairs: dict[tuple, dict[str, torch.Tensor]] = {}  # (kind, ...) -> {"A": t, "B": t}
     for key, t in load_tensors(adapter_dir).items():
         mod, which = layout.memory_path(key)
-        base = re.sub(r"(\.base_layer)+$", "", mod)
-        depth = (len(mod) - len(base)) // len(".base_layer")
-        pe = PER_EXPERT_RE.fullmatch(mod)
-        if base in layout.module_params:
-            names = _targeted(layout, base, cfg.get("target_parameters"))
-            if depth >= len(names):
-                raise ValueError(f"{key}: {len(names)} parameter(s) of {base} are in target_parameters "
-                                 f"{cfg.get('target_parameters')}, so PEFT nests at most {len(names) - 1} base_layer")
-            ident = ("3d", f"{base}.{names[len(names) - 1 - depth]}")
-        elif pe is not None and pe.group(1) in layout.module_params:
-            ident = ("pe", pe.group(1), pe.group(3), int(pe.group(2)))
-        elif mod in layout.linears:
-            ident = ("dense", mod)
-        else:
-            raise ValueError(f"{key}: no module {mod!r} in this {layout.model_type} model; is the adapter for "
-                             "another model (or another depth)?")
+        try:
+            ident = layout.tensor_slot(mod, cfg.get("target_parameters"))
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
         slot = pairs.setdefault(ident, {})
         if which in slot:
             raise ValueError(f"{key}: two tensors map to the same LoRA {which} of {ident[1]}")

@@ -147,6 +147,33 @@ class ModelLayout:
                              "magnitudes, LoRA biases, embedding LoRA or modules_to_save)")
         return m.group(1), m.group(2)
 
+    def targeted_params(self, module: str, target_parameters) -> list[str]:
+        """The experts module's parameters PEFT wraps for ``target_parameters``, innermost first (definition
+        order)."""
+        return [p for p in self.module_params[module]
+                if any(f"{module}.{p}" == t or f"{module}.{p}".endswith("." + t) for t in target_parameters or ())]
+
+    def tensor_slot(self, mod: str, target_parameters) -> tuple:
+        """Which weight the LoRA tensors of in-memory module path ``mod`` (memory_path's first part) adapt:
+        ("3d", parameter path) for PEFT's stacked experts, whose ``.base_layer`` depth picks the parameter;
+        ("pe", experts module, projection, expert) for per-expert files; ("dense", module) for an nn.Linear.
+        Raises ValueError naming the problem otherwise."""
+        base = re.sub(r"(\.base_layer)+$", "", mod)
+        if base in self.module_params:
+            depth = (len(mod) - len(base)) // len(".base_layer")
+            names = self.targeted_params(base, target_parameters)
+            if depth >= len(names):
+                raise ValueError(f"{len(names)} parameter(s) of {base} are in target_parameters "
+                                 f"{target_parameters}, so PEFT nests at most {max(len(names) - 1, 0)} base_layer")
+            return "3d", f"{base}.{names[len(names) - 1 - depth]}"
+        pe = PER_EXPERT_RE.fullmatch(mod)
+        if pe is not None and pe.group(1) in self.module_params:
+            return "pe", pe.group(1), pe.group(3), int(pe.group(2))
+        if mod in self.linears:
+            return "dense", mod
+        raise ValueError(f"no module {mod!r} in this {self.model_type} model; is the adapter for another model (or "
+                         "another depth)?")
+
 
 @dataclass(slots=True, frozen=True)
 class Targets:
