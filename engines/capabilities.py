@@ -20,6 +20,12 @@ ROUTER_LORA = ("applied", "refused", "peft")  # "peft": whatever PEFT can wrap (
 SEVERITIES = ("error", "warning", "info")
 
 
+def model_type(arch: str) -> str:
+    """The checkpoint's model type for an in-memory arch: a multimodal checkpoint's text model ("qwen3_5_moe_text",
+    what transformers builds for Qwen3.5's text_config) is served by engines as the checkpoint ("qwen3_5_moe")."""
+    return arch.removesuffix("_text")
+
+
 @dataclass(slots=True, frozen=True)
 class KnownDefect:
     """One engine behaviour a user must know before running: the engine refuses the adapter, dies, or silently
@@ -43,7 +49,7 @@ class KnownDefect:
 
     def applies(self, arch: str | None = None, layout: str | None = None, tp: int | None = None) -> bool:
         """Whether it applies to this arch / layout / TP size (None: not asked, matches)."""
-        return ((arch is None or not self.archs or arch in self.archs)
+        return ((arch is None or not self.archs or model_type(arch) in self.archs)
                 and (layout is None or not self.layouts or layout in self.layouts)
                 and (tp is None or not self.tp or tp in self.tp))
 
@@ -95,7 +101,7 @@ class Capabilities:
             assert all(bool(e.archs) != bool(d.archs) or not set(e.archs) & set(d.archs) for e in twins), d.id
 
     def serves(self, arch: str) -> bool:
-        return self.archs is None or arch in self.archs
+        return self.archs is None or model_type(arch) in self.archs
 
     def defect(self, id: str, arch: str | None = None) -> KnownDefect:
         for d in self.defects(arch):

@@ -72,7 +72,7 @@ def engine_options(engine: str) -> dict:
     path = os.environ.get(f"{name}_PYTHONPATH")
     opts: dict = {}
     if python or path:
-        opts["python"] = python or sys.executable
+        opts["python"], opts["lane"] = python or sys.executable, "subprocess"
     if path:
         opts["lane_env"] = {"PYTHONPATH": path}
     if extra := os.environ.get(f"{name}_OPTIONS"):
