@@ -92,7 +92,7 @@ def adapter_groups(adapter_dir: str | Path) -> tuple[str, ...]:
     if not weights.is_file():
         raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
     with safe_open(str(weights), framework="pt") as f:
-        keys = list(f.keys())  # noqa: SIM118 (safe_open is not iterable)
+        keys = list(f.keys())
     found = set()
     for k in keys:
         m = KEY_RE.fullmatch(k)
