@@ -104,8 +104,37 @@ def _patch_interpreter_scalars() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_masks() -> None:
+    """The interpreter keeps a comparison's result under its operands' dtype (a bool array tagged int32), so a
+    scalar condition splatted onto a tile (``(offs < n) & (a >= 0)``) becomes an int32 array of 0/1. Triton 3.6's
+    load and store read any integer mask as a truth value; 3.9's reject it ("mask has unsupported dtype"). Hand
+    them a bool view of the same 0/1 values, as the compiled kernel's i1 mask is; compiled kernels are not
+    affected."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    if getattr(InterpreterBuilder.create_masked_load, "_lpdiff", False):
+        return
+
+    def as_bool(mask):  # a TensorHandle, or a plain array from a block pointer's or descriptor's bounds
+        if isinstance(mask, TensorHandle) and mask.data.dtype != bool:
+            return TensorHandle(mask.data != 0, mask.dtype)
+        return mask
+
+    load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+
+    def masked_load(self, ptrs, mask, *args, **kwargs):
+        return load(self, ptrs, as_bool(mask), *args, **kwargs)
+
+    def masked_store(self, ptrs, value, mask, *args, **kwargs):
+        return store(self, ptrs, value, as_bool(mask), *args, **kwargs)
+
+    masked_load._lpdiff = masked_store._lpdiff = True
+    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = masked_load, masked_store
+
+
 if triton is not None:
     _patch_interpreter_scalars()
+    _patch_interpreter_masks()
 
 
 def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
