@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from lpdiff.engines.base import EngineConfig
-from lpdiff.engines.triton.engine import ATTENTION, OPTIONS
+from lpdiff.engines.triton.options import ATTENTION, DEFAULTS as OPTIONS
 from lpdiff.kernels import fused_moe_lora as fm
-from lpdiff.kernels.fused_moe_lora import EXPAND, MOE_EXPAND
+from lpdiff.kernels.fused_moe_lora import MOE_EXPAND
+from lpdiff.kernels.gemm_config import EXPAND
 from lpdiff.kernels.moe_grouped import BACKENDS
 from lpdiff.harness.types import AdapterSpec
 

@@ -38,7 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from lpdiff.kernels import moe_grouped as mg
-from lpdiff.kernels.fused_moe_lora import GemmConfig, MoeLoraWeights, activate, moe_forward, moe_forward_triton
+from lpdiff.kernels.activation import activate
+from lpdiff.kernels.fused_moe_lora import moe_forward_triton
+from lpdiff.kernels.gemm_config import GemmConfig
+from lpdiff.kernels.lora_weights import MoeLoraWeights
+from lpdiff.kernels.moe import moe_forward
 from lpdiff.kernels.lora_linear import base_linear, lora_linear, pack_lora_b
 from tests.helpers.moe_bench import (SHAPES, SM90_FLAG_SETS, MoeShape, bench, configs, make_inputs, rel_err,
                                      shrink_label, shrink_sweep, sm90_report, stage_breakdown, untimed)

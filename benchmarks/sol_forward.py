@@ -66,7 +66,7 @@ class Shapes:
 
 
 def shapes_of(model: str, batch: int, seq: int, layers: int | None) -> Shapes:
-    from lpdiff.engines.triton.config import model_config
+    from lpdiff.engines.triton.archs import model_config
     from lpdiff.harness.spec.catalog import get_model, hf_config
 
     cfg = model_config(hf_config(get_model(model, num_layers=layers)))

@@ -1,10 +1,19 @@
-"""Triton kernels with a pure-torch reference beside each: fused MoE-LoRA expert GEMMs and batched dense LoRA.
+"""Triton kernels with a pure-torch reference beside each: the MoE expert GEMMs with multi-adapter LoRA, batched
+dense LoRA, attention and target logprobs.
 
 Every op takes impl="auto" | "triton" | "torch"; auto picks Triton for CUDA tensors or under TRITON_INTERPRET=1.
+Files, lowest first: _triton (launch and interpreter shims), activation, lora_weights, moe_align, gemm_config,
+lora_shrink, gemm_tiles, lora_gemm, moe_reference, lora_linear, fused_moe_lora, moe_grouped, moe (the MoE op).
 """
-from lpdiff.kernels.fused_moe_lora import MoeLoraWeights, moe_forward, moe_forward_torch
+from lpdiff.kernels.fused_moe_lora import LORA_SHRINK
+from lpdiff.kernels.gemm_config import PADDING
 from lpdiff.kernels.lora_linear import lora_linear, lora_linear_torch
+from lpdiff.kernels.lora_shrink import MAX_RANK
+from lpdiff.kernels.lora_weights import MoeLoraWeights
+from lpdiff.kernels.moe import moe_forward
 from lpdiff.kernels.moe_align import MoeRouting, moe_align
+from lpdiff.kernels.moe_grouped import BACKENDS
+from lpdiff.kernels.moe_reference import moe_forward_torch
 
-__all__ = ["MoeLoraWeights", "moe_forward", "moe_forward_torch", "lora_linear", "lora_linear_torch",
-           "MoeRouting", "moe_align"]
+__all__ = ["BACKENDS", "LORA_SHRINK", "MAX_RANK", "PADDING", "MoeLoraWeights", "MoeRouting", "lora_linear",
+           "lora_linear_torch", "moe_align", "moe_forward", "moe_forward_torch"]

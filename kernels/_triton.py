@@ -1,5 +1,6 @@
-"""What every kernel file shares: picking torch or Triton, and running one Triton kernel either compiled (CUDA
-tensors) or interpreted (CPU tensors) in the same process, whatever TRITON_INTERPRET said at import time."""
+"""What every kernel file shares: picking torch or Triton, running one Triton kernel either compiled (CUDA
+tensors) or interpreted (CPU tensors) in the same process whatever TRITON_INTERPRET said at import time, the
+interpreter shims that keep the kernels running on Triton 3.6 through 3.9, and small launch helpers."""
 from __future__ import annotations
 
 import os
@@ -147,3 +148,24 @@ def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
 
 def next_pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+_CONST_CACHE: dict = {}
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    """A small device tensor made once per key and reused by every launch after."""
+    if key not in _CONST_CACHE:
+        _CONST_CACHE[key] = make()
+    return _CONST_CACHE[key]
+
+
+def device_const(values: tuple, device: torch.device) -> torch.Tensor:
+    """A small int32 tensor built once per (values, device): building it per call would be a host-to-device copy."""
+    return _cached(("const", values, str(device)), lambda: torch.tensor(values, dtype=torch.int32, device=device))
+
+
+def placeholder(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A never-read stand-in for an absent tensor argument, allocated once per (shape, dtype, device): an
+    allocation per launch costs microseconds of host time, and the runtime's LoRA path is host-bound."""
+    return _cached(("placeholder", shape, dtype, str(device)), lambda: torch.empty(shape, dtype=dtype, device=device))

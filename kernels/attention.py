@@ -8,7 +8,7 @@ units (compared with the scaled q.k), so it only enlarges the denominator.
 
 Why a kernel: gpt-oss's attention (sinks, alternate 128-token windows, 64 heads of 64) ran on torch's private
 FlashAttention-2 varlen op plus an fp32 sink correction over its output: ~7 ms of a 69 ms full-depth call on an
-H200, against 1.75 ms for SDPA's plain causal attention at the same shapes (benchmarks/sol_forward.py, run 56).
+H200, against 1.75 ms for SDPA's plain causal attention at the same shapes (benchmarks/sol_forward.py).
 Here the sink is the online softmax's starting point (running max = sink, running sum = 1), the window bounds the
 key loop, and q/k/v are read in place from the q|k|v GEMM's output (strided views, no copies).
 """
@@ -142,7 +142,7 @@ if triton is not None:
 def attention_config(head_dim: int, dtype: torch.dtype, cuda: bool) -> dict:
     """Tiles (BLOCK_N must divide BLOCK_M: a query block's unmasked keys end at its first row). On the GPU 64
     queries x 64 keys, 4 warps, 3 stages: the fastest of 8 tilings at gpt-oss-20b's sliding and full layers and at
-    Qwen3-30B-A3B's head_dim 128 (H200, bf16, 8 x 512 tokens; benchmarks/attention_probe.py, run 57: 75.8 / 80.4 /
+    Qwen3-30B-A3B's head_dim 128 (H200, bf16, 8 x 512 tokens; benchmarks/results/kernels.md: 75.8 / 80.4 /
     87.5 us per layer against 82.7-134 us for the others); fp32 (parity checks) keeps its tiles small. In the
     interpreter small tiles: the cost is per program step."""
     if not cuda:
@@ -176,7 +176,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               impl: str = "auto", config: dict | None = None) -> torch.Tensor:
     """q (T, Hq, D), k/v (T, Hkv, D) (strided views are fine: head_dim contiguous), cu_seqlens (B+1,) int32,
     max_len = the longest prompt (sizes the grid, no device sync) -> (T, Hq, D) in q's dtype.
-    config: attention_config's keys to override (benchmarks/attention_probe.py's tile sweep)."""
+    config: attention_config's keys to override (a tile sweep)."""
     check_attention_inputs(q, k, v, cu_seqlens, window, sinks)
     if resolve_impl(impl, q) == "torch":
         return attention_torch(q, k, v, cu_seqlens, scale, window, sinks)

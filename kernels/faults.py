@@ -44,21 +44,22 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("lora_b_unmasked",
           "the LoRA-B expand of the expert gate_up GEMM without a column mask: for N not a multiple of the block, "
           "the last tile reads B rows of the next expert and stores its overflow into the next row",
-          "kernels/fused_moe_lora.py: add_slot_deltas (torch), the LoRA-B load/store of _grouped_gemm_kernel"),
+          "kernels/moe_reference.py: add_slot_deltas (torch); kernels/lora_gemm.py: the LoRA-B load/store of "
+          "_grouped_gemm_kernel"),
     Fault("lora_after_activation",
           "expert gate_up LoRA added after the activation (act(xW) + act(xAB)) instead of inside it (act(xW + xAB))",
-          "kernels/fused_moe_lora.py: moe_forward_torch, _grouped_gemm_kernel epilogue"),
+          "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue"),
     Fault("topk_weight_twice",
           "the routing weight multiplied into the expert down LoRA delta twice (once in the LoRA kernel, once in "
           "the weighted sum)",
-          "kernels/fused_moe_lora.py: moe_forward_torch, _grouped_gemm_kernel epilogue"),
+          "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue"),
     Fault("topk_weight_missing",
           "the expert down LoRA delta added to the MoE output without its routing weight",
-          "kernels/fused_moe_lora.py: moe_forward_torch, _grouped_gemm_kernel epilogue"),
+          "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue"),
     Fault("relu2_as_gated",
           "a non-gated relu^2 MoE (Nemotron-H) run through the gated path: the up projection's I rows read as "
           "gate|up halves (SiLU(first) * second) and the down GEMM over the first I/2 columns",
-          "kernels/fused_moe_lora.py moe_forward (both impls); kernel level only: the runtime has no relu^2 model",
+          "kernels/moe.py moe_forward (both impls); kernel level only: the runtime has no relu^2 model",
           archs=(), module="experts", kernel_only=True),
     Fault("expert_adapter_dropped",
           "a PEFT 3D expert adapter (target_parameters) silently skipped on load (vLLM #41384 on Qwen3.5-MoE): "

@@ -5,7 +5,7 @@ Shapes: N rows (positions), V vocabulary.
 
 Why a kernel: the runtime's chunked log-softmax took 9.4 ms per 4096 tokens at Qwen3-30B-A3B's vocabulary (151936)
 on an H200, of which the lm_head GEMM is ~3.2 ms; the rest was the fp32 copy of every logit chunk and the passes of
-logsumexp over it (benchmarks/results/e2e_notes.md). Reading the model-dtype logits once removes both.
+logsumexp over it (benchmarks/results/e2e.md). Reading the model-dtype logits once removes both.
 """
 from __future__ import annotations
 

@@ -11,19 +11,19 @@ Three paths (``path=``):
   (pack_lora_b; it depends only on the adapters, so the engine builds it once). The LoRA math is tiny next to the
   base, so what counted was launches: the Triton delta path (alignment, shrink and delta kernels, each launch
   with ~50 arguments costing tens of microseconds of Python) took Qwen3's q|k|v from 6.06 to 13.19 ms and o from
-  4.56 to 13.22 ms per forward for a rank-32 delta (H200, benchmarks/results/e2e_notes.md, run 18). Every row
+  4.56 to 13.22 ms per forward for a rank-32 delta (H200, benchmarks/results/e2e.md). Every row
   computes all L slots' shrink columns: L*S*R / N extra work on the base, small for the few adapters of a batch.
 - "triton_delta": tokens sorted by slot and padded to the block size (moe_align), the shrink kernel of
-  fused_moe_lora.py, then a Triton pass that adds each slice's S B^T to the cuBLAS base output in place.
+  lora_shrink.py, then a Triton pass that adds each slice's S B^T to the cuBLAS base output in place.
 - "fused" (or fused=True): the base GEMM and the expand in one Triton kernel (the expand is the GEMM's epilogue).
   Its base GEMM ran at about half cuBLAS's rate at the Qwen3 q|k|v and o shapes on an H200
-  (benchmarks/results/e2e_notes.md).
+  (benchmarks/results/e2e.md).
 The last two are kept to be timed against (benchmarks/bench_kernels.py).
 
 lora_linear_aug is the "cublas" path with the expand folded into the base GEMM as extra K columns, for a caller
 that can write x into a wider buffer for free (the engine's q|k|v: its input RMSNorm writes there): out =
 [x | S] [w | B_packed]^T, the output written once instead of written and then re-read and re-written by the
-expand (29.4 us of Qwen3's q|k|v per layer at 4096 tokens, H200 profile of commit 957fb7b), for 96 extra K of 2048.
+expand (29.4 us of Qwen3's q|k|v per layer at 4096 tokens, H200 profile), for 96 extra K of 2048.
 lora_linear_shrink_out is the mirror for a layer whose input cannot be widened for free (the engine's o reads the
 attention output): the shrink as extra output rows, [out | S] = x [w ; A_all]^T, then the in-place expand.
 
@@ -38,9 +38,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from lpdiff.kernels._triton import resolve_impl, triton
-from lpdiff.kernels.fused_moe_lora import (GemmConfig, check_kernel_rank, default_config, device_const, launch_gemm,
-                                    launch_shrink, lora_delta)
+from lpdiff.kernels._triton import device_const, resolve_impl, triton
+from lpdiff.kernels.gemm_config import GemmConfig, default_config
+from lpdiff.kernels.lora_gemm import launch_gemm
+from lpdiff.kernels.lora_shrink import check_kernel_rank, launch_shrink
+from lpdiff.kernels.lora_weights import lora_delta
 from lpdiff.kernels.moe_align import moe_align
 
 
@@ -225,7 +227,7 @@ def lora_linear_shrink_out(x, w_s, bias_s, n: int, b_packed, width: int, slot_ma
     """The "cublas" path with the shrink folded into the base GEMM as extra output columns: [out | S] =
     x [w ; A_all]^T (+ [bias ; 0]), then out += S B_packed^T in place. For a layer whose input cannot be widened
     for free (the engine's o projection reads the attention output), this drops the separate shrink GEMM (Qwen3's
-    o at 4096 tokens: a split-K GEMM and its reduction, ~13 us per layer on an H200, run 27) for L*S*R extra
+    o at 4096 tokens: a split-K GEMM and its reduction, ~13 us per layer on an H200) for L*S*R extra
     columns of N (32 of 2048 per slot at rank 32).
     w_s, bias_s: stack_shrink_rows(w, lora_a, bias); n: the base width N; b_packed (N, L*S*R); width: S*R, the
     columns of one slot; slot_mask (T, L) or uniform_slot, as lora_linear_aug. -> (T, N), a view with row stride

@@ -4,7 +4,7 @@ group to the GEMM block size, so that each block of BLOCK_M rows has one expert 
 Groups are ordered expert-major (expert 0: no adapter, slot 0, slot 1, ...; then expert 1, ...): the blocks of one
 expert under different adapters are neighbours, run at the same time under the GEMMs' GROUP_M ordering and share
 that expert's weight tiles through L2. Slot-major order would stream every expert's weights once per adapter
-(measured on an H100 at T=512 with 4 adapters: about 3x slower, benchmarks/results/kernels_notes.md).
+(measured on an H100 at T=512 with 4 adapters: about 3x slower, benchmarks/results/kernels.md).
 
 Shapes: T tokens, K top-k, E experts, L adapter slots, P = T*K pairs, G = E*(L+1) groups (slot -1 = no adapter
 first within an expert), M_max = padded row capacity, NB = M_max / BLOCK_M blocks.
@@ -195,7 +195,7 @@ def _align_fill_kernel(TopkIds, TokenAdapter, GroupCount, SubStart, Pos, GroupSt
 
 
 # sub-counters per group in the count kernel: its atomics on one address serialise in L2, and at Qwen3-30B-A3B's
-# shape (T 4096, top-8, 128 experts) one counter per group took 256 of them: 13.9 us per layer on an H200 (run 27)
+# shape (T 4096, top-8, 128 experts) one counter per group took 256 of them: 13.9 us per layer on an H200
 SUBS = 8
 
 

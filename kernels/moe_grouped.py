@@ -1,7 +1,7 @@
 """MoE expert GEMMs with multi-adapter LoRA on torch's grouped GEMM: the base GEMMs by ``torch._grouped_mm``
 (CUTLASS on sm90/sm100 for bf16, what transformers' experts_implementation="grouped_mm" runs), the LoRA deltas
-added in place by the fused kernel's shrink and epilogue passes (fused_moe_lora.py), bias + activation and the
-weighted top-k sum as small Triton kernels. Same semantics as ``fused_moe_lora.moe_forward``; picked there with
+added in place by the fused kernel's shrink and epilogue passes (lora_shrink.py, lora_gemm.py), bias + activation and
+the weighted top-k sum as small Triton kernels. Same semantics as ``moe.moe_forward``; picked there with
 ``backend="grouped_mm"`` (the default stays the fused Triton kernel until a GPU A/B says otherwise).
 
 Shapes: T tokens, K top-k, E experts, H hidden, I expert width, N1 = 2I (gated: gate rows then up rows) or I,
@@ -36,11 +36,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from lpdiff.kernels._triton import dual_jit, tl, triton
-from lpdiff.kernels.fused_moe_lora import (ACTIVATIONS, GATED, GemmConfig, MoeLoraWeights, _gated_act,
-                                    activate, check_kernel_rank, device_const, kernel_fault, launch_gemm,
-                                    launch_shrink, moe_forward_triton)
+from lpdiff.kernels._triton import device_const, dual_jit, tl, triton
+from lpdiff.kernels.activation import ACTIVATIONS, GATED, _gated_act, activate
+from lpdiff.kernels.fused_moe_lora import kernel_fault, moe_forward_triton
+from lpdiff.kernels.gemm_config import GemmConfig
+from lpdiff.kernels.lora_gemm import launch_gemm
 from lpdiff.kernels.lora_linear import delta_config, ieee_fp32_matmul
+from lpdiff.kernels.lora_shrink import check_kernel_rank, launch_shrink
+from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe_align import MoeRouting, moe_align
 
 BACKENDS = ("triton", "grouped_mm")
@@ -222,7 +225,7 @@ def topk_sum(y: torch.Tensor, row_of: torch.Tensor, topk_ids: torch.Tensor, topk
 
 def moe_forward_grouped(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
                         lora: MoeLoraWeights | None = None, token_adapter=None) -> torch.Tensor:
-    """(T, H), as fused_moe_lora.moe_forward (inputs checked there); runs moe_forward_triton where
+    """(T, H), as moe.moe_forward (inputs checked there); runs moe_forward_triton where
     grouped_mm_unsupported says why not (warned once per reason)."""
     why = grouped_mm_unsupported(x, w_gate_up, w_down)
     if why is not None:

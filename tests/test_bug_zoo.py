@@ -68,9 +68,9 @@ def test_fault_selection_is_explicit_and_scoped(monkeypatch):
         TritonEngine(EngineConfig(model=spec, options={"fault": "nope"}))
     monkeypatch.setenv(faults.ENV, "lora_after_activation")
     eng = TritonEngine(EngineConfig(model=spec))
-    assert eng.options["fault"] == "lora_after_activation"  # resolved once: TP workers get the same name
+    assert eng.options.fault == "lora_after_activation"  # resolved once: TP workers get the same name
     monkeypatch.delenv(faults.ENV)
-    assert TritonEngine(EngineConfig(model=spec)).options["fault"] is None
+    assert TritonEngine(EngineConfig(model=spec)).options.fault is None
     with TritonEngine(EngineConfig(model=spec, options={"fault": "topk_weight_twice"})) as e:
         assert faults.active() == "topk_weight_twice" and "FAULT topk_weight_twice" in e.version()
     assert faults.active() is None

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lpdiff.kernels import MoeLoraWeights, moe_align, moe_forward
-from lpdiff.kernels.fused_moe_lora import GemmConfig, ShrinkConfig, moe_forward_triton
+from lpdiff.kernels.fused_moe_lora import moe_forward_triton
+from lpdiff.kernels.gemm_config import GemmConfig, ShrinkConfig
 from tests.helpers.moe_bench import configs  # default tiles of both GEMMs with GemmConfig flags changed
 from lpdiff.kernels.moe_align import align_groups_reference
 
@@ -257,15 +258,15 @@ def test_tma_launches(monkeypatch):
     """Which loads go through descriptors: W in both GEMMs, X only in the down GEMM (sorted rows); none with the
     shrink in the K-loop (LORA 1, the bug zoo's branch), when the strides do not allow a descriptor, or without
     the flag."""
-    import lpdiff.kernels.fused_moe_lora as fm
+    import lpdiff.kernels.lora_gemm as lg
     launches = []
 
     class Recording:
         def __getitem__(self, grid_device):
             run = real[grid_device]
             return lambda *a, **kw: launches.append((kw["TMA"], kw["TMA_X"])) or run(*a, **kw)
-    real = fm._grouped_gemm_kernel
-    monkeypatch.setattr(fm, "_grouped_gemm_kernel", Recording())
+    real = lg._grouped_gemm_kernel
+    monkeypatch.setattr(lg, "_grouped_gemm_kernel", Recording())
     for case, flags, kw, want in [
             (FLAG_CASES[0], dict(tma=True), {}, [(True, False), (True, True)]),
             (FLAG_CASES[0], dict(tma=True), dict(lora_shrink="fused"), [(False, False)] * 2),
@@ -395,17 +396,17 @@ def test_kernel_fault_with_n_tiles(fault):
 
 
 def test_n_tiles_is_for_expert_gemms_only():
-    import lpdiff.kernels.fused_moe_lora as fm
+    from lpdiff.kernels.lora_gemm import launch_gemm
     with pytest.raises(AssertionError, match="n_tiles must be >= 1"):
         GemmConfig(16, 32, 32, n_tiles=0)
     x, w = torch.randn(4, 16), torch.randn(1, 40, 16)
     r = moe_align(torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 1, 1, 16,
                   impl="torch")
     with pytest.raises(AssertionError, match="dense path .* walks one N tile"):
-        fm.launch_gemm(x, w, torch.zeros(4, 40), r, GemmConfig(16, 32, 32, n_tiles=2), x_sorted=False,
-                       out_sorted=False, lora_s=torch.zeros(16, 8), lora_b=torch.zeros(1, 1, 40, 8),
-                       scaling=torch.ones(1), ranks=torch.full((1,), 8, dtype=torch.int32),
-                       slice_offsets=(0, 24, 40))
+        launch_gemm(x, w, torch.zeros(4, 40), r, GemmConfig(16, 32, 32, n_tiles=2), x_sorted=False,
+                    out_sorted=False, lora_s=torch.zeros(16, 8), lora_b=torch.zeros(1, 1, 40, 8),
+                    scaling=torch.ones(1), ranks=torch.full((1,), 8, dtype=torch.int32),
+                    slice_offsets=(0, 24, 40))
 
 
 def test_bench_shrink_sweep_on_cpu():
@@ -686,7 +687,8 @@ def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
 def test_loop_expand_runs_first_where_it_cannot_run():
     """launch_expand: "loop" needs the one-slice precomputed shrink, W by pointer loads and a K-loop; a TMA launch,
     the dense delta pass (add_to_out) and several slices run "first"; the other placements are taken as asked."""
-    from lpdiff.kernels.fused_moe_lora import EXPAND, launch_expand
+    from lpdiff.kernels.gemm_config import EXPAND
+    from lpdiff.kernels.lora_gemm import launch_expand
     cfg = GemmConfig(64, 64, 32)  # expand "loop" by default
     assert launch_expand(cfg, 2, 1, False, False) == EXPAND.index("loop")
     for mode, slices, tma_w, add_to_out in [(2, 1, True, False), (2, 1, False, True), (2, 3, False, False)]:

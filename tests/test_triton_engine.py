@@ -172,7 +172,7 @@ def test_tensor_parallel_2_equals_tp1(tiny):
 
 def test_bad_input_gives_one_clear_error(tiny):
     from lpdiff.engines.triton import TritonEngine
-    from lpdiff.engines.triton.config import model_config
+    from lpdiff.engines.triton.archs import model_config
     from lpdiff.engines.triton.lora import stack_adapters
     from lpdiff.engines.triton.shard import Shard
     from lpdiff.harness.spec.adapters import CanonicalAdapter
@@ -200,7 +200,7 @@ def test_bad_input_gives_one_clear_error(tiny):
             eng.prompt_logprobs(prompts, "nope")
         with pytest.raises(ValueError, match="prompt 1 has 1 token"):
             eng.prompt_logprobs([prompts[0], [3]])
-        with pytest.raises(ValueError, match="token ids outside"):
+        with pytest.raises(ValueError, match=r"token id\(s\) outside the vocabulary"):
             eng.prompt_logprobs([[0, 10_000]])
     with pytest.raises(RuntimeError, match="context manager"):
         TritonEngine(EngineConfig(model=spec, device="cpu")).prompt_logprobs(prompts)

@@ -29,7 +29,7 @@ def test_batch_knows_the_uniform_slot_and_caches_the_slot_mask():
     from transformers import AutoConfig
 
     from lpdiff.engines.triton.batch import Batch
-    from lpdiff.engines.triton.config import model_config
+    from lpdiff.engines.triton.archs import model_config
 
     cfg = model_config(AutoConfig.for_model("qwen3_moe", **engine_tests.ARCHS["qwen3_moe"]))
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -75,15 +75,13 @@ def test_fused_paths_at_tp1_match_hf_peft(tiny, monkeypatch):
     writing into its buffer) and hands the MoE's unsummed top-k outputs to the next norm; both must be the paths
     taken and match HF+PEFT: a mixed batch (three adapters, rows without one), one-adapter batches of slot 0 and
     of slot 2 (the other slots' shrink columns stay zero), an experts-only adapter (zero q|k|v columns), base."""
-    import importlib
-
     from lpdiff.engines.base import open_engine
     from lpdiff.engines.triton import TritonEngine
+    import lpdiff.engines.triton.model as model
     import lpdiff.engines.triton.norm as norm
 
-    lora_mod = importlib.import_module("lpdiff.kernels.lora_linear")  # kernels re-exports a function of that name
     seen = {"aug_slots": set(), "delta_ndim": set()}
-    aug, norm_ref = lora_mod.lora_linear_aug, norm.add_rms_norm_torch
+    aug, norm_ref = model.lora_linear_aug, norm.add_rms_norm_torch
 
     def spy_aug(*args, **kw):
         seen["aug_slots"].add(args[5] if len(args) > 5 else kw.get("uniform_slot"))
@@ -93,7 +91,7 @@ def test_fused_paths_at_tp1_match_hf_peft(tiny, monkeypatch):
         seen["delta_ndim"].add(None if delta is None else delta.ndim)
         return norm_ref(x, delta, *args, **kw)
 
-    monkeypatch.setattr(lora_mod, "lora_linear_aug", spy_aug)
+    monkeypatch.setattr(model, "lora_linear_aug", spy_aug)
     monkeypatch.setattr(norm, "add_rms_norm_torch", spy_norm)
     spec, adapters, prompts = tiny
     short = [p[:10] for p in prompts]  # the interpreter's cost grows with the grid

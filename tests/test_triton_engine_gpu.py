@@ -110,7 +110,7 @@ def test_bf16_varlen_attention_matches_fp32_sdpa(window, sinks, impl):
     the fp32 SDPA path on the same ragged batch: GQA 8/2 heads, prompts shorter and longer than the window."""
     from lpdiff.engines.triton.attention import attention
     from lpdiff.engines.triton.batch import Batch
-    from lpdiff.engines.triton.config import model_config
+    from lpdiff.engines.triton.archs import model_config
     from lpdiff.harness.spec.catalog import get_model, hf_config
 
     cfg = model_config(hf_config(get_model("gpt-oss-20b", num_layers=1)))

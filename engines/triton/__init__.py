@@ -8,7 +8,7 @@ top-k on request, and each token's smallest router margin. Tensor parallelism 1/
 workers and tears them down. Without a GPU it runs on the kernels' torch references (or the Triton interpreter
 under TRITON_INTERPRET=1).
 
-Options (``EngineConfig.options``):
+Options (``EngineConfig.options``; validated once into options.TritonOptions):
   impl              "auto" | "triton" | "torch": kernels implementation (auto: Triton on CUDA, torch otherwise)
   attention         "auto" | "triton" | "flash" | "sdpa": auto is the Triton kernel (kernels/attention.py) for
                     bf16/fp16 on CUDA, except padded SDPA for plain causal prompts of one length, else SDPA
@@ -41,6 +41,7 @@ CAPABILITIES = Capabilities(
     layouts=("peft3d", "per_expert"), dtypes=("float32", "bfloat16", "float16"), lora_fp32=True,
     # above the kernels' register-held rank (kernels.MAX_RANK) a session runs the torch LoRA path
     max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), per_layer_capture=True,
+    router_lora="refused",  # LoRA runs on attention and experts only (engines/triton/lora.py SUPPORTED_TARGETS)
     modes=(Mode("kernels_torch", {"impl": "torch"}), Mode("kernels_triton", {"impl": "triton"}, ("triton_kernels",)),
            Mode("attention_sdpa", {"attention": "sdpa"}),
            Mode("attention_flash", {"attention": "flash"}, ("cuda", "low_precision")),

@@ -4,16 +4,16 @@ sinks (gpt-oss: one learned logit per head that joins every softmax row but has 
 Three paths, each exact for what it computes:
 - bf16/fp16 on CUDA ("auto"): kernels/attention.py's Triton kernel on the packed tokens (no padding; GQA, window,
   causality and sinks inside the kernel, q/k/v read in place from the q|k|v output). gpt-oss-20b, 8 x 512 tokens,
-  H200 (benchmarks/attention_probe.py, run 57): 75.8 / 80.4 us per sliding / full layer against 288 / 324 us for
-  "flash"; the full-depth bf16 call 60.6k -> 64.1k tokens/s with LoRA (run 57, at the kernel's earlier 128 x 64
-  tiles).
+  H200 (benchmarks/results/kernels.md): 75.8 / 80.4 us per sliding / full layer against 288 / 324 us for
+  "flash"; the full-depth bf16 call 60.6k -> 64.1k tokens/s with LoRA (measured at 128 x 64 tiles, before the
+  kernel's current 64 x 64).
 - "flash": torch's private FlashAttention-2 varlen op (``aten._flash_attention_forward``), which returns each row's
   logsumexp L, so a sink s enters as out * exp(L) / (exp(L) + exp(s)) = out * sigmoid(L - s) in fp32 after it.
-  "auto" used it until run 57.
+  "auto" used it before the Triton kernel measured faster (above).
 - fp32 (IEEE, for parity verdicts), CPU, ``attention="sdpa"``, or plain causal attention (no sinks, no window)
   over prompts of nearly one length: torch SDPA over the right-padded (B, L_max) view. For plain causal attention
   SDPA's kernels beat the others when padding is small: Qwen3-30B-A3B, 8 x 512 tokens, bf16, H200: 56 us per
-  layer against 87.5 us for the Triton kernel and 139 us for "flash" (run 57).
+  layer against 87.5 us for the Triton kernel and 139 us for "flash".
   The sink becomes one extra key that every query sees: q gets a constant-1 extra dimension, the sink key is zero
   except sink/scale there, and its value is zero, so q'.k_sink * scale = sink and the sink only enlarges the
   softmax denominator, which is what transformers' eager path computes.
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lpdiff.engines.triton.batch import Batch
+from lpdiff.kernels import attention as kernels_attention
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
@@ -34,9 +35,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, s
         half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
         impl = "triton" if half and not padded_sdpa_pays(batch, window, sinks) else "sdpa"
     if impl == "triton":
-        from lpdiff.kernels.attention import attention as triton_attention
-
-        return triton_attention(q, k, v, batch.cu_seqlens, batch.max_len, scale, window, sinks, impl="triton")
+        return kernels_attention.attention(q, k, v, batch.cu_seqlens, batch.max_len, scale, window, sinks,
+                                           impl="triton")
     if impl == "flash" and flash_works(q.device, q.dtype, q.shape[-1]):
         return flash_varlen(q, k, v, batch, scale, window, sinks)
     return sdpa(q, k, v, batch, scale, window, sinks)

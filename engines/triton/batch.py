@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from lpdiff.engines.triton.config import ModelConfig
+from lpdiff.kernels.lora_linear import slot_one_hot
 
 
 @dataclass(slots=True)
@@ -32,7 +33,7 @@ class Batch:
     def build(cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype,
               device: torch.device) -> "Batch":
         # index maps in numpy and rope on the device: no torch CPU kernels on the host's path to the first launch
-        # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e_notes.md, session 6)
+        # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e.md)
         lens = [len(p) for p in prompts]
         n = np.asarray(lens)
         ids = cls.token_ids(prompts)
@@ -89,8 +90,6 @@ class Batch:
     def slot_mask(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """(T, num_slots) one-hot of token_adapter in ``dtype`` (rows without an adapter all zero), for the dense
         LoRA layers' shrink; built once per batch and shared by every layer."""
-        from lpdiff.kernels.lora_linear import slot_one_hot
-
         key = (num_slots, dtype)
         if key not in self._slot_masks:
             self._slot_masks[key] = slot_one_hot(self.token_adapter, num_slots, dtype)

@@ -1,7 +1,8 @@
 """The runtime's view of a model: one slotted config normalised from a transformers config, whatever the arch.
 
-Each supported arch has a small file (qwen3_moe.py, gpt_oss.py) that fills this from the HF config and says how
-its expert weights map to the kernels' layout; everything else in the runtime reads only ``ModelConfig``.
+Each supported arch has a small file (qwen3_moe.py, gpt_oss.py; archs.py maps names to them) that fills this from the
+HF config and says how its expert weights map to the kernels' layout; everything else in the runtime reads only
+``ModelConfig``.
 """
 from __future__ import annotations
 
@@ -67,24 +68,6 @@ def rope_from_hf(rotary_cls: type, hf_config) -> tuple[torch.Tensor, float]:
     with torch.device("cpu"):
         rotary = rotary_cls(config=hf_config)
     return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
-
-
-def model_config(hf_config, num_layers: int | None = None) -> ModelConfig:
-    """Normalise a transformers config (optionally reduced to ``num_layers``) for the arch it names."""
-    from lpdiff.engines.triton import gpt_oss, qwen3_moe
-
-    archs = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
-    arch = getattr(hf_config, "model_type", None)
-    if arch not in archs:
-        raise ValueError(f"the triton engine does not support arch {arch!r}; supported: {', '.join(archs)} "
-                         "(use engine 'hf' for other models)")
-    cfg = archs[arch].config_from_hf(hf_config)
-    if num_layers is not None:
-        if not 1 <= num_layers <= cfg.num_layers:
-            raise ValueError(f"num_layers={num_layers} but the model has {cfg.num_layers} layers")
-        cfg.num_layers = num_layers
-        cfg.sliding_windows = cfg.sliding_windows[:num_layers]
-    return cfg
 
 
 SUPPORTED_ARCHS = ("qwen3_moe", "gpt_oss")

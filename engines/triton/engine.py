@@ -7,15 +7,15 @@ from typing import Sequence
 
 import torch
 
-from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, check_request
+import lpdiff.engines.triton.tp as tp
+from lpdiff.engines.triton.capture import capture_layers
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS
+from lpdiff.engines.triton.options import DEFAULTS, TritonOptions
+from lpdiff.engines.triton.runtime import Runtime
+from lpdiff.engines.triton.shard import Shard
 from lpdiff.harness.types import PromptLogprobs
-
-OPTIONS = {"impl": "auto", "attention": "auto", "max_batch_tokens": 8192, "logit_chunk": 1024, "timeout_s": 600.0,
-           "fault": None, "moe_backend": "triton", "cuda_graphs": 4, "moe_lora_shrink": "auto",
-           "moe_padding": "auto"}
-IMPLS = ("auto", "triton", "torch")
-ATTENTION = ("auto", "flash", "sdpa", "triton")
+from lpdiff.kernels import faults
 
 
 class TritonEngine:
@@ -25,32 +25,7 @@ class TritonEngine:
         if config.model.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"the triton engine does not support arch {config.model.arch!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHS)} (use engine 'hf' for other models)")
-        unknown = sorted(set(config.options) - set(OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown triton engine options {unknown}; known: {', '.join(OPTIONS)}")
-        self.options = {**OPTIONS, **config.options}
-        if self.options["impl"] not in IMPLS:
-            raise ValueError(f"option impl must be one of {IMPLS}, got {self.options['impl']!r}")
-        if self.options["attention"] not in ATTENTION:
-            raise ValueError(f"option attention must be one of {ATTENTION}, got {self.options['attention']!r}")
-        from lpdiff.kernels import faults
-        from lpdiff.kernels.moe_grouped import BACKENDS
-
-        if self.options["moe_backend"] not in BACKENDS:
-            raise ValueError(f"option moe_backend must be one of {BACKENDS}, got {self.options['moe_backend']!r}")
-
-        from lpdiff.engines.triton.moe import parse_shrink
-
-        parse_shrink(str(self.options["moe_lora_shrink"]))  # one clear error now, not in every TP worker later
-        from lpdiff.kernels.fused_moe_lora import PADDING
-
-        if self.options["moe_padding"] not in ("auto",) + PADDING:
-            raise ValueError(f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
-                             f"group's padding rows), got {self.options['moe_padding']!r}")
-        graphs = self.options["cuda_graphs"]
-        if isinstance(graphs, bool) or not isinstance(graphs, int) or graphs < 0:
-            raise ValueError(f"option cuda_graphs is the number of CUDA graphs kept (0 = none), got {graphs!r}")
-        self.options["fault"] = faults.resolve(self.options)  # resolved once, so TP workers run the same one
+        self.options = TritonOptions.from_dict(config.options)
         if config.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp must be 1, 2, 4 or 8, got {config.tp}")
         self.config = config
@@ -74,12 +49,8 @@ class TritonEngine:
     def start(self) -> None:
         if self.runtime is not None:
             return
-        from lpdiff.engines.triton import tp
-        from lpdiff.kernels import faults
-        from lpdiff.engines.triton.runtime import Runtime
-        from lpdiff.engines.triton.shard import Shard
-
-        self._prev_fault = faults.activate(self.options["fault"])
+        check_adapters(self.config, self.name)
+        self._prev_fault = faults.activate(self.options.fault)
         world = self.config.tp
         if world > 1:
             import torch.distributed as dist
@@ -91,10 +62,9 @@ class TritonEngine:
         try:
             if world > 1:
                 tp.init_group(0, world, self.workers.init_method, tp.rank_device(self.device, 0),
-                              self.options["timeout_s"])
-            self.runtime = Runtime(self.config, Shard(0, world), tp.rank_device(self.device, 0),
-                                   tp.all_reduce_fn(world), self.options["impl"], int(self.options["logit_chunk"]),
-                                   self.options["attention"])
+                              self.options.timeout_s)
+            self.runtime = Runtime(self.config, self.options, Shard(0, world), tp.rank_device(self.device, 0),
+                                   tp.all_reduce_fn(world))
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException:
@@ -105,8 +75,6 @@ class TritonEngine:
         if self.workers is not None:
             import torch.distributed as dist
 
-            from lpdiff.engines.triton import tp
-
             if not force and self.runtime is not None:
                 tp.broadcast(None)  # workers leave their loop and destroy their group
             self.workers.stop(force=force)
@@ -114,8 +82,6 @@ class TritonEngine:
                 dist.destroy_process_group()
             self.workers = None
         self.runtime = None
-        from lpdiff.kernels import faults
-
         faults.activate(self._prev_fault)
         gc.collect()
         if self.device.type == "cuda":
@@ -125,38 +91,32 @@ class TritonEngine:
         import triton
         import transformers
 
-        fault = f", FAULT {self.options['fault']}" if self.options["fault"] else ""
-        moe = f", moe {self.options['moe_backend']}" if self.options["moe_backend"] != OPTIONS["moe_backend"] else ""
-        return (f"lpdiff-triton (impl {self.options['impl']}{moe}{fault}), torch {torch.__version__}, "
+        opts = self.options
+        fault = f", FAULT {opts.fault}" if opts.fault else ""
+        moe = f", moe {opts.moe_backend}" if opts.moe_backend != DEFAULTS["moe_backend"] else ""
+        return (f"lpdiff-triton (impl {opts.impl}{moe}{fault}), torch {torch.__version__}, "
                 f"triton {triton.__version__}, transformers {transformers.__version__}")
 
     # -- work ------------------------------------------------------------------------------------------------
     def capture_layers(self, prompts, adapter=None, inputs=None):
         """Per-layer module outputs for lpdiff bisect (engines/triton/capture.py)."""
-        from lpdiff.engines.triton.capture import capture_layers
-
         return capture_layers(self, prompts, adapter, inputs)
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
                         top_k: int = 0) -> list[PromptLogprobs]:
         if self.runtime is None:
             raise RuntimeError("use the engine as a context manager: `with TritonEngine(cfg) as eng:`")
-        names = check_request(prompts, adapter, self.config.adapters)
+        names = check_request(prompts, adapter, self.config.adapters, self.config.model)
         vocab = self.runtime.cfg.vocab_size
         prompts = [list(map(int, p)) for p in prompts]
-        for i, p in enumerate(prompts):
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (vocab of {self.config.model.name})")
         if not 0 <= top_k <= vocab:
             raise ValueError(f"top_k must be in [0, {vocab}], got {top_k}")
         slots = [self.runtime.slot(n) for n in names]
         out: list[PromptLogprobs] = []
         t0 = time.perf_counter()
-        for lo, hi in _batches([len(p) for p in prompts], int(self.options["max_batch_tokens"])):
+        for lo, hi in _batches([len(p) for p in prompts], self.options.max_batch_tokens):
             msg = (prompts[lo:hi], slots[lo:hi], top_k)
             if self.workers is not None:
-                from lpdiff.engines.triton import tp
-
                 tp.broadcast(msg)
             out += self.runtime.run(*msg)
         if self.device.type == "cuda":

@@ -1,7 +1,7 @@
 """CUDA graphs of whole calls (forward + log-softmax), cached by the batch's layout.
 
 Why: at full depth the runtime is partly host-bound — ~1000 launches per forward, Triton's Python launch path
-~30-75 us each, against ~1.3 ms of GPU work per layer (benchmarks/results/e2e_notes.md, session 6). A replayed
+~30-75 us each, against ~1.3 ms of GPU work per layer (benchmarks/results/e2e.md). A replayed
 graph launches the same kernels with no Python in between.
 
 What a graph may key on: everything the host decides from the batch — prompt lengths (T, cu_seqlens, the padded

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from lpdiff.harness.spec.catalog import hf_config, load_hf_model
+
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -87,8 +89,6 @@ class CheckpointSource:
 def open_source(spec, dtype: torch.dtype, device: torch.device):
     """-> (hf_config, source). Config-built specs build the seeded HF model on the device (the same recipe the
     reference engine uses, so both see identical weights) and hand over its tensors."""
-    from lpdiff.harness.spec.catalog import hf_config, load_hf_model
-
     if spec.path is not None:
         return hf_config(spec), CheckpointSource(spec.path, device)
 

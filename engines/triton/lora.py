@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lpdiff.kernels import faults
+from lpdiff.engines.triton.archs import arch_module
 from lpdiff.engines.triton.config import ModelConfig
 from lpdiff.engines.triton.shard import Shard
-from lpdiff.engines.triton.weights import arch_module
+from lpdiff.kernels import MoeLoraWeights, faults
+from lpdiff.kernels.lora_linear import augment_weight, pack_lora_b, stack_shrink_rows
 
 Tensor = torch.Tensor
 _DENSE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj$")
@@ -90,9 +91,6 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
     """``adapters``: name -> CanonicalAdapter, in slot order."""
     if not adapters:
         return None
-    from lpdiff.kernels import MoeLoraWeights
-    from lpdiff.kernels.lora_linear import pack_lora_b
-
     arch = arch_module(cfg.arch)
     names = list(adapters)
     ranks_of = {n: _rank(a) for n, a in adapters.items()}
@@ -170,8 +168,6 @@ def fold_qkv_lora(weights, lora: StackedLora | None) -> None:
     """Store each layer's q|k|v weight once, as W_aug = [W | B_packed] (kernels.lora_linear.augment_weight): the
     layer's ``qkv`` becomes the view W_aug[:, :H] (base-only batches) and ``qkv_b_packed`` the view W_aug[:, H:].
     Under TP both W and B_packed hold this rank's q|k|v rows, so W_aug is sharded row-wise like them."""
-    from lpdiff.kernels.lora_linear import augment_weight
-
     if lora is None:
         return
     for lw, ll in zip(weights.layers, lora.layers):
@@ -186,8 +182,6 @@ def fold_o_lora(weights, lora: StackedLora | None, shard: Shard) -> None:
     """Store each layer's o weight once, as W_s = [W_o ; A_all] (kernels.lora_linear.stack_shrink_rows): the layer's
     ``o`` becomes the contiguous view W_s[:H]. TP 1 only: under TP the o output is all-reduced, which needs it
     contiguous, while lora_linear_shrink_out returns a view of a wider product."""
-    from lpdiff.kernels.lora_linear import stack_shrink_rows
-
     if lora is None or shard.size != 1:
         return
     for lw, ll in zip(weights.layers, lora.layers):

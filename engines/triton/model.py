@@ -18,8 +18,10 @@ from lpdiff.engines.triton.norm import add_rms_norm, sum_topk
 from lpdiff.engines.triton.rope import norm_rope_qk
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.engines.triton.weights import LayerWeights, ModelWeights
+from lpdiff.kernels import MAX_RANK as KERNEL_MAX_RANK
+from lpdiff.kernels import lora_linear
 from lpdiff.kernels._triton import resolve_impl
-from lpdiff.kernels.fused_moe_lora import MAX_RANK as KERNEL_MAX_RANK
+from lpdiff.kernels.lora_linear import lora_linear_aug, lora_linear_shrink_out
 
 
 class MoeTransformer:
@@ -27,7 +29,7 @@ class MoeTransformer:
                  all_reduce, impl: str = "auto", attention_impl: str = "auto", moe_backend: str = "triton",
                  moe_shrink: tuple = ("auto", None), moe_padding: str | None = None):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
-        self.moe_shrink = moe_shrink  # (lora_shrink, n_tiles) of the expert GEMMs (moe.parse_shrink)
+        self.moe_shrink = moe_shrink  # (lora_shrink, n_tiles) of the expert GEMMs (options.parse_shrink)
         # the expert GEMMs' GemmConfig.padding; "auto" / None: the kernels' default (fused_moe_lora.auto_padding)
         self.moe_padding = None if moe_padding == "auto" else moe_padding
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
@@ -90,15 +92,11 @@ class MoeTransformer:
         if h.shape[1] == lw.qkv.shape[1]:
             return self._linear(h, lw.qkv, lw.qkv_bias, ll and ll.qkv_a, ll and ll.qkv_b, ll and ll.qkv_b_packed,
                                 self.qkv_offsets, batch)
-        from lpdiff.kernels.lora_linear import lora_linear_aug
-
         uniform = batch.uniform_slot
         mask = batch.slot_mask(ll.qkv_a.shape[0], h.dtype) if uniform is None else None
         return lora_linear_aug(h, ll.qkv_w_aug, lw.qkv_bias, ll.qkv_a, mask, uniform, others_zero=True)
 
     def _linear(self, x, w, bias, lora_a, lora_b, b_packed, offsets, batch: Batch):
-        from lpdiff.kernels import lora_linear
-
         if lora_a is None or batch.token_adapter is None:
             return lora_linear(x, w, bias, impl=self.impl)
         # the pieces lora_linear's cublas path would otherwise rebuild per call: B packed per layer (lora.py),
@@ -124,8 +122,6 @@ class MoeTransformer:
         """o (T, heads * d) -> (T, H), this rank's partial sum under TP."""
         if ll is not None and ll.o_w_s is not None and batch.token_adapter is not None \
                 and resolve_impl(self.lora_impl, o) != "torch":
-            from lpdiff.kernels.lora_linear import lora_linear_shrink_out
-
             uniform = batch.uniform_slot
             mask = batch.slot_mask(ll.o_a.shape[0], o.dtype) if uniform is None else None
             # a (T, H) view with row stride H + L*R: the next add_rms_norm reads it as it is (TP 1 only)

@@ -12,6 +12,7 @@ from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
 from lpdiff.engines.triton.config import ModelConfig
 from lpdiff.engines.triton.weights import LayerWeights
 from lpdiff.harness.spec.routing import topk_margin
+from lpdiff.kernels import moe_forward
 
 
 def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool):
@@ -101,30 +102,11 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerW
             sum_topk: bool = True, shrink: tuple = ("auto", None), padding: str | None = None) -> torch.Tensor:
     """(T, H), or with sum_topk False on the paths that can skip the sum (kernels.moe_forward) the weighted
     per-pair outputs (T, K, H) for the next residual add + RMSNorm to sum (norm.add_rms_norm).
-    shrink: (lora_shrink, n_tiles) of kernels.moe_forward (the engine's moe_lora_shrink option, parse_shrink);
-    padding: its padding (the engine's moe_padding option; kernels.fused_moe_lora.PADDING)."""
-    from lpdiff.kernels import moe_forward
-
+    shrink: (lora_shrink, n_tiles) of kernels.moe_forward (the engine's moe_lora_shrink option,
+    options.parse_shrink); padding: its padding (the engine's moe_padding option; kernels.PADDING)."""
     use_lora = lora is not None and token_adapter is not None
     return moe_forward(x, ids, weights, w.w_gate_up, w.w_down, cfg.activation, b_gate_up=w.b_gate_up,
                        b_down=w.b_down, lora=lora if use_lora else None,
                        token_adapter=token_adapter if use_lora else None, impl=impl, backend=backend,
                        sum_topk=sum_topk, lora_shrink=shrink[0], n_tiles=shrink[1] if use_lora else None,
                        padding=padding)
-
-
-def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
-    """The engine's moe_lora_shrink option -> (lora_shrink, n_tiles): "auto" | "once" | "fused" | "fused:G,D" (the
-    shrink in the first tile's K-loop, gate_up programs walking G N tiles and down programs D)."""
-    from lpdiff.kernels.fused_moe_lora import LORA_SHRINK
-
-    mode, _, tiles = option.partition(":")
-    ok = mode in LORA_SHRINK and (not tiles or mode == "fused")
-    try:
-        n = tuple(int(t) for t in tiles.split(",")) if tiles else None
-    except ValueError:
-        ok = False
-    if not ok or (n is not None and (len(n) != 2 or min(n) < 1)):
-        raise ValueError(f"option moe_lora_shrink must be auto, once, fused or fused:G,D (N tiles per program of the "
-                         f"gate_up and down GEMMs, e.g. fused:3,4), got {option!r}")
-    return mode, n

@@ -8,17 +8,17 @@ import numpy as np
 import torch
 
 from lpdiff.engines.base import EngineConfig
+from lpdiff.engines.logprobs import chunked_logprobs
+from lpdiff.engines.triton.archs import model_config
 from lpdiff.engines.triton.batch import Batch
-from lpdiff.engines.triton.config import model_config
-from lpdiff.engines.triton.engine import OPTIONS
 from lpdiff.engines.triton.graphs import GraphCache
 from lpdiff.engines.triton.loader import open_source
 from lpdiff.engines.triton.lora import fold_o_lora, fold_qkv_lora, stack_adapters
 from lpdiff.engines.triton.model import MoeTransformer
-from lpdiff.engines.triton.moe import parse_shrink
+from lpdiff.engines.triton.options import TritonOptions
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.engines.triton.weights import load_weights
-from lpdiff.engines.logprobs import chunked_logprobs
+from lpdiff.harness.spec.adapters import load_canonical
 from lpdiff.harness.types import PromptLogprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,34 +32,25 @@ def set_fp32_precision(dtype: torch.dtype, device: torch.device) -> None:
 
 
 class Runtime:
-    def __init__(self, config: EngineConfig, shard: Shard, device: torch.device, all_reduce, impl: str = "auto",
-                 logit_chunk: int = 1024, attention_impl: str = "auto"):
+    def __init__(self, config: EngineConfig, options: TritonOptions, shard: Shard, device: torch.device,
+                 all_reduce):
         self.dtype, self.device, self.shard = DTYPES[config.dtype], device, shard
-        self.logit_chunk = logit_chunk
+        self.logit_chunk = options.logit_chunk
         set_fp32_precision(self.dtype, device)
         hf, source = open_source(config.model, self.dtype, device)
         self.cfg = model_config(hf, config.model.num_layers)
         self.weights = load_weights(self.cfg, source, shard, self.dtype, device)
         del source  # drops whatever the model did not use (lm_head of a tied model, layers past num_layers)
-        adapters = {}
-        if config.adapters:
-            from lpdiff.harness.spec.adapters import load_canonical
-
-            adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
+        adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)
         fold_qkv_lora(self.weights, self.lora)
         fold_o_lora(self.weights, self.lora, shard)
-        # read from the config, so that tensor-parallel workers (tp.worker_main) pick the same backend
-        moe_backend = config.options.get("moe_backend", OPTIONS["moe_backend"])
-        moe_shrink = parse_shrink(config.options.get("moe_lora_shrink", OPTIONS["moe_lora_shrink"]))
-        self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, impl, attention_impl,
-                                    moe_backend, moe_shrink,
-                                    config.options.get("moe_padding", OPTIONS["moe_padding"]))
+        self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, options.impl,
+                                    options.attention, options.moe_backend, options.moe_shrink, options.moe_padding)
         # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
-        capacity = int(config.options.get("cuda_graphs", OPTIONS["cuda_graphs"]))
         self.graphs = None
-        if capacity and device.type == "cuda" and shard.size == 1:
-            self.graphs = GraphCache(capacity, torch.cuda.graph_pool_handle())
+        if options.cuda_graphs and device.type == "cuda" and shard.size == 1:
+            self.graphs = GraphCache(options.cuda_graphs, torch.cuda.graph_pool_handle())
 
     def slot(self, name: str | None) -> int:
         return -1 if name is None else self.lora.slot(name)

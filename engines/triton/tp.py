@@ -12,6 +12,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from lpdiff.engines.triton.options import TritonOptions
+from lpdiff.engines.triton.runtime import Runtime
+from lpdiff.engines.triton.shard import Shard
+from lpdiff.kernels import faults
+
 # NVLink multicast can take a shared host's GPUs out of service; it stays off in every process we start.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -49,18 +54,14 @@ def init_group(rank: int, world: int, init_method: str, device: torch.device, ti
                             device_id=device if device.type == "cuda" else None)
 
 
-def worker_main(rank: int, world: int, init_method: str, config, device: torch.device, options: dict, queue):
-    from lpdiff.kernels import faults
-    from lpdiff.engines.triton.runtime import Runtime
-    from lpdiff.engines.triton.shard import Shard
-
+def worker_main(rank: int, world: int, init_method: str, config, device: torch.device, options: TritonOptions,
+                queue):
     try:
-        faults.activate(options.get("fault"))
+        faults.activate(options.fault)
         device = rank_device(device, rank)
         queue.put((rank, "started", None))
-        init_group(rank, world, init_method, device, options["timeout_s"])
-        runtime = Runtime(config, Shard(rank, world), device, all_reduce_fn(world), options["impl"],
-                          int(options["logit_chunk"]), options["attention"])
+        init_group(rank, world, init_method, device, options.timeout_s)
+        runtime = Runtime(config, options, Shard(rank, world), device, all_reduce_fn(world))
         queue.put((rank, "ready", None))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -74,8 +75,8 @@ class Workers:
     """Ranks 1..world-1 of one engine. ``start`` returns once they joined the process group; ``wait_ready``
     once they loaded their shards (or raises with the first worker's traceback)."""
 
-    def __init__(self, world: int, config, device: torch.device, options: dict):
-        self.world, self.timeout_s = world, options["timeout_s"]
+    def __init__(self, world: int, config, device: torch.device, options: TritonOptions):
+        self.world, self.timeout_s = world, options.timeout_s
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -4,10 +4,10 @@ expert down as (E, H, I)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
+from lpdiff.engines.triton.archs import arch_module
 from lpdiff.engines.triton.config import ModelConfig
 from lpdiff.engines.triton.shard import Shard
 
@@ -50,12 +50,6 @@ class ModelWeights:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
-
-
-def arch_module(arch: str) -> ModuleType:
-    from lpdiff.engines.triton import gpt_oss, qwen3_moe
-
-    return {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}[arch]
 
 
 def load_weights(cfg: ModelConfig, source, shard: Shard, dtype: torch.dtype, device: torch.device) -> ModelWeights:

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from lpdiff.kernels._triton import next_pow2
-from lpdiff.kernels.fused_moe_lora import (SMEM_BUDGET, MoeLoraWeights, ShrinkConfig, expert_lora_kwargs,
-                                           expert_shrink, launch_gemm, moe_configs, moe_forward_triton,
-                                           shrink_block_k, shrink_once)
+from lpdiff.kernels.fused_moe_lora import (expert_lora_kwargs, expert_shrink, moe_configs, moe_forward_triton,
+                                           shrink_once)
+from lpdiff.kernels.gemm_config import SMEM_BUDGET, ShrinkConfig, shrink_block_k
+from lpdiff.kernels.lora_gemm import launch_gemm
+from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe_align import moe_align
 
 

@@ -1,0 +1,45 @@
+"""The expert activations: their names and kernel codes, the torch reference, and the Triton tile functions the
+grouped GEMM's epilogue and moe_grouped.py's bias + activation pass share.
+
+Gated activations read (gate, up) column pairs; gpt-oss's clamped SwiGLU uses alpha 1.702 and limit 7.0."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lpdiff.kernels._triton import tl, triton
+
+ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2, "relu2": 3}
+GATED = {"silu": True, "swiglu_oai": True, "relu2": False}
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu2":
+        return torch.relu(h).square()
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=OAI_LIMIT), up.clamp(min=-OAI_LIMIT, max=OAI_LIMIT)
+        return (up + 1) * gate * torch.sigmoid(OAI_ALPHA * gate)
+    raise ValueError(f"unknown activation {activation!r}; use one of {sorted(GATED)}")
+
+
+@triton.jit
+def _gated_act(acc, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Interleaved (gate, up) columns of acc -> the gated activation (BLOCK_M, BLOCK_N)."""
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    return _act(gate, up, ACT)
+
+
+@triton.jit
+def _act(gate, up, ACT: tl.constexpr):
+    """The gated activation of same-shape gate and up tiles."""
+    if ACT == 1:  # SiLU-gated
+        h = gate / (1.0 + tl.exp(-gate)) * up
+    else:  # gpt-oss clamped SwiGLU
+        gate = tl.minimum(gate, 7.0)
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+        h = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+    return h

@@ -1,0 +1,330 @@
+"""The grouped GEMM with multi-adapter LoRA that the expert GEMMs (fused_moe_lora.py) and the dense layers'
+"triton_delta" / "fused" paths (lora_linear.py) launch: out = act(X W^T + bias + scaling (X A^T) B^T) (* top-k
+weight) over rows grouped by (expert, adapter slot) and padded to BLOCK_M (moe_align.py), so each row block has one
+expert and one slot and its LoRA A/B are plain tiles. Its torch references are moe_reference.moe_forward_torch and
+lora_linear.lora_linear_torch.
+
+The LoRA either comes as A, its shrink run in the K-loop on the X tiles already loaded (LORA 1, where the bug zoo's
+kernel faults live), or as a precomputed, scaled S (LORA 2, lora_shrink.py) whose expand is one more dot: before,
+in, or after the K-loop (GemmConfig.expand). The epilogue's operands are loaded before the K-loop
+(GemmConfig.prefetch); GemmConfig.tma brings weight tiles by TMA; GemmConfig.padding says what padding rows cost.
+Dense layers launch it with one expert and a precomputed S, because their per-slice A matrices (q|k|v) would not fit
+one fused narrow dot; the "triton_delta" path runs only its epilogue (ADD_TO_OUT: the delta added in place to a
+cuBLAS base output).
+"""
+from __future__ import annotations
+
+import torch
+
+from lpdiff.kernels._triton import device_const, dot_flags, dual_jit, next_pow2, placeholder, tl, triton
+from lpdiff.kernels.activation import ACTIVATIONS, GATED, _act, _gated_act
+from lpdiff.kernels.gemm_config import EXPAND, GemmConfig, half_tail
+from lpdiff.kernels.gemm_tiles import _b_tiles, _bias_rows, _k_loop, _k_loop_expand, _out_tile, _s_tile, _tile_cols
+from lpdiff.kernels.moe_align import MoeRouting
+
+# Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
+KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
+                 "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
+
+
+@dual_jit
+def _grouped_gemm_kernel(
+        X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded,
+        SliceOffs, num_pairs, N, Kdim, lb_numel, out_numel,
+        stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
+        stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+        stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+        TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
+        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
+        NUM_SLICES: tl.constexpr, R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
+        PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False,
+        N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
+        EXPAND: tl.constexpr = 0):
+    """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
+
+    GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
+    LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
+    adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (rows of S are padded rows, one
+    column block per slice; MoE: one slice (0, N), so gated B rows follow wrow like W's).
+    N_TILES: a program walks that many consecutive N tiles of its row block (the row block's last group may be
+    short), each with its own K-loop and epilogue; LORA 1 runs its shrink only in the first tile's K-loop and keeps
+    the scaled S in registers for the later tiles' expands, so the shrink is redone once per N_TILES tiles instead
+    of once per tile.
+    FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py).
+    ADD_TO_OUT (dense layers after a cuBLAS base GEMM; LORA 2, K_TILES 0): Out[rows, n] += the LoRA delta in
+    place; blocks without an adapter neither read nor write Out.
+    PREFETCH: the epilogue's operands (LORA 2's S and B tiles when there is one slice, the bias unless LORA 1
+    walks several tiles, the top-k weights) are loaded before the K-loop, so that their latency hides behind it
+    instead of stalling every program after its last MMA; off, they are loaded where they are used (the A/B in
+    bench_kernels.py).
+    TMA (LORA 0 or 2, no ADD_TO_OUT): W is a host tensor descriptor over (E, N_w, Kdim) with blocks
+    (1, BLOCK_N, BLOCK_K), its tiles come by TMA (rows or K past the end zero-filled). GATED then loads the gate
+    block [n0, n0 + BLOCK_N) and the up block N rows further as two tiles into two accumulators (SPLIT): no
+    interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K).
+    ZERO_PAD: padding rows are loaded as zeros (_k_loop). HALF_TAIL: a routing block whose rows past the first half
+    are all padding (a group's last block, at most BLOCK_M / 2 rows used) runs as a BLOCK_M / 2 tile: padding rows
+    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding).
+    EXPAND (LORA 2, one slice; launch_expand): 0 the expand S B^T is a dot in the epilogue; 1 (with PREFETCH) the
+    accumulator's first product, before the K-loop; 2 the K-loop's first step, S and B loaded by its pipeline
+    (_k_loop_expand; S then has X's dtype)."""
+    pid = tl.program_id(0)
+    num_m = tl.load(NumPadded) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    num_g = (num_n + N_TILES - 1) // N_TILES  # groups of N_TILES tiles, one per program
+    if pid >= num_m * num_g:
+        return
+    # GROUP_M blocks of rows walk the N tiles together, so a weight tile is read once from DRAM per group
+    per_group = GROUP_M * num_g
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    first_n = (pid % per_group) // group_size * N_TILES
+
+    e32 = tl.load(BlockExpert + pid_m)
+    e = e32.to(tl.int64)
+    a = tl.load(BlockAdapter + pid_m)
+    if ADD_TO_OUT:
+        if a < 0:
+            return  # rows without an adapter keep the cuBLAS output bit for bit
+    if HALF_TAIL:  # a constexpr branch: without it the kernel compiles one row-block body, as before
+        if tl.load(SortedIds + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs:
+            _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
+                       lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                       stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+                       stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
+                       TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M // 2,
+                       BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
+                       TMA_X, N_TILES, ZERO_PAD, EXPAND)
+            return
+    _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
+               lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
+               TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M,
+               BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
+               TMA_X, N_TILES, ZERO_PAD, EXPAND)
+
+
+@triton.jit
+def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
+               lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
+               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, row0, first_n, num_n,
+               TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
+               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
+               NUM_SLICES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
+               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
+               PREFETCH: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr, N_TILES: tl.constexpr,
+               ZERO_PAD: tl.constexpr, EXPAND: tl.constexpr):
+    """_grouped_gemm_kernel's work on BLOCK_M rows from row0 (a routing block, or its first half) and N_TILES N
+    tiles from first_n: the K-loops and epilogues."""
+    SPLIT: tl.constexpr = GATED and TMA
+    WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
+    LOOP: tl.constexpr = EXPAND == 2  # the expand as the K-loop's first step (launch_expand says where it can)
+    EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1 and not LOOP
+    FIRST: tl.constexpr = EARLY_S and EXPAND == 1  # the expand before the K-loop
+    # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
+    # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
+    EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
+    a_safe = tl.maximum(a, 0).to(tl.int64)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + offs_m)
+    row_ok = pair < num_pairs
+    if X_SORTED:
+        xrow = offs_m
+    else:
+        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows: a valid address, never stored
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < 0
+    if LORA > 0:
+        rank = tl.load(Ranks + a_safe)
+        r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
+    if MUL_TOPK and PREFETCH:
+        tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
+    if EARLY_S:  # one S tile per row block, whichever N tiles the program walks
+        st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, stride_sm, stride_sr, UPCAST)
+    else:  # LORA 1: the first tile's shrink replaces it before any expand reads it
+        st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        if not UPCAST:
+            st = st.to(LB.dtype.element_ty)
+
+    for t in tl.static_range(N_TILES):
+        pid_n = first_n + t
+        if pid_n < num_n:  # always for t == 0; the row block's last group may be short
+            j, col, wrow = _tile_cols(pid_n, N, GATED and not TMA, BLOCK_N, WN)
+            lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+                       + wrow[None, :] * stride_lbn)
+            # this tile's LoRA B tile (and bias), issued before its K-loop so their latency hides behind it
+            if LORA == 1:
+                if FAULT == 4:  # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
+                    lb_off = (a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
+                              + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn)
+                    bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
+                else:
+                    bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
+            if EARLY_S:
+                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
+            if EARLY_BIAS:
+                bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+            if ADD_TO_OUT:  # the accumulator starts from the base output already in Out, and the K-loop is empty
+                o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
+                acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # SPLIT: the gate columns
+            acc_up = acc
+            if SPLIT:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if FIRST:
+                if a >= 0:
+                    acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                    if SPLIT:
+                        acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+            acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            if LOOP:
+                acc = _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, Kdim, R,
+                                     stride_xm, stride_xk, stride_wn, stride_we, stride_wk, stride_sm, stride_sr,
+                                     stride_lbl, stride_lbe, stride_lbn, stride_lbr, K_TILES, EVEN_K, UPCAST,
+                                     DOT_PREC, ZERO_PAD, BLOCK_K)
+            else:
+                acc, acc_up, acc_s = _k_loop(
+                    X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
+                    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar,
+                    stride_lak, LORA == 1 and t == 0, SPLIT, TMA, TMA_X, K_TILES, EVEN_K, UPCAST, DOT_PREC,
+                    ZERO_PAD, BLOCK_N, BLOCK_K, BLOCK_R)
+
+            acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
+            if LORA == 1 and t == 0:
+                st = acc_s * tl.load(Scaling + a_safe)
+                st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+            if LORA > 0 and not FIRST and not LOOP:
+                if a >= 0:
+                    if LORA == 1:
+                        bl = bt.to(tl.float32) if UPCAST else bt
+                        if FAULT == 1 or FAULT == 2 or FAULT == 3:
+                            acc_l = tl.dot(st, bl, acc_l, input_precision=DOT_PREC)
+                        else:
+                            acc = tl.dot(st, bl, acc, input_precision=DOT_PREC)
+                    else:
+                        for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
+                            if not EARLY_S:
+                                st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST)
+                                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT,
+                                                  UPCAST)
+                            acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                            if SPLIT:
+                                acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+
+            if HAS_BIAS:
+                if not EARLY_BIAS:
+                    bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+                acc += bias[None, :]
+                if SPLIT:
+                    acc_up += bias_up[None, :]
+            if SPLIT:
+                h = _act(acc, acc_up, ACT)
+            elif GATED:
+                h = _gated_act(acc, ACT, BLOCK_M, BLOCK_N)
+                if FAULT == 1:  # lora_after_activation
+                    h += _gated_act(acc_l, ACT, BLOCK_M, BLOCK_N)
+            elif ACT == 3:  # relu^2, not gated
+                h = tl.maximum(acc, 0.0)
+                h = h * h
+            else:
+                h = acc
+            if MUL_TOPK:
+                if PREFETCH:
+                    twc = tw[:, None]
+                else:
+                    twc = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+                h = h * twc
+                if FAULT == 2:  # topk_weight_twice
+                    h += acc_l * twc * twc
+                if FAULT == 3:  # topk_weight_missing
+                    h += acc_l
+            o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
+            if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
+                o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
+            tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and 16-byte aligned strides, the last one 1."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]))
+
+
+def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool) -> tuple[bool, bool]:
+    """(W by TMA, X by TMA) for a launch asking cfg.tma. W: without the K-loop shrink (LORA 1, the bug zoo's
+    branch) and add_to_out, and when its strides allow a descriptor, else the pointer loads; X: sorted rows only
+    (gathered rows are not a block of the tensor), and only beside W, and not with padding "half" (a descriptor's
+    blocks are block_m rows; half blocks load block_m / 2). fp32 on the GPU keeps the pointer loads:
+    compiled for sm90, its TMA variant came out at 32 registers with ~16 KB of spills per thread (ptxas -v)."""
+    tma_w = (cfg.tma and mode != 1 and not add_to_out and tma_ok(w)
+             and (w.element_size() == 2 or w.device.type != "cuda"))
+    return tma_w, tma_w and x_sorted and tma_ok(x) and not half_tail(cfg)
+
+
+def launch_expand(cfg: GemmConfig, mode: int, num_slices: int, tma_w: bool, add_to_out: bool) -> int:
+    """The kernel's EXPAND for a launch: cfg.expand's index, except that "loop" needs the one-slice precomputed
+    shrink (LORA 2) with W by pointer loads and a K-loop (not add_to_out); elsewhere it runs "first"."""
+    if cfg.expand == "loop" and not (mode == 2 and num_slices == 1 and not tma_w and not add_to_out):
+        return EXPAND.index("first")
+    return EXPAND.index(cfg.expand)
+
+
+def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
+                activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
+                ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0,
+                add_to_out: bool = False) -> torch.Tensor:
+    """w (E, N_w, Kdim) with N_w = 2N when gated; bias (E, N_w); lora_b viewed as (L, E, N_w, R).
+    LoRA either as lora_a (L, E, R, Kdim) (shrink fused into the K-loop) or as a precomputed, scaled lora_s
+    (M, S*R) with slice_offsets (dense layers). add_to_out: out already holds x w^T (+ bias); only the
+    precomputed LoRA delta is added to it, in place (x and w are not read)."""
+    gated = GATED.get(activation, False)
+    E, n_w, kdim = w.shape
+    n = n_w // 2 if gated else n_w
+    mode = 1 if lora_a is not None else 2 if lora_s is not None else 0
+    assert not add_to_out or (mode == 2 and not gated and bias is None and topk_weights is None), \
+        "add_to_out adds a precomputed lora_s delta only: no activation, bias or top-k weight"
+    offs = slice_offsets if slice_offsets is not None else (0, n)
+    assert cfg.n_tiles == 1 or (not add_to_out and len(offs) == 2), \
+        "n_tiles > 1 is for the expert GEMMs: the dense path (add_to_out, several slices) walks one N tile"
+    dummy = routing.sorted_ids
+    la = lora_a if mode == 1 else placeholder((1, 1, 1, 1), w.dtype, w.device)
+    lb = lora_b if mode else placeholder((1, 1, 1, 1), w.dtype, w.device)
+    R = lb.shape[3] if mode else 1
+    sv = lora_s if mode == 2 else placeholder((1, 1), torch.float32, w.device)
+    grid = (routing.num_blocks * triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.n_tiles),)
+    assert not half_tail(cfg) or cfg.block_m == routing.block_m, "padding 'half' halves the routing block"
+    tma_w, tma_x = gemm_tma(cfg, x, w, mode, add_to_out, x_sorted)
+    expand = launch_expand(cfg, mode, len(offs) - 1, tma_w, add_to_out)
+    assert expand != 2 or lora_s.dtype == x.dtype, f"expand 'loop' loads S through X's pointers: S must be {x.dtype}"
+    xa, wa = x, w
+    if tma_w:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        wa = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.block_n, cfg.block_k])
+        if tma_x:
+            xa = TensorDescriptor(x, list(x.shape), list(x.stride()), [routing.block_m, cfg.block_k])
+    _grouped_gemm_kernel[grid, x.device](
+        xa, wa, bias if bias is not None else dummy, out, la, sv, lb,
+        scaling if mode else dummy, ranks if mode else dummy, topk_weights if topk_weights is not None else dummy,
+        routing.sorted_ids, routing.block_expert, routing.block_adapter, routing.num_padded,
+        device_const(tuple(offs), x.device), routing.num_pairs, n, kdim, lb.numel(), out.numel(),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        out.stride(0), out.stride(1), la.stride(0), la.stride(1), la.stride(2), la.stride(3),
+        sv.stride(0), sv.stride(1), lb.stride(0), lb.stride(1), lb.stride(2), lb.stride(3),
+        TOPK=routing.top_k, X_SORTED=x_sorted, OUT_SORTED=out_sorted, GATED=gated, ACT=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None, LORA=mode, MUL_TOPK=topk_weights is not None,
+        NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
+        K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
+        FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
+        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), EXPAND=expand,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dot_flags(x.dtype, x.device))
+    return out

@@ -1,0 +1,64 @@
+"""The MoE op's torch reference: loops over experts and adapter slots, fp32 math, the activation rounded to x.dtype
+like the kernel's intermediate buffer. The bug zoo's LoRA-path faults (faults.py) are reproduced here where the buggy
+engine had them."""
+from __future__ import annotations
+
+import torch
+
+import lpdiff.kernels.faults as faults
+from lpdiff.kernels.activation import activate
+from lpdiff.kernels.lora_weights import MoeLoraWeights, lora_delta
+
+
+def add_slot_deltas(out: torch.Tensor, inp: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    lora: MoeLoraWeights, unmasked_b: torch.Tensor | None = None) -> None:
+    """out[rows of slot s] += LoRA delta of slot s for every slot used (-1 rows get none); a (L, R, in),
+    b (L, out, R) of one expert. ``unmasked_b`` (fault lora_b_unmasked only): the whole stacked B buffer that an
+    expand without a column mask reads past this expert's rows."""
+    for s in slots.unique().tolist():
+        if s >= 0:
+            rows = slots == s
+            rank = int(lora.ranks[s])
+            if unmasked_b is None:
+                out[rows] += lora_delta(inp[rows], a[s], b[s], lora.scaling[s], rank)
+                continue
+            sub = out[rows]
+            shrink = float(lora.scaling[s]) * (inp[rows].float() @ a[s][:rank].float().T)
+            faults.unmasked_expand(sub, shrink, b[s], unmasked_b, rank)
+            out[rows] = sub
+
+
+def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
+                      lora: MoeLoraWeights | None = None, token_adapter=None) -> torch.Tensor:
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    slots = token_adapter.long() if lora is not None else torch.full((T,), -1, device=x.device)
+    fault = faults.active() if lora is not None else None
+    for e in range(w_gate_up.shape[0]):
+        t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
+        if t_idx.numel() == 0:
+            continue
+        xe = x[t_idx].float()
+        h = xe @ w_gate_up[e].float().T
+        if b_gate_up is not None:
+            h += b_gate_up[e].float()
+        # the zoo's faults on the LoRA path keep the delta apart where the buggy engine did (kernels/faults.py)
+        hd = torch.zeros_like(h) if fault == "lora_after_activation" else h
+        if lora is not None:
+            add_slot_deltas(hd, xe, slots[t_idx], lora.gate_up_a[:, e], lora.gate_up_b[:, e], lora,
+                            lora.gate_up_b if fault == "lora_b_unmasked" else None)
+        act = activate(h, activation)
+        if hd is not h:
+            act = act + activate(hd, activation)
+        act = act.to(x.dtype).float()
+        y = act @ w_down[e].float().T
+        if b_down is not None:
+            y += b_down[e].float()
+        weight = topk_weights[t_idx, k_idx, None].float()
+        yd = torch.zeros_like(y) if fault in ("topk_weight_twice", "topk_weight_missing") else y
+        if lora is not None:
+            add_slot_deltas(yd, act, slots[t_idx], lora.down_a[:, e], lora.down_b[:, e], lora)
+        if yd is not y:
+            y = y + yd * (weight if fault == "topk_weight_twice" else 1.0 / weight)
+        out.index_add_(0, t_idx, y * weight)
+    return out.to(x.dtype)
