@@ -101,7 +101,7 @@ def test_default_check_fails_on_every_fault_full_width(model, tmp_path):
     arch = get_model(model).arch
     faults = runtime_faults(arch)
     case = check.build_case(model, 4, tmp_path, layouts=("peft3d",))
-    clean, results = check.fault_sweep(case, faults, "float32", store=check.default_store())
+    clean, results = check.fault_sweep(case, faults, "float32")
     print("\n" + check.format_result(clean))
     assert clean.as_expected, check.format_result(clean)
     for fault, res in results.items():

@@ -138,7 +138,7 @@ def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
     """push -> pull by revision byte-identical; a second writer on a stale parent is refused; a pull with
     HF_HUB_OFFLINE=1 is served from the cache; diff names the changed entry; datasets reads the parquet files."""
     store = tmp_path / "store"
-    shutil.copytree(BASELINES, store)
+    shutil.copytree(BASELINES, store, ignore=shutil.ignore_patterns(".*"))  # a dev checkout's .locks/ stays home
     lock = tmp_path / "baselines.lock"
     url = _fresh_repo(server, "round-trip")
     first = run(env, op="push", store=str(store), url=url, lock=str(lock))
@@ -240,7 +240,7 @@ def test_cli_push_pull_then_run_offline_from_the_hub_cache(server, env, tmp_path
     pull` pins the revision in baselines.lock, and `lpdiff run --baselines hf://...@REV` with HF_HUB_OFFLINE=1
     judges against the cached snapshot (exit 0) without a single request to the server."""
     store = tmp_path / "store"
-    shutil.copytree(BASELINES, store)
+    shutil.copytree(BASELINES, store, ignore=shutil.ignore_patterns(".*"))
     url = _fresh_repo(server, "cli")
     pushed = _lpdiff(env, "baselines", "push", url, "--baselines", str(store), cwd=tmp_path)
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
