@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One nightly job: the suites of one marker under pytest-xdist, writing junit XML, the JSON verdicts and the HTML
 # report under OUT, and a markdown verdict summary to $GITHUB_STEP_SUMMARY (printed when that is unset).
-# Usage: .ci/nightly_job.sh MARKER WORKERS OUT   (e.g. gpu2 4 out/; on a CPU box: cpu 2 out/ for a dry run)
+# Usage: .ci/nightly_job.sh MARKER WORKERS OUT [PYTEST ARGS...]   (e.g. gpu2 4 out/; on a CPU box: cpu 2 out/ for a
+# dry run; extra arguments narrow the selection, e.g. -k tiny-qwen3-moe)
 # Exit status: pytest's, else the report's; the summary is written whatever happened before it.
 set -uo pipefail
-[ $# -eq 3 ] || { echo "usage: $0 MARKER WORKERS OUT" >&2; exit 2; }
+[ $# -ge 3 ] || { echo "usage: $0 MARKER WORKERS OUT [PYTEST ARGS...]" >&2; exit 2; }
 marker=$1 workers=$2 out=$3
+shift 3
 case "$marker" in cpu|gpu1|gpu2|gpu4|gpu8) ;; *) echo "unknown marker '$marker' (cpu, gpu1, gpu2, gpu4, gpu8)" >&2; exit 2;; esac
 case "$workers" in ''|*[!0-9]*) echo "WORKERS must be a number, got '$workers'" >&2; exit 2;; esac
 mkdir -p "$out"
@@ -18,7 +20,7 @@ fi
 
 rc=0
 python -m pytest suites -m "$marker" -n "$workers" -p no:cacheprovider -rs \
-  --junitxml "$out/junit.xml" --lpdiff-report "$out/verdicts.json" || rc=$?
+  --junitxml "$out/junit.xml" --lpdiff-report "$out/verdicts.json" "$@" || rc=$?
 [ "$rc" -eq 5 ] && { echo "pytest collected no tests for -m $marker: that is a failure"; rc=1; }
 
 if [ -f "$out/verdicts.json" ]; then

@@ -424,6 +424,18 @@ def test_bench_shrink_sweep_on_cpu():
     assert any("rows=32" in line and "must divide" in line for line in logs)
 
 
+def _triton_newer_than_the_gpu_image() -> bool:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) > (3, 6)
+
+
+# Compiled by Triton 3.9 the default LoRA GEMM (expand as the K-loop's first step, pointer loads) loses its software
+# pipeline: 49,152 B of shared memory instead of 196,608 B, 255 registers, ~2,100 B of spills per thread; the
+# before-the-loop (TMA) variants still compile clean. The GPU image runs 3.6, where it holds; strict, so the day a
+# newer Triton pipelines it again this marker has to go.
+@pytest.mark.xfail(_triton_newer_than_the_gpu_image(), strict=True,
+                   reason="Triton > 3.6 no longer pipelines the in-loop LoRA expand (shared memory 49 KiB, spills)")
 def test_moe_launches_compile_for_sm90():
     """No GPU here, but the GPU's compiler runs: the Qwen3 launches (default tiles, one adapter and none; also the
     shrink in the K-loop with programs walking 2 N tiles, which holds S in registers across tiles) compiled

@@ -52,7 +52,11 @@ def verdict_rows(verdicts: Sequence[Verdict]) -> list[list[str]]:
 def verdict_table(verdicts: Sequence[Verdict], fmt: str = "simple") -> str:
     """``fmt``: a tabulate format ("simple" for terminals, "github" for markdown such as a CI step summary)."""
     rows = [[("-" if c is None else c) for c in r] for r in verdict_rows(verdicts)]
-    return tabulate(rows, headers=list(VERDICT_HEADERS), tablefmt=fmt, disable_numparse=True)
+    headers = list(VERDICT_HEADERS)
+    if fmt == "github":  # a bare | in a cell ("max |Δ|") would split a markdown table's column
+        rows = [[str(c).replace("|", "\\|") for c in r] for r in rows]
+        headers = [h.replace("|", "\\|") for h in headers]
+    return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
 
 
 def verdict_summary(verdicts: Sequence[Verdict]) -> str:
