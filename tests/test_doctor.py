@@ -214,7 +214,8 @@ def test_cli_prints_one_line_per_finding_and_exits_nonzero(zoo, tmp_path, capsys
 
 def test_cli_bad_model_is_one_clear_error(tmp_path, capsys):
     assert main(["no-such-model", str(tmp_path)]) == 2
-    assert "neither a catalog model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a catalog model" in err and "not a Hub model id" in err and "Traceback" not in err
 
 
 # -- SGLang 0.5.15 failure modes read in its source (python/sglang/srt/, cited in harness/doctor.py) ----------------

@@ -99,21 +99,15 @@ class Facts:
 
 
 def _resolve_model(model) -> Any:
+    """A ModelSpec as given; a catalog name, checkpoint directory or Hub id[@rev] through the one resolver (config
+    and tokenizer only: doctor never needs the weights)."""
     from lpdiff.harness.types import ModelSpec
 
     if isinstance(model, ModelSpec):
         return model
-    from lpdiff.harness.spec.catalog import get_model, known_models
+    from lpdiff.harness.spec.resolve import resolve_model
 
-    name = str(model)
-    if name in known_models():
-        return get_model(name)
-    path = Path(name)
-    if (path / "config.json").is_file():
-        arch = json.loads((path / "config.json").read_text()).get("model_type", "?")
-        return ModelSpec(name=path.name, arch=arch, path=str(path))
-    raise ValueError(f"model {name!r} is neither a catalog model ({', '.join(known_models())}) nor a checkpoint "
-                     "directory with a config.json")
+    return resolve_model(str(model), weights=False)
 
 
 # PEFT's injection depends only on the model's config and the adapter's adapter_config.json, not on its tensors:
