@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 import lpdiff
+from lpdiff.harness.cli_store import baselines, report
 from lpdiff.harness.pipeline.hub import HubError
 from lpdiff.harness.pipeline.store import BaselineError
 from lpdiff.harness.spec.resolve import SpecError
@@ -378,97 +379,6 @@ def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relat
     return EXIT_FAILED if rep.failed else EXIT_OK
 
 
-@cli.group()
-def baselines() -> None:
-    """The baseline store: list, prune, and pull/push a Hub dataset copy (hf://datasets/ORG/NAME[@REV])."""
-
-
-@baselines.command("ls")
-@click.option("--baselines", "source", default=None, help="store dir or hf:// dataset (default: lpdiff's store)")
-def baselines_ls(source) -> int:
-    """Every entry of a store: what it computed, when."""
-    from lpdiff.harness.pipeline.references import default_store
-
-    store = default_store(source)
-    entries = store.ls()
-    for e in entries:
-        click.echo(e.describe())
-    _log(f"{len(entries)} file(s) in {store.root}")
-    return EXIT_OK
-
-
-@baselines.command("prune")
-@click.option("--baselines", "source", default=None, help="store dir (default: lpdiff's store)")
-@click.option("--dry-run/--yes", default=True, show_default=True,
-              help="list what would go (default), or remove it (--yes)")
-def baselines_prune(source, dry_run) -> int:
-    """Remove baselines superseded by a newer run of the same computation, and unreadable files. The only command
-    that deletes from a store; it lists each file it removes."""
-    from lpdiff.harness.pipeline.references import default_store
-
-    store = default_store(source)
-    gone = store.prune(dry_run=dry_run)
-    for e in gone:
-        click.echo(f"{'would remove' if dry_run else 'removed'} {e.path}  {e.describe()}")
-    _log(f"{len(gone)} file(s) {'would be' if dry_run else 'were'} removed from {store.root}")
-    return EXIT_OK
-
-
-@baselines.command("pull")
-@click.argument("source")
-@click.option("--lock", default="baselines.lock", show_default=True, help="lock file pinning the revision")
-@click.option("--update-lock/--no-update-lock", default=True, show_default=True)
-def baselines_pull(source, lock, update_lock) -> int:
-    """Fetch a Hub dataset revision into the HF cache (checked file by file) and pin it in the lock file."""
-    from lpdiff.harness.pipeline import hub
-
-    pulled = hub.pull(source, lock=lock, update_lock=update_lock)
-    click.echo(f"{pulled.ref.url} -> {pulled.path}")
-    return EXIT_OK
-
-
-@baselines.command("push")
-@click.argument("target")
-@click.option("--baselines", "source", default=None, help="local store to push (default: lpdiff's store)")
-@click.option("--lock", default="baselines.lock", show_default=True)
-@click.option("--message", default="lpdiff: update baselines", show_default=True)
-def baselines_push(target, source, lock, message) -> int:
-    """Push a local store as one commit on top of the locked revision; a racing push is refused, not overwritten."""
-    from lpdiff.harness.pipeline import hub
-    from lpdiff.harness.pipeline.references import default_store
-
-    pushed = hub.push(default_store(source).root, target, lock=lock, message=message)
-    click.echo(f"{pushed.ref.url}: {len(pushed.added)} added or changed, {len(pushed.deleted)} deleted")
-    return EXIT_OK
-
-
-@baselines.command("diff")
-@click.argument("repo")
-@click.argument("rev1")
-@click.argument("rev2")
-def baselines_diff(repo, rev1, rev2) -> int:
-    """Entries added, removed and changed between two revisions of a Hub dataset."""
-    from lpdiff.harness.pipeline import hub
-
-    d = hub.diff(repo, rev1, rev2)
-    for label, names in (("added", d.added), ("removed", d.removed), ("changed", d.changed)):
-        for n in names:
-            click.echo(f"{label:8s} {n}")
-    _log(f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed")
-    return EXIT_OK
-
-
-@cli.command()
-@click.argument("json_paths", nargs=-1, required=True)
-@click.option("-o", "--out", default="report.html", show_default=True)
-def report(json_paths, out) -> int:
-    """One self-contained HTML page from verdict JSON files (several nights: k2 over time)."""
-    from lpdiff.harness.pipeline.html_report import write_report
-
-    click.echo(f"wrote {write_report(list(json_paths), out)}")
-    return EXIT_OK
-
-
 def _delegate(name: str, help_: str):
     """Commands whose module still parses its own arguments (every argument, --help included, goes to it)."""
 
@@ -483,6 +393,8 @@ def _delegate(name: str, help_: str):
     return command
 
 
+cli.add_command(baselines)
+cli.add_command(report)
 _delegate("bisect", "First layer + module where the engine under test leaves the reference.")
 _delegate("doctor", "What each engine will refuse or silently ignore in an adapter, before any run.")
 
