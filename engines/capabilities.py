@@ -84,7 +84,10 @@ class Capabilities:
     max_moe_rank: int | None  # largest expert (MoE) LoRA rank; None = max_rank
     tp: tuple[int, ...]
     modes: tuple[Mode, ...] = ()
+    cpu_tp: tuple[int, ...] = (1,)  # the TP sizes it runs on a machine without GPUs (triton: gloo ranks)
     lora_targets: frozenset[str] | None = None  # module leaf names it has LoRA for; None = any
+    # (model_type, leaf names) where an arch's LoRA modules differ from lora_targets (hybrids' own projections)
+    arch_lora_targets: tuple[tuple[str, frozenset[str]], ...] = ()
     router_lora: str = "applied"  # of ROUTER_LORA
     refused_features: tuple[str, ...] = ()  # adapter_config.json features it refuses (use_dora, bias, ...)
     ignored_features: tuple[str, ...] = ()  # features it reads past (rank_pattern, use_rslora, ...)
@@ -96,9 +99,14 @@ class Capabilities:
         assert set(self.layouts) <= set(LAYOUTS), self.layouts
         assert set(self.dtypes) <= set(DTYPES), self.dtypes
         assert self.router_lora in ROUTER_LORA, self.router_lora
+        assert set(self.cpu_tp) <= set(self.tp), (self.cpu_tp, self.tp)
         for d in self.known_defects:  # one id twice only as an arch-specific entry beside its any-arch fallback
             twins = [e for e in self.known_defects if e.id == d.id and e is not d]
             assert all(bool(e.archs) != bool(d.archs) or not set(e.archs) & set(d.archs) for e in twins), d.id
+
+    def lora_targets_for(self, arch: str) -> frozenset[str] | None:
+        """The module leaf names it has LoRA for on this arch (None = any)."""
+        return dict(self.arch_lora_targets).get(model_type(arch), self.lora_targets)
 
     def serves(self, arch: str) -> bool:
         return self.archs is None or model_type(arch) in self.archs

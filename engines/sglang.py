@@ -101,6 +101,16 @@ CAPABILITIES = Capabilities(
     # (lora/utils.py:224) and the engine fails to start
     lora_targets=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                             "gate_up_proj", "embed_tokens", "lm_head"}),
+    # the hybrids' own LoRA modules, as adapter leaf names: Qwen3.5 supported_lora_modules (models/qwen3_5.py:1116)
+    # with get_hidden_dim entries (:1126-1173; q_proj carries the output gate, :1130); HF's GDN names in_proj_qkv,
+    # in_proj_z, in_proj_b, in_proj_a keep their names (lora/utils.py:274-278) and have none. Nemotron-H:
+    # models/nemotron_h.py:861-871 and get_hidden_dim :965-1048 (gate_proj/x_proj: lora/lora.py:286)
+    arch_lora_targets=(
+        ("qwen3_5_moe", frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "out_proj", "in_proj_qkvz",
+                                   "gate_proj", "up_proj", "down_proj", "gate_up_proj", "embed_tokens", "lm_head"})),
+        ("nemotron_h", frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "out_proj", "in_proj",
+                                  "gate_proj", "x_proj", "up_proj", "down_proj", "gate_up_proj", "fc1_latent_proj",
+                                  "fc2_latent_proj", "embed_tokens", "lm_head"}))),
     # lora/lora_config.py:42-45 reads r, lora_alpha, target_modules and use_dora only; lora/lora.py:71 scales alpha/r
     ignored_features=("rank_pattern", "alpha_pattern", "use_rslora"),
     modes=(Mode("cuda_graphs_on", {"server_args": {"disable_cuda_graph": False}}, ("cuda",)),
@@ -140,6 +150,38 @@ CAPABILITIES = Capabilities(
         KnownDefect("sglang-unsupported-target", "SGLang has no LoRA support for {bad} (0.5.x supports {supported}): "
                     "the adapter fails to load", "drop {bad} from the adapter to run it on SGLang", _V,
                     when="a target outside lora_targets"),
+        KnownDefect("sglang-unsupported-target", "SGLang 0.5.15 has no LoRA for {bad} on {arch} (its LoRA modules "
+                    "there: {supported}); HF's GDN names keep their names and have no get_hidden_dim entry, so the "
+                    "engine fails to start (models/qwen3_5.py:1171, sglang#30168)",
+                    "drop {bad}: SGLang reads the GDN input projection only as the fused in_proj_qkvz "
+                    "(lora/lora.py:309) and has no LoRA for in_proj_b / in_proj_a at all", _V,
+                    archs=("qwen3_5_moe",), when="a target outside the arch's LoRA modules"),
+        KnownDefect("sglang-unsupported-target", "SGLang 0.5.15 has no LoRA for {bad} on {arch} (its LoRA modules "
+                    "there: {supported}): the engine fails to start (models/nemotron_h.py:1046 get_hidden_dim)",
+                    "drop {bad} from the adapter to run it on SGLang", _V, archs=("nemotron_h",),
+                    when="a target outside the arch's LoRA modules"),
+        # target up_proj -> gate_up_proj (lora/utils.py:255), up_proj tensors keep their name (lora/lora.py:396):
+        # no target at lora/mem_pool.py:848 (lora/utils.py:319). Non-gated experts read experts.{e}.gate_proj as the
+        # unstacked gate_up_proj (lora/lora.py:370-377, models/nemotron_h.py:956); lora_target_modules=["all"] keeps
+        # the model's up_proj (lora/utils.py:407) for shared expert / MLP, not for experts (no up_proj_moe buffer)
+        KnownDefect("sglang-nemotron-up-proj", "LoRA on up_proj ({where}): SGLang 0.5.15 renames the target to "
+                    "gate_up_proj but not the tensors, and its scheduler dies at the first LoRA batch ('Cannot find "
+                    "target module name for ...up_proj.lora_A.weight', lora/mem_pool.py:848; measured on "
+                    "Nemotron-Nano)", "routed experts: rename each experts.N.up_proj to experts.N.gate_proj "
+                    "(SGLang reads that as the non-gated expert input, lora/lora.py:370); shared expert / MLP "
+                    "up_proj: start SGLang with server_args lora_target_modules=['all']", _V,
+                    archs=("nemotron_h",), when="tensors for an up_proj (experts, shared expert or MLP)"),
+        # in_proj's LoRA buffers hold z and x only: A 2r rows (stacked_multiply 2, lora/utils.py:296), B
+        # 2 * mamba intermediate rows (models/nemotron_h.py:1019-1022); a PEFT in_proj A (r rows) or B (z, x, B, C,
+        # dt rows) fails load_lora_weight_tensor's shape assert (lora/mem_pool.py:772) at the first LoRA batch;
+        # the form it reads is a gate_proj (z) + x_proj (x) pair stacked into in_proj (lora/lora.py:286-307)
+        KnownDefect("sglang-mamba-in-proj", "mamba in_proj LoRA ({where}): SGLang 0.5.15 holds LoRA for in_proj's z "
+                    "and x slices only (A of 2r rows, B of 2 x mamba intermediate rows); a PEFT in_proj LoRA does not "
+                    "fit that buffer and the first LoRA batch fails a shape assert (lora/mem_pool.py:772; read, not "
+                    "run)", "for SGLang save it as mixer.gate_proj (z rows of B) + mixer.x_proj (x rows) with "
+                    "target_modules ['in_proj'] (lora/lora.py:286), possible only where B's B/C/dt rows are zero; "
+                    "else judge the mamba group on vLLM or HF+PEFT", _V, archs=("nemotron_h",),
+                    when="tensors for the mamba mixer's in_proj"),
         KnownDefect("sglang-ignores-scaling", "SGLang (0.5.15 source) ignores {features}: those modules get alpha/r "
                     "scaling instead of PEFT's", "re-save the adapter with one rank and alpha and no rsLoRA (the "
                     "scaling folded into B)", _V, severity="warning", when="an ignored_features entry is set"),

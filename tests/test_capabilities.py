@@ -44,7 +44,7 @@ def test_unknown_engine_names_the_known_ones():
 
 # what harness/commands/check.py served each engine (ENGINE_LAYOUTS, ARCH_LAYOUTS) before the facts moved here
 SERVED = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_expert",),
-          ("vllm", "qwen3_5_moe"): ("peft3d", "per_expert"), ("vllm", "nemotron_h"): ("peft3d", "per_expert"),
+          ("vllm", "qwen3_5_moe"): ("peft3d", "per_expert"), ("vllm", "nemotron_h"): ("per_expert",),
           **{("sglang", a): ("per_expert",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h")},
           **{("triton", a): ("peft3d", "per_expert") for a in ("qwen3_moe", "gpt_oss")},
           **{("hf", a): ("peft3d",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3")}}
@@ -67,6 +67,16 @@ def test_layouts_follow_the_declared_defects():
     # one id per arch: the nemotron_h entry wins over the any-arch fallback
     assert vllm.defect("router-target", "nemotron_h").severity == "error"
     assert vllm.defect("router-target", "qwen3_moe").severity == "info"
+
+
+def test_arch_lora_targets():
+    """SGLang's LoRA modules differ per hybrid (its models' supported_lora_modules); other archs keep the common set."""
+    sglang = capabilities("sglang")
+    qwen35 = sglang.lora_targets_for("qwen3_5_moe_text")  # the in-memory text arch reads the checkpoint's entry
+    assert {"in_proj_qkvz", "out_proj"} <= qwen35 and not {"in_proj_qkv", "in_proj_z", "in_proj_b"} & qwen35
+    assert {"in_proj", "out_proj", "fc1_latent_proj"} <= sglang.lora_targets_for("nemotron_h")
+    assert sglang.lora_targets_for("qwen3_moe") == sglang.lora_targets and "out_proj" not in sglang.lora_targets
+    assert capabilities("vllm").lora_targets_for("nemotron_h") is None
 
 
 def test_rank_limits():

@@ -313,3 +313,69 @@ def test_doctor_reports_what_a_run_refuses(tmp_path, model, name, breaks, code):
     bad = breaks(_zoo_copy(tmp_path, name=name))
     r = doctor(get_model(model), bad, engines=["hf"])
     assert str(bad) in check(r, "all", "error", code).message and r.exit_code == 1
+
+
+# -- the hybrids: each engine's LoRA modules for Qwen3.5 / Nemotron-H, read in SGLang 0.5.15 / vLLM 0.25.1 source ---
+
+def _zoo_adapter(model: str, name: str) -> str:
+    from lpdiff.harness.spec.resolve import zoo_adapters
+
+    return str(zoo_adapters(model)[name].path)
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("linear_attention", "in_proj_a, in_proj_b, in_proj_qkv, in_proj_z"),  # HF's GDN names: no get_hidden_dim entry
+    ("attention", None),  # q_proj (with the output gate), k/v/o_proj: SGLang's qkv_proj / o_proj
+    ("shared_expert", None),  # shared_expert gate/up/down: SGLang's gate_up_proj / down_proj
+])
+def test_sglang_qwen35_lora_modules(name, bad):
+    from lpdiff.harness.spec.catalog import get_model
+
+    r = doctor(get_model("tiny-qwen3.5-moe"), _zoo_adapter("tiny-qwen3.5-moe", name), engines=["sglang"])
+    if bad is None:
+        assert "sglang-unsupported-target" not in r.codes()
+        return
+    f = check(r, "sglang", "error", "sglang-unsupported-target")
+    assert f"no LoRA for {bad} on qwen3_5_moe_text" in f.message and "out_proj" not in f.message.split("(")[0]
+    assert "in_proj_qkvz" in f.fix and "in_proj_b" in f.fix
+
+
+@pytest.mark.parametrize("name, flagged", [
+    ("shared_expert", True), ("mlp", True),  # up_proj tensors: 'Cannot find target module name' at the first batch
+    ("attention", False), ("mamba", False),
+])
+def test_sglang_nemotron_up_proj(name, flagged):
+    from lpdiff.harness.spec.catalog import get_model
+
+    r = doctor(get_model("tiny-nemotron-h"), _zoo_adapter("tiny-nemotron-h", name), engines=["sglang"])
+    assert ("sglang-nemotron-up-proj" in r.codes("sglang", "error")) == flagged
+    if flagged:
+        f = check(r, "sglang", "error", "sglang-nemotron-up-proj")
+        assert "up_proj" in f.message and "lora_target_modules=['all']" in f.fix
+
+
+def test_sglang_nemotron_per_expert_up_proj(zoo, tmp_path):
+    # the measured failure: per-expert keys mixer.experts.{e}.up_proj on the non-gated experts
+    a = gen(zoo, tmp_path, "tiny-nemotron-h", ("experts",), layout="per_expert")
+    f = check(doctor(zoo["tiny-nemotron-h"][0], a, engines=["sglang"]), "sglang", "error", "sglang-nemotron-up-proj")
+    assert "experts.0.up_proj" in f.message and "experts.N.gate_proj" in f.fix
+
+
+def test_sglang_nemotron_mamba_in_proj():
+    from lpdiff.harness.spec.catalog import get_model
+
+    r = doctor(get_model("tiny-nemotron-h"), _zoo_adapter("tiny-nemotron-h", "mamba"))
+    f = check(r, "sglang", "error", "sglang-mamba-in-proj")
+    assert "mixer.in_proj" in f.message and "x_proj" in f.fix
+    assert r.codes("vllm", "error") == set() and r.codes("hf", "error") == set()  # a full-width in_proj maps there
+
+
+def test_vllm_nemotron_peft3d_experts(zoo, tmp_path):
+    from lpdiff.harness.spec.catalog import get_model
+
+    r = doctor(get_model("tiny-nemotron-h"), _zoo_adapter("tiny-nemotron-h", "experts"), engines=["vllm"])
+    assert "--to per_expert" in check(r, "vllm", "error", "vllm-nemotron-peft3d").fix
+    per_expert = gen(zoo, tmp_path, "tiny-nemotron-h", ("experts",), layout="per_expert")
+    assert "vllm-nemotron-peft3d" not in doctor(zoo["tiny-nemotron-h"][0], per_expert, engines=["vllm"]).codes()
+    q = doctor(get_model("tiny-qwen3.5-moe"), _zoo_adapter("tiny-qwen3.5-moe", "experts"), engines=["vllm"])
+    assert q.codes("vllm", "error") == set()  # Qwen3.5's class reads PEFT 3D files natively (is_3d_moe_weight)

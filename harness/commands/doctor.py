@@ -331,11 +331,22 @@ def _target_pattern(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
 
 def _unsupported_targets(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
     tm = f.config.get("target_modules")
-    if caps.lora_targets is None or (isinstance(tm, str) and tm not in ("all", "all-linear")):
+    targets = caps.lora_targets_for(f.arch)
+    if targets is None or (isinstance(tm, str) and tm not in ("all", "all-linear")):
         return None  # a pattern string is sglang-target-modules-string's
     leaves = {x for x in f.target_leaves - set(_ROUTER_LEAVES) - {"experts", "base_layer"} if not x.isdigit()}
-    bad = sorted(leaves - caps.lora_targets)
-    return {"bad": ", ".join(bad), "supported": ", ".join(sorted(caps.lora_targets))} if bad else None
+    bad = sorted(leaves - targets)
+    return {"bad": ", ".join(bad), "supported": ", ".join(sorted(targets))} if bad else None
+
+
+def _tensors_on(leaf: str) -> Detector:
+    """The adapter has LoRA tensors for modules with this leaf name (per-expert ones included)."""
+    pattern = re.compile(rf"(?:base_model\.model\.)?(.+\.{leaf})\.lora_[AB]\.weight")
+
+    def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+        hit = sorted({m.group(1) for k in f.info.keys if (m := pattern.fullmatch(k))})
+        return {"where": hit[0] + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")} if hit else None
+    return detect
 
 
 def _set_features(c: dict[str, Any]) -> list[str]:
@@ -380,7 +391,8 @@ DETECTORS: dict[str, Detector] = {
     "sglang-gpt-oss-gate-up-a": _gate_up_a_differ, "sglang-target-modules-string": _target_pattern,
     "sglang-unsupported-target": _unsupported_targets, "moe-rank-above-128": _moe_rank,
     "vllm-unsupported-feature": _features("refused_features"), "sglang-ignores-scaling": _features("ignored_features"),
-    "vllm-moe-lora-gpu": _moe_lora, "sglang-gpt-oss-runner": _always,
+    "vllm-moe-lora-gpu": _moe_lora, "sglang-gpt-oss-runner": _always, "vllm-nemotron-peft3d": _always,
+    "sglang-nemotron-up-proj": _tensors_on("up_proj"), "sglang-mamba-in-proj": _tensors_on("in_proj"),
 }
 
 
