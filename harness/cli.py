@@ -80,7 +80,8 @@ def selection(f):
         click.option("--dtype", type=DTYPES, default="float32", show_default=True),
         click.option("--reference", default="hf", show_default=True, help="engine of the stored reference runs"),
         click.option("--ref-dtype", type=DTYPES, default="float32", show_default=True),
-        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option("--tp", "tps", type=click.IntRange(min=1), multiple=True, help="tensor-parallel size "
+                     "(repeatable; default: TP 1 and 2 where the engine runs them here, commands/run.py default_tps)"),
         click.option("--adapter", "adapters", multiple=True, help="zoo adapter name, PEFT directory or Hub repo "
                      "[hf://datasets/]ORG/NAME[@REV][/SUBDIR] (repeatable; default: a zoo model's all)"),
         click.option("--prompt-set", default="default", show_default=True),
@@ -114,11 +115,11 @@ def _prompt_source(prompts, split, column, count, seed):
     return PromptSource(prompts, split, column, count, seed)
 
 
-def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, adapters, prompt_set, prompts,
+def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps, adapters, prompt_set, prompts,
                   prompts_split, prompts_column, prompts_count, prompts_seed, top_k, num_layers, options, baselines,
                   json_path, save_runs) -> int:
     from lpdiff.engines import LaneDied, LaneError
-    from lpdiff.harness.commands.run import Job, run_job, zoo_models
+    from lpdiff.harness.commands.run import Job, default_tps, run_job, zoo_models
     from lpdiff.harness.pipeline.references import default_store
     from lpdiff.harness.pipeline.report import verdict_table
     from lpdiff.harness.pipeline.verdict import to_json
@@ -130,20 +131,23 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, 
     jobs = [Job(model=m, engine=engine, reference=reference, dtype=dtype, ref_dtype=ref_dtype, tp=tp,
                 adapters=tuple(adapters) or None, prompt_set=prompt_set, top_k=top_k, num_layers=num_layers,
                 prompts=_prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed),
-                options=parse_options(options)) for m in chosen]
+                options=parse_options(options)) for m in chosen for tp in dict.fromkeys(tps or default_tps(engine))]
     if not jobs:
         raise UsageError(f"engine {engine!r} serves none of the models asked for")
     store = default_store(baselines)
     verdicts = []
     bar = _progress(jobs, "regen" if regen else "run")
     died = []
+    regenerated = set()  # references never shard: one regen per model serves each of its TP sizes
     for job in bar:
-        bar.set_postfix_str(job.model)
+        bar.set_postfix_str(f"{job.model} tp={job.tp}")
         try:
-            res = run_job(job, store, regen=regen, log=lambda s: bar.write(s, file=sys.stderr))
+            res = run_job(job, store, regen=regen and job.model not in regenerated,
+                          log=lambda s: bar.write(s, file=sys.stderr))
+            regenerated.add(job.model)
         except (LaneDied, LaneError) as e:  # the engine hung, crashed or raised: a FAIL with its log, go on
-            died.append(job.model)
-            _log(f"FAIL {job.model}: the {job.engine} engine failed before giving logprobs:\n{e}")
+            died.append(f"{job.model} (tp={job.tp})")
+            _log(f"FAIL {job.model} tp={job.tp}: the {job.engine} engine failed before giving logprobs:\n{e}")
             continue
         verdicts += res.verdicts
         if save_runs:
@@ -151,7 +155,8 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tp, 
             out.mkdir(parents=True, exist_ok=True)
             for a, r in res.runs.items():
                 model = job.model.strip("/").replace("/", "--")  # a directory or Hub id names one file
-                r.save(out / f"{model}.{job.engine}.{job.dtype}.{a or 'base'}.npz")
+                tp = f".tp{job.tp}" if job.tp > 1 else ""  # each TP size's runs side by side in one folder
+                r.save(out / f"{model}.{job.engine}.{job.dtype}{tp}.{a or 'base'}.npz")
     click.echo(verdict_table(verdicts))
     if json_path:
         Path(json_path).write_text(to_json(verdicts))
@@ -174,11 +179,11 @@ def run(case=None, **kw) -> int:
         from lpdiff.harness.commands.case import run_case
 
         _need_engine(kw["engine"])
-        models = kw["models"]
-        if len(models) > 1:
-            raise UsageError("--case takes one --model (the case's base model)")
-        return run_case(case, models[0] if models else None, kw["engine"], kw["dtype"], kw["tp"], kw["num_layers"],
-                        parse_options(kw["options"]), kw["json_path"], click.echo)
+        models, tps = kw["models"], kw["tps"]
+        if len(models) > 1 or len(tps) > 1:
+            raise UsageError("--case takes one --model (the case's base model) and at most one --tp")
+        return run_case(case, models[0] if models else None, kw["engine"], kw["dtype"], tps[0] if tps else 1,
+                        kw["num_layers"], parse_options(kw["options"]), kw["json_path"], click.echo)
     return _run_or_regen(False, **kw)
 
 

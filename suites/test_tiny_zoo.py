@@ -5,7 +5,7 @@ harness/thresholds.json with their provenance (measured noise floor, date, machi
 """
 import pytest
 
-from lpdiff.harness.commands.run import Job, run_job
+from lpdiff.harness.commands.run import Job, default_tps, run_job
 from lpdiff.harness.pipeline.thresholds import lookup
 
 TINY_MOE = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"]
@@ -55,8 +55,11 @@ def test_hf_bf16_vs_fp32_within_noise_threshold(model, lpdiff_store, lpdiff_rege
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in default_tps("triton")])
 @pytest.mark.parametrize("model", TRITON_ARCHS)
-def test_triton_fp32_matches_hf_baseline(model, lpdiff_store, lpdiff_regen, record_verdict):
-    """Our runtime (on the kernels' torch references or the Triton interpreter) against the HF baselines."""
+def test_triton_fp32_matches_hf_baseline(model, tp, lpdiff_store, lpdiff_regen, record_verdict):
+    """Our runtime (on the kernels' torch references or the Triton interpreter) against the HF baselines, at each
+    TP size ``lpdiff run --engine triton`` covers by default (TP 2 on CPU: two gloo ranks), every zoo adapter in
+    one mixed batch. The references are TP 1 HF runs: a reference never shards."""
     pytest.importorskip("lpdiff.engines.triton")
-    _judge(Job(model=model, engine="triton"), lpdiff_store, lpdiff_regen, record_verdict)
+    _judge(Job(model=model, engine="triton", tp=tp), lpdiff_store, lpdiff_regen, record_verdict)

@@ -40,7 +40,7 @@ CAPABILITIES = Capabilities(
     engine="triton", label="lpdiff-triton", versions="this lpdiff", archs=SUPPORTED_ARCHS,
     layouts=("peft3d", "per_expert"), dtypes=("float32", "bfloat16", "float16"), lora_fp32=True,
     # above the kernels' register-held rank (kernels.MAX_RANK) a session runs the torch LoRA path
-    max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), per_layer_capture=True,
+    max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), cpu_tp=(1, 2, 4, 8), per_layer_capture=True,
     router_lora="refused",  # LoRA runs on attention and experts only (engines/triton/lora.py SUPPORTED_TARGETS)
     modes=(Mode("kernels_torch", {"impl": "torch"}), Mode("kernels_triton", {"impl": "triton"}, ("triton_kernels",)),
            Mode("attention_sdpa", {"attention": "sdpa"}),

@@ -41,7 +41,11 @@ def measure_noise(model: str, a: Lane, b: Lane, prompt_sets=("default", "long"),
 def zoo_threshold(noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True) -> Threshold:
     return threshold_from(noise, factor, fidelity=fidelity,
                           note=f"noise = worst of {noise.comparisons} comparisons ({noise.positions} positions) "
-                               f"between {a.engine}:{a.dtype}{a.options or ''} and {b.engine}:{b.dtype}{b.options or ''}")
+                               f"between {_lane(a)} and {_lane(b)}")
+
+
+def _lane(lane: Lane) -> str:
+    return f"{lane.engine}:{lane.dtype}{lane.options or ''}" + (f" at TP {lane.tp}" if lane.tp > 1 else "")
 
 
 def calibrate(model: str, a: Lane, b: Lane, record_as: list[tuple[str, str]], factor: float = 10.0,

@@ -129,6 +129,25 @@ def unsupported(engine: str, model: str) -> str | None:
     return None if c.serves(arch) else f"the {engine} engine does not serve {arch} (it serves {', '.join(c.archs)})"
 
 
+# The TP sizes a default run covers: TP 1, and TP 2 as the smallest sharded layout (every row- and column-parallel
+# split, the all-reduces, rank 0's logprobs): each larger size runs the same code with more ranks.
+DEFAULT_TP = (1, 2)
+
+
+def default_tps(engine: str) -> tuple[int, ...]:
+    """The TP sizes ``lpdiff run`` and the CPU suite cover when none is asked for: those of DEFAULT_TP that the engine
+    declares (``Capabilities.tp``) and this machine can place, one GPU per rank where there are GPUs, else the sizes
+    the engine runs without one (``Capabilities.cpu_tp``: triton's gloo ranks). hf -> (1,); triton -> (1, 2)."""
+    import torch
+
+    from lpdiff.engines.base import capabilities
+
+    c = capabilities(engine)
+    gpus = torch.cuda.device_count()
+    here = [t for t in c.tp if t <= gpus] if gpus else list(c.cpu_tp)
+    return tuple(t for t in DEFAULT_TP if t in here) or (1,)
+
+
 def zoo_models(engine: str, asked: Sequence[str] = ()) -> tuple[list[str], list[tuple[str, str]]]:
     """The models a run covers and those skipped with the reason: ``asked`` as given (a model the engine cannot
     serve is skipped, not fatal), or by default every tiny MoE zoo model."""
