@@ -1,0 +1,77 @@
+"""Engine defects the tests write themselves (not bug-zoo faults: kernels/faults.py knows nothing of them), each a
+patch of the triton runtime that a correct harness must catch with its plain default run.
+
+  tp_partial_twice     every rank but 0 hands its row-parallel partial (attention o and experts) to the all-reduce
+                       twice over: the sum counts that shard's delta twice. Only under TP > 1 (TP 1 has no rank 1).
+  shared_outer_misread the adapter loader reads the shared factor of a shared-outer adapter (one gate_up A for every
+                       expert) with its rank rows reversed, so it no longer pairs with B. Only that layout: any other
+                       adapter loads as before.
+
+The triton engine's TP workers are separate interpreters started with ``spawn``, which in-process monkeypatching
+cannot reach; they inherit the environment, so ``sitecustomize.py`` beside this file (its folder put on PYTHONPATH)
+installs the defects named in $LPDIFF_TEST_DEFECTS in each of them at interpreter start. The test process itself
+(rank 0) installs them with ``install(names, monkeypatch.setattr)``.
+"""
+from __future__ import annotations
+
+import os
+
+ENV = "LPDIFF_TEST_DEFECTS"
+HOOK_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _tp_partial_twice(setattr) -> None:
+    import torch.distributed as dist
+
+    import lpdiff.engines.triton.tp as tp
+
+    correct = tp.all_reduce_fn
+
+    def all_reduce_fn(world: int):
+        if world == 1:
+            return correct(world)
+
+        def all_reduce(x):
+            if dist.get_rank() != 0:
+                x.mul_(2)  # this shard's partial counted twice
+            dist.all_reduce(x)
+            return x
+
+        return all_reduce
+
+    setattr(tp, "all_reduce_fn", all_reduce_fn)
+
+
+def is_shared_outer(adapter) -> bool:
+    """Every expert's gate_up A is one matrix (the shared-outer layout's input-side factor)."""
+    return any(k.endswith("gate_up_proj") and a.shape[0] > 1 and bool((a == a[:1]).all())
+               for k, (a, _) in adapter.experts.items())
+
+
+def _shared_outer_misread(setattr) -> None:
+    import lpdiff.engines.triton.runtime as runtime
+
+    correct = runtime.load_canonical
+
+    def load_canonical(path, hf):
+        ad = correct(path, hf)
+        if is_shared_outer(ad):
+            ad.experts = {k: ((a.flip(-2) if k.endswith("gate_up_proj") else a), b) for k, (a, b) in ad.experts.items()}
+        return ad
+
+    setattr(runtime, "load_canonical", load_canonical)
+
+
+DEFECTS = {"tp_partial_twice": _tp_partial_twice, "shared_outer_misread": _shared_outer_misread}
+
+
+def install(names, setattr=setattr) -> None:
+    for name in names:
+        DEFECTS[name](setattr)
+
+
+def env(names, base: dict | None = None) -> dict:
+    """The environment variables that carry ``names`` into every process started with them (the TP workers)."""
+    base = os.environ if base is None else base
+    path = os.pathsep.join(p for p in (HOOK_DIR, base.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, ENV: ",".join(names)}

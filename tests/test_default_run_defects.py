@@ -1,0 +1,107 @@
+"""The plain default ``lpdiff run --engine triton`` and the CPU suite's triton lanes catch engine defects that
+show only under tensor parallelism or only in the shared-outer adapter layout. The defects are the tests' own
+(tests/helpers/defect_hook/lpdiff_test_defects.py), not bug-zoo faults; they reach the TP worker processes through
+a sitecustomize on PYTHONPATH, since the workers are fresh interpreters that in-process patching cannot touch."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from lpdiff.harness.cli import main
+from lpdiff.harness.commands.run import default_tps
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "lpdiff_test_defects", Path(__file__).parent / "helpers" / "defect_hook" / "lpdiff_test_defects.py")
+defects = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(defects)
+
+pytestmark = pytest.mark.skipif(default_tps("triton") != (1, 2), reason="the triton engine's default TP sizes here "
+                                "are not (1, 2) (a one-GPU machine): the TP-only defect needs TP 2")
+
+
+def _with_defect(monkeypatch, name: str) -> None:
+    """In this process (rank 0) and in every process it starts (the TP workers)."""
+    defects.install([name], monkeypatch.setattr)
+    for k, v in defects.env([name]).items():
+        monkeypatch.setenv(k, v)
+
+
+def _default_run(tmp_path) -> tuple[int, dict[tuple[str, int, str], list[str]]]:
+    """``lpdiff run --engine triton`` with nothing else but a JSON copy of its verdicts: (model, tp, adapter) ->
+    the reasons it FAILed ([] = PASS)."""
+    out = tmp_path / "verdicts.json"
+    rc = main(["run", "--engine", "triton", "--json", str(out)])
+    verdicts = json.loads(out.read_text())["verdicts"]
+    assert all(v["passed"] == (not v["reasons"]) for v in verdicts)
+    return rc, {(v["model"], v["tp"], v["adapter"]): v["reasons"] for v in verdicts}
+
+
+def _suite_lanes(tmp_path, name: str) -> dict[str, str]:
+    """The CPU suite's triton lanes on tiny-qwen3-moe, run by pytest in a fresh process with the defect on:
+    test id -> outcome."""
+    xml = tmp_path / "suite.xml"
+    env = {**os.environ, **defects.env([name])}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-m", "cpu", f"--junitxml={xml}",
+                    "suites/test_tiny_zoo.py::test_triton_fp32_matches_hf_baseline", "-k", "tiny-qwen3-moe"],
+                   cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cases = ET.parse(xml).getroot().iter("testcase")
+    return {c.get("name"): "failed" if c.find("failure") is not None or c.find("error") is not None else "passed"
+            for c in cases}
+
+
+@pytest.mark.cpu
+def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
+    """Rank 1 counting its all-reduce partial twice: every TP 2 lane FAILs, every TP 1 lane PASSes (the suite's
+    own TP 2 lane shows a correct TP 2 run passing)."""
+    _with_defect(monkeypatch, "tp_partial_twice")
+    rc, got = _default_run(tmp_path)
+    assert rc == 1
+    assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in ("tiny-qwen3-moe", "tiny-gpt-oss") for tp in (1, 2)}
+    assert all(bool(reasons) == (tp == 2) for (_, tp, _), reasons in got.items()), got
+    lanes = _suite_lanes(tmp_path, "tp_partial_twice")
+    assert lanes == {"test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp1]": "passed",
+                     "test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp2]": "failed"}, lanes
+
+
+@pytest.mark.cpu
+def test_default_run_fails_a_shared_outer_only_defect(tmp_path, monkeypatch):
+    """A loader that misreads the shared-outer layout's shared factor: experts_shared_outer FAILs on both models at
+    both TP sizes on its own logprobs; every other lane (base, PEFT 3D at ranks 4 and 8) is within every threshold on
+    its own. The multi-group "all" lane also FAILs, on the [experts] delta fidelity alone: a verdict reports a
+    multi-group lane's group with the worst single-group lane of that group (metrics.lane_fidelity), here the
+    shared-outer one."""
+    _with_defect(monkeypatch, "shared_outer_misread")
+    rc, got = _default_run(tmp_path)
+    assert rc == 1
+    assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in ("tiny-qwen3-moe", "tiny-gpt-oss") for tp in (1, 2)}
+    for (model, tp, adapter), reasons in got.items():
+        where = f"{model} tp={tp} {adapter}: {reasons}"
+        if adapter == "experts_shared_outer":
+            assert any(r.startswith("k2 ") for r in reasons), where
+        elif adapter == "all":
+            assert reasons and all(r.startswith("delta fidelity [experts] ") for r in reasons), where
+        else:
+            assert not reasons, where
+    lanes = _suite_lanes(tmp_path, "shared_outer_misread")
+    assert set(lanes.values()) == {"failed"} and len(lanes) == 2, lanes
+
+
+def test_shared_outer_detection_is_what_the_zoo_holds():
+    """The defect keys on the layout itself: the zoo's shared-outer adapter is one, its PEFT 3D experts one is not
+    (else the shared-outer test could pass for the wrong reason)."""
+    from lpdiff.harness.spec.adapters import load_canonical
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.spec.resolve import resolve
+
+    r = resolve("tiny-qwen3-moe", adapters=("experts_shared_outer", "experts", "all"))
+    cfg = hf_config(r.spec)
+    got = {n: defects.is_shared_outer(load_canonical(s.path, cfg)) for n, s in r.adapters.items()}
+    assert got == {"experts_shared_outer": True, "experts": False, "all": False}
