@@ -23,8 +23,20 @@ _spec = importlib.util.spec_from_file_location(
 defects = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(defects)
 
-pytestmark = pytest.mark.skipif(default_tps("triton") != (1, 2), reason="the triton engine's default TP sizes here "
-                                "are not (1, 2) (a one-GPU machine): the TP-only defect needs TP 2")
+needs_tp2 = pytest.mark.skipif(default_tps("triton") != (1, 2), reason="the triton engine's default TP sizes here "
+                               "are not (1, 2) (a one-GPU machine): the default run has no TP 2 lanes")
+
+
+@pytest.mark.parametrize("gpus, engine, want", [(0, "triton", (1, 2)), (0, "hf", (1,)), (0, "vllm", (1,)),
+                                                (1, "triton", (1,)), (2, "triton", (1, 2)), (8, "vllm", (1, 2)),
+                                                (8, "hf", (1,))])
+def test_default_tp_rule(gpus, engine, want, monkeypatch):
+    """TP 1 and 2 where the engine declares them and the machine places them: a GPU per rank, or without GPUs the
+    engine's cpu_tp (triton's gloo ranks; vLLM runs TP 1 only on CPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert default_tps(engine) == want
 
 
 def _with_defect(monkeypatch, name: str) -> None:
@@ -58,6 +70,7 @@ def _suite_lanes(tmp_path, name: str) -> dict[str, str]:
 
 
 @pytest.mark.cpu
+@needs_tp2
 def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
     """Rank 1 counting its all-reduce partial twice: every TP 2 lane FAILs, every TP 1 lane PASSes (the suite's
     own TP 2 lane shows a correct TP 2 run passing)."""
@@ -72,6 +85,7 @@ def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
 
 
 @pytest.mark.cpu
+@needs_tp2
 def test_default_run_fails_a_shared_outer_only_defect(tmp_path, monkeypatch):
     """A loader that misreads the shared-outer layout's shared factor: experts_shared_outer FAILs on both models at
     both TP sizes on its own logprobs; every other lane (base, PEFT 3D at ranks 4 and 8) is within every threshold on
