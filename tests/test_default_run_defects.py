@@ -63,7 +63,7 @@ def _suite_lanes(tmp_path, name: str) -> dict[str, str]:
     env = {**os.environ, **defects.env([name])}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-m", "cpu", f"--junitxml={xml}",
                     "suites/test_tiny_zoo.py::test_triton_fp32_matches_hf_baseline", "-k", "tiny-qwen3-moe"],
-                   cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                   cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)  # FAILs expected
     cases = ET.parse(xml).getroot().iter("testcase")
     return {c.get("name"): "failed" if c.find("failure") is not None or c.find("error") is not None else "passed"
             for c in cases}

@@ -23,7 +23,7 @@ HOOK_DIR = os.path.dirname(os.path.abspath(__file__))
 def _tp_partial_twice(setattr) -> None:
     import torch.distributed as dist
 
-    import lpdiff.engines.triton.tp as tp
+    from lpdiff.engines.triton import tp
 
     correct = tp.all_reduce_fn
 
@@ -49,7 +49,7 @@ def is_shared_outer(adapter) -> bool:
 
 
 def _shared_outer_misread(setattr) -> None:
-    import lpdiff.engines.triton.runtime as runtime
+    from lpdiff.engines.triton import runtime
 
     correct = runtime.load_canonical
 
