@@ -89,9 +89,8 @@ def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
 def test_default_run_fails_a_shared_outer_only_defect(tmp_path, monkeypatch):
     """A loader that misreads the shared-outer layout's shared factor: experts_shared_outer FAILs on both models at
     both TP sizes on its own logprobs; every other lane (base, PEFT 3D at ranks 4 and 8) is within every threshold on
-    its own. The multi-group "all" lane also FAILs, on the [experts] delta fidelity alone: a verdict reports a
-    multi-group lane's group with the worst single-group lane of that group (metrics.lane_fidelity), here the
-    shared-outer one."""
+    its own, the multi-group "all" lane included (a lane is judged on its own delta; the batch's single-group lanes
+    only name the group when its own delta fails)."""
     _with_defect(monkeypatch, "shared_outer_misread")
     rc, got = _default_run(tmp_path)
     assert rc == 1
@@ -100,8 +99,6 @@ def test_default_run_fails_a_shared_outer_only_defect(tmp_path, monkeypatch):
         where = f"{model} tp={tp} {adapter}: {reasons}"
         if adapter == "experts_shared_outer":
             assert any(r.startswith("k2 ") for r in reasons), where
-        elif adapter == "all":
-            assert reasons and all(r.startswith("delta fidelity [experts] ") for r in reasons), where
         else:
             assert not reasons, where
     lanes = _suite_lanes(tmp_path, "shared_outer_misread")

@@ -94,12 +94,32 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
     verdicts = []
     for a in runs:
         fidelity = None if a is None else fidelities[a]
+        own, split = _own_and_groups(fidelity)
         m = compare(runs[a], refs[a], near_tie_eps=eps)
-        v = judge(m, threshold, delta_fidelity=fidelity, exclude_near_ties=m.clean is not None)
+        v = judge(m, threshold, delta_fidelity=own, exclude_near_ties=m.clean is not None)
         v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
         v.detail = position_detail(runs[a], refs[a], eps)
+        if split:
+            _name_groups(v, split, threshold.delta_fidelity)
         verdicts.append(v)
     return verdicts
+
+
+def _own_and_groups(fidelity):
+    """A multi-group lane's own delta fidelity (judged) and its groups' values from the batch's single-group lanes
+    (only named: a lane never fails for another adapter's delta)."""
+    if isinstance(fidelity, dict) and "adapter" in fidelity:
+        return fidelity["adapter"], {g: f for g, f in fidelity.items() if g != "adapter"}
+    return fidelity, {}
+
+
+def _name_groups(v: Verdict, split: dict[str, float], limit: float | None) -> None:
+    v.notes.append("delta fidelity of this batch's single-group lanes: "
+                   + ", ".join(f"{g} {f:.3g}" for g, f in split.items()))
+    if limit is None or not any(r.startswith("delta fidelity ") for r in v.reasons):
+        return
+    v.reasons += [f"delta fidelity [{g}] {f:.3g} > threshold {limit:.3g} (the {g}-only lane of this batch)"
+                  for g, f in split.items() if not f <= limit]
 
 
 def run_job(job: Job, store: BaselineStore | None = None, regen: bool = False,
