@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lpdiff.harness.spec.catalog import (FULL_CONFIGS, INIT_RECIPE, ZOO, describe, get_model, hf_config, known_models,
+from lpdiff.harness.spec.catalog import (INIT_RECIPE, ZOO, describe, get_model, hf_config, known_models,
                              load_hf_model, moe_fields)
 from lpdiff.harness.types import ModelSpec
+from tests.helpers.configs import narrow_full_config
 
 # docs/models.md's model table: hidden, layers, experts, top-k, expert width, shared width, heads, kv heads, head_dim,
 # vocab.
@@ -83,26 +84,8 @@ def test_num_layers_truncates_per_layer_lists(name, n):
         hf_config(get_model(name, num_layers=full.num_hidden_layers + 1))
 
 
-def _tiny_full_config(name: str) -> dict:
-    """A full-size catalog config shrunk in width only: same architecture and quirks, CPU-sized."""
-    cfg = dict(FULL_CONFIGS[name], hidden_size=64, vocab_size=128, num_attention_heads=2, num_key_value_heads=1,
-               head_dim=32, bos_token_id=None, eos_token_id=None, pad_token_id=None, num_experts_per_tok=2)
-    for k in ("moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
-              "moe_shared_expert_intermediate_size"):
-        if k in cfg:
-            cfg[k] = 24
-    for k in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if k in cfg:
-            cfg[k] = 8
-    if name == "qwen3.5-35b-a3b":
-        cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
-    if name == "nemotron-3-nano-30b-a3b":
-        cfg.update(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2)
-    return cfg
-
-
 def _spec(name: str, seed: int, num_layers: int) -> ModelSpec:
-    cfg = _tiny_full_config(name)
+    cfg = narrow_full_config(name)
     return ModelSpec(name="t", arch=cfg["model_type"], config=cfg, init_seed=seed, init_recipe=INIT_RECIPE,
                      num_layers=num_layers)
 

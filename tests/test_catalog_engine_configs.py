@@ -26,6 +26,7 @@ from lpdiff.harness.spec.checkpoint import (
     write_checkpoint,
 )
 from lpdiff.harness.types import ModelSpec
+from tests.helpers.configs import narrow_full_config
 from safetensors import safe_open
 
 SGLANG_TRANSFORMERS = "5.12.1"  # the version SGLang 0.5.15 pins
@@ -195,30 +196,6 @@ def test_checkpoint_names_and_shapes_at_full_width(name):
     assert not any(k.startswith("model.layers.") for k in got) or not name.startswith(("qwen3.5", "nemotron"))
 
 
-def _narrow(name: str) -> dict:
-    """The Hub config shrunk in width only (same architecture, names, nesting), CPU-sized."""
-    cfg = json.loads(json.dumps(FULL_CONFIGS[name]))
-    t = cfg.get("text_config", cfg)
-    t.update(hidden_size=64, vocab_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-             num_experts_per_tok=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    for k in ("moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
-              "moe_shared_expert_intermediate_size"):
-        if k in t:
-            t[k] = 24
-    for k in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if k in t:
-            t[k] = 8
-    if "moe_latent_size" in t:
-        t["moe_latent_size"] = 16
-    if "linear_num_key_heads" in t:
-        t.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
-    if "mamba_num_heads" in t:
-        t.update(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2)
-    if "vision_config" in cfg:
-        cfg["vision_config"].update(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64)
-    return cfg
-
-
 @pytest.mark.parametrize("name,depth", [("qwen3.5-35b-a3b", 4), ("nemotron-3-super-120b-a12b", 6),
                                         ("gpt-oss-20b", 2)])
 def test_written_checkpoint_loads_back_identically(tmp_path, name, depth):
@@ -227,7 +204,7 @@ def test_written_checkpoint_loads_back_identically(tmp_path, name, depth):
     from lpdiff.harness.spec.catalog import load_hf_model
     from transformers import AutoModelForCausalLM
 
-    cfg = _narrow(name)
+    cfg = narrow_full_config(name)
     spec = ModelSpec(name="t", arch=name, config=cfg, init_seed=0, init_recipe=INIT_RECIPE, num_layers=depth)
     model = load_hf_model(spec, torch.float32, "cpu")
     out = write_checkpoint(model, spec, tmp_path / "ckpt", shard_bytes=200_000)
