@@ -43,7 +43,7 @@ def peft_groups(adapters: dict[str, AdapterSpec]) -> list[dict[str, AdapterSpec]
 @dataclass(slots=True)
 class References:
     """Reference runs of one engine configuration, through ``store`` under ``policy``. ``regen_command`` is the
-    command line that regenerates them, quoted in every missing/stale error."""
+    command line that regenerates them: the store quotes it in every missing/stale/corrupt error."""
 
     store: BaselineStore
     engine: str = "hf"
@@ -61,7 +61,8 @@ class References:
     def runs(self, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]]) -> Lanes:
         """Base + one run per adapter (reference engines run at TP 1: the reference does not shard)."""
         keys = {a: baseline_key(spec, adapters.get(a) if a else None, prompts, self.dtype, 1, self.engine,
-                                self.top_k, extra=self.options or None, prompt_set=self.prompt_set)
+                                self.top_k, extra=self.options or None, prompt_set=self.prompt_set,
+                                regen_command=self.regen_command)
                 for a in [None, *adapters]}
         if self.policy != "regen":
             try:
@@ -69,9 +70,9 @@ class References:
                 self.log(f"{self.engine}:{self.dtype}{self.options or ''} reference runs of {spec.name} from "
                          f"{self.store.root}")
                 return runs
-            except BaselineError as e:  # missing, stale or corrupt: only the cache may compute it afresh
+            except BaselineError:  # missing, stale or corrupt: only the cache may compute it afresh
                 if self.policy == "stored":
-                    raise type(e)(self._hint(str(e))) from None
+                    raise
         runs = self.compute(spec, adapters, prompts)
         check_reference_runs(runs, f"{self.engine}:{self.dtype} reference runs of {spec.name}")  # before any put
         try:
@@ -93,8 +94,3 @@ class References:
         self.log(f"{self.engine}:{self.dtype}{self.options or ''} reference runs of {spec.name} computed in "
                  f"{time.perf_counter() - t0:.1f}s")
         return runs
-
-    def _hint(self, message: str) -> str:
-        if not self.regen_command:
-            return message
-        return f"{message.split('; regenerate it with')[0]}; regenerate it with `{self.regen_command}`"

@@ -16,7 +16,7 @@ import json
 import platform
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -56,6 +56,8 @@ class BaselineKey:
     model_name: str  # names are for messages and the stale rule; they are not part of the digest
     adapter_name: str | None = None
     prompt_set: str | None = None  # the prompt set's name; None: prompts given as a list (their hash names them)
+    # the command a caller knows regenerates it (a job's own flags: a checkpoint path, --prompts); not identity
+    regen_command: str | None = field(default=None, compare=False)
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -70,6 +72,8 @@ class BaselineKey:
                 f"tp={f['tp']}, top_k={f['top_k']})")
 
     def regen_hint(self) -> str:
+        if self.regen_command:
+            return f"regenerate it with `{self.regen_command}` or run the suite with `pytest --lpdiff-regen`"
         f = self.fields
         cmd = f"lpdiff regen --model {self.model_name}"
         cmd += f" --adapter {self.adapter_name}" if self.adapter_name else ""
@@ -91,7 +95,7 @@ class BaselineKey:
 
 def baseline_key(model: ModelSpec, adapter: AdapterSpec | None, prompts: Sequence[Sequence[int]], dtype: str,
                  tp: int, engine: str, top_k: int = 0, extra: dict | None = None,
-                 prompt_set: str | None = None) -> BaselineKey:
+                 prompt_set: str | None = None, regen_command: str | None = None) -> BaselineKey:
     """Key of the reference run of ``engine`` on ``model`` (+ ``adapter``) over ``prompts`` (the prompt set
     ``prompt_set`` when they are one: a name, not hashed, that the stale rule and the regen hint use). ``extra``
     holds anything else that changes the numbers (engine options, reference-engine version pins)."""
@@ -106,7 +110,7 @@ def baseline_key(model: ModelSpec, adapter: AdapterSpec | None, prompts: Sequenc
         "extra": extra or {},
     }
     return BaselineKey(canonical_hash(content), _canonical(content), model.name,
-                       None if adapter is None else adapter.name, prompt_set)
+                       None if adapter is None else adapter.name, prompt_set, regen_command)
 
 
 def key_from_manifest(manifest: dict[str, Any]) -> BaselineKey:
