@@ -60,11 +60,6 @@ class CanonicalAdapter:
         return {a.shape[-2] for a, _ in [*self.dense.values(), *self.experts.values()]}
 
 
-def _targeted(layout: ModelLayout, module: str, target_parameters) -> list[str]:
-    """ModelLayout.targeted_params (spec/validate imports this name)."""
-    return layout.targeted_params(module, target_parameters)
-
-
 def as_layout(model_config) -> ModelLayout:
     return model_config if isinstance(model_config, ModelLayout) else ModelLayout.from_config(model_config)
 

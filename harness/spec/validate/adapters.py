@@ -21,7 +21,7 @@ from lpdiff.harness.spec.adapters.files import (
     WEIGHTS_NAME,
     read_provenance,
 )
-from lpdiff.harness.spec.adapters.layout import PER_EXPERT_RE, ModelLayout
+from lpdiff.harness.spec.adapters.layout import ModelLayout
 from lpdiff.harness.spec.validate.errors import Problem, ValidationError, first_error
 
 PICKLE_NAMES = ("adapter_model.bin", "pytorch_model.bin")
@@ -161,34 +161,31 @@ def _rank_for(cfg: dict, module: str) -> set[int]:
 
 def _expected(key: str, mod: str, cfg: dict, facts: ModelFacts) -> tuple[str, tuple | None]:
     """-> (kind, expected (A shape, B shape) with -1 for the rank) for one tensor's module. kind: 'lora' (checked),
-    'router' (a router module), 'other' (a module that exists, left to PEFT), 'missing', or a problem text."""
+    'router' (a router module), 'other' (a module that exists, left to PEFT), 'missing', or a problem text. Which
+    weight a tensor adapts is the layout's answer (ModelLayout.tensor_slot), as for loading."""
     layout = facts.layout
     base = re.sub(r"(\.base_layer)+$", "", mod)
-    depth = (len(mod) - len(base)) // len(".base_layer")
-    pe = PER_EXPERT_RE.fullmatch(mod)
-    if base in layout.module_params:
-        from lpdiff.harness.spec.adapters.canonical import _targeted
-
-        names = _targeted(layout, base, cfg.get("target_parameters"))
-        if depth >= len(names):
-            return (f"{key}: {len(names)} parameter(s) of {base} are in target_parameters, so PEFT reads at most "
-                    f"{max(len(names) - 1, 0)} base_layer level(s)"), None
-        p = layout.experts[f"{base}.{names[len(names) - 1 - depth]}"]
+    try:
+        slot = layout.tensor_slot(mod, cfg.get("target_parameters"))
+    except ValueError as e:
+        if base in layout.module_params:  # stacked experts nested deeper than target_parameters allows
+            return f"{key}: {e}", None
+        if base in facts.routers:
+            return "router", None
+        return ("other" if base in facts.modules else "missing"), None
+    if slot[0] == "3d":
+        p = layout.experts[slot[1]]
         return "experts", ((p.num_experts, p.in_features), (p.out_features, p.num_experts))
-    if pe is not None and pe.group(1) in layout.module_params:
-        for p in (layout.experts[f"{pe.group(1)}.{n}"] for n in layout.module_params[pe.group(1)]):
-            if pe.group(3) in p.parts:
-                if int(pe.group(2)) >= p.num_experts:
-                    return f"{key}: expert {pe.group(2)} of a model with {p.num_experts} experts", None
-                rows = p.part_rows()[p.parts.index(pe.group(3))].numel()
-                return "lora", ((1, p.in_features), (rows, 1))
-        return f"{key}: {pe.group(3)} is not a per-expert projection of {pe.group(1)}", None
-    if mod in layout.linears:
-        out_f, in_f = layout.linears[mod]
-        return "lora", ((1, in_f), (out_f, 1))
-    if base in facts.routers:
-        return "router", None
-    return ("other" if base in facts.modules else "missing"), None
+    if slot[0] == "pe":
+        _, module, proj, expert = slot
+        for p in (layout.experts[f"{module}.{n}"] for n in layout.module_params[module]):
+            if proj in p.parts:
+                if expert >= p.num_experts:
+                    return f"{key}: expert {expert} of a model with {p.num_experts} experts", None
+                return "lora", ((1, p.in_features), (p.part_rows()[p.parts.index(proj)].numel(), 1))
+        return f"{key}: {proj} is not a per-expert projection of {module}", None
+    out_f, in_f = layout.linears[slot[1]]
+    return "lora", ((1, in_f), (out_f, 1))
 
 
 def tensor_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, num_layers: int | None = None,
