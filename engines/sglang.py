@@ -197,7 +197,7 @@ CAPABILITIES = Capabilities(
 
 def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """ServerArgs fields (the keyword arguments of ``sgl.Engine``) for this config."""
-    from lpdiff.engines.vllm import adapter_max_rank
+    from lpdiff.harness.spec.adapters import adapter_max_rank
 
     if config.dtype == "float32":
         raise ValueError("SGLang has no fp32 path (sgl_kernel's rmsnorm takes bf16/fp16): use dtype bfloat16 and "
@@ -314,7 +314,7 @@ def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> 
 
     out: dict[str, Any] = {"vocab_size": hf_config(config.model).get_text_config().vocab_size}
     if launch:
-        from lpdiff.engines.vllm import checkpoint_dir
+        from lpdiff.engines.checkpoint import checkpoint_dir
 
         # checkpoint_dir gives back the GPU blocks its build cached: SGLang sizes its pools from free memory
         path = checkpoint_dir(config.model, opts.get("checkpoint_dir"), on_cpu=False)

@@ -20,7 +20,6 @@ import pytest
 from lpdiff.engines.base import EngineConfig
 from lpdiff.engines.vllm import (
     VLLMEngine,
-    adapter_max_rank,
     adapter_problems,
     default_attention_backend,
     parse_prompt_logprobs,
@@ -149,6 +148,8 @@ def test_pick_max_lora_rank_too_big_names_the_fix():
 
 
 def test_adapter_max_rank_reads_rank_pattern(tmp_path):
+    from lpdiff.harness.spec.adapters import adapter_max_rank
+
     import json
 
     from safetensors.numpy import save_file

@@ -3,7 +3,7 @@ share one batch.
 
 One concept per file: ``engine`` (VLLMEngine, in-process or subprocess lane), ``capabilities`` (CAPABILITIES, read
 without importing vLLM), ``settings`` (options, defaults, version feature detection), ``adapters`` (how vLLM reads
-adapters: MoE-LoRA mode, refusals, renamed copies), ``parsing`` (prompt logprobs), ``checkpoint`` (the directory
+adapters: MoE-LoRA mode, refusals, renamed copies), ``parsing`` (prompt logprobs), ``lpdiff.engines.checkpoint`` (the directory
 vLLM loads), ``processes`` (CUDA check, vLLM's processes and their shutdown).
 
 Options (``EngineConfig.options``):
@@ -35,20 +35,19 @@ Options (``EngineConfig.options``):
 """
 from lpdiff.engines.vllm.adapters import (
     MoeLoraPlan,
-    adapter_max_rank,
     adapter_problems,
     plan_moe_lora,
     renamed_per_expert_adapter,
     vllm_native_3d,
 )
 from lpdiff.engines.vllm.capabilities import CAPABILITIES
-from lpdiff.engines.vllm.checkpoint import checkpoint_dir, is_moe_config
+from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
 from lpdiff.engines.vllm.engine import VLLMEngine
 from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, vllm_top_k
 from lpdiff.engines.vllm.processes import _children, cuda_visible, reap
 from lpdiff.engines.vllm.settings import GPU_MEMORY_UTILIZATION, default_attention_backend, pick_max_lora_rank
 
-__all__ = ["CAPABILITIES", "GPU_MEMORY_UTILIZATION", "MoeLoraPlan", "VLLMEngine", "_children", "adapter_max_rank",
+__all__ = ["CAPABILITIES", "GPU_MEMORY_UTILIZATION", "MoeLoraPlan", "VLLMEngine", "_children",
            "adapter_problems", "checkpoint_dir", "cuda_visible", "default_attention_backend", "is_moe_config",
            "parse_prompt_logprobs", "pick_max_lora_rank", "plan_moe_lora", "reap", "renamed_per_expert_adapter",
            "vllm_native_3d", "vllm_top_k"]

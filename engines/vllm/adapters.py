@@ -35,14 +35,6 @@ _INTERLEAVED_ARCHS = frozenset({"GptOssForCausalLM"})
 _PER_EXPERT_NAMES = {"GptOssForCausalLM": {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}}
 
 
-def adapter_max_rank(adapter_dir: str | Path) -> int:
-    """The largest rank an adapter uses (``r`` and every ``rank_pattern`` entry)."""
-    from lpdiff.harness.spec.adapters import inspect_adapter
-
-    info = inspect_adapter(adapter_dir)
-    return max([info.rank, *info.rank_pattern.values()])
-
-
 @dataclasses.dataclass(slots=True, frozen=True)
 class MoeLoraPlan:
     """How one engine serves its expert adapters: ``mixed`` is vLLM's enable_mixed_moe_lora_format, ``rename`` maps

@@ -24,13 +24,13 @@ from typing import Any
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
 from lpdiff.engines.vllm.adapters import (
-    adapter_max_rank,
     adapter_problems,
     plan_moe_lora,
     renamed_per_expert_adapter,
     vllm_native_3d,
 )
-from lpdiff.engines.vllm.checkpoint import checkpoint_dir, is_moe_config
+from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
+from lpdiff.harness.spec.adapters import adapter_max_rank
 from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, vllm_top_k
 from lpdiff.engines.vllm.processes import _children, cuda_visible, reap, shutdown
 from lpdiff.engines.vllm.settings import (

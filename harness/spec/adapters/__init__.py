@@ -36,7 +36,7 @@ from lpdiff.harness.spec.adapters.generate import (
     GENERATOR_VERSION,
     generate_adapter,
 )
-from lpdiff.harness.spec.adapters.inspection import AdapterInfo, adapter_groups, inspect_adapter
+from lpdiff.harness.spec.adapters.inspection import AdapterInfo, adapter_groups, adapter_max_rank, inspect_adapter
 from lpdiff.harness.spec.adapters.layout import (
     GROUPS,
     LAYOUTS,
@@ -65,6 +65,7 @@ __all__ = [
     "adapter_groups",
     "convert_adapter",
     "generate_adapter",
+    "adapter_max_rank",
     "inspect_adapter",
     "load_canonical",
     "merge_into",

@@ -98,3 +98,10 @@ def adapter_groups(adapter_dir: str | Path) -> tuple[str, ...]:
         m = KEY_RE.fullmatch(k)
         found.add(module_group(m.group(1) if m else k))
     return tuple(g for g in GROUPS if g in found)
+
+
+def adapter_max_rank(adapter_dir: str | Path) -> int:
+    """The largest rank an adapter uses (``r`` and every ``rank_pattern`` entry): the max LoRA rank an engine that
+    preallocates LoRA buffers (vLLM, SGLang) must be started with."""
+    info = inspect_adapter(adapter_dir)
+    return max([info.rank, *info.rank_pattern.values()])
