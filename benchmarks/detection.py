@@ -79,12 +79,12 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
         case = check.build_case(model, layers, tmp, layouts=("peft3d",))
         clean, results = check.fault_sweep(case, faults, dtype, k=reruns, store=store, log=lambda s: None)
         ref = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
-    correct = [v.adapter for v in clean.verdicts if clean.expected[v.adapter] == "PASS"]
+    correct = [v.adapter for v in clean.verdicts if v.expected == "PASS"]
     base_of = {lane: None if lane == "base" else lane.split(".")[0] for lane in correct}
     ms = [compare(run[None if lane == "base" else lane], ref[base_of[lane]]) for run in clean.runs for lane in correct]
     nk2 = float(np.percentile([m.k2 for m in ms], 99.9))
     nmax = float(np.percentile([m.max_abs for m in ms], 99.9))
-    effects = {f: max(v.metrics.k2 for v in r.verdicts if r.expected[v.adapter] == "PASS")
+    effects = {f: max(v.metrics.k2 for v in r.verdicts if v.expected == "PASS")
                for f, r in results.items() if r is not None}
     thr = clean.threshold
     weakest = min(effects, key=effects.get)

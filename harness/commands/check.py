@@ -158,12 +158,11 @@ class CheckResult:
     threshold: object
     runs: list[dict]  # the engine's runs, each {lane (None = base): LogprobRun}
     verdicts: list = field(default_factory=list)  # harness.verdict.Verdict, with .adapter "name.layout"
-    expected: dict[str, str] = field(default_factory=dict)  # "name.layout" -> PASS / FAIL
     error: str | None = None  # the engine died or raised: every lane FAILs with this message
 
     @property
     def as_expected(self) -> bool:
-        return self.error is None and all(("PASS" if v.passed else "FAIL") == self.expected[v.adapter]
+        return self.error is None and all(("PASS" if v.passed else "FAIL") == v.expected
                                           for v in self.verdicts)
 
 
@@ -220,7 +219,6 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
         v.expected = case.plans[name].expected if name else "PASS"
         v.detail = position_detail(got[lane], ref_run, eps)
         res.verdicts.append(v)
-        res.expected[v.adapter] = v.expected
     return res
 
 
@@ -254,7 +252,7 @@ def fault_sweep(case: Case, faults: Sequence[str], dtype: str = "float32", k: in
 
 def missed(res: CheckResult) -> bool:
     """True when every lane that should PASS passed: the run shows no sign of a fault."""
-    return all(v.passed for v in res.verdicts if res.expected[v.adapter] == "PASS")
+    return all(v.passed for v in res.verdicts if v.expected == "PASS")
 
 
 def format_result(res: CheckResult) -> str:
@@ -265,8 +263,8 @@ def format_result(res: CheckResult) -> str:
     head = (f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
             f"x{res.layers} layers: {ok}\nthreshold = {FACTOR[res.dtype]:g} x noise: k2 {res.threshold.k2:.3g}, max |Δ| "
             f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})")
-    bad = [f"  {v.adapter}: expected {res.expected[v.adapter]}" for v in res.verdicts
-           if ("PASS" if v.passed else "FAIL") != res.expected[v.adapter]]
+    bad = [f"  {v.adapter}: expected {v.expected}" for v in res.verdicts
+           if ("PASS" if v.passed else "FAIL") != v.expected]
     return "\n".join([head, verdict_table(res.verdicts), *bad])
 
 
@@ -293,7 +291,7 @@ def csv_rows(res: CheckResult) -> list[dict]:
                          ref_noise_max=f"{res.ref_noise.max_abs:.4g}",
                          ref_noise_fidelity=f"{res.ref_noise.fidelity:.4g}",
                          rerun_noise_k2=f"{res.rerun_noise.k2:.4g}", rerun_noise_max=f"{res.rerun_noise.max_abs:.4g}",
-                         rerun_noise_fidelity=f"{res.rerun_noise.fidelity:.4g}", expected=res.expected[v.adapter],
+                         rerun_noise_fidelity=f"{res.rerun_noise.fidelity:.4g}", expected=v.expected,
                          verdict="PASS" if v.passed else "FAIL", reasons="; ".join(v.reasons)))
     return rows
 
