@@ -21,10 +21,10 @@ from lpdiff.harness.spec.catalog import (
 )
 from lpdiff.harness.spec.checkpoint import (
     checkpoint_tensors,
-    cut_hub_config,
     hub_config_dict,
     write_checkpoint,
 )
+from lpdiff.harness.spec.cut import cut_config
 from lpdiff.harness.types import ModelSpec
 from tests.helpers.configs import narrow_full_config
 from safetensors import safe_open
@@ -95,7 +95,7 @@ def test_hub_configs_are_the_shipped_spelling():
 @pytest.mark.parametrize("name,n", [("qwen3.5-35b-a3b", 5), ("nemotron-3-nano-30b-a3b", 7),
                                     ("nemotron-3-super-120b-a12b", 9), ("gpt-oss-20b", 3), ("qwen3-30b-a3b", 2)])
 def test_cut_keeps_per_layer_fields_consistent(name, n):
-    cut = cut_hub_config(FULL_CONFIGS[name], n)
+    cut = cut_config(FULL_CONFIGS[name], n)
     t = cut.get("text_config", cut)
     assert t["num_hidden_layers"] == n
     if "hybrid_override_pattern" in t:
@@ -103,8 +103,8 @@ def test_cut_keeps_per_layer_fields_consistent(name, n):
     if "layer_types" in t:
         assert len(t["layer_types"]) == n
     assert FULL_CONFIGS[name] != cut  # a copy: the catalog's dict is untouched
-    with pytest.raises(ValueError, match="num_layers"):
-        cut_hub_config(FULL_CONFIGS[name], 1000)
+    with pytest.raises(ValueError, match="num-layers"):
+        cut_config(FULL_CONFIGS[name], 1000)
 
 
 def _write_configs(root: Path) -> dict[str, Path]:
@@ -113,7 +113,7 @@ def _write_configs(root: Path) -> dict[str, Path]:
         for n in (None, 4):
             d = root / f"{name}-{n or 'full'}"
             d.mkdir()
-            (d / "config.json").write_text(json.dumps(cut_hub_config(FULL_CONFIGS[name], n)))
+            (d / "config.json").write_text(json.dumps(cut_config(FULL_CONFIGS[name], n)))
             out[d.name] = d
     return out
 
@@ -209,7 +209,7 @@ def test_written_checkpoint_loads_back_identically(tmp_path, name, depth):
     model = load_hf_model(spec, torch.float32, "cpu")
     out = write_checkpoint(model, spec, tmp_path / "ckpt", shard_bytes=200_000)
     written = json.loads((out / "config.json").read_text())
-    want = cut_hub_config(cfg, depth)
+    want = cut_config(cfg, depth)
     for d in (written, written.get("text_config")):
         if isinstance(d, dict):
             d.pop("torch_dtype", None), d.pop("dtype", None)

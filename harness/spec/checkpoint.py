@@ -6,13 +6,13 @@ vLLM, SGLang and transformers load it exactly as they load the real repo.
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lpdiff.harness.spec.cut import cut_config
 from lpdiff.harness.types import ModelSpec
 
 SHARD_BYTES = 5 * 2**30  # the Hub's Qwen / Nemotron releases use shards of about 4-5 GB
@@ -21,41 +21,13 @@ SHARD_BYTES = 5 * 2**30  # the Hub's Qwen / Nemotron releases use shards of abou
 WRAPPER_PREFIX = {"Qwen3_5MoeForConditionalGeneration": "model.language_model."}
 
 
-def _text(cfg: dict[str, Any]) -> dict[str, Any]:
-    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-
-
-def cut_hub_config(cfg: dict[str, Any], num_layers: int | None) -> dict[str, Any]:
-    """A copy of a Hub config.json keeping the first ``num_layers`` layers, every per-layer field cut the same way
-    (layer_types, hybrid_override_pattern, layers_block_type, mlp_only_layers, max_window_layers)."""
-    cfg = copy.deepcopy(cfg)
-    if num_layers is None:
-        return cfg
-    t = _text(cfg)
-    pattern = t.get("hybrid_override_pattern")
-    n = t.get("num_hidden_layers") or (len(pattern) if pattern else None)
-    if n is None or num_layers > n:
-        raise ValueError(f"num_layers={num_layers} but the model has only {n} layers; pass num_layers <= {n}")
-    t["num_hidden_layers"] = num_layers
-    for k in ("layer_types", "layers_block_type"):
-        if isinstance(t.get(k), list):
-            t[k] = t[k][:num_layers]
-    if isinstance(pattern, str):
-        t["hybrid_override_pattern"] = pattern[:num_layers]
-    if isinstance(t.get("mlp_only_layers"), list):
-        t["mlp_only_layers"] = [i for i in t["mlp_only_layers"] if i < num_layers]
-    if isinstance(t.get("max_window_layers"), int):
-        t["max_window_layers"] = min(t["max_window_layers"], num_layers)
-    return cfg
-
-
 def hub_config_dict(spec: ModelSpec) -> dict[str, Any]:
     """The config.json a spec's checkpoint carries: the Hub file (catalog) or the directory's own, cut to depth."""
     if spec.path is not None:
         cfg = json.loads((Path(spec.path) / "config.json").read_text())
     else:
         cfg = spec.config
-    return cut_hub_config(cfg, spec.num_layers)
+    return cut_config(cfg, spec.num_layers)
 
 
 def _set_dtype(cfg: dict[str, Any], dtype: torch.dtype) -> None:

@@ -35,14 +35,16 @@ def _read(fh: BinaryIO, offset: int, size: int) -> bytes:
     return data
 
 
-def cut_config(config: dict[str, Any], n: int) -> dict[str, Any]:
-    """The config.json of the first ``n`` layers: num_hidden_layers, per-layer lists and Nemotron's
-    hybrid_override_pattern, at the top level and in a nested text config."""
+def cut_config(config: dict[str, Any], n: int | None) -> dict[str, Any]:
+    """The config.json of the first ``n`` layers (a copy; ``n`` None: uncut): num_hidden_layers, per-layer lists and
+    Nemotron's hybrid_override_pattern, at the top level and in a nested text config."""
     config = copy.deepcopy(config)
+    if n is None:
+        return config
     found = False
     for d in [config, *(config[k] for k in _NESTED if isinstance(config.get(k), dict))]:
         pattern = d.get("hybrid_override_pattern")
-        old = d.get("num_hidden_layers", len(pattern) if isinstance(pattern, str) else None)
+        old = d.get("num_hidden_layers") or (len(pattern) if isinstance(pattern, str) else None)
         if old is None:
             continue
         found = True
