@@ -384,24 +384,47 @@ def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relat
     return EXIT_FAILED if rep.failed else EXIT_OK
 
 
-def _delegate(name: str, help_: str):
-    """Commands whose module still parses its own arguments (every argument, --help included, goes to it)."""
+@cli.command()
+@click.argument("model")
+@click.argument("adapter")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(["hf", "vllm", "sglang"]),
+              help="check only this engine (repeatable; default: every engine doctor knows)")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+              help="the max_lora_rank vllm/sglang will be started with (default: sized from the adapter)")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def doctor(model, adapter, engines, max_lora_rank, as_json) -> int:
+    """What each engine will refuse or silently ignore in an adapter, before any run (exit 1 if anything)."""
+    from lpdiff.harness.commands import doctor as dr
 
-    @cli.command(name, help=help_, add_help_option=False,
-                 context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-    @click.pass_context
-    def command(ctx: click.Context) -> int:
-        import importlib
+    limits = {e: max_lora_rank for e in ("vllm", "sglang")} if max_lora_rank else None
+    report = dr.doctor(model, adapter, list(engines) or None, limits)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else dr.format_report(report))
+    return report.exit_code
 
-        return importlib.import_module(f"lpdiff.harness.commands.{name}").main(list(ctx.args))
 
-    return command
+@cli.command()
+@click.argument("model")
+@click.option("--adapter", default=None, help="zoo adapter run by both engines (default: experts)")
+@click.option("--fault", default=None, help="bug-zoo fault injected into the triton runtime (kernels/faults.py)")
+@click.option("--factor", type=float, default=None,
+              help="how far above the noise floor a module must be (default: bisect.FACTOR)")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True)
+def bisect(model, adapter, fault, factor, num_prompts) -> int:
+    """First layer + module where the triton runtime leaves HF+PEFT (floor: HF's two expert kernels)."""
+    from lpdiff.harness.commands import bisect as bs
+    from lpdiff.kernels.faults import runtime_faults
+
+    if fault is not None and fault not in runtime_faults():
+        raise click.BadParameter(f"invalid choice: {fault!r} (choose from {', '.join(runtime_faults())})",
+                                 param_hint="--fault")
+    res = bs.bisect(model, adapter, fault, bs.FACTOR if factor is None else factor, num_prompts)
+    click.echo(res.table())
+    click.echo(res.summary())
+    return EXIT_FAILED if res.finding else EXIT_OK
 
 
 cli.add_command(baselines)
 cli.add_command(report)
-_delegate("bisect", "First layer + module where the engine under test leaves the reference.")
-_delegate("doctor", "What each engine will refuse or silently ignore in an adapter, before any run.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,8 +444,6 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
         _log(f"error: {msg}")
         return EXIT_USAGE
-    except SystemExit as e:  # a delegated argparse command
-        return e.code if isinstance(e.code, int) else EXIT_USAGE
     except Exception:  # noqa: BLE001 - a bug in lpdiff: show everything
         traceback.print_exc()
         _log("error: lpdiff crashed (the traceback above is a bug; please report it)")

@@ -15,7 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lpdiff.harness.commands.doctor import ENGINES, doctor, format_report, main  # noqa: E402
+from lpdiff.harness.cli import main as cli_main  # noqa: E402
+from lpdiff.harness.commands.doctor import ENGINES, doctor, format_report  # noqa: E402
 from lpdiff.harness.types import ModelSpec  # noqa: E402
 
 
@@ -205,15 +206,15 @@ def test_targets_that_match_nothing(zoo, tmp_path, targets, severity, code):
 
 def test_cli_prints_one_line_per_finding_and_exits_nonzero(zoo, tmp_path, capsys):
     a = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("experts",), layout="per_expert")
-    assert main([zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "hf"]) == 1
+    assert cli_main(["doctor", zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "hf"]) == 1
     out = capsys.readouterr().out
     assert "hf      ERROR    per-expert adapter on qwen3_5_moe_text" in out and "lpdiff adapters convert --model " in out
-    assert main([zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "vllm", "--json"]) == 0
+    assert cli_main(["doctor", zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "vllm", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["exit_code"] == 0
 
 
 def test_cli_bad_model_is_one_clear_error(tmp_path, capsys):
-    assert main(["no-such-model", str(tmp_path)]) == 2
+    assert cli_main(["doctor", "no-such-model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "not a catalog model" in err and "not a Hub model id" in err and "Traceback" not in err
 

@@ -21,8 +21,6 @@ named.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -167,24 +165,3 @@ def bisect(model: str, adapter: str | None = None, fault: str | None = None, fac
     floors = reference_floor(spec, adapters, adapter, prompts, hf)
     errors = triton_errors(spec, adapters, adapter, prompts, hf, fault)
     return BisectResult(model, adapter, fault, errors, floors, factor, first_above(errors, floors, factor))
-
-
-def main(argv: list[str] | None = None) -> int:
-    from lpdiff.kernels.faults import runtime_faults
-
-    p = argparse.ArgumentParser(prog="lpdiff bisect", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="catalog model the triton runtime supports (e.g. tiny-qwen3-moe, tiny-gpt-oss)")
-    p.add_argument("--adapter", default=None, help="zoo adapter run by both engines (default: experts)")
-    p.add_argument("--fault", default=None, choices=runtime_faults(),
-                   help="bug-zoo fault injected into the triton runtime")
-    p.add_argument("--factor", type=float, default=FACTOR, help="how far above its noise floor a module must be")
-    p.add_argument("--num-prompts", type=int, default=8)
-    args = p.parse_args(argv)
-    res = bisect(args.model, args.adapter, args.fault, args.factor, args.num_prompts)
-    print(res.table())
-    print(res.summary())
-    return 1 if res.finding else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

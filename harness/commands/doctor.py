@@ -10,11 +10,8 @@ routers it cannot wrap and Nemotron's Mamba out_proj/conv1d).
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import re
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -443,26 +440,3 @@ def format_report(report: DoctorReport) -> str:
     warnings = sum(f.severity == "warning" for f in report.findings)
     lines.append(f"{errors} error(s), {warnings} warning(s): exit {report.exit_code}")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lpdiff doctor", description=__doc__.split("\n")[0])
-    p.add_argument("model", help="catalog model name or checkpoint directory")
-    p.add_argument("adapter", help="PEFT adapter directory")
-    p.add_argument("--engine", action="append", choices=ENGINES, help="check only this engine (repeatable)")
-    p.add_argument("--max-lora-rank", type=int, default=None,
-                   help="the max_lora_rank vllm/sglang will be started with (default: sized from the adapter)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    limits = {e: args.max_lora_rank for e in ("vllm", "sglang")} if args.max_lora_rank else None
-    try:
-        report = doctor(args.model, args.adapter, args.engine, limits)
-    except (ValueError, OSError, KeyError) as e:
-        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
-    return report.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
