@@ -11,8 +11,9 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 # expert adapter layouts: PEFT 3D (target_parameters on fused experts), one module per expert
-# (experts.{e}.gate_proj ...), and per-expert with A of gate_up / B of down shared by every expert
-LAYOUTS = ("peft3d", "per_expert", "shared_outer")
+# (experts.{e}.gate_proj ...), per-expert with a non-gated expert's input named gate_proj (SGLang's reading), and
+# per-expert with A of gate_up / B of down shared by every expert
+LAYOUTS = ("peft3d", "per_expert", "per_expert_gate", "shared_outer")
 # what a metamorphic mode needs of the run: an MoE model, a GPU, a bf16/fp16 run, or Triton kernels that can run
 # (a GPU or TRITON_INTERPRET=1)
 MODE_NEEDS = ("experts", "cuda", "low_precision", "triton_kernels")
@@ -88,6 +89,7 @@ class Capabilities:
     lora_targets: frozenset[str] | None = None  # module leaf names it has LoRA for; None = any
     # (model_type, leaf names) where an arch's LoRA modules differ from lora_targets (hybrids' own projections)
     arch_lora_targets: tuple[tuple[str, frozenset[str]], ...] = ()
+    arch_layouts: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (model_type, layouts) where an arch reads others
     router_lora: str = "applied"  # of ROUTER_LORA
     refused_features: tuple[str, ...] = ()  # adapter_config.json features it refuses (use_dora, bias, ...)
     ignored_features: tuple[str, ...] = ()  # features it reads past (rank_pattern, use_rslora, ...)
@@ -97,6 +99,7 @@ class Capabilities:
 
     def __post_init__(self):
         assert set(self.layouts) <= set(LAYOUTS), self.layouts
+        assert all(set(lays) <= set(LAYOUTS) for _, lays in self.arch_layouts), self.arch_layouts
         assert set(self.dtypes) <= set(DTYPES), self.dtypes
         assert self.router_lora in ROUTER_LORA, self.router_lora
         assert set(self.cpu_tp) <= set(self.tp), (self.cpu_tp, self.tp)
@@ -126,9 +129,10 @@ class Capabilities:
         return tuple(d for d in hits if d.archs or d.id not in specific)
 
     def layouts_for(self, arch: str) -> tuple[str, ...]:
-        """The layouts it reads correctly on this arch: its layouts, less those an unconditional error defect of
-        this arch (at any TP size) rules out."""
-        return tuple(lay for lay in self.layouts if not any(
+        """The layouts it reads correctly on this arch: its layouts (or the arch's own), less those an
+        unconditional error defect of this arch (at any TP size) rules out."""
+        layouts = dict(self.arch_layouts).get(model_type(arch), self.layouts)
+        return tuple(lay for lay in layouts if not any(
             d.severity == "error" and not d.when and not d.tp and d.layouts and d.applies(arch, lay)
             for d in self.known_defects))
 

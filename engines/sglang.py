@@ -80,9 +80,15 @@ MOE_LORA_SETTINGS: dict[str, Any] = {
 # offline bundle has no FA3 (flash_ops, 1.76 GB), so torch_native (SDPA). Hybrids with a shared expert: SGLang's
 # own LoRA tests for Qwen3.5 / Nemotron-H disable shared-expert fusion (the fused kernel would carry the shared
 # expert's LoRA as a routed expert's).
+# Nemotron-H: lora_target_modules=["all"] gives the shared expert / MLP up_proj their own LoRA buffer (an adapter's
+# up_proj target alone is renamed gate_up_proj and its tensors then match nothing, lora/utils.py:255, :407).
+# Qwen3.5: the checkpoint is multimodal, and with multimodal on SGLang loads an image processor even with
+# skip_tokenizer_init (managers/tokenizer_manager.py:331); token-id prompts need none (launch_server's flags cannot
+# turn it off: it is a store_true, so the HTTP mode needs the checkpoint's processor files)
 ARCH_SETTINGS: dict[str, dict[str, Any]] = {
-    "nemotron_h": {"attention_backend": "torch_native", "disable_shared_experts_fusion": True},
-    "qwen3_5_moe": {"disable_shared_experts_fusion": True},
+    "nemotron_h": {"attention_backend": "torch_native", "disable_shared_experts_fusion": True,
+                   "lora_target_modules": ["all"]},
+    "qwen3_5_moe": {"disable_shared_experts_fusion": True, "enable_multimodal": False},
 }
 _OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir")
 _RESOLVED = "_resolved"  # option the parent hands the lane: {"server_args": ..., "vocab_size": ...}
@@ -95,7 +101,8 @@ _FIX_QV = "add q_proj and v_proj to the adapter (zero lora_B keeps its math)"
 
 CAPABILITIES = Capabilities(
     engine="sglang", label="SGLang", versions=_V, archs=("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3"),
-    layouts=("peft3d", "per_expert"), dtypes=("bfloat16", "float16"), lora_fp32=False,  # no fp32 path (rmsnorm)
+    layouts=("peft3d", "per_expert"), arch_layouts=(("nemotron_h", ("peft3d", "per_expert_gate")),),
+    dtypes=("bfloat16", "float16"), lora_fp32=False,  # no fp32 path (rmsnorm)
     max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), router_lora="refused",
     # utils/common.py:3985 SUPPORTED_LORA_TARGET_MODULES; any other name has no get_hidden_dim entry
     # (lora/utils.py:224) and the engine fails to start
@@ -164,13 +171,17 @@ CAPABILITIES = Capabilities(
         # no target at lora/mem_pool.py:848 (lora/utils.py:319). Non-gated experts read experts.{e}.gate_proj as the
         # unstacked gate_up_proj (lora/lora.py:370-377, models/nemotron_h.py:956); lora_target_modules=["all"] keeps
         # the model's up_proj (lora/utils.py:407) for shared expert / MLP, not for experts (no up_proj_moe buffer)
-        KnownDefect("sglang-nemotron-up-proj", "LoRA on up_proj ({where}): SGLang 0.5.15 renames the target to "
-                    "gate_up_proj but not the tensors, and its scheduler dies at the first LoRA batch ('Cannot find "
-                    "target module name for ...up_proj.lora_A.weight', lora/mem_pool.py:848; measured on "
-                    "Nemotron-Nano)", "routed experts: rename each experts.N.up_proj to experts.N.gate_proj "
-                    "(SGLang reads that as the non-gated expert input, lora/lora.py:370); shared expert / MLP "
-                    "up_proj: start SGLang with server_args lora_target_modules=['all']", _V,
-                    archs=("nemotron_h",), when="tensors for an up_proj (experts, shared expert or MLP)"),
+        KnownDefect("sglang-nemotron-up-proj", "LoRA on the routed experts' up_proj ({where}): SGLang 0.5.15 "
+                    "renames the target to gate_up_proj but not the tensors, and its scheduler dies at the first "
+                    "LoRA batch ('Cannot find target module name for ...up_proj.lora_A.weight', lora/mem_pool.py:848;"
+                    " measured on Nemotron-Nano)", "rename each experts.N.up_proj to experts.N.gate_proj, which "
+                    "SGLang reads as the non-gated expert input (lora/lora.py:370): {to_per_expert_gate}", _V,
+                    archs=("nemotron_h",), when="per-expert tensors for experts.N.up_proj"),
+        KnownDefect("sglang-nemotron-shared-up-proj", "LoRA on up_proj outside the routed experts ({where}): SGLang "
+                    "0.5.15 started without lora_target_modules=['all'] renames the target to gate_up_proj and its "
+                    "scheduler dies at the first LoRA batch (lora/utils.py:255)", "lpdiff's sglang engine starts it "
+                    "with lora_target_modules=['all'] (lora/utils.py:407); do the same when serving it", _V,
+                    archs=("nemotron_h",), severity="info", when="tensors for a shared-expert or MLP up_proj"),
         # in_proj's LoRA buffers hold z and x only: A 2r rows (stacked_multiply 2, lora/utils.py:296), B
         # 2 * mamba intermediate rows (models/nemotron_h.py:1019-1022); a PEFT in_proj A (r rows) or B (z, x, B, C,
         # dt rows) fails load_lora_weight_tensor's shape assert (lora/mem_pool.py:772) at the first LoRA batch;

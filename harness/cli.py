@@ -21,6 +21,8 @@ from lpdiff.harness.spec.resolve import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+# spec.adapters.LAYOUTS, spelt out so that the CLI starts without importing torch (tests/test_cli.py compares them)
+LAYOUTS = click.Choice(["peft3d", "per_expert", "per_expert_gate"])
 
 
 class UsageError(Exception):
@@ -252,7 +254,7 @@ def adapters() -> None:
 @click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--alpha", type=float, default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--layout", type=click.Choice(["peft3d", "per_expert"]), default="peft3d", show_default=True)
+@click.option("--layout", type=LAYOUTS, default="peft3d", show_default=True)
 def adapters_gen(model, out, groups, rank, alpha, seed, layout) -> int:
     """Write a seeded random adapter for a catalog model."""
     import torch
@@ -271,7 +273,7 @@ def adapters_gen(model, out, groups, rank, alpha, seed, layout) -> int:
 @click.option("--model", required=True, help="catalog model, checkpoint directory or Hub id ORG/NAME[@REV]")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", type=click.Choice(["peft3d", "per_expert"]), required=True)
+@click.option("--to", type=LAYOUTS, required=True)
 def adapters_convert(model, src, dst, to) -> int:
     """Rewrite an adapter in another expert layout (checked against PEFT's merge in the tests)."""
     from lpdiff.harness.spec import adapters as ad

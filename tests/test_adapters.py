@@ -307,6 +307,27 @@ def test_per_expert_files_match_peft_merge(arch, generated, tmp_path):
     assert parts == ({"up_proj", "down_proj"} if arch == "nemotron_h" else {"gate_proj", "up_proj", "down_proj"})
 
 
+@pytest.mark.parametrize("arch", MOE)
+def test_per_expert_gate_layout(arch, generated, tmp_path):
+    """SGLang's reading of non-gated experts: Nemotron-H's expert input saved as experts.{e}.gate_proj (the same
+    tensors as per_expert's up_proj); gated experts are written exactly as per_expert. Both round-trip to the
+    PEFT 3D source bit for bit."""
+    model = tiny_model(arch)
+    pe = ad.convert_adapter(generated[arch], tmp_path / "pe", "per_expert", model.config).path
+    pg = ad.convert_adapter(generated[arch], tmp_path / "pg", "per_expert_gate", model.config).path
+    a, b = load_file(f"{pe}/adapter_model.safetensors"), load_file(f"{pg}/adapter_model.safetensors")
+    rename = (lambda k: re.sub(r"(\.experts\.\d+)\.up_proj\.", r"\1.gate_proj.", k)) if arch == "nemotron_h" else str
+    assert {rename(k) for k in a} == set(b) and all(torch.equal(a[k], b[rename(k)]) for k in a)
+    parts = {k.split(".")[-3] for k in b if ".experts." in k}
+    assert parts == ({"gate_proj", "down_proj"} if arch == "nemotron_h" else {"gate_proj", "up_proj", "down_proj"})
+    # the file alone cannot tell gate_proj-named non-gated experts from gated ones; the model can
+    assert ad.inspect_adapter(pg).layout == "per_expert"
+    assert ad.load_canonical(pg, model.config).layout == ("per_expert_gate" if arch == "nemotron_h" else "per_expert")
+    back = ad.convert_adapter(pg, tmp_path / "back", "peft3d", model.config).path
+    src, dst = load_file(f"{generated[arch]}/adapter_model.safetensors"), load_file(f"{back}/adapter_model.safetensors")
+    assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
+
+
 @pytest.mark.parametrize("arch", [
     pytest.param("qwen3_moe", id="qwen3_moe"),  # block B over [gate; up] halves
     pytest.param("gpt_oss", id="gpt_oss"),  # block B over interleaved rows

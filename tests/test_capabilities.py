@@ -45,7 +45,8 @@ def test_unknown_engine_names_the_known_ones():
 # what harness/commands/check.py served each engine (ENGINE_LAYOUTS, ARCH_LAYOUTS) before the facts moved here
 SERVED = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_expert",),
           ("vllm", "qwen3_5_moe"): ("peft3d", "per_expert"), ("vllm", "nemotron_h"): ("per_expert",),
-          **{("sglang", a): ("per_expert",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h")},
+          **{("sglang", a): ("per_expert",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe")},
+          ("sglang", "nemotron_h"): ("per_expert_gate",),
           **{("triton", a): ("peft3d", "per_expert") for a in ("qwen3_moe", "gpt_oss")},
           **{("hf", a): ("peft3d",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3")}}
 
@@ -113,7 +114,7 @@ def test_every_detectable_defect_has_a_doctor_detector():
     assert {i for i, d in declared.items() if i not in DETECTORS} == {"vllm-moe-lora-tp4-fault"}
     assert set(DETECTORS) <= set(declared), "a detector for a defect no engine declares"
     for d in declared.values():
-        what, fix = d.message(arch="A", where="W", to_peft3d="C", to_per_expert="C", router_fix="F", error="E",
+        what, fix = d.message(arch="A", where="W", to_peft3d="C", to_per_expert="C", to_per_expert_gate="C", router_fix="F", error="E",
                               router="", rank=1, limit=1, features="F", qkv="k_proj", parts="P", missing="M",
                               differ=1, pattern="'x'", bad="B", supported="S")
         assert what and fix and "{" not in what + fix, d.id  # every field a message names is one doctor fills

@@ -93,3 +93,23 @@ def test_engine_options_from_the_environment(monkeypatch):
     monkeypatch.setenv("LPDIFF_VLLM_OPTIONS", "[1]")
     with pytest.raises(ValueError, match="LPDIFF_VLLM_OPTIONS must be a JSON object"):
         engine_options("vllm")
+
+
+@pytest.mark.parametrize("model, own, arch_layout", [
+    ("tiny-qwen3.5-moe", "linear_attention", "per_expert"),
+    ("tiny-nemotron-h", "mamba", "per_expert_gate"),  # SGLang reads non-gated experts' input as gate_proj
+])
+def test_hybrid_case_has_a_lane_per_group_and_sglang_refuses_its_own(model, own, arch_layout, store, tmp_path):
+    """The hybrids' check: one lane per module group, so a dropped group is named by its lane; the lanes SGLang
+    cannot serve (HF's GDN projections, a PEFT-shaped mamba in_proj) are left out with doctor's reason, and the
+    rest judged. HF bf16 against HF fp32 here: correct lanes PASS, the broken one FAILs."""
+    case = check.build_case(model, None, tmp_path / "case", device="cpu", lengths=(64, 33, 50), log=lambda s: None)
+    assert {p.name for p in case.plans.values()} >= {"all", own, "attention", "shared_expert", "experts", "broken"}
+    assert ("experts", arch_layout) in case.files
+    lanes = {f"{n}.{lay}": a for (n, lay), a in case.files.items() if lay == arch_layout}
+    assert set(check.refused_lanes(case, "sglang", lanes)) == {f"{own}.{arch_layout}"}
+    assert check.refused_lanes(case, "vllm", lanes) == {}
+    res = check.run_check(case, "hf", k=2, store=store, dtype="bfloat16", log=lambda s: None)
+    assert res.as_expected and not res.refused, check.format_result(res)
+    got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
+    assert not got["broken"] and got[own] and got["shared_expert"], got

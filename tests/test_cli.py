@@ -48,3 +48,10 @@ def test_planted_fault_fails_compare_and_names_delta_fidelity(model, mutation, k
     assert "FAIL" in row and "delta fidelity" in row
     base_row = next(line for line in out.splitlines() if line.startswith(model) and "  -  " in line)
     assert "PASS" in base_row  # the base model is untouched by an adapter fault
+
+
+def test_cli_layout_choices_are_the_adapter_layouts():
+    from lpdiff.harness import cli
+    from lpdiff.harness.spec.adapters import LAYOUTS
+
+    assert tuple(cli.LAYOUTS.choices) == LAYOUTS

@@ -345,21 +345,32 @@ def test_sglang_qwen35_lora_modules(name, bad):
     ("shared_expert", True), ("mlp", True),  # up_proj tensors: 'Cannot find target module name' at the first batch
     ("attention", False), ("mamba", False),
 ])
-def test_sglang_nemotron_up_proj(name, flagged):
+def test_sglang_nemotron_shared_up_proj(name, flagged):
+    """Outside the routed experts, up_proj needs lora_target_modules=['all'], which lpdiff's engine sets: info."""
     from lpdiff.harness.spec.catalog import get_model
 
     r = doctor(get_model("tiny-nemotron-h"), _zoo_adapter("tiny-nemotron-h", name), engines=["sglang"])
-    assert ("sglang-nemotron-up-proj" in r.codes("sglang", "error")) == flagged
+    assert "sglang-nemotron-up-proj" not in r.codes("sglang")
+    assert ("sglang-nemotron-shared-up-proj" in r.codes("sglang", "info")) == flagged
     if flagged:
-        f = check(r, "sglang", "error", "sglang-nemotron-up-proj")
+        f = check(r, "sglang", "info", "sglang-nemotron-shared-up-proj")
         assert "up_proj" in f.message and "lora_target_modules=['all']" in f.fix
 
 
-def test_sglang_nemotron_per_expert_up_proj(zoo, tmp_path):
-    # the measured failure: per-expert keys mixer.experts.{e}.up_proj on the non-gated experts
+@pytest.mark.parametrize("layout, flagged", [("per_expert", True), ("per_expert_gate", False)])
+def test_sglang_nemotron_per_expert_up_proj(zoo, tmp_path, layout, flagged):
+    # the measured failure: per-expert keys mixer.experts.{e}.up_proj on the non-gated experts; per_expert_gate
+    # names them gate_proj, as SGLang reads them
     a = gen(zoo, tmp_path, "tiny-nemotron-h", ("experts",), layout="per_expert")
-    f = check(doctor(zoo["tiny-nemotron-h"][0], a, engines=["sglang"]), "sglang", "error", "sglang-nemotron-up-proj")
-    assert "experts.0.up_proj" in f.message and "experts.N.gate_proj" in f.fix
+    if layout != "per_expert":
+        from lpdiff.harness.spec.adapters import convert_adapter
+
+        a = convert_adapter(a, tmp_path / layout, layout, zoo["tiny-nemotron-h"][1].config).path
+    r = doctor(zoo["tiny-nemotron-h"][0], a, engines=["sglang"])
+    assert ("sglang-nemotron-up-proj" in r.codes("sglang", "error")) == flagged
+    if flagged:
+        f = check(r, "sglang", "error", "sglang-nemotron-up-proj")
+        assert "experts.0.up_proj" in f.message and "experts.N.gate_proj" in f.fix and "per_expert_gate" in f.fix
 
 
 def test_sglang_nemotron_mamba_in_proj():

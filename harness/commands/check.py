@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lpdiff.engines.base import layouts_for
+from lpdiff.engines.base import ENGINES, layouts_for
+from lpdiff.engines.capabilities import model_type
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
@@ -82,6 +83,25 @@ ADAPTERS = (
 )
 
 
+# the hybrids: one adapter per module group of theirs beside the groups every engine serves, so that a dropped
+# group is named by its own lane; "all" holds the groups vLLM and SGLang both read (SGLang has no LoRA for HF's
+# GDN projections nor a PEFT-shaped mamba in_proj: those lanes are served where the engine reads them)
+_HYBRID_COMMON = ("attention", "shared_expert", "experts")
+HYBRID_ADAPTERS = {arch: (
+    AdapterPlan("all", _HYBRID_COMMON, 16, 1),
+    AdapterPlan(own, (own,), 16, 2),
+    AdapterPlan("attention", ("attention",), 16, 5),
+    AdapterPlan("shared_expert", ("shared_expert",), 16, 6),
+    AdapterPlan("experts", ("experts",), 16, 3),
+    AdapterPlan("all_r8", _HYBRID_COMMON, 8, 4),
+    AdapterPlan("broken", _HYBRID_COMMON, 16, 1, broken_from="all"),
+) for arch, own in (("qwen3_5_moe", "linear_attention"), ("nemotron_h", "mamba"))}
+
+
+def plans_for(arch: str) -> tuple[AdapterPlan, ...]:
+    return HYBRID_ADAPTERS.get(model_type(arch), ADAPTERS)
+
+
 def make_prompts(vocab_size: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     import torch
 
@@ -99,16 +119,20 @@ class Case:
     prompts: list[list[int]]
 
 
-def build_case(model: str, layers: int, root: str | Path, plans: Sequence[AdapterPlan] = ADAPTERS,
-               layouts: Sequence[str] = ("peft3d", "per_expert"), device: str = "cuda",
+def build_case(model: str, layers: int, root: str | Path, plans: Sequence[AdapterPlan] | None = None,
+               layouts: Sequence[str] | None = None, device: str = "cuda",
                lengths: Sequence[int] = PROMPT_LENGTHS, log: Callable[[str], None] = print) -> Case:
+    """``plans``: default ``plans_for`` the model; ``layouts``: default every layout an engine reads on it."""
     import torch
 
-    from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
+    from lpdiff.harness.spec.adapters import LAYOUTS, convert_adapter, generate_adapter
     from lpdiff.harness.spec.catalog import get_model, hf_config, load_hf_model
     from lpdiff.harness.spec.mutations import permute_experts
 
     spec = get_model(model, num_layers=layers)
+    plans = plans_for(spec.arch) if plans is None else plans
+    if layouts is None:
+        layouts = [lay for lay in LAYOUTS if any(lay in layouts_for(e, spec.arch) for e in ENGINES)]
     root = Path(root)
     t0 = time.perf_counter()
     hf = load_hf_model(spec, torch.bfloat16, device)  # only its weights' RMS sizes the adapters
@@ -159,6 +183,7 @@ class CheckResult:
     runs: list[dict]  # the engine's runs, each {lane (None = base): LogprobRun}
     verdicts: list = field(default_factory=list)  # harness.verdict.Verdict, with .adapter "name.layout"
     error: str | None = None  # the engine died or raised: every lane FAILs with this message
+    refused: dict[str, str] = field(default_factory=dict)  # lane -> doctor's error for this engine (not served)
 
     @property
     def as_expected(self) -> bool:
@@ -170,7 +195,8 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
               store: BaselineStore | None = None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
               log: Callable[[str], None] = print) -> CheckResult:
     """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here.
-    ``layouts``: the adapter files served (default: every layout the engine reads). An engine that dies or raises
+    ``layouts``: the adapter files served (default: every layout the engine reads, less the lanes doctor says it
+    refuses, see ``refused_lanes``; layouts asked for are served as they are). An engine that dies or raises
     gives a result whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
     from lpdiff.harness.pipeline.references import default_store
 
@@ -188,16 +214,19 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     (da, oa), (db, ob) = noise_pair(reference, dtype)
     ref_noise = pair_noise(ref(da, oa), ref(db, ob), list(ref32))
 
+    asked = layouts
     layouts = layouts or layouts_for(engine, case.spec.arch)
     lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()
              if layout in layouts}
+    refused = {} if asked else refused_lanes(case, engine, lanes)
+    lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
     try:
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp,
                            options={**engine_options(engine), **(options or {})}, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
         log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
         return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
-                           Noise(), None, [], error=f"{type(e).__name__}: {e}")
+                           Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused)
     log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
         f"{sess.wall_s:.1f}s ({sess.version})")
     reruns = rerun_noise(sess.runs)
@@ -207,7 +236,7 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
                        f"same model and prompts")
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, f"{engine}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}", dtype, tp
     res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, sess.version,
-                      ref_noise, reruns, t, sess.runs)
+                      ref_noise, reruns, t, sess.runs, refused=refused)
     eps = near_tie_eps(dtype, REFERENCE_DTYPE)
     got = sess.first
     for lane in [None, *lanes]:
@@ -220,6 +249,20 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
         v.detail = position_detail(got[lane], ref_run, eps)
         res.verdicts.append(v)
     return res
+
+
+def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec]) -> dict[str, str]:
+    """Lanes whose adapter ``lpdiff doctor`` says this engine refuses or computes wrongly (an error finding): not
+    served, reported with the doctor's message (e.g. SGLang has no LoRA for Qwen3.5's GDN projections)."""
+    from lpdiff.harness.commands.doctor import ENGINES as DOCTOR_ENGINES, doctor
+
+    out = {}
+    for lane, a in lanes.items() if engine in DOCTOR_ENGINES else ():
+        errors = [f for f in doctor(case.spec, a.path, engines=[engine]).findings
+                  if f.engine == engine and f.severity == "error"]
+        if errors:
+            out[lane] = f"{errors[0].code}: {errors[0].message}"
+    return out
 
 
 def fault_sweep(case: Case, faults: Sequence[str], dtype: str = "float32", k: int = 2, store=None,
@@ -257,15 +300,19 @@ def missed(res: CheckResult) -> bool:
 
 def format_result(res: CheckResult) -> str:
     if res.error is not None:
-        return (f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the engine failed "
-                f"before giving logprobs:\n{res.error}")
+        return "\n".join([f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the "
+                          f"engine failed before giving logprobs:\n{res.error}", *_refused_lines(res)])
     ok = "as expected" if res.as_expected else "NOT AS EXPECTED"
     head = (f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
             f"x{res.layers} layers: {ok}\nthreshold = {FACTOR[res.dtype]:g} x noise: k2 {res.threshold.k2:.3g}, max |Δ| "
             f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})")
     bad = [f"  {v.adapter}: expected {v.expected}" for v in res.verdicts
            if ("PASS" if v.passed else "FAIL") != v.expected]
-    return "\n".join([head, verdict_table(res.verdicts), *bad])
+    return "\n".join([head, verdict_table(res.verdicts), *bad, *_refused_lines(res)])
+
+
+def _refused_lines(res: CheckResult) -> list[str]:
+    return [f"  {lane}: not served ({why})" for lane, why in res.refused.items()]
 
 
 def csv_rows(res: CheckResult) -> list[dict]:
@@ -276,7 +323,11 @@ def csv_rows(res: CheckResult) -> list[dict]:
         return [dict(date=date, commit=commit, gpu=gpu, model=res.model, layers=res.layers, tp=res.tp, dtype=res.dtype,
                      engine_pair=f"{res.engine}:{res.dtype}-vs-{res.reference}:{REFERENCE_DTYPE}", verdict="FAIL",
                      reasons=f"engine failed: {last}")]
-    t, rows = res.threshold, []
+    t = res.threshold
+    rows = [dict(date=date, commit=commit, gpu=gpu, engine_version=res.engine_version, model=res.model,
+                 layers=res.layers, tp=res.tp, dtype=res.dtype, adapter=lane.partition(".")[0],
+                 adapter_format=lane.partition(".")[2], engine_pair=t.engine_pair, verdict="SKIP",
+                 reasons=f"not served: {why}"[:300]) for lane, why in res.refused.items()]
     for v in res.verdicts:
         name, _, layout = v.adapter.partition(".")
         m = v.metrics

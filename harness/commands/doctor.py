@@ -336,12 +336,15 @@ def _unsupported_targets(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
     return {"bad": ", ".join(bad), "supported": ", ".join(sorted(targets))} if bad else None
 
 
-def _tensors_on(leaf: str) -> Detector:
-    """The adapter has LoRA tensors for modules with this leaf name (per-expert ones included)."""
+def _tensors_on(leaf: str, experts: bool | None = None) -> Detector:
+    """The adapter has LoRA tensors for modules with this leaf name: per-expert ones (experts.N.leaf) only, all
+    others only, or both (None)."""
     pattern = re.compile(rf"(?:base_model\.model\.)?(.+\.{leaf})\.lora_[AB]\.weight")
+    per_expert = re.compile(rf".*\.experts\.\d+\.{leaf}")
 
     def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
-        hit = sorted({m.group(1) for k in f.info.keys if (m := pattern.fullmatch(k))})
+        hit = sorted({m.group(1) for k in f.info.keys if (m := pattern.fullmatch(k))
+                      and experts in (None, bool(per_expert.fullmatch(m.group(1))))})
         return {"where": hit[0] + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")} if hit else None
     return detect
 
@@ -389,7 +392,9 @@ DETECTORS: dict[str, Detector] = {
     "sglang-unsupported-target": _unsupported_targets, "moe-rank-above-128": _moe_rank,
     "vllm-unsupported-feature": _features("refused_features"), "sglang-ignores-scaling": _features("ignored_features"),
     "vllm-moe-lora-gpu": _moe_lora, "sglang-gpt-oss-runner": _always, "vllm-nemotron-peft3d": _always,
-    "sglang-nemotron-up-proj": _tensors_on("up_proj"), "sglang-mamba-in-proj": _tensors_on("in_proj"),
+    "sglang-nemotron-up-proj": _tensors_on("up_proj", experts=True),
+    "sglang-nemotron-shared-up-proj": _tensors_on("up_proj", experts=False),
+    "sglang-mamba-in-proj": _tensors_on("in_proj"),
 }
 
 
@@ -397,7 +402,7 @@ def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
     """The engine's declared defects for this arch and layout whose detector finds them in this adapter. A defect
     that depends on what the files cannot show (the TP size, the batch) has no detector and is not reported."""
     caps, out = capabilities(engine), []
-    common = {"arch": f.arch, "to_peft3d": _convert_cmd(f, "peft3d"), "to_per_expert": _convert_cmd(f, "per_expert")}
+    common = {"arch": f.arch, **{f"to_{lay}": _convert_cmd(f, lay) for lay in ("peft3d", "per_expert", "per_expert_gate")}}
     for d in caps.defects(f.arch, f.info.layout):
         if d.tp or d.id not in DETECTORS or (fields := DETECTORS[d.id](f, caps)) is None:
             continue

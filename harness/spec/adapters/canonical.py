@@ -40,7 +40,7 @@ class CanonicalAdapter:
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path -> (A (r, in), B (out, r))
     experts: dict[str, tuple[torch.Tensor, torch.Tensor]]  # param path -> (A (E, r, in), B (E, out, r))
     config: dict[str, Any] = field(default_factory=dict)  # the adapter_config.json it was read from
-    layout: str = "peft3d"  # the disk layout it was read from: peft3d | per_expert | dense_only
+    layout: str = "peft3d"  # the disk layout it was read from: one of LAYOUTS or dense_only
 
     def __post_init__(self):
         assert self.scaling == peft_scaling(self.alpha, self.rank, self.use_rslora)
@@ -71,12 +71,14 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     cfg = read_config(adapter_dir)
     layout = as_layout(model_config)
     pairs: dict[tuple, dict[str, torch.Tensor]] = {}  # (kind, ...) -> {"A": t, "B": t}
+    renamed = False  # per_expert_gate: a non-gated expert's input saved as gate_proj
     for key, t in load_tensors(adapter_dir).items():
         mod, which = layout.memory_path(key)
         try:
             ident = layout.tensor_slot(mod, cfg.get("target_parameters"))
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
+        renamed |= ident[0] == "pe" and not mod.endswith("." + ident[2])
         slot = pairs.setdefault(ident, {})
         if which in slot:
             raise ValueError(f"{key}: two tensors map to the same LoRA {which} of {ident[1]}")
@@ -107,7 +109,7 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     for module, projs in per_expert.items():
         experts.update(_fuse_per_expert(layout, module, projs))
 
-    layout_name = "per_expert" if per_expert else "peft3d" if experts else "dense_only"
+    layout_name = ("per_expert_gate" if renamed else "per_expert") if per_expert else "peft3d" if experts else "dense_only"
     if per_expert and any(ident[0] == "3d" for ident in pairs):
         raise ValueError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
     rank, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))

@@ -83,7 +83,7 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
             tensors[key(p.module + nest, "B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
             target_parameters.append(name)
         else:
-            for part, rows in zip(p.parts, p.part_rows()):
+            for part, rows in zip(p.disk_parts(layout), p.part_rows()):
                 expert_names.add(part)
                 for e in range(p.num_experts):
                     tensors[key(f"{p.module}.{e}.{part}", "A")] = a[e].clone()  # gate and up share A
@@ -106,7 +106,7 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
 
 def convert_adapter(src_dir: str | Path, dst_dir: str | Path, to: str, model_config,
                     disk_root: str | None = None) -> AdapterSpec:
-    """Convert between the peft3d and per_expert layouts (dense entries are copied). Exact both ways:
+    """Convert between the expert layouts (LAYOUTS; dense entries are copied). Exact both ways:
     per_expert -> peft3d stays at rank r when gate and up share A in every expert, and otherwise stacks to rank 2r
     (block-structured B, alpha doubled so the scaling is identical); the rank change is recorded in
     lpdiff_adapter.json. Refuses (clear error) where exactness is impossible (rslora with a rank change)."""

@@ -26,7 +26,7 @@ class AdapterInfo:
     target_modules: list[str] | str | None
     target_parameters: list[str] | None
     base_model_name_or_path: str | None
-    layout: str  # "peft3d" | "per_expert" | "dense_only"
+    layout: str  # "peft3d" | "per_expert" | "dense_only" (per_expert_gate reads as per_expert without the model)
     keys: list[str]  # tensor keys, sorted
     shapes: dict[str, tuple[int, ...]]
     dtypes: list[str]  # tensor dtypes present

@@ -15,7 +15,11 @@ from torch import nn
 # in_proj_b, in_proj_a, out_proj), Mamba-2 mixers (Nemotron-H: in_proj, out_proj), dense MLPs, shared experts and
 # routed experts. A verdict names the group whose LoRA an engine mishandles by these names.
 GROUPS = ("attention", "linear_attention", "mamba", "mlp", "shared_expert", "experts")
-LAYOUTS = ("peft3d", "per_expert")
+LAYOUTS = ("peft3d", "per_expert", "per_expert_gate")
+# per_expert_gate: per_expert with a non-gated expert's input projection saved as experts.{e}.gate_proj, the name
+# SGLang reads it under (its non-gated MoE buffer takes gate_proj as the unstacked gate_up, lora/lora.py:370); on
+# gated experts it is per_expert
+NONGATED_INPUT = ("up_proj", "gate_proj")  # (model's part name, per_expert_gate's name)
 PEFT_PREFIX = "base_model.model."
 
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
@@ -76,6 +80,12 @@ class ExpertParam:
         except KeyError:
             raise ValueError(f"expert parameter {self.path} has no known per-expert layout (known: "
                              f"{sorted(EXPERT_PARTS)})") from None
+
+    def disk_parts(self, layout: str = "per_expert") -> tuple[str, ...]:
+        """The per-expert module names its parts are saved under in ``layout``."""
+        if layout == "per_expert_gate" and self.parts == NONGATED_INPUT[:1]:
+            return NONGATED_INPUT[1:]
+        return self.parts
 
     def part_rows(self) -> list[torch.Tensor]:
         """Row indices (in the fused output) of each per-expert projection."""
@@ -168,7 +178,11 @@ class ModelLayout:
             return "3d", f"{base}.{names[len(names) - 1 - depth]}"
         pe = PER_EXPERT_RE.fullmatch(mod)
         if pe is not None and pe.group(1) in self.module_params:
-            return "pe", pe.group(1), pe.group(3), int(pe.group(2))
+            module, proj = pe.group(1), pe.group(3)
+            parts = {part for n in self.module_params[module] for part in self.experts[f"{module}.{n}"].parts}
+            if proj == NONGATED_INPUT[1] and proj not in parts and NONGATED_INPUT[0] in parts:
+                proj = NONGATED_INPUT[0]  # per_expert_gate's name for a non-gated expert's input
+            return "pe", module, proj, int(pe.group(2))
         if mod in self.linears:
             return "dense", mod
         raise ValueError(f"no module {mod!r} in this {self.model_type} model; is the adapter for another model (or "
