@@ -4,6 +4,10 @@ Prompts are grouped by adapter and run in right-padded batches (right padding ke
 causal context and recurrent state — Mamba / linear attention — identical to an unpadded run). Logprobs come from
 the decoder's final hidden states through ``chunked_logprobs``, so the batch's full fp32 logits never exist.
 
+Per-expert adapters (``experts.{e}.gate_proj ...``) are converted exactly to PEFT 3D (``convert_adapter``) in a
+temporary directory before PEFT loads them: on transformers 5's fused expert modules PEFT 0.21 itself converts them
+only for qwen3_moe, refuses an experts-only one on gpt_oss, and silently drops the routed experts elsewhere.
+
 Options (``EngineConfig.options``):
   experts_impl       "grouped_mm" | "batched_mm" | "eager" (transformers' expert kernel; default: the model's)
   max_batch_tokens   padded tokens per forward (default 8192)
@@ -13,6 +17,7 @@ Options (``EngineConfig.options``):
 from __future__ import annotations
 
 import gc
+import tempfile
 import time
 from contextlib import nullcontext
 from typing import Sequence
@@ -30,7 +35,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PEFT = "PEFT 0.21, transformers 5"
 # PEFT 0.21 + transformers 5 with per-expert adapters (experts.{e}.gate_proj ...): converted to the fused experts on
 # load for qwen3_moe, silently ignored for these (tests/test_doctor.py checks both against real PEFT; on gpt_oss an
-# experts-only one is refused outright, with attention targets its experts are dropped)
+# experts-only one is refused outright, with attention targets its experts are dropped). The defects below are
+# these raw-PEFT facts, as the doctor reports them to a user who loads the file with PEFT; this engine reads the
+# per-expert layout on every arch all the same, converting it to PEFT 3D first (_as_peft3d), so ``layouts`` lists
+# what PEFT reads itself.
 _PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
 
 CAPABILITIES = Capabilities(
@@ -101,18 +109,24 @@ class HFEngine:
         if self.experts_impl:
             model.set_experts_implementation(self.experts_impl)
         if self.config.adapters:
-            from peft import PeftModel
-
-            specs = list(self.config.adapters.items())
-            model = PeftModel.from_pretrained(model, specs[0][1].path, adapter_name=self.peft_names[specs[0][0]],
-                                              is_trainable=False)
-            for name, spec in specs[1:]:
-                model.load_adapter(spec.path, adapter_name=self.peft_names[name], is_trainable=False)
+            model = self._load_adapters(model)
         self.model = model.eval()
         self.lm = model.get_base_model() if self.config.adapters else model
         self.decoder = self.lm.get_decoder()
         self.margins = RouterMarginRecorder(self.lm) if self.record_margins else None
         return self
+
+    def _load_adapters(self, model):
+        from peft import PeftModel
+
+        with tempfile.TemporaryDirectory(prefix="lpdiff-hf-peft3d-") as tmp:  # PEFT copies the tensors on load
+            paths = {name: _as_peft3d(spec.path, tmp, i, model.config)
+                     for i, (name, spec) in enumerate(self.config.adapters.items())}
+            (first, path), *rest = paths.items()
+            model = PeftModel.from_pretrained(model, path, adapter_name=self.peft_names[first], is_trainable=False)
+            for name, path in rest:
+                model.load_adapter(path, adapter_name=self.peft_names[name], is_trainable=False)
+        return model
 
     def __exit__(self, *exc) -> None:
         if self.margins is not None:
@@ -239,6 +253,16 @@ class HFEngine:
                 router_margin=margins[i, :L] if margins is not None else None,
             ))
         return res
+
+
+def _as_peft3d(path: str, tmp: str, i: int, model_config) -> str:
+    """The directory PEFT loads: ``path`` itself, or for a per-expert adapter its exact PEFT 3D conversion under
+    ``tmp`` (same logits: the conversion keeps B @ A and the scaling bit for bit)."""
+    from lpdiff.harness.spec.adapters import convert_adapter, inspect_adapter
+
+    if inspect_adapter(path).layout != "per_expert":
+        return path
+    return convert_adapter(path, f"{tmp}/adapter{i}", "peft3d", model_config).path
 
 
 def _batches(idx: list[int], prompts: Sequence[Sequence[int]], max_tokens: int):
