@@ -10,6 +10,9 @@ One batch per model mixes them, so that verdicts can name which part of an adapt
                         of each single-group adapter, so a dropped group is named
   experts_shared_outer  routed experts in the shared-outer form (one gate_up A and one down B for all experts),
                         rank 16, on the models the triton engine serves: a third rank in the same batch
+  experts_per_expert    routed experts in the per-expert layout (experts.{e}.gate_proj ...; vLLM / SGLang's),
+                        rank 8, on the models the triton engine serves (the only CPU engine that reads that layout;
+                        the hf reference converts it to PEFT 3D exactly before loading)
 Generated deterministically (``python -m lpdiff.harness.spec.adapter_zoo [--force] [MODEL ...]``); the committed
 files are the source of truth and existing ones are kept unless ``--force``. Their size depends on the model's
 weights (generate_adapter scales each delta to its weight), so rebuild them after the zoo changes (``--force``),
@@ -29,7 +32,7 @@ from lpdiff.harness.spec.resolve import ZOO_ADAPTERS
 
 SEED = 20261121
 MOE_MODELS = [m for m, arch in ZOO.items() if arch != "qwen3"]
-SHARED_OUTER_ARCHS = ("qwen3_moe", "gpt_oss")  # the archs the triton engine serves, which reads this form
+SHARED_OUTER_ARCHS = ("qwen3_moe", "gpt_oss")  # the archs the triton engine serves: it reads shared-outer and per-expert
 
 
 def available_groups(model) -> list[str]:
@@ -54,6 +57,8 @@ def plan(model) -> dict[str, dict]:
     if model.config.model_type in SHARED_OUTER_ARCHS:
         out["experts_shared_outer"] = {"groups": ["experts"], "rank": 16, "shared_outer": True}
     out.update({g: {"groups": [g], "rank": 8} for g in groups if g not in out})
+    if model.config.model_type in SHARED_OUTER_ARCHS:
+        out["experts_per_expert"] = {"groups": ["experts"], "rank": 8, "layout": "per_expert"}
     return out
 
 
@@ -67,9 +72,11 @@ def build(name: str, force: bool = False) -> list[str]:
         if not kept:
             shutil.rmtree(root / adapter, ignore_errors=True)
             generate_adapter(model, root / adapter, groups=p["groups"], rank=p["rank"], alpha=2 * p["rank"],
-                             seed=SEED + i, shared_outer=p.get("shared_outer", False))
+                             seed=SEED + i, shared_outer=p.get("shared_outer", False),
+                             layout=p.get("layout", "peft3d"))
         made.append(f"{name}/{adapter}: groups={','.join(p['groups'])} rank={p['rank']}"
-                    f"{' shared-outer' if p.get('shared_outer') else ''}{' (kept)' if kept else ''}")
+                    f"{' shared-outer' if p.get('shared_outer') else ''}{' ' + p['layout'] if 'layout' in p else ''}"
+                    f"{' (kept)' if kept else ''}")
     return made
 
 
