@@ -1,7 +1,8 @@
 """The plain default ``lpdiff run --engine triton`` and the CPU suite's triton lanes catch engine defects that
-show only under tensor parallelism or only in the shared-outer adapter layout. The defects are the tests' own
-(tests/helpers/defect_hook/lpdiff_test_defects.py), not bug-zoo faults; they reach the TP worker processes through
-a sitecustomize on PYTHONPATH, since the workers are fresh interpreters that in-process patching cannot touch."""
+show only under tensor parallelism or only in one adapter layout (shared-outer, per-expert). The defects are the
+tests' own (tests/helpers/defect_hook/lpdiff_test_defects.py), not bug-zoo faults; they reach the TP worker
+processes through a sitecustomize on PYTHONPATH, since the workers are fresh interpreters that in-process patching
+cannot touch."""
 from __future__ import annotations
 
 import importlib.util
@@ -84,35 +85,45 @@ def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
                      "test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp2]": "failed"}, lanes
 
 
+# a defect of one adapter layout, the zoo adapter in that layout, and the test that says a file is in it
+LAYOUT_DEFECTS = [
+    pytest.param("shared_outer_misread", "experts_shared_outer", defects.is_shared_outer, id="shared_outer"),
+    pytest.param("per_expert_swapped", "experts_per_expert", defects.is_per_expert, id="per_expert")]
+
+
 @pytest.mark.cpu
 @needs_tp2
-def test_default_run_fails_a_shared_outer_only_defect(tmp_path, monkeypatch):
-    """A loader that misreads the shared-outer layout's shared factor: experts_shared_outer FAILs on both models at
-    both TP sizes on its own logprobs; every other lane (base, PEFT 3D at ranks 4 and 8) is within every threshold on
-    its own, the multi-group "all" lane included (a lane is judged on its own delta; the batch's single-group lanes
-    only name the group when its own delta fails)."""
-    _with_defect(monkeypatch, "shared_outer_misread")
+@pytest.mark.parametrize("defect, adapter, _", LAYOUT_DEFECTS)
+def test_default_run_fails_a_layout_only_defect(defect, adapter, _, tmp_path, monkeypatch):
+    """A loader that misreads one layout (the shared-outer layout's shared factor; two experts' B of a per-expert
+    file): that layout's zoo adapter FAILs on both models at both TP sizes on its own logprobs; every other lane
+    (base, the other layouts at ranks 4, 8 and 16) is within every threshold on its own, the multi-group "all" lane
+    included (a lane is judged on its own delta; the batch's single-group lanes only name the group when its own
+    delta fails)."""
+    _with_defect(monkeypatch, defect)
     rc, got = _default_run(tmp_path)
     assert rc == 1
     assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in ("tiny-qwen3-moe", "tiny-gpt-oss") for tp in (1, 2)}
-    for (model, tp, adapter), reasons in got.items():
-        where = f"{model} tp={tp} {adapter}: {reasons}"
-        if adapter == "experts_shared_outer":
+    for (model, tp, name), reasons in got.items():
+        where = f"{model} tp={tp} {name}: {reasons}"
+        if name == adapter:
             assert any(r.startswith("k2 ") for r in reasons), where
         else:
             assert not reasons, where
-    lanes = _suite_lanes(tmp_path, "shared_outer_misread")
+    lanes = _suite_lanes(tmp_path, defect)
     assert set(lanes.values()) == {"failed"} and len(lanes) == 2, lanes
 
 
-def test_shared_outer_detection_is_what_the_zoo_holds():
-    """The defect keys on the layout itself: the zoo's shared-outer adapter is one, its PEFT 3D experts one is not
-    (else the shared-outer test could pass for the wrong reason)."""
+@pytest.mark.parametrize("_, adapter, is_layout", LAYOUT_DEFECTS)
+def test_layout_detection_is_what_the_zoo_holds(_, adapter, is_layout):
+    """Each defect keys on the layout itself: the zoo's adapter in that layout is one, its other expert adapters
+    are not (else the layout test could pass for the wrong reason)."""
     from lpdiff.harness.spec.adapters import load_canonical
     from lpdiff.harness.spec.catalog import hf_config
     from lpdiff.harness.spec.resolve import resolve
 
-    r = resolve("tiny-qwen3-moe", adapters=("experts_shared_outer", "experts", "all"))
+    others = ("experts_shared_outer", "experts_per_expert", "experts", "all")
+    r = resolve("tiny-qwen3-moe", adapters=others)
     cfg = hf_config(r.spec)
-    got = {n: defects.is_shared_outer(load_canonical(s.path, cfg)) for n, s in r.adapters.items()}
-    assert got == {"experts_shared_outer": True, "experts": False, "all": False}
+    got = {n: is_layout(load_canonical(s.path, cfg)) for n, s in r.adapters.items()}
+    assert got == {n: n == adapter for n in others}

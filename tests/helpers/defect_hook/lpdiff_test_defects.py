@@ -6,6 +6,8 @@ patch of the triton runtime that a correct harness must catch with its plain def
   shared_outer_misread the adapter loader reads the shared factor of a shared-outer adapter (one gate_up A for every
                        expert) with its rank rows reversed, so it no longer pairs with B. Only that layout: any other
                        adapter loads as before.
+  per_expert_swapped   the adapter loader hands expert 0's LoRA B to expert 1 and expert 1's to expert 0 when the
+                       file is in the per-expert layout (experts.{e}.gate_proj ...). Only that layout.
 
 The triton engine's TP workers are separate interpreters started with ``spawn``, which in-process monkeypatching
 cannot reach; they inherit the environment, so ``sitecustomize.py`` beside this file (its folder put on PYTHONPATH)
@@ -62,7 +64,27 @@ def _shared_outer_misread(setattr) -> None:
     setattr(runtime, "load_canonical", load_canonical)
 
 
-DEFECTS = {"tp_partial_twice": _tp_partial_twice, "shared_outer_misread": _shared_outer_misread}
+def is_per_expert(adapter) -> bool:
+    """Read from the per-expert layout (one module per expert on disk)."""
+    return adapter.layout == "per_expert"
+
+
+def _per_expert_swapped(setattr) -> None:
+    from lpdiff.engines.triton import runtime
+
+    correct = runtime.load_canonical
+
+    def load_canonical(path, hf):
+        ad = correct(path, hf)
+        if is_per_expert(ad):
+            ad.experts = {k: (a, b[[1, 0, *range(2, b.shape[0])]]) for k, (a, b) in ad.experts.items()}
+        return ad
+
+    setattr(runtime, "load_canonical", load_canonical)
+
+
+DEFECTS = {"tp_partial_twice": _tp_partial_twice, "shared_outer_misread": _shared_outer_misread,
+           "per_expert_swapped": _per_expert_swapped}
 
 
 def install(names, setattr=setattr) -> None:
