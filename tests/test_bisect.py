@@ -9,6 +9,7 @@ from lpdiff.harness.spec.resolve import resolve
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 CASES = [(f, m) for m, arch in MODELS.items() for f in runtime_faults(arch)]
+EXPERTS = ["experts"]  # a batch of one adapter (every row runs it)
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +19,11 @@ def hf_side():
 
     def get(model):
         if model not in cache:
-            spec, adapters, _ = resolve(model)
-            prompts = bs.bisect_prompts(model)
-            hf = bs.hf_capture(spec, adapters, "experts", prompts, {"experts_impl": "eager"})
-            floors = bs.reference_floor(spec, adapters, "experts", prompts, hf)
-            clean = bs.triton_errors(spec, adapters, "experts", prompts, hf, None)
+            spec, adapters, prompts = resolve(model)
+            prompts = bs.equal_length(prompts)
+            hf = bs.hf_captures(spec, adapters, EXPERTS, prompts, {"experts_impl": "eager"})
+            floors = bs.reference_floor(spec, adapters, EXPERTS, prompts, hf)
+            clean = bs.triton_errors(spec, adapters, EXPERTS, prompts, hf, None)
             cache[model] = (spec, adapters, prompts, hf, floors, clean)
         return cache[model]
 
@@ -40,10 +41,10 @@ def test_clean_runtime_names_nothing(model, hf_side):
 @pytest.mark.parametrize("fault,model", CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_names_the_broken_module(fault, model, hf_side):
     spec, adapters, prompts, hf, floors, _ = hf_side(model)
-    errors = bs.triton_errors(spec, adapters, "experts", prompts, hf, fault)
+    errors = bs.triton_errors(spec, adapters, EXPERTS, prompts, hf, fault)
     found = bs.first_above(errors, floors, bs.FACTOR)
     assert found is not None, f"{fault}: nothing above noise"
-    assert (found.layer, found.module) == (0, FAULTS[fault].module), found
+    assert (found.adapter, found.layer, found.module) == ("experts", 0, FAULTS[fault].module), found
     assert found.ratio > 1e3  # far above noise, not a borderline call
 
 
@@ -64,21 +65,25 @@ def test_names_a_defect_it_was_not_told_about(model, hf_side, monkeypatch):
         return out * (1 + 1e-4) if i == 1 else out
 
     monkeypatch.setattr(triton_model.MoeTransformer, "attend", attend)
-    errors = bs.triton_errors(spec, adapters, "experts", prompts, hf, None)
+    errors = bs.triton_errors(spec, adapters, EXPERTS, prompts, hf, None)
     found = bs.first_above(errors, floors, bs.FACTOR)
     assert found is not None and (found.layer, found.module) == (1, "attention"), found
     assert torch.isfinite(torch.tensor(found.ratio)) and found.ratio > 10 * bs.FACTOR
 
 
 def test_first_above_order_and_nan():
-    """Earlier layers win; inside a layer the data-flow order does; a NaN error is above any floor."""
+    """Earlier layers win; inside a layer the data-flow order does, then the batch's adapter order; a NaN error is
+    above any floor."""
     floors = {m: 1e-6 for m in bs.MODULES}
-    errs = {(i, m): 0.0 for i in range(3) for m in bs.MODULES}
-    errs[2, "attention"] = 1.0
-    errs[1, "experts"] = errs[1, "expert_lora"] = 1.0
-    assert (bs.first_above(errs, floors, 10).layer, bs.first_above(errs, floors, 10).module) == (1, "expert_lora")
-    errs[0, "hidden"] = float("nan")
-    assert bs.first_above(errs, floors, 10).module == "hidden"
+    errs = {(c, i, m): 0.0 for c in (None, "a", "b") for i in range(3) for m in bs.MODULES}
+    errs[None, 2, "attention"] = 1.0
+    errs["b", 1, "expert_lora"] = errs["a", 1, "experts"] = errs["a", 1, "hidden"] = 1.0
+    where = lambda f: (f.adapter, f.layer, f.module)  # noqa: E731
+    assert where(bs.first_above(errs, floors, 10)) == ("b", 1, "expert_lora")
+    errs["a", 1, "expert_lora"] = 1.0
+    assert where(bs.first_above(errs, floors, 10)) == ("a", 1, "expert_lora")
+    errs["b", 0, "hidden"] = float("nan")
+    assert where(bs.first_above(errs, floors, 10)) == ("b", 0, "hidden")
 
 
 def test_cli_bisect_reports_and_exit_code(capsys):
@@ -86,6 +91,6 @@ def test_cli_bisect_reports_and_exit_code(capsys):
 
     assert main(["bisect", "tiny-gpt-oss", "--fault", "topk_weight_missing", "--num-prompts", "2"]) == 1
     out = capsys.readouterr().out
-    assert "layer 0 expert_lora" in out and "noise" in out
+    assert "layer 0 expert_lora of experts" in out and "noise" in out
     assert main(["bisect", "tiny-gpt-oss", "--fault", "no_such_fault"]) == 2  # bad input: exit 2, no traceback
     assert "invalid choice: 'no_such_fault'" in capsys.readouterr().err

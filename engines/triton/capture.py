@@ -1,31 +1,59 @@
 """Per-layer capture for lpdiff bisect (engines.base.CapturesLayers): each module of the runtime re-run on another
-engine's inputs to that module, so that a module's error is its own and not inherited from the layers before."""
+engine's inputs to that module, so that a module's error is its own and not inherited from the layers before.
+Under TP every rank runs the same capture on its shard (``CaptureWork`` is broadcast to the workers, tp.py): the
+attention and expert outputs are all-reduced as in a forward, so rank 0 returns full (tokens, hidden) outputs."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.base import check_request
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.moe import experts, route
 
+INPUT_POINTS = ("attention_in", "experts_in", "router_ids", "router_weights")  # what the re-runs read of ``inputs``
 
-@torch.inference_mode()
-def capture_layers(engine, prompts: Sequence[Sequence[int]], adapter: str | None = None,
+
+@dataclass(slots=True)
+class CaptureWork:
+    """One capture call as every rank runs it (rank 0 in the engine's process, the workers from a broadcast)."""
+    prompts: list[list[int]]
+    slots: list[int]  # the adapter slot of each prompt (-1: none), so a batch may mix adapters and base rows
+    inputs: dict | None  # {(layer, point): tensor} of INPUT_POINTS, on the CPU when broadcast
+
+    def __call__(self, runtime) -> dict | None:
+        return run_capture(runtime, self)
+
+
+def capture_layers(engine, prompts: Sequence[Sequence[int]], adapter=None,
                    inputs: dict | None = None) -> dict[tuple[int, str], torch.Tensor]:
-    """``engine``: an open TritonEngine at TP 1. -> {(layer, point): tensor}: "hidden" from the runtime's own
-    forward; with ``inputs`` (e.g. the hf engine's capture) also attention and experts with and without the
-    adapter, and the routing, each computed on that capture's inputs to the module."""
+    """``engine``: an open TritonEngine, any TP size; ``adapter``: one name, None, or one choice per prompt.
+    -> {(layer, point): tensor}: "hidden" from the runtime's own forward; with ``inputs`` (e.g. the hf engine's
+    capture, prompts in the same order) also attention and experts with and without the adapters, and the routing,
+    each computed on that capture's inputs to the module."""
     rt = engine.runtime
     if rt is None:
         raise RuntimeError("use the engine as a context manager: `with open_engine('triton', cfg) as eng:`")
+    names = check_request(prompts, adapter, engine.config.adapters, engine.config.model)
+    if inputs is not None:
+        inputs = {k: v for k, v in inputs.items() if k[1] in INPUT_POINTS}
+        if engine.workers is not None:  # pickled to every rank: host tensors, each rank moves them to its device
+            inputs = {k: v.detach().cpu() for k, v in inputs.items()}
+    work = CaptureWork([list(map(int, p)) for p in prompts], [rt.slot(n) for n in names], inputs)
     if engine.workers is not None:
-        raise ValueError("capture_layers runs at tp=1 (a module's output under TP is a shard)")
-    check_request(prompts, adapter, engine.config.adapters)
+        tp.broadcast(work)
+    return work(rt)
+
+
+@torch.inference_mode()
+def run_capture(rt, work: CaptureWork) -> dict | None:
+    """One rank's part: the same forward and module re-runs, in the same order, on every rank (each all-reduce is a
+    collective). Rank 0 returns the capture, other ranks None."""
     m, cfg = rt.model, rt.cfg
-    batch = Batch.build([list(map(int, p)) for p in prompts], [rt.slot(adapter)] * len(prompts), cfg, rt.dtype,
-                        rt.device)
+    batch = Batch.build(work.prompts, work.slots, cfg, rt.dtype, rt.device)
     m.capture = {}
     try:
         m.forward(batch)
@@ -33,18 +61,20 @@ def capture_layers(engine, prompts: Sequence[Sequence[int]], adapter: str | None
     finally:
         m.capture = None
     cap: dict = {(i, "hidden"): h for i, h in free.items()}
-    if inputs is None:
-        return cap
-    for i, lw in enumerate(m.w.layers):
+    inputs = work.inputs
+    for i, lw in enumerate(m.w.layers if inputs is not None else ()):
         ll = m.lora.layers[i] if m.lora is not None else None
-        h = inputs[i, "attention_in"].to(rt.dtype)
-        cap[i, "attention"] = m.attend(h, lw, ll, batch, cfg.sliding_windows[i])
+        h = inputs[i, "attention_in"].to(rt.device, rt.dtype)
+        cap[i, "attention"] = m.attend(h, lw, ll, batch, cfg.sliding_windows[i])  # all-reduced inside
         cap[i, "attention_base"] = m.attend(h, lw, None, batch, cfg.sliding_windows[i])
-        x, ids, weights = inputs[i, "experts_in"], inputs[i, "router_ids"], inputs[i, "router_weights"]
+        x = inputs[i, "experts_in"].to(rt.device, rt.dtype)
+        ids, w32 = inputs[i, "router_ids"].to(rt.device), inputs[i, "router_weights"].to(rt.device).float()
         own_ids, own_weights, _ = route(x, lw, cfg, m.impl)
         cap[i, "router_ids"], cap[i, "router_weights"] = own_ids, own_weights
-        w32 = weights.float()
-        cap[i, "experts"] = experts(x, ids, w32, lw, cfg, ll.moe if ll is not None else None, batch.token_adapter,
-                                    m.impl)
-        cap[i, "experts_base"] = experts(x, ids, w32, lw, cfg, None, None, m.impl)
-    return cap
+        # as the forward runs them, summed over top-k; the all-reduce turns each rank's partial into the output
+        cap[i, "experts"] = m.all_reduce(experts(x, ids, w32, lw, cfg, ll.moe if ll is not None else None,
+                                                 batch.token_adapter, m.lora_impl, m.moe_backend,
+                                                 shrink=m.moe_shrink, padding=m.moe_padding))
+        cap[i, "experts_base"] = m.all_reduce(experts(x, ids, w32, lw, cfg, None, None, m.lora_impl, m.moe_backend,
+                                                      padding=m.moe_padding))
+    return cap if rt.shard.first else None

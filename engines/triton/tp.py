@@ -66,8 +66,11 @@ def worker_main(rank: int, world: int, init_method: str, config, device: torch.d
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         return
-    while (msg := broadcast()) is not None:
-        runtime.run(*msg)
+    while (msg := broadcast()) is not None:  # a run's arguments, or a callable work item (capture.CaptureWork)
+        if callable(msg):
+            msg(runtime)
+        else:
+            runtime.run(*msg)
     dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""``lpdiff bisect MODEL [--adapter A] [--fault F]``: where does the triton runtime first leave HF + PEFT?
+"""``lpdiff bisect MODEL [--adapter A ...] [--tp N] [--fault F]``: where does the triton runtime first leave HF + PEFT?
 
 Both engines see the same prompts. HF is hooked (decoder layers, self_attn, experts with their routing) and every
 module of the triton runtime is re-run on HF's own inputs to that module, so each module's error is its own, not
@@ -16,12 +16,17 @@ that should be zero still has a scale). The noise floor comes from two correct i
 engine under test (a defect that touches every layer would otherwise be its own floor): HF with its second expert
 kernel against HF eager (batched_mm on CPU, grouped_mm on a GPU), the worst relative error of any module in any
 layer between them — fp32 rounding between two orderings of the same arithmetic (2-3.4e-7 on the tiny zoo, where
-the clean runtime's worst module is 3.3e-7). The first layer + module whose error exceeds ``factor`` x the floor is
-named.
+the clean runtime's worst module is 3.3e-7). The first layer + module (+ adapter) whose error exceeds ``factor`` x
+the floor is named.
+
+The runtime may run at any TP size (its capture returns the all-reduced, full module outputs) against HF at TP 1.
+One adapter: every row runs it. Several: one mixed batch of base rows plus every adapter's rows (as a default run's
+session), each row's modules compared with HF run with that row's adapter, so a finding names the adapter too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -30,6 +35,14 @@ from lpdiff.engines.base import dense_routing
 MODULES = ("attention_lora", "attention", "router", "expert_lora", "experts", "hidden")
 FACTOR = 10.0
 FLOOR_MIN = 1e-7  # fp32 relative rounding: a bit-exact clean module would otherwise give a zero floor
+BASE = "base"  # how the report names a mixed batch's rows without an adapter
+
+Choice = str | None  # an adapter name, or None for base rows
+Errors = dict[tuple[Choice, int, str], float]  # (adapter, layer, module) -> relative error
+
+
+def label(choice: Choice) -> str:
+    return BASE if choice is None else choice
 
 
 @dataclass(slots=True)
@@ -39,6 +52,7 @@ class Finding:
     error: float
     floor: float
     factor: float
+    adapter: Choice = None
 
     @property
     def ratio(self) -> float:
@@ -50,44 +64,65 @@ def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm()) / max(den, 1e-30)
 
 
-def bisect_prompts(model: str, num_prompts: int = 8) -> list[list[int]]:
-    """Equal-length prompts (the shortest of the default set), so HF's batch needs no padding and its flattened
+def equal_length(prompts: Sequence[Sequence[int]], num_prompts: int = 8) -> list[list[int]]:
+    """The first ``num_prompts``, cut to the shortest of them, so HF's batch needs no padding and its flattened
     tokens are the triton runtime's packed order."""
-    from lpdiff.harness.spec.prompts import prompt_set
-
-    prompts = prompt_set(model, "default")[:num_prompts]
+    prompts = [list(p) for p in prompts[:num_prompts]]
     n = min(len(p) for p in prompts)
     return [p[:n] for p in prompts]
 
 
-def hf_capture(spec, adapters, adapter: str, prompts, options: dict | None = None) -> dict:
-    """HF's per-layer module inputs and outputs, with and without the adapter, on ``prompts`` (fp32)."""
+def batch_choices(adapters: Sequence[str]) -> list[Choice]:
+    """One adapter: every row runs it. Several: base rows, then each adapter's rows (session.mixed_batch's order)."""
+    return list(adapters) if len(adapters) == 1 else [None, *adapters]
+
+
+def _used(adapters: dict, choices: Sequence[Choice]) -> dict:
+    """The adapters HF is opened with: the batch's (PEFT's unused adapters change nothing but its load time)."""
+    return {c: adapters[c] for c in choices if c is not None}
+
+
+def hf_captures(spec, adapters: dict, choices: Sequence[Choice], prompts, options: dict | None = None) -> dict:
+    """HF's per-layer module inputs and outputs on ``prompts`` for each choice (fp32, TP 1): choice -> capture."""
     from lpdiff.engines import EngineConfig, open_engine
 
     opts = {"router_margins": False, **(options or {})}
-    with open_engine("hf", EngineConfig(model=spec, adapters=adapters, options=opts)) as eng:
-        return eng.capture_layers(prompts, adapter)
+    with open_engine("hf", EngineConfig(model=spec, adapters=_used(adapters, choices), options=opts)) as eng:
+        return {c: eng.capture_layers(prompts, c) for c in choices}
 
 
-def reference_floor(spec, adapters, adapter: str, prompts, reference: dict) -> dict[str, float]:
-    """The noise floor of every module kind: the worst module error between HF's two correct expert kernels
-    (``reference`` is the eager capture), floored at FLOOR_MIN."""
+def reference_floor(spec, adapters: dict, choices: Sequence[Choice], prompts, reference: dict) -> dict[str, float]:
+    """The noise floor of every module kind: the worst module error, over every choice, between HF's two correct
+    expert kernels (``reference`` is the eager captures), floored at FLOOR_MIN."""
     from lpdiff.harness.pipeline.noise import noise_pair
 
     (_, other), _ = noise_pair("hf", "float32")
-    pair = module_errors(hf_capture(spec, adapters, adapter, prompts, other), reference)
-    worst = max([FLOOR_MIN] + [e for e in pair.values() if e == e])  # NaN would be a bug in HF itself: ignore
+    pair = hf_captures(spec, adapters, choices, prompts, other)
+    errs = [e for c in choices for e in module_errors(pair[c], reference[c]).values()]
+    worst = max([FLOOR_MIN] + [e for e in errs if e == e])  # NaN would be a bug in HF itself: ignore
     return {mod: worst for mod in MODULES}
 
 
-def triton_errors(spec, adapters, adapter: str, prompts, hf: dict, fault: str | None) -> dict[tuple[int, str], float]:
-    """Each triton module re-run on HF's inputs to it (fp32, TP 1) -> relative error per (layer, module)."""
+def triton_errors(spec, adapters: dict, choices: Sequence[Choice], prompts, hf: dict, fault: str | None = None,
+                  tp: int = 1) -> Errors:
+    """Each triton module re-run on HF's inputs to it (fp32, TP ``tp``), every choice's rows in one batch ->
+    relative error per (choice, layer, module), each choice's rows against HF run with that choice. The runtime
+    holds every adapter of ``adapters`` in its slots, as a run's session does (unused slots and rank padding are
+    where some defects live)."""
     from lpdiff.engines import EngineConfig, open_engine
 
-    opts = {"fault": fault} if fault else {}
-    with open_engine("triton", EngineConfig(model=spec, adapters=adapters, options=opts)) as eng:
-        got = eng.capture_layers(prompts, adapter, inputs=hf)
-    return module_errors(got, hf)
+    rows = [p for _ in choices for p in prompts]
+    row_adapters = [c for c in choices for _ in prompts]
+    joined = {k: torch.cat([hf[c][k] for c in choices]) for k in hf[choices[0]]}
+    cfg = EngineConfig(model=spec, adapters=dict(adapters), tp=tp, options={"fault": fault} if fault else {})
+    with open_engine("triton", cfg) as eng:
+        got = eng.capture_layers(rows, row_adapters, inputs=joined)
+    n = len(prompts) * len(prompts[0])  # tokens per choice: equal-length prompts, packed in order
+    err: Errors = {}
+    for g, c in enumerate(choices):
+        part = {k: v[g * n:(g + 1) * n] for k, v in got.items()}
+        err.update({(c, *k): e for k, e in module_errors(part, hf[c]).items()})
+    return err
 
 
 def module_errors(got: dict, ref: dict) -> dict[tuple[int, str], float]:
@@ -108,60 +143,73 @@ def module_errors(got: dict, ref: dict) -> dict[tuple[int, str], float]:
     return err
 
 
-def first_above(errors: dict[tuple[int, str], float], floors: dict[str, float], factor: float) -> Finding | None:
-    for layer in sorted({i for i, _ in errors}):
+def _choices(errors: Errors) -> list[Choice]:
+    return list(dict.fromkeys(c for c, _, _ in errors))
+
+
+def first_above(errors: Errors, floors: dict[str, float], factor: float) -> Finding | None:
+    """The earliest layer, then module in data-flow order, then adapter in batch order, above ``factor`` x floor."""
+    choices = _choices(errors)
+    for layer in sorted({i for _, i, _ in errors}):
         for mod in MODULES:
-            e = errors.get((layer, mod))
-            if e is not None and not e <= factor * floors[mod]:  # NaN counts as above
-                return Finding(layer, mod, e, floors[mod], factor)
+            for c in choices:
+                e = errors.get((c, layer, mod))
+                if e is not None and not e <= factor * floors[mod]:  # NaN counts as above
+                    return Finding(layer, mod, e, floors[mod], factor, c)
     return None
 
 
 @dataclass(slots=True)
 class BisectResult:
     model: str
-    adapter: str
+    choices: list[Choice]
     fault: str | None
-    errors: dict
+    tp: int
+    errors: Errors
     floors: dict
     factor: float
     finding: Finding | None
 
     def table(self) -> str:
-        layers = sorted({i for i, _ in self.errors})
-        head = "layer  " + "  ".join(f"{m:>14}" for m in MODULES)
-        rows = ["noise  " + "  ".join(f"{self.floors[m]:>14.3g}" for m in MODULES), head]
-        for i in layers:
-            cells = []
-            for m in MODULES:
-                e = self.errors[i, m]
-                mark = "*" if not e <= self.factor * self.floors[m] else " "
-                cells.append(f"{e:>13.3g}{mark}")
-            rows.append(f"{i:>5}  " + "  ".join(cells))
+        width = max(len("adapter"), *(len(label(c)) for c in self.choices))
+        rows = [f"{'noise':<{width}}  {'':>5}  " + "  ".join(f"{self.floors[m]:>14.3g}" for m in MODULES),
+                f"{'adapter':<{width}}  {'layer':>5}  " + "  ".join(f"{m:>14}" for m in MODULES)]
+        for c in self.choices:
+            for i in sorted({i for cc, i, _ in self.errors if cc == c}):
+                cells = []
+                for m in MODULES:
+                    e = self.errors[c, i, m]
+                    cells.append(f"{e:>13.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}")
+                rows.append(f"{label(c):<{width}}  {i:>5}  " + "  ".join(cells))
         return "\n".join(rows)
 
     def summary(self) -> str:
         f = self.finding
         what = f"fault {self.fault}" if self.fault else "the runtime"
+        head = f"{self.model} [{', '.join(map(label, self.choices))}] tp={self.tp} {what}"
         if f is None:
-            return f"{self.model} [{self.adapter}] {what}: every module within {self.factor:g}x its noise floor"
-        return (f"{self.model} [{self.adapter}] {what}: first above noise: layer {f.layer} {f.module} "
+            return f"{head}: every module within {self.factor:g}x its noise floor"
+        return (f"{head}: first above noise: layer {f.layer} {f.module} of {label(f.adapter)} "
                 f"(error {f.error:.3g} = {f.ratio:.3g}x its floor {f.floor:.3g}; limit {f.factor:g}x)")
 
 
-def bisect(model: str, adapter: str | None = None, fault: str | None = None, factor: float = FACTOR,
-           num_prompts: int = 8) -> BisectResult:
+def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None = None, factor: float = FACTOR,
+           num_prompts: int = 8, tp: int = 1) -> BisectResult:
+    """``adapters``: zoo names or PEFT directories, resolved as ``lpdiff run --adapter`` does (None: the zoo's
+    experts adapter); several make a mixed batch with base rows."""
+    from lpdiff.engines import capabilities
     from lpdiff.harness.spec.resolve import resolve
 
-    spec, adapters, _ = resolve(model)
-    if not adapters:
-        raise ValueError(f"model {model!r} has no zoo adapters to bisect")
-    if adapter is None:
-        adapter = "experts" if "experts" in adapters else next(iter(adapters))
-    if adapter not in adapters:
-        raise KeyError(f"model {model!r} has no adapter {adapter!r}; available: {sorted(adapters)}")
-    prompts = bisect_prompts(model, num_prompts)
-    hf = hf_capture(spec, adapters, adapter, prompts, {"experts_impl": "eager"})
-    floors = reference_floor(spec, adapters, adapter, prompts, hf)
-    errors = triton_errors(spec, adapters, adapter, prompts, hf, fault)
-    return BisectResult(model, adapter, fault, errors, floors, factor, first_above(errors, floors, factor))
+    sizes = capabilities("triton").tp
+    if tp not in sizes:  # before any engine starts
+        raise ValueError(f"--tp {tp}: the triton runtime runs TP {', '.join(map(str, sizes))}")
+    r = resolve(model, list(adapters) if adapters else None)
+    if not r.adapters:
+        raise ValueError(f"model {model!r} has no zoo adapters: name one with --adapter (a PEFT directory)")
+    names = list(r.adapters) if adapters else ["experts" if "experts" in r.adapters else next(iter(r.adapters))]
+    choices = batch_choices(names)
+    prompts = equal_length(r.prompts, num_prompts)
+    hf = hf_captures(r.spec, r.adapters, choices, prompts, {"experts_impl": "eager"})
+    floors = reference_floor(r.spec, r.adapters, choices, prompts, hf)
+    errors = triton_errors(r.spec, r.adapters, choices, prompts, hf, fault, tp)
+    return BisectResult(model, choices, fault, tp, errors, floors, factor, first_above(errors, floors, factor))

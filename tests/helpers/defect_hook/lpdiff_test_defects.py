@@ -8,6 +8,10 @@ patch of the triton runtime that a correct harness must catch with its plain def
                        adapter loads as before.
   per_expert_swapped   the adapter loader hands expert 0's LoRA B to expert 1 and expert 1's to expert 0 when the
                        file is in the per-expert layout (experts.{e}.gate_proj ...). Only that layout.
+  tp_expert_lora_twice every rank but 0 holds layer 1's expert down-LoRA B doubled: its partial of that layer's
+                       expert LoRA delta counts twice in the all-reduce. Only under TP > 1, only layer 1.
+  last_slot_o_misread  with several adapters stacked, the last slot's layer-1 o_proj LoRA-B is read one row off (a
+                       slot-offset copy). Only that adapter in a multi-adapter runtime; one adapter loads as before.
 
 The triton engine's TP workers are separate interpreters started with ``spawn``, which in-process monkeypatching
 cannot reach; they inherit the environment, so ``sitecustomize.py`` beside this file (its folder put on PYTHONPATH)
@@ -83,7 +87,38 @@ def _per_expert_swapped(setattr) -> None:
     setattr(runtime, "load_canonical", load_canonical)
 
 
+def _tp_expert_lora_twice(setattr) -> None:
+    from lpdiff.engines.triton import runtime
+
+    correct = runtime.stack_adapters
+
+    def stack_adapters(cfg, adapters, shard, dtype, device):
+        lora = correct(cfg, adapters, shard, dtype, device)
+        if shard.rank != 0 and lora is not None and lora.layers[1].moe is not None:
+            lora.layers[1].moe.down_b.mul_(2)  # replicated B: this rank's partial delta doubles
+        return lora
+
+    setattr(runtime, "stack_adapters", stack_adapters)
+
+
+def _last_slot_o_misread(setattr) -> None:
+    from lpdiff.engines.triton import runtime
+
+    correct = runtime.stack_adapters
+
+    def stack_adapters(cfg, adapters, shard, dtype, device):
+        key = "model.layers.1.self_attn.o_proj"
+        last = list(adapters.values())[-1] if len(adapters) > 1 else None
+        if last is not None and key in last.dense:
+            a, b = last.dense[key]
+            last.dense = {**last.dense, key: (a, b.roll(1, dims=0))}
+        return correct(cfg, adapters, shard, dtype, device)
+
+    setattr(runtime, "stack_adapters", stack_adapters)
+
+
 DEFECTS = {"tp_partial_twice": _tp_partial_twice, "shared_outer_misread": _shared_outer_misread,
+           "tp_expert_lora_twice": _tp_expert_lora_twice, "last_slot_o_misread": _last_slot_o_misread,
            "per_expert_swapped": _per_expert_swapped}
 
 
