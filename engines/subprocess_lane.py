@@ -177,8 +177,10 @@ class ManagedProcess:
                  tail_lines: int = 60, log_prefix: str = "lpdiff-proc-"):
         self.argv, self.env, self.tail_lines = list(argv), dict(env or {}), tail_lines
         if log_path is None:  # LPDIFF_LANE_LOG_DIR: keep every engine's log where a GPU job collects its files
-            fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log",
-                                            dir=os.environ.get("LPDIFF_LANE_LOG_DIR") or None)
+            log_dir = os.environ.get("LPDIFF_LANE_LOG_DIR") or None
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+            fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log", dir=log_dir)
             os.close(fd)
         self.log_path = str(log_path)
         self.proc: subprocess.Popen | None = None
