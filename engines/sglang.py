@@ -67,7 +67,7 @@ import numpy as np
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
 from lpdiff.engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
                                      strip_lane_options)
-from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
+from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode, model_type
 from lpdiff.harness.types import PromptLogprobs
 
 MOE_LORA_SETTINGS: dict[str, Any] = {
@@ -217,7 +217,7 @@ def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any]
     # target modules", "weight(s) skipped") that the lane's log tail should carry when something goes wrong
     args: dict[str, Any] = {"model_path": model_path, "skip_tokenizer_init": True, "dtype": config.dtype,
                             "tp_size": config.tp, "random_seed": 0, "log_level": "info", **MOE_LORA_SETTINGS,
-                            **ARCH_SETTINGS.get(config.model.arch, {})}
+                            **ARCH_SETTINGS.get(model_type(config.model.arch), {})}
     if config.adapters:
         args.update(enable_lora=True, lora_paths={n: str(a.path) for n, a in config.adapters.items()},
                     max_lora_rank=max(adapter_max_rank(a.path) for a in config.adapters.values()),

@@ -58,6 +58,18 @@ def test_server_args_carry_moe_lora_settings_and_adapters(tiny):
     assert "enable_lora" not in base and "lora_paths" not in base
 
 
+@pytest.mark.parametrize("model, want", [
+    ("qwen3.5-35b-a3b", {"enable_multimodal": False, "disable_shared_experts_fusion": True}),  # arch qwen3_5_moe_text
+    ("nemotron-3-nano-30b-a3b", {"attention_backend": "torch_native", "lora_target_modules": ["all"]}),
+])
+def test_arch_settings_reach_the_hybrids(model, want):
+    """The catalog's in-memory arch of Qwen3.5 is its text model's: the settings are looked up by checkpoint type."""
+    from lpdiff.harness.spec.catalog import get_model
+
+    args = server_args(EngineConfig(model=get_model(model, num_layers=4), dtype="bfloat16"), "/ckpt")
+    assert {k: args[k] for k in want} == want
+
+
 def test_fp32_is_refused_before_anything_starts(tiny):
     with pytest.raises(ValueError, match="no fp32 path.*use dtype bfloat16"):
         SGLangEngine(EngineConfig(model=tiny[0], dtype="float32"))

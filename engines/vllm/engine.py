@@ -196,6 +196,10 @@ class VLLMEngine:
             raise ValueError(f"this vLLM's EngineArgs has no {missing}: drop them from options/llm_kwargs")
         # last: building a config-specified model is the only slow step, and every check above is cheaper
         kw["model"] = checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu)
+        if "language_model_only" in known and "language_model_only" not in kw and _multimodal(kw["model"]):
+            # token-id prompts need neither the image processor, which vLLM otherwise loads (the catalog's Qwen3.5
+            # checkpoint has no processor files), nor the vision tower
+            kw["language_model_only"] = True
         return kw
 
     def _lora_kwargs(self, hf, on_cpu: bool, known: set[str]) -> dict[str, Any]:
@@ -290,3 +294,12 @@ class VLLMEngine:
         self.last_wall_s = time.perf_counter() - t0
         want = -1 if k == -1 else top_k
         return [parse_prompt_logprobs([int(t) for t in p], o.prompt_logprobs, want) for p, o in zip(prompts, outs)]
+
+
+def _multimodal(checkpoint: str) -> bool:
+    """A checkpoint whose config.json has a vision tower (Qwen3.5's ConditionalGeneration wrapper)."""
+    import json
+    from pathlib import Path
+
+    path = Path(checkpoint) / "config.json"
+    return path.is_file() and "vision_config" in json.loads(path.read_text())
