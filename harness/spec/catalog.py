@@ -7,12 +7,15 @@ is spelled ``num_experts`` / ``num_local_experts`` / ``n_routed_experts`` depend
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lpdiff.harness.spec.errors import SpecError
+from lpdiff.harness.spec.init_recipe import PEAKED, apply_peaked
 from lpdiff.harness.types import ModelSpec
 
 ZOO_DIR = Path(__file__).resolve().parents[1] / "zoo"
@@ -23,7 +26,13 @@ ZOO_DIR = Path(__file__).resolve().parents[1] / "zoo"
 #   own _init_weights); then cast to the requested dtype. Init always happens in bf16 so that a bf16 run and an
 #   fp32 run hold exactly the same (bf16-representable) weights, as they would from a real bf16 checkpoint.
 #   The random stream is the device's: a model built on cuda differs from one built on cpu.
+#   peaked/v1 (spec/init_recipe.py): the v1 model, then conditioned on the same device so that routers are decisive
+#   and next-token distributions peaked, as a trained model's are.
 INIT_RECIPE = "hf-init-bf16/v1"
+INIT_RECIPES = (INIT_RECIPE, PEAKED)
+# The one place the environment picks a config-built model's recipe (the GPU check runs with e.g.
+# LPDIFF_INIT_RECIPE=peaked/v1); unset, the default keeps committed baselines' keys.
+INIT_RECIPE_ENV = "LPDIFF_INIT_RECIPE"
 INIT_DTYPE = torch.bfloat16
 DEFAULT_SEED = 0
 
@@ -90,15 +99,27 @@ def known_models() -> list[str]:
     return list(ZOO) + list(FULL_CONFIGS)
 
 
-def get_model(name: str, num_layers: int | None = None, init_seed: int = DEFAULT_SEED) -> ModelSpec:
-    """A catalog model by name; ``num_layers`` keeps the first n layers (zoo or full-size)."""
+def resolve_init_recipe(name: str | None = None) -> str:
+    """The init recipe a config-built model gets: ``name``, else $LPDIFF_INIT_RECIPE, else the default."""
+    chosen = name or os.environ.get(INIT_RECIPE_ENV) or INIT_RECIPE
+    if chosen not in INIT_RECIPES:
+        where = "init_recipe" if name else f"${INIT_RECIPE_ENV}"
+        raise SpecError(f"{where}={chosen!r} is not an init recipe; use one of {', '.join(INIT_RECIPES)}")
+    return chosen
+
+
+def get_model(name: str, num_layers: int | None = None, init_seed: int = DEFAULT_SEED,
+              init_recipe: str | None = None) -> ModelSpec:
+    """A catalog model by name; ``num_layers`` keeps the first n layers (zoo or full-size); ``init_recipe``
+    (full-size only): see ``resolve_init_recipe``."""
     assert num_layers is None or num_layers >= 1, f"num_layers must be >= 1, got {num_layers}"
     if name in ZOO:
         return ModelSpec(name=name, arch=ZOO[name], path=str(ZOO_DIR / name), num_layers=num_layers)
     if name in FULL_CONFIGS:
         cfg = FULL_CONFIGS[name]
         return ModelSpec(name=name, arch=text_arch(cfg), config=json.loads(json.dumps(cfg)),
-                         init_seed=init_seed, init_recipe=INIT_RECIPE, num_layers=num_layers)
+                         init_seed=init_seed, init_recipe=resolve_init_recipe(init_recipe),
+                         num_layers=num_layers)
     raise KeyError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
 
 
@@ -156,8 +177,8 @@ def load_hf_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.devic
     """The transformers model of a spec, in eval mode, on ``device`` in ``dtype``.
 
     Checkpoint directories load with ``from_pretrained`` (layers past ``num_layers`` are left on disk); config
-    specs are built directly on the device with the seeded recipe ``INIT_RECIPE`` (deterministic per seed and
-    device type)."""
+    specs are built directly on the device with their seeded recipe (``INIT_RECIPES``; deterministic per seed and
+    device type). Engines that load directories get this same model written by spec/checkpoint.py."""
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(spec)
@@ -167,12 +188,15 @@ def load_hf_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.devic
     if spec.path is not None:
         model = AutoModelForCausalLM.from_pretrained(spec.path, config=cfg, dtype=dtype, device_map=str(device))
     else:
-        assert spec.init_recipe == INIT_RECIPE, f"unknown init recipe {spec.init_recipe!r}; this lpdiff " \
-                                                f"builds {INIT_RECIPE!r}"
+        if spec.init_recipe not in INIT_RECIPES:
+            raise SpecError(f"model {spec.name}: init recipe {spec.init_recipe!r} is unknown to this lpdiff (it "
+                            f"builds {', '.join(INIT_RECIPES)}); regenerate the baseline or upgrade lpdiff")
         cls = AutoModelForCausalLM._model_mapping[type(cfg)]
         torch.manual_seed(spec.init_seed)
         with torch.device(device):
             model = cls._from_config(cfg, dtype=INIT_DTYPE)
+        if spec.init_recipe == PEAKED:
+            apply_peaked(model, moe_fields(cfg), spec.init_seed)
         model = model.to(dtype)
     return model.eval()
 
