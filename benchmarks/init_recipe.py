@@ -2,8 +2,9 @@
 the next-token distributions are, how decisive the routers are (fp32 and with a merged random adapter), and what
 bf16 does to routing and logprobs. Definitions as in docs/zoo.md's measured table.
 
-GPU (the lead's H100; all five models x both recipes at the default depth, 4 layers / Nemotron 8: about 1-2
-minutes, under 4; build time is most of it, Nemotron-Super's 512 latent experts the largest share):
+GPU, one H100 (all five models x both recipes at the default depth, 4 layers / Nemotron 8; estimated 1-2 minutes,
+not yet timed on a GPU: per model two builds of up to ~12B parameters (Nemotron-Super's 512 latent experts, 45 GB
+once cast to fp32), four 512-token forwards, one merged adapter; the narrowed CPU run takes ~5 s):
 
     HF_HUB_OFFLINE=1 python -m benchmarks.init_recipe --device cuda
     # -> benchmarks/results/init_recipe.csv; options: --models NAME.. --recipes R.. --layers N --prompts 8
@@ -119,9 +120,9 @@ def merge_random_adapter(model, seed: int = 0, rank: int = ADAPTER_RANK, scale: 
         rows, cols = w.shape[-2:]
         b_std = scale * float(w.float().pow(2).mean().sqrt()) * math.sqrt(cols / rank)
         for e in range(w.shape[0]):
-            a = torch.randn(rank, cols, generator=g) / math.sqrt(cols)
-            b = torch.randn(rows, rank, generator=g) * b_std
-            w[e] += (b @ a).to(w.device, w.dtype)
+            a = (torch.randn(rank, cols, generator=g) / math.sqrt(cols)).to(w.device, w.dtype)
+            b = (torch.randn(rows, rank, generator=g) * b_std).to(w.device, w.dtype)
+            w[e] += b @ a
         n += 1
     return n
 
@@ -169,6 +170,8 @@ def run(specs: list[ModelSpec], recipes, device: str, n_prompts: int = 8, length
     """Every spec under every recipe; rows written to ``out`` (CSV, replaced) when given."""
     from lpdiff.harness.spec.catalog import hf_config
 
+    if torch.device(device).type == "cuda":  # the fp32 runs are the reference: IEEE fp32, as the hf engine runs it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     rows = []
     for spec in specs:
         t0 = time.perf_counter()

@@ -195,9 +195,10 @@ def load_hf_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.devic
         torch.manual_seed(spec.init_seed)
         with torch.device(device):
             model = cls._from_config(cfg, dtype=INIT_DTYPE)
-        if spec.init_recipe == PEAKED:
-            apply_peaked(model, moe_fields(cfg), spec.init_seed)
+        report = apply_peaked(model, moe_fields(cfg), spec.init_seed) if spec.init_recipe == PEAKED else {}
         model = model.to(dtype)
+        # what was built, for spec/checkpoint.py to check against the spec it writes and to record beside it
+        model.init_report = {"recipe": spec.init_recipe, "seed": spec.init_seed, "device": str(device), **report}
     return model.eval()
 
 

@@ -76,6 +76,11 @@ def write_checkpoint(model, spec: ModelSpec, out: str | Path, shard_bytes: int =
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
+    built = getattr(model, "init_report", None)  # set by catalog.load_hf_model on config-built models
+    if built is not None and (built["recipe"], built["seed"]) != (spec.init_recipe, spec.init_seed):
+        raise ValueError(f"write_checkpoint: the model was built with init recipe {built['recipe']} seed "
+                         f"{built['seed']}, the spec says {spec.init_recipe} seed {spec.init_seed}; engines would "
+                         "load other weights than the reference: build it with load_hf_model(spec, ...)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hub_config_dict(spec)
@@ -94,6 +99,8 @@ def write_checkpoint(model, spec: ModelSpec, out: str | Path, shard_bytes: int =
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if built is not None:  # the recipe's chosen scales, to compare two machines' builds of one spec
+        (out / "lpdiff_init.json").write_text(json.dumps(built, indent=2) + "\n")
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(out))
     return out

@@ -13,11 +13,12 @@ starts from the default recipe's model (transformers' own init, bf16) and change
    LoRA delta of the generator's default size (0.2 x the weight's RMS) moves a code coordinate by about 0.2 of that
    RMS: 1/20 of the gap, so adapted models route decisively too.
 3. **Routers.** MoE layer l's row for expert e is (gap / kappa) * (u_pi_l(e) - o * u_offset) plus a unit context
-   row (random, off U) times ``context`` x gap: the top-k set is pi_l^-1(S_v), >= ``gap`` logits clear of the next
-   expert (more in shallow layers, where the code holds more of the hidden state), and the weights still vary with
-   the context. pi_l: a random group-preserving permutation per layer. Softmax routers: o = 0 (chosen logits from
-   gap up, the rest ~0). Sigmoid routers (Nemotron): o = 1 (chosen scores from sigmoid(0) up, the rest sigmoid(-gap)
-   or below). gpt-oss's router bias draws U(+-0.1 gap), Nemotron's correction bias U(+-0.02): real, below the margin.
+   row (random, off U) times ``context`` x gap: the top-k set is pi_l^-1(S_v), about ``gap`` logits clear of the next
+   expert at the deepest MoE layer (the spread of per-token RMS takes 5-15 % off at p1; shallow layers get more,
+   the code holds more of their hidden state), and the weights still vary with the context. pi_l: a random
+   group-preserving permutation per layer. Softmax routers: o = 0 (chosen logits from gap up, the rest ~0).
+   Sigmoid routers (Nemotron): o = 1 (chosen scores from sigmoid(0) up, the rest sigmoid(-gap) or below).
+   gpt-oss's router bias draws U(+-0.1 gap), Nemotron's correction bias U(+-0.02): real, below the margin.
 4. **Output.** lm_head scaled so that its softmax over V has mean entropy ``entropy`` x log V on inputs of the
    final norm's output shape (RMS 1 through the final norm): the lm_head rows are i.i.d., so a token's entropy
    depends only on that norm, not on which hidden state it is.
@@ -174,10 +175,20 @@ class _Probe:
                 h.remove()
 
 
-@torch.no_grad()
 def apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams = PeakedParams()) -> dict[str, Any]:
     """Condition a freshly built bf16 model (transformers' init) in place; ``moe`` is its catalog MoeFields.
-    Returns what was chosen and measured (beta, kappa and leakage per MoE layer, lm_head factor, entropy)."""
+    Returns what was chosen and measured (beta, kappa and leakage per MoE layer, lm_head factor, entropy).
+    TF32 is off meanwhile (the caller's setting is restored): the fp32 parts must not depend on the process."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _apply_peaked(model, moe, seed, params)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+@torch.no_grad()
+def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) -> dict[str, Any]:
     from lpdiff.harness.spec.routing import is_router
 
     t0 = time.perf_counter()
