@@ -144,7 +144,7 @@ def test_vllm_gpt_oss_per_expert_layout_fails(case, record_verdict):
         pytest.skip("gpt-oss only")
     _installed("vllm")
     res = check.run_check(case, "vllm", layouts=("per_expert",), options={"mixed_moe_lora_format": True},
-                          )
+                          serve_refused=True)
     _report("vllm", res, record_verdict)
     assert res.error is None, res.error
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
@@ -163,7 +163,7 @@ def test_vllm_qwen3_peft3d_layout_fails(case, record_verdict):
     if case.spec.arch != "qwen3_moe":
         pytest.skip("the mixed-format path serves PEFT 3D only where the model's native layout is per-expert")
     _installed("vllm")
-    res = check.run_check(case, "vllm", layouts=("peft3d",), )
+    res = check.run_check(case, "vllm", layouts=("peft3d",), serve_refused=True)
     _report("vllm", res, record_verdict)
     assert not res.as_expected, "vLLM served PEFT 3D expert adapters on Qwen3-MoE correctly: record the fix"
 
@@ -177,7 +177,7 @@ def test_sglang_peft3d_expert_adapter_is_a_fail_with_the_engine_log(case):
         pytest.skip("one model is enough to show it")
     _installed("sglang")
     res = check.run_check(case, "sglang", k=2, layouts=("peft3d",), options={"lane_call_timeout_s": 120},
-                          )
+                          serve_refused=True)
     _report("sglang", res)
     assert res.error is not None and not res.as_expected, "SGLang served a PEFT 3D expert adapter: record the fix"
     assert "Lane" in res.error

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import os
 import time
 import warnings
@@ -196,6 +197,11 @@ class VLLMEngine:
             raise ValueError(f"this vLLM's EngineArgs has no {missing}: drop them from options/llm_kwargs")
         # last: building a config-specified model is the only slow step, and every check above is cheaper
         kw["model"] = checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu)
+        if getattr(hf.get_text_config(), "linear_key_head_dim", None) and "additional_config" in known \
+                and importlib.util.find_spec("flashinfer") is None:
+            # Gated-DeltaNet prefill picks FlashInfer's kernel on Hopper (qwen_gdn_linear_attn.py:150); without
+            # FlashInfer (the offline bundle has none) the first batch dies on the import: vLLM's own Triton/FLA
+            kw["additional_config"] = {"gdn_prefill_backend": "triton", **(kw.get("additional_config") or {})}
         if "language_model_only" in known and "language_model_only" not in kw and _multimodal(kw["model"]):
             # token-id prompts need neither the image processor, which vLLM otherwise loads (the catalog's Qwen3.5
             # checkpoint has no processor files), nor the vision tower

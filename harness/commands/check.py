@@ -193,10 +193,11 @@ class CheckResult:
 
 def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3, options: dict | None = None,
               store: BaselineStore | None = None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
-              log: Callable[[str], None] = print) -> CheckResult:
+              serve_refused: bool = False, log: Callable[[str], None] = print) -> CheckResult:
     """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here.
-    ``layouts``: the adapter files served (default: every layout the engine reads, less the lanes doctor says it
-    refuses, see ``refused_lanes``; layouts asked for are served as they are). An engine that dies or raises
+    ``layouts``: the adapter files served (default: every layout the engine reads); the lanes doctor says the
+    engine refuses are left out (``refused_lanes``) unless ``serve_refused`` (a known defect reproduced on purpose).
+    An engine that dies or raises
     gives a result whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
     from lpdiff.harness.pipeline.references import default_store
 
@@ -214,11 +215,10 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     (da, oa), (db, ob) = noise_pair(reference, dtype)
     ref_noise = pair_noise(ref(da, oa), ref(db, ob), list(ref32))
 
-    asked = layouts
     layouts = layouts or layouts_for(engine, case.spec.arch)
     lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()
              if layout in layouts}
-    refused = {} if asked else refused_lanes(case, engine, lanes)
+    refused = {} if serve_refused else refused_lanes(case, engine, lanes)
     lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
     try:
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp,
