@@ -188,8 +188,8 @@ CAPABILITIES = Capabilities(
         # the form it reads is a gate_proj (z) + x_proj (x) pair stacked into in_proj (lora/lora.py:286-307)
         KnownDefect("sglang-mamba-in-proj", "mamba in_proj LoRA ({where}): SGLang 0.5.15 holds LoRA for in_proj's z "
                     "and x slices only (A of 2r rows, B of 2 x mamba intermediate rows); a PEFT in_proj LoRA does not "
-                    "fit that buffer and the first LoRA batch fails a shape assert (lora/mem_pool.py:772; read, not "
-                    "run)", "for SGLang save it as mixer.gate_proj (z rows of B) + mixer.x_proj (x rows) with "
+                    "fit that buffer and the first LoRA batch fails a shape assert (lora/mem_pool.py:772; measured "
+                    "on Nemotron-Nano: 'LoRA buffer shape [32, 2688] does not match weight shape [16, 2688]')", "for SGLang save it as mixer.gate_proj (z rows of B) + mixer.x_proj (x rows) with "
                     "target_modules ['in_proj'] (lora/lora.py:286), possible only where B's B/C/dt rows are zero; "
                     "else judge the mamba group on vLLM or HF+PEFT", _V, archs=("nemotron_h",),
                     when="tensors for the mamba mixer's in_proj"),

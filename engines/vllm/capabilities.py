@@ -36,11 +36,13 @@ CAPABILITIES = Capabilities(
                     "3D expert flag, and its 3D->2D conversion splits the non-gated up_proj LoRA into gate/up halves "
                     "(lora/model_manager.py:986-1010): the expert part is misread or refused (read, not run)",
                     _TO_PER_EXPERT, _V25, ("nemotron_h",), ("peft3d",)),
-        # on an H200, 3 of 3 engines, also with CUDA_LAUNCH_BLOCKING or async scheduling off
+        # on an H200, 3 of 3 engines, also with CUDA_LAUNCH_BLOCKING or async scheduling off; on an H100 (init
+        # peaked/v1) 1 of 1 served correctly: intermittent, so the check keeps serving per-expert files
         KnownDefect("vllm-peft3d-mixed-format-faults", "PEFT 3D expert adapter on {arch}: vLLM 0.25.1 serves it "
                     "through enable_mixed_moe_lora_format, which faulted with an illegal memory access (or hung, or "
-                    "returned garbage logprobs) with 5 adapters and base rows in a batch on an H200, while per-expert "
-                    "files of the same adapters ran correctly (docs/engines.md, vLLM)",
+                    "returned garbage logprobs) with 5 adapters and base rows in a batch in 3 of 3 runs on an H200 "
+                    "and ran correctly in 1 of 1 on an H100, while per-expert files of the same adapters always ran "
+                    "correctly (docs/engines.md, vLLM)",
                     _TO_PER_EXPERT, _V25, archs=("qwen3_moe",), layouts=("peft3d",)),
         KnownDefect("vllm-per-expert-interleaved", "per-expert adapter on {arch}: vLLM 0.25.1 reads it only under "
                     "enable_mixed_moe_lora_format, whose kernel adds the gate/up LoRA as concatenated halves onto the "
@@ -53,6 +55,11 @@ CAPABILITIES = Capabilities(
         KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: illegal memory access in "
                     "vLLM's fused MoE-LoRA kernel", "run at TP 1 or 2", _V25, archs=("qwen3_moe",),
                     layouts=("per_expert",), tp=(4,)),
+        # H100 x2, two runs: the TP 2 engine started, then died at the first batch (illegal memory access; then
+        # EngineDeadError); TP 1 on the same checkpoint and adapters PASSes every lane
+        KnownDefect("vllm-nemotron-tp2-fault", "MoE-LoRA on {arch} at TP 2: vLLM 0.25.1's engine dies at the "
+                    "first batch (illegal memory access, EngineDeadError; measured on Nemotron-Nano, H100)",
+                    "run at TP 1", _V25, archs=("nemotron_h",), tp=(2,)),
         # lora/ops/triton_ops/fused_moe_lora_op.py, _run_fused_moe_lora_one_shot: a rank-512 shared-outer gpt-oss
         # adapter killed the engine at its first batch (H200)
         KnownDefect("moe-rank-above-128", "expert adapter of rank {rank}: vLLM 0.25.1's fused MoE-LoRA kernel "

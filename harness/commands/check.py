@@ -58,7 +58,8 @@ PROMPT_LENGTHS = (256, 131, 200, 64, 256, 97, 180, 33)
 CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "layers", "tp", "dtype", "adapter", "adapter_format",
                "engine_pair", "k2", "max_abs", "mean_abs", "delta_fidelity", "near_tie_share", "threshold_k2",
                "threshold_max", "threshold_fidelity", "ref_noise_k2", "ref_noise_max", "ref_noise_fidelity",
-               "rerun_noise_k2", "rerun_noise_max", "rerun_noise_fidelity", "expected", "verdict", "reasons")
+               "rerun_noise_k2", "rerun_noise_max", "rerun_noise_fidelity", "expected", "verdict", "reasons",
+               "init_recipe")
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,15 +122,17 @@ class Case:
 
 def build_case(model: str, layers: int, root: str | Path, plans: Sequence[AdapterPlan] | None = None,
                layouts: Sequence[str] | None = None, device: str = "cuda",
-               lengths: Sequence[int] = PROMPT_LENGTHS, log: Callable[[str], None] = print) -> Case:
-    """``plans``: default ``plans_for`` the model; ``layouts``: default every layout an engine reads on it."""
+               lengths: Sequence[int] = PROMPT_LENGTHS, log: Callable[[str], None] = print,
+               init_recipe: str | None = None) -> Case:
+    """``plans``: default ``plans_for`` the model; ``layouts``: default every layout an engine reads on it;
+    ``init_recipe``: a config-built model's weights (catalog.INIT_RECIPES; default: catalog's choice)."""
     import torch
 
     from lpdiff.harness.spec.adapters import LAYOUTS, convert_adapter, generate_adapter
     from lpdiff.harness.spec.catalog import get_model, hf_config, load_hf_model
     from lpdiff.harness.spec.mutations import permute_experts
 
-    spec = get_model(model, num_layers=layers)
+    spec = get_model(model, num_layers=layers, init_recipe=init_recipe)
     plans = plans_for(spec.arch) if plans is None else plans
     if layouts is None:
         layouts = [lay for lay in LAYOUTS if any(lay in layouts_for(e, spec.arch) for e in ENGINES)]
@@ -184,6 +187,7 @@ class CheckResult:
     verdicts: list = field(default_factory=list)  # harness.verdict.Verdict, with .adapter "name.layout"
     error: str | None = None  # the engine died or raised: every lane FAILs with this message
     refused: dict[str, str] = field(default_factory=dict)  # lane -> doctor's error for this engine (not served)
+    init_recipe: str = ""  # the model's weights (catalog init recipe; "" for a checkpoint)
 
     @property
     def as_expected(self) -> bool:
@@ -226,7 +230,8 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
         log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
         return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
-                           Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused)
+                           Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused,
+                           init_recipe=case.spec.init_recipe or "")
     log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
         f"{sess.wall_s:.1f}s ({sess.version})")
     reruns = rerun_noise(sess.runs)
@@ -236,7 +241,7 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
                        f"same model and prompts")
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, f"{engine}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}", dtype, tp
     res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, sess.version,
-                      ref_noise, reruns, t, sess.runs, refused=refused)
+                      ref_noise, reruns, t, sess.runs, refused=refused, init_recipe=case.spec.init_recipe or "")
     eps = near_tie_eps(dtype, REFERENCE_DTYPE)
     got = sess.first
     for lane in [None, *lanes]:
@@ -316,6 +321,10 @@ def _refused_lines(res: CheckResult) -> list[str]:
 
 
 def csv_rows(res: CheckResult) -> list[dict]:
+    return [{**row, "init_recipe": res.init_recipe} for row in _rows(res)]
+
+
+def _rows(res: CheckResult) -> list[dict]:
     date, commit, gpu = datetime.date.today().isoformat(), git_commit(), device_name()
     if res.error is not None:
         lines = res.error.strip().splitlines()

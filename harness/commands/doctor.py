@@ -402,7 +402,8 @@ def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
     """The engine's declared defects for this arch and layout whose detector finds them in this adapter. A defect
     that depends on what the files cannot show (the TP size, the batch) has no detector and is not reported."""
     caps, out = capabilities(engine), []
-    common = {"arch": f.arch, **{f"to_{lay}": _convert_cmd(f, lay) for lay in ("peft3d", "per_expert", "per_expert_gate")}}
+    common = {"arch": f.arch,
+              **{f"to_{lay}": _convert_cmd(f, lay) for lay in ("peft3d", "per_expert", "per_expert_gate")}}
     for d in caps.defects(f.arch, f.info.layout):
         if d.tp or d.id not in DETECTORS or (fields := DETECTORS[d.id](f, caps)) is None:
             continue

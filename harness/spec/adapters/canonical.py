@@ -109,7 +109,9 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     for module, projs in per_expert.items():
         experts.update(_fuse_per_expert(layout, module, projs))
 
-    layout_name = ("per_expert_gate" if renamed else "per_expert") if per_expert else "peft3d" if experts else "dense_only"
+    layout_name = "peft3d" if experts else "dense_only"
+    if per_expert:
+        layout_name = "per_expert_gate" if renamed else "per_expert"
     if per_expert and any(ident[0] == "3d" for ident in pairs):
         raise ValueError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
     rank, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
