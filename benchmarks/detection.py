@@ -27,8 +27,10 @@ from lpdiff.harness.pipeline.session import mixed_batch
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
-COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2_p999", "noise_max_p999",
-           "threshold_k2", "threshold_max", "min_zoo_effect_k2", "effect_over_threshold", "threshold_over_noise"]
+COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2", "noise_max",
+           "threshold_k2", "threshold_max", "min_zoo_effect_k2", "effect_over_threshold", "threshold_over_noise",
+           "reruns", "init_recipe", "noise_source", "effect_source"]
+P999 = "p99.9 over the clean runtime's reruns x lanes"
 
 
 def measure(model: str, dtype: str, reruns: int = 20) -> dict:
@@ -51,8 +53,9 @@ def measure(model: str, dtype: str, reruns: int = 20) -> dict:
     nk2, nmax = float(np.percentile(k2s, 99.9)), float(np.percentile(maxs, 99.9))
     weakest = min(effects, key=lambda f: effects[f][0])
     row = dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(), model=model,
-               engine_pair=job.engine_pair, dtype=dtype, tp=1, noise_k2_p999=f"{nk2:.3g}",
-               noise_max_p999=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
+               engine_pair=job.engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
+               noise_max=f"{nmax:.3g}", reruns=reruns, init_recipe="", noise_source=P999,
+               effect_source="weakest runtime bug-zoo fault", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
                min_zoo_effect_k2=f"{effects[weakest][0]:.3g}",
                effect_over_threshold=f"{effects[weakest][0] / thr.k2:.3g}",
                threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}")
@@ -94,8 +97,9 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
               f"{f} " + ("not reached" if r is None else f"{effects[f]:.3g} {'MISSED' if check.missed(r) else 'caught'}")
               for f, r in results.items()), file=sys.stderr)
     return dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
-                model=f"{model} x{layers}", engine_pair=thr.engine_pair, dtype=dtype, tp=1, noise_k2_p999=f"{nk2:.3g}",
-                noise_max_p999=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
+                model=f"{model} x{layers}", engine_pair=thr.engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
+                noise_max=f"{nmax:.3g}", reruns=reruns, init_recipe=case.spec.init_recipe, noise_source=P999,
+                effect_source="weakest runtime bug-zoo fault", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
                 min_zoo_effect_k2=f"{effects[weakest]:.3g}", effect_over_threshold=f"{effects[weakest] / thr.k2:.3g}",
                 threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}")
 
