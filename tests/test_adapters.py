@@ -431,3 +431,25 @@ def test_inspect_adapter(generated):
     assert info.provenance["generated"]["seed"] == 1
     k = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"  # gate_up: the inner wrapper
     assert info.shapes[k] == (R * E, H)
+
+
+def test_latent_group_on_nemotron_super_matches_peft_merge(tmp_path):
+    """Nemotron-3-Super's latent MoE projections (fc1_latent_proj hidden -> latent, fc2_latent_proj back) are their
+    own group: an adapter of that group alone touches exactly them, and lpdiff's merge equals PEFT's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.helpers.configs import narrow_full_config
+
+    kw = narrow_full_config("nemotron-3-super-120b-a12b")
+    kw["num_hidden_layers"] = 4
+    kw["hybrid_override_pattern"] = kw["hybrid_override_pattern"][:4]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw)).float().eval()
+    layout = ad.ModelLayout.of(model)
+    latent = {n for n in layout.linears if ad.module_group(n) == "latent"}
+    assert latent and all(n.rsplit(".", 1)[-1] in ("fc1_latent_proj", "fc2_latent_proj") for n in latent)
+    path = ad.generate_adapter(model, tmp_path / "latent", ["latent"], rank=R, seed=3).path
+    assert ad.inspect_adapter(path).groups == ["latent"]
+    merged = ad.merge_into(copy.deepcopy(model), ad.load_canonical(path, model.config)).state_dict()
+    assert {k.removesuffix(".weight") for k in changed(merged, model)} == latent
+    assert max_diff(merged, peft_merged(model, path)) <= ATOL

@@ -96,6 +96,7 @@ HYBRID_ADAPTERS = {arch: (
     AdapterPlan("experts", ("experts",), 16, 3),
     AdapterPlan("all_r8", _HYBRID_COMMON, 8, 4),
     AdapterPlan("broken", _HYBRID_COMMON, 16, 1, broken_from="all"),
+    AdapterPlan("latent", ("latent",), 16, 7),  # Nemotron-3-Super's latent MoE projections (where the model has them)
 ) for arch, own in (("qwen3_5_moe", "linear_attention"), ("nemotron_h", "mamba"))}
 
 
@@ -128,17 +129,20 @@ def build_case(model: str, layers: int, root: str | Path, plans: Sequence[Adapte
     ``init_recipe``: a config-built model's weights (catalog.INIT_RECIPES; default: catalog's choice)."""
     import torch
 
-    from lpdiff.harness.spec.adapters import LAYOUTS, convert_adapter, generate_adapter
+    from lpdiff.harness.spec.adapters import LAYOUTS, ModelLayout, convert_adapter, generate_adapter, module_group
     from lpdiff.harness.spec.catalog import get_model, hf_config, load_hf_model
     from lpdiff.harness.spec.mutations import permute_experts
 
     spec = get_model(model, num_layers=layers, init_recipe=init_recipe)
-    plans = plans_for(spec.arch) if plans is None else plans
     if layouts is None:
         layouts = [lay for lay in LAYOUTS if any(lay in layouts_for(e, spec.arch) for e in ENGINES)]
     root = Path(root)
     t0 = time.perf_counter()
     hf = load_hf_model(spec, torch.bfloat16, device)  # only its weights' RMS sizes the adapters
+    if plans is None:  # the model's plans whose groups it has (a latent lane only where there are latent layers)
+        lay = ModelLayout.of(hf)
+        present = {module_group(n) for n in [*lay.linears, *lay.experts]}
+        plans = [p for p in plans_for(spec.arch) if set(p.groups) <= present]
     cfg = hf_config(spec)
     files: dict[tuple[str, str], AdapterSpec] = {}
     for p in plans:

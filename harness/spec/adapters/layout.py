@@ -14,7 +14,7 @@ from torch import nn
 # q_proj is twice as wide: query and output gate), Gated DeltaNet linear attention (Qwen3.5: in_proj_qkv, in_proj_z,
 # in_proj_b, in_proj_a, out_proj), Mamba-2 mixers (Nemotron-H: in_proj, out_proj), dense MLPs, shared experts and
 # routed experts. A verdict names the group whose LoRA an engine mishandles by these names.
-GROUPS = ("attention", "linear_attention", "mamba", "mlp", "shared_expert", "experts")
+GROUPS = ("attention", "linear_attention", "mamba", "mlp", "shared_expert", "experts", "latent")
 LAYOUTS = ("peft3d", "per_expert", "per_expert_gate")
 # per_expert_gate: per_expert with a non-gated expert's input projection saved as experts.{e}.gate_proj, the name
 # SGLang reads it under (its non-gated MoE buffer takes gate_proj as the unstacked gate_up, lora/lora.py:370); on
@@ -26,6 +26,7 @@ _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj"}
 _ROUTERS = {"gate", "router", "shared_expert_gate"}
 _SHARED = {"shared_expert", "shared_experts"}
+_LATENT = {"fc1_latent_proj", "fc2_latent_proj"}
 # PEFT 0.21 raises for LoRA on these leaves of Mamba models (peft/tuners/tuners_utils.py,
 # _check_lora_target_modules_mamba): the mamba group is in_proj alone there.
 _PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}
@@ -55,6 +56,8 @@ def module_group(path: str) -> str:
         return "linear_attention"
     if parent in ("mixer", "mamba") and leaf in ("in_proj", "out_proj"):  # Nemotron-H / Mamba-2, Falcon-H1
         return "mamba"
+    if leaf in _LATENT:  # latent MoE (Nemotron-3-Super): hidden -> latent before the experts, latent -> hidden after
+        return "latent"
     if leaf in _MLP:
         return "mlp"
     return "other"
