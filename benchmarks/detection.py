@@ -5,6 +5,8 @@ threshold, and the threshold against the weakest bug-zoo fault. Writes benchmark
   python -m benchmarks.detection --full-width qwen3-30b-a3b [--layers 4] [--reruns 20] (GPU;
       lpdiff check's method: the reference is HF+PEFT fp32 on the full-width model, the threshold FACTOR x the noise
       measured in the same run; rows are appended)
+  python -m benchmarks.detection --full-width MODEL --engine vllm|sglang|hf|triton --dtype bfloat16
+      [--init-recipe peaked/v1] [--reruns 20] (GPU; the engine's effect is the broken adapter's, see measure_engine)
 
 effect of a fault = the largest k2 over its job's verdicts (a fault is caught when any verdict fails);
 min_zoo_effect_k2 = the smallest such effect over the faults; noise_*_p999 = 99.9th percentile over all
@@ -25,6 +27,7 @@ from lpdiff.kernels.faults import runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
+from lpdiff.harness.pipeline.references import default_store
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2", "noise_max",
@@ -77,7 +80,7 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
 
     arch = get_model(model).arch
     faults = runtime_faults(arch)
-    store = check.default_store()
+    store = default_store()
     with tempfile.TemporaryDirectory() as tmp:
         case = check.build_case(model, layers, tmp, layouts=("peft3d",))
         clean, results = check.fault_sweep(case, faults, dtype, k=reruns, store=store, log=lambda s: None)
@@ -104,6 +107,45 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
                 threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}")
 
 
+def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns: int = 20,
+                   init_recipe: str | None = None, device: str = "cuda", lengths=None) -> dict:
+    """A serving engine's row (vLLM and SGLang have no fault switches): ``reruns`` runs of lpdiff check's mixed
+    batch; noise = p99.9 over (run, correct lane) of k2 against HF+PEFT fp32, effect = the broken adapter's k2
+    (every expert's LoRA-B shifted one expert; the smallest over the layouts served), threshold = the check's."""
+    import tempfile
+
+    from lpdiff.harness.commands import check
+    from lpdiff.harness.pipeline.metrics import compare
+
+    store = default_store()
+    with tempfile.TemporaryDirectory() as tmp:
+        kw = {"lengths": lengths} if lengths else {}
+        case = check.build_case(model, layers, tmp, device=device, init_recipe=init_recipe, log=lambda s: None, **kw)
+        res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, log=lambda s: None)
+        ref = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
+    if res.error is not None:
+        raise RuntimeError(f"{engine} on {model}: {res.error}")
+    lanes = [v.adapter for v in res.verdicts]
+    correct = [lane for lane in lanes if case.plans.get(lane.split(".")[0]) is None
+               or not case.plans[lane.split(".")[0]].broken_from]
+    base_of = {lane: None if lane == "base" else lane.split(".")[0] for lane in correct}
+    ms = [compare(run[None if lane == "base" else lane], ref[base_of[lane]]) for run in res.runs for lane in correct]
+    nk2 = float(np.percentile([m.k2 for m in ms], 99.9))
+    nmax = float(np.percentile([m.max_abs for m in ms], 99.9))
+    effect = min(v.metrics.k2 for v in res.verdicts if v.expected == "FAIL")
+    thr = res.threshold
+    print(f"{engine} {model} x{layers} {dtype} ({case.spec.init_recipe}): noise k2 {nk2:.3g} (p99.9 of {len(ms)}), "
+          f"threshold {thr.k2:.3g}, broken {effect:.3g}; {'as expected' if res.as_expected else 'NOT as expected'}",
+          file=sys.stderr)
+    return dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
+                model=f"{model} x{layers}", engine_pair=thr.engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
+                noise_max=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
+                min_zoo_effect_k2=f"{effect:.3g}", effect_over_threshold=f"{effect / thr.k2:.3g}",
+                threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}", reruns=reruns,
+                init_recipe=case.spec.init_recipe, noise_source="p99.9 over (run, correct lane) of k2 vs HF+PEFT fp32",
+                effect_source="the broken adapter, smallest over layouts")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", action="append")
@@ -111,13 +153,19 @@ def main(argv=None) -> int:
     p.add_argument("--full-width", action="append", metavar="MODEL", help="catalog model at full width (GPU)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--reruns", type=int, default=20)
+    p.add_argument("--engine", default=None, help="with --full-width: judge this engine (vllm, sglang, hf, triton)")
+    p.add_argument("--init-recipe", default=None, help="with --engine: the full-size model's init recipe")
     p.add_argument("--commit", help="the commit to record (GPU machines have no git)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "detection.csv"))
     args = p.parse_args(argv)
     if args.commit:
         os.environ["LPDIFF_COMMIT"] = args.commit
     dtypes = args.dtype or ["float32"]
-    if args.full_width:
+    if args.full_width and args.engine:
+        rows = [measure_engine(m, args.engine, d, args.layers, args.reruns, args.init_recipe)
+                for m in args.full_width for d in dtypes]
+        mode = "a"
+    elif args.full_width:
         rows = [measure_full_width(m, d, args.layers, args.reruns) for m in args.full_width for d in dtypes]
         mode = "a"
     else:
