@@ -9,7 +9,7 @@ threshold, and the threshold against the weakest bug-zoo fault. Writes benchmark
       [--init-recipe peaked/v1] [--reruns 20] (GPU; the engine's effect is the broken adapter's, see measure_engine)
 
 effect of a fault = the largest k2 over its job's verdicts (a fault is caught when any verdict fails);
-min_zoo_effect_k2 = the smallest such effect over the faults; noise_*_p999 = 99.9th percentile over all
+min_zoo_effect_k2 = the smallest such effect over the faults; noise_* = 99.9th percentile over all
 (rerun, adapter) verdicts of the clean runtime."""
 from __future__ import annotations
 
