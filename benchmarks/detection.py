@@ -32,7 +32,16 @@ from lpdiff.harness.pipeline.references import default_store
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2", "noise_max",
            "threshold_k2", "threshold_max", "min_zoo_effect_k2", "effect_over_threshold", "threshold_over_noise",
-           "reruns", "init_recipe", "noise_source", "effect_source"]
+           "reruns", "init_recipe", "noise_source", "effect_source", "misses"]
+TARGET = 10.0  # both ratios this far apart: a defect clears the threshold as the threshold clears the noise
+
+
+def misses(effect_over_threshold: float, threshold_over_noise: float) -> str:
+    """Which side of the two ratios falls short of TARGET, and by how much ("" when neither does)."""
+    out = [f"{name} {v:.3g} < {TARGET:g} (x{TARGET / v:.2g} short)"
+           for name, v in (("effect/threshold", effect_over_threshold), ("threshold/noise", threshold_over_noise))
+           if v < TARGET]
+    return "; ".join(out)
 P999 = "p99.9 over the clean runtime's reruns x lanes"
 
 
@@ -171,6 +180,8 @@ def main(argv=None) -> int:
     else:
         rows = [measure(m, d) for m in (args.model or list(MODELS)) for d in dtypes]
         mode = "w"
+    rows = [{**r, "misses": misses(float(r["effect_over_threshold"]), float(r["threshold_over_noise"]))}
+            for r in rows]
     new = mode == "w" or not Path(args.out).exists()
     with open(args.out, mode, newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
