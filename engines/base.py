@@ -62,9 +62,10 @@ class CapturesLayers(Protocol):
     """Optional: an engine whose ``Capabilities.per_layer_capture`` is True offers per-layer module outputs
     (lpdiff bisect), so the harness never drives the engine's internals."""
 
-    def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: str | None = None,
+    def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
                        inputs: dict[tuple[int, str], Any] | None = None) -> dict[tuple[int, str], Any]:
         """Equal-length prompts (no padding) -> {(layer, point): tensor} for the CAPTURE_POINTS the engine has.
+        ``adapter``: as prompt_logprobs (triton takes one choice per prompt; hf one name or None for all).
         Without ``inputs`` each module sees the engine's own activations. With ``inputs`` (another engine's
         capture) attention and experts re-run on that capture's "attention_in" / "experts_in", "router_ids" and
         "router_weights" (its own routing of "experts_in" is reported), so each module's error is its own;

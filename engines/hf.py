@@ -1,4 +1,4 @@
-"""``hf``: the reference engine — transformers + PEFT, exactly as a user would load them.
+"""``hf``: the reference engine — transformers + PEFT, loaded as a user would (a per-expert file converted first).
 
 Prompts are grouped by adapter and run in right-padded batches (right padding keeps every real token's position,
 causal context and recurrent state — Mamba / linear attention — identical to an unpadded run). Logprobs come from
@@ -6,7 +6,8 @@ the decoder's final hidden states through ``chunked_logprobs``, so the batch's f
 
 Per-expert adapters (``experts.{e}.gate_proj ...``) are converted exactly to PEFT 3D (``convert_adapter``) in a
 temporary directory before PEFT loads them: on transformers 5's fused expert modules PEFT 0.21 itself converts them
-only for qwen3_moe, refuses an experts-only one on gpt_oss, and silently drops the routed experts elsewhere.
+only for qwen3_moe, refuses an experts-only one on gpt_oss, and silently drops the routed experts elsewhere
+(``lpdiff doctor`` tells that as info, for whoever loads the file with PEFT directly).
 
 Options (``EngineConfig.options``):
   experts_impl       "grouped_mm" | "batched_mm" | "eager" (transformers' expert kernel; default: the model's)
@@ -33,30 +34,33 @@ from lpdiff.harness.types import PromptLogprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PEFT = "PEFT 0.21, transformers 5"
-# PEFT 0.21 + transformers 5 with per-expert adapters (experts.{e}.gate_proj ...): converted to the fused experts on
-# load for qwen3_moe, silently ignored for these (tests/test_doctor.py checks both against real PEFT; on gpt_oss an
-# experts-only one is refused outright, with attention targets its experts are dropped). The defects below are
-# these raw-PEFT facts, as the doctor reports them to a user who loads the file with PEFT; this engine reads the
-# per-expert layout on every arch all the same, converting it to PEFT 3D first (_as_peft3d), so ``layouts`` lists
-# what PEFT reads itself.
+# PEFT 0.21 + transformers 5 loading a per-expert adapter (experts.{e}.gate_proj ...) itself: converts it to the
+# fused experts for qwen3_moe, drops its routed-expert tensors silently for these (on gpt_oss it refuses an
+# experts-only file), tests/test_doctor.py checks both against real PEFT. This engine converts every per-expert file
+# to PEFT 3D first (_as_peft3d), so it reads the layout on every arch: the per-expert defects are info, told to
+# whoever loads the file with PEFT directly. The converted config names only modules with tensors, so PEFT wraps
+# none without weights: the peft-*-modules defects are for files PEFT loads as they are.
 _PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
+_CONVERTS = "lpdiff's hf engine converts it to PEFT 3D before PEFT loads it"
+_DIRECT = "none for lpdiff; loading the file with PEFT yourself, convert it first: {to_peft3d}"
 
 CAPABILITIES = Capabilities(
-    engine="hf", label="HF+PEFT", versions=_PEFT, archs=None, layouts=("peft3d",), dtypes=tuple(_DTYPES),
-    lora_fp32=True, max_rank=None, max_moe_rank=None, tp=(1,),
+    engine="hf", label="HF+PEFT", versions=_PEFT, archs=None, layouts=("peft3d", "per_expert"),
+    dtypes=tuple(_DTYPES), lora_fp32=True, max_rank=None, max_moe_rank=None, tp=(1,),
     modes=tuple(Mode(f"experts_{impl}", {"experts_impl": impl}, ("experts",))
                 for impl in ("eager", "batched_mm", "grouped_mm")),
     router_lora="peft", per_layer_capture=True,
     known_defects=(
-        KnownDefect("per-expert-ignored-by-peft", "per-expert adapter on {arch}: PEFT loads none of its expert "
-                    "tensors, so the HF reference runs the base experts (silently)", "convert it: {to_peft3d}",
-                    _PEFT, archs=_PEFT_IGNORES_PER_EXPERT, layouts=("per_expert",)),
-        KnownDefect("per-expert-converted-by-peft", "per-expert adapter on {arch}: PEFT converts it to the fused "
-                    "experts on load", "none needed", _PEFT, archs=("qwen3_moe",), layouts=("per_expert",),
+        KnownDefect("per-expert-ignored-by-peft", f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone loads "
+                    "none of its expert tensors (drops them silently, or refuses the file where its targets match no "
+                    "other module)", _DIRECT, _PEFT, archs=_PEFT_IGNORES_PER_EXPERT, layouts=("per_expert",),
                     severity="info"),
-        KnownDefect("per-expert-unknown", "per-expert adapter on {arch}: whether PEFT loads it is not known to "
-                    "lpdiff", "use the PEFT 3D layout for the reference: {to_peft3d}", _PEFT,
-                    layouts=("per_expert",), severity="warning", when="no per-expert entry for this arch"),
+        KnownDefect("per-expert-converted-by-peft", f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone "
+                    "converts it to the fused experts on load too", "none needed", _PEFT, archs=("qwen3_moe",),
+                    layouts=("per_expert",), severity="info"),
+        KnownDefect("per-expert-unknown", f"per-expert adapter on {{arch}}: {_CONVERTS}; whether PEFT alone loads "
+                    "it is not known to lpdiff", _DIRECT, _PEFT, layouts=("per_expert",), severity="info",
+                    when="no per-expert entry for this arch"),
         KnownDefect("peft-mamba-refused", "PEFT refuses LoRA on Mamba out_proj/conv1d on {arch} ({error})",
                     "drop out_proj and conv1d from target_modules; target the mixer's in_proj", _PEFT,
                     when="PEFT raises 'incompatible with Mamba'"),
@@ -65,10 +69,10 @@ CAPABILITIES = Capabilities(
         KnownDefect("peft-random-init-modules", "PEFT wraps {where} but the adapter has no weights for them, and "
                     "init_lora_weights=false leaves them random: the reference gets a random extra adapter",
                     "set init_lora_weights to true in adapter_config.json (missing modules then start at B = 0)",
-                    _PEFT, when="targets match modules without tensors, init_lora_weights=false"),
+                    _PEFT, when="targets match modules without tensors, init_lora_weights=false, not per-expert"),
         KnownDefect("peft-empty-modules", "PEFT wraps {where} but the adapter has no weights for them: they stay at "
                     "zero (no effect)", "name only the modules the adapter holds in target_modules", _PEFT,
-                    severity="warning", when="targets match modules without tensors"),
+                    severity="warning", when="targets match modules without tensors, not per-expert"),
     ))
 
 

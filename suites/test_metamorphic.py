@@ -51,8 +51,9 @@ def _check(rep: mm.Report, written: bool = False, arch: str = "") -> None:
 
 
 CPU_CASES = [
-    # the reference engine on the concatenated-gate/up MoE: formats through PEFT's own per-expert conversion,
-    # merged weights, its expert kernels as modes
+    # the reference engine on the concatenated-gate/up MoE: formats through lpdiff's per-expert -> PEFT 3D conversion
+    # (the hf engine converts before PEFT loads; PEFT's own qwen3_moe conversion is covered only by
+    # tests/test_doctor.py), merged weights, its expert kernels as modes
     pytest.param("hf", "tiny-qwen3-moe", "all", ["format", "merged", "zero_b", "modes"], id="hf-qwen3"),
     # our runtime on gpt-oss (interleaved, transposed experts): every relation but the slow ones (merged: another
     # checkpoint; modes: the Triton interpreter) that tests/test_metamorphic.py and the CSV cover; TP 2 over gloo

@@ -42,13 +42,15 @@ def test_unknown_engine_names_the_known_ones():
         capabilities("nope")
 
 
-# what harness/commands/check.py served each engine (ENGINE_LAYOUTS, ARCH_LAYOUTS) before the facts moved here
+# what harness/commands/check.py served each engine (ENGINE_LAYOUTS, ARCH_LAYOUTS) before the facts moved here; hf
+# since reads per-expert files on every arch (it converts them to PEFT 3D before PEFT loads them)
 SERVED = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_expert",),
           ("vllm", "qwen3_5_moe"): ("peft3d", "per_expert"), ("vllm", "nemotron_h"): ("per_expert",),
           **{("sglang", a): ("per_expert",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe")},
           ("sglang", "nemotron_h"): ("per_expert_gate",),
           **{("triton", a): ("peft3d", "per_expert") for a in ("qwen3_moe", "gpt_oss")},
-          **{("hf", a): ("peft3d",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3")}}
+          **{("hf", a): ("peft3d", "per_expert")
+             for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3")}}
 
 
 @pytest.mark.parametrize("engine,arch", sorted(SERVED))
@@ -68,6 +70,15 @@ def test_layouts_follow_the_declared_defects():
     # one id per arch: the nemotron_h entry wins over the any-arch fallback
     assert vllm.defect("router-target", "nemotron_h").severity == "error"
     assert vllm.defect("router-target", "qwen3_moe").severity == "info"
+    # what PEFT alone does with a per-expert file is info for hf (its engine converts the file): per_expert stays
+    hf = capabilities("hf")
+    for arch, code in (("gpt_oss", "per-expert-ignored-by-peft"), ("qwen3_5_moe_text", "per-expert-ignored-by-peft"),
+                       ("nemotron_h", "per-expert-ignored-by-peft"), ("qwen3_moe", "per-expert-converted-by-peft"),
+                       ("mixtral", "per-expert-unknown")):
+        found = hf.defects(arch, "per_expert")
+        assert code in [d.id for d in found], (arch, [d.id for d in found])
+        assert not [d.id for d in found if d.severity != "info" and not d.when], arch
+        assert "per_expert" in hf.layouts_for(arch)
 
 
 def test_arch_lora_targets():

@@ -131,12 +131,15 @@ def test_per_expert_gpt_oss_adapter_is_refused_for_vllm(zoo, tmp_path):
 
 
 @pytest.mark.parametrize("name, peft", [
-    ("tiny-qwen3.5-moe", "ignores"),  # PEFT silently ignores per-expert adapters here
+    ("tiny-qwen3.5-moe", "ignores"),  # PEFT alone silently ignores per-expert adapters here
     ("tiny-nemotron-h", "ignores"),  # and here
     ("tiny-gpt-oss", "refuses"),  # an experts-only one matches no module at all here
     ("tiny-qwen3-moe", "converts"),  # but converts them on load here
 ])
 def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, peft):
+    """What PEFT alone does with a per-expert file, told as info (lpdiff's hf engine converts the file first, so
+    nothing fails for hf), is what real PEFT does. PEFT's own qwen3_moe per-expert conversion is covered here only:
+    lpdiff's engines convert before PEFT sees the file."""
     from peft import PeftModel
 
     from lpdiff.harness.spec.catalog import load_hf_model
@@ -145,18 +148,17 @@ def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, peft):
     a = gen(zoo, tmp_path, name, ("experts",), layout="per_expert")
     ignored = peft != "converts"
     cfg_path = Path(a) / "adapter_config.json"
-    # an outside adapter saved with init_lora_weights=false leaves modules PEFT wraps without weights random
-    if peft == "ignores":  # the expert names also match shared-expert / dense MLP modules there
-        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "init_lora_weights": False}))
-        check(doctor(spec, a, engines=["hf"]), "hf", "error", "peft-random-init-modules")
-    # as lpdiff and transformers-4-era PEFT save it: default init, so wrapped modules without weights stay at B = 0
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "init_lora_weights": True}))
-    r = doctor(spec, a, engines=["hf"])
+    # init_lora_weights=false: PEFT alone would leave the shared-expert / MLP modules its per-expert names also wrap
+    # random, the hf engine's converted file wraps none (test_per_expert_file_with_init_false_is_the_peft3d_adapter)
+    for init in (False, True):  # True last: as lpdiff and transformers-4-era PEFT save it (B = 0 where unloaded)
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "init_lora_weights": init}))
+        r = doctor(spec, a, engines=["hf"])
+        assert r.exit_code == 0 and r.codes("hf", "error") == r.codes("hf", "warning") == set(), format_report(r)
     if ignored:
-        assert "--to peft3d" in check(r, "hf", "error", "per-expert-ignored-by-peft").fix
+        f = check(r, "hf", "info", "per-expert-ignored-by-peft")
+        assert "--to peft3d" in f.fix and "lpdiff's hf engine converts it" in f.message
     else:
         check(r, "hf", "info", "per-expert-converted-by-peft")
-        assert r.exit_code == 0
     # what PEFT really does with it: refuses it, or no change at all where the doctor says "ignored"
     ids = torch.tensor([[3, 17, 5, 99, 250, 7, 64, 1000, 12, 40]])
     if peft == "refuses":
@@ -167,6 +169,49 @@ def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, peft):
         base = load_hf_model(spec, torch.float32, "cpu")(ids).logits
         peft = PeftModel.from_pretrained(load_hf_model(spec, torch.float32, "cpu"), a).eval()(ids).logits
     assert torch.equal(base, peft) == ignored
+
+
+def test_per_expert_file_with_init_false_is_the_peft3d_adapter(zoo, tmp_path):
+    """Why doctor does not flag peft-random-init-modules for hf on a per-expert file: the hf engine's PEFT 3D
+    conversion names only the modules with tensors, so Qwen3.5's shared expert gets no random LoRA and the file
+    gives its PEFT 3D original's logprobs (a random shared-expert LoRA would move them by far more than 1e-5)."""
+    from lpdiff.engines import EngineConfig, open_engine
+    from lpdiff.harness.spec.adapters import convert_adapter
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.types import AdapterSpec
+
+    name = "tiny-qwen3.5-moe"
+    spec = zoo[name][0]
+    p3d = gen(zoo, tmp_path, name, ("attention", "experts"))
+    pe = convert_adapter(p3d, tmp_path / "pe", "per_expert", hf_config(spec)).path
+    cfg_path = Path(pe) / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "init_lora_weights": False}))
+    assert doctor(spec, pe, engines=["hf"]).codes("hf", "error") == set()
+    adapters = {"p3d": AdapterSpec("p3d", p3d), "pe": AdapterSpec("pe", pe)}
+    prompts = [[3, 17, 5, 99, 250, 7, 64, 1000, 12, 40], [9, 8, 7, 6, 5, 4, 3, 2]]
+    with open_engine("hf", EngineConfig(spec, adapters, dtype="float32", device="cpu",
+                                        options={"router_margins": False})) as eng:
+        got = {n: np.concatenate([r.logprobs for r in eng.prompt_logprobs(prompts, n)]) for n in (*adapters, None)}
+    assert np.abs(got["pe"] - got["p3d"]).max() <= 1e-5
+    assert np.abs(got["p3d"] - got[None]).max() > 1e-3  # the adapter moves the logprobs: the comparison can fail
+
+
+def test_peft_wraps_modules_without_tensors_in_a_file_it_loads_as_is(zoo, tmp_path):
+    """A PEFT 3D file whose target_modules also name the shared expert's gate_proj (no tensors for it): PEFT wraps
+    it, at B = 0 by default and random with init_lora_weights=false, and the hf engine loads the file as it is."""
+    spec = zoo["tiny-qwen3.5-moe"][0]
+    a = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("attention", "experts"))
+    cfg_path = Path(a) / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": [*cfg["target_modules"], "gate_proj"],
+                                    "init_lora_weights": False}))
+    assert "shared_expert.gate_proj" in check(doctor(spec, a, engines=["hf"]), "hf", "error",
+                                              "peft-random-init-modules").message
+    cfg_path.write_text(json.dumps({**cfg, "target_modules": [*cfg["target_modules"], "gate_proj"],
+                                    "init_lora_weights": True}))
+    r = doctor(spec, a, engines=["hf"])
+    check(r, "hf", "warning", "peft-empty-modules")
+    assert "peft-random-init-modules" not in r.codes()
 
 
 def test_nemotron_out_proj_refused_by_peft(zoo, tmp_path):
@@ -205,12 +250,50 @@ def test_targets_that_match_nothing(zoo, tmp_path, targets, severity, code):
 
 
 def test_cli_prints_one_line_per_finding_and_exits_nonzero(zoo, tmp_path, capsys):
-    a = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("experts",), layout="per_expert")
-    assert cli_main(["doctor", zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "hf"]) == 1
+    a = gen(zoo, tmp_path, "tiny-qwen3-moe", ("attention", "experts"))
+    assert cli_main(["doctor", zoo["tiny-qwen3-moe"][0].path, a, "--engine", "sglang"]) == 1
     out = capsys.readouterr().out
-    assert "hf      ERROR    per-expert adapter on qwen3_5_moe_text" in out and "lpdiff adapters convert --model " in out
-    assert cli_main(["doctor", zoo["tiny-qwen3.5-moe"][0].path, a, "--engine", "vllm", "--json"]) == 0
+    assert "sglang  ERROR    " in out and "lpdiff adapters convert --model " in out and "--to per_expert" in out
+    assert cli_main(["doctor", zoo["tiny-qwen3-moe"][0].path, a, "--engine", "hf", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["exit_code"] == 0
+
+
+def test_per_expert_adapter_on_hf_is_info_and_does_not_block_a_run(zoo, tmp_path, capsys):
+    """A per-expert gpt-oss adapter (attention + experts: PEFT alone drops its experts silently): doctor exits 0
+    for hf and tells the raw-PEFT fact as info with the convert command; a run's preflight for hf lets it through,
+    and `lpdiff regen` then `lpdiff run --engine hf` judge it (exit 0), while vLLM (which misreads gpt-oss
+    per-expert gate/up) is still stopped."""
+    from lpdiff.harness.commands.preflight import preflight
+    from lpdiff.harness.spec.resolve import SpecError, resolve
+
+    model = zoo["tiny-gpt-oss"][0].path
+    a = gen(zoo, tmp_path, "tiny-gpt-oss", ("attention", "experts"), layout="per_expert")
+    assert cli_main(["doctor", model, a, "--engine", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert "hf      INFO     per-expert adapter on gpt_oss: lpdiff's hf engine converts it" in out
+    assert f"lpdiff adapters convert --model {model} {a} OUT --to peft3d" in out and "hf      OK" in out
+    assert cli_main(["doctor", model, a, "--engine", "hf", "--json"]) == 0
+    found = {f["code"]: f["severity"] for f in json.loads(capsys.readouterr().out)["findings"] if f["engine"] == "hf"}
+    assert found == {"per-expert-ignored-by-peft": "info"}
+    assert cli_main(["doctor", model, a, "--engine", "vllm"]) == 1  # the same file, an engine that misreads it
+    capsys.readouterr()
+
+    r = resolve(model, [a], weights=False)
+    logged: list[str] = []
+    for engines in (["hf"], ["triton", "hf"]):  # run --engine hf; regen of another engine with the hf reference
+        preflight(r, engines, logged.append)
+    assert logged == []  # not even a warning
+    with pytest.raises(SpecError, match="vllm-per-expert-interleaved|interleaved"):
+        preflight(r, ["vllm"])
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [3 + i, 17, 5, 99, 250, 7, 64, 12 * i]}) + "\n"
+                               for i in range(3)))
+    sel = ["--model", model, "--adapter", a, "--prompts", str(prompts), "--baselines", str(tmp_path / "B")]
+    assert cli_main(["regen", *sel]) == 0, capsys.readouterr().err
+    assert cli_main(["run", *sel, "--engine", "hf"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "hf:float32-vs-hf:float32" in out and "PASS" in out and "FAIL" not in out
 
 
 def test_cli_bad_model_is_one_clear_error(tmp_path, capsys):

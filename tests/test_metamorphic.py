@@ -80,17 +80,19 @@ def test_gate_up_split_forms_are_one_adapter(model, tmp_path):
 
 
 def test_not_applicable_relations_say_why(tmp_path):
-    # nemotron's experts are not gated; an attention-only adapter has no expert layouts; PEFT drops per-expert
-    # adapters on gpt-oss (harness.doctor), so hf cannot run that format
+    # nemotron's experts are not gated; an attention-only adapter has no expert layouts; vLLM misreads gpt-oss's
+    # per-expert gate/up (harness.doctor), so it cannot run that format, while hf converts the file and runs it
     na = {r.relation: r.note for r in mm.plan(_ctx("tiny-nemotron-h", "experts", tmp_path / "n", "hf"),
                                               ["gate_up"])[1]}
     assert "not gated" in na["gate_up"]
     na = {r.relation: r.note for r in mm.plan(_ctx("tiny-qwen3-moe", "attention", tmp_path / "q"),
                                               ["format"])[1]}
     assert "no expert LoRA" in na["format"]
-    lanes, na = mm.plan(_ctx("tiny-gpt-oss", "experts", tmp_path / "g", "hf"), ["format"])
-    assert [r.relation for r in na] == ["format:per_expert"] and "per-expert-ignored-by-peft" in na[0].note
+    lanes, na = mm.plan(_ctx("tiny-gpt-oss", "experts", tmp_path / "g", "vllm"), ["format"])
+    assert [r.relation for r in na] == ["format:per_expert"] and "vllm-per-expert-interleaved" in na[0].note
     assert [lane.name for lane in lanes] == ["format:shared_outer"]
+    lanes, na = mm.plan(_ctx("tiny-gpt-oss", "experts", tmp_path / "h", "hf"), ["format"])
+    assert na == [] and [lane.name for lane in lanes] == ["format:per_expert", "format:shared_outer"]
     with pytest.raises(ValueError, match="unknown relation"):
         mm.plan(_ctx("tiny-qwen3-moe", "attention", tmp_path / "x"), ["nope"])
 

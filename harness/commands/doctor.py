@@ -270,8 +270,11 @@ def _peft_refused(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
 def _wrapped_without_weights(random_init: bool) -> Detector:
     """PEFT wraps every module its target names match; one with no tensors in the file keeps PEFT's init: B = 0 by
     default, random A and B with init_lora_weights=false. Per-expert adapters hit this: their gate/up/down_proj
-    names also match shared experts."""
+    names also match shared experts, but the hf engine hands PEFT their PEFT 3D conversion, whose target_modules name
+    only modules with tensors: a per-expert file is not checked (its raw-PEFT finding says to convert it)."""
     def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+        if f.info.layout == "per_expert":
+            return None
         missing = sorted(m for m in f.peft_modules if m not in f.key_modules)
         if not missing or (f.config.get("init_lora_weights", True) is False) != random_init:
             return None
