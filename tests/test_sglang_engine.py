@@ -1,4 +1,4 @@
-"""engines/sglang.py without SGLang (it cannot run on these machines): launch settings, request building, response
+"""engines/sglang/ without SGLang (it cannot run on these machines): launch settings, request building, response
 parsing, the HTTP client end to end, and the failure paths (no SGLang, a server that dies) with their messages.
 
 ``StandIn`` below is a stand-in for an SGLang server, for the HTTP-client test only: it answers /health and
