@@ -180,6 +180,9 @@ class HFEngine:
         experts re-run on the same inputs with the adapter off ("_base"). The reference engine: no ``inputs``."""
         if inputs is not None:
             raise ValueError("the hf engine is the reference: it captures its own activations only (inputs=None)")
+        if adapter is not None and not isinstance(adapter, str):
+            raise ValueError("the hf engine captures one adapter (or None) for the whole batch; capture each adapter "
+                             "separately")
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
         check_request(prompts, adapter, self.config.adapters, self.config.model)

@@ -94,3 +94,15 @@ def test_cli_bisect_reports_and_exit_code(capsys):
     assert "layer 0 expert_lora of experts" in out and "noise" in out
     assert main(["bisect", "tiny-gpt-oss", "--fault", "no_such_fault"]) == 2  # bad input: exit 2, no traceback
     assert "invalid choice: 'no_such_fault'" in capsys.readouterr().err
+
+
+def test_hf_capture_refuses_an_adapter_per_prompt():
+    """HF, the reference, captures one adapter for the whole batch (bisect captures it once per adapter): a list
+    of per-prompt choices is one clear error, not a TypeError deep in its adapter context."""
+    from lpdiff.engines import EngineConfig, open_engine
+    from lpdiff.harness.spec.resolve import resolve
+
+    r = resolve("tiny-qwen3-moe", adapters=("experts",))
+    with open_engine("hf", EngineConfig(model=r.spec, adapters=r.adapters)) as eng:
+        with pytest.raises(ValueError, match="one adapter .* for the whole batch"):
+            eng.capture_layers([[1, 2, 3], [4, 5, 6]], ["experts", None])
