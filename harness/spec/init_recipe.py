@@ -93,6 +93,13 @@ def _blocks(rows: torch.Tensor):
         yield rows[i:i + step]
 
 
+def _representable(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in ``dtype`` through bf16: every weight the recipe writes is bf16-representable, so the fp32 reference and
+    the bf16 checkpoint the engines load hold the same numbers, also where transformers keeps a module in fp32
+    (Nemotron-H's router under transformers 5.24 differed by 9e-4 otherwise)."""
+    return x.to(torch.bfloat16).to(dtype)
+
+
 @torch.no_grad()
 def _project_off(p: torch.Tensor, axis: int, U: torch.Tensor) -> None:
     """p <- p without its components along U's rows on the hidden axis (float64, rounded back once)."""
@@ -100,7 +107,7 @@ def _project_off(p: torch.Tensor, axis: int, U: torch.Tensor) -> None:
     v = v.reshape(1, *v.shape) if v.dim() == 1 else v
     for blk in _blocks(v):
         w = blk.double()
-        blk.copy_((w - (w @ U.T) @ U).to(p.dtype))
+        blk.copy_(_representable(w - (w @ U.T) @ U, p.dtype))
 
 
 def _token_sets(V: int, E: int, k: int, n_group: int, topk_group: int, gen, device) -> torch.Tensor:
@@ -220,7 +227,7 @@ def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) 
     def set_embedding(beta: float) -> None:
         for i in range(0, V, max(1, _CHUNK // H)):
             rows = slice(i, i + max(1, _CHUNK // H))
-            emb.data[rows] = (base[rows].double() + beta * (codes[rows].double() @ U)).to(emb.dtype)
+            emb.data[rows] = _representable(base[rows].double() + beta * (codes[rows].double() @ U), emb.dtype)
 
     # probe: the branches' energy in the hidden state at each MoE layer, with a code of 4x the embedding's own part
     beta0 = 2 * sigma * math.sqrt(H / code_sq)
@@ -241,7 +248,7 @@ def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) 
         r = torch.randn(E, H, generator=gen, device=device, dtype=torch.float64)
         r -= (r @ U.T) @ U
         w = alpha * (U[perm] - offset * U[E]) + ctx * r / r.norm(dim=-1, keepdim=True)
-        module.weight.data.copy_(w.to(module.weight.dtype))
+        module.weight.data.copy_(_representable(w, module.weight.dtype))
         bias = ((torch.rand(E, generator=gen, device=device) * 2 - 1) * bias_scale).to(torch.bfloat16)
         for name in ("bias", "e_score_correction_bias"):  # gpt-oss / Nemotron
             if isinstance(getattr(module, name, None), torch.Tensor):
@@ -249,7 +256,7 @@ def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) 
 
     t, entropy = _entropy_scale(model, params.entropy, gen)
     for blk in _blocks(head.data):
-        blk.copy_((blk.double() * t).to(head.dtype))
+        blk.copy_(_representable(blk.double() * t, head.dtype))
 
     # check: the code reaches every router as placed (a residual writer left unprojected shows as leakage)
     check = _Probe(routers, U, codes, ids)
