@@ -331,7 +331,9 @@ def calibrate(models, engine, dtype, options, against, against_dtype, against_op
 @click.option("--csv", "csv_path", default=None, help="append one row per lane to this CSV")
 @click.option("--workdir", default=None, help="where adapters are written (default: a temporary directory)")
 @click.option("--baselines", default=None, help="store for the reference runs (default: $LPDIFF_BASELINES or lpdiff's)")
-def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, workdir, baselines) -> int:
+@click.option("--init-recipe", default=None, help="a config-built model's weights: hf-init-bf16/v1 or peaked/v1 "
+              "(default: $LPDIFF_INIT_RECIPE, else hf-init-bf16/v1)")
+def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, workdir, baselines, init_recipe) -> int:
     """A bf16 engine vs an fp32 reference on a full-width model; thresholds from noise measured in the same run."""
     import tempfile
 
@@ -342,7 +344,8 @@ def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, wor
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            case = chk.build_case(model, layers, Path(workdir or tmp) / model, device=device, log=_log)
+            case = chk.build_case(model, layers, Path(workdir or tmp) / model, device=device, log=_log,
+                                  init_recipe=init_recipe)
             res = chk.run_check(case, engine, tp, reference, k, store=default_store(baselines), dtype=dtype, log=_log)
             click.echo(chk.format_result(res))
             if csv_path:

@@ -55,3 +55,11 @@ def test_cli_layout_choices_are_the_adapter_layouts():
     from lpdiff.harness.spec.adapters import LAYOUTS
 
     assert tuple(cli.LAYOUTS.choices) == LAYOUTS
+
+
+def test_check_refuses_an_unknown_init_recipe_before_building_anything(capsys):
+    from lpdiff.harness.cli import main
+
+    rc = main(["check", "--engine", "hf", "--model", "qwen3-30b-a3b", "--layers", "1", "--device", "cpu",
+               "--init-recipe", "peaked/v0"])
+    assert rc == 2 and "peaked/v1" in capsys.readouterr().err
