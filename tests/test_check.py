@@ -104,12 +104,14 @@ def test_hybrid_case_has_a_lane_per_group_and_sglang_refuses_its_own(model, own,
     cannot serve (HF's GDN projections, a PEFT-shaped mamba in_proj) are left out with doctor's reason, and the
     rest judged. HF bf16 against HF fp32 here: correct lanes PASS, the broken one FAILs."""
     case = check.build_case(model, None, tmp_path / "case", device="cpu", lengths=(64, 33, 50), log=lambda s: None)
-    assert {p.name for p in case.plans.values()} >= {"all", own, "attention", "shared_expert", "experts", "broken"}
+    assert {p.name for p in case.plans.values()} >= {"all", "all_groups", own, "attention", "shared_expert",
+                                                     "experts", "broken"}
+    assert "latent" not in case.plans  # the tiny hybrids have no latent layers
     assert ("experts", arch_layout) in case.files
     lanes = {f"{n}.{lay}": a for (n, lay), a in case.files.items() if lay == arch_layout}
-    assert set(check.refused_lanes(case, "sglang", lanes)) == {f"{own}.{arch_layout}"}
+    assert set(check.refused_lanes(case, "sglang", lanes)) == {f"{own}.{arch_layout}", f"all_groups.{arch_layout}"}
     assert check.refused_lanes(case, "vllm", lanes) == {}
     res = check.run_check(case, "hf", k=2, store=store, dtype="bfloat16", log=lambda s: None)
     assert res.as_expected and not res.refused, check.format_result(res)
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
-    assert not got["broken"] and got[own] and got["shared_expert"], got
+    assert not got["broken"] and got[own] and got["shared_expert"] and got["all_groups"], got

@@ -90,6 +90,7 @@ ADAPTERS = (
 _HYBRID_COMMON = ("attention", "shared_expert", "experts")
 HYBRID_ADAPTERS = {arch: (
     AdapterPlan("all", _HYBRID_COMMON, 16, 1),
+    AdapterPlan("all_groups", (*_HYBRID_COMMON, own), 16, 8),  # every group together, where the engine reads them
     AdapterPlan(own, (own,), 16, 2),
     AdapterPlan("attention", ("attention",), 16, 5),
     AdapterPlan("shared_expert", ("shared_expert",), 16, 6),
