@@ -343,11 +343,10 @@ def _tensors_on(leaf: str, experts: bool | None = None) -> Detector:
     """The adapter has LoRA tensors for modules with this leaf name: per-expert ones (experts.N.leaf) only, all
     others only, or both (None)."""
     pattern = re.compile(rf"(?:base_model\.model\.)?(.+\.{leaf})\.lora_[AB]\.weight")
-    per_expert = re.compile(rf".*\.experts\.\d+\.{leaf}")
 
     def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
         hit = sorted({m.group(1) for k in f.info.keys if (m := pattern.fullmatch(k))
-                      and experts in (None, bool(per_expert.fullmatch(m.group(1))))})
+                      and experts in (None, bool(_PER_EXPERT_KEY.fullmatch(m.group(1))))})
         return {"where": hit[0] + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")} if hit else None
     return detect
 
