@@ -22,7 +22,7 @@ import pytest
 from lpdiff.engines.base import capabilities, layouts_for
 from lpdiff.harness.commands import check
 from lpdiff.harness.pipeline.session import engine_missing
-from lpdiff.harness.spec.catalog import INIT_RECIPE_ENV, PEAKED, get_model, known_models, resolve_init_recipe
+from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve_init_recipe
 
 # depth per model: full width, cut so that every layer kind is present (Qwen3.5: three Gated-DeltaNet layers then
 # full attention; Nemotron-H: mamba, MoE and one attention layer of its pattern), the fp32 reference fits one GPU
@@ -35,7 +35,7 @@ TPS = [1, 2, 4, 8]
 # the full-size models' weights: peaked/v1 (decisive routers, peaked outputs) unless $LPDIFF_INIT_RECIPE says
 # otherwise. With the default random init, near-tied routers flip under bf16 rounding and the broken adapter
 # cleared gpt-oss-20b's threshold by 1.8x; with peaked/v1 by 118x (benchmarks/results/engines_gpu.md)
-RECIPE = resolve_init_recipe() if os.environ.get(INIT_RECIPE_ENV) else PEAKED
+RECIPE = resolve_init_recipe(default=PEAKED)
 # the fp32 reference the engines are judged against: HF+PEFT, or lpdiff's triton runtime (fp32 parity with HF+PEFT
 # to ~1e-5 at these shapes, tests/test_triton_engine_gpu.py); its noise pair is its torch-reference kernels vs Triton
 REFERENCE = os.environ.get("LPDIFF_CHECK_REFERENCE", "hf")

@@ -11,7 +11,7 @@ import torch
 
 from lpdiff.harness.spec import init_recipe as ir
 from lpdiff.harness.spec.catalog import (FULL_CONFIGS, INIT_RECIPE, INIT_RECIPE_ENV, get_model, load_hf_model,
-                                         text_arch)
+                                         resolve_init_recipe, text_arch)
 from lpdiff.harness.spec.checkpoint import write_checkpoint
 from lpdiff.harness.spec.errors import SpecError
 from lpdiff.harness.spec.routing import topk_margin
@@ -77,6 +77,10 @@ def test_recipe_is_selected_and_in_the_key(monkeypatch):
     assert get_model("qwen3-30b-a3b").identity() == peaked.identity()
     assert get_model("qwen3-30b-a3b", init_recipe=INIT_RECIPE).identity() == default.identity()
     assert get_model("tiny-qwen3-moe").init_recipe is None  # checkpoint directories have no recipe
+    monkeypatch.setenv(INIT_RECIPE_ENV, INIT_RECIPE)  # the environment wins over a caller's default (the GPU grid)
+    assert resolve_init_recipe(default=PEAKED) == INIT_RECIPE
+    monkeypatch.delenv(INIT_RECIPE_ENV)
+    assert resolve_init_recipe(default=PEAKED) == PEAKED
     monkeypatch.setenv(INIT_RECIPE_ENV, "peaked/v0")
     with pytest.raises(SpecError, match=f"{INIT_RECIPE_ENV}='peaked/v0'.*hf-init-bf16/v1, peaked/v1"):
         get_model("qwen3-30b-a3b")
