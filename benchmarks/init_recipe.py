@@ -63,22 +63,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-@torch.no_grad()
 def forward_stats(model, ids: torch.Tensor) -> dict:
-    """Next-token entropies and actual-token logprobs (all positions but the last), and per MoE layer the router
-    choice scores (N, E) with their top-k."""
-    from lpdiff.harness.spec.routing import choice_scores
-    from lpdiff.harness.spec.zoo_train import RouterTap
+    """zoo_measure's statistics (next-token entropies, actual-token logprobs, router choice scores per MoE layer) on
+    equal-length prompts, with log V."""
+    from lpdiff.harness.spec.zoo_measure import forward_stats as stats
 
-    tap = RouterTap(model)
-    try:
-        logp = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)
-        routers = [(choice_scores(m, lg), int(m.top_k)) for m, lg in tap.pop()]
-    finally:
-        tap.remove()
-    entropy = -(logp.exp() * logp).sum(-1).flatten()
-    actual = logp.gather(-1, ids[:, 1:, None])[..., 0].flatten()
-    return {"entropy": entropy, "logprobs": actual, "routers": routers, "log_v": math.log(logp.shape[-1])}
+    return {**stats(model, ids.tolist()), "log_v": math.log(model.get_output_embeddings().weight.shape[0])}
 
 
 def _sets(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -21,18 +21,22 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def forward_stats(model, prompts: list[list[int]]) -> dict:
     """One right-padded batch (padding after a causal prompt changes none of its positions): next-token entropies
-    and actual-token logprobs over all real positions, and per MoE layer the router choice scores (N, E), top-k."""
+    and actual-token logprobs over all real positions, and per MoE layer the router choice scores (N, E), top-k.
+    Runs on the model's device."""
     from lpdiff.harness.spec.routing import choice_scores
 
-    lens = torch.tensor([len(p) for p in prompts])
-    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64)
+    device = next(model.parameters()).device
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64, device=device)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)
-    real = torch.arange(ids.shape[1])[None] < lens[:, None]  # (B, T)
+        ids[i, :len(p)] = torch.tensor(p, device=device)
+    real = torch.arange(ids.shape[1], device=device)[None] < lens[:, None]  # (B, T)
     tap = RouterTap(model)
-    logp = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)
-    routers = [(choice_scores(m, lg)[real.flatten()], int(m.top_k)) for m, lg in tap.pop()]
-    tap.remove()
+    try:
+        logp = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)
+        routers = [(choice_scores(m, lg)[real.flatten()], int(m.top_k)) for m, lg in tap.pop()]
+    finally:
+        tap.remove()
     pred = real[:, 1:]  # positions with a real next token
     entropy = -(logp.exp() * logp).sum(-1)
     actual = logp.gather(-1, ids[:, 1:, None])[..., 0]
