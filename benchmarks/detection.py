@@ -42,7 +42,7 @@ def misses(effect_over_threshold: float, threshold_over_noise: float) -> str:
            for name, v in (("effect/threshold", effect_over_threshold), ("threshold/noise", threshold_over_noise))
            if v < TARGET]
     return "; ".join(out)
-P999 = "p99.9 over the clean runtime's reruns x lanes"
+P999 = "p99.9 over (rerun, lane expected to PASS) of the engine vs HF+PEFT fp32"
 
 
 def measure(model: str, dtype: str, reruns: int = 20) -> dict:
@@ -85,7 +85,6 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
 
     from lpdiff.harness.commands import check
     from lpdiff.harness.spec.catalog import get_model
-    from lpdiff.harness.pipeline.metrics import compare
 
     arch = get_model(model).arch
     faults = runtime_faults(arch)
@@ -94,26 +93,18 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
         case = check.build_case(model, layers, tmp, layouts=("peft3d",))
         clean, results = check.fault_sweep(case, faults, dtype, k=reruns, store=store, log=lambda s: None)
         ref = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
-    correct = [v.adapter for v in clean.verdicts if v.expected == "PASS"]
-    base_of = {lane: None if lane == "base" else lane.split(".")[0] for lane in correct}
-    ms = [compare(run[None if lane == "base" else lane], ref[base_of[lane]]) for run in clean.runs for lane in correct]
-    nk2 = float(np.percentile([m.k2 for m in ms], 99.9))
-    nmax = float(np.percentile([m.max_abs for m in ms], 99.9))
+    nk2, nmax, n = check_noise_p999(clean, ref)
     effects = {f: max(v.metrics.k2 for v in r.verdicts if v.expected == "PASS")
                for f, r in results.items() if r is not None}
     thr = clean.threshold
     weakest = min(effects, key=effects.get)
-    print(f"{model} x{layers} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {len(ms)}); threshold k2 "
+    print(f"{model} x{layers} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {n}); threshold k2 "
           f"{thr.k2:.3g} max {thr.max_abs:.3g} ({thr.note}); clean {'as expected' if clean.as_expected else 'NOT'}; "
           f"per fault k2 (caught?): " + "; ".join(
               f"{f} " + ("not reached" if r is None else f"{effects[f]:.3g} {'MISSED' if check.missed(r) else 'caught'}")
               for f, r in results.items()), file=sys.stderr)
-    return dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
-                model=f"{model} x{layers}", engine_pair=thr.engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
-                noise_max=f"{nmax:.3g}", reruns=reruns, init_recipe=case.spec.init_recipe, noise_source=P999,
-                effect_source="weakest runtime bug-zoo fault", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
-                min_zoo_effect_k2=f"{effects[weakest]:.3g}", effect_over_threshold=f"{effects[weakest] / thr.k2:.3g}",
-                threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}")
+    return full_width_row(model, layers, dtype, thr, nk2, nmax, effects[weakest], reruns, case.spec.init_recipe,
+                          "weakest runtime bug-zoo fault")
 
 
 def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns: int = 20,
@@ -124,7 +115,6 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
     import tempfile
 
     from lpdiff.harness.commands import check
-    from lpdiff.harness.pipeline.metrics import compare
 
     store = default_store()
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,25 +124,36 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
         ref = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
     if res.error is not None:
         raise RuntimeError(f"{engine} on {model}: {res.error}")
-    lanes = [v.adapter for v in res.verdicts]
-    correct = [lane for lane in lanes if case.plans.get(lane.split(".")[0]) is None
-               or not case.plans[lane.split(".")[0]].broken_from]
-    base_of = {lane: None if lane == "base" else lane.split(".")[0] for lane in correct}
-    ms = [compare(run[None if lane == "base" else lane], ref[base_of[lane]]) for run in res.runs for lane in correct]
-    nk2 = float(np.percentile([m.k2 for m in ms], 99.9))
-    nmax = float(np.percentile([m.max_abs for m in ms], 99.9))
+    nk2, nmax, n = check_noise_p999(res, ref)
     effect = min(v.metrics.k2 for v in res.verdicts if v.expected == "FAIL")
     thr = res.threshold
-    print(f"{engine} {model} x{layers} {dtype} ({case.spec.init_recipe}): noise k2 {nk2:.3g} (p99.9 of {len(ms)}), "
+    print(f"{engine} {model} x{layers} {dtype} ({case.spec.init_recipe}): noise k2 {nk2:.3g} (p99.9 of {n}), "
           f"threshold {thr.k2:.3g}, broken {effect:.3g}; {'as expected' if res.as_expected else 'NOT as expected'}",
           file=sys.stderr)
+    return full_width_row(model, layers, dtype, thr, nk2, nmax, effect, reruns, case.spec.init_recipe,
+                          "the broken adapter, smallest over layouts")
+
+
+def check_noise_p999(res, ref) -> tuple[float, float, int]:
+    """p99.9 of k2 and max |Δ| over (run, lane expected to PASS) of a check's runs against the fp32 reference
+    runs ``ref`` -> (k2, max, how many)."""
+    from lpdiff.harness.pipeline.metrics import compare
+
+    correct = [v.adapter for v in res.verdicts if v.expected == "PASS"]
+    ms = [compare(run[None if lane == "base" else lane], ref[None if lane == "base" else lane.split(".")[0]])
+          for run in res.runs for lane in correct]
+    return (float(np.percentile([m.k2 for m in ms], 99.9)), float(np.percentile([m.max_abs for m in ms], 99.9)),
+            len(ms))
+
+
+def full_width_row(model: str, layers: int, dtype: str, thr, nk2: float, nmax: float, effect: float, reruns: int,
+                   init_recipe: str, effect_source: str) -> dict:
     return dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
                 model=f"{model} x{layers}", engine_pair=thr.engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
                 noise_max=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
                 min_zoo_effect_k2=f"{effect:.3g}", effect_over_threshold=f"{effect / thr.k2:.3g}",
-                threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}", reruns=reruns,
-                init_recipe=case.spec.init_recipe, noise_source="p99.9 over (run, correct lane) of k2 vs HF+PEFT fp32",
-                effect_source="the broken adapter, smallest over layouts")
+                threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}", reruns=reruns, init_recipe=init_recipe,
+                noise_source=P999, effect_source=effect_source)
 
 
 def main(argv=None) -> int:
