@@ -19,6 +19,7 @@ import datetime
 import os
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def misses(effect_over_threshold: float, threshold_over_noise: float) -> str:
            for name, v in (("effect/threshold", effect_over_threshold), ("threshold/noise", threshold_over_noise))
            if v < TARGET]
     return "; ".join(out)
-P999 = "p99.9 over (rerun, lane expected to PASS) of the engine vs HF+PEFT fp32"
+P999 = "p99.9 over (rerun, lane expected to PASS) of the engine vs the fp32 reference of engine_pair"
 
 
 def measure(model: str, dtype: str, reruns: int = 20) -> dict:
@@ -108,10 +109,14 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
 
 
 def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns: int = 20,
-                   init_recipe: str | None = None, device: str = "cuda", lengths=None) -> dict:
+                   init_recipe: str | None = None, device: str = "cuda", lengths=None,
+                   layouts: Sequence[str] | None = None, reference: str = "hf") -> dict:
     """A serving engine's row (vLLM and SGLang have no fault switches): ``reruns`` runs of lpdiff check's mixed
     batch; noise = p99.9 over (run, correct lane) of k2 against HF+PEFT fp32, effect = the broken adapter's k2
-    (every expert's LoRA-B shifted one expert; the smallest over the layouts served), threshold = the check's."""
+    (every expert's LoRA-B shifted one expert; the smallest over the layouts served), threshold = the check's.
+    ``layouts``: the adapter files served (default: every layout the engine reads); ``reference``: the fp32 engine
+    judged against (triton for hf's own fp32 row, which against itself would be a self-comparison). The verdicts are
+    printed, and appended to $LPDIFF_CHECK_CSV_DIR/engines_gpu.csv when that is set, as the GPU suite does."""
     import tempfile
 
     from lpdiff.harness.commands import check
@@ -120,8 +125,12 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
     with tempfile.TemporaryDirectory() as tmp:
         kw = {"lengths": lengths} if lengths else {}
         case = check.build_case(model, layers, tmp, device=device, init_recipe=init_recipe, log=lambda s: None, **kw)
-        res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, log=lambda s: None)
-        ref = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
+        res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts, reference=reference,
+                              log=lambda s: None)
+        ref = check.reference_runs(case, reference, "float32", None, store, log=lambda s: None)
+    print(check.format_result(res), file=sys.stderr)
+    if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
+        check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "engines_gpu.csv")
     if res.error is not None:
         raise RuntimeError(f"{engine} on {model}: {res.error}")
     nk2, nmax, n = check_noise_p999(res, ref)
@@ -165,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--reruns", type=int, default=20)
     p.add_argument("--engine", default=None, help="with --full-width: judge this engine (vllm, sglang, hf, triton)")
     p.add_argument("--init-recipe", default=None, help="with --engine: the full-size model's init recipe")
+    p.add_argument("--layout", action="append", help="with --engine: serve only this adapter layout (repeatable)")
+    p.add_argument("--reference", default="hf", choices=["hf", "triton"], help="with --engine: the fp32 reference")
     p.add_argument("--commit", help="the commit to record (GPU machines have no git)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "detection.csv"))
     args = p.parse_args(argv)
@@ -172,23 +183,23 @@ def main(argv=None) -> int:
         os.environ["LPDIFF_COMMIT"] = args.commit
     dtypes = args.dtype or ["float32"]
     if args.full_width and args.engine:
-        rows = [measure_engine(m, args.engine, d, args.layers, args.reruns, args.init_recipe)
+        jobs = [lambda m=m, d=d: measure_engine(m, args.engine, d, args.layers, args.reruns, args.init_recipe,
+                                                layouts=args.layout, reference=args.reference)
                 for m in args.full_width for d in dtypes]
-        mode = "a"
     elif args.full_width:
-        rows = [measure_full_width(m, d, args.layers, args.reruns) for m in args.full_width for d in dtypes]
-        mode = "a"
+        jobs = [lambda m=m, d=d: measure_full_width(m, d, args.layers, args.reruns) for m in args.full_width
+                for d in dtypes]
     else:
-        rows = [measure(m, d) for m in (args.model or list(MODELS)) for d in dtypes]
-        mode = "w"
-    rows = [{**r, "misses": misses(float(r["effect_over_threshold"]), float(r["threshold_over_noise"]))}
-            for r in rows]
-    new = mode == "w" or not Path(args.out).exists()
-    with open(args.out, mode, newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+        jobs = [lambda m=m, d=d: measure(m, d) for m in (args.model or list(MODELS)) for d in dtypes]
+    for job in jobs:  # rows are appended as measured: a GPU call cut short keeps the rows it finished
+        r = job()
+        r["misses"] = misses(float(r["effect_over_threshold"]), float(r["threshold_over_noise"]))
+        new = not Path(args.out).exists()
+        with open(args.out, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            if new:
+                w.writeheader()
+            w.writerow(r)
     return 0
 
 

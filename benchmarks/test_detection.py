@@ -14,3 +14,18 @@ def test_engine_row_has_noise_threshold_and_the_broken_adapters_effect(tmp_path,
     noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
     assert 0 < noise <= thr < effect, row  # a correct bf16 engine sits under the threshold, the broken adapter above
     assert row["reruns"] == 2 and row["engine_pair"].startswith("hf:bfloat16")
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_hf_fp32_row_is_judged_against_the_triton_runtime_not_itself(tmp_path, monkeypatch):
+    """HF fp32 against HF fp32 would be a self-comparison with zero noise; its row takes the triton runtime as the
+    fp32 reference, and serves one layout when asked."""
+    monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "store"))
+    monkeypatch.setenv("LPDIFF_CHECK_CSV_DIR", str(tmp_path / "csv"))
+    row = detection.measure_engine("tiny-qwen3-moe", "hf", "float32", layers=2, reruns=2, device="cpu",
+                                   lengths=(48, 33), layouts=("peft3d",), reference="triton")
+    assert row["engine_pair"] == "hf:float32-vs-triton:float32", row
+    noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
+    assert noise > 0 and effect > 1e3 * max(thr, noise), row  # two implementations differ by rounding only
+    lanes = (tmp_path / "csv" / "engines_gpu.csv").read_text()
+    assert ",broken,peft3d," in lanes and "per_expert" not in lanes
