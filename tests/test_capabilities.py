@@ -45,7 +45,8 @@ def test_unknown_engine_names_the_known_ones():
 # what harness/commands/check.py served each engine (ENGINE_LAYOUTS, ARCH_LAYOUTS) before the facts moved here; hf
 # since reads per-expert files on every arch (it converts them to PEFT 3D before PEFT loads them)
 SERVED = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_expert",),
-          ("vllm", "qwen3_5_moe"): ("peft3d", "per_expert"), ("vllm", "nemotron_h"): ("per_expert",),
+          ("vllm", "qwen3_5_moe"): ("peft3d",),  # per-expert names refused at load (vllm-qwen3.5-per-expert)
+          ("vllm", "nemotron_h"): ("per_expert",),
           **{("sglang", a): ("per_expert",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe")},
           ("sglang", "nemotron_h"): ("per_expert_gate",),
           **{("triton", a): ("peft3d", "per_expert") for a in ("qwen3_moe", "gpt_oss")},

@@ -130,6 +130,16 @@ def test_per_expert_gpt_oss_adapter_is_refused_for_vllm(zoo, tmp_path):
     assert "vllm-per-expert-interleaved" not in doctor(zoo["tiny-qwen3-moe"][0], b, engines=["vllm"]).codes()
 
 
+def test_per_expert_qwen35_adapter_is_refused_for_vllm(zoo, tmp_path):
+    # measured on vLLM 0.25.1 (H100, TP 2): per-expert expert names on Qwen3.5 fail its LoRA loader's module check
+    # at the first request and the engine dies; its PEFT 3D files are read natively
+    a = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("attention", "experts"), layout="per_expert")
+    f = check(doctor(zoo["tiny-qwen3.5-moe"][0], a, engines=["vllm"]), "vllm", "error", "vllm-qwen3.5-per-expert")
+    assert "--to peft3d" in f.fix and "lora_model.py:237" in f.message
+    b = gen(zoo, tmp_path / "p", "tiny-qwen3.5-moe", ("attention", "experts"))
+    assert "vllm-qwen3.5-per-expert" not in doctor(zoo["tiny-qwen3.5-moe"][0], b, engines=["vllm"]).codes()
+
+
 @pytest.mark.parametrize("name, peft", [
     ("tiny-qwen3.5-moe", "ignores"),  # PEFT alone silently ignores per-expert adapters here
     ("tiny-nemotron-h", "ignores"),  # and here

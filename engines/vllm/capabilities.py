@@ -50,6 +50,15 @@ CAPABILITIES = Capabilities(
                     "lpdiff's vllm engine refuses it unless forced",
                     "serve the PEFT 3D layout, which vLLM reads natively: {to_peft3d}", _V25,
                     archs=("gpt_oss",), layouts=("per_expert",)),  # _INTERLEAVED_ARCHS, by model_type
+        # H100 x2, TP 2: Qwen3_5MoeForConditionalGeneration sets is_3d_moe_weight, so its LoRA loader expects the
+        # expert LoRA under one `experts` module; per-expert names fail check_unexpected_modules (lora/lora_model.py:
+        # 237, from_local_checkpoint:271) at the first request and the engine core dies (PEFT 3D files served)
+        KnownDefect("vllm-qwen3.5-per-expert", "per-expert adapter on {arch}: vLLM 0.25.1 reads this model's expert "
+                    "LoRA only as one 3D `experts` module and refuses per-expert names at the first request "
+                    "(its expected target modules hold 'experts', not 'experts.0.down_proj'; lora/lora_model.py:237): "
+                    "the engine dies",
+                    "serve the PEFT 3D layout, which vLLM reads natively: {to_peft3d}", _V25,
+                    archs=("qwen3_5_moe",), layouts=("per_expert",)),
         # H200 x4: illegal memory access in _fused_moe_lora_one_shot_kernel on w13 (pinned by
         # CUDA_LAUNCH_BLOCKING=1), expert width 768 / 4 = 192 per rank; TP 1 and TP 2 run and PASS
         KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: illegal memory access in "

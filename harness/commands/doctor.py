@@ -388,6 +388,7 @@ DETECTORS: dict[str, Detector] = {
     "router-target": _router_hits,
     "per-expert-ignored-by-peft": _always, "per-expert-converted-by-peft": _always,
     "per-expert-unknown": _per_expert_unknown, "vllm-per-expert-interleaved": _always,
+    "vllm-qwen3.5-per-expert": _always,
     "peft3d-needs-mixed-format": _always, "vllm-peft3d-mixed-format-faults": _always, "peft3d-kills-sglang": _always,
     "q-without-v": _q_without_v, "kv-without-q": _kv_without_q, "sglang-experts-half-targeted": _experts_half_targeted,
     "sglang-gpt-oss-gate-up-a": _gate_up_a_differ, "sglang-target-modules-string": _target_pattern,
