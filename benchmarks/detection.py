@@ -27,6 +27,7 @@ from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.kernels.faults import runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
+from lpdiff.harness.pipeline.progress import progress_log
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import default_store
 
@@ -124,10 +125,11 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
     store = default_store()
     with tempfile.TemporaryDirectory() as tmp:
         kw = {"lengths": lengths} if lengths else {}
-        case = check.build_case(model, layers, tmp, device=device, init_recipe=init_recipe, log=lambda s: None, **kw)
+        log = progress_log(f"[{model}-{engine}-{dtype}] ")
+        case = check.build_case(model, layers, tmp, device=device, init_recipe=init_recipe, log=log, **kw)
         res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts, reference=reference,
-                              log=lambda s: None)
-        ref = check.reference_runs(case, reference, "float32", None, store, log=lambda s: None)
+                              log=log)
+        ref = check.reference_runs(case, reference, "float32", None, store, log=log)
     print(check.format_result(res), file=sys.stderr)
     if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
         check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "engines_gpu.csv")

@@ -21,6 +21,7 @@ import pytest
 
 from lpdiff.engines.base import capabilities, layouts_for
 from lpdiff.harness.commands import check
+from lpdiff.harness.pipeline.progress import progress_log
 from lpdiff.harness.pipeline.session import engine_missing
 from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve_init_recipe
 
@@ -73,7 +74,8 @@ def case_for(model: str, tmp_path_factory) -> check.Case:
         pytest.skip("needs a GPU")
     if model not in _CASES:
         _CASES.clear()  # one model's files at a time
-        _CASES[model] = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(model), init_recipe=RECIPE)
+        _CASES[model] = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(model), init_recipe=RECIPE,
+                                         log=progress_log(f"[{model}] "))
     return _CASES[model]
 
 
@@ -107,7 +109,8 @@ def _judge(engine: str, case, tp: int, record_verdict) -> None:
     # test_hf_per_expert.py): on the GPU those lanes would double HF's time and show nothing new
     layouts = ("peft3d",) if engine == "hf" else layouts_for(engine, case.spec.arch)
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
-    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays) for lays in sessions]
+    log = progress_log(f"[{case.spec.name}-{engine}-tp{tp}] ")
+    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, log=log) for lays in sessions]
     # engine defects lpdiff reproduces on purpose (declared in the engine's capabilities for this TP size): the run
     # must come out NOT as expected; the day it comes out as expected the test fails, so the fix gets recorded
     defects = [d for d in capabilities(engine).defects(case.spec.arch, tp=tp) if d.tp and d.severity == "error"]

@@ -140,6 +140,7 @@ def build_case(model: str, layers: int, root: str | Path, plans: Sequence[Adapte
     root = Path(root)
     t0 = time.perf_counter()
     hf = load_hf_model(spec, torch.bfloat16, device)  # only its weights' RMS sizes the adapters
+    log(f"[check] {model} x{layers} layers ({spec.init_recipe}): model built in {time.perf_counter() - t0:.1f}s")
     if plans is None:  # the model's plans whose groups it has (a latent lane only where there are latent layers)
         lay = ModelLayout.of(hf)
         present = {module_group(n) for n in [*lay.linears, *lay.experts]}
@@ -229,6 +230,8 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
              if layout in layouts}
     refused = {} if serve_refused else refused_lanes(case, engine, lanes)
     lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
+    log(f"[check] {engine} tp={tp}: starting, {len(lanes)} lanes ({len(refused)} refused)")
+    t_start = time.perf_counter()
     try:
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp,
                            options={**engine_options(engine), **(options or {})}, reruns=k)
@@ -238,7 +241,7 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
                            Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused,
                            init_recipe=case.spec.init_recipe or "")
     log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
-        f"{sess.wall_s:.1f}s ({sess.version})")
+        f"{sess.wall_s:.1f}s, {time.perf_counter() - t_start:.1f}s with start and close ({sess.version})")
     reruns = rerun_noise(sess.runs)
     noise = Noise().merge(ref_noise, reruns)
     t = threshold_from(noise, FACTOR[dtype], note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} "
