@@ -7,6 +7,8 @@ variable once, when CUDA initialises). k is the largest GPU count of the markers
 on 8 GPUs runs eight workers on eight GPUs and ``pytest -n 2 -m gpu4`` two sets of four. A worker left without a
 full set skips its GPU tests, saying so. The machine's GPUs come from an inherited ``CUDA_VISIBLE_DEVICES`` or from
 ``nvidia-smi -L`` (never from torch: counting through CUDA in the controller or a worker would fix its devices).
+Each worker also gets its share of the CPU cores (``OMP_NUM_THREADS``, unless set): N torch processes that each
+start one thread per core oversubscribe the host N times over, for themselves and the engine subprocesses they start.
 
 Everything but :func:`configure` is a pure function of its arguments (tested on CPU with fake GPU lists).
 """
@@ -22,6 +24,7 @@ import pytest
 
 GPU_MARKS = {"gpu1": 1, "gpu2": 2, "gpu4": 4, "gpu8": 8}
 ENV = "CUDA_VISIBLE_DEVICES"
+THREADS_ENV = "OMP_NUM_THREADS"
 HELD_KEY = pytest.StashKey["Assignment | None"]()
 
 
@@ -127,17 +130,25 @@ def skip_reason(need: int, have: int, held: Assignment | None) -> str | None:
     return f"{reason}; xdist worker {held.worker} holds {len(held.held)} but torch sees {have}"
 
 
-def configure(env: MutableMapping[str, str], markexpr: str, smi=None) -> Assignment | None:
+def cpu_share(workers: int, cores: int | None = None) -> int:
+    """The CPU threads one of ``workers`` processes gets on a host of ``cores`` (default: this one's)."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, workers))
+
+
+def configure(env: MutableMapping[str, str], markexpr: str, smi=None, cores: int | None = None) -> Assignment | None:
     """In an xdist worker on a machine with GPUs: pick this worker's GPUs and set ``CUDA_VISIBLE_DEVICES`` in
-    ``env``. None outside xdist or without GPUs (the environment is left alone)."""
+    ``env``, and ``OMP_NUM_THREADS`` to its share of the cores unless the user set it. None outside xdist or without
+    GPUs (the environment is left alone)."""
     worker = env.get("PYTEST_XDIST_WORKER")
     if not worker:
         return None
     machine = machine_gpus(env, smi)
     if not machine:
         return None
-    held = assign(machine, worker, int(env.get("PYTEST_XDIST_WORKER_COUNT", "1")), gpus_per_case(markexpr))
+    workers = int(env.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    held = assign(machine, worker, workers, gpus_per_case(markexpr))
     env[ENV] = ",".join(held.held)
+    env.setdefault(THREADS_ENV, str(cpu_share(workers, cores)))
     return held
 
 
@@ -153,7 +164,7 @@ def on_configure(config) -> None:
     held = configure(os.environ, config.option.markexpr or "")
     config.stash[HELD_KEY] = held
     if held is not None:
-        config.workeroutput["lpdiff_gpus"] = held.line()
+        config.workeroutput["lpdiff_gpus"] = f"{held.line()}, {THREADS_ENV}={os.environ.get(THREADS_ENV)}"
 
 
 def report_header(config) -> list[str]:

@@ -72,12 +72,17 @@ def test_skip_reason_outside_xdist_and_a_bad_worker_id():
 
 def test_configure_sets_the_worker_env_and_leaves_others_alone():
     env = {"PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "2"}
-    held = gpus.configure(env, "gpu2", smi=lambda: SMI_4)
+    held = gpus.configure(env, "gpu2", smi=lambda: SMI_4, cores=64)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and held.held == ("2", "3")
-    env = {"PYTEST_XDIST_WORKER": "gw3", "PYTEST_XDIST_WORKER_COUNT": "4", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
-    assert gpus.configure(env, "gpu1").held == ("7",) and env["CUDA_VISIBLE_DEVICES"] == "7"
+    assert env["OMP_NUM_THREADS"] == "32"  # half the cores each, not 64 threads in each of two processes
+    env = {"PYTEST_XDIST_WORKER": "gw3", "PYTEST_XDIST_WORKER_COUNT": "4", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+           "OMP_NUM_THREADS": "3"}
+    assert gpus.configure(env, "gpu1", cores=64).held == ("7",) and env["CUDA_VISIBLE_DEVICES"] == "7"
+    assert env["OMP_NUM_THREADS"] == "3"  # the user's setting stands
     for env in ({}, {"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_WORKER_COUNT": "2"}):  # not xdist / no GPUs
-        assert gpus.configure(env, "gpu1", smi=lambda: "") is None and "CUDA_VISIBLE_DEVICES" not in env
+        assert gpus.configure(env, "gpu1", smi=lambda: "") is None and env.keys() <= {"PYTEST_XDIST_WORKER",
+                                                                                      "PYTEST_XDIST_WORKER_COUNT"}
+    assert gpus.cpu_share(3, cores=2) == 1 and gpus.cpu_share(8, cores=128) == 16
 
 
 def test_pytest_n2_gives_each_worker_its_own_gpus(pytester, monkeypatch, tmp_path):
