@@ -1,7 +1,7 @@
 """GPU suite: real serving engines judged on full-width models (harness/check.py, ``lpdiff check``).
 
-Every catalog model at full width, cut to ``LAYERS`` layers (fits one GPU next to the fp32 reference and keeps an
-engine start near a minute), weights from the catalog's seeded init recipe ``RECIPE``. vLLM, SGLang and the
+Every catalog model at full width, cut to ``LAYERS`` layers (fits one GPU next to the fp32 reference and keeps
+engine starts at 1-3 min), weights from the catalog's seeded init recipe ``RECIPE``. vLLM, SGLang and the
 triton runtime serve, in bf16, one batch holding base rows and every adapter of harness.check.ADAPTERS in every
 layout the engine reads; each lane is judged against HF+PEFT in fp32 with FACTOR x the noise measured in the same
 run (HF bf16 vs fp32, and the engine's own reruns). Correct adapters must PASS, the deliberately broken one (every
@@ -27,7 +27,8 @@ from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve
 
 # depth per model: full width, cut so that every layer kind is present (Qwen3.5: three Gated-DeltaNet layers then
 # full attention; Nemotron-H: mamba, MoE and one attention layer of its pattern), the fp32 reference fits one GPU
-# beside the engine, and an engine start stays under a minute
+# beside the engine, and engine starts stay at 1-3 min (H100: SGLang under 1 min, then 1-2 min of kernel compiles in
+# its first batches; vLLM 1.2 min on Qwen3-MoE, 3 min on Qwen3.5, whose Triton GDN kernels compile in its profile run)
 LAYERS = {"qwen3-30b-a3b": 4, "gpt-oss-20b": 4, "qwen3.5-35b-a3b": 4, "nemotron-3-nano-30b-a3b": 8,
           "nemotron-3-super-120b-a12b": 8}
 MODELS = [m for m in LAYERS if m in known_models()]
