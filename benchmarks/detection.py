@@ -14,9 +14,11 @@ min_zoo_effect_k2 = the smallest such effect over the faults; noise_* = 99.9th p
 from __future__ import annotations
 
 import argparse
+import atexit
 import csv
 import datetime
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -118,18 +120,14 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
     ``layouts``: the adapter files served (default: every layout the engine reads); ``reference``: the fp32 engine
     judged against (triton for hf's own fp32 row, which against itself would be a self-comparison). The verdicts are
     printed, and appended to $LPDIFF_CHECK_CSV_DIR/engines_gpu.csv when that is set, as the GPU suite does."""
-    import tempfile
-
     from lpdiff.harness.commands import check
 
     store = default_store()
-    with tempfile.TemporaryDirectory() as tmp:
-        kw = {"lengths": lengths} if lengths else {}
-        log = progress_log(f"[{model}-{engine}-{dtype}] ")
-        case = check.build_case(model, layers, tmp, device=device, init_recipe=init_recipe, log=log, **kw)
-        res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts, reference=reference,
-                              log=log)
-        ref = check.reference_runs(case, reference, "float32", None, store, log=log)
+    log = progress_log(f"[{model}-{engine}-{dtype}] ")
+    case = _case(model, layers, init_recipe, device, tuple(lengths or ()), log)
+    res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts, reference=reference,
+                          log=log)
+    ref = check.reference_runs(case, reference, "float32", None, store, log=log)
     print(check.format_result(res), file=sys.stderr)
     if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
         check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "engines_gpu.csv")
@@ -143,6 +141,25 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
           file=sys.stderr)
     return full_width_row(model, layers, dtype, thr, nk2, nmax, effect, reruns, case.spec.init_recipe,
                           "the broken adapter, smallest over layouts")
+
+
+_CASES: dict[tuple, object] = {}
+
+
+def _case(model: str, layers: int, init_recipe: str | None, device: str, lengths: tuple, log):
+    """One check case per (model, depth, recipe) in this process, its files in a temp dir kept until exit: the rows
+    of one model (each dtype, each engine) share its adapters instead of building them again."""
+    import tempfile
+
+    from lpdiff.harness.commands import check
+
+    key = (model, layers, init_recipe, device, lengths)
+    if key not in _CASES:
+        tmp = tempfile.mkdtemp(prefix="lpdiff-detection-")
+        atexit.register(shutil.rmtree, tmp, True)
+        kw = {"lengths": lengths} if lengths else {}
+        _CASES[key] = check.build_case(model, layers, tmp, device=device, init_recipe=init_recipe, log=log, **kw)
+    return _CASES[key]
 
 
 def check_noise_p999(res, ref) -> tuple[float, float, int]:

@@ -29,3 +29,17 @@ def test_hf_fp32_row_is_judged_against_the_triton_runtime_not_itself(tmp_path, m
     assert noise > 0 and effect > 1e3 * max(thr, noise), row  # two implementations differ by rounding only
     lanes = (tmp_path / "csv" / "engines_gpu.csv").read_text()
     assert ",broken,peft3d," in lanes and "per_expert" not in lanes
+
+
+def test_rows_of_one_model_share_one_case(monkeypatch):
+    """--dtype float32 --dtype bfloat16 (or several engines in one process) build the model's adapters once."""
+    from lpdiff.harness.commands import check
+
+    built = []
+    monkeypatch.setattr(check, "build_case", lambda model, layers, root, **kw: built.append((model, layers)) or
+                        object())
+    monkeypatch.setattr(detection, "_CASES", {})
+    a = detection._case("m", 4, "peaked/v1", "cuda", (), print)
+    assert detection._case("m", 4, "peaked/v1", "cuda", (), print) is a and built == [("m", 4)]
+    detection._case("m", 8, "peaked/v1", "cuda", (), print)
+    assert built == [("m", 4), ("m", 8)]
