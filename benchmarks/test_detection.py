@@ -29,6 +29,8 @@ def test_hf_fp32_row_is_judged_against_the_triton_runtime_not_itself(tmp_path, m
     assert noise > 0 and effect > 1e3 * max(thr, noise), row  # two implementations differ by rounding only
     lanes = (tmp_path / "csv" / "engines_gpu.csv").read_text()
     assert ",broken,peft3d," in lanes and "per_expert" not in lanes
+    progress = (tmp_path / "csv" / "progress.log").read_text()  # each stage's line, timed, where the job collects files
+    assert "[tiny-qwen3-moe-hf-float32] [check] hf tp=1: starting" in progress and "with start and close" in progress
 
 
 def test_rows_of_one_model_share_one_case(monkeypatch):

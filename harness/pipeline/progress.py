@@ -17,12 +17,13 @@ def progress_log(tag: str = "", path: str | Path | None = None) -> Callable[[str
     t0 = time.monotonic()
     if path is None and os.environ.get("LPDIFF_CHECK_CSV_DIR"):
         path = Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "progress.log"
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
 
     def log(msg: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} +{time.monotonic() - t0:6.1f}s {tag}{msg}"
         print(line, file=sys.stderr, flush=True)
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a") as f:
                 f.write(line + "\n")
 
