@@ -27,8 +27,14 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
     out = root / canonical_hash(ident)[:16]
     if (out / "config.json").is_file():
         return str(out)
+    import time
+
+    from lpdiff.harness.pipeline.progress import progress_log
+
+    log, t0 = progress_log(f"[checkpoint {spec.name}] "), time.perf_counter()
     dtype = torch.bfloat16 if spec.path is None else torch.float32  # config-built weights are bf16 by recipe
     model = load_hf_model(spec, dtype, device)
+    log(f"built on {device} in {time.perf_counter() - t0:.1f}s")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     from lpdiff.harness.spec.checkpoint import write_checkpoint
 
@@ -37,6 +43,7 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
         for f in Path(spec.path).iterdir():
             if f.is_file() and "token" in f.name:
                 (tmp / f.name).write_bytes(f.read_bytes())
+    log(f"written to {out} in {time.perf_counter() - t0:.1f}s")
     del model
     if not on_cpu:  # vLLM starts only if its share of the whole GPU is free: give back the build's cached blocks
         gc.collect()
