@@ -29,7 +29,7 @@ from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.kernels.faults import runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
-from lpdiff.harness.pipeline.progress import progress_log
+from lpdiff.engines.progress import progress_log
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import default_store
 

@@ -29,7 +29,7 @@ def checkpoint_dir(spec, root: str | Path | None = None, on_cpu: bool = True) ->
         return str(out)
     import time
 
-    from lpdiff.harness.pipeline.progress import progress_log
+    from lpdiff.engines.progress import progress_log
 
     log, t0 = progress_log(f"[checkpoint {spec.name}] "), time.perf_counter()
     dtype = torch.bfloat16 if spec.path is None else torch.float32  # config-built weights are bf16 by recipe

@@ -21,7 +21,7 @@ import pytest
 
 from lpdiff.engines.base import capabilities, layouts_for
 from lpdiff.harness.commands import check
-from lpdiff.harness.pipeline.progress import progress_log
+from lpdiff.engines.progress import progress_log
 from lpdiff.harness.pipeline.session import engine_missing
 from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve_init_recipe
 
