@@ -95,6 +95,9 @@ class Capabilities:
     ignored_features: tuple[str, ...] = ()  # features it reads past (rank_pattern, use_rslora, ...)
     moe_lora_cpu: bool = True  # MoE models with LoRA run without a GPU
     per_layer_capture: bool = False  # offers capture_layers (lpdiff bisect)
+    # (model_type, root) where the engine maps adapter names from the checkpoint's decoder root rather than the text
+    # model's ``model.`` (a multimodal wrapper's ``model.language_model``): adapters must name modules under it
+    adapter_roots: tuple[tuple[str, str], ...] = ()
     known_defects: tuple[KnownDefect, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -110,6 +113,11 @@ class Capabilities:
     def lora_targets_for(self, arch: str) -> frozenset[str] | None:
         """The module leaf names it has LoRA for on this arch (None = any)."""
         return dict(self.arch_lora_targets).get(model_type(arch), self.lora_targets)
+
+    def adapter_root(self, arch: str) -> str | None:
+        """The decoder root (no trailing dot) the engine reads adapter names under on this arch; None: ``model``,
+        the text model's own names."""
+        return dict(self.adapter_roots).get(model_type(arch))
 
     def serves(self, arch: str) -> bool:
         return self.archs is None or model_type(arch) in self.archs

@@ -274,13 +274,17 @@ def adapters_gen(model, out, groups, rank, alpha, seed, layout) -> int:
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", type=LAYOUTS, required=True)
-def adapters_convert(model, src, dst, to) -> int:
+@click.option("--disk-root", default=None, metavar="ROOT",
+              help="write the decoder's modules under ROOT instead of 'model' (e.g. model.language_model: the "
+                   "names vLLM reads on a Qwen3.5 checkpoint; backbone: Nemotron-H's on-disk name)")
+def adapters_convert(model, src, dst, to, disk_root) -> int:
     """Rewrite an adapter in another expert layout (checked against PEFT's merge in the tests)."""
     from lpdiff.harness.spec import adapters as ad
     from lpdiff.harness.spec.catalog import hf_config
     from lpdiff.harness.spec.resolve import resolve
 
-    ad.convert_adapter(src, dst, to=to, model_config=hf_config(resolve(model, adapters=(), weights=False).spec))
+    ad.convert_adapter(src, dst, to=to, model_config=hf_config(resolve(model, adapters=(), weights=False).spec),
+                       disk_root=disk_root)
     click.echo(f"wrote {dst}")
     return EXIT_OK
 

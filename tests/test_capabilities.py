@@ -130,7 +130,7 @@ def test_every_detectable_defect_has_a_doctor_detector():
     for d in declared.values():
         what, fix = d.message(arch="A", where="W", to_peft3d="C", to_per_expert="C", to_per_expert_gate="C",
                               router_fix="F", error="E", router="", rank=1, limit=1, features="F", qkv="k_proj",
-                              parts="P", missing="M",
+                              parts="P", missing="M", to_root="C",
                               differ=1, pattern="'x'", bad="B", supported="S")
         assert what and fix and "{" not in what + fix, d.id  # every field a message names is one doctor fills
 
@@ -158,3 +158,16 @@ def test_hf_capture_layers_points():
     assert not torch.equal(cap[i, "experts"], cap[i, "experts_base"])  # the expert adapter moves the experts
     torch.testing.assert_close(cap[i, "experts_base"], base[i, "experts"], rtol=0, atol=0)
     torch.testing.assert_close(cap[i, "attention_base"], base[i, "attention"], rtol=0, atol=0)
+
+
+def test_adapter_roots():
+    """vLLM maps Qwen3.5's adapter names through its multimodal class's checkpoint mapper: they must sit under
+    ``model.language_model`` (the in-memory text arch reads the checkpoint's entry); SGLang reads the text model's
+    names (its GPU check passes text-named files), and no other engine or arch has a root."""
+    vllm = capabilities("vllm")
+    assert vllm.adapter_root("qwen3_5_moe") == vllm.adapter_root("qwen3_5_moe_text") == "model.language_model"
+    assert [vllm.adapter_root(a) for a in ("qwen3_moe", "gpt_oss", "nemotron_h", "qwen3")] == [None] * 4
+    assert all(capabilities(e).adapter_root("qwen3_5_moe_text") is None for e in ENGINES if e != "vllm")
+    d = vllm.defect("vllm-qwen3.5-text-names", "qwen3_5_moe_text")
+    assert d.severity == "error" and d.when and "{to_root}" in d.fix and "qwen3_vl.py:1676" in d.what
+    assert "peft3d" in layouts_for("vllm", "qwen3_5_moe_text")  # a condition on the names, not on the layout

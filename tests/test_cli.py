@@ -63,3 +63,22 @@ def test_check_refuses_an_unknown_init_recipe_before_building_anything(capsys):
     rc = main(["check", "--engine", "hf", "--model", "qwen3-30b-a3b", "--layers", "1", "--device", "cpu",
                "--init-recipe", "peaked/v0"])
     assert rc == 2 and "peaked/v1" in capsys.readouterr().err
+
+
+def test_adapters_convert_writes_under_the_disk_root(tmp_path, capsys):
+    """--disk-root writes the decoder's modules under the checkpoint's root (vLLM reads Qwen3.5's adapter names
+    there); a root the model's readers do not know is refused with the ones they do, exit 2."""
+    from safetensors import safe_open
+
+    src = str(zoo_adapters("tiny-qwen3.5-moe")["all"].path)
+    conv = ["adapters", "convert", "--model", "tiny-qwen3.5-moe", src]
+    assert main([*conv, str(tmp_path / "r"), "--to", "peft3d", "--disk-root", "model.language_model"]) == 0
+    with safe_open(str(tmp_path / "r" / "adapter_model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    with safe_open(f"{src}/adapter_model.safetensors", framework="pt") as f:
+        want = sorted(k.replace("base_model.model.model.", "base_model.model.model.language_model.")
+                      for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
+    assert sorted(keys) == want
+    assert main([*conv, str(tmp_path / "b"), "--to", "peft3d", "--disk-root", "backbone"]) == 2
+    err = capsys.readouterr().err
+    assert "'backbone'" in err and "model or model.language_model" in err and not (tmp_path / "b").exists()

@@ -140,6 +140,36 @@ def test_per_expert_qwen35_adapter_is_refused_for_vllm(zoo, tmp_path):
     assert "vllm-qwen3.5-per-expert" not in doctor(zoo["tiny-qwen3.5-moe"][0], b, engines=["vllm"]).codes()
 
 
+def test_text_named_qwen35_adapter_is_refused_for_vllm_and_its_fix_runs(zoo, tmp_path, capsys):
+    # measured on vLLM 0.25.1 (H200, TP 1 and 2): adapters named for the text model (model.layers.*) on Qwen3.5's
+    # multimodal checkpoint are dropped without a warning, every lane equals the base model; SGLang reads them
+    import shlex
+
+    from safetensors import safe_open
+
+    model = zoo["tiny-qwen3.5-moe"][0].path  # a directory: the fix's --model resolves it as printed
+    a = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("attention", "linear_attention", "experts"))
+    r = doctor(model, a, engines=["vllm", "sglang", "hf"])
+    f = check(r, "vllm", "error", "vllm-qwen3.5-text-names")
+    assert "model.layers." in f.message and "qwen3_vl.py:1676" in f.message
+    assert f.fix.endswith(f"{a} OUT --to peft3d --disk-root model.language_model"), f.fix
+    assert "vllm-qwen3.5-text-names" not in r.codes("sglang") | r.codes("hf")
+    out = tmp_path / "rooted"
+    argv = shlex.split(f.fix[f.fix.index("lpdiff adapters convert"):].replace(" OUT ", f" {out} "))[1:]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as fh:
+        keys = list(fh.keys())
+    assert keys and all(k.startswith("base_model.model.model.language_model.layers.") for k in keys)
+    fixed = doctor(model, out, engines=["vllm"])
+    assert "vllm-qwen3.5-text-names" not in fixed.codes() and fixed.codes("vllm", "error") == set()
+    # a per-expert file gets the layout vLLM reads on this model in the same command
+    pe = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("experts",), layout="per_expert")
+    assert check(doctor(model, pe, engines=["vllm"]), "vllm", "error", "vllm-qwen3.5-text-names").fix.endswith(
+        "--to peft3d --disk-root model.language_model")
+    other = gen(zoo, tmp_path, "tiny-qwen3-moe", ("attention", "experts"), layout="per_expert")
+    assert "vllm-qwen3.5-text-names" not in doctor(zoo["tiny-qwen3-moe"][0], other, engines=["vllm"]).codes()
+
+
 @pytest.mark.parametrize("name, peft", [
     ("tiny-qwen3.5-moe", "ignores"),  # PEFT alone silently ignores per-expert adapters here
     ("tiny-nemotron-h", "ignores"),  # and here
@@ -483,4 +513,6 @@ def test_vllm_nemotron_peft3d_experts(zoo, tmp_path):
     per_expert = gen(zoo, tmp_path, "tiny-nemotron-h", ("experts",), layout="per_expert")
     assert "vllm-nemotron-peft3d" not in doctor(zoo["tiny-nemotron-h"][0], per_expert, engines=["vllm"]).codes()
     q = doctor(get_model("tiny-qwen3.5-moe"), _zoo_adapter("tiny-qwen3.5-moe", "experts"), engines=["vllm"])
-    assert q.codes("vllm", "error") == set()  # Qwen3.5's class reads PEFT 3D files natively (is_3d_moe_weight)
+    # Qwen3.5's class reads PEFT 3D files natively (is_3d_moe_weight); the zoo's text-named file is refused for its
+    # names alone (test_text_named_qwen35_adapter_is_refused_for_vllm_and_its_fix_runs)
+    assert q.codes("vllm", "error") == {"vllm-qwen3.5-text-names"}

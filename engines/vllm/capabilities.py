@@ -16,6 +16,9 @@ CAPABILITIES = Capabilities(
     max_rank=max(FALLBACK_RANKS), max_moe_rank=128, tp=(1, 2, 4, 8), moe_lora_cpu=False,
     lora_targets=None, router_lora="applied",
     refused_features=("use_dora", "lora_bias", "bias", "modules_to_save", "init_lora_weights"),
+    # 0.25.1 registers Qwen3.5-MoE only as Qwen3_5MoeForConditionalGeneration (registry.py:561), whose LoRA names go
+    # through its checkpoint mapper: every Qwen3.5-MoE checkpoint vLLM serves reads adapters under this root
+    adapter_roots=(("qwen3_5_moe", "model.language_model"),),
     modes=(
         # the 2D MoE-LoRA wrapper for every adapter instead of the model's native path: the same math where it is
         # right (Qwen3-MoE reads per-expert natively), vLLM 0.25.1's gate/up defect on gpt-oss (plan_moe_lora)
@@ -59,6 +62,20 @@ CAPABILITIES = Capabilities(
                     "the engine dies",
                     "serve the PEFT 3D layout, which vLLM reads natively: {to_peft3d}", _V25,
                     archs=("qwen3_5_moe",), layouts=("per_expert",)),
+        # H200, TP 1 and TP 2, Qwen3.5-35B-A3B x4 layers: every lane (all, all_groups, linear_attention, attention,
+        # shared_expert, experts, all_r8, broken) of text-named PEFT 3D files gave delta fidelity 1.000 (k2 0.36-4.6
+        # against threshold 0.014) with no warning, while SGLang 0.5.15 passed the same files: vLLM maps LoRA names
+        # with Qwen3VLForConditionalGeneration's hf_to_vllm_mapper (qwen3_vl.py:1676, inherited by
+        # Qwen3_5MoeForConditionalGeneration, qwen3_5.py:604; lora/utils.py:156, lora/lora_model.py:225), which
+        # leaves model.layers.* alone, so those names match none of its language_model.model.layers.* modules
+        KnownDefect("vllm-qwen3.5-text-names", "adapter named for the text model ({where}) on {arch}: vLLM 0.25.1 "
+                    "maps LoRA names through the multimodal class's checkpoint mapper (model.language_model. -> "
+                    "language_model.model.; model_executor/models/qwen3_vl.py:1676, lora/utils.py:156) and silently "
+                    "drops modules named model.layers.*: every lane equals the base model (measured: delta fidelity "
+                    "1.00 on every lane at TP 1 and 2, H200)",
+                    "write the adapter under the checkpoint's root: {to_root}", _V25, archs=("qwen3_5_moe",),
+                    when="adapter names of the text model (model.layers.*) instead of the checkpoint's "
+                         "model.language_model.layers.*"),
         # H200 x4: illegal memory access in _fused_moe_lora_one_shot_kernel on w13 (pinned by
         # CUDA_LAUNCH_BLOCKING=1), expert width 768 / 4 = 192 per rank; TP 1 and TP 2 run and PASS
         KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: illegal memory access in "

@@ -183,7 +183,9 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
 # (lpdiff.engines.capabilities), each tested by the detector of its id below.
 
 def _convert_cmd(facts: Facts, to: str) -> str:
-    return f"lpdiff adapters convert --model {facts.model_ref} {facts.info.path} OUT --to {to}"
+    from lpdiff.harness.spec.adapters import convert_command
+
+    return convert_command(facts.model_ref, facts.info.path, to)
 
 
 def _matches(target: str, names) -> list[str]:
@@ -378,6 +380,15 @@ def _moe_rank(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
     return {"rank": r, "limit": limit}
 
 
+def _outside_root(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    """Tensors not under the decoder root the engine maps adapter names from (vLLM on Qwen3.5's wrapper
+    checkpoint): it places none of them. The fix writes them under that root, in a layout the engine reads."""
+    from lpdiff.harness.spec.adapters import reroot_fix
+
+    root = caps.adapter_root(f.arch)
+    return reroot_fix(f.info, f.model_ref, root, caps.layouts_for(f.arch)) if root else None
+
+
 def _moe_lora(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
     return {} if f.num_experts and f.key_modules else None
 
@@ -388,7 +399,7 @@ DETECTORS: dict[str, Detector] = {
     "router-target": _router_hits,
     "per-expert-ignored-by-peft": _always, "per-expert-converted-by-peft": _always,
     "per-expert-unknown": _per_expert_unknown, "vllm-per-expert-interleaved": _always,
-    "vllm-qwen3.5-per-expert": _always,
+    "vllm-qwen3.5-per-expert": _always, "vllm-qwen3.5-text-names": _outside_root,
     "peft3d-needs-mixed-format": _always, "vllm-peft3d-mixed-format-faults": _always, "peft3d-kills-sglang": _always,
     "q-without-v": _q_without_v, "kv-without-q": _kv_without_q, "sglang-experts-half-targeted": _experts_half_targeted,
     "sglang-gpt-oss-gate-up-a": _gate_up_a_differ, "sglang-target-modules-string": _target_pattern,

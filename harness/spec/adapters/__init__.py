@@ -24,7 +24,7 @@ from lpdiff.harness.spec.adapters.canonical import (
     merge_into,
     peft_scaling,
 )
-from lpdiff.harness.spec.adapters.convert import convert_adapter, save_canonical
+from lpdiff.harness.spec.adapters.convert import convert_adapter, convert_command, reroot_fix, save_canonical
 from lpdiff.harness.spec.adapters.files import (
     CONFIG_NAME,
     PROVENANCE_NAME,
@@ -64,6 +64,7 @@ __all__ = [
     "Targets",
     "adapter_groups",
     "convert_adapter",
+    "convert_command",
     "generate_adapter",
     "adapter_max_rank",
     "inspect_adapter",
@@ -72,6 +73,7 @@ __all__ = [
     "module_group",
     "peft_scaling",
     "peft_signature",
+    "reroot_fix",
     "resolve_targets",
     "save_canonical",
 ]

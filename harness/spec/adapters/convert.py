@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from lpdiff.harness.spec.adapters.files import (
     read_provenance,
     write_json,
 )
-from lpdiff.harness.spec.adapters.layout import LAYOUTS, PEFT_PREFIX, suffixes
+from lpdiff.harness.spec.adapters.layout import LAYOUTS, PEFT_PREFIX, disk_roots, suffixes
 from lpdiff.harness.types import AdapterSpec
 
 
@@ -60,6 +61,10 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mlayout = as_layout(model_config)
+    roots = disk_roots(mlayout.model_type)
+    if disk_root is not None and disk_root.rstrip(".") not in roots:
+        raise ValueError(f"disk root {disk_root!r}: a {mlayout.model_type} adapter names its decoder "
+                         f"{' or '.join(roots)}, which lpdiff and the engines read; give one of those")
     rank, alpha = _rerank(adapter)
     root = "model." if disk_root is None else disk_root.rstrip(".") + "."
 
@@ -102,6 +107,25 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
     if provenance is not None:
         write_json(out_dir / PROVENANCE_NAME, provenance)
     return cfg
+
+
+def convert_command(model_ref: str, src: str | Path, to: str, disk_root: str | None = None) -> str:
+    """The ``lpdiff adapters convert`` command line that rewrites ``src`` in layout ``to`` (under ``disk_root``): what
+    a refusal names as its fix."""
+    root = f" --disk-root {disk_root}" if disk_root else ""
+    return f"lpdiff adapters convert --model {model_ref} {src} OUT --to {to}{root}"
+
+
+def reroot_fix(info, model_ref: str, root: str, layouts: Sequence[str]) -> dict[str, str] | None:
+    """For an adapter (``AdapterInfo``) with modules outside decoder root ``root``: ``where`` (the first of them)
+    and ``to_root``, the command that writes it under the root in one of ``layouts`` (its own when listed); None
+    when every module is under the root."""
+    outside = info.outside_root(root)
+    if not outside:
+        return None
+    to = info.layout if info.layout in layouts else layouts[0]
+    return {"where": outside[0] + (f" and {len(outside) - 1} more" if len(outside) > 1 else ""),
+            "to_root": convert_command(model_ref, info.path, to, root)}
 
 
 def convert_adapter(src_dir: str | Path, dst_dir: str | Path, to: str, model_config,

@@ -12,7 +12,7 @@ from lpdiff.harness.spec.adapters.files import (
     WEIGHTS_NAME,
     read_provenance,
 )
-from lpdiff.harness.spec.adapters.layout import GROUPS, KEY_RE, PER_EXPERT_RE, module_group
+from lpdiff.harness.spec.adapters.layout import GROUPS, KEY_RE, PEFT_PREFIX, PER_EXPERT_RE, module_group
 
 
 @dataclass(slots=True)
@@ -35,6 +35,13 @@ class AdapterInfo:
     rank_pattern: dict = field(default_factory=dict)
     alpha_pattern: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)  # lpdiff_adapter.json, when lpdiff made it
+
+    def outside_root(self, root: str) -> list[str]:
+        """The modules (file names after ``base_model.model.``) not under decoder root ``root`` (e.g.
+        "model.language_model"): what an engine that reads adapter names under that root cannot place."""
+        prefix = root.rstrip(".") + "."
+        mods = {(m.group(1) if (m := KEY_RE.fullmatch(k)) else k).removeprefix(PEFT_PREFIX) for k in self.keys}
+        return sorted(m for m in mods if not m.startswith(prefix))
 
 
 def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:

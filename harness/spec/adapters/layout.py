@@ -39,6 +39,12 @@ KEY_RE = re.compile(r"(.+)\.lora_([AB])\.weight")
 PER_EXPERT_RE = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)")
 
 
+def disk_roots(model_type: str) -> tuple[str, ...]:
+    """The decoder roots an adapter of this model may name on disk (``model``, or its checkpoint's own): readers
+    accept each, writers take one as ``disk_root``."""
+    return ("model", *(a.rstrip(".") for a in _ROOT_ALIASES.get(model_type, ())))
+
+
 def module_group(path: str) -> str:
     """The target group of a module or parameter path (in-memory or on-disk names): one of GROUPS, "router" or
     "other". Name-based, so it works on adapter keys without a model."""
