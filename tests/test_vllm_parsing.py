@@ -26,6 +26,7 @@ from lpdiff.engines.vllm import (
     pick_max_lora_rank,
     plan_moe_lora,
     renamed_per_expert_adapter,
+    root_problems,
     vllm_native_3d,
     vllm_top_k,
 )
@@ -377,3 +378,25 @@ def test_close_does_not_wait_for_the_resource_tracker():
     trackers = [p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" in " ".join(p.cmdline())]
     assert trackers, "no resource tracker started: the test does not test anything"
     assert not set(trackers) & set(_children())
+
+
+def test_text_named_qwen35_adapters_are_refused_before_start_naming_the_fix(tmp_path):
+    """vLLM 0.25.1 maps Qwen3.5's adapter names through its multimodal class's checkpoint mapper and drops modules
+    named like the text model without a word (measured: every lane equal to the base model, H200): the engine
+    refuses them before any process starts, with the command that writes them under the checkpoint's root."""
+    pytest.importorskip("transformers")
+    from lpdiff.harness.spec.adapters import convert_adapter, inspect_adapter
+    from lpdiff.harness.spec.catalog import get_model, hf_config
+    from lpdiff.harness.spec.resolve import zoo_adapters
+
+    spec = get_model("tiny-qwen3.5-moe")
+    hf, src = hf_config(spec), str(zoo_adapters("tiny-qwen3.5-moe")["all"].path)
+    rooted = convert_adapter(src, tmp_path / "rooted", "peft3d", hf, disk_root="model.language_model").path
+    got = root_problems({"all": inspect_adapter(src)}, hf.model_type, "M")
+    assert len(got) == 1 and "silently drops" in got[0] and "qwen3_vl.py:1676" in got[0]
+    assert got[0].endswith(f"lpdiff adapters convert --model M {src} OUT --to peft3d --disk-root model.language_model")
+    assert root_problems({"all": inspect_adapter(rooted)}, hf.model_type, "M") == []
+    assert root_problems({"all": inspect_adapter(src)}, "qwen3_moe", "M") == []  # no root there: text names are right
+    eng = VLLMEngine(EngineConfig(model=spec, adapters={"all": AdapterSpec("all", src)}, dtype="bfloat16"))
+    with pytest.raises(ValueError, match=r"(?s)silently drop these adapters.*'all'.*--disk-root model\.language_model"):
+        eng._lora_kwargs(hf, on_cpu=False, known=set())  # the step of _llm_kwargs that needs no vLLM

@@ -38,6 +38,7 @@ from lpdiff.engines.vllm.adapters import (
     adapter_problems,
     plan_moe_lora,
     renamed_per_expert_adapter,
+    root_problems,
     vllm_native_3d,
 )
 from lpdiff.engines.vllm.capabilities import CAPABILITIES
@@ -50,4 +51,4 @@ from lpdiff.engines.vllm.settings import GPU_MEMORY_UTILIZATION, default_attenti
 __all__ = ["CAPABILITIES", "GPU_MEMORY_UTILIZATION", "MoeLoraPlan", "VLLMEngine", "_children",
            "adapter_problems", "checkpoint_dir", "cuda_visible", "default_attention_backend", "is_moe_config",
            "parse_prompt_logprobs", "pick_max_lora_rank", "plan_moe_lora", "reap", "renamed_per_expert_adapter",
-           "vllm_native_3d", "vllm_top_k"]
+           "root_problems", "vllm_native_3d", "vllm_top_k"]

@@ -120,6 +120,24 @@ def adapter_problems(info, gated: bool = True) -> list[str]:
     return out
 
 
+def root_problems(infos: dict, arch: str, model_ref: str) -> list[str]:
+    """Adapters (name -> ``inspect_adapter`` output) with modules outside the decoder root vLLM maps adapter names
+    from on ``arch`` (CAPABILITIES.adapter_roots: Qwen3.5's ``model.language_model``): vLLM would drop them without
+    a word, so each is told with the known defect's what and fix (never renamed behind the user's back)."""
+    from lpdiff.engines.vllm.capabilities import CAPABILITIES
+    from lpdiff.harness.spec.adapters import reroot_fix
+
+    root = CAPABILITIES.adapter_root(arch)
+    if root is None:
+        return []
+    defect, out = CAPABILITIES.defect("vllm-qwen3.5-text-names", arch), []
+    for name, info in infos.items():
+        if fields := reroot_fix(info, model_ref, root, CAPABILITIES.layouts_for(arch)):
+            what, fix = defect.message(arch=arch, **fields)
+            out.append(f"{name!r}: {what}. Fix: {fix}")
+    return out
+
+
 def renamed_per_expert_adapter(src: str | Path, rename: dict[str, str], root: str | Path) -> str:
     """A copy of a per-expert adapter with its projections renamed (gate_proj -> w1, ...) for vLLM's loader, written
     once under ``root`` keyed by the source's content; the tensors are the same bytes."""

@@ -28,6 +28,7 @@ from lpdiff.engines.vllm.adapters import (
     adapter_problems,
     plan_moe_lora,
     renamed_per_expert_adapter,
+    root_problems,
     vllm_native_3d,
 )
 from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
@@ -226,6 +227,8 @@ class VLLMEngine:
         problems = [msg for info in infos.values() for msg in adapter_problems(info, gated)]
         if problems:
             raise ValueError("vLLM would misread these adapters:\n  " + "\n  ".join(problems))
+        if dropped := root_problems(infos, hf.model_type, cfg.model.path or cfg.model.name):
+            raise ValueError("vLLM would silently drop these adapters:\n  " + "\n  ".join(dropped))
         ranks = [adapter_max_rank(a.path) for a in cfg.adapters.values()]
         kw: dict[str, Any] = {
             "enable_lora": True, "max_loras": int(o.get("max_loras", len(infos) + 1)),
