@@ -113,9 +113,45 @@ def test_hybrid_case_has_a_lane_per_group_and_sglang_refuses_its_own(model, own,
     lanes = {f"{n}.{lay}": a for (n, lay), a in case.files.items() if lay == arch_layout}
     assert set(check.refused_lanes(case, "sglang", lanes)) == {f"{own}.{arch_layout}", f"all_groups.{arch_layout}"}
     served = layouts_for("vllm", case.spec.arch)  # vLLM reads the hybrids' every group in the layouts it serves
-    vllm_lanes = {f"{n}.{lay}": a for (n, lay), a in case.files.items() if lay in served}
+    vllm_lanes = check.served_files(case, "vllm", served)  # under the root vLLM reads names from (Qwen3.5)
     assert vllm_lanes and check.refused_lanes(case, "vllm", vllm_lanes) == {}
     res = check.run_check(case, "hf", k=2, store=store, dtype="bfloat16", log=lambda s: None)
     assert res.as_expected and not res.refused, check.format_result(res)
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
     assert not got["broken"] and got[own] and got["shared_expert"] and got["all_groups"], got
+
+
+def test_vllm_is_served_qwen35_adapters_under_the_checkpoint_root(tmp_path):
+    """vLLM maps Qwen3.5's adapter names from the multimodal checkpoint's ``model.language_model`` and drops the
+    text model's names without a word (measured: every lane equal to the base model): the check serves it copies
+    written under that root, once per case, the same tensors; SGLang and the reference read the text names."""
+    from safetensors.torch import load_file
+
+    plans = (check.AdapterPlan("all", ("attention", "linear_attention", "experts"), 4, 1),
+             check.AdapterPlan("broken", ("attention", "experts"), 4, 1, broken_from="all"))
+    case = check.build_case("tiny-qwen3.5-moe", None, tmp_path / "case", plans=plans,
+                            layouts=("peft3d", "per_expert"), device="cpu", lengths=(8,), log=lambda s: None)
+    served = check.served_files(case, "vllm", ("peft3d",))
+    assert set(served) == {"all.peft3d", "broken.peft3d"}
+    for lane, a in served.items():
+        name, layout = lane.split(".")
+        ref = load_file(f"{case.files[(name, layout)].path}/adapter_model.safetensors")  # what the reference reads
+        got = load_file(f"{a.path}/adapter_model.safetensors")
+        assert a.path == str(tmp_path / "case" / "vllm-root" / lane) and a.name == lane
+        assert all(k.startswith("base_model.model.model.layers.") for k in ref)
+        renamed = {"base_model.model.model.language_model." + k.removeprefix("base_model.model.model."): v
+                   for k, v in ref.items()}
+        assert got.keys() == renamed.keys() and all(torch_equal(got[k], renamed[k]) for k in got)
+    when = (tmp_path / "case" / "vllm-root" / "all.peft3d" / "adapter_model.safetensors").stat().st_mtime_ns
+    assert check.served_files(case, "vllm", ("peft3d",)) == served  # the next TP size reuses the copies
+    assert (tmp_path / "case" / "vllm-root" / "all.peft3d" / "adapter_model.safetensors").stat().st_mtime_ns == when
+    sglang = check.served_files(case, "sglang", ("per_expert",))
+    assert {lane: a.path for lane, a in sglang.items()} == {f"{n}.per_expert": case.files[(n, "per_expert")].path
+                                                            for n in ("all", "broken")}
+    text = {f"{n}.peft3d": case.files[(n, "peft3d")] for n in ("all", "broken")}
+    assert {why.split(":")[0] for why in check.refused_lanes(case, "vllm", text).values()} == {"vllm-qwen3.5-text-names"}
+    assert check.refused_lanes(case, "vllm", served) == {}
+
+
+def torch_equal(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())

@@ -24,8 +24,9 @@ Adapters, generated with fixed seeds (``ADAPTERS``): rank 16 on attention + expe
 (LoRA-delta fidelity per module group), rank 8 beside the rank-16 ones (a loaded rank below the engine's max rank),
 and ``broken``: the rank-16 adapter with every expert's LoRA-B shifted to the next expert (an expert-ordering bug
 in a loader), which the engine serves while the reference gets the correct adapter — it must FAIL. Each adapter is
-served to the engine in every layout that engine reads (its capabilities), all in one batch with base rows; the
-reference always reads PEFT's own 3D format.
+served to the engine in every layout that engine reads (its capabilities), under the decoder root it maps names from
+(vLLM on Qwen3.5: ``model.language_model``), all in one batch with base rows; the reference always reads PEFT's own
+3D format under the text model's names.
 
 Reference runs go through the baseline store (policy ``cache``: computed once, then answered from the store), so
 checks of several engines on one machine compute them once.
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lpdiff.engines.base import ENGINES, layouts_for
+from lpdiff.engines.base import ENGINES, capabilities, layouts_for
 from lpdiff.engines.capabilities import model_type
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
@@ -225,9 +226,7 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     (da, oa), (db, ob) = noise_pair(reference, dtype)
     ref_noise = pair_noise(ref(da, oa), ref(db, ob), list(ref32))
 
-    layouts = layouts or layouts_for(engine, case.spec.arch)
-    lanes = {f"{name}.{layout}": AdapterSpec(f"{name}.{layout}", a.path) for (name, layout), a in case.files.items()
-             if layout in layouts}
+    lanes = served_files(case, engine, layouts or layouts_for(engine, case.spec.arch))
     refused = {} if serve_refused else refused_lanes(case, engine, lanes)
     lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
     log(f"[check] {engine} tp={tp}: starting, {len(lanes)} lanes ({len(refused)} refused)")
@@ -262,6 +261,48 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
         v.detail = position_detail(got[lane], ref_run, eps)
         res.verdicts.append(v)
     return res
+
+
+def served_files(case: Case, engine: str, layouts: Sequence[str]) -> dict[str, AdapterSpec]:
+    """The lanes (``name.layout`` -> directory) served to ``engine``: the case's files in ``layouts``, or, where the
+    engine maps adapter names from its checkpoint's decoder root (``adapter_root``: vLLM on Qwen3.5's wrapper),
+    copies written under that root, once per case (``<case dir>/<engine>-root/``) so every TP size reuses them. The
+    reference keeps the text model's names, which transformers builds."""
+    from lpdiff.harness.spec.adapters import ModelLayout
+    from lpdiff.harness.spec.catalog import hf_config
+
+    root = capabilities(engine).adapter_root(case.spec.arch)
+    mlayout, lanes = None, {}
+    for (name, layout), a in case.files.items():
+        if layout not in layouts:
+            continue
+        path = Path(a.path)
+        if root is not None:
+            dst = path.parent / f"{engine}-root" / path.name
+            if not dst.is_dir():  # renamed into place whole (_rerooted)
+                if mlayout is None:
+                    mlayout = ModelLayout.from_config(hf_config(case.spec))
+                _rerooted(path, dst, layout, mlayout, root)
+            path = dst
+        lanes[f"{name}.{layout}"] = AdapterSpec(f"{name}.{layout}", str(path))
+    return lanes
+
+
+def _rerooted(src: Path, dst: Path, layout: str, mlayout, root: str) -> None:
+    """``src`` written under decoder root ``root`` into a private directory renamed to ``dst``: processes sharing a
+    case dir never see half a copy."""
+    import os
+    import shutil
+
+    from lpdiff.harness.spec.adapters import convert_adapter
+
+    tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert_adapter(src, tmp, layout, mlayout, disk_root=root)
+    try:
+        tmp.rename(dst)
+    except OSError:  # another process wrote it meanwhile: the same content
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec]) -> dict[str, str]:
