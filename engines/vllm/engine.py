@@ -243,7 +243,11 @@ class VLLMEngine:
         self._layouts = {n: i.layout for n, i in infos.items()}
         if not moe:
             return kw
-        arch = (getattr(hf, "architectures", None) or [""])[0]
+        # the class vLLM builds is the checkpoint's (config.json), not the text config's: Qwen3.5's catalog text
+        # config names none, and an empty arch made its natively-3D class look per-expert (mixed format forced on)
+        from lpdiff.harness.spec.checkpoint import hub_config_dict
+
+        arch = ((hub_config_dict(cfg.model).get("architectures") or getattr(hf, "architectures", None)) or [""])[0]
         plan = plan_moe_lora(arch, list(self._layouts.values()), vllm_native_3d(arch), o.get("mixed_moe_lora_format"))
         if plan.mixed:
             if "enable_mixed_moe_lora_format" not in known:
