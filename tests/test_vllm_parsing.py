@@ -400,3 +400,22 @@ def test_text_named_qwen35_adapters_are_refused_before_start_naming_the_fix(tmp_
     eng = VLLMEngine(EngineConfig(model=spec, adapters={"all": AdapterSpec("all", src)}, dtype="bfloat16"))
     with pytest.raises(ValueError, match=r"(?s)silently drop these adapters.*'all'.*--disk-root model\.language_model"):
         eng._lora_kwargs(hf, on_cpu=False, known=set())  # the step of _llm_kwargs that needs no vLLM
+
+
+def test_qwen35_peft3d_adapters_take_the_native_3d_path_of_the_checkpoints_class(tmp_path):
+    """The MoE-LoRA plan asks about the class vLLM builds, named by the checkpoint's config.json: the catalog's
+    Qwen3.5 text config names no architecture, and planning on "" put the natively-3D wrapper class on the mixed
+    format for its PEFT 3D files."""
+    pytest.importorskip("transformers")
+    from lpdiff.harness.spec.adapters import convert_adapter
+    from lpdiff.harness.spec.catalog import get_model, hf_config
+    from lpdiff.harness.spec.resolve import zoo_adapters
+
+    spec = get_model("qwen3.5-35b-a3b", num_layers=4)
+    assert not hf_config(spec).architectures  # the case this test is about
+    src = str(zoo_adapters("tiny-qwen3.5-moe")["all"].path)
+    tiny = hf_config(get_model("tiny-qwen3.5-moe"))
+    rooted = convert_adapter(src, tmp_path / "rooted", "peft3d", tiny, disk_root="model.language_model").path
+    eng = VLLMEngine(EngineConfig(model=spec, adapters={"all": AdapterSpec("all", str(rooted))}, dtype="bfloat16"))
+    kw = eng._lora_kwargs(hf_config(spec), on_cpu=False, known={"enable_mixed_moe_lora_format"})
+    assert kw["enable_lora"] and "enable_mixed_moe_lora_format" not in kw and not eng._mixed
