@@ -86,6 +86,13 @@ CAPABILITIES = Capabilities(
         KnownDefect("vllm-nemotron-tp2-fault", "MoE-LoRA on {arch} at TP 2: vLLM 0.25.1's engine dies at the "
                     "first batch (illegal memory access, EngineDeadError; measured on Nemotron-Nano, H100)",
                     "run at TP 1", _V25, archs=("nemotron_h",), tp=(2,)),
+        # TP 1, per-expert files: served every lane correctly on an H100 (default init, 3 runs), and died at the
+        # first LoRA batch on an H200 (peaked/v1 init, 20 reruns asked; illegal memory access reported at the sampler's sync right
+        # after _fused_moe_lora_one_shot_kernel compiled): intermittent, so TP 1 is still judged and expected to PASS
+        KnownDefect("vllm-nemotron-tp1-fault", "MoE-LoRA on {arch} at TP 1: vLLM 0.25.1's engine died once at the "
+                    "first LoRA batch (illegal memory access, EngineDeadError; H200) and served correctly another "
+                    "time (H100): a FAIL carrying that error is vLLM's, not the adapter's",
+                    "rerun; if it repeats, rerun with CUDA_LAUNCH_BLOCKING=1 in the engine's env to pin the kernel", _V25, archs=("nemotron_h",), tp=(1,), severity="warning"),
         # lora/ops/triton_ops/fused_moe_lora_op.py, _run_fused_moe_lora_one_shot: a rank-512 shared-outer gpt-oss
         # adapter killed the engine at its first batch (H200)
         KnownDefect("moe-rank-above-128", "expert adapter of rank {rank}: vLLM 0.25.1's fused MoE-LoRA kernel "
