@@ -516,3 +516,12 @@ def test_vllm_nemotron_peft3d_experts(zoo, tmp_path):
     # Qwen3.5's class reads PEFT 3D files natively (is_3d_moe_weight); the zoo's text-named file is refused for its
     # names alone (test_text_named_qwen35_adapter_is_refused_for_vllm_and_its_fix_runs)
     assert q.codes("vllm", "error") == {"vllm-qwen3.5-text-names"}
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt-oss", "tiny-qwen3.5-moe"])
+def test_peft3d_on_a_natively_3d_vllm_class_is_not_sent_to_per_expert(zoo, tmp_path, model):
+    """gpt-oss and Qwen3.5 read PEFT 3D natively in vLLM 0.25.1 (is_3d_moe_weight): no mixed-format warning, whose
+    fix (convert to per-expert) would walk into vllm-per-expert-interleaved / vllm-qwen3.5-per-expert."""
+    a = gen(zoo, tmp_path, model, ("attention", "experts"))
+    r = doctor(zoo[model][0], a)
+    assert not [f for f in r.findings if f.engine == "vllm" and f.code == "peft3d-needs-mixed-format"], r.findings

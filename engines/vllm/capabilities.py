@@ -30,7 +30,9 @@ CAPABILITIES = Capabilities(
         KnownDefect("peft3d-needs-mixed-format", "PEFT 3D expert adapter: without LLM(enable_mixed_moe_lora_format="
                     "True) and LoRARequest(is_3d_lora_weight=True) vLLM drops the expert part silently (vLLM #41384)",
                     "lpdiff's vllm engine sets both; with vLLM directly pass them, or convert: {to_per_expert}",
-                    _V25, layouts=("peft3d",), severity="warning"),
+                    # where vLLM's class reads 3D natively (gpt-oss, Qwen3.5: is_3d_moe_weight) nothing is dropped,
+                    # and per-expert files are the wrong way out there (vllm-per-expert-interleaved, -qwen3.5-per-expert)
+                    _V25, archs=("qwen3_moe", "nemotron_h"), layouts=("peft3d",), severity="warning"),
         # NemotronHForCausalLM sets is_non_gated_moe but not is_3d_moe_weight (model_executor/models/nemotron_h.py:
         # 776-789; default False, interfaces.py:549), so 3D files go through the mixed format's 3D->2D split, which
         # cuts the fused B into w1/w3 halves as for a gated gate_up (lora/model_manager.py:986-1010) while the
