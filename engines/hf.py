@@ -263,11 +263,17 @@ class HFEngine:
 
 
 def _as_peft3d(path: str, tmp: str, i: int, model_config) -> str:
-    """The directory PEFT loads: ``path`` itself, or for a per-expert adapter its exact PEFT 3D conversion under
-    ``tmp`` (same logits: the conversion keeps B @ A and the scaling bit for bit)."""
-    from lpdiff.harness.spec.adapters import convert_adapter, inspect_adapter
+    """The directory PEFT loads: ``path`` itself, or its exact PEFT 3D conversion under ``tmp`` (same logits: the
+    conversion keeps B @ A and the scaling bit for bit) for a per-expert adapter and for one that names the decoder
+    by its checkpoint's root (Qwen3.5's ``model.language_model``, what PEFT writes on the Hub's multimodal class):
+    transformers builds the text model, whose decoder is ``model``, and PEFT 0.21 places none of those tensors and
+    runs the base model without a word (Nemotron's ``backbone`` it maps itself; converting it is harmless)."""
+    from lpdiff.harness.spec.adapters import convert_adapter, disk_roots, inspect_adapter
 
-    if inspect_adapter(path).layout != "per_expert":
+    info = inspect_adapter(path)
+    aliases = disk_roots(model_config.model_type)[1:]
+    aliased = any(m.startswith(f"{root}.") for m in info.modules() for root in aliases)
+    if info.layout != "per_expert" and not aliased:
         return path
     return convert_adapter(path, f"{tmp}/adapter{i}", "peft3d", model_config).path
 

@@ -78,3 +78,21 @@ def test_peft_alone_drops_the_per_expert_experts(runs):
             logp = model(ids).logits.float().log_softmax(-1)[0, :-1]
             got.append(logp.gather(1, ids[0, 1:, None])[:, 0].numpy())
     assert np.abs(np.concatenate(got) - lp["p3d"]).max() > 1e-2
+
+
+@pytest.mark.parametrize("model,root", [("tiny-qwen3.5-moe", "model.language_model"), ("tiny-nemotron-h", "backbone")])
+def test_adapter_named_under_the_checkpoints_root_is_read_as_the_text_named_one(tmp_path, model, root):
+    """PEFT on the Hub's Qwen3.5 class writes ``model.language_model.layers.*``; transformers builds the text model
+    (decoder ``model``), where PEFT 0.21 places none of those tensors and runs the base model without a word (without
+    the hf engine's conversion the rooted lane equals the base). Nemotron-H files naming ``backbone.layers.*`` PEFT
+    maps itself. The reference must compute both as the text-named file."""
+    r = resolve(model, adapters=("all",))
+    src = r.adapters["all"].path
+    rooted = convert_adapter(src, tmp_path / "rooted", "peft3d", hf_config(r.spec), disk_root=root).path
+    assert any(k.startswith(f"base_model.model.{root}.") for k in load_file(str(Path(rooted) / WEIGHTS_NAME)))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    adapters = {"text": AdapterSpec("text", str(src)), "rooted": AdapterSpec("rooted", str(rooted))}
+    with open_engine("hf", EngineConfig(r.spec, adapters, dtype="float32", device="cpu")) as eng:
+        base, text, got = (eng.prompt_logprobs(prompts, a)[0].logprobs for a in (None, "text", "rooted"))
+    assert np.abs(text - base).max() > 1e-3, "the adapter does not move the logprobs: the test tests nothing"
+    np.testing.assert_array_equal(got, text)

@@ -44,6 +44,7 @@ from lpdiff.harness.spec.adapters.layout import (
     ExpertParam,
     ModelLayout,
     Targets,
+    disk_roots,
     module_group,
     resolve_targets,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "inspect_adapter",
     "load_canonical",
     "merge_into",
+    "disk_roots",
     "module_group",
     "peft_scaling",
     "peft_signature",

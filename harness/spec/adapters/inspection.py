@@ -36,12 +36,15 @@ class AdapterInfo:
     alpha_pattern: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)  # lpdiff_adapter.json, when lpdiff made it
 
+    def modules(self) -> set[str]:
+        """The module paths the file names (keys after ``base_model.model.``, without ``.lora_A.weight``)."""
+        return {(m.group(1) if (m := KEY_RE.fullmatch(k)) else k).removeprefix(PEFT_PREFIX) for k in self.keys}
+
     def outside_root(self, root: str) -> list[str]:
-        """The modules (file names after ``base_model.model.``) not under decoder root ``root`` (e.g.
-        "model.language_model"): what an engine that reads adapter names under that root cannot place."""
+        """The modules not under decoder root ``root`` (e.g. "model.language_model"): what an engine that reads
+        adapter names under that root cannot place."""
         prefix = root.rstrip(".") + "."
-        mods = {(m.group(1) if (m := KEY_RE.fullmatch(k)) else k).removeprefix(PEFT_PREFIX) for k in self.keys}
-        return sorted(m for m in mods if not m.startswith(prefix))
+        return sorted(m for m in self.modules() if not m.startswith(prefix))
 
 
 def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
