@@ -259,3 +259,20 @@ def test_suite_expects_known_engine_defects_to_fail():
         _check(report(bad, other), arch="gpt_oss")
     with pytest.raises(AssertionError, match="mixed_moe"):  # on Qwen3-MoE the same lane is not a known defect
         _check(report(bad), arch="qwen3_moe")
+
+
+@pytest.mark.parametrize("engine,prefix", [("vllm", "base_model.model.model.language_model.layers."),
+                                           ("sglang", "base_model.model.model.layers.")])
+def test_relation_files_are_named_under_the_root_the_engine_reads(tmp_path, engine, prefix):
+    """vLLM reads Qwen3.5 adapter names under the checkpoint's model.language_model and drops text-model names
+    (vllm-qwen3.5-text-names); the relations' files must be ones it reads, with the same deltas."""
+    from safetensors import safe_open
+
+    ctx = _ctx("tiny-qwen3.5-moe", "all", tmp_path, engine=engine)
+    out = ctx.write("t", tf.pad_rank(ctx.adapter, 16))
+    with safe_open(str(Path(out) / ad.WEIGHTS_NAME), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith(prefix) for k in keys), keys[:3]
+    if engine == "vllm":  # (SGLang refuses PEFT 3D expert files for another reason: peft3d-kills-sglang)
+        assert ctx.refused(out) is None
+    _assert_same_deltas(ad.load_canonical(out, ctx.layout), ctx.adapter, 0)

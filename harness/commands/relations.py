@@ -78,11 +78,14 @@ class Context:
 
     def write(self, name: str, adapter: CanonicalAdapter, layout: str | None = None) -> str:
         """Transformed adapters keep the original's expert layout (the one the engine was given because it reads
-        it), unless a relation asks for another."""
+        it), unless a relation asks for another, and are named under the decoder root the engine reads (vLLM drops
+        Qwen3.5 adapters named like the text model: vllm-qwen3.5-text-names)."""
+        from lpdiff.engines.base import capabilities
+
         out = self.tmp / name
         if layout is None:
             layout = self.adapter.layout if self.adapter.layout in ("peft3d", "per_expert") else "peft3d"
-        save_canonical(adapter, out, self.layout, layout)
+        save_canonical(adapter, out, self.layout, layout, disk_root=capabilities(self.engine).adapter_root(self.spec.arch))
         return str(out)
 
     def refused(self, adapter_dir: str) -> str | None:
