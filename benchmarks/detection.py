@@ -26,10 +26,10 @@ from typing import Sequence
 import numpy as np
 
 from lpdiff.engines import EngineConfig, open_engine
+from lpdiff.engines.progress import progress_log
 from lpdiff.kernels.faults import runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
-from lpdiff.engines.progress import progress_log
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import default_store
 
@@ -68,13 +68,8 @@ def measure(model: str, dtype: str, reruns: int = 20) -> dict:
                       all(v.passed for v in res.verdicts))
     nk2, nmax = float(np.percentile(k2s, 99.9)), float(np.percentile(maxs, 99.9))
     weakest = min(effects, key=lambda f: effects[f][0])
-    row = dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(), model=model,
-               engine_pair=job.engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
-               noise_max=f"{nmax:.3g}", reruns=reruns, init_recipe="", noise_source=P999,
-               effect_source="weakest runtime bug-zoo fault", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
-               min_zoo_effect_k2=f"{effects[weakest][0]:.3g}",
-               effect_over_threshold=f"{effects[weakest][0] / thr.k2:.3g}",
-               threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}")
+    row = detection_row(model, job.engine_pair, dtype, thr, nk2, nmax, effects[weakest][0], reruns, "",
+                        "weakest runtime bug-zoo fault")
     print(f"{model} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {len(k2s)}); threshold k2 {thr.k2:.3g} "
           f"max {thr.max_abs:.3g} ({thr.provenance}); weakest fault {weakest}; per fault (k2, max, passed): "
           + "; ".join(f"{f} {e[0]:.3g} {e[1]:.3g} {'PASSED' if e[2] else 'caught'}" for f, e in effects.items()),
@@ -107,8 +102,8 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
           f"per fault k2 (caught?): " + "; ".join(
               f"{f} " + ("not reached" if r is None else f"{effects[f]:.3g} {'MISSED' if check.missed(r) else 'caught'}")
               for f, r in results.items()), file=sys.stderr)
-    return full_width_row(model, layers, dtype, thr, nk2, nmax, effects[weakest], reruns, case.spec.init_recipe,
-                          "weakest runtime bug-zoo fault")
+    return detection_row(f"{model} x{layers}", thr.engine_pair, dtype, thr, nk2, nmax, effects[weakest], reruns,
+                         case.spec.init_recipe, "weakest runtime bug-zoo fault")
 
 
 def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns: int = 20,
@@ -139,8 +134,8 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
     print(f"{engine} {model} x{layers} {dtype} ({case.spec.init_recipe}): noise k2 {nk2:.3g} (p99.9 of {n}), "
           f"threshold {thr.k2:.3g}, broken {effect:.3g}; {'as expected' if res.as_expected else 'NOT as expected'}",
           file=sys.stderr)
-    return full_width_row(model, layers, dtype, thr, nk2, nmax, effect, reruns, case.spec.init_recipe,
-                          "the broken adapter, smallest over layouts")
+    return detection_row(f"{model} x{layers}", thr.engine_pair, dtype, thr, nk2, nmax, effect, reruns,
+                         case.spec.init_recipe, "the broken adapter, smallest over layouts")
 
 
 _CASES: dict[tuple, object] = {}
@@ -174,10 +169,11 @@ def check_noise_p999(res, ref) -> tuple[float, float, int]:
             len(ms))
 
 
-def full_width_row(model: str, layers: int, dtype: str, thr, nk2: float, nmax: float, effect: float, reruns: int,
-                   init_recipe: str, effect_source: str) -> dict:
+def detection_row(model: str, engine_pair: str, dtype: str, thr, nk2: float, nmax: float, effect: float,
+                  reruns: int, init_recipe: str, effect_source: str) -> dict:
+    """One detection.csv row (without ``misses``); ``thr``: the threshold's k2 and max_abs."""
     return dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
-                model=f"{model} x{layers}", engine_pair=thr.engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
+                model=model, engine_pair=engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
                 noise_max=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
                 min_zoo_effect_k2=f"{effect:.3g}", effect_over_threshold=f"{effect / thr.k2:.3g}",
                 threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}", reruns=reruns, init_recipe=init_recipe,
