@@ -149,7 +149,8 @@ def test_vllm_is_served_qwen35_adapters_under_the_checkpoint_root(tmp_path):
     assert {lane: a.path for lane, a in sglang.items()} == {f"{n}.per_expert": case.files[(n, "per_expert")].path
                                                             for n in ("all", "broken")}
     text = {f"{n}.peft3d": case.files[(n, "peft3d")] for n in ("all", "broken")}
-    assert {why.split(":")[0] for why in check.refused_lanes(case, "vllm", text).values()} == {"vllm-qwen3.5-text-names"}
+    refused = check.refused_lanes(case, "vllm", text)
+    assert {why.split(":")[0] for why in refused.values()} == {"vllm-qwen3.5-text-names"}
     assert check.refused_lanes(case, "vllm", served) == {}
 
 

@@ -31,7 +31,8 @@ CAPABILITIES = Capabilities(
                     "True) and LoRARequest(is_3d_lora_weight=True) vLLM drops the expert part silently (vLLM #41384)",
                     "lpdiff's vllm engine sets both; with vLLM directly pass them, or convert: {to_per_expert}",
                     # where vLLM's class reads 3D natively (gpt-oss, Qwen3.5: is_3d_moe_weight) nothing is dropped,
-                    # and per-expert files are the wrong way out there (vllm-per-expert-interleaved, -qwen3.5-per-expert)
+                    # and per-expert files are the wrong way out there (vllm-per-expert-interleaved,
+                    # vllm-qwen3.5-per-expert)
                     _V25, archs=("qwen3_moe", "nemotron_h"), layouts=("peft3d",), severity="warning"),
         # NemotronHForCausalLM sets is_non_gated_moe but not is_3d_moe_weight (model_executor/models/nemotron_h.py:
         # 776-789; default False, interfaces.py:549), so 3D files go through the mixed format's 3D->2D split, which
@@ -89,12 +90,14 @@ CAPABILITIES = Capabilities(
                     "first batch (illegal memory access, EngineDeadError; measured on Nemotron-Nano, H100)",
                     "run at TP 1", _V25, archs=("nemotron_h",), tp=(2,)),
         # TP 1, per-expert files: served every lane correctly on an H100 (default init, 3 runs), and died at the
-        # first LoRA batch on an H200 (peaked/v1 init, 20 reruns asked; illegal memory access reported at the sampler's sync right
-        # after _fused_moe_lora_one_shot_kernel compiled): intermittent, so TP 1 is still judged and expected to PASS
+        # first LoRA batch on an H200 (peaked/v1 init, 20 reruns asked; illegal memory access reported at the
+        # sampler's sync right after _fused_moe_lora_one_shot_kernel compiled): intermittent, so TP 1 is still
+        # judged and expected to PASS
         KnownDefect("vllm-nemotron-tp1-fault", "MoE-LoRA on {arch} at TP 1: vLLM 0.25.1's engine died once at the "
                     "first LoRA batch (illegal memory access, EngineDeadError; H200) and served correctly another "
                     "time (H100): a FAIL carrying that error is vLLM's, not the adapter's",
-                    "rerun; if it repeats, rerun with CUDA_LAUNCH_BLOCKING=1 in the engine's env to pin the kernel", _V25, archs=("nemotron_h",), tp=(1,), severity="warning"),
+                    "rerun; if it repeats, rerun with CUDA_LAUNCH_BLOCKING=1 in the engine's env to pin the kernel",
+                    _V25, archs=("nemotron_h",), tp=(1,), severity="warning"),
         # lora/ops/triton_ops/fused_moe_lora_op.py, _run_fused_moe_lora_one_shot: a rank-512 shared-outer gpt-oss
         # adapter killed the engine at its first batch (H200)
         KnownDefect("moe-rank-above-128", "expert adapter of rank {rank}: vLLM 0.25.1's fused MoE-LoRA kernel "

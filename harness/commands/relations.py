@@ -85,7 +85,8 @@ class Context:
         out = self.tmp / name
         if layout is None:
             layout = self.adapter.layout if self.adapter.layout in ("peft3d", "per_expert") else "peft3d"
-        save_canonical(adapter, out, self.layout, layout, disk_root=capabilities(self.engine).adapter_root(self.spec.arch))
+        root = capabilities(self.engine).adapter_root(self.spec.arch)
+        save_canonical(adapter, out, self.layout, layout, disk_root=root)
         return str(out)
 
     def refused(self, adapter_dir: str) -> str | None:
