@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from lpdiff.engines.base import capabilities, layouts_for
-from lpdiff.harness.commands import check
 from lpdiff.engines.progress import progress_log
+from lpdiff.harness.commands import check
 from lpdiff.harness.pipeline.session import engine_missing
 from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve_init_recipe
 
