@@ -179,6 +179,22 @@ def test_vllm_qwen3_peft3d_layout_is_judged_or_reported(case, record_verdict):
 
 
 @pytest.mark.gpu1
+def test_vllm_nemotron_super_latent_lora_is_dropped(tmp_path_factory, record_verdict):
+    """vLLM 0.25.1 wraps Nemotron-Super's latent projections in LoRA layers its MoE runner never calls (doctor:
+    vllm-nemotron-latent-dropped; measured: the latent-only lane equalled the base model at TP 1 and 2). Served
+    anyway, that lane must FAIL as the base model (delta fidelity near 1) while the other lanes PASS; the day it
+    passes, the fix gets recorded."""
+    case = case_for("nemotron-3-super-120b-a12b", tmp_path_factory)
+    _installed("vllm")
+    res = check.run_check(case, "vllm", serve_refused=True)
+    _report("vllm", res, record_verdict)
+    assert res.error is None, res.error
+    got = {v.adapter.split(".")[0]: v for v in res.verdicts}
+    assert not got["latent"].passed and got["latent"].delta_fidelity > 0.9, "vLLM served the latent LoRA: record it"
+    assert all(v.passed == (v.expected == "PASS") for a, v in got.items() if a != "latent"), check.format_result(res)
+
+
+@pytest.mark.gpu1
 def test_sglang_peft3d_expert_adapter_is_a_fail_with_the_engine_log(case):
     """SGLang 0.5.15 skips PEFT 3D expert weights and its scheduler dies at the first LoRA request (docs/engines.md;
     `lpdiff doctor` says so before a run: peft3d-kills-sglang). Served anyway, the subprocess lane turns the dead

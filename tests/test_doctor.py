@@ -525,3 +525,23 @@ def test_peft3d_on_a_natively_3d_vllm_class_is_not_sent_to_per_expert(zoo, tmp_p
     a = gen(zoo, tmp_path, model, ("attention", "experts"))
     r = doctor(zoo[model][0], a)
     assert not [f for f in r.findings if f.engine == "vllm" and f.code == "peft3d-needs-mixed-format"], r.findings
+
+
+def test_vllm_drops_nemotron_super_latent_lora(tmp_path):
+    """vLLM 0.25.1 wraps Nemotron-Super's fc1/fc2_latent_proj in LoRA layers its MoE runner never calls (measured:
+    a latent-only adapter served as the base model): an error for vLLM, nothing for SGLang, which serves them."""
+    from lpdiff.harness.spec.catalog import get_model, hf_config
+
+    spec = get_model("nemotron-3-super-120b-a12b", num_layers=2)
+    cfg = hf_config(spec)
+    moe = cfg.hybrid_override_pattern.index("E")
+    h, lat = cfg.hidden_size, cfg.moe_latent_size
+    shapes = {**lora_keys(f"backbone.layers.{moe}.mixer.fc1_latent_proj", 4, h, lat),
+              **lora_keys(f"backbone.layers.{moe}.mixer.fc2_latent_proj", 4, lat, h)}
+    a = hand_written(tmp_path / "latent", {"r": 4, "target_modules": ["fc1_latent_proj", "fc2_latent_proj"]}, shapes)
+    r = doctor(spec, a, engines=["vllm", "sglang"])
+    f = check(r, "vllm", "error", "vllm-nemotron-latent-dropped")
+    assert f"layers.{moe}.mixer.fc1_latent_proj and 1 more" in f.message and "moe_runner.py" in f.message
+    assert r.codes("sglang", "error") == set()
+    # the step-size fault is handled by lpdiff's engine: said, as info, for any LoRA on the MoE model
+    assert "max_num_batched_tokens=2048" in check(r, "vllm", "info", "vllm-nemotron-step-fault").fix

@@ -419,3 +419,22 @@ def test_qwen35_peft3d_adapters_take_the_native_3d_path_of_the_checkpoints_class
     eng = VLLMEngine(EngineConfig(model=spec, adapters={"all": AdapterSpec("all", str(rooted))}, dtype="bfloat16"))
     kw = eng._lora_kwargs(hf_config(spec), on_cpu=False, known={"enable_mixed_moe_lora_format"})
     assert kw["enable_lora"] and "enable_mixed_moe_lora_format" not in kw and not eng._mixed
+
+
+def test_nemotron_lora_steps_are_capped_where_vllm_runs_them(tmp_path):
+    """vLLM 0.25.1's Nemotron-H MoE-LoRA engine died (illegal memory access) in steps of 8192 tokens at TP 1 and
+    4096 at TP 2 and ran at 2048 (H200): the engine asks for 2048-token steps on that arch only."""
+    pytest.importorskip("transformers")
+    from lpdiff.engines.vllm.settings import NEMOTRON_LORA_STEP_TOKENS
+    from lpdiff.harness.spec.catalog import get_model, hf_config
+    from lpdiff.harness.spec.resolve import zoo_adapters
+
+    known = {"enable_mixed_moe_lora_format", "max_num_batched_tokens"}
+    got = {}
+    for model, name in (("tiny-nemotron-h", "attention"), ("tiny-qwen3-moe", "attention")):
+        spec = get_model(model)
+        eng = VLLMEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", str(zoo_adapters(model)[name].path))},
+                                      dtype="bfloat16"))
+        got[model] = eng._lora_kwargs(hf_config(spec), on_cpu=False, known=known).get("max_num_batched_tokens")
+    assert got == {"tiny-nemotron-h": NEMOTRON_LORA_STEP_TOKENS, "tiny-qwen3-moe": None}
+    assert NEMOTRON_LORA_STEP_TOKENS == 2048

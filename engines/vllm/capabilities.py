@@ -84,20 +84,25 @@ CAPABILITIES = Capabilities(
         KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: illegal memory access in "
                     "vLLM's fused MoE-LoRA kernel", "run at TP 1 or 2", _V25, archs=("qwen3_moe",),
                     layouts=("per_expert",), tp=(4,)),
-        # H100 x2, two runs: the TP 2 engine started, then died at the first batch (illegal memory access; then
-        # EngineDeadError); TP 1 on the same checkpoint and adapters PASSes every lane
-        KnownDefect("vllm-nemotron-tp2-fault", "MoE-LoRA on {arch} at TP 2: vLLM 0.25.1's engine dies at the "
-                    "first batch (illegal memory access, EngineDeadError; measured on Nemotron-Nano, H100)",
-                    "run at TP 1", _V25, archs=("nemotron_h",), tp=(2,)),
-        # TP 1, per-expert files: served every lane correctly on an H100 (default init, 3 runs), and died at the
-        # first LoRA batch on an H200 (peaked/v1 init, 20 reruns asked; illegal memory access reported at the
-        # sampler's sync right after _fused_moe_lora_one_shot_kernel compiled): intermittent, so TP 1 is still
-        # judged and expected to PASS
-        KnownDefect("vllm-nemotron-tp1-fault", "MoE-LoRA on {arch} at TP 1: vLLM 0.25.1's engine died once at the "
-                    "first LoRA batch (illegal memory access, EngineDeadError; H200) and served correctly another "
-                    "time (H100): a FAIL carrying that error is vLLM's, not the adapter's",
-                    "rerun; if it repeats, rerun with CUDA_LAUNCH_BLOCKING=1 in the engine's env to pin the kernel",
-                    _V25, archs=("nemotron_h",), tp=(1,), severity="warning"),
+        # H200: Nano x8 died (illegal memory access; EngineDeadError) at 8192 tokens per step and at vLLM's default
+        # at TP 1, at 4096 at TP 2, and served every lane correctly at 2048 (Nano TP 1 and 2, Super TP 1 and 2);
+        # with CUDA_LAUNCH_BLOCKING=1 the default ran: a race that large steps expose (engines/vllm/settings.py)
+        KnownDefect("vllm-nemotron-step-fault", "MoE-LoRA on {arch}: vLLM 0.25.1's engine dies at the first LoRA "
+                    "batch (illegal memory access, EngineDeadError) in steps of 8192 tokens at TP 1 and 4096 at TP 2 "
+                    "(2048 ran at both); lpdiff's vllm engine caps max_num_batched_tokens at 2048 for this arch",
+                    "serve it with max_num_batched_tokens=2048 (lpdiff's vllm engine does; llm_kwargs overrides)",
+                    _V25, archs=("nemotron_h",), severity="info"),
+        # the latent projections are ReplicatedLinear modules handed to FusedMoE as routed_input_transform /
+        # routed_output_transform (models/nemotron_h.py:235); its runner keeps those objects (fused_moe/runner/
+        # moe_runner.py:261) and calls them (:363, :386), while LoRA swaps the mixer's attribute
+        # (lora/utils.py:145): the LoRA layer is never called. Measured on Super x8, TP 1 and 2 (H200): the
+        # latent-only lane equalled the base model (delta fidelity 1.000), no warning
+        KnownDefect("vllm-nemotron-latent-dropped", "LoRA on the latent MoE projections ({where}): vLLM 0.25.1 "
+                    "wraps them, but its MoE runner calls the unwrapped modules (fused_moe/runner/moe_runner.py:"
+                    "261, 363, 386), so that part of the adapter is silently dropped (measured: a latent-only "
+                    "adapter served as the base model)", "judge the latent projections on SGLang or HF+PEFT, or "
+                    "merge them into the checkpoint and serve the rest of the adapter", _V25, archs=("nemotron_h",),
+                    when="tensors for fc1_latent_proj / fc2_latent_proj"),
         # lora/ops/triton_ops/fused_moe_lora_op.py, _run_fused_moe_lora_one_shot: a rank-512 shared-outer gpt-oss
         # adapter killed the engine at its first batch (H200)
         KnownDefect("moe-rank-above-128", "expert adapter of rank {rank}: vLLM 0.25.1's fused MoE-LoRA kernel "

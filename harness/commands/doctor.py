@@ -409,6 +409,7 @@ DETECTORS: dict[str, Detector] = {
     "sglang-nemotron-up-proj": _tensors_on("up_proj", experts=True),
     "sglang-nemotron-shared-up-proj": _tensors_on("up_proj", experts=False),
     "sglang-mamba-in-proj": _tensors_on("in_proj"),
+    "vllm-nemotron-step-fault": _moe_lora, "vllm-nemotron-latent-dropped": _tensors_on("fc[12]_latent_proj"),
 }
 
 
