@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from lpdiff.engines import Capabilities, capabilities
+from lpdiff.harness.spec.adapters.inspection import several
 
 ENGINES = ("hf", "vllm", "sglang")  # the engines whose adapter handling the doctor knows (triton reads every layout)
 SEVERITIES = ("error", "warning", "info")
@@ -249,7 +250,7 @@ def _router_hits(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
                  | {r for r in f.routers if r + ".weight" in f.peft_params})
     if not hit:
         return None
-    return {"where": f"{hit[0]}" + (f" and {len(hit) - 1} more" if len(hit) > 1 else ""),
+    return {"where": several(hit),
             "router_fix": "drop the router from target_modules; adapt the experts instead (target_parameters)"}
 
 
@@ -280,7 +281,7 @@ def _wrapped_without_weights(random_init: bool) -> Detector:
         missing = sorted(m for m in f.peft_modules if m not in f.key_modules)
         if not missing or (f.config.get("init_lora_weights", True) is False) != random_init:
             return None
-        return {"where": f"{missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")}
+        return {"where": several(missing)}
     return detect
 
 
@@ -349,7 +350,7 @@ def _tensors_on(leaf: str, experts: bool | None = None) -> Detector:
     def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
         hit = sorted({m.group(1) for k in f.info.keys if (m := pattern.fullmatch(k))
                       and experts in (None, bool(_PER_EXPERT_KEY.fullmatch(m.group(1))))})
-        return {"where": hit[0] + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")} if hit else None
+        return {"where": several(hit)} if hit else None
     return detect
 
 

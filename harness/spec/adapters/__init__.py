@@ -36,7 +36,13 @@ from lpdiff.harness.spec.adapters.generate import (
     GENERATOR_VERSION,
     generate_adapter,
 )
-from lpdiff.harness.spec.adapters.inspection import AdapterInfo, adapter_groups, adapter_max_rank, inspect_adapter
+from lpdiff.harness.spec.adapters.inspection import (
+    AdapterInfo,
+    adapter_groups,
+    adapter_max_rank,
+    inspect_adapter,
+    several,
+)
 from lpdiff.harness.spec.adapters.layout import (
     GROUPS,
     LAYOUTS,

@@ -22,6 +22,7 @@ from lpdiff.harness.spec.adapters.files import (
     read_provenance,
     write_json,
 )
+from lpdiff.harness.spec.adapters.inspection import several
 from lpdiff.harness.spec.adapters.layout import LAYOUTS, PEFT_PREFIX, disk_roots, suffixes
 from lpdiff.harness.types import AdapterSpec
 
@@ -124,7 +125,7 @@ def reroot_fix(info, model_ref: str, root: str, layouts: Sequence[str]) -> dict[
     if not outside:
         return None
     to = info.layout if info.layout in layouts else layouts[0]
-    return {"where": outside[0] + (f" and {len(outside) - 1} more" if len(outside) > 1 else ""),
+    return {"where": several(outside),
             "to_root": convert_command(model_ref, info.path, to, root)}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,11 @@ class AdapterInfo:
         adapter names under that root cannot place."""
         prefix = root.rstrip(".") + "."
         return sorted(m for m in self.modules() if not m.startswith(prefix))
+
+
+def several(names: Sequence[str]) -> str:
+    """The first name and how many more: how a one-line message points at a list of modules."""
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:

@@ -129,10 +129,6 @@ def read_tensors(adapter_dir: str | Path) -> dict[str, Any]:
 
 # -- what the files hold ----------------------------------------------------------------------------------------------
 
-def _several(items: list[str]) -> str:
-    return items[0] + (f" and {len(items) - 1} more" if len(items) > 1 else "")
-
-
 def _arch_problem(d: Path, cfg: dict, facts: ModelFacts) -> Problem | None:
     """The architecture the adapter's own files name (PEFT's auto_mapping, lpdiff's generator record)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
