@@ -85,8 +85,9 @@ CAPABILITIES = Capabilities(
                     "vLLM's fused MoE-LoRA kernel", "run at TP 1 or 2", _V25, archs=("qwen3_moe",),
                     layouts=("per_expert",), tp=(4,)),
         # H200: Nano x8 died (illegal memory access; EngineDeadError) at 8192 tokens per step and at vLLM's default
-        # at TP 1, at 4096 at TP 2, and served every lane correctly at 2048 (Nano TP 1 and 2, Super TP 1 and 2);
-        # with CUDA_LAUNCH_BLOCKING=1 the default ran: a race that large steps expose (engines/vllm/settings.py)
+        # at TP 1, at 4096 at TP 2; every lane was served correctly at 2048 (Nano TP 1 and 2, Super TP 1) and 1024
+        # (Nano TP 2), and Super TP 2 ran at 4096; with CUDA_LAUNCH_BLOCKING=1 the default ran: a race that large
+        # steps expose (the engine's cap: settings.NEMOTRON_LORA_STEP_TOKENS)
         KnownDefect("vllm-nemotron-step-fault", "MoE-LoRA on {arch}: vLLM 0.25.1's engine dies at the first LoRA "
                     "batch (illegal memory access, EngineDeadError) in steps of 8192 tokens at TP 1 and 4096 at TP 2 "
                     "(2048 ran at both); lpdiff's vllm engine caps max_num_batched_tokens at 2048 for this arch",

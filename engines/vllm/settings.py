@@ -14,9 +14,8 @@ OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "m
                 "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "enforce_eager", "close_timeout_s",
                 "llm_kwargs", "env")
 GPU_MEMORY_UTILIZATION = 0.6
-# Nemotron-H MoE-LoRA steps (vllm-nemotron-step-fault): vLLM 0.25.1 died with an illegal memory access at 8192
-# tokens and its default at TP 1, at 4096 at TP 2, and served every lane correctly at 2048 (Nano x8 TP 1 and 2,
-# Super x8 TP 1; H200); with CUDA_LAUNCH_BLOCKING=1 the default ran, so it is a race that large steps expose
+# tokens per step for Nemotron-H MoE-LoRA: the largest that ran at TP 1 and 2 (vllm-nemotron-step-fault in
+# engines/vllm/capabilities.py has the measurements)
 NEMOTRON_LORA_STEP_TOKENS = 2048
 
 
