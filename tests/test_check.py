@@ -77,6 +77,18 @@ def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
     assert "FAIL" in check.format_result(res)
     rows = list(csv.DictReader(open(check.write_csv(res, tmp_path / "x.csv"))))
     assert rows[0]["verdict"] == "FAIL" and "engine failed" in rows[0]["reasons"]
+    assert rows[0]["engine_pair"] == "hf:bfloat16-vs-hf:float32"
+
+
+def test_an_engine_judged_against_itself_names_its_options(case, store, monkeypatch):
+    # HF's eager experts against HF's default kernel: labelled so, not as HF against itself
+    monkeypatch.setenv("LPDIFF_HF_OPTIONS", '{"experts_impl": "eager"}')
+    res = check.run_check(case, "hf", k=2, store=store, dtype="float32", log=lambda s: None)
+    assert res.as_expected, check.format_result(res)
+    assert res.threshold.engine_pair == res.engine_pair == "hf[experts_impl=eager]:float32-vs-hf:float32"
+    # where an engine runs is not how it computes; another engine's options leave the pair as it was
+    assert check.engine_pair("hf", "float32", "hf", {"lane": "subprocess", "python": "/x"}) == "hf:float32-vs-hf:float32"
+    assert check.engine_pair("vllm", "bfloat16", "hf", {"seed": 1}) == "vllm:bfloat16-vs-hf:float32"
 
 
 def test_engine_options_from_the_environment(monkeypatch):

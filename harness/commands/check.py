@@ -195,11 +195,25 @@ class CheckResult:
     error: str | None = None  # the engine died or raised: every lane FAILs with this message
     refused: dict[str, str] = field(default_factory=dict)  # lane -> doctor's error for this engine (not served)
     init_recipe: str = ""  # the model's weights (catalog init recipe; "" for a checkpoint)
+    engine_pair: str = ""  # engine_pair(): what was judged against what
 
     @property
     def as_expected(self) -> bool:
         return self.error is None and all(("PASS" if v.passed else "FAIL") == v.expected
                                           for v in self.verdicts)
+
+
+# where an engine runs (its interpreter, its lane), not how it computes
+_WHERE_OPTIONS = ("python", "lane", "lane_env")
+
+
+def engine_pair(engine: str, dtype: str, reference: str, options: dict) -> str:
+    """'vllm:bfloat16-vs-hf:float32'. An engine judged against itself names the options it ran with
+    ('hf[experts_impl=eager]:float32-vs-hf:float32', HF's eager experts against HF's default kernel), so the row is
+    not read as a self-comparison."""
+    how = ",".join(f"{k}={v}" for k, v in sorted(options.items()) if k not in _WHERE_OPTIONS)
+    tag = f"[{how}]" if how and engine == reference else ""
+    return f"{engine}{tag}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}"
 
 
 def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3, options: dict | None = None,
@@ -231,14 +245,15 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
     log(f"[check] {engine} tp={tp}: starting, {len(lanes)} lanes ({len(refused)} refused)")
     t_start = time.perf_counter()
+    opts = {**engine_options(engine), **(options or {})}
+    pair = engine_pair(engine, dtype, reference, opts)
     try:
-        sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp,
-                           options={**engine_options(engine), **(options or {})}, reruns=k)
+        sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
         log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
         return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
                            Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused,
-                           init_recipe=case.spec.init_recipe or "")
+                           init_recipe=case.spec.init_recipe or "", engine_pair=pair)
     log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
         f"{sess.wall_s:.1f}s, {time.perf_counter() - t_start:.1f}s with start and close ({sess.version})")
     reruns = rerun_noise(sess.runs)
@@ -246,9 +261,10 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
     t = threshold_from(noise, FACTOR[dtype], note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} "
                        f"({ref_noise.describe()}) and {engine} rerun noise over {k} runs ({reruns.describe()}), "
                        f"same model and prompts")
-    t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, f"{engine}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}", dtype, tp
+    t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
     res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, sess.version,
-                      ref_noise, reruns, t, sess.runs, refused=refused, init_recipe=case.spec.init_recipe or "")
+                      ref_noise, reruns, t, sess.runs, refused=refused, init_recipe=case.spec.init_recipe or "",
+                      engine_pair=pair)
     eps = near_tie_eps(dtype, REFERENCE_DTYPE)
     got = sess.first
     for lane in [None, *lanes]:
@@ -379,7 +395,7 @@ def _rows(res: CheckResult) -> list[dict]:
         lines = res.error.strip().splitlines()
         last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])[:300]  # the cause, not the teardown
         return [dict(date=date, commit=commit, gpu=gpu, model=res.model, layers=res.layers, tp=res.tp, dtype=res.dtype,
-                     engine_pair=f"{res.engine}:{res.dtype}-vs-{res.reference}:{REFERENCE_DTYPE}", verdict="FAIL",
+                     engine_pair=res.engine_pair, verdict="FAIL",
                      reasons=f"engine failed: {last}")]
     t = res.threshold
     rows = [dict(date=date, commit=commit, gpu=gpu, engine_version=res.engine_version, model=res.model,
