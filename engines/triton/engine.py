@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, check_request
+from lpdiff.engines.progress import progress_log
 import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.triton.capture import capture_layers
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS
@@ -52,6 +53,8 @@ class TritonEngine:
         check_adapters(self.config, self.name)
         self._prev_fault = faults.activate(self.options.fault)
         world = self.config.tp
+        # a TP start on full-width models takes minutes (130-140 s at TP 4 on H100): say which stage takes them
+        log = progress_log(f"[triton tp={world}] ") if world > 1 else (lambda msg: None)
         if world > 1:
             import torch.distributed as dist
 
@@ -59,14 +62,18 @@ class TritonEngine:
                 raise RuntimeError("a torch.distributed process group already exists in this process; the triton "
                                    "engine starts its own for tp > 1 (close the other engine, or use tp=1)")
             self.workers = tp.Workers(world, self.config, self.device, self.options)
+            log(f"{world - 1} workers spawned")
         try:
             if world > 1:
                 tp.init_group(0, world, self.workers.init_method, tp.rank_device(self.device, 0),
                               self.options.timeout_s)
+                log("process group joined")
             self.runtime = Runtime(self.config, self.options, Shard(0, world), tp.rank_device(self.device, 0),
                                    tp.all_reduce_fn(world))
             if self.workers is not None:
+                log("rank 0 loaded its shard")
                 self.workers.wait_ready()
+                log("every rank loaded its shard")
         except BaseException:
             self.close(force=True)
             raise
@@ -75,9 +82,11 @@ class TritonEngine:
         if self.workers is not None:
             import torch.distributed as dist
 
+            log = progress_log(f"[triton tp={self.config.tp}] ")
             if not force and self.runtime is not None:
                 tp.broadcast(None)  # workers leave their loop and destroy their group
             self.workers.stop(force=force)
+            log("workers stopped")
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.workers = None
