@@ -85,6 +85,9 @@ class TritonEngine:
             log = progress_log(f"[triton tp={self.config.tp}] ")
             if not force and self.runtime is not None:
                 tp.broadcast(None)  # workers leave their loop and destroy their group
+                # NCCL's destroy waits for every rank of the communicator (ncclCommDestroy is collective): rank 0
+                # joins the workers in it before it waits for them to exit
+                dist.destroy_process_group()
             self.workers.stop(force=force)
             log("workers stopped")
             if dist.is_initialized():
