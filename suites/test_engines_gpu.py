@@ -1,11 +1,12 @@
 """GPU suite: real serving engines judged on full-width models (harness/check.py, ``lpdiff check``).
 
 Every catalog model at full width, cut to ``LAYERS`` layers (fits one GPU next to the fp32 reference and keeps
-engine starts at 1-3 min), weights from the catalog's seeded init recipe ``RECIPE``. vLLM, SGLang and the
-triton runtime serve, in bf16, one batch holding base rows and every adapter of harness.check.ADAPTERS in every
-layout the engine reads; each lane is judged against HF+PEFT in fp32 with FACTOR x the noise measured in the same
-run (HF bf16 vs fp32, and the engine's own reruns). Correct adapters must PASS, the deliberately broken one (every
-expert's LoRA-B shifted to the next expert) must FAIL.
+engine starts at 1-3 min), weights from the catalog's seeded init recipe ``RECIPE``. vLLM, SGLang, the triton
+runtime and HF itself serve, in bf16 and (where the engine has an fp32 LoRA path) fp32, one batch holding base rows
+and every adapter of harness.check.ADAPTERS in every layout the engine reads; each lane is judged against HF+PEFT in
+fp32 with check.FACTOR x the noise measured in the same run (bf16: HF bf16 vs fp32; fp32: HF's two expert kernels;
+and the engine's own reruns). Correct adapters must PASS, the deliberately broken one (every expert's LoRA-B shifted
+to the next expert) must FAIL.
 
 Engines run where they are installed: in this interpreter, or through ``LPDIFF_VLLM_PYTHONPATH`` /
 ``LPDIFF_SGLANG_PYTHONPATH`` (an unpacked offline bundle; the engine then runs in a subprocess lane with that
@@ -34,6 +35,7 @@ LAYERS = {"qwen3-30b-a3b": 4, "gpt-oss-20b": 4, "qwen3.5-35b-a3b": 4, "nemotron-
 MODELS = [m for m in LAYERS if m in known_models()]
 ENGINES = ["triton", "vllm", "sglang", "hf"]  # hf in bf16 is an engine too: the reference's own rounding
 TPS = [1, 2, 4, 8]
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # id suffix -> dtype the engine runs in
 # the full-size models' weights: peaked/v1 (decisive routers, peaked outputs) unless $LPDIFF_INIT_RECIPE says
 # otherwise. With the default random init, near-tied routers flip under bf16 rounding and the broken adapter
 # cleared gpt-oss-20b's threshold by 1.8x; with peaked/v1 by 118x (benchmarks/results/engines_gpu.md)
@@ -45,22 +47,28 @@ assert REFERENCE in ("hf", "triton"), f"LPDIFF_CHECK_REFERENCE must be hf or tri
 
 
 def grid():
-    """Every model x engine x TP, marked gpuN by the GPUs the case needs (TP N): ``-m gpu8`` selects every model
-    at TP 8. A combination the engine's capabilities rule out is still collected and skips with their reason."""
+    """Every model x engine x TP x dtype, marked gpuN by the GPUs the case needs (TP N): ``-m gpu8`` selects every
+    model at TP 8. A combination the engine's capabilities rule out is still collected and skips with their reason."""
     for model in MODELS:
         for engine in ENGINES:
             for tp in TPS:
-                yield pytest.param(model, engine, tp, marks=getattr(pytest.mark, f"gpu{tp}"),
-                                   id=f"{model}-{engine}-tp{tp}")
+                for tag, dtype in DTYPES.items():
+                    yield pytest.param(model, engine, tp, dtype, marks=getattr(pytest.mark, f"gpu{tp}"),
+                                       id=f"{model}-{engine}-tp{tp}-{tag}")
 
 
-def cannot_serve(engine: str, model: str, tp: int) -> str | None:
+def cannot_serve(engine: str, model: str, tp: int, dtype: str = "bfloat16") -> str | None:
     caps = capabilities(engine)
     arch = get_model(model).arch
     if not caps.serves(arch):
         return f"{caps.label} does not serve {arch} (capabilities: {', '.join(caps.archs or ())})"
     if tp not in caps.tp:
         return f"{caps.label} runs TP {', '.join(map(str, caps.tp))} only (capabilities)"
+    if dtype not in caps.dtypes or (dtype == "float32" and not caps.lora_fp32):
+        return f"{caps.label} has no {dtype} LoRA path (capabilities)"
+    if engine == REFERENCE and dtype == "float32":
+        return (f"{caps.label} in fp32 is the reference itself (benchmarks/detection.py judges its expert kernels "
+                f"against each other)")
     return None
 
 
@@ -105,13 +113,14 @@ def _report(engine: str, res, record_verdict=None) -> None:
         record_verdict(v)
 
 
-def _judge(engine: str, case, tp: int, record_verdict) -> None:
+def _judge(engine: str, case, tp: int, record_verdict, dtype: str = "bfloat16") -> None:
     # hf reads per-expert files by converting them to PEFT 3D, exactly the reference's files (tests/
     # test_hf_per_expert.py): on the GPU those lanes would double HF's time and show nothing new
     layouts = ("peft3d",) if engine == "hf" else layouts_for(engine, case.spec.arch)
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
-    log = progress_log(f"[{case.spec.name}-{engine}-tp{tp}] ")
-    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, log=log) for lays in sessions]
+    log = progress_log(f"[{case.spec.name}-{engine}-tp{tp}-{dtype}] ")
+    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, dtype=dtype, log=log)
+               for lays in sessions]
     # engine defects lpdiff reproduces on purpose (declared in the engine's capabilities for this TP size): the run
     # must come out NOT as expected; the day it comes out as expected the test fails, so the fix gets recorded
     defects = [d for d in capabilities(engine).defects(case.spec.arch, tp=tp) if d.tp and d.severity == "error"]
@@ -127,16 +136,16 @@ def _judge(engine: str, case, tp: int, record_verdict) -> None:
     assert as_expected, table
 
 
-@pytest.mark.parametrize("model,engine,tp", list(grid()))
-def test_engine_bf16_vs_fp32_reference(model, engine, tp, tmp_path_factory, record_verdict):
-    """The engine in bf16 at TP ``tp`` against the fp32 reference at TP 1, every adapter lane of check.ADAPTERS
-    in every layout the engine reads: correct adapters PASS, the broken one FAILs. Tensor parallelism is judged
-    the same way: a delta counted once per rank or a mis-sliced LoRA shard moves every adapter lane far above the
-    bf16 noise."""
-    if why := cannot_serve(engine, model, tp):
+@pytest.mark.parametrize("model,engine,tp,dtype", list(grid()))
+def test_engine_vs_fp32_reference(model, engine, tp, dtype, tmp_path_factory, record_verdict):
+    """The engine in ``dtype`` at TP ``tp`` against the fp32 reference at TP 1, every adapter lane of
+    check.ADAPTERS in every layout the engine reads: correct adapters PASS, the broken one FAILs. Tensor parallelism
+    is judged the same way: a delta counted once per rank or a mis-sliced LoRA shard moves every adapter lane far
+    above the noise (in fp32, HF's two expert kernels differ by ~1e-11 in k2)."""
+    if why := cannot_serve(engine, model, tp, dtype):
         pytest.skip(why)
     _installed(engine)
-    _judge(engine, case_for(model, tmp_path_factory), tp, record_verdict)
+    _judge(engine, case_for(model, tmp_path_factory), tp, record_verdict, dtype)
 
 
 # -- known engine defects, reproduced on purpose: lpdiff must report them ----------------------------------------
