@@ -57,7 +57,7 @@ def grid():
                                        id=f"{model}-{engine}-tp{tp}-{tag}")
 
 
-def cannot_serve(engine: str, model: str, tp: int, dtype: str = "bfloat16") -> str | None:
+def cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
     caps = capabilities(engine)
     arch = get_model(model).arch
     if not caps.serves(arch):
@@ -113,7 +113,7 @@ def _report(engine: str, res, record_verdict=None) -> None:
         record_verdict(v)
 
 
-def _judge(engine: str, case, tp: int, record_verdict, dtype: str = "bfloat16") -> None:
+def _judge(engine: str, case, tp: int, dtype: str, record_verdict) -> None:
     # hf reads per-expert files by converting them to PEFT 3D, exactly the reference's files (tests/
     # test_hf_per_expert.py): on the GPU those lanes would double HF's time and show nothing new
     layouts = ("peft3d",) if engine == "hf" else layouts_for(engine, case.spec.arch)
@@ -145,7 +145,7 @@ def test_engine_vs_fp32_reference(model, engine, tp, dtype, tmp_path_factory, re
     if why := cannot_serve(engine, model, tp, dtype):
         pytest.skip(why)
     _installed(engine)
-    _judge(engine, case_for(model, tmp_path_factory), tp, record_verdict, dtype)
+    _judge(engine, case_for(model, tmp_path_factory), tp, dtype, record_verdict)
 
 
 # -- known engine defects, reproduced on purpose: lpdiff must report them ----------------------------------------
