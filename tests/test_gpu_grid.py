@@ -40,3 +40,39 @@ def test_every_model_engine_and_dtype_at_every_tp_size_carries_its_gpu_mark():
 def test_a_case_an_engine_cannot_serve_skips_with_the_reason(engine, model, tp, dtype, why):
     got = grid_module.cannot_serve(engine, model, tp, dtype)
     assert got is None if why is None else why in got, got
+
+
+def test_declared_tp_defects_decide_which_outcomes_a_case_accepts(tmp_path_factory):
+    """The grid's rule on real check results of the tiny zoo (CPU): with no defect every lane must be as expected;
+    a declared error must come out not as expected; a declared warning (the engine may die) takes a run as expected
+    or the engine's own error, never lanes that come out wrong without one."""
+    import dataclasses
+
+    from lpdiff.engines.base import capabilities
+    from lpdiff.harness.commands import check
+    from lpdiff.harness.pipeline.store import BaselineStore
+
+    case = check.build_case("tiny-qwen3-moe", 2, tmp_path_factory.mktemp("case"), device="cpu", lengths=(40, 27),
+                            log=lambda s: None)
+    store = BaselineStore(tmp_path_factory.mktemp("store"))
+    run = dict(k=2, store=store, log=lambda s: None)
+    served = check.run_check(case, "triton", dtype="float32", **run)
+    wrong = check.run_check(case, "triton", dtype="float32", options={"fault": "topk_weight_missing"}, **run)
+    died = check.run_check(case, "hf", tp=2, **run)  # the hf engine refuses TP: an engine error
+    assert served.as_expected and not wrong.as_expected and wrong.error is None and died.error is not None
+    may = capabilities("vllm").defect("vllm-moe-lora-tp4-fault", "nemotron_h")
+    assert may.severity == "warning" and may.tp == (4,)
+    must = dataclasses.replace(may, severity="error")
+    outcome = grid_module.outcome
+    assert outcome([served], []) is None
+    assert "expected" in outcome([wrong], []) and "engine failed" in outcome([died], [])
+    assert outcome([served], [may]) is None and outcome([served, died], [may]) is None
+    assert "lanes came out wrong without one" in outcome([wrong], [may])
+    assert "no longer reproduced" in outcome([served], [must])
+    assert outcome([died], [must]) is None and outcome([wrong], [must]) is None
+
+
+def test_k_dtype_selects_that_dtype_only():
+    """`-k fp32` picks the fp32 cases: no test name in the suite holds a dtype tag."""
+    names = [n for n in dir(grid_module) if n.startswith("test_")]
+    assert names and not [n for n in names if any(tag in n for tag in grid_module.DTYPES)], names

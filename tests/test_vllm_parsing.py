@@ -422,10 +422,11 @@ def test_qwen35_peft3d_adapters_take_the_native_3d_path_of_the_checkpoints_class
 
 
 def test_nemotron_lora_steps_are_capped_where_vllm_runs_them(tmp_path):
-    """vLLM 0.25.1's Nemotron-H MoE-LoRA engine died (illegal memory access) in steps of 8192 tokens at TP 1 and
-    4096 at TP 2 and ran at 2048 (H200): the engine asks for 2048-token steps on that arch only."""
+    """vLLM 0.25.1's Nemotron-H MoE-LoRA engine died (illegal memory access) where tokens per step x TP reached
+    8192 (8192 at TP 1, 4096 at TP 2, 2048 at TP 4) and ran at 4096 / TP (H200, H100): the engine asks for 2048-token
+    steps at TP 1 and 2 and 4096 / TP above, on that arch only."""
     pytest.importorskip("transformers")
-    from lpdiff.engines.vllm.settings import NEMOTRON_LORA_STEP_TOKENS
+    from lpdiff.engines.vllm.settings import nemotron_step_tokens
     from lpdiff.harness.spec.catalog import get_model, hf_config
     from lpdiff.harness.spec.resolve import zoo_adapters
 
@@ -433,8 +434,10 @@ def test_nemotron_lora_steps_are_capped_where_vllm_runs_them(tmp_path):
     got = {}
     for model, name in (("tiny-nemotron-h", "attention"), ("tiny-qwen3-moe", "attention")):
         spec = get_model(model)
-        eng = VLLMEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", str(zoo_adapters(model)[name].path))},
-                                      dtype="bfloat16"))
-        got[model] = eng._lora_kwargs(hf_config(spec), on_cpu=False, known=known).get("max_num_batched_tokens")
-    assert got == {"tiny-nemotron-h": NEMOTRON_LORA_STEP_TOKENS, "tiny-qwen3-moe": None}
-    assert NEMOTRON_LORA_STEP_TOKENS == 2048
+        adapters = {"a": AdapterSpec("a", str(zoo_adapters(model)[name].path))}
+        for tp in (1, 2, 4, 8):
+            eng = VLLMEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", tp=tp))
+            got[model, tp] = eng._lora_kwargs(hf_config(spec), on_cpu=False, known=known).get("max_num_batched_tokens")
+    assert got == {**{("tiny-nemotron-h", tp): n for tp, n in ((1, 2048), (2, 2048), (4, 1024), (8, 512))},
+                   **{("tiny-qwen3-moe", tp): None for tp in (1, 2, 4, 8)}}
+    assert [nemotron_step_tokens(tp) for tp in (1, 2, 4, 8)] == [2048, 2048, 1024, 512]

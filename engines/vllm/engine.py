@@ -37,10 +37,10 @@ from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, vllm_top_k
 from lpdiff.engines.vllm.processes import _children, cuda_visible, reap, shutdown
 from lpdiff.engines.vllm.settings import (
     GPU_MEMORY_UTILIZATION,
-    NEMOTRON_LORA_STEP_TOKENS,
     OWN_OPTIONS,
     allowed_ranks,
     default_attention_backend,
+    nemotron_step_tokens,
     pick_max_lora_rank,
     struct_fields,
 )
@@ -245,7 +245,7 @@ class VLLMEngine:
         if not moe:
             return kw
         if hf.model_type == "nemotron_h" and not on_cpu and "max_num_batched_tokens" in known:
-            kw["max_num_batched_tokens"] = NEMOTRON_LORA_STEP_TOKENS  # vllm-nemotron-step-fault; llm_kwargs wins
+            kw["max_num_batched_tokens"] = nemotron_step_tokens(cfg.tp)  # vllm-nemotron-step-fault; llm_kwargs wins
         # the class vLLM builds is the checkpoint's (config.json), not the text config's: Qwen3.5's catalog text
         # config names none, and an empty arch made its natively-3D class look per-expert (mixed format forced on)
         from lpdiff.harness.spec.checkpoint import hub_config_dict

@@ -14,9 +14,17 @@ OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "m
                 "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "enforce_eager", "close_timeout_s",
                 "llm_kwargs", "env")
 GPU_MEMORY_UTILIZATION = 0.6
-# tokens per step for Nemotron-H MoE-LoRA: the largest that ran at TP 1 and 2 (vllm-nemotron-step-fault in
-# engines/vllm/capabilities.py has the measurements)
+# tokens per step for Nemotron-H MoE-LoRA (vllm-nemotron-step-fault in engines/vllm/capabilities.py has the
+# measurements). Nano's engine died wherever tokens per step x TP reached 8192 (8192 at TP 1, 4096 at TP 2, 2048 at
+# TP 4; Super at TP 4 too) and ran wherever it stayed at 4096 or below (4096 and 2048 at TP 1, 2048 and 1024 at
+# TP 2): at most 2048 per step, and 4096 / TP above TP 2 (1024 at TP 4 has not run yet)
 NEMOTRON_LORA_STEP_TOKENS = 2048
+NEMOTRON_LORA_STEP_X_TP = 4096
+
+
+def nemotron_step_tokens(tp: int) -> int:
+    """max_num_batched_tokens lpdiff's vllm engine asks for on Nemotron-H MoE-LoRA at tensor parallelism ``tp``."""
+    return min(NEMOTRON_LORA_STEP_TOKENS, NEMOTRON_LORA_STEP_X_TP // max(tp, 1))
 
 
 def pick_max_lora_rank(ranks: Sequence[int], allowed: Sequence[int] = FALLBACK_RANKS) -> int:
