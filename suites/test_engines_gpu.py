@@ -212,6 +212,7 @@ def test_vllm_nemotron_super_latent_lora_is_dropped(tmp_path_factory, record_ver
         got["latent"].expected = "FAIL"  # the declared defect, marked so in the reports
     _report("vllm", res, record_verdict)
     assert res.error is None, res.error
+    assert "latent" in got, f"no latent lane was served: {sorted(got)}"
     assert not got["latent"].passed and got["latent"].delta_fidelity > 0.9, "vLLM served the latent LoRA: record it"
     assert all(v.passed == (v.expected == "PASS") for a, v in got.items() if a != "latent"), check.format_result(res)
 
