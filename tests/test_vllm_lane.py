@@ -122,6 +122,27 @@ def test_lane_options(options, mode, rest):
         assert cfg.python == options["python"]
 
 
+@pytest.mark.parametrize("environ, lane_env, want", [
+    ({}, None, "0"),  # the lane holds vLLM's engine core: one process (and one import of vLLM) fewer
+    ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, None, None),  # the caller's own setting reaches the lane as it is
+    ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "1"),  # so does one given as lane_env
+])
+def test_vllm_lane_runs_the_engine_core_in_the_lane(monkeypatch, environ, lane_env, want):
+    from lpdiff.engines.base import EngineConfig
+    from lpdiff.engines.vllm import VLLMEngine
+    from lpdiff.harness.types import ModelSpec
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    options = {"lane": "subprocess", **({"lane_env": lane_env} if lane_env else {})}
+    spec = ModelSpec(name="m", arch="qwen3_moe", path="/models/m")  # nothing is read before the engine opens
+    eng = VLLMEngine(EngineConfig(model=spec, options=options))
+    assert eng.lane_config.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == want
+    assert lane_env is None or lane_env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "the caller's dict is not changed"
+    assert VLLMEngine(EngineConfig(model=spec)).lane_config is None  # in-process: nothing to set
+
+
 def test_lane_options_refuse_nonsense():
     with pytest.raises(ValueError, match="'inprocess' or 'subprocess'"):
         lane_config_from_options({"lane": "thread"})

@@ -47,6 +47,9 @@ from lpdiff.engines.vllm.settings import (
 from lpdiff.harness.types import PromptLogprobs
 
 
+IN_LANE_ENGINE_CORE = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -55,6 +58,10 @@ class VLLMEngine:
 
         self.config = config
         self.lane_config, opts = lane_config_from_options(config.options)
+        if self.lane_config is not None and IN_LANE_ENGINE_CORE not in os.environ:
+            # the lane is a process of its own already: vLLM's engine core runs there rather than in one more
+            # process that imports vLLM again (20-28 s an engine at TP 4 on an H100); the TP workers stay processes
+            self.lane_config.env = {IN_LANE_ENGINE_CORE: "0", **self.lane_config.env}
         unknown = sorted(set(opts) - set(OWN_OPTIONS))
         if unknown:
             raise ValueError(f"unknown vllm engine options {unknown}; known: lane, python, lane_*, "
