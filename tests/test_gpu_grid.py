@@ -60,7 +60,7 @@ def test_declared_tp_defects_decide_which_outcomes_a_case_accepts(tmp_path_facto
     wrong = check.run_check(case, "triton", dtype="float32", options={"fault": "topk_weight_missing"}, **run)
     died = check.run_check(case, "hf", tp=2, **run)  # the hf engine refuses TP: an engine error
     assert served.as_expected and not wrong.as_expected and wrong.error is None and died.error is not None
-    may = capabilities("vllm").defect("vllm-moe-lora-tp4-fault", "nemotron_h")
+    may = capabilities("vllm").defect("vllm-moe-lora-tp4-fault", "qwen3_moe")
     assert may.severity == "warning" and may.tp == (4,)
     must = dataclasses.replace(may, severity="error")
     outcome = grid_module.outcome

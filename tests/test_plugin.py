@@ -1,5 +1,9 @@
 """The pytest plugin as a user meets it: markers, GPU skips with a reason, the --lpdiff-regen option."""
 
+import importlib.util
+
+import pytest
+
 pytest_plugins = "pytester"
 
 
@@ -53,3 +57,29 @@ def test_regen_option_and_verdict_table(pytester):
     res = pytester.runpytest("--lpdiff-regen")
     res.assert_outcomes(passed=2)
     res.stdout.fnmatch_lines(["*lpdiff verdicts*", "*tiny-x*FAIL*"])
+
+
+def test_header_says_when_engine_processes_would_compile_torch_from_source(pytester, monkeypatch, tmp_path):
+    """The header line appears only when torch has no bytecode where Python looks and none would be written: here an
+    empty PYTHONPYCACHEPREFIX with PYTHONDONTWRITEBYTECODE=1 (what an image built with uv looks like), in a fresh
+    interpreter, since Python reads both variables at start-up."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "empty-pyc"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    res = pytester.runpytest_subprocess()
+    res.assert_outcomes(passed=1)
+    res.stdout.fnmatch_lines(["lpdiff: torch has no bytecode and PYTHONDONTWRITEBYTECODE is set*"])
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    res = pytester.runpytest_subprocess()
+    res.assert_outcomes(passed=1)
+    res.stdout.no_fnmatch_line("*torch has no bytecode*")
+
+
+def test_bytecode_note_only_when_nothing_is_cached_or_written():
+    from lpdiff.harness.plugin import bytecode_note
+
+    assert bytecode_note(True, False) and "docs/engines.md" in bytecode_note(True, False)
+    assert bytecode_note(False, False) is None  # the first import writes it
+    assert bytecode_note(True, True) is None and bytecode_note(True, None) is None  # cached; torch not installed

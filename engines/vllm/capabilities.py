@@ -86,16 +86,16 @@ CAPABILITIES = Capabilities(
         # takes either an engine error or a run as expected, never wrong lanes without an error
         KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: vLLM 0.25.1's engine may die "
                     "at its first LoRA batch (illegal memory access in its fused MoE-LoRA kernel; measured on "
-                    "Qwen3-30B-A3B: died 2 of 2 on H200 x4, ran 1 of 1 on H100 x4; on Nemotron-3-Nano and -Super: "
-                    "died on H100 x4 at 2048 tokens per step)", "run at TP 1 or 2", _V25,
-                    archs=("qwen3_moe", "nemotron_h"), layouts=("per_expert",), tp=(4,), severity="warning"),
+                    "Qwen3-30B-A3B: died 2 of 2 on H200 x4, 1 of 2 on H100 x4)", "run at TP 1 or 2", _V25,
+                    archs=("qwen3_moe",), layouts=("per_expert",), tp=(4,), severity="warning"),
         # H200: Nano x8 died (illegal memory access; EngineDeadError) at 8192 tokens per step and at vLLM's default
         # at TP 1, at 4096 at TP 2; every lane was served correctly at 4096 and 2048 (TP 1), 2048 and 1024 (TP 2),
         # Super TP 1 at 2048 and TP 2 at 4096; with CUDA_LAUNCH_BLOCKING=1 the default ran: a race that large steps
-        # expose. H100 x4: Nano and Super died at 2048. The engine's cap: settings.nemotron_step_tokens
+        # expose. H100 x4: Nano and Super died at 2048 and ran every lane at 1024. The engine's cap:
+        # settings.nemotron_step_tokens
         KnownDefect("vllm-nemotron-step-fault", "MoE-LoRA on {arch}: vLLM 0.25.1's engine dies at the first LoRA "
                     "batch (illegal memory access, EngineDeadError) in steps of 8192 tokens at TP 1, 4096 at TP 2 "
-                    "and 2048 at TP 4 (4096 / TP ran at TP 1 and 2); lpdiff's vllm engine caps "
+                    "and 2048 at TP 4 (4096 / TP ran at TP 1, 2 and 4); lpdiff's vllm engine caps "
                     "max_num_batched_tokens at 2048, and at 4096 / TP above TP 2",
                     "serve it with max_num_batched_tokens=2048 at TP 1 and 2, 4096 / TP above (lpdiff's vllm engine "
                     "does; llm_kwargs overrides)", _V25, archs=("nemotron_h",), severity="info"),

@@ -17,7 +17,7 @@ GPU_MEMORY_UTILIZATION = 0.6
 # tokens per step for Nemotron-H MoE-LoRA (vllm-nemotron-step-fault in engines/vllm/capabilities.py has the
 # measurements). Nano's engine died wherever tokens per step x TP reached 8192 (8192 at TP 1, 4096 at TP 2, 2048 at
 # TP 4; Super at TP 4 too) and ran wherever it stayed at 4096 or below (4096 and 2048 at TP 1, 2048 and 1024 at
-# TP 2): at most 2048 per step, and 4096 / TP above TP 2 (1024 at TP 4 has not run yet)
+# TP 2, 1024 at TP 4 for Nano and Super): at most 2048 per step, and 4096 / TP above TP 2
 NEMOTRON_LORA_STEP_TOKENS = 2048
 NEMOTRON_LORA_STEP_X_TP = 4096
 
