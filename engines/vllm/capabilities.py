@@ -81,9 +81,9 @@ CAPABILITIES = Capabilities(
                          "model.language_model.layers.*"),
         # illegal memory access at the first LoRA batch, after vLLM compiled _fused_moe_lora_one_shot_kernel (pinned
         # to it on w13 by CUDA_LAUNCH_BLOCKING=1 on Qwen3, expert width 768 / 4 = 192 per rank). Qwen3-30B-A3B x4:
-        # died 2 of 2 on H200 x4, every lane as expected 1 of 1 on H100 x4; Nemotron-3-Nano and -Super x8 died 1 of 1
-        # each on H100 x4 at 2048 tokens per step. TP 1 and 2 run and PASS. A warning: it may die, and the GPU grid
-        # takes either an engine error or a run as expected, never wrong lanes without an error
+        # died 2 of 2 on H200 x4, 1 of 2 on H100 x4 (the other run: every lane as expected). Nemotron-H's deaths at
+        # TP 4 were vllm-nemotron-step-fault's, gone at the engine's step cap. TP 1 and 2 run and PASS. A warning: it
+        # may die, and the GPU grid takes either an engine error or a run as expected, never wrong lanes without one
         KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: vLLM 0.25.1's engine may die "
                     "at its first LoRA batch (illegal memory access in its fused MoE-LoRA kernel; measured on "
                     "Qwen3-30B-A3B: died 2 of 2 on H200 x4, 1 of 2 on H100 x4)", "run at TP 1 or 2", _V25,
