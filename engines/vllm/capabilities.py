@@ -81,12 +81,15 @@ CAPABILITIES = Capabilities(
                          "model.language_model.layers.*"),
         # illegal memory access at the first LoRA batch, after vLLM compiled _fused_moe_lora_one_shot_kernel (pinned
         # to it on w13 by CUDA_LAUNCH_BLOCKING=1 on Qwen3, expert width 768 / 4 = 192 per rank). Qwen3-30B-A3B x4:
-        # died 2 of 2 on H200 x4, 1 of 2 on H100 x4 (the other run: every lane as expected). Nemotron-H's deaths at
-        # TP 4 were vllm-nemotron-step-fault's, gone at the engine's step cap. TP 1 and 2 run and PASS. A warning: it
-        # may die, and the GPU grid takes either an engine error or a run as expected, never wrong lanes without one
+        # died 3 of 3 on H200 x4, 1 of 2 on H100 x4 (the other run: every lane as expected); 1024-token steps, which
+        # keep Nemotron-H alive at TP 4, did not keep it alive (H200 x4): not vllm-nemotron-step-fault's race.
+        # Nemotron-H's deaths at TP 4 were that fault's, gone at the engine's step cap. TP 1 and 2 run and PASS. A
+        # warning: it may die, and the GPU grid takes either an engine error or a run as expected, never wrong lanes
+        # without one
         KnownDefect("vllm-moe-lora-tp4-fault", "per-expert MoE-LoRA on {arch} at TP 4: vLLM 0.25.1's engine may die "
                     "at its first LoRA batch (illegal memory access in its fused MoE-LoRA kernel; measured on "
-                    "Qwen3-30B-A3B: died 2 of 2 on H200 x4, 1 of 2 on H100 x4)", "run at TP 1 or 2", _V25,
+                    "Qwen3-30B-A3B: died 3 of 3 on H200 x4, 1 of 2 on H100 x4; smaller steps do not help)",
+                    "run at TP 1 or 2", _V25,
                     archs=("qwen3_moe",), layouts=("per_expert",), tp=(4,), severity="warning"),
         # H200: Nano x8 died (illegal memory access; EngineDeadError) at 8192 tokens per step and at vLLM's default
         # at TP 1, at 4096 at TP 2; every lane was served correctly at 4096 and 2048 (TP 1), 2048 and 1024 (TP 2),
