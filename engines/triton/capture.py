@@ -62,6 +62,13 @@ def run_capture(rt, work: CaptureWork) -> dict | None:
         m.capture = None
     cap: dict = {(i, "hidden"): h for i, h in free.items()}
     inputs = work.inputs
+    if inputs is not None and not hasattr(m, "attend"):  # a hybrid arch's own model (archs.Built)
+        rerun = getattr(m, "capture_modules", None)
+        if rerun is None:
+            raise ValueError(f"the triton engine's {cfg.arch} model does not re-run its modules on another engine's "
+                             "inputs; capture its layer outputs only (inputs=None)")
+        cap.update(rerun(batch, inputs))
+        return cap if rt.shard.first else None
     for i, lw in enumerate(m.w.layers if inputs is not None else ()):
         ll = m.lora.layers[i] if m.lora is not None else None
         h = inputs[i, "attention_in"].to(rt.device, rt.dtype)

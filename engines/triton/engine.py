@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, check_request
+from lpdiff.engines.capabilities import model_type
 from lpdiff.engines.progress import progress_log
 import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.triton.capture import capture_layers
@@ -23,7 +24,7 @@ class TritonEngine:
     name = "triton"
 
     def __init__(self, config: EngineConfig):
-        if config.model.arch not in SUPPORTED_ARCHS:
+        if model_type(config.model.arch) not in SUPPORTED_ARCHS:
             raise ValueError(f"the triton engine does not support arch {config.model.arch!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHS)} (use engine 'hf' for other models)")
         self.options = TritonOptions.from_dict(config.options)

@@ -9,7 +9,7 @@ import torch
 
 from lpdiff.engines.base import EngineConfig
 from lpdiff.engines.logprobs import chunked_logprobs
-from lpdiff.engines.triton.archs import model_config
+from lpdiff.engines.triton.archs import hybrid_module, model_config
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.graphs import GraphCache
 from lpdiff.engines.triton.loader import open_source
@@ -38,6 +38,14 @@ class Runtime:
         self.logit_chunk = options.logit_chunk
         set_fp32_precision(self.dtype, device)
         hf, source = open_source(config.model, self.dtype, device)
+        self.graphs = None
+        hybrid = hybrid_module(hf)
+        if hybrid is not None:  # an arch whose module builds the whole model (archs.HYBRIDS, archs.Built)
+            adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
+            built = hybrid.build(hf, source, adapters, shard, self.dtype, device, all_reduce, options)
+            del source
+            self.cfg, self.weights, self.lora, self.model = built.cfg, built.weights, built.lora, built.model
+            return
         self.cfg = model_config(hf, config.model.num_layers)
         self.weights = load_weights(self.cfg, source, shard, self.dtype, device)
         del source  # drops whatever the model did not use (lm_head of a tied model, layers past num_layers)
@@ -48,7 +56,6 @@ class Runtime:
         self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, options.impl,
                                     options.attention, options.moe_backend, options.moe_shrink, options.moe_padding)
         # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
-        self.graphs = None
         if options.cuda_graphs and device.type == "cuda" and shard.size == 1:
             self.graphs = GraphCache(options.cuda_graphs, torch.cuda.graph_pool_handle())
 
