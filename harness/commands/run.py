@@ -80,8 +80,10 @@ def resolve_job(job: Job) -> Resolved:
 
 def references(job: Job, store: BaselineStore, regen: bool = False, log: Callable[[str], None] = lambda s: None
                ) -> References:
+    # --prompts FILE runs are no prompt set: keyed by their prompts' hash alone, so they never supersede (and prune
+    # never removes) the default set's baselines
     return References(store, job.reference, job.ref_dtype, None, job.top_k, "regen" if regen else "stored",
-                      job.regen_command(), job.prompt_set, log)
+                      job.regen_command(), None if job.prompts else job.prompt_set, log)
 
 
 def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
