@@ -7,6 +7,7 @@ Exit codes (README "Exit codes"): 0 every verdict as expected; 1 a verdict faile
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -450,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:  # usage errors: unknown option, bad value, missing argument
         e.show()
         return EXIT_USAGE
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
         _log("aborted")
-        return EXIT_FAILED
+        return 128 + signal.SIGINT  # the shell's code for a SIGINT death (130), never a FAIL's 1
     except USER_ERRORS as e:
         msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
         _log(f"error: {msg}")
