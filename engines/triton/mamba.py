@@ -1,0 +1,52 @@
+"""Nemotron-H's Mamba-2 mixer over a packed batch: in_proj (with LoRA) -> z | xBC | dt; causal depthwise conv1d +
+SiLU over xBC; the chunked SSD scan with dt = clamp(softplus(dt + dt_bias), time_step_min) and the D skip; the gated
+RMSNorm with groups (x * silu(z)); out_proj (with LoRA). Under TP each rank holds whole heads with their groups
+(nemotron_h.mamba_rows), so conv, scan and norm run on local columns and only out_proj's output is all-reduced.
+
+Per-prompt reset: conv and scan read the packed tokens as a right-padded (B, L_max) batch (Batch.pad), one prompt
+per row, so no conv window and no scan state crosses a prompt boundary; the padding after a prompt's end never
+reaches its real positions (both ops are causal). The ops are kernels/ssd.py's torch versions on every device.
+"""
+from __future__ import annotations
+
+import torch
+
+from lpdiff.engines.triton.batch import Batch
+from lpdiff.kernels import faults
+from lpdiff.kernels.ssd import causal_conv1d, discretise_dt, gated_rms_norm, ssd_scan
+
+
+def _rows(batch: Batch, t: torch.Tensor, across: bool) -> torch.Tensor:
+    """(T, ...) packed -> (B, L_max, ...) one prompt per row; ``across``: the whole pack as one row (a fault)."""
+    return t[None] if across else batch.pad(t)
+
+
+def _packed(batch: Batch, t: torch.Tensor, across: bool) -> torch.Tensor:
+    return t[0] if across else batch.unpad(t)
+
+
+def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
+    """h (T, H) normed -> (T, H) this rank's partial out_proj output. ``model``: the NemotronHModel (its config
+    and LoRA-aware linear)."""
+    cfg, p = model.cfg, lay.p
+    heads = p["A"].shape[0]
+    hd, n = cfg.mamba_head_dim, cfg.ssm_state
+    inner = heads * hd
+    groups = (p["conv_w"].shape[0] - inner) // (2 * n)
+    T = h.shape[0]
+    zxbcdt = model.linear(h, lay.mods["in_proj"], batch)
+    z, xbc, dt = zxbcdt.split([inner, inner + 2 * groups * n, heads], dim=-1)
+
+    conv_across = faults.on("conv_across_prompts")
+    xbc = _packed(batch, causal_conv1d(_rows(batch, xbc, conv_across), p["conv_w"], p["conv_b"], "silu"),
+                  conv_across)
+    x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)
+    dt = discretise_dt(dt, p["dt_bias"], cfg.dt_min)
+
+    across = faults.on("state_not_reset")
+    y = ssd_scan(_rows(batch, x.reshape(T, heads, hd), across), _rows(batch, dt, across), p["A"],
+                 _rows(batch, B.reshape(T, groups, n), across), _rows(batch, C.reshape(T, groups, n), across),
+                 cfg.chunk_size, p["D"])
+    y = _packed(batch, y, across).reshape(T, inner)
+    y = gated_rms_norm(y, z, p["gate_norm"], cfg.mamba_inner // cfg.n_groups, cfg.rms_norm_eps, h.dtype)
+    return model.linear(y, lay.mods["out_proj"], batch)

@@ -1,0 +1,136 @@
+"""Nemotron-H's forward over a packed batch: embed -> [RMSNorm -> mixer -> +res] x N -> RMSNorm, the mixer of each
+layer as its kind says (nemotron_h.py): Mamba-2 (mamba.py), attention without rotary, the routed + shared relu² MoE,
+or a dense relu² MLP. The residual add is fused into the next RMSNorm (norm.add_rms_norm). LoRA runs on every
+projection that holds stacked factors (kernels.lora_linear per slot, the routed experts through kernels.moe_forward).
+Each mixer's output is this rank's partial sum under TP, all-reduced before the residual add.
+
+The router follows transformers' NemotronHTopkRouter: fp32 logits, sigmoid scores, the correction bias added for
+the choice only, top-``topk_group`` groups by the sum of their two best biased scores, top-k inside them, weights
+the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob) times routed_scaling.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from lpdiff.engines.triton.attention import attention
+from lpdiff.engines.triton.batch import Batch
+from lpdiff.engines.triton.mamba import mamba_mixer
+from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, NemotronHConfig, Weights
+from lpdiff.engines.triton.norm import add_rms_norm
+from lpdiff.engines.triton.shard import Shard
+from lpdiff.harness.spec.routing import topk_margin
+from lpdiff.kernels import MAX_RANK as KERNEL_MAX_RANK
+from lpdiff.kernels import faults, lora_linear, moe_forward
+from lpdiff.kernels.activation import activate
+
+
+class NemotronHModel:
+    def __init__(self, cfg: NemotronHConfig, weights: Weights, lora: HybridLora | None, shard: Shard, all_reduce,
+                 impl: str = "auto", attention_impl: str = "auto", moe_backend: str = "triton"):
+        self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
+        self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
+        self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
+        self.lora_impl = impl
+        if lora is not None and int(lora.ranks.max()) > KERNEL_MAX_RANK:
+            self.lora_impl = "torch"
+            warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
+                          "run on the kernels' torch references", stacklevel=2)
+        self.capture: dict | None = None  # opt-in (lpdiff bisect): layer index -> that layer's output hidden states
+        qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads) if "*" in cfg.kinds else (range(0), range(0))
+        self.heads, self.kv_heads = len(qh), len(kvh)
+
+    def linear(self, x: torch.Tensor, lin: Linear, batch: Batch) -> torch.Tensor:
+        if lin.a is None or batch.token_adapter is None:
+            return lora_linear(x, lin.w, lin.bias, impl=self.impl)
+        return lora_linear(x, lin.w, lin.bias, lin.a, lin.b, self.lora.scaling, None, batch.token_adapter,
+                           impl=self.lora_impl)
+
+    def _norm(self, x, delta, weight):
+        return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, False, self.impl)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> final-normed hidden states (T, H) and each token's smallest routing margin over MoE layers (T,)."""
+        x = self.w.embed[batch.input_ids]
+        margin = torch.full((batch.num_tokens,), float("inf"), device=x.device)
+        delta = None  # output of the last mixer, not yet added to the residual x
+        for i, lay in enumerate(self.w.layers):
+            h, x = self._norm(x, delta, lay.norm)
+            delta = self.mixer(h, lay, batch, margin)
+            if self.capture is not None:
+                self.capture[i] = x + delta
+        return self._norm(x, delta, self.w.norm)[0], margin
+
+    def mixer(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's mixer on its normed input, all-reduced; ``margin`` (T,) is lowered in place by a MoE layer."""
+        if lay.kind == "M":
+            out = mamba_mixer(self, h, lay, batch)
+        elif lay.kind == "*":
+            out = self.attend(h, lay, batch)
+        elif lay.kind == "-":
+            out = self.mlp(h, lay.mods["up_proj"], lay.mods["down_proj"], batch)
+        else:
+            out = self.moe(h, lay, batch, margin)
+        return self.all_reduce(out)
+
+    def attend(self, h: torch.Tensor, lay: Layer, batch: Batch) -> torch.Tensor:
+        d, T, m = self.cfg.head_dim, h.shape[0], lay.mods
+        q = self.linear(h, m["q_proj"], batch).view(T, self.heads, d)
+        k = self.linear(h, m["k_proj"], batch).view(T, self.kv_heads, d)
+        v = self.linear(h, m["v_proj"], batch).view(T, self.kv_heads, d)
+        o = attention(q, k, v, batch, d ** -0.5, None, None, self.attention_impl).reshape(T, self.heads * d)
+        return self.linear(o, m["o_proj"], batch)
+
+    def mlp(self, h: torch.Tensor, up: Linear, down: Linear, batch: Batch) -> torch.Tensor:
+        """down(relu(up(h))²): the dense layer and the shared expert (non-gated)."""
+        return self.linear(activate(self.linear(h, up, batch), "relu2"), down, batch)
+
+    def route(self, h: torch.Tensor, lay: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> top-k ids (T, K), weights (T, K) fp32, margin (T,): the gap between the k-th and (k+1)-th biased score
+        over all experts (harness.routing's definition for sigmoid routers)."""
+        cfg = self.cfg
+        scores = F.linear(h.float(), lay.p["router"]).sigmoid()
+        bias = lay.p["router_bias"]
+        if faults.on("router_bias_rounded"):
+            bias = torch.round(bias, decimals=2)
+        choice = scores + bias
+        margin = topk_margin(choice, cfg.top_k) if cfg.top_k < cfg.num_experts else torch.full_like(scores[:, 0],
+                                                                                                   float("inf"))
+        pick = choice
+        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+            T, E = choice.shape
+            grouped = choice.view(T, cfg.n_group, E // cfg.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
+            pick = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(T, E), float("-inf"))
+        ids = pick.topk(cfg.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * cfg.routed_scaling, margin
+
+    def moe(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None) -> torch.Tensor:
+        ids, weights, own_margin = self.route(h, lay)
+        if margin is not None:
+            torch.minimum(margin, own_margin, out=margin)
+        return self.experts(h, ids, weights, lay, batch) + self.shared(h, lay, batch)
+
+    def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch,
+                use_lora: bool = True) -> torch.Tensor:
+        """The routed experts (through the latent projections where the model has them), this rank's partial sum."""
+        m = lay.mods
+        x = self.linear(h, m["fc1_latent_proj"], batch) if "fc1_latent_proj" in m else h
+        lora = lay.moe_lora if use_lora and batch.token_adapter is not None else None
+        y = moe_forward(x, ids, weights, lay.p["w_up"], lay.p["w_down"], "relu2", lora=lora,
+                        token_adapter=batch.token_adapter if lora is not None else None,
+                        impl=self.lora_impl if lora is not None else self.impl, backend=self.moe_backend)
+        return self.linear(y, m["fc2_latent_proj"], batch) if "fc2_latent_proj" in m else y
+
+    def shared(self, h: torch.Tensor, lay: Layer, batch: Batch) -> torch.Tensor:
+        if faults.on("shared_expert_dropped"):
+            return torch.zeros_like(h)
+        return self.mlp(h, lay.mods["shared_experts.up_proj"], lay.mods["shared_experts.down_proj"], batch)
