@@ -62,14 +62,20 @@ class ModelText:
 def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     if not path.is_file():
         raise SpecError(f"--prompts {str(path)!r}: no such file")
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path} line {i}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecError(f"{path} line {i}: not JSON ({e.msg})") from None
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise SpecError(f"{path} line {line}: not UTF-8 text (byte {e.start}: "
+                        f"{e.reason}); save the file as UTF-8") from None
+    for i, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 inside a JSON string is no line end
+        if not line.strip():
+            continue
+        try:
+            yield f"{path} line {i}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{path} line {i}: not JSON ({e.msg})") from None
 
 
 def _dataset(src: PromptSource) -> Iterator[tuple[str, Any]]:
@@ -108,6 +114,13 @@ def _tokenizer(model: ModelText, where: str, kind: str):
     return AutoTokenizer.from_pretrained(model.tokenizer_dir)
 
 
+def _no_surrogates(text: str, where: str) -> None:
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:  # JSON's "\ud800" escape: a lone surrogate, which no tokenizer (nor UTF-8) can encode
+        raise SpecError(f"{where}: text holds a lone surrogate (U+{ord(text[bad]):04X} at character {bad}), which "
+                        "is not a character; fix the \\u escape (a pair such as \\ud83d\\ude00 is one emoji)")
+
+
 def _ids(record: Any, where: str, model: ModelText, tok: list) -> list[int]:
     if not isinstance(record, dict) or sum(k in record for k in KINDS) != 1:
         raise SpecError(f"{where}: expected an object with exactly one of {', '.join(KINDS)}")
@@ -120,9 +133,12 @@ def _ids(record: Any, where: str, model: ModelText, tok: list) -> list[int]:
     if kind == "text":
         if not isinstance(value, str):
             raise SpecError(f"{where}: text must be a string")
+        _no_surrogates(value, where)
         return list(tok[0](value)["input_ids"])
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
         raise SpecError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
+    for text in (v for m in value for v in m.values() if isinstance(v, str)):
+        _no_surrogates(text, where)
     if not getattr(tok[0], "chat_template", None):
         raise SpecError(f"{where}: {model.name}'s tokenizer has no chat template; give text or token_ids")
     out = tok[0].apply_chat_template(value, tokenize=True, return_dict=False)
