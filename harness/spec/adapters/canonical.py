@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lpdiff.harness.spec.adapters.files import load_tensors, read_config
-from lpdiff.harness.spec.adapters.layout import ModelLayout
+from lpdiff.harness.spec.adapters.layout import EMBED_KEY_RE, ModelLayout, pattern_value
 
 
 def peft_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -29,8 +29,13 @@ class CanonicalAdapter:
     order: gpt-oss gate_up rows remain interleaved (gate = rows 0::2, up = rows 1::2), the others are [gate; up].
 
     An entry's inner dimension can exceed `rank`: per-expert gate and up projections with different A matrices
-    fuse exactly into one gate_up entry of inner dimension 2*rank (A stacked, B block-structured); `scaling` is
-    the adapter's and applies to every entry.
+    fuse exactly into one gate_up entry of inner dimension 2*rank (A stacked, B block-structured). `scaling` is
+    the adapter's (``r``, ``lora_alpha``, ``use_rslora``); ``scalings`` holds the entries whose scaling differs
+    (``rank_pattern`` / ``alpha_pattern``, resolved as PEFT resolves them): ``scaling_of(name)`` is an entry's.
+
+    ``embed``: Embedding LoRA in PEFT's own layout, {module: (A (r, vocab), B (hidden, r))}: the delta of the
+    (vocab, hidden) weight is scaling * (B @ A)^T, so x = E[ids] + scaling * A^T[ids] @ B^T. An ``lm_head`` LoRA
+    is a ``dense`` entry like any Linear.
     """
 
     rank: int
@@ -41,23 +46,36 @@ class CanonicalAdapter:
     experts: dict[str, tuple[torch.Tensor, torch.Tensor]]  # param path -> (A (E, r, in), B (E, out, r))
     config: dict[str, Any] = field(default_factory=dict)  # the adapter_config.json it was read from
     layout: str = "peft3d"  # the disk layout it was read from: one of LAYOUTS or dense_only
+    embed: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (A (r, V), B (H, r))
+    scalings: dict[str, float] = field(default_factory=dict)  # entry -> its scaling, where it differs from scaling
 
     def __post_init__(self):
         assert self.scaling == peft_scaling(self.alpha, self.rank, self.use_rslora)
+        assert set(self.scalings) <= {*self.dense, *self.experts, *self.embed}, sorted(self.scalings)
+        for name, (a, b) in self.embed.items():
+            assert a.ndim == 2 and b.ndim == 2 and a.shape[0] == b.shape[1], f"{name}: A {a.shape} B {b.shape}"
         for name, (a, b) in self.dense.items():
             assert a.ndim == 2 and b.ndim == 2 and a.shape[0] == b.shape[1], f"{name}: A {a.shape} B {b.shape}"
         for name, (a, b) in self.experts.items():
             assert a.ndim == 3 and b.ndim == 3 and a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2], \
                 f"{name}: A {a.shape} B {b.shape}"
 
+    def scaling_of(self, name: str) -> float:
+        """The scaling of one entry (a module's rank_pattern / alpha_pattern, else the adapter's)."""
+        return self.scalings.get(name, self.scaling)
+
     def delta(self, name: str) -> torch.Tensor:
-        """scaling * B @ A in (out, in) orientation ((E, out, in) for experts), in fp32."""
+        """scaling * B @ A in (out, in) orientation ((E, out, in) for experts; (vocab, hidden) for an embedding,
+        the weight's own orientation), in fp32."""
+        if name in self.embed:
+            a, b = self.embed[name]
+            return self.scaling_of(name) * (b.float() @ a.float()).T
         a, b = self.dense[name] if name in self.dense else self.experts[name]
-        return self.scaling * (b.float() @ a.float())
+        return self.scaling_of(name) * (b.float() @ a.float())
 
     @property
     def inner_dims(self) -> set[int]:
-        return {a.shape[-2] for a, _ in [*self.dense.values(), *self.experts.values()]}
+        return {a.shape[-2] for a, _ in [*self.dense.values(), *self.experts.values(), *self.embed.values()]}
 
 
 def as_layout(model_config) -> ModelLayout:
@@ -73,7 +91,19 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     pairs: dict[tuple, dict[str, torch.Tensor]] = {}  # (kind, ...) -> {"A": t, "B": t}
     renamed = False  # per_expert_gate: a non-gated expert's input saved as gate_proj
     for key, t in load_tensors(adapter_dir).items():
+        if _saved_base_layer(key, layout):
+            # PEFT's save_embedding_layers ("auto": on when an embedding is targeted) stores the base embedding and
+            # lm_head beside the LoRA: a resized vocabulary would show as a shape mismatch, and a plain copy
+            # changes nothing; lpdiff judges the LoRA on the model's own base weights
+            continue
         mod, which = layout.memory_path(key)
+        if mod in layout.embeddings:
+            if not EMBED_KEY_RE.fullmatch(key):
+                raise ValueError(f"{key}: {mod} is an embedding; PEFT saves its LoRA as lora_embedding_A/B")
+            ident = ("embed", mod)
+            slot = pairs.setdefault(ident, {})
+            slot[which] = t
+            continue
         try:
             ident = layout.tensor_slot(mod, cfg.get("target_parameters"))
         except ValueError as e:
@@ -87,9 +117,17 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
         if set(slot) != {"A", "B"}:
             raise ValueError(f"{adapter_dir}: {ident[1]} has lora_{''.join(slot)} but not both A and B")
 
-    dense, experts, per_expert = {}, {}, {}
+    dense, experts, per_expert, embed = {}, {}, {}, {}
     for ident, s in pairs.items():
-        if ident[0] == "dense":
+        if ident[0] == "embed":
+            vocab, hidden = layout.embeddings[ident[1]]
+            a, b = s["A"], s["B"]
+            if a.ndim != 2 or b.ndim != 2 or a.shape[1] != vocab or b.shape[0] != hidden or a.shape[0] != b.shape[1]:
+                raise ValueError(f"{ident[1]}: lora_embedding_A {tuple(a.shape)} / lora_embedding_B {tuple(b.shape)} "
+                                 f"do not fit the model's (vocab={vocab}, hidden={hidden}): PEFT writes A (r, vocab), "
+                                 "B (hidden, r); is the adapter for a resized vocabulary?")
+            embed[ident[1]] = (a, b)
+        elif ident[0] == "dense":
             out_f, in_f = layout.linears[ident[1]]
             _check_shapes(ident[1], s["A"], s["B"], in_f, out_f)
             dense[ident[1]] = (s["A"], s["B"])
@@ -115,7 +153,44 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     if per_expert and any(ident[0] == "3d" for ident in pairs):
         raise ValueError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
     rank, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
-    return CanonicalAdapter(rank, alpha, rslora, peft_scaling(alpha, rank, rslora), dense, experts, cfg, layout_name)
+    scaling = peft_scaling(alpha, rank, rslora)
+    scalings = {}
+    for name in [*dense, *experts, *embed]:
+        s = entry_scaling(cfg, _pattern_names(layout, name, per_expert), rank, alpha, rslora)
+        if s != scaling:
+            scalings[name] = s
+    return CanonicalAdapter(rank, alpha, rslora, scaling, dense, experts, cfg, layout_name, embed, scalings)
+
+
+def _saved_base_layer(key: str, layout: ModelLayout) -> bool:
+    """A base weight PEFT saved beside the LoRA (save_embedding_layers) of an embedding or lm_head."""
+    if not key.endswith(".base_layer.weight"):
+        return False
+    mod = layout.memory_path(key.removesuffix(".base_layer.weight") + ".lora_A.weight")[0]
+    return mod in layout.embeddings or mod.rsplit(".", 1)[-1] == "lm_head"
+
+
+def entry_scaling(cfg: dict, paths: list[str], rank: int, alpha: float, rslora: bool) -> float:
+    """The scaling PEFT gives the module(s) at ``paths`` (every one must get the same: they make one entry)."""
+    got = set()
+    for path in paths:
+        r = pattern_value(cfg.get("rank_pattern"), path)
+        a = pattern_value(cfg.get("alpha_pattern"), path)
+        got.add(peft_scaling(float(alpha if a is None else a), int(rank if r is None else r), rslora))
+    if len(got) != 1:
+        raise ValueError(f"rank_pattern / alpha_pattern give the parts of {paths[0]} different scalings "
+                         f"({sorted(got)}), which one fused entry cannot carry; give them one rank and alpha")
+    return got.pop()
+
+
+def _pattern_names(layout: ModelLayout, name: str, per_expert: dict) -> list[str]:
+    """The module paths PEFT matches patterns against for one canonical entry: the module (or, for PEFT's 3D
+    experts, the parameter path); for an entry fused from per-expert files, every expert's projection modules."""
+    p = layout.experts.get(name)
+    if p is None or p.module not in per_expert:
+        return [name]
+    parts = per_expert[p.module]
+    return [f"{p.module}.{e}.{part}" for part in p.parts if part in parts for e in range(p.num_experts)] or [name]
 
 
 def _check_shapes(name: str, a: torch.Tensor, b: torch.Tensor, in_f: int, out_f: int) -> None:
@@ -167,7 +242,7 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
 @torch.no_grad()
 def merge_into(model: nn.Module, adapter: CanonicalAdapter) -> nn.Module:
     """Add every delta into the model's weights in place (as PEFT's merge does: delta cast to the weight dtype)."""
-    for name in adapter.dense:
+    for name in [*adapter.dense, *adapter.embed]:
         w = model.get_submodule(name).weight
         w += adapter.delta(name).to(w.device, w.dtype)
     for name in adapter.experts:

@@ -20,6 +20,7 @@ from lpdiff.harness.spec.adapters.files import (
     PROVENANCE_NAME,
     WEIGHTS_NAME,
     read_provenance,
+    save_tensors,
     write_json,
 )
 from lpdiff.harness.spec.adapters.inspection import several
@@ -55,10 +56,9 @@ def _pad(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
 def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config, layout: str = "peft3d",
                    disk_root: str | None = None, provenance: dict | None = None) -> dict[str, Any]:
     """Write a canonical adapter as a PEFT-format directory in `layout`. Entries of different inner dimensions
-    are zero-padded to one rank with alpha adjusted (exactly; see _rerank). `disk_root`: write the decoder under
+    are zero-padded to one rank with alpha adjusted (exactly; see _rerank), or, for an adapter whose entries have
+    their own scalings, written at their own ranks with rank_pattern / alpha_pattern (_plan_ranks). `disk_root`: write the decoder under
     this name instead of ``model`` (e.g. "backbone" for Nemotron-H's on-disk names). Returns the written config."""
-    from safetensors.torch import save_file
-
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mlayout = as_layout(model_config)
@@ -66,22 +66,26 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
     if disk_root is not None and disk_root.rstrip(".") not in roots:
         raise ValueError(f"disk root {disk_root!r}: a {mlayout.model_type} adapter names its decoder "
                          f"{' or '.join(roots)}, which lpdiff and the engines read; give one of those")
-    rank, alpha = _rerank(adapter)
+    rank, alpha, written, rank_pattern, alpha_pattern = _plan_ranks(adapter)
     root = "model." if disk_root is None else disk_root.rstrip(".") + "."
 
-    def key(path: str, which: str) -> str:
-        assert path.startswith("model."), path
-        return f"{PEFT_PREFIX}{root}{path[len('model.'):]}.lora_{which}.weight"
+    def key(path: str, which: str, suffix: str = ".weight") -> str:
+        if path.startswith("model."):  # under the decoder root; lm_head is outside it
+            path = root + path[len("model."):]
+        return f"{PEFT_PREFIX}{path}.lora_{which}{suffix}"
 
     tensors: dict[str, torch.Tensor] = {}
     for name, (a, b) in adapter.dense.items():
-        a, b = _pad(a, b, rank)
+        a, b = _pad(a, b, written[name])
         tensors[key(name, "A")], tensors[key(name, "B")] = a, b
+    for name, (a, b) in adapter.embed.items():
+        a, b = _pad(a, b, written[name])
+        tensors[key(name, "embedding_A", "")], tensors[key(name, "embedding_B", "")] = a, b
     expert_names: set[str] = set()
     target_parameters: list[str] = []
     for name, (a, b) in adapter.experts.items():
         p = mlayout.experts[name]
-        a, b = _pad(a, b, rank)
+        a, b = _pad(a, b, written[name])
         if layout == "peft3d":
             names = [n for n in mlayout.module_params[p.module] if f"{p.module}.{n}" in adapter.experts]
             nest = ".base_layer" * (len(names) - 1 - names.index(p.name))
@@ -96,18 +100,60 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
                     tensors[key(f"{p.module}.{e}.{part}", "B")] = b[e, rows]
 
     cfg = dict(adapter.config)
-    cfg.update(r=rank, lora_alpha=alpha, rank_pattern={}, alpha_pattern={}, peft_type="LORA")
-    dense = sorted(adapter.dense)
-    cfg["target_modules"] = sorted(set(suffixes(dense, [*mlayout.linears, *mlayout.per_expert_paths()]))
-                                   | expert_names)
+    cfg.update(r=rank, lora_alpha=alpha, rank_pattern=_pattern(rank_pattern, mlayout, layout),
+               alpha_pattern=_pattern(alpha_pattern, mlayout, layout), peft_type="LORA")
+    dense = sorted([*adapter.dense, *adapter.embed])
+    cfg["target_modules"] = sorted(set(suffixes(dense, [*mlayout.linears, *mlayout.embeddings,
+                                                        *mlayout.per_expert_paths()])) | expert_names)
     cfg["target_parameters"] = suffixes(sorted(target_parameters), mlayout.experts, min_depth=3) or None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_tensors(tensors, out_dir / WEIGHTS_NAME)
     write_json(out_dir / CONFIG_NAME, cfg)
     if provenance is not None:
         write_json(out_dir / PROVENANCE_NAME, provenance)
     return cfg
+
+
+def _plan_ranks(adapter: CanonicalAdapter) -> tuple[int, float, dict[str, int], dict[str, int], dict[str, float]]:
+    """-> (r, lora_alpha, each entry's written rank, rank_pattern, alpha_pattern), by entry name. One rank for every
+    entry (_rerank: what engines that take one rank per adapter read) unless the adapter's entries carry their own
+    scalings (the source had rank_pattern / alpha_pattern): then each keeps its inner dimension, named in
+    rank_pattern where it differs from r and in alpha_pattern where r and lora_alpha would not give its scaling
+    exactly. Refuses where no alpha gives exactly an entry's scaling."""
+    names = [*adapter.dense, *adapter.experts, *adapter.embed]
+    inner = {n: (adapter.dense.get(n) or adapter.experts.get(n) or adapter.embed[n])[0].shape[-2] for n in names}
+    if not adapter.scalings:
+        rank, alpha = _rerank(adapter)
+        return rank, alpha, {n: rank for n in names}, {}, {}
+    ranks, alphas = {}, {}
+    for n in names:
+        r, s = inner[n], adapter.scaling_of(n)
+        if r != adapter.rank:
+            ranks[n] = r
+        if peft_scaling(adapter.alpha, r, adapter.use_rslora) != s:
+            alpha = s * (math.sqrt(r) if adapter.use_rslora else r)
+            if peft_scaling(alpha, r, adapter.use_rslora) != s:
+                raise ValueError(f"{n}: no lora_alpha gives exactly its scaling {s!r} at rank {r}; refusing to "
+                                 "approximate. Use the source adapter as it is.")
+            alphas[n] = alpha
+    return adapter.rank, adapter.alpha, inner, ranks, alphas
+
+
+def _pattern(entries: dict, mlayout, layout: str) -> dict:
+    """Entry name -> value as rank_pattern / alpha_pattern keys PEFT matches (a regex for a dotted suffix of the module
+    path, parameter path for 3D experts): the path below the decoder root (so that a multimodal checkpoint's
+    model.language_model root matches too), every expert's module through a regex over its index."""
+    out = {}
+    for name, v in sorted(entries.items()):
+        key = name.removeprefix("model.")
+        p = mlayout.experts.get(name)
+        if p is None or layout == "peft3d":
+            out[key] = v
+        else:
+            for part in p.disk_parts(layout):
+                out[rf"{p.module.removeprefix('model.')}\.\d+\.{part}"] = v
+    return out
 
 
 def convert_command(model_ref: str, src: str | Path, to: str, disk_root: str | None = None) -> str:

@@ -3,6 +3,7 @@ the bytes are stable (adapter directories are content-hashed into baseline keys)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,6 @@ def read_config(adapter_dir: Path) -> dict[str, Any]:
     for flag in ("use_dora", "lora_bias", "fan_in_fan_out"):
         if cfg.get(flag):
             raise ValueError(f"{adapter_dir}: {flag}=true is not supported (plain LoRA only)")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ValueError(f"{adapter_dir}: rank_pattern/alpha_pattern give modules different scalings, which the "
-                         "canonical form does not carry; re-save the adapter with one rank and alpha")
     return cfg
 
 
@@ -42,6 +40,36 @@ def load_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
     return load_file(str(path))
+
+
+def _umask() -> int:
+    try:  # Linux >= 4.7 reports it without changing it (os.umask would, racing other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """``safetensors.torch.save_file`` with the permissions any other written file gets (0666 minus the umask):
+    safetensors 0.8 creates its files 0600, so an adapter shared with a group or a CI user could not be read."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def respect_umask(folder: str | Path) -> None:
+    """Give every file a library wrote into ``folder`` (PEFT's save_pretrained -> safetensors: 0600) the mode 0666
+    minus the umask."""
+    mode = 0o666 & ~_umask()
+    for p in Path(folder).iterdir():
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
 
 
 def write_json(path: Path, obj: dict) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lpdiff.harness.spec.adapters.convert import convert_adapter
-from lpdiff.harness.spec.adapters.files import CONFIG_NAME, PROVENANCE_NAME, write_json
+from lpdiff.harness.spec.adapters.files import CONFIG_NAME, PROVENANCE_NAME, respect_umask, write_json
 from lpdiff.harness.spec.adapters.layout import LAYOUTS, ModelLayout, resolve_targets
 from lpdiff.harness.types import AdapterSpec
 
@@ -31,7 +31,8 @@ def _generator(seed: int, *parts: str) -> torch.Generator:
 def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str] = ("attention", "experts"),
                      rank: int = 8, alpha: float = 16, seed: int = 0, scale: float = DEFAULT_SCALE,
                      layout: str = "peft3d", shared_outer: bool = False, use_rslora: bool = False,
-                     dtype: torch.dtype = torch.float32) -> AdapterSpec:
+                     dtype: torch.dtype = torch.float32, rank_pattern: dict[str, int] | None = None,
+                     alpha_pattern: dict[str, float] | None = None) -> AdapterSpec:
     """A deterministic random LoRA adapter for `model` (a transformers model with real weights), saved by PEFT's
     own save_pretrained (peft3d) or converted from it (per_expert).
 
@@ -40,7 +41,14 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     actual-token logprobs by mean |d| 0.17-0.28 (max 1.0-2.5) with every group, 0.07-0.13 (max 0.5-1.0) with
     experts only (docs/zoo.md, "Generated adapter scale"). `shared_outer`: A of gate_up (Nemotron: up) and B of down_proj identical
     across experts (the layout some engines use). The caller's model is not modified: PEFT wraps a meta-device
-    copy of it."""
+    copy of it.
+
+    Trainers' forms, through PEFT's own LoraConfig: ``use_rslora`` (scaling alpha/sqrt(r)), ``rank_pattern`` /
+    ``alpha_pattern`` (per-module rank and alpha, keyed as PEFT matches them: a regex for a dotted suffix of the
+    module path, the parameter path for 3D experts), and the ``lm_head`` / ``embed_tokens`` groups (an Embedding
+    LoRA: A (r, vocab) ~ N(0, 1), one row of r values looked up per token, B sized like the others). The file is
+    saved with ``save_embedding_layers=False``: PEFT's default ("auto") also stores the base embedding and lm_head
+    weights when an embedding is targeted, which adds nothing to the LoRA (lpdiff's reader skips such copies)."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -52,6 +60,7 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     mlayout = ModelLayout.of(model)
     targets = resolve_targets(mlayout, groups)
     lcfg = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=use_rslora, init_lora_weights=False,
+                      rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
                       # [] and not None: PEFT fills None with its default targets for some model types
                       # (nemotron_h: q/k/v/o_proj), even when target_parameters are given
                       target_modules=list(targets.target_modules),
@@ -76,12 +85,16 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
         weight = model.get_parameter(f"{base}.{pname}")
         if weight.is_meta:
             raise ValueError("generate_adapter sizes the adapter from the model's weights; load real weights first")
-        a_mod, b_mod = layer.lora_A["default"], layer.lora_B["default"]
-        n_exp = getattr(layer, "num_experts", 1)
-        r, (out_f, in_f) = layer.r["default"], (b_mod.weight.shape[0], a_mod.weight.shape[1])
         w_rms = torch.linalg.vector_norm(weight.detach(), dtype=torch.float32).item() / math.sqrt(weight.numel())
         if w_rms == 0:
             raise ValueError(f"{base}.{pname} is all zeros: cannot size a relative delta for it")
+        if "default" in getattr(layer, "lora_embedding_A", {}):
+            _fill_embedding(layer, weight, w_rms, scale, _generator(seed, base, pname, "A"),
+                            _generator(seed, base, pname, "B"), dtype)
+            continue
+        a_mod, b_mod = layer.lora_A["default"], layer.lora_B["default"]
+        n_exp = getattr(layer, "num_experts", 1)
+        r, (out_f, in_f) = layer.r["default"], (b_mod.weight.shape[0], a_mod.weight.shape[1])
         b_std = scale * w_rms * math.sqrt(in_f) / (layer.scaling["default"] * math.sqrt(r))
         share_a = shared_outer and n_exp > 1 and pname != "down_proj"
         share_b = shared_outer and n_exp > 1 and pname == "down_proj"
@@ -96,11 +109,29 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     recipe = {"generator": GENERATOR_VERSION, "model_type": mlayout.model_type, "groups": list(groups),
               "rank": rank, "alpha": alpha, "seed": seed, "scale": scale, "shared_outer": shared_outer,
               "use_rslora": use_rslora, "dtype": str(dtype).removeprefix("torch."), "layout": layout}
+    if rank_pattern or alpha_pattern:  # only when given: older recipes (and their content hashes) stay as they were
+        recipe.update(rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
     with tempfile.TemporaryDirectory() as tmp:
         save_dir = out_dir if layout == "peft3d" else Path(tmp)
-        peft_model.save_pretrained(str(save_dir))
+        peft_model.save_pretrained(str(save_dir), save_embedding_layers=False)
         write_json(save_dir / CONFIG_NAME, json.loads((save_dir / CONFIG_NAME).read_text()))
         write_json(save_dir / PROVENANCE_NAME, {"generated": recipe})
         if layout == "per_expert":
             convert_adapter(save_dir, out_dir, "per_expert", mlayout)
+        respect_umask(out_dir)
     return AdapterSpec(name=out_dir.name, path=str(out_dir))
+
+
+def _fill_embedding(layer, weight, w_rms: float, scale: float, gen_a: torch.Generator, gen_b: torch.Generator,
+                    dtype: torch.dtype) -> None:
+    """PEFT's Embedding LoRA (lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)): a token's delta is
+    scaling * B @ A[:, id], so A ~ N(0, 1) and B ~ N(0, c^2) with c chosen like the Linear case (RMS of the delta =
+    scale x RMS of the embedding)."""
+    a_par, b_par = layer.lora_embedding_A["default"], layer.lora_embedding_B["default"]
+    r, vocab, hidden = layer.r["default"], weight.shape[0], weight.shape[1]
+    b_std = scale * w_rms / (layer.scaling["default"] * math.sqrt(r))
+    a = torch.randn(r, vocab, generator=gen_a)
+    b = torch.randn(hidden, r, generator=gen_b) * b_std
+    assert a_par.shape == a.shape and b_par.shape == b.shape, (a_par.shape, b_par.shape)
+    layer.lora_embedding_A["default"] = nn.Parameter(a.to(dtype).contiguous(), requires_grad=False)
+    layer.lora_embedding_B["default"] = nn.Parameter(b.to(dtype).contiguous(), requires_grad=False)

@@ -13,7 +13,14 @@ from lpdiff.harness.spec.adapters.files import (
     WEIGHTS_NAME,
     read_provenance,
 )
-from lpdiff.harness.spec.adapters.layout import GROUPS, KEY_RE, PEFT_PREFIX, PER_EXPERT_RE, module_group
+from lpdiff.harness.spec.adapters.layout import (
+    GROUPS,
+    PEFT_PREFIX,
+    PER_EXPERT_RE,
+    key_module,
+    module_group,
+    pattern_value,
+)
 
 
 @dataclass(slots=True)
@@ -39,7 +46,7 @@ class AdapterInfo:
 
     def modules(self) -> set[str]:
         """The module paths the file names (keys after ``base_model.model.``, without ``.lora_A.weight``)."""
-        return {(m.group(1) if (m := KEY_RE.fullmatch(k)) else k).removeprefix(PEFT_PREFIX) for k in self.keys}
+        return {(m[0] if (m := key_module(k)) else k).removeprefix(PEFT_PREFIX) for k in self.keys}
 
     def outside_root(self, root: str) -> list[str]:
         """The modules not under decoder root ``root`` (e.g. "model.language_model"): what an engine that reads
@@ -73,8 +80,8 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
     keys = sorted(shapes)
     groups, experts_seen, three_d, rank = set(), set(), [], int(cfg.get("r", 0))
     for k in keys:
-        m = KEY_RE.fullmatch(k)
-        mod = m.group(1) if m else k
+        m = key_module(k)
+        mod = m[0] if m else k
         groups.add(module_group(mod))
         pe = PER_EXPERT_RE.fullmatch(mod)
         if pe:
@@ -89,7 +96,11 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
         num_experts = max(experts_seen) + 1
     elif three_d and rank:
         a_key = next(k for k in three_d if k.endswith("lora_A.weight"))
-        num_experts = shapes[a_key][0] // rank
+        module = re.sub(r"(\.base_layer)+$", "", key_module(a_key)[0]).removeprefix(PEFT_PREFIX)
+        # PEFT matches rank_pattern against the parameter path (experts.gate_up_proj); any expert parameter's will do
+        r = next((v for p in ("gate_up_proj", "up_proj", "down_proj")
+                  if (v := pattern_value(cfg.get("rank_pattern"), f"{module}.{p}")) is not None), None)
+        num_experts = shapes[a_key][0] // int(r or rank)
     return AdapterInfo(
         path=str(adapter_dir), rank=rank, alpha=float(cfg.get("lora_alpha", 0)),
         rslora=bool(cfg.get("use_rslora", False)), target_modules=cfg.get("target_modules"),
@@ -111,8 +122,8 @@ def adapter_groups(adapter_dir: str | Path) -> tuple[str, ...]:
         keys = list(f.keys())
     found = set()
     for k in keys:
-        m = KEY_RE.fullmatch(k)
-        found.add(module_group(m.group(1) if m else k))
+        m = key_module(k)
+        found.add(module_group(m[0] if m else k))
     return tuple(g for g in GROUPS if g in found)
 
 

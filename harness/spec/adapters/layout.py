@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -14,7 +14,12 @@ from torch import nn
 # q_proj is twice as wide: query and output gate), Gated DeltaNet linear attention (Qwen3.5: in_proj_qkv, in_proj_z,
 # in_proj_b, in_proj_a, out_proj), Mamba-2 mixers (Nemotron-H: in_proj, out_proj), dense MLPs, shared experts and
 # routed experts. A verdict names the group whose LoRA an engine mishandles by these names.
-GROUPS = ("attention", "linear_attention", "mamba", "mlp", "shared_expert", "experts", "latent")
+GROUPS = ("attention", "linear_attention", "mamba", "mlp", "shared_expert", "experts", "latent", "lm_head",
+          "embed_tokens")
+# the vocabulary-sized groups (PEFT adapts both: lm_head as a Linear LoRA, the input embedding as an Embedding LoRA
+# whose tensors are lora_embedding_A (r, vocab) and lora_embedding_B (hidden, r)). A model's "all" adapters leave
+# them out: trainers add them on purpose (new tokens, a tuned head), and the committed zoo predates them
+VOCAB_GROUPS = ("lm_head", "embed_tokens")
 LAYOUTS = ("peft3d", "per_expert", "per_expert_gate")
 # per_expert_gate: per_expert with a non-gated expert's input projection saved as experts.{e}.gate_proj, the name
 # SGLang reads it under (its non-gated MoE buffer takes gate_proj as the unstacked gate_up, lora/lora.py:370); on
@@ -27,6 +32,7 @@ _MLP = {"gate_proj", "up_proj", "down_proj"}
 _ROUTERS = {"gate", "router", "shared_expert_gate"}
 _SHARED = {"shared_expert", "shared_experts"}
 _LATENT = {"fc1_latent_proj", "fc2_latent_proj"}
+_EMBED = {"embed_tokens", "embeddings"}  # Nemotron-H: backbone.embeddings
 # PEFT 0.21 raises for LoRA on these leaves of Mamba models (peft/tuners/tuners_utils.py,
 # _check_lora_target_modules_mamba): the mamba group is in_proj alone there.
 _PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}
@@ -36,7 +42,24 @@ _ROOT_ALIASES = {"nemotron_h": ("backbone.",), "qwen3_5_moe_text": ("model.langu
 # fused expert parameter -> its per-expert projections, in the order their rows appear in the fused output
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 KEY_RE = re.compile(r"(.+)\.lora_([AB])\.weight")
+EMBED_KEY_RE = re.compile(r"(.+)\.lora_embedding_([AB])")  # PEFT's Embedding LoRA: parameters, no ".weight"
 PER_EXPERT_RE = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)")
+
+
+def key_module(key: str) -> tuple[str, str] | None:
+    """A LoRA tensor key -> (module path as written, "A" or "B"), for Linear and Embedding LoRA alike; None for
+    anything else (DoRA magnitudes, biases, saved base layers)."""
+    m = KEY_RE.fullmatch(key) or EMBED_KEY_RE.fullmatch(key)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def pattern_value(patterns: dict | None, path: str):
+    """The value of the first key of a rank_pattern / alpha_pattern that names ``path``, as PEFT 0.21 matches them
+    (utils/other.py get_pattern_key: the key is a regex for a dotted suffix of the module path); None if none."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", path):
+            return value
+    return None
 
 
 def disk_roots(model_type: str) -> tuple[str, ...]:
@@ -62,6 +85,10 @@ def module_group(path: str) -> str:
         return "linear_attention"
     if parent in ("mixer", "mamba") and leaf in ("in_proj", "out_proj"):  # Nemotron-H / Mamba-2, Falcon-H1
         return "mamba"
+    if leaf == "lm_head":
+        return "lm_head"
+    if leaf in _EMBED:
+        return "embed_tokens"
     if leaf in _LATENT:  # latent MoE (Nemotron-3-Super): hidden -> latent before the experts, latent -> hidden after
         return "latent"
     if leaf in _MLP:
@@ -113,6 +140,7 @@ class ModelLayout:
     linears: dict[str, tuple[int, int]]  # module path -> (out, in)
     experts: dict[str, ExpertParam]  # parameter path -> description
     module_params: dict[str, tuple[str, ...]]  # experts module -> its 3D parameter names, in definition order
+    embeddings: dict[str, tuple[int, int]] = field(default_factory=dict)  # nn.Embedding path -> (vocab, hidden)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelLayout:
@@ -133,7 +161,9 @@ class ModelLayout:
                                             not bool(getattr(mod, "is_concatenated", True)))
                 names.append(pname)
             module_params[mname] = tuple(names)
-        return cls(model.config.model_type, linears, experts, module_params)
+        embeddings = {n: (m.num_embeddings, m.embedding_dim) for n, m in model.named_modules()
+                      if isinstance(m, nn.Embedding)}
+        return cls(model.config.model_type, linears, experts, module_params, embeddings)
 
     @classmethod
     def from_config(cls, config) -> ModelLayout:
@@ -160,11 +190,11 @@ class ModelLayout:
             if path.startswith(alias):
                 path = "model." + path[len(alias):]
                 break
-        m = KEY_RE.fullmatch(path)
-        if m is None:
+        got = key_module(path)
+        if got is None:
             raise ValueError(f"tensor {key!r} is not a LoRA A/B weight; lpdiff handles plain LoRA only (no DoRA "
-                             "magnitudes, LoRA biases, embedding LoRA or modules_to_save)")
-        return m.group(1), m.group(2)
+                             "magnitudes, LoRA biases, saved base layers or modules_to_save)")
+        return got
 
     def targeted_params(self, module: str, target_parameters) -> list[str]:
         """The experts module's parameters PEFT wraps for ``target_parameters``, innermost first (definition
@@ -216,7 +246,8 @@ def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
     the exact modules and parameters they name in this model. Raises on routers and on targets matching nothing."""
     if isinstance(groups, str):
         groups = [groups]
-    candidates = {**{n: "module" for n in layout.linears}, **{n: "param" for n in layout.experts}}
+    candidates = {**{n: "module" for n in [*layout.linears, *layout.embeddings]},
+                  **{n: "param" for n in layout.experts}}
     present = sorted({module_group(n) for n in candidates} & set(GROUPS))
     mamba = layout.model_type in _PEFT_MAMBA_TYPES
     chosen: set[str] = set()
@@ -241,7 +272,7 @@ def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
     modules = sorted(n for n in chosen if candidates[n] == "module")
     params = sorted(n for n in chosen if candidates[n] == "param")
     return Targets(tuple(modules), tuple(params),
-                   tuple(suffixes(modules, [*layout.linears, *layout.per_expert_paths()])),
+                   tuple(suffixes(modules, [*layout.linears, *layout.embeddings, *layout.per_expert_paths()])),
                    tuple(suffixes(params, layout.experts, min_depth=3)))
 
 
