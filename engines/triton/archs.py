@@ -19,7 +19,8 @@ from lpdiff.engines.triton.config import SUPPORTED_ARCHS, ModelConfig
 
 ARCHS: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
 # arch (the checkpoint's model type, engines.capabilities.model_type) -> the module that builds the whole model
-HYBRIDS: dict[str, str] = {"nemotron_h": "lpdiff.engines.triton.nemotron_h"}
+HYBRIDS: dict[str, str] = {"qwen3_5_moe": "lpdiff.engines.triton.qwen3_5",
+                            "nemotron_h": "lpdiff.engines.triton.nemotron_h"}
 assert set(ARCHS) | set(HYBRIDS) == set(SUPPORTED_ARCHS), "config.SUPPORTED_ARCHS names the archs this file maps"
 
 

@@ -70,4 +70,4 @@ def rope_from_hf(rotary_cls: type, hf_config) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
 
 
-SUPPORTED_ARCHS = ("qwen3_moe", "gpt_oss", "nemotron_h")
+SUPPORTED_ARCHS = ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h")

@@ -1,0 +1,141 @@
+"""Gated DeltaNet's sequence ops (Qwen3.5's linear-attention layers) over a packed batch: the causal depthwise conv1d,
+the chunked gated delta rule and the gated RMSNorm. Every prompt starts from a zero conv window and a zero
+recurrent state (the per-prompt reset a packed batch needs).
+
+Two implementations of the delta rule:
+- "torch" (CPU, fp32 runs, and the reference): our own chunked form below, on the right-padded (B, L_max) view of
+  the batch. Right padding is exact: conv and recurrence are causal, so a prompt's real tokens never see the padding
+  after them, and each row starts from zeros. Written here rather than calling transformers' torch fallback
+  (modeling_qwen3_5_moe.torch_chunk_gated_delta_rule) so that the reference engine and this one do not share one
+  implementation (a shared bug would pass every parity test); the arithmetic is the same fp32 chunked WY/UT form,
+  so fp32 runs agree with HF to ~1e-6. ``gated_delta_rule_recurrent`` (token by token) checks it in the tests.
+- "fla" (16-bit runs on CUDA): fla-core's chunk_gated_delta_rule (pip extra ``fla``, imported lazily) on the packed
+  tokens with ``cu_seqlens``, which resets the state at each prompt boundary itself. fp32 runs stay on the torch
+  form: fla's Triton dots take fp32 inputs at TF32 precision, which would break the 1e-4 fp32 parity the engine's
+  fp32 mode exists for.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lpdiff.engines.triton.batch import Batch
+
+CHUNK = 64  # tokens per chunk of the torch form (fla uses 64 too)
+IMPLS = ("auto", "torch", "fla")
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """x (T, C) packed, weight (C, K) -> silu(depthwise causal conv) (T, C); each prompt's window starts at zeros.
+    Computed in weight's dtype, as transformers' causal_conv1d_fn."""
+    xp = batch.pad(x).transpose(1, 2).to(weight.dtype)  # (B, C, L)
+    K = weight.shape[1]
+    y = F.conv1d(xp, weight.unsqueeze(1), None, padding=K - 1, groups=weight.shape[0])[..., :xp.shape[-1]]
+    return batch.unpad(F.silu(y).transpose(1, 2)).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk: int = CHUNK) -> torch.Tensor:
+    """Padded rows, each from a zero state: q/k (B, L, h, dk), v (B, L, h, dv), g (log decay, <= 0) and beta
+    (B, L, h) -> o (B, L, h, dv) in v's dtype. q and k are l2-normalised here and q scaled by dk^-0.5.
+
+    Recurrence (state S (dk, dv) per row and head): S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - e^{g_t} S_{t-1}^T k_t)^T,
+    o_t = S_t^T q_t. Per chunk of C tokens with G = cumsum(g) inside the chunk: the intra-chunk delta updates solve
+    one unit lower-triangular system (I + tril_{-1}((beta k) k^T * e^{G_i - G_j})) [u | w] = [beta v | beta k e^G];
+    then v' = u - w S, o = (q e^G) S + (q k^T * e^{G_i - G_j}, causal incl. the diagonal) v', and
+    S <- e^{G_C} S + (k e^{G_C - G})^T v'."""
+    out_dtype = v.dtype
+    B, L, h, dk = k.shape
+    dv = v.shape[-1]
+    q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
+    g, beta = (t.float().transpose(1, 2) for t in (g, beta))  # (B, h, L)
+    q = l2norm(q) * dk ** -0.5
+    k = l2norm(k)
+    pad = (-L) % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (L + pad) // chunk
+    q, k, v = (t.reshape(B, h, n, chunk, -1) for t in (q, k, v))
+    g, beta = (t.reshape(B, h, n, chunk) for t in (g, beta))
+    G = g.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # e^{G_i - G_j}, i >= j
+    kb = k * beta[..., None]
+    system = ((kb @ k.transpose(-1, -2)) * decay).tril(-1)
+    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)
+    eye = torch.eye(chunk, dtype=system.dtype, device=system.device)
+    uw = torch.linalg.solve_triangular(system + eye, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * G.exp()[..., None]
+    k_dec = k * (G[..., -1:] - G).exp()[..., None]
+    last = G[..., -1].exp()[..., None, None]  # (B, h, n, 1, 1)
+    S = q.new_zeros(B, h, dk, dv)
+    o = torch.empty_like(u)
+    for c in range(n):
+        v_new = u[:, :, c] - w[:, :, c] @ S
+        o[:, :, c] = q_dec[:, :, c] @ S + attn[:, :, c] @ v_new
+        S = S * last[:, :, c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
+    return o.reshape(B, h, n * chunk, dv)[:, :, :L].transpose(1, 2).to(out_dtype)
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta) -> torch.Tensor:
+    """Token-by-token reference of chunk_gated_delta_rule_torch (same shapes): the recurrence as its docstring
+    writes it, for the tests."""
+    B, L, h, dk = k.shape
+    q = l2norm(q.float()) * dk ** -0.5
+    k = l2norm(k.float())
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = q.new_zeros(B, h, dk, v.shape[-1])
+    out = []
+    for t in range(L):
+        S = S * g[:, t].exp()[..., None, None]
+        err = v[:, t] - (S * k[:, t, :, :, None]).sum(-2)
+        S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[..., None, :]
+        out.append((S * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(out, dim=1)
+
+
+def fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve(impl: str, x: torch.Tensor) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"gdn must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "fla" and not fla_available():
+        raise ValueError("gdn='fla' needs fla-core: pip install 'lpdiff[fla]'")
+    if impl == "auto":
+        low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        return "fla" if low and fla_available() else "torch"
+    return impl
+
+
+def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torch.Tensor:
+    """Packed q/k (T, h, dk), v (T, h, dv), g/beta (T, h) (q/k already repeated to v's heads) -> (T, h, dv), every
+    prompt from a zero state."""
+    if resolve(impl, v) == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None],
+                                      output_final_state=False, cu_seqlens=batch.cu_seqlens.long(),
+                                      use_qk_l2norm_in_kernel=True)
+        return o[0].to(v.dtype)
+    o = chunk_gated_delta_rule_torch(*(batch.pad(t) for t in (q, k, v, g, beta)))
+    return batch.unpad(o)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(..., d) -> weight * rmsnorm(x) * silu(gate), rounded as transformers' Qwen3_5MoeRMSNormGated: the norm in
+    fp32, cast to x's dtype before the weight, the gate's silu in fp32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
