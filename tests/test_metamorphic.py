@@ -276,3 +276,34 @@ def test_relation_files_are_named_under_the_root_the_engine_reads(tmp_path, engi
     if engine == "vllm":  # (SGLang refuses PEFT 3D expert files for another reason: peft3d-kills-sglang)
         assert ctx.refused(out) is None
     _assert_same_deltas(ad.load_canonical(out, ctx.layout), ctx.adapter, 0)
+
+
+HF_DEFAULT_MODELS = ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe")
+
+
+@pytest.mark.parametrize("model", HF_DEFAULT_MODELS)
+def test_hf_sessions_run_every_referenced_lane_first(model, tmp_path):
+    """hf splits lanes into sessions by PEFT signature; gate_up's per-expert forms are judged against its PEFT 3D
+    form, which lands in a session first seen later. Every lane's reference must have run (its session earlier, or
+    its own) when its session ends and is judged: the default relations on each gated zoo model."""
+    ctx = _ctx(model, "all", tmp_path, engine="hf")
+    lanes, _ = mm.plan(ctx, None)
+    order = mm.sessions(ctx, lanes)
+    at = {lane.name: i for i, (_, group) in enumerate(order) for lane in group}
+    refs = [(lane.name, lane.reference) for lane in lanes if lane.reference in at]
+    assert any(r.startswith("gate_up:") for _, r in refs) and len({k for k, _ in order}) > 2
+    late = [(name, ref) for name, ref in refs if at[ref] > at[name]]
+    assert not late, late
+
+
+def test_hf_default_relations_run_end_to_end(tmp_path):
+    """The reported command, `lpdiff metamorphic tiny-qwen3-moe all --engine hf` with its default relations
+    (exit 2, `error: gate_up:stacked_2r_peft3d` before), on the fewest prompts: every relation judged, none
+    failed, the gate_up forms against the PEFT 3D form."""
+    spec = get_model("tiny-qwen3-moe")
+    rep = mm.run_metamorphic("hf", spec, zoo_adapters(spec.name)["all"].path, prompt_set(spec.name, "short")[:2],
+                             tmp=tmp_path)
+    assert not rep.failed, mm.format_report(rep)
+    gate_up = [r for r in rep.results if r.relation.startswith("gate_up:")]
+    assert len(gate_up) == 2 and all(r.verdict == "PASS" and "vs gate_up:stacked_2r_peft3d" in r.note
+                                     for r in gate_up), mm.format_report(rep)

@@ -186,19 +186,8 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
     log(f"write the neighbour adapter: {time.perf_counter() - t0:.1f} s")
     runs: dict[str, LogprobRun] = {}
     origs, bases, version = [], [], ""
-    def signature(adapter_dir: str | None) -> str:
-        # PEFT holds several adapters in one model only when they name the same target_parameters; a base lane
-        # runs anywhere, so it joins the original adapter's sessions
-        return peft_signature(adapter_dir or str(ctx.adapter_dir)) if ctx.engine == "hf" else ""
-
-    sessions: dict[tuple, list[Lane]] = {("original" + signature(None), None, "{}", None): []}
-    models = {None: None}
-    for lane in lanes:
-        key = lane.model.name if lane.model else None
-        models[key] = lane.model
-        sig = signature(lane.adapter) if lane.model is None else ""
-        sessions.setdefault((lane.session + sig, key, lane.options, lane.tp), []).append(lane)
-    for (session, key, options, tp), group in sessions.items():
+    models = {None: None} | {lane.model.name: lane.model for lane in lanes if lane.model}
+    for (session, key, options, tp), group in sessions(ctx, lanes):
         model = models[key]
         uses_orig = session.startswith("original") or any(lane.adapter == str(ctx.adapter_dir) for lane in group)
         adapters = {ORIG: orig_spec} if uses_orig else {}
@@ -226,6 +215,39 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
         if after_session is not None:
             after_session(group, runs, origs, bases, version)
     return runs, origs, bases, version
+
+
+def sessions(ctx: Context, lanes: list[Lane]) -> list[tuple[tuple, list[Lane]]]:
+    """The engine sessions ``execute`` opens, in order: ((session, model name, options, tp), lanes). The original's
+    first; then each session after those holding the lanes its lanes are judged against."""
+    def signature(adapter_dir: str | None) -> str:
+        # PEFT holds several adapters in one model only when they name the same target_parameters; a base lane
+        # runs anywhere, so it joins the original adapter's sessions
+        return peft_signature(adapter_dir or str(ctx.adapter_dir)) if ctx.engine == "hf" else ""
+
+    out: dict[tuple, list[Lane]] = {("original" + signature(None), None, "{}", None): []}
+    for lane in lanes:
+        sig = signature(lane.adapter) if lane.model is None else ""
+        out.setdefault((lane.session + sig, lane.model.name if lane.model else None, lane.options, lane.tp),
+                       []).append(lane)
+    return _dependency_order(out)
+
+
+def _dependency_order(sessions: dict[tuple, list[Lane]]) -> list[tuple[tuple, list[Lane]]]:
+    """Sessions in their first-seen order, except that a session runs after every session holding a lane that one
+    of its lanes is judged against: hf splits one relation's lanes over sessions by PEFT signature (gate_up's
+    per-expert forms reference its PEFT 3D form, which another signature's session holds), and a session is judged
+    as soon as it ends."""
+    home = {lane.name: key for key, group in sessions.items() for lane in group}
+    needs = {key: {home[lane.reference] for lane in group if lane.reference in home} - {key}
+             for key, group in sessions.items()}
+    done: list[tuple] = []
+    while len(done) < len(sessions):
+        ready = next((k for k in sessions if k not in done and needs[k] <= set(done)), None)
+        if ready is None:  # a cycle between sessions: no order satisfies it; run_metamorphic judges such lanes last
+            ready = next(k for k in sessions if k not in done)
+        done.append(ready)
+    return [(k, sessions[k]) for k in done]
 
 
 def rerun_name(lane: str, j: int) -> str:
@@ -330,18 +352,24 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
                          session="original")] if any(lane.reference and not lane.exact for lane in lanes) else []
         factor = FACTORS[dtype] if factor is None else factor
         results: list[Result] = []
+        names = {lane.name for lane in lanes}
+        waiting: list[Lane] = []  # lanes whose reference lane has not run yet (sessions that reference each other)
 
         def judge_session(group, runs, origs, bases, version):
             # the rounding lane runs in the original's session, the first: every later session is judged with it
             first = not results
-            got = judge_lanes([*rounding, *(x for x in group if x.name != ROUNDING)], runs, origs, bases, dtype,
-                              factor, near_tie_eps=near_tie_eps)
+            ready = [x for x in [*waiting, *group] if x.name != ROUNDING]
+            waiting[:] = [x for x in ready if x.reference in names and x.reference not in runs]
+            ready = [x for x in ready if x not in waiting]
+            got = judge_lanes([*rounding, *ready], runs, origs, bases, dtype, factor, near_tie_eps=near_tie_eps)
             got = [r for r in got if first or r.relation != ROUNDING]
             results.extend(got)
             if on_results is not None:
                 on_results(version, got)
 
         version = execute(ctx, lanes + rounding, prompts, k, log, judge_session)[3]
+        if waiting:  # every lane ran once execute returns: a reference still missing is lpdiff's own bug
+            raise RuntimeError(f"lanes {[x.name for x in waiting]} reference lanes that never ran")
         if on_results is not None and na:
             on_results(version, na)
         results += na
