@@ -246,8 +246,13 @@ class HFEngine:
         sel = torch.cat([torch.arange(L - 1) + i * T for i, L in enumerate(lens)]).to(self.device)
         targets = ids.reshape(-1)[sel + 1]  # row i*T + j predicts token (i, j + 1)
         head = self.lm.get_output_embeddings()
-        lp, tk_ids, tk_lp = chunked_logprobs(hidden.reshape(n * T, -1)[sel], head.weight, targets, top_k,
-                                             self.logit_chunk, getattr(head, "bias", None))
+        rows = hidden.reshape(n * T, -1)[sel]
+        # an lm_head with LoRA is PEFT's module: its forward applies the active adapter (or none inside
+        # disable_adapter); head.weight alone would be the base head, silently dropping the adapter's lm_head part
+        lora_head = hasattr(head, "lora_A") and any(a in head.lora_A for a in self.peft_names.values())
+        lp, tk_ids, tk_lp = chunked_logprobs(rows, head.weight, targets, top_k, self.logit_chunk,
+                                             getattr(head, "bias", None),
+                                             logits_fn=(lambda s, e: head(rows[s:e])) if lora_head else None)
         res, off = [], 0
         for i, L in enumerate(lens):
             s = slice(off, off + L - 1)

@@ -256,8 +256,13 @@ def adapters() -> None:
 @click.option("--alpha", type=float, default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--layout", type=LAYOUTS, default="peft3d", show_default=True)
-def adapters_gen(model, out, groups, rank, alpha, seed, layout) -> int:
-    """Write a seeded random adapter for a catalog model."""
+@click.option("--rslora", is_flag=True, help="rsLoRA: scaling alpha/sqrt(r) (PEFT's use_rslora)")
+@click.option("--rank-pattern", default="", metavar="KEY=R,...",
+              help="per-module ranks as PEFT's rank_pattern (KEY: a regex for a dotted suffix of the module path, "
+                   "e.g. q_proj=4,lm_head=16; the parameter path for 3D experts)")
+@click.option("--alpha-pattern", default="", metavar="KEY=A,...", help="per-module alphas (PEFT's alpha_pattern)")
+def adapters_gen(model, out, groups, rank, alpha, seed, layout, rslora, rank_pattern, alpha_pattern) -> int:
+    """Write a seeded random adapter for a catalog model (groups: attention, experts, ..., lm_head, embed_tokens)."""
     import torch
 
     from lpdiff.harness.spec import adapters as ad
@@ -265,9 +270,25 @@ def adapters_gen(model, out, groups, rank, alpha, seed, layout) -> int:
     from lpdiff.harness.spec.resolve import resolve
 
     hf = load_hf_model(resolve(model, adapters=()).spec, torch.float32, "cpu")
-    ad.generate_adapter(hf, out, groups=groups.split(","), rank=rank, alpha=alpha, seed=seed, layout=layout)
+    ad.generate_adapter(hf, out, groups=groups.split(","), rank=rank, alpha=alpha, seed=seed, layout=layout,
+                        use_rslora=rslora, rank_pattern=_pattern_option("--rank-pattern", rank_pattern, int),
+                        alpha_pattern=_pattern_option("--alpha-pattern", alpha_pattern, float))
     click.echo(f"wrote {out}")
     return EXIT_OK
+
+
+def _pattern_option(flag: str, text: str, cast) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        try:
+            out[key.strip()] = cast(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r}: give KEY={'R' if cast is int else 'ALPHA'} pairs separated by "
+                                     "commas, e.g. q_proj=4,lm_head=16", param_hint=flag)
+    return out
 
 
 @adapters.command("convert")

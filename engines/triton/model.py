@@ -25,6 +25,8 @@ from lpdiff.kernels.lora_linear import lora_linear_aug, lora_linear_shrink_out
 
 
 class MoeTransformer:
+    vocab = None  # vocab_lora.VocabLora of the session's adapters (set by the runtime), or None
+
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: StackedLora | None, shard: Shard,
                  all_reduce, impl: str = "auto", attention_impl: str = "auto", moe_backend: str = "triton",
                  moe_shrink: tuple = ("auto", None), moe_padding: str | None = None):
@@ -58,6 +60,8 @@ class MoeTransformer:
         """-> final-normed hidden states (T, H) and each token's smallest routing margin over layers (T,)."""
         cfg = self.cfg
         x = self.w.embed[batch.input_ids]
+        if self.vocab is not None and (d := self.vocab.embed_delta(batch.input_ids, batch.token_adapter)) is not None:
+            x = x + d  # embedding LoRA (vocab_lora.py)
         margin = torch.full((batch.num_tokens,), float("inf"), device=x.device)
         xa = self.qkv_input(batch, x)
         delta = None  # output of the last sublayer (or the MoE's top-k outputs), not yet added to the residual x

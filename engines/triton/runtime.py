@@ -17,6 +17,7 @@ from lpdiff.engines.triton.lora import fold_o_lora, fold_qkv_lora, stack_adapter
 from lpdiff.engines.triton.model import MoeTransformer
 from lpdiff.engines.triton.options import TritonOptions
 from lpdiff.engines.triton.shard import Shard
+from lpdiff.engines.triton.vocab_lora import fold_scalings, stack_vocab, without_vocab
 from lpdiff.engines.triton.weights import load_weights
 from lpdiff.harness.spec.adapters import load_canonical
 from lpdiff.harness.types import PromptLogprobs
@@ -40,8 +41,14 @@ class Runtime:
         hf, source = open_source(config.model, self.dtype, device)
         self.graphs = None
         hybrid = hybrid_module(hf)
+        # per-module scalings folded into B, vocabulary LoRA stacked apart (vocab_lora.py); the stackers get the rest
+        adapters = {name: fold_scalings(load_canonical(spec.path, hf)) for name, spec in config.adapters.items()}
+        self.vocab = stack_vocab(adapters, self.dtype, device)
+        adapters = {name: without_vocab(a) for name, a in adapters.items()}
         if hybrid is not None:  # an arch whose module builds the whole model (archs.HYBRIDS, archs.Built)
-            adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
+            if self.vocab is not None and self.vocab.embed_a is not None:
+                raise ValueError("embed_tokens LoRA on a hybrid arch: the triton runtime runs embedding LoRA on "
+                                 "qwen3_moe and gpt_oss only; judge that adapter on the hf engine")
             built = hybrid.build(hf, source, adapters, shard, self.dtype, device, all_reduce, options)
             del source
             self.cfg, self.weights, self.lora, self.model = built.cfg, built.weights, built.lora, built.model
@@ -49,12 +56,12 @@ class Runtime:
         self.cfg = model_config(hf, config.model.num_layers)
         self.weights = load_weights(self.cfg, source, shard, self.dtype, device)
         del source  # drops whatever the model did not use (lm_head of a tied model, layers past num_layers)
-        adapters = {name: load_canonical(spec.path, hf) for name, spec in config.adapters.items()}
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)
         fold_qkv_lora(self.weights, self.lora)
         fold_o_lora(self.weights, self.lora, shard)
         self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, options.impl,
                                     options.attention, options.moe_backend, options.moe_shrink, options.moe_padding)
+        self.model.vocab = self.vocab
         # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
         if options.cuda_graphs and device.type == "cuda" and shard.size == 1:
             self.graphs = GraphCache(options.cuda_graphs, torch.cuda.graph_pool_handle())
@@ -103,8 +110,11 @@ class Runtime:
         if not self.shard.first:
             return None, None, None, None
         rows = batch.rows
-        lp, tk_ids, tk_lp = chunked_logprobs(hidden[rows], self.weights.lm_head, batch.input_ids[rows + 1], top_k,
-                                             self.logit_chunk, fused=True)
+        h = hidden[rows]
+        head = None if self.vocab is None or batch.token_adapter is None else \
+            self.vocab.head_logits(h, self.weights.lm_head, batch.token_adapter[rows])
+        lp, tk_ids, tk_lp = chunked_logprobs(h, self.weights.lm_head, batch.input_ids[rows + 1], top_k,
+                                             self.logit_chunk, fused=True, logits_fn=head)
         return lp, tk_ids, tk_lp, margin
 
     def _capture(self, batch: Batch, top_k: int) -> "Captured":
