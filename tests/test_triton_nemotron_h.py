@@ -1,0 +1,184 @@
+"""lpdiff.engines.triton on Nemotron-H against HF+PEFT (engines.hf) in fp32 on CPU, and kernels/ssd.py's sequence
+ops against their definitions.
+
+Two models: the tiny zoo's (harness/zoo/tiny-nemotron-h: M E * M E -, chunk 32) with its committed adapters, and a
+smaller one built here with what the zoo model lacks: Super's latent projections, group-limited top-k (n_group 2)
+and a non-zero router correction bias (random init leaves it zero), adapted on every group the generator writes
+(latent, experts in the per-expert layout, mamba, attention, shared expert) at two different ranks.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lpdiff.engines.base import EngineConfig, open_engine
+from lpdiff.harness.types import AdapterSpec, ModelSpec
+
+TOL = 1e-4
+ZOO = "tiny-nemotron-h"
+ZOO_LENS = [16, 300, 5, 47, 33]  # 300 crosses nine of the zoo model's 32-token SSD chunks
+
+
+def _prompts(lens, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _maxdiff(a, b) -> float:
+    return max(float(np.abs(x.logprobs - y.logprobs).max()) for x, y in zip(a, b))
+
+
+def _runs(engine, spec, adapters, prompts, choices, **kw):
+    cfg = EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu", **kw)
+    with open_engine(engine, cfg) as eng:
+        return [eng.prompt_logprobs(prompts, c, top_k=5) for c in choices]
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    from lpdiff.harness.spec.resolve import resolve_model, zoo_adapters
+
+    ads = zoo_adapters(ZOO)
+    return resolve_model(ZOO), {n: ads[n] for n in ("all", "mamba", "experts")}, _prompts(ZOO_LENS, 1024, 3)
+
+
+MIXED = ["all", None, "mamba", "experts", None]
+
+
+@pytest.fixture(scope="module")
+def zoo_hf(zoo):
+    spec, adapters, prompts = zoo
+    return _runs("hf", spec, adapters, prompts, [None, "all", MIXED])
+
+
+def test_zoo_parity_base_adapters_and_mixed_batch(zoo, zoo_hf):
+    """Base, one adapter, and a batch mixing three adapters with base rows, prompts of 5..300 tokens packed
+    together: every logprob, top-5 and router margin within 1e-4 of HF+PEFT; each adapter moves the output far
+    more than that (else dropping it would pass)."""
+    spec, adapters, prompts = zoo
+    got = _runs("triton", spec, adapters, prompts, [None, "all", MIXED])
+    for c, g, r in zip([None, "all", MIXED], got, zoo_hf):
+        assert _maxdiff(g, r) <= TOL, f"adapter choice {c}: max |d| {_maxdiff(g, r):.2e}"
+        for x, y in zip(g, r):
+            np.testing.assert_array_equal(x.topk_ids, y.topk_ids)
+            np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=TOL, rtol=0)
+            np.testing.assert_allclose(x.router_margin, y.router_margin, atol=TOL, rtol=0)
+    assert _maxdiff(got[1], got[0]) > 100 * TOL
+    for j, name in enumerate(MIXED):  # each mixed row moved from base exactly where it has an adapter
+        moved = float(np.abs(got[2][j].logprobs - got[0][j].logprobs).max())
+        assert (moved > 100 * TOL) if name else (moved == 0.0), (name, moved)
+
+
+def test_zoo_tp2_matches_tp1(zoo, zoo_hf):
+    """TP 2 over gloo: mamba heads with their groups, attention heads, expert and MLP widths split; the mixed batch
+    agrees with HF (and so with TP 1) at 1e-4."""
+    spec, adapters, prompts = zoo
+    (got,) = _runs("triton", spec, adapters, prompts, [MIXED], tp=2)
+    assert _maxdiff(got, zoo_hf[2]) <= TOL
+
+
+@pytest.fixture(scope="module")
+def latent(tmp_path_factory):
+    """A Nemotron-H with latent MoE, group-limited routing and a random correction bias, saved as transformers
+    saves it (backbone. names, experts one by one), with two adapters that together cover every group."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lpdiff.harness.spec.adapters import generate_adapter
+
+    root = tmp_path_factory.mktemp("nemotron_latent")
+    cfg = AutoConfig.for_model(
+        "nemotron_h", vocab_size=96, hidden_size=64, num_hidden_layers=5,
+        layers_block_type=["mamba", "moe", "attention", "mamba", "moe"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=6, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+        chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40, intermediate_size=40, moe_latent_size=32, n_group=2, topk_group=1,
+        initializer_range=0.15, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for i in (1, 4):
+            model.model.layers[i].mixer.gate.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(root / "model")
+    adapters = {
+        "moe": generate_adapter(model, root / "moe", groups=("latent", "experts"), rank=4, seed=1,
+                                layout="per_expert"),
+        "mixers": generate_adapter(model, root / "mixers", groups=("mamba", "attention", "shared_expert"), rank=6,
+                                   seed=2),
+    }
+    spec = ModelSpec(name="tiny-nemotron-latent", arch="nemotron_h", path=str(root / "model"))
+    return spec, {n: AdapterSpec(n, a.path) for n, a in adapters.items()}, _prompts([9, 21, 4, 17], 96, 5)
+
+
+def test_latent_group_routing_every_group(latent):
+    spec, adapters, prompts = latent
+    choices = [None, "moe", "mixers", ["mixers", None, "moe", "mixers"]]
+    ref = _runs("hf", spec, adapters, prompts, choices)
+    got = _runs("triton", spec, adapters, prompts, choices)
+    for c, g, r in zip(choices, got, ref):
+        assert _maxdiff(g, r) <= TOL, f"adapter choice {c}: max |d| {_maxdiff(g, r):.2e}"
+    for i in (1, 2):
+        assert _maxdiff(got[i], got[0]) > 100 * TOL, choices[i]
+
+
+def test_latent_triton_kernels_match_torch(latent):
+    """impl=triton (the LoRA linear and relu² expert kernels interpreted on CPU) agrees with the torch path."""
+    spec, adapters, prompts = latent
+    mixed = [["moe", None, "mixers", "moe"]]
+    short = [p[:6] for p in prompts]
+    (ref,) = _runs("triton", spec, adapters, short, mixed, options={"impl": "torch"})
+    (got,) = _runs("triton", spec, adapters, short, mixed, options={"impl": "triton"})
+    assert _maxdiff(got, ref) <= TOL
+
+
+# -- kernels/ssd.py against their definitions --------------------------------------------------------------------
+
+def test_ssd_scan_matches_the_recurrence():
+    """Odd sizes: length 45 over chunks of 8 (a partial last chunk), 6 heads in 3 groups, an initial state."""
+    from lpdiff.kernels.ssd import discretise_dt, ssd_scan
+
+    g = torch.Generator().manual_seed(11)
+    b, l, h, p, grp, n = 3, 45, 6, 5, 3, 7
+    x, raw_dt = torch.randn(b, l, h, p, generator=g), torch.randn(b, l, h, generator=g)
+    A, D, bias = -torch.rand(h, generator=g) * 2, torch.randn(h, generator=g), torch.randn(h, generator=g)
+    B, C = torch.randn(b, l, grp, n, generator=g), torch.randn(b, l, grp, n, generator=g)
+    s0 = torch.randn(b, h, p, n, generator=g)
+    dt = discretise_dt(raw_dt, bias, 0.01)
+    assert dt.min() >= 0.01
+    y, final = ssd_scan(x, dt, A, B, C, 8, D, s0, return_state=True)
+    state, ys = s0.clone(), []
+    Bh, Ch = B.repeat_interleave(h // grp, 2), C.repeat_interleave(h // grp, 2)
+    for t in range(l):
+        decay = torch.exp(dt[:, t] * A)[:, :, None, None]
+        state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * Bh[:, t, :, None, :]
+        ys.append((state * Ch[:, t, :, None, :]).sum(-1) + D[:, None] * x[:, t])
+    torch.testing.assert_close(y, torch.stack(ys, 1), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(final, state, atol=2e-5, rtol=1e-5)
+
+
+def test_causal_conv1d_and_gated_norm_match_their_definitions():
+    from lpdiff.kernels.ssd import causal_conv1d, gated_rms_norm
+
+    g = torch.Generator().manual_seed(12)
+    x, w, bias = torch.randn(2, 13, 9, generator=g), torch.randn(9, 4, generator=g), torch.randn(9, generator=g)
+    want = torch.zeros_like(x)
+    for t in range(13):
+        for j in range(4):  # tap j reads x[t - j] with weight column K-1-j; before the row's start: nothing
+            if t - j >= 0:
+                want[:, t] += w[:, 3 - j] * x[:, t - j]
+    torch.testing.assert_close(causal_conv1d(x, w, bias), torch.nn.functional.silu(want + bias))
+    y, z, weight = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g), torch.randn(12, generator=g)
+    got = gated_rms_norm(y, z, weight, 4, 1e-5, torch.float32)
+    v = (y * torch.nn.functional.silu(z)).view(5, 3, 4)
+    torch.testing.assert_close(got, weight * (v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)).view(5, 12))
+
+
+def test_mamba_groups_that_do_not_split_over_tp_are_refused():
+    from lpdiff.engines.triton.nemotron_h_weights import config_from_hf, mamba_rows
+    from lpdiff.engines.triton.shard import Shard
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.spec.resolve import resolve_model
+
+    cfg = config_from_hf(hf_config(resolve_model(ZOO)))
+    with pytest.raises(ValueError, match="2 mamba groups do not split over tp=4"):
+        mamba_rows(cfg, Shard(0, 4))
