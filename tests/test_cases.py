@@ -170,3 +170,55 @@ def test_hf_case_offline_from_hf_home(case_dir, tmp_path):
                         "hf://datasets/someorg/lora-test-case-tiny@" + "0" * 40, "--model", MODEL, "--engine", "hf"],
                        env=env, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "cannot be fetched" in r.stderr and "hf download --repo-type dataset" in r.stderr
+
+
+def test_case_base_model_as_own_dir_or_hub_id(case_dir, tmp_path, monkeypatch, capsys):
+    """--model resolves as `lpdiff run --model` does: a checkpoint directory of one's own (a copy of the zoo
+    checkpoint) and a Hub id served from an HF cache laid out as huggingface_hub writes it, offline. Both exited 2
+    "unknown model" before."""
+    from lpdiff.harness.spec.catalog import ZOO_DIR
+
+    from tests.helpers.hf_cache import offline_home, populate
+
+    hub = offline_home(monkeypatch, tmp_path)
+    own = tmp_path / "my-model"
+    shutil.copytree(ZOO_DIR / MODEL, own)
+    populate(hub, "acme/tiny-moe", ZOO_DIR / MODEL)
+    for model in (str(own), "acme/tiny-moe"):
+        out_json = tmp_path / "v.json"
+        rc = main(["run", "--case", str(case_dir), "--model", model, "--engine", "hf", "--json", str(out_json)])
+        out = capsys.readouterr().out
+        assert rc == 0 and out.startswith("PASS"), out
+        v = json.loads(out_json.read_text())
+        assert v["kl_v2_engine_trainer"] < 1e-9 and v["adapter_changes_output"]
+    assert main(["run", "--case", str(case_dir), "--model", "acme/nope", "--engine", "hf"]) == 2
+    assert "hf download acme/nope" in capsys.readouterr().err
+
+
+def test_catalog_hub_id_is_the_cached_checkpoint_else_the_catalog(case_dir, tmp_path, monkeypatch, capsys):
+    """docs/cases.md's `--model Qwen/Qwen3.5-35B-A3B`: with no snapshot cached it is the catalog's config-built
+    qwen3.5-35b-a3b (said on stderr with the download command); with one cached, that checkpoint, and the case is
+    judged at SGLang's threshold for that model (1e-3). The cached "Qwen/Qwen3.5-35B-A3B" here holds the tiny
+    Qwen3-MoE zoo checkpoint the case was made for: only the name matters to the lookup, and a 35B run is no CPU
+    test."""
+    from lpdiff.harness.commands.case import case_model
+    from lpdiff.harness.spec.catalog import ZOO_DIR
+    from lpdiff.harness.spec.resolve import SpecError
+
+    from tests.helpers.hf_cache import offline_home, populate
+
+    hub = offline_home(monkeypatch, tmp_path)
+    said = []
+    spec = case_model("Qwen/Qwen3.5-35B-A3B", log=said.append)
+    assert (spec.name, spec.path, spec.arch) == ("qwen3.5-35b-a3b", None, "qwen3_5_moe_text")
+    assert "hf download Qwen/Qwen3.5-35B-A3B" in said[0] and "will FAIL" in said[0]
+    assert case_model("openai/gpt-oss-20b", num_layers=2).name == "gpt-oss-20b"
+    with pytest.raises(SpecError, match="hf download Qwen/Qwen3.5-35B-A3B --revision v2"):
+        case_model("Qwen/Qwen3.5-35B-A3B@v2")  # a pinned revision asks for the real checkpoint
+    snap, _ = populate(hub, "Qwen/Qwen3.5-35B-A3B", ZOO_DIR / MODEL)
+    assert case_model("Qwen/Qwen3.5-35B-A3B").path == str(snap)
+    out_json = tmp_path / "v.json"
+    rc = main(["run", "--case", str(case_dir), "--model", "Qwen/Qwen3.5-35B-A3B", "--engine", "hf", "--json",
+               str(out_json)])
+    assert rc == 0, capsys.readouterr()
+    assert json.loads(out_json.read_text())["threshold"] == 1e-3

@@ -86,19 +86,48 @@ def format_verdict(v: CaseVerdict) -> str:
     return "\n".join([head, tabulate(rows, headers=["", "value", ""]), *([v.reason] if v.reason else [])])
 
 
+def case_model(name: str, num_layers: int | None = None, log=lambda s: None):
+    """The case's base model, resolved as ``lpdiff run --model`` resolves it (spec/resolve.py): a catalog name, a
+    checkpoint directory or a Hub id ORG/NAME[@REV]. A catalog model's own Hub id (``Qwen/Qwen3.5-35B-A3B``, what
+    docs/cases.md and SGLang's cases name) is the real checkpoint when the HF cache holds it, and otherwise the
+    catalog's config-built copy, said on ``log``: lpdiff cannot download a 35B checkpoint unasked."""
+    from lpdiff.harness.spec import sources as src
+    from lpdiff.harness.spec.catalog import HUB_REPOS, get_model
+    from lpdiff.harness.spec.resolve import resolve_model
+
+    ref = src.parse_hub(name)
+    catalog = next((n for n, repo in HUB_REPOS.items() if ref is not None and ref.repo_type == "model"
+                    and not ref.revision and not ref.subfolder and repo.lower() == ref.repo_id.lower()), None)
+    if catalog is not None and not Path(name).expanduser().exists() and not _cached(ref.repo_id):
+        log(f"--model {name}: not in the HF cache ({src.hub_cache()}); using the catalog's {catalog} (its config, "
+            f"seeded random weights). A case trained on the real weights will FAIL on it: fetch them with "
+            f"`{ref.fetch_command()}`")
+        return get_model(catalog, num_layers=num_layers)
+    return resolve_model(name, num_layers)
+
+
+def _cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    from lpdiff.harness.spec import sources as src
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=str(src.hub_cache())), str)
+
+
 def run_case(source: str, model: str | None, engine: str, dtype: str, tp: int, num_layers: int | None,
              options: dict | None, json_path: str | None, echo) -> int:
-    from lpdiff.harness.spec.catalog import get_model
+    import sys
+
+    from lpdiff.harness.spec.cases import DEFAULT_THRESHOLD, threshold_for
     from lpdiff.harness.spec.resolve import SpecError
 
     case = load_case(source)
     name = model or case.base_model
     if not name:
         raise SpecError(f"case {source} names no base model (case.json base_model); pass --model")
-    try:
-        spec = get_model(name, num_layers=num_layers)
-    except KeyError as e:
-        raise SpecError(str(e).strip("'\"")) from None
+    spec = case_model(name, num_layers, lambda s: print(s, file=sys.stderr))
+    if "kl_threshold" not in case.info and threshold_for(name) != DEFAULT_THRESHOLD:
+        case.threshold = threshold_for(name)  # SGLang's threshold for the base model named on the command line
     v = judge_case(case, spec, engine, dtype, tp, options)
     echo(format_verdict(v))
     if json_path:
