@@ -33,15 +33,25 @@ def baselines_ls(source) -> int:
 @click.option("--dry-run/--yes", default=True, show_default=True,
               help="list what would go (default), or remove it (--yes)")
 def baselines_prune(source, dry_run) -> int:
-    """Remove baselines superseded by a newer run of the same computation, and unreadable files. The only command
-    that deletes from a store; it lists each file it removes."""
+    """Remove baselines superseded by a newer run of the same computation. Only files whose content matches their
+    key are removed or count as newer; every other file is listed and kept. The only command that deletes from a
+    store; it lists every file it will remove before it removes any."""
     from lpdiff.harness.pipeline.references import default_store
 
     store = default_store(source)
-    gone = store.prune(dry_run=dry_run)
-    for e in gone:
-        click.echo(f"{'would remove' if dry_run else 'removed'} {e.path}  {e.describe()}")
-    _log(f"{len(gone)} file(s) {'would be' if dry_run else 'were'} removed from {store.root}")
+    plan = store.prune(dry_run=True)
+    for e in plan:
+        click.echo(f"{'would remove' if dry_run else 'will remove'} {e.path}  {e.describe()}")
+    for e in store.scan()[1]:
+        click.echo(f"kept (not a baseline whose content matches its key; remove it by hand if it is not yours to "
+                   f"keep) {e.path}: {e.problem}")
+    if dry_run:
+        _log(f"{len(plan)} file(s) would be removed from {store.root}; `lpdiff baselines prune --yes` removes them")
+        return 0
+    changed = store.remove(plan)
+    for e in changed:
+        click.echo(f"kept (changed since it was listed) {e.path}")
+    _log(f"{len(plan) - len(changed)} file(s) were removed from {store.root}")
     return 0
 
 
@@ -63,12 +73,18 @@ def baselines_pull(source, lock, update_lock) -> int:
 @click.option("--baselines", "source", default=None, help="local store to push (default: lpdiff's store)")
 @click.option("--lock", default="baselines.lock", show_default=True)
 @click.option("--message", default="lpdiff: update baselines", show_default=True)
-def baselines_push(target, source, lock, message) -> int:
-    """Push a local store as one commit on top of the locked revision; a racing push is refused, not overwritten."""
+@click.option("--delete", is_flag=True, help="also remove Hub files this store lacks (only when the Hub is still at "
+                                             "the lock's revision)")
+def baselines_push(target, source, lock, message, delete) -> int:
+    """Add a local store's baselines to a Hub dataset in one commit on top of its head: files pushed by others
+    since the locked revision are kept (a file changed on both sides is refused), nothing is deleted without
+    --delete, and only baselines whose content matches their key are uploaded (any other file refuses the push)."""
     from lpdiff.harness.pipeline import hub
     from lpdiff.harness.pipeline.references import default_store
 
-    pushed = hub.push(default_store(source).root, target, lock=lock, message=message)
+    pushed = hub.push(default_store(source).root, target, lock=lock, message=message, delete=delete)
+    for rel in pushed.deleted:
+        click.echo(f"deleted {rel}")
     click.echo(f"{pushed.ref.url}: {len(pushed.added)} added or changed, {len(pushed.deleted)} deleted")
     return 0
 

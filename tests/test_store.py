@@ -10,7 +10,8 @@ import pytest
 from lpdiff.harness.pipeline import store_format
 from lpdiff.harness.pipeline.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale,
                                            BaselineStore, baseline_key)
-from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, PromptLogprobs
+from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
+from tests.helpers.runs import engine_like_run
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 
@@ -21,16 +22,7 @@ def model(seed=0, name="tiny-moe", num_layers=None):
 
 
 def make_run(shift=0.0, top_k=2, wall=1.0, prompts=PROMPTS):
-    rng = np.random.default_rng(0)
-    out = []
-    for p in prompts:
-        n = len(p)
-        if top_k is None:  # an engine that gives neither top-k nor router margins
-            out.append(PromptLogprobs(p, -rng.random(n - 1) - shift))
-            continue
-        out.append(PromptLogprobs(p, -rng.random(n - 1) - shift, rng.integers(0, 10, (n - 1, top_k)),
-                                  -rng.random((n - 1, top_k)), rng.random(n)))
-    return LogprobRun(out, {"engine": "hf", "wall_s": wall})
+    return engine_like_run(prompts, top_k=top_k, shift=shift, wall=wall)
 
 
 def key(**kw):
@@ -244,10 +236,11 @@ def test_prune_lists_exactly_what_goes(tmp_path):
     assert any("UNREADABLE" in e.describe() for e in listed) and any("prompt set 'default'" in e.describe()
                                                                      for e in listed)
     plan = store.prune()  # dry run by default
-    assert sorted(e.path for e in plan) == sorted([store.path(old), junk])
+    assert [e.path for e in plan] == [store.path(old)]  # the junk file is no baseline: listed by scan, never removed
+    assert [e.path for e in store.scan()[1]] == [junk]
     assert len(store.ls()) == 4  # a dry run removes nothing
     assert store.prune(dry_run=False) == plan
-    assert sorted(k.digest for k in store.list()) == sorted([new.digest, other.digest])
+    assert sorted(k.digest for k in store.list()) == sorted([new.digest, other.digest]) and junk.exists()
     assert [e.key for e in store.prune(keep=[new], dry_run=False)] == [other]
     assert store.list() == [new]
 

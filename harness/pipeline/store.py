@@ -4,7 +4,8 @@ A key hashes a canonical description of what was computed (model and adapter ide
 top-k). Its value is one parquet file, ``root/<digest[:2]>/<digest>.parquet``, holding the run and its manifest
 (see store_format): written whole and renamed into place (see store_files), so pytest-xdist workers and concurrent
 regens can share one store and a kill never leaves a valid baseline unreadable. Many prompt sets, depths and
-reference engines coexist; nothing is deleted except by ``prune`` (or ``delete`` of one named key).
+reference engines coexist; nothing is deleted except by ``prune`` (or ``delete`` of one named key). Every read
+checks the content against the key (see ``check_content``): a file written by anyone else is trusted for nothing.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ from filelock import FileLock
 from lpdiff.harness.pipeline import store_format
 from lpdiff.harness.pipeline.store_errors import (BaselineCorrupt, BaselineError, BaselineExists, BaselineMissing,
                                                   BaselineStale, BaselineStorePath)
-from lpdiff.harness.pipeline.store_files import atomic_write, sweep_temps, write_lock
+from lpdiff.harness.pipeline.store_files import (LOCK_DIR, atomic_write, read_regular, sweep_temps,
+                                                temp_files, write_lock)
+from lpdiff.harness.spec.validate import ValidationError, check_run, check_topk_consistency
+from lpdiff.harness.spec.validate.runs import run_vocab
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, canonical_hash, prompts_hash
 
 __all__ = ["BaselineError", "BaselineMissing", "BaselineCorrupt", "BaselineStale", "BaselineExists",
@@ -144,6 +148,7 @@ class StoreEntry:
     created: str = ""
     size: int = 0
     problem: str | None = None
+    sha256: str | None = None  # of the bytes whose content was checked against the key (verified entries only)
 
     def describe(self) -> str:
         if self.key is None:
@@ -192,6 +197,10 @@ class BaselineStore:
             raise BaselineStale(f"the baseline stored at {path} describes another computation than "
                                 f"{key.label()} (hash collision or edited file): stored {stored}, wanted "
                                 f"{key.description}; {key.regen_hint()}")
+        try:
+            check_content(path, run, manifest)
+        except BaselineCorrupt as e:
+            raise BaselineCorrupt(f"{e}; {key.regen_hint()}") from None
         return run
 
     def _absent(self, key: BaselineKey, path: Path) -> BaselineError:
@@ -217,8 +226,8 @@ class BaselineStore:
             raise self._absent(key, path) from None
 
     def ls(self) -> list[StoreEntry]:
-        """Every baseline file in the store, sorted by path; files that are not readable baselines are listed with
-        their problem (``prune`` removes them)."""
+        """Every baseline file in the store, sorted by path, from the manifests alone (fast); files that are not
+        readable baselines are listed with their problem. ``scan`` checks contents."""
         self._check_folders(self.root)
         out = []
         for path in sorted(self.root.glob(f"??/*{store_format.SUFFIX}")):
@@ -235,6 +244,53 @@ class BaselineStore:
             except (BaselineCorrupt, KeyError, TypeError, AttributeError) as e:
                 out.append(StoreEntry(path, None, problem=str(e) or type(e).__name__))
         return out
+
+    def verify(self, path: Path) -> StoreEntry:
+        """``path`` as a baseline whose content matches its key, read once without following a symlink: the
+        manifest's key hashes to the digest that names the file, the numbers pass their checksum and the read-side
+        checks (check_content). BaselineCorrupt naming the file otherwise."""
+        try:
+            data = read_regular(path)
+        except OSError as e:
+            why = "a symlink (never followed)" if path.is_symlink() else f"unreadable ({e.strerror or e})"
+            raise BaselineCorrupt(f"{path} is {why}") from None
+        run, manifest = store_format.read(path, data)
+        try:
+            key = key_from_manifest(manifest)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise BaselineCorrupt(f"baseline {path} has no key in its manifest ({e})") from None
+        if canonical_hash(manifest["key"]) != key.digest or key.digest != path.stem:
+            raise BaselineCorrupt(f"baseline {path}: its manifest's key does not hash to the digest that names the "
+                                  "file (a copied, renamed or forged file)")
+        check_content(path, run, manifest)
+        return StoreEntry(path, key, str(manifest.get("created", "")), len(data),
+                          sha256=hashlib.sha256(data).hexdigest())
+
+    def scan(self) -> tuple[list[StoreEntry], list[StoreEntry]]:
+        """(baselines whose content matches their key, every other file or link in the store with its problem):
+        what push uploads and prune may remove, and what both refuse to touch. Skipped as the store's own: the
+        write locks, temp files of writers, a .gitignore at the root."""
+        self._check_folders(self.root)
+        temps = set(temp_files(self.root))
+        good, bad = [], []
+        for path in sorted(self.root.rglob("*")):
+            rel = path.relative_to(self.root)
+            if rel.parts[0] == LOCK_DIR or path in temps or rel.as_posix() == ".gitignore" or (
+                    path.is_dir() and not path.is_symlink()):
+                continue
+            if len(rel.parts) != 2 or rel.parts[0] != path.stem[:2] or not _DIGEST.match(path.stem) or \
+                    path.suffix != store_format.SUFFIX:
+                kind = "a symlink" if path.is_symlink() else "a folder" if path.is_dir() else "a file"
+                bad.append(StoreEntry(path, None, problem=f"{kind} that is not a baseline (baselines are "
+                                                            f"??/<sha256>{store_format.SUFFIX})"))
+                continue
+            try:
+                good.append(self.verify(path))
+            except FileNotFoundError:
+                continue  # deleted while scanning
+            except BaselineCorrupt as e:
+                bad.append(StoreEntry(path, None, problem=str(e)))
+        return good, bad
 
     def list(self) -> list[BaselineKey]:
         return [e.key for e in self.ls() if e.key is not None]
@@ -319,12 +375,12 @@ class BaselineStore:
         return True
 
     def prune(self, keep: Iterable[BaselineKey | str] | None = None, dry_run: bool = True) -> list[StoreEntry]:
-        """What to remove, removed unless ``dry_run``: with ``keep`` (keys or digests), every baseline not in it;
-        without, each baseline superseded by a newer one of the same computation (see ``find_stale``). Files that
-        are not readable baselines go too. Returns the entries, sorted by path; temp files of killed writers are
-        swept as a side effect of a real run."""
-        entries = self.ls()
-        good = [e for e in entries if e.key is not None]
+        """What to remove, removed unless ``dry_run`` (see ``remove``): with ``keep`` (keys or digests), every
+        baseline not in it; without, each baseline superseded by a newer one of the same computation (see
+        ``find_stale``). Only baselines whose content matches their key are candidates, and only they can supersede
+        another: a file's own manifest is never trusted (a forged or damaged file removes nothing and is never
+        removed; ``scan`` lists it). Returns the entries, sorted by path."""
+        good, _ = self.scan()
         if keep is not None:
             kept = {k if isinstance(k, str) else k.digest for k in keep}
             drop = [e for e in good if e.key.digest not in kept]
@@ -336,15 +392,51 @@ class BaselineStore:
                                                                               newest[c].path.stat().st_mtime):
                     newest[c] = e
             drop = [e for e in good if newest[e.key.computation()] is not e]
-        drop = sorted(drop + [e for e in entries if e.key is None], key=lambda e: e.path)
+        drop = sorted(drop, key=lambda e: e.path)
         if not dry_run:
-            for e in drop:
-                if e.key is not None:
-                    self.delete(e.key)
-                else:
-                    try:
-                        e.path.unlink(missing_ok=True)
-                    except OSError as err:
-                        raise self._os_error(err, e.path) from None
-            sweep_temps(self.root)
+            self.remove(drop)
         return drop
+
+    def remove(self, entries: Iterable[StoreEntry]) -> list[StoreEntry]:
+        """Delete verified entries (from ``prune``), each under its key's write lock and only while its bytes are
+        still the ones verified; returns those that changed meanwhile and were kept. Temp files of writers that
+        are gone are swept too."""
+        changed = []
+        for e in entries:
+            assert e.key is not None and e.sha256 is not None, "remove takes verified entries only"
+            try:
+                with write_lock(self.root, e.key.digest):
+                    try:
+                        now = hashlib.sha256(read_regular(e.path)).hexdigest()
+                    except FileNotFoundError:
+                        continue
+                    except OSError:
+                        now = None
+                    if now != e.sha256:
+                        changed.append(e)
+                        continue
+                    e.path.unlink(missing_ok=True)
+            except OSError as err:
+                raise self._os_error(err, e.path) from None
+        sweep_temps(self.root)
+        return changed
+
+
+def check_content(path: Path, run: LogprobRun, manifest: dict[str, Any]) -> None:
+    """A stored run that can be what its key says: the prompts and top-k width its key names, finite logprobs
+    <= 0, top-k ids in the vocabulary and top-k data consistent with the logprobs (sorted, distinct ids, the
+    actual token's entry equal to its logprob). Checked at every read: the write-side checks do not cover a file
+    written by anyone else. BaselineCorrupt naming the file."""
+    key = manifest.get("key") if isinstance(manifest.get("key"), dict) else {}
+    if prompts_hash([p.token_ids for p in run.prompts]) != key.get("prompts"):
+        raise BaselineCorrupt(f"baseline {path} holds other prompts than its key names")
+    widths = {None if p.topk_ids is None else p.topk_ids.shape[1] for p in run.prompts}
+    if key.get("top_k") and widths != {key["top_k"]}:
+        raise BaselineCorrupt(f"baseline {path} has top-k width(s) {sorted(map(str, widths))}, its key "
+                              f"top_k={key['top_k']}")
+    fix = "the file was damaged or forged"
+    try:
+        check_run(run, f"baseline {path}", run_vocab(run.meta), fix=fix)
+        check_topk_consistency(run, f"baseline {path}", fix=fix)
+    except ValidationError as e:
+        raise BaselineCorrupt(str(e)) from None

@@ -9,12 +9,14 @@ they are ``flock``s on files in the store's own ``.locks/`` folder, which every 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import re
 import secrets
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
@@ -57,6 +59,19 @@ def atomic_write(final: Path, write: Callable[[BinaryIO], None]) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(final.parent)
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of ``path`` when it is a regular file, never through a symlink (O_NOFOLLOW: a link planted in a
+    store could point at a private file); OSError otherwise (ELOOP for a link)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -128,11 +128,12 @@ def _unreadable(path, e: Exception) -> BaselineCorrupt:
     return BaselineCorrupt(f"baseline {path} is not a readable lpdiff baseline ({type(e).__name__}: {why})")
 
 
-def read(path) -> tuple[LogprobRun, dict[str, Any]]:
-    """(run, manifest) of a baseline file; BaselineCorrupt naming ``path`` when it is not one (unreadable, junk,
-    truncated, or its numbers fail their checksum)."""
+def read(path, data: bytes | None = None) -> tuple[LogprobRun, dict[str, Any]]:
+    """(run, manifest) of a baseline file (``data``: its bytes, already read; ``path`` then only names it);
+    BaselineCorrupt naming ``path`` when it is not one (unreadable, junk, truncated, or its numbers fail their
+    checksum)."""
     try:
-        with pq.ParquetFile(path, page_checksum_verification=True) as pf:
+        with pq.ParquetFile(path if data is None else pa.BufferReader(data), page_checksum_verification=True) as pf:
             table = pf.read()
             manifest = _manifest(pf.metadata.metadata)
         if not table.schema.equals(SCHEMA, check_metadata=False):

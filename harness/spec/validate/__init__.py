@@ -19,6 +19,7 @@ from lpdiff.harness.spec.validate.runs import (
     check_reference_runs,
     check_run,
     check_run_pair,
+    check_topk_consistency,
     load_run,
     load_run_pair,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "check_reference_runs",
     "check_run",
     "check_run_pair",
+    "check_topk_consistency",
     "first_error",
     "load_run",
     "load_run_pair",

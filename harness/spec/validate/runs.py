@@ -86,6 +86,44 @@ def check_run(run: LogprobRun, source: str, vocab_size: int | None = None,
             raise ValidationError(f"{source}: {n} {what} (first: prompt {i}, position {j}); {fix}")
 
 
+# The actual token's logprob and the same token's top-k entry come from one log-softmax in every engine lpdiff
+# reads (they agree exactly in the committed baselines); 0.05 leaves room for an engine computing them apart in bf16.
+TOPK_AGREE_TOL = 0.05
+
+
+def check_topk_consistency(run: LogprobRun, source: str, fix: str) -> None:
+    """Top-k data that can be true: per position distinct ids, logprobs sorted from the most likely down, the
+    actual next token's logprob equal to its top-k entry when listed there and no higher than the k-th when not."""
+    if any(p.topk_ids is None or p.topk_logprobs is None for p in run.prompts):
+        return
+    masks: dict[str, list[np.ndarray]] = {"top-k logprob rows are not sorted from the most likely down": [],
+                                          "top-k rows list one token id twice": [],
+                                          "actual-token logprobs disagree with their top-k entry": [],
+                                          "actual-token logprobs are above the k-th top-k logprob of a top-k row "
+                                          "that does not list the token": []}
+    lists = list(masks.values())
+    for p in run.prompts:
+        ids, lps = p.topk_ids, p.topk_logprobs
+        if ids.shape != lps.shape or ids.shape[0] != len(p.logprobs):
+            raise ValidationError(f"{source}: top-k arrays of shape {ids.shape} / {lps.shape} for "
+                                  f"{len(p.logprobs)} positions; {fix}")
+        k = ids.shape[1]
+        if k == 0:
+            return
+        lists[0].append((np.diff(lps, axis=1) > LOGPROB_TOL).any(axis=1))
+        srt = np.sort(ids, axis=1)
+        lists[1].append((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+        hit = ids == np.asarray(p.token_ids[1:])[:, None]
+        listed = hit.any(axis=1)
+        at = np.where(listed, lps[np.arange(len(ids)), hit.argmax(axis=1)], 0.0)
+        lists[2].append(listed & ~(np.abs(at - p.logprobs) <= TOPK_AGREE_TOL))
+        lists[3].append(~listed & (p.logprobs > lps[:, -1] + TOPK_AGREE_TOL))
+    for what, mask in masks.items():
+        n, i, j = _first(mask)
+        if n:
+            raise ValidationError(f"{source}: {n} {what} (first: prompt {i}, position {j}); {fix}")
+
+
 def check_run_pair(a: LogprobRun, b: LogprobRun, names: tuple[str, str], allow_different: bool = False) -> None:
     """Two runs that can be compared position by position: the same prompts, and unless ``allow_different`` the same
     model and adapter according to their metadata."""
