@@ -29,8 +29,6 @@ from lpdiff.harness.pipeline.store_errors import (BaselineCorrupt, BaselineError
                                                   BaselineStale, BaselineStorePath)
 from lpdiff.harness.pipeline.store_files import (LOCK_DIR, atomic_write, read_regular, sweep_temps,
                                                 temp_files, write_lock)
-from lpdiff.harness.spec.validate import ValidationError, check_run, check_topk_consistency
-from lpdiff.harness.spec.validate.runs import run_vocab
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, canonical_hash, prompts_hash
 
 __all__ = ["BaselineError", "BaselineMissing", "BaselineCorrupt", "BaselineStale", "BaselineExists",
@@ -434,6 +432,9 @@ def check_content(path: Path, run: LogprobRun, manifest: dict[str, Any]) -> None
     if key.get("top_k") and widths != {key["top_k"]}:
         raise BaselineCorrupt(f"baseline {path} has top-k width(s) {sorted(map(str, widths))}, its key "
                               f"top_k={key['top_k']}")
+    from lpdiff.harness.spec.validate import ValidationError, check_run, check_topk_consistency  # imports torch
+    from lpdiff.harness.spec.validate.runs import run_vocab
+
     fix = "the file was damaged or forged"
     try:
         check_run(run, f"baseline {path}", run_vocab(run.meta), fix=fix)
