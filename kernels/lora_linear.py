@@ -294,12 +294,18 @@ def lora_linear_aug(xa, w_aug, bias, lora_a, slot_mask=None, uniform_slot: int |
     L, S, R, kin = lora_a.shape
     T, width = xa.shape[0], S * R
     x, s = xa[:, :kin], xa[:, kin:]
+    lo, hi = (0, L * width) if uniform_slot is None else (uniform_slot * width, (uniform_slot + 1) * width)
+    if not xa.is_cuda:
+        # The shrink columns hold whatever the caller's buffer held (NaN in a reused block). cuBLAS never reads C
+        # at beta = 0, but a CPU bf16 GEMM into a strided column block can scale C by beta = 0 instead, and
+        # 0 x NaN stays NaN (seen on a CI-class CPU, issue 40). Zeroing first, a T x L*S*R memset on CPU only,
+        # makes the result independent of the BLAS and of the allocator.
+        s[:, lo:hi].zero_()
     with exact_matmuls(xa.dtype):
         if uniform_slot is None:
             torch.mm(x, lora_a.reshape(L * width, kin).T, out=s)
             s.view(T, L, width).mul_(slot_mask[:, :, None])
         else:
-            lo, hi = uniform_slot * width, (uniform_slot + 1) * width
             torch.mm(x, lora_a[uniform_slot].reshape(width, kin).T, out=s[:, lo:hi])
             if not others_zero:
                 s[:, :lo].zero_()
