@@ -26,6 +26,12 @@ class PromptLogprobs:
     # Smallest top-k routing margin seen by position i over all MoE layers (engines that expose routing);
     # positions at or after a near-tie are flagged by the verdict instead of passing or failing silently.
     router_margin: np.ndarray | None = None  # (n,) float32
+    # Per token and MoE layer (L = the model's MoE layers in decoder order, K = top-k), when the engine was asked to
+    # capture routing: the chosen expert ids (int32; -1 where the engine reported none, e.g. a token no logprob
+    # position sees), the top-k margin at that layer (the same score gap as router_margin) and the top-k weights.
+    routed_experts: np.ndarray | None = None  # (n, L, K) int32
+    routed_margins: np.ndarray | None = None  # (n, L) float32
+    routed_weights: np.ndarray | None = None  # (n, L, K) float32
 
     def __post_init__(self):
         self.token_ids = np.asarray(self.token_ids, dtype=np.int64)
@@ -40,6 +46,21 @@ class PromptLogprobs:
         if self.router_margin is not None:
             self.router_margin = np.asarray(self.router_margin, dtype=np.float32)
             assert self.router_margin.shape == (n,)
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.int32)
+            assert self.routed_experts.ndim == 3 and self.routed_experts.shape[0] == n, \
+                f"routed_experts {self.routed_experts.shape} for {n} tokens"
+        for name, dims in (("routed_margins", 2), ("routed_weights", 3)):
+            v = getattr(self, name)
+            if v is not None:
+                v = np.asarray(v, dtype=np.float32)
+                ids = self.routed_experts
+                assert ids is not None and v.shape == ids.shape[:dims], \
+                    f"{name} {v.shape} beside routed_experts {None if ids is None else ids.shape}"
+                setattr(self, name, v)
+
+
+ROUTING_FIELDS = ("routed_experts", "routed_margins", "routed_weights")  # per token, stored like router_margin
 
 
 @dataclass(slots=True)
@@ -60,7 +81,7 @@ class LogprobRun:
         out["lengths"] = lens
         out["token_ids"] = np.concatenate([p.token_ids for p in self.prompts])
         out["logprobs"] = np.concatenate([p.logprobs for p in self.prompts])
-        for name in ("topk_ids", "topk_logprobs", "router_margin"):
+        for name in ("topk_ids", "topk_logprobs", "router_margin", *ROUTING_FIELDS):
             vals = [getattr(p, name) for p in self.prompts]
             if all(v is not None for v in vals):
                 out[name] = np.concatenate(vals)
@@ -81,6 +102,7 @@ class LogprobRun:
                     topk_ids=arrays["topk_ids"][p0:p1] if "topk_ids" in arrays else None,
                     topk_logprobs=arrays["topk_logprobs"][p0:p1] if "topk_logprobs" in arrays else None,
                     router_margin=arrays["router_margin"][t0:t1] if "router_margin" in arrays else None,
+                    **{name: arrays[name][t0:t1] for name in ROUTING_FIELDS if name in arrays},
                 )
             )
         return cls(prompts, dict(meta))
