@@ -17,7 +17,7 @@ from lpdiff.harness.pipeline.references import References, default_store
 from lpdiff.harness.pipeline.session import Lanes, run_session
 from lpdiff.harness.pipeline.store import BaselineStore
 from lpdiff.harness.pipeline.thresholds import lookup
-from lpdiff.harness.pipeline.verdict import Verdict, judge
+from lpdiff.harness.pipeline.verdict import Verdict, judge, next_step
 from lpdiff.harness.spec.adapters import adapter_groups
 from lpdiff.harness.spec.prompt_sources import PromptSource
 from lpdiff.harness.spec.resolve import Resolved, resolve
@@ -103,6 +103,8 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
         v.detail = position_detail(runs[a], refs[a], eps)
         if split:
             _name_groups(v, split, threshold.delta_fidelity)
+        if not v.passed:
+            v.next_step = next_step(job.engine_pair, job.model, v.adapter, job.tp, job.adapters, job.options)
         verdicts.append(v)
     return verdicts
 

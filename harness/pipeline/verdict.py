@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import json
 import math
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -36,6 +37,7 @@ class Verdict:
     notes: list[str] = field(default_factory=list)  # context that does not decide pass/fail
     expected: str = "PASS"  # "FAIL" for lanes that must fail (bug-zoo faults, known defects); reports mark them
     detail: dict[str, Any] | None = None  # per-prompt d and near-tie positions for reports (metrics.position_detail)
+    next_step: str = ""  # for a lane that did not come out as expected: the command that localises it (next_step)
 
 
 def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity) -> list[str]:
@@ -89,6 +91,45 @@ def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = Non
                    tp=threshold.tp, adapter=adapter, metrics=metrics, delta_fidelity=delta_fidelity,
                    threshold=threshold, passed=not reasons, reasons=reasons,
                    near_tie_share=metrics.near_tie_share, notes=notes)
+
+
+def _engine_of(engine_pair: str) -> tuple[str, str, str]:
+    """"triton:float32-vs-hf:float32" -> ("triton", "float32", "hf")."""
+    test, _, ref = engine_pair.partition("-vs-")
+    engine, _, dtype = test.partition(":")
+    return engine, dtype, ref.partition(":")[0]
+
+
+def bisect_command(model: str, adapters: Sequence[str] | None = (), tp: int | None = 1,
+                   options: Mapping[str, Any] | None = None) -> str:
+    """The ``lpdiff bisect`` command that re-runs a triton lane module by module against HF+PEFT: the same model,
+    the same adapters (a mixed batch when several, as the run's session), the same TP size and bug-zoo fault."""
+    cmd = f"lpdiff bisect {shlex.quote(model)}" + "".join(f" --adapter {shlex.quote(a)}" for a in adapters or ())
+    cmd += f" --tp {tp or 1}"
+    fault = (options or {}).get("fault")
+    return cmd + (f" --fault {shlex.quote(str(fault))}" if fault else "")
+
+
+def next_step(engine_pair: str, model: str, adapter: str | None, tp: int | None = 1,
+              adapters: Sequence[str] | None = None, options: Mapping[str, Any] | None = None) -> str:
+    """What to run after a lane came out unexpectedly: the triton runtime -> the bisect command naming the first
+    layer and module that leaves HF+PEFT (``adapters``: the run's batch; default the lane's adapter); HF against
+    its own stored runs -> the stack differs from the baselines'; another engine -> doctor (what it refuses or
+    drops in the adapter) and metamorphic (the engine against itself)."""
+    engine, dtype, ref = _engine_of(engine_pair)
+    lane = None if adapter in (None, "-", "base") else adapter
+    m = shlex.quote(model)
+    if engine == "triton" and ref == "hf":
+        return bisect_command(model, adapters if adapters is not None else ([lane] if lane else []), tp, options)
+    if engine == ref == "hf":
+        return ("HF+PEFT differs from its own stored runs: compare `pip list` with constraints.txt (the stack the "
+                f"baselines were measured with), or `lpdiff regen --model {m} --baselines DIR` into a new store")
+    if lane is None:
+        return (f"lpdiff compare --model {m} --engine {engine} --dtype {dtype or 'float32'} --against {ref} "
+                f"--tp {tp or 1}")
+    a = shlex.quote(lane)
+    doctor = f"lpdiff doctor {m} {a} --engine {engine}; " if engine in ("hf", "vllm", "sglang") else ""
+    return f"{doctor}lpdiff metamorphic {m} {a} --engine {engine} --tp {tp or 1}"
 
 
 def _plain(obj: Any) -> Any:
