@@ -104,7 +104,7 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
         if split:
             _name_groups(v, split, threshold.delta_fidelity)
         if not v.passed:
-            v.next_step = next_step(job.engine_pair, job.model, v.adapter, job.tp, job.adapters, job.options)
+            v.next_step = next_step(job.engine_pair, job.model, v.adapter, job.tp, job.adapters or (), job.options)
         verdicts.append(v)
     return verdicts
 
