@@ -208,7 +208,9 @@ def tensor_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, num_la
             found.setdefault("shape-mismatch", []).append(kind)
         if shapes is None:
             continue
-        ranks = _rank_for(cfg, re.sub(r"(\.base_layer)+$", "", mod))
+        base = re.sub(r"(\.base_layer)+$", "", mod)  # PEFT matches 3D experts' patterns by parameter path
+        ranks = set().union(*(_rank_for(cfg, p) for p in
+                              [base, *(f"{base}.{q}" for q in facts.layout.module_params.get(base, ()))]))
         n = shapes[0][0] if kind == "experts" else 1  # peft3d: A is (r * experts, in), B (out, r * experts)
         want = shapes[0][1] if which == "A" else shapes[1][0]
         got = t.shape[1] if which == "A" else t.shape[0] if t.ndim == 2 else None
