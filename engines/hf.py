@@ -14,6 +14,9 @@ Options (``EngineConfig.options``):
   max_batch_tokens   padded tokens per forward (default 8192)
   logit_chunk        rows per log-softmax chunk (default 1024)
   router_margins     record each token's smallest top-k routing margin over MoE layers (default True)
+  capture_routing    return each token's expert ids, top-k margin and weights per MoE layer (default False)
+
+``prompt_logprobs(..., routing=[ids per prompt])`` replays given expert ids (routing replay, harness/spec/routing.py).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, check_request
 from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
 from lpdiff.engines.logprobs import chunked_logprobs
-from lpdiff.harness.spec.routing import RouterMarginRecorder
+from lpdiff.harness.spec.routing import RouterMarginRecorder, forced_ids
 from lpdiff.harness.types import PromptLogprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,9 +99,10 @@ class HFEngine:
         self.max_batch_tokens = int(opts.pop("max_batch_tokens", 8192))
         self.logit_chunk = int(opts.pop("logit_chunk", 1024))
         self.record_margins = bool(opts.pop("router_margins", True))
+        self.capture_routing = bool(opts.pop("capture_routing", False))
         if opts:
             raise ValueError(f"unknown hf engine options {sorted(opts)}; known: experts_impl, max_batch_tokens, "
-                             "logit_chunk, router_margins")
+                             "logit_chunk, router_margins, capture_routing")
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> "HFEngine":
@@ -117,7 +121,7 @@ class HFEngine:
         self.model = model.eval()
         self.lm = model.get_base_model() if self.config.adapters else model
         self.decoder = self.lm.get_decoder()
-        self.margins = RouterMarginRecorder(self.lm) if self.record_margins else None
+        self.margins = RouterMarginRecorder(self.lm, capture=self.capture_routing)
         return self
 
     def _load_adapters(self, model):
@@ -157,7 +161,8 @@ class HFEngine:
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                        top_k: int = 0) -> list[PromptLogprobs]:
+                        top_k: int = 0, routing: Sequence[np.ndarray] | None = None) -> list[PromptLogprobs]:
+        """``routing``: per prompt, (tokens, MoE layers, top_k) expert ids to force (routing replay)."""
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
         names = check_request(prompts, adapter, self.config.adapters, self.config.model)
@@ -167,7 +172,8 @@ class HFEngine:
             idx = [i for i, n in enumerate(names) if n == name]
             with self._adapter_ctx(name):
                 for batch in _batches(idx, prompts, self.max_batch_tokens):
-                    for i, res in zip(batch, self._forward([prompts[i] for i in batch], top_k)):
+                    forced = None if routing is None else [routing[i] for i in batch]
+                    for i, res in zip(batch, self._forward([prompts[i] for i in batch], top_k, forced)):
                         out[i] = res
         self.last_wall_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
@@ -229,7 +235,7 @@ class HFEngine:
                     cap[i, "experts_base"] = layer.mlp.experts(*calls[i, "experts"])
         return cap
 
-    def _forward(self, prompts: list[Sequence[int]], top_k: int) -> list[PromptLogprobs]:
+    def _forward(self, prompts: list[Sequence[int]], top_k: int, routing=None) -> list[PromptLogprobs]:
         lens = [len(p) for p in prompts]
         n, T = len(prompts), max(lens)
         ids = torch.zeros(n, T, dtype=torch.long)
@@ -238,10 +244,14 @@ class HFEngine:
             ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
             mask[i, : len(p)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        if self.margins is not None:
-            self.margins.start()
+        forced = None if routing is None else forced_ids(routing, T, self.margins.num_routers, self.device)
+        hooked = self.record_margins or self.capture_routing or forced is not None  # else the hooks cost nothing
+        if hooked:
+            self.margins.start(forced)
         hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        margins = self.margins.stop(n, T) if self.margins is not None else None
+        margins = self.margins.stop(n, T) if hooked else None
+        margins = margins if self.record_margins else None
+        routed = self.margins.routing(n, T) if self.capture_routing else None
         # rows of real positions that predict a next token: (prompt i, position j < len-1)
         sel = torch.cat([torch.arange(L - 1) + i * T for i, L in enumerate(lens)]).to(self.device)
         targets = ids.reshape(-1)[sel + 1]  # row i*T + j predicts token (i, j + 1)
@@ -263,6 +273,8 @@ class HFEngine:
                 topk_ids=tk_ids[s].cpu().numpy() if top_k else None,
                 topk_logprobs=tk_lp[s].cpu().numpy() if top_k else None,
                 router_margin=margins[i, :L] if margins is not None else None,
+                **({} if routed is None else dict(routed_experts=routed[0][i, :L], routed_margins=routed[1][i, :L],
+                                                  routed_weights=routed[2][i, :L])),
             ))
         return res
 
