@@ -14,6 +14,7 @@ import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.triton.capture import capture_layers
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS
 from lpdiff.engines.triton.options import DEFAULTS, TritonOptions
+from lpdiff.engines.triton.routing import run_with_routing, supports_routing
 from lpdiff.engines.triton.runtime import Runtime
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.harness.types import PromptLogprobs
@@ -72,6 +73,9 @@ class TritonEngine:
                 log("process group joined")
             self.runtime = Runtime(self.config, self.options, Shard(0, world), tp.rank_device(self.device, 0),
                                    tp.all_reduce_fn(world))
+            if self.options.capture_routing and not supports_routing(self.runtime):
+                raise ValueError(f"option capture_routing: the triton runtime records routing on qwen3_moe and "
+                                 f"gpt_oss, not yet on {self.config.model.arch}; capture it with the hf engine")
             if self.workers is not None:
                 log("rank 0 loaded its shard")
                 self.workers.wait_ready()
@@ -132,7 +136,10 @@ class TritonEngine:
             msg = (prompts[lo:hi], slots[lo:hi], top_k)
             if self.workers is not None:
                 tp.broadcast(msg)
-            out += self.runtime.run(*msg)
+            if self.options.capture_routing:
+                out += run_with_routing(self.runtime, *msg)
+            else:
+                out += self.runtime.run(*msg)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_wall_s = time.perf_counter() - t0

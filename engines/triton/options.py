@@ -22,6 +22,7 @@ class TritonOptions:
     cuda_graphs: int = 4  # CUDA graphs kept of whole calls (0 = none)
     moe_lora_shrink: str = "auto"  # "auto" | "once" | "fused" | "fused:G,D" (parse_shrink)
     moe_padding: str = "auto"  # "auto" or one of kernels.PADDING
+    capture_routing: bool = False  # return expert ids / weights / margins per MoE layer (engines/triton/routing.py)
 
     def __post_init__(self):
         _choice("impl", self.impl, IMPLS)
@@ -34,6 +35,8 @@ class TritonOptions:
         for name in ("max_batch_tokens", "logit_chunk"):
             _count(name, getattr(self, name), 1)
         _count("cuda_graphs", self.cuda_graphs, 0)
+        if not isinstance(self.capture_routing, bool):
+            raise ValueError(f"option capture_routing must be true or false, got {self.capture_routing!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ValueError(f"option timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         self.fault = faults.resolve({"fault": self.fault})  # resolved once, so TP workers run the same one
