@@ -37,6 +37,9 @@ class Verdict:
     notes: list[str] = field(default_factory=list)  # context that does not decide pass/fail
     expected: str = "PASS"  # "FAIL" for lanes that must fail (bug-zoo faults, known defects); reports mark them
     detail: dict[str, Any] | None = None  # per-prompt d and near-tie positions for reports (metrics.position_detail)
+    # routing part (harness/pipeline/routing.py attribute: expert agreement, kernel and router parts, the fault's
+    # name) where both runs carried expert ids
+    routing: dict[str, Any] | None = None
     next_step: str = ""  # for a lane that did not come out as expected: the command that localises it (next_step)
 
 
