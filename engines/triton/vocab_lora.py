@@ -42,7 +42,9 @@ def without_vocab(adapter):
     """The adapter less its lm_head and embedding entries (what the decoder's stackers take)."""
     if HEAD not in adapter.dense and not adapter.embed:
         return adapter
-    return dataclasses.replace(adapter, dense={k: v for k, v in adapter.dense.items() if k != HEAD}, embed={})
+    keep = {k: v for k, v in adapter.dense.items() if k != HEAD}
+    return dataclasses.replace(adapter, dense=keep, embed={},
+                               scalings={k: v for k, v in adapter.scalings.items() if k in keep or k in adapter.experts})
 
 
 @dataclass(slots=True)

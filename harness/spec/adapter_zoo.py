@@ -87,13 +87,13 @@ def trainer_plan(model) -> dict[str, dict]:
     }
 
 
-def build_trainer(model, out_dir: str | Path, names=None, seed: int = SEED + 1000) -> dict[str, str]:
+def build_trainer(model, out_dir: str | Path, names=None, seed: int = SEED + 1000) -> dict[str, Path]:
     """Write ``trainer_plan`` adapters (all, or ``names``) for a loaded transformers model under out_dir/<name>;
     returns name -> directory. Seeds follow the plan's order."""
     out = {}
     for i, (name, p) in enumerate(trainer_plan(model).items()):
         if names is None or name in names:
-            out[name] = generate_adapter(model, Path(out_dir) / name, seed=seed + i, **p).path
+            out[name] = Path(generate_adapter(model, Path(out_dir) / name, seed=seed + i, **p).path)
     return out
 
 
