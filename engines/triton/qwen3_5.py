@@ -195,11 +195,11 @@ class Qwen35Model:
     def linear_attention(self, h: Tensor, lw: LayerWeights, ll, batch: Batch) -> Tensor:
         cfg, T = self.cfg, h.shape[0]
         nk, nv, dk, dv = self.lin_k, self.lin_v, cfg.lin_k_dim, cfg.lin_v_dim
-        if faults.on("qwen35_linear_lora_dropped"):
+        if faults.on("linear_attention_lora_dropped"):
             ll = None
         proj = self.linear(h, lw.proj_in, ll and ll.proj_in, batch)
         qkv, z, b, a = proj.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
-        if faults.on("qwen35_conv_across_prompts"):  # the whole packed batch as one sequence
+        if faults.on("conv_across_prompts"):  # the whole packed batch as one sequence
             qkv = gdn.causal_conv1d(qkv, lw.conv, _one_prompt(batch))
         else:
             qkv = gdn.causal_conv1d(qkv, lw.conv, batch)
@@ -209,7 +209,7 @@ class Qwen35Model:
         g = -lw.A_log.float().exp() * F.softplus(a.float() + lw.dt_bias)
         if nv != nk:
             q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
-        if faults.on("qwen35_state_not_reset"):
+        if faults.on("state_not_reset"):
             o = gdn.gated_delta_rule(q, k, v, g, beta, _one_prompt(batch), self.gdn_impl)
         else:
             o = gdn.gated_delta_rule(q, k, v, g, beta, batch, self.gdn_impl)
@@ -230,33 +230,53 @@ class Qwen35Model:
         o = o.reshape(T, self.heads * d) * torch.sigmoid(gate.reshape(T, self.heads * d))
         return self.all_reduce(self.linear(o, lw.proj_out, ll and ll.proj_out, batch))
 
-    def moe(self, h: Tensor, mw: MoeWeights, ll, batch: Batch, margin: Tensor | None = None,
-            ids=None, weights=None) -> tuple[Tensor, Tensor | None]:
-        """Routed experts + sigmoid-gated shared expert, all-reduced -> ((T, H), updated margin). ``ids`` /
-        ``weights`` given: that routing instead of this model's own (capture's re-runs)."""
-        if ids is None:
-            ids, weights, margin = route(h, mw, self.cfg, self.impl, min_into=margin)
+    def moe(self, h: Tensor, mw: MoeWeights, ll, batch: Batch, margin: Tensor) -> tuple[Tensor, Tensor]:
+        """Routed experts + sigmoid-gated shared expert, all-reduced -> ((T, H), the running margin updated)."""
+        ids, weights, margin = route(h, mw, self.cfg, self.impl, min_into=margin)
         moe_lora = ll.moe if ll is not None else None
         out = experts(h, ids, weights, mw, self.cfg, moe_lora, batch.token_adapter, self.lora_impl,
                       self.moe_backend)
-        if not faults.on("qwen35_shared_expert_dropped"):
+        if not faults.on("shared_expert_dropped"):
             gu = self.linear(h, mw.shared_gate_up, ll and ll.shared_gate_up, batch)
             gate, up = gu.chunk(2, dim=-1)
             s = self.linear(F.silu(gate) * up, mw.shared_down, ll and ll.shared_down, batch)
             out = out + torch.sigmoid(F.linear(h, mw.shared_gate)) * s
         return self.all_reduce(out), margin
 
+    @torch.inference_mode()
+    def capture_modules(self, batch: Batch, inputs: dict) -> dict:
+        """capture.py's module re-runs on another engine's inputs (capture.INPUT_POINTS): each layer's token mixer
+        (linear or full attention; "attention" as lpdiff bisect names it) and routed experts with and without the
+        adapters, and this model's own routing of the experts' input. The shared expert is not a capture point."""
+        cfg, dev, dtype = self.cfg, self.w.embed.device, self.w.embed.dtype
+        cap: dict = {}
+        for i, lw in enumerate(self.w.layers):
+            ll = self.lora.layers[i] if self.lora is not None else None
+            if (i, "attention_in") in inputs:
+                h = inputs[i, "attention_in"].to(dev, dtype)
+                cap[i, "attention"] = self.mix(h, lw, ll, batch)
+                cap[i, "attention_base"] = self.mix(h, lw, None, batch)
+            if (i, "experts_in") in inputs:
+                x = inputs[i, "experts_in"].to(dev, dtype)
+                ids, w32 = inputs[i, "router_ids"].to(dev), inputs[i, "router_weights"].to(dev).float()
+                cap[i, "router_ids"], cap[i, "router_weights"], _ = route(x, lw.moe, cfg, self.impl)
+                moe_lora = ll.moe if ll is not None else None
+                cap[i, "experts"] = self.all_reduce(experts(x, ids, w32, lw.moe, cfg, moe_lora, batch.token_adapter,
+                                                            self.lora_impl, self.moe_backend))
+                cap[i, "experts_base"] = self.all_reduce(experts(x, ids, w32, lw.moe, cfg, None, None, self.lora_impl,
+                                                                 self.moe_backend))
+        return cap
+
 
 def _one_prompt(batch: Batch) -> Batch:
     """The batch seen as one prompt (the faults that let state or conv windows run across prompt boundaries)."""
-    return Batch.build([batch.input_ids.tolist()], [-1], _RopeStub(batch), batch.cos.dtype, batch.input_ids.device)
+    return Batch.build([batch.input_ids.tolist()], [-1], _RopeStub(), batch.cos.dtype, batch.input_ids.device)
 
 
 class _RopeStub:
     """Batch.build's cfg for _one_prompt: only its index maps are used, so rope is one frequency of zeros."""
-    def __init__(self, batch: Batch):
-        self.rope_inv_freq = torch.zeros(1)
-        self.rope_attention_scaling = 1.0
+    rope_inv_freq = torch.zeros(1)
+    rope_attention_scaling = 1.0
 
 
 def _max_rank() -> int:

@@ -1,0 +1,135 @@
+"""The triton engine on Qwen3.5-MoE (engines/triton/qwen3_5.py, gdn.py) against HF+PEFT (engines.hf) in fp32 on the
+tiny zoo model (3 Gated DeltaNet layers + 1 gated full-attention layer), on CPU, with the zoo's adapters (one per
+module group the generator writes for Qwen3.5, and "all").
+
+Prompts: fresh random ids of ragged lengths packed into one batch, one of 300 tokens so that the chunked delta rule
+runs across several 64-token chunks and a prompt boundary falls inside a chunk of the packed view."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from lpdiff.engines.base import EngineConfig, open_engine
+from lpdiff.engines.triton import gdn
+from lpdiff.harness.commands.run import Job, resolve_job
+
+TOL = 1e-4
+MODEL = "tiny-qwen3.5-moe"
+GROUPS = ("linear_attention", "attention", "shared_expert", "experts")
+LENS = [16, 300, 5, 37, 70, 23]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    spec, adapters, _ = resolve_job(Job(model=MODEL, adapters=("all", *GROUPS)))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in LENS]
+    return spec, adapters, prompts
+
+
+def _run(engine, spec, adapters, prompts, choices, **kw):
+    with open_engine(engine, EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu", **kw)) as e:
+        return [e.prompt_logprobs(prompts, c) for c in choices]
+
+
+def _maxdiff(a, b) -> float:
+    return max(float(np.abs(x.logprobs - y.logprobs).max()) for x, y in zip(a, b))
+
+
+# the base model, one adapter for the whole batch, and every group's adapter beside base rows in one batch
+CHOICES = [None, "all", ["linear_attention", None, "attention", "shared_expert", "experts", "all"]]
+
+
+@pytest.fixture(scope="module")
+def triton_runs(tiny):
+    spec, adapters, prompts = tiny
+    return _run("triton", spec, adapters, prompts, CHOICES)
+
+
+@pytest.mark.cpu
+def test_parity_with_hf_peft_base_adapters_and_mixed_batch(tiny, triton_runs):
+    spec, adapters, prompts = tiny
+    hf = _run("hf", spec, adapters, prompts, CHOICES)
+    for choice, got, ref in zip(CHOICES, triton_runs, hf):
+        assert _maxdiff(got, ref) <= TOL, (choice, _maxdiff(got, ref))
+    # each group's adapter moves its prompt far beyond the tolerance (dropping it could not pass)
+    for i, name in enumerate(CHOICES[2]):
+        if name is not None:
+            moved = float(np.abs(hf[2][i].logprobs - hf[0][i].logprobs).max())
+            assert moved > 100 * TOL, (name, moved)
+    assert all(np.isfinite(r.router_margin).all() and len(r.router_margin) == n
+               for r, n in zip(triton_runs[0], LENS))
+
+
+@pytest.mark.cpu
+def test_packed_prompts_equal_each_prompt_alone(tiny, triton_runs):
+    """Conv window and recurrent state start afresh at every prompt: a packed prompt computes what it computes
+    alone (checked on the 300-token prompt, which follows a 16-token one, and the 5-token one after it)."""
+    spec, adapters, prompts = tiny
+    alone = _run("triton", spec, adapters, [prompts[1]], ["all"])[0] + \
+        _run("triton", spec, adapters, [prompts[2]], [None])[0]
+    assert _maxdiff([triton_runs[2][1]], [triton_runs[0][1]]) <= 1e-5  # a base row among adapter rows
+    assert _maxdiff(alone, [triton_runs[1][1], triton_runs[0][2]]) <= 1e-5
+
+
+@pytest.mark.cpu
+def test_tensor_parallel_2_equals_tp1(tiny, triton_runs):
+    spec, adapters, prompts = tiny
+    tp2 = _run("triton", spec, adapters, prompts, [CHOICES[2]], tp=2)[0]
+    assert _maxdiff(tp2, triton_runs[2]) <= TOL
+
+
+@pytest.mark.parametrize("lens", [[150], [7, 64, 129]])
+def test_chunked_delta_rule_matches_the_recurrence(lens):
+    """The chunked form (gdn.chunk_gated_delta_rule_torch) on the padded view of a packed batch against the
+    token-by-token recurrence of each prompt alone: odd widths, more value heads than a chunk divides evenly."""
+    from lpdiff.engines.triton.batch import Batch
+
+    g = torch.Generator().manual_seed(len(lens))
+    T, h, dk, dv = sum(lens), 3, 12, 20
+    q, k = torch.randn(T, h, dk, generator=g), torch.randn(T, h, dk, generator=g)
+    v = torch.randn(T, h, dv, generator=g)
+    decay = -torch.rand(T, h, generator=g) * 2
+    beta = torch.rand(T, h, generator=g)
+    cfg = type("C", (), {"rope_inv_freq": torch.ones(1), "rope_attention_scaling": 1.0})
+    batch = Batch.build([[0] * n for n in lens], [-1] * len(lens), cfg, torch.float32, torch.device("cpu"))
+    got = gdn.gated_delta_rule(q, k, v, decay, beta, batch, "torch")
+    start = 0
+    for n in lens:
+        s = slice(start, start + n)
+        ref = gdn.gated_delta_rule_recurrent(*(t[s][None] for t in (q, k, v, decay, beta)))[0]
+        assert torch.allclose(got[s], ref, atol=2e-5, rtol=1e-5), (n, (got[s] - ref).abs().max())
+        start += n
+
+
+def test_conv_does_not_read_across_prompts():
+    from lpdiff.engines.triton.batch import Batch
+
+    cfg = type("C", (), {"rope_inv_freq": torch.ones(1), "rope_attention_scaling": 1.0})
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(9, 6, generator=g), torch.randn(6, 4, generator=g)
+    packed = gdn.causal_conv1d(x, w, Batch.build([[0] * 4, [0] * 5], [-1, -1], cfg, torch.float32,
+                                                 torch.device("cpu")))
+    one = Batch.build([[0] * 5], [-1], cfg, torch.float32, torch.device("cpu"))
+    assert torch.allclose(packed[4:], gdn.causal_conv1d(x[4:], w, one), atol=0, rtol=0)
+
+
+def test_an_unsupported_target_is_one_clear_error(tiny):
+    """LoRA on the router (or any module outside the groups) is refused by name, not silently dropped."""
+    from lpdiff.engines.triton.qwen3_5 import build
+    from lpdiff.engines.triton.loader import open_source
+    from lpdiff.engines.triton.options import TritonOptions
+    from lpdiff.engines.triton.shard import Shard
+    from lpdiff.harness.spec.adapters import load_canonical
+
+    spec, adapters, _ = tiny
+    hf, source = open_source(spec, torch.float32, torch.device("cpu"))
+    ad = load_canonical(adapters["attention"].path, hf)
+    a, b = next(iter(ad.dense.values()))
+    bad = dataclasses.replace(ad, dense={**ad.dense, "model.layers.0.mlp.gate": (a, b[:8])})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate.*supported targets"):
+        build(hf, source, {"bad": bad}, Shard(), torch.float32, torch.device("cpu"), lambda t: t,
+              TritonOptions.from_dict({}))
