@@ -436,14 +436,16 @@ def doctor(model, adapter, engines, max_lora_rank, as_json) -> int:
 @cli.command()
 @click.argument("model")
 @click.option("--adapter", "adapters", multiple=True,
-              help="zoo adapter name or PEFT directory run by both engines (default: experts); repeatable: several "
-                   "run as one mixed batch with base rows, and a finding names the adapter")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="the triton runtime's tensor-parallel size (HF runs TP 1)")
+              help="zoo adapter name or PEFT directory run by both engines (default: every zoo adapter, as lpdiff "
+                   "run); repeatable: several run as one mixed batch with base rows, and a finding names the adapter")
+@click.option("--tp", type=click.IntRange(min=1), multiple=True,
+              help="the triton runtime's tensor-parallel size (repeatable; default: lpdiff run's, TP 1 and 2 here; "
+                   "HF runs TP 1)")
 @click.option("--fault", default=None, help="bug-zoo fault injected into the triton runtime (kernels/faults.py)")
 @click.option("--factor", type=float, default=None,
               help="how far above the noise floor a module must be (default: bisect.FACTOR)")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None,
+              help="prompts per adapter (default: 8 rows over the batch, at least 2 per adapter)")
 def bisect(model, adapters, tp, fault, factor, num_prompts) -> int:
     """First layer + module (+ adapter) where the triton runtime leaves HF+PEFT (floor: HF's two expert kernels)."""
     from lpdiff.harness.commands import bisect as bs
@@ -452,7 +454,7 @@ def bisect(model, adapters, tp, fault, factor, num_prompts) -> int:
     if fault is not None and fault not in runtime_faults():
         raise click.BadParameter(f"invalid choice: {fault!r} (choose from {', '.join(runtime_faults())})",
                                  param_hint="--fault")
-    res = bs.bisect(model, adapters, fault, bs.FACTOR if factor is None else factor, num_prompts, tp)
+    res = bs.bisect(model, adapters, fault, bs.FACTOR if factor is None else factor, num_prompts, tp or None)
     click.echo(res.table())
     click.echo(res.summary())
     return EXIT_FAILED if res.finding else EXIT_OK

@@ -193,23 +193,54 @@ class BisectResult:
                 f"(error {f.error:.3g} = {f.ratio:.3g}x its floor {f.floor:.3g}; limit {f.factor:g}x)")
 
 
+@dataclass(slots=True)
+class BisectRuns:
+    """One bisect per TP size on the same HF captures and floors (a default bisect: TP 1 and 2, as a run's)."""
+
+    results: list[BisectResult]
+
+    @property
+    def finding(self) -> Finding | None:
+        return next((r.finding for r in self.results if r.finding is not None), None)
+
+    def table(self) -> str:
+        return "\n\n".join(f"tp={r.tp}\n{r.table()}" for r in self.results)
+
+    def summary(self) -> str:
+        return "\n".join(r.summary() for r in self.results)
+
+
+# rows a default bisect spreads over its batch: a run's default batch (base + 5 zoo adapters) at 8 prompts each
+# costs 6x one adapter's HF captures, the dominant cost on a CPU; 2 prompts per choice keep every choice's rows
+DEFAULT_ROWS = 8
+MIN_PROMPTS = 2
+
+
 def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None = None, factor: float = FACTOR,
-           num_prompts: int = 8, tp: int = 1) -> BisectResult:
-    """``adapters``: zoo names or PEFT directories, resolved as ``lpdiff run --adapter`` does (None: the zoo's
-    experts adapter); several make a mixed batch with base rows."""
+           num_prompts: int | None = None, tp: int | Sequence[int] | None = None) -> BisectResult | BisectRuns:
+    """``adapters``: zoo names or PEFT directories, resolved as ``lpdiff run --adapter`` does (None: every zoo
+    adapter of the model, with base rows: the batch a default ``lpdiff run`` judges); several make a mixed batch
+    with base rows. ``tp``: one size -> a BisectResult; several, or None (``lpdiff run``'s default sizes for
+    triton, commands/run.py default_tps) -> BisectRuns, HF's side computed once. ``num_prompts`` per adapter
+    (None: DEFAULT_ROWS over the batch, at least MIN_PROMPTS each)."""
     from lpdiff.engines import capabilities
+    from lpdiff.harness.commands.run import default_tps
     from lpdiff.harness.spec.resolve import resolve
 
     sizes = capabilities("triton").tp
-    if tp not in sizes:  # before any engine starts
-        raise ValueError(f"--tp {tp}: the triton runtime runs TP {', '.join(map(str, sizes))}")
+    tps = list(default_tps("triton")) if tp is None else [tp] if isinstance(tp, int) else list(dict.fromkeys(tp))
+    for t in tps:
+        if t not in sizes:  # before any engine starts
+            raise ValueError(f"--tp {t}: the triton runtime runs TP {', '.join(map(str, sizes))}")
     r = resolve(model, list(adapters) if adapters else None)
     if not r.adapters:
         raise ValueError(f"model {model!r} has no zoo adapters: name one with --adapter (a PEFT directory)")
-    names = list(r.adapters) if adapters else ["experts" if "experts" in r.adapters else next(iter(r.adapters))]
-    choices = batch_choices(names)
-    prompts = equal_length(r.prompts, num_prompts)
+    choices = batch_choices(list(r.adapters))
+    prompts = equal_length(r.prompts, num_prompts or max(MIN_PROMPTS, DEFAULT_ROWS // len(choices)))
     hf = hf_captures(r.spec, r.adapters, choices, prompts, {"experts_impl": "eager"})
     floors = reference_floor(r.spec, r.adapters, choices, prompts, hf)
-    errors = triton_errors(r.spec, r.adapters, choices, prompts, hf, fault, tp)
-    return BisectResult(model, choices, fault, tp, errors, floors, factor, first_above(errors, floors, factor))
+    out = []
+    for t in tps:
+        errors = triton_errors(r.spec, r.adapters, choices, prompts, hf, fault, t)
+        out.append(BisectResult(model, choices, fault, t, errors, floors, factor, first_above(errors, floors, factor)))
+    return out[0] if isinstance(tp, int) else BisectRuns(out)
