@@ -70,6 +70,10 @@ class AdapterPlan:
     rank: int
     seed: int
     broken_from: str | None = None  # the correct adapter this one is a broken copy of (the reference runs that)
+    # trainers' forms (generate_adapter's): rsLoRA, PEFT rank_pattern / alpha_pattern as (key, value) pairs
+    use_rslora: bool = False
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
     @property
     def expected(self) -> str:
@@ -104,6 +108,23 @@ HYBRID_ADAPTERS = {arch: (
 
 def plans_for(arch: str) -> tuple[AdapterPlan, ...]:
     return HYBRID_ADAPTERS.get(model_type(arch), ADAPTERS)
+
+
+def trainer_plans_for(arch: str) -> tuple[AdapterPlan, ...]:
+    """The adapters trainers write (issue 42), beside the arch's "all" and "broken" lanes: rsLoRA with rank/alpha
+    patterns (keys that name a module suffix on every arch), lm_head + embed_tokens alone and with the decoder
+    groups, rank 128 (vLLM 0.25.1's MoE-LoRA limit) and 256 (above it: doctor refuses it for vLLM, moe-rank-above-
+    128). Each engine is served the lanes doctor does not refuse for it."""
+    base = plans_for(arch)
+    decoder = next(p.groups for p in base if p.name == "all")
+    return (*(p for p in base if p.name in ("all", "broken")),
+            AdapterPlan("rslora_patterns", decoder, 16, 11, use_rslora=True,
+                        rank_pattern=(("q_proj", 8), ("experts.down_proj", 4)),
+                        alpha_pattern=(("o_proj", 6.0), ("experts.down_proj", 40.0))),
+            AdapterPlan("vocab", ("lm_head", "embed_tokens"), 16, 12),
+            AdapterPlan("all_vocab", (*decoder, "lm_head", "embed_tokens"), 16, 13, use_rslora=True),
+            AdapterPlan("rank128", decoder, 128, 14),
+            AdapterPlan("rank256", decoder, 256, 15))
 
 
 def make_prompts(vocab_size: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
@@ -155,7 +176,9 @@ def build_case(model: str, layers: int, root: str | Path, plans: Sequence[Adapte
             files[(p.name, "peft3d")] = AdapterSpec(d3.name, str(d3))
         else:
             files[(p.name, "peft3d")] = generate_adapter(hf, d3, groups=p.groups, rank=p.rank, alpha=2 * p.rank,
-                                                         seed=p.seed)
+                                                         seed=p.seed, use_rslora=p.use_rslora,
+                                                         rank_pattern=dict(p.rank_pattern),
+                                                         alpha_pattern=dict(p.alpha_pattern))
         for layout in layouts:
             if layout != "peft3d":
                 dst = root / f"{p.name}.{layout}"
