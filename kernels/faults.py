@@ -59,12 +59,37 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("relu2_as_gated",
           "a non-gated relu^2 MoE (Nemotron-H) run through the gated path: the up projection's I rows read as "
           "gate|up halves (SiLU(first) * second) and the down GEMM over the first I/2 columns",
-          "kernels/moe.py moe_forward (both impls); kernel level only: the runtime has no relu^2 model",
-          archs=(), module="experts", kernel_only=True),
+          "kernels/moe.py moe_forward (both impls), reached by the runtime's Nemotron-H routed experts",
+          archs=("nemotron_h",), module="experts"),
     Fault("expert_adapter_dropped",
           "a PEFT 3D expert adapter (target_parameters) silently skipped on load (vLLM #41384 on Qwen3.5-MoE): "
           "the experts run as the base model, attention LoRA still applies",
           "engines/triton/lora.py _parse"),
+    # Nemotron-H (engines/triton/nemotron_h*.py, mamba.py): the hybrid's own mixers
+    Fault("mamba_lora_dropped",
+          "LoRA on the Mamba-2 mixer's in_proj/out_proj loaded but never applied (SGLang 0.5.15 keeps LoRA buffers "
+          "for in_proj's z and x slices only; an engine without a mamba LoRA path serves the mixer as the base): "
+          "attention, MLP and expert LoRA still apply",
+          "engines/triton/nemotron_h_weights.py _targets", archs=("nemotron_h",), module="mamba_lora"),
+    Fault("router_bias_rounded",
+          "the sigmoid router's e_score_correction_bias rounded before the top-k choice (a low-precision copy of "
+          "the fp32 bias); here to 2 decimals, since a bf16 rounding (|error| <= 2.3e-4 on the tiny zoo) changes "
+          "no choice there and leaves the output bit-identical (tests/test_hybrid_bug_zoo.py)",
+          "engines/triton/nemotron_h_model.py NemotronHModel.route", archs=("nemotron_h",), module="router"),
+    Fault("state_not_reset",
+          "the SSD scan's state carried from one prompt of a packed batch into the next (one sequence over the "
+          "whole pack instead of a reset at each prompt start)",
+          "engines/triton/mamba.py mamba_mixer: the scan over the packed tokens as one row",
+          archs=("nemotron_h",), module="mamba"),
+    Fault("conv_across_prompts",
+          "the causal conv1d of the Mamba-2 mixer reading the last conv_kernel - 1 tokens of the previous prompt "
+          "of a packed batch (no per-prompt boundary in the conv window)",
+          "engines/triton/mamba.py mamba_mixer: the conv over the packed tokens as one row",
+          archs=("nemotron_h",), module="mamba"),
+    Fault("shared_expert_dropped",
+          "the MoE's shared expert not added to the routed experts' output (an engine that fuses or skips the "
+          "shared expert and loses it)",
+          "engines/triton/nemotron_h_model.py NemotronHModel.shared", archs=("nemotron_h",), module="shared_expert"),
 ]}
 
 _active: str | None = None

@@ -8,7 +8,7 @@ from lpdiff.kernels.faults import applicable, runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
 
-MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
+MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss", "tiny-nemotron-h": "nemotron_h"}
 
 ZOO = [
     # slot of a rank-4 adapter among rank-8 ones copied flat (SGLang/vLLM max-rank padding bugs)
@@ -26,8 +26,12 @@ ZOO = [
     ("topk_weight_missing", "tiny-qwen3-moe"), ("topk_weight_missing", "tiny-gpt-oss"),
     # PEFT 3D expert adapter skipped on load: output equals the base model on the experts (vLLM #41384)
     ("expert_adapter_dropped", "tiny-qwen3-moe"), ("expert_adapter_dropped", "tiny-gpt-oss"),
+    # Nemotron-H's own: non-gated relu² experts run as gated, mamba LoRA never applied, router correction bias
+    # rounded before the choice, scan state / conv window crossing prompts of a packed batch, shared expert lost
+    ("relu2_as_gated", "tiny-nemotron-h"), ("mamba_lora_dropped", "tiny-nemotron-h"),
+    ("router_bias_rounded", "tiny-nemotron-h"), ("state_not_reset", "tiny-nemotron-h"),
+    ("conv_across_prompts", "tiny-nemotron-h"), ("shared_expert_dropped", "tiny-nemotron-h"),
 ]
-# relu2_as_gated is kernel-level only (the runtime has no relu^2 model): tests/test_bug_zoo.py
 
 
 def caught_by(verdict) -> list[str]:
@@ -58,8 +62,13 @@ def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, 
     print(f"{fault} on {model} caught by: " + "; ".join(f"{v.adapter}: {', '.join(caught_by(v))}" for v in failed))
 
 
+# Nemotron-H's 20 reruns take ~200 s on the CI's 2 cores (its 7 lanes x 8 prompts on the torch references), over the
+# suite's budget; its clean lanes are judged at TP 1 and 2 in suites/test_tiny_zoo.py
+RERUN_MODELS = ["tiny-qwen3-moe", "tiny-gpt-oss"]
+
+
 @pytest.mark.cpu
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", RERUN_MODELS)
 def test_clean_runtime_20_reruns_no_false_alarm(model, lpdiff_store, lpdiff_regen):
     """The clean runtime, rerun 20 times in one engine session, passes every verdict every time; reruns are
     bit-identical (the CPU path is deterministic), so any failure is a real alarm, not noise."""

@@ -1,7 +1,7 @@
 """The bug zoo's faults at kernel level: each one really changes what the kernels compute (in the torch reference
-and in the Triton kernel run by the interpreter), and only while it is active. relu2_as_gated lives here only:
-the triton runtime has no relu^2 (Nemotron-H) model, so the gated misreading is shown on moe_forward itself.
-The runtime-level proof (default suite FAILs) is suites/test_bug_zoo.py."""
+and in the Triton kernel run by the interpreter), and only while it is active (relu2_as_gated on moe_forward
+itself, as well as through the runtime's Nemotron-H experts). The runtime-level proof (default suite FAILs) is
+suites/test_bug_zoo.py."""
 import pytest
 import torch
 
