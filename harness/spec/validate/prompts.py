@@ -58,7 +58,11 @@ def check_prompt(p: Any, where: str, vocab_size: int | None = None, max_position
     if len(ids) < 2:
         raise ValidationError(f"{where} has {len(ids)} token(s); logprobs need at least 2 (one to condition on, one "
                               "to score): drop it or make it longer")
-    bad = [int(x) for x in ids if x < 0 or (vocab_size is not None and x >= vocab_size)]
+    if ids.dtype.kind == "O":  # ints beyond int64: compared one by one
+        bad = [int(x) for x in ids if x < 0 or (vocab_size is not None and x >= vocab_size)]
+    else:  # vectorised: a per-element Python loop cost ~3 ms per 8 x 512-token call, inside every engine's call
+        out_of_range = (ids < 0) if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+        bad = ids[out_of_range].tolist()
     if bad:
         span = f"[0, {vocab_size})" if vocab_size is not None else "the non-negative ids"
         raise ValidationError(f"{where} has {len(bad)} token id(s) outside the vocabulary {span} (e.g. {bad[0]}); use "
@@ -68,7 +72,7 @@ def check_prompt(p: Any, where: str, vocab_size: int | None = None, max_position
             raise ValidationError(f"{where} has {len(ids)} tokens, more than the model's max_position_embeddings "
                                   f"({max_positions}); shorten it" + (f" or pass {hint}" if hint else ""))
         ids = ids[:max_positions]
-    return [int(x) for x in ids]
+    return [int(x) for x in ids] if ids.dtype.kind == "O" else ids.tolist()
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None, max_positions: int | None = None,
