@@ -27,8 +27,15 @@ args = json.loads(sys.argv[1])
 try:
     op = args.pop("op")
     if op == "push":
-        r = hub.push(args["store"], args["url"], lock=args["lock"], parent=args.get("parent"))
+        r = hub.push(args["store"], args["url"], lock=args["lock"], parent=args.get("parent"),
+                     delete=args.get("delete", False))
         out = {"commit": r.ref.revision, "added": r.added, "deleted": r.deleted}
+    elif op == "upload":  # another tool's commit of arbitrary files, straight through huggingface_hub
+        from huggingface_hub import CommitOperationAdd, HfApi
+        api = HfApi()
+        api.create_repo(args["repo"], repo_type="dataset", exist_ok=True)
+        ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=bytes.fromhex(h)) for p, h in args["files"].items()]
+        out = {"commit": api.create_commit(args["repo"], ops, commit_message="raw", repo_type="dataset").oid}
     elif op == "pull":
         r = hub.pull(args["url"], lock=args["lock"], update_lock=True)
         out = {"commit": r.ref.revision, "path": str(r.path)}
@@ -85,14 +92,11 @@ def _tree_equal(a: Path, b: Path) -> list[str]:
     return bad
 
 
-def _rewrite(path: Path) -> None:
-    """Change a file's bytes and keep it valid: parquet re-encoded uncompressed, anything else a trailing newline."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def _rewrite(path: Path, compression: str = "none") -> None:
+    """Change a baseline file's bytes and keep it valid (same manifest and numbers): parquet re-encoded."""
+    import pyarrow.parquet as pq
 
-        pq.write_table(pq.read_table(path), path, compression="none")
-    else:
-        path.write_bytes(path.read_bytes() + b"\n")
+    pq.write_table(pq.read_table(path), path, compression=compression)
 
 
 def test_url_and_lock(tmp_path):
@@ -165,8 +169,8 @@ def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
     second = run(env, op="push", store=str(writer2), url=url, lock=str(tmp_path / "w2.lock"),
                  parent=first["commit"])
     assert second["added"] == [changed.relative_to(writer2).as_posix()]
-    # the first writer, still on the first commit, is refused and told how to recover
-    (store / "new.json").write_text("{}")
+    # the first writer, still on the first commit, changed the same file otherwise: refused, told how to recover
+    _rewrite(store / changed.relative_to(writer2), compression="gzip")
     err = run(env, op="push", store=str(store), url=url, lock=str(lock), expect_rc=2)
     assert err["error"] == "HubConflict" and "lpdiff baselines pull" in err["message"]
     assert f"{url}@{first['commit']}" in lock.read_text()  # the lock still names what was really pushed
@@ -191,12 +195,14 @@ def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
 
 
 def test_corrupt_download_detected(server, env, tmp_path):
+    """A dataset written by another tool (an LFS file and a regular one): a corrupt download of either is caught."""
     store = tmp_path / "store"
     (store / "ab").mkdir(parents=True)
     (store / "ab" / "run.npz").write_bytes(bytes(range(256)) * 40)  # binary: an LFS file
     (store / "ab" / "run.json").write_text('{"key": {"engine": "hf"}}')  # text: a regular file
     url = _fresh_repo(server, "corrupt")
-    pushed = run(env, op="push", store=str(store), url=url, lock=str(tmp_path / "l"))
+    files = {rel: (store / rel).read_bytes().hex() for rel in ("ab/run.npz", "ab/run.json")}
+    pushed = run(env, op="upload", repo="lpdiff-ci/corrupt", files=files)
     for rel in ("ab/run.npz", "ab/run.json"):
         server.state.corrupt = {rel}
         home = tmp_path / f"home-{rel.replace('/', '_')}"
@@ -257,3 +263,128 @@ def test_cli_push_pull_then_run_offline_from_the_hub_cache(server, env, tmp_path
     missing = _lpdiff(env, "run", "--model", "tiny-qwen3-moe", "--baselines", f"{url}@{'0' * 40}", offline=True,
                       cwd=tmp_path)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+
+
+# -- integrity (issue 44): what a push uploads, and what it can never remove --------------------------------------
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
+
+
+def _baselines(root: Path, tags) -> list[str]:
+    """One real baseline per tag (another computation each) in the store ``root``; their store paths."""
+    from lpdiff.harness.pipeline.store import BaselineStore, baseline_key
+    from lpdiff.harness.types import ModelSpec
+    from tests.helpers.runs import engine_like_run
+
+    store, out = BaselineStore(root), []
+    spec = ModelSpec(name="m", arch="qwen3_moe", config={"hidden_size": 8}, init_seed=0, init_recipe="r1")
+    for i, tag in enumerate(tags):
+        k = baseline_key(spec, None, PROMPTS, "float32", 1, "hf", 2, extra={"tag": tag})
+        store.put(k, engine_like_run(PROMPTS, seed=i))
+        out.append(store.path(k).relative_to(root).as_posix())
+    return out
+
+
+def _head_files(server, repo: str) -> dict[str, bytes]:
+    r = server.state.repos[repo]
+    return {p: f.data for p, f in r.commits[r.head].items()}
+
+
+def test_push_uploads_only_the_store_index_never_a_stray_or_a_link(server, env, tmp_path):
+    store = tmp_path / "store"
+    good = _baselines(store, ["a", "b"])
+    secret = tmp_path / "private" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_bytes(b"-----BEGIN PRIVATE KEY----- lpdiff-must-not-upload-this")
+    (store / "notes.txt").write_text("my notes")
+    link = store / "ab" / ("ab" + "1" * 62 + ".parquet")  # named like a baseline, pointing at a private file
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(secret)
+    elsewhere = tmp_path / "copy.parquet"
+    shutil.copy(store / good[0], elsewhere)
+    alias = store / good[1].split("/")[0] / "notes.parquet"  # a link to a valid baseline is no baseline either
+    alias.symlink_to(elsewhere)
+    url = _fresh_repo(server, "strays")
+    err = run(env, op="push", store=str(store), url=url, lock=str(tmp_path / "l"), expect_rc=2)
+    for name in ("notes.txt", link.name, "notes.parquet"):
+        assert name in err["message"], err
+    assert "symlink" in err["message"] and "lpdiff-ci/strays" not in server.state.repos  # nothing was sent
+    assert not any(b"lpdiff-must-not-upload-this" in d for d in server.state.lfs.values())
+    for p in (store / "notes.txt", link, alias):
+        p.unlink()
+    pushed = run(env, op="push", store=str(store), url=url, lock=str(tmp_path / "l"))
+    assert sorted(pushed["added"]) == sorted(good)
+    head = _head_files(server, "lpdiff-ci/strays")
+    assert sorted(set(head) - {"README.md", ".gitattributes"}) == sorted(good)
+    assert all(head[rel] == (store / rel).read_bytes() for rel in good)
+
+
+_PUSHER = """
+import json, sys
+from lpdiff.harness.pipeline import hub
+r = hub.push(sys.argv[1], sys.argv[2], lock=sys.argv[3])
+print(json.dumps({"commit": r.ref.revision, "added": r.added, "deleted": r.deleted, "base": r.base}))
+"""
+
+
+def test_racing_pushes_with_one_lock_never_revert_each_other(server, env, tmp_path):
+    """Four stores, each the first push's baseline plus one of its own, pushed at once with one shared lock file
+    (the audit's race: a push based on a lock another push had moved removed that push's file, "1 deleted", exit
+    0). Every push succeeds, none deletes anything, and the head holds every store's baseline."""
+    first = tmp_path / "first"
+    common = _baselines(first, ["common"])
+    url, lock = _fresh_repo(server, "race"), tmp_path / "baselines.lock"
+    run(env, op="push", store=str(first), url=url, lock=str(lock))
+    own = {}
+    for i in range(4):
+        shutil.copytree(first, tmp_path / f"s{i}", ignore=shutil.ignore_patterns(".*"))
+        own[i] = _baselines(tmp_path / f"s{i}", [f"own-{i}"])[0]
+    e = dict(env, HF_HUB_OFFLINE="0")
+    procs = [subprocess.Popen([sys.executable, "-c", _PUSHER, str(tmp_path / f"s{i}"), url, str(lock)], env=e,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in own]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), results
+    outs = [json.loads(o.strip().splitlines()[-1]) for o, _, _ in results]
+    assert all(o["deleted"] == [] for o in outs)
+    head = _head_files(server, "lpdiff-ci/race")
+    assert set(common) | set(own.values()) <= set(head), sorted(head)
+    # the sequential form of the race: a store without the others' files pushes on the lock they moved
+    late = tmp_path / "late"
+    shutil.copytree(first, late, ignore=shutil.ignore_patterns(".*"))
+    _baselines(late, ["late"])
+    out = run(env, op="push", store=str(late), url=url, lock=str(lock))
+    assert out["deleted"] == [] and set(own.values()) <= set(_head_files(server, "lpdiff-ci/race"))
+
+
+def test_push_delete_only_on_the_head_the_store_was_based_on(server, env, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    mine = _baselines(a, ["x", "y"])
+    shutil.copytree(a, b, ignore=shutil.ignore_patterns(".*"))
+    url, lock_a, lock_b = _fresh_repo(server, "delete"), tmp_path / "a.lock", tmp_path / "b.lock"
+    c0 = run(env, op="push", store=str(a), url=url, lock=str(lock_a))["commit"]
+    shutil.copy(lock_a, lock_b)
+    theirs = _baselines(b, ["z"])[0]
+    run(env, op="push", store=str(b), url=url, lock=str(lock_b))  # the head moves past a's base
+    (a / mine[1]).unlink()
+    err = run(env, op="push", store=str(a), url=url, lock=str(lock_a), delete=True, expect_rc=2)
+    assert err["error"] == "HubConflict" and "lpdiff baselines pull" in err["message"]
+    assert {mine[1], theirs} <= set(_head_files(server, "lpdiff-ci/delete"))
+    run(env, op="pull", url=f"{url}@main", lock=str(lock_a))  # re-based on the head: now --delete mirrors this store
+    out = run(env, op="push", store=str(a), url=url, lock=str(lock_a), delete=True)
+    assert sorted(out["deleted"]) == sorted([mine[1], theirs]) and out["commit"] != c0
+    assert sorted(set(_head_files(server, "lpdiff-ci/delete")) - {"README.md", ".gitattributes"}) == [mine[0]]
+
+
+def test_lock_pinning_another_repo_or_not_utf8_is_refused_naming_it(tmp_path, monkeypatch):
+    from lpdiff.harness.pipeline import hub
+
+    env = hub.HubEnv("http://127.0.0.1:9", False, tmp_path / "cache")  # refused before any request
+    lock = tmp_path / "baselines.lock"
+    hub.write_lock(lock, hub.HubRef("org/other", "b" * 40))
+    for call in (lambda: hub.pull("hf://datasets/org/name", lock=lock, env=env),
+                 lambda: hub.push(tmp_path / "store", "hf://datasets/org/name", lock=lock, env=env)):
+        (tmp_path / "store").mkdir(exist_ok=True)
+        with pytest.raises(hub.HubError, match=rf"{lock} pins hf://datasets/org/other@b+, not hf://datasets/org/name"):
+            call()
+    lock.write_bytes(b"hf://datasets/org/name@caf\xe9\n")
+    with pytest.raises(hub.HubError, match=rf"{lock} is not a readable UTF-8 text file"):
+        hub.read_lock(lock)

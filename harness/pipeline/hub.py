@@ -72,23 +72,33 @@ def parse_url(text: str) -> HubRef:
 
 
 # -- lock file ------------------------------------------------------------------------------------------------
-def read_lock(path: str | Path) -> HubRef | None:
-    """The pinned repo and commit, or None when there is no lock file."""
+def read_lock(path: str | Path, repo_id: str | None = None) -> HubRef | None:
+    """The pinned repo and commit, or None when there is no lock file. With ``repo_id``, a lock pinning another
+    repo is a HubError (using it, or ignoring it, would both be silent guesses)."""
     path = Path(path)
     if not path.is_file():
         return None
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    ref = parse_url(lines[0]) if len(lines) == 1 else None
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise HubError(f"{path} is not a readable UTF-8 text file ({e}); rewrite it with "
+                       "`lpdiff baselines pull hf://datasets/ORG/NAME@REV`") from None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    ref = parse_url(lines[0]) if len(lines) == 1 and _URL.match(lines[0].strip()) else None
     if ref is None or not ref.revision or not _COMMIT.match(ref.revision):
         raise HubError(f"{path} must hold one line hf://datasets/ORG/NAME@<40-hex commit>; rewrite it with "
                        "`lpdiff baselines pull hf://datasets/ORG/NAME@REV`")
+    if repo_id is not None and ref.repo_id != repo_id:
+        raise HubError(f"{path} pins {ref.url}, not hf://datasets/{repo_id}: name the revision "
+                       f"(hf://datasets/{repo_id}@REV), pass --lock another file, or run `lpdiff baselines pull "
+                       f"hf://datasets/{repo_id}` to pin that repo instead")
     return ref
 
 
 def write_lock(path: str | Path, ref: HubRef) -> None:
     assert ref.revision and _COMMIT.match(ref.revision), ref
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per writer: two pushes may end at once
     tmp.write_text("# Baselines revision used by `lpdiff run` and CI; `lpdiff baselines pull|push` rewrite it.\n"
                    f"{ref.url}\n")
     tmp.replace(path)
@@ -181,12 +191,6 @@ def _remote_checksums(api, ref: HubRef) -> dict[str, str]:
             if isinstance(f, RepoFile)}
 
 
-def _local_checksum(path: Path, like: str | None) -> str:
-    """The checksum the Hub would give this file, in the same kind as ``like`` (sha256 for LFS files)."""
-    data = path.read_bytes()
-    return hashlib.sha256(data).hexdigest() if like is not None and len(like) == 64 else git_blob_sha1(data)
-
-
 # -- pull -----------------------------------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class Pulled:
@@ -194,10 +198,12 @@ class Pulled:
     path: Path  # the snapshot folder in the HF cache: a read-only store
 
 
-def _pin(ref: HubRef, lock: str | Path | None) -> HubRef:
+def _pin(ref: HubRef, lock: str | Path | None, repin: bool = False) -> HubRef:
+    """``ref`` at its revision, else the lock's commit, else main. A lock pinning another repo is refused unless
+    ``repin`` (a pull that rewrites the lock for this repo)."""
     if ref.revision:
         return ref
-    pinned = read_lock(lock) if lock is not None else None
+    pinned = read_lock(lock, None if repin else ref.repo_id) if lock is not None else None
     if pinned is not None and pinned.repo_id == ref.repo_id:
         return pinned
     return HubRef(ref.repo_id, "main")
@@ -208,7 +214,7 @@ def pull(source: str | HubRef, *, lock: str | Path | None = LOCK_NAME, update_lo
     """Fetch a revision (the given one, else the lock's for that repo, else main) and check every file.
     ``update_lock`` writes the resolved commit to ``lock``."""
     env = env or HubEnv.from_environ()
-    ref = _pin(parse_url(source) if isinstance(source, str) else source, lock)
+    ref = _pin(parse_url(source) if isinstance(source, str) else source, lock, repin=update_lock)
     if env.offline and not _COMMIT.match(ref.revision or ""):
         raise HubError(f"{ref.url}: offline (HF_HUB_OFFLINE) a pull needs a 40-hex commit, not {ref.revision!r}; "
                        "pin one with `lpdiff baselines pull` online (it writes baselines.lock)")
@@ -291,9 +297,30 @@ def _table(rows: Iterable[Mapping[str, Any]], fields: tuple[str, ...]) -> str:
 
 
 def dataset_card(root: str | Path, repo_id: str) -> str:
+    entries, configs = describe(root)
+    return _card(entries, configs, repo_id)
+
+
+def dataset_card_files(local: Mapping[str, bytes], others: Iterable[str], repo_id: str) -> str:
+    """The card of a pushed revision: the pushed baselines (``local``, their bytes) and the files already on the
+    Hub that this push keeps (``others``: listed by path; their manifests are not downloaded)."""
+    import pyarrow as pa
+
+    entries, parquet = [], []
+    for rel, data in local.items():
+        _, manifest = _parquet_manifest(pa.BufferReader(data))
+        entry = _entry_from_manifest(manifest, rel) if isinstance(manifest, Mapping) else None
+        entries.append(entry or {"file": rel})
+        parquet.append(rel)
+    for rel in sorted(set(others) - set(local)):
+        entries.append({"file": rel})
+        parquet += [rel] if rel.endswith(".parquet") else []
+    return _card(entries, {"default": sorted(parquet)} if parquet else {}, repo_id)
+
+
+def _card(entries: list[dict[str, Any]], configs: dict[str, list[str]], repo_id: str) -> str:
     import yaml
 
-    entries, configs = describe(root)
     front: dict[str, Any] = {"pretty_name": f"lpdiff baselines ({repo_id})", "tags": ["lpdiff", "logprobs"]}
     if configs:
         front["configs"] = [{"config_name": name, "data_files": [{"split": "train", "path": files}]}
@@ -301,23 +328,62 @@ def dataset_card(root: str | Path, repo_id: str) -> str:
     body = (f"# lpdiff baselines\n\nReference logprob runs for `lpdiff` ({len(entries)} entries). Use them with "
             f"`lpdiff run --baselines hf://datasets/{repo_id}@<commit>`; `baselines.lock` in the project pins the "
             "commit.\n\n")
-    body += _table(sorted(entries, key=lambda e: tuple(str(e[f]) for f in ENTRY_FIELDS)), ENTRY_FIELDS) + "\n"
+    body += _table(sorted(entries, key=lambda e: tuple(str(e.get(f, "-")) for f in ENTRY_FIELDS)), ENTRY_FIELDS) + "\n"
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + body
 
 
 # -- push -----------------------------------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class Pushed:
-    ref: HubRef  # the new commit (or the base when nothing changed)
+    ref: HubRef  # the new commit (or the head when nothing changed)
     added: list[str] = field(default_factory=list)  # new or changed files
     deleted: list[str] = field(default_factory=list)
+    base: str | None = None  # the revision the push was based on; the commit's parent is the head it found
+
+
+def _store_index(root: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every baseline of the local store whose content matches its key (read once,
+    never through a symlink: these bytes are what is uploaded). Any other file in the store refuses the push,
+    named: a stray notes file or a link to a private file must not reach a public dataset."""
+    from lpdiff.harness.pipeline.store import BaselineStore
+    from lpdiff.harness.pipeline.store_files import read_regular
+
+    good, bad = BaselineStore(root).scan()
+    if bad:
+        names = "; ".join(f"{e.path} ({e.problem})" for e in bad[:5]) + (f"; and {len(bad) - 5} more"
+                                                                          if len(bad) > 5 else "")
+        raise HubError(f"refusing to push {root}: {len(bad)} file(s) in it are not baselines whose content matches "
+                       f"their key: {names}. Move them out of the store (a push uploads only the store's baselines)")
+    out = {}
+    for e in good:
+        data = read_regular(e.path)
+        if hashlib.sha256(data).hexdigest() != e.sha256:
+            raise HubError(f"{e.path} changed while the push read the store; push again")
+        out[e.path.relative_to(root).as_posix()] = data
+    return out
+
+
+def _checksum(data: bytes, like: str | None) -> str:
+    """The checksum the Hub would give these bytes, in the same kind as ``like`` (sha256 for LFS files)."""
+    return hashlib.sha256(data).hexdigest() if like is not None and len(like) == 64 else git_blob_sha1(data)
+
+
+def _head(api, ref: HubRef) -> str:
+    return api.dataset_info(ref.repo_id, revision="main").sha
 
 
 def push(store: str | Path, target: str | HubRef, *, lock: str | Path | None = LOCK_NAME,
-         parent: str | None = None, message: str = "lpdiff: update baselines", env: HubEnv | None = None) -> Pushed:
-    """Make the branch ``main`` of the target repo hold exactly ``store`` plus its card, in one commit on top of
-    ``parent`` (default: the lock's commit for that repo). A repo that does not exist yet is created. The lock is
-    rewritten with the new commit."""
+         parent: str | None = None, message: str = "lpdiff: update baselines", env: HubEnv | None = None,
+         delete: bool = False, attempts: int = 5) -> Pushed:
+    """Add the local store's baselines to the branch ``main`` of the target repo, with its card, in one commit.
+
+    The base is ``parent`` or the lock's commit for that repo. The commit is made on the branch head with
+    ``parent_commit`` = that head, so the Hub refuses it (HTTP 412) when another push lands in between; it is then
+    rebased on the new head and retried (``attempts`` in all). Rebasing only adds: files others added stay, and a
+    file that both the head and this store changed since the base is a HubConflict naming it. Nothing is deleted
+    unless ``delete`` is given, and then only when the base is the head (the store was made from what is there);
+    the deleted files are listed in the result. A repo that does not exist yet is created. The lock is rewritten
+    with the new commit."""
     env = env or HubEnv.from_environ()
     if env.offline:
         raise HubError("cannot push with HF_HUB_OFFLINE set; unset it")
@@ -325,47 +391,62 @@ def push(store: str | Path, target: str | HubRef, *, lock: str | Path | None = L
     root = Path(store)
     if not root.is_dir():
         raise HubError(f"store {root} is not a directory; pass the local baselines directory to push")
+    local = _store_index(root)
     hf, api = _client(env)
-    pinned = read_lock(lock) if lock is not None else None
-    base = parent or (pinned.revision if pinned is not None and pinned.repo_id == ref.repo_id else None)
-    try:
-        if base is None:
-            api.create_repo(ref.repo_id, repo_type="dataset", exist_ok=True)
-            base = api.dataset_info(ref.repo_id, revision="main").sha
-            remote = _remote_checksums(api, HubRef(ref.repo_id, base))
-            if set(remote) - _SKIP:
+    pinned = read_lock(lock, ref.repo_id) if lock is not None else None
+    base = parent or (pinned.revision if pinned is not None else None)
+    for attempt in range(attempts):
+        try:
+            if base is None:
+                api.create_repo(ref.repo_id, repo_type="dataset", exist_ok=True)
+            head = _head(api, ref)
+            remote = _remote_checksums(api, HubRef(ref.repo_id, head))
+            if base is None and set(remote) - _SKIP:
                 raise HubError(f"{ref.url} already holds baselines and no base revision is known: run "
                                f"`lpdiff baselines pull {ref.url}` (it writes {LOCK_NAME}), then push again")
-        else:
-            remote = _remote_checksums(api, HubRef(ref.repo_id, base))
-    except HubError:
-        raise
-    except Exception as e:
-        raise _explain(e, HubRef(ref.repo_id, base), env) from e
-    ops, added = [], []
-    local = _store_files(root)
-    for rel, p in local.items():
-        if remote.get(rel) != _local_checksum(p, remote.get(rel)):
-            ops.append(hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)))
+            at_base = remote if base in (None, head) else _remote_checksums(api, HubRef(ref.repo_id, base))
+        except HubError:
+            raise
+        except Exception as e:
+            raise _explain(e, HubRef(ref.repo_id, base), env) from e
+        ops, added, clash = [], [], []
+        for rel, data in local.items():
+            if remote.get(rel) == _checksum(data, remote.get(rel)):
+                continue
+            if rel in remote and remote.get(rel) != at_base.get(rel):
+                clash.append(rel)  # changed on the Hub since the base, and differently here
+            ops.append(hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=data))
             added.append(rel)
-    card = dataset_card(root, ref.repo_id).encode()
-    if remote.get(CARD) != git_blob_sha1(card):
-        ops.append(hf.CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card))
-    deleted = sorted(set(remote) - set(local) - _SKIP)
-    ops += [hf.CommitOperationDelete(path_in_repo=rel) for rel in deleted]
-    if not ops:
-        out = Pushed(HubRef(ref.repo_id, base))
-    else:
+        if clash:
+            raise HubConflict(f"{ref.url}: {len(clash)} file(s) changed on the Hub since {base[:12]} (the revision "
+                              f"this push is based on) and differ here: {', '.join(clash[:5])}; nothing was "
+                              f"written. Run `lpdiff baselines pull {ref.url}@main`, decide which runs to keep, "
+                              "then push again")
+        deleted = sorted(set(remote) - set(local) - _SKIP) if delete else []
+        if deleted and base != head:
+            raise HubConflict(f"{ref.url}: --delete would remove {len(deleted)} file(s), but the Hub moved from "
+                              f"{(base or 'nothing')[:12]} (this store's base) to {head[:12]}: they may be another "
+                              f"push's runs. Nothing was written. Run `lpdiff baselines pull {ref.url}@main`, then "
+                              "push again")
+        ops += [hf.CommitOperationDelete(path_in_repo=rel) for rel in deleted]
+        card = dataset_card_files(local, set(remote) - set(deleted) - _SKIP, ref.repo_id).encode()
+        if remote.get(CARD) != git_blob_sha1(card):
+            ops.append(hf.CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card))
+        if not ops:
+            out = Pushed(HubRef(ref.repo_id, head), base=base)
+            break
         try:
             info = api.create_commit(ref.repo_id, ops, commit_message=message, repo_type="dataset",
-                                     revision="main", parent_commit=base)
+                                     revision="main", parent_commit=head)
         except hf.errors.HfHubHTTPError as e:
+            if e.response is not None and e.response.status_code in (409, 412) and attempt + 1 < attempts:
+                continue  # another push landed between our read of the head and this commit: rebase on it
             if e.response is not None and e.response.status_code in (409, 412):
-                raise HubConflict(f"{ref.url}: someone pushed since {base[:12]}, the revision this push is based "
-                                  f"on; nothing was written. Run `lpdiff baselines pull {ref.url}` (it updates "
-                                  f"{LOCK_NAME}), regenerate or merge your baselines, then push again") from e
+                raise HubConflict(f"{ref.url}: the branch moved {attempts} times while this push was made; nothing "
+                                  "was written. Push again") from e
             raise _explain(e, ref, env) from e
-        out = Pushed(HubRef(ref.repo_id, info.oid), added, deleted)
+        out = Pushed(HubRef(ref.repo_id, info.oid), added, deleted, base)
+        break
     if lock is not None:
         write_lock(lock, out.ref)
     return out
