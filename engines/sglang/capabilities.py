@@ -102,9 +102,11 @@ CAPABILITIES = Capabilities(
                     "target_modules ['in_proj'] (lora/lora.py:286), possible only where B's B/C/dt rows are zero; "
                     "else judge the mamba group on vLLM or HF+PEFT", _V, archs=("nemotron_h",),
                     when="tensors for the mamba mixer's in_proj"),
+        # an error, not a warning: alpha/r in place of PEFT's scaling is a silently wrong delta whenever r != 1 or a
+        # pattern changes a module's rank or alpha (lpdiff's GPU grid serves no lane doctor calls an error)
         KnownDefect("sglang-ignores-scaling", "SGLang (0.5.15 source) ignores {features}: those modules get alpha/r "
-                    "scaling instead of PEFT's", "re-save the adapter with one rank and alpha and no rsLoRA (the "
-                    "scaling folded into B)", _V, severity="warning", when="an ignored_features entry is set"),
+                    "scaling instead of PEFT's (silently wrong deltas)", "re-save the adapter with one rank and alpha "
+                    "and no rsLoRA (the scaling folded into B)", _V, when="an ignored_features entry is set"),
         # SGLang picks "triton_kernel" for bf16 gpt-oss (arg_groups/overrides.py:566); MoE LoRA refuses it
         # (lora/layers.py:954)
         KnownDefect("sglang-gpt-oss-runner", "gpt-oss LoRA on SGLang needs moe_runner_backend='triton': SGLang picks "

