@@ -359,20 +359,25 @@ def calibrate(models, engine, dtype, options, against, against_dtype, against_op
 @click.option("--baselines", default=None, help="store for the reference runs (default: $LPDIFF_BASELINES or lpdiff's)")
 @click.option("--init-recipe", default=None, help="a config-built model's weights: hf-init-bf16/v1 or peaked/v1 "
               "(default: $LPDIFF_INIT_RECIPE, else hf-init-bf16/v1)")
-def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, workdir, baselines, init_recipe) -> int:
+@click.option("--routing-replay", is_flag=True, help="judge against the hf reference run with the engine's expert "
+              "ids forced; routing flips judged apart (harness/commands/replay.py)")
+def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, workdir, baselines, init_recipe,
+          routing_replay) -> int:
     """A bf16 engine vs an fp32 reference on a full-width model; thresholds from noise measured in the same run."""
     import tempfile
 
     from lpdiff.harness.commands import check as chk
+    from lpdiff.harness.commands.replay import checker
     from lpdiff.harness.pipeline.references import default_store
 
     _need_engine(engine)
+    run = checker(routing_replay, reference, default_store(baselines))  # run_check, or replay_check
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             case = chk.build_case(model, layers, Path(workdir or tmp) / model, device=device, log=_log,
                                   init_recipe=init_recipe)
-            res = chk.run_check(case, engine, tp, reference, k, store=default_store(baselines), dtype=dtype, log=_log)
+            res = run(case, engine, tp, reference, k, dtype=dtype, log=_log)
             click.echo(chk.format_result(res))
             if csv_path:
                 chk.write_csv(res, csv_path)

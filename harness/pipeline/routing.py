@@ -64,10 +64,11 @@ def _weight_error(a_ids, a_w, b_ids, b_w) -> np.ndarray:
 
 
 def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=None, flip_limit: float | None = None,
-              weight_limit: float | None = None) -> dict[str, Any] | None:
+              weight_limit: float | None = None, kernel_fail: bool | None = None) -> dict[str, Any] | None:
     """The routing part of a verdict of ``a`` against reference ``b`` (module docstring), or None when either run
     lacks expert ids. ``dtypes``: the two runs' dtypes (the coarsest sets the rounding); ``threshold``: the
-    verdict's (k2, max_abs) for the kernel part (None: not judged)."""
+    verdict's (k2, max_abs) for the kernel part (None: not judged); ``kernel_fail``: the kernel part as the caller
+    judged it instead (the routing-replay comparison, where every position is routed as the engine routed it)."""
     if not has_routing(a, b):
         return None
     eps = near_tie_eps(*dtypes)
@@ -110,8 +111,8 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
     dc = d[clean]
     clean_k2 = float(0.5 * np.mean(dc * dc)) if dc.size else None
     clean_max = float(np.abs(dc).max()) if dc.size else None
-    kernel_fail = None
-    if threshold is not None and dc.size:
+    kernel_given = kernel_fail is not None
+    if threshold is not None and dc.size and not kernel_given:
         kernel_fail = not (clean_k2 <= threshold.k2 and clean_max <= threshold.max_abs)
     fault = "router fault" if router_first else "kernel fault" if kernel_fail else \
         "router fault" if router_fail else None
@@ -128,6 +129,7 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
         "rounding_eps": eps, "flip_limit": flip_limit,
         "first_layer_weight_error": werr, "weight_limit": weight_limit,
         "kernel_part": "n/a" if kernel_fail is None else "FAIL" if kernel_fail else "PASS",
+        "kernel_judged_on": "routing replay" if kernel_given else "routing-clean positions",
         "router_part": router_part,
         "fault": fault,
         "flips": [list(f) for f in flips[:MAX_LISTED_FLIPS]],  # [prompt, token, layer, reference margin]
@@ -137,8 +139,9 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
 
 
 def summary(r: dict[str, Any]) -> str:
-    """One line: both parts and the fault's name."""
-    kern = "not judged" if r["kernel_part"] == "n/a" else (
+    """One line: agreement and both parts (the fault's name is r["fault"])."""
+    kern = "not judged" if r["kernel_part"] == "n/a" else f"{r['kernel_part']} (routing replay)" \
+        if r.get("kernel_judged_on") == "routing replay" else (
         f"{r['kernel_part']} (k2 {r['clean_k2']:.3g}, max |Δ| {r['clean_max_abs']:.3g} over {r['clean_positions']} "
         f"routing-clean positions)" if r["clean_positions"] else "no routing-clean positions")
     flips = f"{r['first_order_flips']} first-order flips, {r['flips_above_rounding']} above the {r['flip_limit']:.3g} " \
@@ -147,10 +150,9 @@ def summary(r: dict[str, Any]) -> str:
         flips += f" (largest reference margin {r['max_flip_margin']:.3g})"
     if r["first_layer_weight_error"] is not None:
         flips += f", first-layer weight error {r['first_layer_weight_error']:.3g} (limit {r['weight_limit']:.3g})"
-    name = f"; {r['fault']}" if r["fault"] else ""
     return (f"routing: {r['token_agreement']:.1%} of tokens routed as the reference at every layer, "
             f"{r['clean_share']:.1%} of positions routing-clean; kernel part {kern}; router part {r['router_part']}: "
-            f"{flips}{name}")
+            f"{flips}")
 
 
 def apply(verdict, routing: dict[str, Any] | None) -> None:
@@ -159,7 +161,7 @@ def apply(verdict, routing: dict[str, Any] | None) -> None:
     if routing is None:
         return
     verdict.routing = routing
-    verdict.notes.append(routing["summary"])
+    verdict.notes.append(routing["summary"] + (f"; {routing['fault']}" if routing["fault"] else ""))
     if routing["router_part"] == "FAIL":
         verdict.passed = False
         verdict.reasons.append(f"routing: {routing['flips_above_rounding']} first-order expert flips above the "
@@ -167,7 +169,7 @@ def apply(verdict, routing: dict[str, Any] | None) -> None:
                                + (f" / first-layer weight error {routing['first_layer_weight_error']:.3g}"
                                   if routing["first_layer_weight_error"] is not None else ""))
     if not verdict.passed and routing["fault"]:
-        verdict.reasons.append(f"{routing['fault']} ({routing['summary']})")
+        verdict.reasons.append(f"{routing['fault']}: {routing['summary']}")
 
 
 def flip_margin_noise(pairs: Sequence[tuple[LogprobRun, LogprobRun]], dtypes: Sequence[str]) -> tuple[float, float]:

@@ -1,0 +1,129 @@
+"""``lpdiff check --routing-replay``: the engine under test judged against the HF+PEFT fp32 reference run with the
+engine's own expert choices forced (routing replay), so that bf16 routing flips leave the comparison; the flips
+themselves are judged apart by the routing part of each verdict (harness/pipeline/routing.py), so a router that
+picks wrong experts FAILs there instead of being hidden by the replay.
+
+Runs (the engine with option ``capture_routing``; HF in-process with ``capture_routing``):
+  R    HF fp32 (the reference), unreplayed: its expert ids and per-layer margins judge the engine's routing.
+  N_b, N_a  the reference's noise pair (noise.noise_pair: bf16 vs fp32 for a bf16 engine, two expert kernels for
+       fp32): N_b captured; N_a unreplayed (its flips and first-layer weight errors against N_b set the router
+       part's rounding limits) and N_a replayed with N_b's ids (its |d| against N_b is the replayed reference noise).
+  E    the engine, ``k`` runs of the mixed batch (rerun noise, as lpdiff check).
+  R_E  HF fp32 replayed with E's first-run ids per lane: what E is judged against.
+Threshold = check.FACTOR[dtype] x max(replayed reference noise, rerun noise); routing limits = max(the routing
+module's defaults, FACTOR x the noise pair's largest first-order flip margin / first-layer weight error).
+The kernel part of a verdict is the replayed comparison itself; the fault is named as routing.attribute says.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable, Sequence
+
+from lpdiff.engines.base import EngineConfig, layouts_for, open_engine
+from lpdiff.harness.commands.check import FACTOR, Case, CheckResult, engine_pair, refused_lanes, run_check, served_files
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
+from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
+from lpdiff.harness.pipeline.routing import ROUTER_FAULT_FACTOR, SPACING, apply, attribute, flip_margin_noise
+from lpdiff.harness.pipeline.session import Lanes, engine_options, run_session
+from lpdiff.harness.pipeline.verdict import judge
+from lpdiff.harness.types import AdapterSpec, LogprobRun
+
+CAPTURE = {"capture_routing": True}
+
+
+def hf_runs(case: Case, adapters: dict[str, AdapterSpec], dtype: str, options: dict,
+            routing: dict[str | None, LogprobRun] | None = None, lanes: dict[str, str | None] | None = None) -> Lanes:
+    """HF (in-process, capturing routing) over the case's prompts, in one call: ``lanes`` maps each output lane to
+    the adapter it runs (default: base + every adapter, each under its own name); ``routing`` (lane -> a run with
+    expert ids) replays those ids per lane."""
+    lanes = lanes if lanes is not None else {None: None, **{n: n for n in adapters}}
+    cfg = EngineConfig(model=case.spec, adapters=dict(adapters), dtype=dtype, options={**options, **CAPTURE})
+    prompts = case.prompts
+    with open_engine("hf", cfg) as eng:
+        flat = eng.prompt_logprobs(
+            [p for _ in lanes for p in prompts], adapter=[a for a in lanes.values() for _ in prompts],
+            routing=None if routing is None else [q.routed_experts for lane in lanes for q in routing[lane].prompts])
+        version = eng.version()
+    n = len(prompts)
+    return {lane: LogprobRun(flat[i * n:(i + 1) * n], {"engine": "hf", "engine_version": version, "dtype": dtype,
+                                                      "adapter": lane, "routing_replay": routing is not None})
+            for i, lane in enumerate(lanes)}
+
+
+def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckResult]:
+    """lpdiff check's run function: check.run_check on ``store``, or replay_check (the hf reference only; a bad
+    combination is refused here, before any model is built)."""
+    if not routing_replay:
+        return functools.partial(run_check, store=store)
+    if reference != "hf":
+        raise ValueError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
+    return replay_check
+
+
+def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3,
+                 options: dict | None = None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
+                 serve_refused: bool = False, log: Callable[[str], None] = print) -> CheckResult:
+    """check.run_check's contract (a CheckResult, verdicts named ``name.layout``), judged against the replayed
+    reference (module docstring)."""
+    if reference != "hf":
+        raise ValueError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
+    assert k >= 2, "rerun noise needs k >= 2 runs"
+    ref_adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items()
+                    if not p.broken_from}
+    t0 = time.perf_counter()
+    ref32 = hf_runs(case, ref_adapters, REFERENCE_DTYPE, {})
+    (da, oa), (db, ob) = noise_pair(reference, dtype)
+    nb = ref32 if (db, ob) == (REFERENCE_DTYPE, {}) else hf_runs(case, ref_adapters, db, ob)
+    na = hf_runs(case, ref_adapters, da, oa)
+    na_replayed = hf_runs(case, ref_adapters, da, oa, routing=nb)
+    dtypes = (dtype, REFERENCE_DTYPE)
+    ref_noise = pair_noise(na_replayed, nb, list(ref32))
+    flip_noise, weight_noise = flip_margin_noise([(na[lane], nb[lane]) for lane in ref32], (da, db))
+    flip_limit = max(ROUTER_FAULT_FACTOR * near_tie_eps(*dtypes), FACTOR[dtype] * flip_noise)
+    weight_limit = max(ROUTER_FAULT_FACTOR * max(SPACING[d] for d in dtypes), FACTOR[dtype] * weight_noise)
+    unreplayed = pair_noise(na, nb, list(ref32))
+    log(f"[check] replay: reference noise {ref_noise.describe()} replayed, {unreplayed.describe()} unreplayed; "
+        f"noise-pair flips up to margin {flip_noise:.3g}, first-layer weight error {weight_noise:.3g} "
+        f"({time.perf_counter() - t0:.1f}s)")
+
+    lanes = served_files(case, engine, layouts or layouts_for(engine, case.spec.arch))
+    refused = {} if serve_refused else refused_lanes(case, engine, lanes)
+    lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
+    opts = {**engine_options(engine), **(options or {}), **CAPTURE}
+    pair = engine_pair(engine, dtype, reference, opts).replace(f"-vs-{reference}:", f"-vs-{reference}[replay]:")
+    try:
+        sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
+    except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
+        return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
+                           Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused,
+                           init_recipe=case.spec.init_recipe or "", engine_pair=pair)
+    got = sess.first
+    missing = [lane for lane, run in got.items() if any(p.routed_experts is None for p in run.prompts)]
+    if missing:
+        raise ValueError(f"{engine} returned no expert ids for lanes {missing}: it cannot capture routing here, so "
+                         "there is nothing to replay")
+    ref_of = {lane: None if lane is None else (case.plans[lane.split(".")[0]].broken_from or lane.split(".")[0])
+              for lane in [None, *lanes]}
+    replayed = hf_runs(case, ref_adapters, REFERENCE_DTYPE, {}, routing=got, lanes=ref_of)
+    reruns = rerun_noise(sess.runs)
+    noise = Noise().merge(ref_noise, reruns)
+    t = threshold_from(noise, FACTOR[dtype], note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} with "
+                       f"{db}'s expert ids replayed ({ref_noise.describe()}) and {engine} rerun noise over {k} runs "
+                       f"({reruns.describe()}), same model and prompts")
+    t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
+    res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, sess.version,
+                      ref_noise, reruns, t, sess.runs, refused=refused, init_recipe=case.spec.init_recipe or "",
+                      engine_pair=pair)
+    eps = near_tie_eps(*dtypes)
+    for lane in [None, *lanes]:
+        m = compare(got[lane], replayed[lane], near_tie_eps=eps)
+        fid = None if lane is None else delta_fidelity(got[lane], got[None], replayed[lane], replayed[None])
+        v = judge(m, t, fid, adapter=lane or "base")
+        name = None if lane is None else lane.split(".")[0]
+        v.expected = case.plans[name].expected if name else "PASS"
+        v.detail = position_detail(got[lane], replayed[lane], eps)
+        apply(v, attribute(got[lane], ref32[ref_of[lane]], dtypes, flip_limit=flip_limit,
+                           weight_limit=weight_limit, kernel_fail=not v.passed))
+        res.verdicts.append(v)
+    return res
