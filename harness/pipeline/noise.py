@@ -84,13 +84,42 @@ def rerun_noise(runs: Sequence[Lanes]) -> Noise:
     return noise
 
 
-def threshold_from(noise: Noise, factor: float, note: str, fidelity: bool = True):
+def fp32_rounding_floor(runs: Lanes, layers: int) -> Noise:
+    """The noise two correct fp32 engines show from rounding alone, from the reference's own logprobs: a floor
+    for a measured noise that can be 0 on one CPU and not on another (HF's eager and batched_mm expert kernels
+    agreed bit for bit on one CPU, so check's fp32 threshold fell to 30 x 1e-14 = 3e-13 in k2 while triton
+    against HF measured 1.9e-12 there).
+
+    Model: the ``layers`` decoder layers and the final log-softmax each round a logprob's path once, independently,
+    so two engines that sum in different orders differ per position by d with rms sqrt(layers + 1) ulp(lp), ulp
+    the fp32 spacing at that logprob (2^-20 = 9.5e-7 for |lp| in [8, 16), where a random-init model's logprobs
+    sit for vocabularies of 3k to 9M tokens). Floor: k2 = 0.5 (layers + 1) mean(ulp^2), max |d| = 4 rms (the
+    largest of ~1000 such draws). On tiny-qwen3-moe at 2 layers (|lp| in [8, 16)) that is k2 1.4e-12 and max
+    6.6e-6 against measured triton-vs-HF k2 1.9e-12 to 2.2e-12 and max 7.6e-6 (8 ulps), HF batched_mm-vs-eager k2
+    2.1e-12 on the CPU where they differ; check's fp32 factor 30 then puts the thresholds 19x (k2) and 26x (max)
+    above what two correct engines showed, on any CPU."""
+    import numpy as np
+
+    lp = np.concatenate([np.asarray(p.logprobs, dtype=np.float32).ravel()
+                         for run in runs.values() for p in run.prompts] or [np.zeros(0, np.float32)])
+    ulp = np.spacing(np.abs(lp[np.isfinite(lp)])).astype(np.float64)
+    if ulp.size == 0:
+        return Noise()
+    rms = float(np.sqrt((max(layers, 1) + 1) * np.mean(ulp ** 2)))
+    return Noise(k2=0.5 * rms ** 2, max_abs=4 * rms, positions=int(ulp.size))
+
+
+def threshold_from(noise: Noise, factor: float, note: str, fidelity: bool = True, floor: Noise | None = None):
     """``factor`` x the noise as a Threshold with its provenance. A noise of exactly 0 (bit-identical
-    implementations) would give a zero threshold that fails on any other machine's rounding: it is floored at an
-    fp32 ulp-scale difference (k2 1e-14, max |Δ| 1e-6, fidelity 1e-6)."""
+    implementations) would give a zero threshold that fails on any other machine's rounding: it is floored at
+    ``floor`` (fp32_rounding_floor for fp32 runs) or else an fp32 ulp-scale difference (k2 1e-14, max |Δ| 1e-6,
+    fidelity 1e-6); the note says when the floor decided."""
     from lpdiff.harness.pipeline.provenance import device_name, git_commit
     from lpdiff.harness.pipeline.thresholds import from_noise
 
-    return from_noise(max(noise.k2, 1e-14), max(noise.max_abs, 1e-6), factor,
+    k2_floor, max_floor = (max(floor.k2, 1e-14), max(floor.max_abs, 1e-6)) if floor is not None else (1e-14, 1e-6)
+    if noise.k2 < k2_floor or noise.max_abs < max_floor:
+        note += f"; floored at fp32 rounding (k2 {k2_floor:.3g}, max |Δ| {max_floor:.3g})"
+    return from_noise(max(noise.k2, k2_floor), max(noise.max_abs, max_floor), factor,
                       noise_delta_fidelity=max(noise.fidelity, 1e-6) if fidelity else None,
                       gpu=device_name(), commit=git_commit(), note=note)
