@@ -1,4 +1,5 @@
 """Thresholds (lookup fallbacks, provenance, record) and verdicts on hand-made metrics."""
+import dataclasses
 import json
 import math
 import shutil
@@ -8,7 +9,7 @@ import pytest
 from lpdiff.harness.pipeline.metrics import Metrics
 from lpdiff.harness.pipeline.thresholds import DEFAULT_PATH, Threshold, from_noise, lookup, pair_name, record
 from lpdiff.harness.pipeline.report import verdict_table
-from lpdiff.harness.pipeline.verdict import judge, to_json
+from lpdiff.harness.pipeline.verdict import judge, next_step, to_json
 
 
 def metrics(k2=1e-9, max_abs=1e-4, **kw) -> Metrics:
@@ -106,7 +107,7 @@ def test_near_ties_reported_not_hidden():
 def test_table_and_json():
     vs = [judge(metrics(), thr(), 0.01, adapter="r8"),
           judge(metrics(k2=float("nan"), num_nonfinite=1), thr(), {"attention": 0.0, "experts": 1.0})]
-    text = verdict_table(vs)
+    text = verdict_table(vs, wide=True)
     lines = text.splitlines()
     assert len(lines) == 4 and lines[0].split()[:2] == ["model", "engine"] and set(lines[1]) <= {"-", " "}
     assert "PASS" in lines[2] and "r8" in lines[2] and "0.01" in lines[2]
@@ -118,3 +119,56 @@ def test_table_and_json():
     assert data[0]["passed"] is True and data[0]["metrics"]["k2"] == 1e-9
     assert data[1]["metrics"]["k2"] == "nan" and data[1]["delta_fidelity"]["experts"] == 1.0
     assert data[1]["threshold"]["source"] == "unmeasured" and not math.isnan(data[0]["threshold"]["k2"])
+
+
+def _lanes(n_adapters: int = 6, tps=(1, 2)) -> list:
+    """A default run's verdicts: base + five zoo adapters at TP 1 and 2, the TP 2 lanes failing with the long
+    reasons real verdicts carry, the model's longest zoo name."""
+    out = []
+    names = ["-", "all", "attention", "experts", "experts_per_expert", "experts_shared_outer"][:n_adapters]
+    for tp in tps:
+        for a in names:
+            bad = tp == 2
+            v = judge(metrics(k2=0.0153 if bad else 1e-9, max_abs=0.3 if bad else 1e-7), thr(),
+                      None if a == "-" else {"attention": 0.0012, "experts": 0.61 if bad else 1e-4}, adapter=a)
+            v.model, v.engine_pair, v.dtype, v.tp = "tiny-qwen3.5-moe", "triton:float32-vs-hf:float32", "float32", tp
+            if bad:
+                v.next_step = next_step(v.engine_pair, v.model, a, tp, ())
+            out.append(v)
+    return out
+
+
+def test_default_table_fits_120_columns_and_names_the_next_step():
+    """A default run's 12 lanes were 187-282 columns wide; the default table fits 120, says what every row shares
+    once above it, and each unexpected lane's reasons and the bisect command below it; --wide (wide=True) keeps
+    every column in the rows."""
+    vs = _lanes()
+    text = verdict_table(vs)
+    assert max(map(len, text.splitlines())) <= 120, text
+    lines = text.splitlines()
+    assert lines[0] == "engine pair triton:float32-vs-hf:float32, expected PASS"
+    assert lines[1].split() == ["model", "TP", "adapter", "k2", "max", "|Δ|", "Δ", "fid", "tie", "thr", "verdict"]
+    row = next(line for line in lines if " experts_shared_outer " in line and "FAIL" in line)
+    assert row.split()[:2] == ["tiny-qwen3.5-moe", "2"] and "0.61 [experts]" in row and "unmeas" in row
+    assert any(line.startswith("thr: unmeas = an unmeasured default threshold") for line in lines)
+    assert sum(line.startswith("FAIL (unexpected) tiny-qwen3.5-moe tp=2") for line in lines) == 6
+    assert lines[-1] == "next step: lpdiff bisect tiny-qwen3.5-moe --tp 2"  # once, not once per lane
+    wide = verdict_table(vs, wide=True)
+    assert "triton:float32-vs-hf:float32" in wide.splitlines()[2] and "lpdiff bisect" in wide.splitlines()[-1]
+    mixed = vs[:1] + [dataclasses.replace(vs[1], engine_pair="vllm:bfloat16-vs-hf:float32", dtype="bfloat16")]
+    assert "engine" in verdict_table(mixed).splitlines()[1].split()  # rows that differ keep the column
+    md = verdict_table(vs, "github")
+    assert "max \\|Δ\\|" in md and md.splitlines()[-1].endswith("--tp 2  ")
+
+
+def test_next_step_per_engine():
+    assert next_step("triton:float32-vs-hf:float32", "tiny-qwen3-moe", "experts", 2, ("experts", "/my dir/a"),
+                     {"fault": "topk_weight_missing"}) == (
+        "lpdiff bisect tiny-qwen3-moe --adapter experts --adapter '/my dir/a' --tp 2 --fault topk_weight_missing")
+    assert next_step("triton:float32-vs-hf:float32", "tiny-qwen3-moe", "experts", 1) == \
+        "lpdiff bisect tiny-qwen3-moe --adapter experts --tp 1"
+    assert next_step("vllm:bfloat16-vs-hf:float32", "Qwen/Qwen3-30B-A3B", "my-lora", 4) == (
+        "lpdiff doctor Qwen/Qwen3-30B-A3B my-lora --engine vllm; "
+        "lpdiff metamorphic Qwen/Qwen3-30B-A3B my-lora --engine vllm --tp 4")
+    assert next_step("sglang:bfloat16-vs-hf:float32", "m", "-", 2).startswith("lpdiff compare --model m --engine sglang")
+    assert "constraints.txt" in next_step("hf:float32-vs-hf:float32", "tiny-qwen3-moe", "all", 1)

@@ -13,7 +13,15 @@ from tabulate import tabulate
 from lpdiff.harness.pipeline.verdict import Verdict
 
 VERDICT_HEADERS = ("model", "engine pair", "dtype", "TP", "adapter", "k2", "max |Δ|", "Δ fidelity", "near-tie",
-                   "threshold", "expected", "verdict", "reason")
+                   "threshold", "expected", "verdict", "reason", "next step")
+# The default table fits ~120 columns (a default run's rows are ~95 wide): columns every row shares (engine pair,
+# dtype, expected outcome) go to one line above it, reasons and next steps to lines below it; ``wide`` (or the JSON
+# of --json) keeps everything in the rows.
+COMPACT_HEADERS = ("model", "TP", "adapter", "k2", "max |Δ|", "Δ fid", "tie", "thr", "verdict")
+SHARED = {"engine pair": 1, "dtype": 2, "expected": 10}  # hoistable column -> its index in verdict_rows
+WIDTH = 120
+_SOURCE = {"measured": "meas", "unmeasured": "unmeas"}
+_MATCH = {"exact": "", "other-tp": "~tp", "default": "~dflt"}
 
 
 def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
@@ -42,21 +50,72 @@ def outcome(v: Verdict) -> str:
     return got if got == expected else f"{got} (unexpected)"
 
 
+def threshold_cell(v: Verdict) -> str:
+    """"meas" / "unmeas", with "~tp" or "~dflt" when the lookup fell back to another TP's or the dtype's default."""
+    t = v.threshold
+    return _SOURCE.get(t.source, t.source) + _MATCH.get(t.match, f"~{t.match}")
+
+
 def verdict_rows(verdicts: Sequence[Verdict]) -> list[list[str]]:
     return [[v.model, v.engine_pair, v.dtype, str(v.tp), v.adapter or "-", _g(v.metrics.k2), _g(v.metrics.max_abs),
              fidelity_cell(v.delta_fidelity), "-" if v.near_tie_share is None else f"{v.near_tie_share:.1%}",
-             v.threshold.provenance, getattr(v, "expected", None) or "PASS", outcome(v), "; ".join(v.reasons)]
+             v.threshold.provenance, getattr(v, "expected", None) or "PASS", outcome(v), "; ".join(v.reasons),
+             getattr(v, "next_step", "") or "-"]
             for v in verdicts]
 
 
-def verdict_table(verdicts: Sequence[Verdict], fmt: str = "simple") -> str:
-    """``fmt``: a tabulate format ("simple" for terminals, "github" for markdown such as a CI step summary)."""
-    rows = [[("-" if c is None else c) for c in r] for r in verdict_rows(verdicts)]
-    headers = list(VERDICT_HEADERS)
-    if fmt == "github":  # a bare | in a cell ("max |Δ|") would split a markdown table's column
-        rows = [[str(c).replace("|", "\\|") for c in r] for r in rows]
-        headers = [h.replace("|", "\\|") for h in headers]
-    return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+def _github(rows: list[list[Any]], headers: list[str]) -> tuple[list[list[str]], list[str]]:
+    # a bare | in a cell ("max |Δ|") would split a markdown table's column
+    return [[str(c).replace("|", "\\|") for c in r] for r in rows], [h.replace("|", "\\|") for h in headers]
+
+
+def verdict_table(verdicts: Sequence[Verdict], fmt: str = "simple", wide: bool = False) -> str:
+    """``fmt``: a tabulate format ("simple" for terminals, "github" for markdown such as a CI step summary).
+    Default: the compact table (COMPACT_HEADERS) with shared columns above and each unexpected lane's reasons and
+    next step below; ``wide``: every column (VERDICT_HEADERS) in the rows."""
+    full = [[("-" if c is None else c) for c in r] for r in verdict_rows(verdicts)]
+    if wide:
+        rows, headers = full, list(VERDICT_HEADERS)
+        if fmt == "github":
+            rows, headers = _github(rows, headers)
+        return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+    shared = {h: full[0][i] for h, i in SHARED.items() if full and len({r[i] for r in full}) == 1}
+    headers = list(COMPACT_HEADERS)
+    if "engine pair" not in shared or "dtype" not in shared:
+        headers.insert(1, "engine")
+    if "expected" not in shared:
+        headers.insert(len(headers) - 1, "expect")
+    rows = []
+    for v, r in zip(verdicts, full):
+        cells = {"model": r[0], "engine": r[1], "TP": r[3], "adapter": r[4], "k2": r[5], "max |Δ|": r[6],
+                 "Δ fid": r[7], "tie": r[8], "thr": threshold_cell(v), "expect": r[10], "verdict": r[11]}
+        rows.append([cells[h] for h in headers])
+    if fmt == "github":
+        rows, headers = _github(rows, headers)
+    above = ", ".join(f"{h} {val}" for h, val in shared.items() if h != "dtype")
+    lines = [above] if above and fmt != "github" else []
+    lines.append(tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True))
+    return "\n".join(lines + _below(verdicts, fmt))
+
+
+def _below(verdicts: Sequence[Verdict], fmt: str) -> list[str]:
+    """Each unexpected lane's reasons, then every distinct next step once (TP 2's lanes share one bisect)."""
+    import textwrap
+
+    out, steps = [], []
+    if any(v.threshold.source != "measured" for v in verdicts):
+        out += textwrap.wrap("thr: unmeas = an unmeasured default threshold (no noise floor behind it; `lpdiff "
+                             "calibrate` measures one); ~tp / ~dflt: another TP's entry / the dtype's default", WIDTH,
+                             subsequent_indent="    ", break_on_hyphens=False)
+    for v in verdicts:
+        if outcome(v).endswith("(unexpected)"):
+            head = f"{outcome(v)} {v.model} tp={v.tp} {v.adapter or '-'}: "
+            out += textwrap.wrap(head + ("; ".join(v.reasons) or "it passed"), WIDTH, subsequent_indent="    ",
+                                 break_on_hyphens=False)
+            if getattr(v, "next_step", "") and v.next_step not in steps:
+                steps.append(v.next_step)
+    out += [f"next step: {s}" for s in steps]
+    return [f"{line}  " if fmt == "github" else line for line in out]  # markdown: two spaces keep line breaks
 
 
 def verdict_summary(verdicts: Sequence[Verdict]) -> str:
