@@ -159,6 +159,48 @@ def test_engine_vs_reference(model, engine, tp, dtype, tmp_path_factory, record_
     _judge(engine, case_for(model, tmp_path_factory), tp, dtype, record_verdict)
 
 
+# -- adapters as trainers write them (issue 42) ---------------------------------------------------------------------
+
+TRAINER_TPS = [1, 2]
+
+
+def trainer_grid():
+    """Every model x engine x dtype at TP 1 and 2, ids ending -trainer: check.trainer_plans_for's lanes (rsLoRA with
+    rank/alpha patterns, lm_head + embed_tokens, rank 128 and 256) beside "all", "broken" and base rows in one
+    batch; doctor's refusals for the engine are reported as not served, with its reason."""
+    for model in MODELS:
+        for engine in ENGINES:
+            for tp in TRAINER_TPS:
+                for tag, dtype in DTYPES.items():
+                    yield pytest.param(model, engine, tp, dtype, marks=getattr(pytest.mark, f"gpu{tp}"),
+                                       id=f"{model}-{engine}-tp{tp}-{tag}-trainer")
+
+
+def trainer_case_for(model: str, tmp_path_factory) -> check.Case:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    key = f"{model}:trainer"
+    if key not in _CASES:
+        _CASES.clear()
+        _CASES[key] = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(f"{model}-trainer"),
+                                       plans=check.trainer_plans_for(get_model(model).arch), init_recipe=RECIPE,
+                                       log=progress_log(f"[{model}-trainer] "))
+    return _CASES[key]
+
+
+@pytest.mark.parametrize("model,engine,tp,dtype", list(trainer_grid()))
+def test_trainer_adapters_vs_reference(model, engine, tp, dtype, tmp_path_factory, record_verdict):
+    """The trainer lanes the engine accepts (doctor refuses the others with the engine's reason: vLLM 0.25.1
+    rank_pattern/alpha_pattern and expert rank > 128, SGLang rsLoRA and patterns) judged like the main grid's:
+    every served correct lane PASSes, "broken" FAILs."""
+    if why := cannot_serve(engine, model, tp, dtype):
+        pytest.skip(why)
+    _installed(engine)
+    _judge(engine, trainer_case_for(model, tmp_path_factory), tp, dtype, record_verdict)
+
+
 # -- known engine defects, reproduced on purpose: lpdiff must report them ----------------------------------------
 
 EXPERT_ADAPTERS = {"all", "experts", "all_r8", "broken"}  # the ADAPTERS that carry expert LoRA

@@ -76,3 +76,40 @@ def test_k_dtype_selects_that_dtype_only():
     """`-k fp32` picks the fp32 cases: no test name in the suite holds a dtype tag."""
     names = [n for n in dir(grid_module) if n.startswith("test_")]
     assert names and not [n for n in names if any(tag in n for tag in grid_module.DTYPES)], names
+
+
+def test_trainer_lanes_carry_their_gpu_mark_at_tp_1_and_2():
+    ids = set()
+    for p in grid_module.trainer_grid():
+        model, engine, tp, dtype = p.values
+        assert [m.name for m in p.marks] == [f"gpu{tp}"] and p.id.endswith("-trainer"), p.id
+        ids.add((model, engine, tp, dtype))
+    assert ids == {(m, e, tp, d) for m in grid_module.MODELS for e in grid_module.ENGINES for tp in (1, 2)
+                   for d in grid_module.DTYPES.values()}
+
+
+def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_triton(tmp_path_factory):
+    """check.trainer_plans_for on the tiny zoo (CPU): doctor refuses, per engine, exactly the lanes that engine
+    cannot run (vLLM 0.25.1: rank/alpha patterns and expert rank > 128; SGLang: rsLoRA and patterns), and the triton
+    runtime in fp32 serves every lane beside base rows in one batch: each correct lane PASSes, "broken" FAILs."""
+    from lpdiff.harness.commands import check
+    from lpdiff.harness.pipeline.store import BaselineStore
+
+    plans = check.trainer_plans_for("qwen3_moe")
+    case = check.build_case("tiny-qwen3-moe", 2, tmp_path_factory.mktemp("trainer"), plans=plans, device="cpu",
+                            lengths=(40, 27), log=lambda s: None)
+    from lpdiff.engines.base import layouts_for
+
+    refused = {e: {lane.split(".")[0]: why for lane, why in check.refused_lanes(
+        case, e, check.served_files(case, e, layouts_for(e, "qwen3_moe"))).items()} for e in ("vllm", "sglang")}
+    assert {"rslora_patterns", "rank256"} <= set(refused["vllm"]) and "vocab" not in refused["vllm"]
+    assert refused["vllm"]["rslora_patterns"].startswith(("vllm-ignores-patterns", "vllm-per-expert-rslora"))
+    assert refused["vllm"]["rank256"].startswith("moe-rank-above-128")
+    assert {"rslora_patterns", "all_vocab"} <= set(refused["sglang"]) and "rank128" not in refused["sglang"]
+    assert all(why.startswith("sglang-ignores-scaling") for a, why in refused["sglang"].items()
+               if a in ("rslora_patterns", "all_vocab"))
+    res = check.run_check(case, "triton", dtype="float32", k=2, store=BaselineStore(tmp_path_factory.mktemp("s")),
+                          log=lambda s: None)
+    assert res.error is None and not res.refused
+    assert {v.adapter.split(".")[0] for v in res.verdicts} >= {p.name for p in plans} | {"base"}
+    assert res.as_expected, check.format_result(res)
