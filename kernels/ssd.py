@@ -102,12 +102,17 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, sum_squares=None) -> torch.Tensor:
     """Mamba-2's output norm: RMSNorm over each ``group_size`` columns of x * silu(z), in fp32, times weight.
     x (..., N) (the scan's fp32 output), z (..., N) the gate, weight (N,). As transformers' Zamba2RMSNormGated
-    (which NemotronH's mixer uses): the normalised value is cast to x's dtype before the weight multiplies it."""
+    (which NemotronH's mixer uses): the normalised value is cast to x's dtype before the weight multiplies it.
+    A group wider than N (one tensor-parallel rank's share of it): ``sum_squares`` maps this share's (...,) sum of
+    squares to the whole group's (an all-reduce over the ranks that share the group)."""
     h = x.float() * F.silu(z.float())
     shape = h.shape
+    if shape[-1] < group_size:
+        mean = sum_squares(h.pow(2).sum(-1)) / group_size
+        return (weight * (h * torch.rsqrt(mean[..., None] + eps)).to(x.dtype)).to(out_dtype)
     hg = h.view(*shape[:-1], shape[-1] // group_size, group_size)
     hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * hg.view(shape).to(x.dtype)).to(out_dtype)

@@ -1,7 +1,8 @@
 """Nemotron-H's Mamba-2 mixer over a packed batch: in_proj (with LoRA) -> z | xBC | dt; causal depthwise conv1d +
 SiLU over xBC; the chunked SSD scan with dt = clamp(softplus(dt + dt_bias), time_step_min) and the D skip; the gated
 RMSNorm with groups (x * silu(z)); out_proj (with LoRA). Under TP each rank holds whole heads with their groups
-(nemotron_h.mamba_rows), so conv, scan and norm run on local columns and only out_proj's output is all-reduced.
+(nemotron_h_weights.mamba_rows), so conv and scan run on local columns; the gated norm too, unless a group spans
+ranks (TP > n_groups: one all-reduce of its sums of squares); out_proj's output is all-reduced.
 
 Per-prompt reset: conv and scan read the packed tokens as a right-padded (B, L_max) batch (Batch.pad), one prompt
 per row, so no conv window and no scan state crosses a prompt boundary; the padding after a prompt's end never
@@ -23,6 +24,16 @@ def _rows(batch: Batch, t: torch.Tensor, across: bool) -> torch.Tensor:
 
 def _packed(batch: Batch, t: torch.Tensor, across: bool) -> torch.Tensor:
     return t[0] if across else batch.unpad(t)
+
+
+def _group_sum(model, part: torch.Tensor) -> torch.Tensor:
+    """(T,) sum of squares of this rank's share of its norm group -> the whole group's, when TP > n_groups: each
+    rank writes its share into its group's column and one all-reduce sums the ranks of every group at once."""
+    cfg, shard = model.cfg, model.shard
+    group = shard.heads(cfg.mamba_heads, cfg.n_groups)[1].start
+    sums = part.new_zeros(part.shape[0], cfg.n_groups)
+    sums[:, group] = part
+    return model.all_reduce(sums)[:, group]
 
 
 def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
@@ -48,5 +59,6 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
                  _rows(batch, B.reshape(T, groups, n), across), _rows(batch, C.reshape(T, groups, n), across),
                  cfg.chunk_size, p["D"])
     y = _packed(batch, y, across).reshape(T, inner)
-    y = gated_rms_norm(y, z, p["gate_norm"], cfg.mamba_inner // cfg.n_groups, cfg.rms_norm_eps, h.dtype)
+    y = gated_rms_norm(y, z, p["gate_norm"], cfg.mamba_inner // cfg.n_groups, cfg.rms_norm_eps, h.dtype,
+                       lambda part: _group_sum(model, part))
     return model.linear(y, lay.mods["out_proj"], batch)

@@ -7,8 +7,9 @@ shared expert; Super runs the routed experts in a latent width between fc1_laten
 - dense relu² MLP. Weights are read by their in-memory names (checkpoints save under ``backbone.``, in memory
 ``model.``; experts one by one on disk, 3D in memory); LoRA is stacked per slot onto each projection it targets.
 
-Tensor parallelism (Megatron-style, as shard.py): mamba heads split with their groups (n_groups must divide by TP:
-the gated norm's groups then stay whole on one rank), attention heads as the MoE archs, experts and MLPs on their
+Tensor parallelism (Megatron-style, as shard.py): mamba heads split with their groups (with fewer groups than
+ranks, B/C of a group are replicated on the ranks sharing it and the gated norm sums its squares over them),
+attention heads as the MoE archs, experts and MLPs on their
 width; the router, latent fc1 and the lm head are replicated; every row-parallel output is all-reduced.
 """
 from __future__ import annotations
@@ -169,8 +170,9 @@ class Names:
 def mamba_rows(cfg: NemotronHConfig, shard: Shard) -> tuple[Tensor, Tensor]:
     """-> (in_proj rows, conv channels) of this rank: in_proj's output is z | x | B | C | dt, conv's input x | B | C
     (transformers' split order); heads and their groups of this rank."""
-    if cfg.n_groups % shard.size:
-        raise ValueError(f"Nemotron-H's {cfg.n_groups} mamba groups do not split over tp={shard.size}")
+    if cfg.n_groups % shard.size and shard.size % cfg.n_groups:
+        raise ValueError(f"Nemotron-H's {cfg.n_groups} mamba groups do not split over tp={shard.size} (use a TP size "
+                         "that divides the groups or that they divide)")
     h, g = shard.heads(cfg.mamba_heads, cfg.n_groups)
     p, n, inner = cfg.mamba_head_dim, cfg.ssm_state, cfg.mamba_inner
     heads_cols = torch.arange(h.start * p, h.stop * p)
