@@ -17,7 +17,7 @@ from lpdiff.engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProce
                                             strip_lane_options)
 from lpdiff.harness.types import PromptLogprobs
 
-_OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir")
+_OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir", "capture_routing")
 _RESOLVED = "_resolved"  # option the parent hands the lane: {"server_args": ..., "vocab_size": ...}
 _NOT_INSTALLED = ("sglang is not installed for {python}: install sglang==0.5.15 (or unpack the offline bundle from "
                   "gpu-bundles/sglang-0.5.15.sh and put it on PYTHONPATH), or pass options python=<interpreter "
@@ -30,7 +30,12 @@ def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> 
     same build as the HF reference's). The lane child then needs neither lpdiff's catalog nor its transformers."""
     from lpdiff.harness.spec.catalog import hf_config
 
-    out: dict[str, Any] = {"vocab_size": hf_config(config.model).get_text_config().vocab_size}
+    text = hf_config(config.model).get_text_config()
+    out: dict[str, Any] = {"vocab_size": text.vocab_size}
+    if config.options.get("capture_routing"):  # requests.parse_routed_experts' shape
+        types = getattr(text, "layers_block_type", None)
+        out["routing"] = {"layers": text.num_hidden_layers, "top_k": text.num_experts_per_tok,
+                          "moe_layers": [i for i, t in enumerate(types) if t == "moe"] if types else None}
     if launch:
         from lpdiff.engines.checkpoint import checkpoint_dir
 
@@ -56,7 +61,7 @@ class SGLangOffline:
             import sglang as sgl
         except ImportError as e:
             raise ImportError(_NOT_INSTALLED.format(python=sys.executable)) from e
-        res = self.opts.get(_RESOLVED) or resolve(self.config, self.opts)
+        res = self.resolved = self.opts.get(_RESOLVED) or resolve(self.config, self.opts)
         self.vocab = res["vocab_size"]
         self.engine = sgl.Engine(**res["server_args"])
         return self
@@ -74,8 +79,9 @@ class SGLangOffline:
 
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
         names = check_request(prompts, adapter, self.config.adapters)
-        out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab))
-        return parse_batch(prompts, out, top_k, self.vocab)
+        routing = self.resolved.get("routing")
+        out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab, routing is not None))
+        return parse_batch(prompts, out, top_k, self.vocab, routing)
 
 
 # -- HTTP: a launched or running server ----------------------------------------------------------------------------
@@ -165,8 +171,10 @@ class SGLangHTTP:
 
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
         names = check_request(prompts, adapter, self.config.adapters)
-        out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab), sum(map(len, prompts)))
-        return parse_batch(prompts, out, top_k, self.vocab)
+        routing = self.resolved.get("routing")
+        out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab, routing is not None),
+                        sum(map(len, prompts)))
+        return parse_batch(prompts, out, top_k, self.vocab, routing)
 
 
 # -- the engine ----------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 launch_server flags, the /generate request and the parsing of its prompt logprobs. Pure: tested without SGLang."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,6 +45,8 @@ def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any]
     args: dict[str, Any] = {"model_path": model_path, "skip_tokenizer_init": True, "dtype": config.dtype,
                             "tp_size": config.tp, "random_seed": 0, "log_level": "info", **MOE_LORA_SETTINGS,
                             **ARCH_SETTINGS.get(model_type(config.model.arch), {})}
+    if config.options.get("capture_routing"):  # meta_info["routed_experts"] on requests that ask for it
+        args["enable_return_routed_experts"] = True
     if config.adapters:
         args.update(enable_lora=True, lora_paths={n: str(a.path) for n, a in config.adapters.items()},
                     max_lora_rank=max(adapter_max_rank(a.path) for a in config.adapters.values()),
@@ -79,8 +82,9 @@ def sglang_top_k(top_k: int, vocab_size: int) -> int:
 
 
 def generate_request(prompts: Sequence[Sequence[int]], names: Sequence[str | None], top_k: int,
-                     vocab_size: int) -> dict[str, Any]:
-    """One batched /generate request (also the keyword arguments of ``Engine.generate``)."""
+                     vocab_size: int, routing: bool = False) -> dict[str, Any]:
+    """One batched /generate request (also the keyword arguments of ``Engine.generate``); ``routing``: ask for
+    each token's expert ids (``return_routed_experts``; the server needs enable_return_routed_experts)."""
     req: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts],
                            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
                            "return_logprob": True, "logprob_start_len": 0}
@@ -89,7 +93,38 @@ def generate_request(prompts: Sequence[Sequence[int]], names: Sequence[str | Non
         req["top_logprobs_num"] = k
     if any(n is not None for n in names):
         req["lora_path"] = list(names)
+    if routing:
+        req["return_routed_experts"] = True
     return req
+
+
+def parse_routed_experts(num_tokens: int, meta: dict[str, Any], shape: dict[str, Any]) -> np.ndarray:
+    """``meta_info["routed_experts"]`` -> (num_tokens, L, K) int32 expert ids per prompt token and MoE layer.
+
+    SGLang (``--enable-return-routed-experts`` + ``return_routed_experts``) sends the int32 array
+    [tokens, layers, top_k] as base64 (its R3 docs: b64decode -> np.frombuffer(int32) -> reshape(-1, layers,
+    top_k)); its layer axis is the text config's num_hidden_layers. ``shape``: {"layers": that count, "top_k",
+    "moe_layers": the layers that route, or None for all}. Rows it does not give (at most the last prompt token,
+    which no logprob position sees) are -1."""
+    import base64
+
+    raw = meta.get("routed_experts") if meta else None
+    if raw is None:
+        raise ValueError("SGLang returned no meta_info.routed_experts: the server needs "
+                         "enable_return_routed_experts and the request return_routed_experts (option capture_routing)")
+    flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32) if isinstance(raw, (str, bytes)) else \
+        np.asarray(raw, dtype=np.int32).reshape(-1)
+    layers, k = int(shape["layers"]), int(shape["top_k"])
+    if flat.size % (layers * k) or flat.size // (layers * k) < num_tokens - 1:
+        raise ValueError(f"SGLang's routed_experts holds {flat.size} ids: not [at least {num_tokens - 1} tokens, "
+                         f"{layers} layers, {k}]")
+    arr = flat.reshape(-1, layers, k)
+    if shape.get("moe_layers") is not None:
+        arr = arr[:, list(shape["moe_layers"])]
+    out = np.full((num_tokens, arr.shape[1], k), -1, dtype=np.int32)
+    rows = min(num_tokens, arr.shape[0])
+    out[:rows] = arr[:rows]
+    return out
 
 
 def parse_response(token_ids: Sequence[int], item: dict[str, Any], top_k: int = 0,
@@ -135,9 +170,15 @@ def parse_response(token_ids: Sequence[int], item: dict[str, Any], top_k: int = 
                           topk_logprobs=tk_lp)
 
 
-def parse_batch(prompts: Sequence[Sequence[int]], out: Any, top_k: int, vocab_size: int) -> list[PromptLogprobs]:
-    """SGLang's answer to one generate_request (a list, or one dict for one prompt) -> one PromptLogprobs each."""
+def parse_batch(prompts: Sequence[Sequence[int]], out: Any, top_k: int, vocab_size: int,
+                routing: dict[str, Any] | None = None) -> list[PromptLogprobs]:
+    """SGLang's answer to one generate_request (a list, or one dict for one prompt) -> one PromptLogprobs each;
+    ``routing``: parse_routed_experts' shape, when the request asked for expert ids."""
     out = out if isinstance(out, list) else [out]
     if len(out) != len(prompts):
         raise ValueError(f"SGLang answered {len(out)} items for {len(prompts)} prompts")
-    return [parse_response(p, o, top_k, vocab_size) for p, o in zip(prompts, out)]
+    res = [parse_response(p, o, top_k, vocab_size) for p, o in zip(prompts, out)]
+    if routing is not None:
+        res = [replace(r, routed_experts=parse_routed_experts(len(p), o.get("meta_info"), routing))
+               for r, p, o in zip(res, prompts, out)]
+    return res

@@ -33,7 +33,7 @@ from lpdiff.engines.vllm.adapters import (
 )
 from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
 from lpdiff.harness.spec.adapters import adapter_max_rank
-from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, vllm_top_k
+from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, parse_routed_experts, vllm_top_k
 from lpdiff.engines.vllm.processes import _children, cuda_visible, reap, shutdown
 from lpdiff.engines.vllm.settings import (
     GPU_MEMORY_UTILIZATION,
@@ -76,6 +76,7 @@ class VLLMEngine:
         self._procs: list[Any] = []  # the processes vLLM started (engine core, TP workers)
         self._saved_env: dict[str, str | None] = {}  # what options env replaced, restored on close
         self._vocab = 0
+        self._moe_layers: list[int] | None = None  # decoder layers with routed experts, where not all have them
         self.known_defects: tuple[str, ...] = ()  # vLLM paths this engine runs that are known to be wrong
         self.last_wall_s = 0.0
 
@@ -195,6 +196,12 @@ class VLLMEngine:
         for k in ("max_model_len", "gpu_memory_utilization", "attention_backend"):
             if k in o:
                 kw[k] = o[k]
+        if o.get("capture_routing"):  # expert ids per token and MoE layer in CompletionOutput.routed_experts
+            if "enable_return_routed_experts" not in known:
+                raise ValueError("this vLLM cannot return routed experts (no enable_return_routed_experts; vLLM "
+                                 ">= 0.25.1 has it): drop option capture_routing")
+            kw["enable_return_routed_experts"] = True
+            self._moe_layers = moe_layer_indices(hf)
         kw = {k: v for k, v in kw.items() if v is not None}  # option None: leave vLLM's default
         if cfg.adapters:
             kw.update(self._lora_kwargs(hf, on_cpu, known))
@@ -316,7 +323,18 @@ class VLLMEngine:
                                  lora_request=reqs if any(r is not None for r in reqs) else None, use_tqdm=False)
         self.last_wall_s = time.perf_counter() - t0
         want = -1 if k == -1 else top_k
-        return [parse_prompt_logprobs([int(t) for t in p], o.prompt_logprobs, want) for p, o in zip(prompts, outs)]
+        res = [parse_prompt_logprobs([int(t) for t in p], o.prompt_logprobs, want) for p, o in zip(prompts, outs)]
+        if self.opts.get("capture_routing"):
+            res = [dataclasses.replace(r, routed_experts=parse_routed_experts(len(p), o.outputs[0].routed_experts,
+                                                                              self._moe_layers))
+                   for r, p, o in zip(res, prompts, outs)]
+        return res
+
+
+def moe_layer_indices(hf) -> list[int] | None:
+    """The decoder layers that route, for a hybrid whose layer types say so (Nemotron-H's "moe"); None: all."""
+    types = getattr(hf.get_text_config(), "layers_block_type", None)
+    return [i for i, t in enumerate(types) if t == "moe"] if types else None
 
 
 def _multimodal(checkpoint: str) -> bool:

@@ -46,6 +46,29 @@ def _dict_arrays(entry) -> tuple[np.ndarray, np.ndarray]:
     return ids, lps
 
 
+def parse_routed_experts(num_tokens: int, routed, moe_layers: Sequence[int] | None = None) -> np.ndarray:
+    """``CompletionOutput.routed_experts`` -> (num_tokens, L, K) int32 expert ids per prompt token and MoE layer.
+
+    vLLM 0.25.1 (``LLM(enable_return_routed_experts=True)``, outputs.py:45) returns an int array
+    ``[seq_len, layers, top_k]`` read from the KV slots of the request's first ``num_tokens - 1`` tokens
+    (scheduler ``_get_routed_experts``): with ``max_tokens=1`` the prompt's own tokens. ``moe_layers``: the decoder
+    layers that route, where vLLM's layer axis also holds layers without experts (a hybrid's mixers); rows it does
+    not give are -1 (only the last prompt token's could be missing, and no logprob position sees that token)."""
+    if routed is None:
+        raise ValueError("vLLM returned no routed_experts: the engine needs enable_return_routed_experts=True "
+                         "(engine option capture_routing) and no pipeline parallelism")
+    arr = np.asarray(routed)
+    if arr.ndim != 3 or arr.shape[0] < num_tokens - 1:
+        raise ValueError(f"vLLM's routed_experts has shape {arr.shape}; expected [at least {num_tokens - 1} tokens, "
+                         "layers, top_k]")
+    if moe_layers is not None and arr.shape[1] != len(moe_layers):
+        arr = arr[:, list(moe_layers)]
+    out = np.full((num_tokens, *arr.shape[1:]), -1, dtype=np.int32)
+    rows = min(num_tokens, arr.shape[0])
+    out[:rows] = arr[:rows]
+    return out
+
+
 def parse_prompt_logprobs(token_ids: Sequence[int], entries, top_k: int = 0) -> PromptLogprobs:
     """One ``RequestOutput.prompt_logprobs`` -> PromptLogprobs.
 

@@ -12,7 +12,7 @@ FALLBACK_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "max_logprobs",
                 "mixed_moe_lora_format", "gpu_memory_utilization", "attention_backend", "seed",
                 "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "enforce_eager", "close_timeout_s",
-                "llm_kwargs", "env")
+                "llm_kwargs", "env", "capture_routing")
 GPU_MEMORY_UTILIZATION = 0.6
 # tokens per step for Nemotron-H MoE-LoRA (vllm-nemotron-step-fault in engines/vllm/capabilities.py has the
 # measurements). Nano's engine died wherever tokens per step x TP reached 8192 (8192 at TP 1, 4096 at TP 2, 2048 at
