@@ -3,8 +3,16 @@ expert's gate_up/down) against HF+PEFT (engines.hf, grouped_mm experts), measure
 with peak GPU memory against the runtime's weights + LoRA bytes.
 
     python -m benchmarks.bench_e2e --models qwen3-30b-a3b gpt-oss-20b --out DIR [--commit SHA] [--layers N]
+        [--engines triton hf [vllm sglang]]   # the engines timed, in this order (peers: benchmarks/e2e_peers.py)
         [--moe-backend triton [grouped_mm]]   # the triton engine's moe_backend option(s), each timed in the same
                                               # run (impl column triton / triton+BACKEND)
+
+The timed quantity is prompt-logprob throughput over the same batch (8 x 512 random token ids by default) with the
+same adapter, warm (after warm-up calls), median of --reps calls. Each row also says the engine's start-up time
+(startup_s: opening the engine, weights built or loaded included) and the settings it ran with; a row of an engine
+that cannot serve the model's LoRA holds its error instead of a number. Replayed triton calls split their wall time
+(call_ms) from the replay's GPU time between CUDA events recorded around it inside the same calls (gpu_ms): the
+difference is the host's time around the replay (staging the ids, fetching the results, Python).
 
 Models are the catalog's full-size configs built on the GPU with the seeded recipe (no downloads); both engines
 see the same weights. Rows are appended to DIR/e2e.csv as they are measured (columns of
@@ -16,9 +24,9 @@ import argparse
 import csv
 import datetime
 import gc
-import gzip
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +42,7 @@ from lpdiff.kernels.moe_grouped import BACKENDS
 from lpdiff.harness.types import AdapterSpec
 
 COLUMNS = ["date", "commit", "gpu", "model", "tokens", "tp", "dtype", "adapter", "impl", "tokens_per_s",
-           "peak_mem_gb"]
+           "peak_mem_gb", "startup_s", "settings", "call_ms", "gpu_ms", "error"]
 
 
 def log(*a):
@@ -61,6 +69,46 @@ def timed(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
     return statistics.median(walls), torch.cuda.max_memory_allocated() / 1e9
+
+
+class ReplayTimer:
+    """Stands in for a captured call's CUDA graph while it is timed: each replay inside a real call is bracketed by
+    CUDA events, so the GPU time of the replay is read from the same calls as their wall time."""
+
+    def __init__(self, graph):
+        self.graph, self.events = graph, []
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.events.append((start, end))
+
+    def ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in self.events]
+
+
+def timed_split(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float, float | None]:
+    """timed() for the triton engine, plus the median GPU ms of the replay inside the timed calls (None when the
+    layout has no graph: eager variants)."""
+    for _ in range(warmup):
+        eng.prompt_logprobs(prompts, adapter)
+    rt = eng.runtime
+    key = rt.layout(prompts, [rt.slot(adapter)] * len(prompts), 0)
+    entry = rt.graphs.graphs.get(key) if rt.graphs is not None else None
+    if entry is None:
+        return (*timed(eng, prompts, adapter, 0, reps), None)
+    entry.graph = timer = ReplayTimer(entry.graph)
+    try:
+        secs, peak = timed(eng, prompts, adapter, 0, reps)
+    finally:
+        entry.graph = timer.graph
+    return secs, peak, statistics.median(timer.ms())
+
+
+from benchmarks.e2e_profile import breakdown, host_split, profile  # noqa: E402  (they call timed above)
 
 
 def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
@@ -92,6 +140,8 @@ def bench_model(name: str, args, writer) -> None:
     from lpdiff.engines.triton import TritonEngine
     from lpdiff.harness.spec.catalog import get_model
 
+    from benchmarks import e2e_peers
+
     spec = get_model(name, num_layers=args.layers)
     tokens = args.batch * args.seq
     g = torch.Generator().manual_seed(0)
@@ -104,23 +154,26 @@ def bench_model(name: str, args, writer) -> None:
         vocab = hf_config(spec).vocab_size
         prompts = [torch.randint(0, vocab, (args.seq,), generator=g).tolist() for _ in range(args.batch)]
 
-        def row(adapter_name, impl, secs, peak):
-            r = dict(date=datetime.date.today().isoformat(), commit=args.commit, gpu=gpu, model=spec.name +
-                     (f"-{args.layers}L" if args.layers else ""), tokens=tokens, tp=1, dtype="bfloat16",
-                     adapter=adapter_name, impl=impl, tokens_per_s=round(tokens / secs), peak_mem_gb=round(peak, 2))
+        def row(adapter_name, impl, secs=None, peak=None, startup_s=None, settings="", call_ms=None, gpu_ms=None,
+                error=""):
+            r = make_row(args, gpu, spec.name + (f"-{args.layers}L" if args.layers else ""), tokens, adapter_name,
+                         impl, secs, peak, startup_s, settings, call_ms, gpu_ms, error)
             writer(r)
             log(r)
             return r
 
         results, outs = {}, {}
-        if not args.skip_hf:
+        if "hf" in args.engines:
             t0 = time.perf_counter()
+            hf_opts = {"router_margins": False}
             with HFEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
-                                       options={"router_margins": False})) as hf:
-                log(f"hf loaded in {time.perf_counter() - t0:.1f} s")
+                                       options=hf_opts)) as hf:
+                startup = round(time.perf_counter() - t0, 1)
+                log(f"hf loaded in {startup} s")
                 for a in (None, adapter.name):
                     secs, peak = timed(hf, prompts, a, 1, args.hf_reps)
-                    results[("hf", a)] = row(f"r{args.rank}" if a else "none", "hf+peft" if a else "hf", secs, peak)
+                    results[("hf", a)] = row(f"r{args.rank}" if a else "none", "hf+peft" if a else "hf", secs, peak,
+                                             startup, e2e_peers.settings_text(hf_opts, hf.version()))
                     outs[("hf", a)] = hf.prompt_logprobs(prompts, a)
             free_gpu()
         # CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"
@@ -132,6 +185,8 @@ def bench_model(name: str, args, writer) -> None:
         variants = [(b, g, sh, pad, ex, at) for b in args.moe_backend for sh in args.moe_shrink
                     for pad in args.moe_padding for ex in args.moe_expand for at in args.attention
                     for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]]
+        if "triton" not in args.engines:
+            variants = []
         for backend, graphs, shrink, padding, expand, attn in variants:
             opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0,
                     "moe_lora_shrink": shrink, "moe_padding": padding, "attention": attn}
@@ -140,14 +195,20 @@ def bench_model(name: str, args, writer) -> None:
             t0 = time.perf_counter()
             with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
                                            options=opts)) as tr:
+                startup = round(time.perf_counter() - t0, 1)
+                settings = e2e_peers.settings_text({**opts, "moe_expand": expand})
                 wbytes = tr.runtime.weights.nbytes()
                 lbytes = tr.runtime.lora.nbytes()
-                log(f"{impl} loaded in {time.perf_counter() - t0:.1f} s: weights {wbytes / 1e9:.2f} GB, "
+                log(f"{impl} loaded in {startup} s: weights {wbytes / 1e9:.2f} GB, "
                     f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
                 for a in (None, adapter.name):
                     # 3 warm-up calls: the 2nd captures the layout's CUDA graph, the 3rd is its first replay
-                    secs, peak = timed(tr, prompts, a, 3, args.reps)
-                    results[(impl, a)] = row(f"r{args.rank}" if a else "none", impl, secs, peak)
+                    secs, peak, gpu_ms = timed_split(tr, prompts, a, 3, args.reps)
+                    results[(impl, a)] = row(f"r{args.rank}" if a else "none", impl, secs, peak, startup, settings,
+                                             1e3 * secs, gpu_ms)
+                    if gpu_ms is not None:
+                        log(f"{impl} adapter={a}: call {1e3 * secs:.2f} ms = replay GPU {gpu_ms:.2f} ms + host "
+                            f"{1e3 * secs - gpu_ms:.2f} ms around it")
                     outs[(impl, a)] = tr.prompt_logprobs(prompts, a)
                 log(f"{impl}: reserved {torch.cuda.max_memory_reserved() / 1e9:.2f} GB at most (allocator pools and "
                     f"graph pools), graphs {tr.runtime.graphs and (tr.runtime.graphs.captures, tr.runtime.graphs.hits)}"
@@ -165,15 +226,20 @@ def bench_model(name: str, args, writer) -> None:
                         breakdown(tr, prompts, adapter.name)
             free_gpu()
         fm.MOE_EXPAND = MOE_EXPAND
-        first = impl_name(*variants[0])
-    # the other runs are compared with the first backend named
+        peers = [e for e in args.engines if e in e2e_peers.PEERS]
+        if peers:
+            bench_peers(spec, adapter, prompts, peers, args, Path(tmp), row, results, outs)
+    first = impl_name(*variants[0]) if variants else next((k for k, _ in outs), None)
+    # the other runs are compared with the first triton variant (or the first engine that ran)
     for a in (None, adapter.name):  # bf16 agreement: noisy on random full-size models, but catches gross errors
-        for other in dict.fromkeys(["hf"] + [k for k, _ in outs if k.startswith("triton") and k != first]):
-            if (other, a) in outs:
+        for other in dict.fromkeys(["hf", *e2e_peers.PEERS] + [k for k, _ in outs if k.startswith("triton")]):
+            if other != first and (other, a) in outs and (first, a) in outs:
                 d = torch.cat([torch.from_numpy(x.logprobs - y.logprobs)
                                for x, y in zip(outs[(first, a)], outs[(other, a)])])
                 log(f"bf16 {first} vs {other} adapter={a}: k2 {0.5 * d.pow(2).mean():.3g}, max |d| "
                     f"{d.abs().max():.3g}, mean |d| {d.abs().mean():.3g}")
+    peer_lora = [results[(p, adapter.name)]["tokens_per_s"] for p in e2e_peers.PEERS
+                 if results.get((p, adapter.name), {}).get("tokens_per_s") not in (None, "")]
     for impl in (k for k, a in results if k.startswith("triton") and a is None):
         base, lora = results[(impl, None)], results[(impl, adapter.name)]
         summary = {"model": spec.name, "impl": impl, "lora_tok_s": lora["tokens_per_s"],
@@ -183,147 +249,86 @@ def bench_model(name: str, args, writer) -> None:
         if ("hf", adapter.name) in results:
             summary["speedup_vs_hf_peft"] = round(lora["tokens_per_s"] / results[("hf", adapter.name)]["tokens_per_s"],
                                                   2)
+        if peer_lora:
+            summary["speedup_vs_fastest_peer"] = round(lora["tokens_per_s"] / max(peer_lora), 2)
         log("SUMMARY", summary)
 
 
-def host_split(eng, prompts, adapter, reps: int) -> dict:
-    """Where a replayed call's wall time goes: the whole call (prompt_logprobs), the graph replay alone (replay +
-    sync, no host work around it), the replay's GPU time between CUDA events, and the SM clock after the loop (a
-    throttled clock under sustained load would show as replay time above the profiled GPU time). Logged; -> dict
-    of medians in ms."""
-    import cProfile
-    import io
-    import pstats
+def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: dict, outs: dict) -> None:
+    """Each peer engine's rows (benchmarks/e2e_peers.py), after the in-process engines gave their GPU memory back;
+    the checkpoint is written once for all of them and removed afterwards unless it was there already or
+    --keep-checkpoint (a full-depth bf16 Qwen3-30B-A3B is 61 GB: two would not fit a 64 GiB disk)."""
+    import shutil
 
-    rt = eng.runtime
-    key = rt.layout(prompts, [rt.slot(adapter)] * len(prompts), 0)
-    entry = rt.graphs.graphs.get(key) if rt.graphs is not None else None
-    if entry is None:
-        log(f"split adapter={adapter}: no graph for this layout, skipped")
-        return {}
-    call = timed(eng, prompts, adapter, 0, reps)[0]
-    replays, gpu = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        entry.graph.replay()
-        torch.cuda.synchronize()
-        replays.append(time.perf_counter() - t0)
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        entry.graph.replay()
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end) / 1e3)
-    med = {"call": 1e3 * call, "replay": 1e3 * statistics.median(replays), "replay_gpu": 1e3 * statistics.median(gpu)}
+    from benchmarks import e2e_peers
+
+    free_gpu()
+    root = Path(args.checkpoint_root)
+    before = set(root.iterdir()) if root.is_dir() else set()
+    path = None
     try:
-        clock = torch.cuda.clock_rate()
-    except Exception as e:  # noqa: BLE001 - nvml may be missing; the split stands without it
-        clock = f"n/a ({type(e).__name__})"
-    log(f"split adapter={adapter}: call {med['call']:.2f} ms, replay+sync {med['replay']:.2f} ms, replay GPU (events) "
-        f"{med['replay_gpu']:.2f} ms -> host around the replay {med['call'] - med['replay']:.2f} ms; "
-        f"SM clock {clock} MHz")
-    prof = cProfile.Profile()
-    prof.enable()
-    eng.prompt_logprobs(prompts, adapter)
-    torch.cuda.synchronize()
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
-    print(buf.getvalue()[:4000], flush=True)
-    return med
+        path = e2e_peers.write_checkpoint_once(spec, root, log)
+    except Exception as e:  # noqa: BLE001 - no checkpoint: every peer row carries the error
+        import traceback
+
+        traceback.print_exc()
+        for engine in peers:
+            for a in (None, adapter.name):
+                results[(engine, a)] = row(f"r{args.rank}" if a else "none", engine,
+                                           error=f"checkpoint: {e2e_peers.error_line(e)}")
+        return
+    free_gpu()
+
+    def peer_row(*a, **kw):
+        r = row(*a, **kw)
+        results[(r["impl"], adapter.name if r["adapter"] != "none" else None)] = r
+        return r
+
+    try:
+        for engine in peers:
+            got = e2e_peers.bench_peer(engine, spec, adapter, prompts, args, work, timed_any, peer_row, log)
+            outs.update({(engine, a): v for a, v in got.items()})
+            free_gpu()
+    finally:
+        if Path(path) not in before and not args.keep_checkpoint:
+            shutil.rmtree(path, ignore_errors=True)
+            log(f"checkpoint {path} removed (--keep-checkpoint keeps it)")
 
 
-def profile(eng, prompts, adapter, path: Path) -> None:
-    """Top CUDA kernels of one call (where the time goes), with ``adapter`` (None: the base call)."""
-    from torch.profiler import ProfilerActivity, profile as tprof
-
-    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        eng.prompt_logprobs(prompts, adapter)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    # where the GPU waits on the host (benchmarks/trace_gaps.py): the gzipped chrome trace comes back for a closer look
-    from benchmarks.trace_gaps import analyse, load_events, report
-
-    trace = path.with_suffix(".trace.json")
-    prof.export_chrome_trace(str(trace))
-    gaps = report(analyse(load_events(trace), min_gap_us=20), top=20)
-    with open(trace, "rb") as src, gzip.open(path.with_suffix(".trace.json.gz"), "wb") as dst:
-        dst.write(src.read())
-    trace.unlink()
-    path.write_text(table + "\n\nGPU idle gaps (>= 20 us):\n" + gaps + "\n")
-    print(table[:6000], "\n" + gaps, flush=True)
+def timed_any(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, None]:
+    """timed() for an engine whose GPU memory is another process's (a subprocess lane): no peak from here."""
+    return timed(eng, prompts, adapter, warmup, reps)[0], None
 
 
-def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
-    """Median time of each piece of one layer at the benchmark's shapes (triton.testing.do_bench), x num_layers,
-    next to one whole forward: where the time goes, base and LoRA. -> {(piece, "base"|"lora"): ms}.
-    ``do_bench``: the timer (tests pass one that runs each piece once on CPU)."""
-    if do_bench is None:
-        from triton.testing import do_bench
+def make_row(args, gpu: str, model: str, tokens: int, adapter: str, impl: str, secs=None, peak=None,
+             startup_s=None, settings: str = "", call_ms=None, gpu_ms=None, error: str = "") -> dict:
+    """One e2e.csv row; a measurement that did not happen is an empty cell (error says why)."""
+    def num(x, nd):
+        return "" if x is None else round(x, nd)
 
-    from lpdiff.engines.triton.attention import attention
-    from lpdiff.engines.triton.batch import Batch
-    from lpdiff.engines.triton.moe import experts, route
-    from lpdiff.engines.triton.rope import norm_rope_qk
-    from lpdiff.engines.logprobs import chunked_logprobs
-
-    rt = eng.runtime
-    m, cfg = rt.model, rt.cfg
-    lw, ll = m.w.layers[0], m.lora.layers[0]
-    d, nl, H = cfg.head_dim, cfg.num_layers, cfg.hidden_size
-    rows = {}
-    for slot in (-1, rt.slot(adapter)):
-        b = Batch.build(prompts, [slot] * len(prompts), cfg, rt.dtype, rt.device)
-        T, ta = b.num_tokens, b.token_adapter
-        x = torch.randn(T, H, dtype=rt.dtype, device=rt.device)
-        # what the q|k|v projection reads: x, or the augmented buffer the input norm writes x into (LoRA batches)
-        xa = m.qkv_input(b, x)
-        h = x if xa is None else xa
-        if xa is not None:
-            xa[:, :H] = x
-        qkv = m.qkv(h, lw, ll, b)
-        q = qkv[:, : m.heads * d].view(T, m.heads, d)
-        k = qkv[:, m.heads * d: (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
-        v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
-        o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
-        ids, wts, _ = route(x, lw, cfg, m.impl)
-        moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum,
-                          shrink=m.moe_shrink, padding=m.moe_padding)
-        tag = "lora" if slot >= 0 else "base"
-        pieces = {
-            "add_rms_norm (before attention)": lambda: m._norm(x, x, lw.input_norm,
-                                                               None if xa is None else xa[:, :H]),
-            "add_rms_norm (after o)": lambda: m._norm(x, x, lw.post_norm),
-            # at TP 1 the MoE's top-k sum is fused into this norm (moe_out is (T, K, H) there)
-            "add_rms_norm (moe top-k)": lambda: m._norm(x, moe_out, lw.input_norm),
-            "qkv lora_linear": lambda: m.qkv(h, lw, ll, b),
-            "norm_rope q+k": lambda: norm_rope_qk(q, k, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin),
-            "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
-            "o lora_linear": lambda: m.o_proj(o, lw, ll, b),
-            "router+route": lambda: route(x, lw, cfg, m.impl),
-            "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend,
-                                           sum_topk=not m.fuse_topk_sum, shrink=m.moe_shrink, padding=m.moe_padding),
-        }
-        for piece, fn in pieces.items():
-            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-            rows[(piece, tag)] = ms * nl
-        sel = torch.arange(T - 1, device=rt.device)
-        for fused in (False, True):  # torch fp32 softmax vs the one-pass kernel (kernels/logprob.py)
-            rows[(f"logprobs (once{', fused' if fused else ''})", tag)] = do_bench(lambda: chunked_logprobs(
-                x[sel], rt.weights.lm_head, b.input_ids[sel + 1], 0, rt.logit_chunk, fused=fused), warmup=5,
-                rep=50, return_mode="median")
-        rows[("whole forward", tag)] = do_bench(lambda: m.forward(b), warmup=3, rep=20, return_mode="median")
-    print(f"{'piece (x layers)':28s} {'base ms':>9s} {'lora ms':>9s}", flush=True)
-    for piece in dict.fromkeys(p for p, _ in rows):
-        print(f"{piece:28s} {rows[(piece, 'base')]:9.2f} {rows[(piece, 'lora')]:9.2f}", flush=True)
-    return rows
+    return dict(date=datetime.date.today().isoformat(), commit=args.commit, gpu=gpu, model=model, tokens=tokens, tp=1,
+                dtype="bfloat16", adapter=adapter, impl=impl, tokens_per_s="" if secs is None else round(tokens / secs),
+                peak_mem_gb=num(peak, 2), startup_s=num(startup_s, 1), settings=settings, call_ms=num(call_ms, 2),
+                gpu_ms=num(gpu_ms, 2), error=error)
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    from benchmarks import e2e_peers
+
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
+    p.add_argument("--engines", nargs="+", default=["triton", "hf"], choices=e2e_peers.ENGINES,
+                   help="engines timed, each on the same prompts and adapter: triton, hf (HF and HF+PEFT), and the "
+                        "peers vllm / sglang (through lpdiff's engine classes; LPDIFF_<ENGINE>_PYTHONPATH points "
+                        "at an offline bundle)")
+    p.add_argument("--engine-options", nargs="*", default=[], metavar="ENGINE=JSON",
+                   help="a peer's engine options merged over the benchmark's settings (benchmarks/e2e_peers.py "
+                        "FAST), e.g. vllm='{\"llm_kwargs\": {\"enforce_eager\": true}}'")
+    p.add_argument("--checkpoint-root", default=str(Path.home() / ".cache" / "lpdiff" / "checkpoints"),
+                   help="where the peers' checkpoint is written (bf16: ~2 bytes per parameter)")
+    p.add_argument("--keep-checkpoint", action="store_true", help="keep the peers' checkpoint after the model")
+    p.add_argument("--peer-warmup", type=int, default=2,
+                   help="warm-up calls of a peer before timing (SGLang compiles kernels in its first batches)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--commit", default="unknown")
     p.add_argument("--layers", type=int, default=None, help="reduced depth (default: full depth)")
@@ -332,7 +337,7 @@ def main():
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--hf-reps", type=int, default=3)
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="leave hf out of --engines")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-all", action="store_true", help="with --profile: every shrink/padding variant, not "
                    "only the first")
@@ -353,15 +358,46 @@ def main():
                    help="the triton engine's attention option(s) (engines/triton/attention.py), each timed in this run")
     p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
                    help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
-    args = p.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = Path(args.out) / "e2e.csv"
-    new = not out.exists()
-    with open(out, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            w.writeheader()
+    args = p.parse_args(argv)
+    args.engines = list(dict.fromkeys(e for e in args.engines if not (args.skip_hf and e == "hf")))
+    try:
+        args.engine_options = e2e_peers.parse_engine_options(args.engine_options)
+    except ValueError as e:
+        p.error(str(e))  # exit 2 with the usage line
+    return args
 
+
+def open_csv(path: Path):
+    """``path`` opened for appending rows of COLUMNS. A file written with an older, shorter header (a prefix of
+    COLUMNS) is rewritten first with the new columns, its rows' new cells empty; any other header is refused."""
+    if path.exists():
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        header = rows[0] if rows else []
+        if header != COLUMNS:
+            if header != COLUMNS[:len(header)]:
+                print(f"{path} has columns {header}, not a prefix of {COLUMNS}: write to another --out (nothing "
+                      "was changed)", file=sys.stderr)
+                raise SystemExit(2)
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(COLUMNS)
+                w.writerows(r + [""] * (len(COLUMNS) - len(r)) for r in rows[1:])
+            os.replace(tmp, path)
+    new = not path.exists() or path.stat().st_size == 0
+    f = open(path, "a", newline="")
+    w = csv.DictWriter(f, fieldnames=COLUMNS)
+    if new:
+        w.writeheader()
+    return f, w
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    f, w = open_csv(Path(args.out) / "e2e.csv")
+    with f:
         def writer(r):
             w.writerow(r)
             f.flush()

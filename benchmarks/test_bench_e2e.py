@@ -3,6 +3,8 @@ experts, attention) directly; run it on CPU on the tiny zoo so that a change of 
 in a GPU job, where the breakdown would be lost after the timing it followed."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lpdiff.engines.base import EngineConfig
@@ -36,3 +38,99 @@ def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
     pieces = {p for p, _ in rows}
     assert {"qkv lora_linear", "o lora_linear", "moe_forward", "attention", "whole forward"} <= pieces
     assert all((p, tag) in rows for p in pieces for tag in ("base", "lora"))
+
+
+# -- the engine list, the rows and the peers (benchmarks/e2e_peers.py) ---------------------------------------------
+
+def test_engine_list_parsing():
+    args = bench_e2e.parse_args(["--engines", "triton", "hf", "vllm", "sglang", "--engine-options",
+                                 'vllm={"llm_kwargs": {"enforce_eager": true}}'])
+    assert args.engines == ["triton", "hf", "vllm", "sglang"]
+    assert args.engine_options == {"vllm": {"llm_kwargs": {"enforce_eager": True}}}
+    assert bench_e2e.parse_args([]).engines == ["triton", "hf"]
+    assert bench_e2e.parse_args(["--engines", "triton", "hf", "sglang", "--skip-hf"]).engines == ["triton", "sglang"]
+    for bad in (["--engines", "tgi"], ["--engine-options", "vllm={not json"], ["--engine-options", "hf={}"],
+                ["--engine-options", "sglang=[1]"]):
+        with pytest.raises(SystemExit) as e:
+            bench_e2e.parse_args(bad)
+        assert e.value.code == 2, bad
+
+
+def test_rows_have_every_column_and_an_error_instead_of_a_number():
+    args = bench_e2e.parse_args(["--commit", "abc1234"])
+    ok = bench_e2e.make_row(args, "gpu", "m", 4096, "r32", "triton", 0.0613, 63.841, 21.04, "{}", 61.3, 55.126)
+    assert list(ok) == bench_e2e.COLUMNS
+    assert (ok["tokens_per_s"], ok["peak_mem_gb"], ok["startup_s"], ok["call_ms"], ok["gpu_ms"], ok["error"]) == \
+        (66819, 63.84, 21.0, 61.3, 55.13, "")
+    err = bench_e2e.make_row(args, "gpu", "m", 4096, "r32", "sglang", error="LaneDied: engine died")
+    assert err["tokens_per_s"] == "" and err["peak_mem_gb"] == "" and err["error"] == "LaneDied: engine died"
+
+
+def test_old_csv_gets_the_new_columns_empty_and_a_foreign_one_is_refused(tmp_path):
+    import csv
+
+    old = bench_e2e.COLUMNS[:11]
+    path = tmp_path / "e2e.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(old)
+        w.writerow(["2026-11-29", "7c3cbef", "NVIDIA H200", "qwen3-30b-a3b", 4096, 1, "bfloat16", "r32", "triton",
+                    66834, 63.84])
+    f, w = bench_e2e.open_csv(path)
+    with f:
+        w.writerow(bench_e2e.make_row(bench_e2e.parse_args([]), "g", "m", 8, "none", "vllm", 1.0, startup_s=80.0,
+                                      settings='{"a":1}'))
+    rows = list(csv.DictReader(open(path, newline="")))
+    assert list(rows[0]) == bench_e2e.COLUMNS
+    assert rows[0]["tokens_per_s"] == "66834" and rows[0]["startup_s"] == "" and rows[0]["settings"] == ""
+    assert rows[1]["startup_s"] == "80.0" and rows[1]["settings"] == '{"a":1}' and rows[1]["tokens_per_s"] == "8"
+    foreign = tmp_path / "other.csv"
+    foreign.write_bytes(b"model,speed\r\nx,1\r\n")
+    with pytest.raises(SystemExit) as e:
+        bench_e2e.open_csv(foreign)
+    assert e.value.code == 2 and foreign.read_bytes() == b"model,speed\r\nx,1\r\n"  # nothing changed
+
+
+def test_peer_options_run_where_the_harness_runs_the_engine(monkeypatch):
+    from benchmarks import e2e_peers
+
+    monkeypatch.delenv("LPDIFF_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("LPDIFF_VLLM_OPTIONS", raising=False)
+    monkeypatch.setenv("LPDIFF_VLLM_PYTHONPATH", "/root/vw/vsite")
+    opts = e2e_peers.peer_options("vllm", {"llm_kwargs": {"enforce_eager": True}})
+    assert opts["lane"] == "subprocess" and opts["lane_env"] == {"PYTHONPATH": "/root/vw/vsite"}
+    assert opts["llm_kwargs"] == {"enforce_eager": True}  # the caller's options win over FAST
+    assert e2e_peers.peer_options("sglang")["server_args"] == {"disable_cuda_graph": False}
+    assert e2e_peers.settings_text(opts, "vllm 0.25.1") == 'vllm 0.25.1; {"llm_kwargs":{"enforce_eager":true}}'
+
+
+@pytest.mark.parametrize("engine,model,layout", [("sglang", "tiny-qwen3-moe", "per_expert"),
+                                                 ("vllm", "tiny-gpt-oss", "peft3d")])
+def test_peer_serves_the_layout_it_reads(engine, model, layout, tmp_path):
+    import json
+
+    from benchmarks import e2e_peers
+
+    spec = get_model(model)
+    src = zoo_adapters(model)["all"]
+    served, why = e2e_peers.served_adapter(engine, spec, AdapterSpec("r", src.path), tmp_path)
+    assert why is None and served.name == "r"
+    cfg = json.loads((Path(served.path) / "adapter_config.json").read_text())
+    assert bool(cfg.get("target_parameters")) == (layout == "peft3d"), cfg  # PEFT 3D experts are parameters
+
+
+def test_missing_peer_gives_error_rows(monkeypatch, tmp_path):
+    import importlib.util
+
+    from benchmarks import e2e_peers
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    for k in ("LPDIFF_SGLANG_PYTHON", "LPDIFF_SGLANG_PYTHONPATH", "LPDIFF_SGLANG_OPTIONS"):
+        monkeypatch.delenv(k, raising=False)
+    rows = []
+    args = bench_e2e.parse_args(["--rank", "4"])
+    e2e_peers.bench_peer("sglang", get_model("tiny-qwen3-moe"), AdapterSpec("r", "/nonexistent"), [[1, 2]], args,
+                         tmp_path, timed=None, row=lambda *a, **kw: rows.append((a, kw)), log=lambda *a: None)
+    assert [a[:2] for a, _ in rows] == [("none", "sglang"), ("r4", "sglang")]
+    assert all("not installed" in kw["error"] and a[2] is None for a, kw in rows)

@@ -1,0 +1,165 @@
+"""The peer engines in benchmarks/bench_e2e.py: vLLM and SGLang timed on the same prompts, the same weights and the
+same LoRA as the triton runtime, through lpdiff's own engine classes (engines/vllm, engines/sglang).
+
+Where each runs: as the harness runs it (harness.pipeline.session.engine_options): in this interpreter, or in a
+subprocess lane under ``LPDIFF_<ENGINE>_PYTHON`` / with ``LPDIFF_<ENGINE>_PYTHONPATH`` (an unpacked offline bundle).
+What each serves: the bench's adapter in the first expert layout the engine reads correctly on the model
+(``capabilities(engine).layouts_for``, PEFT 3D when it reads that), converted exactly (harness.spec.adapters.
+convert_adapter) and written under the engine's decoder root where it maps names from one (vLLM on Qwen3.5); an
+adapter ``lpdiff doctor`` says the engine refuses or computes wrongly is not served, and its rows carry the doctor's
+error instead of a number, as do the rows of an engine that is not installed, dies or raises.
+Settings (FAST): the engine's own MoE-LoRA settings plus CUDA graphs, which the metamorphic relation
+``mode:cuda_graphs_on`` passed on both (benchmarks/results/metamorphic.csv: vLLM 0.25.1 and SGLang 0.5.15, Qwen3-MoE
+and gpt-oss, H200); ``--engine-options ENGINE=JSON`` merges over them. The model is written once as a Hub-layout
+checkpoint (engines/checkpoint.py, built on the GPU from the same seeded recipe as the triton and HF runs) under
+``--checkpoint-root``; both peers load that directory, so its build is not in their start-up time.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+PEERS = ("vllm", "sglang")
+ENGINES = ("triton", "hf", *PEERS)
+FAST: dict[str, dict] = {
+    "vllm": {"llm_kwargs": {"enforce_eager": False}},  # torch.compile + CUDA graphs (enforce_eager=True by default)
+    "sglang": {"server_args": {"disable_cuda_graph": False}},
+}
+_WHERE = ("python", "lane", "lane_env", "checkpoint_dir")  # where an engine runs and loads from, not how it computes
+
+
+def parse_engine_options(items: list[str]) -> dict[str, dict]:
+    """``["vllm={...json...}", ...]`` -> {engine: options}; bad input raises ValueError naming the fix."""
+    out: dict[str, dict] = {}
+    for item in items:
+        engine, sep, text = item.partition("=")
+        if not sep or engine not in PEERS:
+            raise ValueError(f"--engine-options takes ENGINE=JSON with ENGINE one of {', '.join(PEERS)}, got {item!r}")
+        try:
+            opts = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--engine-options {engine}: not a JSON object ({e}); e.g. "
+                             f"{engine}='{json.dumps(FAST[engine])}'") from None
+        if not isinstance(opts, dict):
+            raise ValueError(f"--engine-options {engine}: give a JSON object, got {text!r}")
+        out[engine] = opts
+    return out
+
+
+def peer_options(engine: str, overrides: dict | None = None) -> dict:
+    """Where the engine runs (the environment, as the harness reads it), FAST, then the caller's overrides."""
+    from lpdiff.harness.pipeline.session import engine_options
+
+    return {**engine_options(engine), **FAST[engine], **(overrides or {})}
+
+
+def settings_text(opts: dict, version: str = "") -> str:
+    """One CSV cell: the engine's version and the options that decide how it computes (not where it runs)."""
+    how = json.dumps({k: v for k, v in sorted(opts.items()) if k not in _WHERE}, sort_keys=True,
+                     separators=(",", ":"))
+    return f"{version}; {how}" if version else how
+
+
+def error_line(e: BaseException, limit: int = 400) -> str:
+    """An exception as one CSV cell: its first line and, for a lane's death, the log's last line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    parts = [f"{type(e).__name__}: {lines[0] if lines else ''}"] + (lines[-1:] if len(lines) > 1 else [])
+    return " | ".join(parts)[:limit]
+
+
+def served_adapter(engine: str, spec, adapter, work: Path):
+    """-> (AdapterSpec the engine serves, None) or (None, why not): the layout it reads correctly, under its root,
+    and no doctor error."""
+    from lpdiff.engines.base import capabilities, layouts_for
+    from lpdiff.harness.commands.doctor import doctor
+    from lpdiff.harness.spec.adapters import ModelLayout, convert_adapter
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.types import AdapterSpec
+
+    layouts = layouts_for(engine, spec.arch)
+    if not layouts:
+        return None, f"{engine} reads no expert layout of {spec.arch} correctly (capabilities)"
+    layout = "peft3d" if "peft3d" in layouts else layouts[0]
+    root = capabilities(engine).adapter_root(spec.arch)
+    path = Path(adapter.path)
+    if layout != "peft3d" or root is not None:
+        dst = work / f"{path.name}.{engine}.{layout}"
+        if not dst.is_dir():
+            convert_adapter(path, dst, layout, ModelLayout.from_config(hf_config(spec)), disk_root=root)
+        path = dst
+    errors = [f for f in doctor(spec, path, engines=[engine]).findings if f.engine == engine and f.severity == "error"]
+    if errors:
+        return None, f"doctor {errors[0].code}: {errors[0].message}"[:400]
+    return AdapterSpec(adapter.name, str(path)), None
+
+
+def write_checkpoint_once(spec, root: Path, log: Callable) -> str:
+    """The model as a Hub-layout checkpoint under ``root``, built on the GPU (the same weights as the triton and HF
+    runs, which build there too); reused when it is there."""
+    from lpdiff.engines.checkpoint import checkpoint_dir
+
+    t0 = time.perf_counter()
+    path = checkpoint_dir(spec, root, on_cpu=False)
+    log(f"checkpoint for the peers at {path} ({time.perf_counter() - t0:.1f} s)")
+    return path
+
+
+def bench_peer(engine: str, spec, adapter, prompts, args, work: Path, timed: Callable, row: Callable,
+               log: Callable) -> dict:
+    """Base and LoRA rows of one peer engine (or its error in them). ``timed(eng, prompts, adapter, warmup, reps)``
+    -> (seconds, peak); ``row(adapter_name, impl, secs=None, startup_s=None, settings="", error="")``. -> {adapter
+    name or None: the engine's PromptLogprobs} for the calls that ran."""
+    from lpdiff.engines.base import EngineConfig, open_engine
+    from lpdiff.harness.pipeline.session import engine_missing
+
+    from lpdiff.engines.subprocess_lane import LaneDied
+
+    tags = {None: "none", adapter.name: f"r{args.rank}"}
+    opts = peer_options(engine, args.engine_options.get(engine))
+    settings = settings_text(opts)
+    outs, written = {}, set()
+
+    def emit(a, secs=None, startup=None, error=""):
+        written.add(a)
+        if error:
+            log(f"{engine} adapter={a}: {error}")
+        row(tags[a], engine, secs, startup_s=startup, settings=settings, error=error)
+
+    why = engine_missing(engine)
+    if why is not None:
+        emit(None, error=why)
+        emit(adapter.name, error=why)
+        return outs
+    served, why = served_adapter(engine, spec, adapter, work)
+    if served is None:  # the base rows are still timed: the engine serves the model
+        emit(adapter.name, error=why)
+    opts["checkpoint_dir"] = str(args.checkpoint_root)
+    cfg = EngineConfig(model=spec, adapters={served.name: served} if served else {}, dtype="bfloat16",
+                       device="cuda", options=opts)
+    t0 = time.perf_counter()
+    startup = None
+    try:
+        with open_engine(engine, cfg) as eng:
+            startup = round(time.perf_counter() - t0, 1)
+            settings = settings_text(opts, eng.version())
+            log(f"{engine} started in {startup} s: {settings}")
+            for a in (None, adapter.name) if served else (None,):
+                try:
+                    secs, _ = timed(eng, prompts, a, args.peer_warmup, args.reps)
+                    outs[a] = eng.prompt_logprobs(prompts, a)
+                except LaneDied:
+                    raise  # the engine is gone: this row and the ones after it carry its error
+                except Exception as e:  # noqa: BLE001 - this row's error; the engine may still serve the next
+                    emit(a, startup=startup, error=error_line(e))
+                    continue
+                emit(a, secs, startup)
+    except Exception as e:  # noqa: BLE001 - an engine that dies or refuses is a row, not a lost benchmark
+        import traceback
+
+        traceback.print_exc()
+        for a in (None, adapter.name):
+            if a not in written:
+                emit(a, startup=startup, error=error_line(e))
+    return outs
