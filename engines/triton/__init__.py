@@ -1,4 +1,6 @@
-"""``triton``: lpdiff's own prefill-only MoE-LoRA runtime for qwen3_moe and gpt_oss.
+"""``triton``: lpdiff's own prefill-only MoE-LoRA runtime for qwen3_moe, gpt_oss and nemotron_h (Nemotron-H's
+Mamba-2 / attention / relu² MoE hybrid, built whole by engines/triton/nemotron_h.py; its mamba conv and SSD scan
+run as torch ops on every device, kernels/ssd.py).
 
 Loads an HF checkpoint directory (safetensors, sharded or not, per-expert or fused experts) or builds a
 config-specified model with the seeded recipe on the device; stacks every configured adapter into LoRA slots so
