@@ -179,3 +179,72 @@ def test_report_in_headless_chromium(report, tmp_path):
     assert px.std() > 20 and len(np.unique(px.reshape(-1, 3), axis=0)) > 50, "the screenshot is blank"
     dom = subprocess.run(cmd + ["--dump-dom", url], check=True, timeout=120, capture_output=True, text=True).stdout
     _check_dom(dom)
+
+
+def _rows(text: str) -> list[dict]:
+    p = _Collect()
+    p.feed(text)
+    return [a for t, a in p.tags if t == "tr" and "row" in (a.get("class") or "").split()]
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[1, 2]", "verdict 0 is a number, not a verdict object"),  # a JSON list: exit 3 with a traceback before
+    ("[]", "no verdicts in any file"),
+    ('{"a": 1}', "not an lpdiff verdict document"),
+    ("{not json", "not JSON (line 1"),
+    ("PARTIAL", "lacks passed"),  # a verdict without 'passed': `error: passed` before
+    ("NOMETRIC", "metrics has no k2"),
+])
+def test_bad_report_input_exits_2_naming_the_file(content, says, tmp_path, capsys):
+    from lpdiff.harness.cli import main
+
+    if content in ("PARTIAL", "NOMETRIC"):
+        doc = json.loads(to_json(_verdicts()))
+        owner, key = (doc["verdicts"][1], "passed") if content == "PARTIAL" else (doc["verdicts"][1]["metrics"], "k2")
+        del owner[key]
+        content = json.dumps(doc)
+    bad = tmp_path / "night.json"
+    bad.write_text(content)
+    assert main(["report", str(bad), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and says in err and "Traceback" not in err, err
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_report_draws_the_json_of_run_case(tmp_path, capsys):
+    """`lpdiff run --case --json`'s object is one lane: engine vs trainer, kl_v2 against the case's threshold."""
+    from lpdiff.harness.cli import main
+    from lpdiff.harness.commands.case import CaseVerdict, case_json
+
+    a, b = _runs(1e-3, 0)
+    m = compare(a, b)
+    v = CaseVerdict("hf://datasets/acme/case", "tiny-qwen3-moe", "triton", "float32", 1, 5e-3, m.k2, 2e-6, 3e-6,
+                    0.01, 0.2, True, m, True, "")
+    (tmp_path / "case.json").write_text(case_json(v))
+    assert main(["report", str(tmp_path / "case.json"), "-o", str(tmp_path / "r.html")]) == 0, capsys.readouterr()
+    text = (tmp_path / "r.html").read_text()
+    assert [r["data-outcome"] for r in _rows(text)] == ["pass"]
+    assert "triton:float32-vs-trainer" in text and "case hf://datasets/acme/case" in text
+    assert "the case&#x27;s kl_v2 threshold" in text
+
+
+def test_report_says_unmeasured_fidelity_next_step_and_absent_lanes(tmp_path):
+    """Night 2 lost night 1's experts lane (and its zoo lane now runs as triton at TP 2, another lane), judges one
+    lane against an unmeasured default threshold and FAILs the triton lane: the page shows the vanished lane as "absent in newest night", says which threshold is a
+    guess (a banner and the threshold column), has a delta-fidelity column, and names the bisect command."""
+    night1 = json.loads(to_json(_verdicts()))
+    night1["created"] = "2026-01-01T03:00:00+00:00"
+    vs = _verdicts()[:2]
+    vs[0].threshold = Threshold(k2=1e-6, max_abs=1e-2, delta_fidelity=0.05, source="unmeasured", match="default")
+    vs[0].delta_fidelity = {"attention": 0.0123, "experts": 0.5}
+    vs[1].engine_pair, vs[1].tp, vs[1].expected = "triton:float32-vs-hf:float32", 2, "PASS"
+    (tmp_path / "n1.json").write_text(json.dumps(night1))
+    (tmp_path / "n2.json").write_text(to_json(vs))
+    text = write_report([tmp_path / "n1.json", tmp_path / "n2.json"], tmp_path / "r.html").read_text()
+    rows = _rows(text)
+    assert [r["data-outcome"] for r in rows] == ["pass", "fail", "absent", "absent"]
+    assert "absent in newest night" in text and "2 lane(s) judged in an earlier night are absent" in text
+    assert "1 of 2 lanes are judged against an unmeasured default threshold" in text
+    assert "unmeasured default (the dtype&#x27;s default)" in text and "<th>Δ fidelity</th>" in text
+    assert "0.5 [experts]" in text
+    assert "<code>lpdiff bisect tiny-qwen3-moe --adapter zoo:lora_b_unmasked --tp 2</code>" in text

@@ -131,6 +131,10 @@ def run_case(source: str, model: str | None, engine: str, dtype: str, tp: int, n
     v = judge_case(case, spec, engine, dtype, tp, options)
     echo(format_verdict(v))
     if json_path:
-        d = asdict(v)
-        Path(json_path).write_text(json.dumps(d, indent=2, default=float) + "\n")
+        Path(json_path).write_text(case_json(v))
     return 0 if v.passed else 1
+
+
+def case_json(v: CaseVerdict) -> str:
+    """The JSON ``run --case --json`` writes (``lpdiff report`` draws it as one lane)."""
+    return json.dumps(asdict(v), indent=2, default=float) + "\n"
