@@ -6,6 +6,7 @@ naming its line or row."""
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,7 +43,7 @@ class PromptSource:
 
     def flags(self) -> str:
         """The command-line flags that name this source again."""
-        out = f" --prompts {self.path}"
+        out = f" --prompts {shlex.quote(str(self.path))}"  # a shell command line: paths may hold spaces
         out += f" --prompts-split {self.split}" if self.split != "train" else ""
         out += f" --prompts-column {self.column}" if self.column else ""
         out += f" --prompts-count {self.count}" if self.count else ""
