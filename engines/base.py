@@ -50,6 +50,76 @@ class Engine(Protocol):
     def __exit__(self, *exc) -> None: ...
 
 
+SAMPLINGS = ("greedy", "seeded")  # decode: argmax, or a draw from the raw distribution (temperature 1) with a seed
+
+
+@dataclass(slots=True)
+class Generated:
+    """One decoded sequence: ``tokens`` generated after ``prompt`` and the engine's own log p(token | prefix) for
+    each, from the raw logits (no temperature, top-p or penalty applied; every engine asked for them so). Engines
+    generate exactly ``max_new_tokens`` (EOS does not stop them), so sequences of one call have one length."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: Any  # np.ndarray (len(tokens),) float32
+
+    @property
+    def sequence(self) -> list[int]:
+        return [*self.prompt, *self.tokens]
+
+
+@runtime_checkable
+class Decodes(Protocol):
+    """Optional: an engine that generates (vLLM, SGLang, HF). ``sampling``: one of SAMPLINGS; "seeded" draws
+    prompt i's tokens with seed ``seed + i`` (so a prompt's tokens do not depend on the rest of the batch, where
+    the engine allows it)."""
+
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
+               sampling: str = "greedy", seed: int = 0) -> list[Generated]: ...
+
+
+def check_decode(max_new_tokens: int, sampling: str, seed: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+
+def decode_by_prefill(engine: Engine, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
+                      max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0) -> list[Generated]:
+    """Greedy decoding for an engine without a KV cache (the triton runtime, prefill-only): each step re-prefills
+    every sequence with one placeholder token appended and takes the top-1 of its last position (the argmax of the
+    next-token distribution and its logprob). N steps cost N prefills of the growing sequences; seeded sampling
+    would need the whole distribution, so it is refused."""
+    check_decode(max_new_tokens, sampling, seed)
+    if sampling != "greedy":
+        raise ValueError(f"{engine.name}: decoding by re-prefill takes the top-1 only; seeded sampling needs an "
+                         "engine with its own decode (hf, vllm, sglang)")
+    seqs = [[int(t) for t in p] for p in prompts]
+    gen: list[list[int]] = [[] for _ in seqs]
+    lps: list[list[float]] = [[] for _ in seqs]
+    for _ in range(max_new_tokens):
+        res = engine.prompt_logprobs([[*s, *g, 0] for s, g in zip(seqs, gen)], adapter, top_k=1)
+        for i, r in enumerate(res):
+            gen[i].append(int(r.topk_ids[-1, 0]))
+            lps[i].append(float(r.topk_logprobs[-1, 0]))
+    import numpy as np
+
+    return [Generated(s, g, np.asarray(lp, dtype=np.float32)) for s, g, lp in zip(seqs, gen, lps)]
+
+
+def decode(engine: Engine, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
+           sampling: str = "greedy", seed: int = 0) -> tuple[list[Generated], str]:
+    """The engine's own decode where it has one, else greedy re-prefill; -> (sequences, how: "decode" or
+    "re-prefill")."""
+    check_decode(max_new_tokens, sampling, seed)
+    if isinstance(engine, Decodes):
+        return engine.decode(prompts, adapter, max_new_tokens, sampling, seed), "decode"
+    return decode_by_prefill(engine, prompts, adapter, max_new_tokens, sampling, seed), "re-prefill"
+
+
 # What ``capture_layers`` returns, per (layer index, point): every tensor is (tokens, width) over the prompts'
 # tokens in order, except the routing (tokens, top-k ids and weights). "_base" points are the same module re-run on
 # the same input with the adapter off. An engine leaves out the points it cannot capture.

@@ -178,6 +178,18 @@ class HFEngine:
         self.last_wall_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
 
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
+               sampling: str = "greedy", seed: int = 0):
+        """Generate with the KV cache (engines.hf_decode: raw-logit logprobs, one prompt at a time)."""
+        from lpdiff.engines.base import check_decode
+        from lpdiff.engines.hf_decode import hf_decode
+
+        if self.model is None:
+            raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
+        check_decode(max_new_tokens, sampling, seed)
+        names = check_request(prompts, adapter, self.config.adapters, self.config.model)
+        return hf_decode(self, prompts, names, max_new_tokens, sampling, seed)
+
     @torch.inference_mode()
     def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: str | None = None,
                        inputs: dict | None = None) -> dict[tuple[int, str], torch.Tensor]:

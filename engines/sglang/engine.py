@@ -11,8 +11,9 @@ import urllib.request
 from dataclasses import replace
 from typing import Any, Sequence
 
-from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
-from lpdiff.engines.sglang.requests import generate_request, parse_batch, server_args, server_cli
+from lpdiff.engines.base import AdapterChoice, EngineConfig, check_decode, check_request
+from lpdiff.engines.sglang.requests import (decode_request, generate_request, parse_batch, parse_decode, server_args,
+                                           server_cli)
 from lpdiff.engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
                                             strip_lane_options)
 from lpdiff.harness.types import PromptLogprobs
@@ -82,6 +83,13 @@ class SGLangOffline:
         routing = self.resolved.get("routing")
         out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab, routing is not None))
         return parse_batch(prompts, out, top_k, self.vocab, routing)
+
+    def decode(self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy",
+               seed: int = 0):
+        check_decode(max_new_tokens, sampling, seed)
+        names = check_request(prompts, adapter, self.config.adapters)
+        out = self.engine.generate(**decode_request(prompts, names, max_new_tokens, sampling, seed))
+        return parse_decode(prompts, out, max_new_tokens)
 
 
 # -- HTTP: a launched or running server ----------------------------------------------------------------------------
@@ -176,6 +184,14 @@ class SGLangHTTP:
                         sum(map(len, prompts)))
         return parse_batch(prompts, out, top_k, self.vocab, routing)
 
+    def decode(self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy",
+               seed: int = 0):
+        check_decode(max_new_tokens, sampling, seed)
+        names = check_request(prompts, adapter, self.config.adapters)
+        out = self.post("/generate", decode_request(prompts, names, max_new_tokens, sampling, seed),
+                        sum(map(len, prompts)) + max_new_tokens * len(prompts))
+        return parse_decode(prompts, out, max_new_tokens)
+
 
 # -- the engine ----------------------------------------------------------------------------------------------------
 
@@ -223,3 +239,10 @@ class SGLangEngine:
         if self._impl is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('sglang', cfg) as eng:`")
         return self._impl.prompt_logprobs(prompts, adapter, top_k)
+
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
+               sampling: str = "greedy", seed: int = 0):
+        """SGLang's own generation with its logprobs (requests.decode_request)."""
+        if self._impl is None:
+            raise RuntimeError("use the engine as a context manager: `with open_engine('sglang', cfg) as eng:`")
+        return self._impl.decode(prompts, adapter, max_new_tokens, sampling, seed)

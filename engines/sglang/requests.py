@@ -182,3 +182,43 @@ def parse_batch(prompts: Sequence[Sequence[int]], out: Any, top_k: int, vocab_si
         res = [replace(r, routed_experts=parse_routed_experts(len(p), o.get("meta_info"), routing))
                for r, p, o in zip(res, prompts, out)]
     return res
+
+
+def decode_request(prompts: Sequence[Sequence[int]], names: Sequence[str | None], max_new_tokens: int,
+                   sampling: str, seed: int) -> dict[str, Any]:
+    """One batched generate request for decoding: exactly ``max_new_tokens`` per prompt (EOS ignored), the
+    sampled tokens' logprobs in meta_info["output_token_logprobs"]. Greedy is temperature 0; seeded is temperature
+    1 with no top-p / top-k and ``sampling_seed`` seed + i per prompt (the per-request seed of SGLang's sampling
+    params; read in its source, not yet run by lpdiff)."""
+    def params(i: int) -> dict[str, Any]:
+        p = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "ignore_eos": True,
+             "temperature": 0.0 if sampling == "greedy" else 1.0, "top_p": 1.0, "top_k": -1}
+        if sampling != "greedy":
+            p["sampling_seed"] = seed + i
+        return p
+
+    req: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts],
+                           "sampling_params": [params(i) for i in range(len(prompts))], "return_logprob": True}
+    if any(n is not None for n in names):
+        req["lora_path"] = list(names)
+    return req
+
+
+def parse_decode(prompts: Sequence[Sequence[int]], out, max_new_tokens: int) -> list:
+    """SGLang's answer to decode_request -> engines.base.Generated per prompt. ``output_token_logprobs`` holds
+    (logprob, token id, text) per generated token."""
+    from lpdiff.engines.base import Generated
+
+    items = out if isinstance(out, list) else [out]
+    if len(items) != len(prompts):
+        raise ValueError(f"SGLang answered {len(items)} items for {len(prompts)} prompts")
+    res = []
+    for p, item in zip(prompts, items):
+        entries = (item.get("meta_info") or {}).get("output_token_logprobs") if isinstance(item, dict) else None
+        if entries is None:
+            raise ValueError("SGLang returned no meta_info.output_token_logprobs: the request needs return_logprob")
+        if len(entries) != max_new_tokens:
+            raise ValueError(f"SGLang generated {len(entries)} tokens, {max_new_tokens} were asked for")
+        res.append(Generated([int(t) for t in p], [int(e[1]) for e in entries],
+                             np.asarray([e[0] for e in entries], dtype=np.float32)))
+    return res

@@ -330,6 +330,38 @@ class VLLMEngine:
                    for r, p, o in zip(res, prompts, outs)]
         return res
 
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
+               sampling: str = "greedy", seed: int = 0):
+        """Generate ``max_new_tokens`` per prompt (EOS ignored) and return vLLM's own logprob of each generated token:
+        ``SamplingParams(logprobs=0)`` with vLLM's default raw logprobs (before temperature / top-p). Greedy is
+        temperature 0; seeded is temperature 1 (no top-p / top-k) with per-request seed ``seed + i``."""
+        from lpdiff.engines.base import Generated, check_decode
+
+        if self._proxy is not None:
+            return self._proxy.decode(prompts, adapter, max_new_tokens, sampling, seed)
+        if self.llm is None:
+            raise RuntimeError("use the engine as a context manager: `with open_engine('vllm', cfg) as eng:`")
+        from vllm import SamplingParams
+
+        from lpdiff.engines.vllm.parsing import parse_sample_logprobs
+
+        check_decode(max_new_tokens, sampling, seed)
+        names = check_request(prompts, adapter, self.config.adapters)
+        temp = 0.0 if sampling == "greedy" else 1.0
+        sps = [SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, ignore_eos=True, temperature=temp,
+                              logprobs=0, detokenize=False, seed=None if sampling == "greedy" else seed + i)
+               for i in range(len(prompts))]
+        reqs = [self._lora[n] if n is not None else None for n in names]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], sps,
+                                 lora_request=reqs if any(r is not None for r in reqs) else None, use_tqdm=False)
+        self.last_wall_s = time.perf_counter() - t0
+        res = []
+        for p, o in zip(prompts, outs):
+            toks = [int(t) for t in o.outputs[0].token_ids]
+            res.append(Generated([int(t) for t in p], toks, parse_sample_logprobs(toks, o.outputs[0].logprobs)))
+        return res
+
 
 def moe_layer_indices(hf) -> list[int] | None:
     """The decoder layers that route, for a hybrid whose layer types say so (Nemotron-H's "moe"); None: all."""

@@ -102,3 +102,23 @@ def parse_prompt_logprobs(token_ids: Sequence[int], entries, top_k: int = 0) -> 
     return PromptLogprobs(token_ids=np.asarray(token_ids, dtype=np.int64), logprobs=lp,
                           topk_ids=np.stack(tk_ids) if top_k else None,
                           topk_logprobs=np.stack(tk_lp).astype(np.float32) if top_k else None)
+
+
+def parse_sample_logprobs(token_ids: Sequence[int], entries) -> np.ndarray:
+    """``CompletionOutput.logprobs`` (a list of dicts in vLLM 0.25, FlatLogprobs in 0.32) -> the logprob of each
+    generated token (float32). vLLM puts the sampled token in each position's entries beside the top k
+    (``SamplingParams(logprobs=0)``: the sampled token alone); with the default logprobs_mode these are the raw
+    logits' logprobs, before temperature or top-p."""
+    if entries is None:
+        raise ValueError("vLLM returned no sample logprobs: the request needs SamplingParams(logprobs=0)")
+    if len(entries) != len(token_ids):
+        raise ValueError(f"vLLM returned logprobs for {len(entries)} generated tokens, it generated {len(token_ids)}")
+    flat = _flat_arrays(entries)
+    rows = list(zip(*flat)) if flat is not None else [_dict_arrays(e) for e in entries]
+    out = np.empty(len(token_ids), dtype=np.float32)
+    for i, (tok, (ids, lps)) in enumerate(zip(token_ids, rows)):
+        hit = np.flatnonzero(ids == int(tok))
+        if hit.size == 0:
+            raise ValueError(f"vLLM's logprobs for generated position {i} do not hold the sampled token {tok}")
+        out[i] = lps[hit[0]]
+    return out

@@ -1,0 +1,158 @@
+"""Decode verdicts (``lpdiff run --decode N``, ``lpdiff check --decode N``): the engine generates N tokens per prompt
+and reports its own logprob of each (what an RL rollout samples with); the reference scores the same full
+sequences (prompt + generated) by prefill (what the trainer computes); the verdict covers the generated positions.
+
+Every prompt runs under every lane (base and each adapter) in one mixed batch, greedy or seeded sampling. Per lane:
+the RL mismatch metrics (pipeline/rl_metrics.py: token k1 / k3, sequence-level k3 mean and max, the share outside
+IcePop's [0.5, 2] ratio band) beside lpdiff's own k2 and max |d|. PASS needs every logprob finite (a non-finite one
+is a FAIL naming the lane, sequence and position) and k2 and max |d| within the threshold the prefill verdict of the
+same engine pair uses (``lpdiff run``: the recorded thresholds; ``lpdiff check``: the one measured in that run):
+decoding must agree with a prefill of the same tokens as closely as two prefills do. The RL metrics are reported,
+not thresholded. Engines without a decode of their own (the triton runtime, prefill-only) decode greedily by
+re-prefilling each step (engines.base.decode_by_prefill); seeded sampling is refused there.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from lpdiff.engines.base import EngineConfig, decode, open_engine
+from lpdiff.harness.pipeline.rl_metrics import DecodeMetrics, decode_metrics
+from lpdiff.harness.pipeline.thresholds import Threshold
+from lpdiff.harness.types import AdapterSpec, ModelSpec
+
+
+@dataclass(slots=True)
+class DecodeLane:
+    lane: str  # "base" or the adapter's name
+    metrics: DecodeMetrics
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    model: str
+    engine: str
+    reference: str
+    dtype: str
+    ref_dtype: str
+    tp: int
+    max_new_tokens: int
+    sampling: str
+    seed: int
+    how: str  # "decode" (the engine's own) or "re-prefill"
+    engine_version: str
+    threshold: Threshold
+    lanes: list[DecodeLane]
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(lane.passed for lane in self.lanes)
+
+
+def judge_lane(lane: str, m: DecodeMetrics, t: Threshold) -> DecodeLane:
+    reasons = []
+    if m.num_nonfinite:
+        seq, pos = m.first_nonfinite
+        reasons.append(f"{m.num_nonfinite} non-finite logprob(s), first in lane {lane} sequence {seq} at generated "
+                       f"position {pos}")
+    if m.num_tokens and m.k2 > t.k2:
+        reasons.append(f"k2 {m.k2:.3g} > {t.k2:.3g}")
+    if m.num_tokens and m.max_abs > t.max_abs:
+        reasons.append(f"max |d| {m.max_abs:.3g} > {t.max_abs:.3g}")
+    return DecodeLane(lane, m, not reasons, reasons)
+
+
+def run_decode(spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]], engine: str,
+               threshold: Threshold, dtype: str = "float32", tp: int = 1, options: dict | None = None,
+               reference: str = "hf", ref_dtype: str = "float32", max_new_tokens: int = 16,
+               sampling: str = "greedy", seed: int = 0, ref_adapters: dict[str, AdapterSpec] | None = None,
+               ref_options: dict | None = None, log: Callable[[str], None] = print) -> DecodeResult:
+    """``adapters``: lane name -> the file the engine reads; ``ref_adapters``: the reference's files of the same
+    lanes (default: the same files)."""
+    from lpdiff.harness.pipeline.session import engine_options
+
+    lanes: list[str | None] = [None, *adapters]
+    seqs = [list(p) for p in prompts for _ in lanes]
+    choice = [lane for _ in prompts for lane in lanes]
+    cfg = EngineConfig(spec, dict(adapters), dtype=dtype, tp=tp,
+                       options={**engine_options(engine), **(options or {})})
+    t0 = time.perf_counter()
+    with open_engine(engine, cfg) as eng:
+        version = eng.version()
+        gens, how = decode(eng, seqs, choice, max_new_tokens, sampling, seed)
+    wall = time.perf_counter() - t0
+    log(f"[decode] {engine} {dtype} tp={tp}: {len(seqs)} sequences x {max_new_tokens} tokens ({how}, {sampling}) "
+        f"in {wall:.1f}s")
+    rcfg = EngineConfig(spec, dict(ref_adapters or adapters), dtype=ref_dtype,
+                        options={**engine_options(reference), **(ref_options or {})})
+    with open_engine(reference, rcfg) as ref:
+        scored = ref.prompt_logprobs([g.sequence for g in gens], choice)
+    out = []
+    for lane in lanes:
+        idx = [i for i, c in enumerate(choice) if c == lane]
+        m = decode_metrics([gens[i].logprobs for i in idx],
+                           [scored[i].logprobs[-max_new_tokens:] for i in idx])
+        out.append(judge_lane(lane or "base", m, threshold))
+    return DecodeResult(spec.name, engine, reference, dtype, ref_dtype, tp, max_new_tokens, sampling, seed, how,
+                        version, threshold, out, wall)
+
+
+def format_decode(res: DecodeResult) -> str:
+    from lpdiff.harness.pipeline.report import table
+
+    head = (f"decode verdict: {res.engine} {res.dtype} (tp={res.tp}, {res.how}, {res.sampling}"
+            f"{f' seed {res.seed}' if res.sampling == 'seeded' else ''}, {res.max_new_tokens} tokens) vs "
+            f"{res.reference} {res.ref_dtype} prefill on {res.model}: {'PASS' if res.passed else 'FAIL'}\n"
+            f"threshold: k2 {res.threshold.k2:.3g}, max |d| {res.threshold.max_abs:.3g} ({res.threshold.provenance}); "
+            "k1, k3: token means of the log-ratio estimators (KL(engine || reference)); seq k3: per-sequence mean "
+            "k3, mean and max over sequences; band: share of tokens with ratio outside [0.5, 2]")
+    cols = ["lane", "tokens", "k1", "k3", "seq k3 mean", "seq k3 max", "band", "k2", "max |d|", "verdict"]
+    rows = [[ln.lane, ln.metrics.num_tokens, f"{ln.metrics.k1:.3g}", f"{ln.metrics.k3:.3g}",
+             f"{ln.metrics.seq_k3_mean:.3g}", f"{ln.metrics.seq_k3_max:.3g}", f"{ln.metrics.outside_band:.3g}",
+             f"{ln.metrics.k2:.3g}", f"{ln.metrics.max_abs:.3g}",
+             "PASS" if ln.passed else "FAIL: " + "; ".join(ln.reasons)] for ln in res.lanes]
+    return head + "\n" + table(rows, cols)
+
+
+def run_decode_job(model: str, engine: str, dtype: str = "float32", tp: int = 1, adapters: Sequence[str] | None = None,
+                   prompts="default", num_layers: int | None = None, options: dict | None = None,
+                   reference: str = "hf", ref_dtype: str = "float32", max_new_tokens: int = 16,
+                   sampling: str = "greedy", seed: int = 0, log: Callable[[str], None] = print) -> DecodeResult:
+    """``lpdiff run --decode N`` for one model and TP size: the run's own resolution of model, adapters and
+    prompts, the recorded threshold of the engine pair (thresholds.lookup)."""
+    from lpdiff.harness.pipeline.thresholds import lookup
+    from lpdiff.harness.spec.resolve import resolve
+
+    r = resolve(model, adapters, prompts, num_layers)
+    pair = f"{engine}:{dtype}-vs-{reference}:{ref_dtype}"
+    t = lookup(r.spec.name, pair, dtype, tp)
+    return run_decode(r.spec, r.adapters, r.prompts, engine, t, dtype, tp, options, reference, ref_dtype,
+                      max_new_tokens, sampling, seed, log=log)
+
+
+def check_case_decode(case, engine: str, threshold: Threshold, tp: int = 1, dtype: str = "bfloat16",
+                 reference: str = "hf", max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0,
+                 options: dict | None = None, log: Callable[[str], None] = print) -> DecodeResult:
+    """``lpdiff check --decode N`` and the GPU grid's decode lane: the check case's correct adapters in one layout
+    the engine reads (not refused by doctor), the reference on PEFT 3D files in fp32, ``threshold`` from the check
+    of the same engine and dtype."""
+    from lpdiff.engines.base import layouts_for
+    from lpdiff.harness.commands.check import refused_lanes, served_files
+    from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE
+
+    layout = layouts_for(engine, case.spec.arch)[:1]
+    lanes = served_files(case, engine, layout)
+    refused = refused_lanes(case, engine, lanes)
+    served, ref_files = {}, {}
+    for lane, spec in lanes.items():
+        name = lane.split(".")[0]
+        if lane in refused or case.plans[name].broken_from:
+            continue
+        served[name] = AdapterSpec(name, spec.path)
+        ref_files[name] = AdapterSpec(name, case.files[(name, "peft3d")].path)
+    return run_decode(case.spec, served, case.prompts, engine, threshold, dtype, tp, options, reference,
+                      REFERENCE_DTYPE, max_new_tokens, sampling, seed, ref_adapters=ref_files, log=log)
