@@ -187,3 +187,34 @@ def test_mamba_groups_that_neither_divide_nor_split_over_tp_are_refused():
     cfg = dataclasses.replace(config_from_hf(hf_config(resolve_model(ZOO))), n_groups=3)
     with pytest.raises(ValueError, match="3 mamba groups do not split over tp=2"):
         mamba_rows(cfg, Shard(0, 2))
+
+
+@pytest.mark.parametrize("lens", [[5, 23, 1, 14], [41]])
+def test_varlen_kernels_match_their_references(lens):
+    """kernels/ssd_varlen.py interpreted on CPU against the padded torch ops: ragged prompts (one of a single token),
+    odd widths (37 conv channels, head_dim 10, state 7, 3 groups of 2 heads); the whole pack read as one prompt too
+    (how the conv_across_prompts / state_not_reset faults run on the kernels)."""
+    from lpdiff.kernels.ssd import discretise_dt
+    from lpdiff.kernels.ssd_varlen import causal_conv1d_varlen, ssd_scan_varlen
+
+    g = torch.Generator().manual_seed(sum(lens))
+    T = sum(lens)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    whole = torch.tensor([0, T], dtype=torch.int32)
+    x, w, b = torch.randn(T, 37, generator=g), torch.randn(37, 4, generator=g), torch.randn(37, generator=g)
+    for c, p in ((cu, pos), (whole, torch.arange(T))):
+        ref = causal_conv1d_varlen(x, w, b, p, c, impl="torch")
+        torch.testing.assert_close(causal_conv1d_varlen(x, w, b, p, c, impl="triton"), ref, atol=1e-5, rtol=1e-5)
+    h, p, grp, n = 6, 10, 3, 7
+    xs = torch.randn(T, h, p, generator=g)
+    dt = discretise_dt(torch.randn(T, h, generator=g), torch.randn(h, generator=g), 0.001)
+    A, D = -torch.rand(h, generator=g) * 2, torch.randn(h, generator=g)
+    B, C = torch.randn(T, grp, n, generator=g), torch.randn(T, grp, n, generator=g)
+    for c in (cu, whole):
+        ref = ssd_scan_varlen(xs, dt, A, B, C, D, c, 8, impl="torch")
+        got = ssd_scan_varlen(xs, dt, A, B, C, D, c, 8, impl="triton")
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    if len(lens) > 1:  # a reset matters: the one-prompt reading differs after the first prompt
+        assert not torch.allclose(ssd_scan_varlen(xs, dt, A, B, C, D, whole, 8, impl="torch")[lens[0]:],
+                                  ssd_scan_varlen(xs, dt, A, B, C, D, cu, 8, impl="torch")[lens[0]:])

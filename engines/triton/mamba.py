@@ -4,9 +4,10 @@ RMSNorm with groups (x * silu(z)); out_proj (with LoRA). Under TP each rank hold
 (nemotron_h_weights.mamba_rows), so conv and scan run on local columns; the gated norm too, unless a group spans
 ranks (TP > n_groups: one all-reduce of its sums of squares); out_proj's output is all-reduced.
 
-Per-prompt reset: conv and scan read the packed tokens as a right-padded (B, L_max) batch (Batch.pad), one prompt
-per row, so no conv window and no scan state crosses a prompt boundary; the padding after a prompt's end never
-reaches its real positions (both ops are causal). The ops are kernels/ssd.py's torch versions on every device.
+Per-prompt reset: on the kernels (impl triton: CUDA, or the interpreter) conv and scan take the packed tokens with
+the batch's positions / cu_seqlens (kernels/ssd_varlen.py); on the torch path they read them as a right-padded
+(B, L_max) batch (Batch.pad), one prompt per row (kernels/ssd.py). Either way no conv window and no scan state
+crosses a prompt boundary, and padding after a prompt's end never reaches its real positions (both ops are causal).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.kernels import faults
+from lpdiff.kernels._triton import device_const, resolve_impl
 from lpdiff.kernels.ssd import causal_conv1d, discretise_dt, gated_rms_norm, ssd_scan
+from lpdiff.kernels.ssd_varlen import causal_conv1d_varlen, ssd_scan_varlen
 
 
 def _rows(batch: Batch, t: torch.Tensor, across: bool) -> torch.Tensor:
@@ -48,17 +51,27 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
     zxbcdt = model.linear(h, lay.mods["in_proj"], batch)
     z, xbc, dt = zxbcdt.split([inner, inner + 2 * groups * n, heads], dim=-1)
 
-    conv_across = faults.on("conv_across_prompts")
-    xbc = _packed(batch, causal_conv1d(_rows(batch, xbc, conv_across), p["conv_w"], p["conv_b"], "silu"),
-                  conv_across)
+    conv_across, across = faults.on("conv_across_prompts"), faults.on("state_not_reset")
+    kernels = resolve_impl(model.impl, h) == "triton"
+    if kernels:  # packed prompts straight into kernels/ssd_varlen.py; a fault's pack is one long prompt
+        whole = device_const((0, T), h.device)
+        pos = torch.arange(T, device=h.device) if conv_across else batch.positions
+        xbc = causal_conv1d_varlen(xbc, p["conv_w"], p["conv_b"], pos, whole if conv_across else batch.cu_seqlens,
+                                   "silu", impl="triton")
+    else:
+        xbc = _packed(batch, causal_conv1d(_rows(batch, xbc, conv_across), p["conv_w"], p["conv_b"], "silu"),
+                      conv_across)
     x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)
+    x, B, C = x.reshape(T, heads, hd), B.reshape(T, groups, n), C.reshape(T, groups, n)
     dt = discretise_dt(dt, p["dt_bias"], cfg.dt_min)
 
-    across = faults.on("state_not_reset")
-    y = ssd_scan(_rows(batch, x.reshape(T, heads, hd), across), _rows(batch, dt, across), p["A"],
-                 _rows(batch, B.reshape(T, groups, n), across), _rows(batch, C.reshape(T, groups, n), across),
-                 cfg.chunk_size, p["D"])
-    y = _packed(batch, y, across).reshape(T, inner)
+    if kernels:
+        y = ssd_scan_varlen(x, dt, p["A"], B, C, p["D"], whole if across else batch.cu_seqlens, impl="triton")
+    else:
+        y = ssd_scan(_rows(batch, x, across), _rows(batch, dt, across), p["A"], _rows(batch, B, across),
+                     _rows(batch, C, across), cfg.chunk_size, p["D"])
+        y = _packed(batch, y, across)
+    y = y.reshape(T, inner)
     y = gated_rms_norm(y, z, p["gate_norm"], cfg.mamba_inner // cfg.n_groups, cfg.rms_norm_eps, h.dtype,
                        lambda part: _group_sum(model, part))
     return model.linear(y, lay.mods["out_proj"], batch)
