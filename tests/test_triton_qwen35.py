@@ -133,3 +133,45 @@ def test_an_unsupported_target_is_one_clear_error(tiny):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate.*supported targets"):
         build(hf, source, {"bad": bad}, Shard(), torch.float32, torch.device("cpu"), lambda t: t,
               TritonOptions.from_dict({}))
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not _cuda(), reason="needs a GPU")
+@pytest.mark.parametrize("lens", [[300, 17, 1024, 64]])
+def test_fla_delta_rule_matches_the_torch_form_in_bf16(lens):
+    """fla-core's chunk_gated_delta_rule (the 16-bit CUDA path) against the torch form on the same packed bf16
+    inputs, several prompts per call (its cu_seqlens reset), 2 key heads shared by 4 value heads per GVA repeat."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    from lpdiff.engines.triton.batch import Batch
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    T, h, dk, dv = sum(lens), 4, 128, 128
+    q, k = (torch.randn(T, h, dk, generator=g, device=dev).bfloat16() for _ in range(2))
+    v = torch.randn(T, h, dv, generator=g, device=dev).bfloat16()
+    decay = -torch.rand(T, h, generator=g, device=dev) * 0.3
+    beta = torch.rand(T, h, generator=g, device=dev).bfloat16()
+    cfg = type("C", (), {"rope_inv_freq": torch.ones(1), "rope_attention_scaling": 1.0})
+    batch = Batch.build([[0] * n for n in lens], [-1] * len(lens), cfg, torch.bfloat16, dev)
+    fla = gdn.gated_delta_rule(q, k, v, decay, beta, batch, "fla").float()
+    ref = gdn.gated_delta_rule(q, k, v, decay, beta, batch, "torch").float()
+    err = (fla - ref).abs().max().item()
+    # bf16 output rounding of values of magnitude ~|ref|: a few ulps
+    assert err <= 4 * 2 ** -8 * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not _cuda(), reason="needs a GPU")
+def test_fp32_on_cuda_matches_hf_peft(tiny):
+    """The CUDA path (Triton norms, router, MoE-LoRA kernels, cuBLAS LoRA linears; the delta rule in its torch form
+    in fp32) against HF+PEFT fp32 on the CPU."""
+    spec, adapters, prompts = tiny
+    with open_engine("triton", EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cuda")) as e:
+        got = [e.prompt_logprobs(prompts, c) for c in CHOICES]
+    hf = _run("hf", spec, adapters, prompts, CHOICES)
+    for choice, a, b in zip(CHOICES, got, hf):
+        assert _maxdiff(a, b) <= TOL, (choice, _maxdiff(a, b))
