@@ -7,6 +7,7 @@ rule is checked against real PEFT: the adapter it flags really changes nothing i
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -54,7 +55,9 @@ def hand_written(path: Path, config: dict, shapes: dict[str, tuple]) -> str:
 
     path.mkdir(parents=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 16, **config}))
-    save_file({k: np.zeros(s, np.float32) for k, s in shapes.items()}, str(path / "adapter_model.safetensors"))
+    rng = np.random.default_rng(0)  # not zeros: an all-zero B is its own finding (adapter-no-op)
+    save_file({k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()},
+              str(path / "adapter_model.safetensors"))
     return str(path)
 
 
@@ -545,3 +548,39 @@ def test_vllm_drops_nemotron_super_latent_lora(tmp_path):
     assert r.codes("sglang", "error") == set()
     # the step-size fault is handled by lpdiff's engine: said, as info, for any LoRA on the MoE model
     assert "max_num_batched_tokens=2048" in check(r, "vllm", "info", "vllm-nemotron-step-fault").fix
+
+
+def test_zero_b_adapter_is_a_no_op_finding(zoo, tmp_path, capsys):
+    """PEFT's default init (B = 0) saved untrained: "hf OK" before; now an error for every engine naming the fix.
+    The same adapter with init_lora_weights=False (random B) has no such finding."""
+    from lpdiff.harness.cli import main
+    from peft import LoraConfig, get_peft_model
+
+    spec, model = zoo["tiny-qwen3-moe"]
+    for init, d in ((True, tmp_path / "untrained"), (False, tmp_path / "random")):
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=init)
+        get_peft_model(copy.deepcopy(model), cfg).save_pretrained(str(d))
+    hit = check(doctor(spec, tmp_path / "untrained"), "all", "error", "adapter-no-op")
+    assert "every lora_B tensor" in hit.message and "init_lora_weights=False" in hit.fix
+    assert "adapter-no-op" not in doctor(spec, tmp_path / "random").codes()
+    assert main(["doctor", spec.path, str(tmp_path / "untrained"), "--engine", "hf"]) == 1
+    out = capsys.readouterr().out
+    assert "no-op" in out and "hf      OK" not in out
+
+
+def test_adapter_by_zoo_name_or_hub_id(tmp_path, monkeypatch, capsys):
+    """`lpdiff doctor MODEL ADAPTER` resolves ADAPTER as `lpdiff run --adapter` does: a zoo name, and a Hub model or
+    dataset repo served from an HF cache laid out as huggingface_hub writes it, offline (refused before)."""
+    from lpdiff.harness.cli import main
+    from lpdiff.harness.spec.resolve import zoo_adapters
+
+    from tests.helpers.hf_cache import offline_home, populate
+
+    hub = offline_home(monkeypatch, tmp_path)
+    populate(hub, "acme/my-lora", zoo_adapters("tiny-qwen3-moe")["attention"].path)
+    populate(hub, "acme/cases", zoo_adapters("tiny-qwen3-moe")["attention"].path, repo_type="dataset")
+    for adapter in ("attention", "acme/my-lora", "hf://datasets/acme/cases"):
+        assert main(["doctor", "tiny-qwen3-moe", adapter, "--engine", "hf"]) == 0, capsys.readouterr()
+        assert "hf      OK" in capsys.readouterr().out
+    assert main(["doctor", "tiny-qwen3-moe", "acme/nope", "--engine", "hf"]) == 2
+    assert "hf download acme/nope" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from lpdiff.engines import Capabilities, capabilities
+from lpdiff.harness.commands.doctor_inputs import check_noop, resolve_adapter
 from lpdiff.harness.spec.adapters.inspection import several
 
 ENGINES = ("hf", "vllm", "sglang")  # the engines whose adapter handling the doctor knows (triton reads every layout)
@@ -446,15 +447,17 @@ def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
 
 def doctor(model, adapter_dir: str | Path, engines: Sequence[str] | None = None,
            limits: dict[str, int] | None = None) -> "DoctorReport":
-    """model: a ModelSpec, a catalog name or a checkpoint directory; engines: a subset of ENGINES (default all);
-    limits: engine -> the max_lora_rank it will be started with."""
+    """model: a ModelSpec, a catalog name, a checkpoint directory or a Hub id; adapter_dir: a PEFT directory, a zoo
+    adapter name or a Hub repo (resolve_adapter); engines: a subset of ENGINES (default all); limits: engine -> the
+    max_lora_rank it will be started with."""
     engines = list(engines or ENGINES)
     for e in engines:
         if e not in ENGINES:
             raise ValueError(f"doctor knows engines {', '.join(ENGINES)}, not {e!r}")
+    adapter_dir = resolve_adapter(model, adapter_dir)
     spec, facts = gather(model, adapter_dir, limits)
-    findings = [*check_adapter_files(facts), *check_expert_count(facts), *check_ranks(facts, engines),
-                *(x for e in engines for x in check_engine_defects(facts, e))]
+    findings = [*check_adapter_files(facts), *check_noop(facts), *check_expert_count(facts),
+                *check_ranks(facts, engines), *(x for e in engines for x in check_engine_defects(facts, e))]
     findings = [x for x in findings if x.engine in (*engines, "all")]
     rank = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda x: (rank[x.severity], x.engine))
