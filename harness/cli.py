@@ -79,7 +79,9 @@ def selection(f):
     opts = [
         click.option("--model", "models", multiple=True, help="catalog model, checkpoint directory or Hub id "
                      "ORG/NAME[@REV] (repeatable; default: every tiny zoo model the engine serves)"),
-        click.option("--engine", default="hf", show_default=True, help="engine under test: hf, triton, vllm, sglang"),
+        click.option("--engine", default=None, help="engine under test: triton (run's default: lpdiff's own engine), "
+                     "vllm, sglang, or hf (the install self-check: HF+PEFT against its own stored runs; regen's "
+                     "default)"),
         click.option("--dtype", type=DTYPES, default="float32", show_default=True),
         click.option("--reference", default="hf", show_default=True, help="engine of the stored reference runs"),
         click.option("--ref-dtype", type=DTYPES, default="float32", show_default=True),
@@ -122,11 +124,12 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps,
                   prompts_split, prompts_column, prompts_count, prompts_seed, top_k, num_layers, options, baselines,
                   json_path, save_runs) -> int:
     from lpdiff.engines import LaneDied, LaneError
-    from lpdiff.harness.commands.run import Job, default_tps, run_job, zoo_models
+    from lpdiff.harness.commands.run import DEFAULT_ENGINE, Job, default_tps, run_job, what_it_judges, zoo_models
     from lpdiff.harness.pipeline.references import default_store
     from lpdiff.harness.pipeline.report import verdict_table
     from lpdiff.harness.pipeline.verdict import to_json
 
+    engine = engine or (reference if regen else DEFAULT_ENGINE)
     _need_engine(engine)
     chosen, skipped = zoo_models(engine, models)
     for model, why in skipped:
@@ -134,7 +137,7 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps,
     jobs = [Job(model=m, engine=engine, reference=reference, dtype=dtype, ref_dtype=ref_dtype, tp=tp,
                 adapters=tuple(adapters) or None, prompt_set=prompt_set, top_k=top_k, num_layers=num_layers,
                 prompts=_prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed),
-                options=parse_options(options)) for m in chosen for tp in dict.fromkeys(tps or default_tps(engine))]
+                options=parse_options(options), baselines=baselines) for m in chosen for tp in dict.fromkeys(tps or default_tps(engine))]
     if not jobs:
         raise UsageError(f"engine {engine!r} serves none of the models asked for")
     store = default_store(baselines)
@@ -160,6 +163,8 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps,
                 model = job.model.strip("/").replace("/", "--")  # a directory or Hub id names one file
                 tp = f".tp{job.tp}" if job.tp > 1 else ""  # each TP size's runs side by side in one folder
                 r.save(out / f"{model}.{job.engine}.{job.dtype}{tp}.{a or 'base'}.npz")
+    if not regen:
+        click.echo(what_it_judges(jobs[0]))
     click.echo(verdict_table(verdicts))
     if json_path:
         Path(json_path).write_text(to_json(verdicts))
@@ -205,7 +210,8 @@ def _run_decode(n, sampling, seed, models, engine, dtype, reference, ref_dtype, 
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="with --decode --sampling "
               "seeded: prompt i uses seed + i")
 def run(case=None, decode=None, sampling="greedy", seed=0, **kw) -> int:
-    """Judge an engine against stored reference runs (the default command)."""
+    """Judge an engine against stored reference runs (the default command; default engine: triton, lpdiff's own,
+    against the stored HF+PEFT runs; --engine hf is the install self-check)."""
     if decode is not None:
         if case:
             raise UsageError("--decode judges generated tokens against a prefill reference; --case has its own")
@@ -213,6 +219,7 @@ def run(case=None, decode=None, sampling="greedy", seed=0, **kw) -> int:
     if case:
         from lpdiff.harness.commands.case import run_case
 
+        kw["engine"] = kw["engine"] or "triton"
         _need_engine(kw["engine"])
         models, tps = kw["models"], kw["tps"]
         if len(models) > 1 or len(tps) > 1:

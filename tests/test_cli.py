@@ -1,5 +1,8 @@
 """The lpdiff CLI end to end on the tiny zoo: regen/run round trip, clear errors, and planted faults caught."""
 import itertools
+import json
+import re
+import shlex
 
 import pytest
 
@@ -22,14 +25,16 @@ def test_missing_baseline_names_the_regen_command(tmp_path, capsys):
 
 
 def test_regen_then_run_passes_and_saves_runs(tmp_path, capsys):
-    sel = ["--model", "tiny-gpt-oss", "--adapter", "attention", "--baselines", str(tmp_path / "b")]
+    sel = ["--model", "tiny-gpt-oss", "--adapter", "attention", "--baselines", str(tmp_path / "b"), "--engine", "hf"]
     assert main(["regen", *sel]) == 0
     capsys.readouterr()
     assert main(["run", *sel, "--save-runs", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith("tiny-gpt-oss ")]
     assert len(rows) == 2 and all(r[-1] == "PASS" for r in rows) and "FAIL" not in out
-    assert "expected PASS" in out.splitlines()[0]  # what every row shares: one line above the table
+    # what the verdicts prove, then what every row shares: two lines above the table
+    assert out.splitlines()[0].startswith("install self-check: hf (float32) against its own stored reference runs")
+    assert "expected PASS" in out.splitlines()[1]
     saved = sorted((tmp_path / "runs").glob("*.npz"))
     assert len(saved) == 2
     # two stored runs compared: base vs adapter differ far beyond any fp32 threshold
@@ -89,3 +94,36 @@ def test_adapters_convert_writes_under_the_disk_root(tmp_path, capsys):
     assert main([*conv, str(tmp_path / "b"), "--to", "peft3d", "--disk-root", "backbone"]) == 2
     err = capsys.readouterr().err
     assert "'backbone'" in err and "model or model.language_model" in err and not (tmp_path / "b").exists()
+
+
+def _files(root):
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_the_regen_hint_is_the_command_that_fixes_that_run(tmp_path, capsys):
+    """A run on its own store, its own prompts file and a depth cut finds no baseline: the command its error
+    prints, followed literally, makes the same run pass, and the baselines shipped in the checkout stay as they
+    were (a hint without --baselines regenerated into them and left the error standing)."""
+    from lpdiff.harness.pipeline.references import PACKAGE_BASELINES
+
+    shipped = _files(PACKAGE_BASELINES)
+    prompts = tmp_path / "my prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [3 + i, 17, 5 * i + 1, 40, 9, 2]}) + "\n" for i in range(3)))
+    run = ["run", "--engine", "hf", "--model", "tiny-qwen3-moe", "--adapter", "experts", "--num-layers", "1",
+           "--prompts", str(prompts), "--baselines", str(tmp_path / "my store")]
+    assert main(run) == 2
+    hint = re.search(r"`(lpdiff regen [^`]*)`", capsys.readouterr().err).group(1)
+    argv = shlex.split(hint)
+    assert argv[0] == "lpdiff" and "--baselines" in argv and "--prompts" in argv and "--num-layers" in argv
+    assert main(argv[1:]) == 0
+    capsys.readouterr()
+    assert main(run) == 0, capsys.readouterr().err
+    assert _files(PACKAGE_BASELINES) == shipped
+
+
+def test_the_regen_hint_names_the_store_from_the_environment(tmp_path, monkeypatch):
+    from lpdiff.harness.commands.run import Job
+
+    monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "env store"))
+    assert f"--baselines '{tmp_path / 'env store'}'" in Job(model="tiny-qwen3-moe").regen_command()
+    assert "--baselines /x" in Job(model="tiny-qwen3-moe", baselines="/x").regen_command()

@@ -7,6 +7,8 @@ session over the mixed batch -> metrics against the references -> verdicts again
 """
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -23,6 +25,9 @@ from lpdiff.harness.spec.prompt_sources import PromptSource
 from lpdiff.harness.spec.resolve import Resolved, resolve
 
 DTYPES = ("float32", "bfloat16", "float16")
+# What plain ``lpdiff run`` judges: lpdiff's own engine (on a CPU through its kernels' torch references) against
+# the stored HF+PEFT reference runs. ``--engine hf`` judges HF+PEFT against its own stored runs: an install self-check.
+DEFAULT_ENGINE = "triton"
 
 
 @dataclass(slots=True)
@@ -41,6 +46,7 @@ class Job:
     top_k: int = 8
     num_layers: int | None = None
     options: dict = field(default_factory=dict)  # engine options for the engine under test
+    baselines: str | None = None  # the store given as --baselines (None: $LPDIFF_BASELINES or the shipped one)
 
     def __post_init__(self):
         if self.tp < 1 or self.top_k < 0:
@@ -57,13 +63,28 @@ class Job:
 
     def regen_command(self) -> str:
         """The command that regenerates exactly this job's references."""
-        cmd = f"lpdiff regen --model {self.model} --engine {self.reference} --dtype {self.ref_dtype}"
-        cmd += "".join(f" --adapter {a}" for a in self.adapters or ())
+        cmd = f"lpdiff regen --model {shlex.quote(self.model)} --engine {self.reference} --dtype {self.ref_dtype}"
+        cmd += "".join(f" --adapter {shlex.quote(a)}" for a in self.adapters or ())
         cmd += f" --prompt-set {self.prompt_set}" if self.prompt_set != "default" else ""
         cmd += self.prompts.flags() if self.prompts else ""
         cmd += f" --num-layers {self.num_layers}" if self.num_layers else ""
         cmd += f" --top-k {self.top_k}" if self.top_k != 8 else ""
+        # the store this run read: regenerating into any other (the shipped baselines in a checkout) would leave
+        # this run's error as it was and rewrite files nobody asked to touch
+        store = self.baselines or os.environ.get("LPDIFF_BASELINES")
+        cmd += f" --baselines {shlex.quote(str(store))}" if store else ""
         return cmd
+
+    def is_self_check(self) -> bool:
+        return self.engine == self.reference and self.dtype == self.ref_dtype
+
+
+def what_it_judges(job: Job) -> str:
+    """The line above ``lpdiff run``'s table: what the verdicts below prove."""
+    if job.is_self_check():
+        return (f"install self-check: {job.engine} ({job.dtype}) against its own stored reference runs; PASS means "
+                f"this install reproduces them (no engine under test is judged)")
+    return f"{job.engine} ({job.dtype}) judged against the stored {job.reference} ({job.ref_dtype}) reference runs"
 
 
 @dataclass(slots=True)

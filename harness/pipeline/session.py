@@ -86,18 +86,34 @@ def engine_options(engine: str) -> dict:
     return opts
 
 
-ENGINE_EXTRAS = {"vllm": "vllm", "sglang": "sglang"}  # pip extra that installs the engine
+# The command that installs each engine's own package, at the version lpdiff ran it with (README "Engines"). lpdiff
+# is not on PyPI, so `pip install 'lpdiff[vllm]'` resolves nothing; its extras work only from a checkout
+# (pip install -e '.[vllm]'), which installs these same packages. triton has wheels for Linux only.
+ENGINE_INSTALL = {"vllm": "pip install vllm==0.25.1", "sglang": "pip install sglang==0.5.15",
+                  "triton": "pip install triton==3.6.0 (Linux only: elsewhere run the install self-check, "
+                            "lpdiff run --engine hf)"}
+# Engines a job names (comma-separated): a missing one FAILs the job instead of skipping (nightly lanes, CI jobs)
+REQUIRE_ENV = "LPDIFF_REQUIRE_ENGINES"
 
 
 def engine_missing(engine: str) -> str | None:
-    """Why ``engine`` cannot run here (None when it can): hf and triton always can; vLLM / SGLang need to be
-    importable or pointed at an installation by ``engine_options``."""
+    """Why ``engine`` cannot run here (None when it can), naming the command that installs it: hf always can;
+    triton needs the triton package (its kernels are Triton functions even where they run as torch references);
+    vLLM / SGLang need to be importable or pointed at an installation by ``engine_options``."""
     from lpdiff.engines import ENGINES
 
     if engine not in ENGINES:
         return f"unknown engine {engine!r}; known engines: {', '.join(ENGINES)}"
-    if engine in ("triton", "hf") or "python" in engine_options(engine) or importlib.util.find_spec(engine):
+    if engine == "hf" or (engine != "triton" and "python" in engine_options(engine)) \
+            or importlib.util.find_spec(engine):
         return None
-    extra = ENGINE_EXTRAS.get(engine, engine)
-    return (f"engine {engine!r} is not installed here: pip install 'lpdiff[{extra}]' (or set "
-            f"LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline bundle)")
+    bundle = "" if engine == "triton" else (f" (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline "
+                                            "bundle)")
+    return f"engine {engine!r} is not installed here: {ENGINE_INSTALL[engine]}{bundle}"
+
+
+def engine_required(engine: str) -> bool:
+    """Whether this job named ``engine`` (``$LPDIFF_REQUIRE_ENGINES``, comma-separated; ``all`` = every engine):
+    then a missing engine is a failure, not a skip."""
+    named = {e.strip() for e in os.environ.get(REQUIRE_ENV, "").split(",") if e.strip()}
+    return engine in named or "all" in named
