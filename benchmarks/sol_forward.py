@@ -22,11 +22,17 @@ bandwidth measured in the same run (read + write): per layer two residual adds +
 write both), the top-k sum (K rows read per token), q/k norm + rope (q and k read and written); the x gather,
 the activation pass, routing and the log-softmax pass are taken as free.
 
-Printed per model: the graph's ms per call (base / LoRA), the floor's ms, the total, tokens/s, and each GEMM alone
-by do_bench (one launch at a time: boost clocks, not the power-capped sustained rate).
+The hybrid families (Qwen3.5-MoE, Nemotron-H: Gated DeltaNet, Mamba-2, shared and latent experts) are counted by
+benchmarks/sol_hybrid.py in the same way; its docstring defines their linear-attention / SSD bounds.
 
-    python -m benchmarks.sol_forward [--models qwen3-30b-a3b gpt-oss-20b] [--batch 8 --seq 512 --rank 32]
-        [--reps 10] [--layers N] [--dense-experts] [--device cuda|cpu]
+Printed per model: the graph's ms per call (base / LoRA), the floor's ms, the total, tokens/s, and each GEMM alone
+by do_bench (one launch at a time: boost clocks, not the power-capped sustained rate) with how many times a call
+runs it. By default all four families, each at full depth except Nemotron-3-Super, which runs at the depth whose
+weights + LoRA fit one H200 (sol_hybrid.FIT_GB: 43 of its 88 layers) unless --layers is given.
+
+    python -m benchmarks.sol_forward [--models qwen3-30b-a3b gpt-oss-20b qwen3.5-35b-a3b nemotron-3-nano-30b-a3b
+        nemotron-3-super-120b-a12b] [--batch 8 --seq 512 --rank 32] [--reps 10] [--layers N] [--dense-experts]
+        [--device cuda|cpu]
 """
 from __future__ import annotations
 
@@ -37,6 +43,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# the four families (benchmarks/sol_hybrid.py for Qwen3.5 and Nemotron-H); FIT_MODELS run at the depth that fits one
+# GPU unless --layers says otherwise
+MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "nemotron-3-nano-30b-a3b", "nemotron-3-super-120b-a12b")
+FIT_MODELS = ("nemotron-3-super-120b-a12b",)
 
 
 @dataclass(slots=True)
@@ -136,6 +147,10 @@ class SolForward:
     def lm_head_op(self):
         return (lambda: F.linear(self.x, self.lm_head)), 2 * self.s.T * self.s.V * self.s.H
 
+    def count(self, name: str) -> int:
+        """How many times the call runs product ``name``: once per layer, the lm_head once."""
+        return 1 if name == "lm_head" else self.s.L
+
     def call(self, lora: bool) -> None:
         ops = [fn for fn, _ in self.gemms(lora).values()]
         for _ in range(self.s.L):
@@ -154,8 +169,10 @@ class SolForward:
         return s.L * (norms + topk_sum + rope) + 2 * s.T * row  # + the final norm
 
 
-def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy, bytes moved (read + write) per second, median of a few."""
+def copy_bandwidth(device: str, nbytes: int | None = None) -> float:
+    """Device-to-device copy, bytes moved (read + write) per second, median of a few. 1 GiB on a GPU (past any
+    cache); 16 MiB on a CPU, where the number only has to exist (tests)."""
+    nbytes = nbytes or (1 << 30 if device == "cuda" else 1 << 24)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
@@ -208,17 +225,37 @@ def bench_ms(fn, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def depth_of(model: str, args) -> int | None:
+    """--layers, or for a model whose full depth does not fit one GPU the depth that does (sol_hybrid.FIT_GB)."""
+    if args.layers is not None or model not in FIT_MODELS:
+        return args.layers
+    from benchmarks.sol_hybrid import FIT_GB, fit_depth
+
+    return fit_depth(model, args.batch, args.seq, args.rank, FIT_GB * 1e9)
+
+
 def sol(model: str, args) -> dict:
-    s = shapes_of(model, args.batch, args.seq, args.layers)
+    from benchmarks.sol_hybrid import HybridForward, hybrid_shapes, is_hybrid, weight_bytes
+
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    fwd = SolForward(s, args.rank, args.device, dtype, args.dense_experts)
+    layers = depth_of(model, args)
+    if is_hybrid(model):
+        s = hybrid_shapes(model, args.batch, args.seq, layers)
+        fwd = HybridForward(s, args.rank, args.device, dtype)
+        w, lo = weight_bytes(s, args.rank)
+        what = (f"; layers {', '.join(f'{n} {k}' for k, n in count_kinds(s.kinds).items())}; weights {w / 1e9:.1f} "
+                f"GB + LoRA {lo / 1e9:.2f} GB in bf16")
+    else:
+        s = shapes_of(model, args.batch, args.seq, layers)
+        fwd = SolForward(s, args.rank, args.device, dtype, args.dense_experts)
+        what = " as one dense GEMM" if args.dense_experts else ""
     graphs = args.device == "cuda"
     bw = copy_bandwidth(args.device)
     floor_s = fwd.floor_bytes() / bw
     out = dict(model=model, layers=s.L, tokens=s.T, copy_tb_s=bw / 1e12, floor_ms=floor_s * 1e3)
-    print(f"{model}: {s.L} layers, T {s.T} ({s.B} x {s.S}), experts {s.E} x {s.m} rows"
-          f"{' as one dense GEMM' if args.dense_experts else ''}, LoRA rank {args.rank}; "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s -> memory-bound passes {floor_s * 1e3:.2f} ms per call", flush=True)
+    print(f"{model}: {s.L} layers{f' (--layers {layers})' if layers else ''}, T {s.T} ({s.B} x {s.S}), experts {s.E} "
+          f"x {s.m} rows{what}, LoRA rank {args.rank}; copy bandwidth {bw / 1e12:.2f} TB/s -> memory-bound passes "
+          f"{floor_s * 1e3:.2f} ms per call", flush=True)
     for lora in (False, True):
         tag = "lora" if lora else "base"
         call_s = time_call(fwd, lora, args.warmup, args.reps, graphs)
@@ -230,8 +267,9 @@ def sol(model: str, args) -> dict:
     base_ops = fwd.gemms(lora=False)
     for name, (fn, flops) in ops.items():
         ms = bench_ms(fn, args.device)
-        per_call = ms * (1 if name == "lm_head" else s.L)
-        line = f"    {name:15s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s  x{1 if name == 'lm_head' else s.L}"
+        n = fwd.count(name)
+        per_call = ms * n
+        line = f"    {name:15s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s  x{n}"
         if args.rank and name in base_ops:
             bms = bench_ms(base_ops[name][0], args.device)
             line += f"  (without LoRA {bms * 1e3:.1f} us)"
@@ -240,9 +278,17 @@ def sol(model: str, args) -> dict:
     return out
 
 
+def count_kinds(kinds) -> dict:
+    out: dict = {}
+    for ks in kinds:
+        key = "+".join(ks)
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
+    p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rank", type=int, default=32)
