@@ -9,8 +9,9 @@ pins its own transformers, so it usually lives in its own virtualenv.
 Protocol: the parent writes length-prefixed pickles to the child's stdin; the child answers on an inherited pipe.
 Everything the engine prints (stdout, stderr, C-level logs, its own subprocesses) goes to one log file whose tail
 is attached to every failure. numpy arrays travel as ``.npy`` bytes, so two virtualenvs with different numpy
-versions can talk. The child runs in its own session, so closing the lane can end the engine's whole process group;
-a watchdog thread in the child ends that group when the parent dies, so a killed caller leaves nothing running.
+versions can talk. The child runs in its own session under a supervisor process (engines/supervise.py), so closing
+the lane ends the engine's whole process group, and the supervisor ends that group when the caller dies: a killed
+caller leaves nothing running, even when the engine is SIGSTOPped or stuck in C code holding the GIL.
 Every call has a deadline (scaled from its tokens unless given), so a hung engine becomes a LaneDied with its log
 tail: a FAIL for that engine, and the caller goes on.
 """
@@ -26,7 +27,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from lpdiff.engines.supervise import supervised_argv
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # lpdiff/ in a wheel, the source tree's root otherwise
 
@@ -190,8 +192,8 @@ class ManagedProcess:
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_import_root(), env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+        with open(self.log_path, "ab") as log:  # the supervisor leads the new session: its pid is the group
+            self.proc = subprocess.Popen(supervised_argv(self.argv), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, cwd=str(PACKAGE_DIR), **popen)
         return self
 
@@ -215,13 +217,22 @@ class ManagedProcess:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        # The child leads its own session, so its pid is the group of everything the engine started (SGLang's
-        # scheduler, vLLM's workers): end the whole group, even when the leader itself has already exited.
+        # The supervisor leads its own session, so its pid is the group of the engine and everything it started
+        # (SGLang's scheduler, vLLM's workers): end the whole group, even when the leader itself has already exited.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+        # The engine is the supervisor's child: once the supervisor is gone, init reaps it. Wait (briefly) until the
+        # group is empty, so that a closed lane means no process of it is left, not even a zombie.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.01)
         if proc.stdin is not None:
             try:
                 proc.stdin.close()
@@ -254,7 +265,7 @@ class SubprocessLane:
     # lifecycle
     def start(self) -> "SubprocessLane":
         r, w = os.pipe()
-        self.child.argv += [str(w), str(os.getpid())]
+        self.child.argv += [str(w)]
         self.child.start(stdin=subprocess.PIPE, pass_fds=(w,))
         os.close(w)
         self._resp_fd = r
@@ -385,23 +396,7 @@ def _resolve(target: str):
     return obj
 
 
-def _end_group_when_orphaned(parent_pid: int, poll_s: float = 0.2) -> None:
-    """Kill this process's group (the lane child leads it: the engine and what it started) within ``poll_s`` of the
-    parent's death. A thread polling the parent pid rather than PR_SET_PDEATHSIG: that signal fires when the
-    *thread* that started the child exits (a caller's worker thread), a SIGKILL from it would end the child before
-    it could end its group, and a Python handler for a softer signal needs the GIL just as this thread does."""
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="lpdiff-lane-watchdog", daemon=True).start()
-
-
-def _serve(resp_fd: int, parent_pid: int | None = None) -> int:
-    if parent_pid is not None:
-        _end_group_when_orphaned(parent_pid)
+def _serve(resp_fd: int) -> int:
     requests, answers = sys.stdin.buffer, os.fdopen(resp_fd, "wb")
     obj = None
     while True:
@@ -441,4 +436,4 @@ if __name__ == "__main__":
     # names engines.subprocess_lane rather than __main__.
     from lpdiff.engines.subprocess_lane import _serve as serve
 
-    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None))
+    sys.exit(serve(int(sys.argv[1])))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -12,6 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from lpdiff.engines import supervise
 from lpdiff.engines.triton.options import TritonOptions
 from lpdiff.engines.triton.runtime import Runtime
 from lpdiff.engines.triton.shard import Shard
@@ -87,8 +89,13 @@ class Workers:
         os.environ.update(SAFE_ENV)  # inherited by the spawned workers
         ctx = torch.multiprocessing.get_context("spawn")
         self.queue = ctx.Queue()
-        self.procs = [ctx.Process(target=worker_main, daemon=True,
-                                  args=(r, world, self.init_method, config, device, options, self.queue))
+        # Each worker dies with this process (supervise.guarded: PR_SET_PDEATHSIG, before it imports torch), so a
+        # killed caller leaves no worker blocked in a collective for timeout_s, nor multiprocessing's resource
+        # tracker (it exits once every holder of its pipe is gone).
+        me = os.getpid()
+        self.procs = [ctx.Process(target=supervise.guarded, daemon=True,
+                                  args=(me, pickle.dumps((worker_main, (r, world, self.init_method, config, device,
+                                                                        options))), self.queue))
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
