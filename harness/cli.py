@@ -16,9 +16,11 @@ import click
 
 import lpdiff
 from lpdiff.harness.cli_store import baselines, report
+# The error classes only, from modules that import neither torch nor numpy: `lpdiff --help` and `--version` start in
+# well under a second (importing torch costs seconds); tests/test_cli.py checks that nothing heavier is imported.
 from lpdiff.harness.pipeline.hub import HubError
-from lpdiff.harness.pipeline.store import BaselineError
-from lpdiff.harness.spec.resolve import SpecError
+from lpdiff.harness.pipeline.store_errors import BaselineError
+from lpdiff.harness.spec.errors import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
@@ -137,7 +139,8 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps,
     jobs = [Job(model=m, engine=engine, reference=reference, dtype=dtype, ref_dtype=ref_dtype, tp=tp,
                 adapters=tuple(adapters) or None, prompt_set=prompt_set, top_k=top_k, num_layers=num_layers,
                 prompts=_prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed),
-                options=parse_options(options), baselines=baselines) for m in chosen for tp in dict.fromkeys(tps or default_tps(engine))]
+                options=parse_options(options), baselines=baselines) for m in chosen
+            for tp in dict.fromkeys(tps or ((1,) if regen else default_tps(engine)))]  # references run at TP 1
     if not jobs:
         raise UsageError(f"engine {engine!r} serves none of the models asked for")
     store = default_store(baselines)

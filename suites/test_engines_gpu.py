@@ -23,7 +23,7 @@ import pytest
 from lpdiff.engines.base import capabilities, layouts_for
 from lpdiff.engines.progress import progress_log
 from lpdiff.harness.commands import check
-from lpdiff.harness.pipeline.session import engine_missing
+from lpdiff.harness.pipeline.session import engine_missing, engine_required
 from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve_init_recipe
 
 # depth per model: full width, cut so that every layer kind is present (Qwen3.5: three Gated-DeltaNet layers then
@@ -94,8 +94,9 @@ def case(request, tmp_path_factory):
 
 
 def _installed(engine: str) -> None:
+    """A missing engine skips its cases, unless the job named it ($LPDIFF_REQUIRE_ENGINES): then they fail."""
     if why := engine_missing(engine):
-        pytest.skip(why)
+        (pytest.fail if engine_required(engine) else pytest.skip)(why)
 
 
 # vLLM serves each adapter layout through a different LoRA wrapper (PEFT 3D on a per-expert model needs the

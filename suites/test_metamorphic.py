@@ -21,7 +21,7 @@ import pytest
 from lpdiff.harness.commands import metamorphic as mm
 from lpdiff.harness.commands import relations as rel
 from lpdiff.harness.pipeline.metrics import near_tie_eps
-from lpdiff.harness.pipeline.session import engine_missing, engine_options
+from lpdiff.harness.pipeline.session import engine_missing, engine_options, engine_required
 from lpdiff.harness.spec.catalog import get_model
 from lpdiff.harness.spec.prompts import prompt_set
 from lpdiff.harness.spec.resolve import zoo_adapters
@@ -164,8 +164,8 @@ def _gpu_run(engine, gpu_case, relations, tmp_path, name: str = "a16"):
 @pytest.mark.parametrize("adapter", CHOSEN_ADAPTERS)
 @pytest.mark.parametrize("engine", list(GPU_ENGINES))
 def test_metamorphic_full_width(engine, adapter, gpu_case, tmp_path):
-    if why := engine_missing(engine):
-        pytest.skip(why)
+    if why := engine_missing(engine):  # a failure where the job named the engine ($LPDIFF_REQUIRE_ENGINES)
+        (pytest.fail if engine_required(engine) else pytest.skip)(why)
     # LPDIFF_METAMORPHIC_RELATIONS=format,rank,... narrows a GPU run to what its device time allows
     chosen = os.environ.get("LPDIFF_METAMORPHIC_RELATIONS")
     _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path, adapter),
@@ -177,8 +177,8 @@ def test_metamorphic_full_width(engine, adapter, gpu_case, tmp_path):
 def test_metamorphic_tensor_parallel(engine, gpu_case, tmp_path):
     """The tp relation: TP 2 (and TP 4 where four GPUs are visible) against TP 1, each TP session judged with its
     own rerun noise as well as TP 1's."""
-    if why := engine_missing(engine):
-        pytest.skip(why)
+    if why := engine_missing(engine):  # a failure where the job named the engine ($LPDIFF_REQUIRE_ENGINES)
+        (pytest.fail if engine_required(engine) else pytest.skip)(why)
     rep = _gpu_run(engine, gpu_case, ["tp"], tmp_path)
     assert any(r.relation.startswith("tp:2:") and r.verdict != "n/a" for r in rep.results)
     _check(rep, written=True, arch=gpu_case[0].arch)

@@ -34,7 +34,7 @@ def test_version_is_the_package_version():
     (["run", "--dtype", "float8"], "float8"),  # a value click refuses
     (["compare"], "--model"),  # nothing to compare
     (["run", "--engine", "no-such-engine"], "unknown engine"),
-    (["run", "--engine", "vllm"], "pip install"),  # not installed here: the message names the extra
+    (["run", "--engine", "vllm"], "pip install vllm=="),  # not installed here: the command that installs it
     (["run", "--model", "no-such-model"], "no-such-model"),
     (["run", "--model", "tiny-qwen3-moe", "--option", "no_such_option=1"], "no_such_option"),
 ])
@@ -44,7 +44,7 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys, monkeypatch):
     assert main(argv) == 2
     captured = capsys.readouterr()
     text = captured.err + captured.out
-    assert needle in text and "Traceback" not in text
+    assert needle in text and "Traceback" not in text and "lpdiff[" not in text  # lpdiff is not on PyPI
 
 
 def test_missing_baseline_exits_2(tmp_path, capsys):
@@ -60,3 +60,41 @@ def test_a_crash_exits_3_with_the_traceback(monkeypatch, capsys):
     assert main(["run", "--model", "tiny-qwen3-moe"]) == 3
     err = capsys.readouterr().err
     assert "Traceback" in err and "simulated bug" in err and "bug" in err.splitlines()[-1]
+
+
+def test_help_and_version_import_no_torch():
+    """`lpdiff --help`, `lpdiff run --help` and `--version` answer without importing torch (seconds of start-up)
+    or numpy: the command modules are imported when a command runs."""
+    code = ("import sys, contextlib, io\n"
+            "from lpdiff.harness.cli import main\n"
+            "for argv in (['--help'], ['--version'], ['run', '--help'], ['baselines', '--help'], ['check', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        assert main(argv) == 0, argv\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'pyarrow') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_missing_triton_exits_2_naming_the_install(monkeypatch, capsys):
+    """Where triton is not installed (a wheel on macOS) the default job, which runs the triton engine, is bad input
+    naming the install command (and the self-check that runs without it), never a crash."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "triton" else real(name, *a, **k))
+    assert main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install triton==" in err and "lpdiff run --engine hf" in err and "Traceback" not in err
+
+
+def test_readme_exit_code_examples_exit_with_their_code(capsys):
+    """Row 1's example, as README prints it, FAILs (a planted bug-zoo fault in the triton engine)."""
+    import shlex
+
+    section = README.read_text().split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    row = next(ln for ln in section.splitlines() if ln.startswith("| 1 |"))
+    example = re.findall(r"`([^`]+)`", row.split("|")[3])[0]
+    argv = shlex.split(example)
+    assert argv[0] == "lpdiff" and "fault=" in example
+    assert main(argv[1:]) == 1
