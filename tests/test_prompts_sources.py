@@ -87,3 +87,32 @@ def test_hub_dataset_split_column_count_seed(monkeypatch, tmp_path):
         resolve(MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/prompts", column="nope"))
     with pytest.raises(SpecError, match="hf download acme/missing --repo-type dataset"):
         resolve(MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/missing"))
+
+
+def test_built_in_sets_follow_the_models_own_tokenizer(monkeypatch, tmp_path):
+    """The built-in sets are windows of held-out text cut with the zoo tokenizer. A checkpoint whose tokenizer is
+    another (here a 512-token BPE trained on the zoo tokenizer's vocabulary list, saved over a copy of the zoo model)
+    gets the same text cut with its own: each prompt decodes to a piece of the held-out text (the zoo's ids decoded
+    with it were gibberish). A copy with the zoo's tokenizer keeps the zoo's ids, so its baselines stay the zoo's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    from lpdiff.harness.spec.prompts import DATA_DIR, named_prompts
+
+    offline_home(monkeypatch, tmp_path)
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(ZOO_DIR / MODEL, same)
+    shutil.copytree(ZOO_DIR / MODEL, other)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    vocab = Tokenizer.from_file(str(ZOO_DIR / MODEL / "tokenizer.json")).get_vocab()
+    words = [w.replace("Ġ", " ").replace("Ċ", "\n") for w in sorted(vocab)]  # no held-out text in the training
+    tok.train_from_iterator(words * 4, trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(other / "tokenizer.json"))
+    assert resolve(str(same), adapters=()).prompts == named_prompts("default")
+    got = resolve(str(other), adapters=()).prompts
+    assert [len(p) for p in got] == [len(p) for p in named_prompts("default")] and got != named_prompts("default")
+    text = (DATA_DIR / "heldout.txt").read_text(encoding="utf-8")
+    assert all(tok.decode(p) in text for p in got)
+    assert not any(tok.decode(p) in text for p in named_prompts("default"))  # what the zoo's ids read as there
+    long = resolve(str(other), adapters=(), prompts="bench").prompts  # 8 x 512 tokens: fits after reading on
+    assert [len(p) for p in long] == [512] * 8 and all(max(p) < 512 for p in long)

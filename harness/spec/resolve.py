@@ -183,12 +183,12 @@ def _prompts(prompts: str | PromptSource, spec: ModelSpec, config, catalog: bool
 
     if isinstance(prompts, PromptSource):
         return load_prompts(prompts, _model_text(spec, config))
-    try:
-        ids = named_prompts(prompts)
+    mt = None if catalog else _model_text(spec, config)
+    try:  # a model's own tokenizer cuts the built-in sets' text itself (the zoo's ids are other text under it)
+        ids = named_prompts(prompts, mt.tokenizer_dir if mt else None)
     except KeyError as e:
         raise SpecError(str(e).strip("'\"")) from None
-    if not catalog:  # the catalog's vocabularies all hold the built-in sets' ids (< 1024)
-        mt = _model_text(spec, config)
+    if mt is not None:  # the catalog's vocabularies all hold the built-in sets' ids (< 1024)
         ids = [check_prompt(p, f"prompt set {prompts!r} prompt {i}", mt) for i, p in enumerate(ids)]
     return ids
 
