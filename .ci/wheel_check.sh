@@ -56,4 +56,5 @@ python -c "import kernels, lpdiff; print('== kernels from', kernels.__file__, '|
 python -c "import kernels, sys; sys.exit(0 if '/site-packages/kernels/' in kernels.__file__ else 1)" \
   || { echo "top-level 'kernels' is not Hugging Face's package"; exit 1; }
 lpdiff --version
-lpdiff run
+python -c "import triton; print('== triton', triton.__version__, 'installed as a dependency of the wheel')"
+lpdiff run  # the default job: the triton engine against the shipped HF+PEFT baselines
