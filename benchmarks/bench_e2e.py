@@ -267,6 +267,7 @@ def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: d
     before = set(root.iterdir()) if root.is_dir() else set()
     path = None
     try:
+        e2e_peers.check_disk(spec, root)
         path = e2e_peers.write_checkpoint_once(spec, root, log)
     except Exception as e:  # noqa: BLE001 - no checkpoint: every peer row carries the error
         import traceback

@@ -95,6 +95,30 @@ def served_adapter(engine: str, spec, adapter, work: Path):
     return AdapterSpec(adapter.name, str(path)), None
 
 
+def check_disk(spec, root: Path) -> None:
+    """Refuse, naming the fix, when the checkpoint (bf16: 2 bytes per parameter) would not fit on ``root``'s disk
+    (a full-depth Qwen3-30B-A3B is 61 GB; the single-H200 machine has 64 GiB of disk)."""
+    import shutil
+
+    from lpdiff.harness.spec.catalog import count_params, hf_config
+    from lpdiff.harness.types import canonical_hash
+
+    if spec.path is not None and spec.num_layers is None:
+        return  # engines load the spec's own directory
+    # where engines/checkpoint.checkpoint_dir(spec, root, on_cpu=False) puts it: nothing to write when it is there
+    ident = spec.identity() if spec.path is not None else {**spec.identity(), "built_on": "cuda"}
+    if (root / canonical_hash(ident)[:16] / "config.json").is_file():
+        return
+    need = 2 * count_params(hf_config(spec))
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need * 1.02 > free:
+        raise OSError(f"the {spec.name} checkpoint needs {need / 1e9:.1f} GB at {root}, {free / 1e9:.1f} GB free "
+                      "there: pass --checkpoint-root on a larger disk, or --layers N")
+
+
 def write_checkpoint_once(spec, root: Path, log: Callable) -> str:
     """The model as a Hub-layout checkpoint under ``root``, built on the GPU (the same weights as the triton and HF
     runs, which build there too); reused when it is there."""

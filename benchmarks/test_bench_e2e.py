@@ -134,3 +134,17 @@ def test_missing_peer_gives_error_rows(monkeypatch, tmp_path):
                          tmp_path, timed=None, row=lambda *a, **kw: rows.append((a, kw)), log=lambda *a: None)
     assert [a[:2] for a, _ in rows] == [("none", "sglang"), ("r4", "sglang")]
     assert all("not installed" in kw["error"] and a[2] is None for a, kw in rows)
+
+
+def test_checkpoint_that_does_not_fit_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from benchmarks import e2e_peers
+
+    spec = get_model("qwen3-30b-a3b", num_layers=1)  # config-built: its checkpoint is written (~2.4 GB at 1 layer)
+    e2e_peers.check_disk(spec, tmp_path / "ckpt")  # fits here
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1000))  # a full disk
+    with pytest.raises(OSError, match="--checkpoint-root on a larger disk"):
+        e2e_peers.check_disk(spec, tmp_path / "ckpt")
