@@ -255,8 +255,8 @@ def test_cli_push_pull_then_run_offline_from_the_hub_cache(server, env, tmp_path
     pulled = _lpdiff(env, "baselines", "pull", f"{url}@{commit}", cwd=tmp_path)
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
     hits = len(server.state.requests)
-    ran = _lpdiff(env, "run", "--model", "tiny-qwen3-moe", "--baselines", f"{url}@{commit}", offline=True,
-                  cwd=tmp_path)
+    ran = _lpdiff(env, "run", "--model", "tiny-qwen3-moe", "--engine", "hf", "--baselines", f"{url}@{commit}",
+                  offline=True, cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "PASS" in ran.stdout and "FAIL" not in ran.stdout and len(server.state.requests) == hits
     # a revision that was never pulled cannot be served offline: one clear error, exit 2

@@ -22,8 +22,10 @@ def test_regen_of_another_prompt_set_or_depth_keeps_the_committed_baselines(tmp_
     assert main(["regen", *sel, "--num-layers", "2"]) == 0
     assert committed < _files(store) and len(_files(store)) == len(committed) + 4  # base + adapter, twice
     capsys.readouterr()
-    assert main(["run", "--model", "tiny-qwen3-moe", "--baselines", str(store)]) == 0  # the default set still runs
-    assert main(["run", *sel, "--prompt-set", "short"]) == 0 and main(["run", *sel, "--num-layers", "2"]) == 0
+    # the default set still runs (hf: the store is under test, not an engine)
+    assert main(["run", "--model", "tiny-qwen3-moe", "--baselines", str(store), "--engine", "hf"]) == 0
+    assert main(["run", *sel, "--prompt-set", "short", "--engine", "hf"]) == 0
+    assert main(["run", *sel, "--num-layers", "2", "--engine", "hf"]) == 0
     assert main(["baselines", "prune", "--baselines", str(store)]) == 0
     assert "0 file(s) would be removed" in capsys.readouterr().err  # nothing superseded: every set is current
 
