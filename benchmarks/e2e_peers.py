@@ -8,9 +8,16 @@ What each serves: the bench's adapter in the first expert layout the engine read
 convert_adapter) and written under the engine's decoder root where it maps names from one (vLLM on Qwen3.5); an
 adapter ``lpdiff doctor`` says the engine refuses or computes wrongly is not served, and its rows carry the doctor's
 error instead of a number, as do the rows of an engine that is not installed, dies or raises.
-Settings (FAST): the engine's own MoE-LoRA settings plus CUDA graphs, which the metamorphic relation
-``mode:cuda_graphs_on`` passed on both (benchmarks/results/metamorphic.csv: vLLM 0.25.1 and SGLang 0.5.15, Qwen3-MoE
-and gpt-oss, H200); ``--engine-options ENGINE=JSON`` merges over them. The model is written once as a Hub-layout
+Settings (FAST): the engine's own MoE-LoRA settings plus CUDA graphs. SGLang: ``disable_cuda_graph: False``, the
+metamorphic relation ``mode:cuda_graphs_on`` that passed on Qwen3-MoE and gpt-oss (benchmarks/results/
+metamorphic.csv, SGLang 0.5.15, H200; its graphs cover decode batches, so a prefill-only call runs as without).
+vLLM: the engine option ``enforce_eager: False``, which leaves vLLM 0.25.1 at its default optimization level
+(torch.compile + CUDA graphs). The vLLM relation that passed, ``llm_kwargs`` enforce_eager False, ran beside the
+engine's ``optimization_level=0`` (set while enforce_eager is on), and level 0 means no compilation and no CUDA
+graphs in vLLM: that relation did not exercise graphs, so these settings' correctness rests on this run's agreement
+with the triton runtime (logged per adapter) and the dropped-LoRA check below until a metamorphic run with them.
+``--engine-options vllm='{"enforce_eager": true}'`` times the eager engine. ``--engine-options ENGINE=JSON`` merges
+over FAST. A LoRA row whose logprobs equal the engine's own base run bit for bit carries a "LoRA dropped" error. The model is written once as a Hub-layout
 checkpoint (engines/checkpoint.py, built on the GPU from the same seeded recipe as the triton and HF runs) under
 ``--checkpoint-root``; both peers load that directory, so its build is not in their start-up time.
 """
@@ -24,7 +31,7 @@ from typing import Callable
 PEERS = ("vllm", "sglang")
 ENGINES = ("triton", "hf", *PEERS)
 FAST: dict[str, dict] = {
-    "vllm": {"llm_kwargs": {"enforce_eager": False}},  # torch.compile + CUDA graphs (enforce_eager=True by default)
+    "vllm": {"enforce_eager": False},  # vLLM's default level: torch.compile + CUDA graphs (module docstring)
     "sglang": {"server_args": {"disable_cuda_graph": False}},
 }
 _WHERE = ("python", "lane", "lane_env", "checkpoint_dir")  # where an engine runs and loads from, not how it computes
@@ -178,6 +185,10 @@ def bench_peer(engine: str, spec, adapter, prompts, args, work: Path, timed: Cal
                 except Exception as e:  # noqa: BLE001 - this row's error; the engine may still serve the next
                     emit(a, startup=startup, error=error_line(e))
                     continue
+                if a is not None and None in outs and lora_dropped(outs[None], outs[a]):
+                    emit(a, startup=startup, error="LoRA dropped: every logprob equals the engine's own base run "
+                                                   "(the adapter was served as no adapter)")
+                    continue
                 emit(a, secs, startup)
     except Exception as e:  # noqa: BLE001 - an engine that dies or refuses is a row, not a lost benchmark
         import traceback
@@ -187,3 +198,11 @@ def bench_peer(engine: str, spec, adapter, prompts, args, work: Path, timed: Cal
             if a not in written:
                 emit(a, startup=startup, error=error_line(e))
     return outs
+
+
+def lora_dropped(base: list, lora: list) -> bool:
+    """An engine that silently serves an adapter as the base model (vLLM's known defects of that kind) returns the
+    base run's logprobs exactly; a served rank-32 adapter at the generator's scale moves them by ~0.2 on average."""
+    import numpy as np
+
+    return all(np.array_equal(b.logprobs, x.logprobs) for b, x in zip(base, lora))

@@ -97,11 +97,12 @@ def test_peer_options_run_where_the_harness_runs_the_engine(monkeypatch):
     monkeypatch.delenv("LPDIFF_VLLM_PYTHON", raising=False)
     monkeypatch.delenv("LPDIFF_VLLM_OPTIONS", raising=False)
     monkeypatch.setenv("LPDIFF_VLLM_PYTHONPATH", "/root/vw/vsite")
-    opts = e2e_peers.peer_options("vllm", {"llm_kwargs": {"enforce_eager": True}})
+    assert e2e_peers.peer_options("vllm")["enforce_eager"] is False  # FAST: vLLM's compile + CUDA graphs
+    opts = e2e_peers.peer_options("vllm", {"enforce_eager": True})
     assert opts["lane"] == "subprocess" and opts["lane_env"] == {"PYTHONPATH": "/root/vw/vsite"}
-    assert opts["llm_kwargs"] == {"enforce_eager": True}  # the caller's options win over FAST
+    assert opts["enforce_eager"] is True  # the caller's options win over FAST
     assert e2e_peers.peer_options("sglang")["server_args"] == {"disable_cuda_graph": False}
-    assert e2e_peers.settings_text(opts, "vllm 0.25.1") == 'vllm 0.25.1; {"llm_kwargs":{"enforce_eager":true}}'
+    assert e2e_peers.settings_text(opts, "vllm 0.25.1") == 'vllm 0.25.1; {"enforce_eager":true}'
 
 
 @pytest.mark.parametrize("engine,model,layout", [("sglang", "tiny-qwen3-moe", "per_expert"),
@@ -148,3 +149,17 @@ def test_checkpoint_that_does_not_fit_is_refused_before_it_is_built(tmp_path, mo
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1000))  # a full disk
     with pytest.raises(OSError, match="--checkpoint-root on a larger disk"):
         e2e_peers.check_disk(spec, tmp_path / "ckpt")
+
+
+def test_lora_dropped_only_when_every_logprob_equals_the_base_run():
+    import numpy as np
+
+    from benchmarks import e2e_peers
+    from lpdiff.harness.types import PromptLogprobs
+
+    rng = np.random.default_rng(3)
+    base = [PromptLogprobs(np.arange(n), -rng.random(n - 1).astype(np.float32)) for n in (7, 12)]
+    same = [PromptLogprobs(b.token_ids, b.logprobs.copy()) for b in base]
+    moved = [PromptLogprobs(b.token_ids, b.logprobs.copy()) for b in base]
+    moved[1].logprobs[5] -= 1e-3  # one position of one prompt moved
+    assert e2e_peers.lora_dropped(base, same) and not e2e_peers.lora_dropped(base, moved)
