@@ -26,13 +26,18 @@ def hf_decode(engine, prompts: Sequence[Sequence[int]], names: Sequence[str | No
     return out  # type: ignore[return-value]
 
 
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """The model's own next-token distribution: log_softmax of the raw logits in fp32, nothing applied."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def _one(engine, prompt: list[int], n: int, sampling: str, seed: int) -> Generated:
     gen = torch.Generator(device=engine.device).manual_seed(seed) if sampling == "seeded" else None
     # the LM with PEFT's layers injected in place (lm_head LoRA included): the active adapter applies
     step = engine.lm(input_ids=torch.tensor([prompt], device=engine.device), use_cache=True, logits_to_keep=1)
     tokens, lps = [], []
     for k in range(n):
-        lp = torch.log_softmax(step.logits[0, -1].float(), dim=-1)
+        lp = raw_logprobs(step.logits[0, -1])
         tok = int(lp.argmax()) if gen is None else int(torch.multinomial(lp.exp(), 1, generator=gen))
         tokens.append(tok)
         lps.append(float(lp[tok]))

@@ -111,10 +111,10 @@ def parse_sample_logprobs(token_ids: Sequence[int], entries) -> np.ndarray:
     logits' logprobs, before temperature or top-p."""
     if entries is None:
         raise ValueError("vLLM returned no sample logprobs: the request needs SamplingParams(logprobs=0)")
-    if len(entries) != len(token_ids):
-        raise ValueError(f"vLLM returned logprobs for {len(entries)} generated tokens, it generated {len(token_ids)}")
     flat = _flat_arrays(entries)
     rows = list(zip(*flat)) if flat is not None else [_dict_arrays(e) for e in entries]
+    if len(rows) != len(token_ids):
+        raise ValueError(f"vLLM returned logprobs for {len(rows)} generated tokens, it generated {len(token_ids)}")
     out = np.empty(len(token_ids), dtype=np.float32)
     for i, (tok, (ids, lps)) in enumerate(zip(token_ids, rows)):
         hit = np.flatnonzero(ids == int(tok))
