@@ -113,3 +113,11 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
     assert res.error is None and not res.refused
     assert {v.adapter.split(".")[0] for v in res.verdicts} >= {p.name for p in plans} | {"base"}
     assert res.as_expected, check.format_result(res)
+
+
+def test_decode_lanes_run_at_tp_1_for_every_engine_dtype_and_sampling():
+    got = {(p.values, tuple(m.name for m in p.marks)) for p in grid_module.decode_grid()}
+    want = {((m, e, d, s), ("gpu1",)) for m in grid_module.MODELS for e in grid_module.ENGINES
+            for d in grid_module.DTYPES.values() for s in ("greedy", "seeded")}
+    assert got == want
+    assert all(p.id.endswith(("-decode-greedy", "-decode-seeded")) for p in grid_module.decode_grid())
