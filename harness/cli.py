@@ -182,22 +182,11 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps,
 
 def _run_decode(n, sampling, seed, models, engine, dtype, reference, ref_dtype, tps, adapters, prompt_set, prompts,
                 prompts_split, prompts_column, prompts_count, prompts_seed, num_layers, options, **_) -> int:
-    from lpdiff.harness.commands.decode import format_decode, run_decode_job
-    from lpdiff.harness.commands.run import default_tps, zoo_models
+    from lpdiff.harness.commands.decode import decode_jobs
 
-    engine = engine or "triton"  # run's default engine: lpdiff's own
-    _need_engine(engine)
-    chosen, skipped = zoo_models(engine, models)
     source = _prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed) or prompt_set
-    ok = True
-    for model in chosen:
-        for tp in dict.fromkeys(tps or default_tps(engine)):
-            res = run_decode_job(model, engine, dtype, tp, tuple(adapters) or None, source, num_layers,
-                                 parse_options(options), reference, ref_dtype, n, sampling, seed, log=_log)
-            click.echo(format_decode(res))
-            ok &= res.passed
-    for model, why in skipped:
-        _log(f"skipped {model}: {why}")
+    ok = decode_jobs(engine or "triton", models, tps, dtype, tuple(adapters) or None, source, num_layers,
+                     parse_options(options), reference, ref_dtype, n, sampling, seed, _need_engine, click.echo, _log)
     return EXIT_OK if ok else EXIT_FAILED
 
 

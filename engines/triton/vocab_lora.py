@@ -43,8 +43,8 @@ def without_vocab(adapter):
     if HEAD not in adapter.dense and not adapter.embed:
         return adapter
     keep = {k: v for k, v in adapter.dense.items() if k != HEAD}
-    return dataclasses.replace(adapter, dense=keep, embed={},
-                               scalings={k: v for k, v in adapter.scalings.items() if k in keep or k in adapter.experts})
+    scalings = {k: v for k, v in adapter.scalings.items() if k in keep or k in adapter.experts}
+    return dataclasses.replace(adapter, dense=keep, embed={}, scalings=scalings)
 
 
 @dataclass(slots=True)

@@ -134,6 +134,28 @@ def run_decode_job(model: str, engine: str, dtype: str = "float32", tp: int = 1,
                       max_new_tokens, sampling, seed, log=log)
 
 
+def decode_jobs(engine: str, models: Sequence[str], tps: Sequence[int], dtype: str, adapters, prompts,
+                num_layers: int | None, options: dict, reference: str, ref_dtype: str, n: int, sampling: str,
+                seed: int, need_engine: Callable[[str], None], echo: Callable[[str], None],
+                log: Callable[[str], None]) -> bool:
+    """``lpdiff run --decode N``: every model the engine serves (default: the tiny zoo) x TP size (default: run's);
+    prints each result, True when all pass."""
+    from lpdiff.harness.commands.run import default_tps, zoo_models
+
+    need_engine(engine)
+    chosen, skipped = zoo_models(engine, models)
+    ok = True
+    for model in chosen:
+        for tp in dict.fromkeys(tps or default_tps(engine)):
+            res = run_decode_job(model, engine, dtype, tp, adapters, prompts, num_layers, options, reference,
+                                 ref_dtype, n, sampling, seed, log=log)
+            echo(format_decode(res))
+            ok &= res.passed
+    for model, why in skipped:
+        log(f"skipped {model}: {why}")
+    return ok
+
+
 def check_case_decode(case, engine: str, threshold: Threshold, tp: int = 1, dtype: str = "bfloat16",
                  reference: str = "hf", max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0,
                  options: dict | None = None, log: Callable[[str], None] = print) -> DecodeResult:

@@ -57,8 +57,9 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
                    disk_root: str | None = None, provenance: dict | None = None) -> dict[str, Any]:
     """Write a canonical adapter as a PEFT-format directory in `layout`. Entries of different inner dimensions
     are zero-padded to one rank with alpha adjusted (exactly; see _rerank), or, for an adapter whose entries have
-    their own scalings, written at their own ranks with rank_pattern / alpha_pattern (_plan_ranks). `disk_root`: write the decoder under
-    this name instead of ``model`` (e.g. "backbone" for Nemotron-H's on-disk names). Returns the written config."""
+    their own scalings, written at their own ranks with rank_pattern / alpha_pattern (_plan_ranks). `disk_root`:
+    write the decoder under this name instead of ``model`` (e.g. "backbone" for Nemotron-H's on-disk names).
+    Returns the written config."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mlayout = as_layout(model_config)
