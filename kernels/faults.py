@@ -77,19 +77,27 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "no choice there and leaves the output bit-identical (tests/test_hybrid_bug_zoo.py)",
           "engines/triton/nemotron_h_model.py NemotronHModel.route", archs=("nemotron_h",), module="router"),
     Fault("state_not_reset",
-          "the SSD scan's state carried from one prompt of a packed batch into the next (one sequence over the "
-          "whole pack instead of a reset at each prompt start)",
-          "engines/triton/mamba.py mamba_mixer: the scan over the packed tokens as one row",
-          archs=("nemotron_h",), module="mamba"),
+          "the SSD scan's (Nemotron-H) or the gated delta rule's (Qwen3.5) state carried from one prompt of a "
+          "packed batch into the next (one sequence over the whole pack instead of a reset at each prompt start)",
+          "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the scan over the "
+          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba"),
     Fault("conv_across_prompts",
-          "the causal conv1d of the Mamba-2 mixer reading the last conv_kernel - 1 tokens of the previous prompt "
-          "of a packed batch (no per-prompt boundary in the conv window)",
-          "engines/triton/mamba.py mamba_mixer: the conv over the packed tokens as one row",
-          archs=("nemotron_h",), module="mamba"),
+          "the causal conv1d of the Mamba-2 mixer (or of Qwen3.5's Gated DeltaNet) reading the last conv_kernel - 1 "
+          "tokens of the previous prompt of a packed batch (no per-prompt boundary in the conv window)",
+          "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the conv over the "
+          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba"),
     Fault("shared_expert_dropped",
           "the MoE's shared expert not added to the routed experts' output (an engine that fuses or skips the "
           "shared expert and loses it)",
-          "engines/triton/nemotron_h_model.py NemotronHModel.shared", archs=("nemotron_h",), module="shared_expert"),
+          "engines/triton/nemotron_h_model.py NemotronHModel.shared, engines/triton/qwen3_5.py Qwen35Model.moe",
+          archs=("nemotron_h", "qwen3_5_moe"), module="shared_expert"),
+    # Qwen3.5 (engines/triton/qwen3_5*.py, gdn.py); bisect's "attention" is a layer's token mixer, on Qwen3.5's
+    # Gated DeltaNet layers the linear attention (Qwen35Model.capture_modules)
+    Fault("linear_attention_lora_dropped",
+          "LoRA on Qwen3.5's Gated DeltaNet projections (in_proj_qkv/z/b/a, out_proj) loaded but never applied (an "
+          "engine whose LoRA path covers q/k/v/o only serves linear attention as the base): full-attention, "
+          "shared-expert and expert LoRA still apply",
+          "engines/triton/qwen3_5.py Qwen35Model.linear_attention", archs=("qwen3_5_moe",), module="attention_lora"),
 ]}
 
 _active: str | None = None

@@ -8,7 +8,8 @@ from lpdiff.kernels.faults import applicable, runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
 
-MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss", "tiny-nemotron-h": "nemotron_h"}
+MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss", "tiny-nemotron-h": "nemotron_h",
+          "tiny-qwen3.5-moe": "qwen3_5_moe"}
 
 ZOO = [
     # slot of a rank-4 adapter among rank-8 ones copied flat (SGLang/vLLM max-rank padding bugs)
@@ -31,6 +32,10 @@ ZOO = [
     ("relu2_as_gated", "tiny-nemotron-h"), ("mamba_lora_dropped", "tiny-nemotron-h"),
     ("router_bias_rounded", "tiny-nemotron-h"), ("state_not_reset", "tiny-nemotron-h"),
     ("conv_across_prompts", "tiny-nemotron-h"), ("shared_expert_dropped", "tiny-nemotron-h"),
+    # Qwen3.5's own: linear-attention LoRA never applied, delta-rule state / conv window crossing prompts, shared
+    # expert lost
+    ("linear_attention_lora_dropped", "tiny-qwen3.5-moe"), ("state_not_reset", "tiny-qwen3.5-moe"),
+    ("conv_across_prompts", "tiny-qwen3.5-moe"), ("shared_expert_dropped", "tiny-qwen3.5-moe"),
 ]
 
 

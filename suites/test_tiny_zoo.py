@@ -10,7 +10,7 @@ from lpdiff.harness.pipeline.thresholds import lookup
 
 TINY_MOE = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"]
 # the Triton runtime covers these architectures (engines/triton)
-TRITON_ARCHS = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-nemotron-h"]
+TRITON_ARCHS = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"]
 
 
 def _judge(job, store, regen, record_verdict):
