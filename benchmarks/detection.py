@@ -108,27 +108,35 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
 
 def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns: int = 20,
                    init_recipe: str | None = None, device: str = "cuda", lengths=None,
-                   layouts: Sequence[str] | None = None, reference: str = "hf") -> dict:
+                   layouts: Sequence[str] | None = None, reference: str = "hf", routing_replay: bool = False) -> dict:
     """A serving engine's row (vLLM and SGLang have no fault switches): ``reruns`` runs of lpdiff check's mixed
     batch; noise = p99.9 over (run, correct lane) of k2 against HF+PEFT fp32, effect = the broken adapter's k2
     (every expert's LoRA-B shifted one expert; the smallest over the layouts served), threshold = the check's.
     ``layouts``: the adapter files served (default: every layout the engine reads); ``reference``: the fp32 engine
     judged against (triton for hf's own fp32 row, which against itself would be a self-comparison). The verdicts are
-    printed, and appended to $LPDIFF_CHECK_CSV_DIR/engines_gpu.csv when that is set, as the GPU suite does."""
+    printed, and appended to $LPDIFF_CHECK_CSV_DIR/engines_gpu.csv when that is set, as the GPU suite does.
+    ``routing_replay``: lpdiff check --routing-replay (harness/commands/replay.py); the noise is then each run
+    against the HF+PEFT fp32 reference replaying that run's own expert ids."""
     from lpdiff.harness.commands import check
 
     store = default_store()
     log = progress_log(f"[{model}-{engine}-{dtype}] ")
     case = _case(model, layers, init_recipe, device, tuple(lengths or ()), log)
-    res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts, reference=reference,
-                          log=log)
-    ref = check.reference_runs(case, reference, "float32", None, store, log=log)
+    if routing_replay:
+        from lpdiff.harness.commands.replay import replay_check, replayed_reference
+
+        res = replay_check(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference, log=log)
+        refs = [replayed_reference(case, run) for run in res.runs]
+    else:
+        res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts,
+                              reference=reference, log=log)
+        ref = check.reference_runs(case, reference, "float32", None, store, log=log)
     print(check.format_result(res), file=sys.stderr)
     if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
         check.write_csv(res, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "engines_gpu.csv")
     if res.error is not None:
         raise RuntimeError(f"{engine} on {model}: {res.error}")
-    nk2, nmax, n = check_noise_p999(res, ref)
+    nk2, nmax, n = replay_noise_p999(res, refs) if routing_replay else check_noise_p999(res, ref)
     effect = min(v.metrics.k2 for v in res.verdicts if v.expected == "FAIL")
     thr = res.threshold
     print(f"{engine} {model} x{layers} {dtype} ({case.spec.init_recipe}): noise k2 {nk2:.3g} (p99.9 of {n}), "
@@ -169,6 +177,17 @@ def check_noise_p999(res, ref) -> tuple[float, float, int]:
             len(ms))
 
 
+def replay_noise_p999(res, refs) -> tuple[float, float, int]:
+    """check_noise_p999 with routing replay: run j of each lane expected to PASS against refs[j], the fp32
+    reference replaying run j's own expert ids for that lane."""
+    from lpdiff.harness.pipeline.metrics import compare
+
+    correct = [None if v.adapter == "base" else v.adapter for v in res.verdicts if v.expected == "PASS"]
+    ms = [compare(run[lane], refs[j][lane]) for j, run in enumerate(res.runs) for lane in correct]
+    return (float(np.percentile([m.k2 for m in ms], 99.9)), float(np.percentile([m.max_abs for m in ms], 99.9)),
+            len(ms))
+
+
 def detection_row(model: str, engine_pair: str, dtype: str, thr, nk2: float, nmax: float, effect: float,
                   reruns: int, init_recipe: str, effect_source: str) -> dict:
     """One detection.csv row (without ``misses``); ``thr``: the threshold's k2 and max_abs."""
@@ -191,6 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--init-recipe", default=None, help="with --engine: the full-size model's init recipe")
     p.add_argument("--layout", action="append", help="with --engine: serve only this adapter layout (repeatable)")
     p.add_argument("--reference", default="hf", choices=["hf", "triton"], help="with --engine: the fp32 reference")
+    p.add_argument("--routing-replay", action="store_true", help="with --engine: judge against the fp32 reference "
+                   "replaying the engine's expert ids (lpdiff check --routing-replay)")
     p.add_argument("--commit", help="the commit to record (GPU machines have no git)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "detection.csv"))
     args = p.parse_args(argv)
@@ -199,7 +220,8 @@ def main(argv=None) -> int:
     dtypes = args.dtype or ["float32"]
     if args.full_width and args.engine:
         jobs = [lambda m=m, d=d: measure_engine(m, args.engine, d, args.layers, args.reruns, args.init_recipe,
-                                                layouts=args.layout, reference=args.reference)
+                                                layouts=args.layout, reference=args.reference,
+                                                routing_replay=args.routing_replay)
                 for m in args.full_width for d in dtypes]
     elif args.full_width:
         jobs = [lambda m=m, d=d: measure_full_width(m, d, args.layers, args.reruns) for m in args.full_width

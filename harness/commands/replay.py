@@ -51,6 +51,19 @@ def hf_runs(case: Case, adapters: dict[str, AdapterSpec], dtype: str, options: d
             for i, lane in enumerate(lanes)}
 
 
+def reference_lanes(case: Case, lanes) -> dict[str | None, str | None]:
+    """Each served lane (``name.layout``, None = base) -> the correct adapter the reference runs for it."""
+    return {lane: None if lane is None else (case.plans[lane.split(".")[0]].broken_from or lane.split(".")[0])
+            for lane in [None, *(lane for lane in lanes if lane is not None)]}
+
+
+def replayed_reference(case: Case, run: Lanes) -> Lanes:
+    """R_E: HF+PEFT fp32 over every lane of one engine run, each with that lane's expert ids forced."""
+    ref_adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items()
+                    if not p.broken_from}
+    return hf_runs(case, ref_adapters, REFERENCE_DTYPE, {}, routing=run, lanes=reference_lanes(case, run))
+
+
 def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckResult]:
     """lpdiff check's run function: check.run_check on ``store``, or replay_check (the hf reference only; a bad
     combination is refused here, before any model is built)."""
@@ -103,9 +116,8 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
     if missing:
         raise ValueError(f"{engine} returned no expert ids for lanes {missing}: it cannot capture routing here, so "
                          "there is nothing to replay")
-    ref_of = {lane: None if lane is None else (case.plans[lane.split(".")[0]].broken_from or lane.split(".")[0])
-              for lane in [None, *lanes]}
-    replayed = hf_runs(case, ref_adapters, REFERENCE_DTYPE, {}, routing=got, lanes=ref_of)
+    ref_of = reference_lanes(case, lanes)
+    replayed = replayed_reference(case, got)
     reruns = rerun_noise(sess.runs)
     noise = Noise().merge(ref_noise, reruns)
     t = threshold_from(noise, FACTOR[dtype], note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} with "

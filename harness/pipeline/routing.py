@@ -144,8 +144,8 @@ def summary(r: dict[str, Any]) -> str:
         if r.get("kernel_judged_on") == "routing replay" else (
         f"{r['kernel_part']} (k2 {r['clean_k2']:.3g}, max |Δ| {r['clean_max_abs']:.3g} over {r['clean_positions']} "
         f"routing-clean positions)" if r["clean_positions"] else "no routing-clean positions")
-    flips = f"{r['first_order_flips']} first-order flips, {r['flips_above_rounding']} above the {r['flip_limit']:.3g} " \
-            "rounding limit"
+    flips = (f"{r['first_order_flips']} first-order flips, {r['flips_above_rounding']} above the "
+             f"{r['flip_limit']:.3g} rounding limit")
     if r["max_flip_margin"] is not None:
         flips += f" (largest reference margin {r['max_flip_margin']:.3g})"
     if r["first_layer_weight_error"] is not None:
@@ -217,4 +217,5 @@ def routing_html(routing: dict[str, Any] | None) -> str:
     svg = (f'<svg width="{w}" height="{h}"><text x="4" y="10">agreement per MoE layer</text>{"".join(bars)}</svg>'
            f'<svg width="{w}" height="{h}"><text x="4" y="10">first-order flips (token x layer; red: above the '
            f'rounding limit)</text>{"".join(dots)}</svg>')
-    return f'<div class="routing"><div class="plots">{svg}</div><div>{html.escape(routing.get("summary", ""))}</div></div>'
+    summary = html.escape(routing.get("summary", "") + (f"; {routing['fault']}" if routing.get("fault") else ""))
+    return f'<div class="routing"><div class="plots">{svg}</div><div>{summary}</div></div>'
