@@ -241,7 +241,15 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
 
 @torch.no_grad()
 def merge_into(model: nn.Module, adapter: CanonicalAdapter) -> nn.Module:
-    """Add every delta into the model's weights in place (as PEFT's merge does: delta cast to the weight dtype)."""
+    """Add every delta into the model's weights in place (as PEFT's merge does: delta cast to the weight dtype).
+    Refuses lm_head / embedding LoRA on a model whose lm_head shares the embedding's weight: PEFT keeps them as two
+    adapters on one tensor (with ensure_weight_tying too it saves both, tied), which no merge into that tensor is."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if (adapter.embed or "lm_head" in adapter.dense) and head is not None and emb is not None \
+            and head.weight is emb.weight:
+        raise ValueError("lm_head / embed_tokens LoRA on a model with tied embeddings cannot be merged into the "
+                         "shared weight; run it unmerged (the hf engine does)")
     for name in [*adapter.dense, *adapter.embed]:
         w = model.get_submodule(name).weight
         w += adapter.delta(name).to(w.device, w.dtype)
