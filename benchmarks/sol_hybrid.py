@@ -47,10 +47,13 @@ Floor (memory-bound passes, bytes at the measured copy bandwidth, read + write):
   per MoE block the top-k sum K T H_e el (H_e: the experts' output width, Super's latent 1024) and the shared
   expert's add T H el; per full-attention layer (Qwen3.5) q/k norm + partial rope 2 T (heads + kv) d el and the
   output gate 3 T heads d el (read attn and gate, write); per GDN layer the conv1d over q|k|v (read + write
-  2 T C_qkv el), the delta rule's inputs and output (T C_qkv el + T nv dv el, plus g and beta in fp32) and its state,
-  fp32, read and written once per chunk (2 x Nc x dk x dv x 4), the gated RMSNorm 3 T nv dv el; per Mamba layer the
-  conv1d over xBC (2 T C_xbc el), the scan's inputs and output (T C_xbc el + T nh 4 + T d_inner el), its fp32 state
-  read and written once per chunk (2 x Nc x N x P x 4) and the gated RMSNorm 3 T d_inner el.
+  2 T C_qkv el), the delta rule's inputs and output (T C_qkv el + T nv dv el, plus g and beta in fp32), its state
+  written once per chunk by the state pass and read once by the output pass (2 x Nc x dk x dv x el), and the gated
+  RMSNorm 3 T nv dv el; per Mamba layer the conv1d over xBC (2 T C_xbc el), the scan's inputs and output
+  (T C_xbc el + T nh 4 + T d_inner el), its state written and read once per chunk (2 x Nc x N x P x el) and the gated
+  RMSNorm 3 T d_inner el. The per-chunk states are counted in the model dtype, the narrower of the two stores in use
+  (fla keeps them in the input dtype, mamba_ssm in fp32): a floor. A kernel that kept the state on chip across chunks
+  would not move them at all; the bound counts the chunked algorithms as implemented (the runtime's and the peers').
 """
 from __future__ import annotations
 
@@ -308,13 +311,13 @@ class HybridForward:
                     c_qkv, o = 2 * g["nk"] * g["dk"] + g["nv"] * g["dv"], g["nv"] * g["dv"]
                     _, n = _chunks(s.S, GDN_CHUNK)
                     total += (2 * T * c_qkv * el + T * c_qkv * el + 2 * T * g["nv"] * 4 + T * o * el
-                              + 2 * s.B * g["nv"] * n * g["dk"] * g["dv"] * 4 + 3 * T * o * el)
+                              + 2 * s.B * g["nv"] * n * g["dk"] * g["dv"] * el + 3 * T * o * el)
                 elif kind == "mamba":
                     mb = s.mamba
                     di, xbc = mb["nh"] * mb["P"], mb["nh"] * mb["P"] + 2 * mb["ng"] * mb["N"]
                     _, n = _chunks(s.S, mb["chunk"])
                     total += (2 * T * xbc * el + T * xbc * el + T * mb["nh"] * 4 + T * di * el
-                              + 2 * s.B * mb["nh"] * n * mb["N"] * mb["P"] * 4 + 3 * T * di * el)
+                              + 2 * s.B * mb["nh"] * n * mb["N"] * mb["P"] * el + 3 * T * di * el)
         return total
 
 

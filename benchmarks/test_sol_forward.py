@@ -130,3 +130,18 @@ def test_main_reports_every_family_on_cpu(capsys):
     assert all(r["base_tokens_per_s"] > 0 and r["lora_tokens_per_s"] > 0 and r["floor_ms"] > 0 for r in res)
     out = capsys.readouterr().out
     assert "gdn [w|q] S" in out and "ssd C S" in out and "shared up" in out
+
+
+def test_hybrid_floor_bytes_by_hand():
+    """The latent shape's floor, term by term (fp32: 4 bytes): T 24, H 40, one mamba, two MoE, one attention layer."""
+    from benchmarks import sol_hybrid
+
+    fwd = sol_hybrid.HybridForward(_latent_nemotron(), rank=4, device="cpu", dtype=torch.float32)
+    T, H, el = 24, 40, 4
+    norms = 5 * 4 * T * H * el  # one per layer + the final one
+    moe = 2 * (3 * T * 16 * el + T * H * el)  # top-k sum in the latent dim + the shared expert's add
+    di, xbc, chunks = 4 * 8, 4 * 8 + 2 * 2 * 12, 2  # d_inner, x|B|C channels, ceil(12 / 8)
+    mamba = (2 * T * xbc * el + T * xbc * el + T * 4 * 4 + T * di * el  # conv; scan inputs, dt (fp32), output
+             + 2 * 2 * 4 * chunks * 12 * 8 * el  # the state, written and read once per chunk of each head
+             + 3 * T * di * el)  # gated RMSNorm
+    assert fwd.floor_bytes() == norms + moe + mamba  # Nemotron's attention layer adds nothing (no rope, no gate)
