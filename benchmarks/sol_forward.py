@@ -297,7 +297,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--dense-experts", action="store_true",
                    help="the expert GEMMs as one dense GEMM each over the first expert's weight (same FLOPs, no "
-                        "weight streaming): the bound if they ran at the dense GEMMs' rate")
+                        "weight streaming): the bound if they ran at the dense GEMMs' rate (Qwen3-MoE and gpt-oss; "
+                        "the hybrids' experts stay batched)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.device == "cuda":
