@@ -175,3 +175,51 @@ def test_fp32_on_cuda_matches_hf_peft(tiny):
     hf = _run("hf", spec, adapters, prompts, CHOICES)
     for choice, a, b in zip(CHOICES, got, hf):
         assert _maxdiff(a, b) <= TOL, (choice, _maxdiff(a, b))
+
+
+@pytest.mark.cpu
+def test_module_capture_matches_hf_modules(tiny):
+    """lpdiff bisect's module re-runs (Qwen35Model.capture_modules through capture.py): fed HF+PEFT's own inputs
+    to each layer's token mixer (linear or full attention) and routed experts, the runtime's outputs match HF's
+    modules, with the adapter and (``_base``) without it, and its routing picks HF's experts."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    spec, adapters, prompts = tiny
+    rows = [p[:12] for p in prompts if len(p) >= 12][:3]  # HF captures equal-length rows, flattened row-major
+    hf = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32).eval()
+    base_out: dict = {}
+    cap, calls, handles = {}, {}, []
+    for i, layer in enumerate(hf.model.layers):
+        mixer = getattr(layer, "linear_attn", None) or layer.self_attn
+
+        def mix_hook(mod, args, kwargs, out, i=i):
+            calls[i] = (mod, args, kwargs)
+            cap[i, "attention_in"] = kwargs["hidden_states"].reshape(-1, kwargs["hidden_states"].shape[-1])
+            cap[i, "attention_ref"] = (out[0] if isinstance(out, tuple) else out).reshape(cap[i, "attention_in"].shape)
+
+        def experts_hook(mod, args, out, i=i):
+            cap[i, "experts_in"], cap[i, "router_ids"], cap[i, "router_weights"] = args[:3]
+            cap[i, "experts_ref"] = out
+        handles += [mixer.register_forward_hook(mix_hook, with_kwargs=True),
+                    layer.mlp.experts.register_forward_hook(experts_hook)]
+    peft = PeftModel.from_pretrained(hf, adapters["all"].path).eval()
+    with torch.no_grad():
+        peft(input_ids=torch.tensor(rows), use_cache=False)  # a cache would make the re-runs continue it
+        for h in handles:
+            h.remove()
+        with peft.disable_adapter():
+            for i, (mod, args, kwargs) in calls.items():
+                out = mod(*args, **kwargs)
+                base_out[i] = (out[0] if isinstance(out, tuple) else out).reshape(cap[i, "attention_in"].shape)
+    inputs = {k: v for k, v in cap.items() if not k[1].endswith("_ref")}
+    with open_engine("triton", EngineConfig(model=spec, adapters={"all": adapters["all"]}, dtype="float32",
+                                            device="cpu")) as eng:
+        got = eng.capture_layers(rows, "all", inputs=inputs)
+    for i in range(len(calls)):
+        for name, ref in (("attention", cap[i, "attention_ref"]), ("attention_base", base_out[i]),
+                          ("experts", cap[i, "experts_ref"])):
+            err = float((got[i, name] - ref).abs().max() / ref.abs().max())
+            assert err < 1e-5, (i, name, err)
+        assert torch.equal(got[i, "router_ids"], cap[i, "router_ids"])
+    assert float((got[0, "attention"] - got[0, "attention_base"]).abs().max()) > 1e-2  # the adapter is in it
