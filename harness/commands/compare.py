@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job
 from lpdiff.harness.pipeline.metrics import compare
+from lpdiff.harness.pipeline.routing import apply, attribute
 from lpdiff.harness.pipeline.session import run_session
 from lpdiff.harness.pipeline.thresholds import lookup
 from lpdiff.harness.pipeline.verdict import Verdict, judge
@@ -16,8 +17,11 @@ def compare_runs(path_a: str, path_b: str, allow_different: bool = False) -> Ver
     a, b = load_run_pair(path_a, path_b, allow_different)
     lane = [f"{r.meta.get('engine', '?')}:{r.meta.get('dtype', 'float32')}" for r in (a, b)]
     model, dtype = a.meta.get("model", "?"), a.meta.get("dtype", "float32")
-    return judge(compare(a, b), lookup(model, f"{lane[0]}-vs-{lane[1]}", dtype, int(a.meta.get("tp", 1))),
-                 adapter=f"{a.meta.get('adapter') or '-'} vs {b.meta.get('adapter') or '-'}")
+    v = judge(compare(a, b), lookup(model, f"{lane[0]}-vs-{lane[1]}", dtype, int(a.meta.get("tp", 1))),
+              adapter=f"{a.meta.get('adapter') or '-'} vs {b.meta.get('adapter') or '-'}")
+    # both saved with the engine option capture_routing: the routing part and the fault's name (pipeline/routing.py)
+    apply(v, attribute(a, b, (dtype, b.meta.get("dtype", "float32")), v.threshold))
+    return v
 
 
 def compare_live(model: str, engine: str, dtype: str, against: str, against_dtype: str, tp: int = 1,
