@@ -298,7 +298,12 @@ def _as_peft3d(path: str, tmp: str, i: int, model_config) -> str:
     transformers builds the text model, whose decoder is ``model``, and PEFT 0.21 places none of those tensors and
     runs the base model without a word (Nemotron's ``backbone`` it maps itself; converting it is harmless)."""
     from lpdiff.harness.spec.adapters import convert_adapter, disk_roots, inspect_adapter
+    from lpdiff.harness.spec.adapters.depth import deeper_entries, write_cut
 
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    depth = getattr(text, "num_hidden_layers", None)
+    if depth is not None and deeper_entries(path, depth):  # a depth-cut model (--num-layers): drop the cut layers'
+        path = str(write_cut(path, f"{tmp}/depth{i}", depth))  # entries, which the conversion rightly refuses
     info = inspect_adapter(path)
     aliases = disk_roots(model_config.model_type)[1:]
     aliased = any(m.startswith(f"{root}.") for m in info.modules() for root in aliases)

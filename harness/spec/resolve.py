@@ -207,4 +207,9 @@ def resolve(model: str, adapters: Sequence[str] | None = None, prompts: str | Pr
     check_adapters(shallow, chosen)  # every adapter against the model, before anything runs or is written
     ids = _prompts(prompts, shallow, config, catalog)
     spec = shallow if catalog or not weights else resolve_model(model, num_layers, weights=True)
+    if num_layers is not None and weights:  # every engine loads what the cut model has (adapters/depth.py)
+        from lpdiff.harness.spec.adapters.depth import cut_adapter
+        from lpdiff.harness.spec.sources import cache_root
+
+        chosen = {n: cut_adapter(a, num_layers, cache_root()) for n, a in chosen.items()}
     return Resolved(spec, chosen, ids, user)
