@@ -33,7 +33,7 @@ def test_every_model_engine_and_dtype_at_every_tp_size_carries_its_gpu_mark():
     ("hf", "qwen3.5-35b-a3b", 1, "bfloat16", None),  # HF's own bf16 rounding, judged like an engine
     ("vllm", "qwen3-30b-a3b", 1, "float32", "vLLM has no float32 LoRA path"),
     ("sglang", "gpt-oss-20b", 2, "float32", "SGLang has no float32 LoRA path"),
-    ("triton", "nemotron-3-super-120b-a12b", 1, "bfloat16", "does not serve nemotron_h"),
+    ("triton", "nemotron-3-super-120b-a12b", 1, "bfloat16", None),
     ("hf", "gpt-oss-20b", 2, "bfloat16", "runs TP 1 only"),
     ("hf", "gpt-oss-20b", 1, "float32", "is the reference itself"),
 ])

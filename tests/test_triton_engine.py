@@ -185,8 +185,8 @@ def test_bad_input_gives_one_clear_error(tiny):
                                                               torch.ones(cfg.vocab_size, 2))}, {})
     with pytest.raises(ValueError, match="targets 'lm_head', which the triton engine does not run LoRA on"):
         stack_adapters(cfg, {"head": head}, Shard(), torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="does not support arch 'nemotron_h'.*supported: qwen3_moe, gpt_oss"):
-        TritonEngine(EngineConfig(model=ModelSpec(name="x", arch="nemotron_h", path="/nonexistent"), device="cpu"))
+    with pytest.raises(ValueError, match="does not support arch 'qwen3'.*supported: qwen3_moe, gpt_oss"):
+        TritonEngine(EngineConfig(model=ModelSpec(name="x", arch="qwen3", path="/nonexistent"), device="cpu"))
     with pytest.raises(ValueError, match="unknown triton engine options"):
         TritonEngine(EngineConfig(model=spec, device="cpu", options={"chunk": 3}))
     for bad in ("fused:3", "once:3,4", "fused:0,2", "fast"):  # one count, tiles on once, zero tiles, no such mode
