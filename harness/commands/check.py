@@ -409,7 +409,8 @@ def format_result(res: CheckResult) -> str:
                           f"engine failed before giving logprobs:\n{res.error}", *_refused_lines(res)])
     ok = "as expected" if res.as_expected else "NOT AS EXPECTED"
     head = (f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
-            f"x{res.layers} layers: {ok}\nthreshold = {FACTOR[res.dtype]:g} x noise: k2 {res.threshold.k2:.3g}, max |Δ| "
+            f"x{res.layers} layers: {ok}\nthreshold = {res.threshold.margin_factor:g} x noise: k2 "
+            f"{res.threshold.k2:.3g}, max |Δ| "
             f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})")
     bad = [f"  {v.adapter}: expected {v.expected}" for v in res.verdicts
            if ("PASS" if v.passed else "FAIL") != v.expected]
