@@ -20,6 +20,7 @@ An optional ``case.json`` gives ``base_model`` (catalog name, directory or Hub i
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -151,19 +152,65 @@ def _load_pt(path: Path) -> dict:
 
 def _load_table(path: Path) -> dict:
     if path.suffix == ".jsonl":
-        try:
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise CaseError(f"{path}: line {e.lineno} is not JSON") from None
+        lines = _text(path).splitlines()
+        rows = []
+        for i, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise CaseError(f"{path}: line {i} is not JSON; write one JSON object per line "
+                                    "(docs/cases.md)") from None
     else:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    if not rows or any("tokens" not in r or "logprobs" not in r for r in rows):
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, pa.ArrowException) as e:
+            raise CaseError(f"{path} is not a readable parquet file ({' '.join(str(e).split())[:160]}); "
+                            "re-export it (docs/cases.md)") from None
+    if not rows or any(not isinstance(r, dict) or "tokens" not in r or "logprobs" not in r for r in rows):
         raise CaseError(f"{path}: every row needs tokens and logprobs (docs/cases.md)")
     sampler = [r.get("sampler_logprobs") for r in rows]
     return {"tokens": [r["tokens"] for r in rows], "training_logprobs": [r["logprobs"] for r in rows],
             "sampling_logprobs": sampler if all(s is not None for s in sampler) else None}
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CaseError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+
+
+def _case_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(_text(path))
+    except json.JSONDecodeError as e:
+        raise CaseError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix it or remove "
+                        "it (case.json is optional: base_model, kl_threshold, trainer)") from None
+    if not isinstance(info, dict):
+        raise CaseError(f"{path} must hold a JSON object (base_model, kl_threshold, trainer), got "
+                        f"{type(info).__name__}")
+    if info.get("base_model") is not None and not isinstance(info["base_model"], str):
+        raise CaseError(f"{path}: base_model must be a string (catalog name, directory or Hub id)")
+    return info
+
+
+def _threshold(info: dict, path: Path) -> float:
+    """A KL threshold: a finite number > 0 (inf or NaN would pass any engine, 0 or less none)."""
+    value = info["kl_threshold"]
+    try:
+        t = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        t = float("nan")
+    if not math.isfinite(t) or t <= 0:
+        raise CaseError(f"{path}: kl_threshold must be a finite number > 0, got {value!r}; write e.g. "
+                        f'"kl_threshold": {DEFAULT_THRESHOLD}, or leave it out for the default of the base model')
+    return t
 
 
 def load_case(source: str) -> TrainerCase:
@@ -182,9 +229,9 @@ def load_case(source: str) -> TrainerCase:
     training = _per_prompt(data["training_logprobs"], lengths, "training_logprobs", path)
     sampling = data.get("sampling_logprobs")
     sampling = None if sampling is None else _per_prompt(sampling, lengths, "sampling_logprobs", path)
-    info = json.loads((root / "case.json").read_text()) if (root / "case.json").is_file() else {}
+    info = _case_json(root / "case.json")
     base = info.get("base_model")
-    threshold = float(info.get("kl_threshold", threshold_for(base or source)))
+    threshold = _threshold(info, root / "case.json") if "kl_threshold" in info else threshold_for(base or source)
     return TrainerCase(source, root, _adapter_dir(root), prompts, training, sampling, base, threshold, info)
 
 
