@@ -41,12 +41,22 @@ def _maxdiff(a, b) -> float:
 
 # the base model, one adapter for the whole batch, and every group's adapter beside base rows in one batch
 CHOICES = [None, "all", ["linear_attention", None, "attention", "shared_expert", "experts", "all"]]
+# the triton side reads the experts adapter in the per-expert layout too (row 4 of the mixed batch); HF+PEFT reads
+# the PEFT 3D original (PEFT ignores per-expert keys on Qwen3.5: engines/hf.py _PEFT_IGNORES_PER_EXPERT)
+TRITON_CHOICES = [None, "all", ["linear_attention", None, "attention", "shared_expert", "experts_pe", "all"]]
 
 
 @pytest.fixture(scope="module")
-def triton_runs(tiny):
+def triton_runs(tiny, tmp_path_factory):
+    from lpdiff.harness.spec.adapters import convert_adapter
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.types import AdapterSpec
+
     spec, adapters, prompts = tiny
-    return _run("triton", spec, adapters, prompts, CHOICES)
+    pe = convert_adapter(adapters["experts"].path, tmp_path_factory.mktemp("pe") / "experts_pe", "per_expert",
+                         hf_config(spec))
+    return _run("triton", spec, {**adapters, "experts_pe": AdapterSpec("experts_pe", str(pe.path))}, prompts,
+                TRITON_CHOICES)
 
 
 @pytest.mark.cpu
