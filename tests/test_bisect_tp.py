@@ -3,6 +3,7 @@ and adapter of defects it is not told about — the tests' own (tests/helpers/de
 nothing on the clean runtime. The defects reach the spawned TP workers through the hook's sitecustomize."""
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -57,10 +58,10 @@ def test_names_a_tp_only_defect(defect, model, where, monkeypatch):
     taken from the engine under test would be this defect itself). At TP 1 (no rank 1) the same runtime names
     nothing, so the finding is the defect's, not the TP size's."""
     _with_defect(monkeypatch, defect)
-    res = bs.bisect(model, num_prompts=3, tp=2)
+    res = bs.bisect(model, ["experts"], num_prompts=3, tp=2)
     assert _where(res.finding) == where, res.table()
     assert res.finding.ratio > 10 * bs.FACTOR
-    assert bs.bisect(model, num_prompts=3, tp=1).finding is None
+    assert bs.bisect(model, ["experts"], num_prompts=3, tp=1).finding is None
 
 
 def test_names_the_adapter_of_a_mixed_batch_defect_from_a_user_directory(tmp_path, monkeypatch, capsys):
@@ -70,7 +71,7 @@ def test_names_the_adapter_of_a_mixed_batch_defect_from_a_user_directory(tmp_pat
     model = "tiny-qwen3-moe"
     mine = tmp_path / "mine"
     shutil.copytree(ZOO / model / "attention", mine)
-    args = ["bisect", model, "--adapter", "experts", "--adapter", str(mine), "--num-prompts", "3"]
+    args = ["bisect", model, "--adapter", "experts", "--adapter", str(mine), "--num-prompts", "3", "--tp", "1"]
     assert main(args) == 0
     assert "every module within" in capsys.readouterr().out
     _with_defect(monkeypatch, "last_slot_o_misread")
@@ -87,3 +88,29 @@ def test_cli_bisect_bad_input_exits_2(tmp_path, capsys):
     assert "adapter_config.json" in capsys.readouterr().err
     assert main(["bisect", "tiny-qwen3-moe", "--tp", "3"]) == 2
     assert "--tp 3: the triton runtime runs TP 1, 2, 4, 8" in capsys.readouterr().err
+
+
+@needs_tp2
+def test_a_run_fail_names_the_bisect_command_and_plain_bisect_localises_it(tmp_path, monkeypatch, capsys):
+    """A defect only TP 2 shows (rank 1 counts its layer-1 expert LoRA partial twice): the run's TP 2 verdict names
+    the bisect command for its model, adapters and TP (`lpdiff bisect tiny-qwen3-moe --adapter all --tp 2`, printed
+    below the table too), and plain `lpdiff bisect tiny-qwen3-moe` covers what a plain run covers (every zoo adapter
+    in one mixed batch with base rows, TP 1 and 2; one prompt per row kind keeps the test short): it names layer 1
+    expert_lora at TP 2, exit 1. Before, bisect's defaults (the experts adapter alone, TP 1) found nothing, exit 0."""
+    from lpdiff.harness.pipeline.verdict import from_json
+
+    model = "tiny-qwen3-moe"
+    _with_defect(monkeypatch, "tp_expert_lora_twice")
+    out_json = tmp_path / "v.json"
+    assert main(["run", "--model", model, "--engine", "triton", "--tp", "2", "--adapter", "all", "--json",
+                 str(out_json)]) == 1
+    bad = [v for v in from_json(out_json.read_text()) if not v.passed]
+    assert [v.adapter for v in bad] == ["all"], capsys.readouterr().out
+    assert bad[0].next_step == f"lpdiff bisect {model} --adapter all --tp 2"
+    assert f"next step: lpdiff bisect {model} --adapter all --tp 2" in capsys.readouterr().out
+    assert main(shlex.split(f"bisect {model} --num-prompts 1")) == 1  # the default batch and TP sizes, 1 prompt each
+    out = capsys.readouterr().out
+    assert "tp=1\n" in out and "tp=2\n" in out, out
+    zoo = sorted(p.name for p in (ZOO / model).iterdir())
+    assert f"[base, {', '.join(zoo)}] tp=1 the runtime: every module within" in out, out
+    assert f"[base, {', '.join(zoo)}] tp=2 the runtime: first above noise: layer 1 expert_lora of all" in out, out
