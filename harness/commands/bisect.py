@@ -214,6 +214,16 @@ class BisectRuns:
 # costs 6x one adapter's HF captures, the dominant cost on a CPU; 2 prompts per choice keep every choice's rows
 DEFAULT_ROWS = 8
 MIN_PROMPTS = 2
+# the archs whose layers both engines capture module by module (HF hooks self_attn and mlp.experts; the triton
+# runtime's MoeTransformer re-runs them): the hybrids' linear-attention and Mamba layers have no such capture yet
+ARCHS = ("qwen3_moe", "gpt_oss")
+
+
+def bisects(model: str) -> bool:
+    """Whether ``lpdiff bisect`` can localise a triton defect on this model (its arch is in ARCHS)."""
+    from lpdiff.harness.spec.resolve import resolve_model
+
+    return resolve_model(model, weights=False).arch in ARCHS
 
 
 def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None = None, factor: float = FACTOR,
@@ -233,6 +243,10 @@ def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None 
         if t not in sizes:  # before any engine starts
             raise ValueError(f"--tp {t}: the triton runtime runs TP {', '.join(map(str, sizes))}")
     r = resolve(model, list(adapters) if adapters else None)
+    if r.spec.arch not in ARCHS:
+        raise ValueError(f"lpdiff bisect captures {', '.join(ARCHS)} layers module by module, not {r.spec.arch} "
+                         f"(no per-module capture of its other layer kinds yet); `lpdiff metamorphic {model} "
+                         "ADAPTER --engine triton` judges the runtime against itself there")
     if not r.adapters:
         raise ValueError(f"model {model!r} has no zoo adapters: name one with --adapter (a PEFT directory)")
     choices = batch_choices(list(r.adapters))

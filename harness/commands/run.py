@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from lpdiff.harness.commands.bisect import bisects
 from lpdiff.harness.commands.preflight import preflight
 from lpdiff.harness.pipeline.metrics import compare, lane_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.references import References, default_store
@@ -125,7 +126,8 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
         if split:
             _name_groups(v, split, threshold.delta_fidelity)
         if not v.passed:
-            v.next_step = next_step(job.engine_pair, job.model, v.adapter, job.tp, job.adapters or (), job.options)
+            v.next_step = next_step(job.engine_pair, job.model, v.adapter, job.tp, job.adapters or (), job.options,
+                                    bisect=bisects(job.model))
         verdicts.append(v)
     return verdicts
 
