@@ -154,10 +154,6 @@ class Qwen35Model:
         self.capture: dict | None = None
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads = len(qh), len(kvh)
-        for n, what in ((cfg.lin_k_heads, "linear-attention key heads"),
-                        (cfg.lin_v_heads, "linear-attention value heads")):
-            if n % shard.size:
-                raise ValueError(f"{n} {what} do not split over tp={shard.size}")
         self.lin_k, self.lin_v = cfg.lin_k_heads // shard.size, cfg.lin_v_heads // shard.size
 
     def _norm(self, x, delta, weight):
@@ -332,6 +328,9 @@ def load(cfg: Qwen35Config, source, shard: Shard, dtype, device) -> Qwen35Weight
 def build(hf, source, adapters: dict, shard: Shard, dtype, device, all_reduce, options) -> Built:
     """archs.HYBRIDS' hook: the whole model of one tensor-parallel rank."""
     cfg = config_from_hf(hf)
+    for n, what in ((cfg.lin_k_heads, "linear-attention key heads"), (cfg.lin_v_heads, "linear-attention value heads")):
+        if n % shard.size:  # checked before loading: shard.split would cut widths across heads
+            raise ValueError(f"{n} {what} do not split over tp={shard.size}; use a tp that divides {n}")
     weights = load(cfg, source, shard, dtype, device)
     lora = stack_qwen35(cfg, weights, adapters, shard, dtype, device)
     model = Qwen35Model(cfg, weights, lora, shard, all_reduce, options.impl, options.attention,
