@@ -107,3 +107,16 @@ def test_hf_capture_refuses_an_adapter_per_prompt():
     with open_engine("hf", EngineConfig(model=r.spec, adapters=r.adapters)) as eng:
         with pytest.raises(ValueError, match="one adapter .* for the whole batch"):
             eng.capture_layers([[1, 2, 3], [4, 5, 6]], ["experts", None])
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3.5-moe", "tiny-nemotron-h"])
+def test_hybrids_are_refused_with_what_to_run_instead(model, capsys):
+    """The hybrids' linear-attention / Mamba layers have no per-module capture: exit 2 naming metamorphic before
+    any engine starts (a crash with exit 3 before)."""
+    from lpdiff.harness.cli import main
+
+    assert main(["bisect", model]) == 2
+    err = capsys.readouterr().err
+    assert "captures qwen3_moe, gpt_oss layers" in err and f"lpdiff metamorphic {model} ADAPTER" in err
+    assert "Traceback" not in err
+    assert not bs.bisects(model) and bs.bisects("tiny-gpt-oss")

@@ -172,3 +172,6 @@ def test_next_step_per_engine():
         "lpdiff metamorphic Qwen/Qwen3-30B-A3B my-lora --engine vllm --tp 4")
     assert next_step("sglang:bfloat16-vs-hf:float32", "m", "-", 2).startswith("lpdiff compare --model m --engine sglang")
     assert "constraints.txt" in next_step("hf:float32-vs-hf:float32", "tiny-qwen3-moe", "all", 1)
+    # an arch bisect cannot capture: the runtime against itself; a base lane names an adapter of its batch
+    assert next_step("triton:float32-vs-hf:float32", "tiny-qwen3.5-moe", "-", 2, (), bisect=False) == \
+        "lpdiff metamorphic tiny-qwen3.5-moe all --engine triton --tp 2"
