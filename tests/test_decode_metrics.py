@@ -34,7 +34,7 @@ def test_ratio_band_edges_are_inside():
 
 def test_non_finite_logprobs_are_counted_and_located():
     m = decode_metrics([np.array([-1.0, -1.0]), np.array([-1.0, np.nan])], [np.array([-1.0, -1.0])] * 2)
-    assert m.num_nonfinite == 1 and m.first_nonfinite == (1, 1) and m.num_tokens == 3 and m.max_abs == 0.0
+    assert m.num_nonfinite == 1 and m.first_nonfinite == [1, 1, "engine"] and m.num_tokens == 3 and m.max_abs == 0.0
 
 
 def test_mismatched_lengths_are_refused():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lpdiff.engines.base import EngineConfig, decode, open_engine
+from lpdiff.harness.pipeline.metrics import nonfinite_reason
 from lpdiff.harness.pipeline.rl_metrics import DecodeMetrics, decode_metrics
 from lpdiff.harness.pipeline.thresholds import Threshold
 from lpdiff.harness.types import AdapterSpec, ModelSpec
@@ -55,10 +56,9 @@ class DecodeResult:
 
 def judge_lane(lane: str, m: DecodeMetrics, t: Threshold) -> DecodeLane:
     reasons = []
-    if m.num_nonfinite:
-        seq, pos = m.first_nonfinite
-        reasons.append(f"{m.num_nonfinite} non-finite logprob(s), first in lane {lane} sequence {seq} at generated "
-                       f"position {pos}")
+    if m.num_nonfinite:  # the prefill verdicts' rule and wording (metrics.nonfinite_reason)
+        reasons.append(nonfinite_reason(m.num_nonfinite, m.num_tokens + m.num_nonfinite, m.first_nonfinite, lane,
+                                        "sequence", "generated position"))
     if m.num_tokens and m.k2 > t.k2:
         reasons.append(f"k2 {m.k2:.3g} > {t.k2:.3g}")
     if m.num_tokens and m.max_abs > t.max_abs:

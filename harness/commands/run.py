@@ -120,7 +120,7 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
         fidelity = None if a is None else fidelities[a]
         own, split = _own_and_groups(fidelity)
         m = compare(runs[a], refs[a], near_tie_eps=eps)
-        v = judge(m, threshold, delta_fidelity=own, exclude_near_ties=m.clean is not None)
+        v = judge(m, threshold, delta_fidelity=own, exclude_near_ties=m.clean is not None, adapter=a or "base")
         v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
         v.detail = position_detail(runs[a], refs[a], eps)
         if split:

@@ -42,6 +42,8 @@ class Metrics:
     full_kl: float | None = None  # mean exact KL(b||a) from full logprob rows, when the caller had them
     near_tie_share: float | None = None
     clean: "Metrics | None" = None
+    # where the first non-finite logprob is: [prompt, position, "engine" | "reference" | "both"] (nonfinite_at)
+    first_nonfinite: list | None = None
 
 
 def _flat(run: LogprobRun, name: str) -> np.ndarray:
@@ -129,6 +131,36 @@ def near_tie_mask(run: LogprobRun, eps: float) -> np.ndarray | None:
                            for p in run.prompts])
 
 
+def nonfinite_at(a_rows: Sequence[np.ndarray], b_rows: Sequence[np.ndarray]) -> tuple[int, list | None]:
+    """The one non-finite rule of prefill and decode verdicts: -> (count of positions where either side's logprob
+    is NaN or inf, [row, position, side] of the first such position or None). ``a_rows[i]`` / ``b_rows[i]``: row i's
+    logprobs, engine under test (a) and reference (b); side names which run holds it ("engine", "reference",
+    "both")."""
+    count, first = 0, None
+    for i, (a, b) in enumerate(zip(a_rows, b_rows)):
+        fa, fb = np.isfinite(np.asarray(a, dtype=np.float64)), np.isfinite(np.asarray(b, dtype=np.float64))
+        bad = ~(fa & fb)
+        if bad.any():
+            count += int(bad.sum())
+            if first is None:
+                j = int(np.flatnonzero(bad)[0])
+                first = [i, j, "both" if not (fa[j] or fb[j]) else "engine" if not fa[j] else "reference"]
+    return count, first
+
+
+def nonfinite_reason(count: int, total: int, first: Sequence | None, lane: str | None = None,
+                     row: str = "prompt", position: str = "position") -> str:
+    """The FAIL reason for ``count`` non-finite logprobs of ``total`` positions: the lane, and the row (prompt or
+    sequence) and position of the first, with the side that produced it. ``position`` i of a prompt is the logprob
+    of its token i + 1 (PromptLogprobs)."""
+    out = f"{count} of {total} positions have a NaN or inf logprob"
+    if lane is not None or first is not None:
+        out += ":" + (f" lane {lane}" if lane is not None else "")
+        if first is not None:
+            out += f"{',' if lane is not None else ''} first in {row} {first[0]} at {position} {first[1]} ({first[2]})"
+    return out
+
+
 def _aggregate(d: np.ndarray, nonfinite: np.ndarray, kl: np.ndarray | None, top1: np.ndarray | None) -> Metrics:
     n = d.shape[0]
     if n == 0:
@@ -173,6 +205,8 @@ def compare(a: LogprobRun, b: LogprobRun, near_tie_eps: float = NEAR_TIE_EPS["fl
                                   _flat(b, "topk_logprobs").reshape(b_ids.shape))
         top1 = a_ids[:, 0] == b_ids[:, 0]
     out = _aggregate(d, nonfinite, kl, top1)
+    if out.num_nonfinite:
+        out.first_nonfinite = nonfinite_at([p.logprobs for p in a.prompts], [p.logprobs for p in b.prompts])[1]
     if full_rows is not None:
         if full_rows[0].shape[0] != d.shape[0]:
             raise ValueError(f"full logprob rows have {full_rows[0].shape[0]} positions, the runs {d.shape[0]}")

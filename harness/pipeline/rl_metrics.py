@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lpdiff.harness.pipeline.metrics import K3_CLAMP
+from lpdiff.harness.pipeline.metrics import K3_CLAMP, nonfinite_at
 
 BAND = (0.5, 2.0)  # IcePop's ratio band
 
@@ -37,7 +37,7 @@ class DecodeMetrics:
     max_abs: float
     mean_abs: float
     num_nonfinite: int
-    first_nonfinite: tuple[int, int] | None = None  # (sequence, generated position) of the first one
+    first_nonfinite: list | None = None  # [sequence, generated position, side] of the first one (nonfinite_at)
 
 
 def token_k3(log_ratio: np.ndarray) -> np.ndarray:
@@ -50,19 +50,17 @@ def decode_metrics(engine: Sequence[np.ndarray], reference: Sequence[np.ndarray]
     the reference's (prefill of prompt + generated), same length per sequence."""
     if len(engine) != len(reference):
         raise ValueError(f"{len(engine)} engine sequences against {len(reference)} reference sequences")
-    rs, bad, first, per_seq = [], 0, None, []
+    rs, per_seq = [], []
     for i, (a, b) in enumerate(zip(engine, reference)):
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
         if a.shape != b.shape:
             raise ValueError(f"sequence {i}: {a.shape[0]} engine logprobs against {b.shape[0]} reference logprobs")
         finite = np.isfinite(a) & np.isfinite(b)
-        if not finite.all():
-            bad += int((~finite).sum())
-            first = first or (i, int(np.flatnonzero(~finite)[0]))
         r = (b - a)[finite]
         rs.append(r)
         if r.size:
             per_seq.append(float(token_k3(r).mean()))
+    bad, first = nonfinite_at(engine, reference)  # the prefill verdicts' rule (metrics.nonfinite_at)
     r = np.concatenate(rs) if rs else np.zeros(0)
     if r.size == 0:
         nan = math.nan

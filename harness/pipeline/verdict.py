@@ -14,7 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from lpdiff.harness.pipeline.metrics import Metrics
+from lpdiff.harness.pipeline.metrics import Metrics, nonfinite_reason
 from lpdiff.harness.pipeline.thresholds import Threshold
 
 Fidelity = float | Mapping[str, float] | None  # one number, or one per module group
@@ -43,12 +43,13 @@ class Verdict:
     next_step: str = ""  # for a lane that did not come out as expected: the command that localises it (next_step)
 
 
-def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity) -> list[str]:
+def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity, lane: str | None = None,
+              nonfinite: bool = True) -> list[str]:
     if m.num_positions == 0:
         return ["no positions to judge"]
     out = []
-    if m.num_nonfinite:
-        out.append(f"{m.num_nonfinite} of {m.num_positions} positions have a NaN or inf logprob")
+    if nonfinite and m.num_nonfinite:
+        out.append(nonfinite_reason(m.num_nonfinite, m.num_positions, m.first_nonfinite, lane))
     # "not <=" so that a NaN metric fails instead of slipping past a ">" test
     for label, value, limit in (("k2", m.k2, t.k2), ("max |Δ|", m.max_abs, t.max_abs)):
         if not value <= limit:
@@ -65,7 +66,9 @@ def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity) -> list[str]:
 def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = None, *, adapter: str | None = None,
           exclude_near_ties: bool = False) -> Verdict:
     """Pass when k2, max |Δ| and (if both given) delta fidelity are within ``threshold`` and no logprob is
-    NaN/inf. Model, engine pair, dtype and TP come from the threshold, which lookup() filled for this lane."""
+    NaN/inf. Model, engine pair, dtype and TP come from the threshold, which lookup() filled for this lane.
+    A NaN/inf logprob anywhere, near-tie positions included, is a FAIL naming the lane (``adapter``), the prompt
+    and the position of the first (metrics.nonfinite_reason), whatever the other metrics say."""
     notes, reasons_pre = [], []
     if threshold.source != "measured" or threshold.match != "exact":
         notes.append(f"threshold is {threshold.provenance}: {threshold.note}".strip())
@@ -83,7 +86,10 @@ def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = Non
                            f"near-ties (< {MIN_CLEAN_SHARE:.0%}): too few to judge; use fp32 or a decisive model"]
         notes.append(f"judged on {judged.num_positions} positions; the {metrics.near_tie_share:.1%} at or after a "
                      "router near-tie were excluded")
-    reasons = reasons_pre + _exceeded(judged, threshold, delta_fidelity)
+    reasons = reasons_pre + _exceeded(judged, threshold, delta_fidelity, adapter, nonfinite=judged is metrics)
+    if judged is not metrics and metrics.num_nonfinite:  # counted over every position: near-ties never hide one
+        reasons.insert(0, nonfinite_reason(metrics.num_nonfinite, metrics.num_positions, metrics.first_nonfinite,
+                                           adapter))
     clean = metrics.clean
     if reasons and not exclude_near_ties and clean is not None and clean.num_positions \
             and not _exceeded(clean, threshold, None):
