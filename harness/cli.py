@@ -106,6 +106,8 @@ def selection(f):
         click.option("--baselines", default=None, help="baseline store (default: $LPDIFF_BASELINES or lpdiff's)"),
         click.option("--json", "json_path", default=None, help="also write the verdicts as JSON here"),
         click.option("--save-runs", default=None, help="save the engine-under-test runs (.npz) here"),
+        click.option("--wide", is_flag=True, help="every verdict column in the table's rows (default: ~120 columns "
+                     "wide, shared columns above, reasons below; --json has everything)"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -124,7 +126,7 @@ def _prompt_source(prompts, split, column, count, seed):
 
 def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps, adapters, prompt_set, prompts,
                   prompts_split, prompts_column, prompts_count, prompts_seed, top_k, num_layers, options, baselines,
-                  json_path, save_runs) -> int:
+                  json_path, save_runs, wide=False) -> int:
     from lpdiff.engines import LaneDied, LaneError
     from lpdiff.harness.commands.run import DEFAULT_ENGINE, Job, default_tps, run_job, what_it_judges, zoo_models
     from lpdiff.harness.pipeline.references import default_store
@@ -168,7 +170,7 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps,
                 r.save(out / f"{model}.{job.engine}.{job.dtype}{tp}.{a or 'base'}.npz")
     if not regen:
         click.echo(what_it_judges(jobs[0]))
-    click.echo(verdict_table(verdicts))
+    click.echo(verdict_table(verdicts, wide=wide))
     if json_path:
         Path(json_path).write_text(to_json(verdicts))
     if regen:

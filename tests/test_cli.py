@@ -35,6 +35,9 @@ def test_regen_then_run_passes_and_saves_runs(tmp_path, capsys):
     # what the verdicts prove, then what every row shares: two lines above the table
     assert out.splitlines()[0].startswith("install self-check: hf (float32) against its own stored reference runs")
     assert "expected PASS" in out.splitlines()[1]
+    assert main(["run", *sel, "--wide"]) == 0  # every column in the rows
+    assert all("hf:float32-vs-hf:float32" in ln for ln in capsys.readouterr().out.splitlines()
+               if ln.startswith("tiny-gpt-oss "))
     saved = sorted((tmp_path / "runs").glob("*.npz"))
     assert len(saved) == 2
     # two stored runs compared: base vs adapter differ far beyond any fp32 threshold
