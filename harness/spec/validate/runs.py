@@ -14,6 +14,7 @@ from lpdiff.harness.types import LogprobRun
 LOGPROB_TOL = 1e-3
 RUN_ARRAYS = ("lengths", "token_ids", "logprobs")
 _SAVED = "give a run saved by `lpdiff run --save-runs DIR`"
+ZOO_DIR = Path(__file__).resolve().parents[2] / "zoo"  # spec.catalog's ZOO_DIR
 
 
 def load_run(path: str | Path, arg: str = "--runs") -> LogprobRun:
@@ -46,6 +47,12 @@ def run_vocab(meta: dict) -> int | None:
     """The vocabulary size of the model a run names: its meta's vocab_size, else the catalog model's."""
     if isinstance(meta.get("vocab_size"), int):
         return meta["vocab_size"]
+    zoo = ZOO_DIR / str(meta.get("model")) / "config.json"
+    if zoo.is_file() and "/" not in str(meta.get("model")):  # the committed zoo, without importing the catalog (torch)
+        cfg = json.loads(zoo.read_text())
+        vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        if isinstance(vocab, int):
+            return vocab
     try:
         from lpdiff.harness.spec.catalog import get_model
         from lpdiff.harness.spec.validate.prompts import model_limits
