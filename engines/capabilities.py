@@ -99,6 +99,14 @@ class Capabilities:
     # model's ``model.`` (a multimodal wrapper's ``model.language_model``): adapters must name modules under it
     adapter_roots: tuple[tuple[str, str], ...] = ()
     known_defects: tuple[KnownDefect, ...] = field(default_factory=tuple)
+    # tokens the engine prefills in one forward step under lpdiff's settings (vLLM max_num_batched_tokens, SGLang
+    # chunked_prefill_size, the triton runtime's and HF's max_batch_tokens): a longer prompt crosses a step
+    # boundary (chunked prefill), which long-prompt sets must reach. None: not known. ``arch_prefill_steps``:
+    # (model_type, step) where lpdiff's engine asks for another; ``prefill_step_option``: the engine option path
+    # that sets it (("llm_kwargs", "max_num_batched_tokens")), which wins over both
+    prefill_step: int | None = None
+    arch_prefill_steps: tuple[tuple[str, int], ...] = ()
+    prefill_step_option: tuple[str, ...] = ()
 
     def __post_init__(self):
         assert set(self.layouts) <= set(LAYOUTS), self.layouts
@@ -118,6 +126,15 @@ class Capabilities:
         """The decoder root (no trailing dot) the engine reads adapter names under on this arch; None: ``model``,
         the text model's own names."""
         return dict(self.adapter_roots).get(model_type(arch))
+
+    def prefill_step_for(self, arch: str, options: dict[str, Any] | None = None) -> int | None:
+        """Tokens per prefill step this engine runs ``arch`` with, given its options (None: not known)."""
+        where: Any = options or {}
+        for key in self.prefill_step_option:
+            where = where.get(key) if isinstance(where, dict) else None
+        if isinstance(where, int) and not isinstance(where, bool) and self.prefill_step_option:
+            return where
+        return dict(self.arch_prefill_steps).get(model_type(arch), self.prefill_step)
 
     def serves(self, arch: str) -> bool:
         return self.archs is None or model_type(arch) in self.archs

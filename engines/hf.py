@@ -53,6 +53,7 @@ CAPABILITIES = Capabilities(
     modes=tuple(Mode(f"experts_{impl}", {"experts_impl": impl}, ("experts",))
                 for impl in ("eager", "batched_mm", "grouped_mm")),
     router_lora="peft", per_layer_capture=True,
+    prefill_step=8192, prefill_step_option=("max_batch_tokens",),  # padded tokens per forward (HFEngine's default)
     known_defects=(
         KnownDefect("per-expert-ignored-by-peft", f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone loads "
                     "none of its expert tensors (drops them silently, or refuses the file where its targets match no "

@@ -6,7 +6,10 @@ runtime and HF itself serve, in bf16 and (where the engine has an fp32 LoRA path
 and every adapter of harness.check.ADAPTERS in every layout the engine reads; each lane is judged against HF+PEFT in
 fp32 with check.FACTOR x the noise measured in the same run (bf16: HF bf16 vs fp32; fp32: HF's two expert kernels;
 and the engine's own reruns). Correct adapters must PASS, the deliberately broken one (every expert's LoRA-B shifted
-to the next expert) must FAIL.
+to the next expert) must FAIL. The prompts (grid_prompts) are RL-like: chat-templated prompt + response and raw ids
+of 16 tokens up to past every engine's prefill step (18433 on Qwen3 / Qwen3.5, vLLM's 16384-token step on an H200;
+GRID_STEP_CAP holds the others to what the HF fp32 reference can score), packed short with long in one batch; a
+NaN/inf logprob anywhere is a FAIL naming lane, prompt and position (verdict.judge).
 
 Engines run where they are installed: in this interpreter, or through ``LPDIFF_VLLM_PYTHONPATH`` /
 ``LPDIFF_SGLANG_PYTHONPATH`` (an unpacked offline bundle; the engine then runs in a subprocess lane with that
@@ -24,7 +27,7 @@ import pytest
 from lpdiff.engines.base import capabilities, layouts_for
 from lpdiff.engines.progress import progress_log
 from lpdiff.harness.commands import check
-from lpdiff.harness.pipeline.session import engine_missing, engine_required
+from lpdiff.harness.pipeline.session import engine_missing, engine_options, engine_required
 from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve_init_recipe
 
 # depth per model: full width, cut so that every layer kind is present (Qwen3.5: three Gated-DeltaNet layers then
@@ -73,6 +76,57 @@ def cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
     return None
 
 
+# -- the prompts: RL-like long prompts packed with short ones (issue 42) ----------------------------------------------
+
+# the largest prefill step the grid runs a model with: an engine whose own step is larger runs at this one (its
+# step option), so that the set's longest prompt crosses every engine's step while the HF fp32 reference can
+# score it. gpt-oss: HF has no SDPA for its sinks, its eager attention holds 64 heads x n^2 fp32 scores (4609
+# tokens: 5.4 GB a copy; 18433: 87 GB); Nemotron-H: HF's torch Mamba-2 path (no mamba-ssm on the GPU image)
+# materialises C x B per chunk, ~4.2 MB per token per mamba layer at Nano's 64 heads x 128 state (Super 2x), for
+# each padded batch of up to 8192 tokens. Qwen3 / Qwen3.5 (SDPA, chunked GDN) take vLLM's own 16384 step:
+# their longest prompt is 18433 tokens
+GRID_STEP_CAP = {"gpt-oss-20b": 4096, "nemotron-3-nano-30b-a3b": 4096, "nemotron-3-super-120b-a12b": 2048}
+
+
+def grid_step(engine: str, model: str) -> int | None:
+    """The prefill step ``engine`` runs ``model`` with in the grid: its own (Capabilities.prefill_step_for),
+    capped at GRID_STEP_CAP."""
+    step = capabilities(engine).prefill_step_for(get_model(model).arch)
+    cap = GRID_STEP_CAP.get(model)
+    return step if cap is None or step is None else min(step, cap)
+
+
+def step_options(engine: str, model: str) -> dict:
+    """Engine options that set the grid's step where it is below the engine's own, merged into the engine's
+    options from the environment ($LPDIFF_<ENGINE>_OPTIONS: run_check merges options shallowly)."""
+    caps = capabilities(engine)
+    step, own = grid_step(engine, model), caps.prefill_step_for(get_model(model).arch)
+    if step is None or step == own or not caps.prefill_step_option:
+        return {}
+    out = engine_options(engine)
+    where = out
+    for key in caps.prefill_step_option[:-1]:
+        where[key] = dict(where.get(key) or {})
+        where = where[key]
+    where[caps.prefill_step_option[-1]] = step
+    return out
+
+
+def grid_prompts(model: str) -> list[list[int]]:
+    """The grid's prompts for ``model``: prompts.rl_prompts up to the model's max_position_embeddings (or just past
+    its GRID_STEP_CAP), whose longest crosses the largest grid_step of the engines serving it (ids from the zoo tokenizer: every catalog vocabulary
+    holds them, and the random weights do not care what they mean)."""
+    from lpdiff.harness.spec.catalog import hf_config
+    from lpdiff.harness.spec.prompts import past_step, rl_prompts
+
+    spec = get_model(model)
+    steps = [s for e in ENGINES if capabilities(e).serves(spec.arch) and (s := grid_step(e, model))]
+    max_len = hf_config(spec).get_text_config().max_position_embeddings
+    if model in GRID_STEP_CAP:  # what the reference can score: just past the capped step
+        max_len = min(max_len, past_step(GRID_STEP_CAP[model]))
+    return rl_prompts(max_len, max(steps, default=None))
+
+
 _CASES: dict[str, check.Case] = {}
 
 
@@ -84,8 +138,10 @@ def case_for(model: str, tmp_path_factory) -> check.Case:
         pytest.skip("needs a GPU")
     if model not in _CASES:
         _CASES.clear()  # one model's files at a time
-        _CASES[model] = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(model), init_recipe=RECIPE,
-                                         log=progress_log(f"[{model}] "))
+        case = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(model), init_recipe=RECIPE,
+                                log=progress_log(f"[{model}] "))
+        case.prompts = grid_prompts(model)
+        _CASES[model] = case
     return _CASES[model]
 
 
@@ -115,14 +171,14 @@ def _report(engine: str, res, record_verdict=None) -> None:
         record_verdict(v)
 
 
-def _judge(engine: str, case, tp: int, dtype: str, record_verdict) -> None:
+def _judge(engine: str, case, tp: int, dtype: str, record_verdict, options: dict | None = None) -> None:
     # hf reads per-expert files by converting them to PEFT 3D, exactly the reference's files (tests/
     # test_hf_per_expert.py): on the GPU those lanes would double HF's time and show nothing new
     layouts = ("peft3d",) if engine == "hf" else layouts_for(engine, case.spec.arch)
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
     log = progress_log(f"[{case.spec.name}-{engine}-tp{tp}-{dtype}] ")
-    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, dtype=dtype, log=log)
-               for lays in sessions]
+    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, dtype=dtype,
+                               options=options, log=log) for lays in sessions]
     # engine defects declared for this TP size (the engine's capabilities): an error must come out NOT as expected
     # (the day it comes out as expected the test fails, so the fix gets recorded); a warning may, but only as the
     # engine's own error: lanes that come out wrong without one are the silent case
@@ -158,7 +214,7 @@ def test_engine_vs_reference(model, engine, tp, dtype, tmp_path_factory, record_
     if why := cannot_serve(engine, model, tp, dtype):
         pytest.skip(why)
     _installed(engine)
-    _judge(engine, case_for(model, tmp_path_factory), tp, dtype, record_verdict)
+    _judge(engine, case_for(model, tmp_path_factory), tp, dtype, record_verdict, step_options(engine, model))
 
 
 # -- adapters as trainers write them (issue 42) ---------------------------------------------------------------------
@@ -241,11 +297,12 @@ def test_decode_vs_reference(model, engine, dtype, sampling, tmp_path_factory):
         pytest.skip("the triton runtime is prefill-only: it decodes greedily by re-prefill, no seeded sampling")
     _installed(engine)
     case = case_for(model, tmp_path_factory)
-    res = check.run_check(case, engine, k=2, reference=REFERENCE, dtype=dtype,
+    step = step_options(engine, model)  # the grid's prompts cross this step (grid_prompts)
+    res = check.run_check(case, engine, k=2, reference=REFERENCE, dtype=dtype, options=step,
                           log=progress_log(f"[{model}-{engine}-decode] "))
     assert res.error is None, check.format_result(res)
     dec = check_case_decode(case, engine, res.threshold, 1, dtype, REFERENCE, DECODE_TOKENS, sampling, seed=0,
-                            log=progress_log(f"[{model}-{engine}-decode] "))
+                            options=step, log=progress_log(f"[{model}-{engine}-decode] "))
     print("\n" + format_decode(dec))
     assert dec.passed, format_decode(dec)
 

@@ -121,3 +121,27 @@ def test_decode_lanes_run_at_tp_1_for_every_engine_dtype_and_sampling():
             for d in grid_module.DTYPES.values() for s in ("greedy", "seeded")}
     assert got == want
     assert all(p.id.endswith(("-decode-greedy", "-decode-seeded")) for p in grid_module.decode_grid())
+
+
+def test_the_grid_prompts_cross_every_engines_prefill_step_within_the_models_length():
+    """grid_prompts (prompts.rl_prompts): per model, one prompt longer than the step every engine serving it runs
+    with in the grid (vLLM's max_num_batched_tokens 16384 on an H200, SGLang's chunked_prefill_size 8192, triton /
+    HF max_batch_tokens 8192; GRID_STEP_CAP below them where HF's fp32 reference must score it), short ones beside,
+    none past max_position_embeddings; engines whose own step is above the cap get it as their step option."""
+    from lpdiff.engines.base import capabilities
+    from lpdiff.harness.spec.catalog import get_model, hf_config
+
+    for model in grid_module.MODELS:
+        arch = get_model(model).arch
+        prompts = grid_module.grid_prompts(model)
+        lens = [len(p) for p in prompts]
+        assert min(lens) == 16 and max(lens) <= hf_config(get_model(model)).get_text_config().max_position_embeddings
+        for e in grid_module.ENGINES:
+            if capabilities(e).serves(arch):
+                assert max(lens) > grid_module.grid_step(e, model), (model, e, lens)
+        assert max(lens) == {"qwen3-30b-a3b": 18433, "qwen3.5-35b-a3b": 18433, "gpt-oss-20b": 4609,
+                             "nemotron-3-nano-30b-a3b": 4609, "nemotron-3-super-120b-a12b": 2305}[model], lens
+    assert grid_module.step_options("vllm", "gpt-oss-20b")["llm_kwargs"]["max_num_batched_tokens"] == 4096
+    assert grid_module.step_options("sglang", "gpt-oss-20b")["server_args"]["chunked_prefill_size"] == 4096
+    assert grid_module.step_options("vllm", "qwen3-30b-a3b") == {}  # its own 16384: the prompts cross it
+    assert grid_module.step_options("vllm", "nemotron-3-nano-30b-a3b") == {}  # 2048 with LoRA, below the cap

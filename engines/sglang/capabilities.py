@@ -28,6 +28,9 @@ CAPABILITIES = Capabilities(
                                   "fc2_latent_proj", "embed_tokens", "lm_head"}))),
     # lora/lora_config.py:42-45 reads r, lora_alpha, target_modules and use_dora only; lora/lora.py:71 scales alpha/r
     ignored_features=("rank_pattern", "alpha_pattern", "use_rslora"),
+    # chunked_prefill_size: SGLang's own default on GPUs of 35-160 GB (H100, H200; 16384 from 160 GB, server_args
+    # _handle_gpu_memory_settings), which lpdiff's engine keeps
+    prefill_step=8192, prefill_step_option=("server_args", "chunked_prefill_size"),
     modes=(Mode("cuda_graphs_on", {"server_args": {"disable_cuda_graph": False}}, ("cuda",)),
            Mode("chunked_prefill_64", {"server_args": {"chunked_prefill_size": 64}}, ("cuda",)),
            Mode("lora_backend_csgmv", {"server_args": {"lora_backend": "csgmv"}}, ("cuda",))),

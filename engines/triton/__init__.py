@@ -47,6 +47,8 @@ CAPABILITIES = Capabilities(
     layouts=("peft3d", "per_expert"), dtypes=("float32", "bfloat16", "float16"), lora_fp32=True,
     # above the kernels' register-held rank (kernels.MAX_RANK) a session runs the torch LoRA path
     max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), cpu_tp=(1, 2, 4, 8), per_layer_capture=True,
+    # packed tokens per forward (TritonOptions.max_batch_tokens); a longer prompt runs alone in its own forward
+    prefill_step=8192, prefill_step_option=("max_batch_tokens",),
     router_lora="refused",  # LoRA runs on attention and experts only (engines/triton/lora.py SUPPORTED_TARGETS)
     modes=(Mode("kernels_torch", {"impl": "torch"}), Mode("kernels_triton", {"impl": "triton"}, ("triton_kernels",)),
            Mode("attention_sdpa", {"attention": "sdpa"}),

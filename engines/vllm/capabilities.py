@@ -3,7 +3,7 @@ and the known defects with the versions they were measured on. Importing this im
 from __future__ import annotations
 
 from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
-from lpdiff.engines.vllm.settings import FALLBACK_RANKS
+from lpdiff.engines.vllm.settings import FALLBACK_RANKS, NEMOTRON_LORA_STEP_TOKENS
 
 _V25, _V32 = "vLLM 0.25.1", "vLLM 0.32"
 _EXPERT_CUDA = ("experts", "cuda")  # MoE-LoRA in vLLM is a GPU (Triton) path
@@ -22,6 +22,11 @@ CAPABILITIES = Capabilities(
     # 0.25.1 registers Qwen3.5-MoE only as Qwen3_5MoeForConditionalGeneration (registry.py:561), whose LoRA names go
     # through its checkpoint mapper: every Qwen3.5-MoE checkpoint vLLM serves reads adapters under this root
     adapter_roots=(("qwen3_5_moe", "model.language_model"),),
+    # vLLM's default max_num_batched_tokens for the LLM class on GPUs of >= 70 GiB other than the A100 (H100, H200:
+    # EngineArgs.get_batch_defaults; 8192 on smaller ones), which lpdiff's engine keeps; Nemotron-H with adapters runs
+    # at 2048 (NEMOTRON_LORA_STEP_TOKENS; 4096 / TP above TP 2: vllm-nemotron-step-fault)
+    prefill_step=16384, arch_prefill_steps=(("nemotron_h", NEMOTRON_LORA_STEP_TOKENS),),
+    prefill_step_option=("llm_kwargs", "max_num_batched_tokens"),
     modes=(
         # the 2D MoE-LoRA wrapper for every adapter instead of the model's native path: the same math where it is
         # right (Qwen3-MoE reads per-expert natively), vLLM 0.25.1's gate/up defect on gpt-oss (plan_moe_lora)
