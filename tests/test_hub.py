@@ -303,13 +303,15 @@ def test_push_uploads_only_the_store_index_never_a_stray_or_a_link(server, env, 
     shutil.copy(store / good[0], elsewhere)
     alias = store / good[1].split("/")[0] / "notes.parquet"  # a link to a valid baseline is no baseline either
     alias.symlink_to(elsewhere)
+    folder = store / "cd"  # a linked folder is not walked into
+    folder.symlink_to(secret.parent, target_is_directory=True)
     url = _fresh_repo(server, "strays")
     err = run(env, op="push", store=str(store), url=url, lock=str(tmp_path / "l"), expect_rc=2)
-    for name in ("notes.txt", link.name, "notes.parquet"):
+    for name in ("notes.txt", link.name, "notes.parquet", str(folder)):
         assert name in err["message"], err
     assert "symlink" in err["message"] and "lpdiff-ci/strays" not in server.state.repos  # nothing was sent
     assert not any(b"lpdiff-must-not-upload-this" in d for d in server.state.lfs.values())
-    for p in (store / "notes.txt", link, alias):
+    for p in (store / "notes.txt", link, alias, folder):
         p.unlink()
     pushed = run(env, op="push", store=str(store), url=url, lock=str(tmp_path / "l"))
     assert sorted(pushed["added"]) == sorted(good)
