@@ -233,3 +233,57 @@ def test_module_capture_matches_hf_modules(tiny):
             assert err < 1e-5, (i, name, err)
         assert torch.equal(got[i, "router_ids"], cap[i, "router_ids"])
     assert float((got[0, "attention"] - got[0, "attention_base"]).abs().max()) > 1e-2  # the adapter is in it
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not _cuda(), reason="needs a GPU")
+def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
+    """Qwen3.5-35B-A3B at full width, first 4 layers (3 Gated DeltaNet + 1 gated attention; seeded weights), fp32:
+    base, an every-group adapter in both expert layouts and a linear-attention-only one, prompts of 16..4096 tokens
+    packed, against HF+PEFT prompt by prompt (transformers' torch GDN: keep fla off the path of this process)."""
+    from peft import PeftModel
+
+    from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
+    from lpdiff.harness.spec.catalog import get_model, load_hf_model
+    from lpdiff.harness.types import AdapterSpec
+
+    if gdn.fla_available():
+        pytest.skip("with fla importable, transformers runs fla's TF32-precision kernel for HF's fp32 reference")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    spec = get_model("qwen3.5-35b-a3b", num_layers=4)
+    model = load_hf_model(spec, torch.float32, "cuda")
+    groups = ("attention", "linear_attention", "shared_expert", "experts")
+    paths = {"all": generate_adapter(model, tmp_path / "all", groups=groups, rank=16, alpha=32, seed=1).path,
+             "la": generate_adapter(model, tmp_path / "la", groups=("linear_attention",), rank=8, seed=2).path}
+    pe = convert_adapter(paths["all"], tmp_path / "all_pe", "per_expert", model.config).path
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (16, 300, 4096, 1024, 77)]
+    refs = {}
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(model, paths["all"], adapter_name="all")
+        peft.load_adapter(paths["la"], adapter_name="la")
+        peft.eval()
+
+        def logprobs(p):
+            ids = torch.tensor([p], device="cuda")
+            lg = peft(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
+            return lg[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu().numpy()
+        for name in ("all", "la"):
+            peft.set_adapter(name)
+            refs[name] = [logprobs(p) for p in prompts]
+        with peft.disable_adapter():
+            refs[None] = [logprobs(p) for p in prompts]
+    del peft, model
+    torch.cuda.empty_cache()
+    adapters = {"all": AdapterSpec("all", str(paths["all"])), "la": AdapterSpec("la", str(paths["la"])),
+                "all_pe": AdapterSpec("all_pe", str(pe))}
+    mixed = ["all", None, "la", "all_pe", "all"]
+    with open_engine("triton", EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cuda")) as e:
+        for choice in (None, "all_pe", mixed):
+            got = e.prompt_logprobs(prompts, choice)
+            names = choice if isinstance(choice, list) else [choice] * len(prompts)
+            for i, (r, n) in enumerate(zip(got, names)):
+                ref = refs[{"all_pe": "all"}.get(n, n)][i]
+                assert float(np.abs(r.logprobs - ref).max()) <= TOL, (choice, i)
+    for name in ("all", "la"):  # each adapter moves the output far beyond the tolerance
+        assert max(float(np.abs(a - b).max()) for a, b in zip(refs[name], refs[None])) > 100 * TOL, name
