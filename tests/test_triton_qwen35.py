@@ -92,10 +92,11 @@ def test_tensor_parallel_2_equals_tp1(tiny, triton_runs):
     assert _maxdiff(tp2, triton_runs[2]) <= TOL
 
 
-@pytest.mark.parametrize("lens", [[150], [7, 64, 129]])
+@pytest.mark.parametrize("lens", [[150], [7, 64, 129], [5, 200, 3]])
 def test_chunked_delta_rule_matches_the_recurrence(lens):
-    """The chunked form (gdn.chunk_gated_delta_rule_torch) on the padded view of a packed batch against the
-    token-by-token recurrence of each prompt alone: odd widths, more value heads than a chunk divides evenly."""
+    """The chunked form (gdn.chunk_gated_delta_rule_torch) on a packed batch (its padded view, or prompt by prompt
+    where that view would be mostly padding: [5, 200, 3]) against the token-by-token recurrence of each prompt
+    alone; odd widths, lengths off the 64-token chunk."""
     from lpdiff.engines.triton.batch import Batch
 
     g = torch.Generator().manual_seed(len(lens))

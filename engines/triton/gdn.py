@@ -129,6 +129,14 @@ def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torc
                                       output_final_state=False, cu_seqlens=batch.cu_seqlens.long(),
                                       use_qk_l2norm_in_kernel=True)
         return o[0].to(v.dtype)
+    if len(batch.lens) * batch.max_len > 2 * batch.num_tokens:
+        # the padded view would be mostly padding (one long prompt among short ones: 4096 + 100 x 40 tokens pads to
+        # 101 x 4096): each prompt alone instead, the same chunks and arithmetic per prompt
+        outs, start = [], 0
+        for n in batch.lens:
+            outs.append(chunk_gated_delta_rule_torch(*(t[start:start + n][None] for t in (q, k, v, g, beta)))[0])
+            start += n
+        return torch.cat(outs)
     o = chunk_gated_delta_rule_torch(*(batch.pad(t) for t in (q, k, v, g, beta)))
     return batch.unpad(o)
 
