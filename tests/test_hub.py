@@ -28,7 +28,7 @@ try:
     op = args.pop("op")
     if op == "push":
         r = hub.push(args["store"], args["url"], lock=args["lock"], parent=args.get("parent"),
-                     delete=args.get("delete", False))
+                     **({"delete": True} if args.get("delete") else {}))
         out = {"commit": r.ref.revision, "added": r.added, "deleted": r.deleted}
     elif op == "upload":  # another tool's commit of arbitrary files, straight through huggingface_hub
         from huggingface_hub import CommitOperationAdd, HfApi
