@@ -153,7 +153,7 @@ def rl_lengths(max_len: int, step: int | None = None) -> list[int]:
 def _chat_tokenizer(tokenizer: str | Path | None):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(ZOO_TOKENIZER.parent if same_as_zoo(tokenizer) else tokenizer))
+    tok = AutoTokenizer.from_pretrained(str(ZOO_TOKENIZER.parent if tokenizer is None else tokenizer))
     tok.model_max_length = 1 << 30  # the zoo's says 1024: long rollouts are the point here, not a mistake
     return tok
 
