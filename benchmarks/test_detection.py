@@ -45,3 +45,14 @@ def test_rows_of_one_model_share_one_case(monkeypatch):
     assert detection._case("m", 4, "peaked/v1", "cuda", (), print) is a and built == [("m", 4)]
     detection._case("m", 8, "peaked/v1", "cuda", (), print)
     assert built == [("m", 4), ("m", 8)]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_engine_row_with_routing_replay(tmp_path, monkeypatch):
+    """benchmarks/detection.py --routing-replay: noise = each run against the reference replaying its own ids."""
+    monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "store"))
+    row = detection.measure_engine("tiny-qwen3-moe", "triton", "bfloat16", layers=2, reruns=2, device="cpu",
+                                   lengths=(20, 12), layouts=("peft3d",), routing_replay=True)
+    assert row["engine_pair"] == "triton:bfloat16-vs-hf[replay]:float32", row
+    noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
+    assert 0 < noise <= thr < effect, row

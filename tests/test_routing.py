@@ -281,14 +281,3 @@ def test_replay_and_capture_options_are_checked():
     with pytest.raises(ValueError, match="capture_routing"):
         _run("triton", MOE[0], options={"capture_routing": "yes"})
 
-
-def test_detection_row_with_routing_replay(tmp_path, monkeypatch):
-    """benchmarks/detection.py --routing-replay: noise = each run against the reference replaying its own ids."""
-    from benchmarks import detection
-
-    monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "store"))
-    row = detection.measure_engine("tiny-qwen3-moe", "triton", "bfloat16", layers=2, reruns=2, device="cpu",
-                                   lengths=(20, 12), layouts=("peft3d",), routing_replay=True)
-    assert row["engine_pair"] == "triton:bfloat16-vs-hf[replay]:float32", row
-    noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
-    assert 0 < noise <= thr < effect, row
