@@ -99,19 +99,22 @@ def latent(tmp_path_factory):
                                 layout="per_expert"),
         "mixers": generate_adapter(model, root / "mixers", groups=("mamba", "attention", "shared_expert"), rank=6,
                                    seed=2),
+        "vocab": generate_adapter(model, root / "vocab", groups=("embed_tokens", "lm_head", "mamba"), rank=5, seed=4),
     }
     spec = ModelSpec(name="tiny-nemotron-latent", arch="nemotron_h", path=str(root / "model"))
     return spec, {n: AdapterSpec(n, a.path) for n, a in adapters.items()}, _prompts([9, 21, 4, 17], 96, 5)
 
 
 def test_latent_group_routing_every_group(latent):
+    """Latent MoE, group-limited top-k and a correction bias; every adapter group (the vocabulary ones too: embedding
+    LoRA in the model, lm_head LoRA in the runtime's log-softmax), alone and mixed with base rows."""
     spec, adapters, prompts = latent
-    choices = [None, "moe", "mixers", ["mixers", None, "moe", "mixers"]]
+    choices = [None, "moe", "mixers", "vocab", ["mixers", None, "moe", "vocab"]]
     ref = _runs("hf", spec, adapters, prompts, choices)
     got = _runs("triton", spec, adapters, prompts, choices)
     for c, g, r in zip(choices, got, ref):
         assert _maxdiff(g, r) <= TOL, f"adapter choice {c}: max |d| {_maxdiff(g, r):.2e}"
-    for i in (1, 2):
+    for i in (1, 2, 3):
         assert _maxdiff(got[i], got[0]) > 100 * TOL, choices[i]
 
 

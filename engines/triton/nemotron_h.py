@@ -10,6 +10,8 @@ from lpdiff.engines.triton.nemotron_h_model import NemotronHModel
 from lpdiff.engines.triton.nemotron_h_weights import Names, config_from_hf, load, stack_adapters
 from lpdiff.engines.triton.shard import Shard
 
+EMBEDDING_LORA = True  # the model adds the runtime's embedding LoRA (vocab_lora.VocabLora) to the embedded tokens
+
 
 def build(hf, source, adapters: dict, shard: Shard, dtype: torch.dtype, device: torch.device, all_reduce, options):
     """archs.Built for a Nemotron-H model (runtime.Runtime calls it)."""

@@ -39,6 +39,7 @@ class NemotronHModel:
             warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
                           "run on the kernels' torch references", stacklevel=2)
         self.capture: dict | None = None  # opt-in (lpdiff bisect): layer index -> that layer's output hidden states
+        self.vocab = None  # vocab_lora.VocabLora of the session's adapters (set by the runtime), or None
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads) if "*" in cfg.kinds else (range(0), range(0))
         self.heads, self.kv_heads = len(qh), len(kvh)
 
@@ -55,6 +56,8 @@ class NemotronHModel:
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> final-normed hidden states (T, H) and each token's smallest routing margin over MoE layers (T,)."""
         x = self.w.embed[batch.input_ids]
+        if self.vocab is not None and (d := self.vocab.embed_delta(batch.input_ids, batch.token_adapter)) is not None:
+            x = x + d  # embedding LoRA (vocab_lora.py; lm_head LoRA runs in the runtime's log-softmax)
         margin = torch.full((batch.num_tokens,), float("inf"), device=x.device)
         delta = None  # output of the last mixer, not yet added to the residual x
         for i, lay in enumerate(self.w.layers):

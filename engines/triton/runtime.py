@@ -47,12 +47,16 @@ class Runtime:
         self.vocab = stack_vocab(adapters, self.dtype, device)
         adapters = {name: without_vocab(a) for name, a in adapters.items()}
         if hybrid is not None:  # an arch whose module builds the whole model (archs.HYBRIDS, archs.Built)
-            if self.vocab is not None and self.vocab.embed_a is not None:
+            # a hybrid module that adds embedding LoRA itself says so (EMBEDDING_LORA) and its model takes ``vocab``
+            if self.vocab is not None and self.vocab.embed_a is not None and not getattr(hybrid, "EMBEDDING_LORA",
+                                                                                          False):
                 raise ValueError("embed_tokens LoRA on a hybrid arch: the triton runtime runs embedding LoRA on "
-                                 "qwen3_moe and gpt_oss only; judge that adapter on the hf engine")
+                                 "qwen3_moe, gpt_oss and nemotron_h only; judge that adapter on the hf engine")
             built = hybrid.build(hf, source, adapters, shard, self.dtype, device, all_reduce, options)
             del source
             self.cfg, self.weights, self.lora, self.model = built.cfg, built.weights, built.lora, built.model
+            if getattr(hybrid, "EMBEDDING_LORA", False):
+                self.model.vocab = self.vocab
             return
         self.cfg = model_config(hf, config.model.num_layers)
         self.weights = load_weights(self.cfg, source, shard, self.dtype, device)
