@@ -144,9 +144,14 @@ def plan(ctx: Context, relations: Sequence[str] | None = None) -> tuple[list[Lan
     return lanes, na
 
 
-def _arrange(lane: Lane, n: int, seed: int) -> list[tuple[list[int], list[str | None]]]:
-    """-> calls, each (prompt indices, adapter names per row); the lane's rows are those with adapter 'lane'."""
+def _arrange(lane: Lane, n: int, seed: int, among: Sequence[str] = ()) -> list[tuple[list[int], list[str | None]]]:
+    """-> calls, each (prompt indices, adapter names per row); the lane's rows are those with adapter 'lane'.
+    ``among``: the session's adapter names, for among_adapters."""
     me = "lane"
+    if lane.arrangement == "among_adapters":
+        group = [me, *among]
+        rows = [(i, who) for i in range(n) for who in group[i % len(group):] + group[:i % len(group)]]
+        return [([i for i, _ in rows], [w for _, w in rows])]
     if lane.arrangement in ("alone", "beside_other"):
         return [(list(range(n)), [me] * n)]
     if lane.arrangement == "single":
@@ -160,9 +165,10 @@ def _arrange(lane: Lane, n: int, seed: int) -> list[tuple[list[int], list[str | 
     return [([i for i, _ in rows], [w for _, w in rows])]
 
 
-def _run_lane(eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int) -> LogprobRun:
+def _run_lane(eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int,
+              among: Sequence[str] = ()) -> LogprobRun:
     out = [None] * len(prompts)
-    for idx, who in _arrange(lane, len(prompts), seed):
+    for idx, who in _arrange(lane, len(prompts), seed, among):
         got = eng.prompt_logprobs([prompts[i] for i in idx], [names.get(w, w) for w in who])
         for i, w, res in zip(idx, who, got):
             if w == "lane":
@@ -189,13 +195,17 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
     models = {None: None} | {lane.model.name: lane.model for lane in lanes if lane.model}
     for (session, key, options, tp), group in sessions(ctx, lanes):
         model = models[key]
-        uses_orig = session.startswith("original") or any(lane.adapter == str(ctx.adapter_dir) for lane in group)
+        among = any(lane.arrangement == "among_adapters" for lane in group)
+        uses_orig = (session.startswith("original") or among
+                     or any(lane.adapter == str(ctx.adapter_dir) for lane in group))
         adapters = {ORIG: orig_spec} if uses_orig else {}
         for j, lane in enumerate(group):
             if lane.adapter is not None and lane.adapter != str(ctx.adapter_dir):
                 adapters[f"lane{j}"] = AdapterSpec(f"lane{j}", lane.adapter)
         if any(lane.arrangement not in ("alone", "single", "tripled") for lane in group):
             adapters[OTHER] = AdapterSpec(OTHER, other_dir)
+        if among:  # a session with no adapters (the LoRA-disabled one) never gets here: among implies ORIG
+            adapters.update({f"neighbour:{n}": AdapterSpec(f"neighbour:{n}", d) for n, d in ctx.neighbours.items()})
         cfg = EngineConfig(model=model or ctx.spec, adapters=adapters, dtype=ctx.dtype, tp=tp or ctx.tp,
                            options={**ctx.options, **json.loads(options)})
         log(f"session {session}: {len(group)} lane(s), {len(adapters)} adapter(s)")
@@ -210,7 +220,8 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
                 adapter = None if lane.adapter is None else (
                     ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
                 for r in range(lane.reruns):
-                    runs[rerun_name(lane.name, r)] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed)
+                    runs[rerun_name(lane.name, r)] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed,
+                                                               [a for a in adapters if a != adapter])
         log(f"session {session}: done in {time.perf_counter() - t0:.1f} s")
         if after_session is not None:
             after_session(group, runs, origs, bases, version)
@@ -285,7 +296,8 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
                     near_tie_eps=near_tie_eps if near_tie_eps is not None else NEAR_TIE_EPS[dtype])
         judged = m.clean if near_tie_eps is not None and m.clean is not None else m
         # the size of the adapter effect the difference is measured in: the reference's own, or the original's
-        effect_ref = ORIG if lane.reference == ORIG or lane.reference in base_rows else lane.reference
+        effect_ref = (ORIG if lane.reference == ORIG or lane.reference in base_rows or lane.adapter is None
+                      else lane.reference)  # base rows against base rows of another session: the original's
         effect = float(np.linalg.norm(flat[effect_ref] - flat["base"]))
         delta_rel = float(np.linalg.norm(flat[lane.name] - flat[lane.reference])) / effect if effect else float("nan")
         note = "" if lane.reference == ORIG else f"vs {lane.reference}"
@@ -332,9 +344,11 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
                     relations: Sequence[str] | None = None, k: int = 2, factor: float | None = None,
                     near_tie_eps: float | None = None, tmp: str | Path | None = None,
                     log: Callable[[str], None] = lambda s: None,
-                    on_results: Callable[[str, list[Result]], None] | None = None) -> Report:
+                    on_results: Callable[[str, list[Result]], None] | None = None,
+                    neighbours: dict[str, str] | None = None) -> Report:
     """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps).
-    ``on_results(engine_version, results)``: each engine session's verdicts as soon as it ends, then the n/a ones."""
+    ``on_results(engine_version, results)``: each engine session's verdicts as soon as it ends, then the n/a ones.
+    ``neighbours``: more adapters (name -> directory) beside which the neutral relation runs base rows."""
     from lpdiff.harness.spec.catalog import hf_config
     from lpdiff.harness.pipeline.provenance import device_name
 
@@ -345,7 +359,7 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
         hf = hf_config(spec)
         layout = ModelLayout.from_config(hf)
         ctx = Context(engine, spec, hf, layout, load_canonical(adapter_dir, layout), Path(adapter_dir), tmp, dtype,
-                      tp, dict(options or {}), log=log)
+                      tp, dict(options or {}), log=log, neighbours=dict(neighbours or {}))
         log(f"read the adapter: {time.perf_counter() - t0:.1f} s")
         lanes, na = plan(ctx, relations)
         rounding = [Lane(ROUNDING, ctx.write("rerounded", rerounded(ctx.adapter, UNIT_ROUNDOFF[dtype], ctx.seed + 2)),

@@ -31,8 +31,10 @@ from lpdiff.harness.types import ModelSpec
 # alone: every prompt with the lane's adapter in one call; beside_other: the same, in an engine that also holds a
 # different adapter of twice the rank; mixed: each prompt's row next to a base row and an other-adapter row in one
 # call; permuted: the mixed rows shuffled; single: one call per prompt; tripled: every prompt three times with the
-# lane's adapter (the mixed batch's size without its other adapters: tells a batch-size effect from a mixing one)
-ARRANGEMENTS = ("alone", "beside_other", "mixed", "permuted", "single", "tripled")
+# lane's adapter (the mixed batch's size without its other adapters: tells a batch-size effect from a mixing one);
+# among_adapters: each prompt's row beside one row per adapter of the session (the original, the neighbour and
+# Context.neighbours), its place among them rotating from prompt to prompt
+ARRANGEMENTS = ("alone", "beside_other", "mixed", "permuted", "single", "tripled", "among_adapters")
 ORIG, OTHER = "orig", "other"  # adapter names of the original adapter and the unrelated neighbour in batches
 
 
@@ -75,6 +77,9 @@ class Context:
     seed: int = 0
     log: Callable[[str], None] = lambda s: None
     refusals: dict[str, str | None] = field(default_factory=dict)  # adapter dir -> refused()'s answer
+    # more adapters (name -> directory) that sessions with among_adapters lanes hold beside the original and the
+    # neighbour: the GPU grid's adapter lanes, so that neutrality sees base rows beside every one of them
+    neighbours: dict[str, str] = field(default_factory=dict)
 
     def write(self, name: str, adapter: CanonicalAdapter, layout: str | None = None) -> str:
         """Transformed adapters keep the original's expert layout (the one the engine was given because it reads
@@ -219,6 +224,23 @@ def _batch(ctx: Context):
             Lane("batch:tripled", d, arrangement="tripled", session="transformed")]
 
 
+def _neutral(ctx: Context):
+    """LoRA neutrality: base rows of a LoRA-enabled engine (one holding the original, the neighbour and
+    Context.neighbours), alone and each beside a row of every adapter, against a LoRA-disabled engine of the same
+    build (a session with no adapters: EngineConfig.adapters empty, the engines start without LoRA). Exact: bit
+    for bit where reruns are (triton, HF, SGLang), within the rerun noise where LoRA runs are not (vLLM)."""
+    from lpdiff.engines.base import capabilities
+
+    caps = capabilities(ctx.engine)
+    if ctx.layout.experts and not caps.moe_lora_cpu and _cuda(ctx):
+        return f"{caps.label} runs MoE models with LoRA only on a GPU ({_cuda(ctx)})"
+    return [Lane("neutral:lora_off", None, reference="", session="neutral:lora_off"),
+            Lane("neutral:base_alone", None, reference="neutral:lora_off", session="neutral:lora_on", exact=True,
+                 reruns=2),
+            Lane("neutral:base_among_adapters", None, reference="neutral:lora_off", arrangement="among_adapters",
+                 session="neutral:lora_on", exact=True, reruns=2)]
+
+
 def _cuda(ctx: Context, need: int = 1) -> str | None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return None if have >= need else f"needs {need} GPU(s), this machine has {have}"
@@ -306,6 +328,8 @@ RELATIONS: dict[str, Relation] = {r.name: r for r in [
     Relation("batch", "the adapter's rows mixed with others, permuted, batch size 1", _batch),
     Relation("modes", "engine switches that must not change the math", _modes),
     Relation("tp", "TP 2 and 4 against TP 1, each judged with its own rerun noise", _tp),
+    Relation("neutral", "base rows of a LoRA-enabled engine, alone and beside every adapter, = a LoRA-disabled one",
+             _neutral),
 ]}
 
 
