@@ -188,7 +188,8 @@ def test_fp32_rounding_floor_is_the_ulp_of_the_logprobs_over_the_depth():
     from lpdiff.harness.pipeline.noise import fp32_rounding_floor
     from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
-    run = LogprobRun(prompts=[PromptLogprobs(token_ids=np.array([1, 2, 3]), logprobs=np.array([-9.0, -12.5], np.float32))])
+    lp = np.array([-9.0, -12.5], np.float32)
+    run = LogprobRun(prompts=[PromptLogprobs(token_ids=np.array([1, 2, 3]), logprobs=lp)])
     floor = fp32_rounding_floor({None: run}, layers=2)
     assert floor.k2 == pytest.approx(0.5 * 3 * 2.0 ** -40) and floor.max_abs == pytest.approx(4 * 3 ** 0.5 * 2 ** -20)
     assert fp32_rounding_floor({None: run}, layers=8).k2 == pytest.approx(3 * floor.k2)

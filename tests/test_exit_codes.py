@@ -67,7 +67,8 @@ def test_help_and_version_import_no_torch():
     or numpy: the command modules are imported when a command runs."""
     code = ("import sys, contextlib, io\n"
             "from lpdiff.harness.cli import main\n"
-            "for argv in (['--help'], ['--version'], ['run', '--help'], ['baselines', '--help'], ['check', '--help']):\n"
+            "for argv in (['--help'], ['--version'], ['run', '--help'], ['baselines', '--help'],\n"
+            "             ['check', '--help']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()):\n"
             "        assert main(argv) == 0, argv\n"
             "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'pyarrow') if m in sys.modules))\n")

@@ -88,7 +88,8 @@ def _forward(spec, adapters, prompts, choices, dtype, impl):
 
 
 @pytest.mark.parametrize("tiny", ["qwen3_moe"], indirect=True)  # the interpreter's cost: one arch
-# bf16 on the kernels (where the CPU let NaN through), fp32 on the references: two interpreted forwards per case, 12-25 s on 2 shared cores
+# bf16 on the kernels (where the CPU let NaN through), fp32 on the references: two forwards per case, 12-25 s on
+# 2 shared cores
 @pytest.mark.parametrize("dtype,impl", [("bfloat16", "triton"), ("float32", "torch")])
 def test_triton_engine_forward_ignores_what_the_allocator_hands_back(tiny, dtype, impl, request):
     """A clean forward, then the same forward with every torch.empty NaN-filled and the BLAS reading C: equal
