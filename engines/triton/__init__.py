@@ -36,7 +36,7 @@ Options (``EngineConfig.options``; validated once into options.TritonOptions):
                     with the new token ids (engines/triton/graphs.py); that second call costs about two forwards
                     (a warm-up and the capture)
   capture_routing   return each token's expert ids, top-k weights and margin per MoE layer (default False; the
-                    calls then run without CUDA graphs; qwen3_moe and gpt_oss; engines/triton/routing.py)
+                    calls then run without CUDA graphs; engines/triton/routing.py)
 """
 from lpdiff.engines.capabilities import Capabilities, Mode
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS

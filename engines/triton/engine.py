@@ -14,7 +14,7 @@ import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.triton.capture import capture_layers
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS
 from lpdiff.engines.triton.options import DEFAULTS, TritonOptions
-from lpdiff.engines.triton.routing import run_with_routing, supports_routing
+from lpdiff.engines.triton.routing import run_with_routing
 from lpdiff.engines.triton.runtime import Runtime
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.harness.spec.validate import check_prompts, model_limits
@@ -74,9 +74,6 @@ class TritonEngine:
                 log("process group joined")
             self.runtime = Runtime(self.config, self.options, Shard(0, world), tp.rank_device(self.device, 0),
                                    tp.all_reduce_fn(world))
-            if self.options.capture_routing and not supports_routing(self.runtime):
-                raise ValueError(f"option capture_routing: the triton runtime records routing on qwen3_moe and "
-                                 f"gpt_oss, not yet on {self.config.model.arch}; capture it with the hf engine")
             if self.workers is not None:
                 log("rank 0 loaded its shard")
                 self.workers.wait_ready()

@@ -47,9 +47,6 @@ class MoeTransformer:
         # under TP each rank's partial output is all-reduced, and summing first keeps that to one (T, H)
         self.fuse_topk_sum = shard.size == 1
         self.capture: dict | None = None  # opt-in (lpdiff bisect): layer index -> that layer's output hidden states
-        # opt-in (option capture_routing, engines/triton/routing.py): forward appends each MoE layer's top-k ids,
-        # weights and own margin (the running minimum then takes one launch more per layer, hence off by default)
-        self.routing: list | None = None
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads = len(qh), len(kvh)
         d = cfg.head_dim
@@ -73,12 +70,7 @@ class MoeTransformer:
             h, x = self._norm(x, delta, lw.input_norm, None if xa is None else xa[:, :cfg.hidden_size])
             delta = self.attend(h if xa is None else xa, lw, ll, batch, cfg.sliding_windows[i])
             h, x = self._norm(x, delta, lw.post_norm)
-            if self.routing is None:
-                ids, weights, margin = route(h, lw, cfg, self.impl, min_into=margin)
-            else:
-                ids, weights, layer_margin = route(h, lw, cfg, self.impl)
-                self.routing.append((ids, weights, layer_margin))
-                margin = torch.minimum(margin, layer_margin)
+            ids, weights, margin = route(h, lw, cfg, self.impl, min_into=margin)
             delta = self.all_reduce(experts(h, ids, weights, lw, cfg, ll.moe if ll is not None else None,
                                             batch.token_adapter, self.lora_impl, self.moe_backend,
                                             sum_topk=not self.fuse_topk_sum, shrink=self.moe_shrink,

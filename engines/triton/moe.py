@@ -74,15 +74,30 @@ if triton is not None:
         tl.store(Margin + rows, margin, mask=row_ok)
 
 
+# engines/triton/routing.py's capture (engine option capture_routing): while it is a list, every MoE layer's routing
+# is appended to it as (ids, weights, that layer's own margin)
+recording: list | None = None
+
+
+def record(ids: torch.Tensor, weights: torch.Tensor, margin: torch.Tensor) -> None:
+    """Keep one MoE layer's routing while a capture is on (a router outside route() calls it too)."""
+    if recording is not None:
+        recording.append((ids, weights, margin))
+
+
 def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto",
           min_into: torch.Tensor | None = None):
     """-> topk ids (T, K) int64, topk weights (T, K) float32, routing margin (T,) float32.
     min_into (T,) float32: the running minimum of earlier layers' margins, updated in place and returned as the
     margin (the kernel does it in its store: one launch fewer per layer on a host-bound forward)."""
+    if recording is not None and min_into is not None:  # a capture keeps this layer's own margin
+        ids, weights, margin = route(x, w, cfg, impl)
+        return ids, weights, torch.minimum(min_into, margin, out=min_into)
     logits = F.linear(x, w.router, w.router_bias)
     softmax_all = cfg.router == "softmax_topk"
     if not use_triton(x, impl):
         ids, weights, margin = route_torch(logits, cfg.top_k, softmax_all, cfg.norm_topk_prob)
+        record(ids, weights, margin)
         return ids, weights, margin if min_into is None else torch.minimum(min_into, margin, out=min_into)
     T, E = logits.shape
     K = cfg.top_k
@@ -94,6 +109,7 @@ def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto"
                                               SOFTMAX_ALL=softmax_all, NORM_TOPK=cfg.norm_topk_prob,
                                               BLOCK_T=block_t, BLOCK_E=pow2(E), BLOCK_K=pow2(K),
                                               MIN_INTO=min_into is not None, num_warps=4)
+    record(ids, weights, margin)
     return ids, weights, margin
 
 

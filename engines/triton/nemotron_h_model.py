@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.mamba import mamba_mixer
+from lpdiff.engines.triton.moe import record
 from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, NemotronHConfig, Weights
 from lpdiff.engines.triton.norm import add_rms_norm
 from lpdiff.engines.triton.shard import Shard
@@ -114,7 +115,9 @@ class NemotronHModel:
         weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * cfg.routed_scaling, margin
+        weights = weights * cfg.routed_scaling
+        record(ids, weights, margin)  # option capture_routing (engines/triton/routing.py)
+        return ids, weights, margin
 
     def moe(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None) -> torch.Tensor:
         ids, weights, own_margin = self.route(h, lay)

@@ -1,32 +1,27 @@
 """Routing capture for the triton runtime (engine option ``capture_routing``): each prompt's expert ids, top-k
-weights and top-k margin per MoE layer, as ``PromptLogprobs.routed_*``. The forward runs eagerly while capturing
-(a CUDA graph replay would not run the Python that collects the per-layer tensors); routing is replicated on every
-TP rank, so rank 0's copy is the engine's."""
+weights and top-k margin per MoE layer, as ``PromptLogprobs.routed_*``. Every router of the runtime's archs reports
+through ``moe.record`` (``moe.route``; Nemotron-H's own sigmoid router); a call runs eagerly while capturing (a CUDA
+graph replay would not run the Python that collects the per-layer tensors). Routing is replicated on every TP rank,
+so rank 0's copy is the engine's; the workers record nothing."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
+from lpdiff.engines.triton import moe
 from lpdiff.harness.types import PromptLogprobs
 
 
-def supports_routing(runtime) -> bool:
-    """The decoder collects routing (MoeTransformer); the hybrids' own model classes do not yet."""
-    return hasattr(runtime.model, "routing")
-
-
 def run_with_routing(runtime, prompts: list[list[int]], slots: list[int], top_k: int) -> list[PromptLogprobs] | None:
-    """Runtime.run with the decoder recording routing, which is then cut into each prompt's (n, L, K) arrays
-    (prompts are packed in order, so each prompt's tokens are the next n rows)."""
-    model = runtime.model
+    """Runtime.run with the routers recording, their rows then cut into each prompt's (n, L, K) arrays (prompts
+    are packed in order, so each prompt's tokens are the next n rows)."""
     graphs, runtime.graphs = runtime.graphs, None
-    model.routing = []
+    moe.recording = layers = []
     try:
         out = runtime.run(prompts, slots, top_k)
-        layers = model.routing
     finally:
-        model.routing, runtime.graphs = None, graphs
+        moe.recording, runtime.graphs = None, graphs
     if out is None:
         return None
     ids = torch.stack([r[0] for r in layers], dim=1).to(torch.int32).cpu().numpy()
