@@ -4,8 +4,11 @@ The newest document gives the verdict table (with the *expected* column: a lane 
 "expected FAIL", apart from an unexpected FAIL and from an expected FAIL that passed, which means a fault went
 unseen), one panel per lane (|d| along each prompt's positions with router near-ties marked, the histogram of d,
 and noise / threshold / measured k2 on one log axis) and the metamorphic matrix (engine x relation -> verdict).
-Given several documents (several nights), each lane's k2 over time. Plots are hand-written SVG: a few lines each,
-so the report needs no plotting library and opens anywhere.
+Given several documents (several nights), each lane's k2 over time, and every lane an earlier night judged that the
+newest did not, as "absent in newest night". The table says which thresholds are unmeasured defaults (a banner
+too), shows delta fidelity, and names each unexpected lane's next step (the bisect command for a triton FAIL).
+Inputs are checked field by field (``read_document``): a bad file is one error naming it (exit 2). Plots are
+hand-written SVG: a few lines each, so the report needs no plotting library and opens anywhere.
 """
 from __future__ import annotations
 
