@@ -130,3 +130,27 @@ def test_the_regen_hint_names_the_store_from_the_environment(tmp_path, monkeypat
     monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "env store"))
     assert f"--baselines '{tmp_path / 'env store'}'" in Job(model="tiny-qwen3-moe").regen_command()
     assert "--baselines /x" in Job(model="tiny-qwen3-moe", baselines="/x").regen_command()
+
+
+def test_plain_run_judges_the_triton_engine_and_hf_is_the_self_check(monkeypatch, capsys):
+    """What each command line computes (the jobs run_job is handed): plain `lpdiff run` is the triton engine
+    against the stored hf runs at TP 1 and 2; `--engine hf` is said to be the install self-check; `regen` computes
+    the reference engine's runs at TP 1 and runs no engine under test."""
+    from lpdiff.harness.commands import run as run_mod
+
+    seen = []
+
+    def fake_run_job(job, store=None, regen=False, log=None):
+        seen.append((job.engine, job.reference, job.tp, regen))
+        return run_mod.JobResult(job, {}, {}, [])
+
+    monkeypatch.setattr(run_mod, "run_job", fake_run_job)
+    assert main(["run", "--model", "tiny-qwen3-moe"]) == 0
+    assert seen == [("triton", "hf", tp, False) for tp in run_mod.default_tps("triton")]  # (1, 2) on a CPU
+    assert capsys.readouterr().out.startswith("triton (float32) judged against the stored hf (float32) reference runs")
+    seen.clear()
+    assert main(["run", "--model", "tiny-qwen3-moe", "--engine", "hf"]) == 0
+    assert seen == [("hf", "hf", 1, False)] and capsys.readouterr().out.startswith("install self-check: hf")
+    seen.clear()
+    assert main(["regen", "--model", "tiny-qwen3-moe"]) == 0
+    assert seen == [("hf", "hf", 1, True)]
