@@ -96,6 +96,17 @@ def test_hf_and_triton_capture_the_same_experts(ref):
     assert r["token_agreement"] == 1.0 and r["fault"] is None and r["kernel_part"] == "PASS"
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen3.5-moe", "tiny-nemotron-h"])
+def test_hybrids_capture_the_same_experts(model):
+    """The hybrids' MoE layers only (Nemotron-H: 2 of its 6 layers), hf and triton alike."""
+    hf, tr = _run("hf", model), _run("triton", model)
+    r = attribute(tr, hf, FP32, _threshold())
+    assert r["layers"] == (2 if model == "tiny-nemotron-h" else 4), r
+    assert r["token_agreement"] == 1.0 and r["fault"] is None, r["summary"]
+    for p, q in zip(hf.prompts, tr.prompts):
+        np.testing.assert_allclose(q.routed_margins, p.routed_margins, atol=1e-5)
+
+
 def test_routing_survives_the_saved_run(ref, tmp_path):
     _, hf = ref
     hf.save(tmp_path / "run.npz")
@@ -166,6 +177,26 @@ def test_kernel_defect_is_a_kernel_fault_with_routing_agreeing():
     assert back.routing["fault"] == "kernel fault"
     panel = routing_html(json.loads(to_json([v]))["verdicts"][0]["routing"])
     assert "agreement per MoE layer" in panel and panel.count("<rect") == r["layers"]
+
+
+def test_triton_zoo_router_fault_is_a_router_fault():
+    """kernels/faults.py router_bias_rounded (Nemotron-H's correction bias rounded to 2 decimals): it moves the choice
+    only, so the expert flips where a margin is below the rounding (one token of the default prompts) and nothing
+    else; the kernel part passes on the routing-clean positions."""
+    model = "tiny-nemotron-h"
+    prompts = prompt_set(model)
+
+    def run(options):
+        cfg = EngineConfig(model=get_model(model), dtype="float32", device="cpu",
+                           options={"capture_routing": True, **options})
+        engine = "triton" if "fault" in options else "hf"
+        with open_engine(engine, cfg) as eng:
+            return LogprobRun(eng.prompt_logprobs(prompts))
+
+    v = _verdict(run({"fault": "router_bias_rounded"}), run({}))
+    r = v.routing
+    assert not v.passed and r["fault"] == "router fault" and r["kernel_part"] == "PASS", r["summary"]
+    assert r["flips_above_rounding"] >= 1 and r["token_agreement"] < 1.0
 
 
 def _synthetic(ids_a, ids_b, margins=None, d=None):
