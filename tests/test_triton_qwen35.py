@@ -288,3 +288,29 @@ def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
                 assert float(np.abs(r.logprobs - ref).max()) <= TOL, (choice, i)
     for name in ("all", "la"):  # each adapter moves the output far beyond the tolerance
         assert max(float(np.abs(a - b).max()) for a, b in zip(refs[name], refs[None])) > 100 * TOL, name
+
+
+def test_checkpoint_under_the_hub_wrappers_language_model_names(tiny, tmp_path):
+    """The Hub checkpoint (Qwen3_5MoeForConditionalGeneration) keeps the text model under model.language_model.*
+    beside model.visual.*: the runtime reads those names and computes what it computes from model.*."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    spec, adapters, prompts = tiny
+    src = Path(spec.path)
+    with safe_open(src / "model.safetensors", framework="pt") as f:
+        renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): f.get_tensor(k)
+                   for k in f.keys()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.randn(4, 3)  # a vision tower the runtime must skip
+    save_file(renamed, tmp_path / "model.safetensors")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    wrapped = dataclasses.replace(spec, path=str(tmp_path))
+    short = [p[:20] for p in prompts[:3]]
+    a = _run("triton", spec, {"all": adapters["all"]}, short, ["all"])[0]
+    b = _run("triton", wrapped, {"all": adapters["all"]}, short, ["all"])[0]
+    assert _maxdiff(a, b) == 0.0
