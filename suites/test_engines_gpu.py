@@ -307,6 +307,62 @@ def test_decode_vs_reference(model, engine, dtype, sampling, tmp_path_factory):
     assert dec.passed, format_decode(dec)
 
 
+# -- LoRA neutrality (issue 42) --------------------------------------------------------------------------------------
+
+NEUTRAL_TPS = [1, 2]
+
+
+def neutrality_grid():
+    """Every model x engine x dtype at TP 1 and 2, ids ending -neutrality (hf in fp32 too: the reference's own base
+    rows must not move when PEFT holds adapters)."""
+    for model in MODELS:
+        for engine in ENGINES:
+            for tp in NEUTRAL_TPS:
+                for tag, dtype in DTYPES.items():
+                    yield pytest.param(model, engine, tp, dtype, marks=getattr(pytest.mark, f"gpu{tp}"),
+                                       id=f"{model}-{engine}-tp{tp}-{tag}-neutrality")
+
+
+def neutrality_cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
+    """cannot_serve, except that hf in fp32 is judged too (against itself, not as the reference)."""
+    why = cannot_serve(engine, model, tp, dtype)
+    return None if why and engine == REFERENCE and dtype == "float32" and "reference itself" in why else why
+
+
+@pytest.mark.parametrize("model,engine,tp,dtype", list(neutrality_grid()))
+def test_lora_neutrality(model, engine, tp, dtype, tmp_path_factory, tmp_path):
+    """The metamorphic relation ``neutral`` on the grid's case: base rows of an engine holding every adapter lane
+    the check serves it (one layout, doctor's refusals left out), alone and each beside a row of every adapter,
+    against the same engine started without adapters, over the grid's RL-like prompts at the grid's step. Exact:
+    bit for bit where the engine's reruns are (SGLang, triton, HF), within its LoRA rerun noise otherwise (vLLM
+    0.25.1; x metamorphic.FACTORS), positions before the first router near-tie (random-init routers)."""
+    from lpdiff.engines.base import layouts_for
+    from lpdiff.harness.commands import metamorphic as mm
+    from lpdiff.harness.pipeline.metrics import near_tie_eps
+
+    if why := neutrality_cannot_serve(engine, model, tp, dtype):
+        pytest.skip(why)
+    _installed(engine)
+    case = case_for(model, tmp_path_factory)
+    lanes = check.served_files(case, engine, layouts_for(engine, case.spec.arch)[:1])
+    refused = check.refused_lanes(case, engine, lanes)
+    served = {lane: a.path for lane, a in lanes.items() if lane not in refused}
+    orig = next((lane for lane in served if lane.split(".")[0] == "all"), None)
+    assert orig is not None, f"doctor refuses the 'all' adapter for {engine}: {refused}"
+    options = {**engine_options(engine), **step_options(engine, model)}
+    if "python" in options:  # a subprocess lane: an engine that hangs becomes an error carrying its log tail
+        options.setdefault("lane_call_timeout_s", 600)
+    rep = mm.run_metamorphic(engine, case.spec, served[orig], case.prompts, adapter_name=orig, dtype=dtype, tp=tp,
+                             options=options, relations=["neutral"], near_tie_eps=near_tie_eps(dtype), tmp=tmp_path,
+                             neighbours={lane: p for lane, p in served.items() if lane != orig},
+                             log=progress_log(f"[{model}-{engine}-tp{tp}-neutrality] "))
+    print("\n" + mm.format_report(rep))
+    if os.environ.get("LPDIFF_METAMORPHIC_CSV"):
+        mm.write_csv(rep, os.environ["LPDIFF_METAMORPHIC_CSV"])
+    judged = [r for r in rep.results if r.verdict != "n/a"]
+    assert judged and not rep.failed, mm.format_report(rep)
+
+
 # -- known engine defects, reproduced on purpose: lpdiff must report them ----------------------------------------
 
 EXPERT_ADAPTERS = {"all", "experts", "all_r8", "broken"}  # the ADAPTERS that carry expert LoRA

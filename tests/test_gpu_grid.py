@@ -145,3 +145,16 @@ def test_the_grid_prompts_cross_every_engines_prefill_step_within_the_models_len
     assert grid_module.step_options("sglang", "gpt-oss-20b")["server_args"]["chunked_prefill_size"] == 4096
     assert grid_module.step_options("vllm", "qwen3-30b-a3b") == {}  # its own 16384: the prompts cross it
     assert grid_module.step_options("vllm", "nemotron-3-nano-30b-a3b") == {}  # 2048 with LoRA, below the cap
+
+
+def test_neutrality_lanes_carry_their_gpu_mark_at_tp_1_and_2_and_judge_hf_fp32_too():
+    ids = set()
+    for p in grid_module.neutrality_grid():
+        model, engine, tp, dtype = p.values
+        assert [m.name for m in p.marks] == [f"gpu{tp}"] and p.id.endswith("-neutrality"), p.id
+        ids.add((model, engine, tp, dtype))
+    assert ids == {(m, e, tp, d) for m in grid_module.MODELS for e in grid_module.ENGINES for tp in (1, 2)
+                   for d in grid_module.DTYPES.values()}
+    assert grid_module.neutrality_cannot_serve("hf", "qwen3-30b-a3b", 1, "float32") is None
+    assert "runs TP 1 only" in grid_module.neutrality_cannot_serve("hf", "qwen3-30b-a3b", 2, "float32")
+    assert "no float32 LoRA path" in grid_module.neutrality_cannot_serve("vllm", "qwen3-30b-a3b", 1, "float32")
