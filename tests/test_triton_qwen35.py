@@ -290,9 +290,10 @@ def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
         assert max(float(np.abs(a - b).max()) for a, b in zip(refs[name], refs[None])) > 100 * TOL, name
 
 
-def test_checkpoint_under_the_hub_wrappers_language_model_names(tiny, tmp_path):
+def test_checkpoint_under_the_hub_wrappers_language_model_names(tiny, triton_runs, tmp_path):
     """The Hub checkpoint (Qwen3_5MoeForConditionalGeneration) keeps the text model under model.language_model.*
-    beside model.visual.*: the runtime reads those names and computes what it computes from model.*."""
+    beside model.visual.*: the runtime reads those names and computes what it computes from model.* (to rounding:
+    the batches differ)."""
     import json
     import shutil
     from pathlib import Path
@@ -310,7 +311,7 @@ def test_checkpoint_under_the_hub_wrappers_language_model_names(tiny, tmp_path):
     shutil.copy(src / "config.json", tmp_path / "config.json")
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
     wrapped = dataclasses.replace(spec, path=str(tmp_path))
-    short = [p[:20] for p in prompts[:3]]
-    a = _run("triton", spec, {"all": adapters["all"]}, short, ["all"])[0]
-    b = _run("triton", wrapped, {"all": adapters["all"]}, short, ["all"])[0]
-    assert _maxdiff(a, b) == 0.0
+    short = [p[:20] for p in prompts[:2]]  # causal: a prefix's logprobs are those of the whole prompt's first rows
+    got = _run("triton", wrapped, {"all": adapters["all"]}, short, ["all"])[0]
+    for r, full in zip(got, triton_runs[1]):
+        assert float(np.abs(r.logprobs - full.logprobs[:19]).max()) <= 1e-5
