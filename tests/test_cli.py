@@ -130,6 +130,9 @@ def test_the_regen_hint_names_the_store_from_the_environment(tmp_path, monkeypat
     monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "env store"))
     assert f"--baselines '{tmp_path / 'env store'}'" in Job(model="tiny-qwen3-moe").regen_command()
     assert "--baselines /x" in Job(model="tiny-qwen3-moe", baselines="/x").regen_command()
+    # a run judged against triton's bf16 runs is fixed by regenerating those, not HF's fp32 ones
+    cmd = Job(model="tiny-qwen3-moe", engine="hf", reference="triton", ref_dtype="bfloat16").regen_command()
+    assert "--reference triton --ref-dtype bfloat16" in cmd
 
 
 def test_plain_run_judges_the_triton_engine_and_hf_is_the_self_check(monkeypatch, capsys):

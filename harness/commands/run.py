@@ -64,7 +64,9 @@ class Job:
 
     def regen_command(self) -> str:
         """The command that regenerates exactly this job's references."""
-        cmd = f"lpdiff regen --model {shlex.quote(self.model)} --engine {self.reference} --dtype {self.ref_dtype}"
+        # --reference / --ref-dtype: what the stored runs were computed with (regen runs no engine under test)
+        cmd = (f"lpdiff regen --model {shlex.quote(self.model)} --reference {self.reference} "
+               f"--ref-dtype {self.ref_dtype}")
         cmd += "".join(f" --adapter {shlex.quote(a)}" for a in self.adapters or ())
         cmd += f" --prompt-set {self.prompt_set}" if self.prompt_set != "default" else ""
         cmd += self.prompts.flags() if self.prompts else ""
