@@ -4,10 +4,10 @@ A store is treated as a directory tree of files. ``pull`` fetches one revision w
 standard HF cache and returns the snapshot folder (a read-only store); with ``HF_HUB_OFFLINE=1`` and a full commit
 hash it is served from the cache without a request. Every pulled file is checked against the checksum the Hub
 served for it (the cache names each blob by it: sha256 for LFS files, the git blob sha1 for others), because
-huggingface_hub checks only a download's length. ``push`` uploads a local store as ONE commit whose
-``parent_commit`` is the revision the push is based on, so a push racing another is refused (HTTP 412) instead of
-overwriting it; the commit also writes a dataset card (README.md) listing the store's entries, with a ``configs``
-front matter so the Hub viewer and ``datasets`` find the parquet files.
+huggingface_hub checks only a download's length. ``push`` adds the store's verified baselines (nothing else) as ONE
+commit on the head with ``parent_commit``: a push racing another gets HTTP 412 and is rebased, never reverting it
+(see ``push``); the commit also writes a dataset card (README.md) listing the entries, with a ``configs`` front
+matter so the Hub viewer and ``datasets`` find the parquet files.
 
 ``baselines.lock`` pins the revision (CI reads it): ``#`` comment lines and exactly one line
 ``hf://datasets/ORG/NAME@<40-hex commit>``, the same string ``--baselines`` takes, so a workflow can pass
