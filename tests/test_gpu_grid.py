@@ -92,6 +92,8 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
     """check.trainer_plans_for on the tiny zoo (CPU): doctor refuses, per engine, exactly the lanes that engine
     cannot run (vLLM 0.25.1: rank/alpha patterns and expert rank > 128; SGLang: rsLoRA and patterns), and the triton
     runtime in fp32 serves every lane beside base rows in one batch: each correct lane PASSes, "broken" FAILs."""
+    import dataclasses
+
     from lpdiff.harness.commands import check
     from lpdiff.harness.pipeline.store import BaselineStore
 
@@ -108,10 +110,15 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
     assert {"rslora_patterns", "all_vocab"} <= set(refused["sglang"]) and "rank128" not in refused["sglang"]
     assert all(why.startswith("sglang-ignores-scaling") for a, why in refused["sglang"].items()
                if a in ("rslora_patterns", "all_vocab"))
+    # judged: the lanes whose math is new here (rank 128 / 256 parity: tests/test_trainer_adapters.py, and the
+    # kernels' own rank tests), to keep this CPU test short
+    keep = {"all", "broken", "rslora_patterns", "vocab"}
+    case = dataclasses.replace(case, plans={n: p for n, p in case.plans.items() if n in keep},
+                               files={k: v for k, v in case.files.items() if k[0] in keep})
     res = check.run_check(case, "triton", dtype="float32", k=2, store=BaselineStore(tmp_path_factory.mktemp("s")),
                           log=lambda s: None)
     assert res.error is None and not res.refused
-    assert {v.adapter.split(".")[0] for v in res.verdicts} >= {p.name for p in plans} | {"base"}
+    assert {v.adapter.split(".")[0] for v in res.verdicts} == keep | {"base"}
     assert res.as_expected, check.format_result(res)
 
 
