@@ -187,9 +187,12 @@ def parse_batch(prompts: Sequence[Sequence[int]], out: Any, top_k: int, vocab_si
 def decode_request(prompts: Sequence[Sequence[int]], names: Sequence[str | None], max_new_tokens: int,
                    sampling: str, seed: int) -> dict[str, Any]:
     """One batched generate request for decoding: exactly ``max_new_tokens`` per prompt (EOS ignored), the
-    sampled tokens' logprobs in meta_info["output_token_logprobs"]. Greedy is temperature 0; seeded is temperature
-    1 with no top-p / top-k and ``sampling_seed`` seed + i per prompt (the per-request seed of SGLang's sampling
-    params; read in its source, not yet run by lpdiff)."""
+    sampled tokens' logprobs in meta_info["output_token_logprobs"]. Greedy is temperature 0, which SGLang's
+    SamplingParams turns into temperature 1 with top_k 1 (srt/sampling/sampling_params.py), so the logprobs are of
+    the raw distribution either way; seeded is temperature 1 with no top-p / top-k and ``sampling_seed`` seed + i per
+    prompt (a field of those SamplingParams, read in SGLang's source; whether 0.5.15 honours it outside its
+    deterministic-inference mode is not measured: the seeded lane's tokens would then differ between runs, while
+    the verdict, a prefill of whatever was generated, stays valid)."""
     def params(i: int) -> dict[str, Any]:
         p = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "ignore_eos": True,
              "temperature": 0.0 if sampling == "greedy" else 1.0, "top_p": 1.0, "top_k": -1}
