@@ -289,7 +289,7 @@ def test_decode_vs_reference(model, engine, dtype, sampling, tmp_path_factory):
     PASS: every logprob finite, k2 and max |d| within the threshold the same run's prefill check measured; the RL
     mismatch metrics are printed beside (commands/decode.py). The triton runtime decodes greedily by re-prefill
     (its seeded case skips: no sampling without the whole distribution)."""
-    from lpdiff.harness.commands.decode import check_case_decode, format_decode
+    from lpdiff.harness.commands.decode import check_case_decode, format_decode, write_decode_csv
 
     if why := cannot_serve(engine, model, 1, dtype):
         pytest.skip(why)
@@ -304,6 +304,8 @@ def test_decode_vs_reference(model, engine, dtype, sampling, tmp_path_factory):
     dec = check_case_decode(case, engine, res.threshold, 1, dtype, REFERENCE, DECODE_TOKENS, sampling, seed=0,
                             options=step, log=progress_log(f"[{model}-{engine}-decode] "))
     print("\n" + format_decode(dec))
+    if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
+        write_decode_csv(dec, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "engines_gpu_decode.csv")
     assert dec.passed, format_decode(dec)
 
 

@@ -178,3 +178,30 @@ def check_case_decode(case, engine: str, threshold: Threshold, tp: int = 1, dtyp
         ref_files[name] = AdapterSpec(name, case.files[(name, "peft3d")].path)
     return run_decode(case.spec, served, case.prompts, engine, threshold, dtype, tp, options, reference,
                       REFERENCE_DTYPE, max_new_tokens, sampling, seed, ref_adapters=ref_files, log=log)
+
+
+DECODE_CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "tp", "dtype", "engine", "reference",
+                      "ref_dtype", "how", "sampling", "seed", "tokens_per_prompt", "lane", "tokens", "k1", "k3",
+                      "seq_k3_mean", "seq_k3_max", "outside_band", "k2", "max_abs", "nonfinite", "threshold_k2",
+                      "threshold_max", "verdict", "reasons")
+
+
+def write_decode_csv(res: DecodeResult, path) -> None:
+    """One row per lane (benchmarks/results/engines_gpu_decode.csv beside the check's engines_gpu.csv)."""
+    import datetime
+
+    from lpdiff.harness.pipeline.provenance import device_name, git_commit
+    from lpdiff.harness.pipeline.report import append_csv
+
+    head = dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
+                engine_version=res.engine_version, model=res.model, tp=res.tp, dtype=res.dtype, engine=res.engine,
+                reference=res.reference, ref_dtype=res.ref_dtype, how=res.how, sampling=res.sampling, seed=res.seed,
+                tokens_per_prompt=res.max_new_tokens, threshold_k2=f"{res.threshold.k2:.4g}",
+                threshold_max=f"{res.threshold.max_abs:.4g}")
+    rows = [{**head, "lane": ln.lane, "tokens": ln.metrics.num_tokens, "k1": f"{ln.metrics.k1:.4g}",
+             "k3": f"{ln.metrics.k3:.4g}", "seq_k3_mean": f"{ln.metrics.seq_k3_mean:.4g}",
+             "seq_k3_max": f"{ln.metrics.seq_k3_max:.4g}", "outside_band": f"{ln.metrics.outside_band:.4g}",
+             "k2": f"{ln.metrics.k2:.4g}", "max_abs": f"{ln.metrics.max_abs:.4g}",
+             "nonfinite": ln.metrics.num_nonfinite, "verdict": "PASS" if ln.passed else "FAIL",
+             "reasons": "; ".join(ln.reasons)[:300]} for ln in res.lanes]
+    append_csv(path, DECODE_CSV_COLUMNS, rows)
