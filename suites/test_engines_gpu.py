@@ -7,9 +7,9 @@ and every adapter of harness.check.ADAPTERS in every layout the engine reads; ea
 fp32 with check.FACTOR x the noise measured in the same run (bf16: HF bf16 vs fp32; fp32: HF's two expert kernels;
 and the engine's own reruns). Correct adapters must PASS, the deliberately broken one (every expert's LoRA-B shifted
 to the next expert) must FAIL. The prompts (grid_prompts) are RL-like: chat-templated prompt + response and raw ids
-of 16 tokens up to past every engine's prefill step (18433 on Qwen3 / Qwen3.5, vLLM's 16384-token step on an H200;
-GRID_STEP_CAP holds the others to what the HF fp32 reference can score), packed short with long in one batch; a
-NaN/inf logprob anywhere is a FAIL naming lane, prompt and position (verdict.judge).
+of 16 tokens up to past every engine's prefill step, packed short with long in one batch; engines run at a step of
+at most GRID_MAX_STEP (4096: what the fp32 runs can score at full width), so the longest prompt is 4609 tokens
+(2305 on Nemotron-Super). A NaN/inf logprob anywhere is a FAIL naming lane, prompt and position (verdict.judge).
 
 Engines run where they are installed: in this interpreter, or through ``LPDIFF_VLLM_PYTHONPATH`` /
 ``LPDIFF_SGLANG_PYTHONPATH`` (an unpacked offline bundle; the engine then runs in a subprocess lane with that
@@ -79,21 +79,27 @@ def cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
 # -- the prompts: RL-like long prompts packed with short ones (issue 42) ----------------------------------------------
 
 # the largest prefill step the grid runs a model with: an engine whose own step is larger runs at this one (its
-# step option), so that the set's longest prompt crosses every engine's step while the HF fp32 reference can
-# score it. gpt-oss: HF has no SDPA for its sinks, its eager attention holds 64 heads x n^2 fp32 scores (4609
-# tokens: 5.4 GB a copy; 18433: 87 GB); Nemotron-H: HF's torch Mamba-2 path (no mamba-ssm on the GPU image)
-# materialises C x B per chunk, ~4.2 MB per token per mamba layer at Nano's 64 heads x 128 state (Super 2x), for
-# each padded batch of up to 8192 tokens. Qwen3 / Qwen3.5 (SDPA, chunked GDN) take vLLM's own 16384 step:
-# their longest prompt is 18433 tokens
-GRID_STEP_CAP = {"gpt-oss-20b": 4096, "nemotron-3-nano-30b-a3b": 4096, "nemotron-3-super-120b-a12b": 2048}
+# step option), so that the set's longest prompt (just past it) crosses every engine's step while the fp32 runs can
+# score it. Measured (H200, qwen3-30b-a3b x4, triton fp32, an 18433-token prompt past vLLM's own 16384 step): SDPA's
+# fp32 path asked for 40.5 GiB (32 heads x n^2 scores) beside 104.7 GiB of CUDA-graph pools: out of memory. Also
+# read, not run: HF's gpt-oss has no SDPA (its sinks), its eager attention holds 64 heads x n^2 fp32 scores (87 GB
+# at 18433 tokens); HF's torch Mamba-2 path (no mamba-ssm on the GPU image) materialises C x B per chunk, ~4.2 MB
+# per token and mamba layer at Nano's 64 heads x 128 state (Super 2x) for each padded batch of up to 8192 tokens.
+# 4096 keeps every one of these under ~20 GB (a 4609-token prompt: 2.7 GB of fp32 scores at 32 heads);
+# LPDIFF_GRID_MAX_STEP=16384 runs vLLM and SGLang at their own H200 steps (bf16 rows only: see above)
+GRID_MAX_STEP = int(os.environ.get("LPDIFF_GRID_MAX_STEP", "4096"))
+GRID_STEP_CAP = {"nemotron-3-super-120b-a12b": 2048}  # twice Nano's mamba heads, and 512 experts
+
+
+def _step_cap(model: str) -> int:
+    return min(GRID_MAX_STEP, GRID_STEP_CAP.get(model, GRID_MAX_STEP))
 
 
 def grid_step(engine: str, model: str) -> int | None:
     """The prefill step ``engine`` runs ``model`` with in the grid: its own (Capabilities.prefill_step_for),
-    capped at GRID_STEP_CAP."""
+    capped at GRID_MAX_STEP (GRID_STEP_CAP per model)."""
     step = capabilities(engine).prefill_step_for(get_model(model).arch)
-    cap = GRID_STEP_CAP.get(model)
-    return step if cap is None or step is None else min(step, cap)
+    return None if step is None else min(step, _step_cap(model))
 
 
 def step_options(engine: str, model: str) -> dict:
@@ -113,17 +119,16 @@ def step_options(engine: str, model: str) -> dict:
 
 
 def grid_prompts(model: str) -> list[list[int]]:
-    """The grid's prompts for ``model``: prompts.rl_prompts up to the model's max_position_embeddings (or just past
-    its GRID_STEP_CAP), whose longest crosses the largest grid_step of the engines serving it (ids from the zoo tokenizer: every catalog vocabulary
-    holds them, and the random weights do not care what they mean)."""
+    """The grid's prompts for ``model``: prompts.rl_prompts up to the model's max_position_embeddings or just past its
+    capped step, whichever is less, whose longest crosses the largest grid_step of the engines serving it (ids from
+    the zoo tokenizer: every catalog vocabulary holds them, and the random weights do not care what they mean)."""
     from lpdiff.harness.spec.catalog import hf_config
     from lpdiff.harness.spec.prompts import past_step, rl_prompts
 
     spec = get_model(model)
     steps = [s for e in ENGINES if capabilities(e).serves(spec.arch) and (s := grid_step(e, model))]
     max_len = hf_config(spec).get_text_config().max_position_embeddings
-    if model in GRID_STEP_CAP:  # what the reference can score: just past the capped step
-        max_len = min(max_len, past_step(GRID_STEP_CAP[model]))
+    max_len = min(max_len, past_step(_step_cap(model)))  # what the fp32 runs can score: just past the capped step
     return rl_prompts(max_len, max(steps, default=None))
 
 

@@ -133,8 +133,8 @@ def test_decode_lanes_run_at_tp_1_for_every_engine_dtype_and_sampling():
 def test_the_grid_prompts_cross_every_engines_prefill_step_within_the_models_length():
     """grid_prompts (prompts.rl_prompts): per model, one prompt longer than the step every engine serving it runs
     with in the grid (vLLM's max_num_batched_tokens 16384 on an H200, SGLang's chunked_prefill_size 8192, triton /
-    HF max_batch_tokens 8192; GRID_STEP_CAP below them where HF's fp32 reference must score it), short ones beside,
-    none past max_position_embeddings; engines whose own step is above the cap get it as their step option."""
+    HF max_batch_tokens 8192, each capped at GRID_MAX_STEP 4096), short ones beside, none past
+    max_position_embeddings; engines whose own step is above the cap get it as their step option."""
     from lpdiff.engines.base import capabilities
     from lpdiff.harness.spec.catalog import get_model, hf_config
 
@@ -146,11 +146,10 @@ def test_the_grid_prompts_cross_every_engines_prefill_step_within_the_models_len
         for e in grid_module.ENGINES:
             if capabilities(e).serves(arch):
                 assert max(lens) > grid_module.grid_step(e, model), (model, e, lens)
-        assert max(lens) == {"qwen3-30b-a3b": 18433, "qwen3.5-35b-a3b": 18433, "gpt-oss-20b": 4609,
-                             "nemotron-3-nano-30b-a3b": 4609, "nemotron-3-super-120b-a12b": 2305}[model], lens
+        assert max(lens) == (2305 if model == "nemotron-3-super-120b-a12b" else 4609), (model, lens)
     assert grid_module.step_options("vllm", "gpt-oss-20b")["llm_kwargs"]["max_num_batched_tokens"] == 4096
-    assert grid_module.step_options("sglang", "gpt-oss-20b")["server_args"]["chunked_prefill_size"] == 4096
-    assert grid_module.step_options("vllm", "qwen3-30b-a3b") == {}  # its own 16384: the prompts cross it
+    assert grid_module.step_options("sglang", "qwen3-30b-a3b")["server_args"]["chunked_prefill_size"] == 4096
+    assert grid_module.step_options("triton", "qwen3-30b-a3b") == {"max_batch_tokens": 4096}
     assert grid_module.step_options("vllm", "nemotron-3-nano-30b-a3b") == {}  # 2048 with LoRA, below the cap
 
 
