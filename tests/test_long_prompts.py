@@ -109,7 +109,8 @@ def test_a_nan_after_a_router_near_tie_is_not_excluded():
         r.prompts[0].router_margin = np.array([1.0, 1.0, 1.0, 1e-9, 1.0], dtype=np.float32)  # tie at token 3
     m = compare(a, b)
     assert m.clean.num_nonfinite == 0 and m.num_nonfinite == 1
-    v = judge(m, Threshold(k2=1e9, max_abs=1e9, delta_fidelity=None, source="unmeasured"), adapter="base", exclude_near_ties=True)
+    t = Threshold(k2=1e9, max_abs=1e9, delta_fidelity=None, source="unmeasured")
+    v = judge(m, t, adapter="base", exclude_near_ties=True)
     assert not v.passed and "lane base, first in prompt 0 at position 3 (engine)" in v.reasons[0]
 
 
