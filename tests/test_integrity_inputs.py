@@ -115,3 +115,18 @@ def test_adapters_gen_files_follow_the_umask(tmp_path, capsys, umask, mode, layo
     assert rc == 0, err
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "a").iterdir()}
     assert "adapter_model.safetensors" in modes and set(modes.values()) == {oct(mode)}, modes
+
+
+def test_adapters_gen_interrupted_leaves_no_partial_adapter(tmp_path, monkeypatch):
+    """A Ctrl-C while the adapter is written (here: after PEFT saved its files, before lpdiff's own)."""
+    from lpdiff.harness.spec.adapters import generate as gen_module
+    from lpdiff.harness.spec.catalog import get_model, load_hf_model
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen_module, "write_json", interrupted)
+    hf = load_hf_model(get_model(MODEL), __import__("torch").float32, "cpu")
+    with pytest.raises(KeyboardInterrupt):
+        gen_module.generate_adapter(hf, tmp_path / "a", groups=["experts"])
+    assert list(tmp_path.iterdir()) == []  # neither the adapter nor its work folder

@@ -5,7 +5,9 @@ import copy
 import hashlib
 import json
 import math
+import os
 import re
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,14 +113,24 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
               "use_rslora": use_rslora, "dtype": str(dtype).removeprefix("torch."), "layout": layout}
     if rank_pattern or alpha_pattern:  # only when given: older recipes (and their content hashes) stay as they were
         recipe.update(rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
-    with tempfile.TemporaryDirectory() as tmp:
-        save_dir = out_dir if layout == "peft3d" else Path(tmp)
-        peft_model.save_pretrained(str(save_dir), save_embedding_layers=False)
-        write_json(save_dir / CONFIG_NAME, json.loads((save_dir / CONFIG_NAME).read_text()))
-        write_json(save_dir / PROVENANCE_NAME, {"generated": recipe})
-        if layout == "per_expert":
-            convert_adapter(save_dir, out_dir, "per_expert", mlayout)
-        respect_umask(out_dir)
+    # Written whole beside out_dir, then moved in: a Ctrl-C or a crash leaves no half-written adapter behind
+    work = out_dir.parent / f".{out_dir.name}.{os.getpid()}.tmp"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_dir = work if layout == "peft3d" else Path(tmp)
+            peft_model.save_pretrained(str(save_dir), save_embedding_layers=False)
+            write_json(save_dir / CONFIG_NAME, json.loads((save_dir / CONFIG_NAME).read_text()))
+            write_json(save_dir / PROVENANCE_NAME, {"generated": recipe})
+            if layout == "per_expert":
+                convert_adapter(save_dir, work, "per_expert", mlayout)
+        respect_umask(work)
+        if not out_dir.exists():
+            work.rename(out_dir)
+        else:  # an existing folder: its files replaced one by one (each rename atomic)
+            for p in work.iterdir():
+                os.replace(p, out_dir / p.name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return AdapterSpec(name=out_dir.name, path=str(out_dir))
 
 
