@@ -123,10 +123,10 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
     log = progress_log(f"[{model}-{engine}-{dtype}] ")
     case = _case(model, layers, init_recipe, device, tuple(lengths or ()), log)
     if routing_replay:
-        from lpdiff.harness.commands.replay import replay_check, replayed_reference
+        from lpdiff.harness.commands.replay import replay_check, replayed_references
 
         res = replay_check(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference, log=log)
-        refs = [replayed_reference(case, run) for run in res.runs]
+        refs = replayed_references(case, res.runs) if res.error is None else []
     else:
         res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts,
                               reference=reference, log=log)

@@ -37,22 +37,24 @@ REPLAY_FACTOR = {"bfloat16": 10.0, "float16": 10.0, "float32": FACTOR["float32"]
 
 
 def hf_runs(case: Case, adapters: dict[str, AdapterSpec], dtype: str, options: dict,
-            routing: dict[str | None, LogprobRun] | None = None, lanes: dict[str, str | None] | None = None) -> Lanes:
-    """HF (in-process, capturing routing) over the case's prompts, in one call: ``lanes`` maps each output lane to
-    the adapter it runs (default: base + every adapter, each under its own name); ``routing`` (lane -> a run with
-    expert ids) replays those ids per lane."""
-    lanes = lanes if lanes is not None else {None: None, **{n: n for n in adapters}}
+            passes: Sequence[tuple[Lanes | None, dict | None]] = ((None, None),)) -> list[Lanes]:
+    """HF (in-process, capturing routing) over the case's prompts, one engine session (a full-width model is built
+    once), one call per pass ``(routing, lanes)``: ``lanes`` maps each output lane to the adapter it runs (None:
+    base + every adapter, each under its own name); ``routing`` (lane -> a run with expert ids, or None) replays
+    those ids per lane."""
     cfg = EngineConfig(model=case.spec, adapters=dict(adapters), dtype=dtype, options={**options, **CAPTURE})
-    prompts = case.prompts
+    prompts, n, out = case.prompts, len(case.prompts), []
     with open_engine("hf", cfg) as eng:
-        flat = eng.prompt_logprobs(
-            [p for _ in lanes for p in prompts], adapter=[a for a in lanes.values() for _ in prompts],
-            routing=None if routing is None else [q.routed_experts for lane in lanes for q in routing[lane].prompts])
         version = eng.version()
-    n = len(prompts)
-    return {lane: LogprobRun(flat[i * n:(i + 1) * n], {"engine": "hf", "engine_version": version, "dtype": dtype,
-                                                      "adapter": lane, "routing_replay": routing is not None})
-            for i, lane in enumerate(lanes)}
+        for routing, lanes in passes:
+            lanes = lanes if lanes is not None else {None: None, **{a: a for a in adapters}}
+            ids = None if routing is None else [q.routed_experts for lane in lanes for q in routing[lane].prompts]
+            flat = eng.prompt_logprobs([p for _ in lanes for p in prompts],
+                                       adapter=[a for a in lanes.values() for _ in prompts], routing=ids)
+            meta = {"engine": "hf", "engine_version": version, "dtype": dtype, "routing_replay": routing is not None}
+            out.append({lane: LogprobRun(flat[i * n:(i + 1) * n], {**meta, "adapter": lane})
+                        for i, lane in enumerate(lanes)})
+    return out
 
 
 def reference_lanes(case: Case, lanes) -> dict[str | None, str | None]:
@@ -61,11 +63,16 @@ def reference_lanes(case: Case, lanes) -> dict[str | None, str | None]:
             for lane in [None, *(lane for lane in lanes if lane is not None)]}
 
 
-def replayed_reference(case: Case, run: Lanes) -> Lanes:
-    """R_E: HF+PEFT fp32 over every lane of one engine run, each with that lane's expert ids forced."""
-    ref_adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items()
-                    if not p.broken_from}
-    return hf_runs(case, ref_adapters, REFERENCE_DTYPE, {}, routing=run, lanes=reference_lanes(case, run))
+def reference_adapters(case: Case) -> dict[str, AdapterSpec]:
+    """The correct adapters, PEFT 3D under the text model's names: what the reference runs."""
+    return {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items() if not p.broken_from}
+
+
+def replayed_references(case: Case, runs: Sequence[Lanes]) -> list[Lanes]:
+    """R_E for each engine run: HF+PEFT fp32 over every lane, each with that run's expert ids for the lane forced
+    (one HF session for all of them)."""
+    return hf_runs(case, reference_adapters(case), REFERENCE_DTYPE, {},
+                   [(run, reference_lanes(case, run)) for run in runs])
 
 
 def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckResult]:
@@ -87,14 +94,12 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
     if reference != "hf":
         raise ValueError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
     assert k >= 2, "rerun noise needs k >= 2 runs"
-    ref_adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items()
-                    if not p.broken_from}
+    ref_adapters = reference_adapters(case)
     t0 = time.perf_counter()
-    ref32 = hf_runs(case, ref_adapters, REFERENCE_DTYPE, {})
+    ref32 = hf_runs(case, ref_adapters, REFERENCE_DTYPE, {})[0]
     (da, oa), (db, ob) = noise_pair(reference, dtype)
-    nb = ref32 if (db, ob) == (REFERENCE_DTYPE, {}) else hf_runs(case, ref_adapters, db, ob)
-    na = hf_runs(case, ref_adapters, da, oa)
-    na_replayed = hf_runs(case, ref_adapters, da, oa, routing=nb)
+    nb = ref32 if (db, ob) == (REFERENCE_DTYPE, {}) else hf_runs(case, ref_adapters, db, ob)[0]
+    na, na_replayed = hf_runs(case, ref_adapters, da, oa, [(None, None), (nb, None)])
     dtypes = (dtype, REFERENCE_DTYPE)
     factor = REPLAY_FACTOR[dtype] if factor is None else factor
     ref_noise = pair_noise(na_replayed, nb, list(ref32))
@@ -123,7 +128,7 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
         raise ValueError(f"{engine} returned no expert ids for lanes {missing}: it cannot capture routing here, so "
                          "there is nothing to replay")
     ref_of = reference_lanes(case, lanes)
-    replayed = replayed_reference(case, got)
+    replayed = replayed_references(case, [got])[0]
     reruns = rerun_noise(sess.runs)
     noise = Noise().merge(ref_noise, reruns)
     t = threshold_from(noise, factor, note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} with "
