@@ -15,7 +15,6 @@ import json
 
 import numpy as np
 import pytest
-
 from lpdiff.engines.base import EngineConfig, open_engine
 from lpdiff.harness.pipeline.metrics import compare, near_tie_eps
 from lpdiff.harness.pipeline.noise import Noise, threshold_from

@@ -13,10 +13,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from lpdiff.engines.base import EngineConfig
-from lpdiff.engines.sglang.requests import generate_request, parse_batch, parse_routed_experts, server_args
-from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, parse_routed_experts as vllm_routed
+from lpdiff.engines.sglang.requests import (
+    generate_request,
+    parse_batch,
+    parse_routed_experts,
+    server_args,
+)
+from lpdiff.engines.vllm.parsing import parse_prompt_logprobs
+from lpdiff.engines.vllm.parsing import parse_routed_experts as vllm_routed
 from lpdiff.harness.types import ModelSpec
 
 RNG = np.random.default_rng(5)
@@ -99,10 +104,9 @@ def test_sglang_asks_for_routing_only_when_told():
 
 
 def test_moe_layers_of_a_hybrid_come_from_its_layer_types():
-    from transformers import AutoConfig
-
     from lpdiff.engines.vllm.engine import moe_layer_indices
     from lpdiff.harness.spec.catalog import ZOO_DIR
+    from transformers import AutoConfig
 
     assert moe_layer_indices(AutoConfig.from_pretrained(ZOO_DIR / "tiny-nemotron-h")) == [1, 4]
     assert moe_layer_indices(AutoConfig.from_pretrained(ZOO_DIR / "tiny-qwen3-moe")) is None

@@ -18,13 +18,39 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from lpdiff.engines.base import EngineConfig, layouts_for, open_engine
-from lpdiff.harness.commands.check import FACTOR, Case, CheckResult, engine_pair, refused_lanes, run_check, served_files
-from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
-from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
-from lpdiff.harness.pipeline.routing import ROUTER_FAULT_FACTOR, SPACING, apply, attribute, flip_margin_noise
+from lpdiff.harness.commands.check import (
+    FACTOR,
+    Case,
+    CheckResult,
+    engine_pair,
+    refused_lanes,
+    run_check,
+    served_files,
+)
+from lpdiff.harness.pipeline.metrics import (
+    compare,
+    delta_fidelity,
+    near_tie_eps,
+    position_detail,
+)
+from lpdiff.harness.pipeline.noise import (
+    REFERENCE_DTYPE,
+    Noise,
+    noise_pair,
+    pair_noise,
+    rerun_noise,
+    threshold_from,
+)
+from lpdiff.harness.pipeline.routing import (
+    ROUTER_FAULT_FACTOR,
+    SPACING,
+    apply,
+    attribute,
+    flip_margin_noise,
+)
 from lpdiff.harness.pipeline.session import Lanes, engine_options, run_session
 from lpdiff.harness.pipeline.verdict import judge
 from lpdiff.harness.types import AdapterSpec, LogprobRun

@@ -34,10 +34,10 @@ Parts and the fault's name:
 from __future__ import annotations
 
 import html
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-
 from lpdiff.harness.pipeline.metrics import near_tie_eps
 from lpdiff.harness.types import LogprobRun
 
@@ -76,7 +76,7 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
     weight_limit = ROUTER_FAULT_FACTOR * max(SPACING[d] for d in dtypes) if weight_limit is None else weight_limit
     shapes = {(p.routed_experts.shape[1:], q.routed_experts.shape[1:]) for p, q in zip(a.prompts, b.prompts)}
     if any(x != y for x, y in shapes):
-        raise ValueError(f"the runs route over different (MoE layers, top_k): {sorted(shapes)[0]}; were they made "
+        raise ValueError(f"the runs route over different (MoE layers, top_k): {min(shapes)}; were they made "
                          "on the same model?")
     L, K = a.prompts[0].routed_experts.shape[1:]
     agree_all, clean_pos, d_all, flips = [], [], [], []

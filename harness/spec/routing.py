@@ -12,7 +12,7 @@ transformers 5.17's routers (Qwen3MoeTopKRouter, Qwen3_5MoeTopKRouter, GptOssTop
 all return ``(router_logits, top-k weights, top-k indices)``; a hook's return value replaces that output."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
