@@ -194,9 +194,10 @@ class HFEngine:
     @torch.inference_mode()
     def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: str | None = None,
                        inputs: dict | None = None) -> dict[tuple[int, str], torch.Tensor]:
-        """Per-layer module inputs and outputs (engines.base.CapturesLayers) on equal-length prompts: decoder
-        layers, self_attn and the MoE experts (with their routing) are hooked in one forward, then attention and
-        experts re-run on the same inputs with the adapter off ("_base"). The reference engine: no ``inputs``."""
+        """Per-layer module inputs and outputs (engines.base.CapturesLayers) on equal-length prompts, hooked in one
+        forward: each layer's token mixer under the name of its kind (``layer_modules``), the MoE's routed experts
+        with their routing, its shared expert (with Qwen3.5's sigmoid gate) and the layer output; then every module
+        re-runs on the same inputs with the adapter off ("_base"). The reference engine: no ``inputs``."""
         if inputs is not None:
             raise ValueError("the hf engine is the reference: it captures its own activations only (inputs=None)")
         if adapter is not None and not isinstance(adapter, str):
@@ -208,44 +209,58 @@ class HFEngine:
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("capture_layers takes prompts of one length (no padding)")
         cap: dict = {}
-        calls: dict = {}
+        calls: dict = {}  # (layer, point) -> (module, args, kwargs) to re-run without the adapter
         handles = []
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, t.shape[-1])
+
         for i, layer in enumerate(self.decoder.layers):
-            def attn_hook(mod, args, kwargs, out, i=i):
-                calls[i, "attention"] = (args, kwargs)
+            mixer, kind, moe = layer_modules(layer)
+
+            def mixer_hook(mod, args, kwargs, out, i=i, kind=kind):
+                calls[i, kind] = (mod, args, kwargs)
                 h = kwargs.get("hidden_states", args[0] if args else None)
-                cap[i, "attention"] = out[0].reshape(-1, out[0].shape[-1])
-                cap[i, "attention_in"] = h.reshape(-1, h.shape[-1])
+                o = out[0] if isinstance(out, tuple) else out  # attention returns (out, weights), the others out
+                cap[i, kind], cap[i, f"{kind}_in"] = flat(o), flat(h)
+
+            def moe_hook(mod, args, kwargs, i=i):
+                cap[i, "moe_in"] = flat(kwargs.get("hidden_states", args[0] if args else None))
 
             def experts_hook(mod, args, out, i=i):
-                calls[i, "experts"] = args
+                calls[i, "experts"] = (mod, args, {})
                 x, ids, weights = args[:3]
                 cap[i, "experts_in"], cap[i, "router_ids"], cap[i, "router_weights"] = x, ids, weights
                 cap[i, "experts"] = out
 
             def layer_hook(mod, args, out, i=i):
-                h = out[0] if isinstance(out, tuple) else out
-                cap[i, "hidden"] = h.reshape(-1, h.shape[-1])
+                cap[i, "hidden"] = flat(out[0] if isinstance(out, tuple) else out)
 
-            handles.append(layer.self_attn.register_forward_hook(attn_hook, with_kwargs=True))
-            experts = getattr(getattr(layer, "mlp", None), "experts", None)
-            if experts is not None:
-                handles.append(experts.register_forward_hook(experts_hook))
+            if mixer is not None:
+                handles.append(mixer.register_forward_hook(mixer_hook, with_kwargs=True))
+            if moe is not None:
+                handles.append(moe.register_forward_pre_hook(moe_hook, with_kwargs=True))
+                handles.append(moe.experts.register_forward_hook(experts_hook))
             handles.append(layer.register_forward_hook(layer_hook))
         ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=self.device)
         try:
             with self._adapter_ctx(adapter):
                 self.decoder(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                for i, layer in enumerate(self.decoder.layers):  # the shared expert on its input, adapter on
+                    moe = layer_modules(layer)[2]
+                    if moe is not None and (i, "moe_in") in cap and _has_shared(moe):
+                        cap[i, "shared_expert_in"] = cap[i, "moe_in"]
+                        cap[i, "shared_expert"] = _shared_expert(moe, cap[i, "moe_in"])
         finally:
             for h in handles:
                 h.remove()
         with self._adapter_ctx(None):  # the same module inputs through the base weights
+            for (i, point), (mod, args, kwargs) in calls.items():
+                base = mod(*args, **kwargs)
+                cap[i, f"{point}_base"] = flat(base[0] if isinstance(base, tuple) else base)
             for i, layer in enumerate(self.decoder.layers):
-                args, kwargs = calls[i, "attention"]
-                base = layer.self_attn(*args, **kwargs)[0]
-                cap[i, "attention_base"] = base.reshape(-1, base.shape[-1])
-                if (i, "experts") in calls:
-                    cap[i, "experts_base"] = layer.mlp.experts(*calls[i, "experts"])
+                if (i, "shared_expert_in") in cap:
+                    cap[i, "shared_expert_base"] = _shared_expert(layer_modules(layer)[2], cap[i, "shared_expert_in"])
         return cap
 
     def _forward(self, prompts: list[Sequence[int]], top_k: int, routing=None) -> list[PromptLogprobs]:
@@ -290,6 +305,45 @@ class HFEngine:
                                                   routed_weights=routed[2][i, :L])),
             ))
         return res
+
+
+# Nemotron-H's block types (config.layers_block_type) as lpdiff bisect names the mixer: its "linear_attention" is a
+# Mamba-2 mixer, its "mlp" a dense relu² MLP; "moe" blocks are captured module by module (router, experts, shared)
+_NEMOTRON_MIXERS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+
+
+def layer_modules(layer) -> tuple:
+    """A decoder layer -> (token mixer or None, its capture name, the MoE block holding ``experts`` or None):
+    self_attn -> "attention", Qwen3.5's Gated DeltaNet linear_attn -> "linear_attention", Nemotron-H's ``mixer``
+    by its block type (_NEMOTRON_MIXERS; a MoE block is the layer's MoE, not its mixer)."""
+    mixer = getattr(layer, "self_attn", None)
+    kind = "attention"
+    if mixer is None and getattr(layer, "linear_attn", None) is not None:
+        mixer, kind = layer.linear_attn, "linear_attention"
+    moe = getattr(layer, "mlp", None)
+    if mixer is None and getattr(layer, "mixer", None) is not None:  # Nemotron-H: one mixer per block
+        block = getattr(layer, "block_type", None)
+        if block == "moe":
+            moe = layer.mixer
+        elif block in _NEMOTRON_MIXERS:
+            mixer, kind = layer.mixer, _NEMOTRON_MIXERS[block]
+        else:
+            raise ValueError(f"layer kind {block!r} of this Nemotron-H model has no per-module capture")
+    return mixer, kind, (moe if getattr(moe, "experts", None) is not None else None)
+
+
+def _has_shared(moe) -> bool:
+    return getattr(moe, "shared_expert", None) is not None or getattr(moe, "shared_experts", None) is not None
+
+
+def _shared_expert(moe, x: torch.Tensor) -> torch.Tensor:
+    """The shared expert's share of the MoE output on ``x`` (tokens, hidden): Qwen3.5's scaled by its sigmoid
+    gate (Qwen3_5MoeSparseMoeBlock), Nemotron-H's shared_experts as they are (NemotronHMoE)."""
+    if getattr(moe, "shared_experts", None) is not None:
+        return moe.shared_experts(x)
+    out = moe.shared_expert(x)
+    gate = getattr(moe, "shared_expert_gate", None)
+    return out if gate is None else torch.sigmoid(gate(x)) * out
 
 
 def _as_peft3d(path: str, tmp: str, i: int, model_config) -> str:

@@ -24,8 +24,15 @@ class Fault:
     bug: str  # the real engine bug it re-creates
     where: str  # the spot in our code that it changes
     archs: tuple[str, ...] = ("qwen3_moe", "gpt_oss")  # runtime archs where the buggy code path exists
-    module: str = "expert_lora"  # what ``lpdiff bisect`` names for it with the experts-only zoo adapter
+    # what ``lpdiff bisect`` names for it (harness/commands/bisect.py MODULES): the module on the base weights, or
+    # "<module>_lora" (expert_lora for the experts) when only the adapter's delta goes wrong
+    module: str = "expert_lora"
     kernel_only: bool = False  # reproduced in kernels/ only (the runtime has no model that reaches it)
+    per_arch: tuple[tuple[str, str], ...] = ()  # (arch, module) where the arch names the spot otherwise
+
+    def module_on(self, arch: str) -> str:
+        """The module bisect names for this fault on ``arch``."""
+        return dict(self.per_arch).get(arch, self.module)
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in [
@@ -80,24 +87,26 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "the SSD scan's (Nemotron-H) or the gated delta rule's (Qwen3.5) state carried from one prompt of a "
           "packed batch into the next (one sequence over the whole pack instead of a reset at each prompt start)",
           "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the scan over the "
-          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba"),
+          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba",
+          per_arch=(("qwen3_5_moe", "linear_attention"),)),
     Fault("conv_across_prompts",
           "the causal conv1d of the Mamba-2 mixer (or of Qwen3.5's Gated DeltaNet) reading the last conv_kernel - 1 "
           "tokens of the previous prompt of a packed batch (no per-prompt boundary in the conv window)",
           "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the conv over the "
-          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba"),
+          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba",
+          per_arch=(("qwen3_5_moe", "linear_attention"),)),
     Fault("shared_expert_dropped",
           "the MoE's shared expert not added to the routed experts' output (an engine that fuses or skips the "
           "shared expert and loses it)",
-          "engines/triton/nemotron_h_model.py NemotronHModel.shared, engines/triton/qwen3_5.py Qwen35Model.moe",
+          "engines/triton/nemotron_h_model.py NemotronHModel.shared, engines/triton/qwen3_5.py Qwen35Model.shared",
           archs=("nemotron_h", "qwen3_5_moe"), module="shared_expert"),
-    # Qwen3.5 (engines/triton/qwen3_5*.py, gdn.py); bisect's "attention" is a layer's token mixer, on Qwen3.5's
-    # Gated DeltaNet layers the linear attention (Qwen35Model.capture_modules)
+    # Qwen3.5 (engines/triton/qwen3_5*.py, gdn.py): bisect names its Gated DeltaNet layers' mixer linear_attention
     Fault("linear_attention_lora_dropped",
           "LoRA on Qwen3.5's Gated DeltaNet projections (in_proj_qkv/z/b/a, out_proj) loaded but never applied (an "
           "engine whose LoRA path covers q/k/v/o only serves linear attention as the base): full-attention, "
           "shared-expert and expert LoRA still apply",
-          "engines/triton/qwen3_5.py Qwen35Model.linear_attention", archs=("qwen3_5_moe",), module="attention_lora"),
+          "engines/triton/qwen3_5.py Qwen35Model.linear_attention", archs=("qwen3_5_moe",),
+          module="linear_attention_lora"),
 ]}
 
 _active: str | None = None

@@ -67,6 +67,48 @@ def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, 
     print(f"{fault} on {model} caught by: " + "; ".join(f"{v.adapter}: {', '.join(caught_by(v))}" for v in failed))
 
 
+# lpdiff bisect on each hybrid fault (the qwen3_moe / gpt_oss faults: tests/test_bisect.py): the layer where it first
+# shows (Qwen3.5: layers 0-2 Gated DeltaNet, 3 attention, a MoE in each; Nemotron-H: ME*ME-). The rounded router
+# bias changes no choice in layer 1 on these prompts; layer 4 is the first where it picks another expert
+BISECT_LAYER = {("relu2_as_gated", "tiny-nemotron-h"): 1, ("router_bias_rounded", "tiny-nemotron-h"): 4,
+                ("shared_expert_dropped", "tiny-nemotron-h"): 1}
+HYBRID_ZOO = [(f, m) for f, m in ZOO if MODELS[m] in ("nemotron_h", "qwen3_5_moe")]
+
+
+@pytest.fixture(scope="module")
+def bisect_side():
+    """HF captures and floors per hybrid: the zoo's every-group adapter on 2 prompts (2 rows of the pack, so state
+    or a conv window crossing a prompt boundary shows)."""
+    from lpdiff.harness.commands import bisect as bs
+    from lpdiff.harness.spec.resolve import resolve
+
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            r = resolve(model, ["all"])
+            prompts = bs.equal_length(r.prompts, 2)
+            hf = bs.hf_captures(r.spec, r.adapters, ["all"], prompts, {"experts_impl": "eager"})
+            cache[model] = (r, prompts, hf, bs.reference_floor(r.spec, r.adapters, ["all"], prompts, hf))
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fault,model", HYBRID_ZOO, ids=[f"{f}-{m}" for f, m in HYBRID_ZOO])
+def test_bisect_names_hybrid_fault(fault, model, bisect_side):
+    """Not told which module: bisect names the fault's own (kernels/faults.py Fault.module_on), far above noise."""
+    from lpdiff.harness.commands import bisect as bs
+    from lpdiff.kernels.faults import FAULTS
+
+    r, prompts, hf, floors = bisect_side(model)
+    found = bs.first_above(bs.triton_errors(r.spec, r.adapters, ["all"], prompts, hf, fault), floors, bs.FACTOR)
+    want = ("all", BISECT_LAYER.get((fault, model), 0), FAULTS[fault].module_on(MODELS[model]))
+    assert found is not None and (found.adapter, found.layer, found.module) == want, found
+    assert found.ratio > 1e2, found
+
+
 # Nemotron-H's 20 reruns take ~200 s on the CI's 2 cores (its 7 lanes x 8 prompts on the torch references), over the
 # suite's budget; its clean lanes are judged at TP 1 and 2 in suites/test_tiny_zoo.py
 RERUN_MODELS = ["tiny-qwen3-moe", "tiny-gpt-oss"]

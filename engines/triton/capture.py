@@ -12,9 +12,16 @@ import torch
 import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.base import check_request
 from lpdiff.engines.triton.batch import Batch
+from lpdiff.engines.triton.model import MoeTransformer
 from lpdiff.engines.triton.moe import experts, route
 
-INPUT_POINTS = ("attention_in", "experts_in", "router_ids", "router_weights")  # what the re-runs read of ``inputs``
+# what the re-runs read of ``inputs``: every module's input ("attention_in", a hybrid's "linear_attention_in",
+# "mamba_in", "mlp_in", "moe_in", "shared_expert_in", "experts_in" ...) and the reference's routing of the experts
+ROUTING_POINTS = ("router_ids", "router_weights")
+
+
+def is_input(point: str) -> bool:
+    return point.endswith("_in") or point in ROUTING_POINTS
 
 
 @dataclass(slots=True)
@@ -22,7 +29,7 @@ class CaptureWork:
     """One capture call as every rank runs it (rank 0 in the engine's process, the workers from a broadcast)."""
     prompts: list[list[int]]
     slots: list[int]  # the adapter slot of each prompt (-1: none), so a batch may mix adapters and base rows
-    inputs: dict | None  # {(layer, point): tensor} of INPUT_POINTS, on the CPU when broadcast
+    inputs: dict | None  # {(layer, point): tensor} of input points (is_input), on the CPU when broadcast
 
     def __call__(self, runtime) -> dict | None:
         return run_capture(runtime, self)
@@ -32,14 +39,15 @@ def capture_layers(engine, prompts: Sequence[Sequence[int]], adapter=None,
                    inputs: dict | None = None) -> dict[tuple[int, str], torch.Tensor]:
     """``engine``: an open TritonEngine, any TP size; ``adapter``: one name, None, or one choice per prompt.
     -> {(layer, point): tensor}: "hidden" from the runtime's own forward; with ``inputs`` (e.g. the hf engine's
-    capture, prompts in the same order) also attention and experts with and without the adapters, and the routing,
+    capture, prompts in the same order) also each module with and without the adapters (attention and experts; a
+    hybrid model's own capture_modules: each layer's mixer by its kind and the shared expert too), and the routing,
     each computed on that capture's inputs to the module."""
     rt = engine.runtime
     if rt is None:
         raise RuntimeError("use the engine as a context manager: `with open_engine('triton', cfg) as eng:`")
     names = check_request(prompts, adapter, engine.config.adapters, engine.config.model)
     if inputs is not None:
-        inputs = {k: v for k, v in inputs.items() if k[1] in INPUT_POINTS}
+        inputs = {k: v for k, v in inputs.items() if is_input(k[1])}
         if engine.workers is not None:  # pickled to every rank: host tensors, each rank moves them to its device
             inputs = {k: v.detach().cpu() for k, v in inputs.items()}
     work = CaptureWork([list(map(int, p)) for p in prompts], [rt.slot(n) for n in names], inputs)
@@ -62,13 +70,13 @@ def run_capture(rt, work: CaptureWork) -> dict | None:
         m.capture = None
     cap: dict = {(i, "hidden"): h for i, h in free.items()}
     inputs = work.inputs
-    if inputs is not None and not hasattr(m, "attend"):  # a hybrid arch's own model (archs.Built)
-        rerun = getattr(m, "capture_modules", None)
-        if rerun is None:
-            raise ValueError(f"the triton engine's {cfg.arch} model does not re-run its modules on another engine's "
-                             "inputs; capture its layer outputs only (inputs=None)")
+    rerun = getattr(m, "capture_modules", None)  # a hybrid arch's own model (archs.Built) re-runs its own modules
+    if inputs is not None and rerun is not None:
         cap.update(rerun(batch, inputs))
         return cap if rt.shard.first else None
+    if inputs is not None and not isinstance(m, MoeTransformer):
+        raise ValueError(f"the triton engine's {cfg.arch} model does not re-run its modules on another engine's "
+                         "inputs; capture its layer outputs only (inputs=None)")
     for i, lw in enumerate(m.w.layers if inputs is not None else ()):
         ll = m.lora.layers[i] if m.lora is not None else None
         h = inputs[i, "attention_in"].to(rt.device, rt.dtype)

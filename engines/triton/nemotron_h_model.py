@@ -11,6 +11,7 @@ the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_to
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -130,13 +131,53 @@ class NemotronHModel:
         """The routed experts (through the latent projections where the model has them), this rank's partial sum."""
         m = lay.mods
         x = self.linear(h, m["fc1_latent_proj"], batch) if "fc1_latent_proj" in m else h
-        lora = lay.moe_lora if use_lora and batch.token_adapter is not None else None
-        y = moe_forward(x, ids, weights, lay.p["w_up"], lay.p["w_down"], "relu2", lora=lora,
-                        token_adapter=batch.token_adapter if lora is not None else None,
-                        impl=self.lora_impl if lora is not None else self.impl, backend=self.moe_backend)
+        y = self.routed(x, ids, weights, lay, batch, use_lora)
         return self.linear(y, m["fc2_latent_proj"], batch) if "fc2_latent_proj" in m else y
+
+    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch,
+               use_lora: bool = True) -> torch.Tensor:
+        """The routed experts alone on their (latent, where the model has one) input: this rank's partial."""
+        lora = lay.moe_lora if use_lora and batch.token_adapter is not None else None
+        return moe_forward(x, ids, weights, lay.p["w_up"], lay.p["w_down"], "relu2", lora=lora,
+                           token_adapter=batch.token_adapter if lora is not None else None,
+                           impl=self.lora_impl if lora is not None else self.impl, backend=self.moe_backend)
 
     def shared(self, h: torch.Tensor, lay: Layer, batch: Batch) -> torch.Tensor:
         if faults.on("shared_expert_dropped"):
             return torch.zeros_like(h)
         return self.mlp(h, lay.mods["shared_experts.up_proj"], lay.mods["shared_experts.down_proj"], batch)
+
+    @torch.inference_mode()
+    def capture_modules(self, batch: Batch, inputs: dict) -> dict:
+        """capture.py's module re-runs on another engine's inputs (capture.is_input), with the adapters and without
+        ("_base"), all-reduced (full outputs on every rank): a mamba / attention / dense-MLP layer's mixer on its
+        input point ("mamba_in", "attention_in", "mlp_in"; the output named alike); a MoE layer's router on the
+        MoE input ("moe_in": this model's own routing), its routed experts on their input ("experts_in", after
+        the latent projection where the model has one; HF's NemotronHExperts sees the same) with the reference's
+        routing, and its shared expert ("shared_expert_in")."""
+        dev, dtype = self.w.embed.device, self.w.embed.dtype
+        base = replace(batch, token_adapter=None, uniform_slot=None)  # every linear and the experts without LoRA
+        cap: dict = {}
+
+        def both(point: str, fn) -> None:
+            h = inputs[point].to(dev, dtype)
+            cap[point[0], point[1].removesuffix("_in")] = self.all_reduce(fn(h, batch))
+            cap[point[0], point[1].removesuffix("_in") + "_base"] = self.all_reduce(fn(h, base))
+
+        for i, lay in enumerate(self.w.layers):
+            if lay.kind == "M" and (i, "mamba_in") in inputs:
+                both((i, "mamba_in"), lambda h, b, lay=lay: mamba_mixer(self, h, lay, b))
+            elif lay.kind == "*" and (i, "attention_in") in inputs:
+                both((i, "attention_in"), lambda h, b, lay=lay: self.attend(h, lay, b))
+            elif lay.kind == "-" and (i, "mlp_in") in inputs:
+                both((i, "mlp_in"), lambda h, b, lay=lay: self.mlp(h, lay.mods["up_proj"], lay.mods["down_proj"], b))
+            elif lay.kind == "E":
+                if (i, "moe_in") in inputs:
+                    ids, weights, _ = self.route(inputs[i, "moe_in"].to(dev, dtype), lay)
+                    cap[i, "router_ids"], cap[i, "router_weights"] = ids, weights
+                if (i, "experts_in") in inputs:
+                    ids, w32 = inputs[i, "router_ids"].to(dev), inputs[i, "router_weights"].to(dev).float()
+                    both((i, "experts_in"), lambda x, b, lay=lay, ids=ids, w=w32: self.routed(x, ids, w, lay, b))
+                if (i, "shared_expert_in") in inputs:
+                    both((i, "shared_expert_in"), lambda h, b, lay=lay: self.shared(h, lay, b))
+        return cap

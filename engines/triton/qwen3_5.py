@@ -232,26 +232,31 @@ class Qwen35Model:
         moe_lora = ll.moe if ll is not None else None
         out = experts(h, ids, weights, mw, self.cfg, moe_lora, batch.token_adapter, self.lora_impl,
                       self.moe_backend)
-        if not faults.on("shared_expert_dropped"):
-            gu = self.linear(h, mw.shared_gate_up, ll and ll.shared_gate_up, batch)
-            gate, up = gu.chunk(2, dim=-1)
-            s = self.linear(F.silu(gate) * up, mw.shared_down, ll and ll.shared_down, batch)
-            out = out + torch.sigmoid(F.linear(h, mw.shared_gate)) * s
-        return self.all_reduce(out), margin
+        return self.all_reduce(out + self.shared(h, mw, ll, batch)), margin
+
+    def shared(self, h: Tensor, mw: MoeWeights, ll, batch: Batch) -> Tensor:
+        """The shared expert scaled by its sigmoid gate: this rank's partial (T, H)."""
+        if faults.on("shared_expert_dropped"):
+            return torch.zeros_like(h)
+        gate, up = self.linear(h, mw.shared_gate_up, ll and ll.shared_gate_up, batch).chunk(2, dim=-1)
+        s = self.linear(F.silu(gate) * up, mw.shared_down, ll and ll.shared_down, batch)
+        return torch.sigmoid(F.linear(h, mw.shared_gate)) * s
 
     @torch.inference_mode()
     def capture_modules(self, batch: Batch, inputs: dict) -> dict:
-        """capture.py's module re-runs on another engine's inputs (capture.INPUT_POINTS): each layer's token mixer
-        (linear or full attention; "attention" as lpdiff bisect names it) and routed experts with and without the
-        adapters, and this model's own routing of the experts' input. The shared expert is not a capture point."""
+        """capture.py's module re-runs on another engine's inputs (capture.is_input), with the adapters and without
+        ("_base"): each layer's token mixer on its input point ("linear_attention_in" or "attention_in", the
+        output named alike), the routed experts on the reference's routing, the gated shared expert, and this
+        model's own routing of the experts' input. All-reduced: full (T, H) outputs on every rank."""
         cfg, dev, dtype = self.cfg, self.w.embed.device, self.w.embed.dtype
         cap: dict = {}
         for i, lw in enumerate(self.w.layers):
             ll = self.lora.layers[i] if self.lora is not None else None
-            if (i, "attention_in") in inputs:
-                h = inputs[i, "attention_in"].to(dev, dtype)
-                cap[i, "attention"] = self.mix(h, lw, ll, batch)
-                cap[i, "attention_base"] = self.mix(h, lw, None, batch)
+            for point in ("linear_attention", "attention"):
+                if (i, f"{point}_in") in inputs:
+                    h = inputs[i, f"{point}_in"].to(dev, dtype)
+                    cap[i, point] = self.mix(h, lw, ll, batch)
+                    cap[i, f"{point}_base"] = self.mix(h, lw, None, batch)
             if (i, "experts_in") in inputs:
                 x = inputs[i, "experts_in"].to(dev, dtype)
                 ids, w32 = inputs[i, "router_ids"].to(dev), inputs[i, "router_weights"].to(dev).float()
@@ -261,8 +266,11 @@ class Qwen35Model:
                                                             self.lora_impl, self.moe_backend))
                 cap[i, "experts_base"] = self.all_reduce(experts(x, ids, w32, lw.moe, cfg, None, None, self.lora_impl,
                                                                  self.moe_backend))
+            if (i, "shared_expert_in") in inputs:
+                x = inputs[i, "shared_expert_in"].to(dev, dtype)
+                cap[i, "shared_expert"] = self.all_reduce(self.shared(x, lw.moe, ll, batch))
+                cap[i, "shared_expert_base"] = self.all_reduce(self.shared(x, lw.moe, None, batch))
         return cap
-
 
 def _one_prompt(batch: Batch) -> Batch:
     """The batch seen as one prompt (the faults that let state or conv windows run across prompt boundaries)."""

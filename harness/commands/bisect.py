@@ -1,15 +1,22 @@
 """``lpdiff bisect MODEL [--adapter A ...] [--tp N] [--fault F]``: where does the triton runtime first leave HF + PEFT?
 
-Both engines see the same prompts. HF is hooked (decoder layers, self_attn, experts with their routing) and every
-module of the triton runtime is re-run on HF's own inputs to that module, so each module's error is its own, not
-inherited from the layers before it. Per layer, in data-flow order:
+Both engines see the same prompts. HF is hooked (decoder layers, each layer's token mixer, the MoE's experts with
+their routing and its shared expert) and every module of the triton runtime is re-run on HF's own inputs to that
+module, so each module's error is its own, not inherited from the layers before it. Per layer, in data-flow order,
+each module first on the base weights (adapter off: a defect of the module itself), then its adapter's delta:
 
-  attention_lora  the attention LoRA delta (attention with the adapter minus without), both engines
-  attention       self_attn output with the adapter
+  attention, attention_lora                 a full-attention layer's self_attn / Nemotron-H attention mixer
+  linear_attention, linear_attention_lora   Qwen3.5's Gated DeltaNet (conv1d, gated delta rule, gated norm)
+  mamba, mamba_lora                         Nemotron-H's Mamba-2 mixer (conv1d, SSD scan, gated norm)
+  mlp, mlp_lora                             Nemotron-H's dense relu² MLP layer
   router          routing weights scattered to (tokens, experts): wrong experts or wrong weights
-  expert_lora     the expert LoRA delta (experts with minus without the adapter) on HF's routing
-  experts         the MoE output on HF's routing
+  experts, expert_lora                      the routed experts on HF's routing
+  shared_expert, shared_expert_lora         the MoE's shared expert (Qwen3.5's with its sigmoid gate)
   hidden          the layer's output hidden state, each engine running freely (errors accumulate here)
+
+A module's "_lora" delta is its output with the adapter minus without, in both engines. A layer has the modules of
+its kind (a Nemotron-H layer one mixer or one MoE; a Qwen3.5 layer a mixer and a MoE), the table only the columns
+some layer has.
 
 Errors are ||a - b|| / ||b|| relative to the HF module's output (for deltas: the module's full output, so a delta
 that should be zero still has a scale). The noise floor comes from two correct implementations, never from the
@@ -32,7 +39,17 @@ import torch
 
 from lpdiff.engines.base import dense_routing
 
-MODULES = ("attention_lora", "attention", "router", "expert_lora", "experts", "hidden")
+MIXERS = ("attention", "linear_attention", "mamba", "mlp")  # a layer's token mixer, named by its kind
+MOE = ("experts", "shared_expert")
+
+
+def lora_of(module: str) -> str:
+    """The name of a module's adapter delta."""
+    return "expert_lora" if module == "experts" else f"{module}_lora"
+
+
+MODULES = (*(n for m in MIXERS for n in (m, lora_of(m))), "router",
+           *(n for m in MOE for n in (m, lora_of(m))), "hidden")
 FACTOR = 10.0
 FLOOR_MIN = 1e-7  # fp32 relative rounding: a bit-exact clean module would otherwise give a zero floor
 BASE = "base"  # how the report names a mixed batch's rows without an adapter
@@ -126,20 +143,27 @@ def triton_errors(spec, adapters: dict, choices: Sequence[Choice], prompts, hf: 
 
 
 def module_errors(got: dict, ref: dict) -> dict[tuple[int, str], float]:
-    """Two engines' captures -> relative error per (layer, MODULES entry); deltas are scaled by the reference
-    module's full output, so a delta that should be zero still has a scale."""
+    """Two engines' captures -> relative error per (layer, MODULES entry) for the modules the reference captured
+    in that layer: a module on the base weights relative to the reference's base output; its adapter delta
+    relative to the reference module's full output (so a delta that should be zero still has a scale)."""
     err: dict[tuple[int, str], float] = {}
-    for i in sorted({i for i, _ in got}):
-        for mod, delta in (("attention", "attention_lora"), ("experts", "expert_lora")):
+    for i in sorted({i for i, _ in ref}):
+        for mod in (*MIXERS, *MOE):
+            if (i, mod) not in ref:
+                continue
+            if (i, mod) not in got or (i, f"{mod}_base") not in got:
+                raise RuntimeError(f"the engine under test captured no {mod} of layer {i}, which the reference has")
             out, base, r, r_base = got[i, mod], got[i, f"{mod}_base"], ref[i, mod], ref[i, f"{mod}_base"]
-            err[i, delta] = _rel(out - base, r - r_base, r)
-            err[i, mod] = _rel(out, r, r)
-        ids, ref_ids = got[i, "router_ids"], ref[i, "router_ids"]
-        width = 1 + max(int(ids.max()), int(ref_ids.max()))  # the same width for both: the error is unchanged by it
-        dense = dense_routing(ids, got[i, "router_weights"], width)
-        dense_ref = dense_routing(ref_ids, ref[i, "router_weights"], width)
-        err[i, "router"] = _rel(dense, dense_ref, dense_ref)
-        err[i, "hidden"] = _rel(got[i, "hidden"], ref[i, "hidden"], ref[i, "hidden"])
+            err[i, mod] = _rel(base, r_base, r_base)
+            err[i, lora_of(mod)] = _rel(out - base, r - r_base, r)
+        if (i, "router_ids") in ref:
+            ids, ref_ids = got[i, "router_ids"], ref[i, "router_ids"]
+            width = 1 + max(int(ids.max()), int(ref_ids.max()))  # one width for both: the error is unchanged by it
+            dense = dense_routing(ids, got[i, "router_weights"], width)
+            dense_ref = dense_routing(ref_ids, ref[i, "router_weights"], width)
+            err[i, "router"] = _rel(dense, dense_ref, dense_ref)
+        if (i, "hidden") in ref:
+            err[i, "hidden"] = _rel(got[i, "hidden"], ref[i, "hidden"], ref[i, "hidden"])
     return err
 
 
@@ -172,14 +196,17 @@ class BisectResult:
 
     def table(self) -> str:
         width = max(len("adapter"), *(len(label(c)) for c in self.choices))
-        rows = [f"{'noise':<{width}}  {'':>5}  " + "  ".join(f"{self.floors[m]:>14.3g}" for m in MODULES),
-                f"{'adapter':<{width}}  {'layer':>5}  " + "  ".join(f"{m:>14}" for m in MODULES)]
+        cols = [m for m in MODULES if any(k[2] == m for k in self.errors)]
+        cw = max(14, *(len(m) for m in cols))
+        rows = [f"{'noise':<{width}}  {'':>5}  " + "  ".join(f"{self.floors[m]:>{cw}.3g}" for m in cols),
+                f"{'adapter':<{width}}  {'layer':>5}  " + "  ".join(f"{m:>{cw}}" for m in cols)]
         for c in self.choices:
             for i in sorted({i for cc, i, _ in self.errors if cc == c}):
                 cells = []
-                for m in MODULES:
-                    e = self.errors[c, i, m]
-                    cells.append(f"{e:>13.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}")
+                for m in cols:
+                    e = self.errors.get((c, i, m))
+                    cells.append(f"{'-':>{cw - 1}} " if e is None else
+                                 f"{e:>{cw - 1}.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}")
                 rows.append(f"{label(c):<{width}}  {i:>5}  " + "  ".join(cells))
         return "\n".join(rows)
 
@@ -214,9 +241,9 @@ class BisectRuns:
 # costs 6x one adapter's HF captures, the dominant cost on a CPU; 2 prompts per choice keep every choice's rows
 DEFAULT_ROWS = 8
 MIN_PROMPTS = 2
-# the archs whose layers both engines capture module by module (HF hooks self_attn and mlp.experts; the triton
-# runtime's MoeTransformer re-runs them): the hybrids' linear-attention and Mamba layers have no such capture yet
-ARCHS = ("qwen3_moe", "gpt_oss")
+# the archs whose layers both engines capture module by module (HF: engines/hf.py layer_modules; the triton
+# runtime: MoeTransformer's re-runs, a hybrid model's capture_modules)
+ARCHS = ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h")
 
 
 def bisects(model: str) -> bool:
@@ -244,9 +271,8 @@ def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None 
             raise ValueError(f"--tp {t}: the triton runtime runs TP {', '.join(map(str, sizes))}")
     r = resolve(model, list(adapters) if adapters else None)
     if r.spec.arch not in ARCHS:
-        raise ValueError(f"lpdiff bisect captures {', '.join(ARCHS)} layers module by module, not {r.spec.arch} "
-                         f"(no per-module capture of its other layer kinds yet); `lpdiff metamorphic {model} "
-                         "ADAPTER --engine triton` judges the runtime against itself there")
+        raise ValueError(f"lpdiff bisect captures {', '.join(ARCHS)} layers module by module, not {r.spec.arch}; "
+                         f"`lpdiff metamorphic {model} ADAPTER --engine triton` judges the runtime against itself")
     if not r.adapters:
         raise ValueError(f"model {model!r} has no zoo adapters: name one with --adapter (a PEFT directory)")
     choices = batch_choices(list(r.adapters))
