@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lpdiff.harness.cli import main
-from lpdiff.harness.commands.run import default_tps
+from lpdiff.harness.commands.run import default_tps, zoo_models
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -78,7 +78,8 @@ def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
     _with_defect(monkeypatch, "tp_partial_twice")
     rc, got = _default_run(tmp_path)
     assert rc == 1
-    assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in ("tiny-qwen3-moe", "tiny-gpt-oss") for tp in (1, 2)}
+    served = zoo_models("triton")[0]  # every tiny MoE zoo model the triton engine serves
+    assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in served for tp in (1, 2)}
     assert all(bool(reasons) == (tp == 2) for (_, tp, _), reasons in got.items()), got
     lanes = _suite_lanes(tmp_path, "tp_partial_twice")
     assert lanes == {"test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp1]": "passed",
@@ -103,7 +104,8 @@ def test_default_run_fails_a_layout_only_defect(defect, adapter, _, tmp_path, mo
     _with_defect(monkeypatch, defect)
     rc, got = _default_run(tmp_path)
     assert rc == 1
-    assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in ("tiny-qwen3-moe", "tiny-gpt-oss") for tp in (1, 2)}
+    served = zoo_models("triton")[0]  # every tiny MoE zoo model the triton engine serves
+    assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in served for tp in (1, 2)}
     for (model, tp, name), reasons in got.items():
         where = f"{model} tp={tp} {name}: {reasons}"
         if name == adapter:
