@@ -239,7 +239,8 @@ class HFEngine:
             if mixer is not None:
                 handles.append(mixer.register_forward_hook(mixer_hook, with_kwargs=True))
             if moe is not None:
-                handles.append(moe.register_forward_pre_hook(moe_hook, with_kwargs=True))
+                if _has_shared(moe) or moe is getattr(layer, "mixer", None):  # the shared expert's, Nemotron's router's
+                    handles.append(moe.register_forward_pre_hook(moe_hook, with_kwargs=True))
                 handles.append(moe.experts.register_forward_hook(experts_hook))
             handles.append(layer.register_forward_hook(layer_hook))
         ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=self.device)
