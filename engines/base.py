@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lpdiff.engines.capabilities import DTYPES, Capabilities, Mode
+from lpdiff.harness.spec.errors import InputError, UnknownName
 from lpdiff.harness.types import AdapterSpec, ModelSpec, PromptLogprobs
 
 
@@ -80,11 +81,11 @@ class Decodes(Protocol):
 
 def check_decode(max_new_tokens: int, sampling: str, seed: int) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if sampling not in SAMPLINGS:
-        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+        raise InputError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
 
 
 def decode_by_prefill(engine: Engine, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
@@ -95,7 +96,7 @@ def decode_by_prefill(engine: Engine, prompts: Sequence[Sequence[int]], adapter:
     would need the whole distribution, so it is refused."""
     check_decode(max_new_tokens, sampling, seed)
     if sampling != "greedy":
-        raise ValueError(f"{engine.name}: decoding by re-prefill takes the top-1 only; seeded sampling needs an "
+        raise InputError(f"{engine.name}: decoding by re-prefill takes the top-1 only; seeded sampling needs an "
                          "engine with its own decode (hf, vllm, sglang)")
     seqs = [[int(t) for t in p] for p in prompts]
     gen: list[list[int]] = [[] for _ in seqs]
@@ -177,8 +178,8 @@ def per_prompt_adapters(adapter: AdapterChoice, n: int, known: dict[str, Any]) -
         raise ValueError(f"got {len(names)} adapter choices for {n} prompts")
     for a in names:
         if a is not None and a not in known:
-            raise KeyError(f"unknown adapter {a!r}; this engine was opened with {sorted(known)} "
-                           "(pass it in EngineConfig.adapters)")
+            raise UnknownName(f"unknown adapter {a!r}; this engine was opened with {sorted(known)} "
+                              "(pass it in EngineConfig.adapters)")
     return names
 
 
@@ -194,7 +195,7 @@ def _target(name: str) -> tuple[str, str]:
     try:
         module, cls = ENGINES[name].split(":")
     except KeyError:
-        raise KeyError(f"unknown engine {name!r}; known engines: {', '.join(sorted(ENGINES))}") from None
+        raise UnknownName(f"unknown engine {name!r}; known engines: {', '.join(sorted(ENGINES))}") from None
     return module, cls
 
 

@@ -32,6 +32,7 @@ import torch
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, check_request
 from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
 from lpdiff.engines.logprobs import chunked_logprobs
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.spec.routing import RouterMarginRecorder, forced_ids
 from lpdiff.harness.types import PromptLogprobs
 
@@ -89,7 +90,7 @@ class HFEngine:
 
     def __init__(self, config: EngineConfig):
         if config.tp != 1:
-            raise ValueError("the hf engine runs on one device (tp=1); use engine 'triton' for tensor parallelism")
+            raise InputError("the hf engine runs on one device (tp=1); use engine 'triton' for tensor parallelism")
         self.config = config
         self.model = None  # the PeftModel (or the bare model when no adapter is given)
         # PEFT adapter names become module names (no '.'): lpdiff's names ("all.peft3d") map to slot names
@@ -102,7 +103,7 @@ class HFEngine:
         self.record_margins = bool(opts.pop("router_margins", True))
         self.capture_routing = bool(opts.pop("capture_routing", False))
         if opts:
-            raise ValueError(f"unknown hf engine options {sorted(opts)}; known: experts_impl, max_batch_tokens, "
+            raise InputError(f"unknown hf engine options {sorted(opts)}; known: experts_impl, max_batch_tokens, "
                              "logit_chunk, router_margins, capture_routing")
 
     # -- lifecycle -------------------------------------------------------------------------------------------

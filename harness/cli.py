@@ -16,24 +16,14 @@ import click
 
 import lpdiff
 from lpdiff.harness.cli_store import baselines, report
-# The error classes only, from modules that import neither torch nor numpy: `lpdiff --help` and `--version` start in
-# well under a second (importing torch costs seconds); tests/test_cli.py checks that nothing heavier is imported.
-from lpdiff.harness.pipeline.hub import HubError
-from lpdiff.harness.pipeline.store_errors import BaselineError
-from lpdiff.harness.spec.errors import SpecError
+# The error classes only, from a module that imports nothing: `lpdiff --help` and `--version` start in well under a
+# second (importing torch costs seconds); tests/test_cli.py checks that nothing heavier is imported.
+from lpdiff.harness.spec.errors import InputError, UsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
 # spec.adapters.LAYOUTS, spelt out so that the CLI starts without importing torch (tests/test_cli.py compares them)
 LAYOUTS = click.Choice(["peft3d", "per_expert", "per_expert_gate"])
-
-
-class UsageError(Exception):
-    """Bad input found after parsing (a missing engine, an unknown adapter...): exit 2 with this message."""
-
-
-# Exceptions that mean the input was wrong, not lpdiff: one line, exit 2.
-USER_ERRORS = (UsageError, BaselineError, HubError, SpecError, ValueError, KeyError, OSError, json.JSONDecodeError)
 
 
 def parse_options(items) -> dict:
@@ -526,9 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
         _log("aborted")
         return 128 + signal.SIGINT  # the shell's code for a SIGINT death (130), never a FAIL's 1
-    except USER_ERRORS as e:
-        msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
-        _log(f"error: {msg}")
+    except InputError as e:  # bad input, whatever layer found it: one line naming the fix
+        _log(f"error: {e}")
         return EXIT_USAGE
     except Exception:  # noqa: BLE001 - a bug in lpdiff: show everything
         traceback.print_exc()

@@ -62,6 +62,19 @@ def test_a_crash_exits_3_with_the_traceback(monkeypatch, capsys):
     assert "Traceback" in err and "simulated bug" in err and "bug" in err.splitlines()[-1]
 
 
+@pytest.mark.parametrize("error", [KeyError, ValueError, OSError, TypeError])
+def test_a_builtin_error_inside_a_stage_is_a_bug_exit_3(error, monkeypatch, capsys):
+    """Only InputError (spec/errors.py) means bad input: lpdiff's own KeyError or ValueError in a stage is a bug,
+    reported with its traceback, never as one line of "bad input"."""
+    def stage(*a, **k):
+        raise error("adapter_groups")  # what a missing dict key in lpdiff's own code raises
+
+    monkeypatch.setattr("lpdiff.harness.commands.run.preflight", stage)
+    assert main(["run", "--model", "tiny-qwen3-moe", "--engine", "hf", "--tp", "1"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and f"{error.__name__}: " in err and "bug" in err.splitlines()[-1]
+
+
 def test_help_and_version_import_no_torch():
     """`lpdiff --help`, `lpdiff run --help` and `--version` answer without importing torch (seconds of start-up)
     or numpy: the command modules are imported when a command runs."""

@@ -16,6 +16,7 @@ from lpdiff.engines.sglang.requests import (decode_request, generate_request, pa
                                            server_cli)
 from lpdiff.engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
                                             strip_lane_options)
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import PromptLogprobs
 
 _OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir", "capture_routing")
@@ -201,15 +202,15 @@ class SGLangEngine:
     def __init__(self, config: EngineConfig):
         lane, opts = lane_config_from_options({"lane": "subprocess", **config.options})
         if lane is None:
-            raise ValueError("the sglang engine always runs in a subprocess lane (a PEFT 3D adapter kills SGLang's "
+            raise InputError("the sglang engine always runs in a subprocess lane (a PEFT 3D adapter kills SGLang's "
                              "process); drop option lane='inprocess'")
         unknown = sorted(set(opts) - set(_OWN_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown sglang engine options {unknown}; known: {', '.join(_OWN_OPTIONS)}, python, "
+            raise InputError(f"unknown sglang engine options {unknown}; known: {', '.join(_OWN_OPTIONS)}, python, "
                              "lane_env, lane_start_timeout_s, lane_call_timeout_s, lane_log")
         self.mode = opts.get("mode", "offline")
         if self.mode not in ("offline", "http"):
-            raise ValueError(f"option mode must be 'offline' or 'http', got {self.mode!r}")
+            raise InputError(f"option mode must be 'offline' or 'http', got {self.mode!r}")
         if config.dtype == "float32":
             server_args(config, "")  # raises the fp32 error before anything starts
         self.config, self.opts, self.lane = config, opts, lane

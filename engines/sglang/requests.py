@@ -9,6 +9,7 @@ import numpy as np
 
 from lpdiff.engines.base import EngineConfig
 from lpdiff.engines.capabilities import model_type
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import PromptLogprobs
 
 MOE_LORA_SETTINGS: dict[str, Any] = {
@@ -38,7 +39,7 @@ def server_args(config: EngineConfig, model_path: str, overrides: dict[str, Any]
     from lpdiff.harness.spec.adapters import adapter_max_rank
 
     if config.dtype == "float32":
-        raise ValueError("SGLang has no fp32 path (sgl_kernel's rmsnorm takes bf16/fp16): use dtype bfloat16 and "
+        raise InputError("SGLang has no fp32 path (sgl_kernel's rmsnorm takes bf16/fp16): use dtype bfloat16 and "
                          "compare against an fp32 reference")
     # log_level: sgl.Engine defaults to "error", which would hide the LoRA loading lines ("loaded weights for
     # target modules", "weight(s) skipped") that the lane's log tail should carry when something goes wrong

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.kernels import BACKENDS, LORA_SHRINK, PADDING, faults
 
 IMPLS = ("auto", "triton", "torch")
@@ -29,16 +30,16 @@ class TritonOptions:
         _choice("attention", self.attention, ATTENTION)
         _choice("moe_backend", self.moe_backend, BACKENDS)
         if self.moe_padding not in ("auto",) + PADDING:
-            raise ValueError(f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
+            raise InputError(f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
                              f"group's padding rows), got {self.moe_padding!r}")
         parse_shrink(self.moe_lora_shrink)  # one clear error now, not in every TP worker later
         for name in ("max_batch_tokens", "logit_chunk"):
             _count(name, getattr(self, name), 1)
         _count("cuda_graphs", self.cuda_graphs, 0)
         if not isinstance(self.capture_routing, bool):
-            raise ValueError(f"option capture_routing must be true or false, got {self.capture_routing!r}")
+            raise InputError(f"option capture_routing must be true or false, got {self.capture_routing!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"option timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+            raise InputError(f"option timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         self.fault = faults.resolve({"fault": self.fault})  # resolved once, so TP workers run the same one
 
     @classmethod
@@ -46,7 +47,7 @@ class TritonOptions:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(known))
         if unknown:
-            raise ValueError(f"unknown triton engine options {unknown}; known: {', '.join(known)}")
+            raise InputError(f"unknown triton engine options {unknown}; known: {', '.join(known)}")
         return cls(**options)
 
     @property
@@ -60,12 +61,12 @@ DEFAULTS = {f.name: f.default for f in fields(TritonOptions)}  # (a slotted clas
 
 def _choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
-        raise ValueError(f"option {name} must be one of {choices}, got {value!r}")
+        raise InputError(f"option {name} must be one of {choices}, got {value!r}")
 
 
 def _count(name: str, value, lo: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"option {name} must be an integer >= {lo}, got {value!r}")
+        raise InputError(f"option {name} must be an integer >= {lo}, got {value!r}")
 
 
 def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
@@ -78,6 +79,6 @@ def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
     except ValueError:
         ok = False
     if not ok or (n is not None and (len(n) != 2 or min(n) < 1)):
-        raise ValueError(f"option moe_lora_shrink must be auto, once, fused or fused:G,D (N tiles per program of the "
+        raise InputError(f"option moe_lora_shrink must be auto, once, fused or fused:G,D (N tiles per program of the "
                          f"gate_up and down GEMMs, e.g. fused:3,4), got {option!r}")
     return mode, n

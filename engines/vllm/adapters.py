@@ -22,6 +22,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import canonical_hash, dir_hash
 
 # vLLM 0.25.1 model classes with ``is_3d_moe_weight = True`` (gpt_oss.py:1173, qwen3_5.py:608, qwen3_vl_moe.py:203,
@@ -53,7 +54,7 @@ def plan_moe_lora(arch: str, layouts: Sequence[str], native_3d: bool, forced: bo
     need = "per_expert" if native_3d else "peft3d"  # the layout this model cannot read without the flag
     mixed = need in kinds if forced is None else forced
     if need in kinds and not mixed:
-        raise ValueError(f"{arch} in vLLM reads {'PEFT 3D' if native_3d else 'per-expert'} expert adapters natively; "
+        raise InputError(f"{arch} in vLLM reads {'PEFT 3D' if native_3d else 'per-expert'} expert adapters natively; "
                          f"a {need} adapter needs mixed_moe_lora_format (vLLM otherwise refuses it or crashes at "
                          "the first request): leave the option unset, or convert the adapter with `lpdiff adapters "
                          f"convert --to {'peft3d' if native_3d else 'per_expert'}`")
@@ -63,7 +64,7 @@ def plan_moe_lora(arch: str, layouts: Sequence[str], native_3d: bool, forced: bo
                   "enable_mixed_moe_lora_format (fused_moe_lora_op.py:1355) while the base gate_up rows are "
                   "interleaved (gpt_oss.py:1027, activation.py:446): expert LoRA results are wrong")
         if forced is None:
-            raise ValueError(f"{defect}. Serve PEFT 3D adapters only (`lpdiff adapters convert --to peft3d`, the "
+            raise InputError(f"{defect}. Serve PEFT 3D adapters only (`lpdiff adapters convert --to peft3d`, the "
                              "layout vLLM reads natively and correctly here), or pass options "
                              "mixed_moe_lora_format=True to run this path anyway and expect a FAIL that is vLLM's")
         defects.append(defect)

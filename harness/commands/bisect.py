@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from lpdiff.engines.base import dense_routing
+from lpdiff.harness.spec.errors import InputError
 
 MIXERS = ("attention", "linear_attention", "mamba", "mlp")  # a layer's token mixer, named by its kind
 MOE = ("experts", "shared_expert")
@@ -268,13 +269,13 @@ def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None 
     tps = list(default_tps("triton")) if tp is None else [tp] if isinstance(tp, int) else list(dict.fromkeys(tp))
     for t in tps:
         if t not in sizes:  # before any engine starts
-            raise ValueError(f"--tp {t}: the triton runtime runs TP {', '.join(map(str, sizes))}")
+            raise InputError(f"--tp {t}: the triton runtime runs TP {', '.join(map(str, sizes))}")
     r = resolve(model, list(adapters) if adapters else None)
     if r.spec.arch not in ARCHS:
-        raise ValueError(f"lpdiff bisect captures {', '.join(ARCHS)} layers module by module, not {r.spec.arch}; "
+        raise InputError(f"lpdiff bisect captures {', '.join(ARCHS)} layers module by module, not {r.spec.arch}; "
                          f"`lpdiff metamorphic {model} ADAPTER --engine triton` judges the runtime against itself")
     if not r.adapters:
-        raise ValueError(f"model {model!r} has no zoo adapters: name one with --adapter (a PEFT directory)")
+        raise InputError(f"model {model!r} has no zoo adapters: name one with --adapter (a PEFT directory)")
     choices = batch_choices(list(r.adapters))
     prompts = equal_length(r.prompts, num_prompts or max(MIN_PROMPTS, DEFAULT_ROWS // len(choices)))
     hf = hf_captures(r.spec, r.adapters, choices, prompts, {"experts_impl": "eager"})

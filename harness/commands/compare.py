@@ -7,6 +7,7 @@ from lpdiff.harness.pipeline.routing import apply, attribute
 from lpdiff.harness.pipeline.session import run_session
 from lpdiff.harness.pipeline.thresholds import lookup
 from lpdiff.harness.pipeline.verdict import Verdict, judge
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.spec.validate import check_adapters, load_run_pair
 from lpdiff.harness.types import AdapterSpec
 
@@ -35,7 +36,7 @@ def compare_live(model: str, engine: str, dtype: str, against: str, against_dtyp
     test_adapters = dict(adapters)
     if test_adapter_dir:
         if len(adapters) != 1:
-            raise ValueError("--test-adapter-dir needs exactly one --adapter")
+            raise InputError("--test-adapter-dir needs exactly one --adapter")
         name = next(iter(adapters))
         test_adapters = {name: AdapterSpec(name, test_adapter_dir)}
     check_adapters(spec, test_adapters)

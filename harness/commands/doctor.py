@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from lpdiff.engines import Capabilities, capabilities
 from lpdiff.harness.commands.doctor_inputs import check_noop, resolve_adapter
 from lpdiff.harness.spec.adapters.inspection import several
+from lpdiff.harness.spec.errors import InputError
 
 ENGINES = ("hf", "vllm", "sglang")  # the engines whose adapter handling the doctor knows (triton reads every layout)
 SEVERITIES = ("error", "warning", "info")
@@ -453,7 +454,7 @@ def doctor(model, adapter_dir: str | Path, engines: Sequence[str] | None = None,
     engines = list(engines or ENGINES)
     for e in engines:
         if e not in ENGINES:
-            raise ValueError(f"doctor knows engines {', '.join(ENGINES)}, not {e!r}")
+            raise InputError(f"doctor knows engines {', '.join(ENGINES)}, not {e!r}")
     adapter_dir = resolve_adapter(model, adapter_dir)
     spec, facts = gather(model, adapter_dir, limits)
     findings = [*check_adapter_files(facts), *check_noop(facts), *check_expert_count(facts),

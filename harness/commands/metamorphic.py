@@ -61,6 +61,7 @@ from lpdiff.harness.spec.adapters import (
 from lpdiff.harness.pipeline.provenance import git_commit
 from lpdiff.harness.commands.relations import ORIG, OTHER, RELATIONS, Context, Lane
 from lpdiff.harness.pipeline.report import append_csv, table
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.spec.transforms import (
     negate_b,
     pad_rank,
@@ -126,7 +127,7 @@ def plan(ctx: Context, relations: Sequence[str] | None = None) -> tuple[list[Lan
     names = list(RELATIONS) if relations is None else list(relations)
     unknown = [n for n in names if n not in RELATIONS]
     if unknown:
-        raise ValueError(f"unknown relation(s) {unknown}; known: {', '.join(RELATIONS)}")
+        raise InputError(f"unknown relation(s) {unknown}; known: {', '.join(RELATIONS)}")
     lanes, na = [], []
     for n in names:
         t0 = time.perf_counter()

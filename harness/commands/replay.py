@@ -53,6 +53,7 @@ from lpdiff.harness.pipeline.routing import (
 )
 from lpdiff.harness.pipeline.session import Lanes, engine_options, run_session
 from lpdiff.harness.pipeline.verdict import judge
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import AdapterSpec, LogprobRun
 
 CAPTURE = {"capture_routing": True}
@@ -107,7 +108,7 @@ def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckR
     if not routing_replay:
         return functools.partial(run_check, store=store)
     if reference != "hf":
-        raise ValueError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
+        raise InputError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
     return replay_check
 
 
@@ -118,7 +119,7 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
     """check.run_check's contract (a CheckResult, verdicts named ``name.layout``), judged against the replayed
     reference (module docstring); ``factor``: the threshold's, default REPLAY_FACTOR[dtype]."""
     if reference != "hf":
-        raise ValueError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
+        raise InputError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
     assert k >= 2, "rerun noise needs k >= 2 runs"
     ref_adapters = reference_adapters(case)
     t0 = time.perf_counter()
@@ -151,7 +152,7 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
     got = sess.first
     missing = [lane for lane, run in got.items() if any(p.routed_experts is None for p in run.prompts)]
     if missing:
-        raise ValueError(f"{engine} returned no expert ids for lanes {missing}: it cannot capture routing here, so "
+        raise InputError(f"{engine} returned no expert ids for lanes {missing}: it cannot capture routing here, so "
                          "there is nothing to replay")
     ref_of = reference_lanes(case, lanes)
     replayed = replayed_references(case, [got])[0]

@@ -22,6 +22,7 @@ from lpdiff.harness.pipeline.store import BaselineStore
 from lpdiff.harness.pipeline.thresholds import lookup
 from lpdiff.harness.pipeline.verdict import Verdict, judge, next_step
 from lpdiff.harness.spec.adapters import adapter_groups
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.spec.prompt_sources import PromptSource
 from lpdiff.harness.spec.resolve import Resolved, resolve
 
@@ -51,12 +52,12 @@ class Job:
 
     def __post_init__(self):
         if self.tp < 1 or self.top_k < 0:
-            raise ValueError(f"--tp must be >= 1 and --top-k >= 0, got tp={self.tp}, top_k={self.top_k}")
+            raise InputError(f"--tp must be >= 1 and --top-k >= 0, got tp={self.tp}, top_k={self.top_k}")
         for flag, d in (("--dtype", self.dtype), ("--ref-dtype", self.ref_dtype)):
             if d not in DTYPES:
-                raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {d!r}")
+                raise InputError(f"{flag} must be one of {', '.join(DTYPES)}, got {d!r}")
         if self.num_layers is not None and self.num_layers < 1:
-            raise ValueError(f"--num-layers must be >= 1, got {self.num_layers}")
+            raise InputError(f"--num-layers must be >= 1, got {self.num_layers}")
 
     @property
     def engine_pair(self) -> str:

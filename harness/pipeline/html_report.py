@@ -22,6 +22,7 @@ from typing import Any
 
 from lpdiff.harness.pipeline.routing import routing_html
 from lpdiff.harness.pipeline.verdict import SCHEMA_VERSION, next_step
+from lpdiff.harness.spec.errors import InputError
 
 W, H, PAD = 360, 140, 34  # plot size in px and the margin left for axis labels
 _TIE = "#e8890c"
@@ -348,7 +349,7 @@ def render(docs: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
             f'<div class="lanes">{"".join(lanes)}</div></body></html>')
 
 
-class ReportInputError(ValueError):
+class ReportInputError(InputError):
     """A file ``lpdiff report`` cannot draw; the message names it and what is wrong with it (exit 2)."""
 
 

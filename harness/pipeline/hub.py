@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lpdiff.harness.spec.errors import InputError
+
 LOCK_NAME = "baselines.lock"
 CARD = "README.md"
 _SKIP = {CARD, ".gitattributes"}  # repo files that are not store entries
@@ -36,7 +38,7 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
-class HubError(Exception):
+class HubError(InputError):
     """A Hub store problem; the message names the repo and the command that fixes it."""
 
 

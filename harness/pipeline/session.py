@@ -12,6 +12,7 @@ from typing import Sequence
 
 from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.harness.pipeline.provenance import device_name
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 Lanes = dict[str | None, LogprobRun]  # adapter name (None = base) -> run
@@ -79,9 +80,9 @@ def engine_options(engine: str) -> dict:
         try:
             given = json.loads(extra)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}: {e}") from None
+            raise InputError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}: {e}") from None
         if not isinstance(given, dict):
-            raise ValueError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}")
+            raise InputError(f"{name}_OPTIONS must be a JSON object of engine options, got {extra!r}")
         opts.update(given)
     return opts
 

@@ -2,8 +2,10 @@
 CLI turns every BaselineError into one line and exit code 2."""
 from __future__ import annotations
 
+from lpdiff.harness.spec.errors import InputError
 
-class BaselineError(Exception):
+
+class BaselineError(InputError):
     """Base of every store error."""
 
 

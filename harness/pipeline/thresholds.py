@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lpdiff.harness.pipeline.store import path_lock
+from lpdiff.harness.spec.errors import InputError, UnknownName
 
 DEFAULT_PATH = Path(__file__).with_name("thresholds.json")
 SOURCES = ("measured", "unmeasured")
@@ -81,7 +82,7 @@ def _load(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"threshold file {path} is unreadable ({e}); restore it from git") from None
+        raise InputError(f"threshold file {path} is unreadable ({e}); restore it from git") from None
     assert "defaults" in data and "entries" in data, f"{path} needs 'defaults' and 'entries'"
     return data
 
@@ -109,7 +110,7 @@ def lookup(model: str, engine_pair: str | tuple[str, str], dtype: str, tp: int,
         t.note = f"no entry for tp={tp}; using the tp={e['tp']} entry. " + t.note
         return t
     if dtype not in data["defaults"]:
-        raise KeyError(f"no threshold default for dtype {dtype!r} in {path}; known: {sorted(data['defaults'])}")
+        raise UnknownName(f"no threshold default for dtype {dtype!r} in {path}; known: {sorted(data['defaults'])}")
     t = _threshold(data["defaults"][dtype], **looked_up, match="default")
     t.note = f"no entry for {model} {pair} {dtype}; using the {dtype} default. " + t.note
     return t

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from lpdiff.harness.pipeline.metrics import Metrics, nonfinite_reason
 from lpdiff.harness.pipeline.thresholds import Threshold
+from lpdiff.harness.spec.errors import InputError
 
 Fidelity = float | Mapping[str, float] | None  # one number, or one per module group
 MIN_CLEAN_SHARE = 0.5  # judging only clean positions needs at least this share of them
@@ -178,9 +179,9 @@ def load_document(text: str) -> dict[str, Any]:
     if isinstance(doc, list):
         return {"schema_version": 0, "verdicts": doc}
     if not isinstance(doc, dict) or "verdicts" not in doc:
-        raise ValueError("not an lpdiff verdict document: expected a JSON object with 'verdicts'")
+        raise InputError("not an lpdiff verdict document: expected a JSON object with 'verdicts'")
     if doc.get("schema_version", 0) > SCHEMA_VERSION:
-        raise ValueError(f"verdict document has schema_version {doc['schema_version']}; this lpdiff reads up to "
+        raise InputError(f"verdict document has schema_version {doc['schema_version']}; this lpdiff reads up to "
                          f"{SCHEMA_VERSION}: upgrade lpdiff")
     return doc
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lpdiff.harness.spec.errors import InputError
+
 PT_NAME = "compare_sample_train_data.pt"
 TABLE_NAMES = ("reference.jsonl", "reference.parquet")
 
@@ -38,7 +40,7 @@ DEFAULT_THRESHOLD = 5e-3  # gpt-oss-20b, Qwen3-30B-A3B-Instruct-2507 and the oth
 _HF = re.compile(r"^hf://datasets/(?P<repo>[^/@\s]+/[^/@\s]+)(?:@(?P<rev>[^\s]+))?$")
 
 
-class CaseError(ValueError):
+class CaseError(InputError):
     """A case that cannot be read as published; the message names the file and the fix."""
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lpdiff.harness.spec.errors import SpecError
+from lpdiff.harness.spec.errors import InputError, SpecError, UnknownName
 from lpdiff.harness.spec.init_recipe import PEAKED, apply_peaked
 from lpdiff.harness.types import ModelSpec
 
@@ -121,7 +121,7 @@ def get_model(name: str, num_layers: int | None = None, init_seed: int = DEFAULT
         return ModelSpec(name=name, arch=text_arch(cfg), config=json.loads(json.dumps(cfg)),
                          init_seed=init_seed, init_recipe=resolve_init_recipe(init_recipe),
                          num_layers=num_layers)
-    raise KeyError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+    raise UnknownName(f"unknown model {name!r}; known models: {', '.join(known_models())}")
 
 
 def list_models() -> list[ModelSpec]:
@@ -142,7 +142,7 @@ def with_num_layers(cfg, num_layers: int):
     cfg = cfg.__class__.from_dict(cfg.to_dict())
     n = cfg.num_hidden_layers
     if num_layers > n:
-        raise ValueError(f"num_layers={num_layers} but the model has only {n} layers; pass num_layers <= {n}")
+        raise InputError(f"num_layers={num_layers} but the model has only {n} layers; pass num_layers <= {n}")
     for k in _per_layer_fields(cfg):
         setattr(cfg, k, list(getattr(cfg, k))[:num_layers])
     if cfg.model_type != "nemotron_h":  # nemotron derives num_hidden_layers from layers_block_type
@@ -161,8 +161,8 @@ def hf_config(spec: ModelSpec):
 
     if spec.path is not None:
         if not (Path(spec.path) / "config.json").is_file():
-            raise FileNotFoundError(f"{spec.path} has no config.json; for a zoo model run "
-                                    f"`python -m lpdiff.harness.spec.zoo build --name {spec.name}`")
+            raise InputError(f"{spec.path} has no config.json; for a zoo model run "
+                             f"`python -m lpdiff.harness.spec.zoo build --name {spec.name}`")
         cfg = AutoConfig.from_pretrained(spec.path)
     else:
         kw = dict(spec.config)

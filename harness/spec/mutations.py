@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lpdiff.harness.spec.adapters import GROUPS, adapter_groups, module_group
+from lpdiff.harness.spec.errors import InputError
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -25,7 +26,7 @@ WEIGHTS = "adapter_model.safetensors"
 def _expert_b_keys(state: dict[str, torch.Tensor]) -> list[str]:
     keys = [k for k in state if ".experts." in k and k.endswith("lora_B.weight")]
     if not keys:
-        raise ValueError("adapter has no stacked 3D expert LoRA (PEFT target_parameters); convert it with "
+        raise InputError("adapter has no stacked 3D expert LoRA (PEFT target_parameters); convert it with "
                          "`lpdiff adapters convert --to peft3d` first")
     return keys
 
@@ -70,11 +71,11 @@ def drop_group(src, dst, group: str) -> Path:
     tensors of modules it has no LoRA path for (a shared expert, linear attention, a Mamba mixer). Keys and config
     stay as they are, so every engine loads the copy the way it loads the original."""
     if group not in GROUPS:
-        raise ValueError(f"drop_group: unknown group {group!r}; groups: {', '.join(GROUPS)}")
+        raise InputError(f"drop_group: unknown group {group!r}; groups: {', '.join(GROUPS)}")
     src, dst = Path(src), Path(dst)
     present = adapter_groups(src)
     if group not in present:
-        raise ValueError(f"{src} has no {group} LoRA to drop; its groups: {', '.join(present) or 'none'}")
+        raise InputError(f"{src} has no {group} LoRA to drop; its groups: {', '.join(present) or 'none'}")
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from lpdiff.harness.spec.errors import InputError, UnknownName
+
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
@@ -85,7 +87,7 @@ def _window(streams: tuple[tuple[int, ...], ...], i: int, start: int, n: int, na
             break
         ids = ids + streams[(i + j) % len(streams)]
     if start + n > len(ids):
-        raise ValueError(f"the held-out text is too short for set {name!r}: {n} tokens from {start} of "
+        raise InputError(f"the held-out text is too short for set {name!r}: {n} tokens from {start} of "
                          f"{len(ids)} (harness/data/heldout.txt)")
     return list(ids[start:start + n])
 
@@ -98,8 +100,8 @@ def named_prompts(name: str = "default", tokenizer: str | Path | None = None) ->
     if name == "rl":
         return rl_prompts(RL_NAMED_MAX, tokenizer=tokenizer)
     if name not in SETS:
-        raise KeyError(f"unknown prompt set {name!r}; known sets: "
-                       + ", ".join(f"{k} ({v.why})" for k, v in SETS.items()) + f", rl ({RL_WHY})")
+        raise UnknownName(f"unknown prompt set {name!r}; known sets: "
+                          + ", ".join(f"{k} ({v.why})" for k, v in SETS.items()) + f", rl ({RL_WHY})")
     spec = SETS[name]
     streams = _streams(None if same_as_zoo(tokenizer) else str(Path(tokenizer).resolve()))
     return [_window(streams, i, spec.start + (i // len(streams)) * n, n, name) for i, n in enumerate(spec.lengths)]
@@ -133,10 +135,10 @@ def rl_lengths(max_len: int, step: int | None = None) -> list[int]:
     second longest, ... so that short prompts sit between long ones in the packed batch."""
     lengths = [n for n in RL_LENGTHS if n <= max_len]
     if not lengths:
-        raise ValueError(f"max_len {max_len} is below the shortest RL prompt ({RL_LENGTHS[0]} tokens)")
+        raise InputError(f"max_len {max_len} is below the shortest RL prompt ({RL_LENGTHS[0]} tokens)")
     if step is not None and max(lengths) <= step:
         if past_step(step) > max_len:
-            raise ValueError(f"no prompt of at most {max_len} tokens (the model's or engine's max_model_len) crosses "
+            raise InputError(f"no prompt of at most {max_len} tokens (the model's or engine's max_model_len) crosses "
                              f"a prefill step of {step} tokens: lower the engine's step (e.g. vLLM "
                              f"max_num_batched_tokens, SGLang chunked_prefill_size, triton/hf max_batch_tokens) or "
                              f"raise max_model_len")

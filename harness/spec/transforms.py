@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lpdiff.harness.spec.adapters import CanonicalAdapter, ModelLayout, peft_scaling
+from lpdiff.harness.spec.errors import InputError
 
 def _with(ad: CanonicalAdapter, fn, alpha: float | None = None) -> CanonicalAdapter:
     """A copy with every entry replaced by fn(name, A, B) -> (A, B) (experts: (E, r, in) / (E, out, r))."""
@@ -126,13 +127,13 @@ def strip_zero_rank(src: str | Path, dst: str | Path) -> Path:
         kept.add(int(keep.sum()))
         out[key], out[bkey] = a[keep].contiguous(), b[:, keep].contiguous()
     if len(kept) != 1:
-        raise ValueError(f"{src}: modules keep different numbers of non-zero rank components {sorted(kept)}; one "
+        raise InputError(f"{src}: modules keep different numbers of non-zero rank components {sorted(kept)}; one "
                          "rank per adapter file cannot hold them")
     (new,) = kept
     old_scaling = peft_scaling(cfg["lora_alpha"], cfg["r"], cfg.get("use_rslora", False))
     alpha = cfg["lora_alpha"] * (math.sqrt(new / cfg["r"]) if cfg.get("use_rslora") else new / cfg["r"])
     if peft_scaling(alpha, new, cfg.get("use_rslora", False)) != old_scaling:
-        raise ValueError(f"{src}: no lora_alpha keeps the scaling exactly at rank {new}")
+        raise InputError(f"{src}: no lora_alpha keeps the scaling exactly at rank {new}")
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "adapter_model.safetensors"), metadata={"format": "pt"})
     cfg.update(r=new, lora_alpha=alpha)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lpdiff.harness.spec.catalog import ZOO
+from lpdiff.harness.spec.errors import UnknownName
 from lpdiff.harness.spec.zoo_data import VOCAB
 
 SEED = 0
@@ -54,7 +55,7 @@ def tiny_config(name: str):
     from transformers import AutoConfig
 
     if name not in TINY_CONFIGS:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(TINY_CONFIGS)}")
+        raise UnknownName(f"unknown zoo model {name!r}; known: {', '.join(TINY_CONFIGS)}")
     kw = dict(TINY_CONFIGS[name])
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 

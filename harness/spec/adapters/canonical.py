@@ -12,6 +12,7 @@ from torch import nn
 
 from lpdiff.harness.spec.adapters.files import load_tensors, read_config
 from lpdiff.harness.spec.adapters.layout import EMBED_KEY_RE, ModelLayout, pattern_value
+from lpdiff.harness.spec.errors import InputError
 
 
 def peft_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -99,7 +100,7 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
         mod, which = layout.memory_path(key)
         if mod in layout.embeddings:
             if not EMBED_KEY_RE.fullmatch(key):
-                raise ValueError(f"{key}: {mod} is an embedding; PEFT saves its LoRA as lora_embedding_A/B")
+                raise InputError(f"{key}: {mod} is an embedding; PEFT saves its LoRA as lora_embedding_A/B")
             ident = ("embed", mod)
             slot = pairs.setdefault(ident, {})
             slot[which] = t
@@ -107,15 +108,15 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
         try:
             ident = layout.tensor_slot(mod, cfg.get("target_parameters"))
         except ValueError as e:
-            raise ValueError(f"{key}: {e}") from None
+            raise InputError(f"{key}: {e}") from None
         renamed |= ident[0] == "pe" and not mod.endswith("." + ident[2])
         slot = pairs.setdefault(ident, {})
         if which in slot:
-            raise ValueError(f"{key}: two tensors map to the same LoRA {which} of {ident[1]}")
+            raise InputError(f"{key}: two tensors map to the same LoRA {which} of {ident[1]}")
         slot[which] = t
     for ident, slot in pairs.items():
         if set(slot) != {"A", "B"}:
-            raise ValueError(f"{adapter_dir}: {ident[1]} has lora_{''.join(slot)} but not both A and B")
+            raise InputError(f"{adapter_dir}: {ident[1]} has lora_{''.join(slot)} but not both A and B")
 
     dense, experts, per_expert, embed = {}, {}, {}, {}
     for ident, s in pairs.items():
@@ -123,7 +124,7 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
             vocab, hidden = layout.embeddings[ident[1]]
             a, b = s["A"], s["B"]
             if a.ndim != 2 or b.ndim != 2 or a.shape[1] != vocab or b.shape[0] != hidden or a.shape[0] != b.shape[1]:
-                raise ValueError(f"{ident[1]}: lora_embedding_A {tuple(a.shape)} / lora_embedding_B {tuple(b.shape)} "
+                raise InputError(f"{ident[1]}: lora_embedding_A {tuple(a.shape)} / lora_embedding_B {tuple(b.shape)} "
                                  f"do not fit the model's (vocab={vocab}, hidden={hidden}): PEFT writes A (r, vocab), "
                                  "B (hidden, r); is the adapter for a resized vocabulary?")
             embed[ident[1]] = (a, b)
@@ -136,7 +137,7 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
             E = p.num_experts
             a, b = s["A"], s["B"]
             if a.ndim != 2 or b.ndim != 2 or a.shape[0] % E or b.shape[1] % E:
-                raise ValueError(f"{ident[1]}: A {tuple(a.shape)} / B {tuple(b.shape)} are not (r*{E}, in) / "
+                raise InputError(f"{ident[1]}: A {tuple(a.shape)} / B {tuple(b.shape)} are not (r*{E}, in) / "
                                  f"(out, r*{E})")
             a = a.reshape(E, -1, a.shape[-1])
             b = b.reshape(b.shape[0], -1, E).permute(2, 0, 1).contiguous()
@@ -151,7 +152,7 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     if per_expert:
         layout_name = "per_expert_gate" if renamed else "per_expert"
     if per_expert and any(ident[0] == "3d" for ident in pairs):
-        raise ValueError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
+        raise InputError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
     rank, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
     scaling = peft_scaling(alpha, rank, rslora)
     scalings = {}
@@ -178,7 +179,7 @@ def entry_scaling(cfg: dict, paths: list[str], rank: int, alpha: float, rslora: 
         a = pattern_value(cfg.get("alpha_pattern"), path)
         got.add(peft_scaling(float(alpha if a is None else a), int(rank if r is None else r), rslora))
     if len(got) != 1:
-        raise ValueError(f"rank_pattern / alpha_pattern give the parts of {paths[0]} different scalings "
+        raise InputError(f"rank_pattern / alpha_pattern give the parts of {paths[0]} different scalings "
                          f"({sorted(got)}), which one fused entry cannot carry; give them one rank and alpha")
     return got.pop()
 
@@ -195,7 +196,7 @@ def _pattern_names(layout: ModelLayout, name: str, per_expert: dict) -> list[str
 
 def _check_shapes(name: str, a: torch.Tensor, b: torch.Tensor, in_f: int, out_f: int) -> None:
     if a.shape[-1] != in_f or b.shape[-2] != out_f or a.shape[-2] != b.shape[-1]:
-        raise ValueError(f"{name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
+        raise InputError(f"{name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
                          f"(out={out_f}, in={in_f}); is the adapter for another model size?")
 
 
@@ -215,7 +216,7 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
             used.add(part)
             got = projs[part]
             if sorted(got) != list(range(p.num_experts)):
-                raise ValueError(f"{module}.<e>.{part}: the adapter has {len(got)} experts (indices {min(got)}.."
+                raise InputError(f"{module}.<e>.{part}: the adapter has {len(got)} experts (indices {min(got)}.."
                                  f"{max(got)}) but the model has {p.num_experts}; every expert needs its A and B")
             A.append(torch.stack([got[e][0] for e in range(p.num_experts)]))
             B.append(torch.stack([got[e][1] for e in range(p.num_experts)]))
@@ -226,7 +227,7 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
         col = 0
         for (j, part), a, b in zip(present, A, B):
             if b.shape[1] != rows[j].numel() or a.shape[2] != p.in_features:
-                raise ValueError(f"{module}.*.{part}: A {tuple(a.shape[1:])} / B {tuple(b.shape[1:])} do not fit "
+                raise InputError(f"{module}.*.{part}: A {tuple(a.shape[1:])} / B {tuple(b.shape[1:])} do not fit "
                                  f"({rows[j].numel()}, {p.in_features})")
             width = b.shape[2]
             b_full[:, rows[j], col:col + width] = b
@@ -234,7 +235,7 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
         out[p.path] = (A[0] if shared_a else torch.cat(A, dim=1), b_full)
     unknown = set(projs) - used
     if unknown:
-        raise ValueError(f"{module}: per-expert projections {sorted(unknown)} are not part of this model's experts "
+        raise InputError(f"{module}: per-expert projections {sorted(unknown)} are not part of this model's experts "
                          f"({', '.join(layout.module_params[module])})")
     return out
 
@@ -248,7 +249,7 @@ def merge_into(model: nn.Module, adapter: CanonicalAdapter) -> nn.Module:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if (adapter.embed or "lm_head" in adapter.dense) and head is not None and emb is not None \
             and head.weight is emb.weight:
-        raise ValueError("lm_head / embed_tokens LoRA on a model with tied embeddings cannot be merged into the "
+        raise InputError("lm_head / embed_tokens LoRA on a model with tied embeddings cannot be merged into the "
                          "shared weight; run it unmerged (the hf engine does)")
     for name in [*adapter.dense, *adapter.embed]:
         w = model.get_submodule(name).weight

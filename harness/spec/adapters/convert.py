@@ -25,6 +25,7 @@ from lpdiff.harness.spec.adapters.files import (
 )
 from lpdiff.harness.spec.adapters.inspection import several
 from lpdiff.harness.spec.adapters.layout import LAYOUTS, PEFT_PREFIX, disk_roots, suffixes
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import AdapterSpec
 
 
@@ -37,7 +38,7 @@ def _rerank(adapter: CanonicalAdapter) -> tuple[int, float]:
     ratio = new_rank / adapter.rank
     alpha = adapter.alpha * (math.sqrt(ratio) if adapter.use_rslora else ratio)
     if peft_scaling(alpha, new_rank, adapter.use_rslora) != adapter.scaling:
-        raise ValueError(f"this adapter needs rank {new_rank} (from {adapter.rank}) in one file, but no lora_alpha "
+        raise InputError(f"this adapter needs rank {new_rank} (from {adapter.rank}) in one file, but no lora_alpha "
                          f"gives exactly the same scaling {adapter.scaling!r}{' with rslora' if adapter.use_rslora else ''}"
                          "; refusing to approximate. Use the source adapter as it is.")
     return new_rank, alpha
@@ -61,11 +62,11 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
     write the decoder under this name instead of ``model`` (e.g. "backbone" for Nemotron-H's on-disk names).
     Returns the written config."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mlayout = as_layout(model_config)
     roots = disk_roots(mlayout.model_type)
     if disk_root is not None and disk_root.rstrip(".") not in roots:
-        raise ValueError(f"disk root {disk_root!r}: a {mlayout.model_type} adapter names its decoder "
+        raise InputError(f"disk root {disk_root!r}: a {mlayout.model_type} adapter names its decoder "
                          f"{' or '.join(roots)}, which lpdiff and the engines read; give one of those")
     rank, alpha, written, rank_pattern, alpha_pattern = _plan_ranks(adapter)
     root = "model." if disk_root is None else disk_root.rstrip(".") + "."
@@ -135,7 +136,7 @@ def _plan_ranks(adapter: CanonicalAdapter) -> tuple[int, float, dict[str, int], 
         if peft_scaling(adapter.alpha, r, adapter.use_rslora) != s:
             alpha = s * (math.sqrt(r) if adapter.use_rslora else r)
             if peft_scaling(alpha, r, adapter.use_rslora) != s:
-                raise ValueError(f"{n}: no lora_alpha gives exactly its scaling {s!r} at rank {r}; refusing to "
+                raise InputError(f"{n}: no lora_alpha gives exactly its scaling {s!r} at rank {r}; refusing to "
                                  "approximate. Use the source adapter as it is.")
             alphas[n] = alpha
     return adapter.rank, adapter.alpha, inner, ranks, alphas
@@ -184,7 +185,7 @@ def convert_adapter(src_dir: str | Path, dst_dir: str | Path, to: str, model_con
     lpdiff_adapter.json. Refuses (clear error) where exactness is impossible (rslora with a rank change)."""
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     if src_dir.resolve() == dst_dir.resolve():
-        raise ValueError("convert_adapter writes a new directory; give a dst_dir other than src_dir")
+        raise InputError("convert_adapter writes a new directory; give a dst_dir other than src_dir")
     adapter = load_canonical(src_dir, model_config)
     prov = read_provenance(src_dir)
     cfg = save_canonical(adapter, dst_dir, model_config, to, disk_root)

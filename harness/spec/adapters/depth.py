@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from lpdiff.harness.spec.adapters.files import CONFIG_NAME, WEIGHTS_NAME, load_tensors, save_tensors
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import AdapterSpec
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # every decoder's entries: model.layers.i, backbone.layers.i, ...
@@ -34,7 +35,7 @@ def write_cut(adapter_dir: str | Path, out: str | Path, depth: int) -> Path:
         if p.is_file() and p.name != WEIGHTS_NAME:
             shutil.copyfile(p, tmp / p.name)
     if not (tmp / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{src} has no {CONFIG_NAME}: not a PEFT adapter directory")
+        raise InputError(f"{src} has no {CONFIG_NAME}: not a PEFT adapter directory")
     keep = {k: t for k, t in load_tensors(src).items() if (m := _LAYER.search(k)) is None or int(m[1]) < depth}
     save_tensors(keep, tmp / WEIGHTS_NAME)
     try:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from lpdiff.harness.spec.errors import InputError
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PROVENANCE_NAME = "lpdiff_adapter.json"  # how lpdiff made this directory (generator recipe, conversions)
@@ -17,13 +19,13 @@ PROVENANCE_NAME = "lpdiff_adapter.json"  # how lpdiff made this directory (gener
 def read_config(adapter_dir: Path) -> dict[str, Any]:
     path = adapter_dir / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{adapter_dir} has no {CONFIG_NAME}: not a PEFT adapter directory")
+        raise InputError(f"{adapter_dir} has no {CONFIG_NAME}: not a PEFT adapter directory")
     cfg = json.loads(path.read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{adapter_dir} is a {cfg['peft_type']} adapter; lpdiff handles LORA only")
+        raise InputError(f"{adapter_dir} is a {cfg['peft_type']} adapter; lpdiff handles LORA only")
     for flag in ("use_dora", "lora_bias", "fan_in_fan_out"):
         if cfg.get(flag):
-            raise ValueError(f"{adapter_dir}: {flag}=true is not supported (plain LoRA only)")
+            raise InputError(f"{adapter_dir}: {flag}=true is not supported (plain LoRA only)")
     return cfg
 
 
@@ -38,7 +40,7 @@ def load_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
 
     path = adapter_dir / WEIGHTS_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
+        raise InputError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
     return load_file(str(path))
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from lpdiff.harness.spec.adapters.convert import convert_adapter
 from lpdiff.harness.spec.adapters.files import CONFIG_NAME, PROVENANCE_NAME, respect_umask, write_json
 from lpdiff.harness.spec.adapters.layout import LAYOUTS, ModelLayout, resolve_targets
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import AdapterSpec
 
 GENERATOR_VERSION = "lpdiff-adapter-gen/v1"  # bump when generated values change for the same arguments
@@ -55,7 +56,7 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     from peft.tuners.lora import LoraLayer
 
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if getattr(model, "peft_config", None) is not None:
         raise ValueError("pass the base transformers model, not a PeftModel")
     assert rank >= 1 and scale > 0
@@ -75,7 +76,7 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     got_modules, got_params = set(tuner.targeted_module_names), set(tuner.targeted_parameter_names)
     if got_modules != set(targets.modules) or got_params != set(targets.params):
         diff = sorted((got_modules | got_params) ^ set(targets.modules + targets.params))[:4]
-        raise ValueError(f"PEFT did not target exactly what groups {list(groups)} name on this "
+        raise InputError(f"PEFT did not target exactly what groups {list(groups)} name on this "
                          f"{mlayout.model_type} model (differences: {diff}); PEFT rewrites gate/up/down_proj "
                          "targets to the experts on qwen2-style MoE models: drop the 'mlp'/'shared_expert' group")
 
@@ -89,7 +90,7 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
             raise ValueError("generate_adapter sizes the adapter from the model's weights; load real weights first")
         w_rms = torch.linalg.vector_norm(weight.detach(), dtype=torch.float32).item() / math.sqrt(weight.numel())
         if w_rms == 0:
-            raise ValueError(f"{base}.{pname} is all zeros: cannot size a relative delta for it")
+            raise InputError(f"{base}.{pname} is all zeros: cannot size a relative delta for it")
         if "default" in getattr(layer, "lora_embedding_A", {}):
             _fill_embedding(layer, weight, w_rms, scale, _generator(seed, base, pname, "A"),
                             _generator(seed, base, pname, "B"), dtype)

@@ -21,6 +21,7 @@ from lpdiff.harness.spec.adapters.layout import (
     module_group,
     pattern_value,
 )
+from lpdiff.harness.spec.errors import InputError
 
 
 @dataclass(slots=True)
@@ -66,11 +67,11 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
     adapter_dir = Path(adapter_dir)
     path = adapter_dir / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{adapter_dir} has no {CONFIG_NAME}: not a PEFT adapter directory")
+        raise InputError(f"{adapter_dir} has no {CONFIG_NAME}: not a PEFT adapter directory")
     cfg = json.loads(path.read_text())
     weights = adapter_dir / WEIGHTS_NAME
     if not weights.is_file():
-        raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
+        raise InputError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
     shapes, dtypes = {}, set()
     with safe_open(str(weights), framework="pt") as f:
         for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
@@ -89,7 +90,7 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
         elif re.search(r"\.experts(\.base_layer)*$", mod):
             three_d.append(k)
     if experts_seen and three_d:
-        raise ValueError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
+        raise InputError(f"{adapter_dir} mixes the peft3d and per_expert expert layouts")
     layout = "per_expert" if experts_seen else "peft3d" if three_d else "dense_only"
     num_experts = None
     if experts_seen:
@@ -117,7 +118,7 @@ def adapter_groups(adapter_dir: str | Path) -> tuple[str, ...]:
 
     weights = Path(adapter_dir) / WEIGHTS_NAME
     if not weights.is_file():
-        raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
+        raise InputError(f"{adapter_dir} has no {WEIGHTS_NAME} (lpdiff reads safetensors adapters only)")
     with safe_open(str(weights), framework="pt") as f:
         keys = list(f.keys())
     found = set()

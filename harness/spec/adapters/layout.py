@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lpdiff.harness.spec.errors import InputError
+
 # Module groups an adapter can target, one per kind of block of the four families: full attention (Qwen3.5's
 # q_proj is twice as wide: query and output gate), Gated DeltaNet linear attention (Qwen3.5: in_proj_qkv, in_proj_z,
 # in_proj_b, in_proj_a, out_proj), Mamba-2 mixers (Nemotron-H: in_proj, out_proj), dense MLPs, shared experts and
@@ -114,7 +116,7 @@ class ExpertParam:
         try:
             return EXPERT_PARTS[self.name]
         except KeyError:
-            raise ValueError(f"expert parameter {self.path} has no known per-expert layout (known: "
+            raise InputError(f"expert parameter {self.path} has no known per-expert layout (known: "
                              f"{sorted(EXPERT_PARTS)})") from None
 
     def disk_parts(self, layout: str = "per_expert") -> tuple[str, ...]:
@@ -184,7 +186,7 @@ class ModelLayout:
     def memory_path(self, key: str) -> tuple[str, str]:
         """'base_model.model.backbone.layers.1.x.lora_A.weight' -> ('model.layers.1.x', 'A')."""
         if not key.startswith(PEFT_PREFIX):
-            raise ValueError(f"tensor {key!r} does not start with {PEFT_PREFIX!r}: not a PEFT LoRA adapter")
+            raise InputError(f"tensor {key!r} does not start with {PEFT_PREFIX!r}: not a PEFT LoRA adapter")
         path = key[len(PEFT_PREFIX):]
         for alias in _ROOT_ALIASES.get(self.model_type, ()):
             if path.startswith(alias):
@@ -192,7 +194,7 @@ class ModelLayout:
                 break
         got = key_module(path)
         if got is None:
-            raise ValueError(f"tensor {key!r} is not a LoRA A/B weight; lpdiff handles plain LoRA only (no DoRA "
+            raise InputError(f"tensor {key!r} is not a LoRA A/B weight; lpdiff handles plain LoRA only (no DoRA "
                              "magnitudes, LoRA biases, saved base layers or modules_to_save)")
         return got
 
@@ -212,7 +214,7 @@ class ModelLayout:
             depth = (len(mod) - len(base)) // len(".base_layer")
             names = self.targeted_params(base, target_parameters)
             if depth >= len(names):
-                raise ValueError(f"{len(names)} parameter(s) of {base} are in target_parameters "
+                raise InputError(f"{len(names)} parameter(s) of {base} are in target_parameters "
                                  f"{target_parameters}, so PEFT nests at most {max(len(names) - 1, 0)} base_layer")
             return "3d", f"{base}.{names[len(names) - 1 - depth]}"
         pe = PER_EXPERT_RE.fullmatch(mod)
@@ -224,7 +226,7 @@ class ModelLayout:
             return "pe", module, proj, int(pe.group(2))
         if mod in self.linears:
             return "dense", mod
-        raise ValueError(f"no module {mod!r} in this {self.model_type} model; is the adapter for another model (or "
+        raise InputError(f"no module {mod!r} in this {self.model_type} model; is the adapter for another model (or "
                          "another depth)?")
 
 
@@ -263,10 +265,10 @@ def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
             if any(module_group(n) == "router" for n in hits):
                 raise _router_error(g)
             if mamba and any(n.rsplit(".", 1)[-1] in _PEFT_MAMBA_REFUSED for n in hits):
-                raise ValueError(f"adapter target {g!r} names a Mamba {sorted(_PEFT_MAMBA_REFUSED)} module: PEFT "
+                raise InputError(f"adapter target {g!r} names a Mamba {sorted(_PEFT_MAMBA_REFUSED)} module: PEFT "
                                  f"refuses LoRA there on {layout.model_type}; target the mamba in_proj instead")
         if not hits:
-            raise ValueError(f"adapter target {g!r} matches nothing in this {layout.model_type} model; groups it "
+            raise InputError(f"adapter target {g!r} matches nothing in this {layout.model_type} model; groups it "
                              f"has: {present} (or give a module/parameter suffix such as 'self_attn.q_proj')")
         chosen |= hits
     modules = sorted(n for n in chosen if candidates[n] == "module")

@@ -1,13 +1,15 @@
-"""What the validation layer says: one ``ValidationError`` per refusal (a ValueError, so the CLI prints it as one
+"""What the validation layer says: one ``ValidationError`` per refusal (an InputError, so the CLI prints it as one
 line and exits 2) and the ``Problem``s that doctor lists and a run refuses."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lpdiff.harness.spec.errors import InputError
+
 SEVERITIES = ("error", "warning")
 
 
-class ValidationError(ValueError):
+class ValidationError(InputError):
     """Bad input: the message names the file or argument, what is wrong and the fix, on one line."""
 
     def __init__(self, message: str):
