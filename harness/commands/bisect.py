@@ -197,17 +197,17 @@ class BisectResult:
 
     def table(self) -> str:
         width = max(len("adapter"), *(len(label(c)) for c in self.choices))
-        cols = [m for m in MODULES if any(k[2] == m for k in self.errors)]
-        cw = max(14, *(len(m) for m in cols))
-        rows = [f"{'noise':<{width}}  {'':>5}  " + "  ".join(f"{self.floors[m]:>{cw}.3g}" for m in cols),
-                f"{'adapter':<{width}}  {'layer':>5}  " + "  ".join(f"{m:>{cw}}" for m in cols)]
+        cols = [m for m in MODULES if any(k[2] == m for k in self.errors)]  # the modules some layer has
+        cw = {m: max(10, len(m)) for m in cols}
+        rows = [f"{'noise':<{width}}  {'':>5}  " + "  ".join(f"{self.floors[m]:>{cw[m]}.3g}" for m in cols),
+                f"{'adapter':<{width}}  {'layer':>5}  " + "  ".join(f"{m:>{cw[m]}}" for m in cols)]
         for c in self.choices:
             for i in sorted({i for cc, i, _ in self.errors if cc == c}):
                 cells = []
                 for m in cols:
-                    e = self.errors.get((c, i, m))
-                    cells.append(f"{'-':>{cw - 1}} " if e is None else
-                                 f"{e:>{cw - 1}.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}")
+                    e = self.errors.get((c, i, m))  # None: a module this layer's kind does not have
+                    cells.append(f"{'-':>{cw[m] - 1}} " if e is None else
+                                 f"{e:>{cw[m] - 1}.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}")
                 rows.append(f"{label(c):<{width}}  {i:>5}  " + "  ".join(cells))
         return "\n".join(rows)
 
