@@ -112,7 +112,7 @@ def resolve(impl: str, x: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"gdn must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "fla" and not fla_available():
-        raise ValueError("gdn='fla' needs fla-core: pip install 'lpdiff[fla]'")
+        raise ValueError("gdn='fla' needs fla-core: pip install fla-core==0.5.2")
     if impl == "auto":
         low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
         return "fla" if low and fla_available() else "torch"
