@@ -102,7 +102,7 @@ def test_corrupt_byte_is_detected(tmp_path):
 def test_missing_names_the_command(tmp_path):
     with pytest.raises(BaselineMissing) as e:
         BaselineStore(tmp_path).get(key(dtype="bfloat16", tp=2))
-    assert "lpdiff regen --model tiny-moe --engine hf --dtype bfloat16 --tp 2 --top-k 2" in str(e.value)
+    assert "lpdiff regen --model tiny-moe --reference hf --ref-dtype bfloat16 --tp 2 --top-k 2" in str(e.value)
     assert "pytest --lpdiff-regen" in str(e.value)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lpdiff.harness.pipeline.noise import Noise, pair_noise, threshold_from
+from lpdiff.harness.pipeline.noise import Noise, fp32_rounding_floor, pair_noise, threshold_from
 from lpdiff.harness.pipeline.session import run_session
 from lpdiff.harness.pipeline.thresholds import Threshold, record
 from lpdiff.harness.spec.resolve import resolve
@@ -24,8 +24,10 @@ class Lane:
 
 
 def measure_noise(model: str, a: Lane, b: Lane, prompt_sets=("default", "long"), num_layers=None,
-                  log=print) -> Noise:
-    """Verdicts judge near-tie positions apart, so the noise is measured on the clean positions too."""
+                  log=print, floor: Noise | None = None) -> Noise:
+    """Verdicts judge near-tie positions apart, so the noise is measured on the clean positions too. With both
+    lanes in fp32, ``floor`` (when given) takes the largest fp32 rounding floor of b's runs: two correct kernels
+    can agree bit for bit on one CPU and not on another, and a threshold must hold on both."""
     noise = Noise()
     for ps in prompt_sets:
         spec, adapters, prompts = resolve(model, prompts=ps, num_layers=num_layers)
@@ -35,11 +37,23 @@ def measure_noise(model: str, a: Lane, b: Lane, prompt_sets=("default", "long"),
             lane = pair_noise(ra, rb, [name], dtypes=(a.dtype, b.dtype), clean_only=True)
             noise.merge(lane)
             log(f"  {model} [{ps}] {name or 'base'}: {lane.describe()}")
+        if floor is not None and a.dtype == b.dtype == "float32":
+            f = fp32_rounding_floor(rb, _layers(spec))
+            floor.k2, floor.max_abs = max(floor.k2, f.k2), max(floor.max_abs, f.max_abs)
     return noise
 
 
-def zoo_threshold(noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True) -> Threshold:
-    return threshold_from(noise, factor, fidelity=fidelity,
+def _layers(spec) -> int:
+    if spec.num_layers:
+        return spec.num_layers
+    from lpdiff.harness.spec.catalog import hf_config
+
+    return int(getattr(hf_config(spec), "num_hidden_layers", 1) or 1)
+
+
+def zoo_threshold(noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True,
+                  floor: Noise | None = None) -> Threshold:
+    return threshold_from(noise, factor, fidelity=fidelity, floor=floor,
                           note=f"noise = worst of {noise.comparisons} comparisons ({noise.positions} positions) "
                                f"between {_lane(a)} and {_lane(b)}")
 
@@ -51,8 +65,9 @@ def _lane(lane: Lane) -> str:
 def calibrate(model: str, a: Lane, b: Lane, record_as: list[tuple[str, str]], factor: float = 10.0,
               fidelity: bool = True, tp: int = 1, num_layers=None, log=print) -> Threshold:
     """Measure the a-vs-b noise on ``model`` and record factor x noise for each (engine pair, dtype)."""
-    noise = measure_noise(model, a, b, num_layers=num_layers, log=log)
-    t = zoo_threshold(noise, factor, a, b, fidelity)
+    floor = Noise()
+    noise = measure_noise(model, a, b, num_layers=num_layers, log=log, floor=floor)
+    t = zoo_threshold(noise, factor, a, b, fidelity, floor if floor.k2 > 0 else None)
     for pair, dtype in record_as:
         record(model, pair, dtype, tp, t)
         log(f"recorded {model} {pair} {dtype} tp={tp}: k2 {t.k2:.3g} max|d| {t.max_abs:.3g} "

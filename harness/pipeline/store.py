@@ -81,7 +81,9 @@ class BaselineKey:
         cmd += f" --adapter {self.adapter_name}" if self.adapter_name else ""
         cmd += f" --prompt-set {self.prompt_set}" if self.prompt_set not in (None, "default") else ""
         cmd += f" --num-layers {f['model']['num_layers']}" if f["model"].get("num_layers") is not None else ""
-        cmd += f" --engine {f['engine']} --dtype {f['dtype']} --tp {f['tp']}"
+        # regen writes reference runs: the stored run's engine and dtype are regen's --reference / --ref-dtype
+        cmd += f" --reference {f['engine']} --ref-dtype {f['dtype']}"
+        cmd += f" --tp {f['tp']}" if f["tp"] != 1 else ""
         cmd += f" --top-k {f['top_k']}" if f["top_k"] else ""
         return f"regenerate it with `{cmd}` or run the suite with `pytest --lpdiff-regen`"
 
