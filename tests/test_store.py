@@ -218,7 +218,7 @@ def test_other_prompt_sets_depths_and_engines_coexist(tmp_path):
 def test_hint_names_prompt_set_and_depth(tmp_path):
     with pytest.raises(BaselineMissing) as e:
         BaselineStore(tmp_path).get(key(model=model(num_layers=2), prompt_set="short"))
-    assert "`lpdiff regen --model tiny-moe --prompt-set short --num-layers 2 --engine hf" in str(e.value)
+    assert "`lpdiff regen --model tiny-moe --prompt-set short --num-layers 2 --reference hf --ref-dtype float32" in str(e.value)
     assert "prompt set 'short'" in str(e.value) and "2 layers" in str(e.value)
 
 
