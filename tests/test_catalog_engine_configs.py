@@ -167,6 +167,7 @@ def _sglang_transformers_python() -> str:
     return str(py)
 
 
+@pytest.mark.slow  # a fresh clone pip-installs transformers 5.12.1 into its own venv first: a minute or more
 def test_configs_parse_with_sglang_transformers(tmp_path):
     """SGLang 0.5.15 pins transformers 5.12.1, whose NemotronH config refuses transformers 5.17's own
     layers_block_type values; the Hub's hybrid_override_pattern is what it reads."""
