@@ -40,12 +40,18 @@ LENS = [9, 17, 4, 23, 12]  # ragged; longer than the sliding window
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def tiny(request, tmp_path_factory):
-    """-> (ModelSpec, {engine: {name: AdapterSpec}}, prompts) for one arch, saved under a temporary directory."""
+    """-> (ModelSpec, {engine: {name: AdapterSpec}}, prompts) for one arch, saved under a temporary directory; built
+    once per pytest process for this module and the ones that re-export this fixture (tests/helpers/once.py)."""
+    from tests.helpers.once import once
+
+    return once(("test_triton_engine.tiny", request.param), lambda: _build_tiny(request.param, tmp_path_factory))
+
+
+def _build_tiny(arch: str, tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
 
-    arch = request.param
     root = tmp_path_factory.mktemp(arch)
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(arch, **ARCHS[arch])

@@ -22,7 +22,7 @@ from lpdiff.engines.base import EngineConfig
 from tests import test_triton_engine as engine_tests
 from tests.test_triton_engine import TOL, _maxdiff
 
-tiny = engine_tests.tiny  # the tiny-model fixture (module scope), built again for this module
+tiny = engine_tests.tiny  # the tiny-model fixture: built once per process, shared with that module
 
 
 def test_batch_knows_the_uniform_slot_and_caches_the_slot_mask():

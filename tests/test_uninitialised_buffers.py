@@ -26,7 +26,7 @@ from lpdiff.kernels.lora_linear import augment_weight, lora_linear_aug, pack_lor
 from tests import test_triton_engine as engine_tests
 from tests.test_kernels_lora_linear import make_linear
 
-tiny = engine_tests.tiny  # the tiny-model fixture (module scope), built again for this module
+tiny = engine_tests.tiny  # the tiny-model fixture: built once per process, shared with that module
 
 
 def _garbage(t: torch.Tensor) -> torch.Tensor:
