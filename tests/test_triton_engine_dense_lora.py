@@ -49,6 +49,8 @@ def test_batch_knows_the_uniform_slot_and_caches_the_slot_mask():
     assert b.slot_mask(3, torch.float32) is m  # one build per batch, shared by every layer
 
 
+# slow: 40 s on CI's 2 loaded cores, all of it the Triton interpreter running the MoE kernels in both TP workers
+@pytest.mark.slow
 @pytest.mark.parametrize("tiny", ["qwen3_moe"], indirect=True)  # one arch: TP workers run the interpreter
 def test_cublas_dense_lora_tp2_equals_torch_reference(tiny):
     """TP=2 on the Triton impl (dense LoRA on the cublas path, experts on the interpreted kernels) against the
@@ -70,6 +72,9 @@ def test_cublas_dense_lora_tp2_equals_torch_reference(tiny):
         assert _maxdiff(g, r) <= TOL, f"adapter choice {c}"
 
 
+# slow: 30-55 s per arch on CI's 2 loaded cores; a profile of one forward is all Triton interpreter (its own type
+# checks per op) in the MoE kernels, whose program count the tiny model's 8 experts already keep at the minimum
+@pytest.mark.slow
 def test_fused_paths_at_tp1_match_hf_peft(tiny, monkeypatch):
     """impl triton at TP 1 runs q|k|v LoRA as extra K of the base GEMM (kernels.lora_linear_aug, the input norm
     writing into its buffer) and hands the MoE's unsummed top-k outputs to the next norm; both must be the paths
