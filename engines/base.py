@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lpdiff.engines.capabilities import DTYPES, Capabilities, Mode
+from lpdiff.engines.registry import ENGINES
 from lpdiff.harness.spec.errors import InputError, UnknownName
 from lpdiff.harness.types import AdapterSpec, ModelSpec, PromptLogprobs
 
@@ -181,14 +182,6 @@ def per_prompt_adapters(adapter: AdapterChoice, n: int, known: dict[str, Any]) -
             raise UnknownName(f"unknown adapter {a!r}; this engine was opened with {sorted(known)} "
                               "(pass it in EngineConfig.adapters)")
     return names
-
-
-ENGINES: dict[str, str] = {
-    "hf": "lpdiff.engines.hf:HFEngine",
-    "triton": "lpdiff.engines.triton:TritonEngine",
-    "vllm": "lpdiff.engines.vllm:VLLMEngine",
-    "sglang": "lpdiff.engines.sglang:SGLangEngine",
-}
 
 
 def _target(name: str) -> tuple[str, str]:

@@ -107,6 +107,24 @@ class Capabilities:
     prefill_step: int | None = None
     arch_prefill_steps: tuple[tuple[str, int], ...] = ()
     prefill_step_option: tuple[str, ...] = ()
+    # installing it: the command that installs its own package at the version lpdiff ran (README "Engines"; lpdiff is
+    # not on PyPI, so `pip install 'lpdiff[vllm]'` resolves nothing) and the module that says it is installed;
+    # "" for both: it runs on lpdiff's own dependencies. ``offline_python``: it also runs from an unpacked bundle
+    # named by LPDIFF_<ENGINE>_PYTHONPATH (its lane's ``python`` option).
+    install: str = ""
+    module: str = ""
+    offline_python: bool = False
+    # its reference noise in fp32: the engine options of two correct runs that differ only by rounding (two kernels
+    # for one op); ``fp32_twins_cuda`` where a GPU runs other kernels. ({}, {}): its rerun noise
+    fp32_twins: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    fp32_twins_cuda: tuple[dict[str, Any], dict[str, Any]] | None = None
+    adapter_doctor: bool = False  # lpdiff doctor knows how it reads (refuses, drops) adapter files
+    max_lora_rank_option: bool = False  # started with a max_lora_rank (its LoRA buffers' size): doctor --max-lora-rank
+
+    def twins(self, cuda: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The options of its two correct fp32 runs (``fp32_twins``) on this machine."""
+        pair = self.fp32_twins_cuda if cuda and self.fp32_twins_cuda is not None else self.fp32_twins
+        return dict(pair[0]), dict(pair[1])
 
     def __post_init__(self):
         assert set(self.layouts) <= set(LAYOUTS), self.layouts

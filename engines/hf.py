@@ -53,7 +53,11 @@ CAPABILITIES = Capabilities(
     dtypes=tuple(_DTYPES), lora_fp32=True, max_rank=None, max_moe_rank=None, tp=(1,),
     modes=tuple(Mode(f"experts_{impl}", {"experts_impl": impl}, ("experts",))
                 for impl in ("eager", "batched_mm", "grouped_mm")),
-    router_lora="peft", per_layer_capture=True,
+    router_lora="peft", per_layer_capture=True, adapter_doctor=True,
+    # two expert kernels: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where batched_mm
+    # gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
+    fp32_twins=({"experts_impl": "batched_mm"}, {"experts_impl": "eager"}),
+    fp32_twins_cuda=({"experts_impl": "grouped_mm"}, {"experts_impl": "eager"}),
     prefill_step=8192, prefill_step_option=("max_batch_tokens",),  # padded tokens per forward (HFEngine's default)
     known_defects=(
         KnownDefect("per-expert-ignored-by-peft", f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone loads "

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 import lpdiff
+from lpdiff.engines import ENGINES  # the registry alone: numpy and torch load with an engine
 from lpdiff.harness.cli_store import baselines, report
 # The error classes only, from a module that imports nothing: `lpdiff --help` and `--version` start in well under a
 # second (importing torch costs seconds); tests/test_cli.py checks that nothing heavier is imported.
@@ -117,59 +118,24 @@ def _prompt_source(prompts, split, column, count, seed):
 def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps, adapters, prompt_set, prompts,
                   prompts_split, prompts_column, prompts_count, prompts_seed, top_k, num_layers, options, baselines,
                   json_path, save_runs, wide=False) -> int:
-    from lpdiff.engines import LaneDied, LaneError
-    from lpdiff.harness.commands.run import DEFAULT_ENGINE, Job, default_tps, run_job, what_it_judges, zoo_models
-    from lpdiff.harness.pipeline.references import default_store
+    from lpdiff.harness.commands.run import RunRequest, run, what_it_judges
     from lpdiff.harness.pipeline.report import verdict_table
     from lpdiff.harness.pipeline.verdict import to_json
 
-    engine = engine or (reference if regen else DEFAULT_ENGINE)
-    _need_engine(engine)
-    chosen, skipped = zoo_models(engine, models)
-    for model, why in skipped:
-        _log(f"skipped {model}: {why}")
-    jobs = [Job(model=m, engine=engine, reference=reference, dtype=dtype, ref_dtype=ref_dtype, tp=tp,
-                adapters=tuple(adapters) or None, prompt_set=prompt_set, top_k=top_k, num_layers=num_layers,
-                prompts=_prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed),
-                options=parse_options(options), baselines=baselines) for m in chosen
-            for tp in dict.fromkeys(tps or ((1,) if regen else default_tps(engine)))]  # references run at TP 1
-    if not jobs:
-        raise UsageError(f"engine {engine!r} serves none of the models asked for")
-    store = default_store(baselines)
-    verdicts = []
-    bar = _progress(jobs, "regen" if regen else "run")
-    died = []
-    regenerated = set()  # references never shard: one regen per model serves each of its TP sizes
-    for job in bar:
-        bar.set_postfix_str(f"{job.model} tp={job.tp}")
-        try:
-            res = run_job(job, store, regen=regen and job.model not in regenerated,
-                          log=lambda s: bar.write(s, file=sys.stderr))
-            regenerated.add(job.model)
-        except (LaneDied, LaneError) as e:  # the engine hung, crashed or raised: a FAIL with its log, go on
-            died.append(f"{job.model} (tp={job.tp})")
-            _log(f"FAIL {job.model} tp={job.tp}: the {job.engine} engine failed before giving logprobs:\n{e}")
-            continue
-        verdicts += res.verdicts
-        if save_runs:
-            out = Path(save_runs)
-            out.mkdir(parents=True, exist_ok=True)
-            for a, r in res.runs.items():
-                model = job.model.strip("/").replace("/", "--")  # a directory or Hub id names one file
-                tp = f".tp{job.tp}" if job.tp > 1 else ""  # each TP size's runs side by side in one folder
-                r.save(out / f"{model}.{job.engine}.{job.dtype}{tp}.{a or 'base'}.npz")
+    request = RunRequest(regen, tuple(models), engine, dtype, reference, ref_dtype, tuple(tps), tuple(adapters),
+                         prompt_set, _prompt_source(prompts, prompts_split, prompts_column, prompts_count,
+                                                    prompts_seed), top_k, num_layers, parse_options(options),
+                         baselines, save_runs)
+    rep = run(request, log=_log, progress=lambda jobs: _progress(jobs, "regen" if regen else "run"))
     if not regen:
-        click.echo(what_it_judges(jobs[0]))
-    click.echo(verdict_table(verdicts, wide=wide))
+        click.echo(what_it_judges(rep.plan.jobs[0]))
+    click.echo(verdict_table(rep.verdicts, wide=wide))
     if json_path:
-        Path(json_path).write_text(to_json(verdicts))
+        Path(json_path).write_text(to_json(rep.verdicts))
     if regen:
         return EXIT_OK
-    failed = [v for v in verdicts if not v.passed]
-    _log(f"{len(verdicts) - len(failed)} passed, {len(failed)} failed" +
-         (f"; engine failed on: {', '.join(died)}" if died else "") +
-         (f"; skipped: {', '.join(m for m, _ in skipped)}" if skipped else ""))
-    return EXIT_FAILED if failed or died else EXIT_OK
+    _log(rep.summary())
+    return EXIT_FAILED if rep.failed else EXIT_OK
 
 
 def _run_decode(n, sampling, seed, models, engine, dtype, reference, ref_dtype, tps, adapters, prompt_set, prompts,
@@ -368,7 +334,7 @@ def calibrate(models, engine, dtype, options, against, against_dtype, against_op
 
 
 @cli.command()
-@click.option("--engine", required=True, type=click.Choice(["vllm", "sglang", "triton", "hf"]))
+@click.option("--engine", required=True, type=click.Choice(list(ENGINES)))
 @click.option("--model", "models", multiple=True, required=True, help="catalog model (repeatable)")
 @click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="depth cut (full width)")
 @click.option("--tp", type=click.IntRange(min=1), default=1)
@@ -457,8 +423,8 @@ def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relat
 @cli.command()
 @click.argument("model")
 @click.argument("adapter")
-@click.option("--engine", "engines", multiple=True, type=click.Choice(["hf", "vllm", "sglang"]),
-              help="check only this engine (repeatable; default: every engine doctor knows)")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(list(ENGINES)),
+              help="check only this engine (repeatable; default: every engine doctor knows: hf, vllm, sglang)")
 @click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
               help="the max_lora_rank vllm/sglang will be started with (default: sized from the adapter)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
@@ -466,7 +432,7 @@ def doctor(model, adapter, engines, max_lora_rank, as_json) -> int:
     """What each engine will refuse or silently ignore in an adapter, before any run (exit 1 if anything)."""
     from lpdiff.harness.commands import doctor as dr
 
-    limits = {e: max_lora_rank for e in ("vllm", "sglang")} if max_lora_rank else None
+    limits = dict.fromkeys(dr.RANK_LIMITED, max_lora_rank) if max_lora_rank else None
     report = dr.doctor(model, adapter, list(engines) or None, limits)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else dr.format_report(report))
     return report.exit_code

@@ -11,7 +11,8 @@ CAPABILITIES = Capabilities(
     engine="sglang", label="SGLang", versions=_V, archs=("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3"),
     layouts=("peft3d", "per_expert"), arch_layouts=(("nemotron_h", ("peft3d", "per_expert_gate")),),
     dtypes=("bfloat16", "float16"), lora_fp32=False,  # no fp32 path (rmsnorm)
-    max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), router_lora="refused",
+    max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), router_lora="refused", adapter_doctor=True,
+    install="pip install sglang==0.5.15", module="sglang", offline_python=True, max_lora_rank_option=True,
     # utils/common.py:3985 SUPPORTED_LORA_TARGET_MODULES; any other name has no get_hidden_dim entry
     # (lora/utils.py:224) and the engine fails to start
     lora_targets=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",

@@ -40,7 +40,6 @@ Options (``EngineConfig.options``; validated once into options.TritonOptions):
 """
 from lpdiff.engines.capabilities import Capabilities, Mode
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS
-from lpdiff.engines.triton.engine import TritonEngine
 
 CAPABILITIES = Capabilities(
     engine="triton", label="lpdiff-triton", versions="this lpdiff", archs=SUPPORTED_ARCHS,
@@ -50,9 +49,22 @@ CAPABILITIES = Capabilities(
     # packed tokens per forward (TritonOptions.max_batch_tokens); a longer prompt runs alone in its own forward
     prefill_step=8192, prefill_step_option=("max_batch_tokens",),
     router_lora="refused",  # LoRA runs on attention and experts only (engines/triton/lora.py SUPPORTED_TARGETS)
+    # its kernels are Triton functions even where they run as their torch references; wheels for Linux only
+    install="pip install triton==3.6.0 (Linux only: elsewhere run the install self-check, lpdiff run --engine hf)",
+    module="triton", fp32_twins=({"impl": "torch"}, {}),  # the torch references against the kernels
     modes=(Mode("kernels_torch", {"impl": "torch"}), Mode("kernels_triton", {"impl": "triton"}, ("triton_kernels",)),
            Mode("attention_sdpa", {"attention": "sdpa"}),
            Mode("attention_flash", {"attention": "flash"}, ("cuda", "low_precision")),
            Mode("attention_triton", {"attention": "triton"})))  # interpreted on CPU, any dtype
 
 __all__ = ["CAPABILITIES", "TritonEngine"]
+
+
+def __getattr__(name: str):
+    """TritonEngine on first use: its kernels import the triton package, and the capabilities above (the install
+    command among them) must read where triton is not installed (engines.base.capabilities)."""
+    if name == "TritonEngine":
+        from lpdiff.engines.triton.engine import TritonEngine
+
+        return TritonEngine
+    raise AttributeError(f"module 'lpdiff.engines.triton' has no attribute {name!r}")

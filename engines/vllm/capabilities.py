@@ -14,7 +14,8 @@ CAPABILITIES = Capabilities(
     archs=("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3"), layouts=("peft3d", "per_expert"),
     dtypes=("float32", "bfloat16", "float16"), lora_fp32=False,  # GPU LoRA kernels: fp16/bf16 (0.25.1 asserts)
     max_rank=max(FALLBACK_RANKS), max_moe_rank=128, tp=(1, 2, 4, 8), moe_lora_cpu=False,
-    lora_targets=None, router_lora="applied",
+    lora_targets=None, router_lora="applied", adapter_doctor=True,
+    install="pip install vllm==0.25.1", module="vllm", offline_python=True, max_lora_rank_option=True,
     refused_features=("use_dora", "lora_bias", "bias", "modules_to_save", "init_lora_weights"),
     # vLLM 0.25.1's PEFTHelper has no rank_pattern / alpha_pattern fields: every module gets lora_alpha / r
     # (engines/vllm/adapters.py adapter_problems; honoured from vLLM 0.32, issue 42)

@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from lpdiff.engines import ENGINES as ALL_ENGINES
 from lpdiff.engines import Capabilities, capabilities
 from lpdiff.harness.commands.doctor_inputs import check_noop, resolve_adapter
 from lpdiff.harness.spec.adapters.inspection import several
 from lpdiff.harness.spec.errors import InputError
 
-ENGINES = ("hf", "vllm", "sglang")  # the engines whose adapter handling the doctor knows (triton reads every layout)
+# the engines whose adapter handling the doctor knows (Capabilities.adapter_doctor; triton reads every layout)
+ENGINES = tuple(e for e in ALL_ENGINES if capabilities(e).adapter_doctor)
+RANK_LIMITED = tuple(e for e in ENGINES if capabilities(e).max_lora_rank_option)  # doctor --max-lora-rank
 SEVERITIES = ("error", "warning", "info")
 _ROUTER_LEAVES = ("gate", "router")
 _PER_EXPERT_KEY = re.compile(r".+\.experts\.\d+\.\w+")

@@ -261,11 +261,13 @@ def _interpreter_or_cuda(ctx: Context) -> str | None:
 
 
 def _tp_applies(engine: str, n: int):
+    from lpdiff.engines.base import capabilities
+
     def applies(ctx: Context) -> str | None:
         if ctx.tp != 1:
             return "the run is already tensor-parallel"
-        if engine == "triton" and n == 2 and not torch.cuda.is_available():
-            return None  # gloo on CPU: a real test of the sharding math
+        if n == 2 and n in capabilities(engine).cpu_tp and not torch.cuda.is_available():
+            return None  # gloo on CPU (triton): a real test of the sharding math; TP 2 is the smallest split
         return _cuda(ctx, n)
     return applies
 
@@ -290,7 +292,13 @@ def engine_modes_table() -> dict[str, dict[str, tuple[dict, int | None, Callable
             for e in ENGINES}
 
 
-TP_SIZES = {e: {str(n): ({}, n, _tp_applies(e, n)) for n in (2, 4)} for e in ("triton", "vllm", "sglang")}
+def tp_sizes_table() -> dict[str, dict[str, tuple[dict, int | None, Callable]]]:
+    """engine -> TP size -> ({}, tp, applies): TP 2 and 4 for every engine that declares them (Capabilities.tp)."""
+    from lpdiff.engines import ENGINES
+    from lpdiff.engines.base import capabilities
+
+    return {e: {str(n): ({}, n, _tp_applies(e, n)) for n in (2, 4) if n in capabilities(e).tp} for e in ENGINES
+            if any(n in capabilities(e).tp for n in (2, 4))}
 
 
 def _variant_lanes(ctx: Context, relation: str, table: dict, session: str):
@@ -315,7 +323,7 @@ def _modes(ctx: Context):
 
 
 def _tp(ctx: Context):
-    return _variant_lanes(ctx, "tp", TP_SIZES, "tp")
+    return _variant_lanes(ctx, "tp", tp_sizes_table(), "tp")
 
 
 RELATIONS: dict[str, Relation] = {r.name: r for r in [

@@ -2,29 +2,33 @@
 judged against stored reference runs. The CLI and the pytest suites both go through here, so a verdict means the
 same thing wherever it is printed.
 
-Route: resolve the spec -> reference runs through the store (``stored``; ``regen`` recomputes them) -> one engine
-session over the mixed batch -> metrics against the references -> verdicts against the recorded thresholds.
+Route: the CLI's arguments as one ``RunRequest`` -> ``plan()`` resolves it once (models the engine serves, each
+model's spec, adapters and prompts, the TP sizes, the engine options) into a ``Plan`` of ``Job``s -> per job: the
+doctor's preflight, reference runs through the store (``stored``; ``regen`` recomputes them), one engine session
+over the mixed batch, metrics against the references, verdicts against the recorded thresholds -> ``RunReport``.
 """
 from __future__ import annotations
 
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
 
-from lpdiff.harness.commands.bisect import bisects
+from lpdiff.harness.commands.bisect import ARCHS as BISECT_ARCHS
 from lpdiff.harness.commands.preflight import preflight
 from lpdiff.harness.pipeline.metrics import compare, lane_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.references import References, default_store
 from lpdiff.harness.pipeline.session import Lanes, run_session
 from lpdiff.harness.pipeline.store import BaselineStore
 from lpdiff.harness.pipeline.thresholds import lookup
-from lpdiff.harness.pipeline.verdict import Verdict, judge, next_step
+from lpdiff.harness.pipeline.verdict import LaneId, Verdict, judge, next_step
 from lpdiff.harness.spec.adapters import adapter_groups
 from lpdiff.harness.spec.errors import InputError
+from lpdiff.harness.spec.errors import UsageError
 from lpdiff.harness.spec.prompt_sources import PromptSource
-from lpdiff.harness.spec.resolve import Resolved, resolve
+from lpdiff.harness.spec.resolve import Resolved, resolve, resolve_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 # What plain ``lpdiff run`` judges: lpdiff's own engine (on a CPU through its kernels' torch references) against
@@ -49,6 +53,9 @@ class Job:
     num_layers: int | None = None
     options: dict = field(default_factory=dict)  # engine options for the engine under test
     baselines: str | None = None  # the store given as --baselines (None: $LPDIFF_BASELINES or the shipped one)
+    # the model, adapters and prompts as plan() resolved them (shared by the model's jobs at each TP size);
+    # None for a Job built by hand: resolve_job resolves it then
+    resolved: Resolved | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.tp < 1 or self.top_k < 0:
@@ -100,7 +107,9 @@ class JobResult:
 
 
 def resolve_job(job: Job) -> Resolved:
-    return resolve(job.model, job.adapters, job.prompts or job.prompt_set, job.num_layers)
+    if job.resolved is None:
+        job.resolved = resolve(job.model, job.adapters, job.prompts or job.prompt_set, job.num_layers)
+    return job.resolved
 
 
 def references(job: Job, store: BaselineStore, regen: bool = False, log: Callable[[str], None] = lambda s: None
@@ -116,22 +125,20 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
     Delta fidelity is reported per module group where the batch has single-group adapters (lane_fidelity)."""
     threshold = lookup(job.model, job.engine_pair, job.dtype, job.tp)
     eps = near_tie_eps(job.dtype, job.ref_dtype)
-    groups = {a: adapter_groups(s.path) for a, s in resolve_job(job).adapters.items() if a in runs}
+    r = resolve_job(job)
+    groups = {a: adapter_groups(s.path) for a, s in r.adapters.items() if a in runs}
     fidelities = lane_fidelity(runs, refs, groups)
     verdicts = []
     for a in runs:
         fidelity = None if a is None else fidelities[a]
         own, split = _own_and_groups(fidelity)
         m = compare(runs[a], refs[a], near_tie_eps=eps)
-        v = judge(m, threshold, delta_fidelity=own, exclude_near_ties=m.clean is not None, adapter=a or "base")
-        v.model, v.engine_pair, v.dtype, v.tp, v.adapter = job.model, job.engine_pair, job.dtype, job.tp, a or "-"
-        v.detail = position_detail(runs[a], refs[a], eps)
-        if split:
-            _name_groups(v, split, threshold.delta_fidelity)
-        if not v.passed:
-            v.next_step = next_step(job.engine_pair, job.model, v.adapter, job.tp, job.adapters or (), job.options,
-                                    bisect=bisects(job.model))
-        verdicts.append(v)
+        detail = position_detail(runs[a], refs[a], eps)
+        lane = LaneId(job.model, job.engine_pair, job.dtype, job.tp, a or "-")
+        hint = next_step(job.engine_pair, job.model, lane.adapter, job.tp, job.adapters or (), job.options,
+                         bisect=r.spec.arch in BISECT_ARCHS)
+        verdicts.append(judge(m, threshold, delta_fidelity=own, exclude_near_ties=m.clean is not None, lane=lane,
+                              groups=split, detail=detail, next_step=hint))
     return verdicts
 
 
@@ -141,15 +148,6 @@ def _own_and_groups(fidelity):
     if isinstance(fidelity, dict) and "adapter" in fidelity:
         return fidelity["adapter"], {g: f for g, f in fidelity.items() if g != "adapter"}
     return fidelity, {}
-
-
-def _name_groups(v: Verdict, split: dict[str, float], limit: float | None) -> None:
-    v.notes.append("delta fidelity of this batch's single-group lanes: "
-                   + ", ".join(f"{g} {f:.3g}" for g, f in split.items()))
-    if limit is None or not any(r.startswith("delta fidelity ") for r in v.reasons):
-        return
-    v.reasons += [f"delta fidelity [{g}] {f:.3g} > threshold {limit:.3g} (the {g}-only lane of this batch)"
-                  for g, f in split.items() if not f <= limit]
 
 
 def run_job(job: Job, store: BaselineStore | None = None, regen: bool = False,
@@ -171,10 +169,11 @@ def run_job(job: Job, store: BaselineStore | None = None, regen: bool = False,
 
 
 def unsupported(engine: str, model: str) -> str | None:
-    """Why ``engine`` cannot serve ``model`` (None when it can), from the engine's own capabilities."""
+    """Why ``engine`` cannot serve ``model`` (None when it can), from the engine's own capabilities: the model's
+    config alone (no adapters, prompts or weights are resolved for a model that is then skipped)."""
     from lpdiff.engines.base import capabilities
 
-    arch = resolve(model, adapters=(), weights=False).spec.arch
+    arch = resolve_model(model, weights=False).arch
     c = capabilities(engine)
     return None if c.serves(arch) else f"the {engine} engine does not serve {arch} (it serves {', '.join(c.archs)})"
 
@@ -210,3 +209,115 @@ def zoo_models(engine: str, asked: Sequence[str] = ()) -> tuple[list[str], list[
         why = unsupported(engine, name)
         (skipped.append((name, why)) if why else chosen.append(name))
     return chosen, skipped
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    """``lpdiff run`` / ``lpdiff regen``'s arguments as the CLI parsed them; ``plan()`` resolves them once."""
+
+    regen: bool = False  # compute the reference runs into the store instead of judging an engine
+    models: tuple[str, ...] = ()  # () = every tiny MoE zoo model the engine serves
+    engine: str | None = None  # None: DEFAULT_ENGINE for run, the reference for regen
+    dtype: str = "float32"
+    reference: str = "hf"
+    ref_dtype: str = "float32"
+    tps: tuple[int, ...] = ()  # () = default_tps(engine) for run, TP 1 for regen (references never shard)
+    adapters: tuple[str, ...] = ()  # () = a zoo model's all
+    prompt_set: str = "default"
+    prompts: PromptSource | None = None
+    top_k: int = 8
+    num_layers: int | None = None
+    options: dict = field(default_factory=dict)
+    baselines: str | None = None
+    save_runs: str | None = None  # folder for the engine-under-test runs (.npz)
+
+
+@dataclass(slots=True)
+class Plan:
+    """A request resolved: the engine, the jobs (model x TP size, each carrying its model's one resolution) and
+    the models skipped with the reason. Every stage of ``run`` reads its inputs from here."""
+
+    request: RunRequest
+    engine: str
+    jobs: list[Job]
+    skipped: list[tuple[str, str]]
+
+
+@dataclass(slots=True)
+class RunReport:
+    """What ``run`` gives the CLI to print: the verdicts, the jobs whose engine died, the models skipped."""
+
+    plan: Plan
+    verdicts: list[Verdict] = field(default_factory=list)
+    died: list[str] = field(default_factory=list)  # "model (tp=N)" of each job whose engine failed
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.died) or any(not v.passed for v in self.verdicts)
+
+    def summary(self) -> str:
+        failed = sum(not v.passed for v in self.verdicts)
+        return (f"{len(self.verdicts) - failed} passed, {failed} failed"
+                + (f"; engine failed on: {', '.join(self.died)}" if self.died else "")
+                + (f"; skipped: {', '.join(m for m, _ in self.plan.skipped)}" if self.plan.skipped else ""))
+
+
+def plan(request: RunRequest) -> Plan:
+    """The engine and its models, each model resolved once (spec, adapters, prompts) for all its TP sizes."""
+    from lpdiff.harness.pipeline.session import engine_missing
+
+    engine = request.engine or (request.reference if request.regen else DEFAULT_ENGINE)
+    if why := engine_missing(engine):
+        raise UsageError(why)
+    chosen, skipped = zoo_models(engine, request.models)
+    tps = tuple(dict.fromkeys(request.tps or ((1,) if request.regen else default_tps(engine))))
+    jobs = []
+    for model in chosen:
+        first = Job(model=model, engine=engine, reference=request.reference, dtype=request.dtype,
+                    ref_dtype=request.ref_dtype, tp=tps[0], adapters=request.adapters or None,
+                    prompt_set=request.prompt_set, prompts=request.prompts, top_k=request.top_k,
+                    num_layers=request.num_layers, options=dict(request.options), baselines=request.baselines)
+        resolved = resolve_job(first)
+        jobs += [first] + [replace(first, tp=tp, resolved=resolved) for tp in tps[1:]]
+    if not jobs:
+        raise UsageError(f"engine {engine!r} serves none of the models asked for")
+    return Plan(request, engine, jobs, skipped)
+
+
+def run(request: RunRequest, log: Callable[[str], None] = lambda s: None,
+        progress: Callable[[list[Job]], Iterable[Job]] = lambda jobs: jobs) -> RunReport:
+    """Every job of the plan: an engine that hangs, crashes or raises (LaneDied/LaneError) is a FAIL with its log
+    and the run goes on. ``progress`` wraps the job list (a tqdm bar: its ``write`` then carries the log)."""
+    from lpdiff.engines import LaneDied, LaneError
+
+    p = plan(request)
+    for model, why in p.skipped:
+        log(f"skipped {model}: {why}")
+    report = RunReport(p)
+    store = default_store(request.baselines)
+    regenerated = set()  # references never shard: one regen per model serves each of its TP sizes
+    bar = progress(p.jobs)
+    say = (lambda s: bar.write(s, file=sys.stderr)) if hasattr(bar, "write") else log
+    for job in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"{job.model} tp={job.tp}")
+        try:
+            res = run_job(job, store, regen=request.regen and job.model not in regenerated, log=say)
+            regenerated.add(job.model)
+        except (LaneDied, LaneError) as e:
+            report.died.append(f"{job.model} (tp={job.tp})")
+            log(f"FAIL {job.model} tp={job.tp}: the {job.engine} engine failed before giving logprobs:\n{e}")
+            continue
+        report.verdicts += res.verdicts
+        if request.save_runs:
+            save_runs(res, Path(request.save_runs))
+    return report
+
+
+def save_runs(res: JobResult, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    job = res.job
+    model = job.model.strip("/").replace("/", "--")  # a directory or Hub id names one file
+    tp = f".tp{job.tp}" if job.tp > 1 else ""  # each TP size's runs side by side in one folder
+    for a, r in res.runs.items():
+        r.save(out / f"{model}.{job.engine}.{job.dtype}{tp}.{a or 'base'}.npz")

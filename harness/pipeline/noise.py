@@ -17,14 +17,12 @@ def noise_pair(reference: str, dtype: str) -> tuple[tuple[str, dict], tuple[str,
     engine under test in ``dtype``: bf16 -> the reference in bf16 vs fp32; fp32 -> two correct kernels."""
     import torch
 
+    from lpdiff.engines import capabilities
+
     if dtype != REFERENCE_DTYPE:
         return (dtype, {}), (REFERENCE_DTYPE, {})
-    if reference == "triton":
-        return ("float32", {"impl": "torch"}), ("float32", {})
-    # HF's second expert kernel: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where
-    # batched_mm gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
-    other = "grouped_mm" if torch.cuda.is_available() else "batched_mm"
-    return ("float32", {"experts_impl": other}), ("float32", {"experts_impl": "eager"})
+    a, b = capabilities(reference).twins(torch.cuda.is_available())  # the engine's two correct fp32 runs
+    return ("float32", a), ("float32", b)
 
 
 @dataclass(slots=True)

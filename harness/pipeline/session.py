@@ -87,30 +87,24 @@ def engine_options(engine: str) -> dict:
     return opts
 
 
-# The command that installs each engine's own package, at the version lpdiff ran it with (README "Engines"). lpdiff
-# is not on PyPI, so `pip install 'lpdiff[vllm]'` resolves nothing; its extras work only from a checkout
-# (pip install -e '.[vllm]'), which installs these same packages. triton has wheels for Linux only.
-ENGINE_INSTALL = {"vllm": "pip install vllm==0.25.1", "sglang": "pip install sglang==0.5.15",
-                  "triton": "pip install triton==3.6.0 (Linux only: elsewhere run the install self-check, "
-                            "lpdiff run --engine hf)"}
 # Engines a job names (comma-separated): a missing one FAILs the job instead of skipping (nightly lanes, CI jobs)
 REQUIRE_ENV = "LPDIFF_REQUIRE_ENGINES"
 
 
 def engine_missing(engine: str) -> str | None:
-    """Why ``engine`` cannot run here (None when it can), naming the command that installs it: hf always can;
-    triton needs the triton package (its kernels are Triton functions even where they run as torch references);
-    vLLM / SGLang need to be importable or pointed at an installation by ``engine_options``."""
-    from lpdiff.engines import ENGINES
+    """Why ``engine`` cannot run here (None when it can), naming the command that installs it
+    (``Capabilities.install``): one on lpdiff's own dependencies always can; another needs its module importable,
+    or, where it runs from an offline bundle, an installation named by ``engine_options``."""
+    from lpdiff.engines import ENGINES, capabilities
 
     if engine not in ENGINES:
         return f"unknown engine {engine!r}; known engines: {', '.join(ENGINES)}"
-    if engine == "hf" or (engine != "triton" and "python" in engine_options(engine)) \
-            or importlib.util.find_spec(engine):
+    c = capabilities(engine)
+    if not c.module or (c.offline_python and "python" in engine_options(engine)) or importlib.util.find_spec(c.module):
         return None
-    bundle = "" if engine == "triton" else (f" (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline "
-                                            "bundle)")
-    return f"engine {engine!r} is not installed here: {ENGINE_INSTALL[engine]}{bundle}"
+    bundle = (f" (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline bundle)" if c.offline_python
+              else "")
+    return f"engine {engine!r} is not installed here: {c.install}{bundle}"
 
 
 def engine_required(engine: str) -> bool:

@@ -44,6 +44,22 @@ class Verdict:
     next_step: str = ""  # for a lane that did not come out as expected: the command that localises it (next_step)
 
 
+@dataclass(frozen=True, slots=True)
+class LaneId:
+    """Which lane a verdict is about: its model, engine pair, dtype, TP size and adapter ("-" or "base": base rows)."""
+
+    model: str
+    engine_pair: str
+    dtype: str
+    tp: int | None
+    adapter: str | None
+
+    @property
+    def label(self) -> str:
+        """The lane as failure messages name it."""
+        return "base" if self.adapter in (None, "-") else self.adapter
+
+
 def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity, lane: str | None = None,
               nonfinite: bool = True) -> list[str]:
     if m.num_positions == 0:
@@ -65,11 +81,18 @@ def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity, lane: str | None = N
 
 
 def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = None, *, adapter: str | None = None,
-          exclude_near_ties: bool = False) -> Verdict:
+          exclude_near_ties: bool = False, lane: LaneId | None = None, groups: Mapping[str, float] | None = None,
+          detail: dict[str, Any] | None = None, next_step: str = "", expected: str = "PASS") -> Verdict:
     """Pass when k2, max |Δ| and (if both given) delta fidelity are within ``threshold`` and no logprob is
-    NaN/inf. Model, engine pair, dtype and TP come from the threshold, which lookup() filled for this lane.
+    NaN/inf. The verdict's identity is ``lane``; without one, model, engine pair, dtype and TP come from the
+    threshold (which lookup() filled for this lane) and the adapter from ``adapter``.
     A NaN/inf logprob anywhere, near-tie positions included, is a FAIL naming the lane (``adapter``), the prompt
-    and the position of the first (metrics.nonfinite_reason), whatever the other metrics say."""
+    and the position of the first (metrics.nonfinite_reason), whatever the other metrics say. ``groups``: a
+    multi-group lane's per-group delta fidelity from the batch's single-group lanes, named in the notes (and in
+    the reasons when the lane's own delta fidelity fails). ``next_step`` is kept only for a lane that did not
+    come out as ``expected``."""
+    if lane is not None:
+        adapter = lane.label
     notes, reasons_pre = [], []
     if threshold.source != "measured" or threshold.match != "exact":
         notes.append(f"threshold is {threshold.provenance}: {threshold.note}".strip())
@@ -97,10 +120,19 @@ def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = Non
         reasons.append(f"the {clean.num_positions} positions without a router near-tie are within the threshold "
                        f"(k2 {clean.k2:.3g}, max |Δ| {clean.max_abs:.3g}): the excess comes from the "
                        f"{metrics.near_tie_share:.1%} near-tie positions")
-    return Verdict(model=threshold.model, engine_pair=threshold.engine_pair, dtype=threshold.dtype,
-                   tp=threshold.tp, adapter=adapter, metrics=metrics, delta_fidelity=delta_fidelity,
-                   threshold=threshold, passed=not reasons, reasons=reasons,
-                   near_tie_share=metrics.near_tie_share, notes=notes)
+    if groups:
+        notes.append("delta fidelity of this batch's single-group lanes: "
+                     + ", ".join(f"{g} {f:.3g}" for g, f in groups.items()))
+        limit = threshold.delta_fidelity
+        if limit is not None and any(r.startswith("delta fidelity ") for r in reasons):
+            reasons += [f"delta fidelity [{g}] {f:.3g} > threshold {limit:.3g} (the {g}-only lane of this batch)"
+                        for g, f in groups.items() if not f <= limit]
+    who = lane or LaneId(threshold.model, threshold.engine_pair, threshold.dtype, threshold.tp, adapter)
+    passed = not reasons
+    return Verdict(model=who.model, engine_pair=who.engine_pair, dtype=who.dtype, tp=who.tp, adapter=who.adapter,
+                   metrics=metrics, delta_fidelity=delta_fidelity, threshold=threshold, passed=passed,
+                   reasons=reasons, near_tie_share=metrics.near_tie_share, notes=notes, expected=expected,
+                   detail=detail, next_step="" if passed == (expected == "PASS") else next_step)
 
 
 def _engine_of(engine_pair: str) -> tuple[str, str, str]:
@@ -142,8 +174,14 @@ def next_step(engine_pair: str, model: str, adapter: str | None, tp: int | None 
         return (f"lpdiff compare --model {m} --engine {engine} --dtype {dtype or 'float32'} --against {ref} "
                 f"--tp {tp or 1}")
     a = shlex.quote(lane)
-    doctor = f"lpdiff doctor {m} {a} --engine {engine}; " if engine in ("hf", "vllm", "sglang") else ""
+    doctor = f"lpdiff doctor {m} {a} --engine {engine}; " if _doctor_knows(engine) else ""
     return f"{doctor}lpdiff metamorphic {m} {a} --engine {engine} --tp {tp or 1}"
+
+
+def _doctor_knows(engine: str) -> bool:
+    from lpdiff.engines import ENGINES, capabilities
+
+    return engine in ENGINES and capabilities(engine).adapter_doctor
 
 
 def _plain(obj: Any) -> Any:
