@@ -76,7 +76,7 @@ def _jit_calls_interpreted():
         if interp is None:  # the first call patches triton.language for it, and nothing undoes that within a launch
             interp = cache[id(jf)] = InterpretedFunction(jf.fn)
             return interp(*args, **kwargs)
-        # later calls skip re-patching: it was 12 % of an interpreted MoE forward (538 patches of 5 modules each)
+        # later calls skip re-patching, 12-15 % of an interpreted MoE forward's CPU (538 patches of 5 modules each)
         rewritten = getattr(interp, "rewrite", None)
         return rewritten()(*args, **kwargs) if rewritten else interp(*args, **kwargs)
     JITFunction.__call__ = call
