@@ -359,13 +359,11 @@ def _rerooted(src: Path, dst: Path, layout: str, mlayout, root: str) -> None:
 def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec]) -> dict[str, str]:
     """Lanes whose adapter ``lpdiff doctor`` says this engine refuses or computes wrongly (an error finding): not
     served, reported with the doctor's message (e.g. SGLang has no LoRA for Qwen3.5's GDN projections)."""
-    from lpdiff.harness.commands.doctor import ENGINES as DOCTOR_ENGINES, doctor
+    from lpdiff.harness.pipeline.doctor import ENGINES as DOCTOR_ENGINES, refusals
 
     out = {}
     for lane, a in lanes.items() if engine in DOCTOR_ENGINES else ():
-        errors = [f for f in doctor(case.spec, a.path, engines=[engine]).findings
-                  if f.engine == engine and f.severity == "error"]
-        if errors:
+        if errors := refusals(case.spec, a.path, engine).errors:
             out[lane] = f"{errors[0].code}: {errors[0].message}"
     return out
 

@@ -104,12 +104,11 @@ class Context:
 def refusal(spec: ModelSpec, engine: str, adapter_dir: str | Path) -> str | None:
     """doctor's first error for this engine on this adapter: the engine refuses or drops it (known limit). None
     for engines doctor knows nothing about."""
-    from lpdiff.harness.commands.doctor import ENGINES, doctor
+    from lpdiff.harness.pipeline.doctor import ENGINES, refusals
 
     if engine not in ENGINES:
         return None
-    errors = [f for f in doctor(spec, adapter_dir, [engine]).findings
-              if f.severity == "error" and f.engine in (engine, "all")]
+    errors = refusals(spec, adapter_dir, engine).errors
     return f"doctor [{errors[0].code}]: {errors[0].message}" if errors else None
 
 

@@ -19,7 +19,7 @@ def check_noop(f) -> list:  # f: doctor.Facts -> [doctor.Finding]
     """Every lora_B zero (PEFT's default init saved untrained): every engine matches the reference on a no-op."""
     from safetensors import safe_open
 
-    from lpdiff.harness.commands.doctor import Finding
+    from lpdiff.harness.pipeline.doctor import Finding
     from lpdiff.harness.spec.adapters import WEIGHTS_NAME
 
     path = Path(f.info.path) / WEIGHTS_NAME
