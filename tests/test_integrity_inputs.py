@@ -85,7 +85,10 @@ def test_good_case_threshold_and_an_infinite_one_through_the_cli(tmp_path, capsy
 def test_ctrl_c_exits_130_and_leaves_no_partial_file(tmp_path):
     store = tmp_path / "B"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "lpdiff.harness.cli", "regen", "--model", MODEL, "--engine", "hf",
+    # three models: one model's references take ~1 s after its "regenerating" line, so on a loaded machine the
+    # signal could land after a one-model regen had finished (exit 0); the later models keep it busy
+    models = [a for m in (MODEL, "tiny-gpt-oss", "tiny-qwen3.5-moe") for a in ("--model", m)]
+    p = subprocess.Popen([sys.executable, "-m", "lpdiff.harness.cli", "regen", *models, "--engine", "hf",
                           "--baselines", str(store)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     try:
