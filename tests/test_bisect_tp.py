@@ -91,6 +91,7 @@ def test_cli_bisect_bad_input_exits_2(tmp_path, capsys):
 
 
 @needs_tp2
+@pytest.mark.slow  # a failing run, then plain bisect over every zoo adapter at TP 1 and 2: 84-200 s
 def test_a_run_fail_names_the_bisect_command_and_plain_bisect_localises_it(tmp_path, monkeypatch, capsys):
     """A defect only TP 2 shows (rank 1 counts its layer-1 expert LoRA partial twice): the run's TP 2 verdict names
     the bisect command for its model, adapters and TP (`lpdiff bisect tiny-qwen3-moe --adapter all --tp 2`, printed

@@ -71,6 +71,7 @@ def _suite_lanes(tmp_path, name: str) -> dict[str, str]:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow  # a whole default job plus a nested pytest run: 117-122 s on 2 loaded cores
 @needs_tp2
 def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
     """Rank 1 counting its all-reduce partial twice: every TP 2 lane FAILs, every TP 1 lane PASSes (the suite's
@@ -93,6 +94,7 @@ LAYOUT_DEFECTS = [
 
 
 @pytest.mark.cpu
+@pytest.mark.slow  # the same per layout defect
 @needs_tp2
 @pytest.mark.parametrize("defect, adapter, _", LAYOUT_DEFECTS)
 def test_default_run_fails_a_layout_only_defect(defect, adapter, _, tmp_path, monkeypatch):
