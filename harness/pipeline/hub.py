@@ -175,8 +175,7 @@ def _verify_snapshot(folder: Path, ref: HubRef) -> None:
         if not p.is_symlink():
             continue  # a cache without symlinks keeps no etag beside the file
         blob = Path(os.path.realpath(p))
-        data = blob.read_bytes()
-        want = blob.name
+        data, want = blob.read_bytes(), blob.name
         got = hashlib.sha256(data).hexdigest() if len(want) == 64 else git_blob_sha1(data)
         if got != want:
             blob.unlink(missing_ok=True)
