@@ -7,6 +7,8 @@ Buffers start as zeros so unused slots and padded rank columns contribute exactl
 """
 from __future__ import annotations
 
+import warnings
+
 import re
 from dataclasses import dataclass
 
@@ -195,3 +197,16 @@ def fold_o_lora(weights, lora: StackedLora | None, shard: Shard) -> None:
 def _rank(adapter) -> int:
     """Inner dimension of the slot: per-expert gate/up with different A matrices fuse at 2r (harness.adapters)."""
     return max({int(adapter.rank)} | {a.shape[-2] for a, _ in [*adapter.dense.values(), *adapter.experts.values()]})
+
+
+def session_lora_impl(impl: str, lora) -> str:
+    """The impl a session's LoRA-bearing layers run on. The LoRA kernels hold a (rows, rank) accumulator in registers
+    up to rank KERNEL_MAX_RANK; a larger adapter (e.g. the exact shared-outer form, rank E*r) runs those layers on
+    the kernels' torch references instead."""
+    from lpdiff.kernels import MAX_RANK as KERNEL_MAX_RANK
+
+    if lora is not None and int(lora.ranks.max()) > KERNEL_MAX_RANK:
+        warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
+                      "run on the kernels' torch references", stacklevel=3)
+        return "torch"
+    return impl

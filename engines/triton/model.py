@@ -5,20 +5,18 @@ in the batch (and not on the torch references) the input RMSNorm writes into the
 whose other columns take the LoRA shrink, and q|k|v is one GEMM with the LoRA as extra K (lora_linear_aug)."""
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.config import ModelConfig
-from lpdiff.engines.triton.lora import LayerLora, StackedLora
+from lpdiff.engines.triton.lora import LayerLora, StackedLora, session_lora_impl
 from lpdiff.engines.triton.moe import experts, route
 from lpdiff.engines.triton.norm import add_rms_norm, sum_topk
 from lpdiff.engines.triton.rope import norm_rope_qk
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.engines.triton.weights import LayerWeights, ModelWeights
-from lpdiff.kernels import MAX_RANK as KERNEL_MAX_RANK
 from lpdiff.kernels import lora_linear
 from lpdiff.kernels._triton import resolve_impl
 from lpdiff.kernels.lora_linear import lora_linear_aug, lora_linear_shrink_out
@@ -36,13 +34,7 @@ class MoeTransformer:
         self.moe_padding = None if moe_padding == "auto" else moe_padding
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
-        # the LoRA kernels hold a (rows, rank) accumulator in registers up to rank KERNEL_MAX_RANK; a larger adapter
-        # (e.g. the exact shared-outer form, rank E*r) runs its LoRA-bearing layers on the torch references instead
-        self.lora_impl = impl
-        if lora is not None and int(lora.ranks.max()) > KERNEL_MAX_RANK:
-            self.lora_impl = "torch"
-            warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
-                          "run on the kernels' torch references", stacklevel=2)
+        self.lora_impl = session_lora_impl(impl, lora)
         # at TP 1 the experts hand back their unsummed top-k outputs (T, K, H) and the next add_rms_norm sums them;
         # under TP each rank's partial output is all-reduced, and summing first keeps that to one (T, H)
         self.fuse_topk_sum = shard.size == 1

@@ -10,7 +10,6 @@ the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_to
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import torch
@@ -18,13 +17,13 @@ import torch.nn.functional as F
 
 from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
+from lpdiff.engines.triton.lora import session_lora_impl
 from lpdiff.engines.triton.mamba import mamba_mixer
 from lpdiff.engines.triton.moe import record
 from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, NemotronHConfig, Weights
 from lpdiff.engines.triton.norm import add_rms_norm
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.harness.spec.routing import topk_margin
-from lpdiff.kernels import MAX_RANK as KERNEL_MAX_RANK
 from lpdiff.kernels import faults, lora_linear, moe_forward
 from lpdiff.kernels.activation import activate
 
@@ -35,11 +34,7 @@ class NemotronHModel:
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
-        self.lora_impl = impl
-        if lora is not None and int(lora.ranks.max()) > KERNEL_MAX_RANK:
-            self.lora_impl = "torch"
-            warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
-                          "run on the kernels' torch references", stacklevel=2)
+        self.lora_impl = session_lora_impl(impl, lora)
         self.capture: dict | None = None  # opt-in (lpdiff bisect): layer index -> that layer's output hidden states
         self.vocab = None  # vocab_lora.VocabLora of the session's adapters (set by the runtime), or None
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads) if "*" in cfg.kinds else (range(0), range(0))
