@@ -47,14 +47,19 @@ class LayerLora:
 
 
 @dataclass(slots=True)
-class StackedLora:
+class AdapterSlots:
+    """A session's adapters by slot, whatever the arch keeps per layer (subclasses add it and ``nbytes``)."""
     names: list[str]  # slot -> adapter name
     scaling: Tensor  # (L,) float32
     ranks: Tensor  # (L,) int32
-    layers: list[LayerLora]
 
     def slot(self, name: str | None) -> int:
         return -1 if name is None else self.names.index(name)
+
+
+@dataclass(slots=True)
+class StackedLora(AdapterSlots):
+    layers: list[LayerLora]
 
     def nbytes(self) -> int:
         total = 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lpdiff.engines.triton.lora import AdapterSlots
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeLoraWeights, faults
 
@@ -185,7 +186,6 @@ def mamba_rows(cfg: NemotronHConfig, shard: Shard) -> tuple[Tensor, Tensor]:
 
 
 def load(cfg: NemotronHConfig, names: Names, shard: Shard) -> Weights:
-    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     dev = names.device
 
     def even(n: int) -> Tensor:
@@ -264,15 +264,9 @@ SUPPORTED_TARGETS = ("mixer.{in_proj,out_proj} (mamba), mixer.{q,k,v,o}_proj, mi
 
 
 @dataclass(slots=True)
-class HybridLora:
+class HybridLora(AdapterSlots):
     """Every adapter's slot (archs.Built's ``lora``): the factors live in the layers' Linear.a/.b and moe_lora."""
-    names: list[str]
-    scaling: Tensor  # (L,) float32
-    ranks: Tensor  # (L,) int32
     weights: Weights
-
-    def slot(self, name: str | None) -> int:
-        return -1 if name is None else self.names.index(name)
 
     def nbytes(self) -> int:
         ts = []

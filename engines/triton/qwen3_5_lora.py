@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from lpdiff.engines.triton.lora import AdapterSlots
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeLoraWeights
 from lpdiff.kernels.lora_linear import pack_lora_b
@@ -105,14 +106,8 @@ class LayerLora:
 
 
 @dataclass(slots=True)
-class Qwen35Lora:
-    names: list[str]
-    scaling: Tensor  # (L,) float32
-    ranks: Tensor  # (L,) int32
+class Qwen35Lora(AdapterSlots):
     layers: list[LayerLora]
-
-    def slot(self, name: str | None) -> int:
-        return -1 if name is None else self.names.index(name)
 
     def nbytes(self) -> int:
         total = 0
