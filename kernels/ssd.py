@@ -57,7 +57,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     multiple of g; D (h,). initial_state (b, h, p, n) or None (zeros). -> y (b, l, h, p) fp32 [, final state
     (b, h, p, n) fp32 at the row's padded end: pass rows of equal real length when the state is wanted]."""
     b, l, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
+    g = B.shape[2]
     pad = -l % chunk
     xf = x.float()
     Bf = B.float().repeat_interleave(h // g, dim=2)
