@@ -1,5 +1,6 @@
 """Repo-level pytest setup. The lpdiff plugin itself (markers, GPU skips, --lpdiff-regen, verdict table) is
 registered through the ``pytest11`` entry point of the installed package (harness/plugin.py)."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,8 +14,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: minutes on CI's 2 cores; README's `pytest -n 2` leaves it out, .ci/run runs it as its own "
-                   "stage (`pytest -m slow`); any -m expression, or naming the test, selects it again")
+        "markers",
+        "slow: minutes on CI's 2 cores; README's `pytest -n 2` leaves it out, .ci/run runs it as its own "
+        "stage (`pytest -m slow`); any -m expression, or naming the test, selects it again",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,6 +18,7 @@ Models are the catalog's full-size configs built on the GPU with the seeded reci
 see the same weights. Rows are appended to DIR/e2e.csv as they are measured (columns of
 benchmarks/results/e2e.csv), so a run cut short still leaves what it finished.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,24 @@ from lpdiff.kernels.gemm_config import EXPAND
 from lpdiff.kernels.moe_grouped import BACKENDS
 from lpdiff.harness.types import AdapterSpec
 
-COLUMNS = ["date", "commit", "gpu", "model", "tokens", "tp", "dtype", "adapter", "impl", "tokens_per_s",
-           "peak_mem_gb", "startup_s", "settings", "call_ms", "gpu_ms", "error"]
+COLUMNS = [
+    "date",
+    "commit",
+    "gpu",
+    "model",
+    "tokens",
+    "tp",
+    "dtype",
+    "adapter",
+    "impl",
+    "tokens_per_s",
+    "peak_mem_gb",
+    "startup_s",
+    "settings",
+    "call_ms",
+    "gpu_ms",
+    "error",
+]
 
 
 def log(*a):
@@ -117,22 +134,31 @@ def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
 
     model = load_hf_model(spec, torch.bfloat16, "cuda")
     t0 = time.perf_counter()
-    ad = generate_adapter(model, out_dir, groups=("attention", "experts"), rank=rank, alpha=2 * rank, seed=1,
-                          dtype=torch.bfloat16)
+    ad = generate_adapter(
+        model, out_dir, groups=("attention", "experts"), rank=rank, alpha=2 * rank, seed=1, dtype=torch.bfloat16
+    )
     log(f"adapter rank {rank} generated in {time.perf_counter() - t0:.1f} s")
     del model
     free_gpu()
     return AdapterSpec("r%d" % rank, ad.path)
 
 
-def impl_name(backend: str, graphs: bool, shrink: str = OPTIONS["moe_lora_shrink"],
-              padding: str = OPTIONS["moe_padding"], expand: str = MOE_EXPAND,
-              attention: str = OPTIONS["attention"]) -> str:
-    return (("triton" if backend == "triton" else f"triton+{backend}") + ("" if graphs else "-eager")
-            + ("" if shrink == OPTIONS["moe_lora_shrink"] else f"@{shrink}")
-            + ("" if padding == OPTIONS["moe_padding"] else f"@pad:{padding}")
-            + ("" if expand == MOE_EXPAND else f"@expand:{expand}")
-            + ("" if attention == OPTIONS["attention"] else f"@attn:{attention}"))
+def impl_name(
+    backend: str,
+    graphs: bool,
+    shrink: str = OPTIONS["moe_lora_shrink"],
+    padding: str = OPTIONS["moe_padding"],
+    expand: str = MOE_EXPAND,
+    attention: str = OPTIONS["attention"],
+) -> str:
+    return (
+        ("triton" if backend == "triton" else f"triton+{backend}")
+        + ("" if graphs else "-eager")
+        + ("" if shrink == OPTIONS["moe_lora_shrink"] else f"@{shrink}")
+        + ("" if padding == OPTIONS["moe_padding"] else f"@pad:{padding}")
+        + ("" if expand == MOE_EXPAND else f"@expand:{expand}")
+        + ("" if attention == OPTIONS["attention"] else f"@attn:{attention}")
+    )
 
 
 def bench_model(name: str, args, writer) -> None:
@@ -154,10 +180,24 @@ def bench_model(name: str, args, writer) -> None:
         vocab = hf_config(spec).vocab_size
         prompts = [torch.randint(0, vocab, (args.seq,), generator=g).tolist() for _ in range(args.batch)]
 
-        def row(adapter_name, impl, secs=None, peak=None, startup_s=None, settings="", call_ms=None, gpu_ms=None,
-                error=""):
-            r = make_row(args, gpu, spec.name + (f"-{args.layers}L" if args.layers else ""), tokens, adapter_name,
-                         impl, secs, peak, startup_s, settings, call_ms, gpu_ms, error)
+        def row(
+            adapter_name, impl, secs=None, peak=None, startup_s=None, settings="", call_ms=None, gpu_ms=None, error=""
+        ):
+            r = make_row(
+                args,
+                gpu,
+                spec.name + (f"-{args.layers}L" if args.layers else ""),
+                tokens,
+                adapter_name,
+                impl,
+                secs,
+                peak,
+                startup_s,
+                settings,
+                call_ms,
+                gpu_ms,
+                error,
+            )
             writer(r)
             log(r)
             return r
@@ -166,14 +206,21 @@ def bench_model(name: str, args, writer) -> None:
         if "hf" in args.engines:
             t0 = time.perf_counter()
             hf_opts = {"router_margins": False}
-            with HFEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
-                                       options=hf_opts)) as hf:
+            with HFEngine(
+                EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda", options=hf_opts)
+            ) as hf:
                 startup = round(time.perf_counter() - t0, 1)
                 log(f"hf loaded in {startup} s")
                 for a in (None, adapter.name):
                     secs, peak = timed(hf, prompts, a, 1, args.hf_reps)
-                    results[("hf", a)] = row(f"r{args.rank}" if a else "none", "hf+peft" if a else "hf", secs, peak,
-                                             startup, e2e_peers.settings_text(hf_opts, hf.version()))
+                    results[("hf", a)] = row(
+                        f"r{args.rank}" if a else "none",
+                        "hf+peft" if a else "hf",
+                        secs,
+                        peak,
+                        startup,
+                        e2e_peers.settings_text(hf_opts, hf.version()),
+                    )
                     outs[("hf", a)] = hf.prompt_logprobs(prompts, a)
             free_gpu()
         # CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"
@@ -182,42 +229,65 @@ def bench_model(name: str, args, writer) -> None:
         # and each --moe-expand value (fused_moe_lora.MOE_EXPAND while that engine runs; impl "...@expand:<value>"
         # unless the default)
         # and each --attention value (the engine's attention option; impl "...@attn:<value>" unless the default)
-        variants = [(b, g, sh, pad, ex, at) for b in args.moe_backend for sh in args.moe_shrink
-                    for pad in args.moe_padding for ex in args.moe_expand for at in args.attention
-                    for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]]
+        variants = [
+            (b, g, sh, pad, ex, at)
+            for b in args.moe_backend
+            for sh in args.moe_shrink
+            for pad in args.moe_padding
+            for ex in args.moe_expand
+            for at in args.attention
+            for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]
+        ]
         if "triton" not in args.engines:
             variants = []
         for backend, graphs, shrink, padding, expand, attn in variants:
-            opts = {"moe_backend": backend, "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0,
-                    "moe_lora_shrink": shrink, "moe_padding": padding, "attention": attn}
+            opts = {
+                "moe_backend": backend,
+                "cuda_graphs": OPTIONS["cuda_graphs"] if graphs else 0,
+                "moe_lora_shrink": shrink,
+                "moe_padding": padding,
+                "attention": attn,
+            }
             impl = impl_name(backend, graphs, shrink, padding, expand, attn)
             fm.MOE_EXPAND = expand
             t0 = time.perf_counter()
-            with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda",
-                                           options=opts)) as tr:
+            with TritonEngine(
+                EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", device="cuda", options=opts)
+            ) as tr:
                 startup = round(time.perf_counter() - t0, 1)
                 settings = e2e_peers.settings_text({**opts, "moe_expand": expand})
                 wbytes = tr.runtime.weights.nbytes()
                 lbytes = tr.runtime.lora.nbytes()
-                log(f"{impl} loaded in {startup} s: weights {wbytes / 1e9:.2f} GB, "
-                    f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
+                log(
+                    f"{impl} loaded in {startup} s: weights {wbytes / 1e9:.2f} GB, "
+                    f"LoRA {lbytes / 1e9:.2f} GB, allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB"
+                )
                 for a in (None, adapter.name):
                     # 3 warm-up calls: the 2nd captures the layout's CUDA graph, the 3rd is its first replay
                     secs, peak, gpu_ms = timed_split(tr, prompts, a, 3, args.reps)
-                    results[(impl, a)] = row(f"r{args.rank}" if a else "none", impl, secs, peak, startup, settings,
-                                             1e3 * secs, gpu_ms)
+                    results[(impl, a)] = row(
+                        f"r{args.rank}" if a else "none", impl, secs, peak, startup, settings, 1e3 * secs, gpu_ms
+                    )
                     if gpu_ms is not None:
-                        log(f"{impl} adapter={a}: call {1e3 * secs:.2f} ms = replay GPU {gpu_ms:.2f} ms + host "
-                            f"{1e3 * secs - gpu_ms:.2f} ms around it")
+                        log(
+                            f"{impl} adapter={a}: call {1e3 * secs:.2f} ms = replay GPU {gpu_ms:.2f} ms + host "
+                            f"{1e3 * secs - gpu_ms:.2f} ms around it"
+                        )
                     outs[(impl, a)] = tr.prompt_logprobs(prompts, a)
-                log(f"{impl}: reserved {torch.cuda.max_memory_reserved() / 1e9:.2f} GB at most (allocator pools and "
+                log(
+                    f"{impl}: reserved {torch.cuda.max_memory_reserved() / 1e9:.2f} GB at most (allocator pools and "
                     f"graph pools), graphs {tr.runtime.graphs and (tr.runtime.graphs.captures, tr.runtime.graphs.hits)}"
-                    " (captures, replays)")
+                    " (captures, replays)"
+                )
                 if args.split and graphs:
                     for a in (None, adapter.name):
                         host_split(tr, prompts, a, args.reps)
-                first_variant = (shrink, padding, expand, attn) == (args.moe_shrink[0], args.moe_padding[0],
-                                                                    args.moe_expand[0], args.attention[0])
+                first_variant = (shrink, padding, expand, attn) == (
+                    args.moe_shrink[0],
+                    args.moe_padding[0],
+                    args.moe_expand[0],
+                    args.attention[0],
+                )
                 if args.profile and graphs == (args.graphs != "off") and (first_variant or args.profile_all):
                     stem = f"profile_{name}_{impl}".replace("@", "_").replace(":", "-")  # file names the device returns
                     profile(tr, prompts, adapter.name, Path(args.out) / f"{stem}.txt")
@@ -234,21 +304,32 @@ def bench_model(name: str, args, writer) -> None:
     for a in (None, adapter.name):  # bf16 agreement: noisy on random full-size models, but catches gross errors
         for other in dict.fromkeys(["hf", *e2e_peers.PEERS] + [k for k, _ in outs if k.startswith("triton")]):
             if other != first and (other, a) in outs and (first, a) in outs:
-                d = torch.cat([torch.from_numpy(x.logprobs - y.logprobs)
-                               for x, y in zip(outs[(first, a)], outs[(other, a)])])
-                log(f"bf16 {first} vs {other} adapter={a}: k2 {0.5 * d.pow(2).mean():.3g}, max |d| "
-                    f"{d.abs().max():.3g}, mean |d| {d.abs().mean():.3g}")
-    peer_lora = [results[(p, adapter.name)]["tokens_per_s"] for p in e2e_peers.PEERS
-                 if results.get((p, adapter.name), {}).get("tokens_per_s") not in (None, "")]
+                d = torch.cat(
+                    [torch.from_numpy(x.logprobs - y.logprobs) for x, y in zip(outs[(first, a)], outs[(other, a)])]
+                )
+                log(
+                    f"bf16 {first} vs {other} adapter={a}: k2 {0.5 * d.pow(2).mean():.3g}, max |d| "
+                    f"{d.abs().max():.3g}, mean |d| {d.abs().mean():.3g}"
+                )
+    peer_lora = [
+        results[(p, adapter.name)]["tokens_per_s"]
+        for p in e2e_peers.PEERS
+        if results.get((p, adapter.name), {}).get("tokens_per_s") not in (None, "")
+    ]
     for impl in (k for k, a in results if k.startswith("triton") and a is None):
         base, lora = results[(impl, None)], results[(impl, adapter.name)]
-        summary = {"model": spec.name, "impl": impl, "lora_tok_s": lora["tokens_per_s"],
-                   "base_tok_s": base["tokens_per_s"],
-                   "lora_overhead_pct": round(100 * (base["tokens_per_s"] / lora["tokens_per_s"] - 1), 1),
-                   "peak_over_weights_lora_pct": round(100 * (lora["peak_mem_gb"] * 1e9 / (wbytes + lbytes) - 1), 1)}
+        summary = {
+            "model": spec.name,
+            "impl": impl,
+            "lora_tok_s": lora["tokens_per_s"],
+            "base_tok_s": base["tokens_per_s"],
+            "lora_overhead_pct": round(100 * (base["tokens_per_s"] / lora["tokens_per_s"] - 1), 1),
+            "peak_over_weights_lora_pct": round(100 * (lora["peak_mem_gb"] * 1e9 / (wbytes + lbytes) - 1), 1),
+        }
         if ("hf", adapter.name) in results:
-            summary["speedup_vs_hf_peft"] = round(lora["tokens_per_s"] / results[("hf", adapter.name)]["tokens_per_s"],
-                                                  2)
+            summary["speedup_vs_hf_peft"] = round(
+                lora["tokens_per_s"] / results[("hf", adapter.name)]["tokens_per_s"], 2
+            )
         if peer_lora:
             summary["speedup_vs_fastest_peer"] = round(lora["tokens_per_s"] / max(peer_lora), 2)
         log("SUMMARY", summary)
@@ -275,8 +356,9 @@ def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: d
         traceback.print_exc()
         for engine in peers:
             for a in (None, adapter.name):
-                results[(engine, a)] = row(f"r{args.rank}" if a else "none", engine,
-                                           error=f"checkpoint: {e2e_peers.error_line(e)}")
+                results[(engine, a)] = row(
+                    f"r{args.rank}" if a else "none", engine, error=f"checkpoint: {e2e_peers.error_line(e)}"
+                )
         return
     free_gpu()
 
@@ -301,16 +383,44 @@ def timed_any(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, Non
     return timed(eng, prompts, adapter, warmup, reps)[0], None
 
 
-def make_row(args, gpu: str, model: str, tokens: int, adapter: str, impl: str, secs=None, peak=None,
-             startup_s=None, settings: str = "", call_ms=None, gpu_ms=None, error: str = "") -> dict:
+def make_row(
+    args,
+    gpu: str,
+    model: str,
+    tokens: int,
+    adapter: str,
+    impl: str,
+    secs=None,
+    peak=None,
+    startup_s=None,
+    settings: str = "",
+    call_ms=None,
+    gpu_ms=None,
+    error: str = "",
+) -> dict:
     """One e2e.csv row; a measurement that did not happen is an empty cell (error says why)."""
+
     def num(x, nd):
         return "" if x is None else round(x, nd)
 
-    return dict(date=datetime.date.today().isoformat(), commit=args.commit, gpu=gpu, model=model, tokens=tokens, tp=1,
-                dtype="bfloat16", adapter=adapter, impl=impl, tokens_per_s="" if secs is None else round(tokens / secs),
-                peak_mem_gb=num(peak, 2), startup_s=num(startup_s, 1), settings=settings, call_ms=num(call_ms, 2),
-                gpu_ms=num(gpu_ms, 2), error=error)
+    return dict(
+        date=datetime.date.today().isoformat(),
+        commit=args.commit,
+        gpu=gpu,
+        model=model,
+        tokens=tokens,
+        tp=1,
+        dtype="bfloat16",
+        adapter=adapter,
+        impl=impl,
+        tokens_per_s="" if secs is None else round(tokens / secs),
+        peak_mem_gb=num(peak, 2),
+        startup_s=num(startup_s, 1),
+        settings=settings,
+        call_ms=num(call_ms, 2),
+        gpu_ms=num(gpu_ms, 2),
+        error=error,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -318,18 +428,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
-    p.add_argument("--engines", nargs="+", default=["triton", "hf"], choices=e2e_peers.ENGINES,
-                   help="engines timed, each on the same prompts and adapter: triton, hf (HF and HF+PEFT), and the "
-                        "peers vllm / sglang (through lpdiff's engine classes; LPDIFF_<ENGINE>_PYTHONPATH points "
-                        "at an offline bundle)")
-    p.add_argument("--engine-options", nargs="*", default=[], metavar="ENGINE=JSON",
-                   help="a peer's engine options merged over the benchmark's settings (benchmarks/e2e_peers.py "
-                        "FAST), e.g. vllm='{\"llm_kwargs\": {\"enforce_eager\": true}}'")
-    p.add_argument("--checkpoint-root", default=str(Path.home() / ".cache" / "lpdiff" / "checkpoints"),
-                   help="where the peers' checkpoint is written (bf16: ~2 bytes per parameter)")
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        default=["triton", "hf"],
+        choices=e2e_peers.ENGINES,
+        help="engines timed, each on the same prompts and adapter: triton, hf (HF and HF+PEFT), and the "
+        "peers vllm / sglang (through lpdiff's engine classes; LPDIFF_<ENGINE>_PYTHONPATH points "
+        "at an offline bundle)",
+    )
+    p.add_argument(
+        "--engine-options",
+        nargs="*",
+        default=[],
+        metavar="ENGINE=JSON",
+        help="a peer's engine options merged over the benchmark's settings (benchmarks/e2e_peers.py "
+        'FAST), e.g. vllm=\'{"llm_kwargs": {"enforce_eager": true}}\'',
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        default=str(Path.home() / ".cache" / "lpdiff" / "checkpoints"),
+        help="where the peers' checkpoint is written (bf16: ~2 bytes per parameter)",
+    )
     p.add_argument("--keep-checkpoint", action="store_true", help="keep the peers' checkpoint after the model")
-    p.add_argument("--peer-warmup", type=int, default=2,
-                   help="warm-up calls of a peer before timing (SGLang compiles kernels in its first batches)")
+    p.add_argument(
+        "--peer-warmup",
+        type=int,
+        default=2,
+        help="warm-up calls of a peer before timing (SGLang compiles kernels in its first batches)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--commit", default="unknown")
     p.add_argument("--layers", type=int, default=None, help="reduced depth (default: full depth)")
@@ -340,25 +467,55 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-reps", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true", help="leave hf out of --engines")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--profile-all", action="store_true", help="with --profile: every shrink/padding variant, not "
-                   "only the first")
-    p.add_argument("--split", action="store_true",
-                   help="graph variants: split a call's wall time into the replay and the host work around it")
-    p.add_argument("--graphs", choices=("on", "off", "both"), default="both",
-                   help="the triton engine's CUDA graphs: on (default option), off (impl '...-eager'), or both timed")
-    p.add_argument("--moe-shrink", nargs="+", default=[OPTIONS["moe_lora_shrink"]],
-                   help="the triton engine's moe_lora_shrink option(s), each timed in this run (e.g. auto once "
-                        "fused:6,8)")
-    p.add_argument("--moe-padding", nargs="+", default=[OPTIONS["moe_padding"]],
-                   help="the triton engine's moe_padding option(s), each timed in this run (auto compute zero half)")
-    p.add_argument("--moe-expand", nargs="+", default=[MOE_EXPAND], choices=EXPAND,
-                   help="where the expert GEMMs' LoRA expand runs (GemmConfig.expand, kernels/fused_moe_lora.py "
-                        "EXPAND): the K-loop's first step (loop, the default), before the K-loop (first) or in the "
-                        "epilogue (last); each timed in this run")
-    p.add_argument("--attention", nargs="+", default=[OPTIONS["attention"]], choices=ATTENTION,
-                   help="the triton engine's attention option(s) (engines/triton/attention.py), each timed in this run")
-    p.add_argument("--moe-backend", nargs="+", default=["triton"], choices=BACKENDS,
-                   help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run")
+    p.add_argument(
+        "--profile-all", action="store_true", help="with --profile: every shrink/padding variant, not only the first"
+    )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="graph variants: split a call's wall time into the replay and the host work around it",
+    )
+    p.add_argument(
+        "--graphs",
+        choices=("on", "off", "both"),
+        default="both",
+        help="the triton engine's CUDA graphs: on (default option), off (impl '...-eager'), or both timed",
+    )
+    p.add_argument(
+        "--moe-shrink",
+        nargs="+",
+        default=[OPTIONS["moe_lora_shrink"]],
+        help="the triton engine's moe_lora_shrink option(s), each timed in this run (e.g. auto once fused:6,8)",
+    )
+    p.add_argument(
+        "--moe-padding",
+        nargs="+",
+        default=[OPTIONS["moe_padding"]],
+        help="the triton engine's moe_padding option(s), each timed in this run (auto compute zero half)",
+    )
+    p.add_argument(
+        "--moe-expand",
+        nargs="+",
+        default=[MOE_EXPAND],
+        choices=EXPAND,
+        help="where the expert GEMMs' LoRA expand runs (GemmConfig.expand, kernels/fused_moe_lora.py "
+        "EXPAND): the K-loop's first step (loop, the default), before the K-loop (first) or in the "
+        "epilogue (last); each timed in this run",
+    )
+    p.add_argument(
+        "--attention",
+        nargs="+",
+        default=[OPTIONS["attention"]],
+        choices=ATTENTION,
+        help="the triton engine's attention option(s) (engines/triton/attention.py), each timed in this run",
+    )
+    p.add_argument(
+        "--moe-backend",
+        nargs="+",
+        default=["triton"],
+        choices=BACKENDS,
+        help="the triton engine's moe_backend option(s) (kernels/moe_grouped.py), each timed in this run",
+    )
     args = p.parse_args(argv)
     args.engines = list(dict.fromkeys(e for e in args.engines if not (args.skip_hf and e == "hf")))
     try:
@@ -376,9 +533,12 @@ def open_csv(path: Path):
             rows = list(csv.reader(f))
         header = rows[0] if rows else []
         if header != COLUMNS:
-            if header != COLUMNS[:len(header)]:
-                print(f"{path} has columns {header}, not a prefix of {COLUMNS}: write to another --out (nothing "
-                      "was changed)", file=sys.stderr)
+            if header != COLUMNS[: len(header)]:
+                print(
+                    f"{path} has columns {header}, not a prefix of {COLUMNS}: write to another --out (nothing "
+                    "was changed)",
+                    file=sys.stderr,
+                )
                 raise SystemExit(2)
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w", newline="") as f:
@@ -399,6 +559,7 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     f, w = open_csv(Path(args.out) / "e2e.csv")
     with f:
+
         def writer(r):
             w.writerow(r)
             f.flush()

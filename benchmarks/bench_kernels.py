@@ -25,6 +25,7 @@ DIR/bench.log; prints a table last. Roofline: time = max(FLOPs / measured bf16 m
 bandwidth) where bytes = expert weights (+ LoRA weights) read once + x read + out written; pct_roofline =
 roofline time / measured time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,14 +45,39 @@ from lpdiff.kernels.gemm_config import GemmConfig
 from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe import moe_forward
 from lpdiff.kernels.lora_linear import base_linear, lora_linear, pack_lora_b
-from tests.helpers.moe_bench import (SHAPES, SM90_FLAG_SETS, MoeShape, bench, configs, make_inputs, rel_err,
-                                     shrink_label, shrink_sweep, sm90_report, stage_breakdown, untimed)
+from tests.helpers.moe_bench import (
+    SHAPES,
+    SM90_FLAG_SETS,
+    MoeShape,
+    bench,
+    configs,
+    make_inputs,
+    rel_err,
+    shrink_label,
+    shrink_sweep,
+    sm90_report,
+    stage_breakdown,
+    untimed,
+)
 
-COLUMNS = ["date", "commit", "gpu", "benchmark", "shape", "T", "adapters", "dtype", "impl", "ms", "tflops",
-           "pct_roofline"]
+COLUMNS = [
+    "date",
+    "commit",
+    "gpu",
+    "benchmark",
+    "shape",
+    "T",
+    "adapters",
+    "dtype",
+    "impl",
+    "ms",
+    "tflops",
+    "pct_roofline",
+]
 
 
 # ---------------------------------------------------------------------------------------------------- baselines
+
 
 def grouped_mm(x, w, offs):
     fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -61,12 +87,23 @@ def grouped_mm(x, w, offs):
 def _group(keys: torch.Tensor, num_groups: int):
     order = torch.sort(keys, stable=True).indices
     counts = torch.zeros(num_groups, dtype=torch.int32, device=keys.device).scatter_add_(
-        0, keys, torch.ones_like(keys, dtype=torch.int32))
+        0, keys, torch.ones_like(keys, dtype=torch.int32)
+    )
     return order, counts.cumsum(0, dtype=torch.int32)
 
 
-def torch_grouped_lora(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
-                       lora: MoeLoraWeights | None = None, token_adapter=None):
+def torch_grouped_lora(
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate_up,
+    w_down,
+    activation,
+    b_gate_up=None,
+    b_down=None,
+    lora: MoeLoraWeights | None = None,
+    token_adapter=None,
+):
     """torch grouped_mm for the base GEMMs plus unfused LoRA (grouped_mm shrink and expand per (slot, expert)
     group), in the pair order of the base GEMMs: what an engine gets without a fused kernel."""
     T, H = x.shape
@@ -105,6 +142,7 @@ def hf_experts(s: MoeShape, p):
     if s.name.startswith("qwen3"):
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
         cfg = Qwen3MoeConfig(hidden_size=s.H, moe_intermediate_size=s.I, num_experts=s.E, num_experts_per_tok=s.K)
         cfg._experts_implementation = "grouped_mm"
         m = Qwen3MoeExperts(cfg)
@@ -112,18 +150,20 @@ def hf_experts(s: MoeShape, p):
     else:
         from transformers import GptOssConfig
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
         cfg = GptOssConfig(hidden_size=s.H, intermediate_size=s.I, num_local_experts=s.E, num_experts_per_tok=s.K)
         cfg._experts_implementation = "grouped_mm"
         m = GptOssExperts(cfg)
         gu, bgu = p["w_gate_up"], p["b_gate_up"]  # kernel layout (gate rows then up rows) -> HF interleaved
-        m.gate_up_proj.data = torch.stack([gu[:, :s.I], gu[:, s.I:]], 2).reshape(s.E, s.n1, s.H).transpose(1, 2)
-        m.gate_up_proj_bias.data = torch.stack([bgu[:, :s.I], bgu[:, s.I:]], 2).reshape(s.E, s.n1)
+        m.gate_up_proj.data = torch.stack([gu[:, : s.I], gu[:, s.I :]], 2).reshape(s.E, s.n1, s.H).transpose(1, 2)
+        m.gate_up_proj_bias.data = torch.stack([bgu[:, : s.I], bgu[:, s.I :]], 2).reshape(s.E, s.n1)
         m.down_proj.data = p["w_down"].transpose(1, 2)
         m.down_proj_bias.data = p["b_down"]
     return lambda: m(p["x"], p["topk_ids"].long(), p["topk_weights"].to(p["x"].dtype))
 
 
 # ------------------------------------------------------------------------------------------------------ counting
+
 
 def moe_flops(s: MoeShape, T: int, rank: int, lora: bool) -> float:
     pairs = T * s.K
@@ -150,9 +190,16 @@ def dense_inputs(T: int, L: int, H: int, widths: tuple, rank: int, dtype, device
     offs = [0]
     for w in widths:
         offs.append(offs[-1] + w)
-    return dict(x=rnd(T, H), w=rnd(N, H, scale=H ** -0.5), bias=None, lora_a=rnd(L, len(widths), rank, H,
-                scale=H ** -0.5), lora_b=rnd(L, N, rank, scale=0.02), scaling=torch.full((L,), 2.0, device=device),
-                slice_offsets=tuple(offs), token_adapter=(torch.arange(T, device=device) * L // T).to(torch.int32))
+    return dict(
+        x=rnd(T, H),
+        w=rnd(N, H, scale=H**-0.5),
+        bias=None,
+        lora_a=rnd(L, len(widths), rank, H, scale=H**-0.5),
+        lora_b=rnd(L, N, rank, scale=0.02),
+        scaling=torch.full((L,), 2.0, device=device),
+        slice_offsets=tuple(offs),
+        token_adapter=(torch.arange(T, device=device) * L // T).to(torch.int32),
+    )
 
 
 def dense_unfused(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter):
@@ -170,19 +217,19 @@ def dense_unfused(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adap
 def dense_impls(p: dict, impl: str = "triton") -> dict:
     """The dense LoRA paths timed (and checked) against each other, by row label."""
     packed = pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"])  # built once per layer by the engine
-    return {"triton_cublas+lora": lambda: lora_linear(**p, impl=impl, b_packed=packed),
-            "triton_delta_lora": lambda: lora_linear(**p, impl=impl, path="triton_delta"),
-            "triton_fused_lora": lambda: lora_linear(**p, impl=impl, fused=True),
-            "cublas+unfused_lora": lambda: dense_unfused(**p)}
-
-
+    return {
+        "triton_cublas+lora": lambda: lora_linear(**p, impl=impl, b_packed=packed),
+        "triton_delta_lora": lambda: lora_linear(**p, impl=impl, path="triton_delta"),
+        "triton_fused_lora": lambda: lora_linear(**p, impl=impl, fused=True),
+        "cublas+unfused_lora": lambda: dense_unfused(**p),
+    }
 
 
 def ceilings(log) -> tuple[float, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = bench(lambda: a @ b)
-    tflops = 2 * 8192 ** 3 / ms / 1e9
+    tflops = 2 * 8192**3 / ms / 1e9
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
     ms_c = bench(lambda: dst.copy_(src))
@@ -195,16 +242,18 @@ def ceilings(log) -> tuple[float, float]:
 # ------------------------------------------------------------------------------------------------------- drivers
 
 # programs walking several N tiles (GemmConfig.n_tiles): (row label, lora_shrink, n_tiles) of the LoRA rows
-NTILE_ROWS = [("triton_fused_lora_ntiles2", "fused", 2), ("triton_fused_lora_ntiles3", "fused", 3),
-              ("triton_fused_lora_ntiles4", "fused", 4), ("triton_fused_lora_once_ntiles2", "once", 2)]
+NTILE_ROWS = [
+    ("triton_fused_lora_ntiles2", "fused", 2),
+    ("triton_fused_lora_ntiles3", "fused", 3),
+    ("triton_fused_lora_ntiles4", "fused", 4),
+    ("triton_fused_lora_once_ntiles2", "once", 2),
+]
 NO_LORA_NTILES = 2  # the base path's row triton_no_lora_ntiles2: the same K-loops, so bit-identical to the default
 
 
 def ntile_run(p, lora_shrink: str, n_tiles: int):
     """moe_forward_triton with the default tiles of lora_shrink's mode, both GEMMs walking n_tiles N tiles."""
     return lambda: moe_forward_triton(**p, **configs(p, lora_shrink, n_tiles=n_tiles), lora_shrink=lora_shrink)
-
-
 
 
 def grouped_stages(p, rep=50) -> dict:
@@ -228,15 +277,17 @@ def grouped_stages(p, rep=50) -> dict:
         slot = p["token_adapter"][tok]
         t["plan_lora"] = bench(lambda: mg.plan_lora(row_expert, slot, lora, E, (n1, x.shape[1])), rep)
         blocks, cfg1, cfg2 = mg.plan_lora(row_expert, slot, lora, E, (n1, x.shape[1]))
-        t["delta1"] = bench(lambda: mg.add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks,
-                                                      p["w_gate_up"], cfg1), rep)
+        t["delta1"] = bench(
+            lambda: mg.add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks, p["w_gate_up"], cfg1), rep
+        )
     t["bias_act"] = bench(lambda: mg.bias_act(h, row_expert, p["b_gate_up"], p["activation"]), rep)
     act = mg.bias_act(h, row_expert, p["b_gate_up"], p["activation"])
     t["gemm2"] = bench(lambda: mg.grouped_gemm(act, p["w_down"], offs), rep)
     y = mg.grouped_gemm(act, p["w_down"], offs)
     if lora is not None:
-        t["delta2"] = bench(lambda: mg.add_lora_delta(y, act, lora.down_a, lora.down_b, lora, blocks, p["w_down"],
-                                                      cfg2), rep)
+        t["delta2"] = bench(
+            lambda: mg.add_lora_delta(y, act, lora.down_a, lora.down_b, lora, blocks, p["w_down"], cfg2), rep
+        )
     row_of = torch.empty_like(row_pair)
     row_of[row_pair] = torch.arange(row_pair.shape[0], dtype=row_pair.dtype, device=x.device)
     t["topk_sum"] = bench(lambda: mg.topk_sum(y, row_of, ids, p["topk_weights"], p["b_down"]), rep)
@@ -244,8 +295,10 @@ def grouped_stages(p, rep=50) -> dict:
 
 
 def stages_line(t: dict) -> str:
-    return (", ".join(f"{k} {v:.4f}" for k, v in t.items())
-            + f" | sum {sum(v for k, v in t.items() if not k.startswith('(')):.4f} ms")
+    return (
+        ", ".join(f"{k} {v:.4f}" for k, v in t.items())
+        + f" | sum {sum(v for k, v in t.items() if not k.startswith('(')):.4f} ms"
+    )
 
 
 def sweep_pairs() -> list[tuple[GemmConfig, GemmConfig]]:
@@ -254,10 +307,12 @@ def sweep_pairs() -> list[tuple[GemmConfig, GemmConfig]]:
     the same dot width (block_n counts output columns; gate_up's gated dot is 2*block_n wide, two block_n dots
     under TMA) and the same block_m (both GEMMs share one alignment). Today's default comes first."""
     pairs = []
-    for bm, bn, bk, (warps, stages), tma in itertools.product((128, 64), (128, 64), (64, 32),
-                                                              ((8, 4), (8, 3), (4, 3)), (False, True)):
-        pairs.append((GemmConfig(bm, bn, bk, 4, warps, stages, tma=tma),
-                      GemmConfig(bm, 2 * bn, bk, 4, warps, stages, tma=tma)))
+    for bm, bn, bk, (warps, stages), tma in itertools.product(
+        (128, 64), (128, 64), (64, 32), ((8, 4), (8, 3), (4, 3)), (False, True)
+    ):
+        pairs.append(
+            (GemmConfig(bm, bn, bk, 4, warps, stages, tma=tma), GemmConfig(bm, 2 * bn, bk, 4, warps, stages, tma=tma))
+        )
     return pairs
 
 
@@ -286,25 +341,32 @@ def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
             log(f"sweep best {name}: {ms:.4f} ms c1={c1} c2={c2}")
 
 
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/run")
     ap.add_argument("--commit", default=os.environ.get("LPDIFF_COMMIT", "unknown"))
-    ap.add_argument("--sweep", action="store_true",
-                    help="only: moe_forward_triton over a grid of tile configs at Qwen3 T=4096 (sweep_pairs)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="only: moe_forward_triton over a grid of tile configs at Qwen3 T=4096 (sweep_pairs)",
+    )
     ap.add_argument("--sweep-budget-s", type=float, default=200.0, help="start no sweep config after this")
-    ap.add_argument("--sweep-shrink", action="store_true",
-                    help="only: the LoRA shrink launch (ShrinkConfig) over a grid, Qwen3 and gpt-oss, T=4096")
+    ap.add_argument(
+        "--sweep-shrink",
+        action="store_true",
+        help="only: the LoRA shrink launch (ShrinkConfig) over a grid, Qwen3 and gpt-oss, T=4096",
+    )
     ap.add_argument("--quick", action="store_true", help="T=4096 only")
     ap.add_argument("--check", action="store_true", help="CPU: baselines vs reference at small shapes, no timing")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--dense-only", action="store_true", help="only the dense lora_linear rows (no MoE layers)")
     ap.add_argument("--moe-only", action="store_true", help="only the MoE layer rows (no dense lora_linear)")
-    ap.add_argument("--compile-sm90", action="store_true",
-                    help="CPU, no GPU: compile the MoE launches for sm90 at both shapes (default, prefetch off, TMA) "
-                         "and print shared memory, registers, spills and TMA use")
+    ap.add_argument(
+        "--compile-sm90",
+        action="store_true",
+        help="CPU, no GPU: compile the MoE launches for sm90 at both shapes (default, prefetch off, TMA) "
+        "and print shared memory, registers, spills and TMA use",
+    )
     args = ap.parse_args()
     if args.check:
         return check_baselines()
@@ -333,15 +395,30 @@ def main():
             super().append(r)
             wr.writerow({c: r.get(c, "") for c in COLUMNS} | dict(date=date, commit=args.commit, gpu=gpu))
             csvf.flush()
+
     rows = Rows()
     R = args.rank
     if args.sweep_shrink:
+
         def shrink_row(s, gemm, cfg, ms, err):
             flops = 2 * 4096 * s.K * R * (s.H if gemm == "gate_up" else s.I)
-            rows.append(dict(benchmark="shrink_sweep", shape=s.label(R), T=4096, adapters=1, dtype="bf16",
-                             impl=f"{gemm} {shrink_label(cfg)}", ms=f"{ms:.4f}", tflops=f"{flops / ms / 1e9:.1f}"))
-            log(f"shrink {s.name:14s} {gemm:7s} {shrink_label(cfg):34s} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s"
-                f" rel err vs default {err:.1e}" + ("  MISMATCH" if err > 1e-3 else ""))
+            rows.append(
+                dict(
+                    benchmark="shrink_sweep",
+                    shape=s.label(R),
+                    T=4096,
+                    adapters=1,
+                    dtype="bf16",
+                    impl=f"{gemm} {shrink_label(cfg)}",
+                    ms=f"{ms:.4f}",
+                    tflops=f"{flops / ms / 1e9:.1f}",
+                )
+            )
+            log(
+                f"shrink {s.name:14s} {gemm:7s} {shrink_label(cfg):34s} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s"
+                f" rel err vs default {err:.1e}" + ("  MISMATCH" if err > 1e-3 else "")
+            )
+
         shrink_sweep(log, shrink_row, SHAPES, 4096, R, args.sweep_budget_s)
         csvf.close()
         log(f"wrote {len(rows)} rows to {path}")
@@ -352,17 +429,39 @@ def main():
 
     def record(bm, shape_label, T, L, impl, ms, flops, nbytes):
         floor = max(flops / (peak * 1e12), nbytes / (bw * 1e9)) * 1e3
-        row = dict(benchmark=bm, shape=shape_label, T=T, adapters=L, dtype="bf16", impl=impl, ms=f"{ms:.4f}",
-                   tflops=f"{flops / ms / 1e9:.1f}", pct_roofline=f"{100 * floor / ms:.1f}")
+        row = dict(
+            benchmark=bm,
+            shape=shape_label,
+            T=T,
+            adapters=L,
+            dtype="bf16",
+            impl=impl,
+            ms=f"{ms:.4f}",
+            tflops=f"{flops / ms / 1e9:.1f}",
+            pct_roofline=f"{100 * floor / ms:.1f}",
+        )
         rows.append(row)
-        log(f"{bm:10s} {shape_label:40s} T={T:6d} L={L} {impl:34s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
-            f"{100 * floor / ms:5.1f}% roofline (floor {floor:.3f} ms)")
+        log(
+            f"{bm:10s} {shape_label:40s} T={T:6d} L={L} {impl:34s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
+            f"{100 * floor / ms:5.1f}% roofline (floor {floor:.3f} ms)"
+        )
 
     if args.sweep:
+
         def sweep_row(name, c1, c2, ms):
-            rows.append(dict(benchmark="moe_sweep", shape=SHAPES[0].label(R), T=4096, adapters=int(name == "lora"),
-                             dtype="bf16", impl=f"c1={c1} c2={c2}", ms=f"{ms:.4f}"))
+            rows.append(
+                dict(
+                    benchmark="moe_sweep",
+                    shape=SHAPES[0].label(R),
+                    T=4096,
+                    adapters=int(name == "lora"),
+                    dtype="bf16",
+                    impl=f"c1={c1} c2={c2}",
+                    ms=f"{ms:.4f}",
+                )
+            )
             log(f"sweep {name:7s} {ms:8.4f} ms c1={c1} c2={c2}")
+
         tile_sweep(log, sweep_row, R, args.sweep_budget_s)
         csvf.close()
         log(f"wrote {len(rows)} rows to {path}")
@@ -383,16 +482,22 @@ def main():
             no_tma.add(s.name)
         err_g = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
         err_t = rel_err(torch_grouped_lora(**p), ref)
-        err_n = ", ".join(f"{name[len('triton_fused_lora_'):]} {rel_err(ntile_run(p, mode, k)(), ref):.2e}"
-                          for name, mode, k in NTILE_ROWS)
-        log(f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e} (shrink in the K-loop {err_k:.2e}, "
+        err_n = ", ".join(
+            f"{name[len('triton_fused_lora_') :]} {rel_err(ntile_run(p, mode, k)(), ref):.2e}"
+            for name, mode, k in NTILE_ROWS
+        )
+        log(
+            f"check {s.name} T=1024 L=2 bf16: triton rel err {err:.2e} (shrink in the K-loop {err_k:.2e}, "
             f"TMA weight tiles {err_tma}, {err_n}), "
             f"grouped_mm backend rel err {err_g:.2e}, "
-            f"torch grouped_mm+LoRA rel err {err_t:.2e}")
+            f"torch grouped_mm+LoRA rel err {err_t:.2e}"
+        )
         why = mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"])
         if why is not None:
-            log(f"WARNING {s.name}: the grouped_mm backend falls back to the fused kernel here ({why}); its rows "
-                "are labelled grouped_mm(fallback)")
+            log(
+                f"WARNING {s.name}: the grouped_mm backend falls back to the fused kernel here ({why}); its rows "
+                "are labelled grouped_mm(fallback)"
+            )
 
     Ts = (4096,) if args.quick else (512, 4096, 32768)
     for s in moe_shapes:
@@ -401,61 +506,146 @@ def main():
                 p = make_inputs(s, T, L, R, torch.bfloat16, "cuda")
                 lab = s.label(R)
                 fl, fb = moe_flops(s, T, R, True), moe_bytes(s, T, R, L)
-                record("moe_layer", lab, T, L, "triton_fused_lora",
-                       bench(lambda: moe_forward_triton(**p, lora_shrink="once")), fl, fb)
-                record("moe_layer", lab, T, L, "triton_fused_lora_epilogue_loads",
-                       bench(lambda: moe_forward_triton(**p, **configs(p, prefetch=False))), fl, fb)
+                record(
+                    "moe_layer",
+                    lab,
+                    T,
+                    L,
+                    "triton_fused_lora",
+                    bench(lambda: moe_forward_triton(**p, lora_shrink="once")),
+                    fl,
+                    fb,
+                )
+                record(
+                    "moe_layer",
+                    lab,
+                    T,
+                    L,
+                    "triton_fused_lora_epilogue_loads",
+                    bench(lambda: moe_forward_triton(**p, **configs(p, prefetch=False))),
+                    fl,
+                    fb,
+                )
                 if s.name not in no_tma:
-                    record("moe_layer", lab, T, L, "triton_fused_lora_tma",
-                           bench(lambda: moe_forward_triton(**p, **configs(p, tma=True))), fl, fb)
-                record("moe_layer", lab, T, L, "triton_fused_shrink_in_k_loop",
-                       bench(lambda: moe_forward_triton(**p, lora_shrink="fused")), fl, fb)
+                    record(
+                        "moe_layer",
+                        lab,
+                        T,
+                        L,
+                        "triton_fused_lora_tma",
+                        bench(lambda: moe_forward_triton(**p, **configs(p, tma=True))),
+                        fl,
+                        fb,
+                    )
+                record(
+                    "moe_layer",
+                    lab,
+                    T,
+                    L,
+                    "triton_fused_shrink_in_k_loop",
+                    bench(lambda: moe_forward_triton(**p, lora_shrink="fused")),
+                    fl,
+                    fb,
+                )
                 default_out = moe_forward_triton(**p, lora_shrink="once")
                 for name, mode, k in NTILE_ROWS:
                     fn = ntile_run(p, mode, k)
-                    log(f"check {name} {s.name} T={T} L={L}: rel err vs triton_fused_lora "
-                        f"{rel_err(fn(), default_out):.2e}")
+                    log(
+                        f"check {name} {s.name} T={T} L={L}: rel err vs triton_fused_lora "
+                        f"{rel_err(fn(), default_out):.2e}"
+                    )
                     record("moe_layer", lab, T, L, name, bench(fn), fl, fb)
                 del default_out
-                gname = "grouped_mm" if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None \
+                gname = (
+                    "grouped_mm"
+                    if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None
                     else "grouped_mm(fallback)"
-                record("moe_layer", lab, T, L, f"{gname}+triton_lora",
-                       bench(lambda: moe_forward(**p, backend="grouped_mm")), fl, fb)
-                record("moe_layer", lab, T, L, "torch_grouped_mm+unfused_lora",
-                       bench(lambda: torch_grouped_lora(**p)), fl, fb)
+                )
+                record(
+                    "moe_layer",
+                    lab,
+                    T,
+                    L,
+                    f"{gname}+triton_lora",
+                    bench(lambda: moe_forward(**p, backend="grouped_mm")),
+                    fl,
+                    fb,
+                )
+                record(
+                    "moe_layer",
+                    lab,
+                    T,
+                    L,
+                    "torch_grouped_mm+unfused_lora",
+                    bench(lambda: torch_grouped_lora(**p)),
+                    fl,
+                    fb,
+                )
                 if L == 1:
                     base = dict(p, lora=None, token_adapter=None)
                     fl0, fb0 = moe_flops(s, T, R, False), moe_bytes(s, T, R, 0)
-                    record("moe_layer", lab, T, 0, "triton_no_lora", bench(lambda: moe_forward_triton(**base)),
-                           fl0, fb0)
-                    record("moe_layer", lab, T, 0, "triton_no_lora_epilogue_loads",
-                           bench(lambda: moe_forward_triton(**base, **configs(base, prefetch=False))), fl0, fb0)
+                    record(
+                        "moe_layer", lab, T, 0, "triton_no_lora", bench(lambda: moe_forward_triton(**base)), fl0, fb0
+                    )
+                    record(
+                        "moe_layer",
+                        lab,
+                        T,
+                        0,
+                        "triton_no_lora_epilogue_loads",
+                        bench(lambda: moe_forward_triton(**base, **configs(base, prefetch=False))),
+                        fl0,
+                        fb0,
+                    )
                     if s.name not in no_tma:
-                        record("moe_layer", lab, T, 0, "triton_no_lora_tma",
-                               bench(lambda: moe_forward_triton(**base, **configs(base, tma=True))), fl0, fb0)
+                        record(
+                            "moe_layer",
+                            lab,
+                            T,
+                            0,
+                            "triton_no_lora_tma",
+                            bench(lambda: moe_forward_triton(**base, **configs(base, tma=True))),
+                            fl0,
+                            fb0,
+                        )
                     fn = ntile_run(base, "once", NO_LORA_NTILES)
                     same = torch.equal(fn(), moe_forward_triton(**base))
-                    log(f"check triton_no_lora_ntiles{NO_LORA_NTILES} {s.name} T={T}: bit-identical to "
-                        f"triton_no_lora: {same}" + ("" if same else "  MISMATCH"))
+                    log(
+                        f"check triton_no_lora_ntiles{NO_LORA_NTILES} {s.name} T={T}: bit-identical to "
+                        f"triton_no_lora: {same}" + ("" if same else "  MISMATCH")
+                    )
                     record("moe_layer", lab, T, 0, f"triton_no_lora_ntiles{NO_LORA_NTILES}", bench(fn), fl0, fb0)
-                    record("moe_layer", lab, T, 0, f"{gname}_no_lora",
-                           bench(lambda: moe_forward(**base, backend="grouped_mm")), fl0, fb0)
-                    record("moe_layer", lab, T, 0, "torch_grouped_mm", bench(lambda: torch_grouped_lora(**base)),
-                           fl0, fb0)
+                    record(
+                        "moe_layer",
+                        lab,
+                        T,
+                        0,
+                        f"{gname}_no_lora",
+                        bench(lambda: moe_forward(**base, backend="grouped_mm")),
+                        fl0,
+                        fb0,
+                    )
+                    record(
+                        "moe_layer", lab, T, 0, "torch_grouped_mm", bench(lambda: torch_grouped_lora(**base)), fl0, fb0
+                    )
                     record("moe_layer", lab, T, 0, "hf_experts_grouped_mm", bench(hf_experts(s, base)), fl0, fb0)
                     if T == 4096:
                         for name, q, mode, flags in (
-                                ("lora", p, "once", {}), ("lora epilogue_loads", p, "once", dict(prefetch=False)),
-                                ("lora tma", p, "once", dict(tma=True)), ("lora shrink_in_k_loop", p, "fused", {}),
-                                *((f"lora {'shrink_in_k_loop ' if m == 'fused' else ''}ntiles{k}", p, m,
-                                   dict(n_tiles=k)) for _, m, k in NTILE_ROWS),
-                                ("no_lora", base, "once", {}),
-                                ("no_lora epilogue_loads", base, "once", dict(prefetch=False)),
-                                ("no_lora tma", base, "once", dict(tma=True))):
+                            ("lora", p, "once", {}),
+                            ("lora epilogue_loads", p, "once", dict(prefetch=False)),
+                            ("lora tma", p, "once", dict(tma=True)),
+                            ("lora shrink_in_k_loop", p, "fused", {}),
+                            *(
+                                (f"lora {'shrink_in_k_loop ' if m == 'fused' else ''}ntiles{k}", p, m, dict(n_tiles=k))
+                                for _, m, k in NTILE_ROWS
+                            ),
+                            ("no_lora", base, "once", {}),
+                            ("no_lora epilogue_loads", base, "once", dict(prefetch=False)),
+                            ("no_lora tma", base, "once", dict(tma=True)),
+                        ):
                             if flags.get("tma") and s.name in no_tma:
                                 continue
-                            log(f"stages {s.name} T={T} {name}: "
-                                + stages_line(stage_breakdown(q, mode, **flags)[0]))
+                            log(f"stages {s.name} T={T} {name}: " + stages_line(stage_breakdown(q, mode, **flags)[0]))
                         for name, q in (("lora", p), ("no_lora", base)):
                             log(f"grouped_mm stages {s.name} T={T} {name}: " + stages_line(grouped_stages(q)))
                 del p
@@ -476,8 +666,16 @@ def main():
             base = dict(p, lora_a=None, lora_b=None, scaling=None, token_adapter=None)
             fl0, fb0 = 2 * T * H * N, (N * H + T * H + T * N) * 2
             record("lora_linear", lab, T, 0, "cublas_base", bench(lambda: base_linear(p["x"], p["w"])), fl0, fb0)
-            record("lora_linear", lab, T, 0, "triton_fused_no_lora",
-                   bench(lambda: lora_linear(**base, impl="triton", fused=True)), fl0, fb0)
+            record(
+                "lora_linear",
+                lab,
+                T,
+                0,
+                "triton_fused_no_lora",
+                bench(lambda: lora_linear(**base, impl="triton", fused=True)),
+                fl0,
+                fb0,
+            )
         del p, ref
         torch.cuda.empty_cache()
 
@@ -488,8 +686,10 @@ def main():
 def check_baselines():
     """CPU sanity of the benchmark's own baselines (torch grouped_mm path, HF module wiring) at small shapes."""
     torch.manual_seed(0)
-    for s in (MoeShape("qwen3-tiny", 8, 64, 32, 2, "silu", False), MoeShape("gpt-oss-tiny", 4, 64, 48, 2,
-                                                                            "swiglu_oai", True)):
+    for s in (
+        MoeShape("qwen3-tiny", 8, 64, 32, 2, "silu", False),
+        MoeShape("gpt-oss-tiny", 4, 64, 48, 2, "swiglu_oai", True),
+    ):
         for L in (0, 1, 3):
             p = make_inputs(s, 37, L, 16, torch.float32, "cpu")
             ref = moe_forward(**p, impl="torch")

@@ -11,6 +11,7 @@ threshold, and the threshold against the weakest bug-zoo fault. Writes benchmark
 effect of a fault = the largest k2 over its job's verdicts (a fault is caught when any verdict fails);
 min_zoo_effect_k2 = the smallest such effect over the faults; noise_* = 99.9th percentile over all
 (rerun, adapter) verdicts of the clean runtime."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,18 +35,40 @@ from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import default_store
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
-COLUMNS = ["date", "commit", "gpu", "model", "engine_pair", "dtype", "tp", "noise_k2", "noise_max",
-           "threshold_k2", "threshold_max", "min_zoo_effect_k2", "effect_over_threshold", "threshold_over_noise",
-           "reruns", "init_recipe", "noise_source", "effect_source", "misses"]
+COLUMNS = [
+    "date",
+    "commit",
+    "gpu",
+    "model",
+    "engine_pair",
+    "dtype",
+    "tp",
+    "noise_k2",
+    "noise_max",
+    "threshold_k2",
+    "threshold_max",
+    "min_zoo_effect_k2",
+    "effect_over_threshold",
+    "threshold_over_noise",
+    "reruns",
+    "init_recipe",
+    "noise_source",
+    "effect_source",
+    "misses",
+]
 TARGET = 10.0  # both ratios this far apart: a defect clears the threshold as the threshold clears the noise
 
 
 def misses(effect_over_threshold: float, threshold_over_noise: float) -> str:
     """Which side of the two ratios falls short of TARGET, and by how much ("" when neither does)."""
-    out = [f"{name} {v:.3g} < {TARGET:g} (x{TARGET / v:.2g} short)"
-           for name, v in (("effect/threshold", effect_over_threshold), ("threshold/noise", threshold_over_noise))
-           if v < TARGET]
+    out = [
+        f"{name} {v:.3g} < {TARGET:g} (x{TARGET / v:.2g} short)"
+        for name, v in (("effect/threshold", effect_over_threshold), ("threshold/noise", threshold_over_noise))
+        if v < TARGET
+    ]
     return "; ".join(out)
+
+
 P999 = "p99.9 over (rerun, lane expected to PASS) of the engine vs the fp32 reference of engine_pair"
 
 
@@ -64,16 +87,22 @@ def measure(model: str, dtype: str, reruns: int = 20) -> dict:
     effects = {}
     for f in runtime_faults(MODELS[model]):
         res = run_job(Job(model=model, engine="triton", dtype=dtype, options={"fault": f}), log=lambda s: None)
-        effects[f] = (max(v.metrics.k2 for v in res.verdicts), max(v.metrics.max_abs for v in res.verdicts),
-                      all(v.passed for v in res.verdicts))
+        effects[f] = (
+            max(v.metrics.k2 for v in res.verdicts),
+            max(v.metrics.max_abs for v in res.verdicts),
+            all(v.passed for v in res.verdicts),
+        )
     nk2, nmax = float(np.percentile(k2s, 99.9)), float(np.percentile(maxs, 99.9))
     weakest = min(effects, key=lambda f: effects[f][0])
-    row = detection_row(model, job.engine_pair, dtype, thr, nk2, nmax, effects[weakest][0], reruns, "",
-                        "weakest runtime bug-zoo fault")
-    print(f"{model} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {len(k2s)}); threshold k2 {thr.k2:.3g} "
-          f"max {thr.max_abs:.3g} ({thr.provenance}); weakest fault {weakest}; per fault (k2, max, passed): "
-          + "; ".join(f"{f} {e[0]:.3g} {e[1]:.3g} {'PASSED' if e[2] else 'caught'}" for f, e in effects.items()),
-          file=sys.stderr)
+    row = detection_row(
+        model, job.engine_pair, dtype, thr, nk2, nmax, effects[weakest][0], reruns, "", "weakest runtime bug-zoo fault"
+    )
+    print(
+        f"{model} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {len(k2s)}); threshold k2 {thr.k2:.3g} "
+        f"max {thr.max_abs:.3g} ({thr.provenance}); weakest fault {weakest}; per fault (k2, max, passed): "
+        + "; ".join(f"{f} {e[0]:.3g} {e[1]:.3g} {'PASSED' if e[2] else 'caught'}" for f, e in effects.items()),
+        file=sys.stderr,
+    )
     return row
 
 
@@ -93,22 +122,48 @@ def measure_full_width(model: str, dtype: str, layers: int = 4, reruns: int = 20
         clean, results = check.fault_sweep(case, faults, dtype, k=reruns, store=store, log=lambda s: None)
         ref = check.reference_runs(case, "hf", "float32", None, store, log=lambda s: None)
     nk2, nmax, n = check_noise_p999(clean, ref)
-    effects = {f: max(v.metrics.k2 for v in r.verdicts if v.expected == "PASS")
-               for f, r in results.items() if r is not None}
+    effects = {
+        f: max(v.metrics.k2 for v in r.verdicts if v.expected == "PASS") for f, r in results.items() if r is not None
+    }
     thr = clean.threshold
     weakest = min(effects, key=effects.get)
-    print(f"{model} x{layers} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {n}); threshold k2 "
-          f"{thr.k2:.3g} max {thr.max_abs:.3g} ({thr.note}); clean {'as expected' if clean.as_expected else 'NOT'}; "
-          f"per fault k2 (caught?): " + "; ".join(
-              f"{f} " + ("not reached" if r is None else f"{effects[f]:.3g} {'MISSED' if check.missed(r) else 'caught'}")
-              for f, r in results.items()), file=sys.stderr)
-    return detection_row(f"{model} x{layers}", thr.engine_pair, dtype, thr, nk2, nmax, effects[weakest], reruns,
-                         case.spec.init_recipe, "weakest runtime bug-zoo fault")
+    print(
+        f"{model} x{layers} {dtype}: noise k2 {nk2:.3g} max {nmax:.3g} (p99.9 of {n}); threshold k2 "
+        f"{thr.k2:.3g} max {thr.max_abs:.3g} ({thr.note}); clean {'as expected' if clean.as_expected else 'NOT'}; "
+        f"per fault k2 (caught?): "
+        + "; ".join(
+            f"{f} " + ("not reached" if r is None else f"{effects[f]:.3g} {'MISSED' if check.missed(r) else 'caught'}")
+            for f, r in results.items()
+        ),
+        file=sys.stderr,
+    )
+    return detection_row(
+        f"{model} x{layers}",
+        thr.engine_pair,
+        dtype,
+        thr,
+        nk2,
+        nmax,
+        effects[weakest],
+        reruns,
+        case.spec.init_recipe,
+        "weakest runtime bug-zoo fault",
+    )
 
 
-def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns: int = 20,
-                   init_recipe: str | None = None, device: str = "cuda", lengths=None,
-                   layouts: Sequence[str] | None = None, reference: str = "hf", routing_replay: bool = False) -> dict:
+def measure_engine(
+    model: str,
+    engine: str,
+    dtype: str,
+    layers: int = 4,
+    reruns: int = 20,
+    init_recipe: str | None = None,
+    device: str = "cuda",
+    lengths=None,
+    layouts: Sequence[str] | None = None,
+    reference: str = "hf",
+    routing_replay: bool = False,
+) -> dict:
     """A serving engine's row (vLLM and SGLang have no fault switches): ``reruns`` runs of lpdiff check's mixed
     batch; noise = p99.9 over (run, correct lane) of k2 against HF+PEFT fp32, effect = the broken adapter's k2
     (every expert's LoRA-B shifted one expert; the smallest over the layouts served), threshold = the check's.
@@ -128,8 +183,9 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
         res = replay_check(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference, log=log)
         refs = replayed_references(case, res.runs) if res.error is None else []
     else:
-        res = check.run_check(case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts,
-                              reference=reference, log=log)
+        res = check.run_check(
+            case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts, reference=reference, log=log
+        )
         ref = check.reference_runs(case, reference, "float32", None, store, log=log)
     print(check.format_result(res), file=sys.stderr)
     if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
@@ -139,11 +195,23 @@ def measure_engine(model: str, engine: str, dtype: str, layers: int = 4, reruns:
     nk2, nmax, n = replay_noise_p999(res, refs) if routing_replay else check_noise_p999(res, ref)
     effect = min(v.metrics.k2 for v in res.verdicts if v.expected == "FAIL")
     thr = res.threshold
-    print(f"{engine} {model} x{layers} {dtype} ({case.spec.init_recipe}): noise k2 {nk2:.3g} (p99.9 of {n}), "
-          f"threshold {thr.k2:.3g}, broken {effect:.3g}; {'as expected' if res.as_expected else 'NOT as expected'}",
-          file=sys.stderr)
-    return detection_row(f"{model} x{layers}", thr.engine_pair, dtype, thr, nk2, nmax, effect, reruns,
-                         case.spec.init_recipe, "the broken adapter, smallest over layouts")
+    print(
+        f"{engine} {model} x{layers} {dtype} ({case.spec.init_recipe}): noise k2 {nk2:.3g} (p99.9 of {n}), "
+        f"threshold {thr.k2:.3g}, broken {effect:.3g}; {'as expected' if res.as_expected else 'NOT as expected'}",
+        file=sys.stderr,
+    )
+    return detection_row(
+        f"{model} x{layers}",
+        thr.engine_pair,
+        dtype,
+        thr,
+        nk2,
+        nmax,
+        effect,
+        reruns,
+        case.spec.init_recipe,
+        "the broken adapter, smallest over layouts",
+    )
 
 
 _CASES: dict[tuple, object] = {}
@@ -171,10 +239,16 @@ def check_noise_p999(res, ref) -> tuple[float, float, int]:
     from lpdiff.harness.pipeline.metrics import compare
 
     correct = [v.adapter for v in res.verdicts if v.expected == "PASS"]
-    ms = [compare(run[None if lane == "base" else lane], ref[None if lane == "base" else lane.split(".")[0]])
-          for run in res.runs for lane in correct]
-    return (float(np.percentile([m.k2 for m in ms], 99.9)), float(np.percentile([m.max_abs for m in ms], 99.9)),
-            len(ms))
+    ms = [
+        compare(run[None if lane == "base" else lane], ref[None if lane == "base" else lane.split(".")[0]])
+        for run in res.runs
+        for lane in correct
+    ]
+    return (
+        float(np.percentile([m.k2 for m in ms], 99.9)),
+        float(np.percentile([m.max_abs for m in ms], 99.9)),
+        len(ms),
+    )
 
 
 def replay_noise_p999(res, refs) -> tuple[float, float, int]:
@@ -184,19 +258,46 @@ def replay_noise_p999(res, refs) -> tuple[float, float, int]:
 
     correct = [None if v.adapter == "base" else v.adapter for v in res.verdicts if v.expected == "PASS"]
     ms = [compare(run[lane], refs[j][lane]) for j, run in enumerate(res.runs) for lane in correct]
-    return (float(np.percentile([m.k2 for m in ms], 99.9)), float(np.percentile([m.max_abs for m in ms], 99.9)),
-            len(ms))
+    return (
+        float(np.percentile([m.k2 for m in ms], 99.9)),
+        float(np.percentile([m.max_abs for m in ms], 99.9)),
+        len(ms),
+    )
 
 
-def detection_row(model: str, engine_pair: str, dtype: str, thr, nk2: float, nmax: float, effect: float,
-                  reruns: int, init_recipe: str, effect_source: str) -> dict:
+def detection_row(
+    model: str,
+    engine_pair: str,
+    dtype: str,
+    thr,
+    nk2: float,
+    nmax: float,
+    effect: float,
+    reruns: int,
+    init_recipe: str,
+    effect_source: str,
+) -> dict:
     """One detection.csv row (without ``misses``); ``thr``: the threshold's k2 and max_abs."""
-    return dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
-                model=model, engine_pair=engine_pair, dtype=dtype, tp=1, noise_k2=f"{nk2:.3g}",
-                noise_max=f"{nmax:.3g}", threshold_k2=f"{thr.k2:.3g}", threshold_max=f"{thr.max_abs:.3g}",
-                min_zoo_effect_k2=f"{effect:.3g}", effect_over_threshold=f"{effect / thr.k2:.3g}",
-                threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}", reruns=reruns, init_recipe=init_recipe,
-                noise_source=P999, effect_source=effect_source)
+    return dict(
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        gpu=device_name(),
+        model=model,
+        engine_pair=engine_pair,
+        dtype=dtype,
+        tp=1,
+        noise_k2=f"{nk2:.3g}",
+        noise_max=f"{nmax:.3g}",
+        threshold_k2=f"{thr.k2:.3g}",
+        threshold_max=f"{thr.max_abs:.3g}",
+        min_zoo_effect_k2=f"{effect:.3g}",
+        effect_over_threshold=f"{effect / thr.k2:.3g}",
+        threshold_over_noise=f"{thr.k2 / max(nk2, 1e-300):.3g}",
+        reruns=reruns,
+        init_recipe=init_recipe,
+        noise_source=P999,
+        effect_source=effect_source,
+    )
 
 
 def main(argv=None) -> int:
@@ -210,8 +311,12 @@ def main(argv=None) -> int:
     p.add_argument("--init-recipe", default=None, help="with --engine: the full-size model's init recipe")
     p.add_argument("--layout", action="append", help="with --engine: serve only this adapter layout (repeatable)")
     p.add_argument("--reference", default="hf", choices=["hf", "triton"], help="with --engine: the fp32 reference")
-    p.add_argument("--routing-replay", action="store_true", help="with --engine: judge against the fp32 reference "
-                   "replaying the engine's expert ids (lpdiff check --routing-replay)")
+    p.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="with --engine: judge against the fp32 reference "
+        "replaying the engine's expert ids (lpdiff check --routing-replay)",
+    )
     p.add_argument("--commit", help="the commit to record (GPU machines have no git)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "detection.csv"))
     args = p.parse_args(argv)
@@ -219,13 +324,25 @@ def main(argv=None) -> int:
         os.environ["LPDIFF_COMMIT"] = args.commit
     dtypes = args.dtype or ["float32"]
     if args.full_width and args.engine:
-        jobs = [lambda m=m, d=d: measure_engine(m, args.engine, d, args.layers, args.reruns, args.init_recipe,
-                                                layouts=args.layout, reference=args.reference,
-                                                routing_replay=args.routing_replay)
-                for m in args.full_width for d in dtypes]
+        jobs = [
+            lambda m=m, d=d: measure_engine(
+                m,
+                args.engine,
+                d,
+                args.layers,
+                args.reruns,
+                args.init_recipe,
+                layouts=args.layout,
+                reference=args.reference,
+                routing_replay=args.routing_replay,
+            )
+            for m in args.full_width
+            for d in dtypes
+        ]
     elif args.full_width:
-        jobs = [lambda m=m, d=d: measure_full_width(m, d, args.layers, args.reruns) for m in args.full_width
-                for d in dtypes]
+        jobs = [
+            lambda m=m, d=d: measure_full_width(m, d, args.layers, args.reruns) for m in args.full_width for d in dtypes
+        ]
     else:
         jobs = [lambda m=m, d=d: measure(m, d) for m in (args.model or list(MODELS)) for d in dtypes]
     for job in jobs:  # rows are appended as measured: a GPU call cut short keeps the rows it finished

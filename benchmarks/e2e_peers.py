@@ -21,6 +21,7 @@ over FAST. A LoRA row whose logprobs equal the engine's own base run bit for bit
 checkpoint (engines/checkpoint.py, built on the GPU from the same seeded recipe as the triton and HF runs) under
 ``--checkpoint-root``; both peers load that directory, so its build is not in their start-up time.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ def parse_engine_options(items: list[str]) -> dict[str, dict]:
         try:
             opts = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--engine-options {engine}: not a JSON object ({e}); e.g. "
-                             f"{engine}='{json.dumps(FAST[engine])}'") from None
+            raise ValueError(
+                f"--engine-options {engine}: not a JSON object ({e}); e.g. {engine}='{json.dumps(FAST[engine])}'"
+            ) from None
         if not isinstance(opts, dict):
             raise ValueError(f"--engine-options {engine}: give a JSON object, got {text!r}")
         out[engine] = opts
@@ -64,8 +66,7 @@ def peer_options(engine: str, overrides: dict | None = None) -> dict:
 
 def settings_text(opts: dict, version: str = "") -> str:
     """One CSV cell: the engine's version and the options that decide how it computes (not where it runs)."""
-    how = json.dumps({k: v for k, v in sorted(opts.items()) if k not in _WHERE}, sort_keys=True,
-                     separators=(",", ":"))
+    how = json.dumps({k: v for k, v in sorted(opts.items()) if k not in _WHERE}, sort_keys=True, separators=(",", ":"))
     return f"{version}; {how}" if version else how
 
 
@@ -122,8 +123,10 @@ def check_disk(spec, root: Path) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if need * 1.02 > free:
-        raise OSError(f"the {spec.name} checkpoint needs {need / 1e9:.1f} GB at {root}, {free / 1e9:.1f} GB free "
-                      "there: pass --checkpoint-root on a larger disk, or --layers N")
+        raise OSError(
+            f"the {spec.name} checkpoint needs {need / 1e9:.1f} GB at {root}, {free / 1e9:.1f} GB free "
+            "there: pass --checkpoint-root on a larger disk, or --layers N"
+        )
 
 
 def write_checkpoint_once(spec, root: Path, log: Callable) -> str:
@@ -137,8 +140,9 @@ def write_checkpoint_once(spec, root: Path, log: Callable) -> str:
     return path
 
 
-def bench_peer(engine: str, spec, adapter, prompts, args, work: Path, timed: Callable, row: Callable,
-               log: Callable) -> dict:
+def bench_peer(
+    engine: str, spec, adapter, prompts, args, work: Path, timed: Callable, row: Callable, log: Callable
+) -> dict:
     """Base and LoRA rows of one peer engine (or its error in them). ``timed(eng, prompts, adapter, warmup, reps)``
     -> (seconds, peak); ``row(adapter_name, impl, secs=None, startup_s=None, settings="", error="")``. -> {adapter
     name or None: the engine's PromptLogprobs} for the calls that ran."""
@@ -167,8 +171,9 @@ def bench_peer(engine: str, spec, adapter, prompts, args, work: Path, timed: Cal
     if served is None:  # the base rows are still timed: the engine serves the model
         emit(adapter.name, error=why)
     opts["checkpoint_dir"] = str(args.checkpoint_root)
-    cfg = EngineConfig(model=spec, adapters={served.name: served} if served else {}, dtype="bfloat16",
-                       device="cuda", options=opts)
+    cfg = EngineConfig(
+        model=spec, adapters={served.name: served} if served else {}, dtype="bfloat16", device="cuda", options=opts
+    )
     t0 = time.perf_counter()
     startup = None
     try:
@@ -186,8 +191,12 @@ def bench_peer(engine: str, spec, adapter, prompts, args, work: Path, timed: Cal
                     emit(a, startup=startup, error=error_line(e))
                     continue
                 if a is not None and None in outs and lora_dropped(outs[None], outs[a]):
-                    emit(a, startup=startup, error="LoRA dropped: every logprob equals the engine's own base run "
-                                                   "(the adapter was served as no adapter)")
+                    emit(
+                        a,
+                        startup=startup,
+                        error="LoRA dropped: every logprob equals the engine's own base run "
+                        "(the adapter was served as no adapter)",
+                    )
                     continue
                 emit(a, secs, startup)
     except Exception as e:  # noqa: BLE001 - an engine that dies or refuses is a row, not a lost benchmark

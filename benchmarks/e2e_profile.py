@@ -1,5 +1,6 @@
 """benchmarks/bench_e2e.py's looks inside one engine: the host / replay split of a replayed call, the profiler's
 top kernels and GPU idle gaps of one call, and the per-piece breakdown of one layer at the benchmark's shapes."""
+
 from __future__ import annotations
 
 import gzip
@@ -51,9 +52,11 @@ def host_split(eng, prompts, adapter, reps: int) -> dict:
         clock = torch.cuda.clock_rate()
     except Exception as e:  # noqa: BLE001 - nvml may be missing; the split stands without it
         clock = f"n/a ({type(e).__name__})"
-    log(f"split adapter={adapter}: call {med['call']:.2f} ms, replay+sync {med['replay']:.2f} ms, replay GPU (events) "
+    log(
+        f"split adapter={adapter}: call {med['call']:.2f} ms, replay+sync {med['replay']:.2f} ms, replay GPU (events) "
         f"{med['replay_gpu']:.2f} ms -> host around the replay {med['call'] - med['replay']:.2f} ms; "
-        f"SM clock {clock} MHz")
+        f"SM clock {clock} MHz"
+    )
     prof = cProfile.Profile()
     prof.enable()
     eng.prompt_logprobs(prompts, adapter)
@@ -115,35 +118,63 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
             xa[:, :H] = x
         qkv = m.qkv(h, lw, ll, b)
         q = qkv[:, : m.heads * d].view(T, m.heads, d)
-        k = qkv[:, m.heads * d: (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
-        v = qkv[:, (m.heads + m.kv_heads) * d:].view(T, m.kv_heads, d)
+        k = qkv[:, m.heads * d : (m.heads + m.kv_heads) * d].view(T, m.kv_heads, d)
+        v = qkv[:, (m.heads + m.kv_heads) * d :].view(T, m.kv_heads, d)
         o = torch.randn(T, m.heads * d, dtype=rt.dtype, device=rt.device)
         ids, wts, _ = route(x, lw, cfg, m.impl)
-        moe_out = experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend, sum_topk=not m.fuse_topk_sum,
-                          shrink=m.moe_shrink, padding=m.moe_padding)
+        moe_out = experts(
+            x,
+            ids,
+            wts,
+            lw,
+            cfg,
+            ll.moe,
+            ta,
+            m.impl,
+            m.moe_backend,
+            sum_topk=not m.fuse_topk_sum,
+            shrink=m.moe_shrink,
+            padding=m.moe_padding,
+        )
         tag = "lora" if slot >= 0 else "base"
         pieces = {
-            "add_rms_norm (before attention)": lambda: m._norm(x, x, lw.input_norm,
-                                                               None if xa is None else xa[:, :H]),
+            "add_rms_norm (before attention)": lambda: m._norm(x, x, lw.input_norm, None if xa is None else xa[:, :H]),
             "add_rms_norm (after o)": lambda: m._norm(x, x, lw.post_norm),
             # at TP 1 the MoE's top-k sum is fused into this norm (moe_out is (T, K, H) there)
             "add_rms_norm (moe top-k)": lambda: m._norm(x, moe_out, lw.input_norm),
             "qkv lora_linear": lambda: m.qkv(h, lw, ll, b),
             "norm_rope q+k": lambda: norm_rope_qk(q, k, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, b.cos, b.sin),
-            "attention": lambda: attention(q, k, v, b, d ** -0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
+            "attention": lambda: attention(q, k, v, b, d**-0.5, cfg.sliding_windows[0], lw.sinks, m.attention_impl),
             "o lora_linear": lambda: m.o_proj(o, lw, ll, b),
             "router+route": lambda: route(x, lw, cfg, m.impl),
-            "moe_forward": lambda: experts(x, ids, wts, lw, cfg, ll.moe, ta, m.impl, m.moe_backend,
-                                           sum_topk=not m.fuse_topk_sum, shrink=m.moe_shrink, padding=m.moe_padding),
+            "moe_forward": lambda: experts(
+                x,
+                ids,
+                wts,
+                lw,
+                cfg,
+                ll.moe,
+                ta,
+                m.impl,
+                m.moe_backend,
+                sum_topk=not m.fuse_topk_sum,
+                shrink=m.moe_shrink,
+                padding=m.moe_padding,
+            ),
         }
         for piece, fn in pieces.items():
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
             rows[(piece, tag)] = ms * nl
         sel = torch.arange(T - 1, device=rt.device)
         for fused in (False, True):  # torch fp32 softmax vs the one-pass kernel (kernels/logprob.py)
-            rows[(f"logprobs (once{', fused' if fused else ''})", tag)] = do_bench(lambda: chunked_logprobs(
-                x[sel], rt.weights.lm_head, b.input_ids[sel + 1], 0, rt.logit_chunk, fused=fused), warmup=5,
-                rep=50, return_mode="median")
+            rows[(f"logprobs (once{', fused' if fused else ''})", tag)] = do_bench(
+                lambda: chunked_logprobs(
+                    x[sel], rt.weights.lm_head, b.input_ids[sel + 1], 0, rt.logit_chunk, fused=fused
+                ),
+                warmup=5,
+                rep=50,
+                return_mode="median",
+            )
         rows[("whole forward", tag)] = do_bench(lambda: m.forward(b), warmup=3, rep=20, return_mode="median")
     print(f"{'piece (x layers)':28s} {'base ms':>9s} {'lora ms':>9s}", flush=True)
     for piece in dict.fromkeys(p for p, _ in rows):

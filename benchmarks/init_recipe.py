@@ -26,6 +26,7 @@ catalog's fp32 build holds) and run again. Columns:
                         it moves matter to routing, and PEFT at full size would cost minutes)
   adapted_route_change  share of (token, MoE layer) whose expert set that delta changes (fp32)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,26 @@ from lpdiff.harness.spec.catalog import FULL_CONFIGS, INIT_RECIPES, get_model, l
 from lpdiff.harness.types import ModelSpec
 
 OUT = Path(__file__).resolve().parent / "results" / "init_recipe.csv"
-COLUMNS = ("model", "layers", "recipe", "device", "build_s", "entropy_over_logv", "margin_p1", "margin_p10",
-           "margin_p50", "ratio_p1", "ratio_p10", "ratio_p50", "flip_share", "bf16_k2", "bf16_max_d",
-           "adapted_ratio_p1", "adapted_ratio_p10", "adapted_route_change")
+COLUMNS = (
+    "model",
+    "layers",
+    "recipe",
+    "device",
+    "build_s",
+    "entropy_over_logv",
+    "margin_p1",
+    "margin_p10",
+    "margin_p50",
+    "ratio_p1",
+    "ratio_p10",
+    "ratio_p50",
+    "flip_share",
+    "bf16_k2",
+    "bf16_max_d",
+    "adapted_ratio_p1",
+    "adapted_ratio_p10",
+    "adapted_route_change",
+)
 ADAPTER_RANK, ADAPTER_SCALE = 8, 0.2
 
 
@@ -133,9 +151,14 @@ def measure(spec: ModelSpec, device: str, ids: torch.Tensor, adapted: bool = Tru
     b16 = forward_stats(model, ids)
     model.to(torch.float32)
     f32 = forward_stats(model, ids)
-    row = {"model": spec.name, "layers": spec.num_layers, "recipe": spec.init_recipe,
-           "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
-           "build_s": round(build_s, 2), "entropy_over_logv": float(f32["entropy"].mean()) / f32["log_v"]}
+    row = {
+        "model": spec.name,
+        "layers": spec.num_layers,
+        "recipe": spec.init_recipe,
+        "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
+        "build_s": round(build_s, 2),
+        "entropy_over_logv": float(f32["entropy"].mean()) / f32["log_v"],
+    }
     d = (b16["logprobs"] - f32["logprobs"]).double()
     row.update(bf16_k2=float(0.5 * (d * d).mean()), bf16_max_d=float(d.abs().max()))
     r = router_stats(f32)
@@ -147,16 +170,25 @@ def measure(spec: ModelSpec, device: str, ids: torch.Tensor, adapted: bool = Tru
         merge_random_adapter(model)
         a32 = forward_stats(model, ids)
         ra = router_stats(a32)["ratio"]
-        row.update(adapted_ratio_p1=_pct(ra, 1), adapted_ratio_p10=_pct(ra, 10),
-                   adapted_route_change=changed_share(a32, f32))
+        row.update(
+            adapted_ratio_p1=_pct(ra, 1), adapted_ratio_p10=_pct(ra, 10), adapted_route_change=changed_share(a32, f32)
+        )
     del model, b16, f32
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
-def run(specs: list[ModelSpec], recipes, device: str, n_prompts: int = 8, length: int = 64,
-        adapted: bool = True, out: Path | None = OUT, log=print) -> list[dict]:
+def run(
+    specs: list[ModelSpec],
+    recipes,
+    device: str,
+    n_prompts: int = 8,
+    length: int = 64,
+    adapted: bool = True,
+    out: Path | None = OUT,
+    log=print,
+) -> list[dict]:
     """Every spec under every recipe; rows written to ``out`` (CSV, replaced) when given."""
     from lpdiff.harness.spec.catalog import hf_config
 
@@ -169,10 +201,12 @@ def run(specs: list[ModelSpec], recipes, device: str, n_prompts: int = 8, length
         for recipe in recipes:
             row = measure(dataclasses.replace(spec, init_recipe=recipe), device, ids, adapted)
             rows.append(row)
-            log(f"[init_recipe] {spec.name} x{spec.num_layers} {recipe}: build {row['build_s']:.1f}s, entropy/logV "
+            log(
+                f"[init_recipe] {spec.name} x{spec.num_layers} {recipe}: build {row['build_s']:.1f}s, entropy/logV "
                 f"{row['entropy_over_logv']:.2f}, margin/bf16 p1 {row['ratio_p1']:.3g}, flips "
                 f"{row['flip_share']:.2%}, k2 {row['bf16_k2']:.2e}"
-                + (f", adapted p1 {row['adapted_ratio_p1']:.3g}" if adapted else ""))
+                + (f", adapted p1 {row['adapted_ratio_p1']:.3g}" if adapted else "")
+            )
         log(f"[init_recipe] {spec.name}: {time.perf_counter() - t0:.1f}s")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

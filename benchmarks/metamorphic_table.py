@@ -6,6 +6,7 @@ from benchmarks/results/metamorphic.csv: what a closing note lists.
 A later row for the same key replaces an earlier one (rows are appended run after run), so a relation re-run after
 a fix shows its new verdict; the commit column says which run each cell comes from.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def tables(rows: dict) -> str:
         head = ["relation"] + [f"{e} {a}" for e, a in cols]
         lines = [f"### {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for rel in relations:
-            vals = [cell(cells[(e, a, rel)]) + f" `{cells[(e, a, rel)]['commit']}`" if (e, a, rel) in cells else ""
-                    for e, a in cols]
+            vals = [
+                cell(cells[(e, a, rel)]) + f" `{cells[(e, a, rel)]['commit']}`" if (e, a, rel) in cells else ""
+                for e, a in cols
+            ]
             lines.append("| " + " | ".join([rel] + vals) + " |")
         fails = [r for r in cells.values() if r["verdict"] == "FAIL"]
         if fails:

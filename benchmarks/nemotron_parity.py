@@ -10,6 +10,7 @@ either engine (HF's own two expert kernels disagree the same way), which no exac
 
     python -m benchmarks.nemotron_parity --model nemotron-3-nano-30b-a3b --layers 6 --lens 16,300,1000,4096
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,13 @@ from lpdiff.harness.types import AdapterSpec
 
 def adapters_for(model, root: str) -> dict[str, AdapterSpec]:
     latent = ["latent"] if getattr(model.config, "moe_latent_size", None) else []
-    made = {"all": generate_adapter(model, f"{root}/all", ["mamba", "attention", "shared_expert", "experts"] + latent,
-                                    rank=16, seed=1),
-            "mixers": generate_adapter(model, f"{root}/mixers", ["mamba", "attention"], rank=8, seed=2),
-            "moe_pe": generate_adapter(model, f"{root}/moe_pe", ["experts"] + latent, rank=4, seed=3,
-                                       layout="per_expert")}
+    made = {
+        "all": generate_adapter(
+            model, f"{root}/all", ["mamba", "attention", "shared_expert", "experts"] + latent, rank=16, seed=1
+        ),
+        "mixers": generate_adapter(model, f"{root}/mixers", ["mamba", "attention"], rank=8, seed=2),
+        "moe_pe": generate_adapter(model, f"{root}/moe_pe", ["experts"] + latent, rank=4, seed=3, layout="per_expert"),
+    }
     return {k: AdapterSpec(k, v.path) for k, v in made.items()}
 
 
@@ -42,8 +45,13 @@ def max_diffs(got, ref, eps: float = NEAR_TIE_EPS["float32"]) -> tuple[float, fl
     full = clean = 0.0
     for x, y in zip(got, ref):
         diff = np.abs(x.logprobs - y.logprobs)
-        tie = np.minimum(np.minimum.accumulate(x.router_margin.astype(np.float64)),
-                         np.minimum.accumulate(y.router_margin.astype(np.float64)))[:-1] < eps
+        tie = (
+            np.minimum(
+                np.minimum.accumulate(x.router_margin.astype(np.float64)),
+                np.minimum.accumulate(y.router_margin.astype(np.float64)),
+            )[:-1]
+            < eps
+        )
         full = max(full, float(diff.max()))
         clean = max(clean, float(diff[~tie].max()) if (~tie).any() else 0.0)
     return full, clean
@@ -71,10 +79,13 @@ def measure(model_name: str, layers: int, lens: list[int], device: str, seed: in
     for k in choices:
         full, clean = max_diffs(runs["triton"][k], runs["hf"][k])
         effect, _ = max_diffs(runs["hf"][k], runs["hf"]["-"])
-        rows.append(dict(model=model_name, layers=layers, choice=k, max_d=full, max_d_before_tie=clean,
-                         adapter_effect=effect))
-    print(f"{model_name} x{layers} layers on {device}, prompts {lens}: hf {secs['hf']:.1f} s, "
-          f"triton {secs['triton']:.1f} s (5 calls each, start-up included)")
+        rows.append(
+            dict(model=model_name, layers=layers, choice=k, max_d=full, max_d_before_tie=clean, adapter_effect=effect)
+        )
+    print(
+        f"{model_name} x{layers} layers on {device}, prompts {lens}: hf {secs['hf']:.1f} s, "
+        f"triton {secs['triton']:.1f} s (5 calls each, start-up included)"
+    )
     return rows
 
 

@@ -34,6 +34,7 @@ weights + LoRA fit one H200 (sol_hybrid.FIT_GB: 43 of its 88 layers) unless --la
         nemotron-3-super-120b-a12b] [--batch 8 --seq 512 --rank 32] [--reps 10] [--layers N] [--dense-experts]
         [--device cuda|cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ FIT_MODELS = ("nemotron-3-super-120b-a12b",)
 class Shapes:
     """One model's forward at one batch: T tokens in B prompts of S, hidden H, experts E of width I, top-k K,
     attention q (query heads x head_dim), kv, vocab V, LoRA rank R (0: none)."""
+
     T: int
     B: int
     S: int
@@ -68,8 +70,9 @@ class Shapes:
     V: int
 
     def __post_init__(self):
-        assert self.T == self.B * self.S and (self.T * self.K) % self.E == 0, \
+        assert self.T == self.B * self.S and (self.T * self.K) % self.E == 0, (
             "balanced routing needs T * K to be a multiple of E"
+        )
 
     @property
     def m(self) -> int:  # rows per expert at perfectly balanced routing
@@ -81,9 +84,20 @@ def shapes_of(model: str, batch: int, seq: int, layers: int | None) -> Shapes:
     from lpdiff.harness.spec.catalog import get_model, hf_config
 
     cfg = model_config(hf_config(get_model(model, num_layers=layers)))
-    return Shapes(T=batch * seq, B=batch, S=seq, H=cfg.hidden_size, L=cfg.num_layers, E=cfg.num_experts,
-                  I=cfg.expert_width, K=cfg.top_k, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, d=cfg.head_dim,
-                  V=cfg.vocab_size)
+    return Shapes(
+        T=batch * seq,
+        B=batch,
+        S=seq,
+        H=cfg.hidden_size,
+        L=cfg.num_layers,
+        E=cfg.num_experts,
+        I=cfg.expert_width,
+        K=cfg.top_k,
+        heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        d=cfg.head_dim,
+        V=cfg.vocab_size,
+    )
 
 
 class SolForward:
@@ -107,10 +121,18 @@ class SolForward:
         self.router_w = rnd(s.E, s.H)
         self.lm_head = rnd(s.V, s.H)
         # per variant r (0 and R): extra K of q|k|v, gate_up, down; extra output rows of o
-        self.w = {r: dict(xa=rnd(s.T, s.H + 3 * r), qkv=rnd(self.n_qkv, s.H + 3 * r), o=rnd(s.H + r, q),
-                          xe=rnd(s.E, s.m, s.H + r), gu=rnd(s.E, 2 * s.I, s.H + r), he=rnd(s.E, s.m, s.I + r),
-                          dn=rnd(s.E, s.H, s.I + r))
-                  for r in sorted({0, R})}
+        self.w = {
+            r: dict(
+                xa=rnd(s.T, s.H + 3 * r),
+                qkv=rnd(self.n_qkv, s.H + 3 * r),
+                o=rnd(s.H + r, q),
+                xe=rnd(s.E, s.m, s.H + r),
+                gu=rnd(s.E, 2 * s.I, s.H + r),
+                he=rnd(s.E, s.m, s.I + r),
+                dn=rnd(s.E, s.H, s.I + r),
+            )
+            for r in sorted({0, R})
+        }
         if R:
             self.a_qkv, self.b_o, self.s_o = rnd(3 * R, s.H), rnd(s.H, R), rnd(s.T, R)
             self.a_gu, self.a_dn = rnd(s.E, R, s.H), rnd(s.E, R, s.I)
@@ -123,8 +145,10 @@ class SolForward:
         w, H, I, q = self.w[R], s.H, s.I, s.heads * s.d
         ops = {
             "qkv": (lambda: F.linear(w["xa"], w["qkv"]), 2 * s.T * self.n_qkv * (H + 3 * R)),
-            "attention": (lambda: F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True),
-                          2 * 2 * s.B * s.heads * s.S * s.S * s.d // 2),
+            "attention": (
+                lambda: F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True),
+                2 * 2 * s.B * s.heads * s.S * s.S * s.d // 2,
+            ),
             "o": (lambda: F.linear(self.attn, w["o"]), 2 * s.T * (H + R) * q),
             "router": (lambda: F.linear(self.x, self.router_w), 2 * s.T * s.E * H),
             "gate_up": (lambda: torch.bmm(w["xe"], w["gu"].transpose(1, 2)), 2 * s.E * s.m * 2 * I * (H + R)),
@@ -243,8 +267,10 @@ def sol(model: str, args) -> dict:
         s = hybrid_shapes(model, args.batch, args.seq, layers)
         fwd = HybridForward(s, args.rank, args.device, dtype)
         w, lo = weight_bytes(s, args.rank)
-        what = (f"; layers {', '.join(f'{n} {k}' for k, n in count_kinds(s.kinds).items())}; weights {w / 1e9:.1f} "
-                f"GB + LoRA {lo / 1e9:.2f} GB in bf16")
+        what = (
+            f"; layers {', '.join(f'{n} {k}' for k, n in count_kinds(s.kinds).items())}; weights {w / 1e9:.1f} "
+            f"GB + LoRA {lo / 1e9:.2f} GB in bf16"
+        )
     else:
         s = shapes_of(model, args.batch, args.seq, layers)
         fwd = SolForward(s, args.rank, args.device, dtype, args.dense_experts)
@@ -253,16 +279,22 @@ def sol(model: str, args) -> dict:
     bw = copy_bandwidth(args.device)
     floor_s = fwd.floor_bytes() / bw
     out = dict(model=model, layers=s.L, tokens=s.T, copy_tb_s=bw / 1e12, floor_ms=floor_s * 1e3)
-    print(f"{model}: {s.L} layers{f' (--layers {layers})' if layers else ''}, T {s.T} ({s.B} x {s.S}), experts {s.E} "
-          f"x {s.m} rows{what}, LoRA rank {args.rank}; copy bandwidth {bw / 1e12:.2f} TB/s -> memory-bound passes "
-          f"{floor_s * 1e3:.2f} ms per call", flush=True)
+    print(
+        f"{model}: {s.L} layers{f' (--layers {layers})' if layers else ''}, T {s.T} ({s.B} x {s.S}), experts {s.E} "
+        f"x {s.m} rows{what}, LoRA rank {args.rank}; copy bandwidth {bw / 1e12:.2f} TB/s -> memory-bound passes "
+        f"{floor_s * 1e3:.2f} ms per call",
+        flush=True,
+    )
     for lora in (False, True):
         tag = "lora" if lora else "base"
         call_s = time_call(fwd, lora, args.warmup, args.reps, graphs)
         total = call_s + floor_s
         out |= {f"{tag}_gemm_ms": call_s * 1e3, f"{tag}_ms": total * 1e3, f"{tag}_tokens_per_s": s.T / total}
-        print(f"  {tag}: GEMMs + attention {call_s * 1e3:.2f} ms + floor {floor_s * 1e3:.2f} = {total * 1e3:.2f} ms "
-              f"per call -> {s.T / total:,.0f} tokens/s", flush=True)
+        print(
+            f"  {tag}: GEMMs + attention {call_s * 1e3:.2f} ms + floor {floor_s * 1e3:.2f} = {total * 1e3:.2f} ms "
+            f"per call -> {s.T / total:,.0f} tokens/s",
+            flush=True,
+        )
     ops = fwd.gemms(lora=True) | {"lm_head": fwd.lm_head_op()}
     base_ops = fwd.gemms(lora=False)
     for name, (fn, flops) in ops.items():
@@ -295,10 +327,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layers", type=int, default=None, help="reduced depth (default: full depth)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--dense-experts", action="store_true",
-                   help="the expert GEMMs as one dense GEMM each over the first expert's weight (same FLOPs, no "
-                        "weight streaming): the bound if they ran at the dense GEMMs' rate (Qwen3-MoE and gpt-oss; "
-                        "the hybrids' experts stay batched)")
+    p.add_argument(
+        "--dense-experts",
+        action="store_true",
+        help="the expert GEMMs as one dense GEMM each over the first expert's weight (same FLOPs, no "
+        "weight streaming): the bound if they ran at the dense GEMMs' rate (Qwen3-MoE and gpt-oss; "
+        "the hybrids' experts stay batched)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.device == "cuda":

@@ -55,6 +55,7 @@ Floor (memory-bound passes, bytes at the measured copy bandwidth, read + write):
   (fla keeps them in the input dtype, mamba_ssm in fp32): a floor. A kernel that kept the state on chip across chunks
   would not move them at all; the bound counts the chunked algorithms as implemented (the runtime's and the peers').
 """
+
 from __future__ import annotations
 
 import math
@@ -81,6 +82,7 @@ def is_hybrid(model: str) -> bool:
 class HybridShapes:
     """One hybrid model at one batch: ``kinds`` per layer ("gdn" / "attn" then "moe" for Qwen3.5; one of "mamba",
     "attn", "moe", "mlp" for Nemotron-H), and the sizes each kind needs."""
+
     model: str
     family: str  # "qwen3_5" | "nemotron_h"
     T: int
@@ -120,23 +122,57 @@ def hybrid_shapes(model: str, batch: int, seq: int, layers: int | None) -> Hybri
 
     t = hf_config(get_model(model, num_layers=layers)).get_text_config()
     T = batch * seq
-    common = dict(model=model, T=T, B=batch, S=seq, H=t.hidden_size, V=t.vocab_size, K=t.num_experts_per_tok,
-                  heads=t.num_attention_heads, kv_heads=t.num_key_value_heads, d=t.head_dim)
+    common = dict(
+        model=model,
+        T=T,
+        B=batch,
+        S=seq,
+        H=t.hidden_size,
+        V=t.vocab_size,
+        K=t.num_experts_per_tok,
+        heads=t.num_attention_heads,
+        kv_heads=t.num_key_value_heads,
+        d=t.head_dim,
+    )
     if t.model_type.startswith("qwen3_5"):
         kinds = [("gdn" if k == "linear_attention" else "attn", "moe") for k in t.layer_types]
-        s = HybridShapes(family="qwen3_5", kinds=kinds, E=t.num_experts, I=t.moe_intermediate_size,
-                         shared=t.shared_expert_intermediate_size, gated_attention=True,  # q_proj carries the output gate (engines/triton/qwen3_5.py)
-                         gdn=dict(nk=t.linear_num_key_heads, nv=t.linear_num_value_heads, dk=t.linear_key_head_dim,
-                                  dv=t.linear_value_head_dim, conv=t.linear_conv_kernel_dim), **common)
+        s = HybridShapes(
+            family="qwen3_5",
+            kinds=kinds,
+            E=t.num_experts,
+            I=t.moe_intermediate_size,
+            shared=t.shared_expert_intermediate_size,
+            gated_attention=True,  # q_proj carries the output gate (engines/triton/qwen3_5.py)
+            gdn=dict(
+                nk=t.linear_num_key_heads,
+                nv=t.linear_num_value_heads,
+                dk=t.linear_key_head_dim,
+                dv=t.linear_value_head_dim,
+                conv=t.linear_conv_kernel_dim,
+            ),
+            **common,
+        )
     elif t.model_type == "nemotron_h":
-        names = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attn", "attention": "attn",
-                 "moe": "moe", "mlp": "mlp"}
+        names = {
+            "linear_attention": "mamba",
+            "mamba": "mamba",
+            "full_attention": "attn",
+            "attention": "attn",
+            "moe": "moe",
+            "mlp": "mlp",
+        }
         kinds = [(names[k],) for k in t.layers_block_type]
-        s = HybridShapes(family="nemotron_h", kinds=kinds, E=t.n_routed_experts, I=t.moe_intermediate_size,
-                         shared=t.moe_shared_expert_intermediate_size, latent=getattr(t, "moe_latent_size", None),
-                         mlp=t.intermediate_size,
-                         mamba=dict(nh=t.mamba_num_heads, P=t.mamba_head_dim, ng=t.n_groups, N=t.ssm_state_size,
-                                    chunk=t.chunk_size), **common)
+        s = HybridShapes(
+            family="nemotron_h",
+            kinds=kinds,
+            E=t.n_routed_experts,
+            I=t.moe_intermediate_size,
+            shared=t.moe_shared_expert_intermediate_size,
+            latent=getattr(t, "moe_latent_size", None),
+            mlp=t.intermediate_size,
+            mamba=dict(nh=t.mamba_num_heads, P=t.mamba_head_dim, ng=t.n_groups, N=t.ssm_state_size, chunk=t.chunk_size),
+            **common,
+        )
     else:
         raise ValueError(f"{model}: model type {t.model_type} is not a hybrid ({', '.join(HYBRID_TYPES)})")
     assert (s.T * s.K) % s.E == 0, "balanced routing needs T * K to be a multiple of E"
@@ -221,8 +257,10 @@ class HybridForward:
         q = s.heads * s.d
         self._dense(ops, "qkv", s.H, q * (2 if s.gated_attention else 1) + 2 * s.kv_heads * s.d, "k3", r)
         qb, kb, vb = (self._rnd(s.B, s.heads, s.S, s.d) for _ in range(3))
-        ops["attention"] = (lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
-                            2 * 2 * s.B * s.heads * s.S * s.S * s.d // 2)
+        ops["attention"] = (
+            lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
+            2 * 2 * s.B * s.heads * s.S * s.S * s.d // 2,
+        )
         self._dense(ops, "o", q, s.H, "rows", r)
 
     def _build_gdn(self, ops: dict, r: int) -> None:
@@ -310,14 +348,26 @@ class HybridForward:
                     g = s.gdn
                     c_qkv, o = 2 * g["nk"] * g["dk"] + g["nv"] * g["dv"], g["nv"] * g["dv"]
                     _, n = _chunks(s.S, GDN_CHUNK)
-                    total += (2 * T * c_qkv * el + T * c_qkv * el + 2 * T * g["nv"] * 4 + T * o * el
-                              + 2 * s.B * g["nv"] * n * g["dk"] * g["dv"] * el + 3 * T * o * el)
+                    total += (
+                        2 * T * c_qkv * el
+                        + T * c_qkv * el
+                        + 2 * T * g["nv"] * 4
+                        + T * o * el
+                        + 2 * s.B * g["nv"] * n * g["dk"] * g["dv"] * el
+                        + 3 * T * o * el
+                    )
                 elif kind == "mamba":
                     mb = s.mamba
                     di, xbc = mb["nh"] * mb["P"], mb["nh"] * mb["P"] + 2 * mb["ng"] * mb["N"]
                     _, n = _chunks(s.S, mb["chunk"])
-                    total += (2 * T * xbc * el + T * xbc * el + T * mb["nh"] * 4 + T * di * el
-                              + 2 * s.B * mb["nh"] * n * mb["N"] * mb["P"] * el + 3 * T * di * el)
+                    total += (
+                        2 * T * xbc * el
+                        + T * xbc * el
+                        + T * mb["nh"] * 4
+                        + T * di * el
+                        + 2 * s.B * mb["nh"] * n * mb["N"] * mb["P"] * el
+                        + 3 * T * di * el
+                    )
         return total
 
 

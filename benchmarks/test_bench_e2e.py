@@ -1,6 +1,7 @@
 """benchmarks/bench_e2e.py's per-piece breakdown calls the runtime's internals (MoeTransformer._linear, route,
 experts, attention) directly; run it on CPU on the tiny zoo so that a change of those signatures fails here and not
 in a GPU job, where the breakdown would be lost after the timing it followed."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,20 +21,24 @@ def _once(fn, **_):  # stands in for triton.testing.do_bench: run the piece once
     return 1.0
 
 
-@pytest.mark.parametrize("model,impl", [
-    ("tiny-qwen3-moe", "auto"),  # CPU auto: the torch references
-    ("tiny-gpt-oss", "auto"),
-    # the GPU's pieces: q|k|v LoRA as extra K (its augmented input buffer), the MoE's unsummed top-k outputs
-    ("tiny-qwen3-moe", "triton"),
-])
+@pytest.mark.parametrize(
+    "model,impl",
+    [
+        ("tiny-qwen3-moe", "auto"),  # CPU auto: the torch references
+        ("tiny-gpt-oss", "auto"),
+        # the GPU's pieces: q|k|v LoRA as extra K (its augmented input buffer), the MoE's unsummed top-k outputs
+        ("tiny-qwen3-moe", "triton"),
+    ],
+)
 def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
     from lpdiff.engines.triton import TritonEngine
 
     spec = get_model(model)
     adapter = zoo_adapters(model)["all"]
     prompts = [list(range(3, 3 + n)) for n in (5, 5)]  # the interpreter (impl triton) pays per token
-    with TritonEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapter.path)}, device="cpu",
-                                   options={"impl": impl})) as eng:
+    with TritonEngine(
+        EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapter.path)}, device="cpu", options={"impl": impl})
+    ) as eng:
         rows = bench_e2e.breakdown(eng, prompts, "a", do_bench=_once)
     pieces = {p for p, _ in rows}
     assert {"qkv lora_linear", "o lora_linear", "moe_forward", "attention", "whole forward"} <= pieces
@@ -42,15 +47,29 @@ def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
 
 # -- the engine list, the rows and the peers (benchmarks/e2e_peers.py) ---------------------------------------------
 
+
 def test_engine_list_parsing():
-    args = bench_e2e.parse_args(["--engines", "triton", "hf", "vllm", "sglang", "--engine-options",
-                                 'vllm={"llm_kwargs": {"enforce_eager": true}}'])
+    args = bench_e2e.parse_args(
+        [
+            "--engines",
+            "triton",
+            "hf",
+            "vllm",
+            "sglang",
+            "--engine-options",
+            'vllm={"llm_kwargs": {"enforce_eager": true}}',
+        ]
+    )
     assert args.engines == ["triton", "hf", "vllm", "sglang"]
     assert args.engine_options == {"vllm": {"llm_kwargs": {"enforce_eager": True}}}
     assert bench_e2e.parse_args([]).engines == ["triton", "hf"]
     assert bench_e2e.parse_args(["--engines", "triton", "hf", "sglang", "--skip-hf"]).engines == ["triton", "sglang"]
-    for bad in (["--engines", "tgi"], ["--engine-options", "vllm={not json"], ["--engine-options", "hf={}"],
-                ["--engine-options", "sglang=[1]"]):
+    for bad in (
+        ["--engines", "tgi"],
+        ["--engine-options", "vllm={not json"],
+        ["--engine-options", "hf={}"],
+        ["--engine-options", "sglang=[1]"],
+    ):
         with pytest.raises(SystemExit) as e:
             bench_e2e.parse_args(bad)
         assert e.value.code == 2, bad
@@ -60,8 +79,14 @@ def test_rows_have_every_column_and_an_error_instead_of_a_number():
     args = bench_e2e.parse_args(["--commit", "abc1234"])
     ok = bench_e2e.make_row(args, "gpu", "m", 4096, "r32", "triton", 0.0613, 63.841, 21.04, "{}", 61.3, 55.126)
     assert list(ok) == bench_e2e.COLUMNS
-    assert (ok["tokens_per_s"], ok["peak_mem_gb"], ok["startup_s"], ok["call_ms"], ok["gpu_ms"], ok["error"]) == \
-        (66819, 63.84, 21.0, 61.3, 55.13, "")
+    assert (ok["tokens_per_s"], ok["peak_mem_gb"], ok["startup_s"], ok["call_ms"], ok["gpu_ms"], ok["error"]) == (
+        66819,
+        63.84,
+        21.0,
+        61.3,
+        55.13,
+        "",
+    )
     err = bench_e2e.make_row(args, "gpu", "m", 4096, "r32", "sglang", error="LaneDied: engine died")
     assert err["tokens_per_s"] == "" and err["peak_mem_gb"] == "" and err["error"] == "LaneDied: engine died"
 
@@ -74,12 +99,28 @@ def test_old_csv_gets_the_new_columns_empty_and_a_foreign_one_is_refused(tmp_pat
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(old)
-        w.writerow(["2026-11-29", "7c3cbef", "NVIDIA H200", "qwen3-30b-a3b", 4096, 1, "bfloat16", "r32", "triton",
-                    66834, 63.84])
+        w.writerow(
+            [
+                "2026-11-29",
+                "7c3cbef",
+                "NVIDIA H200",
+                "qwen3-30b-a3b",
+                4096,
+                1,
+                "bfloat16",
+                "r32",
+                "triton",
+                66834,
+                63.84,
+            ]
+        )
     f, w = bench_e2e.open_csv(path)
     with f:
-        w.writerow(bench_e2e.make_row(bench_e2e.parse_args([]), "g", "m", 8, "none", "vllm", 1.0, startup_s=80.0,
-                                      settings='{"a":1}'))
+        w.writerow(
+            bench_e2e.make_row(
+                bench_e2e.parse_args([]), "g", "m", 8, "none", "vllm", 1.0, startup_s=80.0, settings='{"a":1}'
+            )
+        )
     rows = list(csv.DictReader(open(path, newline="")))
     assert list(rows[0]) == bench_e2e.COLUMNS
     assert rows[0]["tokens_per_s"] == "66834" and rows[0]["startup_s"] == "" and rows[0]["settings"] == ""
@@ -105,8 +146,9 @@ def test_peer_options_run_where_the_harness_runs_the_engine(monkeypatch):
     assert e2e_peers.settings_text(opts, "vllm 0.25.1") == 'vllm 0.25.1; {"enforce_eager":true}'
 
 
-@pytest.mark.parametrize("engine,model,layout", [("sglang", "tiny-qwen3-moe", "per_expert"),
-                                                 ("vllm", "tiny-gpt-oss", "peft3d")])
+@pytest.mark.parametrize(
+    "engine,model,layout", [("sglang", "tiny-qwen3-moe", "per_expert"), ("vllm", "tiny-gpt-oss", "peft3d")]
+)
 def test_peer_serves_the_layout_it_reads(engine, model, layout, tmp_path):
     import json
 
@@ -131,8 +173,17 @@ def test_missing_peer_gives_error_rows(monkeypatch, tmp_path):
         monkeypatch.delenv(k, raising=False)
     rows = []
     args = bench_e2e.parse_args(["--rank", "4"])
-    e2e_peers.bench_peer("sglang", get_model("tiny-qwen3-moe"), AdapterSpec("r", "/nonexistent"), [[1, 2]], args,
-                         tmp_path, timed=None, row=lambda *a, **kw: rows.append((a, kw)), log=lambda *a: None)
+    e2e_peers.bench_peer(
+        "sglang",
+        get_model("tiny-qwen3-moe"),
+        AdapterSpec("r", "/nonexistent"),
+        [[1, 2]],
+        args,
+        tmp_path,
+        timed=None,
+        row=lambda *a, **kw: rows.append((a, kw)),
+        log=lambda *a: None,
+    )
     assert [a[:2] for a, _ in rows] == [("none", "sglang"), ("r4", "sglang")]
     assert all("not installed" in kw["error"] and a[2] is None for a, kw in rows)
 

@@ -1,4 +1,5 @@
 """benchmarks/detection.py's engine rows, on CPU: HF+PEFT in bf16 as the engine under test on the tiny zoo."""
+
 import pytest
 
 from benchmarks import detection
@@ -7,8 +8,9 @@ from benchmarks import detection
 @pytest.mark.filterwarnings("ignore")
 def test_engine_row_has_noise_threshold_and_the_broken_adapters_effect(tmp_path, monkeypatch):
     monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "store"))
-    row = detection.measure_engine("tiny-qwen3-moe", "hf", "bfloat16", layers=2, reruns=2, device="cpu",
-                                   lengths=(48, 33))
+    row = detection.measure_engine(
+        "tiny-qwen3-moe", "hf", "bfloat16", layers=2, reruns=2, device="cpu", lengths=(48, 33)
+    )
     assert set(row) == set(detection.COLUMNS) - {"misses"}  # main() adds it to every row
     assert "threshold/noise" in detection.misses(float(row["effect_over_threshold"]), 3.0)
     noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
@@ -22,8 +24,17 @@ def test_hf_fp32_row_is_judged_against_the_triton_runtime_not_itself(tmp_path, m
     fp32 reference, and serves one layout when asked."""
     monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "store"))
     monkeypatch.setenv("LPDIFF_CHECK_CSV_DIR", str(tmp_path / "csv"))
-    row = detection.measure_engine("tiny-qwen3-moe", "hf", "float32", layers=2, reruns=2, device="cpu",
-                                   lengths=(48, 33), layouts=("peft3d",), reference="triton")
+    row = detection.measure_engine(
+        "tiny-qwen3-moe",
+        "hf",
+        "float32",
+        layers=2,
+        reruns=2,
+        device="cpu",
+        lengths=(48, 33),
+        layouts=("peft3d",),
+        reference="triton",
+    )
     assert row["engine_pair"] == "hf:float32-vs-triton:float32", row
     noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
     assert noise > 0 and effect > 1e3 * max(thr, noise), row  # two implementations differ by rounding only
@@ -38,8 +49,9 @@ def test_rows_of_one_model_share_one_case(monkeypatch):
     from lpdiff.harness.commands import check
 
     built = []
-    monkeypatch.setattr(check, "build_case", lambda model, layers, root, **kw: built.append((model, layers)) or
-                        object())
+    monkeypatch.setattr(
+        check, "build_case", lambda model, layers, root, **kw: built.append((model, layers)) or object()
+    )
     monkeypatch.setattr(detection, "_CASES", {})
     a = detection._case("m", 4, "peaked/v1", "cuda", (), print)
     assert detection._case("m", 4, "peaked/v1", "cuda", (), print) is a and built == [("m", 4)]
@@ -51,8 +63,17 @@ def test_rows_of_one_model_share_one_case(monkeypatch):
 def test_engine_row_with_routing_replay(tmp_path, monkeypatch):
     """benchmarks/detection.py --routing-replay: noise = each run against the reference replaying its own ids."""
     monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "store"))
-    row = detection.measure_engine("tiny-qwen3-moe", "triton", "bfloat16", layers=2, reruns=2, device="cpu",
-                                   lengths=(20, 12), layouts=("peft3d",), routing_replay=True)
+    row = detection.measure_engine(
+        "tiny-qwen3-moe",
+        "triton",
+        "bfloat16",
+        layers=2,
+        reruns=2,
+        device="cpu",
+        lengths=(20, 12),
+        layouts=("peft3d",),
+        routing_replay=True,
+    )
     assert row["engine_pair"] == "triton:bfloat16-vs-hf[replay]:float32", row
     noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
     assert 0 < noise <= thr < effect, row

@@ -1,5 +1,6 @@
 """benchmarks/init_recipe.py on CPU, on every catalog architecture narrowed (tests/helpers/configs.py): one row per
 model and recipe with every column, and the numbers tell the recipes apart the way the GPU run should."""
+
 from __future__ import annotations
 
 import csv
@@ -14,8 +15,17 @@ from tests.helpers.configs import narrow_full_config
 
 
 def narrow_specs() -> list[ModelSpec]:
-    return [ModelSpec(name=n, arch=text_arch(narrow_full_config(n)), config=narrow_full_config(n), init_seed=0,
-                      init_recipe=INIT_RECIPE, num_layers=bench.default_layers(n)) for n in FULL_CONFIGS]
+    return [
+        ModelSpec(
+            name=n,
+            arch=text_arch(narrow_full_config(n)),
+            config=narrow_full_config(n),
+            init_seed=0,
+            init_recipe=INIT_RECIPE,
+            num_layers=bench.default_layers(n),
+        )
+        for n in FULL_CONFIGS
+    ]
 
 
 def test_rows_for_every_model_and_recipe(tmp_path):

@@ -1,5 +1,6 @@
 """benchmarks/sol_forward.py (the forward's speed of light at a model's shapes) on CPU on the tiny zoo: every
 product runs, and the FLOPs it reports per product are those of the shapes it actually multiplies."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,17 +23,44 @@ def test_flops_match_the_products_run(model, dense_experts):
             if name == "attention":  # causal: half of the two (S x S) products per head
                 assert flops == 2 * 2 * out.numel() * s.S // 2, name
                 continue
-            inner = {"qkv": s.H + (3 * 4 if lora else 0), "o": s.heads * s.d, "router": s.H, "lm_head": s.H,
-                     "gate_up": s.H + (4 if lora else 0), "down": s.I + (4 if lora else 0), "qkv shrink": s.H,
-                     "o expand": 4, "gate_up shrink": s.H, "down shrink": s.I}[name]
+            inner = {
+                "qkv": s.H + (3 * 4 if lora else 0),
+                "o": s.heads * s.d,
+                "router": s.H,
+                "lm_head": s.H,
+                "gate_up": s.H + (4 if lora else 0),
+                "down": s.I + (4 if lora else 0),
+                "qkv shrink": s.H,
+                "o expand": 4,
+                "gate_up shrink": s.H,
+                "down shrink": s.I,
+            }[name]
             assert flops == 2 * out.numel() * inner, name
     # balanced routing: every expert gets T*K/E rows
     assert fwd.w[0]["xe"].shape[:2] == (s.E, s.T * s.K // s.E)
 
 
 def test_main_reports_base_and_lora_on_cpu(capsys):
-    res = sol_forward.main(["--models", "tiny-qwen3-moe", "--device", "cpu", "--layers", "1", "--batch", "2",
-                       "--seq", "8", "--reps", "1", "--warmup", "0", "--rank", "4"])
+    res = sol_forward.main(
+        [
+            "--models",
+            "tiny-qwen3-moe",
+            "--device",
+            "cpu",
+            "--layers",
+            "1",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--rank",
+            "4",
+        ]
+    )
     (r,) = res
     assert r["base_tokens_per_s"] > 0 and r["lora_tokens_per_s"] > 0 and r["floor_ms"] > 0
     assert "lm_head" in capsys.readouterr().out
@@ -40,29 +68,72 @@ def test_main_reports_base_and_lora_on_cpu(capsys):
 
 # -- the hybrids (benchmarks/sol_hybrid.py) ------------------------------------------------------------------------
 
+
 def _inner(s, r: int) -> dict:
     """The contracted dimension of each hybrid product at shapes ``s`` with LoRA rank ``r`` (0: base)."""
     from benchmarks.sol_hybrid import GDN_CHUNK
 
     C_gdn, C_ssd = min(GDN_CHUNK, s.S), min(s.mamba.get("chunk", 1), s.S)
     g, mb = s.gdn, s.mamba
-    return {"qkv": s.H + 3 * r, "qkv shrink": s.H, "o": s.heads * s.d, "o expand": r, "router": s.H,
-            "gdn in_proj": s.H, "gdn [k|q] k^T": g.get("dk"), "gdn T [k|v]": C_gdn, "gdn [w|q] S": g.get("dk"),
-            "gdn k^T v'": C_gdn, "gdn (q k^T) v'": C_gdn, "gdn out_proj": g.get("nv", 0) * g.get("dv", 0),
-            "mamba in_proj": s.H, "ssd C B^T": mb.get("N"), "ssd (C B^T) x": C_ssd, "ssd B^T x": C_ssd,
-            "ssd C S": mb.get("N"), "mamba out_proj": mb.get("nh", 0) * mb.get("P", 0), "mlp up": s.H,
-            "mlp down": s.mlp, "gate_up": s.He + r, "up": s.He + r, "gate_up shrink": s.He, "up shrink": s.He,
-            "down": s.I + r, "down shrink": s.I, "fc1_latent_proj": s.H, "fc2_latent_proj": s.latent,
-            "shared gate_up": s.H, "shared up": s.H, "shared down": s.shared, "lm_head": s.H}
+    return {
+        "qkv": s.H + 3 * r,
+        "qkv shrink": s.H,
+        "o": s.heads * s.d,
+        "o expand": r,
+        "router": s.H,
+        "gdn in_proj": s.H,
+        "gdn [k|q] k^T": g.get("dk"),
+        "gdn T [k|v]": C_gdn,
+        "gdn [w|q] S": g.get("dk"),
+        "gdn k^T v'": C_gdn,
+        "gdn (q k^T) v'": C_gdn,
+        "gdn out_proj": g.get("nv", 0) * g.get("dv", 0),
+        "mamba in_proj": s.H,
+        "ssd C B^T": mb.get("N"),
+        "ssd (C B^T) x": C_ssd,
+        "ssd B^T x": C_ssd,
+        "ssd C S": mb.get("N"),
+        "mamba out_proj": mb.get("nh", 0) * mb.get("P", 0),
+        "mlp up": s.H,
+        "mlp down": s.mlp,
+        "gate_up": s.He + r,
+        "up": s.He + r,
+        "gate_up shrink": s.He,
+        "up shrink": s.He,
+        "down": s.I + r,
+        "down shrink": s.I,
+        "fc1_latent_proj": s.H,
+        "fc2_latent_proj": s.latent,
+        "shared gate_up": s.H,
+        "shared up": s.H,
+        "shared down": s.shared,
+        "lm_head": s.H,
+    }
 
 
 def _latent_nemotron():
     """Nemotron-Super's layer kinds and latent MoE at sizes a CPU test runs (its real experts are 5.6 GB a layer)."""
     from benchmarks.sol_hybrid import HybridShapes
 
-    return HybridShapes(model="latent", family="nemotron_h", T=24, B=2, S=12, H=40, V=96,
-                        kinds=[("mamba",), ("moe",), ("attn",), ("moe",)], E=6, I=20, K=3, heads=4, kv_heads=2, d=8,
-                        shared=28, latent=16, mamba=dict(nh=4, P=8, ng=2, N=12, chunk=8))
+    return HybridShapes(
+        model="latent",
+        family="nemotron_h",
+        T=24,
+        B=2,
+        S=12,
+        H=40,
+        V=96,
+        kinds=[("mamba",), ("moe",), ("attn",), ("moe",)],
+        E=6,
+        I=20,
+        K=3,
+        heads=4,
+        kv_heads=2,
+        d=8,
+        shared=28,
+        latent=16,
+        mamba=dict(nh=4, P=8, ng=2, N=12, chunk=8),
+    )
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3.5-moe", "tiny-nemotron-h", "latent"])
@@ -100,8 +171,10 @@ def test_hybrid_call_runs_each_product_once_per_layer_of_its_kind(model):
     for lora in (False, True):
         ops = fwd.gemms(lora)
         for name, (fn, flops) in list(ops.items()):
-            ops[name] = ((lambda name=name, fn=fn: calls.__setitem__((lora, name), calls.get((lora, name), 0) + 1)
-                          or fn()), flops)
+            ops[name] = (
+                (lambda name=name, fn=fn: calls.__setitem__((lora, name), calls.get((lora, name), 0) + 1) or fn()),
+                flops,
+            )
         fwd.call(lora)
         for name in ops:
             assert calls[(lora, name)] == fwd.count(name), name
@@ -124,8 +197,26 @@ def test_super_runs_at_the_depth_that_fits_one_h200():
 
 
 def test_main_reports_every_family_on_cpu(capsys):
-    res = sol_forward.main(["--models", "tiny-qwen3-moe", "tiny-qwen3.5-moe", "tiny-nemotron-h", "--device", "cpu",
-                            "--batch", "2", "--seq", "8", "--reps", "1", "--warmup", "0", "--rank", "4"])
+    res = sol_forward.main(
+        [
+            "--models",
+            "tiny-qwen3-moe",
+            "tiny-qwen3.5-moe",
+            "tiny-nemotron-h",
+            "--device",
+            "cpu",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--rank",
+            "4",
+        ]
+    )
     assert [r["model"] for r in res] == ["tiny-qwen3-moe", "tiny-qwen3.5-moe", "tiny-nemotron-h"]
     assert all(r["base_tokens_per_s"] > 0 and r["lora_tokens_per_s"] > 0 and r["floor_ms"] > 0 for r in res)
     out = capsys.readouterr().out
@@ -141,7 +232,12 @@ def test_hybrid_floor_bytes_by_hand():
     norms = 5 * 4 * T * H * el  # one per layer + the final one
     moe = 2 * (3 * T * 16 * el + T * H * el)  # top-k sum in the latent dim + the shared expert's add
     di, xbc, chunks = 4 * 8, 4 * 8 + 2 * 2 * 12, 2  # d_inner, x|B|C channels, ceil(12 / 8)
-    mamba = (2 * T * xbc * el + T * xbc * el + T * 4 * 4 + T * di * el  # conv; scan inputs, dt (fp32), output
-             + 2 * 2 * 4 * chunks * 12 * 8 * el  # the state, written and read once per chunk of each head
-             + 3 * T * di * el)  # gated RMSNorm
+    mamba = (
+        2 * T * xbc * el
+        + T * xbc * el
+        + T * 4 * 4
+        + T * di * el  # conv; scan inputs, dt (fp32), output
+        + 2 * 2 * 4 * chunks * 12 * 8 * el  # the state, written and read once per chunk of each head
+        + 3 * T * di * el
+    )  # gated RMSNorm
     assert fwd.floor_bytes() == norms + moe + mamba  # Nemotron's attention layer adds nothing (no rope, no gate)

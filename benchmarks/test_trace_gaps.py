@@ -1,4 +1,5 @@
 """benchmarks/trace_gaps.py on hand-made chrome traces (a GPU trace needs a GPU; the format is torch's)."""
+
 import gzip
 import json
 
@@ -12,15 +13,15 @@ def _x(name, cat, ts, dur):
 
 
 TRACE = [
-    _x("Batch.build", "cpu_op", 0, 120),              # host work before anything reaches the GPU
+    _x("Batch.build", "cpu_op", 0, 120),  # host work before anything reaches the GPU
     _x("gemm", "kernel", 100, 50),
-    _x("norm", "kernel", 140, 30),                    # overlaps the gemm (another stream): one busy stretch
-    _x("aten::nonzero", "cpu_op", 160, 400),          # a sync: the GPU idles until the host launches again
+    _x("norm", "kernel", 140, 30),  # overlaps the gemm (another stream): one busy stretch
+    _x("aten::nonzero", "cpu_op", 160, 400),  # a sync: the GPU idles until the host launches again
     _x("cudaStreamSynchronize", "cuda_runtime", 170, 300),
     _x("logprobs", "kernel", 500, 40),
     _x("Memcpy DtoH", "gpu_memcpy", 560, 5),
     _x("to_numpy", "cpu_op", 565, 35),
-    {"ph": "i", "name": "marker", "ts": 10},          # not a span: ignored
+    {"ph": "i", "name": "marker", "ts": 10},  # not a span: ignored
 ]
 
 

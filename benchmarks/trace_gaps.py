@@ -7,6 +7,7 @@ bench_e2e.py --profile writes such a trace of one LoRA call. A gap is a stretch 
 any GPU stream; the host side of it is the outermost CPU ops (and CUDA runtime calls: a cudaStreamSynchronize or a
 blocking copy shows there) overlapping it. The wall a call loses to the host is span - busy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ def load_events(path: Path) -> list[dict]:
 
 
 def spans(events: list[dict], cats: tuple[str, ...]) -> list[Span]:
-    out = [Span(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?"), e.get("cat", ""))
-           for e in events if e.get("ph") == "X" and e.get("cat") in cats]
+    out = [
+        Span(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?"), e.get("cat", ""))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in cats
+    ]
     return sorted(out, key=lambda s: s.start)
 
 
@@ -83,19 +87,24 @@ def analyse(events: list[dict], min_gap_us: float = 20.0) -> dict:
         "span_us": span_end - span_start,
         "busy_us": sum(b - a for a, b in busy),
         "idle_us": sum(b - a for a, b, _ in gaps if b > a),
-        "gaps": [{"start_us": a - span_start, "dur_us": b - a, "where": where, "host": outermost(host, a, b)}
-                 for a, b, where in big],
+        "gaps": [
+            {"start_us": a - span_start, "dur_us": b - a, "where": where, "host": outermost(host, a, b)}
+            for a, b, where in big
+        ],
         "kernels": len(gpu),
     }
 
 
 def report(res: dict, top: int = 15) -> str:
-    lines = [f"span {res['span_us'] / 1e3:.2f} ms, GPU busy {res['busy_us'] / 1e3:.2f} ms, idle "
-             f"{res['idle_us'] / 1e3:.2f} ms over {res['kernels']} GPU events; gaps >= threshold: "
-             f"{len(res['gaps'])}, {sum(g['dur_us'] for g in res['gaps']) / 1e3:.2f} ms"]
+    lines = [
+        f"span {res['span_us'] / 1e3:.2f} ms, GPU busy {res['busy_us'] / 1e3:.2f} ms, idle "
+        f"{res['idle_us'] / 1e3:.2f} ms over {res['kernels']} GPU events; gaps >= threshold: "
+        f"{len(res['gaps'])}, {sum(g['dur_us'] for g in res['gaps']) / 1e3:.2f} ms"
+    ]
     for g in res["gaps"][:top]:
-        lines.append(f"  at {g['start_us'] / 1e3:8.3f} ms  {g['dur_us']:8.1f} us  {g['where']}  host: "
-                     + " > ".join(g["host"]))
+        lines.append(
+            f"  at {g['start_us'] / 1e3:8.3f} ms  {g['dur_us']:8.1f} us  {g['where']}  host: " + " > ".join(g["host"])
+        )
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 The other names below are loaded on first use (PEP 562), so importing ``lpdiff.engines.registry`` (the CLI's
 ``--help`` lists the engines) loads neither numpy nor torch."""
+
 from importlib import import_module
 
 # the submodule first: importing it binds the package's ``capabilities`` to it, and the function below rebinds it,
@@ -18,14 +19,41 @@ def capabilities(name: str) -> Capabilities:
     return declared(name)
 
 
-_FROM = {**dict.fromkeys(("CapturesLayers", "Engine", "EngineConfig", "engine_class", "engine_modes", "layouts_for",
-                          "max_rank", "open_engine"), "lpdiff.engines.base"),
-         # an engine that died, hung or raised in its lane
-         **dict.fromkeys(("LaneDied", "LaneError"), "lpdiff.engines.subprocess_lane")}
+_FROM = {
+    **dict.fromkeys(
+        (
+            "CapturesLayers",
+            "Engine",
+            "EngineConfig",
+            "engine_class",
+            "engine_modes",
+            "layouts_for",
+            "max_rank",
+            "open_engine",
+        ),
+        "lpdiff.engines.base",
+    ),
+    # an engine that died, hung or raised in its lane
+    **dict.fromkeys(("LaneDied", "LaneError"), "lpdiff.engines.subprocess_lane"),
+}
 
-__all__ = ["ENGINES", "Capabilities", "CapturesLayers", "Engine", "EngineConfig", "KnownDefect", "LaneDied",
-           "LaneError", "Mode", "capabilities", "engine_class", "engine_modes", "layouts_for", "max_rank",
-           "open_engine"]
+__all__ = [
+    "ENGINES",
+    "Capabilities",
+    "CapturesLayers",
+    "Engine",
+    "EngineConfig",
+    "KnownDefect",
+    "LaneDied",
+    "LaneError",
+    "Mode",
+    "capabilities",
+    "engine_class",
+    "engine_modes",
+    "layouts_for",
+    "max_rank",
+    "open_engine",
+]
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ entries are import strings, so naming ``vllm`` on a CPU box that lacks it fails 
 Each engine module declares ``CAPABILITIES`` (engines/capabilities.py); adding an engine is its module plus one
 line in ``ENGINES``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -42,8 +43,9 @@ class Engine(Protocol):
     name: str
     config: EngineConfig
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                        top_k: int = 0) -> list[PromptLogprobs]: ...
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, top_k: int = 0
+    ) -> list[PromptLogprobs]: ...
 
     def version(self) -> str: ...
 
@@ -76,8 +78,14 @@ class Decodes(Protocol):
     prompt i's tokens with seed ``seed + i`` (so a prompt's tokens do not depend on the rest of the batch, where
     the engine allows it)."""
 
-    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
-               sampling: str = "greedy", seed: int = 0) -> list[Generated]: ...
+    def decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter: AdapterChoice = None,
+        max_new_tokens: int = 16,
+        sampling: str = "greedy",
+        seed: int = 0,
+    ) -> list[Generated]: ...
 
 
 def check_decode(max_new_tokens: int, sampling: str, seed: int) -> None:
@@ -89,16 +97,24 @@ def check_decode(max_new_tokens: int, sampling: str, seed: int) -> None:
         raise InputError(f"seed must be a non-negative integer, got {seed!r}")
 
 
-def decode_by_prefill(engine: Engine, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                      max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0) -> list[Generated]:
+def decode_by_prefill(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    adapter: AdapterChoice = None,
+    max_new_tokens: int = 16,
+    sampling: str = "greedy",
+    seed: int = 0,
+) -> list[Generated]:
     """Greedy decoding for an engine without a KV cache (the triton runtime, prefill-only): each step re-prefills
     every sequence with one placeholder token appended and takes the top-1 of its last position (the argmax of the
     next-token distribution and its logprob). N steps cost N prefills of the growing sequences; seeded sampling
     would need the whole distribution, so it is refused."""
     check_decode(max_new_tokens, sampling, seed)
     if sampling != "greedy":
-        raise InputError(f"{engine.name}: decoding by re-prefill takes the top-1 only; seeded sampling needs an "
-                         "engine with its own decode (hf, vllm, sglang)")
+        raise InputError(
+            f"{engine.name}: decoding by re-prefill takes the top-1 only; seeded sampling needs an "
+            "engine with its own decode (hf, vllm, sglang)"
+        )
     seqs = [[int(t) for t in p] for p in prompts]
     gen: list[list[int]] = [[] for _ in seqs]
     lps: list[list[float]] = [[] for _ in seqs]
@@ -112,8 +128,14 @@ def decode_by_prefill(engine: Engine, prompts: Sequence[Sequence[int]], adapter:
     return [Generated(s, g, np.asarray(lp, dtype=np.float32)) for s, g, lp in zip(seqs, gen, lps)]
 
 
-def decode(engine: Engine, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
-           sampling: str = "greedy", seed: int = 0) -> tuple[list[Generated], str]:
+def decode(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    adapter: AdapterChoice = None,
+    max_new_tokens: int = 16,
+    sampling: str = "greedy",
+    seed: int = 0,
+) -> tuple[list[Generated], str]:
     """The engine's own decode where it has one, else greedy re-prefill; -> (sequences, how: "decode" or
     "re-prefill")."""
     check_decode(max_new_tokens, sampling, seed)
@@ -125,8 +147,17 @@ def decode(engine: Engine, prompts: Sequence[Sequence[int]], adapter: AdapterCho
 # What ``capture_layers`` returns, per (layer index, point): every tensor is (tokens, width) over the prompts'
 # tokens in order, except the routing (tokens, top-k ids and weights). "_base" points are the same module re-run on
 # the same input with the adapter off. An engine leaves out the points it cannot capture.
-CAPTURE_POINTS = ("attention_in", "attention", "attention_base", "experts_in", "router_ids", "router_weights",
-                  "experts", "experts_base", "hidden")
+CAPTURE_POINTS = (
+    "attention_in",
+    "attention",
+    "attention_base",
+    "experts_in",
+    "router_ids",
+    "router_weights",
+    "experts",
+    "experts_base",
+    "hidden",
+)
 
 
 @runtime_checkable
@@ -134,8 +165,12 @@ class CapturesLayers(Protocol):
     """Optional: an engine whose ``Capabilities.per_layer_capture`` is True offers per-layer module outputs
     (lpdiff bisect), so the harness never drives the engine's internals."""
 
-    def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                       inputs: dict[tuple[int, str], Any] | None = None) -> dict[tuple[int, str], Any]:
+    def capture_layers(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter: AdapterChoice = None,
+        inputs: dict[tuple[int, str], Any] | None = None,
+    ) -> dict[tuple[int, str], Any]:
         """Equal-length prompts (no padding) -> {(layer, point): tensor} for the CAPTURE_POINTS the engine has.
         ``adapter``: as prompt_logprobs (triton takes one choice per prompt; hf one name or None for all).
         Without ``inputs`` each module sees the engine's own activations. With ``inputs`` (another engine's
@@ -152,8 +187,9 @@ def dense_routing(ids, weights, num_experts: int):
     return w.new_zeros(ids.shape[0], num_experts).scatter_(1, ids.long(), w)
 
 
-def check_request(prompts: Sequence[Sequence[int]], adapter: AdapterChoice, known: dict[str, Any],
-                  model: ModelSpec | None = None) -> list[str | None]:
+def check_request(
+    prompts: Sequence[Sequence[int]], adapter: AdapterChoice, known: dict[str, Any], model: ModelSpec | None = None
+) -> list[str | None]:
     """What every engine checks before any work, through the harness's one validation layer: a non-empty list of
     integer prompts of >= 2 tokens (ids in ``model``'s vocabulary, within its positions), and adapter choices that
     name adapters the engine was opened with. Returns one adapter name (or None) per prompt."""
@@ -179,8 +215,9 @@ def per_prompt_adapters(adapter: AdapterChoice, n: int, known: dict[str, Any]) -
         raise ValueError(f"got {len(names)} adapter choices for {n} prompts")
     for a in names:
         if a is not None and a not in known:
-            raise UnknownName(f"unknown adapter {a!r}; this engine was opened with {sorted(known)} "
-                              "(pass it in EngineConfig.adapters)")
+            raise UnknownName(
+                f"unknown adapter {a!r}; this engine was opened with {sorted(known)} (pass it in EngineConfig.adapters)"
+            )
     return names
 
 

@@ -4,6 +4,7 @@ Each engine module declares ``CAPABILITIES`` at module level without importing i
 SGLang, Triton), so the harness (doctor, check, metamorphic, the GPU suites) reads every engine's facts on any
 machine through ``lpdiff.engines.base.capabilities(name)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,9 +51,11 @@ class KnownDefect:
 
     def applies(self, arch: str | None = None, layout: str | None = None, tp: int | None = None) -> bool:
         """Whether it applies to this arch / layout / TP size (None: not asked, matches)."""
-        return ((arch is None or not self.archs or model_type(arch) in self.archs)
-                and (layout is None or not self.layouts or layout in self.layouts)
-                and (tp is None or not self.tp or tp in self.tp))
+        return (
+            (arch is None or not self.archs or model_type(arch) in self.archs)
+            and (layout is None or not self.layouts or layout in self.layouts)
+            and (tp is None or not self.tp or tp in self.tp)
+        )
 
     def message(self, **fields: Any) -> tuple[str, str]:
         """-> (what, fix) with the fields filled."""
@@ -163,8 +166,9 @@ class Capabilities:
                 return d
         raise KeyError(f"engine {self.engine!r} declares no defect {id!r}")
 
-    def defects(self, arch: str | None = None, layout: str | None = None, tp: int | None = None
-                ) -> tuple[KnownDefect, ...]:
+    def defects(
+        self, arch: str | None = None, layout: str | None = None, tp: int | None = None
+    ) -> tuple[KnownDefect, ...]:
         """The defects that apply; of an id declared for some archs and as an any-arch fallback, the entry for
         ``arch`` wins."""
         hits = [d for d in self.known_defects if d.applies(arch, layout, tp)]
@@ -175,9 +179,14 @@ class Capabilities:
         """The layouts it reads correctly on this arch: its layouts (or the arch's own), less those an
         unconditional error defect of this arch (at any TP size) rules out."""
         layouts = dict(self.arch_layouts).get(model_type(arch), self.layouts)
-        return tuple(lay for lay in layouts if not any(
-            d.severity == "error" and not d.when and not d.tp and d.layouts and d.applies(arch, lay)
-            for d in self.known_defects))
+        return tuple(
+            lay
+            for lay in layouts
+            if not any(
+                d.severity == "error" and not d.when and not d.tp and d.layouts and d.applies(arch, lay)
+                for d in self.known_defects
+            )
+        )
 
     @property
     def moe_rank(self) -> int | None:

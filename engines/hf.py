@@ -18,6 +18,7 @@ Options (``EngineConfig.options``):
 
 ``prompt_logprobs(..., routing=[ids per prompt])`` replays given expert ids (routing replay, harness/spec/routing.py).
 """
+
 from __future__ import annotations
 
 import gc
@@ -49,40 +50,90 @@ _CONVERTS = "lpdiff's hf engine converts it to PEFT 3D before PEFT loads it"
 _DIRECT = "none for lpdiff; loading the file with PEFT yourself, convert it first: {to_peft3d}"
 
 CAPABILITIES = Capabilities(
-    engine="hf", label="HF+PEFT", versions=_PEFT, archs=None, layouts=("peft3d", "per_expert"),
-    dtypes=tuple(_DTYPES), lora_fp32=True, max_rank=None, max_moe_rank=None, tp=(1,),
-    modes=tuple(Mode(f"experts_{impl}", {"experts_impl": impl}, ("experts",))
-                for impl in ("eager", "batched_mm", "grouped_mm")),
-    router_lora="peft", per_layer_capture=True, adapter_doctor=True,
+    engine="hf",
+    label="HF+PEFT",
+    versions=_PEFT,
+    archs=None,
+    layouts=("peft3d", "per_expert"),
+    dtypes=tuple(_DTYPES),
+    lora_fp32=True,
+    max_rank=None,
+    max_moe_rank=None,
+    tp=(1,),
+    modes=tuple(
+        Mode(f"experts_{impl}", {"experts_impl": impl}, ("experts",)) for impl in ("eager", "batched_mm", "grouped_mm")
+    ),
+    router_lora="peft",
+    per_layer_capture=True,
+    adapter_doctor=True,
     # two expert kernels: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where batched_mm
     # gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
     fp32_twins=({"experts_impl": "batched_mm"}, {"experts_impl": "eager"}),
     fp32_twins_cuda=({"experts_impl": "grouped_mm"}, {"experts_impl": "eager"}),
-    prefill_step=8192, prefill_step_option=("max_batch_tokens",),  # padded tokens per forward (HFEngine's default)
+    prefill_step=8192,
+    prefill_step_option=("max_batch_tokens",),  # padded tokens per forward (HFEngine's default)
     known_defects=(
-        KnownDefect("per-expert-ignored-by-peft", f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone loads "
-                    "none of its expert tensors (drops them silently, or refuses the file where its targets match no "
-                    "other module)", _DIRECT, _PEFT, archs=_PEFT_IGNORES_PER_EXPERT, layouts=("per_expert",),
-                    severity="info"),
-        KnownDefect("per-expert-converted-by-peft", f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone "
-                    "converts it to the fused experts on load too", "none needed", _PEFT, archs=("qwen3_moe",),
-                    layouts=("per_expert",), severity="info"),
-        KnownDefect("per-expert-unknown", f"per-expert adapter on {{arch}}: {_CONVERTS}; whether PEFT alone loads "
-                    "it is not known to lpdiff", _DIRECT, _PEFT, layouts=("per_expert",), severity="info",
-                    when="no per-expert entry for this arch"),
-        KnownDefect("peft-mamba-refused", "PEFT refuses LoRA on Mamba out_proj/conv1d on {arch} ({error})",
-                    "drop out_proj and conv1d from target_modules; target the mixer's in_proj", _PEFT,
-                    when="PEFT raises 'incompatible with Mamba'"),
-        KnownDefect("peft-refused", "PEFT refuses this adapter on {arch}{router}: {error}",
-                    "remove the targets PEFT names from the adapter's config", _PEFT, when="PEFT raises"),
-        KnownDefect("peft-random-init-modules", "PEFT wraps {where} but the adapter has no weights for them, and "
-                    "init_lora_weights=false leaves them random: the reference gets a random extra adapter",
-                    "set init_lora_weights to true in adapter_config.json (missing modules then start at B = 0)",
-                    _PEFT, when="targets match modules without tensors, init_lora_weights=false, not per-expert"),
-        KnownDefect("peft-empty-modules", "PEFT wraps {where} but the adapter has no weights for them: they stay at "
-                    "zero (no effect)", "name only the modules the adapter holds in target_modules", _PEFT,
-                    severity="warning", when="targets match modules without tensors, not per-expert"),
-    ))
+        KnownDefect(
+            "per-expert-ignored-by-peft",
+            f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone loads "
+            "none of its expert tensors (drops them silently, or refuses the file where its targets match no "
+            "other module)",
+            _DIRECT,
+            _PEFT,
+            archs=_PEFT_IGNORES_PER_EXPERT,
+            layouts=("per_expert",),
+            severity="info",
+        ),
+        KnownDefect(
+            "per-expert-converted-by-peft",
+            f"per-expert adapter on {{arch}}: {_CONVERTS}; PEFT alone converts it to the fused experts on load too",
+            "none needed",
+            _PEFT,
+            archs=("qwen3_moe",),
+            layouts=("per_expert",),
+            severity="info",
+        ),
+        KnownDefect(
+            "per-expert-unknown",
+            f"per-expert adapter on {{arch}}: {_CONVERTS}; whether PEFT alone loads it is not known to lpdiff",
+            _DIRECT,
+            _PEFT,
+            layouts=("per_expert",),
+            severity="info",
+            when="no per-expert entry for this arch",
+        ),
+        KnownDefect(
+            "peft-mamba-refused",
+            "PEFT refuses LoRA on Mamba out_proj/conv1d on {arch} ({error})",
+            "drop out_proj and conv1d from target_modules; target the mixer's in_proj",
+            _PEFT,
+            when="PEFT raises 'incompatible with Mamba'",
+        ),
+        KnownDefect(
+            "peft-refused",
+            "PEFT refuses this adapter on {arch}{router}: {error}",
+            "remove the targets PEFT names from the adapter's config",
+            _PEFT,
+            when="PEFT raises",
+        ),
+        KnownDefect(
+            "peft-random-init-modules",
+            "PEFT wraps {where} but the adapter has no weights for them, and "
+            "init_lora_weights=false leaves them random: the reference gets a random extra adapter",
+            "set init_lora_weights to true in adapter_config.json (missing modules then start at B = 0)",
+            _PEFT,
+            when="targets match modules without tensors, init_lora_weights=false, not per-expert",
+        ),
+        KnownDefect(
+            "peft-empty-modules",
+            "PEFT wraps {where} but the adapter has no weights for them: they stay at zero (no effect)",
+            "name only the modules the adapter holds in target_modules",
+            _PEFT,
+            severity="warning",
+            when="targets match modules without tensors, not per-expert",
+        ),
+    ),
+)
 
 
 def default_device(device: str | None) -> torch.device:
@@ -107,8 +158,10 @@ class HFEngine:
         self.record_margins = bool(opts.pop("router_margins", True))
         self.capture_routing = bool(opts.pop("capture_routing", False))
         if opts:
-            raise InputError(f"unknown hf engine options {sorted(opts)}; known: experts_impl, max_batch_tokens, "
-                             "logit_chunk, router_margins, capture_routing")
+            raise InputError(
+                f"unknown hf engine options {sorted(opts)}; known: experts_impl, max_batch_tokens, "
+                "logit_chunk, router_margins, capture_routing"
+            )
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> "HFEngine":
@@ -134,8 +187,10 @@ class HFEngine:
         from peft import PeftModel
 
         with tempfile.TemporaryDirectory(prefix="lpdiff-hf-peft3d-") as tmp:  # PEFT copies the tensors on load
-            paths = {name: _as_peft3d(spec.path, tmp, i, model.config)
-                     for i, (name, spec) in enumerate(self.config.adapters.items())}
+            paths = {
+                name: _as_peft3d(spec.path, tmp, i, model.config)
+                for i, (name, spec) in enumerate(self.config.adapters.items())
+            }
             (first, path), *rest = paths.items()
             model = PeftModel.from_pretrained(model, path, adapter_name=self.peft_names[first], is_trainable=False)
             for name, path in rest:
@@ -166,8 +221,13 @@ class HFEngine:
         return nullcontext()
 
     @torch.inference_mode()
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                        top_k: int = 0, routing: Sequence[np.ndarray] | None = None) -> list[PromptLogprobs]:
+    def prompt_logprobs(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter: AdapterChoice = None,
+        top_k: int = 0,
+        routing: Sequence[np.ndarray] | None = None,
+    ) -> list[PromptLogprobs]:
         """``routing``: per prompt, (tokens, MoE layers, top_k) expert ids to force (routing replay)."""
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
@@ -184,8 +244,14 @@ class HFEngine:
         self.last_wall_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
 
-    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
-               sampling: str = "greedy", seed: int = 0):
+    def decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter: AdapterChoice = None,
+        max_new_tokens: int = 16,
+        sampling: str = "greedy",
+        seed: int = 0,
+    ):
         """Generate with the KV cache (engines.hf_decode: raw-logit logprobs, one prompt at a time)."""
         from lpdiff.engines.base import check_decode
         from lpdiff.engines.hf_decode import hf_decode
@@ -197,8 +263,9 @@ class HFEngine:
         return hf_decode(self, prompts, names, max_new_tokens, sampling, seed)
 
     @torch.inference_mode()
-    def capture_layers(self, prompts: Sequence[Sequence[int]], adapter: str | None = None,
-                       inputs: dict | None = None) -> dict[tuple[int, str], torch.Tensor]:
+    def capture_layers(
+        self, prompts: Sequence[Sequence[int]], adapter: str | None = None, inputs: dict | None = None
+    ) -> dict[tuple[int, str], torch.Tensor]:
         """Per-layer module inputs and outputs (engines.base.CapturesLayers) on equal-length prompts, hooked in one
         forward: each layer's token mixer under the name of its kind (``layer_modules``), the MoE's routed experts
         with their routing, its shared expert (with Qwen3.5's sigmoid gate) and the layer output; then every module
@@ -206,8 +273,9 @@ class HFEngine:
         if inputs is not None:
             raise ValueError("the hf engine is the reference: it captures its own activations only (inputs=None)")
         if adapter is not None and not isinstance(adapter, str):
-            raise ValueError("the hf engine captures one adapter (or None) for the whole batch; capture each adapter "
-                             "separately")
+            raise ValueError(
+                "the hf engine captures one adapter (or None) for the whole batch; capture each adapter separately"
+            )
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
         check_request(prompts, adapter, self.config.adapters, self.config.model)
@@ -294,22 +362,37 @@ class HFEngine:
         # an lm_head with LoRA is PEFT's module: its forward applies the active adapter (or none inside
         # disable_adapter); head.weight alone would be the base head, silently dropping the adapter's lm_head part
         lora_head = hasattr(head, "lora_A") and any(a in head.lora_A for a in self.peft_names.values())
-        lp, tk_ids, tk_lp = chunked_logprobs(rows, head.weight, targets, top_k, self.logit_chunk,
-                                             getattr(head, "bias", None),
-                                             logits_fn=(lambda s, e: head(rows[s:e])) if lora_head else None)
+        lp, tk_ids, tk_lp = chunked_logprobs(
+            rows,
+            head.weight,
+            targets,
+            top_k,
+            self.logit_chunk,
+            getattr(head, "bias", None),
+            logits_fn=(lambda s, e: head(rows[s:e])) if lora_head else None,
+        )
         res, off = [], 0
         for i, L in enumerate(lens):
             s = slice(off, off + L - 1)
             off += L - 1
-            res.append(PromptLogprobs(
-                token_ids=np.asarray(prompts[i], dtype=np.int64),
-                logprobs=lp[s].cpu().numpy(),
-                topk_ids=tk_ids[s].cpu().numpy() if top_k else None,
-                topk_logprobs=tk_lp[s].cpu().numpy() if top_k else None,
-                router_margin=margins[i, :L] if margins is not None else None,
-                **({} if routed is None else dict(routed_experts=routed[0][i, :L], routed_margins=routed[1][i, :L],
-                                                  routed_weights=routed[2][i, :L])),
-            ))
+            res.append(
+                PromptLogprobs(
+                    token_ids=np.asarray(prompts[i], dtype=np.int64),
+                    logprobs=lp[s].cpu().numpy(),
+                    topk_ids=tk_ids[s].cpu().numpy() if top_k else None,
+                    topk_logprobs=tk_lp[s].cpu().numpy() if top_k else None,
+                    router_margin=margins[i, :L] if margins is not None else None,
+                    **(
+                        {}
+                        if routed is None
+                        else dict(
+                            routed_experts=routed[0][i, :L],
+                            routed_margins=routed[1][i, :L],
+                            routed_weights=routed[2][i, :L],
+                        )
+                    ),
+                )
+            )
         return res
 
 

@@ -4,6 +4,7 @@ in fp32 (no temperature, top-p or penalty: ``generate``'s logits processors are 
 the model's own distribution). Greedy takes the argmax; seeded draws from that raw distribution (temperature 1) with
 a CPU/GPU generator seeded ``seed + i`` for prompt i. Exactly ``max_new_tokens`` are generated (EOS does not stop).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -15,8 +16,9 @@ from lpdiff.engines.base import Generated
 
 
 @torch.inference_mode()
-def hf_decode(engine, prompts: Sequence[Sequence[int]], names: Sequence[str | None], max_new_tokens: int,
-              sampling: str, seed: int) -> list[Generated]:
+def hf_decode(
+    engine, prompts: Sequence[Sequence[int]], names: Sequence[str | None], max_new_tokens: int, sampling: str, seed: int
+) -> list[Generated]:
     """``engine``: an open HFEngine; ``names``: one adapter (or None) per prompt."""
     out: list[Generated | None] = [None] * len(prompts)
     for name in dict.fromkeys(names):
@@ -42,6 +44,9 @@ def _one(engine, prompt: list[int], n: int, sampling: str, seed: int) -> Generat
         tokens.append(tok)
         lps.append(float(lp[tok]))
         if k + 1 < n:
-            step = engine.lm(input_ids=torch.tensor([[tok]], device=engine.device),
-                             past_key_values=step.past_key_values, use_cache=True)
+            step = engine.lm(
+                input_ids=torch.tensor([[tok]], device=engine.device),
+                past_key_values=step.past_key_values,
+                use_cache=True,
+            )
     return Generated(prompt, tokens, np.asarray(lps, dtype=np.float32))

@@ -1,5 +1,6 @@
 """Chunked log-softmax over the vocabulary: the logprob of each actual next token plus an optional top-k,
 without ever holding the batch's full fp32 logits (32k tokens x 150k vocab would be 20 GB)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -7,10 +8,17 @@ from typing import Callable
 import torch
 
 
-def chunked_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, top_k: int = 0,
-                     chunk: int = 1024, lm_bias: torch.Tensor | None = None, logit_scale: float = 1.0,
-                     fused: bool = False, logits_fn: Callable[[int, int], torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    lm_head: torch.Tensor,
+    targets: torch.Tensor,
+    top_k: int = 0,
+    chunk: int = 1024,
+    lm_bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    fused: bool = False,
+    logits_fn: Callable[[int, int], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """hidden (N, H) final-normed states, lm_head (V, H), targets (N,) -> logprobs (N,) fp32,
     topk ids (N, k) int64 and logprobs (N, k) fp32 when top_k > 0.
 

@@ -1,6 +1,7 @@
 """Timestamped progress lines for long GPU work (a full-width case takes minutes before its first logprob):
 written to stderr as they happen, and appended to ``$LPDIFF_CHECK_CSV_DIR/progress.log`` where a job collects its
 files, so a run cut off by its deadline still shows which stage took the time."""
+
 from __future__ import annotations
 
 import os

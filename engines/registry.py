@@ -1,5 +1,6 @@
 """The engines lpdiff knows: name -> "module:Class". Adding an engine is its module (with its ``CAPABILITIES``) plus
 one line here. This module imports nothing, so the CLI's ``--help`` lists the engines without loading one."""
+
 from __future__ import annotations
 
 ENGINES: dict[str, str] = {

@@ -15,6 +15,7 @@ caller leaves nothing running, even when the engine is SIGSTOPped or stuck in C 
 Every call has a deadline (scaled from its tokens unless given), so a hung engine becomes a LaneDied with its log
 tail: a FAIL for that engine, and the caller goes on.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -54,6 +55,8 @@ def _import_root() -> str:
         tmp.symlink_to(pkg, target_is_directory=True)
         os.replace(tmp, link)
     return str(root)
+
+
 _HEADER = struct.Struct("<Q")
 
 
@@ -71,6 +74,7 @@ class LaneDied(RuntimeError):
 
 
 # -- wire format ---------------------------------------------------------------------------------------------------
+
 
 def _npy_load(blob: bytes) -> np.ndarray:
     return np.load(io.BytesIO(blob), allow_pickle=False)
@@ -111,6 +115,7 @@ def _read_exact(fd: int, n: int, deadline: float | None, alive) -> bytes:
 
 # -- parent side ---------------------------------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class LaneConfig:
     python: str = sys.executable  # the interpreter (and so the virtualenv) the engine runs under
@@ -147,8 +152,13 @@ def work_tokens(args: Sequence[Any]) -> int:
     return 0
 
 
-_LANE_KEYS = {"python": "python", "lane_env": "env", "lane_start_timeout_s": "start_timeout_s",
-              "lane_call_timeout_s": "call_timeout_s", "lane_log": "log_path"}  # option -> LaneConfig field
+_LANE_KEYS = {
+    "python": "python",
+    "lane_env": "env",
+    "lane_start_timeout_s": "start_timeout_s",
+    "lane_call_timeout_s": "call_timeout_s",
+    "lane_log": "log_path",
+}  # option -> LaneConfig field
 
 
 def lane_config_from_options(options: dict[str, Any]) -> tuple[LaneConfig | None, dict[str, Any]]:
@@ -175,8 +185,14 @@ class ManagedProcess:
     and ``kill`` ends the child's whole process group (what the engine started too). The SubprocessLane and the
     SGLang HTTP server both run under one."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, log_path: str | None = None,
-                 tail_lines: int = 60, log_prefix: str = "lpdiff-proc-"):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        log_path: str | None = None,
+        tail_lines: int = 60,
+        log_prefix: str = "lpdiff-proc-",
+    ):
         self.argv, self.env, self.tail_lines = list(argv), dict(env or {}), tail_lines
         if log_path is None:  # LPDIFF_LANE_LOG_DIR: keep every engine's log where a GPU job collects its files
             log_dir = os.environ.get("LPDIFF_LANE_LOG_DIR") or None
@@ -193,8 +209,15 @@ class ManagedProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_import_root(), env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "ab") as log:  # the supervisor leads the new session: its pid is the group
-            self.proc = subprocess.Popen(supervised_argv(self.argv), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, cwd=str(PACKAGE_DIR), **popen)
+            self.proc = subprocess.Popen(
+                supervised_argv(self.argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                cwd=str(PACKAGE_DIR),
+                **popen,
+            )
         return self
 
     def poll(self) -> int | None:
@@ -205,7 +228,7 @@ class ManagedProcess:
             lines = Path(self.log_path).read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        return "\n".join(lines[-self.tail_lines:])
+        return "\n".join(lines[-self.tail_lines :])
 
     def died(self, what: str, rc: int | None, why: str) -> LaneDied:
         sig = ""
@@ -249,8 +272,13 @@ class SubprocessLane:
     def __init__(self, target: str, args: Sequence[Any] = (), config: LaneConfig | None = None):
         assert ":" in target, f"target must be 'module:callable', got {target!r}"
         self.target, self.args, self.config = target, tuple(args), config or LaneConfig()
-        self.child = ManagedProcess([self.config.python, "-m", "lpdiff.engines.subprocess_lane"], self.config.env,
-                                    self.config.log_path, self.config.tail_lines, log_prefix="lpdiff-lane-")
+        self.child = ManagedProcess(
+            [self.config.python, "-m", "lpdiff.engines.subprocess_lane"],
+            self.config.env,
+            self.config.log_path,
+            self.config.tail_lines,
+            log_prefix="lpdiff-lane-",
+        )
         self._resp_fd: int | None = None
         self.info: dict[str, Any] = {}
 
@@ -270,8 +298,9 @@ class SubprocessLane:
         os.close(w)
         self._resp_fd = r
         try:
-            self.info = self._request(("open", self.target, self.args), self.config.start_timeout_s,
-                                      f"starting {self.target}")
+            self.info = self._request(
+                ("open", self.target, self.args), self.config.start_timeout_s, f"starting {self.target}"
+            )
         except BaseException:
             self._kill()
             raise
@@ -387,6 +416,7 @@ def strip_lane_options(config):
 
 
 # -- child side ----------------------------------------------------------------------------------------------------
+
 
 def _resolve(target: str):
     module, _, attr = target.partition(":")

@@ -18,6 +18,7 @@ PR_SET_PDEATHSIG fires when the *thread* that created the child exits, not the p
 the thread that starts an engine and used from it; lpdiff starts engines on the main thread (no command starts one
 from a worker thread).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -117,4 +118,4 @@ def _supervise(caller: int, argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _supervise(int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:])
+    _supervise(int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1 :])

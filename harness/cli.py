@@ -4,6 +4,7 @@ Exit codes (README "Exit codes"): 0 every verdict as expected; 1 a verdict faile
 2 bad input, a missing/stale/corrupt baseline or an engine that is not installed — one line naming the fix;
 3 lpdiff itself crashed (a bug: the traceback is printed). ``lpdiff`` alone runs ``lpdiff run``.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import click
 import lpdiff
 from lpdiff.engines import ENGINES  # the registry alone: numpy and torch load with an engine
 from lpdiff.harness.cli_store import baselines, report
+
 # The error classes only, from a module that imports nothing: `lpdiff --help` and `--version` start in well under a
 # second (importing torch costs seconds); tests/test_cli.py checks that nothing heavier is imported.
 from lpdiff.harness.spec.errors import InputError, UsageError
@@ -70,35 +72,71 @@ def cli(ctx: click.Context) -> None:
 def selection(f):
     """The options that pick what ``run`` and ``regen`` compute."""
     opts = [
-        click.option("--model", "models", multiple=True, help="catalog model, checkpoint directory or Hub id "
-                     "ORG/NAME[@REV] (repeatable; default: every tiny zoo model the engine serves)"),
-        click.option("--engine", default=None, help="engine under test: triton (run's default: lpdiff's own engine), "
-                     "vllm, sglang, or hf (the install self-check: HF+PEFT against its own stored runs; regen's "
-                     "default)"),
+        click.option(
+            "--model",
+            "models",
+            multiple=True,
+            help="catalog model, checkpoint directory or Hub id "
+            "ORG/NAME[@REV] (repeatable; default: every tiny zoo model the engine serves)",
+        ),
+        click.option(
+            "--engine",
+            default=None,
+            help="engine under test: triton (run's default: lpdiff's own engine), "
+            "vllm, sglang, or hf (the install self-check: HF+PEFT against its own stored runs; regen's "
+            "default)",
+        ),
         click.option("--dtype", type=DTYPES, default="float32", show_default=True),
         click.option("--reference", default="hf", show_default=True, help="engine of the stored reference runs"),
         click.option("--ref-dtype", type=DTYPES, default="float32", show_default=True),
-        click.option("--tp", "tps", type=click.IntRange(min=1), multiple=True, help="tensor-parallel size "
-                     "(repeatable; default: TP 1 and 2 where the engine runs them here, commands/run.py default_tps)"),
-        click.option("--adapter", "adapters", multiple=True, help="zoo adapter name, PEFT directory or Hub repo "
-                     "[hf://datasets/]ORG/NAME[@REV][/SUBDIR] (repeatable; default: a zoo model's all)"),
+        click.option(
+            "--tp",
+            "tps",
+            type=click.IntRange(min=1),
+            multiple=True,
+            help="tensor-parallel size "
+            "(repeatable; default: TP 1 and 2 where the engine runs them here, commands/run.py default_tps)",
+        ),
+        click.option(
+            "--adapter",
+            "adapters",
+            multiple=True,
+            help="zoo adapter name, PEFT directory or Hub repo "
+            "[hf://datasets/]ORG/NAME[@REV][/SUBDIR] (repeatable; default: a zoo model's all)",
+        ),
         click.option("--prompt-set", default="default", show_default=True),
-        click.option("--prompts", default=None, help="prompts FILE.jsonl (token_ids | text | messages per line) or "
-                     "hf://datasets/ORG/NAME[@REV], instead of --prompt-set"),
+        click.option(
+            "--prompts",
+            default=None,
+            help="prompts FILE.jsonl (token_ids | text | messages per line) or "
+            "hf://datasets/ORG/NAME[@REV], instead of --prompt-set",
+        ),
         click.option("--prompts-split", default="train", show_default=True, help="dataset split for --prompts"),
-        click.option("--prompts-column", default=None, help="dataset column for --prompts (default: first of "
-                     "token_ids, input_ids, messages, text, prompt)"),
+        click.option(
+            "--prompts-column",
+            default=None,
+            help="dataset column for --prompts (default: first of token_ids, input_ids, messages, text, prompt)",
+        ),
         click.option("--prompts-count", type=click.IntRange(min=1), default=None, help="use only N prompts"),
         click.option("--prompts-seed", type=int, default=None, help="shuffle the dataset with this seed first"),
-        click.option("--top-k", type=click.IntRange(min=0), default=8, show_default=True,
-                     help="top-k logprobs stored and compared (KL, top-1)"),
+        click.option(
+            "--top-k",
+            type=click.IntRange(min=0),
+            default=8,
+            show_default=True,
+            help="top-k logprobs stored and compared (KL, top-1)",
+        ),
         click.option("--num-layers", type=click.IntRange(min=1), default=None, help="keep the first N layers"),
         click.option("--option", "options", multiple=True, help="engine option KEY=VALUE (repeatable)"),
         click.option("--baselines", default=None, help="baseline store (default: $LPDIFF_BASELINES or lpdiff's)"),
         click.option("--json", "json_path", default=None, help="also write the verdicts as JSON here"),
         click.option("--save-runs", default=None, help="save the engine-under-test runs (.npz) here"),
-        click.option("--wide", is_flag=True, help="every verdict column in the table's rows (default: ~120 columns "
-                     "wide, shared columns above, reasons below; --json has everything)"),
+        click.option(
+            "--wide",
+            is_flag=True,
+            help="every verdict column in the table's rows (default: ~120 columns "
+            "wide, shared columns above, reasons below; --json has everything)",
+        ),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -115,17 +153,50 @@ def _prompt_source(prompts, split, column, count, seed):
     return PromptSource(prompts, split, column, count, seed)
 
 
-def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps, adapters, prompt_set, prompts,
-                  prompts_split, prompts_column, prompts_count, prompts_seed, top_k, num_layers, options, baselines,
-                  json_path, save_runs, wide=False) -> int:
+def _run_or_regen(
+    regen: bool,
+    models,
+    engine,
+    dtype,
+    reference,
+    ref_dtype,
+    tps,
+    adapters,
+    prompt_set,
+    prompts,
+    prompts_split,
+    prompts_column,
+    prompts_count,
+    prompts_seed,
+    top_k,
+    num_layers,
+    options,
+    baselines,
+    json_path,
+    save_runs,
+    wide=False,
+) -> int:
     from lpdiff.harness.commands.run import RunRequest, run, what_it_judges
     from lpdiff.harness.pipeline.report import verdict_table
     from lpdiff.harness.pipeline.verdict import to_json
 
-    request = RunRequest(regen, tuple(models), engine, dtype, reference, ref_dtype, tuple(tps), tuple(adapters),
-                         prompt_set, _prompt_source(prompts, prompts_split, prompts_column, prompts_count,
-                                                    prompts_seed), top_k, num_layers, parse_options(options),
-                         baselines, save_runs)
+    request = RunRequest(
+        regen,
+        tuple(models),
+        engine,
+        dtype,
+        reference,
+        ref_dtype,
+        tuple(tps),
+        tuple(adapters),
+        prompt_set,
+        _prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed),
+        top_k,
+        num_layers,
+        parse_options(options),
+        baselines,
+        save_runs,
+    )
     rep = run(request, log=_log, progress=lambda jobs: _progress(jobs, "regen" if regen else "run"))
     if not regen:
         click.echo(what_it_judges(rep.plan.jobs[0]))
@@ -138,27 +209,81 @@ def _run_or_regen(regen: bool, models, engine, dtype, reference, ref_dtype, tps,
     return EXIT_FAILED if rep.failed else EXIT_OK
 
 
-def _run_decode(n, sampling, seed, models, engine, dtype, reference, ref_dtype, tps, adapters, prompt_set, prompts,
-                prompts_split, prompts_column, prompts_count, prompts_seed, num_layers, options, **_) -> int:
+def _run_decode(
+    n,
+    sampling,
+    seed,
+    models,
+    engine,
+    dtype,
+    reference,
+    ref_dtype,
+    tps,
+    adapters,
+    prompt_set,
+    prompts,
+    prompts_split,
+    prompts_column,
+    prompts_count,
+    prompts_seed,
+    num_layers,
+    options,
+    **_,
+) -> int:
     from lpdiff.harness.commands.decode import decode_jobs
 
     source = _prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed) or prompt_set
-    ok = decode_jobs(engine or "triton", models, tps, dtype, tuple(adapters) or None, source, num_layers,
-                     parse_options(options), reference, ref_dtype, n, sampling, seed, _need_engine, click.echo, _log)
+    ok = decode_jobs(
+        engine or "triton",
+        models,
+        tps,
+        dtype,
+        tuple(adapters) or None,
+        source,
+        num_layers,
+        parse_options(options),
+        reference,
+        ref_dtype,
+        n,
+        sampling,
+        seed,
+        _need_engine,
+        click.echo,
+        _log,
+    )
     return EXIT_OK if ok else EXIT_FAILED
 
 
 @cli.command()
 @selection
-@click.option("--case", default=None, help="judge against a trainer test case: DIR or hf://datasets/ORG/NAME[@REV] "
-              "(adapter + compare_sample_train_data.pt or reference.jsonl/.parquet; docs/cases.md)")
-@click.option("--decode", type=click.IntRange(min=1), default=None, metavar="N",
-              help="decode verdict: the engine generates N tokens per prompt with its own logprobs, the reference "
-                   "scores prompt + generated by prefill (commands/decode.py)")
-@click.option("--sampling", type=click.Choice(["greedy", "seeded"]), default="greedy", show_default=True,
-              help="with --decode: argmax, or a seeded draw from the raw distribution")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="with --decode --sampling "
-              "seeded: prompt i uses seed + i")
+@click.option(
+    "--case",
+    default=None,
+    help="judge against a trainer test case: DIR or hf://datasets/ORG/NAME[@REV] "
+    "(adapter + compare_sample_train_data.pt or reference.jsonl/.parquet; docs/cases.md)",
+)
+@click.option(
+    "--decode",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="decode verdict: the engine generates N tokens per prompt with its own logprobs, the reference "
+    "scores prompt + generated by prefill (commands/decode.py)",
+)
+@click.option(
+    "--sampling",
+    type=click.Choice(["greedy", "seeded"]),
+    default="greedy",
+    show_default=True,
+    help="with --decode: argmax, or a seeded draw from the raw distribution",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="with --decode --sampling seeded: prompt i uses seed + i",
+)
 def run(case=None, decode=None, sampling="greedy", seed=0, **kw) -> int:
     """Judge an engine against stored reference runs (the default command; default engine: triton, lpdiff's own,
     against the stored HF+PEFT runs; --engine hf is the install self-check)."""
@@ -174,8 +299,17 @@ def run(case=None, decode=None, sampling="greedy", seed=0, **kw) -> int:
         models, tps = kw["models"], kw["tps"]
         if len(models) > 1 or len(tps) > 1:
             raise UsageError("--case takes one --model (the case's base model) and at most one --tp")
-        return run_case(case, models[0] if models else None, kw["engine"], kw["dtype"], tps[0] if tps else 1,
-                        kw["num_layers"], parse_options(kw["options"]), kw["json_path"], click.echo)
+        return run_case(
+            case,
+            models[0] if models else None,
+            kw["engine"],
+            kw["dtype"],
+            tps[0] if tps else 1,
+            kw["num_layers"],
+            parse_options(kw["options"]),
+            kw["json_path"],
+            click.echo,
+        )
     return _run_or_regen(False, **kw)
 
 
@@ -187,8 +321,14 @@ def regen(**kw) -> int:
 
 
 @cli.command()
-@click.option("--runs", nargs=2, type=click.Path(), default=None, metavar="A.npz B.npz",
-              help="compare two stored runs instead of two live engines")
+@click.option(
+    "--runs",
+    nargs=2,
+    type=click.Path(),
+    default=None,
+    metavar="A.npz B.npz",
+    help="compare two stored runs instead of two live engines",
+)
 @click.option("--model", default=None)
 @click.option("--engine", default="hf", show_default=True)
 @click.option("--dtype", type=DTYPES, default="float32", show_default=True)
@@ -196,13 +336,28 @@ def regen(**kw) -> int:
 @click.option("--against-dtype", type=DTYPES, default="float32", show_default=True)
 @click.option("--tp", type=click.IntRange(min=1), default=1)
 @click.option("--adapter", default=None, help="zoo adapter name, PEFT directory or Hub repo id")
-@click.option("--test-adapter-dir", default=None,
-              help="give the engine under test these adapter files instead (e.g. a deliberately broken copy)")
+@click.option(
+    "--test-adapter-dir",
+    default=None,
+    help="give the engine under test these adapter files instead (e.g. a deliberately broken copy)",
+)
 @click.option("--prompt-set", default="default")
 @click.option("--num-layers", type=click.IntRange(min=1), default=None)
 @click.option("--allow-different", is_flag=True, help="with --runs: compare runs of different models or adapters")
-def compare(runs, model, engine, dtype, against, against_dtype, tp, adapter, test_adapter_dir, prompt_set,
-            num_layers, allow_different) -> int:
+def compare(
+    runs,
+    model,
+    engine,
+    dtype,
+    against,
+    against_dtype,
+    tp,
+    adapter,
+    test_adapter_dir,
+    prompt_set,
+    num_layers,
+    allow_different,
+) -> int:
     """Compare two engines live, or two stored runs."""
     from lpdiff.harness.commands.compare import compare_live, compare_runs
     from lpdiff.harness.pipeline.report import verdict_table
@@ -212,8 +367,9 @@ def compare(runs, model, engine, dtype, against, against_dtype, tp, adapter, tes
     elif model:
         for e in (engine, against):
             _need_engine(e)
-        verdicts = compare_live(model, engine, dtype, against, against_dtype, tp, adapter, test_adapter_dir,
-                                prompt_set, num_layers)
+        verdicts = compare_live(
+            model, engine, dtype, against, against_dtype, tp, adapter, test_adapter_dir, prompt_set, num_layers
+        )
     else:
         raise click.UsageError("compare needs --model (two engines live) or --runs A.npz B.npz (two stored runs)")
     click.echo(verdict_table(verdicts))
@@ -246,9 +402,13 @@ def adapters() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--layout", type=LAYOUTS, default="peft3d", show_default=True)
 @click.option("--rslora", is_flag=True, help="rsLoRA: scaling alpha/sqrt(r) (PEFT's use_rslora)")
-@click.option("--rank-pattern", default="", metavar="KEY=R,...",
-              help="per-module ranks as PEFT's rank_pattern (KEY: a regex for a dotted suffix of the module path, "
-                   "e.g. q_proj=4,lm_head=16; the parameter path for 3D experts)")
+@click.option(
+    "--rank-pattern",
+    default="",
+    metavar="KEY=R,...",
+    help="per-module ranks as PEFT's rank_pattern (KEY: a regex for a dotted suffix of the module path, "
+    "e.g. q_proj=4,lm_head=16; the parameter path for 3D experts)",
+)
 @click.option("--alpha-pattern", default="", metavar="KEY=A,...", help="per-module alphas (PEFT's alpha_pattern)")
 def adapters_gen(model, out, groups, rank, alpha, seed, layout, rslora, rank_pattern, alpha_pattern) -> int:
     """Write a seeded random adapter for a catalog model (groups: attention, experts, ..., lm_head, embed_tokens)."""
@@ -259,9 +419,18 @@ def adapters_gen(model, out, groups, rank, alpha, seed, layout, rslora, rank_pat
     from lpdiff.harness.spec.resolve import resolve
 
     hf = load_hf_model(resolve(model, adapters=()).spec, torch.float32, "cpu")
-    ad.generate_adapter(hf, out, groups=groups.split(","), rank=rank, alpha=alpha, seed=seed, layout=layout,
-                        use_rslora=rslora, rank_pattern=_pattern_option("--rank-pattern", rank_pattern, int),
-                        alpha_pattern=_pattern_option("--alpha-pattern", alpha_pattern, float))
+    ad.generate_adapter(
+        hf,
+        out,
+        groups=groups.split(","),
+        rank=rank,
+        alpha=alpha,
+        seed=seed,
+        layout=layout,
+        use_rslora=rslora,
+        rank_pattern=_pattern_option("--rank-pattern", rank_pattern, int),
+        alpha_pattern=_pattern_option("--alpha-pattern", alpha_pattern, float),
+    )
     click.echo(f"wrote {out}")
     return EXIT_OK
 
@@ -275,8 +444,11 @@ def _pattern_option(flag: str, text: str, cast) -> dict:
         except ValueError:
             sep = ""
         if not sep or not key.strip():
-            raise click.BadParameter(f"{item!r}: give KEY={'R' if cast is int else 'ALPHA'} pairs separated by "
-                                     "commas, e.g. q_proj=4,lm_head=16", param_hint=flag)
+            raise click.BadParameter(
+                f"{item!r}: give KEY={'R' if cast is int else 'ALPHA'} pairs separated by "
+                "commas, e.g. q_proj=4,lm_head=16",
+                param_hint=flag,
+            )
     return out
 
 
@@ -285,17 +457,22 @@ def _pattern_option(flag: str, text: str, cast) -> dict:
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", type=LAYOUTS, required=True)
-@click.option("--disk-root", default=None, metavar="ROOT",
-              help="write the decoder's modules under ROOT instead of 'model' (e.g. model.language_model: the "
-                   "names vLLM reads on a Qwen3.5 checkpoint; backbone: Nemotron-H's on-disk name)")
+@click.option(
+    "--disk-root",
+    default=None,
+    metavar="ROOT",
+    help="write the decoder's modules under ROOT instead of 'model' (e.g. model.language_model: the "
+    "names vLLM reads on a Qwen3.5 checkpoint; backbone: Nemotron-H's on-disk name)",
+)
 def adapters_convert(model, src, dst, to, disk_root) -> int:
     """Rewrite an adapter in another expert layout (checked against PEFT's merge in the tests)."""
     from lpdiff.harness.spec import adapters as ad
     from lpdiff.harness.spec.catalog import hf_config
     from lpdiff.harness.spec.resolve import resolve
 
-    ad.convert_adapter(src, dst, to=to, model_config=hf_config(resolve(model, adapters=(), weights=False).spec),
-                       disk_root=disk_root)
+    ad.convert_adapter(
+        src, dst, to=to, model_config=hf_config(resolve(model, adapters=(), weights=False).spec), disk_root=disk_root
+    )
     click.echo(f"wrote {dst}")
     return EXIT_OK
 
@@ -308,13 +485,18 @@ def adapters_convert(model, src, dst, to, disk_root) -> int:
 @click.option("--against", default="hf")
 @click.option("--against-dtype", type=DTYPES, default="float32")
 @click.option("--against-option", "against_options", multiple=True)
-@click.option("--record-as", multiple=True, metavar="PAIR@DTYPE",
-              help="threshold entry to write, e.g. vllm:bfloat16-vs-hf:float32@bfloat16")
+@click.option(
+    "--record-as",
+    multiple=True,
+    metavar="PAIR@DTYPE",
+    help="threshold entry to write, e.g. vllm:bfloat16-vs-hf:float32@bfloat16",
+)
 @click.option("--factor", type=float, default=10.0)
 @click.option("--tp", type=click.IntRange(min=1), default=1)
 @click.option("--num-layers", type=click.IntRange(min=1), default=None)
-def calibrate(models, engine, dtype, options, against, against_dtype, against_options, record_as, factor, tp,
-              num_layers) -> int:
+def calibrate(
+    models, engine, dtype, options, against, against_dtype, against_options, record_as, factor, tp, num_layers
+) -> int:
     """Measure noise floors between correct implementations and record thresholds from them."""
     from lpdiff.harness.commands import calibrate as cal
     from lpdiff.harness.spec.adapter_zoo import MOE_MODELS
@@ -340,22 +522,53 @@ def calibrate(models, engine, dtype, options, against, against_dtype, against_op
 @click.option("--tp", type=click.IntRange(min=1), default=1)
 @click.option("--reference", type=click.Choice(["hf", "triton"]), default="hf")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--k", type=click.IntRange(min=2), default=3, show_default=True,
-              help="runs of the engine under test (rerun noise)")
+@click.option(
+    "--k", type=click.IntRange(min=2), default=3, show_default=True, help="runs of the engine under test (rerun noise)"
+)
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--csv", "csv_path", default=None, help="append one row per lane to this CSV")
 @click.option("--workdir", default=None, help="where adapters are written (default: a temporary directory)")
 @click.option("--baselines", default=None, help="store for the reference runs (default: $LPDIFF_BASELINES or lpdiff's)")
-@click.option("--init-recipe", default=None, help="a config-built model's weights: hf-init-bf16/v1 or peaked/v1 "
-              "(default: $LPDIFF_INIT_RECIPE, else hf-init-bf16/v1)")
-@click.option("--routing-replay", is_flag=True, help="judge against the hf reference run with the engine's expert "
-              "ids forced; routing flips judged apart (harness/commands/replay.py)")
-@click.option("--decode", type=click.IntRange(min=1), default=None, metavar="N", help="also a decode verdict: N "
-              "generated tokens per prompt and lane, judged with this check's measured threshold (commands/decode.py)")
+@click.option(
+    "--init-recipe",
+    default=None,
+    help="a config-built model's weights: hf-init-bf16/v1 or peaked/v1 "
+    "(default: $LPDIFF_INIT_RECIPE, else hf-init-bf16/v1)",
+)
+@click.option(
+    "--routing-replay",
+    is_flag=True,
+    help="judge against the hf reference run with the engine's expert "
+    "ids forced; routing flips judged apart (harness/commands/replay.py)",
+)
+@click.option(
+    "--decode",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="also a decode verdict: N "
+    "generated tokens per prompt and lane, judged with this check's measured threshold (commands/decode.py)",
+)
 @click.option("--sampling", type=click.Choice(["greedy", "seeded"]), default="greedy", show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, workdir, baselines, init_recipe,
-          routing_replay, decode=None, sampling="greedy", seed=0) -> int:
+def check(
+    engine,
+    models,
+    layers,
+    tp,
+    reference,
+    dtype,
+    k,
+    device,
+    csv_path,
+    workdir,
+    baselines,
+    init_recipe,
+    routing_replay,
+    decode=None,
+    sampling="greedy",
+    seed=0,
+) -> int:
     """A bf16 engine vs an fp32 reference on a full-width model; thresholds from noise measured in the same run."""
     import tempfile
 
@@ -368,8 +581,9 @@ def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, wor
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            case = chk.build_case(model, layers, Path(workdir or tmp) / model, device=device, log=_log,
-                                  init_recipe=init_recipe)
+            case = chk.build_case(
+                model, layers, Path(workdir or tmp) / model, device=device, log=_log, init_recipe=init_recipe
+            )
             res = run(case, engine, tp, reference, k, dtype=dtype, log=_log)
             click.echo(chk.format_result(res))
             if csv_path:
@@ -378,8 +592,9 @@ def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, wor
             if decode is not None and res.threshold is not None:
                 from lpdiff.harness.commands.decode import check_case_decode, format_decode
 
-                d = check_case_decode(case, engine, res.threshold, tp, dtype, reference, decode, sampling, seed,
-                                      log=_log)
+                d = check_case_decode(
+                    case, engine, res.threshold, tp, dtype, reference, decode, sampling, seed, log=_log
+                )
                 click.echo(format_decode(d))
                 ok &= d.passed
     return EXIT_OK if ok else EXIT_FAILED
@@ -398,8 +613,9 @@ def check(engine, models, layers, tp, reference, dtype, k, device, csv_path, wor
 @click.option("--factor", type=float, default=None, help="FAIL when ratio > this (default: by dtype)")
 @click.option("--option", "options", multiple=True, help="engine option KEY=VALUE (repeatable)")
 @click.option("--csv", "csv_path", default=None, help="append the rows to this CSV")
-def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relations, k, factor, options,
-                csv_path) -> int:
+def metamorphic(
+    model, adapter, engine, dtype, tp, num_layers, prompt_set, relations, k, factor, options, csv_path
+) -> int:
     """An engine against itself on inputs that must give equal logprobs."""
     from lpdiff.harness.commands import metamorphic as mm
     from lpdiff.harness.spec.resolve import resolve
@@ -409,11 +625,23 @@ def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relat
     adapter_dir = next(iter(r.adapters.values())).path
     unknown = [x for x in relations if x not in mm.RELATIONS]
     if unknown:
-        raise click.BadParameter(f"unknown relation(s) {unknown}; known: {', '.join(mm.RELATIONS)}",
-                                 param_hint="--relation")
-    rep = mm.run_metamorphic(engine, r.spec, adapter_dir, r.prompts, adapter_name=next(iter(r.adapters)), dtype=dtype,
-                             tp=tp, options=parse_options(options), relations=list(relations) or None, k=k,
-                             factor=factor, log=_log)
+        raise click.BadParameter(
+            f"unknown relation(s) {unknown}; known: {', '.join(mm.RELATIONS)}", param_hint="--relation"
+        )
+    rep = mm.run_metamorphic(
+        engine,
+        r.spec,
+        adapter_dir,
+        r.prompts,
+        adapter_name=next(iter(r.adapters)),
+        dtype=dtype,
+        tp=tp,
+        options=parse_options(options),
+        relations=list(relations) or None,
+        k=k,
+        factor=factor,
+        log=_log,
+    )
     click.echo(mm.format_report(rep))
     if csv_path:
         mm.write_csv(rep, csv_path)
@@ -423,10 +651,19 @@ def metamorphic(model, adapter, engine, dtype, tp, num_layers, prompt_set, relat
 @cli.command()
 @click.argument("model")
 @click.argument("adapter")
-@click.option("--engine", "engines", multiple=True, type=click.Choice(list(ENGINES)),
-              help="check only this engine (repeatable; default: every engine doctor knows: hf, vllm, sglang)")
-@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
-              help="the max_lora_rank vllm/sglang will be started with (default: sized from the adapter)")
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    type=click.Choice(list(ENGINES)),
+    help="check only this engine (repeatable; default: every engine doctor knows: hf, vllm, sglang)",
+)
+@click.option(
+    "--max-lora-rank",
+    type=click.IntRange(min=1),
+    default=None,
+    help="the max_lora_rank vllm/sglang will be started with (default: sized from the adapter)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def doctor(model, adapter, engines, max_lora_rank, as_json) -> int:
     """What each engine will refuse or silently ignore in an adapter, before any run (exit 1 if anything)."""
@@ -440,25 +677,38 @@ def doctor(model, adapter, engines, max_lora_rank, as_json) -> int:
 
 @cli.command()
 @click.argument("model")
-@click.option("--adapter", "adapters", multiple=True,
-              help="zoo adapter name or PEFT directory run by both engines (default: every zoo adapter, as lpdiff "
-                   "run); repeatable: several run as one mixed batch with base rows, and a finding names the adapter")
-@click.option("--tp", type=click.IntRange(min=1), multiple=True,
-              help="the triton runtime's tensor-parallel size (repeatable; default: lpdiff run's, TP 1 and 2 here; "
-                   "HF runs TP 1)")
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    help="zoo adapter name or PEFT directory run by both engines (default: every zoo adapter, as lpdiff "
+    "run); repeatable: several run as one mixed batch with base rows, and a finding names the adapter",
+)
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="the triton runtime's tensor-parallel size (repeatable; default: lpdiff run's, TP 1 and 2 here; HF runs TP 1)",
+)
 @click.option("--fault", default=None, help="bug-zoo fault injected into the triton runtime (kernels/faults.py)")
-@click.option("--factor", type=float, default=None,
-              help="how far above the noise floor a module must be (default: bisect.FACTOR)")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=None,
-              help="prompts per adapter (default: 8 rows over the batch, at least 2 per adapter)")
+@click.option(
+    "--factor", type=float, default=None, help="how far above the noise floor a module must be (default: bisect.FACTOR)"
+)
+@click.option(
+    "--num-prompts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="prompts per adapter (default: 8 rows over the batch, at least 2 per adapter)",
+)
 def bisect(model, adapters, tp, fault, factor, num_prompts) -> int:
     """First layer + module (+ adapter) where the triton runtime leaves HF+PEFT (floor: HF's two expert kernels)."""
     from lpdiff.harness.commands import bisect as bs
     from lpdiff.kernels.faults import runtime_faults
 
     if fault is not None and fault not in runtime_faults():
-        raise click.BadParameter(f"invalid choice: {fault!r} (choose from {', '.join(runtime_faults())})",
-                                 param_hint="--fault")
+        raise click.BadParameter(
+            f"invalid choice: {fault!r} (choose from {', '.join(runtime_faults())})", param_hint="--fault"
+        )
     res = bs.bisect(model, adapters, fault, bs.FACTOR if factor is None else factor, num_prompts, tp or None)
     click.echo(res.table())
     click.echo(res.summary())

@@ -1,5 +1,6 @@
 """``lpdiff baselines ...`` and ``lpdiff report``: the store's commands (list, prune, Hub pull/push/diff) and the
 HTML report. Registered on the command tree in harness/cli.py, which keeps the exit-code contract."""
+
 from __future__ import annotations
 
 import click
@@ -30,8 +31,9 @@ def baselines_ls(source) -> int:
 
 @baselines.command("prune")
 @click.option("--baselines", "source", default=None, help="store dir (default: lpdiff's store)")
-@click.option("--dry-run/--yes", default=True, show_default=True,
-              help="list what would go (default), or remove it (--yes)")
+@click.option(
+    "--dry-run/--yes", default=True, show_default=True, help="list what would go (default), or remove it (--yes)"
+)
 def baselines_prune(source, dry_run) -> int:
     """Remove baselines superseded by a newer run of the same computation. Only files whose content matches their
     key are removed or count as newer; every other file is listed and kept. The only command that deletes from a
@@ -43,8 +45,10 @@ def baselines_prune(source, dry_run) -> int:
     for e in plan:
         click.echo(f"{'would remove' if dry_run else 'will remove'} {e.path}  {e.describe()}")
     for e in store.scan()[1]:
-        click.echo(f"kept (not a baseline whose content matches its key; remove it by hand if it is not yours to "
-                   f"keep) {e.path}: {e.problem}")
+        click.echo(
+            f"kept (not a baseline whose content matches its key; remove it by hand if it is not yours to "
+            f"keep) {e.path}: {e.problem}"
+        )
     if dry_run:
         _log(f"{len(plan)} file(s) would be removed from {store.root}; `lpdiff baselines prune --yes` removes them")
         return 0
@@ -73,8 +77,11 @@ def baselines_pull(source, lock, update_lock) -> int:
 @click.option("--baselines", "source", default=None, help="local store to push (default: lpdiff's store)")
 @click.option("--lock", default="baselines.lock", show_default=True)
 @click.option("--message", default="lpdiff: update baselines", show_default=True)
-@click.option("--delete", is_flag=True, help="also remove Hub files this store lacks (only when the Hub is still at "
-                                             "the lock's revision)")
+@click.option(
+    "--delete",
+    is_flag=True,
+    help="also remove Hub files this store lacks (only when the Hub is still at the lock's revision)",
+)
 def baselines_push(target, source, lock, message, delete) -> int:
     """Add a local store's baselines to a Hub dataset in one commit on top of its head: files pushed by others
     since the locked revision are kept (a file changed on both sides is refused), nothing is deleted without

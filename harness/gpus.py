@@ -12,6 +12,7 @@ start one thread per core oversubscribe the host N times over, for themselves an
 
 Everything but :func:`configure` is a pure function of its arguments (tested on CPU with fake GPU lists).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,13 +42,17 @@ class Assignment:
 
     def __post_init__(self):
         if not 0 <= self.index < self.workers or self.per_worker < 1:
-            raise ValueError(f"worker {self.worker}: index {self.index} of {self.workers}, {self.per_worker} per worker")
+            raise ValueError(
+                f"worker {self.worker}: index {self.index} of {self.workers}, {self.per_worker} per worker"
+            )
 
     def line(self) -> str:
         """The log line of this worker: its id and the devices it holds."""
         held = ",".join(self.held) if self.held else "none"
-        return (f"{self.worker} -> {ENV}={held} ({self.per_worker} GPU{_s(self.per_worker)} per worker, "
-                f"{len(self.machine)} on this machine, -n {self.workers})")
+        return (
+            f"{self.worker} -> {ENV}={held} ({self.per_worker} GPU{_s(self.per_worker)} per worker, "
+            f"{len(self.machine)} on this machine, -n {self.workers})"
+        )
 
 
 def _s(n: int) -> str:
@@ -103,7 +108,7 @@ def assign(machine: list[str], worker: str, workers: int, per_case: int) -> Assi
     needing more is skipped anyway, and the smaller cases still get a worker); none if that set is not complete."""
     k = max(1, min(per_case, len(machine)))
     i = worker_index(worker)
-    held = machine[i * k:(i + 1) * k]
+    held = machine[i * k : (i + 1) * k]
     return Assignment(worker, i, workers, k, tuple(machine), tuple(held) if len(held) == k else ())
 
 
@@ -125,8 +130,10 @@ def skip_reason(need: int, have: int, held: Assignment | None) -> str | None:
         return reason
     if len(held.held) < need:
         sets = machine // held.per_worker
-        return (f"{reason}; xdist worker {held.worker} holds {len(held.held)} (-n {held.workers} with "
-                f"{held.per_worker} per worker: {sets} full set{_s(sets)})")
+        return (
+            f"{reason}; xdist worker {held.worker} holds {len(held.held)} (-n {held.workers} with "
+            f"{held.per_worker} per worker: {sets} full set{_s(sets)})"
+        )
     return f"{reason}; xdist worker {held.worker} holds {len(held.held)} but torch sees {have}"
 
 

@@ -8,6 +8,7 @@
   teardown) and ``record_verdict`` (adds a verdict to the table printed at the end of the run;
   ``--lpdiff-report FILE`` also writes it as JSON).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,10 +24,18 @@ _VERDICTS_KEY = pytest.StashKey[list]()
 
 def pytest_addoption(parser):
     group = parser.getgroup("lpdiff")
-    group.addoption("--lpdiff-regen", action="store_true", default=False,
-                    help="regenerate reference baselines (overwrites the stored ones)")
-    group.addoption("--lpdiff-baselines", default=None, metavar="DIR",
-                    help="baseline store directory (default: $LPDIFF_BASELINES or the repo's baselines/)")
+    group.addoption(
+        "--lpdiff-regen",
+        action="store_true",
+        default=False,
+        help="regenerate reference baselines (overwrites the stored ones)",
+    )
+    group.addoption(
+        "--lpdiff-baselines",
+        default=None,
+        metavar="DIR",
+        help="baseline store directory (default: $LPDIFF_BASELINES or the repo's baselines/)",
+    )
     group.addoption("--lpdiff-report", default=None, metavar="FILE", help="write the verdict table as JSON")
 
 
@@ -71,8 +80,10 @@ def bytecode_note(dont_write: bool, cached: bool | None) -> str | None:
     byte-compiled (H100 host), in each of four to seven processes per vLLM case."""
     if not dont_write or cached is not False:
         return None
-    return ("lpdiff: torch has no bytecode and PYTHONDONTWRITEBYTECODE is set, so every engine process compiles it "
-            "from source (~10 s each); byte-compile site-packages once: docs/engines.md, 'Running the GPU suites'")
+    return (
+        "lpdiff: torch has no bytecode and PYTHONDONTWRITEBYTECODE is set, so every engine process compiles it "
+        "from source (~10 s each); byte-compile site-packages once: docs/engines.md, 'Running the GPU suites'"
+    )
 
 
 def _bytecode_cached(package: str) -> bool | None:
@@ -129,9 +140,21 @@ def _junit_value(v) -> str:
     import json
 
     got = "PASS" if v.passed else "FAIL"
-    return json.dumps({"model": v.model, "engine_pair": v.engine_pair, "dtype": v.dtype, "tp": v.tp,
-                       "adapter": v.adapter, "k2": v.metrics.k2, "max_abs": v.metrics.max_abs,
-                       "expected": v.expected, "verdict": got, "as_expected": got == v.expected}, default=str)
+    return json.dumps(
+        {
+            "model": v.model,
+            "engine_pair": v.engine_pair,
+            "dtype": v.dtype,
+            "tp": v.tp,
+            "adapter": v.adapter,
+            "k2": v.metrics.k2,
+            "max_abs": v.metrics.max_abs,
+            "expected": v.expected,
+            "verdict": got,
+            "as_expected": got == v.expected,
+        },
+        default=str,
+    )
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

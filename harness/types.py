@@ -3,6 +3,7 @@
 Everything an engine returns is a ``PromptLogprobs`` per prompt (numpy arrays, float32 logprobs whatever the
 engine computed in); a ``LogprobRun`` bundles them with metadata so that a run can be stored and compared later.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,15 +49,17 @@ class PromptLogprobs:
             assert self.router_margin.shape == (n,)
         if self.routed_experts is not None:
             self.routed_experts = np.asarray(self.routed_experts, dtype=np.int32)
-            assert self.routed_experts.ndim == 3 and self.routed_experts.shape[0] == n, \
+            assert self.routed_experts.ndim == 3 and self.routed_experts.shape[0] == n, (
                 f"routed_experts {self.routed_experts.shape} for {n} tokens"
+            )
         for name, dims in (("routed_margins", 2), ("routed_weights", 3)):
             v = getattr(self, name)
             if v is not None:
                 v = np.asarray(v, dtype=np.float32)
                 ids = self.routed_experts
-                assert ids is not None and v.shape == ids.shape[:dims], \
+                assert ids is not None and v.shape == ids.shape[:dims], (
                     f"{name} {v.shape} beside routed_experts {None if ids is None else ids.shape}"
+                )
                 setattr(self, name, v)
 
 
@@ -109,8 +112,11 @@ class LogprobRun:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        np.savez(path, __meta__=np.frombuffer(json.dumps(self.meta, sort_keys=True).encode(), dtype=np.uint8),
-                 **self.to_arrays())
+        np.savez(
+            path,
+            __meta__=np.frombuffer(json.dumps(self.meta, sort_keys=True).encode(), dtype=np.uint8),
+            **self.to_arrays(),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> "LogprobRun":
@@ -179,8 +185,12 @@ class ModelSpec:
         if self.path is not None:
             ident: dict[str, Any] = {"arch": self.arch, **(self.source or {"weights": dir_hash(self.path)})}
         else:
-            ident = {"arch": self.arch, "config": canonical_hash(self.config), "seed": self.init_seed,
-                     "recipe": self.init_recipe}
+            ident = {
+                "arch": self.arch,
+                "config": canonical_hash(self.config),
+                "seed": self.init_seed,
+                "recipe": self.init_recipe,
+            }
         if self.num_layers is not None:
             ident["num_layers"] = self.num_layers
         return ident

@@ -5,6 +5,7 @@ Every op takes impl="auto" | "triton" | "torch"; auto picks Triton for CUDA tens
 Files, lowest first: _triton (launch and interpreter shims), activation, lora_weights, moe_align, gemm_config,
 lora_shrink, gemm_tiles, lora_gemm, moe_reference, lora_linear, fused_moe_lora, moe_grouped, moe (the MoE op).
 """
+
 from lpdiff.kernels.fused_moe_lora import LORA_SHRINK
 from lpdiff.kernels.gemm_config import PADDING
 from lpdiff.kernels.lora_linear import lora_linear, lora_linear_torch
@@ -15,5 +16,16 @@ from lpdiff.kernels.moe_align import MoeRouting, moe_align
 from lpdiff.kernels.moe_grouped import BACKENDS
 from lpdiff.kernels.moe_reference import moe_forward_torch
 
-__all__ = ["BACKENDS", "LORA_SHRINK", "MAX_RANK", "PADDING", "MoeLoraWeights", "MoeRouting", "lora_linear",
-           "lora_linear_torch", "moe_align", "moe_forward", "moe_forward_torch"]
+__all__ = [
+    "BACKENDS",
+    "LORA_SHRINK",
+    "MAX_RANK",
+    "PADDING",
+    "MoeLoraWeights",
+    "MoeRouting",
+    "lora_linear",
+    "lora_linear_torch",
+    "moe_align",
+    "moe_forward",
+    "moe_forward_torch",
+]

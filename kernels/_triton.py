@@ -1,6 +1,7 @@
 """What every kernel file shares: picking torch or Triton, running one Triton kernel either compiled (CUDA
 tensors) or interpreted (CPU tensors) in the same process whatever TRITON_INTERPRET said at import time, the
 interpreter shims that keep the kernels running on Triton 3.6 through 3.9, and small launch helpers."""
+
 from __future__ import annotations
 
 import os
@@ -53,12 +54,14 @@ class DualKernel:
             return self.jit[grid]
         if self._interp is None:
             from triton.runtime.interpreter import InterpretedFunction
+
             self._interp = InterpretedFunction(self.fn)
         launch = self._interp[grid]
 
         def run(*args, **kwargs):
             with _jit_calls_interpreted():
                 return launch(*args, **kwargs)
+
         return run
 
 
@@ -68,6 +71,7 @@ def _jit_calls_interpreted():
     they would be had TRITON_INTERPRET=1 been set before triton was imported."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
+
     original = JITFunction.__call__
     cache: dict = {}
 
@@ -79,6 +83,7 @@ def _jit_calls_interpreted():
         # later calls skip re-patching, 12-15 % of an interpreted MoE forward's CPU (538 patches of 5 modules each)
         rewritten = getattr(interp, "rewrite", None)
         return rewritten()(*args, **kwargs) if rewritten else interp(*args, **kwargs)
+
     JITFunction.__call__ = call
     try:
         yield
@@ -146,8 +151,7 @@ def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
     """IEEE fp32 dots for fp32 inputs (tf32 would break exact parity with the fp32 reference); the interpreter
     multiplies raw bits for bf16/fp16 dots, so there the tiles are upcast to fp32 first."""
     interp = device.type != "cuda" or interpreting()
-    return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
-                UPCAST=bool(interp and dtype != torch.float32))
+    return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32", UPCAST=bool(interp and dtype != torch.float32))
 
 
 def next_pow2(n: int, lo: int = 16) -> int:

@@ -3,6 +3,7 @@ grouped GEMM's epilogue and moe_grouped.py's bias + activation pass share.
 
 The torch reference takes gate then up halves; the tile functions take the GEMM's interleaved (gate, up) columns.
 gpt-oss's clamped SwiGLU uses alpha 1.702 and limit 7.0 (OAI_ALPHA, OAI_LIMIT; written out in _act)."""
+
 from __future__ import annotations
 
 import torch

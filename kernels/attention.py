@@ -12,6 +12,7 @@ H200, against 1.75 ms for SDPA's plain causal attention at the same shapes (benc
 Here the sink is the online softmax's starting point (running max = sink, running sum = 1), the window bounds the
 key loop, and q/k/v are read in place from the q|k|v GEMM's output (strided views, no copies).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,15 @@ from lpdiff.kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl,
 LOG2E = math.log2(math.e)
 
 
-def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reference: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D) in q's dtype; each prompt's softmax in fp32 with the
     sink as one more logit in its denominator, as transformers' eager gpt-oss attention."""
     out = torch.empty_like(q)
@@ -41,16 +49,37 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         logits = logits.masked_fill(~ok, float("-inf"))
         if sinks is not None:
             logits = torch.cat([logits, sinks.float()[:, None, None].expand(-1, e - s, 1)], dim=-1)
-        p = torch.softmax(logits, dim=-1)[..., :e - s]
+        p = torch.softmax(logits, dim=-1)[..., : e - s]
         out[s:e] = (p @ vs).transpose(0, 1).to(q.dtype)
     return out
 
 
 if triton is not None:
+
     @triton.jit
-    def _attn_blocks(acc, l_i, m_i, q, K, V, offs_m, offs_d, seqlen, lo, hi, stride_kt, stride_vt, qk_scale,
-                     MASK: tl.constexpr, WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _attn_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K,
+        V,
+        offs_m,
+        offs_d,
+        seqlen,
+        lo,
+        hi,
+        stride_kt,
+        stride_vt,
+        qk_scale,
+        MASK: tl.constexpr,
+        WINDOW: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        EVEN_D: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         """Keys [lo, hi) of one query block into the online softmax. MASK 0: every key visible to every query
         (below the diagonal, inside the window); 1: the diagonal blocks (causal, keys past the prompt's end);
         2: the window's lower edge."""
@@ -88,11 +117,32 @@ if triton is not None:
         return acc, l_i, m_i
 
     @dual_jit
-    def _attention_kernel(Q, K, V, Sinks, Out, CuSeqlens, qk_scale,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                          GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
-                          HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _attention_kernel(
+        Q,
+        K,
+        V,
+        Sinks,
+        Out,
+        CuSeqlens,
+        qk_scale,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        GROUP: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        WINDOW: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         # query heads vary fastest: the GROUP heads sharing a kv head run side by side and share its tiles in L2
         h = tl.program_id(0)
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) query blocks start first
@@ -106,8 +156,11 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         row_ok = offs_m < seqlen
         start64 = start.to(tl.int64)
-        q = tl.load(Q + (start64 + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        q = tl.load(
+            Q + (start64 + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         kh = h // GROUP
@@ -126,17 +179,83 @@ if triton is not None:
             # at m0 + BLOCK_M - WINDOW: blocks before that bound are masked, blocks after it are not
             lo = tl.maximum(m0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             full = tl.minimum(tl.maximum((m0 + BLOCK_M - WINDOW + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), m0)
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, Kh, Vh, offs_m, offs_d, seqlen, lo, full, stride_kt,
-                                         stride_vt, qk_scale, 2, WINDOW, D, BLOCK_N, EVEN_D, DOT_PREC, UPCAST)
+            acc, l_i, m_i = _attn_blocks(
+                acc,
+                l_i,
+                m_i,
+                q,
+                Kh,
+                Vh,
+                offs_m,
+                offs_d,
+                seqlen,
+                lo,
+                full,
+                stride_kt,
+                stride_vt,
+                qk_scale,
+                2,
+                WINDOW,
+                D,
+                BLOCK_N,
+                EVEN_D,
+                DOT_PREC,
+                UPCAST,
+            )
         else:
             full = 0
-        acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, Kh, Vh, offs_m, offs_d, seqlen, full, m0, stride_kt,
-                                     stride_vt, qk_scale, 0, WINDOW, D, BLOCK_N, EVEN_D, DOT_PREC, UPCAST)
-        acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, Kh, Vh, offs_m, offs_d, seqlen, m0, m0 + BLOCK_M, stride_kt,
-                                     stride_vt, qk_scale, 1, WINDOW, D, BLOCK_N, EVEN_D, DOT_PREC, UPCAST)
+        acc, l_i, m_i = _attn_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            Kh,
+            Vh,
+            offs_m,
+            offs_d,
+            seqlen,
+            full,
+            m0,
+            stride_kt,
+            stride_vt,
+            qk_scale,
+            0,
+            WINDOW,
+            D,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PREC,
+            UPCAST,
+        )
+        acc, l_i, m_i = _attn_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            Kh,
+            Vh,
+            offs_m,
+            offs_d,
+            seqlen,
+            m0,
+            m0 + BLOCK_M,
+            stride_kt,
+            stride_vt,
+            qk_scale,
+            1,
+            WINDOW,
+            D,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PREC,
+            UPCAST,
+        )
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # rows past the prompt saw no key (l 0 without sinks)
-        tl.store(Out + (start64 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
+        tl.store(
+            Out + (start64 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_d < D)[None, :],
+        )
 
 
 def attention_config(head_dim: int, dtype: torch.dtype, cuda: bool) -> dict:
@@ -157,8 +276,10 @@ def attention_config(head_dim: int, dtype: torch.dtype, cuda: bool) -> dict:
 
 def check_attention_inputs(q, k, v, cu_seqlens, window, sinks) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"attention wants q (T, Hq, D) and k, v (T, Hkv, D); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"attention wants q (T, Hq, D) and k, v (T, Hkv, D); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     if any(t.stride(-1) != 1 for t in (q, k, v)):
@@ -171,9 +292,18 @@ def check_attention_inputs(q, k, v, cu_seqlens, window, sinks) -> None:
         raise ValueError(f"sinks must hold one logit per query head ({q.shape[1]},), got {tuple(sinks.shape)}")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-              scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
-              impl: str = "auto", config: dict | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    impl: str = "auto",
+    config: dict | None = None,
+) -> torch.Tensor:
     """q (T, Hq, D), k/v (T, Hkv, D) (strided views are fine: head_dim contiguous), cu_seqlens (B+1,) int32,
     max_len = the longest prompt (sizes the grid, no device sync) -> (T, Hq, D) in q's dtype.
     config: attention_config's keys to override (a tile sweep)."""
@@ -184,13 +314,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     cfg = attention_config(D, q.dtype, q.is_cuda) | (config or {})
     if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
-        raise ValueError(f"BLOCK_N ({cfg['BLOCK_N']}) must divide BLOCK_M ({cfg['BLOCK_M']}): a query block's "
-                         "unmasked keys end at its first row")
+        raise ValueError(
+            f"BLOCK_N ({cfg['BLOCK_N']}) must divide BLOCK_M ({cfg['BLOCK_M']}): a query block's "
+            "unmasked keys end at its first row"
+        )
     B = cu_seqlens.shape[0] - 1
     grid = (Hq, triton.cdiv(max_len, cfg["BLOCK_M"]), B)
     _attention_kernel[grid, q.device](
-        q, k, v, sinks if sinks is not None else q, out, cu_seqlens, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=Hq // k.shape[1], D=D, BLOCK_D=next_pow2(D), WINDOW=window or 0, HAS_SINKS=sinks is not None,
-        **cfg, **dot_flags(q.dtype, q.device))
+        q,
+        k,
+        v,
+        sinks if sinks is not None else q,
+        out,
+        cu_seqlens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=Hq // k.shape[1],
+        D=D,
+        BLOCK_D=next_pow2(D),
+        WINDOW=window or 0,
+        HAS_SINKS=sinks is not None,
+        **cfg,
+        **dot_flags(q.dtype, q.device),
+    )
     return out

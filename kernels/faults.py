@@ -7,6 +7,7 @@ either. The engine activates it while it is open (and in each tensor-parallel wo
 Each fault is consulted at the spot where the real bug lived (``on(NAME)`` is a string compare, so the clean path
 pays nothing and computes exactly what it computed before the zoo existed).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,79 +36,125 @@ class Fault:
         return dict(self.per_arch).get(arch, self.module)
 
 
-FAULTS: dict[str, Fault] = {f.name: f for f in [
-    Fault("lora_rank_layout",
-          "an adapter of rank r < max rank R copied into its slot as a flat block, so B (out, r) rows land at "
-          "the stride of R: wrong deltas for every lower-rank adapter",
-          "engines/triton/lora.py stack_adapters: put()"),
-    Fault("gpt_oss_gate_up_concat",
-          "gpt-oss expert LoRA-B rows are interleaved (g0 u0 g1 u1 ...) but loaded as if concatenated (gate "
-          "then up): the gate delta lands on up columns and back",
-          "engines/triton/lora.py stack_adapters: arch.gate_up_rows on the LoRA-B of gate_up", archs=("gpt_oss",)),
-    Fault("lora_uninitialised",
-          "LoRA slot buffers allocated with torch.empty: modules an adapter does not target keep whatever the "
-          "allocator's block held, and that garbage is added as a LoRA delta",
-          "engines/triton/lora.py stack_adapters: z()", module="attention_lora"),  # experts-only adapter's q/k/v/o
-    Fault("lora_b_unmasked",
-          "the LoRA-B expand of the expert gate_up GEMM without a column mask: for N not a multiple of the block, "
-          "the last tile reads B rows of the next expert and stores its overflow into the next row",
-          "kernels/moe_reference.py: add_slot_deltas (torch); kernels/lora_gemm.py: the LoRA-B load/store of "
-          "_grouped_gemm_kernel"),
-    Fault("lora_after_activation",
-          "expert gate_up LoRA added after the activation (act(xW) + act(xAB)) instead of inside it (act(xW + xAB))",
-          "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue"),
-    Fault("topk_weight_twice",
-          "the routing weight multiplied into the expert down LoRA delta twice (once in the LoRA kernel, once in "
-          "the weighted sum)",
-          "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue"),
-    Fault("topk_weight_missing",
-          "the expert down LoRA delta added to the MoE output without its routing weight",
-          "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue"),
-    Fault("relu2_as_gated",
-          "a non-gated relu^2 MoE (Nemotron-H) run through the gated path: the up projection's I rows read as "
-          "gate|up halves (SiLU(first) * second) and the down GEMM over the first I/2 columns",
-          "kernels/moe.py moe_forward (both impls), reached by the runtime's Nemotron-H routed experts",
-          archs=("nemotron_h",), module="experts"),
-    Fault("expert_adapter_dropped",
-          "a PEFT 3D expert adapter (target_parameters) silently skipped on load (vLLM #41384 on Qwen3.5-MoE): "
-          "the experts run as the base model, attention LoRA still applies",
-          "engines/triton/lora.py _parse"),
-    # Nemotron-H (engines/triton/nemotron_h*.py, mamba.py): the hybrid's own mixers
-    Fault("mamba_lora_dropped",
-          "LoRA on the Mamba-2 mixer's in_proj/out_proj loaded but never applied (SGLang 0.5.15 keeps LoRA buffers "
-          "for in_proj's z and x slices only; an engine without a mamba LoRA path serves the mixer as the base): "
-          "attention, MLP and expert LoRA still apply",
-          "engines/triton/nemotron_h_weights.py _targets", archs=("nemotron_h",), module="mamba_lora"),
-    Fault("router_bias_rounded",
-          "the sigmoid router's e_score_correction_bias rounded before the top-k choice (a low-precision copy of "
-          "the fp32 bias); here to 2 decimals, since a bf16 rounding (|error| <= 2.3e-4 on the tiny zoo) changes "
-          "no choice there and leaves the output bit-identical (tests/test_hybrid_bug_zoo.py)",
-          "engines/triton/nemotron_h_model.py NemotronHModel.route", archs=("nemotron_h",), module="router"),
-    Fault("state_not_reset",
-          "the SSD scan's (Nemotron-H) or the gated delta rule's (Qwen3.5) state carried from one prompt of a "
-          "packed batch into the next (one sequence over the whole pack instead of a reset at each prompt start)",
-          "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the scan over the "
-          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba",
-          per_arch=(("qwen3_5_moe", "linear_attention"),)),
-    Fault("conv_across_prompts",
-          "the causal conv1d of the Mamba-2 mixer (or of Qwen3.5's Gated DeltaNet) reading the last conv_kernel - 1 "
-          "tokens of the previous prompt of a packed batch (no per-prompt boundary in the conv window)",
-          "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the conv over the "
-          "packed tokens as one row", archs=("nemotron_h", "qwen3_5_moe"), module="mamba",
-          per_arch=(("qwen3_5_moe", "linear_attention"),)),
-    Fault("shared_expert_dropped",
-          "the MoE's shared expert not added to the routed experts' output (an engine that fuses or skips the "
-          "shared expert and loses it)",
-          "engines/triton/nemotron_h_model.py NemotronHModel.shared, engines/triton/qwen3_5.py Qwen35Model.shared",
-          archs=("nemotron_h", "qwen3_5_moe"), module="shared_expert"),
-    # Qwen3.5 (engines/triton/qwen3_5*.py, gdn.py): bisect names its Gated DeltaNet layers' mixer linear_attention
-    Fault("linear_attention_lora_dropped",
-          "LoRA on Qwen3.5's Gated DeltaNet projections (in_proj_qkv/z/b/a, out_proj) loaded but never applied (an "
-          "engine whose LoRA path covers q/k/v/o only serves linear attention as the base): full-attention, "
-          "shared-expert and expert LoRA still apply",
-          "engines/triton/qwen3_5.py Qwen35Model.linear_attention", archs=("qwen3_5_moe",),
-          module="linear_attention_lora"),
-]}
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "lora_rank_layout",
+            "an adapter of rank r < max rank R copied into its slot as a flat block, so B (out, r) rows land at "
+            "the stride of R: wrong deltas for every lower-rank adapter",
+            "engines/triton/lora.py stack_adapters: put()",
+        ),
+        Fault(
+            "gpt_oss_gate_up_concat",
+            "gpt-oss expert LoRA-B rows are interleaved (g0 u0 g1 u1 ...) but loaded as if concatenated (gate "
+            "then up): the gate delta lands on up columns and back",
+            "engines/triton/lora.py stack_adapters: arch.gate_up_rows on the LoRA-B of gate_up",
+            archs=("gpt_oss",),
+        ),
+        Fault(
+            "lora_uninitialised",
+            "LoRA slot buffers allocated with torch.empty: modules an adapter does not target keep whatever the "
+            "allocator's block held, and that garbage is added as a LoRA delta",
+            "engines/triton/lora.py stack_adapters: z()",
+            module="attention_lora",
+        ),  # experts-only adapter's q/k/v/o
+        Fault(
+            "lora_b_unmasked",
+            "the LoRA-B expand of the expert gate_up GEMM without a column mask: for N not a multiple of the block, "
+            "the last tile reads B rows of the next expert and stores its overflow into the next row",
+            "kernels/moe_reference.py: add_slot_deltas (torch); kernels/lora_gemm.py: the LoRA-B load/store of "
+            "_grouped_gemm_kernel",
+        ),
+        Fault(
+            "lora_after_activation",
+            "expert gate_up LoRA added after the activation (act(xW) + act(xAB)) instead of inside it (act(xW + xAB))",
+            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue",
+        ),
+        Fault(
+            "topk_weight_twice",
+            "the routing weight multiplied into the expert down LoRA delta twice (once in the LoRA kernel, once in "
+            "the weighted sum)",
+            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue",
+        ),
+        Fault(
+            "topk_weight_missing",
+            "the expert down LoRA delta added to the MoE output without its routing weight",
+            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue",
+        ),
+        Fault(
+            "relu2_as_gated",
+            "a non-gated relu^2 MoE (Nemotron-H) run through the gated path: the up projection's I rows read as "
+            "gate|up halves (SiLU(first) * second) and the down GEMM over the first I/2 columns",
+            "kernels/moe.py moe_forward (both impls), reached by the runtime's Nemotron-H routed experts",
+            archs=("nemotron_h",),
+            module="experts",
+        ),
+        Fault(
+            "expert_adapter_dropped",
+            "a PEFT 3D expert adapter (target_parameters) silently skipped on load (vLLM #41384 on Qwen3.5-MoE): "
+            "the experts run as the base model, attention LoRA still applies",
+            "engines/triton/lora.py _parse",
+        ),
+        # Nemotron-H (engines/triton/nemotron_h*.py, mamba.py): the hybrid's own mixers
+        Fault(
+            "mamba_lora_dropped",
+            "LoRA on the Mamba-2 mixer's in_proj/out_proj loaded but never applied (SGLang 0.5.15 keeps LoRA buffers "
+            "for in_proj's z and x slices only; an engine without a mamba LoRA path serves the mixer as the base): "
+            "attention, MLP and expert LoRA still apply",
+            "engines/triton/nemotron_h_weights.py _targets",
+            archs=("nemotron_h",),
+            module="mamba_lora",
+        ),
+        Fault(
+            "router_bias_rounded",
+            "the sigmoid router's e_score_correction_bias rounded before the top-k choice (a low-precision copy of "
+            "the fp32 bias); here to 2 decimals, since a bf16 rounding (|error| <= 2.3e-4 on the tiny zoo) changes "
+            "no choice there and leaves the output bit-identical (tests/test_hybrid_bug_zoo.py)",
+            "engines/triton/nemotron_h_model.py NemotronHModel.route",
+            archs=("nemotron_h",),
+            module="router",
+        ),
+        Fault(
+            "state_not_reset",
+            "the SSD scan's (Nemotron-H) or the gated delta rule's (Qwen3.5) state carried from one prompt of a "
+            "packed batch into the next (one sequence over the whole pack instead of a reset at each prompt start)",
+            "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the scan over the "
+            "packed tokens as one row",
+            archs=("nemotron_h", "qwen3_5_moe"),
+            module="mamba",
+            per_arch=(("qwen3_5_moe", "linear_attention"),),
+        ),
+        Fault(
+            "conv_across_prompts",
+            "the causal conv1d of the Mamba-2 mixer (or of Qwen3.5's Gated DeltaNet) reading the last conv_kernel - 1 "
+            "tokens of the previous prompt of a packed batch (no per-prompt boundary in the conv window)",
+            "engines/triton/mamba.py mamba_mixer, engines/triton/qwen3_5.py linear_attention: the conv over the "
+            "packed tokens as one row",
+            archs=("nemotron_h", "qwen3_5_moe"),
+            module="mamba",
+            per_arch=(("qwen3_5_moe", "linear_attention"),),
+        ),
+        Fault(
+            "shared_expert_dropped",
+            "the MoE's shared expert not added to the routed experts' output (an engine that fuses or skips the "
+            "shared expert and loses it)",
+            "engines/triton/nemotron_h_model.py NemotronHModel.shared, engines/triton/qwen3_5.py Qwen35Model.shared",
+            archs=("nemotron_h", "qwen3_5_moe"),
+            module="shared_expert",
+        ),
+        # Qwen3.5 (engines/triton/qwen3_5*.py, gdn.py): bisect names its Gated DeltaNet layers' mixer linear_attention
+        Fault(
+            "linear_attention_lora_dropped",
+            "LoRA on Qwen3.5's Gated DeltaNet projections (in_proj_qkv/z/b/a, out_proj) loaded but never applied (an "
+            "engine whose LoRA path covers q/k/v/o only serves linear attention as the base): full-attention, "
+            "shared-expert and expert LoRA still apply",
+            "engines/triton/qwen3_5.py Qwen35Model.linear_attention",
+            archs=("qwen3_5_moe",),
+            module="linear_attention_lora",
+        ),
+    ]
+}
 
 _active: str | None = None
 
@@ -158,6 +205,7 @@ def on(name: str) -> bool:
 
 # -- helpers that the faulty code paths share --------------------------------------------------------------------
 
+
 def stale_empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
     """torch.empty as the buggy engine called it. A CUDA caching allocator hands back a freed block with its old
     contents; on CPU large blocks come fresh from the OS, zero-filled, which would hide the bug by luck. So the
@@ -172,14 +220,15 @@ def flat_put(dst: torch.Tensor, src: torch.Tensor) -> None:
     """The buggy slot copy: src's elements poured into the front of dst's memory, ignoring that dst's rank
     dimension is wider than src's (correct only when the ranks match)."""
     assert dst.is_contiguous()
-    dst.view(-1)[:src.numel()] = src.reshape(-1).to(device=dst.device, dtype=dst.dtype)
+    dst.view(-1)[: src.numel()] = src.reshape(-1).to(device=dst.device, dtype=dst.dtype)
 
 
 LORA_B_BLOCK = 32  # column tile of the unmasked expand (the kernels' CPU/interpreter block_n)
 
 
-def unmasked_expand(out: torch.Tensor, shrink: torch.Tensor, b: torch.Tensor, b_buffer: torch.Tensor,
-                    rank: int) -> None:
+def unmasked_expand(
+    out: torch.Tensor, shrink: torch.Tensor, b: torch.Tensor, b_buffer: torch.Tensor, rank: int
+) -> None:
     """out (m, N) += shrink (m, rank) @ B^T, as an expand kernel without a column mask does it when N is not a
     multiple of LORA_B_BLOCK: the last tile loads B rows past N (the next rows of ``b_buffer``'s memory: the
     next expert's B) and stores its overflow columns into the following row of ``out`` (the last row's overflow
@@ -189,7 +238,7 @@ def unmasked_expand(out: torch.Tensor, shrink: torch.Tensor, b: torch.Tensor, b_
     flat_b = b_buffer.reshape(-1)
     start = b.storage_offset() - b_buffer.storage_offset()
     R = b.shape[1]
-    rows = flat_b[start:start + (n + pad) * R]
+    rows = flat_b[start : start + (n + pad) * R]
     rows = torch.cat([rows, rows.new_zeros((n + pad) * R - rows.numel())]).view(n + pad, R)
     delta = shrink @ rows[:, :rank].float().T  # (m, n + pad)
     flat = out.reshape(-1)

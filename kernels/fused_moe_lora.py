@@ -15,6 +15,7 @@ bug zoo's kernel faults live in the fused branch. Top-k slots of a token sit in 
 separate deterministic reduction rather than atomics (reruns are bit-identical).
 Measured timings and the roofline analysis: benchmarks/results/kernels.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -60,7 +61,7 @@ def check_lora_shrink(lora_shrink: str) -> None:
 
 
 def resolve_lora_shrink(lora_shrink: str) -> str:
-    """"auto" -> the mode it stands for ("once"); other modes come back as given."""
+    """ "auto" -> the mode it stands for ("once"); other modes come back as given."""
     check_lora_shrink(lora_shrink)
     return "once" if lora_shrink == "auto" else lora_shrink
 
@@ -71,8 +72,16 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
     return lora is not None and resolve_lora_shrink(lora_shrink) == "once" and kernel_fault() is None
 
 
-def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | None,
-                once: bool, device: torch.device | None = None, **flags) -> tuple[GemmConfig, GemmConfig]:
+def moe_configs(
+    x,
+    topk_ids,
+    w_gate_up,
+    activation: str,
+    lora: MoeLoraWeights | None,
+    once: bool,
+    device: torch.device | None = None,
+    **flags,
+) -> tuple[GemmConfig, GemmConfig]:
     """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
     runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless a B tile
     prefetched outside the pipeline (expand "first" / "last") leaves room for fewer (rank 64 and up at 128 x 256 x
@@ -93,20 +102,22 @@ def moe_configs(x, topk_ids, w_gate_up, activation: str, lora: MoeLoraWeights | 
     # the expand "loop" brings B through the pipeline's own buffers (a TMA launch runs "first" instead)
     in_loop = flags["expand"] == "loop" and not flags.get("tma", False)
     held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) and not in_loop else 0
-    return (replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank),
-                    **flags),
-            replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank),
-                    **flags))
+    return (
+        replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank), **flags),
+        replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank), **flags),
+    )
 
 
-def expert_shrink(inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting,
-                  cfg: ShrinkConfig | None = None) -> torch.Tensor:
+def expert_shrink(
+    inp: torch.Tensor, lora: MoeLoraWeights, gemm: str, routing: MoeRouting, cfg: ShrinkConfig | None = None
+) -> torch.Tensor:
     """The scaled shrink of one expert GEMM ("gate_up": x gathered by pair // top_k; "down": the sorted
     intermediate) over every routed row, once per row block: (M, R) in inp's dtype, the rounding every expand
     placement applies before its dot (expand "loop" loads it through X's pointers)."""
     a = getattr(lora, f"{gemm}_a")
-    return launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down", cfg=cfg,
-                         dtype=inp.dtype)
+    return launch_shrink(
+        inp, a.unsqueeze(2), lora.scaling, lora.ranks, routing, x_sorted=gemm == "down", cfg=cfg, dtype=inp.dtype
+    )
 
 
 def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor | None) -> dict:
@@ -120,12 +131,25 @@ def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor |
     return dict(kw, lora_a=getattr(lora, f"{gemm}_a"), fault=KERNEL_FAULTS[gemm].get(faults.active(), 0))
 
 
-def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
-                       lora: MoeLoraWeights | None = None, token_adapter=None,
-                       config: GemmConfig | None = None, down_config: GemmConfig | None = None,
-                       lora_shrink: str = "auto", sum_topk: bool = True,
-                       shrink_config: ShrinkConfig | None = None,
-                       n_tiles: int | tuple[int, int] | None = None, padding: str | None = None) -> torch.Tensor:
+def moe_forward_triton(
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate_up,
+    w_down,
+    activation,
+    b_gate_up=None,
+    b_down=None,
+    lora: MoeLoraWeights | None = None,
+    token_adapter=None,
+    config: GemmConfig | None = None,
+    down_config: GemmConfig | None = None,
+    lora_shrink: str = "auto",
+    sum_topk: bool = True,
+    shrink_config: ShrinkConfig | None = None,
+    n_tiles: int | tuple[int, int] | None = None,
+    padding: str | None = None,
+) -> torch.Tensor:
     """lora_shrink: "once" computes each GEMM's shrink X A^T in its own launch, once per row block (the GEMM's
     N/BLOCK_N programs of a row block would each redo it), launched as shrink_config says (default ShrinkConfig());
     "fused" runs it inside every program's K-loop (no launch and no S buffer). A bug-zoo kernel fault forces
@@ -151,17 +175,43 @@ def moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation,
     if padding is not None:
         cfg1, cfg2 = replace(cfg1, padding=padding), replace(cfg2, padding=padding)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
-    routing = moe_align(topk_ids, token_adapter if lora is not None else None, E,
-                        lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton")
+    routing = moe_align(
+        topk_ids,
+        token_adapter if lora is not None else None,
+        E,
+        lora.num_slots if lora is not None else 0,
+        cfg1.block_m,
+        impl="triton",
+    )
     inter = torch.empty(routing.sorted_ids.shape[0], inter_n, dtype=x.dtype, device=x.device)
     s1 = expert_shrink(x, lora, "gate_up", routing, shrink_config) if once else None
-    launch_gemm(x, w_gate_up, inter, routing, cfg1, x_sorted=False, out_sorted=True, activation=activation,
-                bias=b_gate_up, **expert_lora_kwargs(lora, "gate_up", s1))
+    launch_gemm(
+        x,
+        w_gate_up,
+        inter,
+        routing,
+        cfg1,
+        x_sorted=False,
+        out_sorted=True,
+        activation=activation,
+        bias=b_gate_up,
+        **expert_lora_kwargs(lora, "gate_up", s1),
+    )
     del s1  # its memory can serve s2
     s2 = expert_shrink(inter, lora, "down", routing, shrink_config) if once else None
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    launch_gemm(inter, w_down, y, routing, cfg2, x_sorted=True, out_sorted=False, bias=b_down,
-                topk_weights=topk_weights.reshape(-1).float(), **expert_lora_kwargs(lora, "down", s2))
+    launch_gemm(
+        inter,
+        w_down,
+        y,
+        routing,
+        cfg2,
+        x_sorted=True,
+        out_sorted=False,
+        bias=b_down,
+        topk_weights=topk_weights.reshape(-1).float(),
+        **expert_lora_kwargs(lora, "down", s2),
+    )
     if not sum_topk:
         return y.view(T, K, H)
     return y.view(T, K, H).sum(dim=1) if K > 1 else y

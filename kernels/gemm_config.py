@@ -1,6 +1,7 @@
 """Tiles and launch settings of the LoRA GEMM kernels (lora_gemm.py, lora_shrink.py), chosen by small heuristics
 instead of autotuning: the interpreter cannot autotune, and tuning per call would cost the runtime a compile storm.
 Measured timings: benchmarks/results/kernels.md."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,9 +63,17 @@ SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses 
 SMEM_LIMIT = 227 * 1024  # what one block may use on Hopper (sm90)
 
 
-def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: torch.device,
-                   dtype: torch.dtype = torch.bfloat16, gated: bool = False, rank: int = 0,
-                   held_rank: int = 0) -> GemmConfig:
+def default_config(
+    num_pairs: int,
+    num_groups: int,
+    n: int,
+    kdim: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    gated: bool = False,
+    rank: int = 0,
+    held_rank: int = 0,
+) -> GemmConfig:
     """Tiles of one grouped GEMM launch. block_m follows the expected rows per group, so padding stays small; the
     dot is 256 wide for big row blocks (128 x 256 x 64 bf16 tiles were the fastest of those tried on an H100, see
     benchmarks/results/kernels.md); fp32 runs on FMA units and gets smaller tiles; the pipeline depth is
@@ -90,8 +99,14 @@ def default_config(num_pairs: int, num_groups: int, n: int, kdim: int, device: t
     stages = max(2, min(4, (SMEM_BUDGET - held) // per_stage))
     if rank:
         stages = max(2, min(stages, (SMEM_LIMIT - next_pow2(rank) * wn * elem) // per_stage))
-    return GemmConfig(block_m, wn // 2 if gated else wn, block_k, group_m=4,
-                      num_warps=8 if block_m * wn >= 128 * 128 else 4, num_stages=stages)
+    return GemmConfig(
+        block_m,
+        wn // 2 if gated else wn,
+        block_k,
+        group_m=4,
+        num_warps=8 if block_m * wn >= 128 * 128 else 4,
+        num_stages=stages,
+    )
 
 
 @dataclass(slots=True)
@@ -103,6 +118,7 @@ class ShrinkConfig:
     shrink, 0.056 -> 0.032 ms). In the full forward the 96 shrink launches took 3.711 ms with 8 warps vs 3.712 ms
     with 4: the sweep's gain did not carry over, so treat 4 vs 8 as a tie (the sweep times the default first,
     cold)."""
+
     rows: int = 0
     block_k: int = 0
     num_warps: int = 8

@@ -1,6 +1,7 @@
 """Tile-level pieces of the grouped LoRA GEMM (lora_gemm.py): which columns a program's dot covers, its K-loops
 (with the shrink or the expand folded in) and the epilogue's operand tiles. Plain @triton.jit functions: called from
 an interpreted kernel they run interpreted too (_triton.DualKernel)."""
+
 from __future__ import annotations
 
 from lpdiff.kernels._triton import tl, triton
@@ -10,8 +11,11 @@ from lpdiff.kernels._triton import tl, triton
 def _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST: tl.constexpr):
     """LORA 2's S tile of slice s (BLOCK_M, R), rounded to the B dtype right after its load (as LORA 1 rounds its
     in-register shrink; half the registers while it waits)."""
-    st = tl.load(S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
-                 mask=r_ok[None, :], other=0.0)
+    st = tl.load(
+        S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
+        mask=r_ok[None, :],
+        other=0.0,
+    )
     return st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
 
 
@@ -42,8 +46,7 @@ def _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Offsets and mask of a program's (BLOCK_M, BLOCK_N) output tile: padded rows in place, or scattered back
     to their pair's row."""
     if OUT_SORTED:
@@ -72,10 +75,39 @@ def _tile_cols(pid_n, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl
 
 
 @triton.jit
-def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, Kdim, R,
-                   stride_xm, stride_xk, stride_wn, stride_we, stride_wk, stride_sm, stride_sr,
-                   stride_lbl, stride_lbe, stride_lbn, stride_lbr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
-                   UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ZERO_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+def _k_loop_expand(
+    X,
+    W,
+    S,
+    LB,
+    acc,
+    xrow,
+    offs_m,
+    row_ok,
+    wrow,
+    e,
+    a,
+    a_safe,
+    Kdim,
+    R,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_we,
+    stride_wk,
+    stride_sm,
+    stride_sr,
+    stride_lbl,
+    stride_lbe,
+    stride_lbn,
+    stride_lbr,
+    K_TILES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ZERO_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """_k_loop for LORA 2 with pointer loads (GemmConfig.expand "loop"): the first cdiv(R, BLOCK_K) steps are the
     LoRA expand (S rows, x dtype, scaled, zero past the loaded rank, against B[a, e] rows wrow; every K column
     masked for a block without an adapter), then the K_TILES steps of acc += X W^T. Each step selects its pointers
@@ -119,11 +151,46 @@ def _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, K
 
 
 @triton.jit
-def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
-            stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar, stride_lak,
-            SHRINK: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr,
-            K_TILES: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-            ZERO_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+def _k_loop(
+    X,
+    W,
+    LA,
+    acc,
+    acc_up,
+    acc_s,
+    xrow,
+    row_ok,
+    wrow,
+    e,
+    e32,
+    a_safe,
+    row0,
+    pid_n,
+    N,
+    Kdim,
+    r_ok,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_lal,
+    stride_lae,
+    stride_lar,
+    stride_lak,
+    SHRINK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
+    TMA_X: tl.constexpr,
+    K_TILES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ZERO_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """One N tile's K-loop: acc (SPLIT: and acc_up, the up rows) += X[rows] W[e, tile]^T. SHRINK (LORA 1, the
     first tile a program walks): also acc_s += X[rows] A[a, e]^T, a narrow dot on the X tile already loaded.
     ZERO_PAD: padding rows load zeros instead of a real row (their results are never stored either way); under a
@@ -135,8 +202,9 @@ def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, ro
     if not TMA:
         w_ptrs = W + e * stride_we + wrow[None, :] * stride_wn + offs_k[:, None] * stride_wk
     if SHRINK:
-        la_ptrs = (LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar
-                   + offs_k[:, None] * stride_lak)
+        la_ptrs = (
+            LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar + offs_k[:, None] * stride_lak
+        )
     for k in range(0, K_TILES):
         if not EVEN_K:
             k_ok = offs_k < Kdim - k * BLOCK_K
@@ -178,4 +246,3 @@ def _k_loop(X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, ro
         if not TMA:
             w_ptrs += BLOCK_K * stride_wk
     return acc, acc_up, acc_s
-

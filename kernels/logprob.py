@@ -7,6 +7,7 @@ Why a kernel: the runtime's chunked log-softmax took 9.4 ms per 4096 tokens at Q
 on an H200, of which the lm_head GEMM is ~3.2 ms; the rest was the fp32 copy of every logit chunk and the passes of
 logsumexp over it (benchmarks/results/e2e.md). Reading the model-dtype logits once removes both.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,9 +26,11 @@ def target_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, scale: fl
 
 
 if triton is not None:
+
     @dual_jit
-    def _target_logprobs_kernel(logits_ptr, stride_row, targets_ptr, out_ptr, scale,
-                                V: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _target_logprobs_kernel(
+        logits_ptr, stride_row, targets_ptr, out_ptr, scale, V: tl.constexpr, BLOCK_V: tl.constexpr
+    ):
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * stride_row
         # per-lane running max and sum; the max starts finite so that a lane past V (x = -inf) adds exp(-inf) = 0
@@ -47,12 +50,14 @@ if triton is not None:
         tl.store(out_ptr + row, xt - logz)
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0, impl: str = "auto",
-                    block_v: int = DEFAULT_BLOCK_V) -> torch.Tensor:
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0, impl: str = "auto", block_v: int = DEFAULT_BLOCK_V
+) -> torch.Tensor:
     """logits (N, V) with unit stride along V, targets (N,) integer ids in [0, V) -> (N,) fp32 logprobs."""
     if logits.ndim != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be (N, V) with contiguous rows, got shape {tuple(logits.shape)} strides "
-                         f"{logits.stride()}")
+        raise ValueError(
+            f"logits must be (N, V) with contiguous rows, got shape {tuple(logits.shape)} strides {logits.stride()}"
+        )
     n, v = logits.shape
     if targets.shape != (n,):
         raise ValueError(f"targets must be (N={n},), got {tuple(targets.shape)}")
@@ -60,6 +65,7 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, scale: float = 
         return target_logprobs_torch(logits, targets, scale)
     assert block_v & (block_v - 1) == 0, "block_v must be a power of two"
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
-    _target_logprobs_kernel[(n,), logits.device](logits, logits.stride(0), targets, out, float(scale),
-                                                  V=v, BLOCK_V=block_v, num_warps=8)
+    _target_logprobs_kernel[(n,), logits.device](
+        logits, logits.stride(0), targets, out, float(scale), V=v, BLOCK_V=block_v, num_warps=8
+    )
     return out

@@ -12,6 +12,7 @@ Dense layers launch it with one expert and a precomputed S, because their per-sl
 one fused narrow dot; the "triton_delta" path runs only its epilogue (ADD_TO_OUT: the delta added in place to a
 cuBLAS base output).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,26 +24,82 @@ from lpdiff.kernels.gemm_tiles import _b_tiles, _bias_rows, _k_loop, _k_loop_exp
 from lpdiff.kernels.moe_align import MoeRouting
 
 # Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
-KERNEL_FAULTS = {"gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
-                 "down": {"topk_weight_twice": 2, "topk_weight_missing": 3}}
+KERNEL_FAULTS = {
+    "gate_up": {"lora_after_activation": 1, "lora_b_unmasked": 4},
+    "down": {"topk_weight_twice": 2, "topk_weight_missing": 3},
+}
 
 
 @dual_jit
 def _grouped_gemm_kernel(
-        X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, BlockExpert, BlockAdapter, NumPadded,
-        SliceOffs, num_pairs, N, Kdim, lb_numel, out_numel,
-        stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
-        stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
-        stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-        TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
-        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
-        NUM_SLICES: tl.constexpr, R: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-        GROUP_M: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False, TMA: tl.constexpr = False, TMA_X: tl.constexpr = False,
-        N_TILES: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
-        EXPAND: tl.constexpr = 0):
+    X,
+    W,
+    Bias,
+    Out,
+    LA,
+    S,
+    LB,
+    Scaling,
+    Ranks,
+    TopkW,
+    SortedIds,
+    BlockExpert,
+    BlockAdapter,
+    NumPadded,
+    SliceOffs,
+    num_pairs,
+    N,
+    Kdim,
+    lb_numel,
+    out_numel,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    stride_lal,
+    stride_lae,
+    stride_lar,
+    stride_lak,
+    stride_sm,
+    stride_sr,
+    stride_lbl,
+    stride_lbe,
+    stride_lbn,
+    stride_lbr,
+    TOPK: tl.constexpr,
+    X_SORTED: tl.constexpr,
+    OUT_SORTED: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LORA: tl.constexpr,
+    MUL_TOPK: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    K_TILES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FAULT: tl.constexpr,
+    ADD_TO_OUT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    TMA: tl.constexpr = False,
+    TMA_X: tl.constexpr = False,
+    N_TILES: tl.constexpr = 1,
+    ZERO_PAD: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False,
+    EXPAND: tl.constexpr = 0,
+):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
@@ -91,35 +148,220 @@ def _grouped_gemm_kernel(
             return  # rows without an adapter keep the cuBLAS output bit for bit
     if HALF_TAIL:  # a constexpr branch: without it the kernel compiles one row-block body, as before
         if tl.load(SortedIds + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs:
-            _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
-                       lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-                       stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
-                       stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
-                       TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M // 2,
-                       BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-                       TMA_X, N_TILES, ZERO_PAD, EXPAND)
+            _row_block(
+                X,
+                W,
+                Bias,
+                Out,
+                LA,
+                S,
+                LB,
+                Scaling,
+                Ranks,
+                TopkW,
+                SortedIds,
+                SliceOffs,
+                num_pairs,
+                N,
+                Kdim,
+                lb_numel,
+                out_numel,
+                stride_xm,
+                stride_xk,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                stride_be,
+                stride_bn,
+                stride_om,
+                stride_on,
+                stride_lal,
+                stride_lae,
+                stride_lar,
+                stride_lak,
+                stride_sm,
+                stride_sr,
+                stride_lbl,
+                stride_lbe,
+                stride_lbn,
+                stride_lbr,
+                e,
+                e32,
+                a,
+                pid_m * BLOCK_M,
+                first_n,
+                num_n,
+                TOPK,
+                X_SORTED,
+                OUT_SORTED,
+                GATED,
+                ACT,
+                HAS_BIAS,
+                LORA,
+                MUL_TOPK,
+                NUM_SLICES,
+                R,
+                BLOCK_M // 2,
+                BLOCK_N,
+                BLOCK_K,
+                BLOCK_R,
+                K_TILES,
+                EVEN_K,
+                DOT_PREC,
+                UPCAST,
+                FAULT,
+                ADD_TO_OUT,
+                PREFETCH,
+                TMA,
+                TMA_X,
+                N_TILES,
+                ZERO_PAD,
+                EXPAND,
+            )
             return
-    _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
-               lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
-               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, pid_m * BLOCK_M, first_n, num_n,
-               TOPK, X_SORTED, OUT_SORTED, GATED, ACT, HAS_BIAS, LORA, MUL_TOPK, NUM_SLICES, R, BLOCK_M,
-               BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, EVEN_K, DOT_PREC, UPCAST, FAULT, ADD_TO_OUT, PREFETCH, TMA,
-               TMA_X, N_TILES, ZERO_PAD, EXPAND)
+    _row_block(
+        X,
+        W,
+        Bias,
+        Out,
+        LA,
+        S,
+        LB,
+        Scaling,
+        Ranks,
+        TopkW,
+        SortedIds,
+        SliceOffs,
+        num_pairs,
+        N,
+        Kdim,
+        lb_numel,
+        out_numel,
+        stride_xm,
+        stride_xk,
+        stride_we,
+        stride_wn,
+        stride_wk,
+        stride_be,
+        stride_bn,
+        stride_om,
+        stride_on,
+        stride_lal,
+        stride_lae,
+        stride_lar,
+        stride_lak,
+        stride_sm,
+        stride_sr,
+        stride_lbl,
+        stride_lbe,
+        stride_lbn,
+        stride_lbr,
+        e,
+        e32,
+        a,
+        pid_m * BLOCK_M,
+        first_n,
+        num_n,
+        TOPK,
+        X_SORTED,
+        OUT_SORTED,
+        GATED,
+        ACT,
+        HAS_BIAS,
+        LORA,
+        MUL_TOPK,
+        NUM_SLICES,
+        R,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        BLOCK_R,
+        K_TILES,
+        EVEN_K,
+        DOT_PREC,
+        UPCAST,
+        FAULT,
+        ADD_TO_OUT,
+        PREFETCH,
+        TMA,
+        TMA_X,
+        N_TILES,
+        ZERO_PAD,
+        EXPAND,
+    )
 
 
 @triton.jit
-def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, SliceOffs, num_pairs, N, Kdim,
-               lb_numel, out_numel, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-               stride_om, stride_on, stride_lal, stride_lae, stride_lar, stride_lak, stride_sm, stride_sr,
-               stride_lbl, stride_lbe, stride_lbn, stride_lbr, e, e32, a, row0, first_n, num_n,
-               TOPK: tl.constexpr, X_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
-               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, MUL_TOPK: tl.constexpr,
-               NUM_SLICES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
-               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FAULT: tl.constexpr, ADD_TO_OUT: tl.constexpr,
-               PREFETCH: tl.constexpr, TMA: tl.constexpr, TMA_X: tl.constexpr, N_TILES: tl.constexpr,
-               ZERO_PAD: tl.constexpr, EXPAND: tl.constexpr):
+def _row_block(
+    X,
+    W,
+    Bias,
+    Out,
+    LA,
+    S,
+    LB,
+    Scaling,
+    Ranks,
+    TopkW,
+    SortedIds,
+    SliceOffs,
+    num_pairs,
+    N,
+    Kdim,
+    lb_numel,
+    out_numel,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    stride_lal,
+    stride_lae,
+    stride_lar,
+    stride_lak,
+    stride_sm,
+    stride_sr,
+    stride_lbl,
+    stride_lbe,
+    stride_lbn,
+    stride_lbr,
+    e,
+    e32,
+    a,
+    row0,
+    first_n,
+    num_n,
+    TOPK: tl.constexpr,
+    X_SORTED: tl.constexpr,
+    OUT_SORTED: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LORA: tl.constexpr,
+    MUL_TOPK: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    K_TILES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FAULT: tl.constexpr,
+    ADD_TO_OUT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TMA: tl.constexpr,
+    TMA_X: tl.constexpr,
+    N_TILES: tl.constexpr,
+    ZERO_PAD: tl.constexpr,
+    EXPAND: tl.constexpr,
+):
     """_grouped_gemm_kernel's work on BLOCK_M rows from row0 (a routing block, or its first half) and N_TILES N
     tiles from first_n: the K-loops and epilogues."""
     SPLIT: tl.constexpr = GATED and TMA
@@ -156,13 +398,18 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
         pid_n = first_n + t
         if pid_n < num_n:  # always for t == 0; the row block's last group may be short
             j, col, wrow = _tile_cols(pid_n, N, GATED and not TMA, BLOCK_N, WN)
-            lb_ptrs = (LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
-                       + wrow[None, :] * stride_lbn)
+            lb_ptrs = (
+                LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr + wrow[None, :] * stride_lbn
+            )
             # this tile's LoRA B tile (and bias), issued before its K-loop so their latency hides behind it
             if LORA == 1:
                 if FAULT == 4:  # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
-                    lb_off = (a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr
-                              + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn)
+                    lb_off = (
+                        a_safe * stride_lbl
+                        + e * stride_lbe
+                        + offs_r[:, None] * stride_lbr
+                        + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn
+                    )
                     bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
                 else:
                     bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
@@ -185,16 +432,80 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                         acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
             acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             if LOOP:
-                acc = _k_loop_expand(X, W, S, LB, acc, xrow, offs_m, row_ok, wrow, e, a, a_safe, Kdim, R,
-                                     stride_xm, stride_xk, stride_wn, stride_we, stride_wk, stride_sm, stride_sr,
-                                     stride_lbl, stride_lbe, stride_lbn, stride_lbr, K_TILES, EVEN_K, UPCAST,
-                                     DOT_PREC, ZERO_PAD, BLOCK_K)
+                acc = _k_loop_expand(
+                    X,
+                    W,
+                    S,
+                    LB,
+                    acc,
+                    xrow,
+                    offs_m,
+                    row_ok,
+                    wrow,
+                    e,
+                    a,
+                    a_safe,
+                    Kdim,
+                    R,
+                    stride_xm,
+                    stride_xk,
+                    stride_wn,
+                    stride_we,
+                    stride_wk,
+                    stride_sm,
+                    stride_sr,
+                    stride_lbl,
+                    stride_lbe,
+                    stride_lbn,
+                    stride_lbr,
+                    K_TILES,
+                    EVEN_K,
+                    UPCAST,
+                    DOT_PREC,
+                    ZERO_PAD,
+                    BLOCK_K,
+                )
             else:
                 acc, acc_up, acc_s = _k_loop(
-                    X, W, LA, acc, acc_up, acc_s, xrow, row_ok, wrow, e, e32, a_safe, row0, pid_n, N, Kdim, r_ok,
-                    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_lal, stride_lae, stride_lar,
-                    stride_lak, LORA == 1 and t == 0, SPLIT, TMA, TMA_X, K_TILES, EVEN_K, UPCAST, DOT_PREC,
-                    ZERO_PAD, BLOCK_N, BLOCK_K, BLOCK_R)
+                    X,
+                    W,
+                    LA,
+                    acc,
+                    acc_up,
+                    acc_s,
+                    xrow,
+                    row_ok,
+                    wrow,
+                    e,
+                    e32,
+                    a_safe,
+                    row0,
+                    pid_n,
+                    N,
+                    Kdim,
+                    r_ok,
+                    stride_xm,
+                    stride_xk,
+                    stride_we,
+                    stride_wn,
+                    stride_wk,
+                    stride_lal,
+                    stride_lae,
+                    stride_lar,
+                    stride_lak,
+                    LORA == 1 and t == 0,
+                    SPLIT,
+                    TMA,
+                    TMA_X,
+                    K_TILES,
+                    EVEN_K,
+                    UPCAST,
+                    DOT_PREC,
+                    ZERO_PAD,
+                    BLOCK_N,
+                    BLOCK_K,
+                    BLOCK_R,
+                )
 
             acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
             if LORA == 1 and t == 0:
@@ -212,8 +523,7 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
                         for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
                             if not EARLY_S:
                                 st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST)
-                                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT,
-                                                  UPCAST)
+                                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT, UPCAST)
                             acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
                             if SPLIT:
                                 acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
@@ -253,8 +563,9 @@ def _row_block(X, W, Bias, Out, LA, S, LB, Scaling, Ranks, TopkW, SortedIds, Sli
 
 def tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor needs a 16-byte aligned base and 16-byte aligned strides, the last one 1."""
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]))
+    return (
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+    )
 
 
 def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool) -> tuple[bool, bool]:
@@ -263,8 +574,9 @@ def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool)
     (gathered rows are not a block of the tensor), and only beside W, and not with padding "half" (a descriptor's
     blocks are block_m rows; half blocks load block_m / 2). fp32 on the GPU keeps the pointer loads:
     compiled for sm90, its TMA variant came out at 32 registers with ~16 KB of spills per thread (ptxas -v)."""
-    tma_w = (cfg.tma and mode != 1 and not add_to_out and tma_ok(w)
-             and (w.element_size() == 2 or w.device.type != "cuda"))
+    tma_w = (
+        cfg.tma and mode != 1 and not add_to_out and tma_ok(w) and (w.element_size() == 2 or w.device.type != "cuda")
+    )
     return tma_w, tma_w and x_sorted and tma_ok(x) and not half_tail(cfg)
 
 
@@ -276,10 +588,27 @@ def launch_expand(cfg: GemmConfig, mode: int, num_slices: int, tma_w: bool, add_
     return EXPAND.index(cfg.expand)
 
 
-def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bool, out_sorted: bool,
-                activation: str = "none", bias=None, lora_a=None, lora_s=None, lora_b=None, scaling=None,
-                ranks=None, slice_offsets: tuple | None = None, topk_weights=None, fault: int = 0,
-                add_to_out: bool = False) -> torch.Tensor:
+def launch_gemm(
+    x,
+    w,
+    out,
+    routing: MoeRouting,
+    cfg: GemmConfig,
+    *,
+    x_sorted: bool,
+    out_sorted: bool,
+    activation: str = "none",
+    bias=None,
+    lora_a=None,
+    lora_s=None,
+    lora_b=None,
+    scaling=None,
+    ranks=None,
+    slice_offsets: tuple | None = None,
+    topk_weights=None,
+    fault: int = 0,
+    add_to_out: bool = False,
+) -> torch.Tensor:
     """w (E, N_w, Kdim) with N_w = 2N when gated; bias (E, N_w); lora_b viewed as (L, E, N_w, R).
     LoRA either as lora_a (L, E, R, Kdim) (shrink fused into the K-loop) or as a precomputed, scaled lora_s
     (M, S*R) with slice_offsets (dense layers). add_to_out: out already holds x w^T (+ bias); only the
@@ -288,11 +617,13 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     E, n_w, kdim = w.shape
     n = n_w // 2 if gated else n_w
     mode = 1 if lora_a is not None else 2 if lora_s is not None else 0
-    assert not add_to_out or (mode == 2 and not gated and bias is None and topk_weights is None), \
+    assert not add_to_out or (mode == 2 and not gated and bias is None and topk_weights is None), (
         "add_to_out adds a precomputed lora_s delta only: no activation, bias or top-k weight"
+    )
     offs = slice_offsets if slice_offsets is not None else (0, n)
-    assert cfg.n_tiles == 1 or (not add_to_out and len(offs) == 2), \
+    assert cfg.n_tiles == 1 or (not add_to_out and len(offs) == 2), (
         "n_tiles > 1 is for the expert GEMMs: the dense path (add_to_out, several slices) walks one N tile"
+    )
     dummy = routing.sorted_ids
     la = lora_a if mode == 1 else placeholder((1, 1, 1, 1), w.dtype, w.device)
     lb = lora_b if mode else placeholder((1, 1, 1, 1), w.dtype, w.device)
@@ -306,25 +637,78 @@ def launch_gemm(x, w, out, routing: MoeRouting, cfg: GemmConfig, *, x_sorted: bo
     xa, wa = x, w
     if tma_w:
         from triton.tools.tensor_descriptor import TensorDescriptor
+
         wa = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.block_n, cfg.block_k])
         if tma_x:
             xa = TensorDescriptor(x, list(x.shape), list(x.stride()), [routing.block_m, cfg.block_k])
     _grouped_gemm_kernel[grid, x.device](
-        xa, wa, bias if bias is not None else dummy, out, la, sv, lb,
-        scaling if mode else dummy, ranks if mode else dummy, topk_weights if topk_weights is not None else dummy,
-        routing.sorted_ids, routing.block_expert, routing.block_adapter, routing.num_padded,
-        device_const(tuple(offs), x.device), routing.num_pairs, n, kdim, lb.numel(), out.numel(),
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        out.stride(0), out.stride(1), la.stride(0), la.stride(1), la.stride(2), la.stride(3),
-        sv.stride(0), sv.stride(1), lb.stride(0), lb.stride(1), lb.stride(2), lb.stride(3),
-        TOPK=routing.top_k, X_SORTED=x_sorted, OUT_SORTED=out_sorted, GATED=gated, ACT=ACTIVATIONS[activation],
-        HAS_BIAS=bias is not None, LORA=mode, MUL_TOPK=topk_weights is not None,
-        NUM_SLICES=len(offs) - 1, R=R, BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=next_pow2(R), GROUP_M=cfg.group_m,
-        K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k), EVEN_K=kdim % cfg.block_k == 0,
-        FAULT=fault, ADD_TO_OUT=add_to_out, PREFETCH=cfg.prefetch, TMA=tma_w, TMA_X=tma_x, N_TILES=cfg.n_tiles,
-        ZERO_PAD=cfg.padding != "compute", HALF_TAIL=half_tail(cfg), EXPAND=expand,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **dot_flags(x.dtype, x.device))
+        xa,
+        wa,
+        bias if bias is not None else dummy,
+        out,
+        la,
+        sv,
+        lb,
+        scaling if mode else dummy,
+        ranks if mode else dummy,
+        topk_weights if topk_weights is not None else dummy,
+        routing.sorted_ids,
+        routing.block_expert,
+        routing.block_adapter,
+        routing.num_padded,
+        device_const(tuple(offs), x.device),
+        routing.num_pairs,
+        n,
+        kdim,
+        lb.numel(),
+        out.numel(),
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        bias.stride(0) if bias is not None else 0,
+        bias.stride(1) if bias is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        la.stride(0),
+        la.stride(1),
+        la.stride(2),
+        la.stride(3),
+        sv.stride(0),
+        sv.stride(1),
+        lb.stride(0),
+        lb.stride(1),
+        lb.stride(2),
+        lb.stride(3),
+        TOPK=routing.top_k,
+        X_SORTED=x_sorted,
+        OUT_SORTED=out_sorted,
+        GATED=gated,
+        ACT=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None,
+        LORA=mode,
+        MUL_TOPK=topk_weights is not None,
+        NUM_SLICES=len(offs) - 1,
+        R=R,
+        BLOCK_M=routing.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_R=next_pow2(R),
+        GROUP_M=cfg.group_m,
+        K_TILES=0 if add_to_out else triton.cdiv(kdim, cfg.block_k),
+        EVEN_K=kdim % cfg.block_k == 0,
+        FAULT=fault,
+        ADD_TO_OUT=add_to_out,
+        PREFETCH=cfg.prefetch,
+        TMA=tma_w,
+        TMA_X=tma_x,
+        N_TILES=cfg.n_tiles,
+        ZERO_PAD=cfg.padding != "compute",
+        HALF_TAIL=half_tail(cfg),
+        EXPAND=expand,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **dot_flags(x.dtype, x.device),
+    )
     return out

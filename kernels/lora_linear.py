@@ -31,6 +31,7 @@ Precision ("cublas"): bf16/fp16 runs round S = x A^T to the run dtype before the
 does) and hold scaling * B rounded once to it; the expand adds onto the base output inside the GEMM (beta = 1; on
 cuBLAS one rounding of out). fp32 runs are IEEE fp32 in every GEMM, whatever torch's float32 matmul precision says.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
@@ -65,8 +66,10 @@ def check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_ad
     if lora_a is None and lora_b is None:
         return
     if lora_a is None or lora_b is None or scaling is None or token_adapter is None:
-        raise ValueError("LoRA needs all of lora_a (L,S,R,Kin), lora_b (L,N,R), scaling (L,) and token_adapter "
-                         "(T,) (slot per row, -1 = none)")
+        raise ValueError(
+            "LoRA needs all of lora_a (L,S,R,Kin), lora_b (L,N,R), scaling (L,) and token_adapter "
+            "(T,) (slot per row, -1 = none)"
+        )
     L, S, R, ka = lora_a.shape
     if ka != kin or S != len(offs) - 1:
         raise ValueError(f"lora_a must be (L, S={len(offs) - 1}, R, Kin={kin}), got {tuple(lora_a.shape)}")
@@ -78,8 +81,9 @@ def check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_ad
         raise ValueError(f"token_adapter must be (T={T},), got {tuple(token_adapter.shape)}")
 
 
-def lora_linear_torch(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None,
-                      token_adapter=None) -> torch.Tensor:
+def lora_linear_torch(
+    x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None, token_adapter=None
+) -> torch.Tensor:
     out = x.float() @ w.float().T
     if bias is not None:
         out += bias.float()
@@ -91,8 +95,7 @@ def lora_linear_torch(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, s
                 continue
             rows = slots == a
             for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
-                out[rows, lo:hi] += lora_delta(x[rows], lora_a[a, s], lora_b[a, lo:hi], scaling[a],
-                                               lora_a.shape[2])
+                out[rows, lo:hi] += lora_delta(x[rows], lora_a[a, s], lora_b[a, lo:hi], scaling[a], lora_a.shape[2])
     return out.to(x.dtype)
 
 
@@ -162,25 +165,42 @@ def slot_one_hot(token_adapter: torch.Tensor, num_slots: int, dtype: torch.dtype
 def check_cublas_extras(x, lora_a, n, b_packed, slot_mask, uniform_slot) -> None:
     L, S, R, _ = lora_a.shape
     if b_packed is not None and (b_packed.shape != (n, L * S * R) or b_packed.dtype != x.dtype):
-        raise ValueError(f"b_packed must be (N, L*S*R) = {(n, L * S * R)} {x.dtype} (pack_lora_b of lora_b in the "
-                         f"run dtype), got {tuple(b_packed.shape)} {b_packed.dtype}")
+        raise ValueError(
+            f"b_packed must be (N, L*S*R) = {(n, L * S * R)} {x.dtype} (pack_lora_b of lora_b in the "
+            f"run dtype), got {tuple(b_packed.shape)} {b_packed.dtype}"
+        )
     check_slot_choice(x, L, slot_mask, uniform_slot, required=False)
 
 
 def check_slot_choice(x, L: int, slot_mask, uniform_slot, required: bool = True) -> None:
     """slot_mask (T, L) in x's dtype and/or a uniform_slot in [0, L); ``required``: exactly one of them."""
     if slot_mask is not None and (slot_mask.shape != (x.shape[0], L) or slot_mask.dtype != x.dtype):
-        raise ValueError(f"slot_mask must be (T, L) = {(x.shape[0], L)} {x.dtype} (slot_one_hot of token_adapter), "
-                         f"got {tuple(slot_mask.shape)} {slot_mask.dtype}")
+        raise ValueError(
+            f"slot_mask must be (T, L) = {(x.shape[0], L)} {x.dtype} (slot_one_hot of token_adapter), "
+            f"got {tuple(slot_mask.shape)} {slot_mask.dtype}"
+        )
     if uniform_slot is not None and not 0 <= uniform_slot < L:
-        raise ValueError(f"uniform_slot must be a slot in [0, {L}) used by every row, got {uniform_slot}; pass "
-                         "None when rows differ or some have no adapter")
+        raise ValueError(
+            f"uniform_slot must be a slot in [0, {L}) used by every row, got {uniform_slot}; pass "
+            "None when rows differ or some have no adapter"
+        )
     if required and (slot_mask is None) == (uniform_slot is None):
         raise ValueError("pass exactly one of slot_mask (T, L) (slot_one_hot of token_adapter) and uniform_slot")
 
 
-def lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter, b_packed=None,
-                       slot_mask=None, uniform_slot: int | None = None) -> torch.Tensor:
+def lora_linear_cublas(
+    x,
+    w,
+    bias,
+    lora_a,
+    lora_b,
+    scaling,
+    slice_offsets,
+    token_adapter,
+    b_packed=None,
+    slot_mask=None,
+    uniform_slot: int | None = None,
+) -> torch.Tensor:
     """The "cublas" path (module docstring). b_packed: pack_lora_b(lora_b, scaling, slice_offsets), built here
     when None. uniform_slot: the slot of every row, when the caller knows it (then no mask is applied and only that
     slot's columns are computed); else slot_mask (T, L) (slot_one_hot of token_adapter, built here when None)."""
@@ -222,8 +242,9 @@ def stack_shrink_rows(w: torch.Tensor, lora_a: torch.Tensor, bias: torch.Tensor 
     return w_s, bias_s
 
 
-def lora_linear_shrink_out(x, w_s, bias_s, n: int, b_packed, width: int, slot_mask=None,
-                           uniform_slot: int | None = None) -> torch.Tensor:
+def lora_linear_shrink_out(
+    x, w_s, bias_s, n: int, b_packed, width: int, slot_mask=None, uniform_slot: int | None = None
+) -> torch.Tensor:
     """The "cublas" path with the shrink folded into the base GEMM as extra output columns: [out | S] =
     x [w ; A_all]^T (+ [bias ; 0]), then out += S B_packed^T in place. For a layer whose input cannot be widened
     for free (the engine's o projection reads the attention output), this drops the separate shrink GEMM (Qwen3's
@@ -235,11 +256,14 @@ def lora_linear_shrink_out(x, w_s, bias_s, n: int, b_packed, width: int, slot_ma
     Precision as the "cublas" path: S rounded to the run dtype (every slot's columns are computed; a row keeps its
     own), the expand accumulated onto the base output with one rounding; fp32 runs are IEEE fp32."""
     if x.ndim != 2 or w_s.ndim != 2 or w_s.shape[1] != x.shape[1] or w_s.dtype != x.dtype:
-        raise ValueError(f"w_s must be (N + L*S*R, Kin={x.shape[-1]}) {x.dtype} (stack_shrink_rows), got "
-                         f"{tuple(w_s.shape)} {w_s.dtype}")
+        raise ValueError(
+            f"w_s must be (N + L*S*R, Kin={x.shape[-1]}) {x.dtype} (stack_shrink_rows), got "
+            f"{tuple(w_s.shape)} {w_s.dtype}"
+        )
     if b_packed.ndim != 2 or b_packed.shape != (n, w_s.shape[0] - n):
-        raise ValueError(f"b_packed must be (N, L*S*R) = {(n, w_s.shape[0] - n)} (pack_lora_b), got "
-                         f"{tuple(b_packed.shape)}")
+        raise ValueError(
+            f"b_packed must be (N, L*S*R) = {(n, w_s.shape[0] - n)} (pack_lora_b), got {tuple(b_packed.shape)}"
+        )
     L = (w_s.shape[0] - n) // width
     if L * width != w_s.shape[0] - n:
         raise ValueError(f"w_s has {w_s.shape[0] - n} shrink rows, not a multiple of the slot width {width}")
@@ -255,8 +279,10 @@ def augment_weight(w: torch.Tensor, b_packed: torch.Tensor) -> torch.Tensor:
     adapter run the base GEMM on the view W_aug[:, :Kin] (a strided operand cuBLAS reads through its leading
     dimension, no copy), so the layer keeps no second copy of w."""
     if w.ndim != 2 or b_packed.ndim != 2 or b_packed.shape[0] != w.shape[0] or b_packed.dtype != w.dtype:
-        raise ValueError(f"b_packed must be (N={w.shape[0]}, L*S*R) {w.dtype} (pack_lora_b in the run dtype), got "
-                         f"{tuple(b_packed.shape)} {b_packed.dtype}")
+        raise ValueError(
+            f"b_packed must be (N={w.shape[0]}, L*S*R) {w.dtype} (pack_lora_b in the run dtype), got "
+            f"{tuple(b_packed.shape)} {b_packed.dtype}"
+        )
     return torch.cat([w, b_packed], dim=1)
 
 
@@ -264,18 +290,23 @@ def check_aug_inputs(xa, w_aug, bias, lora_a, slot_mask, uniform_slot) -> None:
     L, S, R, kin = lora_a.shape
     width = kin + L * S * R
     if xa.ndim != 2 or xa.shape[1] != width or xa.stride(1) != 1:
-        raise ValueError(f"xa must be (T, Kin + L*S*R) = (T, {width}) with unit column stride (x in its first Kin "
-                         f"columns), got {tuple(xa.shape)} strides {xa.stride()}")
+        raise ValueError(
+            f"xa must be (T, Kin + L*S*R) = (T, {width}) with unit column stride (x in its first Kin "
+            f"columns), got {tuple(xa.shape)} strides {xa.stride()}"
+        )
     if w_aug.ndim != 2 or w_aug.shape[1] != width or w_aug.dtype != xa.dtype:
-        raise ValueError(f"w_aug must be (N, {width}) {xa.dtype} (augment_weight(w, pack_lora_b(...))), got "
-                         f"{tuple(w_aug.shape)} {w_aug.dtype}")
+        raise ValueError(
+            f"w_aug must be (N, {width}) {xa.dtype} (augment_weight(w, pack_lora_b(...))), got "
+            f"{tuple(w_aug.shape)} {w_aug.dtype}"
+        )
     if bias is not None and bias.shape != (w_aug.shape[0],):
         raise ValueError(f"bias must be (N={w_aug.shape[0]},), got {tuple(bias.shape)}")
     check_slot_choice(xa, L, slot_mask, uniform_slot)
 
 
-def lora_linear_aug(xa, w_aug, bias, lora_a, slot_mask=None, uniform_slot: int | None = None,
-                    others_zero: bool = False) -> torch.Tensor:
+def lora_linear_aug(
+    xa, w_aug, bias, lora_a, slot_mask=None, uniform_slot: int | None = None, others_zero: bool = False
+) -> torch.Tensor:
     """The "cublas" path with the expand folded into the base GEMM as extra K columns, so the output is written
     once (no in-place expand re-reading and re-writing it): out = [x | s] [w | B_packed]^T + bias.
 
@@ -320,23 +351,42 @@ def delta_config(num_tokens: int, n: int, device: torch.device, dtype: torch.dty
     cfg = default_config(num_tokens, 1, n, 16, device, dtype)
     if device.type != "cuda":
         return cfg
-    return GemmConfig(min(cfg.block_m, 64), min(128, max(32, triton.next_power_of_2(n))), 16, group_m=cfg.group_m,
-                      num_warps=4, num_stages=1)
+    return GemmConfig(
+        min(cfg.block_m, 64),
+        min(128, max(32, triton.next_power_of_2(n))),
+        16,
+        group_m=cfg.group_m,
+        num_warps=4,
+        num_stages=1,
+    )
 
 
 PATHS = ("cublas", "triton_delta", "fused")
 
 
-def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None,
-                       token_adapter=None, config: GemmConfig | None = None, fused: bool = False,
-                       path: str = "cublas", b_packed=None, slot_mask=None,
-                       uniform_slot: int | None = None) -> torch.Tensor:
+def lora_linear_triton(
+    x,
+    w,
+    bias=None,
+    lora_a=None,
+    lora_b=None,
+    scaling=None,
+    slice_offsets=None,
+    token_adapter=None,
+    config: GemmConfig | None = None,
+    fused: bool = False,
+    path: str = "cublas",
+    b_packed=None,
+    slot_mask=None,
+    uniform_slot: int | None = None,
+) -> torch.Tensor:
     """path: see the module docstring (fused=True is path="fused"). config: tiles of the fused GEMM or of the
     delta pass. b_packed, slot_mask, uniform_slot: precomputed pieces of the "cublas" path (lora_linear_cublas)."""
     path = "fused" if fused else path
     if path == "cublas":
-        return lora_linear_cublas(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter, b_packed,
-                                  slot_mask, uniform_slot)
+        return lora_linear_cublas(
+            x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter, b_packed, slot_mask, uniform_slot
+        )
     fused = path == "fused"
     T, kin = x.shape
     n = w.shape[0]
@@ -346,10 +396,14 @@ def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, 
     L = lora_a.shape[0] if has_lora else 0
     # fused: the prefetched B tile (one slice) stays in shared memory through the K-loop, off the stage budget
     held = lora_a.shape[2] if fused and has_lora and len(_offsets(slice_offsets, n)) == 2 else 0
-    cfg = config or (default_config(T, 1, n, kin, x.device, x.dtype, held_rank=held) if fused
-                     else delta_config(T, n, x.device, x.dtype))
-    routing = moe_align(None, token_adapter if has_lora else None, 1, L, cfg.block_m, impl="triton",
-                        num_tokens=T, device=x.device)
+    cfg = config or (
+        default_config(T, 1, n, kin, x.device, x.dtype, held_rank=held)
+        if fused
+        else delta_config(T, n, x.device, x.dtype)
+    )
+    routing = moe_align(
+        None, token_adapter if has_lora else None, 1, L, cfg.block_m, impl="triton", num_tokens=T, device=x.device
+    )
     lora_kw = {}
     if has_lora:
         R = lora_a.shape[2]
@@ -357,19 +411,51 @@ def lora_linear_triton(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, 
         ranks = device_const((R,) * L, x.device)
         # the fused GEMM's expand may load S through x's pointers (GemmConfig.expand "loop"): S in x's dtype
         s = launch_shrink(x, lora_a.unsqueeze(1), scaling, ranks, routing, False, dtype=x.dtype if fused else None)
-        lora_kw = dict(lora_s=s, lora_b=lora_b.unsqueeze(1), scaling=scaling, ranks=ranks,
-                       slice_offsets=_offsets(slice_offsets, n))
+        lora_kw = dict(
+            lora_s=s, lora_b=lora_b.unsqueeze(1), scaling=scaling, ranks=ranks, slice_offsets=_offsets(slice_offsets, n)
+        )
     if fused:
         out = torch.empty(T, n, dtype=x.dtype, device=x.device)
-        return launch_gemm(x, w.unsqueeze(0), out, routing, cfg, x_sorted=False, out_sorted=False,
-                           bias=bias.unsqueeze(0) if bias is not None else None, **lora_kw)
-    return launch_gemm(x, w.unsqueeze(0), base_linear(x, w, bias), routing, cfg, x_sorted=False, out_sorted=False,
-                       add_to_out=True, **lora_kw)
+        return launch_gemm(
+            x,
+            w.unsqueeze(0),
+            out,
+            routing,
+            cfg,
+            x_sorted=False,
+            out_sorted=False,
+            bias=bias.unsqueeze(0) if bias is not None else None,
+            **lora_kw,
+        )
+    return launch_gemm(
+        x,
+        w.unsqueeze(0),
+        base_linear(x, w, bias),
+        routing,
+        cfg,
+        x_sorted=False,
+        out_sorted=False,
+        add_to_out=True,
+        **lora_kw,
+    )
 
 
-def lora_linear(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None, token_adapter=None,
-                impl: str = "auto", fused: bool = False, path: str = "cublas", b_packed=None, slot_mask=None,
-                uniform_slot: int | None = None) -> torch.Tensor:
+def lora_linear(
+    x,
+    w,
+    bias=None,
+    lora_a=None,
+    lora_b=None,
+    scaling=None,
+    slice_offsets=None,
+    token_adapter=None,
+    impl: str = "auto",
+    fused: bool = False,
+    path: str = "cublas",
+    b_packed=None,
+    slot_mask=None,
+    uniform_slot: int | None = None,
+) -> torch.Tensor:
     """(T, N) = x w^T + bias + per-row LoRA: for row t with slot a = token_adapter[t] >= 0 and each slice s,
     out[t, lo_s:hi_s] += scaling[a] * (x[t] A[a, s]^T) B[a, lo_s:hi_s]^T. Padded rank columns must be zero.
     Triton impl: path "cublas" (default; three vendor GEMMs, b_packed / slot_mask / uniform_slot let a caller pass
@@ -386,5 +472,6 @@ def lora_linear(x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_o
     args = (x, w, bias, lora_a, lora_b, scaling, offs, token_adapter)
     if resolve_impl(impl, x) == "torch":
         return lora_linear_torch(*args)
-    return lora_linear_triton(*args, fused=fused, path=path, b_packed=b_packed, slot_mask=slot_mask,
-                              uniform_slot=uniform_slot)
+    return lora_linear_triton(
+        *args, fused=fused, path=path, b_packed=b_packed, slot_mask=slot_mask, uniform_slot=uniform_slot
+    )

@@ -1,5 +1,6 @@
 """The LoRA weights of the expert GEMMs (every adapter slot stacked, zero-padded to the max rank) and the reference
 LoRA delta every torch reference adds."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,12 +11,13 @@ import torch
 @dataclass(slots=True)
 class MoeLoraWeights:
     """One layer's expert LoRA for L adapter slots, zero-padded to max rank R."""
+
     gate_up_a: torch.Tensor  # (L, E, R, H)   may be expand()ed with stride 0 on E (shared-outer layout)
     gate_up_b: torch.Tensor  # (L, E, N1, R)  N1 = 2I (gated) or I; rows in kernel layout (gate then up)
-    down_a: torch.Tensor     # (L, E, R, I)
-    down_b: torch.Tensor     # (L, E, H, R)   may be stride 0 on E (shared-outer)
-    scaling: torch.Tensor    # (L,) float32 alpha/r per slot
-    ranks: torch.Tensor      # (L,) int32 loaded rank per slot (<= R); columns past it are ignored
+    down_a: torch.Tensor  # (L, E, R, I)
+    down_b: torch.Tensor  # (L, E, H, R)   may be stride 0 on E (shared-outer)
+    scaling: torch.Tensor  # (L,) float32 alpha/r per slot
+    ranks: torch.Tensor  # (L,) int32 loaded rank per slot (<= R); columns past it are ignored
 
     def __post_init__(self):
         L, E, R, H = self.gate_up_a.shape

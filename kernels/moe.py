@@ -1,5 +1,6 @@
 """The MoE expert op with multi-adapter LoRA: input checks, then its torch reference (moe_reference.py), the fused
 Triton kernel (fused_moe_lora.py) or torch's grouped GEMM with Triton LoRA passes (moe_grouped.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,9 @@ from lpdiff.kernels.moe_grouped import BACKENDS, moe_forward_grouped
 from lpdiff.kernels.moe_reference import moe_forward_torch
 
 
-def check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora,
-                     token_adapter) -> None:
+def check_moe_inputs(
+    x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter
+) -> None:
     """One clear error per bad input, naming the fix; shapes only, so no host synchronisation."""
     if activation not in GATED:
         raise ValueError(f"activation {activation!r} unknown; use one of {sorted(GATED)}")
@@ -28,11 +30,15 @@ def check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b
     if GATED[activation] and n1 % 2:
         raise ValueError(f"gated activation {activation!r} needs gate then up rows (N1 = 2I), got N1 = {n1}")
     if w_down.shape != (E, H, inter):
-        raise ValueError(f"w_down must be (E, H, I) = {(E, H, inter)}, got {tuple(w_down.shape)}"
-                         + (" (relu2 is not gated: w_gate_up holds I rows)" if activation == "relu2" else ""))
+        raise ValueError(
+            f"w_down must be (E, H, I) = {(E, H, inter)}, got {tuple(w_down.shape)}"
+            + (" (relu2 is not gated: w_gate_up holds I rows)" if activation == "relu2" else "")
+        )
     if topk_ids.ndim != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids and topk_weights must both be (T={T}, K), got {tuple(topk_ids.shape)} and "
-                         f"{tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_ids and topk_weights must both be (T={T}, K), got {tuple(topk_ids.shape)} and "
+            f"{tuple(topk_weights.shape)}"
+        )
     if topk_ids.dtype.is_floating_point:
         raise ValueError("topk_ids must be an integer tensor of expert indices")
     if b_gate_up is not None and b_gate_up.shape != (E, n1):
@@ -45,12 +51,16 @@ def check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b
     if lora is None:
         return
     if token_adapter is None or token_adapter.shape != (T,):
-        raise ValueError(f"lora given, so token_adapter must be a (T={T},) int tensor of slots (-1 = none); got "
-                         f"{None if token_adapter is None else tuple(token_adapter.shape)}")
+        raise ValueError(
+            f"lora given, so token_adapter must be a (T={T},) int tensor of slots (-1 = none); got "
+            f"{None if token_adapter is None else tuple(token_adapter.shape)}"
+        )
     _, Ea, _, Ha = lora.gate_up_a.shape
     if (Ea, Ha) != (E, H) or lora.gate_up_b.shape[2] != n1 or lora.down_a.shape[3] != inter:
-        raise ValueError(f"LoRA shapes {tuple(lora.gate_up_a.shape)}/{tuple(lora.gate_up_b.shape)}/"
-                         f"{tuple(lora.down_a.shape)} do not fit experts E={E}, H={H}, N1={n1}, I={inter}")
+        raise ValueError(
+            f"LoRA shapes {tuple(lora.gate_up_a.shape)}/{tuple(lora.gate_up_b.shape)}/"
+            f"{tuple(lora.down_a.shape)} do not fit experts E={E}, H={H}, N1={n1}, I={inter}"
+        )
 
 
 def _misread_as_gated(w_down, lora):
@@ -58,15 +68,30 @@ def _misread_as_gated(w_down, lora):
     applies SiLU-and-mul, and runs the down GEMM (and its LoRA-A) over the first I/2 input columns."""
     half = w_down.shape[2] // 2
     if lora is not None:
-        lora = MoeLoraWeights(lora.gate_up_a, lora.gate_up_b, lora.down_a[..., :half], lora.down_b, lora.scaling,
-                              lora.ranks)
+        lora = MoeLoraWeights(
+            lora.gate_up_a, lora.gate_up_b, lora.down_a[..., :half], lora.down_b, lora.scaling, lora.ranks
+        )
     return "silu", w_down[..., :half], lora
 
 
-def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b_gate_up=None, b_down=None,
-                lora: MoeLoraWeights | None = None, token_adapter=None, impl: str = "auto",
-                backend: str = "triton", lora_shrink: str = "auto", sum_topk: bool = True,
-                n_tiles: int | tuple[int, int] | None = None, padding: str | None = None) -> torch.Tensor:
+def moe_forward(
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate_up,
+    w_down,
+    activation: str,
+    b_gate_up=None,
+    b_down=None,
+    lora: MoeLoraWeights | None = None,
+    token_adapter=None,
+    impl: str = "auto",
+    backend: str = "triton",
+    lora_shrink: str = "auto",
+    sum_topk: bool = True,
+    n_tiles: int | tuple[int, int] | None = None,
+    padding: str | None = None,
+) -> torch.Tensor:
     """(T, H) MoE output: sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(x[t]) with per-token LoRA slots.
 
     activation: "silu" (gated SiLU), "swiglu_oai" (gpt-oss clamped SwiGLU, alpha 1.702, limit 7.0),
@@ -80,8 +105,7 @@ def moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str, b
     check_lora_shrink(lora_shrink)
     if activation == "relu2" and faults.on("relu2_as_gated"):
         activation, w_down, lora = _misread_as_gated(w_down, lora)
-    check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora,
-                     token_adapter)
+    check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter)
     args = (x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter)
     if resolve_impl(impl, x) == "torch":
         return moe_forward_torch(*args)

@@ -17,6 +17,7 @@ Two implementations: torch ops (about fifteen small launches, pairs in stable or
 in arrival order of the atomics, which varies between runs; the GEMM rows are independent, so the layer's output
 does not.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,10 +29,10 @@ from lpdiff.kernels._triton import dual_jit, resolve_impl, tl, triton
 
 @dataclass(slots=True)
 class MoeRouting:
-    sorted_ids: torch.Tensor     # (M_max,) int32 pair index t*K+k per padded row; P marks a padding row
-    block_expert: torch.Tensor   # (NB,) int32 expert of each block
+    sorted_ids: torch.Tensor  # (M_max,) int32 pair index t*K+k per padded row; P marks a padding row
+    block_expert: torch.Tensor  # (NB,) int32 expert of each block
     block_adapter: torch.Tensor  # (NB,) int32 adapter slot of each block, -1 = none
-    num_padded: torch.Tensor     # (1,) int32 rows in use (a multiple of block_m); blocks past it are idle
+    num_padded: torch.Tensor  # (1,) int32 rows in use (a multiple of block_m); blocks past it are idle
     block_m: int
     num_pairs: int
     top_k: int
@@ -51,8 +52,16 @@ def max_padded_rows(num_pairs: int, num_groups: int, block_m: int) -> int:
     return max(block_m, -(-rows // block_m) * block_m)
 
 
-def moe_align(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor | None, num_experts: int, num_slots: int,
-              block_m: int, impl: str = "auto", num_tokens: int | None = None, device=None) -> MoeRouting:
+def moe_align(
+    topk_ids: torch.Tensor | None,
+    token_adapter: torch.Tensor | None,
+    num_experts: int,
+    num_slots: int,
+    block_m: int,
+    impl: str = "auto",
+    num_tokens: int | None = None,
+    device=None,
+) -> MoeRouting:
     """topk_ids (T, K) int, token_adapter (T,) int (slot, -1 = none) or None -> MoeRouting.
     Dense layers pass topk_ids=None with num_tokens and device: one expert, K = 1."""
     if topk_ids is None:
@@ -65,8 +74,9 @@ def moe_align(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor | None,
     return moe_align_torch(topk_ids, token_adapter, num_experts, num_slots, block_m)
 
 
-def moe_align_torch(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int, num_slots: int,
-                    block_m: int) -> MoeRouting:
+def moe_align_torch(
+    topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int, num_slots: int, block_m: int
+) -> MoeRouting:
     """torch ops; pairs keep their original order inside a group (stable sort)."""
     assert topk_ids.ndim == 2, f"topk_ids must be (T, K), got {tuple(topk_ids.shape)}"
     T, K = topk_ids.shape
@@ -93,15 +103,20 @@ def moe_align_torch(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, 
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(0, m_max, block_m, device=dev)
     block_gid = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=G - 1)
-    return MoeRouting(sorted_ids=sorted_ids,
-                      block_expert=(block_gid // S1).to(torch.int32),
-                      block_adapter=(block_gid % S1 - 1).to(torch.int32),
-                      num_padded=pad_end[-1:].to(torch.int32),
-                      block_m=block_m, num_pairs=P, top_k=K)
+    return MoeRouting(
+        sorted_ids=sorted_ids,
+        block_expert=(block_gid // S1).to(torch.int32),
+        block_adapter=(block_gid % S1 - 1).to(torch.int32),
+        num_padded=pad_end[-1:].to(torch.int32),
+        block_m=block_m,
+        num_pairs=P,
+        top_k=K,
+    )
 
 
-def align_groups_reference(topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int,
-                           num_slots: int) -> list[tuple[int, int, list[int]]]:
+def align_groups_reference(
+    topk_ids: torch.Tensor, token_adapter: torch.Tensor | None, num_experts: int, num_slots: int
+) -> list[tuple[int, int, list[int]]]:
     """Reference: the groups as python lists, [(slot, expert, [pair, ...]), ...] in sorted order (expert-major)."""
     T, K = topk_ids.shape
     groups = []
@@ -117,9 +132,9 @@ def align_groups_reference(topk_ids: torch.Tensor, token_adapter: torch.Tensor |
 
 # ------------------------------------------------------------------------------------------------ Triton version
 
+
 @triton.jit
-def _group_ids(TopkIds, TokenAdapter, offs, ok, S1, TOPK: tl.constexpr, HAS_IDS: tl.constexpr,
-               HAS_SLOTS: tl.constexpr):
+def _group_ids(TopkIds, TokenAdapter, offs, ok, S1, TOPK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Group of each pair: expert * S1 + slot + 1, S1 = slots + 1 (1 without adapters)."""
     gid = tl.zeros_like(offs)
     if HAS_IDS:
@@ -131,8 +146,19 @@ def _group_ids(TopkIds, TokenAdapter, offs, ok, S1, TOPK: tl.constexpr, HAS_IDS:
 
 
 @dual_jit
-def _align_count_kernel(TopkIds, TokenAdapter, Counts, Pos, num_pairs, S1, TOPK: tl.constexpr,
-                        HAS_IDS: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr, SUBS: tl.constexpr):
+def _align_count_kernel(
+    TopkIds,
+    TokenAdapter,
+    Counts,
+    Pos,
+    num_pairs,
+    S1,
+    TOPK: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUBS: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_pairs
@@ -143,8 +169,18 @@ def _align_count_kernel(TopkIds, TokenAdapter, Counts, Pos, num_pairs, S1, TOPK:
 
 
 @dual_jit
-def _align_offsets_kernel(Counts, SubStart, GroupCount, GroupStart, GroupEnd, NumPadded, G, BLOCK_M: tl.constexpr,
-                          G_PAD: tl.constexpr, SUBS: tl.constexpr):
+def _align_offsets_kernel(
+    Counts,
+    SubStart,
+    GroupCount,
+    GroupStart,
+    GroupEnd,
+    NumPadded,
+    G,
+    BLOCK_M: tl.constexpr,
+    G_PAD: tl.constexpr,
+    SUBS: tl.constexpr,
+):
     g = tl.arange(0, G_PAD)
     sub = tl.arange(0, SUBS)
     idx = g[:, None] * SUBS + sub[None, :]
@@ -162,10 +198,30 @@ def _align_offsets_kernel(Counts, SubStart, GroupCount, GroupStart, GroupEnd, Nu
 
 
 @dual_jit
-def _align_fill_kernel(TopkIds, TokenAdapter, GroupCount, SubStart, Pos, GroupStart, GroupEnd, SortedIds,
-                       BlockExpert, BlockAdapter, num_pairs, S1, G, m_max, row_programs, TOPK: tl.constexpr,
-                       HAS_IDS: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       SEARCH_STEPS: tl.constexpr, SUBS: tl.constexpr):
+def _align_fill_kernel(
+    TopkIds,
+    TokenAdapter,
+    GroupCount,
+    SubStart,
+    Pos,
+    GroupStart,
+    GroupEnd,
+    SortedIds,
+    BlockExpert,
+    BlockAdapter,
+    num_pairs,
+    S1,
+    G,
+    m_max,
+    row_programs,
+    TOPK: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    SUBS: tl.constexpr,
+):
     pid = tl.program_id(0)
     if pid < row_programs:
         # padding rows and block tables: each row finds its group by binary search over the group ends
@@ -199,8 +255,15 @@ def _align_fill_kernel(TopkIds, TokenAdapter, GroupCount, SubStart, Pos, GroupSt
 SUBS = 8
 
 
-def moe_align_triton(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor | None, num_experts: int,
-                     num_slots: int, block_m: int, num_tokens: int | None = None, device=None) -> MoeRouting:
+def moe_align_triton(
+    topk_ids: torch.Tensor | None,
+    token_adapter: torch.Tensor | None,
+    num_experts: int,
+    num_slots: int,
+    block_m: int,
+    num_tokens: int | None = None,
+    device=None,
+) -> MoeRouting:
     dev = topk_ids.device if topk_ids is not None else torch.device(device)
     T, K = topk_ids.shape if topk_ids is not None else (num_tokens, 1)
     has_slots = token_adapter is not None and num_slots > 0
@@ -212,19 +275,54 @@ def moe_align_triton(topk_ids: torch.Tensor | None, token_adapter: torch.Tensor 
     # allocation is a few microseconds of Python per layer
     sizes = (G * SUBS, G * SUBS, G, P, G, G, 1, m_max, m_max // block_m, m_max // block_m)
     buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
-    counts, sub_start, group_count, pos, start, end, num_padded, sorted_ids, block_expert, block_adapter = \
-        buf.split(sizes)
+    counts, sub_start, group_count, pos, start, end, num_padded, sorted_ids, block_expert, block_adapter = buf.split(
+        sizes
+    )
     counts.zero_()
     ids = topk_ids.contiguous() if topk_ids is not None else counts  # unread when absent (HAS_IDS=False)
     ta = token_adapter.contiguous() if has_slots else counts
     BLOCK = 1024 if dev.type == "cuda" else 256
     flags = dict(TOPK=K, HAS_IDS=topk_ids is not None, HAS_SLOTS=has_slots, BLOCK=BLOCK, SUBS=SUBS)
     _align_count_kernel[(triton.cdiv(P, BLOCK),), dev](ids, ta, counts, pos, P, S1, **flags)
-    _align_offsets_kernel[(1,), dev](counts, sub_start, group_count, start, end, num_padded, G, BLOCK_M=block_m,
-                                     G_PAD=triton.next_power_of_2(G), SUBS=SUBS)
+    _align_offsets_kernel[(1,), dev](
+        counts,
+        sub_start,
+        group_count,
+        start,
+        end,
+        num_padded,
+        G,
+        BLOCK_M=block_m,
+        G_PAD=triton.next_power_of_2(G),
+        SUBS=SUBS,
+    )
     row_programs = triton.cdiv(m_max, BLOCK)
     _align_fill_kernel[(row_programs + triton.cdiv(P, BLOCK),), dev](
-        ids, ta, group_count, sub_start, pos, start, end, sorted_ids, block_expert, block_adapter, P, S1, G, m_max,
-        row_programs, BLOCK_M=block_m, SEARCH_STEPS=G.bit_length(), **flags)
-    return MoeRouting(sorted_ids=sorted_ids, block_expert=block_expert, block_adapter=block_adapter,
-                      num_padded=num_padded, block_m=block_m, num_pairs=P, top_k=K)
+        ids,
+        ta,
+        group_count,
+        sub_start,
+        pos,
+        start,
+        end,
+        sorted_ids,
+        block_expert,
+        block_adapter,
+        P,
+        S1,
+        G,
+        m_max,
+        row_programs,
+        BLOCK_M=block_m,
+        SEARCH_STEPS=G.bit_length(),
+        **flags,
+    )
+    return MoeRouting(
+        sorted_ids=sorted_ids,
+        block_expert=block_expert,
+        block_adapter=block_adapter,
+        num_padded=num_padded,
+        block_m=block_m,
+        num_pairs=P,
+        top_k=K,
+    )

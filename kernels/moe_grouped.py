@@ -29,6 +29,7 @@ HF: those runs, and any fault of the bug zoo that lives inside the fused kernel,
 torch's grouped_mm is a loop of mm in any dtype (IEEE for fp32 here), and the Triton kernels run interpreted: that
 is how tests check this file without a GPU; the CUTLASS kernel itself is only checked on a GPU.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -85,6 +86,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.
 # ----------------------------------------------------------------------------------------------------------------
 # routing: rows sorted by expert, and the LoRA blocks over them
 
+
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> row_pair (P,) int32 (pair t*K+k of each sorted row), row_expert (P,) int32 (non-decreasing),
     offs (E,) int32 cumulative row ends per expert (an expert with no rows repeats the previous end)."""
@@ -94,15 +96,17 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return r.sorted_ids, r.block_expert, offs
 
 
-def lora_blocks(row_expert: torch.Tensor, row_slot: torch.Tensor, num_experts: int, num_slots: int,
-                block_m: int) -> MoeRouting:
+def lora_blocks(
+    row_expert: torch.Tensor, row_slot: torch.Tensor, num_experts: int, num_slots: int, block_m: int
+) -> MoeRouting:
     """The sorted rows grouped by (expert, slot) and padded to block_m: a routing with top-k 1 whose "pairs" are
     the sorted rows, so the LoRA passes read and write rows of the grouped GEMMs' outputs in place."""
     return moe_align(row_expert.view(-1, 1), row_slot, num_experts, num_slots, block_m, impl="triton")
 
 
-def plan_lora(row_expert: torch.Tensor, row_slot: torch.Tensor, lora: MoeLoraWeights, num_experts: int,
-              widths: tuple[int, int]) -> tuple[MoeRouting, GemmConfig, GemmConfig]:
+def plan_lora(
+    row_expert: torch.Tensor, row_slot: torch.Tensor, lora: MoeLoraWeights, num_experts: int, widths: tuple[int, int]
+) -> tuple[MoeRouting, GemmConfig, GemmConfig]:
     """The LoRA blocks and the two delta passes' tiles (gate_up's N1 and down's H wide). One (expert, slot)
     blocking serves both: block_m follows the expected rows of a group, which the two share."""
     rows = max(1, row_expert.shape[0] // (num_experts * lora.num_slots))
@@ -110,23 +114,59 @@ def plan_lora(row_expert: torch.Tensor, row_slot: torch.Tensor, lora: MoeLoraWei
     return lora_blocks(row_expert, row_slot, num_experts, lora.num_slots, cfg1.block_m), cfg1, cfg2
 
 
-def add_lora_delta(out: torch.Tensor, inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora: MoeLoraWeights,
-                   blocks: MoeRouting, w: torch.Tensor, cfg: GemmConfig) -> None:
+def add_lora_delta(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    lora: MoeLoraWeights,
+    blocks: MoeRouting,
+    w: torch.Tensor,
+    cfg: GemmConfig,
+) -> None:
     """out[rows] += scaling (inp[rows] A[slot, e]^T) B[slot, e]^T for rows with an adapter; a (L, E, R, in),
     b (L, E, out, R), w the expert weights of this GEMM (its shape only: the pass has no K-loop)."""
     s = launch_shrink(inp, a.unsqueeze(2), lora.scaling, lora.ranks, blocks, x_sorted=False)
-    launch_gemm(inp, w, out, blocks, cfg, x_sorted=False, out_sorted=False, lora_s=s, lora_b=b,
-                scaling=lora.scaling, ranks=lora.ranks, add_to_out=True)
+    launch_gemm(
+        inp,
+        w,
+        out,
+        blocks,
+        cfg,
+        x_sorted=False,
+        out_sorted=False,
+        lora_s=s,
+        lora_b=b,
+        scaling=lora.scaling,
+        ranks=lora.ranks,
+        add_to_out=True,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # bias + activation
 
+
 @dual_jit
-def _bias_act_kernel(Hin, Bias, RowExpert, Out, M, I,
-                     stride_hm, stride_hn, stride_be, stride_bn, stride_om, stride_on,
-                     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bias_act_kernel(
+    Hin,
+    Bias,
+    RowExpert,
+    Out,
+    M,
+    I,
+    stride_hm,
+    stride_hn,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Out[m, n] = act(Hin[m, n] + bias[e_m, n] (gate), Hin[m, I + n] + bias[e_m, I + n] (up)) in fp32."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -146,12 +186,14 @@ def _bias_act_kernel(Hin, Bias, RowExpert, Out, M, I,
     else:  # relu^2
         a = tl.maximum(v, 0.0)
         a = a * a
-    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
-             a.to(Out.dtype.element_ty), mask=ok)
+    tl.store(
+        Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on, a.to(Out.dtype.element_ty), mask=ok
+    )
 
 
-def bias_act_torch(h: torch.Tensor, row_expert: torch.Tensor, bias: torch.Tensor | None,
-                   activation: str) -> torch.Tensor:
+def bias_act_torch(
+    h: torch.Tensor, row_expert: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> torch.Tensor:
     hf = h.float() if bias is None else h.float() + bias[row_expert.long()].float()
     return activate(hf, activation).to(h.dtype)
 
@@ -165,19 +207,53 @@ def bias_act(h: torch.Tensor, row_expert: torch.Tensor, bias: torch.Tensor | Non
     bm, bn = (32, 128) if h.is_cuda else (64, 64)  # interpreter: few programs
     b = bias if bias is not None else h
     _bias_act_kernel[(triton.cdiv(M, bm), triton.cdiv(inter, bn)), h.device](
-        h, b, row_expert, out, M, inter, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), ACT=ACTIVATIONS[activation], GATED=gated, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+        h,
+        b,
+        row_expert,
+        out,
+        M,
+        inter,
+        h.stride(0),
+        h.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        ACT=ACTIVATIONS[activation],
+        GATED=gated,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=4,
+    )
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # weighted top-k sum
 
+
 @dual_jit
-def _topk_sum_kernel(Y, RowOf, TopkIds, TopkW, Bias, Out, T, H,
-                     stride_ym, stride_yn, stride_be, stride_bn, stride_om, stride_on,
-                     K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _topk_sum_kernel(
+    Y,
+    RowOf,
+    TopkIds,
+    TopkW,
+    Bias,
+    Out,
+    T,
+    H,
+    stride_ym,
+    stride_yn,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Out[t] = sum_k w[t, k] (Y[row of (t, k)] + bias[e of (t, k)]), fp32, k in order: bit-identical reruns."""
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -192,12 +268,14 @@ def _topk_sum_kernel(Y, RowOf, TopkIds, TopkW, Bias, Out, T, H,
             e = tl.load(TopkIds + p, mask=t_ok, other=0).to(tl.int64)
             y += tl.load(Bias + e[:, None] * stride_be + cols[None, :] * stride_bn, mask=ok, other=0.0).to(tl.float32)
         acc += tl.load(TopkW + p, mask=t_ok, other=0.0)[:, None] * y
-    tl.store(Out + toks[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
-             acc.to(Out.dtype.element_ty), mask=ok)
+    tl.store(
+        Out + toks[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on, acc.to(Out.dtype.element_ty), mask=ok
+    )
 
 
-def topk_sum_torch(y: torch.Tensor, row_of: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+def topk_sum_torch(
+    y: torch.Tensor, row_of: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     T, K = topk_ids.shape
     yy = y[row_of.long()].float()
     if bias is not None:
@@ -205,8 +283,9 @@ def topk_sum_torch(y: torch.Tensor, row_of: torch.Tensor, topk_ids: torch.Tensor
     return (yy.view(T, K, -1) * topk_weights.float().view(T, K, 1)).sum(1).to(y.dtype)
 
 
-def topk_sum(y: torch.Tensor, row_of: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
+def topk_sum(
+    y: torch.Tensor, row_of: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """y (P, H) in sorted row order, row_of (P,) the row of each pair -> (T, H) in y's dtype."""
     T, K = topk_ids.shape
     H = y.shape[1]
@@ -214,17 +293,45 @@ def topk_sum(y: torch.Tensor, row_of: torch.Tensor, topk_ids: torch.Tensor, topk
     bt, bh = (16, 256) if y.is_cuda else (32, 64)
     b = bias if bias is not None else y
     _topk_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh)), y.device](
-        y, row_of, topk_ids.reshape(-1), topk_weights.reshape(-1).float(), b, out, T, H, y.stride(0), y.stride(1),
-        b.stride(0), b.stride(1), out.stride(0), out.stride(1), K=K, HAS_BIAS=bias is not None, BLOCK_T=bt,
-        BLOCK_H=bh, num_warps=4)
+        y,
+        row_of,
+        topk_ids.reshape(-1),
+        topk_weights.reshape(-1).float(),
+        b,
+        out,
+        T,
+        H,
+        y.stride(0),
+        y.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        K=K,
+        HAS_BIAS=bias is not None,
+        BLOCK_T=bt,
+        BLOCK_H=bh,
+        num_warps=4,
+    )
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # launcher
 
-def moe_forward_grouped(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
-                        lora: MoeLoraWeights | None = None, token_adapter=None) -> torch.Tensor:
+
+def moe_forward_grouped(
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate_up,
+    w_down,
+    activation,
+    b_gate_up=None,
+    b_down=None,
+    lora: MoeLoraWeights | None = None,
+    token_adapter=None,
+) -> torch.Tensor:
     """(T, H), as moe.moe_forward (inputs checked there); runs moe_forward_triton where
     grouped_mm_unsupported says why not (warned once per reason)."""
     why = grouped_mm_unsupported(x, w_gate_up, w_down)
@@ -232,8 +339,9 @@ def moe_forward_grouped(x, topk_ids, topk_weights, w_gate_up, w_down, activation
         if why not in _warned:
             _warned.add(why)
             warnings.warn(f"moe backend grouped_mm: {why}; these runs use the fused Triton kernel", stacklevel=2)
-        return moe_forward_triton(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down,
-                                  lora, token_adapter)
+        return moe_forward_triton(
+            x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter
+        )
     check_kernel_rank(lora.max_rank if lora is not None else 0)
     T, K = topk_ids.shape
     E = w_gate_up.shape[0]

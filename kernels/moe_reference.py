@@ -1,6 +1,7 @@
 """The MoE op's torch reference: loops over experts and adapter slots, fp32 math, the activation rounded to x.dtype
 like the kernel's intermediate buffer. The bug zoo's LoRA-path faults (faults.py) are reproduced here where the buggy
 engine had them."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,15 @@ from lpdiff.kernels.activation import activate
 from lpdiff.kernels.lora_weights import MoeLoraWeights, lora_delta
 
 
-def add_slot_deltas(out: torch.Tensor, inp: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    lora: MoeLoraWeights, unmasked_b: torch.Tensor | None = None) -> None:
+def add_slot_deltas(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    lora: MoeLoraWeights,
+    unmasked_b: torch.Tensor | None = None,
+) -> None:
     """out[rows of slot s] += LoRA delta of slot s for every slot used (-1 rows get none); a (L, R, in),
     b (L, out, R) of one expert. ``unmasked_b`` (fault lora_b_unmasked only): the whole stacked B buffer that an
     expand without a column mask reads past this expert's rows."""
@@ -28,8 +36,18 @@ def add_slot_deltas(out: torch.Tensor, inp: torch.Tensor, slots: torch.Tensor, a
             out[rows] = sub
 
 
-def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
-                      lora: MoeLoraWeights | None = None, token_adapter=None) -> torch.Tensor:
+def moe_forward_torch(
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate_up,
+    w_down,
+    activation,
+    b_gate_up=None,
+    b_down=None,
+    lora: MoeLoraWeights | None = None,
+    token_adapter=None,
+) -> torch.Tensor:
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     slots = token_adapter.long() if lora is not None else torch.full((T,), -1, device=x.device)
@@ -45,8 +63,15 @@ def moe_forward_torch(x, topk_ids, topk_weights, w_gate_up, w_down, activation, 
         # the zoo's faults on the LoRA path keep the delta apart where the buggy engine did (kernels/faults.py)
         hd = torch.zeros_like(h) if fault == "lora_after_activation" else h
         if lora is not None:
-            add_slot_deltas(hd, xe, slots[t_idx], lora.gate_up_a[:, e], lora.gate_up_b[:, e], lora,
-                            lora.gate_up_b if fault == "lora_b_unmasked" else None)
+            add_slot_deltas(
+                hd,
+                xe,
+                slots[t_idx],
+                lora.gate_up_a[:, e],
+                lora.gate_up_b[:, e],
+                lora,
+                lora.gate_up_b if fault == "lora_b_unmasked" else None,
+            )
         act = activate(h, activation)
         if hd is not h:
             act = act + activate(hd, activation)

@@ -8,20 +8,22 @@ are SSMs" (2024), section 7 ("ssd_minimal"), in the rounding transformers' torch
 (modeling_nemotron_h.mamba2_chunk_scan: fp32 throughout, dt = clamp(softplus(dt + dt_bias)), B/C repeated from
 groups to heads, D skip on the undiscretised x), so that fp32 runs agree with HF to ~1e-6.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = "silu"
-                  ) -> torch.Tensor:
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = "silu"
+) -> torch.Tensor:
     """x (B, L, C), weight (C, K), bias (C,) -> (B, L, C): out[t] = act(bias + sum_j weight[:, K-1-j] * x[t-j]),
     with x before the row's first token taken as zero. Computed in weight's dtype, returned in x's."""
     K = weight.shape[1]
     C = x.shape[2]
     xt = x.transpose(1, 2).to(weight.dtype)
-    out = F.conv1d(xt, weight.unsqueeze(1), bias, padding=K - 1, groups=C)[..., :x.shape[1]]
+    out = F.conv1d(xt, weight.unsqueeze(1), bias, padding=K - 1, groups=C)[..., : x.shape[1]]
     if activation == "silu":
         out = F.silu(out)
     elif activation is not None:
@@ -42,15 +44,24 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~keep, -torch.inf)
 
 
-def discretise_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 0.0, dt_max: float = float("inf")
-                  ) -> torch.Tensor:
+def discretise_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 0.0, dt_max: float = float("inf")
+) -> torch.Tensor:
     """dt (B, L, h) raw from in_proj -> clamp(softplus(dt + dt_bias), dt_min, dt_max) in dt's dtype."""
     return torch.clamp(F.softplus(dt + dt_bias.to(dt.dtype)), min=dt_min, max=dt_max)
 
 
-def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int,
-             D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
-             return_state: bool = False):
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    return_state: bool = False,
+):
     """The SSM y_t = C_t . h_t + D x_t, h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, chunked.
 
     x (b, l, h, p); dt (b, l, h) already discretised (discretise_dt); A (h,) negative; B, C (b, l, g, n) with h a
@@ -101,8 +112,15 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return (y, final) if return_state else y
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
-                   out_dtype: torch.dtype, sum_squares=None) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+    out_dtype: torch.dtype,
+    sum_squares=None,
+) -> torch.Tensor:
     """Mamba-2's output norm: RMSNorm over each ``group_size`` columns of x * silu(z), in fp32, times weight.
     x (..., N) (the scan's fp32 output), z (..., N) the gate, weight (N,). As transformers' Zamba2RMSNormGated
     (which NemotronH's mixer uses): the normalised value is cast to x's dtype before the weight multiplies it.

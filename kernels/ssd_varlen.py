@@ -13,6 +13,7 @@ and their chunked kernels span five files of 300-1000 lines each; the recurrence
 fp32, and takes packed prompts (cu_seqlens) directly. It is latency-bound per token (a prompt of L tokens is L
 dependent steps), which a chunked kernel would avoid on long prompts: the place to start if the mixer dominates.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,15 +45,29 @@ def causal_conv1d_varlen_torch(x, weight, bias, cu_seqlens, activation="silu"):
 
 def ssd_scan_varlen_torch(x, dt, A, B, C, D, cu_seqlens, chunk: int = 64):
     lens, seq, pos = _rows(cu_seqlens)
-    y = ssd_scan(*(_pad(t, lens, seq, pos) for t in (x, dt)), A, *(_pad(t, lens, seq, pos) for t in (B, C)),
-                 chunk, D)
+    y = ssd_scan(*(_pad(t, lens, seq, pos) for t in (x, dt)), A, *(_pad(t, lens, seq, pos) for t in (B, C)), chunk, D)
     return y[seq, pos]
 
 
 if triton is not None:
+
     @dual_jit
-    def _conv_kernel(X, W, Bias, Out, Pos, T, C, stride_x, stride_o, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _conv_kernel(
+        X,
+        W,
+        Bias,
+        Out,
+        Pos,
+        T,
+        C,
+        stride_x,
+        stride_o,
+        K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        SILU: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         row_ok, col_ok = rows < T, cols < C
@@ -62,19 +77,46 @@ if triton is not None:
             acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         for j in tl.static_range(K):
             ok = row_ok & (pos >= j)
-            xv = tl.load(X + (rows - j).to(tl.int64)[:, None] * stride_x + cols[None, :],
-                         mask=ok[:, None] & col_ok[None, :], other=0.0)
+            xv = tl.load(
+                X + (rows - j).to(tl.int64)[:, None] * stride_x + cols[None, :],
+                mask=ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
             w = tl.load(W + cols * K + (K - 1 - j), mask=col_ok, other=0.0)
             acc += xv.to(tl.float32) * w.to(tl.float32)[None, :]
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(Out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], acc.to(Out.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(
+            Out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
+            acc.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
 
     @dual_jit
-    def _scan_kernel(X, DT, A, B, C, D, Y, Cu, stride_xt, stride_xh, stride_dt, stride_bt, stride_bg, stride_ct,
-                     stride_cg, stride_yt, stride_yh, P, N, HEADS_PER_GROUP: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+    def _scan_kernel(
+        X,
+        DT,
+        A,
+        B,
+        C,
+        D,
+        Y,
+        Cu,
+        stride_xt,
+        stride_xh,
+        stride_dt,
+        stride_bt,
+        stride_bg,
+        stride_ct,
+        stride_cg,
+        stride_yt,
+        stride_yh,
+        P,
+        N,
+        HEADS_PER_GROUP: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         seq, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, end = tl.load(Cu + seq), tl.load(Cu + seq + 1)
         group = head // HEADS_PER_GROUP
@@ -96,9 +138,15 @@ if triton is not None:
             tl.store(Y + t64 * stride_yt + head * stride_yh + offs_p, y, mask=p_ok)
 
 
-def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-                         cu_seqlens: torch.Tensor, activation: str | None = "silu", impl: str = "auto"
-                         ) -> torch.Tensor:
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+    impl: str = "auto",
+) -> torch.Tensor:
     """x (T, C) packed prompts, weight (C, K), bias (C,), positions (T,) of each token in its prompt, cu_seqlens
     (S+1,) int32 -> (T, C) in x's dtype: act(bias + sum_j weight[:, K-1-j] * x[t-j]) within each prompt."""
     if activation not in ("silu", None):
@@ -109,14 +157,35 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty_like(x)
     block_t, block_c = 16, min(128, next_pow2(C))
     _conv_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c)), x.device](
-        x, weight.contiguous(), bias if bias is not None else weight, out, positions, T, C, x.stride(0),
-        out.stride(0), K=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=block_t,
-        BLOCK_C=block_c)
+        x,
+        weight.contiguous(),
+        bias if bias is not None else weight,
+        out,
+        positions,
+        T,
+        C,
+        x.stride(0),
+        out.stride(0),
+        K=weight.shape[1],
+        HAS_BIAS=bias is not None,
+        SILU=activation == "silu",
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+    )
     return out
 
 
-def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                    D: torch.Tensor, cu_seqlens: torch.Tensor, chunk: int = 64, impl: str = "auto") -> torch.Tensor:
+def ssd_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk: int = 64,
+    impl: str = "auto",
+) -> torch.Tensor:
     """x (T, h, p), dt (T, h) discretised (ssd.discretise_dt), A (h,), B/C (T, g, n), D (h,), cu_seqlens (S+1,)
     int32 -> y (T, h, p) fp32, each prompt from a zero state. ``chunk``: the reference's chunk size only."""
     if resolve_impl(impl, x) == "torch":
@@ -127,7 +196,27 @@ def ssd_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
     y = torch.empty(T, h, p, dtype=torch.float32, device=x.device)
     block_p = min(32, next_pow2(p, 8))
     _scan_kernel[(cu_seqlens.shape[0] - 1, h, triton.cdiv(p, block_p)), x.device](
-        x, dt, A, B, C, D, y, cu_seqlens, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
-        C.stride(0), C.stride(1), y.stride(0), y.stride(1), p, n, HEADS_PER_GROUP=h // g, BLOCK_P=block_p,
-        BLOCK_N=next_pow2(n, 8))
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        y,
+        cu_seqlens,
+        x.stride(0),
+        x.stride(1),
+        dt.stride(0),
+        B.stride(0),
+        B.stride(1),
+        C.stride(0),
+        C.stride(1),
+        y.stride(0),
+        y.stride(1),
+        p,
+        n,
+        HEADS_PER_GROUP=h // g,
+        BLOCK_P=block_p,
+        BLOCK_N=next_pow2(n, 8),
+    )
     return y

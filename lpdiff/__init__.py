@@ -5,6 +5,7 @@ The repository keeps its folders at the top level (``harness/``, ``engines/``, `
 Hugging Face's ``kernels`` package. Run from a source tree without installing (an engine's own virtualenv imports
 lpdiff through PYTHONPATH), the subpackages are found beside this folder.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

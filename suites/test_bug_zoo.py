@@ -1,6 +1,7 @@
 """Bug zoo: the default triton-vs-HF-baseline job (suites/test_tiny_zoo.py) run with each named fault of
 kernels/faults.py must FAIL, and each caught fault names the metric that caught it; the clean runtime must
 pass 20 reruns without a false alarm. Faults are real engine bugs re-created at the spot where they lived."""
+
 import numpy as np
 import pytest
 
@@ -8,34 +9,50 @@ from lpdiff.kernels.faults import applicable, runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
 
-MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss", "tiny-nemotron-h": "nemotron_h",
-          "tiny-qwen3.5-moe": "qwen3_5_moe"}
+MODELS = {
+    "tiny-qwen3-moe": "qwen3_moe",
+    "tiny-gpt-oss": "gpt_oss",
+    "tiny-nemotron-h": "nemotron_h",
+    "tiny-qwen3.5-moe": "qwen3_5_moe",
+}
 
 ZOO = [
     # slot of a rank-4 adapter among rank-8 ones copied flat (SGLang/vLLM max-rank padding bugs)
-    ("lora_rank_layout", "tiny-qwen3-moe"), ("lora_rank_layout", "tiny-gpt-oss"),
+    ("lora_rank_layout", "tiny-qwen3-moe"),
+    ("lora_rank_layout", "tiny-gpt-oss"),
     # gpt-oss interleaved gate/up LoRA-B rows read as gate-then-up (vLLM gpt-oss LoRA w13 layout)
     ("gpt_oss_gate_up_concat", "tiny-gpt-oss"),
     # torch.empty LoRA buffers: garbage in modules an adapter does not target
-    ("lora_uninitialised", "tiny-qwen3-moe"), ("lora_uninitialised", "tiny-gpt-oss"),
+    ("lora_uninitialised", "tiny-qwen3-moe"),
+    ("lora_uninitialised", "tiny-gpt-oss"),
     # LoRA-B expand without a column mask; the expert width 40 is not a multiple of the 32-column tile
-    ("lora_b_unmasked", "tiny-qwen3-moe"), ("lora_b_unmasked", "tiny-gpt-oss"),
+    ("lora_b_unmasked", "tiny-qwen3-moe"),
+    ("lora_b_unmasked", "tiny-gpt-oss"),
     # gate_up LoRA added after the activation (SiLU-gated on Qwen, clamped SwiGLU on gpt-oss)
-    ("lora_after_activation", "tiny-qwen3-moe"), ("lora_after_activation", "tiny-gpt-oss"),
+    ("lora_after_activation", "tiny-qwen3-moe"),
+    ("lora_after_activation", "tiny-gpt-oss"),
     # routing weight applied twice / not at all to the expert LoRA delta
-    ("topk_weight_twice", "tiny-qwen3-moe"), ("topk_weight_twice", "tiny-gpt-oss"),
-    ("topk_weight_missing", "tiny-qwen3-moe"), ("topk_weight_missing", "tiny-gpt-oss"),
+    ("topk_weight_twice", "tiny-qwen3-moe"),
+    ("topk_weight_twice", "tiny-gpt-oss"),
+    ("topk_weight_missing", "tiny-qwen3-moe"),
+    ("topk_weight_missing", "tiny-gpt-oss"),
     # PEFT 3D expert adapter skipped on load: output equals the base model on the experts (vLLM #41384)
-    ("expert_adapter_dropped", "tiny-qwen3-moe"), ("expert_adapter_dropped", "tiny-gpt-oss"),
+    ("expert_adapter_dropped", "tiny-qwen3-moe"),
+    ("expert_adapter_dropped", "tiny-gpt-oss"),
     # Nemotron-H's own: non-gated relu² experts run as gated, mamba LoRA never applied, router correction bias
     # rounded before the choice, scan state / conv window crossing prompts of a packed batch, shared expert lost
-    ("relu2_as_gated", "tiny-nemotron-h"), ("mamba_lora_dropped", "tiny-nemotron-h"),
-    ("router_bias_rounded", "tiny-nemotron-h"), ("state_not_reset", "tiny-nemotron-h"),
-    ("conv_across_prompts", "tiny-nemotron-h"), ("shared_expert_dropped", "tiny-nemotron-h"),
+    ("relu2_as_gated", "tiny-nemotron-h"),
+    ("mamba_lora_dropped", "tiny-nemotron-h"),
+    ("router_bias_rounded", "tiny-nemotron-h"),
+    ("state_not_reset", "tiny-nemotron-h"),
+    ("conv_across_prompts", "tiny-nemotron-h"),
+    ("shared_expert_dropped", "tiny-nemotron-h"),
     # Qwen3.5's own: linear-attention LoRA never applied, delta-rule state / conv window crossing prompts, shared
     # expert lost
-    ("linear_attention_lora_dropped", "tiny-qwen3.5-moe"), ("state_not_reset", "tiny-qwen3.5-moe"),
-    ("conv_across_prompts", "tiny-qwen3.5-moe"), ("shared_expert_dropped", "tiny-qwen3.5-moe"),
+    ("linear_attention_lora_dropped", "tiny-qwen3.5-moe"),
+    ("state_not_reset", "tiny-qwen3.5-moe"),
+    ("conv_across_prompts", "tiny-qwen3.5-moe"),
+    ("shared_expert_dropped", "tiny-qwen3.5-moe"),
 ]
 
 
@@ -61,7 +78,8 @@ def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, 
         v.adapter, v.expected = f"{v.adapter} [fault {fault}]", "FAIL"
         record_verdict(v)
     assert failed, f"{fault} on {model} passed every verdict: " + "; ".join(
-        f"{v.adapter}: k2 {v.metrics.k2:.3g}" for v in res.verdicts)
+        f"{v.adapter}: k2 {v.metrics.k2:.3g}" for v in res.verdicts
+    )
     for v in failed:
         assert caught_by(v), f"{v.adapter} failed without a named metric: {v.reasons}"
     print(f"{fault} on {model} caught by: " + "; ".join(f"{v.adapter}: {', '.join(caught_by(v))}" for v in failed))
@@ -70,8 +88,11 @@ def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, 
 # lpdiff bisect on each hybrid fault (the qwen3_moe / gpt_oss faults: tests/test_bisect.py): the layer where it first
 # shows (Qwen3.5: layers 0-2 Gated DeltaNet, 3 attention, a MoE in each; Nemotron-H: ME*ME-). The rounded router
 # bias changes no choice in layer 1 on these prompts; layer 4 is the first where it picks another expert
-BISECT_LAYER = {("relu2_as_gated", "tiny-nemotron-h"): 1, ("router_bias_rounded", "tiny-nemotron-h"): 4,
-                ("shared_expert_dropped", "tiny-nemotron-h"): 1}
+BISECT_LAYER = {
+    ("relu2_as_gated", "tiny-nemotron-h"): 1,
+    ("router_bias_rounded", "tiny-nemotron-h"): 4,
+    ("shared_expert_dropped", "tiny-nemotron-h"): 1,
+}
 HYBRID_ZOO = [(f, m) for f, m in ZOO if MODELS[m] in ("nemotron_h", "qwen3_5_moe")]
 
 
@@ -141,6 +162,7 @@ def test_clean_runtime_20_reruns_no_false_alarm(model, lpdiff_store, lpdiff_rege
 
 # -- GPU: full-width models (4 layers of Qwen3-30B-A3B and gpt-oss-20b), fp32 against HF+PEFT fp32 -----------------
 
+
 @pytest.mark.gpu1
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
 def test_default_check_fails_on_every_fault_full_width(model, tmp_path):
@@ -161,9 +183,18 @@ def test_default_check_fails_on_every_fault_full_width(model, tmp_path):
     print("\n" + check.format_result(clean))
     assert clean.as_expected, check.format_result(clean)
     for fault, res in results.items():
-        print(f"{fault}: " + ("not reached at this shape" if res is None else
-                              "; ".join(f"{v.adapter} {', '.join(caught_by(v))}" for v in res.verdicts
-                                        if not v.passed and v.expected == "PASS")))
+        print(
+            f"{fault}: "
+            + (
+                "not reached at this shape"
+                if res is None
+                else "; ".join(
+                    f"{v.adapter} {', '.join(caught_by(v))}"
+                    for v in res.verdicts
+                    if not v.passed and v.expected == "PASS"
+                )
+            )
+        )
     escaped = [f for f, res in results.items() if res is not None and check.missed(res)]
     assert not escaped, f"faults that passed every correct lane on {model}: {escaped}"
     assert any(res is not None for res in results.values())

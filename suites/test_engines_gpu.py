@@ -16,6 +16,7 @@ Engines run where they are installed: in this interpreter, or through ``LPDIFF_V
 PYTHONPATH). ``LPDIFF_CHECK_CSV_DIR=dir`` appends every lane to ``dir/engines_gpu.csv``
 (benchmarks/results/engines_gpu.csv holds the committed runs).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,13 @@ from lpdiff.harness.spec.catalog import PEAKED, get_model, known_models, resolve
 # full attention; Nemotron-H: mamba, MoE and one attention layer of its pattern), the fp32 reference fits one GPU
 # beside the engine, and engine starts stay at 1-3 min (H100: SGLang under 1 min, then 1-2 min of kernel compiles in
 # its first batches; vLLM 1.2 min on Qwen3-MoE, 3 min on Qwen3.5, whose Triton GDN kernels compile in its profile run)
-LAYERS = {"qwen3-30b-a3b": 4, "gpt-oss-20b": 4, "qwen3.5-35b-a3b": 4, "nemotron-3-nano-30b-a3b": 8,
-          "nemotron-3-super-120b-a12b": 8}
+LAYERS = {
+    "qwen3-30b-a3b": 4,
+    "gpt-oss-20b": 4,
+    "qwen3.5-35b-a3b": 4,
+    "nemotron-3-nano-30b-a3b": 8,
+    "nemotron-3-super-120b-a12b": 8,
+}
 MODELS = [m for m in LAYERS if m in known_models()]
 ENGINES = ["triton", "vllm", "sglang", "hf"]  # hf in bf16 is an engine too: the reference's own rounding
 TPS = [1, 2, 4, 8]
@@ -57,8 +63,14 @@ def grid():
         for engine in ENGINES:
             for tp in TPS:
                 for tag, dtype in DTYPES.items():
-                    yield pytest.param(model, engine, tp, dtype, marks=getattr(pytest.mark, f"gpu{tp}"),
-                                       id=f"{model}-{engine}-tp{tp}-{tag}")
+                    yield pytest.param(
+                        model,
+                        engine,
+                        tp,
+                        dtype,
+                        marks=getattr(pytest.mark, f"gpu{tp}"),
+                        id=f"{model}-{engine}-tp{tp}-{tag}",
+                    )
 
 
 def cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
@@ -71,8 +83,10 @@ def cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
     if dtype not in caps.dtypes or (dtype == "float32" and not caps.lora_fp32):
         return f"{caps.label} has no {dtype} LoRA path (capabilities)"
     if engine == REFERENCE and dtype == "float32":
-        return (f"{caps.label} in fp32 is the reference itself (benchmarks/detection.py judges its expert kernels "
-                f"against each other)")
+        return (
+            f"{caps.label} in fp32 is the reference itself (benchmarks/detection.py judges its expert kernels "
+            f"against each other)"
+        )
     return None
 
 
@@ -143,8 +157,9 @@ def case_for(model: str, tmp_path_factory) -> check.Case:
         pytest.skip("needs a GPU")
     if model not in _CASES:
         _CASES.clear()  # one model's files at a time
-        case = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(model), init_recipe=RECIPE,
-                                log=progress_log(f"[{model}] "))
+        case = check.build_case(
+            model, LAYERS[model], tmp_path_factory.mktemp(model), init_recipe=RECIPE, log=progress_log(f"[{model}] ")
+        )
         case.prompts = grid_prompts(model)
         _CASES[model] = case
     return _CASES[model]
@@ -182,8 +197,10 @@ def _judge(engine: str, case, tp: int, dtype: str, record_verdict, options: dict
     layouts = ("peft3d",) if engine == "hf" else layouts_for(engine, case.spec.arch)
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
     log = progress_log(f"[{case.spec.name}-{engine}-tp{tp}-{dtype}] ")
-    results = [check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, dtype=dtype,
-                               options=options, log=log) for lays in sessions]
+    results = [
+        check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, dtype=dtype, options=options, log=log)
+        for lays in sessions
+    ]
     # engine defects declared for this TP size (the engine's capabilities): an error must come out NOT as expected
     # (the day it comes out as expected the test fails, so the fix gets recorded); a warning may, but only as the
     # engine's own error: lanes that come out wrong without one are the silent case
@@ -202,7 +219,9 @@ def outcome(results, defects) -> str | None:
     table = "\n".join(check.format_result(r) for r in results)
     as_expected = all(res.as_expected for res in results)
     if must := [d for d in defects if d.severity == "error"]:
-        return f"{must[0].id} ({must[0].versions}): no longer reproduced, record the fix\n{table}" if as_expected else None
+        return (
+            f"{must[0].id} ({must[0].versions}): no longer reproduced, record the fix\n{table}" if as_expected else None
+        )
     if defects:
         if all(r.as_expected or r.error is not None for r in results):
             return None
@@ -235,8 +254,14 @@ def trainer_grid():
         for engine in ENGINES:
             for tp in TRAINER_TPS:
                 for tag, dtype in DTYPES.items():
-                    yield pytest.param(model, engine, tp, dtype, marks=getattr(pytest.mark, f"gpu{tp}"),
-                                       id=f"{model}-{engine}-tp{tp}-{tag}-trainer")
+                    yield pytest.param(
+                        model,
+                        engine,
+                        tp,
+                        dtype,
+                        marks=getattr(pytest.mark, f"gpu{tp}"),
+                        id=f"{model}-{engine}-tp{tp}-{tag}-trainer",
+                    )
 
 
 def trainer_case_for(model: str, tmp_path_factory) -> check.Case:
@@ -247,9 +272,14 @@ def trainer_case_for(model: str, tmp_path_factory) -> check.Case:
     key = f"{model}:trainer"
     if key not in _CASES:
         _CASES.clear()
-        _CASES[key] = check.build_case(model, LAYERS[model], tmp_path_factory.mktemp(f"{model}-trainer"),
-                                       plans=check.trainer_plans_for(get_model(model).arch), init_recipe=RECIPE,
-                                       log=progress_log(f"[{model}-trainer] "))
+        _CASES[key] = check.build_case(
+            model,
+            LAYERS[model],
+            tmp_path_factory.mktemp(f"{model}-trainer"),
+            plans=check.trainer_plans_for(get_model(model).arch),
+            init_recipe=RECIPE,
+            log=progress_log(f"[{model}-trainer] "),
+        )
     return _CASES[key]
 
 
@@ -267,8 +297,11 @@ def test_trainer_adapters_vs_reference(model, engine, tp, dtype, tmp_path_factor
         # embedding lookup) and refuses the session at start: those lanes are left out here, said so in the output
         dropped = sorted(n for n, p in case.plans.items() if "embed_tokens" in p.groups)
         print(f"\ntriton on {case.spec.arch}: lanes {dropped} not served (no embedding LoRA on hybrids)")
-        case = dataclasses.replace(case, plans={n: p for n, p in case.plans.items() if n not in dropped},
-                                   files={k: v for k, v in case.files.items() if k[0] not in dropped})
+        case = dataclasses.replace(
+            case,
+            plans={n: p for n, p in case.plans.items() if n not in dropped},
+            files={k: v for k, v in case.files.items() if k[0] not in dropped},
+        )
     _judge(engine, case, tp, dtype, record_verdict)
 
 
@@ -283,8 +316,14 @@ def decode_grid():
         for engine in ENGINES:
             for tag, dtype in DTYPES.items():
                 for sampling in ("greedy", "seeded"):
-                    yield pytest.param(model, engine, dtype, sampling, marks=pytest.mark.gpu1,
-                                       id=f"{model}-{engine}-tp1-{tag}-decode-{sampling}")
+                    yield pytest.param(
+                        model,
+                        engine,
+                        dtype,
+                        sampling,
+                        marks=pytest.mark.gpu1,
+                        id=f"{model}-{engine}-tp1-{tag}-decode-{sampling}",
+                    )
 
 
 @pytest.mark.parametrize("model,engine,dtype,sampling", list(decode_grid()))
@@ -303,11 +342,29 @@ def test_decode_vs_reference(model, engine, dtype, sampling, tmp_path_factory):
     _installed(engine)
     case = case_for(model, tmp_path_factory)
     step = step_options(engine, model)  # the grid's prompts cross this step (grid_prompts)
-    res = check.run_check(case, engine, k=2, reference=REFERENCE, dtype=dtype, options=step,
-                          log=progress_log(f"[{model}-{engine}-decode] "))
+    res = check.run_check(
+        case,
+        engine,
+        k=2,
+        reference=REFERENCE,
+        dtype=dtype,
+        options=step,
+        log=progress_log(f"[{model}-{engine}-decode] "),
+    )
     assert res.error is None, check.format_result(res)
-    dec = check_case_decode(case, engine, res.threshold, 1, dtype, REFERENCE, DECODE_TOKENS, sampling, seed=0,
-                            options=step, log=progress_log(f"[{model}-{engine}-decode] "))
+    dec = check_case_decode(
+        case,
+        engine,
+        res.threshold,
+        1,
+        dtype,
+        REFERENCE,
+        DECODE_TOKENS,
+        sampling,
+        seed=0,
+        options=step,
+        log=progress_log(f"[{model}-{engine}-decode] "),
+    )
     print("\n" + format_decode(dec))
     if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
         write_decode_csv(dec, Path(os.environ["LPDIFF_CHECK_CSV_DIR"]) / "engines_gpu_decode.csv")
@@ -326,8 +383,14 @@ def neutrality_grid():
         for engine in ENGINES:
             for tp in NEUTRAL_TPS:
                 for tag, dtype in DTYPES.items():
-                    yield pytest.param(model, engine, tp, dtype, marks=getattr(pytest.mark, f"gpu{tp}"),
-                                       id=f"{model}-{engine}-tp{tp}-{tag}-neutrality")
+                    yield pytest.param(
+                        model,
+                        engine,
+                        tp,
+                        dtype,
+                        marks=getattr(pytest.mark, f"gpu{tp}"),
+                        id=f"{model}-{engine}-tp{tp}-{tag}-neutrality",
+                    )
 
 
 def neutrality_cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
@@ -359,10 +422,21 @@ def test_lora_neutrality(model, engine, tp, dtype, tmp_path_factory, tmp_path):
     options = {**engine_options(engine), **step_options(engine, model)}
     if "python" in options:  # a subprocess lane: an engine that hangs becomes an error carrying its log tail
         options.setdefault("lane_call_timeout_s", 600)
-    rep = mm.run_metamorphic(engine, case.spec, served[orig], case.prompts, adapter_name=orig, dtype=dtype, tp=tp,
-                             options=options, relations=["neutral"], near_tie_eps=near_tie_eps(dtype), tmp=tmp_path,
-                             neighbours={lane: p for lane, p in served.items() if lane != orig},
-                             log=progress_log(f"[{model}-{engine}-tp{tp}-neutrality] "))
+    rep = mm.run_metamorphic(
+        engine,
+        case.spec,
+        served[orig],
+        case.prompts,
+        adapter_name=orig,
+        dtype=dtype,
+        tp=tp,
+        options=options,
+        relations=["neutral"],
+        near_tie_eps=near_tie_eps(dtype),
+        tmp=tmp_path,
+        neighbours={lane: p for lane, p in served.items() if lane != orig},
+        log=progress_log(f"[{model}-{engine}-tp{tp}-neutrality] "),
+    )
     print("\n" + mm.format_report(rep))
     if os.environ.get("LPDIFF_METAMORPHIC_CSV"):
         mm.write_csv(rep, os.environ["LPDIFF_METAMORPHIC_CSV"])
@@ -384,8 +458,9 @@ def test_vllm_gpt_oss_per_expert_layout_fails(case, record_verdict):
     if case.spec.arch != "gpt_oss":
         pytest.skip("gpt-oss only")
     _installed("vllm")
-    res = check.run_check(case, "vllm", layouts=("per_expert",), options={"mixed_moe_lora_format": True},
-                          serve_refused=True)
+    res = check.run_check(
+        case, "vllm", layouts=("per_expert",), options={"mixed_moe_lora_format": True}, serve_refused=True
+    )
     _report("vllm", res, record_verdict)
     assert res.error is None, res.error
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
@@ -436,8 +511,9 @@ def test_sglang_peft3d_expert_adapter_is_a_fail_with_the_engine_log(case):
     if case.spec.arch != "qwen3_moe":
         pytest.skip("one model is enough to show it")
     _installed("sglang")
-    res = check.run_check(case, "sglang", k=2, layouts=("peft3d",), options={"lane_call_timeout_s": 120},
-                          serve_refused=True)
+    res = check.run_check(
+        case, "sglang", k=2, layouts=("peft3d",), options={"lane_call_timeout_s": 120}, serve_refused=True
+    )
     _report("sglang", res)
     assert res.error is not None and not res.as_expected, "SGLang served a PEFT 3D expert adapter: record the fix"
     assert "Lane" in res.error

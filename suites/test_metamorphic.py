@@ -10,6 +10,7 @@ not apply are printed as n/a with the reason. ``LPDIFF_METAMORPHIC_CSV=path`` ap
   before the first near-tie of each prompt (harness.metamorphic.judge_lanes). vLLM / SGLang run in this interpreter,
   or through LPDIFF_<ENGINE>_PYTHON / LPDIFF_<ENGINE>_PYTHONPATH (lpdiff.harness.pipeline.session.engine_options).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,12 @@ from lpdiff.harness.spec.resolve import zoo_adapters
 # engine defects a relation exposes on purpose: (engine, arch, lane) -> the defect. Such a lane must FAIL; the day
 # it passes the test fails, so that the fix gets recorded
 KNOWN_DEFECTS = {
-    ("vllm", "gpt_oss", "mode:mixed_moe_lora_format:lora"):
-        "vLLM 0.25.1 adds gpt-oss's expert gate/up LoRA as concatenated halves under enable_mixed_moe_lora_format "
-        "(engines/vllm.py; as a reference check: benchmarks/results/engines_gpu.md, forced per-expert session)",
+    (
+        "vllm",
+        "gpt_oss",
+        "mode:mixed_moe_lora_format:lora",
+    ): "vLLM 0.25.1 adds gpt-oss's expert gate/up LoRA as concatenated halves under enable_mixed_moe_lora_format "
+    "(engines/vllm.py; as a reference check: benchmarks/results/engines_gpu.md, forced per-expert session)"
 }
 
 
@@ -45,8 +49,11 @@ def _check(rep: mm.Report, written: bool = False, arch: str = "") -> None:
     known = {lane: why for (engine, a, lane), why in KNOWN_DEFECTS.items() if engine == rep.engine and a == arch}
     fixed = [f"{r.relation} ({known[r.relation]})" for r in judged if r.relation in known and r.verdict == "PASS"]
     assert not fixed, "known defect no longer reproduced, record the fix: " + "; ".join(fixed)
-    failed = [f"{r.relation}: ratio {r.ratio:.3g} (max |Δ| {r.max_abs:.3g}, noise {r.rerun_noise:.3g})"
-              for r in rep.failed if r.relation not in known]
+    failed = [
+        f"{r.relation}: ratio {r.ratio:.3g} (max |Δ| {r.max_abs:.3g}, noise {r.rerun_noise:.3g})"
+        for r in rep.failed
+        if r.relation not in known
+    ]
     assert not failed, f"{rep.model}/{rep.adapter} on {rep.engine}: " + "; ".join(failed)
 
 
@@ -57,20 +64,33 @@ CPU_CASES = [
     pytest.param("hf", "tiny-qwen3-moe", "all", ["format", "merged", "zero_b", "modes"], id="hf-qwen3"),
     # our runtime on gpt-oss (interleaved, transposed experts): every relation but the slow ones (merged: another
     # checkpoint; modes: the Triton interpreter) that tests/test_metamorphic.py and the CSV cover; TP 2 over gloo
-    pytest.param("triton", "tiny-gpt-oss", "all", ["format", "rank", "factors", "gate_up", "zero_b", "batch", "tp"],
-                 id="triton-gpt-oss"),
+    pytest.param(
+        "triton",
+        "tiny-gpt-oss",
+        "all",
+        ["format", "rank", "factors", "gate_up", "zero_b", "batch", "tp"],
+        id="triton-gpt-oss",
+    ),
 ]
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("engine,model,adapter,relations", CPU_CASES)
 def test_metamorphic_tiny_zoo(engine, model, adapter, relations, tmp_path):
-    rep = mm.run_metamorphic(engine, get_model(model), zoo_adapters(model)[adapter].path, prompt_set(model),
-                             adapter_name=adapter, relations=relations, tmp=tmp_path)
+    rep = mm.run_metamorphic(
+        engine,
+        get_model(model),
+        zoo_adapters(model)[adapter].path,
+        prompt_set(model),
+        adapter_name=adapter,
+        relations=relations,
+        tmp=tmp_path,
+    )
     _check(rep)
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------------
+
 
 def _progress(msg: str) -> None:
     # a GPU job's log (pytest -s) shows which set-up step or engine session it is in
@@ -114,8 +134,9 @@ def gpu_case(request, tmp_path_factory):
             a = generate_adapter(model, root / name, groups=groups, rank=16, alpha=32, seed=1)
             layouts = {"peft3d": a.path}
             if "experts" in groups:
-                layouts["per_expert"] = convert_adapter(a.path, root / f"{name}-per-expert", "per_expert",
-                                                        model.config).path
+                layouts["per_expert"] = convert_adapter(
+                    a.path, root / f"{name}-per-expert", "per_expert", model.config
+                ).path
             adapters[name] = layouts
     del model
     torch.cuda.empty_cache()
@@ -143,6 +164,7 @@ def _csv_writer(engine: str, spec, dtype: str, adapter: str):
 
     def write(version, results):
         mm.write_csv(mm.Report(engine, version, spec.name, adapter, dtype, 3, results, device_name()), path)
+
     return write
 
 
@@ -154,10 +176,21 @@ def _gpu_run(engine, gpu_case, relations, tmp_path, name: str = "a16"):
     options = engine_options(engine)
     if "python" in options:  # a subprocess lane: an engine that hangs becomes an error carrying its log tail
         options.setdefault("lane_call_timeout_s", 300)
-    return mm.run_metamorphic(engine, spec, adapter, prompts, adapter_name=name, dtype=dtype,
-                              options=options, relations=relations, k=3,
-                              near_tie_eps=near_tie_eps(dtype), tmp=tmp_path, log=_progress,
-                              on_results=_csv_writer(engine, spec, dtype, name))
+    return mm.run_metamorphic(
+        engine,
+        spec,
+        adapter,
+        prompts,
+        adapter_name=name,
+        dtype=dtype,
+        options=options,
+        relations=relations,
+        k=3,
+        near_tie_eps=near_tie_eps(dtype),
+        tmp=tmp_path,
+        log=_progress,
+        on_results=_csv_writer(engine, spec, dtype, name),
+    )
 
 
 @pytest.mark.gpu1
@@ -168,8 +201,11 @@ def test_metamorphic_full_width(engine, adapter, gpu_case, tmp_path):
         (pytest.fail if engine_required(engine) else pytest.skip)(why)
     # LPDIFF_METAMORPHIC_RELATIONS=format,rank,... narrows a GPU run to what its device time allows
     chosen = os.environ.get("LPDIFF_METAMORPHIC_RELATIONS")
-    _check(_gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path, adapter),
-           written=True, arch=gpu_case[0].arch)
+    _check(
+        _gpu_run(engine, gpu_case, chosen.split(",") if chosen else list(mm.RELATIONS), tmp_path, adapter),
+        written=True,
+        arch=gpu_case[0].arch,
+    )
 
 
 @pytest.mark.gpu2

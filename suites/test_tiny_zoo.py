@@ -3,6 +3,7 @@
 Each verdict lands in the table the plugin prints at the end of the run. Thresholds come from
 harness/thresholds.json with their provenance (measured noise floor, date, machine).
 """
+
 import pytest
 
 from lpdiff.harness.commands.run import Job, default_tps, run_job

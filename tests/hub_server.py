@@ -25,6 +25,7 @@ content store; tests run the client with ``HF_HUB_DISABLE_XET=1`` so it uses the
 ``corrupt`` (a set of repo paths) makes downloads of those files return the right length with one byte flipped,
 to test that a corrupt download is caught.
 """
+
 from __future__ import annotations
 
 import base64
@@ -97,8 +98,14 @@ class _Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
 
-    def _send(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None,
-              ctype: str = "application/json", head: bool = False) -> None:
+    def _send(
+        self,
+        code: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        ctype: str = "application/json",
+        head: bool = False,
+    ) -> None:
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -112,8 +119,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, json.dumps(obj).encode(), headers)
 
     def _error(self, code: int, message: str, headers: dict[str, str] | None = None, head: bool = False) -> None:
-        self._send(code, json.dumps({"error": message}).encode(), {"X-Error-Message": message, **(headers or {})},
-                   head=head)
+        self._send(
+            code, json.dumps({"error": message}).encode(), {"X-Error-Message": message, **(headers or {})}, head=head
+        )
 
     def _route(self, method: str) -> None:
         url = urlsplit(self.path)
@@ -162,12 +170,21 @@ class _Handler(BaseHTTPRequestHandler):
             if found is None:
                 code = 404
                 msg = "Repository not found" if repo_id not in state.repos else f"Invalid rev id: {rev}"
-                return self._error(code, msg, {"X-Error-Code": "RepoNotFound" if repo_id not in state.repos
-                                               else "RevisionNotFound"})
+                return self._error(
+                    code, msg, {"X-Error-Code": "RepoNotFound" if repo_id not in state.repos else "RevisionNotFound"}
+                )
             repo, sha = found
             files = repo.commits[sha]
-        self._json(200, {"id": repo_id, "sha": sha, "private": False, "tags": [],
-                         "siblings": [{"rfilename": p} for p in sorted(files)]})
+        self._json(
+            200,
+            {
+                "id": repo_id,
+                "sha": sha,
+                "private": False,
+                "tags": [],
+                "siblings": [{"rfilename": p} for p in sorted(files)],
+            },
+        )
 
     def tree(self, repo_id: str, rev: str, sub: str | None, query) -> None:
         state = self.server.state
@@ -183,26 +200,30 @@ class _Handler(BaseHTTPRequestHandler):
         for p in sorted(files):
             if not p.startswith(prefix):
                 continue
-            rest = p[len(prefix):]
+            rest = p[len(prefix) :]
             if "/" in rest and not recursive:
                 dirs.add(prefix + rest.split("/")[0])
                 continue
             if recursive:
                 parts = rest.split("/")[:-1]
-                dirs.update(prefix + "/".join(parts[:i + 1]) for i in range(len(parts)))
+                dirs.update(prefix + "/".join(parts[: i + 1]) for i in range(len(parts)))
             f = files[p]
             e = {"type": "file", "path": p, "size": len(f.data), "oid": git_blob_sha1(f.data)}
             if f.lfs:
                 e["lfs"] = {"oid": hashlib.sha256(f.data).hexdigest(), "size": len(f.data), "pointerSize": 134}
             entries.append(e)
-        entries += [{"type": "directory", "path": d, "size": 0, "oid": hashlib.sha1(d.encode()).hexdigest()}
-                    for d in sorted(dirs)]
+        entries += [
+            {"type": "directory", "path": d, "size": 0, "oid": hashlib.sha1(d.encode()).hexdigest()}
+            for d in sorted(dirs)
+        ]
         start = int(query.get("cursor", ["0"])[0])
-        page = entries[start:start + TREE_PAGE]
+        page = entries[start : start + TREE_PAGE]
         headers = {}
         if start + TREE_PAGE < len(entries):
-            nxt = (f"{self._base}/api/datasets/{repo_id}/tree/{quote(rev, safe='')}{'/' + quote(sub) if sub else ''}"
-                   f"?recursive={str(recursive).lower()}&expand=false&cursor={start + TREE_PAGE}")
+            nxt = (
+                f"{self._base}/api/datasets/{repo_id}/tree/{quote(rev, safe='')}{'/' + quote(sub) if sub else ''}"
+                f"?recursive={str(recursive).lower()}&expand=false&cursor={start + TREE_PAGE}"
+            )
             headers["Link"] = f'<{nxt}>; rel="next"'
         self._json(200, page, headers)
 
@@ -234,11 +255,14 @@ class _Handler(BaseHTTPRequestHandler):
         for o in req["objects"]:
             obj = {"oid": o["oid"], "size": o["size"], "authenticated": True}
             if o["oid"] not in self.server.state.lfs:
-                obj["actions"] = {"upload": {"href": f"{self._base}/lfs-upload/{o['oid']}", "header": {}},
-                                  "verify": {"href": f"{self._base}/lfs-verify/{o['oid']}", "header": {}}}
+                obj["actions"] = {
+                    "upload": {"href": f"{self._base}/lfs-upload/{o['oid']}", "header": {}},
+                    "verify": {"href": f"{self._base}/lfs-verify/{o['oid']}", "header": {}},
+                }
             objects.append(obj)
-        self._send(200, json.dumps({"transfer": "basic", "objects": objects}).encode(),
-                   ctype="application/vnd.git-lfs+json")
+        self._send(
+            200, json.dumps({"transfer": "basic", "objects": objects}).encode(), ctype="application/vnd.git-lfs+json"
+        )
 
     def lfs_upload(self, oid: str, query) -> None:
         data = self._body()
@@ -278,13 +302,15 @@ class _Handler(BaseHTTPRequestHandler):
                     files[v["path"]] = _File(data, True)
                 elif x["key"] == "deletedFile":
                     if files.pop(v["path"], None) is None:
-                        return self._error(404, "A file with this name doesn't exist",
-                                           {"X-Error-Code": "EntryNotFound"})
+                        return self._error(
+                            404, "A file with this name doesn't exist", {"X-Error-Code": "EntryNotFound"}
+                        )
                 elif x["key"] != "header":
                     return self._error(400, f"unsupported commit operation {x['key']}")
             sha = state.new_commit(repo, files, header["summary"])
-        self._json(200, {"success": True, "commitOid": sha,
-                         "commitUrl": f"{self._base}/datasets/{repo_id}/commit/{sha}"})
+        self._json(
+            200, {"success": True, "commitOid": sha, "commitUrl": f"{self._base}/datasets/{repo_id}/commit/{sha}"}
+        )
 
     # -- downloads --------------------------------------------------------------------------------------------
     def _resolve_file(self, repo_id: str, rev: str, path: str, head: bool) -> None:
@@ -301,11 +327,25 @@ class _Handler(BaseHTTPRequestHandler):
         if f.lfs:
             oid = hashlib.sha256(f.data).hexdigest()
             cdn = f"http://localhost:{self.server.server_address[1]}"  # another host name, as the Hub's CDN is
-            return self._send(302, b"", {**common, "Location": f"{cdn}/lfs-objects/{oid}?path={quote(path)}",
-                                         "X-Linked-Etag": f'"{oid}"', "X-Linked-Size": str(len(f.data)),
-                                         "ETag": f'"{git_blob_sha1(f.data)}"'}, head=head)
-        self._send(200, self._maybe_corrupt(path, f.data), {**common, "ETag": f'"{git_blob_sha1(f.data)}"'},
-                   ctype="application/octet-stream", head=head)
+            return self._send(
+                302,
+                b"",
+                {
+                    **common,
+                    "Location": f"{cdn}/lfs-objects/{oid}?path={quote(path)}",
+                    "X-Linked-Etag": f'"{oid}"',
+                    "X-Linked-Size": str(len(f.data)),
+                    "ETag": f'"{git_blob_sha1(f.data)}"',
+                },
+                head=head,
+            )
+        self._send(
+            200,
+            self._maybe_corrupt(path, f.data),
+            {**common, "ETag": f'"{git_blob_sha1(f.data)}"'},
+            ctype="application/octet-stream",
+            head=head,
+        )
 
     def _maybe_corrupt(self, path: str, data: bytes) -> bytes:
         if path in self.server.state.corrupt and data:
@@ -323,8 +363,9 @@ class _Handler(BaseHTTPRequestHandler):
         if data is None:
             return self._error(404, "no such object", head=head)
         path = query.get("path", [""])[0]
-        self._send(200, self._maybe_corrupt(path, data), {"ETag": f'"{oid}"'}, ctype="application/octet-stream",
-                   head=head)
+        self._send(
+            200, self._maybe_corrupt(path, data), {"ETag": f'"{oid}"'}, ctype="application/octet-stream", head=head
+        )
 
     _REPO = r"([^/]+/[^/]+)"
     ROUTES: ClassVar[dict] = {
@@ -335,8 +376,10 @@ class _Handler(BaseHTTPRequestHandler):
             (rf"/datasets/{_REPO}/resolve/([^/]+)/(.+)", resolve_get),
             (r"/lfs-objects/([0-9a-f]{64})", lfs_object),
         ],
-        "HEAD": [(rf"/datasets/{_REPO}/resolve/([^/]+)/(.+)", resolve_head),
-                 (r"/lfs-objects/([0-9a-f]{64})", lambda h, oid, query: h.lfs_object(oid, query, head=True))],
+        "HEAD": [
+            (rf"/datasets/{_REPO}/resolve/([^/]+)/(.+)", resolve_head),
+            (r"/lfs-objects/([0-9a-f]{64})", lambda h, oid, query: h.lfs_object(oid, query, head=True)),
+        ],
         "POST": [
             (r"/api/repos/create", create_repo),
             (r"/api/validate-yaml", validate_yaml),

@@ -3,6 +3,7 @@ merge_and_unload, conversions are exact, and bad requests fail with one clear er
 
 Tiny random models are built here from transformers configs (hidden 32, expert width 24 so that no two of hidden,
 width and 2*width coincide: a transposed or swapped matrix cannot pass a shape check by accident)."""
+
 from __future__ import annotations
 
 import copy
@@ -27,23 +28,56 @@ def _config(arch: str):
 
     common = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=96)
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, num_hidden_layers=2, num_experts=E, num_experts_per_tok=2,
-                              moe_intermediate_size=I, intermediate_size=40)
+        return Qwen3MoeConfig(
+            **common,
+            num_hidden_layers=2,
+            num_experts=E,
+            num_experts_per_tok=2,
+            moe_intermediate_size=I,
+            intermediate_size=40,
+        )
     if arch == "qwen3_moe_dense_layer":  # layer 0 is a dense MLP
-        return Qwen3MoeConfig(**common, num_hidden_layers=2, num_experts=E, num_experts_per_tok=2,
-                              moe_intermediate_size=I, intermediate_size=40, mlp_only_layers=[0])
+        return Qwen3MoeConfig(
+            **common,
+            num_hidden_layers=2,
+            num_experts=E,
+            num_experts_per_tok=2,
+            moe_intermediate_size=I,
+            intermediate_size=40,
+            mlp_only_layers=[0],
+        )
     if arch == "gpt_oss":
-        return GptOssConfig(**common, num_hidden_layers=2, num_local_experts=E, num_experts_per_tok=2,
-                            intermediate_size=I)
+        return GptOssConfig(
+            **common, num_hidden_layers=2, num_local_experts=E, num_experts_per_tok=2, intermediate_size=I
+        )
     if arch == "qwen3_5_moe_text":
-        return Qwen3_5MoeTextConfig(**common, num_hidden_layers=4, num_experts=E, num_experts_per_tok=2,
-                                    moe_intermediate_size=I, shared_expert_intermediate_size=16,
-                                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                    linear_value_head_dim=8)
+        return Qwen3_5MoeTextConfig(
+            **common,
+            num_hidden_layers=4,
+            num_experts=E,
+            num_experts_per_tok=2,
+            moe_intermediate_size=I,
+            shared_expert_intermediate_size=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        )
     if arch == "nemotron_h":
-        return NemotronHConfig(**common, hybrid_override_pattern="ME*E", n_routed_experts=E, num_experts_per_tok=2,
-                               moe_intermediate_size=I, moe_shared_expert_intermediate_size=16, mamba_num_heads=4,
-                               mamba_head_dim=8, ssm_state_size=8, n_groups=1, n_group=1, topk_group=1)
+        return NemotronHConfig(
+            **common,
+            hybrid_override_pattern="ME*E",
+            n_routed_experts=E,
+            num_experts_per_tok=2,
+            moe_intermediate_size=I,
+            moe_shared_expert_intermediate_size=16,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            ssm_state_size=8,
+            n_groups=1,
+            n_group=1,
+            topk_group=1,
+        )
     if arch == "qwen3":
         return Qwen3Config(**common, num_hidden_layers=2, intermediate_size=40)
     raise KeyError(arch)
@@ -83,8 +117,10 @@ TRANSPOSED = {"gpt_oss"}
 def generated(tmp_path_factory):
     """One peft3d adapter per architecture with all its groups (seed 1)."""
     root = tmp_path_factory.mktemp("gen")
-    return {arch: Path(ad.generate_adapter(tiny_model(arch), root / arch, ALL_GROUPS[arch], rank=R, alpha=8,
-                                           seed=1).path) for arch in ALL_GROUPS}
+    return {
+        arch: Path(ad.generate_adapter(tiny_model(arch), root / arch, ALL_GROUPS[arch], rank=R, alpha=8, seed=1).path)
+        for arch in ALL_GROUPS
+    }
 
 
 def peft_merged(model, adapter_dir) -> dict[str, torch.Tensor]:
@@ -122,12 +158,14 @@ def per_expert_merged(model, pe_dir, arch: str) -> dict[str, torch.Tensor]:
         path = memory_path(key)
         module, e, proj = path.rsplit(".", 2)
         delta = scaling * b @ a  # (out, in)
-        fused = sd[f"{module}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj' if arch != 'nemotron_h' else 'up_proj'}"]
+        fused = sd[
+            f"{module}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj' if arch != 'nemotron_h' else 'up_proj'}"
+        ]
         w = fused[int(e)].T if arch in TRANSPOSED else fused[int(e)]  # (out, in) view
         if proj == "down_proj" or arch == "nemotron_h":
             w += delta
         elif arch in INTERLEAVED:
-            w[(0 if proj == "gate_proj" else 1)::2] += delta
+            w[(0 if proj == "gate_proj" else 1) :: 2] += delta
         else:
             n = w.shape[0] // 2
             w[(slice(0, n) if proj == "gate_proj" else slice(n, None))] += delta
@@ -148,6 +186,7 @@ def logprobs(model, ids):
 
 # -- generator -----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", MOE)
 def test_generated_adapter_is_nonzero_and_moves_logprobs(arch, generated):
     from peft import PeftModel
@@ -167,12 +206,15 @@ def test_generated_adapter_is_nonzero_and_moves_logprobs(arch, generated):
     assert 1e-3 < d.abs().mean() < 1.0 and d.isfinite().all(), d.abs().mean()
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("tiny-qwen3-moe", id="qwen3_moe"),  # the trained zoo: peaked distributions, unlike random init
-    pytest.param("tiny-gpt-oss", id="gpt_oss"),
-    pytest.param("tiny-qwen3.5-moe", id="qwen3_5"),
-    pytest.param("tiny-nemotron-h", id="nemotron_h"),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("tiny-qwen3-moe", id="qwen3_moe"),  # the trained zoo: peaked distributions, unlike random init
+        pytest.param("tiny-gpt-oss", id="gpt_oss"),
+        pytest.param("tiny-qwen3.5-moe", id="qwen3_5"),
+        pytest.param("tiny-nemotron-h", id="nemotron_h"),
+    ],
+)
 def test_default_scale_moves_zoo_logprobs_visibly_not_destructively(name, tmp_path):
     from peft import PeftModel
 
@@ -218,10 +260,12 @@ def test_generated_dir_is_byte_stable_across_processes(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM; from lpdiff.harness.spec import adapters as ad; "
-            "from tests.test_adapters import _config; torch.manual_seed(0); "
-            "m = AutoModelForCausalLM.from_config(_config('qwen3_moe')); "
-            "ad.generate_adapter(m, sys.argv[1], ['attention', 'experts'], seed=0)")
+    code = (
+        "import sys, torch; from transformers import AutoModelForCausalLM; from lpdiff.harness.spec import adapters as ad; "
+        "from tests.test_adapters import _config; torch.manual_seed(0); "
+        "m = AutoModelForCausalLM.from_config(_config('qwen3_moe')); "
+        "ad.generate_adapter(m, sys.argv[1], ['attention', 'experts'], seed=0)"
+    )
     repo = str(Path(__file__).resolve().parents[1])
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=repo)
@@ -254,6 +298,7 @@ def test_shared_outer(tmp_path):
 
 # -- canonical form == PEFT --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", MOE)
 def test_canonical_reproduces_peft_merge(arch, generated):
     model = tiny_model(arch)
@@ -278,6 +323,7 @@ def test_dense_model_adapter(tmp_path):
 
 
 # -- converters ----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", MOE)
 def test_roundtrip_3d_per_expert_3d_is_exact(arch, generated, tmp_path):
@@ -328,10 +374,13 @@ def test_per_expert_gate_layout(arch, generated, tmp_path):
     assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
 
 
-@pytest.mark.parametrize("arch", [
-    pytest.param("qwen3_moe", id="qwen3_moe"),  # block B over [gate; up] halves
-    pytest.param("gpt_oss", id="gpt_oss"),  # block B over interleaved rows
-])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        pytest.param("qwen3_moe", id="qwen3_moe"),  # block B over [gate; up] halves
+        pytest.param("gpt_oss", id="gpt_oss"),  # block B over interleaved rows
+    ],
+)
 def test_per_expert_with_distinct_gate_up_A_stacks_to_rank_2r(arch, generated, tmp_path):
     model = tiny_model(arch)
     pe = tmp_path / "pe"
@@ -366,10 +415,13 @@ def test_rank_change_under_rslora_is_refused(tmp_path):
         ad.convert_adapter(pe, tmp_path / "3d", "peft3d", model.config)
 
 
-@pytest.mark.parametrize("arch,root", [
-    pytest.param("nemotron_h", "backbone", id="nemotron-backbone"),  # Nemotron-H checkpoints' on-disk decoder name
-    pytest.param("qwen3_5_moe_text", "model.language_model", id="qwen3_5-language_model"),  # multimodal Qwen3.5
-])
+@pytest.mark.parametrize(
+    "arch,root",
+    [
+        pytest.param("nemotron_h", "backbone", id="nemotron-backbone"),  # Nemotron-H checkpoints' on-disk decoder name
+        pytest.param("qwen3_5_moe_text", "model.language_model", id="qwen3_5-language_model"),  # multimodal Qwen3.5
+    ],
+)
 def test_on_disk_decoder_root(arch, root, generated, tmp_path):
     model = tiny_model(arch)
     src = generated[arch]
@@ -388,25 +440,32 @@ def test_on_disk_decoder_root(arch, root, generated, tmp_path):
 
 # -- refusals ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch,target", [
-    pytest.param("qwen3_moe", "router", id="group-router"),  # the word itself
-    pytest.param("qwen3_moe", "mlp.gate", id="qwen3-mlp.gate"),  # qwen's router module is called gate
-    pytest.param("gpt_oss", "mlp.router", id="gpt_oss-router"),  # gpt-oss calls it router
-    pytest.param("qwen3_5_moe_text", "shared_expert_gate", id="qwen3_5-shared-gate"),  # a gate that is an nn.Linear
-])
+
+@pytest.mark.parametrize(
+    "arch,target",
+    [
+        pytest.param("qwen3_moe", "router", id="group-router"),  # the word itself
+        pytest.param("qwen3_moe", "mlp.gate", id="qwen3-mlp.gate"),  # qwen's router module is called gate
+        pytest.param("gpt_oss", "mlp.router", id="gpt_oss-router"),  # gpt-oss calls it router
+        pytest.param("qwen3_5_moe_text", "shared_expert_gate", id="qwen3_5-shared-gate"),  # a gate that is an nn.Linear
+    ],
+)
 def test_router_targets_are_refused(arch, target, tmp_path):
     with pytest.raises(ValueError, match="router/gate.*not supported"):
         ad.generate_adapter(tiny_model(arch), tmp_path / "x", ["attention", target])
 
 
-@pytest.mark.parametrize("arch,target,match", [
-    pytest.param("qwen3_moe", "linear_attention", "matches nothing", id="no-linear-attn"),  # qwen3 has none
-    pytest.param("gpt_oss", "shared_expert", "matches nothing", id="no-shared-expert"),  # gpt-oss has none
-    pytest.param("qwen3_moe", "self_attn.qq_proj", "matches nothing", id="typo"),  # an explicit suffix
-    pytest.param("nemotron_h", "mixer.out_proj", "PEFT refuses", id="mamba-out_proj"),  # PEFT raises on it
-    pytest.param("qwen3_moe_dense_layer", "mlp", "PEFT did not target exactly", id="qwen3-dense-mlp"),  # PEFT
-    # rewrites gate/up/down_proj targets to the experts on qwen2-style MoE models
-])
+@pytest.mark.parametrize(
+    "arch,target,match",
+    [
+        pytest.param("qwen3_moe", "linear_attention", "matches nothing", id="no-linear-attn"),  # qwen3 has none
+        pytest.param("gpt_oss", "shared_expert", "matches nothing", id="no-shared-expert"),  # gpt-oss has none
+        pytest.param("qwen3_moe", "self_attn.qq_proj", "matches nothing", id="typo"),  # an explicit suffix
+        pytest.param("nemotron_h", "mixer.out_proj", "PEFT refuses", id="mamba-out_proj"),  # PEFT raises on it
+        pytest.param("qwen3_moe_dense_layer", "mlp", "PEFT did not target exactly", id="qwen3-dense-mlp"),  # PEFT
+        # rewrites gate/up/down_proj targets to the experts on qwen2-style MoE models
+    ],
+)
 def test_bad_targets_fail_clearly(arch, target, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         ad.generate_adapter(tiny_model(arch), tmp_path / "x", [target])

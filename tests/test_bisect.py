@@ -1,5 +1,6 @@
 """lpdiff bisect names the module each zoo fault breaks — and a defect it was never told about — against a noise
 floor from two correct HF implementations, and names nothing on the clean runtime."""
+
 import pytest
 import torch
 
@@ -91,8 +92,23 @@ def test_first_above_order_and_nan():
 def test_cli_bisect_reports_and_exit_code(capsys):
     from lpdiff.harness.cli import main
 
-    assert main(["bisect", "tiny-gpt-oss", "--fault", "topk_weight_missing", "--num-prompts", "2", "--adapter",
-                 "experts", "--tp", "1"]) == 1
+    assert (
+        main(
+            [
+                "bisect",
+                "tiny-gpt-oss",
+                "--fault",
+                "topk_weight_missing",
+                "--num-prompts",
+                "2",
+                "--adapter",
+                "experts",
+                "--tp",
+                "1",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "layer 0 expert_lora of experts" in out and "noise" in out
     assert main(["bisect", "tiny-gpt-oss", "--fault", "no_such_fault"]) == 2  # bad input: exit 2, no traceback

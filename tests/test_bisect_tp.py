@@ -1,6 +1,7 @@
 """lpdiff bisect at TP 2 (gloo ranks on the CPU), on mixed batches and on user adapters: it names the layer, module
 and adapter of defects it is not told about — the tests' own (tests/helpers/defect_hook), in no bug zoo — and
 nothing on the clean runtime. The defects reach the spawned TP workers through the hook's sitecustomize."""
+
 from __future__ import annotations
 
 import shlex
@@ -16,8 +17,9 @@ from lpdiff.harness.commands.run import default_tps
 HOOK = Path(__file__).parent / "helpers" / "defect_hook"
 ZOO = Path(bs.__file__).resolve().parents[1] / "zoo_adapters"
 MODELS = ("tiny-qwen3-moe", "tiny-gpt-oss")
-needs_tp2 = pytest.mark.skipif(2 not in default_tps("triton"), reason="the triton runtime cannot run TP 2 here (one "
-                               "GPU: a rank per GPU)")
+needs_tp2 = pytest.mark.skipif(
+    2 not in default_tps("triton"), reason="the triton runtime cannot run TP 2 here (one GPU: a rank per GPU)"
+)
 
 
 def _with_defect(monkeypatch, name: str) -> None:
@@ -47,7 +49,8 @@ def test_clean_runtime_at_tp2_in_a_mixed_batch_names_nothing(model):
 
 
 TP_CASES = [("tp_expert_lora_twice", m, ("experts", 1, "expert_lora")) for m in MODELS] + [
-    ("tp_partial_twice", "tiny-qwen3-moe", ("experts", 0, "attention"))]
+    ("tp_partial_twice", "tiny-qwen3-moe", ("experts", 0, "attention"))
+]
 
 
 @needs_tp2
@@ -103,8 +106,10 @@ def test_a_run_fail_names_the_bisect_command_and_plain_bisect_localises_it(tmp_p
     model = "tiny-qwen3-moe"
     _with_defect(monkeypatch, "tp_expert_lora_twice")
     out_json = tmp_path / "v.json"
-    assert main(["run", "--model", model, "--engine", "triton", "--tp", "2", "--adapter", "all", "--json",
-                 str(out_json)]) == 1
+    assert (
+        main(["run", "--model", model, "--engine", "triton", "--tp", "2", "--adapter", "all", "--json", str(out_json)])
+        == 1
+    )
     bad = [v for v in from_json(out_json.read_text()) if not v.passed]
     assert [v.adapter for v in bad] == ["all"], capsys.readouterr().out
     assert bad[0].next_step == f"lpdiff bisect {model} --adapter all --tp 2"

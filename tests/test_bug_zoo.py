@@ -2,6 +2,7 @@
 and in the Triton kernel run by the interpreter), and only while it is active (relu2_as_gated on moe_forward
 itself, as well as through the runtime's Nemotron-H experts). The runtime-level proof (default suite FAILs) is
 suites/test_bug_zoo.py."""
+
 import pytest
 import torch
 
@@ -19,17 +20,20 @@ def _out(params, impl, fault=None):
         return moe_forward(**params, impl=impl)
 
 
-@pytest.mark.parametrize("fault,activation,same_in_both", [
-    # the gate_up LoRA outside the activation: SiLU-gated (Qwen) and clamped SwiGLU (gpt-oss)
-    ("lora_after_activation", "silu", True),
-    ("lora_after_activation", "swiglu_oai", True),
-    # routing weight on the down LoRA delta twice / never
-    ("topk_weight_twice", "silu", True),
-    ("topk_weight_missing", "swiglu_oai", True),
-    # unmasked LoRA-B tile: both spill into the next row, but the kernel's rows are (gate, up)-interleaved
-    # activations and the reference's are gate|up pre-activation, so only "wrong" is shared, not the values
-    ("lora_b_unmasked", "silu", False),
-])
+@pytest.mark.parametrize(
+    "fault,activation,same_in_both",
+    [
+        # the gate_up LoRA outside the activation: SiLU-gated (Qwen) and clamped SwiGLU (gpt-oss)
+        ("lora_after_activation", "silu", True),
+        ("lora_after_activation", "swiglu_oai", True),
+        # routing weight on the down LoRA delta twice / never
+        ("topk_weight_twice", "silu", True),
+        ("topk_weight_missing", "swiglu_oai", True),
+        # unmasked LoRA-B tile: both spill into the next row, but the kernel's rows are (gate, up)-interleaved
+        # activations and the reference's are gate|up pre-activation, so only "wrong" is shared, not the values
+        ("lora_b_unmasked", "silu", False),
+    ],
+)
 def test_kernel_fault_changes_output_in_both_impls(fault, activation, same_in_both):
     p = make_moe(**SHAPE, activation=activation, ranks=(8, 4))
     clean_t, clean_k = _out(p, "torch"), _out(p, "triton")

@@ -1,6 +1,7 @@
 """Bring your own model, adapter and prompts, as a new user would: copies of a zoo model and adapter in a temp dir
 (or in an HF cache laid out as huggingface_hub writes it, HF_HUB_OFFLINE=1), `lpdiff regen` then `lpdiff run
 --engine triton` -> a verdict table, exit 0; bad inputs -> exit 2 and nothing written."""
+
 from __future__ import annotations
 
 import json
@@ -54,10 +55,22 @@ def test_hub_ids_and_prompts_file(user, capsys):
     _, commit = populate(hub, "acme/tiny-moe", tmp / "model")
     populate(hub, "acme/tiny-moe-lora", tmp / "adapter", repo_type="dataset")
     prompts = tmp / "p.jsonl"
-    prompts.write_text(json.dumps({"text": "def mul(a, b):\n    return a * b\n"}) + "\n"
-                       + json.dumps({"token_ids": [5, 17, 300, 42, 9, 801, 3, 77]}) + "\n")
-    out = _regen_then_run(capsys, tmp / "B", "--model", f"acme/tiny-moe@{commit}", "--adapter",
-                          "hf://datasets/acme/tiny-moe-lora", "--prompts", prompts)
+    prompts.write_text(
+        json.dumps({"text": "def mul(a, b):\n    return a * b\n"})
+        + "\n"
+        + json.dumps({"token_ids": [5, 17, 300, 42, 9, 801, 3, 77]})
+        + "\n"
+    )
+    out = _regen_then_run(
+        capsys,
+        tmp / "B",
+        "--model",
+        f"acme/tiny-moe@{commit}",
+        "--adapter",
+        "hf://datasets/acme/tiny-moe-lora",
+        "--prompts",
+        prompts,
+    )
     assert "acme/tiny-moe@" in out and "tiny-moe-lora" in out
 
 
@@ -70,15 +83,26 @@ def _bad_inputs(tmp):
         "missing repo": (["--model", "acme/nope"], "hf download acme/nope"),
         "unknown revision": (["--model", "acme/tiny-moe@v9"], "--revision v9"),
         "no config.json": (["--model", tmp / "empty"], "has no config.json"),
-        "no adapter_config.json": (["--model", tmp / "model", "--adapter", tmp / "empty"],
-                                   "has no adapter_config.json"),
+        "no adapter_config.json": (
+            ["--model", tmp / "model", "--adapter", tmp / "empty"],
+            "has no adapter_config.json",
+        ),
         "adapter for another architecture": (["--model", tmp / "model", "--adapter", other], "attention"),
         "out-of-vocabulary prompt": (["--model", tmp / "model", "--prompts", oov], "oov.jsonl line 1"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing repo", "unknown revision", "no config.json", "no adapter_config.json",
-                                  "adapter for another architecture", "out-of-vocabulary prompt"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing repo",
+        "unknown revision",
+        "no config.json",
+        "no adapter_config.json",
+        "adapter for another architecture",
+        "out-of-vocabulary prompt",
+    ],
+)
 def test_bad_input_exit_2_nothing_written(user, capsys, case):
     tmp, hub = user
     populate(hub, "acme/tiny-moe", tmp / "model")
@@ -101,8 +125,11 @@ def test_doctor_error_stops_the_run_and_its_fix_runs_as_printed(user, capsys, tm
     with pytest.raises(SpecError, match="lpdiff doctor found") as e:
         preflight(r, ["vllm"])
     fixes = [line.split("-- fix: ", 1)[1] for line in str(e.value).splitlines() if "-- fix: " in line]
-    commands = [f[f.index("lpdiff adapters convert"):].split("`")[0].rstrip(".; ") for f in fixes
-                if "lpdiff adapters convert" in f]
+    commands = [
+        f[f.index("lpdiff adapters convert") :].split("`")[0].rstrip(".; ")
+        for f in fixes
+        if "lpdiff adapters convert" in f
+    ]
     assert commands, fixes
     for i, cmd in enumerate(commands):
         argv = shlex.split(cmd.replace(" OUT ", f" {tmp / f'out{i}'} "))[1:]

@@ -1,5 +1,6 @@
 """Each engine declares its facts (engines/capabilities.py): readable without the engine's library, and the
 harness's tables (layouts served per arch, rank limit, metamorphic modes) come out as they were."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,11 @@ def test_capabilities_import_without_the_engines_libraries():
     """In a fresh interpreter: reading every registered engine's capabilities imports neither vLLM nor SGLang (the
     CPU box that runs doctor has neither; Triton is lpdiff's own dependency, which the triton engine's package
     imports)."""
-    code = ("import json, sys\nfrom lpdiff.engines import ENGINES, capabilities\n"
-            "caps = {e: capabilities(e).engine for e in ENGINES}\n"
-            "print(json.dumps([caps, sorted(m for m in ('vllm', 'sglang', 'sgl_kernel') if m in sys.modules)]))")
+    code = (
+        "import json, sys\nfrom lpdiff.engines import ENGINES, capabilities\n"
+        "caps = {e: capabilities(e).engine for e in ENGINES}\n"
+        "print(json.dumps([caps, sorted(m for m in ('vllm', 'sglang', 'sgl_kernel') if m in sys.modules)]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     caps, heavy = json.loads(out.stdout.strip().splitlines()[-1])
@@ -44,14 +47,16 @@ def test_unknown_engine_names_the_known_ones():
 
 # what harness/commands/check.py served each engine (ENGINE_LAYOUTS, ARCH_LAYOUTS) before the facts moved here; hf
 # since reads per-expert files on every arch (it converts them to PEFT 3D before PEFT loads them)
-SERVED = {("vllm", "gpt_oss"): ("peft3d",), ("vllm", "qwen3_moe"): ("per_expert",),
-          ("vllm", "qwen3_5_moe"): ("peft3d",),  # per-expert names refused at load (vllm-qwen3.5-per-expert)
-          ("vllm", "nemotron_h"): ("per_expert",),
-          **{("sglang", a): ("per_expert",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe")},
-          ("sglang", "nemotron_h"): ("per_expert_gate",),
-          **{("triton", a): ("peft3d", "per_expert") for a in ("qwen3_moe", "gpt_oss")},
-          **{("hf", a): ("peft3d", "per_expert")
-             for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3")}}
+SERVED = {
+    ("vllm", "gpt_oss"): ("peft3d",),
+    ("vllm", "qwen3_moe"): ("per_expert",),
+    ("vllm", "qwen3_5_moe"): ("peft3d",),  # per-expert names refused at load (vllm-qwen3.5-per-expert)
+    ("vllm", "nemotron_h"): ("per_expert",),
+    **{("sglang", a): ("per_expert",) for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe")},
+    ("sglang", "nemotron_h"): ("per_expert_gate",),
+    **{("triton", a): ("peft3d", "per_expert") for a in ("qwen3_moe", "gpt_oss")},
+    **{("hf", a): ("peft3d", "per_expert") for a in ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h", "qwen3")},
+}
 
 
 @pytest.mark.parametrize("engine,arch", sorted(SERVED))
@@ -69,17 +74,23 @@ def test_layouts_follow_the_declared_defects():
     assert [d.id for d in vllm.defects("qwen3_moe", "per_expert", tp=4)].count("vllm-moe-lora-tp4-fault") == 1
     assert "vllm-moe-lora-tp4-fault" not in [d.id for d in vllm.defects("qwen3_moe", "per_expert", tp=2)]
     # it may die (measured both ways on Qwen3 at TP 4); gpt-oss, and Nemotron-H at its capped step, ran at TP 4
-    tp4 = {a: [d.severity for d in vllm.defects(a, "per_expert", tp=4) if d.id == "vllm-moe-lora-tp4-fault"]
-           for a in ("qwen3_moe", "nemotron_h", "gpt_oss")}
+    tp4 = {
+        a: [d.severity for d in vllm.defects(a, "per_expert", tp=4) if d.id == "vllm-moe-lora-tp4-fault"]
+        for a in ("qwen3_moe", "nemotron_h", "gpt_oss")
+    }
     assert tp4 == {"qwen3_moe": ["warning"], "nemotron_h": [], "gpt_oss": []}
     # one id per arch: the nemotron_h entry wins over the any-arch fallback
     assert vllm.defect("router-target", "nemotron_h").severity == "error"
     assert vllm.defect("router-target", "qwen3_moe").severity == "info"
     # what PEFT alone does with a per-expert file is info for hf (its engine converts the file): per_expert stays
     hf = capabilities("hf")
-    for arch, code in (("gpt_oss", "per-expert-ignored-by-peft"), ("qwen3_5_moe_text", "per-expert-ignored-by-peft"),
-                       ("nemotron_h", "per-expert-ignored-by-peft"), ("qwen3_moe", "per-expert-converted-by-peft"),
-                       ("mixtral", "per-expert-unknown")):
+    for arch, code in (
+        ("gpt_oss", "per-expert-ignored-by-peft"),
+        ("qwen3_5_moe_text", "per-expert-ignored-by-peft"),
+        ("nemotron_h", "per-expert-ignored-by-peft"),
+        ("qwen3_moe", "per-expert-converted-by-peft"),
+        ("mixtral", "per-expert-unknown"),
+    ):
         found = hf.defects(arch, "per_expert")
         assert code in [d.id for d in found], (arch, [d.id for d in found])
         assert not [d.id for d in found if d.severity != "info" and not d.when], arch
@@ -104,16 +115,24 @@ def test_rank_limits():
 # harness/commands/metamorphic.py ENGINE_MODES before the facts moved here: engine -> mode -> options
 MODES = {
     "hf": {f"experts_{i}": {"experts_impl": i} for i in ("eager", "batched_mm", "grouped_mm")},
-    "triton": {"kernels_torch": {"impl": "torch"}, "kernels_triton": {"impl": "triton"},
-               "attention_sdpa": {"attention": "sdpa"}, "attention_flash": {"attention": "flash"},
-               "attention_triton": {"attention": "triton"}},
-    "vllm": {"mixed_moe_lora_format": {"mixed_moe_lora_format": True},
-             "cuda_graphs_on": {"llm_kwargs": {"enforce_eager": False}},
-             "chunked_prefill_64": {"llm_kwargs": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}},
-             "chunked_prefill_off": {"llm_kwargs": {"enable_chunked_prefill": False}}},
-    "sglang": {"cuda_graphs_on": {"server_args": {"disable_cuda_graph": False}},
-               "chunked_prefill_64": {"server_args": {"chunked_prefill_size": 64}},
-               "lora_backend_csgmv": {"server_args": {"lora_backend": "csgmv"}}},
+    "triton": {
+        "kernels_torch": {"impl": "torch"},
+        "kernels_triton": {"impl": "triton"},
+        "attention_sdpa": {"attention": "sdpa"},
+        "attention_flash": {"attention": "flash"},
+        "attention_triton": {"attention": "triton"},
+    },
+    "vllm": {
+        "mixed_moe_lora_format": {"mixed_moe_lora_format": True},
+        "cuda_graphs_on": {"llm_kwargs": {"enforce_eager": False}},
+        "chunked_prefill_64": {"llm_kwargs": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}},
+        "chunked_prefill_off": {"llm_kwargs": {"enable_chunked_prefill": False}},
+    },
+    "sglang": {
+        "cuda_graphs_on": {"server_args": {"disable_cuda_graph": False}},
+        "chunked_prefill_64": {"server_args": {"chunked_prefill_size": 64}},
+        "lora_backend_csgmv": {"server_args": {"lora_backend": "csgmv"}},
+    },
 }
 
 
@@ -132,10 +151,27 @@ def test_every_detectable_defect_has_a_doctor_detector():
     assert all(declared[i].tp for i in undetected), "only a TP size hides a defect from the files"
     assert set(DETECTORS) <= set(declared), "a detector for a defect no engine declares"
     for d in declared.values():
-        what, fix = d.message(arch="A", where="W", to_peft3d="C", to_per_expert="C", to_per_expert_gate="C",
-                              router_fix="F", error="E", router="", rank=1, limit=1, features="F", qkv="k_proj",
-                              parts="P", missing="M", to_root="C",
-                              differ=1, pattern="'x'", bad="B", supported="S")
+        what, fix = d.message(
+            arch="A",
+            where="W",
+            to_peft3d="C",
+            to_per_expert="C",
+            to_per_expert_gate="C",
+            router_fix="F",
+            error="E",
+            router="",
+            rank=1,
+            limit=1,
+            features="F",
+            qkv="k_proj",
+            parts="P",
+            missing="M",
+            to_root="C",
+            differ=1,
+            pattern="'x'",
+            bad="B",
+            supported="S",
+        )
         assert what and fix and "{" not in what + fix, d.id  # every field a message names is one doctor fills
 
 

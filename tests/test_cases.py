@@ -2,6 +2,7 @@
 in fp32 as the "trainer", the same in bf16 as the "original sampler", saved with torch.save of plain tensors and
 lists — is judged with the case's own noise shown; pickled objects, foreign token ids and the JSONL form; the
 hf:// form read from an HF_HOME laid out as huggingface_hub writes it, offline."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,10 @@ def case_dir(tmp_path_factory) -> Path:
     shutil.copytree(ADAPTER, d)
     tokens = prompt_set(MODEL, "default")[0][:40]
     train, sample = _peft_logprobs(torch.float32, [tokens])[0], _peft_logprobs(torch.bfloat16, [tokens])[0]
-    torch.save({"tokens": torch.tensor(tokens), "training_logprobs": train.tolist(),
-                "sampling_logprobs": sample}, d / "compare_sample_train_data.pt")
+    torch.save(
+        {"tokens": torch.tensor(tokens), "training_logprobs": train.tolist(), "sampling_logprobs": sample},
+        d / "compare_sample_train_data.pt",
+    )
     return d
 
 
@@ -117,8 +120,11 @@ def test_jsonl_form_and_bad_lengths(case_dir, tmp_path):
     d = tmp_path / "jsonl"
     shutil.copytree(ADAPTER, d / "adapter")  # adapter in a subfolder
     data = torch.load(case_dir / "compare_sample_train_data.pt", weights_only=True)
-    row = {"tokens": data["tokens"].tolist(), "logprobs": data["training_logprobs"],
-           "sampler_logprobs": data["sampling_logprobs"].tolist()}
+    row = {
+        "tokens": data["tokens"].tolist(),
+        "logprobs": data["training_logprobs"],
+        "sampler_logprobs": data["sampling_logprobs"].tolist(),
+    }
     (d / "reference.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
     (d / "case.json").write_text(json.dumps({"base_model": MODEL, "kl_threshold": 1e-4, "trainer": "fsdp"}))
     case = load_case(str(d))
@@ -160,15 +166,35 @@ def test_hf_case_offline_from_hf_home(case_dir, tmp_path):
     sha = _hf_cache_layout(hf_home, "someorg/lora-test-case-tiny", case_dir)
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = ("import sys; from lpdiff.harness.spec.cases import load_case\n"
-            "c = load_case(sys.argv[1]); print(c.root.name, len(c.prompts[0]), c.adapter_dir == c.root)")
+    code = (
+        "import sys; from lpdiff.harness.spec.cases import load_case\n"
+        "c = load_case(sys.argv[1]); print(c.root.name, len(c.prompts[0]), c.adapter_dir == c.root)"
+    )
     for src in ("hf://datasets/someorg/lora-test-case-tiny", f"hf://datasets/someorg/lora-test-case-tiny@{sha}"):
-        r = subprocess.run([sys.executable, "-c", code, src], env=env, capture_output=True, text=True, timeout=120, check=False)
+        r = subprocess.run(
+            [sys.executable, "-c", code, src], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.split() == [sha, str(len(load_case(str(case_dir)).prompts[0])), "True"]
-    r = subprocess.run([sys.executable, "-m", "lpdiff.harness.cli", "run", "--case",
-                        "hf://datasets/someorg/lora-test-case-tiny@" + "0" * 40, "--model", MODEL, "--engine", "hf"],
-                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpdiff.harness.cli",
+            "run",
+            "--case",
+            "hf://datasets/someorg/lora-test-case-tiny@" + "0" * 40,
+            "--model",
+            MODEL,
+            "--engine",
+            "hf",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 2 and "cannot be fetched" in r.stderr and "hf download --repo-type dataset" in r.stderr
 
 
@@ -218,7 +244,8 @@ def test_catalog_hub_id_is_the_cached_checkpoint_else_the_catalog(case_dir, tmp_
     snap, _ = populate(hub, "Qwen/Qwen3.5-35B-A3B", ZOO_DIR / MODEL)
     assert case_model("Qwen/Qwen3.5-35B-A3B").path == str(snap)
     out_json = tmp_path / "v.json"
-    rc = main(["run", "--case", str(case_dir), "--model", "Qwen/Qwen3.5-35B-A3B", "--engine", "hf", "--json",
-               str(out_json)])
+    rc = main(
+        ["run", "--case", str(case_dir), "--model", "Qwen/Qwen3.5-35B-A3B", "--engine", "hf", "--json", str(out_json)]
+    )
     assert rc == 0, capsys.readouterr()
     assert json.loads(out_json.read_text())["threshold"] == 1e-3

@@ -1,12 +1,21 @@
 """The catalog: full-size configs carry docs/models.md's shapes (read from the config objects; nothing full-size is
 instantiated), moe_fields reads every architecture's spelling, and load_hf_model honours num_layers and seed."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lpdiff.harness.spec.catalog import (INIT_RECIPE, ZOO, describe, get_model, hf_config, known_models,
-                             load_hf_model, moe_fields)
+from lpdiff.harness.spec.catalog import (
+    INIT_RECIPE,
+    ZOO,
+    describe,
+    get_model,
+    hf_config,
+    known_models,
+    load_hf_model,
+    moe_fields,
+)
 from lpdiff.harness.types import ModelSpec
 from tests.helpers.configs import narrow_full_config
 
@@ -25,8 +34,18 @@ DESIGN_SHAPES = {
 def test_full_size_shapes(name):
     cfg = hf_config(get_model(name))
     m = moe_fields(cfg)
-    got = (m.hidden, m.num_layers, m.num_experts, m.top_k, m.expert_width, m.shared_width,
-           cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
+    got = (
+        m.hidden,
+        m.num_layers,
+        m.num_experts,
+        m.top_k,
+        m.expert_width,
+        m.shared_width,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+    )
     assert got == DESIGN_SHAPES[name]
 
 
@@ -86,8 +105,9 @@ def test_num_layers_truncates_per_layer_lists(name, n):
 
 def _spec(name: str, seed: int, num_layers: int) -> ModelSpec:
     cfg = narrow_full_config(name)
-    return ModelSpec(name="t", arch=cfg["model_type"], config=cfg, init_seed=seed, init_recipe=INIT_RECIPE,
-                     num_layers=num_layers)
+    return ModelSpec(
+        name="t", arch=cfg["model_type"], config=cfg, init_seed=seed, init_recipe=INIT_RECIPE, num_layers=num_layers
+    )
 
 
 # qwen3_moe: the plain case; nemotron_h: depth comes from layers_block_type and the prefix has no attention layer

@@ -2,6 +2,7 @@
 every engine we pin (5.12.1 for SGLang 0.5.15, this venv's 5.17 for vLLM 0.25.1 / HF), layer cuts keep the pattern
 strings consistent, and the tensors are written under the real checkpoint's names and shapes (checked at full width
 on the meta device against a sample of each repo's index)."""
+
 from __future__ import annotations
 
 import json
@@ -12,18 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lpdiff.harness.spec.catalog import (
-    FULL_CONFIGS,
-    HUB_REPOS,
-    INIT_RECIPE,
-    get_model,
-    hf_config,
-)
-from lpdiff.harness.spec.checkpoint import (
-    checkpoint_tensors,
-    hub_config_dict,
-    write_checkpoint,
-)
+from lpdiff.harness.spec.catalog import FULL_CONFIGS, HUB_REPOS, INIT_RECIPE, get_model, hf_config
+from lpdiff.harness.spec.checkpoint import checkpoint_tensors, hub_config_dict, write_checkpoint
 from lpdiff.harness.spec.cut import cut_config
 from lpdiff.harness.types import ModelSpec
 from tests.helpers.configs import narrow_full_config
@@ -39,40 +30,66 @@ VENV = Path(os.environ.get("LPDIFF_TF5121_VENV", Path.home() / ".cache" / "lpdif
 # of shape (latent, hidden)/(hidden, latent) and latent-width experts; gpt-oss bf16: fused
 # mlp.experts.gate_up_proj (E, H, 2I)); shapes follow from each config.
 EXPECTED = {
-    "qwen3-30b-a3b": (1, {
-        "model.embed_tokens.weight": (151936, 2048), "lm_head.weight": (151936, 2048),
-        "model.layers.0.self_attn.q_proj.weight": (4096, 2048), "model.layers.0.self_attn.k_norm.weight": (128,),
-        "model.layers.0.mlp.gate.weight": (128, 2048),
-        "model.layers.0.mlp.experts.127.gate_proj.weight": (768, 2048),
-        "model.layers.0.mlp.experts.0.down_proj.weight": (2048, 768)}),
-    "gpt-oss-20b": (1, {
-        "model.layers.0.mlp.experts.gate_up_proj": (32, 2880, 5760),
-        "model.layers.0.mlp.experts.gate_up_proj_bias": (32, 5760),
-        "model.layers.0.mlp.experts.down_proj": (32, 2880, 2880), "model.layers.0.mlp.router.weight": (32, 2880),
-        "model.layers.0.self_attn.sinks": (64,), "model.layers.0.self_attn.q_proj.bias": (4096,)}),
-    "qwen3.5-35b-a3b": (4, {
-        "model.language_model.embed_tokens.weight": (248320, 2048), "lm_head.weight": (248320, 2048),
-        "model.language_model.layers.0.linear_attn.in_proj_qkv.weight": (8192, 2048),
-        "model.language_model.layers.0.linear_attn.in_proj_z.weight": (4096, 2048),
-        "model.language_model.layers.0.linear_attn.conv1d.weight": (8192, 1, 4),
-        "model.language_model.layers.3.self_attn.q_proj.weight": (8192, 2048),
-        "model.language_model.layers.0.mlp.experts.255.gate_proj.weight": (512, 2048),
-        "model.language_model.layers.0.mlp.shared_expert_gate.weight": (1, 2048),
-        "model.visual.merger.linear_fc1.weight": (4608, 4608)}),
-    "nemotron-3-nano-30b-a3b": (6, {
-        "backbone.embeddings.weight": (131072, 2688), "backbone.norm_f.weight": (2688,),
-        "backbone.layers.0.mixer.in_proj.weight": (10304, 2688),
-        "backbone.layers.1.mixer.experts.127.up_proj.weight": (1856, 2688),
-        "backbone.layers.1.mixer.gate.e_score_correction_bias": (128,),
-        "backbone.layers.1.mixer.shared_experts.up_proj.weight": (3712, 2688),
-        "backbone.layers.5.mixer.q_proj.weight": (4096, 2688)}),
-    "nemotron-3-super-120b-a12b": (2, {
-        "backbone.layers.1.mixer.fc1_latent_proj.weight": (1024, 4096),
-        "backbone.layers.1.mixer.fc2_latent_proj.weight": (4096, 1024),
-        "backbone.layers.1.mixer.experts.511.up_proj.weight": (2688, 1024),
-        "backbone.layers.1.mixer.experts.0.down_proj.weight": (1024, 2688),
-        "backbone.layers.1.mixer.shared_experts.up_proj.weight": (5376, 4096),
-        "backbone.layers.0.mixer.in_proj.weight": (18560, 4096)}),
+    "qwen3-30b-a3b": (
+        1,
+        {
+            "model.embed_tokens.weight": (151936, 2048),
+            "lm_head.weight": (151936, 2048),
+            "model.layers.0.self_attn.q_proj.weight": (4096, 2048),
+            "model.layers.0.self_attn.k_norm.weight": (128,),
+            "model.layers.0.mlp.gate.weight": (128, 2048),
+            "model.layers.0.mlp.experts.127.gate_proj.weight": (768, 2048),
+            "model.layers.0.mlp.experts.0.down_proj.weight": (2048, 768),
+        },
+    ),
+    "gpt-oss-20b": (
+        1,
+        {
+            "model.layers.0.mlp.experts.gate_up_proj": (32, 2880, 5760),
+            "model.layers.0.mlp.experts.gate_up_proj_bias": (32, 5760),
+            "model.layers.0.mlp.experts.down_proj": (32, 2880, 2880),
+            "model.layers.0.mlp.router.weight": (32, 2880),
+            "model.layers.0.self_attn.sinks": (64,),
+            "model.layers.0.self_attn.q_proj.bias": (4096,),
+        },
+    ),
+    "qwen3.5-35b-a3b": (
+        4,
+        {
+            "model.language_model.embed_tokens.weight": (248320, 2048),
+            "lm_head.weight": (248320, 2048),
+            "model.language_model.layers.0.linear_attn.in_proj_qkv.weight": (8192, 2048),
+            "model.language_model.layers.0.linear_attn.in_proj_z.weight": (4096, 2048),
+            "model.language_model.layers.0.linear_attn.conv1d.weight": (8192, 1, 4),
+            "model.language_model.layers.3.self_attn.q_proj.weight": (8192, 2048),
+            "model.language_model.layers.0.mlp.experts.255.gate_proj.weight": (512, 2048),
+            "model.language_model.layers.0.mlp.shared_expert_gate.weight": (1, 2048),
+            "model.visual.merger.linear_fc1.weight": (4608, 4608),
+        },
+    ),
+    "nemotron-3-nano-30b-a3b": (
+        6,
+        {
+            "backbone.embeddings.weight": (131072, 2688),
+            "backbone.norm_f.weight": (2688,),
+            "backbone.layers.0.mixer.in_proj.weight": (10304, 2688),
+            "backbone.layers.1.mixer.experts.127.up_proj.weight": (1856, 2688),
+            "backbone.layers.1.mixer.gate.e_score_correction_bias": (128,),
+            "backbone.layers.1.mixer.shared_experts.up_proj.weight": (3712, 2688),
+            "backbone.layers.5.mixer.q_proj.weight": (4096, 2688),
+        },
+    ),
+    "nemotron-3-super-120b-a12b": (
+        2,
+        {
+            "backbone.layers.1.mixer.fc1_latent_proj.weight": (1024, 4096),
+            "backbone.layers.1.mixer.fc2_latent_proj.weight": (4096, 1024),
+            "backbone.layers.1.mixer.experts.511.up_proj.weight": (2688, 1024),
+            "backbone.layers.1.mixer.experts.0.down_proj.weight": (1024, 2688),
+            "backbone.layers.1.mixer.shared_experts.up_proj.weight": (5376, 4096),
+            "backbone.layers.0.mixer.in_proj.weight": (18560, 4096),
+        },
+    ),
 }
 
 
@@ -88,12 +105,25 @@ def test_hub_configs_are_the_shipped_spelling():
     assert "quantization_config" not in FULL_CONFIGS["gpt-oss-20b"]
     assert FULL_CONFIGS["qwen3-30b-a3b"]["num_experts"] == 128  # the Hub spelling, not num_local_experts
     sup = hf_config(get_model("nemotron-3-super-120b-a12b"))
-    assert (sup.hidden_size, sup.n_routed_experts, sup.num_experts_per_tok, sup.num_hidden_layers) == (4096, 512, 22, 88)
+    assert (sup.hidden_size, sup.n_routed_experts, sup.num_experts_per_tok, sup.num_hidden_layers) == (
+        4096,
+        512,
+        22,
+        88,
+    )
     assert (sup.moe_latent_size, sup.routed_scaling_factor) == (1024, 5.0)
 
 
-@pytest.mark.parametrize("name,n", [("qwen3.5-35b-a3b", 5), ("nemotron-3-nano-30b-a3b", 7),
-                                    ("nemotron-3-super-120b-a12b", 9), ("gpt-oss-20b", 3), ("qwen3-30b-a3b", 2)])
+@pytest.mark.parametrize(
+    "name,n",
+    [
+        ("qwen3.5-35b-a3b", 5),
+        ("nemotron-3-nano-30b-a3b", 7),
+        ("nemotron-3-super-120b-a12b", 9),
+        ("gpt-oss-20b", 3),
+        ("qwen3-30b-a3b", 2),
+    ],
+)
 def test_cut_keeps_per_layer_fields_consistent(name, n):
     cut = cut_config(FULL_CONFIGS[name], n)
     t = cut.get("text_config", cut)
@@ -132,8 +162,14 @@ print(json.dumps(out))
 
 
 def _parse_with(python: str, dirs: dict[str, Path]) -> dict:
-    r = subprocess.run([python, "-c", _PARSE, json.dumps({k: str(v) for k, v in dirs.items()})],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False)
+    r = subprocess.run(
+        [python, "-c", _PARSE, json.dumps({k: str(v) for k, v in dirs.items()})],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -156,14 +192,21 @@ def _sglang_transformers_python() -> str:
     if not py.exists():
         r = subprocess.run([sys.executable, "-m", "venv", str(VENV)], capture_output=True, text=True, check=False)
         if r.returncode == 0:
-            r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"transformers=={SGLANG_TRANSFORMERS}"],
-                               capture_output=True, text=True, timeout=600, check=False)
+            r = subprocess.run(
+                [str(py), "-m", "pip", "install", "-q", f"transformers=={SGLANG_TRANSFORMERS}"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
         if r.returncode != 0:
             import shutil
 
             shutil.rmtree(VENV, ignore_errors=True)
-            pytest.skip(f"cannot build a venv with transformers=={SGLANG_TRANSFORMERS} (offline?): "
-                        f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+            pytest.skip(
+                f"cannot build a venv with transformers=={SGLANG_TRANSFORMERS} (offline?): "
+                f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+            )
     return str(py)
 
 
@@ -172,8 +215,9 @@ def test_configs_parse_with_sglang_transformers(tmp_path):
     """SGLang 0.5.15 pins transformers 5.12.1, whose NemotronH config refuses transformers 5.17's own
     layers_block_type values; the Hub's hybrid_override_pattern is what it reads."""
     py = _sglang_transformers_python()
-    ver = subprocess.run([py, "-c", "import transformers; print(transformers.__version__)"], capture_output=True,
-                         text=True, check=False).stdout.strip()
+    ver = subprocess.run(
+        [py, "-c", "import transformers; print(transformers.__version__)"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     assert ver == SGLANG_TRANSFORMERS
     _check_parsed(_parse_with(py, _write_configs(tmp_path)))
 
@@ -197,8 +241,7 @@ def test_checkpoint_names_and_shapes_at_full_width(name):
     assert not any(k.startswith("model.layers.") for k in got) or not name.startswith(("qwen3.5", "nemotron"))
 
 
-@pytest.mark.parametrize("name,depth", [("qwen3.5-35b-a3b", 4), ("nemotron-3-super-120b-a12b", 6),
-                                        ("gpt-oss-20b", 2)])
+@pytest.mark.parametrize("name,depth", [("qwen3.5-35b-a3b", 4), ("nemotron-3-super-120b-a12b", 6), ("gpt-oss-20b", 2)])
 def test_written_checkpoint_loads_back_identically(tmp_path, name, depth):
     """write_checkpoint -> config.json is the Hub file cut to depth, shards + index, and transformers'
     from_pretrained on the directory gives the in-memory model's logits exactly."""

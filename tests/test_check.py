@@ -1,5 +1,6 @@
 """harness/check.py (``lpdiff check``) on the tiny zoo, CPU: the triton runtime in bf16 and fp32 against HF+PEFT
 fp32 with thresholds from noise measured in the run. The full-width GPU runs are suites/test_engines_gpu.py."""
+
 import csv
 
 import pytest
@@ -12,8 +13,9 @@ from lpdiff.harness.pipeline import session
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    return check.build_case("tiny-qwen3-moe", 2, tmp_path_factory.mktemp("case"), device="cpu", lengths=(64, 33, 50),
-                            log=lambda s: None)
+    return check.build_case(
+        "tiny-qwen3-moe", 2, tmp_path_factory.mktemp("case"), device="cpu", lengths=(64, 33, 50), log=lambda s: None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +25,13 @@ def store(tmp_path_factory):
     return BaselineStore(tmp_path_factory.mktemp("store"))
 
 
-@pytest.mark.parametrize("dtype", [
-    "bfloat16",  # threshold from HF bf16-vs-fp32 noise: the setting of the vLLM/SGLang GPU suites
-    "float32",  # threshold from HF grouped_mm/batched_mm-vs-eager noise: the fault-sweep setting
-])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "bfloat16",  # threshold from HF bf16-vs-fp32 noise: the setting of the vLLM/SGLang GPU suites
+        "float32",  # threshold from HF grouped_mm/batched_mm-vs-eager noise: the fault-sweep setting
+    ],
+)
 def test_correct_lanes_pass_and_the_broken_adapter_fails(case, store, dtype, tmp_path):
     res = check.run_check(case, "triton", k=2, store=store, dtype=dtype, log=lambda s: None)
     assert res.as_expected, check.format_result(res)
@@ -87,7 +92,9 @@ def test_an_engine_judged_against_itself_names_its_options(case, store, monkeypa
     assert res.as_expected, check.format_result(res)
     assert res.threshold.engine_pair == res.engine_pair == "hf[experts_impl=eager]:float32-vs-hf:float32"
     # where an engine runs is not how it computes; another engine's options leave the pair as it was
-    assert check.engine_pair("hf", "float32", "hf", {"lane": "subprocess", "python": "/x"}) == "hf:float32-vs-hf:float32"
+    assert (
+        check.engine_pair("hf", "float32", "hf", {"lane": "subprocess", "python": "/x"}) == "hf:float32-vs-hf:float32"
+    )
     assert check.engine_pair("vllm", "bfloat16", "hf", {"seed": 1}) == "vllm:bfloat16-vs-hf:float32"
 
 
@@ -100,6 +107,7 @@ def test_engine_options_from_the_environment(monkeypatch):
     assert engine_options("vllm") == {"env": {"CUDA_LAUNCH_BLOCKING": "1"}}
     # options alone do not make an engine installed
     import importlib.util
+
     if importlib.util.find_spec("vllm") is None:
         assert engine_missing("vllm")
     monkeypatch.setenv("LPDIFF_VLLM_PYTHONPATH", "/b")
@@ -109,17 +117,27 @@ def test_engine_options_from_the_environment(monkeypatch):
         engine_options("vllm")
 
 
-@pytest.mark.parametrize("model, own, arch_layout", [
-    ("tiny-qwen3.5-moe", "linear_attention", "per_expert"),
-    ("tiny-nemotron-h", "mamba", "per_expert_gate"),  # SGLang reads non-gated experts' input as gate_proj
-])
+@pytest.mark.parametrize(
+    "model, own, arch_layout",
+    [
+        ("tiny-qwen3.5-moe", "linear_attention", "per_expert"),
+        ("tiny-nemotron-h", "mamba", "per_expert_gate"),  # SGLang reads non-gated experts' input as gate_proj
+    ],
+)
 def test_hybrid_case_has_a_lane_per_group_and_sglang_refuses_its_own(model, own, arch_layout, store, tmp_path):
     """The hybrids' check: one lane per module group, so a dropped group is named by its lane; the lanes SGLang
     cannot serve (HF's GDN projections, a PEFT-shaped mamba in_proj) are left out with doctor's reason, and the
     rest judged. HF bf16 against HF fp32 here: correct lanes PASS, the broken one FAILs."""
     case = check.build_case(model, None, tmp_path / "case", device="cpu", lengths=(64, 33, 50), log=lambda s: None)
-    assert {p.name for p in case.plans.values()} >= {"all", "all_groups", own, "attention", "shared_expert",
-                                                     "experts", "broken"}
+    assert {p.name for p in case.plans.values()} >= {
+        "all",
+        "all_groups",
+        own,
+        "attention",
+        "shared_expert",
+        "experts",
+        "broken",
+    }
     assert "latent" not in case.plans  # the tiny hybrids have no latent layers
     assert ("experts", arch_layout) in case.files
     lanes = {f"{n}.{lay}": a for (n, lay), a in case.files.items() if lay == arch_layout}
@@ -139,10 +157,20 @@ def test_vllm_is_served_qwen35_adapters_under_the_checkpoint_root(tmp_path):
     written under that root, once per case, the same tensors; SGLang and the reference read the text names."""
     from safetensors.torch import load_file
 
-    plans = (check.AdapterPlan("all", ("attention", "linear_attention", "experts"), 4, 1),
-             check.AdapterPlan("broken", ("attention", "experts"), 4, 1, broken_from="all"))
-    case = check.build_case("tiny-qwen3.5-moe", None, tmp_path / "case", plans=plans,
-                            layouts=("peft3d", "per_expert"), device="cpu", lengths=(8,), log=lambda s: None)
+    plans = (
+        check.AdapterPlan("all", ("attention", "linear_attention", "experts"), 4, 1),
+        check.AdapterPlan("broken", ("attention", "experts"), 4, 1, broken_from="all"),
+    )
+    case = check.build_case(
+        "tiny-qwen3.5-moe",
+        None,
+        tmp_path / "case",
+        plans=plans,
+        layouts=("peft3d", "per_expert"),
+        device="cpu",
+        lengths=(8,),
+        log=lambda s: None,
+    )
     served = check.served_files(case, "vllm", ("peft3d",))
     assert set(served) == {"all.peft3d", "broken.peft3d"}
     for lane, a in served.items():
@@ -151,15 +179,18 @@ def test_vllm_is_served_qwen35_adapters_under_the_checkpoint_root(tmp_path):
         got = load_file(f"{a.path}/adapter_model.safetensors")
         assert a.path == str(tmp_path / "case" / "vllm-root" / lane) and a.name == lane
         assert all(k.startswith("base_model.model.model.layers.") for k in ref)
-        renamed = {"base_model.model.model.language_model." + k.removeprefix("base_model.model.model."): v
-                   for k, v in ref.items()}
+        renamed = {
+            "base_model.model.model.language_model." + k.removeprefix("base_model.model.model."): v
+            for k, v in ref.items()
+        }
         assert got.keys() == renamed.keys() and all(torch_equal(got[k], renamed[k]) for k in got)
     when = (tmp_path / "case" / "vllm-root" / "all.peft3d" / "adapter_model.safetensors").stat().st_mtime_ns
     assert check.served_files(case, "vllm", ("peft3d",)) == served  # the next TP size reuses the copies
     assert (tmp_path / "case" / "vllm-root" / "all.peft3d" / "adapter_model.safetensors").stat().st_mtime_ns == when
     sglang = check.served_files(case, "sglang", ("per_expert",))
-    assert {lane: a.path for lane, a in sglang.items()} == {f"{n}.per_expert": case.files[(n, "per_expert")].path
-                                                            for n in ("all", "broken")}
+    assert {lane: a.path for lane, a in sglang.items()} == {
+        f"{n}.per_expert": case.files[(n, "per_expert")].path for n in ("all", "broken")
+    }
     text = {f"{n}.peft3d": case.files[(n, "peft3d")] for n in ("all", "broken")}
     refused = check.refused_lanes(case, "vllm", text)
     assert {why.split(":")[0] for why in refused.values()} == {"vllm-qwen3.5-text-names"}
@@ -191,5 +222,5 @@ def test_fp32_rounding_floor_is_the_ulp_of_the_logprobs_over_the_depth():
     lp = np.array([-9.0, -12.5], np.float32)
     run = LogprobRun(prompts=[PromptLogprobs(token_ids=np.array([1, 2, 3]), logprobs=lp)])
     floor = fp32_rounding_floor({None: run}, layers=2)
-    assert floor.k2 == pytest.approx(0.5 * 3 * 2.0 ** -40) and floor.max_abs == pytest.approx(4 * 3 ** 0.5 * 2 ** -20)
+    assert floor.k2 == pytest.approx(0.5 * 3 * 2.0**-40) and floor.max_abs == pytest.approx(4 * 3**0.5 * 2**-20)
     assert fp32_rounding_floor({None: run}, layers=8).k2 == pytest.approx(3 * floor.k2)

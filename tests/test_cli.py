@@ -1,4 +1,5 @@
 """The lpdiff CLI end to end on the tiny zoo: regen/run round trip, clear errors, and planted faults caught."""
+
 import itertools
 import json
 import re
@@ -36,8 +37,11 @@ def test_regen_then_run_passes_and_saves_runs(tmp_path, capsys):
     assert out.splitlines()[0].startswith("install self-check: hf (float32) against its own stored reference runs")
     assert "expected PASS" in out.splitlines()[1]
     assert main(["run", *sel, "--wide"]) == 0  # every column in the rows
-    assert all("hf:float32-vs-hf:float32" in ln for ln in capsys.readouterr().out.splitlines()
-               if ln.startswith("tiny-gpt-oss "))
+    assert all(
+        "hf:float32-vs-hf:float32" in ln
+        for ln in capsys.readouterr().out.splitlines()
+        if ln.startswith("tiny-gpt-oss ")
+    )
     saved = sorted((tmp_path / "runs").glob("*.npz"))
     assert len(saved) == 2
     # two stored runs compared: base vs adapter differ far beyond any fp32 threshold
@@ -45,11 +49,14 @@ def test_regen_then_run_passes_and_saves_runs(tmp_path, capsys):
 
 
 # Each planted fault is a real mechanism an engine gets wrong; the verdict must FAIL and name what moved.
-@pytest.mark.parametrize("model,mutation,kwargs", [
-    ("tiny-qwen3-moe", "zero_expert", {"expert": 3}),  # one expert's LoRA silently dropped
-    ("tiny-gpt-oss", "scale_experts", {"factor": 2.0}),  # expert LoRA applied with the wrong scale
-    ("tiny-qwen3.5-moe", "permute_experts", {"shift": 1}),  # expert adapters in the wrong order
-])
+@pytest.mark.parametrize(
+    "model,mutation,kwargs",
+    [
+        ("tiny-qwen3-moe", "zero_expert", {"expert": 3}),  # one expert's LoRA silently dropped
+        ("tiny-gpt-oss", "scale_experts", {"factor": 2.0}),  # expert LoRA applied with the wrong scale
+        ("tiny-qwen3.5-moe", "permute_experts", {"shift": 1}),  # expert adapters in the wrong order
+    ],
+)
 def test_planted_fault_fails_compare_and_names_delta_fidelity(model, mutation, kwargs, tmp_path, capsys):
     broken = mutations.MUTATIONS[mutation](zoo_adapters(model)["experts"].path, tmp_path / "broken", **kwargs)
     rc = main(["compare", "--model", model, "--adapter", "experts", "--test-adapter-dir", str(broken)])
@@ -58,8 +65,9 @@ def test_planted_fault_fails_compare_and_names_delta_fidelity(model, mutation, k
     row = next(line for line in out.splitlines() if " experts " in line)
     lines = out.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("FAIL") and " experts: " in line)
-    reason = " ".join([lines[i], *(ln.strip() for ln in itertools.takewhile(lambda ln: ln.startswith("    "),
-                                                                           lines[i + 1:]))])  # below the table
+    reason = " ".join(
+        [lines[i], *(ln.strip() for ln in itertools.takewhile(lambda ln: ln.startswith("    "), lines[i + 1 :]))]
+    )  # below the table
     assert "FAIL" in row and "delta fidelity" in reason
     base_row = next(line for line in out.splitlines() if line.startswith(model) and "  -  " in line)
     assert "PASS" in base_row  # the base model is untouched by an adapter fault
@@ -75,8 +83,21 @@ def test_cli_layout_choices_are_the_adapter_layouts():
 def test_check_refuses_an_unknown_init_recipe_before_building_anything(capsys):
     from lpdiff.harness.cli import main
 
-    rc = main(["check", "--engine", "hf", "--model", "qwen3-30b-a3b", "--layers", "1", "--device", "cpu",
-               "--init-recipe", "peaked/v0"])
+    rc = main(
+        [
+            "check",
+            "--engine",
+            "hf",
+            "--model",
+            "qwen3-30b-a3b",
+            "--layers",
+            "1",
+            "--device",
+            "cpu",
+            "--init-recipe",
+            "peaked/v0",
+        ]
+    )
     assert rc == 2 and "peaked/v1" in capsys.readouterr().err
 
 
@@ -91,8 +112,7 @@ def test_adapters_convert_writes_under_the_disk_root(tmp_path, capsys):
     with safe_open(str(tmp_path / "r" / "adapter_model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     with safe_open(f"{src}/adapter_model.safetensors", framework="pt") as f:
-        want = sorted(k.replace("base_model.model.model.", "base_model.model.model.language_model.")
-                      for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
+        want = sorted(k.replace("base_model.model.model.", "base_model.model.model.language_model.") for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     assert sorted(keys) == want
     assert main([*conv, str(tmp_path / "b"), "--to", "peft3d", "--disk-root", "backbone"]) == 2
     err = capsys.readouterr().err
@@ -112,8 +132,21 @@ def test_the_regen_hint_is_the_command_that_fixes_that_run(tmp_path, capsys):
     shipped = _files(PACKAGE_BASELINES)
     prompts = tmp_path / "my prompts.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": [3 + i, 17, 5 * i + 1, 40, 9, 2]}) + "\n" for i in range(3)))
-    run = ["run", "--engine", "hf", "--model", "tiny-qwen3-moe", "--adapter", "experts", "--num-layers", "1",
-           "--prompts", str(prompts), "--baselines", str(tmp_path / "my store")]
+    run = [
+        "run",
+        "--engine",
+        "hf",
+        "--model",
+        "tiny-qwen3-moe",
+        "--adapter",
+        "experts",
+        "--num-layers",
+        "1",
+        "--prompts",
+        str(prompts),
+        "--baselines",
+        str(tmp_path / "my store"),
+    ]
     assert main(run) == 2
     hint = re.search(r"`(lpdiff regen [^`]*)`", capsys.readouterr().err).group(1)
     argv = shlex.split(hint)

@@ -1,6 +1,7 @@
 """Decode verdicts on CPU (harness/commands/decode.py): the hf engine's KV-cache decode agrees with an hf prefill of
 the same sequences in fp32 (greedy and seeded, adapters and base rows in one batch); a temperature applied in decode
 only, and a triton bug-zoo fault decoded by re-prefill, FAIL; the engines' decode outputs parse."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,10 @@ def test_hf_decode_matches_hf_prefill_of_the_same_sequences(zoo):
         greedy, how = decode(eng, prompts, choice, N, "greedy", 0)
         seeded = eng.decode(prompts, choice, N, "seeded", 7)
         again = eng.decode(prompts, choice, N, "seeded", 7)
-        pre = {k: eng.prompt_logprobs([g.sequence for g in gens], choice)
-               for k, gens in (("greedy", greedy), ("seeded", seeded))}
+        pre = {
+            k: eng.prompt_logprobs([g.sequence for g in gens], choice)
+            for k, gens in (("greedy", greedy), ("seeded", seeded))
+        }
     assert how == "decode"
     for k, gens in (("greedy", greedy), ("seeded", seeded)):
         for g, p in zip(gens, pre[k]):
@@ -67,8 +70,16 @@ def test_triton_decodes_by_re_prefill_and_its_fault_zoo_fails(zoo):
     t = _threshold("triton")
     ok = run_decode(spec, adapters, prompts, "triton", t, max_new_tokens=3, log=lambda s: None)
     assert ok.how == "re-prefill" and ok.passed, [ln.reasons for ln in ok.lanes]
-    bad = run_decode(spec, adapters, prompts, "triton", t, max_new_tokens=3,
-                     options={"fault": "topk_weight_missing"}, log=lambda s: None)
+    bad = run_decode(
+        spec,
+        adapters,
+        prompts,
+        "triton",
+        t,
+        max_new_tokens=3,
+        options={"fault": "topk_weight_missing"},
+        log=lambda s: None,
+    )
     assert not bad.passed
     with pytest.raises(ValueError, match="seeded sampling needs an engine with its own decode"):
         run_decode(spec, adapters, prompts[:1], "triton", t, max_new_tokens=2, sampling="seeded", log=lambda s: None)

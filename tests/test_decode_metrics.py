@@ -1,4 +1,5 @@
 """RL mismatch metrics (harness/pipeline/rl_metrics.py) against values computed by hand."""
+
 import math
 
 import numpy as np

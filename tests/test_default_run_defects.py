@@ -3,6 +3,7 @@ show only under tensor parallelism or only in one adapter layout (shared-outer, 
 tests' own (tests/helpers/defect_hook/lpdiff_test_defects.py), not bug-zoo faults; they reach the TP worker
 processes through a sitecustomize on PYTHONPATH, since the workers are fresh interpreters that in-process patching
 cannot touch."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,17 +21,30 @@ from lpdiff.harness.commands.run import default_tps, zoo_models
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
-    "lpdiff_test_defects", Path(__file__).parent / "helpers" / "defect_hook" / "lpdiff_test_defects.py")
+    "lpdiff_test_defects", Path(__file__).parent / "helpers" / "defect_hook" / "lpdiff_test_defects.py"
+)
 defects = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(defects)
 
-needs_tp2 = pytest.mark.skipif(default_tps("triton") != (1, 2), reason="the triton engine's default TP sizes here "
-                               "are not (1, 2) (a one-GPU machine): the default run has no TP 2 lanes")
+needs_tp2 = pytest.mark.skipif(
+    default_tps("triton") != (1, 2),
+    reason="the triton engine's default TP sizes here "
+    "are not (1, 2) (a one-GPU machine): the default run has no TP 2 lanes",
+)
 
 
-@pytest.mark.parametrize("gpus, engine, want", [(0, "triton", (1, 2)), (0, "hf", (1,)), (0, "vllm", (1,)),
-                                                (1, "triton", (1,)), (2, "triton", (1, 2)), (8, "vllm", (1, 2)),
-                                                (8, "hf", (1,))])
+@pytest.mark.parametrize(
+    "gpus, engine, want",
+    [
+        (0, "triton", (1, 2)),
+        (0, "hf", (1,)),
+        (0, "vllm", (1,)),
+        (1, "triton", (1,)),
+        (2, "triton", (1, 2)),
+        (8, "vllm", (1, 2)),
+        (8, "hf", (1,)),
+    ],
+)
 def test_default_tp_rule(gpus, engine, want, monkeypatch):
     """TP 1 and 2 where the engine declares them and the machine places them: a GPU per rank, or without GPUs the
     engine's cpu_tp (triton's gloo ranks; vLLM runs TP 1 only on CPU)."""
@@ -62,12 +76,33 @@ def _suite_lanes(tmp_path, name: str) -> dict[str, str]:
     test id -> outcome."""
     xml = tmp_path / "suite.xml"
     env = {**os.environ, **defects.env([name])}
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-m", "cpu", f"--junitxml={xml}",
-                    "suites/test_tiny_zoo.py::test_triton_fp32_matches_hf_baseline", "-k", "tiny-qwen3-moe"],
-                   cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)  # FAILs expected
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:xdist",
+            "-m",
+            "cpu",
+            f"--junitxml={xml}",
+            "suites/test_tiny_zoo.py::test_triton_fp32_matches_hf_baseline",
+            "-k",
+            "tiny-qwen3-moe",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )  # FAILs expected
     cases = ET.parse(xml).getroot().iter("testcase")
-    return {c.get("name"): "failed" if c.find("failure") is not None or c.find("error") is not None else "passed"
-            for c in cases}
+    return {
+        c.get("name"): "failed" if c.find("failure") is not None or c.find("error") is not None else "passed"
+        for c in cases
+    }
 
 
 @pytest.mark.cpu
@@ -83,14 +118,17 @@ def test_default_run_fails_a_tp_only_defect(tmp_path, monkeypatch):
     assert {(m, tp) for m, tp, _ in got} == {(m, tp) for m in served for tp in (1, 2)}
     assert all(bool(reasons) == (tp == 2) for (_, tp, _), reasons in got.items()), got
     lanes = _suite_lanes(tmp_path, "tp_partial_twice")
-    assert lanes == {"test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp1]": "passed",
-                     "test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp2]": "failed"}, lanes
+    assert lanes == {
+        "test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp1]": "passed",
+        "test_triton_fp32_matches_hf_baseline[tiny-qwen3-moe-tp2]": "failed",
+    }, lanes
 
 
 # a defect of one adapter layout, the zoo adapter in that layout, and the test that says a file is in it
 LAYOUT_DEFECTS = [
     pytest.param("shared_outer_misread", "experts_shared_outer", defects.is_shared_outer, id="shared_outer"),
-    pytest.param("per_expert_swapped", "experts_per_expert", defects.is_per_expert, id="per_expert")]
+    pytest.param("per_expert_swapped", "experts_per_expert", defects.is_per_expert, id="per_expert"),
+]
 
 
 @pytest.mark.cpu

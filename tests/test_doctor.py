@@ -5,6 +5,7 @@ Adapters are written by lpdiff's generator/converter or by PEFT itself; where PE
 cannot wrap, Nemotron's out_proj), the adapter directory is written by hand as another tool would. The per-expert
 rule is checked against real PEFT: the adapter it flags really changes nothing in HF+PEFT.
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,7 +37,8 @@ def zoo(tmp_path_factory):
             kw = dict(TINY_CONFIGS[name])
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw)).save_pretrained(
-                str(root / name))
+                str(root / name)
+            )
             spec = ModelSpec(name=name, arch=ZOO[name], path=str(root / name))
         out[name] = (spec, load_hf_model(spec, torch.float32, "cpu"))
     return out
@@ -45,8 +47,9 @@ def zoo(tmp_path_factory):
 def gen(zoo, tmp_path, name, groups, layout="peft3d", rank=4):
     from lpdiff.harness.spec.adapters import generate_adapter
 
-    return generate_adapter(zoo[name][1], tmp_path / f"{name}-{layout}-{rank}", groups=groups, rank=rank,
-                            alpha=2 * rank, layout=layout).path
+    return generate_adapter(
+        zoo[name][1], tmp_path / f"{name}-{layout}-{rank}", groups=groups, rank=rank, alpha=2 * rank, layout=layout
+    ).path
 
 
 def hand_written(path: Path, config: dict, shapes: dict[str, tuple]) -> str:
@@ -56,8 +59,10 @@ def hand_written(path: Path, config: dict, shapes: dict[str, tuple]) -> str:
     path.mkdir(parents=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 16, **config}))
     rng = np.random.default_rng(0)  # not zeros: an all-zero B is its own finding (adapter-no-op)
-    save_file({k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()},
-              str(path / "adapter_model.safetensors"))
+    save_file(
+        {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()},
+        str(path / "adapter_model.safetensors"),
+    )
     return str(path)
 
 
@@ -89,8 +94,9 @@ def test_router_target(zoo, tmp_path):
 
     spec = zoo["tiny-qwen3-moe"][0]
     model = load_hf_model(spec, torch.float32, "cpu")
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate"],
-                                     init_lora_weights=False)).save_pretrained(str(tmp_path / "r"))
+    get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate"], init_lora_weights=False)
+    ).save_pretrained(str(tmp_path / "r"))
     r = doctor(spec, tmp_path / "r")
     assert "fails to start" in check(r, "sglang", "error", "router-target").message
     assert "hf" not in {f.engine for f in r.findings if f.severity == "error"} and r.exit_code == 1
@@ -98,15 +104,20 @@ def test_router_target(zoo, tmp_path):
 
 def test_router_target_peft_cannot_wrap(zoo, tmp_path):
     # gpt-oss's router is a TopKRouter, not a Linear: PEFT itself refuses, SGLang refuses
-    a = hand_written(tmp_path / "gr", {"r": 4, "target_modules": ["q_proj", "v_proj", "router"]},
-                     lora_keys("model.layers.0.mlp.router", 4, 128, 8))
+    a = hand_written(
+        tmp_path / "gr",
+        {"r": 4, "target_modules": ["q_proj", "v_proj", "router"]},
+        lora_keys("model.layers.0.mlp.router", 4, 128, 8),
+    )
     r = doctor(zoo["tiny-gpt-oss"][0], a)
     assert "router" in check(r, "hf", "error", "peft-refused").message
     check(r, "sglang", "error", "router-target")
 
 
 def test_nemotron_router_silently_dropped_by_vllm(zoo, tmp_path):
-    a = hand_written(tmp_path / "nr", {"r": 4, "target_modules": ["gate"]}, lora_keys("model.layers.1.mixer.gate", 4, 128, 8))
+    a = hand_written(
+        tmp_path / "nr", {"r": 4, "target_modules": ["gate"]}, lora_keys("model.layers.1.mixer.gate", 4, 128, 8)
+    )
     r = doctor(zoo["tiny-nemotron-h"][0], a)
     assert "silently dropped" in check(r, "vllm", "error", "router-target").message
 
@@ -127,8 +138,12 @@ def test_per_expert_gpt_oss_adapter_is_refused_for_vllm(zoo, tmp_path):
     # vLLM 0.25.1 adds gpt-oss's per-expert gate/up LoRA as concatenated halves onto interleaved rows (its engine
     # refuses the layout): the metamorphic suite asks doctor which forms to send, so doctor must say so too
     a = gen(zoo, tmp_path, "tiny-gpt-oss", ("experts",), layout="per_expert")
-    assert "--to peft3d" in check(doctor(zoo["tiny-gpt-oss"][0], a, engines=["vllm"]), "vllm", "error",
-                                  "vllm-per-expert-interleaved").fix
+    assert (
+        "--to peft3d"
+        in check(
+            doctor(zoo["tiny-gpt-oss"][0], a, engines=["vllm"]), "vllm", "error", "vllm-per-expert-interleaved"
+        ).fix
+    )
     b = gen(zoo, tmp_path / "q", "tiny-qwen3-moe", ("experts",), layout="per_expert")
     assert "vllm-per-expert-interleaved" not in doctor(zoo["tiny-qwen3-moe"][0], b, engines=["vllm"]).codes()
 
@@ -158,7 +173,7 @@ def test_text_named_qwen35_adapter_is_refused_for_vllm_and_its_fix_runs(zoo, tmp
     assert f.fix.endswith(f"{a} OUT --to peft3d --disk-root model.language_model"), f.fix
     assert "vllm-qwen3.5-text-names" not in r.codes("sglang") | r.codes("hf")
     out = tmp_path / "rooted"
-    argv = shlex.split(f.fix[f.fix.index("lpdiff adapters convert"):].replace(" OUT ", f" {out} "))[1:]
+    argv = shlex.split(f.fix[f.fix.index("lpdiff adapters convert") :].replace(" OUT ", f" {out} "))[1:]
     assert cli_main(argv) == 0, capsys.readouterr().err
     with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as fh:
         keys = list(fh.keys())
@@ -168,17 +183,21 @@ def test_text_named_qwen35_adapter_is_refused_for_vllm_and_its_fix_runs(zoo, tmp
     # a per-expert file gets the layout vLLM reads on this model in the same command
     pe = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("experts",), layout="per_expert")
     assert check(doctor(model, pe, engines=["vllm"]), "vllm", "error", "vllm-qwen3.5-text-names").fix.endswith(
-        "--to peft3d --disk-root model.language_model")
+        "--to peft3d --disk-root model.language_model"
+    )
     other = gen(zoo, tmp_path, "tiny-qwen3-moe", ("attention", "experts"), layout="per_expert")
     assert "vllm-qwen3.5-text-names" not in doctor(zoo["tiny-qwen3-moe"][0], other, engines=["vllm"]).codes()
 
 
-@pytest.mark.parametrize("name, peft", [
-    ("tiny-qwen3.5-moe", "ignores"),  # PEFT alone silently ignores per-expert adapters here
-    ("tiny-nemotron-h", "ignores"),  # and here
-    ("tiny-gpt-oss", "refuses"),  # an experts-only one matches no module at all here
-    ("tiny-qwen3-moe", "converts"),  # but converts them on load here
-])
+@pytest.mark.parametrize(
+    "name, peft",
+    [
+        ("tiny-qwen3.5-moe", "ignores"),  # PEFT alone silently ignores per-expert adapters here
+        ("tiny-nemotron-h", "ignores"),  # and here
+        ("tiny-gpt-oss", "refuses"),  # an experts-only one matches no module at all here
+        ("tiny-qwen3-moe", "converts"),  # but converts them on load here
+    ],
+)
 def test_per_expert_adapter_rule_matches_real_peft(zoo, tmp_path, name, peft):
     """What PEFT alone does with a per-expert file, told as info (lpdiff's hf engine converts the file first, so
     nothing fails for hf), is what real PEFT does. PEFT's own qwen3_moe per-expert conversion is covered here only:
@@ -232,8 +251,9 @@ def test_per_expert_file_with_init_false_is_the_peft3d_adapter(zoo, tmp_path):
     assert doctor(spec, pe, engines=["hf"]).codes("hf", "error") == set()
     adapters = {"p3d": AdapterSpec("p3d", p3d), "pe": AdapterSpec("pe", pe)}
     prompts = [[3, 17, 5, 99, 250, 7, 64, 1000, 12, 40], [9, 8, 7, 6, 5, 4, 3, 2]]
-    with open_engine("hf", EngineConfig(spec, adapters, dtype="float32", device="cpu",
-                                        options={"router_margins": False})) as eng:
+    with open_engine(
+        "hf", EngineConfig(spec, adapters, dtype="float32", device="cpu", options={"router_margins": False})
+    ) as eng:
         got = {n: np.concatenate([r.logprobs for r in eng.prompt_logprobs(prompts, n)]) for n in (*adapters, None)}
     assert np.abs(got["pe"] - got["p3d"]).max() <= 1e-5
     assert np.abs(got["p3d"] - got[None]).max() > 1e-3  # the adapter moves the logprobs: the comparison can fail
@@ -246,27 +266,37 @@ def test_peft_wraps_modules_without_tensors_in_a_file_it_loads_as_is(zoo, tmp_pa
     a = gen(zoo, tmp_path, "tiny-qwen3.5-moe", ("attention", "experts"))
     cfg_path = Path(a) / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg_path.write_text(json.dumps({**cfg, "target_modules": [*cfg["target_modules"], "gate_proj"],
-                                    "init_lora_weights": False}))
-    assert "shared_expert.gate_proj" in check(doctor(spec, a, engines=["hf"]), "hf", "error",
-                                              "peft-random-init-modules").message
-    cfg_path.write_text(json.dumps({**cfg, "target_modules": [*cfg["target_modules"], "gate_proj"],
-                                    "init_lora_weights": True}))
+    cfg_path.write_text(
+        json.dumps({**cfg, "target_modules": [*cfg["target_modules"], "gate_proj"], "init_lora_weights": False})
+    )
+    assert (
+        "shared_expert.gate_proj"
+        in check(doctor(spec, a, engines=["hf"]), "hf", "error", "peft-random-init-modules").message
+    )
+    cfg_path.write_text(
+        json.dumps({**cfg, "target_modules": [*cfg["target_modules"], "gate_proj"], "init_lora_weights": True})
+    )
     r = doctor(spec, a, engines=["hf"])
     check(r, "hf", "warning", "peft-empty-modules")
     assert "peft-random-init-modules" not in r.codes()
 
 
 def test_nemotron_out_proj_refused_by_peft(zoo, tmp_path):
-    a = hand_written(tmp_path / "np", {"r": 4, "target_modules": ["in_proj", "out_proj"]},
-                     lora_keys("model.layers.0.mixer.out_proj", 4, 128, 128))
+    a = hand_written(
+        tmp_path / "np",
+        {"r": 4, "target_modules": ["in_proj", "out_proj"]},
+        lora_keys("model.layers.0.mixer.out_proj", 4, 128, 128),
+    )
     r = doctor(zoo["tiny-nemotron-h"][0], a)
     assert "in_proj" in check(r, "hf", "error", "peft-mamba-refused").fix
 
 
 def test_rank_above_engine_max(zoo, tmp_path):
-    a = hand_written(tmp_path / "big", {"r": 1024, "target_modules": ["q_proj", "v_proj"]},
-                     lora_keys("model.layers.0.self_attn.q_proj", 1024, 128, 128))
+    a = hand_written(
+        tmp_path / "big",
+        {"r": 1024, "target_modules": ["q_proj", "v_proj"]},
+        lora_keys("model.layers.0.self_attn.q_proj", 1024, 128, 128),
+    )
     check(doctor(zoo["tiny-qwen3-moe"][0], a, engines=["vllm"]), "vllm", "error", "rank-above-max")
     small = gen(zoo, tmp_path, "tiny-qwen3-moe", ("attention",), rank=16)
     r = doctor(zoo["tiny-qwen3-moe"][0], small, limits={"sglang": 8})
@@ -278,17 +308,24 @@ def test_vllm_moe_lora_rank_above_128(zoo, tmp_path):
     experts = gen(zoo, tmp_path / "e", "tiny-qwen3-moe", ("experts",), rank=160)
     check(doctor(zoo["tiny-qwen3-moe"][0], experts, engines=["vllm"]), "vllm", "error", "moe-rank-above-128")
     attention = gen(zoo, tmp_path / "a", "tiny-qwen3-moe", ("attention",), rank=160)
-    assert not [f for f in doctor(zoo["tiny-qwen3-moe"][0], attention, engines=["vllm"]).findings
-                if f.code == "moe-rank-above-128"]
+    assert not [
+        f
+        for f in doctor(zoo["tiny-qwen3-moe"][0], attention, engines=["vllm"]).findings
+        if f.code == "moe-rank-above-128"
+    ]
 
 
-@pytest.mark.parametrize("targets, severity, code", [
-    (["q_proj", "v_proj", "qkv_projj"], "warning", "target-matches-nothing"),  # one typo: ignored silently
-    (["nope_proj"], "error", "targets-match-nothing"),  # nothing at all: PEFT refuses, engines load nothing
-])
+@pytest.mark.parametrize(
+    "targets, severity, code",
+    [
+        (["q_proj", "v_proj", "qkv_projj"], "warning", "target-matches-nothing"),  # one typo: ignored silently
+        (["nope_proj"], "error", "targets-match-nothing"),  # nothing at all: PEFT refuses, engines load nothing
+    ],
+)
 def test_targets_that_match_nothing(zoo, tmp_path, targets, severity, code):
-    a = hand_written(tmp_path / "t", {"r": 4, "target_modules": targets},
-                     lora_keys("model.layers.0.self_attn.q_proj", 4, 128, 128))
+    a = hand_written(
+        tmp_path / "t", {"r": 4, "target_modules": targets}, lora_keys("model.layers.0.self_attn.q_proj", 4, 128, 128)
+    )
     check(doctor(zoo["tiny-qwen3-moe"][0], a), "all", severity, code)
 
 
@@ -330,8 +367,9 @@ def test_per_expert_adapter_on_hf_is_info_and_does_not_block_a_run(zoo, tmp_path
         preflight(r, ["vllm"])
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"token_ids": [3 + i, 17, 5, 99, 250, 7, 64, 12 * i]}) + "\n"
-                               for i in range(3)))
+    prompts.write_text(
+        "".join(json.dumps({"token_ids": [3 + i, 17, 5, 99, 250, 7, 64, 12 * i]}) + "\n" for i in range(3))
+    )
     sel = ["--model", model, "--adapter", a, "--prompts", str(prompts), "--baselines", str(tmp_path / "B")]
     assert cli_main(["regen", *sel]) == 0, capsys.readouterr().err
     assert cli_main(["run", *sel, "--engine", "hf"]) == 0, capsys.readouterr().err
@@ -347,12 +385,16 @@ def test_cli_bad_model_is_one_clear_error(tmp_path, capsys):
 
 # -- SGLang 0.5.15 failure modes read in its source (python/sglang/srt/, cited in harness/doctor.py) ----------------
 
-@pytest.mark.parametrize("groups, code", [
-    (("self_attn.q_proj",), "q-without-v"),  # KeyError on v_proj while fusing q/k/v: fails to load
-    (("self_attn.q_proj", "self_attn.k_proj"), "q-without-v"),  # same: k alone may be missing, v may not
-    (("self_attn.v_proj",), "kv-without-q"),  # loads, then no LoRA target matches v_proj: scheduler dies
-    (("self_attn.k_proj", "self_attn.v_proj"), "kv-without-q"),  # nothing fused without q
-])
+
+@pytest.mark.parametrize(
+    "groups, code",
+    [
+        (("self_attn.q_proj",), "q-without-v"),  # KeyError on v_proj while fusing q/k/v: fails to load
+        (("self_attn.q_proj", "self_attn.k_proj"), "q-without-v"),  # same: k alone may be missing, v may not
+        (("self_attn.v_proj",), "kv-without-q"),  # loads, then no LoRA target matches v_proj: scheduler dies
+        (("self_attn.k_proj", "self_attn.v_proj"), "kv-without-q"),  # nothing fused without q
+    ],
+)
 def test_sglang_qkv_needs_q_and_v(zoo, tmp_path, groups, code):
     a = gen(zoo, tmp_path, "tiny-qwen3-moe", groups)
     r = doctor(zoo["tiny-qwen3-moe"][0], a)
@@ -361,11 +403,14 @@ def test_sglang_qkv_needs_q_and_v(zoo, tmp_path, groups, code):
     assert r.codes("hf", "error") == r.codes("vllm", "error") == set()  # only SGLang minds
 
 
-@pytest.mark.parametrize("groups, flagged", [
-    (("mlp.experts.gate_up_proj",), True),  # no down_proj: SGLang never wraps the experts, expert part dropped
-    (("mlp.experts.down_proj",), True),  # no gate/up: same
-    (("experts",), False),  # both: wrapped
-])
+@pytest.mark.parametrize(
+    "groups, flagged",
+    [
+        (("mlp.experts.gate_up_proj",), True),  # no down_proj: SGLang never wraps the experts, expert part dropped
+        (("mlp.experts.down_proj",), True),  # no gate/up: same
+        (("experts",), False),  # both: wrapped
+    ],
+)
 def test_sglang_experts_need_gate_up_and_down(zoo, tmp_path, groups, flagged):
     a = gen(zoo, tmp_path, "tiny-qwen3-moe", groups, layout="per_expert")
     r = doctor(zoo["tiny-qwen3-moe"][0], a, engines=["sglang"])
@@ -390,14 +435,18 @@ def test_sglang_gpt_oss_gate_and_up_need_one_lora_a(zoo, tmp_path):
 
 
 def test_sglang_refuses_target_modules_pattern(zoo, tmp_path):
-    a = hand_written(tmp_path / "re", {"r": 4, "target_modules": r".*\.(q_proj|v_proj)"},
-                     lora_keys("model.layers.0.self_attn.q_proj", 4, 128, 128))
+    a = hand_written(
+        tmp_path / "re",
+        {"r": 4, "target_modules": r".*\.(q_proj|v_proj)"},
+        lora_keys("model.layers.0.self_attn.q_proj", 4, 128, 128),
+    )
     r = doctor(zoo["tiny-qwen3-moe"][0], a)
     assert "list of module names" in check(r, "sglang", "error", "sglang-target-modules-string").fix
     assert r.codes("hf", "error") == set()  # PEFT takes the pattern
 
 
 # -- what the validation layer refuses, doctor reports (exit 1): the same Problems, engine "all" ----------------------
+
 
 def _zoo_copy(tmp_path, model="tiny-qwen3-moe", name="attention") -> Path:
     import shutil
@@ -417,23 +466,41 @@ def _tensors(d: Path, fn) -> Path:
 
 def _with_router_target(d: Path) -> Path:
     cfg = json.loads((d / "adapter_config.json").read_text())
-    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_parameters": [*cfg["target_parameters"],
-                                                                                     "mlp.gate.weight"]}))
+    (d / "adapter_config.json").write_text(
+        json.dumps({**cfg, "target_parameters": [*cfg["target_parameters"], "mlp.gate.weight"]})
+    )
     return d
 
 
-@pytest.mark.parametrize("model, name, breaks, code", [
-    ("tiny-gpt-oss", "attention", lambda d: d, "arch-mismatch"),  # a qwen3_moe adapter on gpt-oss
-    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {}), "empty-adapter"),
-    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {k: v * float("inf") for k, v in t.items()}),
-     "non-finite"),
-    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {k: v[:4].contiguous() if ".lora_A." in k
-                                                                    else v[:, :4].contiguous() for k, v in t.items()}),
-     "rank-mismatch"),
-    ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {k: torch.cat([v, v], 1) if ".lora_A." in k else v
-                                                                    for k, v in t.items()}), "shape-mismatch"),
-    ("tiny-qwen3-moe", "experts", _with_router_target, "target-without-tensors"),
-], ids=["arch", "empty", "non-finite", "rank", "shape", "target-without-tensors"])
+@pytest.mark.parametrize(
+    "model, name, breaks, code",
+    [
+        ("tiny-gpt-oss", "attention", lambda d: d, "arch-mismatch"),  # a qwen3_moe adapter on gpt-oss
+        ("tiny-qwen3-moe", "attention", lambda d: _tensors(d, lambda t: {}), "empty-adapter"),
+        (
+            "tiny-qwen3-moe",
+            "attention",
+            lambda d: _tensors(d, lambda t: {k: v * float("inf") for k, v in t.items()}),
+            "non-finite",
+        ),
+        (
+            "tiny-qwen3-moe",
+            "attention",
+            lambda d: _tensors(
+                d, lambda t: {k: v[:4].contiguous() if ".lora_A." in k else v[:, :4].contiguous() for k, v in t.items()}
+            ),
+            "rank-mismatch",
+        ),
+        (
+            "tiny-qwen3-moe",
+            "attention",
+            lambda d: _tensors(d, lambda t: {k: torch.cat([v, v], 1) if ".lora_A." in k else v for k, v in t.items()}),
+            "shape-mismatch",
+        ),
+        ("tiny-qwen3-moe", "experts", _with_router_target, "target-without-tensors"),
+    ],
+    ids=["arch", "empty", "non-finite", "rank", "shape", "target-without-tensors"],
+)
 def test_doctor_reports_what_a_run_refuses(tmp_path, model, name, breaks, code):
     from lpdiff.harness.spec.catalog import get_model
 
@@ -444,17 +511,21 @@ def test_doctor_reports_what_a_run_refuses(tmp_path, model, name, breaks, code):
 
 # -- the hybrids: each engine's LoRA modules for Qwen3.5 / Nemotron-H, read in SGLang 0.5.15 / vLLM 0.25.1 source ---
 
+
 def _zoo_adapter(model: str, name: str) -> str:
     from lpdiff.harness.spec.resolve import zoo_adapters
 
     return str(zoo_adapters(model)[name].path)
 
 
-@pytest.mark.parametrize("name, bad", [
-    ("linear_attention", "in_proj_a, in_proj_b, in_proj_qkv, in_proj_z"),  # HF's GDN names: no get_hidden_dim entry
-    ("attention", None),  # q_proj (with the output gate), k/v/o_proj: SGLang's qkv_proj / o_proj
-    ("shared_expert", None),  # shared_expert gate/up/down: SGLang's gate_up_proj / down_proj
-])
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        ("linear_attention", "in_proj_a, in_proj_b, in_proj_qkv, in_proj_z"),  # HF's GDN names: no get_hidden_dim entry
+        ("attention", None),  # q_proj (with the output gate), k/v/o_proj: SGLang's qkv_proj / o_proj
+        ("shared_expert", None),  # shared_expert gate/up/down: SGLang's gate_up_proj / down_proj
+    ],
+)
 def test_sglang_qwen35_lora_modules(name, bad):
     from lpdiff.harness.spec.catalog import get_model
 
@@ -467,10 +538,15 @@ def test_sglang_qwen35_lora_modules(name, bad):
     assert "in_proj_qkvz" in f.fix and "in_proj_b" in f.fix
 
 
-@pytest.mark.parametrize("name, flagged", [
-    ("shared_expert", True), ("mlp", True),  # up_proj tensors: 'Cannot find target module name' at the first batch
-    ("attention", False), ("mamba", False),
-])
+@pytest.mark.parametrize(
+    "name, flagged",
+    [
+        ("shared_expert", True),
+        ("mlp", True),  # up_proj tensors: 'Cannot find target module name' at the first batch
+        ("attention", False),
+        ("mamba", False),
+    ],
+)
 def test_sglang_nemotron_shared_up_proj(name, flagged):
     """Outside the routed experts, up_proj needs lora_target_modules=['all'], which lpdiff's engine sets: info."""
     from lpdiff.harness.spec.catalog import get_model
@@ -539,8 +615,10 @@ def test_vllm_drops_nemotron_super_latent_lora(tmp_path):
     cfg = hf_config(spec)
     moe = cfg.hybrid_override_pattern.index("E")
     h, lat = cfg.hidden_size, cfg.moe_latent_size
-    shapes = {**lora_keys(f"backbone.layers.{moe}.mixer.fc1_latent_proj", 4, h, lat),
-              **lora_keys(f"backbone.layers.{moe}.mixer.fc2_latent_proj", 4, lat, h)}
+    shapes = {
+        **lora_keys(f"backbone.layers.{moe}.mixer.fc1_latent_proj", 4, h, lat),
+        **lora_keys(f"backbone.layers.{moe}.mixer.fc2_latent_proj", 4, lat, h),
+    }
     a = hand_written(tmp_path / "latent", {"r": 4, "target_modules": ["fc1_latent_proj", "fc2_latent_proj"]}, shapes)
     r = doctor(spec, a, engines=["vllm", "sglang"])
     f = check(r, "vllm", "error", "vllm-nemotron-latent-dropped")

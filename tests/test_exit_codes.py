@@ -1,4 +1,5 @@
 """README's exit-code table is what the CLI does: one case per row, run through the real entry point."""
+
 from __future__ import annotations
 
 import re
@@ -29,15 +30,18 @@ def test_version_is_the_package_version():
     assert out.returncode == 0 and lpdiff.__version__ in out.stdout
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["run", "--option", "foo"], "KEY=VALUE"),  # a malformed option
-    (["run", "--dtype", "float8"], "float8"),  # a value click refuses
-    (["compare"], "--model"),  # nothing to compare
-    (["run", "--engine", "no-such-engine"], "unknown engine"),
-    (["run", "--engine", "vllm"], "pip install vllm=="),  # not installed here: the command that installs it
-    (["run", "--model", "no-such-model"], "no-such-model"),
-    (["run", "--model", "tiny-qwen3-moe", "--option", "no_such_option=1"], "no_such_option"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["run", "--option", "foo"], "KEY=VALUE"),  # a malformed option
+        (["run", "--dtype", "float8"], "float8"),  # a value click refuses
+        (["compare"], "--model"),  # nothing to compare
+        (["run", "--engine", "no-such-engine"], "unknown engine"),
+        (["run", "--engine", "vllm"], "pip install vllm=="),  # not installed here: the command that installs it
+        (["run", "--model", "no-such-model"], "no-such-model"),
+        (["run", "--model", "tiny-qwen3-moe", "--option", "no_such_option=1"], "no_such_option"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys, monkeypatch):
     if argv[-1] == "vllm" and __import__("importlib").util.find_spec("vllm"):
         pytest.skip("vllm is installed here")
@@ -66,6 +70,7 @@ def test_a_crash_exits_3_with_the_traceback(monkeypatch, capsys):
 def test_a_builtin_error_inside_a_stage_is_a_bug_exit_3(error, monkeypatch, capsys):
     """Only InputError (spec/errors.py) means bad input: lpdiff's own KeyError or ValueError in a stage is a bug,
     reported with its traceback, never as one line of "bad input"."""
+
     def stage(*a, **k):
         raise error("adapter_groups")  # what a missing dict key in lpdiff's own code raises
 
@@ -78,13 +83,15 @@ def test_a_builtin_error_inside_a_stage_is_a_bug_exit_3(error, monkeypatch, caps
 def test_help_and_version_import_no_torch():
     """`lpdiff --help`, `lpdiff run --help` and `--version` answer without importing torch (seconds of start-up)
     or numpy: the command modules are imported when a command runs."""
-    code = ("import sys, contextlib, io\n"
-            "from lpdiff.harness.cli import main\n"
-            "for argv in (['--help'], ['--version'], ['run', '--help'], ['baselines', '--help'],\n"
-            "             ['check', '--help']):\n"
-            "    with contextlib.redirect_stdout(io.StringIO()):\n"
-            "        assert main(argv) == 0, argv\n"
-            "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'pyarrow') if m in sys.modules))\n")
+    code = (
+        "import sys, contextlib, io\n"
+        "from lpdiff.harness.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['run', '--help'], ['baselines', '--help'],\n"
+        "             ['check', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        assert main(argv) == 0, argv\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'pyarrow') if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
@@ -93,10 +100,12 @@ def test_help_and_version_import_no_torch():
 def test_a_missing_triton_exits_2_naming_the_install():
     """Where triton cannot be imported (a wheel on macOS) the default job, which runs the triton engine, is bad input
     naming the install command (and the self-check that runs without it), never a crash (exit 3)."""
-    code = ("import sys\n"
-            "sys.modules['triton'] = None  # import triton raises ImportError, as where it is not installed\n"
-            "from lpdiff.harness.cli import main\n"
-            "sys.exit(main(['run']))\n")
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # import triton raises ImportError, as where it is not installed\n"
+        "from lpdiff.harness.cli import main\n"
+        "sys.exit(main(['run']))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert "pip install triton==" in out.stderr and "lpdiff run --engine hf" in out.stderr

@@ -1,12 +1,14 @@
 """suites/test_engines_gpu.py's grid, on CPU: which cases `-m gpuN` selects, and the reason each one an engine
 cannot serve gives when it skips."""
+
 import importlib.util
 from pathlib import Path
 
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "engines_gpu_grid", Path(__file__).resolve().parents[1] / "suites" / "test_engines_gpu.py")
+    "engines_gpu_grid", Path(__file__).resolve().parents[1] / "suites" / "test_engines_gpu.py"
+)
 grid_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(grid_module)
 
@@ -21,22 +23,30 @@ def test_every_model_engine_and_dtype_at_every_tp_size_carries_its_gpu_mark():
     every = {(m, e, d) for m in grid_module.MODELS for e in grid_module.ENGINES for d in grid_module.DTYPES.values()}
     assert set(cases) == {1, 2, 4, 8}
     assert all(cases[tp] == every for tp in cases)
-    assert {m for m, _, _ in every} == {"qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "nemotron-3-nano-30b-a3b",
-                                        "nemotron-3-super-120b-a12b"}
+    assert {m for m, _, _ in every} == {
+        "qwen3-30b-a3b",
+        "gpt-oss-20b",
+        "qwen3.5-35b-a3b",
+        "nemotron-3-nano-30b-a3b",
+        "nemotron-3-super-120b-a12b",
+    }
 
 
-@pytest.mark.parametrize("engine,model,tp,dtype,why", [
-    ("triton", "qwen3-30b-a3b", 4, "float32", None),
-    ("triton", "gpt-oss-20b", 8, "bfloat16", None),
-    ("sglang", "nemotron-3-nano-30b-a3b", 4, "bfloat16", None),
-    ("vllm", "qwen3.5-35b-a3b", 2, "bfloat16", None),
-    ("hf", "qwen3.5-35b-a3b", 1, "bfloat16", None),  # HF's own bf16 rounding, judged like an engine
-    ("vllm", "qwen3-30b-a3b", 1, "float32", "vLLM has no float32 LoRA path"),
-    ("sglang", "gpt-oss-20b", 2, "float32", "SGLang has no float32 LoRA path"),
-    ("triton", "nemotron-3-super-120b-a12b", 1, "bfloat16", None),
-    ("hf", "gpt-oss-20b", 2, "bfloat16", "runs TP 1 only"),
-    ("hf", "gpt-oss-20b", 1, "float32", "is the reference itself"),
-])
+@pytest.mark.parametrize(
+    "engine,model,tp,dtype,why",
+    [
+        ("triton", "qwen3-30b-a3b", 4, "float32", None),
+        ("triton", "gpt-oss-20b", 8, "bfloat16", None),
+        ("sglang", "nemotron-3-nano-30b-a3b", 4, "bfloat16", None),
+        ("vllm", "qwen3.5-35b-a3b", 2, "bfloat16", None),
+        ("hf", "qwen3.5-35b-a3b", 1, "bfloat16", None),  # HF's own bf16 rounding, judged like an engine
+        ("vllm", "qwen3-30b-a3b", 1, "float32", "vLLM has no float32 LoRA path"),
+        ("sglang", "gpt-oss-20b", 2, "float32", "SGLang has no float32 LoRA path"),
+        ("triton", "nemotron-3-super-120b-a12b", 1, "bfloat16", None),
+        ("hf", "gpt-oss-20b", 2, "bfloat16", "runs TP 1 only"),
+        ("hf", "gpt-oss-20b", 1, "float32", "is the reference itself"),
+    ],
+)
 def test_a_case_an_engine_cannot_serve_skips_with_the_reason(engine, model, tp, dtype, why):
     got = grid_module.cannot_serve(engine, model, tp, dtype)
     assert got is None if why is None else why in got, got
@@ -52,8 +62,9 @@ def test_declared_tp_defects_decide_which_outcomes_a_case_accepts(tmp_path_facto
     from lpdiff.harness.commands import check
     from lpdiff.harness.pipeline.store import BaselineStore
 
-    case = check.build_case("tiny-qwen3-moe", 2, tmp_path_factory.mktemp("case"), device="cpu", lengths=(40, 27),
-                            log=lambda s: None)
+    case = check.build_case(
+        "tiny-qwen3-moe", 2, tmp_path_factory.mktemp("case"), device="cpu", lengths=(40, 27), log=lambda s: None
+    )
     store = BaselineStore(tmp_path_factory.mktemp("store"))
     run = dict(k=2, store=store, log=lambda s: None)
     served = check.run_check(case, "triton", dtype="float32", **run)
@@ -84,8 +95,13 @@ def test_trainer_lanes_carry_their_gpu_mark_at_tp_1_and_2():
         model, engine, tp, dtype = p.values
         assert [m.name for m in p.marks] == [f"gpu{tp}"] and p.id.endswith("-trainer"), p.id
         ids.add((model, engine, tp, dtype))
-    assert ids == {(m, e, tp, d) for m in grid_module.MODELS for e in grid_module.ENGINES for tp in (1, 2)
-                   for d in grid_module.DTYPES.values()}
+    assert ids == {
+        (m, e, tp, d)
+        for m in grid_module.MODELS
+        for e in grid_module.ENGINES
+        for tp in (1, 2)
+        for d in grid_module.DTYPES.values()
+    }
 
 
 def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_triton(tmp_path_factory):
@@ -98,25 +114,46 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
     from lpdiff.harness.pipeline.store import BaselineStore
 
     plans = check.trainer_plans_for("qwen3_moe")
-    case = check.build_case("tiny-qwen3-moe", 2, tmp_path_factory.mktemp("trainer"), plans=plans, device="cpu",
-                            lengths=(40, 27), log=lambda s: None)
+    case = check.build_case(
+        "tiny-qwen3-moe",
+        2,
+        tmp_path_factory.mktemp("trainer"),
+        plans=plans,
+        device="cpu",
+        lengths=(40, 27),
+        log=lambda s: None,
+    )
     from lpdiff.engines.base import layouts_for
 
-    refused = {e: {lane.split(".")[0]: why for lane, why in check.refused_lanes(
-        case, e, check.served_files(case, e, layouts_for(e, "qwen3_moe"))).items()} for e in ("vllm", "sglang")}
+    refused = {
+        e: {
+            lane.split(".")[0]: why
+            for lane, why in check.refused_lanes(
+                case, e, check.served_files(case, e, layouts_for(e, "qwen3_moe"))
+            ).items()
+        }
+        for e in ("vllm", "sglang")
+    }
     assert {"rslora_patterns", "rank256"} <= set(refused["vllm"]) and "vocab" not in refused["vllm"]
     assert refused["vllm"]["rslora_patterns"].startswith(("vllm-ignores-patterns", "vllm-per-expert-rslora"))
     assert refused["vllm"]["rank256"].startswith("moe-rank-above-128")
     assert {"rslora_patterns", "all_vocab"} <= set(refused["sglang"]) and "rank128" not in refused["sglang"]
-    assert all(why.startswith("sglang-ignores-scaling") for a, why in refused["sglang"].items()
-               if a in ("rslora_patterns", "all_vocab"))
+    assert all(
+        why.startswith("sglang-ignores-scaling")
+        for a, why in refused["sglang"].items()
+        if a in ("rslora_patterns", "all_vocab")
+    )
     # judged: the lanes whose math is new here (rank 128 / 256 parity: tests/test_trainer_adapters.py, and the
     # kernels' own rank tests), to keep this CPU test short
     keep = {"all", "broken", "rslora_patterns", "vocab"}
-    case = dataclasses.replace(case, plans={n: p for n, p in case.plans.items() if n in keep},
-                               files={k: v for k, v in case.files.items() if k[0] in keep})
-    res = check.run_check(case, "triton", dtype="float32", k=2, store=BaselineStore(tmp_path_factory.mktemp("s")),
-                          log=lambda s: None)
+    case = dataclasses.replace(
+        case,
+        plans={n: p for n, p in case.plans.items() if n in keep},
+        files={k: v for k, v in case.files.items() if k[0] in keep},
+    )
+    res = check.run_check(
+        case, "triton", dtype="float32", k=2, store=BaselineStore(tmp_path_factory.mktemp("s")), log=lambda s: None
+    )
     assert res.error is None and not res.refused
     assert {v.adapter.split(".")[0] for v in res.verdicts} == keep | {"base"}
     assert res.as_expected, check.format_result(res)
@@ -124,8 +161,13 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
 
 def test_decode_lanes_run_at_tp_1_for_every_engine_dtype_and_sampling():
     got = {(p.values, tuple(m.name for m in p.marks)) for p in grid_module.decode_grid()}
-    want = {((m, e, d, s), ("gpu1",)) for m in grid_module.MODELS for e in grid_module.ENGINES
-            for d in grid_module.DTYPES.values() for s in ("greedy", "seeded")}
+    want = {
+        ((m, e, d, s), ("gpu1",))
+        for m in grid_module.MODELS
+        for e in grid_module.ENGINES
+        for d in grid_module.DTYPES.values()
+        for s in ("greedy", "seeded")
+    }
     assert got == want
     assert all(p.id.endswith(("-decode-greedy", "-decode-seeded")) for p in grid_module.decode_grid())
 
@@ -159,8 +201,13 @@ def test_neutrality_lanes_carry_their_gpu_mark_at_tp_1_and_2_and_judge_hf_fp32_t
         model, engine, tp, dtype = p.values
         assert [m.name for m in p.marks] == [f"gpu{tp}"] and p.id.endswith("-neutrality"), p.id
         ids.add((model, engine, tp, dtype))
-    assert ids == {(m, e, tp, d) for m in grid_module.MODELS for e in grid_module.ENGINES for tp in (1, 2)
-                   for d in grid_module.DTYPES.values()}
+    assert ids == {
+        (m, e, tp, d)
+        for m in grid_module.MODELS
+        for e in grid_module.ENGINES
+        for tp in (1, 2)
+        for d in grid_module.DTYPES.values()
+    }
     assert grid_module.neutrality_cannot_serve("hf", "qwen3-30b-a3b", 1, "float32") is None
     assert "runs TP 1 only" in grid_module.neutrality_cannot_serve("hf", "qwen3-30b-a3b", 2, "float32")
     assert "no float32 LoRA path" in grid_module.neutrality_cannot_serve("vllm", "qwen3-30b-a3b", 1, "float32")

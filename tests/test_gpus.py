@@ -1,6 +1,7 @@
 """harness/gpus.py: pytest-xdist workers share out the machine's GPUs (pure assignment on fake GPU lists, then a
 real ``pytest -n 2`` with a fake ``nvidia-smi`` on PATH; this machine has no GPU and no driver, so the fake
 stands in for the one program the controller and workers ask)."""
+
 import os
 import stat
 import sys
@@ -28,8 +29,19 @@ def test_machine_gpus_prefers_an_inherited_cuda_visible_devices():
     assert gpus.machine_gpus({}, smi=lambda: "") == []
 
 
-@pytest.mark.parametrize("markexpr,k", [("gpu1", 1), ("gpu4", 4), ("gpu1 or gpu2", 2), ("not gpu8", 4),
-                                        ("gpu2 and not slow", 2), ("cpu", 1), ("", 8), ("gpu8 or cpu", 8)])
+@pytest.mark.parametrize(
+    "markexpr,k",
+    [
+        ("gpu1", 1),
+        ("gpu4", 4),
+        ("gpu1 or gpu2", 2),
+        ("not gpu8", 4),
+        ("gpu2 and not slow", 2),
+        ("cpu", 1),
+        ("", 8),
+        ("gpu8 or cpu", 8),
+    ],
+)
 def test_gpus_per_case_is_the_largest_selected_marker(markexpr, k):
     assert gpus.gpus_per_case(markexpr) == k
 
@@ -49,8 +61,9 @@ def test_a_worker_without_a_full_set_holds_none_and_says_why():
     plan = gpus.assignments(EIGHT, 3, 4)
     assert [a.held for a in plan] == [tuple("0123"), tuple("4567"), ()]
     assert plan[2].line().startswith("gw2 -> CUDA_VISIBLE_DEVICES=none")
-    assert gpus.skip_reason(4, 0, plan[2]) == ("needs 4 GPUs, this machine has 8; xdist worker gw2 holds 0 "
-                                               "(-n 3 with 4 per worker: 2 full sets)")
+    assert gpus.skip_reason(4, 0, plan[2]) == (
+        "needs 4 GPUs, this machine has 8; xdist worker gw2 holds 0 (-n 3 with 4 per worker: 2 full sets)"
+    )
     assert gpus.skip_reason(4, 4, plan[0]) is None
 
 
@@ -75,13 +88,19 @@ def test_configure_sets_the_worker_env_and_leaves_others_alone():
     held = gpus.configure(env, "gpu2", smi=lambda: SMI_4, cores=64)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and held.held == ("2", "3")
     assert env["OMP_NUM_THREADS"] == "32"  # half the cores each, not 64 threads in each of two processes
-    env = {"PYTEST_XDIST_WORKER": "gw3", "PYTEST_XDIST_WORKER_COUNT": "4", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
-           "OMP_NUM_THREADS": "3"}
+    env = {
+        "PYTEST_XDIST_WORKER": "gw3",
+        "PYTEST_XDIST_WORKER_COUNT": "4",
+        "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+        "OMP_NUM_THREADS": "3",
+    }
     assert gpus.configure(env, "gpu1", cores=64).held == ("7",) and env["CUDA_VISIBLE_DEVICES"] == "7"
     assert env["OMP_NUM_THREADS"] == "3"  # the user's setting stands
     for env in ({}, {"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_WORKER_COUNT": "2"}):  # not xdist / no GPUs
-        assert gpus.configure(env, "gpu1", smi=lambda: "") is None and env.keys() <= {"PYTEST_XDIST_WORKER",
-                                                                                      "PYTEST_XDIST_WORKER_COUNT"}
+        assert gpus.configure(env, "gpu1", smi=lambda: "") is None and env.keys() <= {
+            "PYTEST_XDIST_WORKER",
+            "PYTEST_XDIST_WORKER_COUNT",
+        }
     assert gpus.cpu_share(3, cores=2) == 1 and gpus.cpu_share(8, cores=128) == 16
 
 
@@ -119,8 +138,10 @@ def test_pytest_n2_gives_each_worker_its_own_gpus(pytester, monkeypatch, tmp_pat
     res.assert_outcomes(passed=8)
     seen = {p.name: p.read_text() for p in out.iterdir()}
     assert seen == {"gw0": "0,1", "gw1": "2,3"}
-    res.stdout.fnmatch_lines_random([
-        "*lpdiff gpus (plan): gw0 -> CUDA_VISIBLE_DEVICES=0,1 (2 GPUs per worker, 4 on this machine, -n 2)*",
-        "*lpdiff gpus: gw0 -> CUDA_VISIBLE_DEVICES=0,1 *",
-        "*lpdiff gpus: gw1 -> CUDA_VISIBLE_DEVICES=2,3 *",
-    ])
+    res.stdout.fnmatch_lines_random(
+        [
+            "*lpdiff gpus (plan): gw0 -> CUDA_VISIBLE_DEVICES=0,1 (2 GPUs per worker, 4 on this machine, -n 2)*",
+            "*lpdiff gpus: gw0 -> CUDA_VISIBLE_DEVICES=0,1 *",
+            "*lpdiff gpus: gw1 -> CUDA_VISIBLE_DEVICES=2,3 *",
+        ]
+    )

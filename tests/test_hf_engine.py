@@ -1,4 +1,5 @@
 """The hf reference engine against a direct transformers + PEFT computation (full logits, log_softmax)."""
+
 import numpy as np
 import pytest
 import torch
@@ -14,16 +15,30 @@ PROMPTS = [list(range(5, 29)), list(range(40, 51)), list(range(7, 70)), [3, 4]]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
-    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_experts=8, num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(d / "m")
     for seed, name in [(1, "a"), (2, "b")]:
         torch.manual_seed(seed)
         m = AutoModelForCausalLM.from_pretrained(d / "m")
-        lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
-                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        lcfg = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
         get_peft_model(m, lcfg).save_pretrained(d / name)
     return d
 
@@ -39,8 +54,9 @@ def direct_logprobs(d, prompt, adapter):
 
 
 def test_matches_direct_peft_with_mixed_adapters(tiny):
-    cfg = EngineConfig(ModelSpec("t", "qwen3_moe", path=str(tiny / "m")),
-                       adapters={n: AdapterSpec(n, str(tiny / n)) for n in "ab"})
+    cfg = EngineConfig(
+        ModelSpec("t", "qwen3_moe", path=str(tiny / "m")), adapters={n: AdapterSpec(n, str(tiny / n)) for n in "ab"}
+    )
     choice = ["a", None, "b", "a"]
     with open_engine("hf", cfg) as eng:
         got = eng.prompt_logprobs(PROMPTS, adapter=choice, top_k=5)
@@ -57,7 +73,9 @@ def test_matches_direct_peft_with_mixed_adapters(tiny):
 
 
 def test_bad_input_gives_one_clear_error(tiny):
-    cfg = EngineConfig(ModelSpec("t", "qwen3_moe", path=str(tiny / "m")), adapters={"a": AdapterSpec("a", str(tiny / "a"))})
+    cfg = EngineConfig(
+        ModelSpec("t", "qwen3_moe", path=str(tiny / "m")), adapters={"a": AdapterSpec("a", str(tiny / "a"))}
+    )
     with open_engine("hf", cfg) as eng:
         with pytest.raises(KeyError, match="unknown adapter 'zzz'"):
             eng.prompt_logprobs(PROMPTS, adapter="zzz")

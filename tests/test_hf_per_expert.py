@@ -1,6 +1,7 @@
 """The hf reference engine computes a per-expert adapter as its PEFT 3D original: it converts the file exactly
 before PEFT loads it, because PEFT 0.21 on transformers 5's fused gpt-oss experts drops the routed-expert tensors
 of a per-expert file (attention targets still load) and refuses an experts-only one."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ def _perturbed(src: Path, dst: Path, key_part: str) -> Path:
     tensors = load_file(str(src / WEIGHTS_NAME))
     hit = [k for k in tensors if key_part in k and ".lora_B." in k]
     assert hit, f"no LoRA B key contains {key_part!r}"
-    save_file({k: -v if k in hit else v for k, v in tensors.items()}, str(dst / WEIGHTS_NAME),
-              metadata={"format": "pt"})
+    save_file(
+        {k: -v if k in hit else v for k, v in tensors.items()}, str(dst / WEIGHTS_NAME), metadata={"format": "pt"}
+    )
     return dst
 
 
@@ -43,8 +45,7 @@ def runs(tmp_path_factory):
     assert json.loads((pe / "adapter_config.json").read_text())["target_parameters"] is None  # no 3D entries left
     bad = _perturbed(pe, tmp / "pe_bad", ".layers.0.mlp.experts.1.down_proj.")
     adapters = {"p3d": src, "pe": pe, "pe_bad": bad}
-    cfg = EngineConfig(r.spec, {n: AdapterSpec(n, str(p)) for n, p in adapters.items()}, dtype="float32",
-                       device="cpu")
+    cfg = EngineConfig(r.spec, {n: AdapterSpec(n, str(p)) for n, p in adapters.items()}, dtype="float32", device="cpu")
     prompts = r.prompts[:4]
     with open_engine("hf", cfg) as eng:
         got = {n: eng.prompt_logprobs(prompts, adapter=n) for n in adapters}

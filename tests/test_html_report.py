@@ -1,6 +1,7 @@
 """The HTML report: built from real judge() verdicts with position detail, checked as HTML and, when Debian's
 chromium is installed (CI: ``apt-get install -y chromium``), rendered headless: a screenshot that is not blank
 and the DOM after rendering (rows, the expected-FAIL marking, the SVG plots)."""
+
 from __future__ import annotations
 
 import json
@@ -36,15 +37,29 @@ def _runs(noise: float, seed: int) -> tuple[LogprobRun, LogprobRun]:
 
 
 def _thr(**kw) -> Threshold:
-    return Threshold(k2=1e-6, max_abs=1e-2, delta_fidelity=None, source="measured", noise_k2=1e-7,
-                     noise_max_abs=1e-3, margin_factor=10.0, model="tiny-qwen3-moe", engine_pair="triton-vs-hf",
-                     dtype="float32", tp=1, **kw)
+    return Threshold(
+        k2=1e-6,
+        max_abs=1e-2,
+        delta_fidelity=None,
+        source="measured",
+        noise_k2=1e-7,
+        noise_max_abs=1e-3,
+        margin_factor=10.0,
+        model="tiny-qwen3-moe",
+        engine_pair="triton-vs-hf",
+        dtype="float32",
+        tp=1,
+        **kw,
+    )
 
 
 def _verdicts(scale: float = 1.0):
     out = []
-    for adapter, noise, expected in (("attention", 1e-5, "PASS"), ("zoo:lora_b_unmasked", 0.3 * scale, "FAIL"),
-                                     ("experts", 0.1 * scale, "PASS")):
+    for adapter, noise, expected in (
+        ("attention", 1e-5, "PASS"),
+        ("zoo:lora_b_unmasked", 0.3 * scale, "FAIL"),
+        ("experts", 0.1 * scale, "PASS"),
+    ):
         a, b = _runs(noise, seed=len(out))
         v = judge(compare(a, b, EPS), _thr(), adapter=adapter)
         v.expected = expected
@@ -53,9 +68,19 @@ def _verdicts(scale: float = 1.0):
     return out
 
 
-METAMORPHIC = [{"engine": "triton", "model": "tiny-qwen3-moe", "dtype": "float32", "adapter": "all", "results": [
-    {"relation": "rank_pad", "verdict": "PASS", "note": ""}, {"relation": "merged", "verdict": "FAIL", "note": "x"},
-    {"relation": "tp2", "verdict": "n/a", "note": "needs 2 GPUs"}]}]
+METAMORPHIC = [
+    {
+        "engine": "triton",
+        "model": "tiny-qwen3-moe",
+        "dtype": "float32",
+        "adapter": "all",
+        "results": [
+            {"relation": "rank_pad", "verdict": "PASS", "note": ""},
+            {"relation": "merged", "verdict": "FAIL", "note": "x"},
+            {"relation": "tp2", "verdict": "n/a", "note": "needs 2 GPUs"},
+        ],
+    }
+]
 
 
 @pytest.fixture()
@@ -85,8 +110,11 @@ def _check_dom(text: str) -> None:
     assert sum(t == "svg" for t, _ in p.tags) >= 3 * 4  # positions, histogram, scale and history per lane
     assert sum(t == "line" and "tie" in (a.get("class") or "") for t, a in p.tags) >= 3  # near-ties marked
     assert any(t == "table" and a.get("id") == "metamorphic" for t, a in p.tags)
-    assert not [a for t, a in p.tags if any(str(v).startswith(("http:", "https:", "//")) for k, v in a.items()
-                                            if k in ("src", "href"))], "the page must not load anything"
+    assert not [
+        a
+        for t, a in p.tags
+        if any(str(v).startswith(("http:", "https:", "//")) for k, v in a.items() if k in ("src", "href"))
+    ], "the page must not load anything"
 
 
 def test_json_envelope_and_old_list_form():
@@ -127,8 +155,8 @@ def _png_pixels(data: bytes) -> np.ndarray:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, w = 8, b"", 0
     while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        chunk = data[pos + 8:pos + 8 + n]
+        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        chunk = data[pos + 8 : pos + 8 + n]
         if kind == b"IHDR":
             w, h, depth, color = struct.unpack(">IIBB", chunk[:10])
             assert depth == 8 and color in (2, 6) and chunk[12] == 0, "unexpected PNG kind"
@@ -163,8 +191,19 @@ def _png_pixels(data: bytes) -> np.ndarray:
 
 def chromium_command() -> list[str] | None:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    return None if exe is None else [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                                      "--no-first-run", "--disable-extensions"]
+    return (
+        None
+        if exe is None
+        else [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--disable-extensions",
+        ]
+    )
 
 
 @pytest.mark.skipif(chromium_command() is None, reason="chromium is not installed (CI: apt-get install -y chromium)")
@@ -172,8 +211,9 @@ def test_report_in_headless_chromium(report, tmp_path):
     cmd = chromium_command()
     shot = tmp_path / "shot.png"
     url = report.resolve().as_uri()
-    subprocess.run(cmd + [f"--screenshot={shot}", "--window-size=1200,900", url], check=True, timeout=120,
-                   capture_output=True)
+    subprocess.run(
+        cmd + [f"--screenshot={shot}", "--window-size=1200,900", url], check=True, timeout=120, capture_output=True
+    )
     px = _png_pixels(shot.read_bytes())[..., :3]
     assert px.shape[:2] == (900, 1200)
     assert px.std() > 20 and len(np.unique(px.reshape(-1, 3), axis=0)) > 50, "the screenshot is blank"
@@ -187,14 +227,17 @@ def _rows(text: str) -> list[dict]:
     return [a for t, a in p.tags if t == "tr" and "row" in (a.get("class") or "").split()]
 
 
-@pytest.mark.parametrize("content, says", [
-    ("[1, 2]", "verdict 0 is a number, not a verdict object"),  # a JSON list: exit 3 with a traceback before
-    ("[]", "no verdicts in any file"),
-    ('{"a": 1}', "not an lpdiff verdict document"),
-    ("{not json", "not JSON (line 1"),
-    ("PARTIAL", "lacks passed"),  # a verdict without 'passed': `error: passed` before
-    ("NOMETRIC", "metrics has no k2"),
-])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ("[1, 2]", "verdict 0 is a number, not a verdict object"),  # a JSON list: exit 3 with a traceback before
+        ("[]", "no verdicts in any file"),
+        ('{"a": 1}', "not an lpdiff verdict document"),
+        ("{not json", "not JSON (line 1"),
+        ("PARTIAL", "lacks passed"),  # a verdict without 'passed': `error: passed` before
+        ("NOMETRIC", "metrics has no k2"),
+    ],
+)
 def test_bad_report_input_exits_2_naming_the_file(content, says, tmp_path, capsys):
     from lpdiff.harness.cli import main
 
@@ -218,8 +261,23 @@ def test_report_draws_the_json_of_run_case(tmp_path, capsys):
 
     a, b = _runs(1e-3, 0)
     m = compare(a, b)
-    v = CaseVerdict("hf://datasets/acme/case", "tiny-qwen3-moe", "triton", "float32", 1, 5e-3, m.k2, 2e-6, 3e-6,
-                    0.01, 0.2, True, m, True, "")
+    v = CaseVerdict(
+        "hf://datasets/acme/case",
+        "tiny-qwen3-moe",
+        "triton",
+        "float32",
+        1,
+        5e-3,
+        m.k2,
+        2e-6,
+        3e-6,
+        0.01,
+        0.2,
+        True,
+        m,
+        True,
+        "",
+    )
     (tmp_path / "case.json").write_text(case_json(v))
     assert main(["report", str(tmp_path / "case.json"), "-o", str(tmp_path / "r.html")]) == 0, capsys.readouterr()
     text = (tmp_path / "r.html").read_text()

@@ -3,6 +3,7 @@
 Each scenario runs in a subprocess so that HF_ENDPOINT / HF_HOME / HF_HUB_OFFLINE are set before huggingface_hub
 is imported, as in a CI job; HF_HUB_DISABLE_XET=1 makes the client upload through git-LFS (see hub_server.py).
 """
+
 from __future__ import annotations
 
 import filecmp
@@ -65,15 +66,26 @@ def server():
 @pytest.fixture()
 def env(server, tmp_path):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    e.update(HF_ENDPOINT=server.endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
-             HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    e.update(
+        HF_ENDPOINT=server.endpoint,
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+    )
     return e
 
 
 def run(env: dict, offline: bool = False, expect_rc: int = 0, **args) -> dict:
     e = dict(env, HF_HUB_OFFLINE="1" if offline else "0")
-    p = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(args)], env=e, capture_output=True, text=True,
-                       timeout=120, check=False)
+    p = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(args)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert p.returncode == expect_rc, p.stdout + p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -111,7 +123,9 @@ def test_url_and_lock(tmp_path):
     assert hub.read_lock(lock) is None
     hub.write_lock(lock, hub.HubRef("org/name", "b" * 40))
     assert hub.read_lock(lock) == hub.HubRef("org/name", "b" * 40)
-    assert [ln for ln in lock.read_text().splitlines() if not ln.startswith("#")] == [f"hf://datasets/org/name@{'b' * 40}"]
+    assert [ln for ln in lock.read_text().splitlines() if not ln.startswith("#")] == [
+        f"hf://datasets/org/name@{'b' * 40}"
+    ]
     lock.write_text("hf://datasets/org/name@main\n")
     with pytest.raises(hub.HubError, match="40-hex commit"):
         hub.read_lock(lock)
@@ -126,6 +140,7 @@ def test_env_read_at_call_time(monkeypatch, tmp_path):
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from huggingface_hub import constants
+
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as if imported online; restored after the test
     e = hub.HubEnv.from_environ()
     assert e == hub.HubEnv("http://127.0.0.1:9", True, tmp_path / "hub")
@@ -166,8 +181,7 @@ def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
     shutil.copytree(store, writer2)
     changed = min(p for p in writer2.rglob("*") if p.is_file() and not p.name.startswith("."))
     _rewrite(changed)
-    second = run(env, op="push", store=str(writer2), url=url, lock=str(tmp_path / "w2.lock"),
-                 parent=first["commit"])
+    second = run(env, op="push", store=str(writer2), url=url, lock=str(tmp_path / "w2.lock"), parent=first["commit"])
     assert second["added"] == [changed.relative_to(writer2).as_posix()]
     # the first writer, still on the first commit, changed the same file otherwise: refused, told how to recover
     _rewrite(store / changed.relative_to(writer2), compression="gzip")
@@ -179,8 +193,9 @@ def test_round_trip_conflict_offline_and_diff(server, env, tmp_path):
     hits = len(server.state.requests)
     off = run(env, offline=True, op="pull", url=f"{url}@{first['commit']}", lock=str(tmp_path / "off.lock"))
     assert off["path"] == got["path"] and len(server.state.requests) == hits
-    miss = run(env, offline=True, op="pull", url=f"{url}@{second['commit']}", lock=str(tmp_path / "off.lock"),
-               expect_rc=2)
+    miss = run(
+        env, offline=True, op="pull", url=f"{url}@{second['commit']}", lock=str(tmp_path / "off.lock"), expect_rc=2
+    )
     assert "not in the HF cache" in miss["message"] and "HF_HUB_OFFLINE" in miss["message"]
 
     d = run(env, op="diff", url=url, rev1=first["commit"], rev2=second["commit"])
@@ -223,22 +238,32 @@ def test_card_front_matter_lists_parquet(tmp_path):
     from lpdiff.harness.pipeline import hub
 
     for i, model in enumerate(("m1", "m2")):
-        manifest = {"key": {"engine": "hf", "dtype": "float32", "tp": 1, "prompts": "abc" * 20},
-                    "names": {"model": model, "adapter": None, "prompt_set": "short"}}
+        manifest = {
+            "key": {"engine": "hf", "dtype": "float32", "tp": 1, "prompts": "abc" * 20},
+            "names": {"model": model, "adapter": None, "prompt_set": "short"},
+        }
         t = pa.table({"logprobs": [[0.1, 0.2]]}).replace_schema_metadata({b"m": json.dumps(manifest).encode()})
         (tmp_path / f"{i:02d}").mkdir()
         pq.write_table(t, tmp_path / f"{i:02d}" / f"run{i}.parquet")
     card = hub.dataset_card(tmp_path, "org/name")
     front = yaml.safe_load(card.split("---\n")[1])
-    assert front["configs"] == [{"config_name": "default", "data_files": [
-        {"split": "train", "path": ["00/run0.parquet", "01/run1.parquet"]}]}]
+    assert front["configs"] == [
+        {"config_name": "default", "data_files": [{"split": "train", "path": ["00/run0.parquet", "01/run1.parquet"]}]}
+    ]
     assert "| m1 | - | hf | float32 | 1 | short | 00/run0.parquet |" in card
 
 
 def _lpdiff(env: dict, *argv: str, offline: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess:
     e = dict(env, HF_HUB_OFFLINE="1" if offline else "0")
-    return subprocess.run([sys.executable, "-m", "lpdiff.harness.cli", *argv], env=e, capture_output=True, text=True,
-                          timeout=600, check=False, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "lpdiff.harness.cli", *argv],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=cwd,
+    )
 
 
 def test_cli_push_pull_then_run_offline_from_the_hub_cache(server, env, tmp_path):
@@ -255,13 +280,24 @@ def test_cli_push_pull_then_run_offline_from_the_hub_cache(server, env, tmp_path
     pulled = _lpdiff(env, "baselines", "pull", f"{url}@{commit}", cwd=tmp_path)
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
     hits = len(server.state.requests)
-    ran = _lpdiff(env, "run", "--model", "tiny-qwen3-moe", "--engine", "hf", "--baselines", f"{url}@{commit}",
-                  offline=True, cwd=tmp_path)
+    ran = _lpdiff(
+        env,
+        "run",
+        "--model",
+        "tiny-qwen3-moe",
+        "--engine",
+        "hf",
+        "--baselines",
+        f"{url}@{commit}",
+        offline=True,
+        cwd=tmp_path,
+    )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "PASS" in ran.stdout and "FAIL" not in ran.stdout and len(server.state.requests) == hits
     # a revision that was never pulled cannot be served offline: one clear error, exit 2
-    missing = _lpdiff(env, "run", "--model", "tiny-qwen3-moe", "--baselines", f"{url}@{'0' * 40}", offline=True,
-                      cwd=tmp_path)
+    missing = _lpdiff(
+        env, "run", "--model", "tiny-qwen3-moe", "--baselines", f"{url}@{'0' * 40}", offline=True, cwd=tmp_path
+    )
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
 
 
@@ -341,8 +377,16 @@ def test_racing_pushes_with_one_lock_never_revert_each_other(server, env, tmp_pa
         shutil.copytree(first, tmp_path / f"s{i}", ignore=shutil.ignore_patterns(".*"))
         own[i] = _baselines(tmp_path / f"s{i}", [f"own-{i}"])[0]
     e = dict(env, HF_HUB_OFFLINE="0")
-    procs = [subprocess.Popen([sys.executable, "-c", _PUSHER, str(tmp_path / f"s{i}"), url, str(lock)], env=e,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in own]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PUSHER, str(tmp_path / f"s{i}"), url, str(lock)],
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in own
+    ]
     results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
     assert all(rc == 0 for _, _, rc in results), results
     outs = [json.loads(o.strip().splitlines()[-1]) for o, _, _ in results]
@@ -382,8 +426,10 @@ def test_lock_pinning_another_repo_or_not_utf8_is_refused_naming_it(tmp_path, mo
     env = hub.HubEnv("http://127.0.0.1:9", False, tmp_path / "cache")  # refused before any request
     lock = tmp_path / "baselines.lock"
     hub.write_lock(lock, hub.HubRef("org/other", "b" * 40))
-    for call in (lambda: hub.pull("hf://datasets/org/name", lock=lock, env=env),
-                 lambda: hub.push(tmp_path / "store", "hf://datasets/org/name", lock=lock, env=env)):
+    for call in (
+        lambda: hub.pull("hf://datasets/org/name", lock=lock, env=env),
+        lambda: hub.push(tmp_path / "store", "hf://datasets/org/name", lock=lock, env=env),
+    ):
         (tmp_path / "store").mkdir(exist_ok=True)
         with pytest.raises(hub.HubError, match=rf"{lock} pins hf://datasets/org/other@b+, not hf://datasets/org/name"):
             call()

@@ -8,6 +8,7 @@ each fed through the default verdict path (stored HF fp32 references, thresholds
   the run (``router_bias_rounded``), standing in for an engine fault switch, which the HF engine does not have; the
   base lane FAILs with every adapter lane, which places the fault outside the LoRA groups.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,12 @@ from lpdiff.harness.spec.adapters import adapter_groups
 from lpdiff.harness.spec.mutations import drop_group
 from lpdiff.harness.types import AdapterSpec
 
-DROPS = [("tiny-qwen3.5-moe", "shared_expert"), ("tiny-nemotron-h", "shared_expert"),
-         ("tiny-qwen3.5-moe", "linear_attention"), ("tiny-nemotron-h", "mamba")]
+DROPS = [
+    ("tiny-qwen3.5-moe", "shared_expert"),
+    ("tiny-nemotron-h", "shared_expert"),
+    ("tiny-qwen3.5-moe", "linear_attention"),
+    ("tiny-nemotron-h", "mamba"),
+]
 
 
 def _session(job: Job, adapters: dict[str, AdapterSpec], store, regen: bool):
@@ -45,8 +50,10 @@ def test_dropped_group_fails_and_is_named(model, group, tmp_path, lpdiff_store, 
     # the group's own adapter, the adapter with every group, and one without the group (must stay PASS)
     job = Job(model=model, adapters=(group, "all", "attention"))
     zoo = resolve_job(job).adapters
-    broken = {a: AdapterSpec(a, str(drop_group(s.path, tmp_path / a, group))) if group in adapter_groups(s.path)
-              else s for a, s in zoo.items()}
+    broken = {
+        a: AdapterSpec(a, str(drop_group(s.path, tmp_path / a, group))) if group in adapter_groups(s.path) else s
+        for a, s in zoo.items()
+    }
     verdicts = {v.adapter: v for v in _session(job, broken, lpdiff_store, lpdiff_regen)}
     _record(verdicts.values(), f"{group}_lora_dropped", record_verdict)
     for lane in (group, "all"):

@@ -2,6 +2,7 @@
 attention + MoE with a shared expert), checked against PEFT itself on the tiny zoo checkpoints: each group alone
 and all together touch exactly their modules and the canonical form reproduces PEFT's merge_and_unload; the expert
 group's per-expert and shared-outer layouts are exact; per-group delta fidelity names the group a lane lost."""
+
 from __future__ import annotations
 
 import copy
@@ -48,8 +49,9 @@ def generated(tmp_path_factory):
     out = {}
     for model, group in CASES:
         groups = GROUPS[model] if group == "all" else [group]
-        out[model, group] = Path(ad.generate_adapter(zoo_model(model), root / model / group, groups, rank=4, alpha=8,
-                                                     seed=3).path)
+        out[model, group] = Path(
+            ad.generate_adapter(zoo_model(model), root / model / group, groups, rank=4, alpha=8, seed=3).path
+        )
     return out
 
 
@@ -67,8 +69,11 @@ def test_group_alone_matches_peft_merge_and_touches_only_its_modules(model, grou
     leaves = {k.removesuffix(".weight").rsplit(".", 1)[-1] for k in touched}
     assert leaves <= set().union(*(LEAVES[g] for g in want))
     if group != "all":  # every module of the group in every layer that has one
-        expected = {n for n in ad.ModelLayout.of(m).linears if ad.module_group(n) == group
-                    and n.rsplit(".", 1)[-1] in LEAVES[group]}
+        expected = {
+            n
+            for n in ad.ModelLayout.of(m).linears
+            if ad.module_group(n) == group and n.rsplit(".", 1)[-1] in LEAVES[group]
+        }
         expected |= {n for n in ad.ModelLayout.of(m).experts if group == "experts"}
         assert {k.removesuffix(".weight") for k in touched} == expected
     assert ad.adapter_groups(path) == tuple(g for g in ad.GROUPS if g in want)
@@ -155,8 +160,10 @@ def test_expert_layouts_are_exact(model, generated, tmp_path):
     assert max_diff(ad.merge_into(copy.deepcopy(m), canon).state_dict(), peft_merged(m, so)) <= ATOL
 
 
-@pytest.mark.parametrize("model,group", [("tiny-qwen3.5-moe", "linear_attention"), ("tiny-nemotron-h", "mamba"),
-                                         ("tiny-nemotron-h", "shared_expert")])
+@pytest.mark.parametrize(
+    "model,group",
+    [("tiny-qwen3.5-moe", "linear_attention"), ("tiny-nemotron-h", "mamba"), ("tiny-nemotron-h", "shared_expert")],
+)
 def test_drop_group_zeroes_exactly_that_group(model, group, generated, tmp_path):
     m = zoo_model(model)
     src = generated[model, "all"]
@@ -172,11 +179,13 @@ def test_drop_group_zeroes_exactly_that_group(model, group, generated, tmp_path)
 
 # -- per-group delta fidelity in the verdict ---------------------------------------------------------------------
 
+
 def _run(values):
     from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
-    return LogprobRun([PromptLogprobs(token_ids=np.arange(len(values) + 1),
-                                      logprobs=np.asarray(values, dtype=np.float64))])
+    return LogprobRun(
+        [PromptLogprobs(token_ids=np.arange(len(values) + 1), logprobs=np.asarray(values, dtype=np.float64))]
+    )
 
 
 def test_lane_fidelity_names_the_dropped_group():
@@ -187,11 +196,18 @@ def test_lane_fidelity_names_the_dropped_group():
     from lpdiff.harness.pipeline.verdict import judge
 
     base = [-1.0, -2.0, -3.0]
-    refs = {None: _run(base), "attention": _run([-1.1, -2.0, -3.0]), "shared_expert": _run([-1.0, -2.2, -3.0]),
-            "all": _run([-1.1, -2.2, -3.1])}
+    refs = {
+        None: _run(base),
+        "attention": _run([-1.1, -2.0, -3.0]),
+        "shared_expert": _run([-1.0, -2.2, -3.0]),
+        "all": _run([-1.1, -2.2, -3.1]),
+    }
     runs = dict(refs, shared_expert=_run(base), all=_run([-1.1, -2.0, -3.1]))  # shared-expert LoRA dropped
-    groups = {"attention": ("attention",), "shared_expert": ("shared_expert",),
-              "all": ("attention", "shared_expert", "experts")}
+    groups = {
+        "attention": ("attention",),
+        "shared_expert": ("shared_expert",),
+        "all": ("attention", "shared_expert", "experts"),
+    }
     fid = lane_fidelity(runs, refs, groups)
     assert fid["attention"] == {"attention": 0.0} and fid["shared_expert"] == {"shared_expert": 1.0}
     assert set(fid["all"]) == {"adapter", "attention", "shared_expert"} and fid["all"]["shared_expert"] == 1.0

@@ -4,6 +4,7 @@ Every .py under kernels/, engines/, harness/, suites/ and tests/ is parsed (not 
 statements at any depth, ``importlib.import_module("...")`` / ``pytest.importorskip("...")`` with a literal name,
 and registry strings such as ``"lpdiff.engines.vllm:VLLMEngine"``. Each failure names file:line and the rule.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,8 +15,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"kernels": "lpdiff.kernels", "engines": "lpdiff.engines", "harness": "lpdiff.harness",
-            "suites": "suites", "tests": "tests"}
+PACKAGES = {
+    "kernels": "lpdiff.kernels",
+    "engines": "lpdiff.engines",
+    "harness": "lpdiff.harness",
+    "suites": "suites",
+    "tests": "tests",
+}
 REGISTRY_STRING = re.compile(r"(lpdiff(?:\.\w+)+):\w+")
 IMPORT_CALLS = ("import_module", "importorskip", "__import__")
 
@@ -93,8 +99,12 @@ class _Collector(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-        if name in IMPORT_CALLS and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        if (
+            name in IMPORT_CALLS
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             self._add(node.args[0].value, node)
         self.generic_visit(node)
 
@@ -123,8 +133,11 @@ def _under(name: str, *prefixes: str) -> bool:
 
 def _violations(sources: tuple[str, ...], allowed, rule: str) -> list[str]:
     """Edges from modules under ``sources`` to lpdiff modules that ``allowed(target)`` refuses."""
-    return [f"{e.where()}: {rule}: {e.source} imports {e.target}" for e in EDGES
-            if _under(e.source, *sources) and _under(e.target, "lpdiff") and not allowed(e.target)]
+    return [
+        f"{e.where()}: {rule}: {e.source} imports {e.target}"
+        for e in EDGES
+        if _under(e.source, *sources) and _under(e.target, "lpdiff") and not allowed(e.target)
+    ]
 
 
 def _assert_none(bad: list[str]) -> None:
@@ -140,35 +153,51 @@ def test_the_parser_sees_every_kind_of_import():
     assert "lpdiff.engines.vllm" in by_source["lpdiff.engines.registry"]  # registry string
     assert any(not e.top_level for e in EDGES if e.source.startswith("lpdiff.harness"))  # inside functions
     assert len(MODULES) > 90 and "lpdiff.engines.triton" in MODULES and "lpdiff.kernels" in MODULES
-    tree = ast.parse("import importlib\nimportlib.import_module('lpdiff.kernels.x')\n"
-                     "def f():\n    from .y import z\n")
+    tree = ast.parse("import importlib\nimportlib.import_module('lpdiff.kernels.x')\ndef f():\n    from .y import z\n")
     c = _Collector("lpdiff.engines.triton.a", ROOT / "engines/triton/a.py")
     c.visit(tree)
-    assert [(e.target, e.top_level) for e in c.edges] == [("importlib", True), ("lpdiff.kernels.x", True),
-                                                           ("lpdiff.engines.triton.y", False)]
+    assert [(e.target, e.top_level) for e in c.edges] == [
+        ("importlib", True),
+        ("lpdiff.kernels.x", True),
+        ("lpdiff.engines.triton.y", False),
+    ]
 
 
 def test_kernels_import_nothing_else_of_lpdiff():
-    _assert_none(_violations(("lpdiff.kernels",), lambda t: _under(t, "lpdiff.kernels"),
-                             "lpdiff.kernels imports nothing else of lpdiff"))
+    _assert_none(
+        _violations(
+            ("lpdiff.kernels",), lambda t: _under(t, "lpdiff.kernels"), "lpdiff.kernels imports nothing else of lpdiff"
+        )
+    )
 
 
 def test_engines_import_only_the_shared_vocabulary():
     ok = ("lpdiff.kernels", "lpdiff.engines", "lpdiff.harness.types", "lpdiff.harness.spec")
-    _assert_none(_violations(("lpdiff.engines",), lambda t: t == "lpdiff" or _under(t, *ok),
-                             "engines import only kernels, engines, harness.types and harness.spec"))
+    _assert_none(
+        _violations(
+            ("lpdiff.engines",),
+            lambda t: t == "lpdiff" or _under(t, *ok),
+            "engines import only kernels, engines, harness.types and harness.spec",
+        )
+    )
 
 
 def test_spec_imports_only_types_and_spec():
     ok = ("lpdiff.harness.types", "lpdiff.harness.spec")
-    _assert_none(_violations(("lpdiff.harness.spec", "lpdiff.harness.types"),
-                             lambda t: t in ("lpdiff", "lpdiff.harness") or _under(t, *ok),
-                             "harness.spec / harness.types import only types and spec"))
+    _assert_none(
+        _violations(
+            ("lpdiff.harness.spec", "lpdiff.harness.types"),
+            lambda t: t in ("lpdiff", "lpdiff.harness") or _under(t, *ok),
+            "harness.spec / harness.types import only types and spec",
+        )
+    )
 
 
 def test_pipeline_and_commands_import_no_layer_above():
-    above = {"lpdiff.harness.pipeline": ("lpdiff.harness.commands", "lpdiff.harness.cli", "lpdiff.harness.plugin"),
-             "lpdiff.harness.commands": ("lpdiff.harness.cli", "lpdiff.harness.plugin")}
+    above = {
+        "lpdiff.harness.pipeline": ("lpdiff.harness.commands", "lpdiff.harness.cli", "lpdiff.harness.plugin"),
+        "lpdiff.harness.commands": ("lpdiff.harness.cli", "lpdiff.harness.plugin"),
+    }
     bad = []
     for layer, refused in above.items():
         bad += _violations((layer,), lambda t, r=refused: not _under(t, *r), f"{layer} imports no layer above it")
@@ -179,14 +208,21 @@ ENGINE_API = ("lpdiff.engines", "lpdiff.engines.base", "lpdiff.engines.capabilit
 
 
 def test_harness_never_reaches_into_an_engine():
-    _assert_none(_violations(("lpdiff.harness",),
-                             lambda t: not _under(t, "lpdiff.engines") or t in ENGINE_API,
-                             f"harness uses only the public engine API {', '.join(ENGINE_API)}"))
+    _assert_none(
+        _violations(
+            ("lpdiff.harness",),
+            lambda t: not _under(t, "lpdiff.engines") or t in ENGINE_API,
+            f"harness uses only the public engine API {', '.join(ENGINE_API)}",
+        )
+    )
 
 
 def test_tests_and_suites_never_import_benchmarks():
-    bad = [f"{e.where()}: tests and suites never import benchmarks/: {e.source} imports {e.target}"
-           for e in EDGES if _under(e.source, "tests", "suites") and _under(e.target, "benchmarks")]
+    bad = [
+        f"{e.where()}: tests and suites never import benchmarks/: {e.source} imports {e.target}"
+        for e in EDGES
+        if _under(e.source, "tests", "suites") and _under(e.target, "benchmarks")
+    ]
     _assert_none(bad)
 
 
@@ -233,8 +269,10 @@ def _cycles(prefix: str) -> list[list[Edge]]:
 def test_no_import_cycles(prefix):
     found = _cycles(prefix)
     lines = [f"  {e.where()}: {e.source} -> {e.target}" for cycle in found for e in cycle]
-    assert not found, (f"{len(found)} import cycle(s) among {prefix} modules (rule: no cycles, lazy imports "
-                       "included):\n" + "\n".join(lines))
+    assert not found, (
+        f"{len(found)} import cycle(s) among {prefix} modules (rule: no cycles, lazy imports "
+        "included):\n" + "\n".join(lines)
+    )
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -242,8 +280,11 @@ def test_cycle_finder_finds_a_cycle():
     saved = EDGES
     try:
         a, b = "lpdiff.kernels.logprob", "lpdiff.kernels.attention"
-        EDGES = [Edge(a, b, ROOT / "kernels/logprob.py", 1, True), Edge(b, a, ROOT / "kernels/attention.py", 2, True),
-                 Edge(a, b, ROOT / "kernels/logprob.py", 3, False, True)]
+        EDGES = [
+            Edge(a, b, ROOT / "kernels/logprob.py", 1, True),
+            Edge(b, a, ROOT / "kernels/attention.py", 2, True),
+            Edge(a, b, ROOT / "kernels/logprob.py", 3, False, True),
+        ]
         assert [[(e.source, e.target) for e in c] for c in _cycles("lpdiff.kernels")] == [[(b, a), (a, b)]]
         EDGES = EDGES[1:]  # a lazy import closes a cycle as well; a TYPE_CHECKING one does not
         assert _cycles("lpdiff.kernels") == []

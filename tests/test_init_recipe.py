@@ -1,6 +1,7 @@
 """Init recipe peaked/v1 on every full-size architecture, narrowed for the CPU: deterministic per seed, part of the
 baseline key, selectable by argument or LPDIFF_INIT_RECIPE, decisive routers and peaked outputs where the default
 recipe has neither, and the checkpoint engines load holds the same weights as the HF reference."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,15 @@ import pytest
 import torch
 
 from lpdiff.harness.spec import init_recipe as ir
-from lpdiff.harness.spec.catalog import (FULL_CONFIGS, INIT_RECIPE, INIT_RECIPE_ENV, get_model, load_hf_model,
-                                         resolve_init_recipe, text_arch)
+from lpdiff.harness.spec.catalog import (
+    FULL_CONFIGS,
+    INIT_RECIPE,
+    INIT_RECIPE_ENV,
+    get_model,
+    load_hf_model,
+    resolve_init_recipe,
+    text_arch,
+)
 from lpdiff.harness.spec.checkpoint import write_checkpoint
 from lpdiff.harness.spec.errors import SpecError
 from lpdiff.harness.spec.routing import topk_margin
@@ -25,8 +33,14 @@ NAMES = list(FULL_CONFIGS)
 
 def narrow_spec(name: str, recipe: str = PEAKED, seed: int = 0, cfg: dict | None = None) -> ModelSpec:
     cfg = cfg or narrow_full_config(name)
-    return ModelSpec(name=name, arch=text_arch(cfg), config=cfg, init_seed=seed, init_recipe=recipe,
-                     num_layers=8 if name.startswith("nemotron") else 4)
+    return ModelSpec(
+        name=name,
+        arch=text_arch(cfg),
+        config=cfg,
+        init_seed=seed,
+        init_recipe=recipe,
+        num_layers=8 if name.startswith("nemotron") else 4,
+    )
 
 
 def prompts(n: int = 6, length: int = 40, vocab: int = 128) -> list[list[int]]:
@@ -46,8 +60,12 @@ def measure(spec: ModelSpec) -> dict:
         sets = [s.topk(k, -1).indices.sort(-1).values for s in (s32, s16)]
         flips.append((sets[0] != sets[1]).any(-1).float())
     ratios = torch.cat(ratios).double()
-    return {"entropy": float(f32["entropy"].mean()) / math.log(128), "ratio_p1": float(ratios.quantile(0.01)),
-            "flips": float(torch.cat(flips).mean()), "routers": f32["routers"]}
+    return {
+        "entropy": float(f32["entropy"].mean()) / math.log(128),
+        "ratio_p1": float(ratios.quantile(0.01)),
+        "flips": float(torch.cat(flips).mean()),
+        "routers": f32["routers"],
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -128,7 +146,8 @@ def test_an_unprojected_residual_writer_is_caught(monkeypatch):
     """The recipe's own check: if a weight that writes the residual stream is missed, the code no longer reaches
     the routers intact and the build fails naming the layer, instead of routing on noise."""
     real = ir.residual_writers
-    monkeypatch.setattr(ir, "residual_writers", lambda model, moe: [w for w in real(model, moe)
-                                                                     if "o_proj" not in w[0]])
+    monkeypatch.setattr(
+        ir, "residual_writers", lambda model, moe: [w for w in real(model, moe) if "o_proj" not in w[0]]
+    )
     with pytest.raises(RuntimeError, match="leakage: a weight that writes the residual stream is not projected"):
         load_hf_model(narrow_spec("qwen3-30b-a3b"), torch.float32, "cpu")

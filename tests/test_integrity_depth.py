@@ -2,6 +2,7 @@
 2 with the zoo's default adapters (the per-expert one included, whose conversion refused the cut-off layers' entries,
 exit 2), then ``run --num-layers 2`` against those baselines passes, on the HF reference and on triton. Real CLI,
 real engines, real adapters."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,22 @@ def test_regen_then_run_at_a_cut_depth_with_the_default_adapters(tmp_path, cache
     assert rc == 0, err
     assert "experts_per_expert" in out and "FAIL" not in out
     for engine in ("hf", "triton"):
-        rc, out, err = _lpdiff(capsys, "run", "--model", MODEL, "--num-layers", 2, "--engine", engine, "--tp", 1,
-                               "--adapter", "experts_per_expert", "--baselines", store)
+        rc, out, err = _lpdiff(
+            capsys,
+            "run",
+            "--model",
+            MODEL,
+            "--num-layers",
+            2,
+            "--engine",
+            engine,
+            "--tp",
+            1,
+            "--adapter",
+            "experts_per_expert",
+            "--baselines",
+            store,
+        )
         assert rc == 0 and "FAIL" not in out and "experts_per_expert" in out, (engine, err)
 
 

@@ -1,6 +1,7 @@
 """Issue 44 item 6: bad inputs are one clear error naming the file (exit 2), never a crash (exit 3) or a silent
 guess; Ctrl-C exits 130 and leaves no partial file; ``adapters gen`` writes files with the permissions of the umask.
 Real CLI, real tokenizer, real store (baselines.lock cases are in tests/test_hub.py)."""
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,31 @@ def _lpdiff(capsys, *args) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("line, says", [
-    (b'{"text": "caf\\u00e9 \\ud800 x"}', "lone surrogate (U+D800 at character 5)"),
-    (b'{"messages": [{"role": "user", "content": "hi \\udc00"}]}', "lone surrogate (U+DC00"),
-    (b'{"text": "caf\xe9"}', "not UTF-8 text (byte 41"),
-])
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (b'{"text": "caf\\u00e9 \\ud800 x"}', "lone surrogate (U+D800 at character 5)"),
+        (b'{"messages": [{"role": "user", "content": "hi \\udc00"}]}', "lone surrogate (U+DC00"),
+        (b'{"text": "caf\xe9"}', "not UTF-8 text (byte 41"),
+    ],
+)
 def test_bad_prompt_text_is_exit_2_naming_the_file_and_line(tmp_path, capsys, line, says):
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(b'{"token_ids": [5, 17, 300]}\n' + line + b"\n")
-    rc, err = _lpdiff(capsys, "run", "--model", MODEL, "--adapter", "experts", "--engine", "hf", "--prompts", prompts,
-                      "--baselines", tmp_path / "B")
+    rc, err = _lpdiff(
+        capsys,
+        "run",
+        "--model",
+        MODEL,
+        "--adapter",
+        "experts",
+        "--engine",
+        "hf",
+        "--prompts",
+        prompts,
+        "--baselines",
+        tmp_path / "B",
+    )
     assert rc == 2 and f"{prompts} line 2" in err and says in err and "Traceback" not in err, err
     assert not (tmp_path / "B").exists()
 
@@ -46,25 +62,35 @@ def test_bad_prompt_text_is_exit_2_naming_the_file_and_line(tmp_path, capsys, li
 def _case(tmp_path: Path) -> Path:
     d = tmp_path / "case"
     shutil.copytree(zoo_adapters(MODEL)["experts"].path, d)
-    (d / "reference.jsonl").write_text(json.dumps({"tokens": [5, 17, 300, 42], "logprobs": [-1.0, -2.0, -0.5]})
-                                       + "\n")
+    (d / "reference.jsonl").write_text(json.dumps({"tokens": [5, 17, 300, 42], "logprobs": [-1.0, -2.0, -0.5]}) + "\n")
     return d
 
 
-@pytest.mark.parametrize("name, content, says", [
-    ("case.json", b'{"kl_threshold": 0.01,', "case.json is not valid JSON (line 1"),
-    ("case.json", b'[0.01]', "case.json must hold a JSON object"),
-    ("case.json", b'{"kl_threshold": "small"}', "kl_threshold must be a finite number > 0, got 'small'"),
-    ("case.json", b'{"kl_threshold": Infinity}', "kl_threshold must be a finite number > 0, got inf"),
-    ("case.json", b'{"kl_threshold": 1e999}', "kl_threshold must be a finite number > 0, got inf"),
-    ("case.json", b'{"kl_threshold": NaN}', "kl_threshold must be a finite number > 0, got nan"),
-    ("case.json", b'{"kl_threshold": 0}', "kl_threshold must be a finite number > 0, got 0"),
-    ("case.json", b'{"kl_threshold": -0.01}', "kl_threshold must be a finite number > 0, got -0.01"),
-    ("case.json", b'{"kl_threshold": true}', "kl_threshold must be a finite number > 0, got True"),
-    ("case.json", b'{"kl_threshold": 0.01, "trainer": "caf\xe9"}', "case.json is not UTF-8 text"),
-    ("reference.jsonl", b'{"tokens": [5, 17], "logprobs": [-1.0], "note": "\xff"}\n', "reference.jsonl is not UTF-8"),
-    ("reference.jsonl", b'{"tokens": [5, 17], "logprobs": [-1.0]}\n{"tokens": \n', "reference.jsonl: line 2 is not"),
-])
+@pytest.mark.parametrize(
+    "name, content, says",
+    [
+        ("case.json", b'{"kl_threshold": 0.01,', "case.json is not valid JSON (line 1"),
+        ("case.json", b"[0.01]", "case.json must hold a JSON object"),
+        ("case.json", b'{"kl_threshold": "small"}', "kl_threshold must be a finite number > 0, got 'small'"),
+        ("case.json", b'{"kl_threshold": Infinity}', "kl_threshold must be a finite number > 0, got inf"),
+        ("case.json", b'{"kl_threshold": 1e999}', "kl_threshold must be a finite number > 0, got inf"),
+        ("case.json", b'{"kl_threshold": NaN}', "kl_threshold must be a finite number > 0, got nan"),
+        ("case.json", b'{"kl_threshold": 0}', "kl_threshold must be a finite number > 0, got 0"),
+        ("case.json", b'{"kl_threshold": -0.01}', "kl_threshold must be a finite number > 0, got -0.01"),
+        ("case.json", b'{"kl_threshold": true}', "kl_threshold must be a finite number > 0, got True"),
+        ("case.json", b'{"kl_threshold": 0.01, "trainer": "caf\xe9"}', "case.json is not UTF-8 text"),
+        (
+            "reference.jsonl",
+            b'{"tokens": [5, 17], "logprobs": [-1.0], "note": "\xff"}\n',
+            "reference.jsonl is not UTF-8",
+        ),
+        (
+            "reference.jsonl",
+            b'{"tokens": [5, 17], "logprobs": [-1.0]}\n{"tokens": \n',
+            "reference.jsonl: line 2 is not",
+        ),
+    ],
+)
 def test_bad_case_files_name_the_file(tmp_path, name, content, says):
     d = _case(tmp_path)
     (d / name).write_bytes(content)
@@ -88,9 +114,14 @@ def test_ctrl_c_exits_130_and_leaves_no_partial_file(tmp_path):
     # three models: one model's references take ~1 s after its "regenerating" line, so on a loaded machine the
     # signal could land after a one-model regen had finished (exit 0); the later models keep it busy
     models = [a for m in (MODEL, "tiny-gpt-oss", "tiny-qwen3.5-moe") for a in ("--model", m)]
-    p = subprocess.Popen([sys.executable, "-m", "lpdiff.harness.cli", "regen", *models, "--engine", "hf",
-                          "--baselines", str(store)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "lpdiff.harness.cli", "regen", *models, "--engine", "hf", "--baselines", str(store)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         for line in p.stderr:  # interrupted while it computes the references it is about to store

@@ -8,6 +8,7 @@ as gone: it runs nothing) within GONE_S. The engines are real (triton TP 2 over 
 doubles that hang (tests/helpers/lane_targets.py); processes, pipes, groups and signals are the real ones. Phases
 are reached by polling the processes and logs with deadlines, never by fixed sleeps.
 """
+
 from __future__ import annotations
 
 import os
@@ -111,14 +112,23 @@ def test_killed_caller_leaves_no_lane_process(phase, tmp_path):
     log, python = tmp_path / "lane.log", sys.executable
     if phase == "interpreter":  # an interpreter slow to come up: the lane's process is still a shell sleeping
         python = tmp_path / "slow-python"
-        python.write_text(f"#!/bin/sh\nsleep 600\nexec {sys.executable} \"$@\"\n")
+        python.write_text(f'#!/bin/sh\nsleep 600\nexec {sys.executable} "$@"\n')
         python.chmod(0o755)
-    caller = subprocess.Popen([sys.executable, "-c", LANE_CALLER, phase, str(log), str(python)], cwd=REPO,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    caller = subprocess.Popen(
+        [sys.executable, "-c", LANE_CALLER, phase, str(log), str(python)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         if phase == "interpreter":
-            wait_for("the slow interpreter", lambda: any(c.startswith("sleep 600")
-                                                         for c in descendants(caller.pid).values()), proc=caller)
+            wait_for(
+                "the slow interpreter",
+                lambda: any(c.startswith("sleep 600") for c in descendants(caller.pid).values()),
+                proc=caller,
+            )
         elif phase == "open":
             wait_for("the engine's constructor", _log_says(log, "lane-target: building (open)"), proc=caller)
         else:
@@ -175,8 +185,20 @@ def test_killed_caller_leaves_no_tp_worker_or_resource_tracker(phase, tmp_path):
     is loading its shard, the worker has loaded its own; serving: the engine runs; cli: `lpdiff run --engine triton
     --tp 2` during its engine start."""
     if phase == "cli":
-        argv = [sys.executable, "-m", "lpdiff.harness.cli", "run", "--model", "tiny-qwen3-moe", "--adapter",
-                "experts", "--engine", "triton", "--tp", "2"]
+        argv = [
+            sys.executable,
+            "-m",
+            "lpdiff.harness.cli",
+            "run",
+            "--model",
+            "tiny-qwen3-moe",
+            "--adapter",
+            "experts",
+            "--engine",
+            "triton",
+            "--tp",
+            "2",
+        ]
     else:
         argv = [sys.executable, "-c", TP_CALLER, phase]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")

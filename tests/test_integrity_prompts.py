@@ -1,6 +1,7 @@
 """Issue 40 item 6: baselines of a ``--prompts FILE`` run are keyed by those prompts, not filed under the prompt set
 'default', so ``baselines prune --yes`` never takes them for a newer default run and removes the real default
 baselines (after which ``lpdiff run`` exited 2). Real CLI, real HF engine, real store."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 claiming a digest its key does not hash to, a key naming other prompts than the data holds, NaN numbers with
 fresh checksums, top-k data that lies) never make prune remove a real baseline, are never removed by it, and fail
 every read with exit 2 naming the file and ``lpdiff regen``. Real store, real parquet files, real CLI."""
+
 from __future__ import annotations
 
 import shutil
@@ -25,8 +26,9 @@ def _key(seed=0):
     return baseline_key(spec, None, PROMPTS, "float32", 1, "hf", 2, prompt_set="default")
 
 
-def _forge(store: BaselineStore, manifest: dict, run: LogprobRun, digest: str | None = None,
-           data_sha: bool = True) -> Path:
+def _forge(
+    store: BaselineStore, manifest: dict, run: LogprobRun, digest: str | None = None, data_sha: bool = True
+) -> Path:
     """Write a file as a forger would: any manifest, its checksums recomputed (they prove nothing), at the path
     of ``digest`` (default: the one the manifest claims)."""
     manifest = dict(manifest)
@@ -87,27 +89,33 @@ def test_prune_cli_lists_the_plan_before_removing(tmp_path, capsys):
     store = BaselineStore(tmp_path)
     old = _key()
     store.put(old, engine_like_run(PROMPTS))
-    _forge(store, _later(store_format.read_manifest(store.path(old))) | {"digest": "e" * 64},
-           engine_like_run(PROMPTS))
+    _forge(store, _later(store_format.read_manifest(store.path(old))) | {"digest": "e" * 64}, engine_like_run(PROMPTS))
     store.put(_key(seed=1), engine_like_run(PROMPTS, seed=1))
     capsys.readouterr()
     assert main(["baselines", "prune", "--yes", "--baselines", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"will remove {store.path(old)}") and not store.path(old).exists()
-    assert any(line.startswith("kept (not a baseline whose content matches its key") and "e" * 64 in line
-               for line in out)
+    assert any(
+        line.startswith("kept (not a baseline whose content matches its key") and "e" * 64 in line for line in out
+    )
 
 
-@pytest.mark.parametrize("lie, change, says", [
-    ("NaN logprob", dict(logprobs=lambda a: np.where(np.arange(len(a)) == 2, np.nan, a)), "NaN or Inf"),
-    ("positive logprob", dict(logprobs=lambda a: np.abs(a) + 0.5), "above 0"),
-    ("unsorted top-k", dict(topk_logprobs=lambda a: a[:, ::-1]), "not sorted"),
-    ("top-k id twice", dict(topk_ids=lambda a: np.repeat(a[:, :1], a.shape[1], 1)), "one token id twice"),
-    ("top-k id outside the vocabulary", dict(topk_ids=lambda a: a + 1000), "outside [0, 50)"),
-    ("actual token disagrees with its top-k entry",
-     dict(topk_ids=lambda a: np.stack([a[:, 1], a[:, 0]], 1)), "disagree with their top-k entry"),
-    ("unlisted token above the k-th", dict(topk_ids=lambda a: a * 0 + np.array([48, 49])), "above the k-th"),
-])
+@pytest.mark.parametrize(
+    "lie, change, says",
+    [
+        ("NaN logprob", dict(logprobs=lambda a: np.where(np.arange(len(a)) == 2, np.nan, a)), "NaN or Inf"),
+        ("positive logprob", dict(logprobs=lambda a: np.abs(a) + 0.5), "above 0"),
+        ("unsorted top-k", dict(topk_logprobs=lambda a: a[:, ::-1]), "not sorted"),
+        ("top-k id twice", dict(topk_ids=lambda a: np.repeat(a[:, :1], a.shape[1], 1)), "one token id twice"),
+        ("top-k id outside the vocabulary", dict(topk_ids=lambda a: a + 1000), "outside [0, 50)"),
+        (
+            "actual token disagrees with its top-k entry",
+            dict(topk_ids=lambda a: np.stack([a[:, 1], a[:, 0]], 1)),
+            "disagree with their top-k entry",
+        ),
+        ("unlisted token above the k-th", dict(topk_ids=lambda a: a * 0 + np.array([48, 49])), "above the k-th"),
+    ],
+)
 def test_read_side_validation_names_the_file_and_regen(tmp_path, lie, change, says):
     """The same key, forged content with fresh checksums: get() refuses it, naming the file and `lpdiff regen`."""
     store = BaselineStore(tmp_path)
@@ -126,13 +134,32 @@ def test_forged_nan_baseline_is_exit_2_naming_the_file(tmp_path, capsys):
     """The audit's case: a NaN baseline with valid checksums gave a FAIL (exit 1) naming no file."""
     shutil.copytree(BASELINES, tmp_path / "B", ignore=shutil.ignore_patterns(".*"))
     store = BaselineStore(tmp_path / "B")
-    entry = next(e for e in store.ls() if e.key.model_name == "tiny-qwen3-moe" and e.key.adapter_name is None
-                 and e.key.prompt_set == "default" and e.key.fields["dtype"] == "float32")
+    entry = next(
+        e
+        for e in store.ls()
+        if e.key.model_name == "tiny-qwen3-moe"
+        and e.key.adapter_name is None
+        and e.key.prompt_set == "default"
+        and e.key.fields["dtype"] == "float32"
+    )
     run, manifest = store_format.read(entry.path)
     _forge(store, manifest, _with(run, logprobs=lambda a: np.full_like(a, np.nan)), digest=entry.key.digest)
     assert key_from_manifest(manifest).digest == entry.key.digest
     capsys.readouterr()
-    rc = main(["run", "--model", "tiny-qwen3-moe", "--adapter", "experts", "--engine", "hf", "--tp", "1",
-               "--baselines", str(tmp_path / "B")])
+    rc = main(
+        [
+            "run",
+            "--model",
+            "tiny-qwen3-moe",
+            "--adapter",
+            "experts",
+            "--engine",
+            "hf",
+            "--tp",
+            "1",
+            "--baselines",
+            str(tmp_path / "B"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and str(entry.path) in err and "lpdiff regen" in err and "NaN" in err, err

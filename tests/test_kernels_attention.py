@@ -1,6 +1,7 @@
 """kernels/attention.py: the varlen causal attention kernel (GQA, sliding window, sinks) against its torch
 reference, interpreted on CPU; the reference itself against the runtime's SDPA path (an independent
 implementation); gpu1 cases run the kernel compiled at the models' shapes."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,9 @@ def make_qkv(lens, hq, hkv, d, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     T = sum(lens)
     qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g, device=device).to(dtype)
-    q = qkv[:, :hq * d].view(T, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    q = qkv[:, : hq * d].view(T, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(T, hkv, d)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     return q, k, v, cu
 
@@ -38,8 +39,8 @@ CASES = [
 def test_kernel_matches_reference_fp32(lens, hq, hkv, d, window, sinks):
     q, k, v, cu = make_qkv(lens, hq, hkv, d)
     s = torch.randn(hq, generator=torch.Generator().manual_seed(1)) if sinks else None
-    ref = attention_torch(q, k, v, cu, d ** -0.5, window, s)
-    got = attention(q, k, v, cu, max(lens), d ** -0.5, window, s, impl="triton")
+    ref = attention_torch(q, k, v, cu, d**-0.5, window, s)
+    got = attention(q, k, v, cu, max(lens), d**-0.5, window, s, impl="triton")
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
 
 
@@ -48,8 +49,8 @@ def test_kernel_bf16_within_rounding(lens, hq, hkv, d, window):
     """bf16 in, fp32 softmax and accumulation, P rounded to bf16 before its product with V (as FlashAttention)."""
     q, k, v, cu = make_qkv(lens, hq, hkv, d, dtype=torch.bfloat16)
     s = torch.randn(hq, generator=torch.Generator().manual_seed(1))
-    ref = attention_torch(q, k, v, cu, d ** -0.5, window, s)
-    got = attention(q, k, v, cu, max(lens), d ** -0.5, window, s, impl="triton")
+    ref = attention_torch(q, k, v, cu, d**-0.5, window, s)
+    got = attention(q, k, v, cu, max(lens), d**-0.5, window, s, impl="triton")
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -66,8 +67,9 @@ def test_reference_matches_the_runtime_sdpa_path(window, sinks):
     pos = torch.cat([torch.arange(n) for n in lens])
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     batch = Batch(pos, pos, seq, lens, cu, None, None, None)
-    torch.testing.assert_close(attention_torch(q, k, v, cu, d ** -0.5, window, s),
-                               sdpa(q, k, v, batch, d ** -0.5, window, s), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        attention_torch(q, k, v, cu, d**-0.5, window, s), sdpa(q, k, v, batch, d**-0.5, window, s), atol=2e-6, rtol=1e-5
+    )
 
 
 def test_sinks_only_scale_the_rows_down():
@@ -75,22 +77,25 @@ def test_sinks_only_scale_the_rows_down():
     sigmoid(logsumexp - sink) per row; a very negative sink changes nothing; a huge one drives rows to 0."""
     lens, hq, d = [21, 8], 2, 16
     q, k, v, cu = make_qkv(lens, hq, hq, d)
-    plain = attention(q, k, v, cu, max(lens), d ** -0.5, None, None, impl="triton")
-    low = attention(q, k, v, cu, max(lens), d ** -0.5, None, torch.full((hq,), -1e4), impl="triton")
+    plain = attention(q, k, v, cu, max(lens), d**-0.5, None, None, impl="triton")
+    low = attention(q, k, v, cu, max(lens), d**-0.5, None, torch.full((hq,), -1e4), impl="triton")
     torch.testing.assert_close(low, plain, atol=1e-6, rtol=1e-6)
-    high = attention(q, k, v, cu, max(lens), d ** -0.5, None, torch.full((hq,), 1e4), impl="triton")
+    high = attention(q, k, v, cu, max(lens), d**-0.5, None, torch.full((hq,), 1e4), impl="triton")
     assert high.abs().max() < 1e-30
-    mid = attention(q, k, v, cu, max(lens), d ** -0.5, None, torch.tensor([0.5, 3.0]), impl="triton")
+    mid = attention(q, k, v, cu, max(lens), d**-0.5, None, torch.tensor([0.5, 3.0]), impl="triton")
     ratio = mid / plain
     assert (ratio > 0).all() and (ratio < 1).all()
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda q, k, v, cu: (q, k[:, :1, :8], v[:, :1, :8], cu), "wants q"),
-    (lambda q, k, v, cu: (q[:, :3], k, v, cu), "multiple of kv heads"),
-    (lambda q, k, v, cu: (q, k, v, cu.long()), "int32"),
-    (lambda q, k, v, cu: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cu), "stride 1"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda q, k, v, cu: (q, k[:, :1, :8], v[:, :1, :8], cu), "wants q"),
+        (lambda q, k, v, cu: (q[:, :3], k, v, cu), "multiple of kv heads"),
+        (lambda q, k, v, cu: (q, k, v, cu.long()), "int32"),
+        (lambda q, k, v, cu: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cu), "stride 1"),
+    ],
+)
 def test_bad_input_gives_one_clear_error(bad, match):
     q, k, v, cu = make_qkv([5, 6], 4, 2, 16)
     with pytest.raises(ValueError, match=match):
@@ -111,9 +116,10 @@ def test_tiles_with_several_key_blocks_per_query_block(tiles):
     q, k, v, cu = make_qkv(lens, hq, hkv, d)
     s = torch.randn(hq, generator=torch.Generator().manual_seed(3))
     for window in (None, 9, 40):
-        got = attention(q, k, v, cu, max(lens), d ** -0.5, window, s, impl="triton",
-                        config=dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
-        torch.testing.assert_close(got, attention_torch(q, k, v, cu, d ** -0.5, window, s), atol=2e-6, rtol=1e-5)
+        got = attention(
+            q, k, v, cu, max(lens), d**-0.5, window, s, impl="triton", config=dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1])
+        )
+        torch.testing.assert_close(got, attention_torch(q, k, v, cu, d**-0.5, window, s), atol=2e-6, rtol=1e-5)
 
 
 GPU_CASES = [
@@ -135,7 +141,7 @@ def test_kernel_gpu(case, dtype, tol):
     q, k, v, cu = make_qkv(lens, hq, hkv, d, dtype=dtype, device="cuda")
     s = torch.randn(hq, device="cuda") if sinks else None
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
-    got = attention(q, k, v, cu, max(lens), d ** -0.5, window, s)
-    ref = attention_torch(q, k, v, cu, d ** -0.5, window, s)
+    got = attention(q, k, v, cu, max(lens), d**-0.5, window, s)
+    ref = attention_torch(q, k, v, cu, d**-0.5, window, s)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
-    assert torch.equal(got, attention(q, k, v, cu, max(lens), d ** -0.5, window, s)), "reruns must be bit-identical"
+    assert torch.equal(got, attention(q, k, v, cu, max(lens), d**-0.5, window, s)), "reruns must be bit-identical"

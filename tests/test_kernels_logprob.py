@@ -1,6 +1,7 @@
 """kernels/logprob.py: the one-pass target logprob kernel against its torch reference (fresh random logits, odd
 vocabularies, a spiked row, both ends of the vocabulary as targets). CPU: Triton interpreter; GPU (gpu1): compiled,
 at Qwen3's vocabulary."""
+
 import pytest
 import torch
 
@@ -16,12 +17,15 @@ def _case(n: int, v: int, dtype, device="cpu", seed=0):
     return logits.to(device), targets.to(device)
 
 
-@pytest.mark.parametrize("n,v,block_v,scale,dtype,tol", [
-    (5, 1007, 256, 1.0, torch.float32, 1e-5),  # several blocks and a masked tail (1007 = 3 x 256 + 239)
-    (3, 100, 128, 1.0, torch.float32, 1e-5),  # the whole vocabulary inside one partly masked block
-    (4, 777, 128, 0.5, torch.float32, 1e-5),  # a logit scale (models that scale logits before the softmax)
-    (5, 1007, 256, 1.0, torch.bfloat16, 1e-5),  # bf16 logits: read as they are, summed in fp32
-])
+@pytest.mark.parametrize(
+    "n,v,block_v,scale,dtype,tol",
+    [
+        (5, 1007, 256, 1.0, torch.float32, 1e-5),  # several blocks and a masked tail (1007 = 3 x 256 + 239)
+        (3, 100, 128, 1.0, torch.float32, 1e-5),  # the whole vocabulary inside one partly masked block
+        (4, 777, 128, 0.5, torch.float32, 1e-5),  # a logit scale (models that scale logits before the softmax)
+        (5, 1007, 256, 1.0, torch.bfloat16, 1e-5),  # bf16 logits: read as they are, summed in fp32
+    ],
+)
 def test_kernel_matches_reference(n, v, block_v, scale, dtype, tol):
     logits, targets = _case(n, v, dtype)
     got = target_logprobs(logits, targets, scale, impl="triton", block_v=block_v)
@@ -44,5 +48,6 @@ def test_kernel_on_gpu_at_qwen3_vocab(dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     logits, targets = _case(1024, 151936, dtype, "cuda")
-    torch.testing.assert_close(target_logprobs(logits, targets), target_logprobs_torch(logits, targets),
-                               atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        target_logprobs(logits, targets), target_logprobs_torch(logits, targets), atol=2e-5, rtol=2e-5
+    )

@@ -3,15 +3,25 @@ default "cublas" (base, shrink and expand as vendor GEMMs, no Triton launch), "t
 in-place Triton LoRA pass) and "fused" (one Triton kernel). CPU cases: the cublas path on CPU torch GEMMs, the
 Triton paths through the interpreter, fp32 (and bf16 where the interpreter allows); gpu1 cases compiled in bf16 and
 fp32."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from lpdiff.kernels import lora_linear
-from lpdiff.kernels.lora_linear import (PATHS, augment_weight, base_linear, exact_matmuls, ieee_fp32_matmul,
-                                  lora_linear_aug, lora_linear_shrink_out, pack_lora_b, slot_one_hot,
-                                  stack_shrink_rows)
+from lpdiff.kernels.lora_linear import (
+    PATHS,
+    augment_weight,
+    base_linear,
+    exact_matmuls,
+    ieee_fp32_matmul,
+    lora_linear_aug,
+    lora_linear_shrink_out,
+    pack_lora_b,
+    slot_one_hot,
+    stack_shrink_rows,
+)
 
 CUDA = torch.cuda.is_available()
 ALL_PATHS = pytest.mark.parametrize("path", PATHS)
@@ -22,8 +32,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def make_linear(T, kin, widths, L, R, *, bias=True, none_rows=True, ranks=None, dtype=torch.float32, device="cpu",
-                seed=0):
+def make_linear(
+    T, kin, widths, L, R, *, bias=True, none_rows=True, ranks=None, dtype=torch.float32, device="cpu", seed=0
+):
     """Random inputs; widths are the output slices (q|k|v style); each slot gets its own A per slice. ranks: each
     slot's true rank, zero-padded to R as the runtime stacks adapters of different ranks."""
     g = torch.Generator().manual_seed(seed)
@@ -31,19 +42,32 @@ def make_linear(T, kin, widths, L, R, *, bias=True, none_rows=True, ranks=None, 
     offs = [0]
     for w in widths:
         offs.append(offs[-1] + w)
-    p = dict(x=torch.randn(T, kin, generator=g), w=torch.randn(n, kin, generator=g) * kin ** -0.5,
-             bias=torch.randn(n, generator=g) if bias else None, slice_offsets=offs)
+    p = dict(
+        x=torch.randn(T, kin, generator=g),
+        w=torch.randn(n, kin, generator=g) * kin**-0.5,
+        bias=torch.randn(n, generator=g) if bias else None,
+        slice_offsets=offs,
+    )
     if L:
         ta = torch.randint(-1 if none_rows else 0, L, (T,), generator=g, dtype=torch.int32)
         ta[:L] = torch.arange(L)
-        p.update(lora_a=torch.randn(L, len(widths), R, kin, generator=g) * kin ** -0.5,
-                 lora_b=torch.randn(L, n, R, generator=g) * R ** -0.5,
-                 scaling=torch.rand(L, generator=g) + 0.5, token_adapter=ta)
+        p.update(
+            lora_a=torch.randn(L, len(widths), R, kin, generator=g) * kin**-0.5,
+            lora_b=torch.randn(L, n, R, generator=g) * R**-0.5,
+            scaling=torch.rand(L, generator=g) + 0.5,
+            token_adapter=ta,
+        )
         for a, r in enumerate(ranks or ()):
             p["lora_a"][a, :, r:] = 0
             p["lora_b"][a, :, r:] = 0
-    return {k: (v.to(device=device, dtype=dtype if v.is_floating_point() and k != "scaling" else v.dtype)
-                if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+    return {
+        k: (
+            v.to(device=device, dtype=dtype if v.is_floating_point() and k != "scaling" else v.dtype)
+            if isinstance(v, torch.Tensor)
+            else v
+        )
+        for k, v in p.items()
+    }
 
 
 def base_of(p):
@@ -57,8 +81,10 @@ def check_linear(p, tol, path="cublas"):
     err = rel_err(out, ref)
     assert err <= tol, f"rel err {err:.3g} > {tol}"
     if "lora_a" in p:  # the delta alone: a slice or a slot silently dropped would show here
-        derr = rel_err(out.float() - lora_linear(**base_of(p), impl="triton", path=path).float(),
-                       ref.float() - lora_linear(**base_of(p), impl="torch").float())
+        derr = rel_err(
+            out.float() - lora_linear(**base_of(p), impl="triton", path=path).float(),
+            ref.float() - lora_linear(**base_of(p), impl="torch").float(),
+        )
         assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
         if path != "fused":  # rows without an adapter get an exact zero added (cublas) or are not touched
             # (triton_delta): they are the vendor GEMM's, bit for bit
@@ -178,14 +204,14 @@ def test_lora_linear_aug_matches_reference(case, dtype, tol):
     none = p["token_adapter"] < 0  # rows without an adapter: the base plus exact zeros (K order may differ)
     assert rel_err(out[none], base_linear(p["x"], p["w"], p["bias"])[none]) <= tol / 10
     # base-only batches run on the strided view W_aug[:, :Kin]: the base GEMM itself
-    view = w_aug[:, :p["x"].shape[1]]
+    view = w_aug[:, : p["x"].shape[1]]
     assert view.data_ptr() == w_aug.data_ptr() and torch.equal(view, p["w"])
     for slot in range(case["L"]):
         one = dict(p, token_adapter=torch.full_like(p["token_adapter"], slot))
         got, xa, _ = check_aug(one, tol, uniform_slot=slot)
         trusted = xa.clone()
-        trusted[:, p["x"].shape[1]:] = 0
-        trusted[:, :p["x"].shape[1]] = p["x"]
+        trusted[:, p["x"].shape[1] :] = 0
+        trusted[:, : p["x"].shape[1]] = p["x"]
         again = lora_linear_aug(trusted, w_aug, p["bias"], p["lora_a"], uniform_slot=slot, others_zero=True)
         assert torch.equal(again, got)
 
@@ -246,8 +272,9 @@ def test_pack_lora_b_is_block_diagonal_and_scaled():
         for s in range(3):
             rows = torch.arange(10)
             inside = (rows >= offs[s]) & (rows < offs[s + 1])
-            torch.testing.assert_close(packed[inside, l, s], p["scaling"][l] * p["lora_b"][l, inside], rtol=1e-6,
-                                       atol=0)
+            torch.testing.assert_close(
+                packed[inside, l, s], p["scaling"][l] * p["lora_b"][l, inside], rtol=1e-6, atol=0
+            )
             assert (packed[~inside, l, s] == 0).all()
 
 
@@ -257,9 +284,10 @@ def test_row_parallel_shards_sum_to_the_whole(path, tol=1e-5):
     # the ranks' outputs (the engine's all-reduce) must be the unsharded result
     p = make_linear(T=33, kin=48, widths=(40,), L=3, R=8)
     k = 20
-    parts = [dict(p, x=p["x"][:, :k], w=p["w"][:, :k].contiguous(), lora_a=p["lora_a"][..., :k].contiguous()),
-             dict(p, x=p["x"][:, k:], w=p["w"][:, k:].contiguous(), lora_a=p["lora_a"][..., k:].contiguous(),
-                  bias=None)]
+    parts = [
+        dict(p, x=p["x"][:, :k], w=p["w"][:, :k].contiguous(), lora_a=p["lora_a"][..., :k].contiguous()),
+        dict(p, x=p["x"][:, k:], w=p["w"][:, k:].contiguous(), lora_a=p["lora_a"][..., k:].contiguous(), bias=None),
+    ]
     got = sum(lora_linear(**q, impl="triton", path=path) for q in parts)
     assert rel_err(got, lora_linear(**p, impl="torch")) <= tol
 
@@ -274,9 +302,11 @@ def restore_matmul_precision():
 
 # what a user may have set before calling us: the legacy API (TF32 in cuBLAS; "medium" also bf16 in oneDNN),
 # or the new per-backend API only
-USER_PRECISIONS = {"high": lambda: torch.set_float32_matmul_precision("high"),
-                   "medium": lambda: torch.set_float32_matmul_precision("medium"),
-                   "new-api-tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32")}
+USER_PRECISIONS = {
+    "high": lambda: torch.set_float32_matmul_precision("high"),
+    "medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "new-api-tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+}
 
 
 def matmul_flags():
@@ -370,10 +400,12 @@ def test_lora_linear_aug_gpu_writes_in_place(dtype, tol, restore_matmul_precisio
     mask = slot_one_hot(p["token_adapter"], GPU_CASES[0]["L"], dtype)
     check_aug(p, tol)
     xa, w_aug = aug_inputs(p)
-    view = w_aug[:, :p["x"].shape[1]]
-    runs = {"aug": lambda: lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], mask),
-            "uniform": lambda: lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], uniform_slot=1),
-            "base view": lambda: base_linear(p["x"], view, p["bias"])}
+    view = w_aug[:, : p["x"].shape[1]]
+    runs = {
+        "aug": lambda: lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], mask),
+        "uniform": lambda: lora_linear_aug(xa, w_aug, p["bias"], p["lora_a"], uniform_slot=1),
+        "base view": lambda: base_linear(p["x"], view, p["bias"]),
+    }
     for name, fn in runs.items():
         fn()
         torch.cuda.synchronize()

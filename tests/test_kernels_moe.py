@@ -1,6 +1,7 @@
 """Fused MoE-LoRA kernels against their torch reference: routing alignment, every activation, both adapter
 layouts, mixed ranks, rows without adapter. CPU cases run the real Triton kernels through the interpreter in fp32;
 gpu1 cases run them compiled in bf16 and fp32."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -23,22 +24,45 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def make_moe(T, H, I, E, K, activation, *, ranks=(), R=None, shared_outer=False, bias=False, dtype=torch.float32,
-             device="cpu", none_rows=True, experts_used=None, x_scale=1.0, seed=0, pad_garbage=False):
+def make_moe(
+    T,
+    H,
+    I,
+    E,
+    K,
+    activation,
+    *,
+    ranks=(),
+    R=None,
+    shared_outer=False,
+    bias=False,
+    dtype=torch.float32,
+    device="cpu",
+    none_rows=True,
+    experts_used=None,
+    x_scale=1.0,
+    seed=0,
+    pad_garbage=False,
+):
     """Random inputs (never zeros). ranks: loaded rank per adapter slot, padded to R with zeros or, pad_garbage,
     with garbage that the kernels must ignore (large finite values in A and B); experts_used: route only to these
     experts so that the others receive zero tokens."""
     g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale)  # noqa: E731
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
     n1 = I if activation == "relu2" else 2 * I
     x = rnd(T, H, scale=x_scale)
     pool = torch.tensor(experts_used if experts_used is not None else list(range(E)))
     scores = rnd(T, len(pool))
     w, idx = scores.softmax(-1).topk(K, dim=-1)
     topk_ids = pool[idx].to(torch.int32)
-    p = dict(x=x, topk_ids=topk_ids, topk_weights=w / w.sum(-1, keepdim=True),
-             w_gate_up=rnd(E, n1, H, scale=H ** -0.5), w_down=rnd(E, H, I, scale=I ** -0.5),
-             activation=activation)
+    p = dict(
+        x=x,
+        topk_ids=topk_ids,
+        topk_weights=w / w.sum(-1, keepdim=True),
+        w_gate_up=rnd(E, n1, H, scale=H**-0.5),
+        w_down=rnd(E, H, I, scale=I**-0.5),
+        activation=activation,
+    )
     if bias:
         p.update(b_gate_up=rnd(E, n1, scale=0.5), b_down=rnd(E, H, scale=0.5))
     lora, ta = None, None
@@ -46,10 +70,10 @@ def make_moe(T, H, I, E, K, activation, *, ranks=(), R=None, shared_outer=False,
         L = len(ranks)
         R = R or max(ranks)
         ea = 1 if shared_outer else E
-        gu_a = rnd(L, ea, R, H, scale=H ** -0.5)
-        gu_b = rnd(L, E, n1, R, scale=R ** -0.5)
-        d_a = rnd(L, E, R, I, scale=I ** -0.5)
-        d_b = rnd(L, ea, H, R, scale=R ** -0.5)
+        gu_a = rnd(L, ea, R, H, scale=H**-0.5)
+        gu_b = rnd(L, E, n1, R, scale=R**-0.5)
+        d_a = rnd(L, E, R, I, scale=I**-0.5)
+        d_b = rnd(L, ea, H, R, scale=R**-0.5)
         for a, r in enumerate(ranks):  # padding past the loaded rank: zeros, as the runtime stores it, or garbage
             for t in (gu_a[a, :, r:], d_a[a, :, r:]):  # large: a shrink that reads it is far off
                 t.copy_(rnd(*t.shape, scale=1e3) if pad_garbage else torch.zeros(t.shape))
@@ -59,8 +83,9 @@ def make_moe(T, H, I, E, K, activation, *, ranks=(), R=None, shared_outer=False,
                 t.copy_(rnd(*t.shape, scale=1e3) if pad_garbage else torch.zeros(t.shape))
         if shared_outer:
             gu_a, d_b = gu_a.expand(L, E, R, H), d_b.expand(L, E, H, R)
-        lora = MoeLoraWeights(gu_a, gu_b, d_a, d_b, scaling=(rnd(L).abs() + 0.5).float(),
-                              ranks=torch.tensor(ranks, dtype=torch.int32))
+        lora = MoeLoraWeights(
+            gu_a, gu_b, d_a, d_b, scaling=(rnd(L).abs() + 0.5).float(), ranks=torch.tensor(ranks, dtype=torch.int32)
+        )
         ta = torch.randint(-1 if none_rows else 0, L, (T,), generator=g, dtype=torch.int32)
         ta[:L] = torch.arange(L)  # every slot is used at least once
     p.update(lora=lora, token_adapter=ta)
@@ -96,13 +121,23 @@ def check_moe(p, tol, triton_fn=None, **kw):
 
 # ------------------------------------------------------------------------------------------------ alignment
 
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("T,K,E,L,block_m", [
-    (37, 8, 8, 2, 16),  # several adapters + none rows, T*K not a multiple of the block
-    (5, 1, 8, 0, 16),   # no LoRA, top-1, most experts empty
-    (40, 3, 3, 4, 32),  # more slots than experts, top-k = E, big blocks
-    (300, 4, 8, 2, 16),  # 1200 pairs: five count programs on the CPU (256 pairs each), several sub-counters per group
-])
+@pytest.mark.parametrize(
+    "T,K,E,L,block_m",
+    [
+        (37, 8, 8, 2, 16),  # several adapters + none rows, T*K not a multiple of the block
+        (5, 1, 8, 0, 16),  # no LoRA, top-1, most experts empty
+        (40, 3, 3, 4, 32),  # more slots than experts, top-k = E, big blocks
+        (
+            300,
+            4,
+            8,
+            2,
+            16,
+        ),  # 1200 pairs: five count programs on the CPU (256 pairs each), several sub-counters per group
+    ],
+)
 def test_moe_align_matches_reference(T, K, E, L, block_m, impl):
     g = torch.Generator().manual_seed(T)
     topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
@@ -113,9 +148,9 @@ def test_moe_align_matches_reference(T, K, E, L, block_m, impl):
     row = 0
     for slot, e, pairs in groups:  # groups in expert-then-adapter order, each padded to a block boundary
         n = -(-len(pairs) // block_m) * block_m
-        got = r.sorted_ids[row:row + len(pairs)].tolist()
+        got = r.sorted_ids[row : row + len(pairs)].tolist()
         assert got == pairs if impl == "torch" else sorted(got) == pairs  # Triton: order inside a group free
-        assert (r.sorted_ids[row + len(pairs):row + n] == P).all()
+        assert (r.sorted_ids[row + len(pairs) : row + n] == P).all()
         blocks = slice(row // block_m, (row + n) // block_m)
         assert (r.block_expert[blocks] == e).all() and (r.block_adapter[blocks] == slot).all()
         row += n
@@ -162,30 +197,38 @@ SHRINK_CASES = [
     # wrapped gate/up columns); 3 adapters + none rows; slot 1 loaded at rank 5 < max rank 16 with garbage past it
     (dict(T=29, H=37, I=21, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True), 1e-5),
     # gpt-oss clamped SwiGLU with per-expert biases, clamps engaged; gated B rows follow the interleaved columns
-    (dict(T=23, H=40, I=24, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0,
-          pad_garbage=True), 1e-5),
+    (
+        dict(
+            T=23, H=40, I=24, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0, pad_garbage=True
+        ),
+        1e-5,
+    ),
     # relu^2 non-gated, top-1 (the down GEMM's top-k weight times its LoRA delta on single-copy tokens)
     (dict(T=26, H=24, I=40, E=6, K=1, activation="relu2", ranks=(8, 2), pad_garbage=True), 1e-5),
     # bf16 through the interpreter (tiles upcast): S rounded to bf16 (stored so by "once", in registers by
     # "fused"), which the fp32 reference does not do
-    (dict(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16, pad_garbage=True),
-     1.5e-2),
+    (dict(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16, pad_garbage=True), 1.5e-2),
 ]
 
 
 @pytest.mark.parametrize("lora_shrink", SHRINK_MODES)
-@pytest.mark.parametrize("case,tol", SHRINK_CASES,
-                         ids=lambda c: f"{c['activation']}-{c.get('dtype', torch.float32)}".replace("torch.", "")
-                         if isinstance(c, dict) else f"tol{c}")
+@pytest.mark.parametrize(
+    "case,tol",
+    SHRINK_CASES,
+    ids=lambda c: (
+        f"{c['activation']}-{c.get('dtype', torch.float32)}".replace("torch.", "") if isinstance(c, dict) else f"tol{c}"
+    ),
+)
 def test_lora_shrink_modes_match_reference(case, tol, lora_shrink):
     check_moe(make_moe(**case), tol, lora_shrink=lora_shrink)
 
 
 def test_lora_shrink_launches(monkeypatch):
-    """"once" precomputes both shrinks (gate_up over x gathered by pair, down over the sorted intermediate),
+    """ "once" precomputes both shrinks (gate_up over x gathered by pair, down over the sorted intermediate),
     "fused" none; a bug-zoo kernel fault forces "fused", so the zoo keeps exercising the branch its faults live in."""
     import lpdiff.kernels.fused_moe_lora as fm
     from lpdiff.kernels import faults
+
     calls = []
     real = fm.launch_shrink
     monkeypatch.setattr(fm, "launch_shrink", lambda *a, **kw: calls.append(kw["x_sorted"]) or real(*a, **kw))
@@ -203,12 +246,15 @@ def test_lora_shrink_launches(monkeypatch):
     assert calls == [False, True] * 2
 
 
-@pytest.mark.parametrize("lora_shrink,flags", [("once", {}), ("fused", {}), ("once", dict(tma=True, prefetch=False)),
-                                               ("fused", dict(n_tiles=3))],
-                         ids=["once", "fused", "once-tma-epilogue_loads", "fused-ntiles3"])
+@pytest.mark.parametrize(
+    "lora_shrink,flags",
+    [("once", {}), ("fused", {}), ("once", dict(tma=True, prefetch=False)), ("fused", dict(n_tiles=3))],
+    ids=["once", "fused", "once-tma-epilogue_loads", "fused-ntiles3"],
+)
 def test_bench_stage_breakdown_on_cpu(lora_shrink, flags):
     """The staged launches that bench_kernels.py times on a GPU, run once each here: same stages, same output."""
     from tests.helpers.moe_bench import stage_breakdown, untimed
+
     p = make_moe(T=21, H=40, I=24, E=4, K=3, activation="swiglu_oai", ranks=(8, 5), bias=True)
     times, out = stage_breakdown(p, lora_shrink, timer=untimed, **flags)
     once = ["shrink1", "shrink2"] if lora_shrink == "once" else []
@@ -217,9 +263,9 @@ def test_bench_stage_breakdown_on_cpu(lora_shrink, flags):
 
 
 GEMM_FLAGS = [
-    dict(prefetch=True),   # the epilogue's S, B, bias and top-k weights loaded before the K-loop (default)
+    dict(prefetch=True),  # the epilogue's S, B, bias and top-k weights loaded before the K-loop (default)
     dict(prefetch=False),  # loaded in the epilogue where they are used (the old order, kept for the A/B)
-    dict(tma=True),        # weight tiles (and the down GEMM's sorted rows) through tensor descriptors
+    dict(tma=True),  # weight tiles (and the down GEMM's sorted rows) through tensor descriptors
     dict(tma=True, prefetch=False),  # both flags are independent constexprs: every combination compiles apart
     dict(expand="first"),  # the expand before the K-loop (default: the loop's first step), kept for the A/B
     dict(expand="last"),  # the expand in the epilogue after the K-loop
@@ -235,8 +281,7 @@ FLAG_CASES = [
     dict(T=21, H=37, I=21, E=4, K=2, activation="silu", ranks=(8, 3), pad_garbage=True),
     # gpt-oss clamped SwiGLU with biases on both GEMMs (the prefetched bias; with TMA the gate and up biases
     # apart), clamps engaged
-    dict(T=23, H=40, I=24, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0,
-         pad_garbage=True),
+    dict(T=23, H=40, I=24, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0, pad_garbage=True),
     # relu^2 non-gated, top-1 (the prefetched top-k weight times the delta on single-copy tokens), 3 of 6 experts
     dict(T=26, H=24, I=40, E=6, K=1, activation="relu2", ranks=(8, 2), pad_garbage=True, experts_used=(0, 2, 5)),
 ]
@@ -246,9 +291,13 @@ def flag_id(flags: dict) -> str:
     return "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in flags.items())
 
 
-@pytest.mark.parametrize("case,flags", [(c, f) for c in FLAG_CASES for f in GEMM_FLAGS
-                                         if c["H"] != 37 or f.get("tma")],  # H=37: only the TMA fallback is new
-                         ids=lambda v: flag_id(v) if "T" not in v else f"{v['activation']}-H{v['H']}")
+@pytest.mark.parametrize(
+    "case,flags",
+    [
+        (c, f) for c in FLAG_CASES for f in GEMM_FLAGS if c["H"] != 37 or f.get("tma")
+    ],  # H=37: only the TMA fallback is new
+    ids=lambda v: flag_id(v) if "T" not in v else f"{v['activation']}-H{v['H']}",
+)
 def test_gemm_flags_match_reference(case, flags, tol=1e-5):
     p = make_moe(**case)
     check_moe(p, tol, moe_forward_triton, **configs(p, **flags))
@@ -259,19 +308,22 @@ def test_tma_launches(monkeypatch):
     shrink in the K-loop (LORA 1, the bug zoo's branch), when the strides do not allow a descriptor, or without
     the flag."""
     import lpdiff.kernels.lora_gemm as lg
+
     launches = []
 
     class Recording:
         def __getitem__(self, grid_device):
             run = real[grid_device]
             return lambda *a, **kw: launches.append((kw["TMA"], kw["TMA_X"])) or run(*a, **kw)
+
     real = lg._grouped_gemm_kernel
     monkeypatch.setattr(lg, "_grouped_gemm_kernel", Recording())
     for case, flags, kw, want in [
-            (FLAG_CASES[0], dict(tma=True), {}, [(True, False), (True, True)]),
-            (FLAG_CASES[0], dict(tma=True), dict(lora_shrink="fused"), [(False, False)] * 2),
-            (FLAG_CASES[1], dict(tma=True), {}, [(False, False)] * 2),  # H=37: strides not 16-byte multiples
-            (FLAG_CASES[0], {}, {}, [(False, False)] * 2)]:
+        (FLAG_CASES[0], dict(tma=True), {}, [(True, False), (True, True)]),
+        (FLAG_CASES[0], dict(tma=True), dict(lora_shrink="fused"), [(False, False)] * 2),
+        (FLAG_CASES[1], dict(tma=True), {}, [(False, False)] * 2),  # H=37: strides not 16-byte multiples
+        (FLAG_CASES[0], {}, {}, [(False, False)] * 2),
+    ]:
         p = make_moe(**case)
         launches.clear()
         moe_forward_triton(**p, **configs(p, kw.get("lora_shrink", "once"), **flags), **kw)
@@ -287,8 +339,9 @@ def test_sum_topk_false_gives_each_weighted_pair(flags, tol=1e-5):
     pairs = moe_forward_triton(**p, sum_topk=False, **cfg)
     assert pairs.shape == (21, 3, 32)
     for k in range(3):
-        ref = moe_forward(**dict(p, topk_ids=p["topk_ids"][:, k:k + 1], topk_weights=p["topk_weights"][:, k:k + 1]),
-                          impl="torch")
+        ref = moe_forward(
+            **dict(p, topk_ids=p["topk_ids"][:, k : k + 1], topk_weights=p["topk_weights"][:, k : k + 1]), impl="torch"
+        )
         assert rel_err(pairs[:, k], ref) <= tol, k
     assert torch.equal(pairs.sum(dim=1), moe_forward_triton(**p, **cfg))
 
@@ -302,14 +355,19 @@ SHRINK_LAUNCHES = [
 
 
 @pytest.mark.parametrize("shrink_config", SHRINK_LAUNCHES, ids=lambda c: f"rows{c.rows}-bk{c.block_k}")
-@pytest.mark.parametrize("case", [
-    # SiLU-gated, odd sizes, 3 adapters + none rows, rank 5 < max 16 with garbage past it; routing blocks of 64
-    # rows hold fewer pairs than that, so sub-blocks of padding rows exist and must not disturb the others
-    dict(T=29, H=37, I=21, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
-    # gpt-oss SwiGLU with biases; (expert, slot) groups of 64 and 72 pairs: one and two routing blocks
-    dict(T=136, H=24, I=40, E=2, K=2, activation="swiglu_oai", ranks=(8, 3), bias=True, x_scale=8.0,
-         none_rows=False),
-], ids=lambda c: c["activation"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # SiLU-gated, odd sizes, 3 adapters + none rows, rank 5 < max 16 with garbage past it; routing blocks of 64
+        # rows hold fewer pairs than that, so sub-blocks of padding rows exist and must not disturb the others
+        dict(T=29, H=37, I=21, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
+        # gpt-oss SwiGLU with biases; (expert, slot) groups of 64 and 72 pairs: one and two routing blocks
+        dict(
+            T=136, H=24, I=40, E=2, K=2, activation="swiglu_oai", ranks=(8, 3), bias=True, x_scale=8.0, none_rows=False
+        ),
+    ],
+    ids=lambda c: c["activation"],
+)
 def test_shrink_launch_configs_match_reference(case, shrink_config, tol=1e-5):
     p = make_moe(**case)
     tiles = GemmConfig(64, 32, 32, group_m=4, num_warps=4, num_stages=1)
@@ -336,8 +394,7 @@ NTILE_CASES = [
     dict(T=29, H=100, I=72, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True),
     # gpt-oss clamped SwiGLU with biases on both GEMMs (a bias per tile), gated interleaved columns, clamps engaged;
     # gate_up 5 tiles (I=136), down 2 (H=48): n_tiles 3 covers the down GEMM in one short group
-    dict(T=19, H=48, I=136, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0,
-         pad_garbage=True),
+    dict(T=19, H=48, I=136, E=4, K=4, activation="swiglu_oai", ranks=(12, 3), bias=True, x_scale=8.0, pad_garbage=True),
     # relu^2, not gated, top-1 (the top-k weight times every tile's delta), only 3 of 6 experts receive tokens;
     # gate_up 4 tiles (I=104), down 2 (H=40)
     dict(T=26, H=40, I=104, E=6, K=1, activation="relu2", ranks=(8, 2), pad_garbage=True, experts_used=(0, 2, 5)),
@@ -353,15 +410,19 @@ def test_n_tiles_match_reference(case, n_tiles, lora_shrink, tol=1e-5):
     check_moe(make_moe(**case), tol, moe_forward_triton, lora_shrink=lora_shrink, **ntile_configs(n_tiles))
 
 
-@pytest.mark.parametrize("lora_shrink,n_tiles,flags,dtype,tol", [
-    # bf16 through the interpreter (tiles upcast): S rounded to bf16 once, reused by the second tile's expand
-    ("fused", 2, {}, torch.bfloat16, 1e-2),
-    # TMA weight tiles (host descriptors, interpreted) at the tile each program walks to; the gate and up blocks
-    # of the gated GEMM as two tiles
-    ("once", 3, dict(tma=True), torch.float32, 1e-5),
-    # epilogue operands loaded after each tile's K-loop
-    ("fused", 3, dict(prefetch=False), torch.float32, 1e-5),
-], ids=["fused-bf16", "once-tma", "fused-epilogue_loads"])
+@pytest.mark.parametrize(
+    "lora_shrink,n_tiles,flags,dtype,tol",
+    [
+        # bf16 through the interpreter (tiles upcast): S rounded to bf16 once, reused by the second tile's expand
+        ("fused", 2, {}, torch.bfloat16, 1e-2),
+        # TMA weight tiles (host descriptors, interpreted) at the tile each program walks to; the gate and up blocks
+        # of the gated GEMM as two tiles
+        ("once", 3, dict(tma=True), torch.float32, 1e-5),
+        # epilogue operands loaded after each tile's K-loop
+        ("fused", 3, dict(prefetch=False), torch.float32, 1e-5),
+    ],
+    ids=["fused-bf16", "once-tma", "fused-epilogue_loads"],
+)
 def test_n_tiles_with_flags(lora_shrink, n_tiles, flags, dtype, tol):
     p = make_moe(T=29, H=36, I=68, E=5, K=3, activation="silu", ranks=(16, 5, 9), pad_garbage=True, dtype=dtype)
     check_moe(p, tol, moe_forward_triton, lora_shrink=lora_shrink, **ntile_configs(n_tiles, **flags))
@@ -386,6 +447,7 @@ def test_kernel_fault_with_n_tiles(fault):
     faulty reference's output, far from the clean one, on every tile the programs walk."""
     from lpdiff.kernels import faults
     from tests.test_bug_zoo import NOISE
+
     p = make_moe(T=24, H=100, I=72, E=4, K=2, activation="silu", ranks=(8, 4))
     clean = moe_forward(**p, impl="torch")
     with faults.injected(fault):
@@ -397,27 +459,47 @@ def test_kernel_fault_with_n_tiles(fault):
 
 def test_n_tiles_is_for_expert_gemms_only():
     from lpdiff.kernels.lora_gemm import launch_gemm
+
     with pytest.raises(AssertionError, match="n_tiles must be >= 1"):
         GemmConfig(16, 32, 32, n_tiles=0)
     x, w = torch.randn(4, 16), torch.randn(1, 40, 16)
-    r = moe_align(torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 1, 1, 16,
-                  impl="torch")
+    r = moe_align(torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 1, 1, 16, impl="torch")
     with pytest.raises(AssertionError, match="dense path .* walks one N tile"):
-        launch_gemm(x, w, torch.zeros(4, 40), r, GemmConfig(16, 32, 32, n_tiles=2), x_sorted=False,
-                    out_sorted=False, lora_s=torch.zeros(16, 8), lora_b=torch.zeros(1, 1, 40, 8),
-                    scaling=torch.ones(1), ranks=torch.full((1,), 8, dtype=torch.int32),
-                    slice_offsets=(0, 24, 40))
+        launch_gemm(
+            x,
+            w,
+            torch.zeros(4, 40),
+            r,
+            GemmConfig(16, 32, 32, n_tiles=2),
+            x_sorted=False,
+            out_sorted=False,
+            lora_s=torch.zeros(16, 8),
+            lora_b=torch.zeros(1, 1, 40, 8),
+            scaling=torch.ones(1),
+            ranks=torch.full((1,), 8, dtype=torch.int32),
+            slice_offsets=(0, 24, 40),
+        )
 
 
 def test_bench_shrink_sweep_on_cpu():
     """bench_kernels.py --sweep-shrink's loop on a tiny shape through the interpreter: every config's S is checked
     against the default launch's, and a config that cannot run is logged and skipped, not fatal."""
     from tests.helpers.moe_bench import MoeShape, shrink_sweep, untimed
+
     rows, logs = [], []
     good = [ShrinkConfig(), ShrinkConfig(block_k=16, num_stages=2)]
-    totals = shrink_sweep(logs.append, lambda *r: rows.append(r), [MoeShape("tiny", 4, 48, 40, 2, "silu", False)],
-                          T=37, R=8, budget_s=60, device="cpu", dtype=torch.float32, timer=untimed,
-                          cfgs=good + [ShrinkConfig(rows=32)])  # the CPU routing block is 16 rows: 32 cannot run
+    totals = shrink_sweep(
+        logs.append,
+        lambda *r: rows.append(r),
+        [MoeShape("tiny", 4, 48, 40, 2, "silu", False)],
+        T=37,
+        R=8,
+        budget_s=60,
+        device="cpu",
+        dtype=torch.float32,
+        timer=untimed,
+        cfgs=good + [ShrinkConfig(rows=32)],
+    )  # the CPU routing block is 16 rows: 32 cannot run
     assert [(gemm, cfg) for _, gemm, cfg, _, _ in rows] == [(g, c) for c in good for g in ("gate_up", "down")]
     assert all(err <= 1e-6 for *_, err in rows)
     assert [cfg for _, cfg in totals] == good or [cfg for _, cfg in totals] == good[::-1]
@@ -434,8 +516,11 @@ def _triton_newer_than_the_gpu_image() -> bool:
 # pipeline: 49,152 B of shared memory instead of 196,608 B, 255 registers, ~2,100 B of spills per thread; the
 # before-the-loop (TMA) variants still compile clean. The GPU image runs 3.6, where it holds; strict, so the day a
 # newer Triton pipelines it again this marker has to go.
-@pytest.mark.xfail(_triton_newer_than_the_gpu_image(), strict=True,
-                   reason="Triton > 3.6 no longer pipelines the in-loop LoRA expand (shared memory 49 KiB, spills)")
+@pytest.mark.xfail(
+    _triton_newer_than_the_gpu_image(),
+    strict=True,
+    reason="Triton > 3.6 no longer pipelines the in-loop LoRA expand (shared memory 49 KiB, spills)",
+)
 def test_moe_launches_compile_for_sm90():
     """No GPU here, but the GPU's compiler runs: the Qwen3 launches (default tiles, one adapter and none; also the
     shrink in the K-loop with programs walking 2 N tiles, which holds S in registers across tiles) compiled
@@ -445,14 +530,19 @@ def test_moe_launches_compile_for_sm90():
     import json
     import subprocess
     import sys
+
     pytest.importorskip("triton.backends.nvidia.compiler")
     from tests.helpers.moe_bench import SM90_SMEM
+
     # a fresh process: the interpreter leaves triton.language patched once it ran (sm90_report's docstring)
-    code = ("import json; from tests.helpers.moe_bench import SHAPES, sm90_report; "
-            "print(json.dumps(sm90_report(lambda line: None, SHAPES[:1], 4096, 32, [{}, dict(tma=True), "
-            "dict(lora_shrink='fused', n_tiles=2)])))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import json; from tests.helpers.moe_bench import SHAPES, sm90_report; "
+        "print(json.dumps(sm90_report(lambda line: None, SHAPES[:1], 4096, 32, [{}, dict(tma=True), "
+        "dict(lora_shrink='fused', n_tiles=2)])))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
     gemms = [r for r in report if r["kernel"] == "_grouped_gemm_kernel"]
@@ -462,8 +552,9 @@ def test_moe_launches_compile_for_sm90():
         assert r["smem"] <= SM90_SMEM and r["spill"] == 0 and r["wgmma"], r
     # the sorted rows by TMA too, except beside half-height tiles (padding "half": the descriptor's blocks are
     # full height)
-    assert all(r["tma"] == r["TMA"] and r["TMA_X"] == (r["TMA"] and r["X_SORTED"] and not r["HALF_TAIL"])
-               for r in gemms)
+    assert all(
+        r["tma"] == r["TMA"] and r["TMA_X"] == (r["TMA"] and r["X_SORTED"] and not r["HALF_TAIL"]) for r in gemms
+    )
     assert sum(r["TMA"] for r in gemms) == 4
 
 
@@ -474,19 +565,22 @@ def test_padded_rank_is_exact_and_ignores_garbage(monkeypatch):
     exactly zero there), and even NaN in B for the expands outside the K-loop (they mask B at the loaded rank)."""
     p = make_moe(T=21, H=32, I=24, E=4, K=2, activation="silu", ranks=(5,), R=32)
     lo = p["lora"]
-    narrow = MoeLoraWeights(lo.gate_up_a[:, :, :5], lo.gate_up_b[..., :5], lo.down_a[:, :, :5], lo.down_b[..., :5],
-                            lo.scaling, lo.ranks)
+    narrow = MoeLoraWeights(
+        lo.gate_up_a[:, :, :5], lo.gate_up_b[..., :5], lo.down_a[:, :, :5], lo.down_b[..., :5], lo.scaling, lo.ranks
+    )
     out_pad = moe_forward(**p, impl="triton")
     out_narrow = moe_forward(**dict(p, lora=narrow), impl="triton")
     assert rel_err(out_pad, out_narrow) <= 1e-6
-    dirty = MoeLoraWeights(*(t.clone() for t in (lo.gate_up_a, lo.gate_up_b, lo.down_a, lo.down_b)), lo.scaling,
-                           lo.ranks)
+    dirty = MoeLoraWeights(
+        *(t.clone() for t in (lo.gate_up_a, lo.gate_up_b, lo.down_a, lo.down_b)), lo.scaling, lo.ranks
+    )
     dirty.gate_up_a[:, :, 5:] = float("nan")  # read by the shrink
     dirty.gate_up_b[..., 5:] = -1e30  # read by the expand
     dirty.down_b[..., 5:] = 1e30
     for impl in ("torch", "triton"):
         assert rel_err(moe_forward(**dict(p, lora=dirty), impl=impl), out_pad) <= 1e-5, impl
     import lpdiff.kernels.fused_moe_lora as fm
+
     dirty.gate_up_b[..., 5:] = float("nan")
     for expand in ("first", "last"):
         monkeypatch.setattr(fm, "MOE_EXPAND", expand)
@@ -518,6 +612,7 @@ def test_bad_inputs_raise_one_clear_error():
 
 def test_auto_picks_torch_on_cpu_without_interpreter(monkeypatch):
     from lpdiff.kernels._triton import resolve_impl
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert resolve_impl("auto", torch.zeros(1)) == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -530,10 +625,22 @@ GPU_CASES = [
     # Qwen3-like at reduced width: many experts, top-8, three slots of mixed rank, none rows, I % 128 != 0
     dict(T=300, H=256, I=192, E=16, K=8, activation="silu", ranks=(32, 8, 17)),
     # gpt-oss-like: biases, clamps engaged, shared-outer layout
-    dict(T=257, H=192, I=320, E=8, K=4, activation="swiglu_oai", ranks=(16, 64), bias=True, shared_outer=True,
-         x_scale=4.0),
+    dict(
+        T=257,
+        H=192,
+        I=320,
+        E=8,
+        K=4,
+        activation="swiglu_oai",
+        ranks=(16, 64),
+        bias=True,
+        shared_outer=True,
+        x_scale=4.0,
+    ),
     # Nemotron-like relu^2, top-6, rank 1 and 128, experts with zero tokens
-    dict(T=129, H=128, I=112, E=12, K=6, activation="relu2", ranks=(1, 128), experts_used=tuple(range(0, 12, 2)) + (3,)),
+    dict(
+        T=129, H=128, I=112, E=12, K=6, activation="relu2", ranks=(1, 128), experts_used=tuple(range(0, 12, 2)) + (3,)
+    ),
     # full Qwen3-30B-A3B expert shape at a small token count, one adapter (the benchmark's configuration)
     dict(T=64, H=2048, I=768, E=128, K=8, activation="silu", ranks=(32,), none_rows=False),
 ]
@@ -548,13 +655,13 @@ def test_moe_forward_gpu(case, dtype, tol, lora_shrink):
     p = make_moe(**case, dtype=dtype, device="cuda")
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
     out, _ = check_moe(p, tol, lora_shrink=lora_shrink)
-    assert torch.equal(out, moe_forward(**p, impl="triton", lora_shrink=lora_shrink)), \
-        "reruns must be bit-identical"
+    assert torch.equal(out, moe_forward(**p, impl="triton", lora_shrink=lora_shrink)), "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize("flags", GEMM_FLAGS[1:], ids=flag_id)
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]],
-                         ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}")
+@pytest.mark.parametrize(
+    "case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]], ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}"
+)
 @pytest.mark.gpu1
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gemm_flags_gpu(case, flags, tol=1e-2):
@@ -567,13 +674,18 @@ def test_gemm_flags_gpu(case, flags, tol=1e-2):
     assert torch.equal(out, moe_forward_triton(**p, **cfg)), "reruns must be bit-identical"
 
 
-@pytest.mark.parametrize("lora_shrink,n_tiles", [
-    ("fused", 2),  # the shrink in the first of 2 tiles' K-loops: Qwen3's 6 gate_up / 8 down tiles in groups of 2
-    ("fused", 4),  # groups of 4: gate_up's 6 tiles end in a short group
-    ("once", 3),  # precomputed S loaded once per program for 3 tiles; down's 8 tiles end in a short group
-], ids=lambda v: str(v))
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]],
-                         ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}")
+@pytest.mark.parametrize(
+    "lora_shrink,n_tiles",
+    [
+        ("fused", 2),  # the shrink in the first of 2 tiles' K-loops: Qwen3's 6 gate_up / 8 down tiles in groups of 2
+        ("fused", 4),  # groups of 4: gate_up's 6 tiles end in a short group
+        ("once", 3),  # precomputed S loaded once per program for 3 tiles; down's 8 tiles end in a short group
+    ],
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize(
+    "case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]], ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}"
+)
 @pytest.mark.gpu1
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_n_tiles_gpu(case, lora_shrink, n_tiles, tol=1e-2):
@@ -595,9 +707,11 @@ def test_reference_matches_transformers_experts(arch):
     E, H, I, T, K = 4, 32, 24, 9, 2
     if arch == "qwen3_moe":
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
         m = Qwen3MoeExperts(transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E))
     else:
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
         m = GptOssExperts(transformers.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E))
     for prm in m.parameters():
         torch.nn.init.normal_(prm, std=0.3)
@@ -611,13 +725,14 @@ def test_reference_matches_transformers_experts(arch):
             gu = m.gate_up_proj.transpose(1, 2)  # (E, 2I, H) with gate/up interleaved
             gu = torch.cat([gu[:, ::2], gu[:, 1::2]], 1)
             bgu = torch.cat([m.gate_up_proj_bias[:, ::2], m.gate_up_proj_bias[:, 1::2]], 1)
-            out = moe_forward(x, ids, w, gu, m.down_proj.transpose(1, 2), "swiglu_oai", bgu, m.down_proj_bias,
-                              impl="torch")
+            out = moe_forward(
+                x, ids, w, gu, m.down_proj.transpose(1, 2), "swiglu_oai", bgu, m.down_proj_bias, impl="torch"
+            )
     assert rel_err(out, hf) <= 1e-6
 
 
 def test_auto_lora_shrink_is_once():
-    """"auto" stands for "once" on every device and shape (LORA_SHRINK says why); other modes stay as given."""
+    """ "auto" stands for "once" on every device and shape (LORA_SHRINK says why); other modes stay as given."""
     from lpdiff.kernels.fused_moe_lora import resolve_lora_shrink
 
     assert [resolve_lora_shrink(m) for m in ("auto", "once", "fused")] == ["once", "once", "fused"]
@@ -665,8 +780,7 @@ def test_padding_modes_gpu(padding, tol=1e-2):
     """The padding modes compiled at the default GPU tiles in bf16: ~170 rows per (expert, slot) group, so the
     tiles are 128 rows and groups end in half-used and more-than-half-used blocks alike; against the reference,
     the LoRA delta included, and bit-stable on rerun."""
-    p = make_moe(T=2048, H=256, I=192, E=16, K=4, activation="silu", ranks=(32, 8), dtype=torch.bfloat16,
-                 device="cuda")
+    p = make_moe(T=2048, H=256, I=192, E=16, K=4, activation="silu", ranks=(32, 8), dtype=torch.bfloat16, device="cuda")
     assert all(last_block_kinds(p, 128)), "the case must hold both kinds of last blocks"
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
     for shrink in SHRINK_MODES:
@@ -675,21 +789,30 @@ def test_padding_modes_gpu(padding, tol=1e-2):
         assert torch.equal(out, moe_forward_triton(**p, **kw)), "reruns must be bit-identical"
 
 
-@pytest.mark.parametrize("expand,tma,stages", [
-    ("loop", False, 4),  # B comes through the pipeline's own buffers: the no-LoRA stage count
-    ("first", False, 3),  # a 128 x 256 B tile prefetched outside the pipeline takes a stage's worth
-    ("loop", True, 3),  # a TMA launch runs "first"
-])
+@pytest.mark.parametrize(
+    "expand,tma,stages",
+    [
+        ("loop", False, 4),  # B comes through the pipeline's own buffers: the no-LoRA stage count
+        ("first", False, 3),  # a 128 x 256 B tile prefetched outside the pipeline takes a stage's worth
+        ("loop", True, 3),  # a TMA launch runs "first"
+    ],
+)
 def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
     """moe_configs' GPU tiles at rank 128 (built here for a CUDA device without one): the stage budget keeps room
     for a B tile held outside the pipeline only where one is (compiled for sm90, loop at 4 stages is 196608 B)."""
     import lpdiff.kernels.fused_moe_lora as fm
+
     x = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
     ids = torch.empty(4096, 8, dtype=torch.int32, device="meta")
     w1 = torch.empty(128, 1536, 2048, dtype=torch.bfloat16, device="meta")
-    lora = MoeLoraWeights(*(torch.empty(*s, dtype=torch.bfloat16, device="meta") for s in
-                            ((1, 128, 128, 2048), (1, 128, 1536, 128), (1, 128, 128, 768), (1, 128, 2048, 128))),
-                          scaling=torch.ones(1), ranks=torch.ones(1, dtype=torch.int32))
+    lora = MoeLoraWeights(
+        *(
+            torch.empty(*s, dtype=torch.bfloat16, device="meta")
+            for s in ((1, 128, 128, 2048), (1, 128, 1536, 128), (1, 128, 128, 768), (1, 128, 2048, 128))
+        ),
+        scaling=torch.ones(1),
+        ranks=torch.ones(1, dtype=torch.int32),
+    )
     c1, c2 = fm.moe_configs(x, ids, w1, "silu", lora, once=True, device=torch.device("cuda"), expand=expand, tma=tma)
     assert (c1.num_stages, c2.num_stages) == (stages, stages)
     base = fm.moe_configs(x, ids, w1, "silu", None, once=True, device=torch.device("cuda"))
@@ -701,6 +824,7 @@ def test_loop_expand_runs_first_where_it_cannot_run():
     the dense delta pass (add_to_out) and several slices run "first"; the other placements are taken as asked."""
     from lpdiff.kernels.gemm_config import EXPAND
     from lpdiff.kernels.lora_gemm import launch_expand
+
     cfg = GemmConfig(64, 64, 32)  # expand "loop" by default
     assert launch_expand(cfg, 2, 1, False, False) == EXPAND.index("loop")
     for mode, slices, tma_w, add_to_out in [(2, 1, True, False), (2, 1, False, True), (2, 3, False, False)]:

@@ -6,6 +6,7 @@ cannot check is torch's CUTLASS grouped GEMM itself, which exists only on sm90/s
 the backend with the fused Triton kernel and the reference in bf16 at the real Qwen3-30B-A3B and gpt-oss-20b
 expert shapes, and first asserts that the CUTLASS path is the one taken (not the fallback).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,6 +27,7 @@ def gemm_calls(monkeypatch):
     def counting(a, w, offs):
         calls.append(tuple(a.shape))
         return real(a, w, offs)
+
     monkeypatch.setattr(mg, "grouped_gemm", counting)
     return calls
 
@@ -48,8 +50,9 @@ CPU_CASES = [
     # relu^2 non-gated, top-1, only 3 of 8 experts get rows (empty groups: offs repeats its ends)
     dict(T=29, H=32, I=56, E=8, K=1, activation="relu2", ranks=(4, 12), experts_used=(1, 4, 6)),
     # shared-outer layout (gate_up A and down B stride 0 over experts), last expert without rows
-    dict(T=31, H=40, I=24, E=5, K=2, activation="silu", ranks=(16, 16, 3), shared_outer=True,
-         experts_used=(0, 1, 2, 3)),
+    dict(
+        T=31, H=40, I=24, E=5, K=2, activation="silu", ranks=(16, 16, 3), shared_outer=True, experts_used=(0, 1, 2, 3)
+    ),
     # 4 adapters of ranks 1..32 in one batch, no rows without an adapter
     dict(T=40, H=24, I=40, E=4, K=3, activation="silu", ranks=(1, 5, 32, 20), none_rows=False),
     # no LoRA: the base path alone, with biases
@@ -67,8 +70,9 @@ def test_grouped_backend_bf16(gemm_calls, tol=2e-2):
     the fused kernel rounds once, and the interpreter converts fp32 to bf16 by truncation (1024 of 1024 values
     equal the truncated ones, against torch's round-to-nearest): 1.3-1.5 % here vs 0.5-0.8 % for the fused
     kernel, hence twice its bound. The GPU test holds the compiled path (round-to-nearest) to 1e-2."""
-    check_grouped(make_moe(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16), tol,
-                  gemm_calls)
+    check_grouped(
+        make_moe(T=19, H=40, I=24, E=4, K=2, activation="silu", ranks=(8, 3), dtype=torch.bfloat16), tol, gemm_calls
+    )
 
 
 def test_rows_without_adapter_equal_base_bit_for_bit(gemm_calls):
@@ -81,6 +85,7 @@ def test_rows_without_adapter_equal_base_bit_for_bit(gemm_calls):
 
 
 # ------------------------------------------------------------------------------------------------------ pieces
+
 
 def test_sort_by_expert_rows_and_offsets():
     """Rows sorted by expert, every pair exactly once, offs the cumulative ends (an expert without rows repeats
@@ -101,7 +106,7 @@ def test_lora_blocks_hold_one_expert_and_slot():
     row_expert = torch.sort(torch.randint(0, E, (P,), generator=g)).values.to(torch.int32)
     row_slot = torch.randint(-1, L, (P,), generator=g, dtype=torch.int32)
     r = mg.lora_blocks(row_expert, row_slot, E, L, 16)
-    rows = r.sorted_ids[:int(r.num_padded)].view(-1, 16).long()
+    rows = r.sorted_ids[: int(r.num_padded)].view(-1, 16).long()
     for b, blk in enumerate(rows):
         real = blk[blk < P]
         assert (row_expert[real] == r.block_expert[b]).all() and (row_slot[real] == r.block_adapter[b]).all()
@@ -134,6 +139,7 @@ def test_topk_sum_matches_torch_and_is_deterministic():
 
 
 # --------------------------------------------------------------------------------------------------- fallbacks
+
 
 def test_unaligned_widths_and_kernel_faults_fall_back_to_the_fused_kernel(gemm_calls):
     """grouped_mm needs 16-byte strides (H = 37 fp32 has 148) and the zoo's kernel faults live in the fused
@@ -172,14 +178,22 @@ def test_triton_engine_moe_backend_option(gemm_calls, tmp_path):
     spec = get_model("tiny-qwen3-moe", num_layers=2)
     with pytest.raises(ValueError, match="moe_backend must be one of"):
         TritonEngine(EngineConfig(model=spec, device="cpu", options={"moe_backend": "cutlass"}))
-    ad = generate_adapter(load_hf_model(spec, torch.float32, "cpu"), tmp_path / "a", groups=("experts",), rank=4,
-                          seed=1)
+    ad = generate_adapter(
+        load_hf_model(spec, torch.float32, "cpu"), tmp_path / "a", groups=("experts",), rank=4, seed=1
+    )
     adapters = {"a": AdapterSpec("a", str(ad.path))}
     prompts = [[5, 9, 31, 2, 77, 3, 8], [400, 12, 12, 1, 90]]
     got = {}
     for impl in ("torch", "triton"):
-        with TritonEngine(EngineConfig(model=spec, adapters=adapters, device="cpu", dtype="float32",
-                                       options={"impl": impl, "moe_backend": "grouped_mm"})) as eng:
+        with TritonEngine(
+            EngineConfig(
+                model=spec,
+                adapters=adapters,
+                device="cpu",
+                dtype="float32",
+                options={"impl": impl, "moe_backend": "grouped_mm"},
+            )
+        ) as eng:
             got[impl] = eng.prompt_logprobs(prompts, ["a", None])
             base = eng.prompt_logprobs(prompts)
     assert len(gemm_calls) == 2 * 2 * 2  # impl triton: 2 calls x 2 layers x 2 GEMMs (torch runs none)
@@ -194,8 +208,18 @@ GPU_SHAPES = [
     # Qwen3-30B-A3B experts: 128 x (2048 -> 2x768), top-8; three slots of mixed rank and rows without adapter
     dict(T=517, H=2048, I=768, E=128, K=8, activation="silu", ranks=(32, 8, 17)),
     # gpt-oss-20b experts: 32 x (2880 -> 2x2880), top-4, biases, clamps engaged, shared-outer layout
-    dict(T=263, H=2880, I=2880, E=32, K=4, activation="swiglu_oai", ranks=(16, 32), bias=True, shared_outer=True,
-         x_scale=4.0),
+    dict(
+        T=263,
+        H=2880,
+        I=2880,
+        E=32,
+        K=4,
+        activation="swiglu_oai",
+        ranks=(16, 32),
+        bias=True,
+        shared_outer=True,
+        x_scale=4.0,
+    ),
     # Qwen3 shape, no LoRA, a third of the experts without rows
     dict(T=300, H=2048, I=768, E=128, K=8, activation="silu", experts_used=tuple(range(0, 128, 3))),
 ]

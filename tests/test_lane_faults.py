@@ -5,6 +5,7 @@ mid-call, leaves neither the lane child nor what the engine started behind.
 The engine here is a test double (``StoppableEngine``) standing in for an engine that hangs; the lane machinery
 (processes, pipes, deadlines, process groups) is the real one.
 """
+
 from __future__ import annotations
 
 import os

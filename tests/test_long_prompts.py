@@ -2,6 +2,7 @@
 with long, the longest past the engine's prefill step; judged on the tiny zoo (CPU, triton against HF+PEFT fp32,
 both at a prefill step the long prompt crosses). A non-finite logprob anywhere FAILs naming lane, prompt and
 position, through ``lpdiff run`` and the verdict path."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def test_rl_prompts_use_the_tokenizers_own_chat_template(tmp_path):
     d = tmp_path / "tok"
     shutil.copytree(P.ZOO_TOKENIZER.parent, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                            "{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}")
+    cfg["chat_template"] = (
+        "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}"
+    )
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     ids, kinds = P.rl_prompts(1024, tokenizer=d, kinds=True)
     tok = P._chat_tokenizer(d)
@@ -62,20 +65,29 @@ def test_triton_on_rl_prompts_past_its_step_passes_against_hf_and_a_fault_fails(
     opts = {"max_batch_tokens": step}
     assert capabilities("triton").prefill_step_for("qwen3_moe", opts) == step
     plans = tuple(p for p in check.ADAPTERS if p.name in ("all", "broken"))
-    case = check.build_case("tiny-qwen3-moe", 2, tmp_path_factory.mktemp("rl"), plans=plans, device="cpu",
-                            lengths=(16,), log=lambda s: None)
+    case = check.build_case(
+        "tiny-qwen3-moe", 2, tmp_path_factory.mktemp("rl"), plans=plans, device="cpu", lengths=(16,), log=lambda s: None
+    )
     case.prompts = P.rl_prompts(1024, step)
     assert max(map(len, case.prompts)) > step and min(map(len, case.prompts)) == 16
     store = BaselineStore(tmp_path_factory.mktemp("store"))
     res = check.run_check(case, "triton", dtype="float32", k=2, store=store, options=opts, log=lambda s: None)
     assert res.error is None and res.as_expected, check.format_result(res)
     assert all(v.metrics.num_positions == sum(map(len, case.prompts)) - len(case.prompts) for v in res.verdicts)
-    bad = check.run_check(case, "triton", dtype="float32", k=2, store=store,
-                          options={**opts, "fault": "topk_weight_missing"}, log=lambda s: None)
+    bad = check.run_check(
+        case,
+        "triton",
+        dtype="float32",
+        k=2,
+        store=store,
+        options={**opts, "fault": "topk_weight_missing"},
+        log=lambda s: None,
+    )
     assert not bad.as_expected
 
 
 # -- non-finite logprobs -------------------------------------------------------------------------------------------
+
 
 def _run(values):
     from lpdiff.harness.types import LogprobRun, PromptLogprobs
@@ -93,8 +105,10 @@ def test_a_reference_inf_fails_naming_lane_prompt_position_and_side_whatever_els
     t = Threshold(k2=1e9, max_abs=1e9, delta_fidelity=None, source="unmeasured")  # nothing else could fail
     v = judge(compare(a, b), t, adapter="all")
     assert not v.passed
-    assert v.reasons[0] == "1 of 5 positions have a NaN or inf logprob: lane all, first in prompt 1 at position 1 " \
-                           "(reference)"
+    assert (
+        v.reasons[0] == "1 of 5 positions have a NaN or inf logprob: lane all, first in prompt 1 at position 1 "
+        "(reference)"
+    )
 
 
 def test_a_nan_after_a_router_near_tie_is_not_excluded():
@@ -132,8 +146,9 @@ def test_lpdiff_run_fails_a_planted_nan_naming_lane_prompt_and_position(monkeypa
 
     monkeypatch.setattr(HFEngine, "prompt_logprobs", planted)
     js = tmp_path / "v.json"
-    assert main(["run", "--engine", "hf", "--model", "tiny-qwen3-moe", "--adapter", "attention",
-                 "--json", str(js)]) == 1
+    assert (
+        main(["run", "--engine", "hf", "--model", "tiny-qwen3-moe", "--adapter", "attention", "--json", str(js)]) == 1
+    )
     verdicts = {v["adapter"]: v for v in json.loads(js.read_text())["verdicts"]}
     assert verdicts["-"]["passed"] and not verdicts["attention"]["passed"]
     want = "lane attention, first in prompt 2 at position 5 (engine)"

@@ -1,6 +1,7 @@
 """lpdiff.harness.commands.metamorphic: the transformations are exact, the judge flags what it should, not-applicable relations
 say why, and planted faults (a converter reading gpt-oss's interleaved gate/up as concatenated; an engine load path
 that drops an expert) make the relation that covers them FAIL far above the calibrated factor."""
+
 from __future__ import annotations
 
 import csv
@@ -38,16 +39,22 @@ def _assert_same_deltas(a, b, rtol):
         torch.testing.assert_close(da[n], db[n], rtol=rtol, atol=rtol * float(db[n].abs().max()))
 
 
-@pytest.mark.parametrize("model", [
-    "tiny-gpt-oss",  # experts stored transposed with interleaved gate/up rows
-    "tiny-qwen3-moe",  # [gate; up] rows, (E, out, in)
-])
-@pytest.mark.parametrize("transform,rtol", [
-    (lambda c: tf.pad_rank(c.adapter, 16), 0),  # zero rows/columns: bit-exact
-    (lambda c: tf.rescale_alpha(c.adapter, 4.0), 0),  # power of two: bit-exact
-    (lambda c: tf.reparametrise(c.adapter, 0), 1e-5),  # M·A, B·M⁻¹: fp32 rounding only
-    (lambda c: tf.shared_outer(c.adapter, c.layout), 1e-6),  # rank E·r with one shared outer factor
-])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "tiny-gpt-oss",  # experts stored transposed with interleaved gate/up rows
+        "tiny-qwen3-moe",  # [gate; up] rows, (E, out, in)
+    ],
+)
+@pytest.mark.parametrize(
+    "transform,rtol",
+    [
+        (lambda c: tf.pad_rank(c.adapter, 16), 0),  # zero rows/columns: bit-exact
+        (lambda c: tf.rescale_alpha(c.adapter, 4.0), 0),  # power of two: bit-exact
+        (lambda c: tf.reparametrise(c.adapter, 0), 1e-5),  # M·A, B·M⁻¹: fp32 rounding only
+        (lambda c: tf.shared_outer(c.adapter, c.layout), 1e-6),  # rank E·r with one shared outer factor
+    ],
+)
 def test_transforms_keep_every_delta_through_disk(model, transform, rtol, tmp_path):
     ctx = _ctx(model, "all", tmp_path)
     out = ctx.write("t", transform(ctx))
@@ -82,11 +89,9 @@ def test_gate_up_split_forms_are_one_adapter(model, tmp_path):
 def test_not_applicable_relations_say_why(tmp_path):
     # nemotron's experts are not gated; an attention-only adapter has no expert layouts; vLLM misreads gpt-oss's
     # per-expert gate/up (harness.doctor), so it cannot run that format, while hf converts the file and runs it
-    na = {r.relation: r.note for r in mm.plan(_ctx("tiny-nemotron-h", "experts", tmp_path / "n", "hf"),
-                                              ["gate_up"])[1]}
+    na = {r.relation: r.note for r in mm.plan(_ctx("tiny-nemotron-h", "experts", tmp_path / "n", "hf"), ["gate_up"])[1]}
     assert "not gated" in na["gate_up"]
-    na = {r.relation: r.note for r in mm.plan(_ctx("tiny-qwen3-moe", "attention", tmp_path / "q"),
-                                              ["format"])[1]}
+    na = {r.relation: r.note for r in mm.plan(_ctx("tiny-qwen3-moe", "attention", tmp_path / "q"), ["format"])[1]}
     assert "no expert LoRA" in na["format"]
     lanes, na = mm.plan(_ctx("tiny-gpt-oss", "experts", tmp_path / "g", "vllm"), ["format"])
     assert [r.relation for r in na] == ["format:per_expert"] and "vllm-per-expert-interleaved" in na[0].note
@@ -103,12 +108,13 @@ def _run(values: list[float]) -> LogprobRun:
 
 def test_judge_floor_exactness_and_nonfinite():
     base, orig = _run([-1.0, -2.0, -3.0]), _run([-1.5, -2.5, -2.0])
-    lanes = [mm.Lane("a", "x"), mm.Lane("b", "x"), mm.Lane("z", "x", reference="base", exact=True),
-             mm.Lane("n", "x")]
-    runs = {"a": _run([-1.5, -2.5, -2.0 + 2e-6]),  # fp32-rounding-sized: ratio 2 against the 1e-6 floor
-            "b": _run([-1.5, -2.5, -1.9]),  # 0.1 off: a bug
-            "z": _run([-1.0, -2.0, -3.0 + 2.4e-7]),  # one ulp off where the relation is exact
-            "n": _run([-1.5, float("nan"), -2.0])}
+    lanes = [mm.Lane("a", "x"), mm.Lane("b", "x"), mm.Lane("z", "x", reference="base", exact=True), mm.Lane("n", "x")]
+    runs = {
+        "a": _run([-1.5, -2.5, -2.0 + 2e-6]),  # fp32-rounding-sized: ratio 2 against the 1e-6 floor
+        "b": _run([-1.5, -2.5, -1.9]),  # 0.1 off: a bug
+        "z": _run([-1.0, -2.0, -3.0 + 2.4e-7]),  # one ulp off where the relation is exact
+        "n": _run([-1.5, float("nan"), -2.0]),
+    }
     res = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "float32")}
     assert res["a"].verdict == "PASS" and res["a"].ratio == pytest.approx(2.0, rel=0.1)
     assert res["b"].verdict == "FAIL" and res["b"].ratio > 1e4
@@ -119,13 +125,20 @@ def test_judge_floor_exactness_and_nonfinite():
 
 def test_rounding_noise_bounds_inexact_lanes_and_exact_lanes_use_their_own_reference():
     base, orig = _run([-1.0, -2.0, -3.0]), _run([-1.5, -2.5, -2.0])
-    lanes = [mm.Lane(mm.ROUNDING, "x"), mm.Lane("f", "x"), mm.Lane("far", "x"),
-             mm.Lane("rows", None, reference=""), mm.Lane("z", "x", reference="rows", exact=True)]
-    runs = {mm.ROUNDING: _run([-1.5, -2.45, -2.0]),  # a bf16 re-rounding of the adapter moves a logprob by 0.05
-            "f": _run([-1.5, -2.4, -2.0]),  # 0.1: twice the rounding noise
-            "far": _run([-1.5, -1.9, -2.0]),  # 0.6: twelve times it
-            "rows": _run([-1.0, -2.0, -3.001]),  # base rows of another session: other kernels
-            "z": _run([-1.0, -2.0, -3.001])}  # the zero-B adapter there: exactly those rows
+    lanes = [
+        mm.Lane(mm.ROUNDING, "x"),
+        mm.Lane("f", "x"),
+        mm.Lane("far", "x"),
+        mm.Lane("rows", None, reference=""),
+        mm.Lane("z", "x", reference="rows", exact=True),
+    ]
+    runs = {
+        mm.ROUNDING: _run([-1.5, -2.45, -2.0]),  # a bf16 re-rounding of the adapter moves a logprob by 0.05
+        "f": _run([-1.5, -2.4, -2.0]),  # 0.1: twice the rounding noise
+        "far": _run([-1.5, -1.9, -2.0]),  # 0.6: twelve times it
+        "rows": _run([-1.0, -2.0, -3.001]),  # base rows of another session: other kernels
+        "z": _run([-1.0, -2.0, -3.001]),
+    }  # the zero-B adapter there: exactly those rows
     res = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "bfloat16")}
     assert res[mm.ROUNDING].verdict == "noise" and res[mm.ROUNDING].max_abs == pytest.approx(0.05, rel=1e-4)
     assert res["f"].verdict == "PASS" and res["f"].ratio == pytest.approx(2.0, rel=1e-3)
@@ -155,8 +168,12 @@ def test_a_systematic_shift_under_the_max_bound_fails_on_k2_in_bf16():
 def test_a_mode_lane_is_bounded_by_its_own_rerun_noise_too():
     base, orig = _run([-1.0, -2.0, -3.0]), _run([-1.5, -2.5, -2.0])
     lanes = [mm.Lane("mode:tp4:lora", "x", reruns=2), mm.Lane("mode:tp4:base", None, reference="base", reruns=2)]
-    runs = {"mode:tp4:lora": _run([-1.5, -2.4, -2.0]), mm.rerun_name("mode:tp4:lora", 1): _run([-1.5, -2.45, -2.0]),
-            "mode:tp4:base": _run([-1.0, -2.0, -3.0]), mm.rerun_name("mode:tp4:base", 1): _run([-1.0, -2.0, -3.0])}
+    runs = {
+        "mode:tp4:lora": _run([-1.5, -2.4, -2.0]),
+        mm.rerun_name("mode:tp4:lora", 1): _run([-1.5, -2.45, -2.0]),
+        "mode:tp4:base": _run([-1.0, -2.0, -3.0]),
+        mm.rerun_name("mode:tp4:base", 1): _run([-1.0, -2.0, -3.0]),
+    }
     res = {r.relation: r for r in mm.judge_lanes(lanes, runs, [orig, orig], [base, base], "float32")}
     lora = res["mode:tp4:lora"]  # 0.1 off, reruns 0.05 apart: ratio 2 against its own noise, not 1e5 vs the floor
     assert lora.verdict == "PASS" and lora.ratio == pytest.approx(2.0, rel=1e-3) and "this lane's" in lora.note
@@ -169,9 +186,15 @@ def test_results_arrive_session_by_session(tmp_path):
     verdicts out as it ends, and together they are the report (the rounding-noise row once)."""
     spec = get_model("tiny-qwen3-moe")
     got = []
-    rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["all"].path, prompt_set(spec.name)[:3],
-                             relations=["factors", "zero_b", "batch", "gate_up"], tmp=tmp_path,
-                             on_results=lambda version, results: got.append((version, results)))
+    rep = mm.run_metamorphic(
+        "triton",
+        spec,
+        zoo_adapters(spec.name)["all"].path,
+        prompt_set(spec.name)[:3],
+        relations=["factors", "zero_b", "batch", "gate_up"],
+        tmp=tmp_path,
+        on_results=lambda version, results: got.append((version, results)),
+    )
     assert len(got) >= 2 and all(v == rep.engine_version for v, _ in got)
     names = [r.relation for _, results in got for r in results]
     assert sorted(names) == sorted(r.relation for r in rep.results) and names.count(mm.ROUNDING) == 1
@@ -197,8 +220,14 @@ def test_converter_reading_interleave_as_concatenated_fails_format(tmp_path, mon
 
     monkeypatch.setattr(rel, "save_canonical", faulty_save)
     spec = get_model("tiny-gpt-oss")
-    rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["experts"].path,
-                             prompt_set(spec.name)[:4], relations=["format"], tmp=tmp_path)
+    rep = mm.run_metamorphic(
+        "triton",
+        spec,
+        zoo_adapters(spec.name)["experts"].path,
+        prompt_set(spec.name)[:4],
+        relations=["format"],
+        tmp=tmp_path,
+    )
     bad, good = rep.get("format:per_expert"), rep.get("format:shared_outer")
     assert bad.verdict == "FAIL" and bad.ratio > 100 * mm.FACTOR and bad.delta_rel > 0.1, mm.format_report(rep)
     assert good.verdict == "PASS", mm.format_report(rep)
@@ -217,8 +246,14 @@ def test_engine_path_dropping_an_expert_fails_format(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ad.canonical, "_fuse_per_expert", drop_expert_0)
     spec = get_model("tiny-qwen3-moe")
-    rep = mm.run_metamorphic("triton", spec, zoo_adapters(spec.name)["experts"].path,
-                             prompt_set(spec.name)[:4], relations=["format"], tmp=tmp_path)
+    rep = mm.run_metamorphic(
+        "triton",
+        spec,
+        zoo_adapters(spec.name)["experts"].path,
+        prompt_set(spec.name)[:4],
+        relations=["format"],
+        tmp=tmp_path,
+    )
     assert rep.get("format:per_expert").verdict == "FAIL", mm.format_report(rep)
     assert rep.get("format:per_expert").ratio > 100 * mm.FACTOR
     assert rep.get("format:shared_outer").verdict == "PASS"
@@ -228,8 +263,25 @@ def test_cli_runs_relations_and_appends_csv(tmp_path, capsys):
     from lpdiff.harness.cli import main
 
     out = tmp_path / "m.csv"
-    rc = main(["metamorphic", "tiny-qwen3-moe", "attention", "--engine", "hf", "--prompt-set", "short",
-               "--relation", "zero_b", "--relation", "factors", "--relation", "format", "--csv", str(out)])
+    rc = main(
+        [
+            "metamorphic",
+            "tiny-qwen3-moe",
+            "attention",
+            "--engine",
+            "hf",
+            "--prompt-set",
+            "short",
+            "--relation",
+            "zero_b",
+            "--relation",
+            "factors",
+            "--relation",
+            "format",
+            "--csv",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rows = list(csv.DictReader(out.open()))
@@ -261,8 +313,10 @@ def test_suite_expects_known_engine_defects_to_fail():
         _check(report(bad), arch="qwen3_moe")
 
 
-@pytest.mark.parametrize("engine,prefix", [("vllm", "base_model.model.model.language_model.layers."),
-                                           ("sglang", "base_model.model.model.layers.")])
+@pytest.mark.parametrize(
+    "engine,prefix",
+    [("vllm", "base_model.model.model.language_model.layers."), ("sglang", "base_model.model.model.layers.")],
+)
 def test_relation_files_are_named_under_the_root_the_engine_reads(tmp_path, engine, prefix):
     """vLLM reads Qwen3.5 adapter names under the checkpoint's model.language_model and drops text-model names
     (vllm-qwen3.5-text-names); the relations' files must be ones it reads, with the same deltas."""
@@ -301,9 +355,11 @@ def test_hf_default_relations_run_end_to_end(tmp_path):
     (exit 2, `error: gate_up:stacked_2r_peft3d` before), on the fewest prompts: every relation judged, none
     failed, the gate_up forms against the PEFT 3D form."""
     spec = get_model("tiny-qwen3-moe")
-    rep = mm.run_metamorphic("hf", spec, zoo_adapters(spec.name)["all"].path, prompt_set(spec.name, "short")[:2],
-                             tmp=tmp_path)
+    rep = mm.run_metamorphic(
+        "hf", spec, zoo_adapters(spec.name)["all"].path, prompt_set(spec.name, "short")[:2], tmp=tmp_path
+    )
     assert not rep.failed, mm.format_report(rep)
     gate_up = [r for r in rep.results if r.relation.startswith("gate_up:")]
-    assert len(gate_up) == 2 and all(r.verdict == "PASS" and "vs gate_up:stacked_2r_peft3d" in r.note
-                                     for r in gate_up), mm.format_report(rep)
+    assert len(gate_up) == 2 and all(
+        r.verdict == "PASS" and "vs gate_up:stacked_2r_peft3d" in r.note for r in gate_up
+    ), mm.format_report(rep)

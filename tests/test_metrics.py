@@ -1,11 +1,17 @@
 """Metrics against hand-worked cases and an independent per-position float64 implementation."""
+
 import math
 
 import numpy as np
 import pytest
 
-from lpdiff.harness.pipeline.metrics import (compare, delta_fidelity, delta_fidelity_by_group, full_vocab_kl,
-                             topk_kl_per_position)
+from lpdiff.harness.pipeline.metrics import (
+    compare,
+    delta_fidelity,
+    delta_fidelity_by_group,
+    full_vocab_kl,
+    topk_kl_per_position,
+)
 from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
 
@@ -70,15 +76,26 @@ def test_full_vocab_kl_matches_loop_and_checks_shapes():
         full_vocab_kl(la, lb[:, :5])
 
 
-@pytest.mark.parametrize("case", [
-    # disjoint-but-one sets; the tail split leftover/(m+1) is below the k-th probability for both runs
-    dict(a={1: 0.5, 3: 0.25}, b={1: 0.5, 2: 0.3},
-         want=0.3 * math.log(0.3 / 0.125) + 0.1 * math.log(0.1 / 0.25) + 0.1 * math.log(0.1 / 0.125)),
-    # a's leftover (0.65) is large, so its fill for id 2 is capped at its k-th probability 0.05
-    dict(a={1: 0.3, 3: 0.05}, b={1: 0.6, 2: 0.35},
-         want=0.6 * math.log(0.6 / 0.3) + 0.35 * math.log(0.35 / 0.05) + 0.025 * math.log(0.025 / 0.05)
-         + 0.025 * math.log(0.025 / 0.6)),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # disjoint-but-one sets; the tail split leftover/(m+1) is below the k-th probability for both runs
+        dict(
+            a={1: 0.5, 3: 0.25},
+            b={1: 0.5, 2: 0.3},
+            want=0.3 * math.log(0.3 / 0.125) + 0.1 * math.log(0.1 / 0.25) + 0.1 * math.log(0.1 / 0.125),
+        ),
+        # a's leftover (0.65) is large, so its fill for id 2 is capped at its k-th probability 0.05
+        dict(
+            a={1: 0.3, 3: 0.05},
+            b={1: 0.6, 2: 0.35},
+            want=0.6 * math.log(0.6 / 0.3)
+            + 0.35 * math.log(0.35 / 0.05)
+            + 0.025 * math.log(0.025 / 0.05)
+            + 0.025 * math.log(0.025 / 0.6),
+        ),
+    ],
+)
 def test_topk_kl_tail_bucket_by_hand(case):
     ids = {r: np.array([list(case[r])]) for r in "ab"}
     lps = {r: np.log([list(case[r].values())]) for r in "ab"}
@@ -166,11 +183,14 @@ def test_nonfinite_positions_are_counted():
     assert m.num_nonfinite == 1 and math.isnan(m.k2)
 
 
-@pytest.mark.parametrize("b_prompts, msg", [
-    ([([1, 2, 3], [-1.0, -1.0])] * 2, "0 has 1 prompts, run 1 has 2"),  # different prompt count
-    ([([1, 2, 3, 4], [-1.0, -1.0, -1.0])], "prompt 0 has 3 tokens"),  # different length
-    ([([1, 9, 3], [-1.0, -1.0])], "prompt 0 token 1 is 2 in run 0 and 9"),  # different token
-])
+@pytest.mark.parametrize(
+    "b_prompts, msg",
+    [
+        ([([1, 2, 3], [-1.0, -1.0])] * 2, "0 has 1 prompts, run 1 has 2"),  # different prompt count
+        ([([1, 2, 3, 4], [-1.0, -1.0, -1.0])], "prompt 0 has 3 tokens"),  # different length
+        ([([1, 9, 3], [-1.0, -1.0])], "prompt 0 token 1 is 2 in run 0 and 9"),  # different token
+    ],
+)
 def test_different_prompts_are_refused(b_prompts, msg):
     with pytest.raises(ValueError, match="runs are over different prompts: .*" + msg):
         compare(run_of(([1, 2, 3], [-1.0, -1.0])), run_of(*b_prompts))

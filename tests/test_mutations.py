@@ -1,4 +1,5 @@
 """Each adapter mutation breaks exactly what it says, checked against PEFT's merge_and_unload."""
+
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -9,13 +10,30 @@ from lpdiff.harness.spec import mutations
 E = 4
 CONFIGS = {
     # gate/up concatenated, (E, 2I, H) experts
-    "qwen3_moe": Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                num_experts=E, num_experts_per_tok=2),
+    "qwen3_moe": Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=E,
+        num_experts_per_tok=2,
+    ),
     # transposed (E, H, 2I) and interleaved experts: the expert axis must still be found
-    "gpt_oss": GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=E,
-                            num_experts_per_tok=2),
+    "gpt_oss": GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=E,
+        num_experts_per_tok=2,
+    ),
 }
 
 
@@ -31,8 +49,13 @@ def adapter(request, tmp_path_factory):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(CONFIGS[request.param]).save_pretrained(d / "m")
     m = AutoModelForCausalLM.from_pretrained(d / "m")
-    cfg = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj"], init_lora_weights=False,
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    cfg = LoraConfig(
+        r=3,
+        lora_alpha=6,
+        target_modules=["q_proj"],
+        init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     get_peft_model(m, cfg).save_pretrained(d / "a")
     base = AutoModelForCausalLM.from_pretrained(d / "m").model.layers[0].mlp.experts
     return d, (base.gate_up_proj.detach(), base.down_proj.detach())

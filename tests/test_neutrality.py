@@ -1,6 +1,7 @@
 """LoRA neutrality (relations._neutral, issue 42): base rows of a LoRA-enabled engine, alone and beside a row of every
 adapter it holds, equal a LoRA-disabled engine's (a session started with no adapters) bit for bit on deterministic
 engines. CPU, tiny zoo: hf and triton pass exactly; a triton runtime whose base rows take a LoRA slot FAILs."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,17 @@ MODEL = "tiny-qwen3-moe"
 
 def _neutral(engine: str, tmp_path, **kw) -> tuple[mm.Report, list[str]]:
     logs: list[str] = []
-    rep = mm.run_metamorphic(engine, get_model(MODEL), zoo_adapters(MODEL)["all"].path, prompt_set(MODEL)[:3],
-                             adapter_name="all", relations=["neutral"], tmp=tmp_path, log=logs.append, **kw)
+    rep = mm.run_metamorphic(
+        engine,
+        get_model(MODEL),
+        zoo_adapters(MODEL)["all"].path,
+        prompt_set(MODEL)[:3],
+        adapter_name="all",
+        relations=["neutral"],
+        tmp=tmp_path,
+        log=logs.append,
+        **kw,
+    )
     print("\n" + mm.format_report(rep))
     return rep, logs
 
@@ -31,7 +41,7 @@ def test_among_adapters_puts_each_base_row_beside_every_adapter_in_rotating_plac
     ((idx, who),) = mm._arrange(lane, 3, 0, ["orig", "other", "neighbour:x"])
     assert idx == [0] * 4 + [1] * 4 + [2] * 4
     for i in range(3):
-        rows = who[4 * i:4 * i + 4]
+        rows = who[4 * i : 4 * i + 4]
         assert sorted(rows, key=str) == sorted(["lane", "orig", "other", "neighbour:x"], key=str)
         assert rows.index("lane") == (-i) % 4  # the base row moves through the batch
 

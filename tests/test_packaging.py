@@ -1,5 +1,6 @@
 """What a plain install of lpdiff brings: the default job runs the triton engine, so triton is a requirement of the
 package on Linux (not only of the dev extra); .ci/wheel_check.sh installs the wheel alone and runs that job."""
+
 from __future__ import annotations
 
 import tomllib

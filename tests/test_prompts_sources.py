@@ -1,6 +1,7 @@
 """--prompts: JSONL token ids, text through the model's own tokenizer, messages through its chat template, and Hub
 datasets through the real datasets.load_dataset (from an HF cache laid out as huggingface_hub writes it); every bad
 prompt is one error naming its line."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,14 @@ def test_token_ids_text_and_messages(monkeypatch, tmp_path):
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    f = _jsonl(tmp_path / "p.jsonl", [{"token_ids": [1, 2, 3]}, {"text": "def add(a, b):\n    return a + b"},
-                                      {"messages": [{"role": "user", "content": "x = 1"}]}])
+    f = _jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"token_ids": [1, 2, 3]},
+            {"text": "def add(a, b):\n    return a + b"},
+            {"messages": [{"role": "user", "content": "x = 1"}]},
+        ],
+    )
     r = resolve(str(d), adapters=(), prompts=PromptSource(f))
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     assert r.prompts[0] == [1, 2, 3]
@@ -42,14 +49,17 @@ def test_token_ids_text_and_messages(monkeypatch, tmp_path):
         resolve(MODEL, adapters=(), prompts=PromptSource(f))
 
 
-@pytest.mark.parametrize("row, says", [
-    ({"token_ids": [1, 5000]}, r"line 2.*5000"),  # out of vocabulary (1024)
-    ({"token_ids": []}, r"line 2.*0 token"),
-    ({"token_ids": [1.0, 2.0]}, r"line 2.*float"),
-    ({"token_ids": [7] * 1025}, r"line 2.*(max_position_embeddings|1024 positions|1025)"),
-    ({"text": ""}, r"line 2"),
-    ({"tokens": [1, 2]}, r"line 2: expected an object with exactly one of token_ids, text, messages"),
-])
+@pytest.mark.parametrize(
+    "row, says",
+    [
+        ({"token_ids": [1, 5000]}, r"line 2.*5000"),  # out of vocabulary (1024)
+        ({"token_ids": []}, r"line 2.*0 token"),
+        ({"token_ids": [1.0, 2.0]}, r"line 2.*float"),
+        ({"token_ids": [7] * 1025}, r"line 2.*(max_position_embeddings|1024 positions|1025)"),
+        ({"text": ""}, r"line 2"),
+        ({"tokens": [1, 2]}, r"line 2: expected an object with exactly one of token_ids, text, messages"),
+    ],
+)
 def test_bad_prompt_is_one_error_naming_the_line(tmp_path, row, says):
     f = _jsonl(tmp_path / "bad.jsonl", [{"token_ids": [1, 2]}, row])
     with pytest.raises(ValueError, match=says):
@@ -70,19 +80,23 @@ def test_hub_dataset_split_column_count_seed(monkeypatch, tmp_path):
     (data / "data").mkdir(parents=True)
     _jsonl(data / "data" / "train.jsonl", [{"prompt": f"value = {i} + {i}", "ids": [i + 2, 7, 9]} for i in range(6)])
     _jsonl(data / "data" / "test.jsonl", [{"prompt": "t", "ids": [3, 4]}])
-    (data / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
-                                    "    path: data/train.jsonl\n  - split: test\n    path: data/test.jsonl\n---\n")
+    (data / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: data/train.jsonl\n  - split: test\n    path: data/test.jsonl\n---\n"
+    )
     _, commit = populate(hub, "acme/prompts", data, repo_type="dataset")
     tok = Tokenizer.from_file(str(ZOO_DIR / MODEL / "tokenizer.json"))
     src = PromptSource(f"hf://datasets/acme/prompts@{commit}", count=3)
     assert resolve(MODEL, adapters=(), prompts=src).prompts == [tok.encode(f"value = {i} + {i}").ids for i in range(3)]
     ids = resolve(MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/prompts", column="ids")).prompts
     assert ids == [[i + 2, 7, 9] for i in range(6)]
-    shuffled = resolve(MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/prompts", column="ids",
-                                                                 seed=1)).prompts
+    shuffled = resolve(
+        MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/prompts", column="ids", seed=1)
+    ).prompts
     assert sorted(shuffled) == sorted(ids) and shuffled != ids
-    assert resolve(MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/prompts", split="test",
-                                                             column="ids")).prompts == [[3, 4]]
+    assert resolve(
+        MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/prompts", split="test", column="ids")
+    ).prompts == [[3, 4]]
     with pytest.raises(SpecError, match="no column 'nope'; columns: prompt, ids"):
         resolve(MODEL, adapters=(), prompts=PromptSource("hf://datasets/acme/prompts", column="nope"))
     with pytest.raises(SpecError, match="hf download acme/missing --repo-type dataset"):
@@ -106,7 +120,9 @@ def test_built_in_sets_follow_the_models_own_tokenizer(monkeypatch, tmp_path):
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     vocab = Tokenizer.from_file(str(ZOO_DIR / MODEL / "tokenizer.json")).get_vocab()
     words = [w.replace("Ġ", " ").replace("Ċ", "\n") for w in sorted(vocab)]  # no held-out text in the training
-    tok.train_from_iterator(words * 4, trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        words * 4, trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
     tok.save(str(other / "tokenizer.json"))
     assert resolve(str(same), adapters=()).prompts == named_prompts("default")
     got = resolve(str(other), adapters=()).prompts

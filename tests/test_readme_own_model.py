@@ -1,5 +1,6 @@
 """README's "Test your own model" block, run line by line as printed, in a folder holding a copy of the tiny zoo's
 Qwen3-MoE as ``./my-model``: each line must exit with the code its comment states (the planted fault FAILs)."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,12 @@ def own_model_block() -> list[tuple[list[str], int]]:
 
 def test_readme_own_model_block_runs_as_printed(tmp_path, monkeypatch, capsys):
     lines = own_model_block()
-    assert [argv[:2] for argv, _ in lines] == [["lpdiff", "adapters"], ["lpdiff", "regen"], ["lpdiff", "run"],
-                                              ["lpdiff", "run"]]
+    assert [argv[:2] for argv, _ in lines] == [
+        ["lpdiff", "adapters"],
+        ["lpdiff", "regen"],
+        ["lpdiff", "run"],
+        ["lpdiff", "run"],
+    ]
     assert [code for _, code in lines] == [0, 0, 0, 1] and "--option" in lines[-1][0]
     shutil.copytree(ZOO_DIR / "tiny-qwen3-moe", tmp_path / "my-model")
     monkeypatch.chdir(tmp_path)

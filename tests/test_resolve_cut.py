@@ -1,6 +1,7 @@
 """--num-layers on a real checkpoint directory: the cut copy is read without touching the dropped layers (every byte
 read is recorded, and the dropped tensors are corrupted in the test's copy), holds the Hub's config spelling cut to
 depth, and computes what the engines' own cut of the full checkpoint computes."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ def _dropped_ranges(path, n):
         (size,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(size))
     header.pop("__metadata__", None)
-    return [(8 + size + b, 8 + size + e) for k, v in header.items() if not cut.kept(k, n)
-            for b, e in [v["data_offsets"]]]
+    return [
+        (8 + size + b, 8 + size + e) for k, v in header.items() if not cut.kept(k, n) for b, e in [v["data_offsets"]]
+    ]
 
 
 @pytest.mark.parametrize("model, n", [("tiny-qwen3-moe", 2), ("tiny-nemotron-h", 3)])
@@ -68,8 +70,10 @@ def test_cut_never_reads_dropped_layers(monkeypatch, tmp_path, model, n):
 
 
 def test_cut_config_nested_and_too_deep():
-    cfg = {"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": 4, "mrope_section": [1, 1, 2, 0],
-                                                        "layer_types": ["l", "l", "l", "f"]}}
+    cfg = {
+        "model_type": "qwen3_5_moe",
+        "text_config": {"num_hidden_layers": 4, "mrope_section": [1, 1, 2, 0], "layer_types": ["l", "l", "l", "f"]},
+    }
     out = cut.cut_config(cfg, 2)
     assert out["text_config"]["num_hidden_layers"] == 2 and out["text_config"]["layer_types"] == ["l", "l"]
     assert out["text_config"]["mrope_section"] == [1, 1, 2, 0]  # not a per-layer list: untouched
@@ -85,16 +89,21 @@ def test_sharded_checkpoint_index_is_cut(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"model_type": "x", "num_hidden_layers": 3}))
-    shards = {"a.safetensors": {"model.embed.weight": torch.ones(2, 2), "model.layers.0.w": torch.arange(4.)},
-              "b.safetensors": {"model.layers.1.w": torch.full((3,), 2.0), "model.layers.2.w": torch.zeros(5)},
-              "c.safetensors": {"model.layers.2.v": torch.zeros(1, dtype=torch.bfloat16)}}
+    shards = {
+        "a.safetensors": {"model.embed.weight": torch.ones(2, 2), "model.layers.0.w": torch.arange(4.0)},
+        "b.safetensors": {"model.layers.1.w": torch.full((3,), 2.0), "model.layers.2.w": torch.zeros(5)},
+        "c.safetensors": {"model.layers.2.v": torch.zeros(1, dtype=torch.bfloat16)},
+    }
     for name, tensors in shards.items():
         save_file(tensors, str(src / name))
     (src / cut.INDEX).write_text(json.dumps({"weight_map": {k: f for f, t in shards.items() for k in t}}))
     out = cut.cut_checkpoint(src, 2, {"weights": "test"}, tmp_path / "cache")
     index = json.loads((out / cut.INDEX).read_text())["weight_map"]
-    assert index == {"model.embed.weight": "a.safetensors", "model.layers.0.w": "a.safetensors",
-                     "model.layers.1.w": "b.safetensors"}
+    assert index == {
+        "model.embed.weight": "a.safetensors",
+        "model.layers.0.w": "a.safetensors",
+        "model.layers.1.w": "b.safetensors",
+    }
     assert not (out / "c.safetensors").exists()
     assert torch.equal(load_file(str(out / "b.safetensors"))["model.layers.1.w"], torch.full((3,), 2.0))
-    assert torch.equal(load_file(str(out / "a.safetensors"))["model.layers.0.w"], torch.arange(4.))
+    assert torch.equal(load_file(str(out / "a.safetensors"))["model.layers.0.w"], torch.arange(4.0))

@@ -1,5 +1,6 @@
 """--model / --adapter as local directories and Hub ids, resolved through the real huggingface_hub code against an HF
 cache laid out as huggingface_hub writes it (HF_HUB_OFFLINE=1: no Hub is reachable from the tests)."""
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,7 @@ def test_hub_model_offline_from_cache(hub, tmp_path):
     snap, commit = populate(hub, "acme/tiny-moe", ZOO_DIR / MODEL)
     populate(hub, "acme/tiny-moe", ZOO_DIR / MODEL, branch="v1", commit="1" * 40)
     spec = resolve_model("acme/tiny-moe")
-    assert spec.path == str(snap) and spec.identity() == {"arch": "qwen3_moe", "hub": "acme/tiny-moe",
-                                                          "commit": commit}
+    assert spec.path == str(snap) and spec.identity() == {"arch": "qwen3_moe", "hub": "acme/tiny-moe", "commit": commit}
     assert resolve_model(f"acme/tiny-moe@{commit}").identity() == spec.identity()
     assert resolve_model("acme/tiny-moe@v1").identity()["commit"] == "1" * 40
     # transformers reads the snapshot as it reads any checkpoint
@@ -63,8 +63,10 @@ def test_hub_model_offline_from_cache(hub, tmp_path):
     assert AutoTokenizer.from_pretrained(spec.path)("def f(x):")["input_ids"]
 
 
-@pytest.mark.parametrize("ref, says", [("acme/nope", "hf download acme/nope"),
-                                       ("acme/tiny-moe@v9", "hf download acme/tiny-moe --revision v9")])
+@pytest.mark.parametrize(
+    "ref, says",
+    [("acme/nope", "hf download acme/nope"), ("acme/tiny-moe@v9", "hf download acme/tiny-moe --revision v9")],
+)
 def test_missing_repo_or_revision_is_one_error_with_the_fetch_command(hub, ref, says):
     populate(hub, "acme/tiny-moe", ZOO_DIR / MODEL)
     with pytest.raises(SpecError, match="HF_HUB_OFFLINE") as e:

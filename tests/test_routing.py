@@ -9,6 +9,7 @@ attribute  a router defect (renormalisation flipped against the config, a wrong 
 replay     hf fp32 replaying its own ids reproduces itself bit for bit (every zoo arch); hf bf16 replaying the fp32
            run's ids sits closer to fp32 than unreplayed; lpdiff check --routing-replay on the triton runtime.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,18 +36,28 @@ def _prompts(model: str) -> list[list[int]]:
     return [p[:n] for p, n in zip(prompt_set(model)[:4], (24, 40, 7, 33))]
 
 
-def _run(engine: str, model: str, dtype: str = "float32", options: dict | None = None, defect=None,
-         routing=None, choice=None) -> LogprobRun:
+def _run(
+    engine: str, model: str, dtype: str = "float32", options: dict | None = None, defect=None, routing=None, choice=None
+) -> LogprobRun:
     ads = zoo_adapters(model)
     prompts = _prompts(model)
     choice = choice if choice is not None else [ADAPTER, None, ADAPTER, None]
-    cfg = EngineConfig(model=get_model(model), adapters={ADAPTER: ads[ADAPTER]}, dtype=dtype, device="cpu",
-                       options={"capture_routing": True, **(options or {})})
+    cfg = EngineConfig(
+        model=get_model(model),
+        adapters={ADAPTER: ads[ADAPTER]},
+        dtype=dtype,
+        device="cpu",
+        options={"capture_routing": True, **(options or {})},
+    )
     with open_engine(engine, cfg) as eng:
         if defect is not None:
             defect(eng)
-        return LogprobRun(eng.prompt_logprobs(prompts, choice, routing=routing) if routing is not None
-                          else eng.prompt_logprobs(prompts, choice), {"engine": engine, "dtype": dtype})
+        return LogprobRun(
+            eng.prompt_logprobs(prompts, choice, routing=routing)
+            if routing is not None
+            else eng.prompt_logprobs(prompts, choice),
+            {"engine": engine, "dtype": dtype},
+        )
 
 
 @pytest.fixture(scope="module", params=MOE)
@@ -71,6 +82,7 @@ def _verdict(a: LogprobRun, b: LogprobRun, dtypes=FP32):
 
 # -- capture -------------------------------------------------------------------------------------------------------
 
+
 def test_hf_and_triton_capture_the_same_experts(ref):
     model, hf = ref
     tr = _run("triton", model)
@@ -89,8 +101,11 @@ def test_hf_and_triton_capture_the_same_experts(ref):
         assert (same | tie).all(), f"{model}: experts differ away from near-ties"
         np.testing.assert_allclose(q.routed_margins, p.routed_margins, atol=1e-5)
         order = np.argsort(p.routed_experts, -1), np.argsort(q.routed_experts, -1)
-        np.testing.assert_allclose(np.take_along_axis(q.routed_weights, order[1], -1),
-                                   np.take_along_axis(p.routed_weights, order[0], -1), atol=1e-5)
+        np.testing.assert_allclose(
+            np.take_along_axis(q.routed_weights, order[1], -1),
+            np.take_along_axis(p.routed_weights, order[0], -1),
+            atol=1e-5,
+        )
     r = attribute(tr, hf, FP32, _threshold())
     assert r["token_agreement"] == 1.0 and r["fault"] is None and r["kernel_part"] == "PASS"
 
@@ -126,6 +141,7 @@ def test_capture_is_off_by_default():
 
 # -- attribution ---------------------------------------------------------------------------------------------------
 
+
 def _renormalise_flipped(eng):
     """The top-k weights renormalised where the config says not to, and not where it says to."""
     for m in eng.lm.modules():
@@ -135,11 +151,13 @@ def _renormalise_flipped(eng):
 
 def _wrong_expert(eng):
     """Every fifth token's last expert replaced by the next-ranked one (inside the router: before capture)."""
+
     def hook(mod, args, out):
         logits, weights, ids = out
         ids = ids.clone()
         ids[::5, -1] = logits.topk(ids.shape[1] + 1, dim=-1).indices[::5, -1]
         return logits, weights, ids
+
     for m in eng.lm.modules():
         if is_router(m):
             m.register_forward_hook(hook, prepend=True)
@@ -186,8 +204,9 @@ def test_triton_zoo_router_fault_is_a_router_fault():
     prompts = prompt_set(model)
 
     def run(options):
-        cfg = EngineConfig(model=get_model(model), dtype="float32", device="cpu",
-                           options={"capture_routing": True, **options})
+        cfg = EngineConfig(
+            model=get_model(model), dtype="float32", device="cpu", options={"capture_routing": True, **options}
+        )
         engine = "triton" if "fault" in options else "hf"
         with open_engine(engine, cfg) as eng:
             return LogprobRun(eng.prompt_logprobs(prompts))
@@ -204,8 +223,12 @@ def _synthetic(ids_a, ids_b, margins=None, d=None):
     toks = np.arange(n)
     lp = np.zeros(n - 1, np.float32)
     a = PromptLogprobs(toks, lp + (0 if d is None else d), routed_experts=ids_a)
-    b = PromptLogprobs(toks, lp, routed_experts=ids_b,
-                       routed_margins=margins if margins is not None else np.ones(ids_b.shape[:2], np.float32))
+    b = PromptLogprobs(
+        toks,
+        lp,
+        routed_experts=ids_b,
+        routed_margins=margins if margins is not None else np.ones(ids_b.shape[:2], np.float32),
+    )
     return LogprobRun([a]), LogprobRun([b])
 
 
@@ -235,11 +258,11 @@ def test_definitions_on_made_runs():
     assert attribute(*_synthetic(a2, base), FP32, _threshold())["token_agreement"] == 1.0
     with pytest.raises(ValueError, match="different \\(MoE layers, top_k\\)"):
         attribute(*_synthetic(base, base[:, :2]), FP32)
-    assert attribute(LogprobRun([PromptLogprobs(np.arange(3), np.zeros(2))]), _synthetic(base, base)[1], FP32) \
-        is None
+    assert attribute(LogprobRun([PromptLogprobs(np.arange(3), np.zeros(2))]), _synthetic(base, base)[1], FP32) is None
 
 
 # -- replay --------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-qwen3.5-moe"])
 def test_replaying_its_own_ids_reproduces_hf_exactly(model):
@@ -270,8 +293,13 @@ def test_bf16_replayed_with_fp32_ids_sits_closer_to_fp32(model, capsys):
     prompts = [prompt_set(model)[i]]
 
     def run(dtype, routing=None):
-        cfg = EngineConfig(model=get_model(model), adapters={name: ads[name]} if name else {}, dtype=dtype,
-                           device="cpu", options={"capture_routing": True})
+        cfg = EngineConfig(
+            model=get_model(model),
+            adapters={name: ads[name]} if name else {},
+            dtype=dtype,
+            device="cpu",
+            options={"capture_routing": True},
+        )
         with open_engine("hf", cfg) as eng:
             return LogprobRun(eng.prompt_logprobs(prompts, name, routing=routing))
 
@@ -281,8 +309,10 @@ def test_bf16_replayed_with_fp32_ids_sits_closer_to_fp32(model, capsys):
     assert attribute(replayed, fp32, ("bfloat16", "float32"))["token_agreement"] == 1.0
     m0, m1 = compare(plain, fp32), compare(replayed, fp32)
     with capsys.disabled():
-        print(f"\n{model} bf16 vs fp32 ({flips} first-order flips): k2 {m0.k2:.3g} -> {m1.k2:.3g} replayed, "
-              f"max |d| {m0.max_abs:.3g} -> {m1.max_abs:.3g} ({m0.max_abs / m1.max_abs:.2f}x)")
+        print(
+            f"\n{model} bf16 vs fp32 ({flips} first-order flips): k2 {m0.k2:.3g} -> {m1.k2:.3g} replayed, "
+            f"max |d| {m0.max_abs:.3g} -> {m1.max_abs:.3g} ({m0.max_abs / m1.max_abs:.2f}x)"
+        )
     if flips:  # the flip sits on this CPU's bf16 rounding: another ISA may route that token as fp32 does
         assert m1.max_abs < m0.max_abs and m1.k2 < m0.k2
     else:
@@ -293,8 +323,9 @@ def test_check_with_routing_replay_on_the_triton_runtime(tmp_path):
     from lpdiff.harness.commands import check
     from lpdiff.harness.commands.replay import replay_check
 
-    case = check.build_case("tiny-qwen3-moe", 2, tmp_path / "case", device="cpu", lengths=(40, 23),
-                            layouts=("peft3d",), log=lambda s: None)
+    case = check.build_case(
+        "tiny-qwen3-moe", 2, tmp_path / "case", device="cpu", lengths=(40, 23), layouts=("peft3d",), log=lambda s: None
+    )
     res = replay_check(case, "triton", k=2, dtype="bfloat16", log=lambda s: None)
     assert res.as_expected, check.format_result(res)
     assert res.engine_pair == "triton:bfloat16-vs-hf[replay]:float32"
@@ -310,4 +341,3 @@ def test_check_with_routing_replay_on_the_triton_runtime(tmp_path):
 def test_replay_and_capture_options_are_checked():
     with pytest.raises(ValueError, match="capture_routing"):
         _run("triton", MOE[0], options={"capture_routing": "yes"})
-

@@ -6,6 +6,7 @@ Neither engine runs on this CPU machine with MoE models, so their answers are bu
 ``max_tokens=1``: the prompt length); SGLang puts ``meta_info["routed_experts"]`` as the base64 of the int32 array
 [tokens, num_hidden_layers, top_k] (its R3 docs: ``np.frombuffer(b64decode(x), np.int32).reshape(-1, L, K)``).
 """
+
 from __future__ import annotations
 
 import base64
@@ -14,12 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from lpdiff.engines.base import EngineConfig
-from lpdiff.engines.sglang.requests import (
-    generate_request,
-    parse_batch,
-    parse_routed_experts,
-    server_args,
-)
+from lpdiff.engines.sglang.requests import generate_request, parse_batch, parse_routed_experts, server_args
 from lpdiff.engines.vllm.parsing import parse_prompt_logprobs
 from lpdiff.engines.vllm.parsing import parse_routed_experts as vllm_routed
 from lpdiff.harness.types import ModelSpec
@@ -68,9 +64,12 @@ def test_vllm_request_output_with_routing_parses_beside_the_logprobs():
 
 
 def _sglang_item(toks, ids):
-    return {"meta_info": {"input_token_logprobs": [[None if i == 0 else -0.25 * i, t, None] for i, t in
-                                                   enumerate(toks)],
-                          "routed_experts": base64.b64encode(ids.astype(np.int32).tobytes()).decode()}}
+    return {
+        "meta_info": {
+            "input_token_logprobs": [[None if i == 0 else -0.25 * i, t, None] for i, t in enumerate(toks)],
+            "routed_experts": base64.b64encode(ids.astype(np.int32).tobytes()).decode(),
+        }
+    }
 
 
 def test_sglang_routed_experts_base64_per_prompt():
@@ -85,8 +84,9 @@ def test_sglang_routed_experts_base64_per_prompt():
 
 def test_sglang_routed_experts_hybrid_layers_and_errors():
     ids = _ids(3, 6, 2)
-    got = parse_routed_experts(3, _sglang_item([1, 2, 3], ids)["meta_info"], {"layers": 6, "top_k": 2,
-                                                                              "moe_layers": [1, 4]})
+    got = parse_routed_experts(
+        3, _sglang_item([1, 2, 3], ids)["meta_info"], {"layers": 6, "top_k": 2, "moe_layers": [1, 4]}
+    )
     np.testing.assert_array_equal(got, ids[:, [1, 4]])
     with pytest.raises(ValueError, match="enable_return_routed_experts"):
         parse_routed_experts(3, {"input_token_logprobs": []}, {"layers": 6, "top_k": 2})

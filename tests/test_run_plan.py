@@ -1,5 +1,6 @@
 """`lpdiff run` as one request resolved once into a plan (commands/run.py), a verdict built once with its lane's
 identity (pipeline/verdict.py judge), and the engine facts the harness reads from each engine's Capabilities."""
+
 import pytest
 
 from lpdiff.engines import ENGINES, capabilities
@@ -10,8 +11,19 @@ from lpdiff.harness.pipeline.verdict import LaneId, judge
 
 
 def _metrics(k2: float) -> Metrics:
-    return Metrics(num_positions=100, k1=0.0, k2=k2, k3=k2, max_abs=1e-4, mean_abs=1e-5, p99_abs=5e-5, over_0_1=0.0,
-                   over_0_5=0.0, over_1_0=0.0, num_nonfinite=0)
+    return Metrics(
+        num_positions=100,
+        k1=0.0,
+        k2=k2,
+        k3=k2,
+        max_abs=1e-4,
+        mean_abs=1e-5,
+        p99_abs=5e-5,
+        over_0_1=0.0,
+        over_0_5=0.0,
+        over_1_0=0.0,
+        num_nonfinite=0,
+    )
 
 
 def test_plan_resolves_each_model_once_for_all_its_tp_sizes(monkeypatch):
@@ -43,12 +55,25 @@ def test_plan_skips_models_the_engine_cannot_serve_and_refuses_when_none_is_left
 def test_judge_builds_the_verdict_with_the_lanes_identity():
     """The identity comes from the lane, not the threshold (a measured threshold of another lane may be reused);
     the next step is kept only where the lane failed; a batch's per-group fidelity is named."""
-    t = Threshold(k2=1e-6, max_abs=1e-3, delta_fidelity=0.05, source="unmeasured", model="other", engine_pair="x-vs-y",
-                  dtype="bfloat16", tp=4)
+    t = Threshold(
+        k2=1e-6,
+        max_abs=1e-3,
+        delta_fidelity=0.05,
+        source="unmeasured",
+        model="other",
+        engine_pair="x-vs-y",
+        dtype="bfloat16",
+        tp=4,
+    )
     lane = LaneId("tiny-qwen3-moe", "triton:float32-vs-hf:float32", "float32", 2, "all")
     ok = judge(_metrics(1e-9), t, 0.01, lane=lane, groups={"attention": 0.01}, next_step="lpdiff bisect ...")
-    assert (ok.model, ok.engine_pair, ok.dtype, ok.tp, ok.adapter) == ("tiny-qwen3-moe", lane.engine_pair, "float32",
-                                                                       2, "all")
+    assert (ok.model, ok.engine_pair, ok.dtype, ok.tp, ok.adapter) == (
+        "tiny-qwen3-moe",
+        lane.engine_pair,
+        "float32",
+        2,
+        "all",
+    )
     assert ok.passed and ok.next_step == "" and any("attention 0.01" in n for n in ok.notes)
     bad = judge(_metrics(1e-9), t, 0.5, lane=lane, groups={"attention": 0.9, "experts": 0.01}, next_step="NEXT")
     assert not bad.passed and bad.next_step == "NEXT"

@@ -5,6 +5,7 @@ parsing, the HTTP client end to end, and the failure paths (no SGLang, a server 
 /generate in SGLang's documented response format, computing the numbers with the real HF engine, so the test checks
 what the client sends and what it makes of the answer. It says nothing about SGLang's own numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,15 @@ import numpy as np
 import pytest
 
 from lpdiff.engines.base import EngineConfig, open_engine
-from lpdiff.engines.sglang import (MOE_LORA_SETTINGS, SGLangEngine, generate_request, parse_response, server_args,
-                            server_cli, sglang_top_k)
+from lpdiff.engines.sglang import (
+    MOE_LORA_SETTINGS,
+    SGLangEngine,
+    generate_request,
+    parse_response,
+    server_args,
+    server_cli,
+    sglang_top_k,
+)
 from lpdiff.engines.subprocess_lane import LaneDied, LaneError
 from lpdiff.harness.types import AdapterSpec, ModelSpec
 
@@ -43,10 +51,12 @@ def tiny(tmp_path_factory):
 
 # -- settings ------------------------------------------------------------------------------------------------------
 
+
 def test_server_args_carry_moe_lora_settings_and_adapters(tiny):
     spec, ad = tiny
-    args = server_args(EngineConfig(model=spec, adapters={"a": ad}, dtype="bfloat16", tp=4), "/ckpt",
-                       {"mem_fraction_static": 0.5})
+    args = server_args(
+        EngineConfig(model=spec, adapters={"a": ad}, dtype="bfloat16", tp=4), "/ckpt", {"mem_fraction_static": 0.5}
+    )
     for k, v in MOE_LORA_SETTINGS.items():
         assert args[k] == v
     assert args["moe_runner_backend"] == "triton"  # gpt-oss LoRA fails with "triton_kernel"
@@ -58,10 +68,16 @@ def test_server_args_carry_moe_lora_settings_and_adapters(tiny):
     assert "enable_lora" not in base and "lora_paths" not in base
 
 
-@pytest.mark.parametrize("model, want", [
-    ("qwen3.5-35b-a3b", {"enable_multimodal": False, "disable_shared_experts_fusion": True}),  # arch qwen3_5_moe_text
-    ("nemotron-3-nano-30b-a3b", {"attention_backend": "torch_native", "lora_target_modules": ["all"]}),
-])
+@pytest.mark.parametrize(
+    "model, want",
+    [
+        (
+            "qwen3.5-35b-a3b",
+            {"enable_multimodal": False, "disable_shared_experts_fusion": True},
+        ),  # arch qwen3_5_moe_text
+        ("nemotron-3-nano-30b-a3b", {"attention_backend": "torch_native", "lora_target_modules": ["all"]}),
+    ],
+)
 def test_arch_settings_reach_the_hybrids(model, want):
     """The catalog's in-memory arch of Qwen3.5 is its text model's: the settings are looked up by checkpoint type."""
     from lpdiff.harness.spec.catalog import get_model
@@ -75,17 +91,21 @@ def test_fp32_is_refused_before_anything_starts(tiny):
         SGLangEngine(EngineConfig(model=tiny[0], dtype="float32"))
 
 
-@pytest.mark.parametrize("args, want", [
-    ({"disable_cuda_graph": True, "enable_lora": False}, ["--disable-cuda-graph"]),  # store_true flags
-    ({"lora_paths": {"a": "/x", "b": "/y"}}, ["--lora-paths", "a=/x", "b=/y"]),  # name=path, one adapter each
-    ({"tp_size": 8, "lora_backend": "triton"}, ["--tp-size", "8", "--lora-backend", "triton"]),
-    ({"lora_target_modules": ["q_proj", "v_proj"]}, ["--lora-target-modules", "q_proj", "v_proj"]),  # nargs
-])
+@pytest.mark.parametrize(
+    "args, want",
+    [
+        ({"disable_cuda_graph": True, "enable_lora": False}, ["--disable-cuda-graph"]),  # store_true flags
+        ({"lora_paths": {"a": "/x", "b": "/y"}}, ["--lora-paths", "a=/x", "b=/y"]),  # name=path, one adapter each
+        ({"tp_size": 8, "lora_backend": "triton"}, ["--tp-size", "8", "--lora-backend", "triton"]),
+        ({"lora_target_modules": ["q_proj", "v_proj"]}, ["--lora-target-modules", "q_proj", "v_proj"]),  # nargs
+    ],
+)
 def test_server_cli(args, want):
     assert server_cli(args) == want
 
 
 # -- requests and responses ------------------------------------------------------------------------------------------
+
 
 def test_generate_request_picks_adapters_per_prompt_and_topk():
     req = generate_request([[1, 2, 3], [4, 5]], ["a", None], top_k=5, vocab_size=100)
@@ -125,11 +145,14 @@ def test_parse_response_reads_logprobs_and_sorts_topk():
     assert got.topk_ids.tolist() == [[4, 9], [1, 2]]
 
 
-@pytest.mark.parametrize("item, match", [
-    ({"meta_info": {}}, "return_logprob=True"),  # the request forgot logprobs
-    (sglang_item([3, 4], [-1.0]), "2 input logprobs for a prompt of 3"),  # logprob_start_len was not 0
-    (sglang_item([3, 7, 1], [-1.0, -2.0]), r"position 1: 7 != 4.*skip_tokenizer_init"),  # re-tokenized prompt
-])
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        ({"meta_info": {}}, "return_logprob=True"),  # the request forgot logprobs
+        (sglang_item([3, 4], [-1.0]), "2 input logprobs for a prompt of 3"),  # logprob_start_len was not 0
+        (sglang_item([3, 7, 1], [-1.0, -2.0]), r"position 1: 7 != 4.*skip_tokenizer_init"),  # re-tokenized prompt
+    ],
+)
 def test_parse_response_errors(item, match):
     with pytest.raises(ValueError, match=match):
         parse_response([3, 4, 1], item)
@@ -144,6 +167,7 @@ def test_parse_response_accepts_sglangs_clipped_last_token_id():
 
 
 # -- HTTP end to end against the stand-in server ---------------------------------------------------------------------
+
 
 class StandIn(BaseHTTPRequestHandler):
     """Stand-in SGLang server (see module docstring): the HF engine computes, the answer has SGLang's shape."""
@@ -184,8 +208,12 @@ def test_http_mode_end_to_end(tiny):
         server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
-            cfg = EngineConfig(model=spec, adapters={"a": ad}, dtype="bfloat16",
-                               options={"mode": "http", "url": f"http://127.0.0.1:{server.server_port}"})
+            cfg = EngineConfig(
+                model=spec,
+                adapters={"a": ad},
+                dtype="bfloat16",
+                options={"mode": "http", "url": f"http://127.0.0.1:{server.server_port}"},
+            )
             with open_engine("sglang", cfg) as eng:
                 got = eng.prompt_logprobs(prompts, choice, top_k=3)
         finally:
@@ -199,9 +227,11 @@ def test_http_mode_end_to_end(tiny):
 
 # -- failure paths: real processes, no SGLang installed --------------------------------------------------------------
 
+
 def test_launched_server_that_dies_reports_its_log_tail(tiny):
-    cfg = EngineConfig(model=tiny[0], dtype="bfloat16",
-                       options={"mode": "http", "python": sys.executable, "lane_start_timeout_s": 60})
+    cfg = EngineConfig(
+        model=tiny[0], dtype="bfloat16", options={"mode": "http", "python": sys.executable, "lane_start_timeout_s": 60}
+    )
     with pytest.raises(LaneDied, match="starting the SGLang server: the engine process exited") as err:
         with open_engine("sglang", cfg):
             pass
@@ -240,9 +270,16 @@ def test_offline_lane_gets_resolved_args_and_shuts_the_engine_down(tiny, tmp_pat
     (tmp_path / "sglang" / "__init__.py").write_text(STAND_IN_SGLANG)
     log = tmp_path / "log.jsonl"
     spec, ad = tiny
-    cfg = EngineConfig(model=spec, adapters={"a": ad}, dtype="bfloat16",
-                       options={"python": sys.executable, "lane_start_timeout_s": 60,
-                                "lane_env": {"PYTHONPATH": str(tmp_path), "STAND_IN_LOG": str(log)}})
+    cfg = EngineConfig(
+        model=spec,
+        adapters={"a": ad},
+        dtype="bfloat16",
+        options={
+            "python": sys.executable,
+            "lane_start_timeout_s": 60,
+            "lane_env": {"PYTHONPATH": str(tmp_path), "STAND_IN_LOG": str(log)},
+        },
+    )
     with open_engine("sglang", cfg) as eng:
         got = eng.prompt_logprobs([[5, 6, 7]], ["a"])
     assert got[0].logprobs.tolist() == [-0.25, -0.5]
@@ -260,11 +297,14 @@ def test_offline_without_sglang_says_how_to_install(tiny):
             pass
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"lane": "inprocess"}, "always runs in a subprocess lane"),
-    ({"mode": "grpc"}, "'offline' or 'http'"),
-    ({"server_arg": {}}, r"unknown sglang engine options \['server_arg'\]"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"lane": "inprocess"}, "always runs in a subprocess lane"),
+        ({"mode": "grpc"}, "'offline' or 'http'"),
+        ({"server_arg": {}}, r"unknown sglang engine options \['server_arg'\]"),
+    ],
+)
 def test_bad_options(tiny, options, match):
     with pytest.raises(ValueError, match=match):
         SGLangEngine(EngineConfig(model=tiny[0], dtype="bfloat16", options=options))

@@ -1,5 +1,6 @@
 """BaselineStore: exact round trip through parquet, clear errors naming the regen command, many computations
 side by side (prompt sets, depths, engines), explicit prune, and concurrent writers."""
+
 import json
 import multiprocessing as mp
 import time
@@ -8,8 +9,14 @@ import numpy as np
 import pytest
 
 from lpdiff.harness.pipeline import store_format
-from lpdiff.harness.pipeline.store import (BaselineCorrupt, BaselineExists, BaselineMissing, BaselineStale,
-                                           BaselineStore, baseline_key)
+from lpdiff.harness.pipeline.store import (
+    BaselineCorrupt,
+    BaselineExists,
+    BaselineMissing,
+    BaselineStale,
+    BaselineStore,
+    baseline_key,
+)
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
 from tests.helpers.runs import engine_like_run
 
@@ -17,8 +24,9 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 
 
 def model(seed=0, name="tiny-moe", num_layers=None):
-    return ModelSpec(name=name, arch="qwen3_moe", config={"hidden_size": 8}, init_seed=seed, init_recipe="r1",
-                     num_layers=num_layers)
+    return ModelSpec(
+        name=name, arch="qwen3_moe", config={"hidden_size": 8}, init_seed=seed, init_recipe="r1", num_layers=num_layers
+    )
 
 
 def make_run(shift=0.0, top_k=2, wall=1.0, prompts=PROMPTS):
@@ -44,8 +52,16 @@ def test_key_hashes_content_not_names(tmp_path):
     assert json.loads(k.description) == k.fields and k.fields["dtype"] == "float32" and len(k.digest) == 64
     assert key().digest == k.digest  # deterministic
     assert key(model=model(name="renamed")).digest == k.digest
-    variants = [key(model=model(seed=1)), key(adapter=AdapterSpec("a", str(tmp_path))), key(prompts=PROMPTS[:1]),
-                key(dtype="bfloat16"), key(tp=2), key(engine="triton"), key(top_k=5), key(extra={"backend": "x"})]
+    variants = [
+        key(model=model(seed=1)),
+        key(adapter=AdapterSpec("a", str(tmp_path))),
+        key(prompts=PROMPTS[:1]),
+        key(dtype="bfloat16"),
+        key(tp=2),
+        key(engine="triton"),
+        key(top_k=5),
+        key(extra={"backend": "x"}),
+    ]
     assert len({v.digest for v in variants} | {k.digest}) == len(variants) + 1
 
 
@@ -56,8 +72,9 @@ def test_round_trip_is_exact(tmp_path):
     assert_same(got, run)
     assert got.meta == run.meta
     path = tmp_path / k.digest[:2] / f"{k.digest}.parquet"
-    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()
-                  and ".locks" not in p.parts) == [path.relative_to(tmp_path).as_posix()]  # one file per baseline
+    assert sorted(
+        p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file() and ".locks" not in p.parts
+    ) == [path.relative_to(tmp_path).as_posix()]  # one file per baseline
     m = store.manifest(k)
     assert m["key"] == k.fields and m["names"] == {"model": "tiny-moe", "adapter": None, "prompt_set": "default"}
     assert m["meta"]["wall_s"] == 1.0 and m["provenance"]["engine"] == "hf" and m["provenance"]["numpy"]
@@ -161,12 +178,15 @@ def _put_worker(root, shift, barrier, results):
             results.put((i, f"error {type(e).__name__}: {e}", shift))
 
 
-@pytest.mark.parametrize("shifts, want", [
-    # four workers computing the same reference (pytest -n 4): one writes, three find it already there
-    ([0.0] * 4, ["same", "same", "same", "written"]),
-    # four workers with different values: exactly one wins, the others are told clearly
-    ([0.0, 1.0, 2.0, 3.0], ["exists", "exists", "exists", "written"]),
-])
+@pytest.mark.parametrize(
+    "shifts, want",
+    [
+        # four workers computing the same reference (pytest -n 4): one writes, three find it already there
+        ([0.0] * 4, ["same", "same", "same", "written"]),
+        # four workers with different values: exactly one wins, the others are told clearly
+        ([0.0, 1.0, 2.0, 3.0], ["exists", "exists", "exists", "written"]),
+    ],
+)
 def test_concurrent_writers(tmp_path, shifts, want):
     ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(len(shifts)), ctx.Queue()
@@ -197,10 +217,12 @@ def test_other_prompt_sets_depths_and_engines_coexist(tmp_path):
     store = BaselineStore(tmp_path)
     base = key(prompt_set="default")
     store.put(base, make_run())
-    others = {key(prompt_set="short", prompts=PROMPTS[:1]): PROMPTS[:1],
-              key(model=model(num_layers=2), prompt_set="default"): PROMPTS,
-              key(engine="triton", prompt_set="default"): PROMPTS,
-              key(prompts=PROMPTS[1:]): PROMPTS[1:]}  # a prompt list without a set name
+    others = {
+        key(prompt_set="short", prompts=PROMPTS[:1]): PROMPTS[:1],
+        key(model=model(num_layers=2), prompt_set="default"): PROMPTS,
+        key(engine="triton", prompt_set="default"): PROMPTS,
+        key(prompts=PROMPTS[1:]): PROMPTS[1:],
+    }  # a prompt list without a set name
     for k, prompts in others.items():
         assert store.find_stale(k) == [] and store.put(k, make_run(prompts=prompts)) is True
     assert store.prune() == []  # nothing superseded
@@ -218,7 +240,9 @@ def test_other_prompt_sets_depths_and_engines_coexist(tmp_path):
 def test_hint_names_prompt_set_and_depth(tmp_path):
     with pytest.raises(BaselineMissing) as e:
         BaselineStore(tmp_path).get(key(model=model(num_layers=2), prompt_set="short"))
-    assert "`lpdiff regen --model tiny-moe --prompt-set short --num-layers 2 --reference hf --ref-dtype float32" in str(e.value)
+    assert "`lpdiff regen --model tiny-moe --prompt-set short --num-layers 2 --reference hf --ref-dtype float32" in str(
+        e.value
+    )
     assert "prompt set 'short'" in str(e.value) and "2 layers" in str(e.value)
 
 
@@ -233,8 +257,9 @@ def test_prune_lists_exactly_what_goes(tmp_path):
     junk.write_bytes(b"not parquet")
     listed = store.ls()
     assert [e.path for e in listed] == sorted(e.path for e in listed) and len(listed) == 4
-    assert any("UNREADABLE" in e.describe() for e in listed) and any("prompt set 'default'" in e.describe()
-                                                                     for e in listed)
+    assert any("UNREADABLE" in e.describe() for e in listed) and any(
+        "prompt set 'default'" in e.describe() for e in listed
+    )
     plan = store.prune()  # dry run by default
     assert [e.path for e in plan] == [store.path(old)]  # the junk file is no baseline: listed by scan, never removed
     assert [e.path for e in store.scan()[1]] == [junk]
@@ -249,14 +274,24 @@ def test_old_npz_store_is_converted_with_its_keys(tmp_path):
     from lpdiff.harness.pipeline.store_legacy import main as migrate_main
 
     import hashlib
+
     k, run = key(), make_run()
     folder = tmp_path / k.digest[:2]
     folder.mkdir()
     run.save(folder / f"{k.digest}.npz")
     blob = (folder / f"{k.digest}.npz").read_bytes()
-    (folder / f"{k.digest}.json").write_text(json.dumps({
-        "format": 1, "digest": k.digest, "key": k.fields, "names": {"model": k.model_name, "adapter": None},
-        "sha256": hashlib.sha256(blob).hexdigest(), "meta": run.meta}))
+    (folder / f"{k.digest}.json").write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "digest": k.digest,
+                "key": k.fields,
+                "names": {"model": k.model_name, "adapter": None},
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "meta": run.meta,
+            }
+        )
+    )
     store = BaselineStore(tmp_path)
     with pytest.raises(BaselineStale, match="old .npz format.*store_legacy"):
         store.get(k)
@@ -269,13 +304,21 @@ def test_junk_old_npz_is_refused_without_numpy_advice(tmp_path, capsys):
     from lpdiff.harness.pipeline.store_legacy import main as migrate_main
 
     import hashlib
+
     k = key()
     folder = tmp_path / k.digest[:2]
     folder.mkdir()
     (folder / f"{k.digest}.npz").write_bytes(b"junk junk junk")
-    (folder / f"{k.digest}.json").write_text(json.dumps({
-        "digest": k.digest, "key": k.fields, "names": {"model": k.model_name},
-        "sha256": hashlib.sha256(b"junk junk junk").hexdigest()}))
+    (folder / f"{k.digest}.json").write_text(
+        json.dumps(
+            {
+                "digest": k.digest,
+                "key": k.fields,
+                "names": {"model": k.model_name},
+                "sha256": hashlib.sha256(b"junk junk junk").hexdigest(),
+            }
+        )
+    )
     assert migrate_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{folder / k.digest}.json" in err and "not an lpdiff .npz run" in err and "allow_pickle" not in err

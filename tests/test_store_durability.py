@@ -4,6 +4,7 @@ the path and the fix.
 
 Run the kill loop longer by hand with ``LPDIFF_KILLS=1000 python -m pytest -q tests/test_store_durability.py -k kill``.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -120,8 +121,11 @@ def unwritable(tmp_path):
 
 
 def test_unwritable_store_on_regen_is_one_clear_error(unwritable):
-    with pytest.raises(BaselineStorePath, match=r"cannot write to the baseline store .* pass --baselines \(or "
-                                                r"LPDIFF_BASELINES\) a writable folder"):
+    with pytest.raises(
+        BaselineStorePath,
+        match=r"cannot write to the baseline store .* pass --baselines \(or "
+        r"LPDIFF_BASELINES\) a writable folder",
+    ):
         BaselineStore(unwritable).put(KEYS[0], make_run())
 
 

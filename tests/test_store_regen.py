@@ -1,6 +1,7 @@
 """`lpdiff regen` of another prompt set or depth leaves the committed baselines of the same model in place (it
 used to delete all of them as "stale", after which plain `lpdiff run` exited 2), and the store's CLI errors are one
 line with exit 2."""
+
 import shutil
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 alpha_pattern, lm_head and embed_tokens LoRA, rank 128. The canonical form reads PEFT's own per-module scalings,
 the hf reference equals a plain PeftModel forward, and the triton runtime matches the reference in fp32 with every
 adapter and base rows in one batch."""
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ def _peft_layers(model, path):
     from peft.tuners.lora import LoraLayer
 
     import copy
+
     pm = PeftModel.from_pretrained(copy.deepcopy(model), path)
     out = {}
     for name, layer in pm.base_model.model.named_modules():
@@ -99,8 +101,9 @@ def test_hf_reference_applies_lm_head_and_embedding_lora(zoo):
     """The hf engine (decoder states + chunked log-softmax) equals PEFT's full forward for the vocabulary adapter;
     its head used to be read as head.weight, the base head, dropping the lm_head LoRA."""
     spec, model, paths, prompts = zoo
-    cfg = EngineConfig(spec, {n: AdapterSpec(n, str(paths[n])) for n in ("vocab", "all_vocab")}, dtype="float32",
-                       device="cpu")
+    cfg = EngineConfig(
+        spec, {n: AdapterSpec(n, str(paths[n])) for n in ("vocab", "all_vocab")}, dtype="float32", device="cpu"
+    )
     with open_engine("hf", cfg) as eng:
         for name in ("vocab", "all_vocab"):
             got = [r.logprobs for r in eng.prompt_logprobs(prompts, name)]

@@ -5,6 +5,7 @@ adapter moves logprobs far above the 1e-4 tolerance) and saved with save_pretrai
 (index + per-expert tensors, the on-disk layout transformers writes), gpt-oss's is one fused file. Adapters come
 from harness.adapters.generate_adapter in the three layouts the harness makes: peft3d, per_expert, shared-outer.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,15 +16,36 @@ from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.types import AdapterSpec, ModelSpec
 
 TOL = 1e-4
-SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, num_experts_per_tok=2, initializer_range=0.15, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts_per_tok=2,
+    initializer_range=0.15,
+    tie_word_embeddings=False,
+)
 ARCHS = {
     # head_dim 16: the sink logit goes through a non-power-of-two scale; 2 layers: sliding then full attention
-    "gpt_oss": dict(SMALL, num_local_experts=8, intermediate_size=24, sliding_window=6,
-                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
-                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                     "original_max_position_embeddings": 64, "truncate": False,
-                                     "rope_theta": 150000.0}),
+    "gpt_oss": dict(
+        SMALL,
+        num_local_experts=8,
+        intermediate_size=24,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=7.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 64,
+            "truncate": False,
+            "rope_theta": 150000.0,
+        },
+    ),
     # expert width 24: not a multiple of any block size; norm_topk_prob on
     "qwen3_moe": dict(SMALL, num_experts=8, moe_intermediate_size=24, intermediate_size=96, norm_topk_prob=True),
 }
@@ -58,8 +80,9 @@ def _build_tiny(arch: str, tmp_path_factory):
     model = AutoModelForCausalLM.from_config(cfg).eval()
     # sharded checkpoint for qwen (index.json), one file for gpt-oss: both loader paths
     model.save_pretrained(root / "model", max_shard_size="100KB" if arch == "qwen3_moe" else "1GB")
-    hf = {name: AdapterSpec(name, str(generate_adapter(model, root / name, **kw).path))
-          for name, kw in ADAPTERS.items()}
+    hf = {
+        name: AdapterSpec(name, str(generate_adapter(model, root / name, **kw).path)) for name, kw in ADAPTERS.items()
+    }
     per_expert = convert_adapter(hf["experts_pe"].path, root / "experts_pe_per_expert", "per_expert", cfg)
     adapters = {"hf": hf, "triton": {**hf, "experts_pe": AdapterSpec("experts_pe", per_expert.path)}}
     g = torch.Generator().manual_seed(7)
@@ -70,8 +93,9 @@ def _build_tiny(arch: str, tmp_path_factory):
 def _run(spec, adapters, prompts, choice, top_k=0, **kw):
     from lpdiff.engines.triton import TritonEngine
 
-    with TritonEngine(EngineConfig(model=spec, adapters=adapters["triton"], dtype="float32", device="cpu",
-                                   **kw)) as eng:
+    with TritonEngine(
+        EngineConfig(model=spec, adapters=adapters["triton"], dtype="float32", device="cpu", **kw)
+    ) as eng:
         return eng.prompt_logprobs(prompts, choice, top_k=top_k)
 
 
@@ -88,6 +112,7 @@ def test_parity_with_hf_peft_base_adapters_and_mixed_batch(tiny):
     from lpdiff.engines.base import open_engine
 
     with_hf = {}
+
     def cfg(engine):
         return EngineConfig(model=spec, adapters=adapters[engine], dtype="float32", device="cpu")
 
@@ -155,8 +180,13 @@ def test_rank_above_the_kernel_cap_runs_on_the_torch_references(tiny, tmp_path):
     from lpdiff.harness.spec.adapters import generate_adapter
 
     spec, _, prompts = tiny
-    big = generate_adapter(AutoModelForCausalLM.from_pretrained(spec.path), tmp_path / "r130",
-                           groups=("attention", "experts"), rank=130, seed=4)
+    big = generate_adapter(
+        AutoModelForCausalLM.from_pretrained(spec.path),
+        tmp_path / "r130",
+        groups=("attention", "experts"),
+        rank=130,
+        seed=4,
+    )
     adapters = {"big": AdapterSpec("big", str(big.path))}
     short = [p[:10] for p in prompts]  # the interpreter runs the base layers
     with pytest.warns(UserWarning, match="rank 130 > 128"):
@@ -187,8 +217,9 @@ def test_bad_input_gives_one_clear_error(tiny):
     spec, adapters, prompts = tiny
     # LoRA on a module the runtime has no LoRA path for must fail loudly, never be dropped
     cfg = model_config(hf_config(spec))
-    head = CanonicalAdapter(2, 4.0, False, 2.0, {"lm_head": (torch.ones(2, cfg.hidden_size),
-                                                              torch.ones(cfg.vocab_size, 2))}, {})
+    head = CanonicalAdapter(
+        2, 4.0, False, 2.0, {"lm_head": (torch.ones(2, cfg.hidden_size), torch.ones(cfg.vocab_size, 2))}, {}
+    )
     with pytest.raises(ValueError, match="targets 'lm_head', which the triton engine does not run LoRA on"):
         stack_adapters(cfg, {"head": head}, Shard(), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="does not support arch 'qwen3'.*supported: qwen3_moe, gpt_oss"):
@@ -200,8 +231,9 @@ def test_bad_input_gives_one_clear_error(tiny):
             TritonEngine(EngineConfig(model=spec, device="cpu", options={"moe_lora_shrink": bad}))
     with pytest.raises(ValueError, match="option moe_padding must be auto or one of .*'compute', 'zero', 'half'"):
         TritonEngine(EngineConfig(model=spec, device="cpu", options={"moe_padding": "skip"}))
-    with TritonEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapters["hf"]["attn_experts"].path)},
-                                   device="cpu")) as eng:
+    with TritonEngine(
+        EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapters["hf"]["attn_experts"].path)}, device="cpu")
+    ) as eng:
         with pytest.raises(KeyError, match="unknown adapter 'nope'.*opened with \\['a'\\]"):
             eng.prompt_logprobs(prompts, "nope")
         with pytest.raises(ValueError, match="prompt 1 has 1 token"):
@@ -212,18 +244,29 @@ def test_bad_input_gives_one_clear_error(tiny):
         TritonEngine(EngineConfig(model=spec, device="cpu")).prompt_logprobs(prompts)
 
 
-@pytest.mark.parametrize("lens,window,sinks,expect", [
-    ([512] * 8, None, False, True),  # the benchmark's batch: no padding, plain causal (Qwen3): SDPA
-    ([512, 480, 500], None, False, True),  # 4% padding: still SDPA
-    ([512, 64, 64], None, False, False),  # 58% padding would be computed and thrown away: varlen
-    ([512] * 8, 128, False, False),  # a sliding window (gpt-oss): varlen handles it natively
-    ([512] * 8, None, True, False),  # sinks: varlen + the logsumexp correction beat SDPA's extra key
-])
+@pytest.mark.parametrize(
+    "lens,window,sinks,expect",
+    [
+        ([512] * 8, None, False, True),  # the benchmark's batch: no padding, plain causal (Qwen3): SDPA
+        ([512, 480, 500], None, False, True),  # 4% padding: still SDPA
+        ([512, 64, 64], None, False, False),  # 58% padding would be computed and thrown away: varlen
+        ([512] * 8, 128, False, False),  # a sliding window (gpt-oss): varlen handles it natively
+        ([512] * 8, None, True, False),  # sinks: varlen + the logsumexp correction beat SDPA's extra key
+    ],
+)
 def test_attention_picks_padded_sdpa_only_where_it_pays(lens, window, sinks, expect):
     from lpdiff.engines.triton.attention import padded_sdpa_pays
     from lpdiff.engines.triton.batch import Batch
 
     T = sum(lens)
-    b = Batch(torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
-              lens, torch.zeros(len(lens) + 1, dtype=torch.int32), None, None, None)
+    b = Batch(
+        torch.zeros(T, dtype=torch.long),
+        torch.zeros(T, dtype=torch.long),
+        torch.zeros(T, dtype=torch.long),
+        lens,
+        torch.zeros(len(lens) + 1, dtype=torch.int32),
+        None,
+        None,
+        None,
+    )
     assert padded_sdpa_pays(b, window, torch.zeros(4) if sinks else None) is expect

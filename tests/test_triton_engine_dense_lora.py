@@ -7,6 +7,7 @@ this file is where those paths meet tensor parallelism (o row-parallel: each ran
 the whole packed B, and the all-reduce sums the partial deltas; q|k|v's W_aug sharded by rows; the top-k sum
 before the all-reduce), one-adapter batches, HF+PEFT at TP 1, and the runtime's own kernels under the interpreter.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,9 @@ def test_cublas_dense_lora_tp2_equals_torch_reference(tiny):
     choices = [["attn_experts", None, "shared_outer", "attn_experts", None], "shared_outer"]
 
     def run(tp, impl):
-        cfg = EngineConfig(model=spec, adapters=adapters["triton"], dtype="float32", device="cpu", tp=tp,
-                           options={"impl": impl})
+        cfg = EngineConfig(
+            model=spec, adapters=adapters["triton"], dtype="float32", device="cpu", tp=tp, options={"impl": impl}
+        )
         with TritonEngine(cfg) as eng:
             return [eng.prompt_logprobs(short, c) for c in choices]
 
@@ -100,13 +102,19 @@ def test_fused_paths_at_tp1_match_hf_peft(tiny, monkeypatch):
     monkeypatch.setattr(norm, "add_rms_norm_torch", spy_norm)
     spec, adapters, prompts = tiny
     short = [p[:10] for p in prompts]  # the interpreter's cost grows with the grid
-    choices = [["attn_experts", None, "shared_outer", "experts_pe", "attn_experts"], "attn_experts", "shared_outer",
-               "experts_pe", None]
+    choices = [
+        ["attn_experts", None, "shared_outer", "experts_pe", "attn_experts"],
+        "attn_experts",
+        "shared_outer",
+        "experts_pe",
+        None,
+    ]
 
     def run(engine, names):
         options = {"impl": "triton"} if engine == "triton" else {}
-        with open_engine(engine, EngineConfig(model=spec, adapters=adapters[names], dtype="float32", device="cpu",
-                                              options=options)) as eng:
+        with open_engine(
+            engine, EngineConfig(model=spec, adapters=adapters[names], dtype="float32", device="cpu", options=options)
+        ) as eng:
             if isinstance(eng, TritonEngine):
                 assert eng.runtime.model.fuse_topk_sum
             return [eng.prompt_logprobs(short, c) for c in choices]
@@ -125,12 +133,18 @@ def test_fused_norm_kernel_in_a_forward_under_the_interpreter(tiny):
     augmented buffer, and o's shrink come out of its base GEMM (lora_linear_shrink_out; a mixed and a one-adapter
     batch): against the torch references."""
     spec, adapters, prompts = tiny
-    job = dict(path=spec.path, name=spec.name, arch=spec.arch,
-               adapters={n: a.path for n, a in adapters["triton"].items()},
-               prompts=[p[:6] for p in prompts[:3]], choices=[["attn_experts", None, "shared_outer"], "shared_outer"])
+    job = dict(
+        path=spec.path,
+        name=spec.name,
+        arch=spec.arch,
+        adapters={n: a.path for n, a in adapters["triton"].items()},
+        prompts=[p[:6] for p in prompts[:3]],
+        choices=[["attn_experts", None, "shared_outer"], "shared_outer"],
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(diffs) == 2 and max(diffs) <= TOL, diffs
@@ -147,8 +161,9 @@ def _interpreted_forward(job: dict) -> None:
     adapters = {n: AdapterSpec(n, p) for n, p in job["adapters"].items()}
     out = {}
     for impl in ("torch", "triton"):
-        with TritonEngine(EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu",
-                                       options={"impl": impl})) as eng:
+        with TritonEngine(
+            EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu", options={"impl": impl})
+        ) as eng:
             ll = eng.runtime.model.lora.layers[0]
             assert impl == "torch" or (ll.qkv_w_aug is not None and ll.o_w_s is not None)
             out[impl] = [eng.prompt_logprobs(job["prompts"], c) for c in job["choices"]]

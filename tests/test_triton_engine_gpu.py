@@ -9,6 +9,7 @@ fp32 implementations may pick different experts, and later tokens of the same pr
 attention. As lpdiff's verdicts do (PromptLogprobs.router_margin), positions at or after a near-tie are left out
 of the max; prompts must keep most of their positions.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -59,8 +60,9 @@ def _run(engine, spec, adapters, prompts, choices, tp=1, options=None):
 
     # the reference is HF's eager expert loop: the plainest fp32 computation transformers has
     options = {"experts_impl": "eager"} if engine == "hf" else (options or {})
-    with open_engine(engine, EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cuda", tp=tp,
-                                          options=options)) as eng:
+    with open_engine(
+        engine, EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cuda", tp=tp, options=options)
+    ) as eng:
         out = [eng.prompt_logprobs(prompts, c) for c in choices]
     torch.cuda.empty_cache()
     return out
@@ -70,8 +72,10 @@ def _check(got, ref, margins, what):
     d = np.concatenate([np.abs(x.logprobs - y.logprobs) for x, y in zip(got, ref)])
     # flagged: at or after the first near-tie of its prompt (logprobs[i] depends on tokens 0..i)
     flagged = np.concatenate([np.maximum.accumulate(m[:-1] < NEAR_TIE) for m in margins])
-    print(f"{what}: max |d| {d.max():.2e} (all), {d[~flagged].max():.2e} (without {flagged.sum()} positions at or "
-          f"after a near-tie, of {flagged.size}), mean {d.mean():.2e}")
+    print(
+        f"{what}: max |d| {d.max():.2e} (all), {d[~flagged].max():.2e} (without {flagged.sum()} positions at or "
+        f"after a near-tie, of {flagged.size}), mean {d.mean():.2e}"
+    )
     assert flagged.mean() < 0.5, f"{what}: {flagged.sum()} of {flagged.size} positions follow a router near-tie"
     assert d[~flagged].max() <= TOL, f"{what}: max |d| {d[~flagged].max():.2e} > {TOL}"
 
@@ -120,9 +124,8 @@ def test_bf16_varlen_attention_matches_fp32_sdpa(window, sinks, impl):
     T, h, hkv, d = b.num_tokens, 8, 2, 64
     q, k, v = (torch.randn(T, n, d, generator=g, device="cuda") for n in (h, hkv, hkv))
     s = torch.randn(h, generator=g, device="cuda") * 2 if sinks else None
-    ref = attention(q, k, v, b, d ** -0.5, window, s, impl="sdpa")
-    got = attention(*(t.bfloat16() for t in (q, k, v)), b, d ** -0.5, window,
-                    s.bfloat16() if sinks else None, impl=impl)
+    ref = attention(q, k, v, b, d**-0.5, window, s, impl="sdpa")
+    got = attention(*(t.bfloat16() for t in (q, k, v)), b, d**-0.5, window, s.bfloat16() if sinks else None, impl=impl)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"relative error {err:.3g}"
 
@@ -141,8 +144,9 @@ def test_topk_sum_fused_into_norm_bf16(K, H, weight_fp32):
     T = 4096
     x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
     # weighted per-pair outputs: magnitudes spread over a few decades, as routing weights and experts make them
-    delta = (torch.randn(T, K, H, generator=g, device="cuda")
-             * torch.exp(torch.randn(T, K, 1, generator=g, device="cuda"))).bfloat16()
+    delta = (
+        torch.randn(T, K, H, generator=g, device="cuda") * torch.exp(torch.randn(T, K, 1, generator=g, device="cuda"))
+    ).bfloat16()
     w = (1 + 0.1 * torch.randn(H, generator=g, device="cuda")).to(torch.float32 if weight_fp32 else torch.bfloat16)
     out, s = add_rms_norm(x, delta, w, 1e-6, weight_fp32)
     assert torch.equal(s, add_rms_norm_torch(x, delta, w, 1e-6, weight_fp32)[1])
@@ -194,8 +198,9 @@ def tp1(case):
     return _run("triton", spec, adapters, prompts, TP_CHOICES)
 
 
-@pytest.mark.parametrize("tp", [pytest.param(2, marks=[needs(2), pytest.mark.gpu2]),
-                                pytest.param(4, marks=[needs(4), pytest.mark.gpu4])])
+@pytest.mark.parametrize(
+    "tp", [pytest.param(2, marks=[needs(2), pytest.mark.gpu2]), pytest.param(4, marks=[needs(4), pytest.mark.gpu4])]
+)
 def test_tensor_parallel_matches_tp1_fp32(case, tp1, tp):
     spec, adapters, prompts = case
     choices, ref = TP_CHOICES, tp1

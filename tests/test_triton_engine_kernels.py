@@ -4,6 +4,7 @@ router top-k) against their torch references, run through the Triton interpreter
 They are plain triton.jit kernels (they use tl.sum / tl.max, which the interpreter only runs when TRITON_INTERPRET=1
 is set before triton is imported), so the checks run in a child Python started with that variable.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,7 +52,7 @@ def order_probe(dtype):
     it to 16 + 1 ulp. Pins k order."""
     half_ulp = 8 * torch.finfo(dtype).eps
     row = torch.zeros(1, 8, 4)
-    row[0, :, :] = torch.tensor([16, half_ulp, 2 ** -20, 0, 0, 0, 2 ** -21, 0])[:, None]
+    row[0, :, :] = torch.tensor([16, half_ulp, 2**-20, 0, 0, 0, 2**-21, 0])[:, None]
     return row.to(dtype)
 
 
@@ -99,8 +100,9 @@ def check_add_rms_norm_topk(dtype):
         probe = order_probe(dtype)
         assert torch.equal(sum_topk(probe), torch.full((1, 4), 16.0, dtype=dtype)), f"k order {dtype}"
         if dtype == torch.float16:
-            got = add_rms_norm(torch.zeros(1, 4, dtype=dtype), probe, torch.ones(4, dtype=dtype), 1e-6,
-                               impl="triton")[1]
+            got = add_rms_norm(torch.zeros(1, 4, dtype=dtype), probe, torch.ones(4, dtype=dtype), 1e-6, impl="triton")[
+                1
+            ]
             assert torch.equal(got, sum_topk(probe)), "kernel k order"
 
 
@@ -112,7 +114,7 @@ def check_norm_rope(dtype, tol):
     qkv = torch.randn(T, (h + 2 * hkv) * d, generator=g).to(dtype)
     cos, sin = torch.randn(T, d // 2, generator=g).to(dtype), torch.randn(T, d // 2, generator=g).to(dtype)
     q = qkv[:, : h * d].view(T, h, d)
-    k = qkv[:, h * d: (h + hkv) * d].view(T, hkv, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(T, hkv, d)
     for w in (None, (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)):  # gpt-oss (no norm) and Qwen (q_norm)
         # q and k in one launch, k_norm distinct from q_norm (a kernel that used one weight for both would fail)
         wk = None if w is None else (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
@@ -128,12 +130,30 @@ def check_route(dtype, tol):
 
     g = torch.Generator().manual_seed(2)
     # T=37: not a multiple of the 16-row block; K=E: every expert chosen, the margin is +inf
-    for E, K, softmax_all, norm in [(8, 2, True, True), (8, 2, True, False), (8, 4, False, False),
-                                    (6, 6, True, True), (32, 4, False, False)]:
+    for E, K, softmax_all, norm in [
+        (8, 2, True, True),
+        (8, 2, True, False),
+        (8, 4, False, False),
+        (6, 6, True, True),
+        (32, 4, False, False),
+    ]:
         logits = torch.randn(37, E, generator=g).to(dtype)
         ids, w, m = torch.empty(37, K, dtype=torch.int64), torch.empty(37, K), torch.empty(37)
-        moe._route_kernel[(3,)](logits, ids, w, m, 37, E, logits.stride(0), K=K, SOFTMAX_ALL=softmax_all,
-                                NORM_TOPK=norm, BLOCK_T=16, BLOCK_E=moe.pow2(E), BLOCK_K=moe.pow2(K))
+        moe._route_kernel[(3,)](
+            logits,
+            ids,
+            w,
+            m,
+            37,
+            E,
+            logits.stride(0),
+            K=K,
+            SOFTMAX_ALL=softmax_all,
+            NORM_TOPK=norm,
+            BLOCK_T=16,
+            BLOCK_E=moe.pow2(E),
+            BLOCK_K=moe.pow2(K),
+        )
         rids, rw, rm = route_torch(logits, K, softmax_all, norm)
         what = f"route {dtype} E={E} K={K} softmax_all={softmax_all} norm={norm}"
         assert torch.equal(ids, rids), what
@@ -143,10 +163,28 @@ def check_route(dtype, tol):
         else:
             assert torch.isinf(m).all() and torch.isinf(rm).all(), what
         # MIN_INTO: the margin buffer holds earlier layers' minimum (some rows below, some above this layer's)
-        prev = torch.rand(37, generator=torch.Generator().manual_seed(E * 10 + K)) * 2 * torch.where(torch.isinf(rm), 1.0, rm.abs().float() + 1e-3)
+        prev = (
+            torch.rand(37, generator=torch.Generator().manual_seed(E * 10 + K))
+            * 2
+            * torch.where(torch.isinf(rm), 1.0, rm.abs().float() + 1e-3)
+        )
         acc = prev.clone()
-        moe._route_kernel[(3,)](logits, ids, w, acc, 37, E, logits.stride(0), K=K, SOFTMAX_ALL=softmax_all,
-                                NORM_TOPK=norm, BLOCK_T=16, BLOCK_E=moe.pow2(E), BLOCK_K=moe.pow2(K), MIN_INTO=True)
+        moe._route_kernel[(3,)](
+            logits,
+            ids,
+            w,
+            acc,
+            37,
+            E,
+            logits.stride(0),
+            K=K,
+            SOFTMAX_ALL=softmax_all,
+            NORM_TOPK=norm,
+            BLOCK_T=16,
+            BLOCK_E=moe.pow2(E),
+            BLOCK_K=moe.pow2(K),
+            MIN_INTO=True,
+        )
         _close(acc, torch.minimum(prev, rm), 1e-6, what + " running minimum")
 
 

@@ -1,6 +1,7 @@
 """The CUDA-graph cache's policy (engines/triton/graphs.py) on the host: capture on a layout's second sighting, LRU
 capacity, a failed capture refused for good. The capture itself needs CUDA: tests/test_triton_engine_gpu.py
 (test_cuda_graph_replay_equals_eager) compares replays with the eager forward bit for bit."""
+
 from __future__ import annotations
 
 import pytest

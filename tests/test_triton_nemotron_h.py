@@ -7,6 +7,7 @@ a non-zero router correction bias (random init leaves it zero) and one mamba gro
 every group the generator writes (latent, experts in the per-expert layout, mamba, attention, shared expert,
 embed_tokens, lm_head) at three different ranks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,12 +84,30 @@ def latent(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("nemotron_latent")
     cfg = AutoConfig.for_model(
-        "nemotron_h", vocab_size=96, hidden_size=64, num_hidden_layers=5,
-        layers_block_type=["mamba", "moe", "attention", "mamba", "moe"], num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=1, ssm_state_size=8,
-        chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-        moe_shared_expert_intermediate_size=40, intermediate_size=40, moe_latent_size=32, n_group=2, topk_group=1,
-        initializer_range=0.15, tie_word_embeddings=False)
+        "nemotron_h",
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=5,
+        layers_block_type=["mamba", "moe", "attention", "mamba", "moe"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        n_groups=1,
+        ssm_state_size=8,
+        chunk_size=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40,
+        intermediate_size=40,
+        moe_latent_size=32,
+        n_group=2,
+        topk_group=1,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -96,10 +115,10 @@ def latent(tmp_path_factory):
             model.model.layers[i].mixer.gate.e_score_correction_bias.normal_(0, 0.05)
     model.save_pretrained(root / "model")
     adapters = {
-        "moe": generate_adapter(model, root / "moe", groups=("latent", "experts"), rank=4, seed=1,
-                                layout="per_expert"),
-        "mixers": generate_adapter(model, root / "mixers", groups=("mamba", "attention", "shared_expert"), rank=6,
-                                   seed=2),
+        "moe": generate_adapter(model, root / "moe", groups=("latent", "experts"), rank=4, seed=1, layout="per_expert"),
+        "mixers": generate_adapter(
+            model, root / "mixers", groups=("mamba", "attention", "shared_expert"), rank=6, seed=2
+        ),
         "vocab": generate_adapter(model, root / "vocab", groups=("embed_tokens", "lm_head", "mamba"), rank=5, seed=4),
     }
     spec = ModelSpec(name="tiny-nemotron-latent", arch="nemotron_h", path=str(root / "model"))
@@ -141,6 +160,7 @@ def test_latent_triton_kernels_match_torch(latent):
 
 
 # -- kernels/ssd.py against their definitions --------------------------------------------------------------------
+
 
 def test_ssd_scan_matches_the_recurrence():
     """Odd sizes: length 45 over chunks of 8 (a partial last chunk), 6 heads in 3 groups, an initial state."""
@@ -220,5 +240,7 @@ def test_varlen_kernels_match_their_references(lens):
         got = ssd_scan_varlen(xs, dt, A, B, C, D, c, 8, impl="triton")
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
     if len(lens) > 1:  # a reset matters: the one-prompt reading differs after the first prompt
-        assert not torch.allclose(ssd_scan_varlen(xs, dt, A, B, C, D, whole, 8, impl="torch")[lens[0]:],
-                                  ssd_scan_varlen(xs, dt, A, B, C, D, cu, 8, impl="torch")[lens[0]:])
+        assert not torch.allclose(
+            ssd_scan_varlen(xs, dt, A, B, C, D, whole, 8, impl="torch")[lens[0] :],
+            ssd_scan_varlen(xs, dt, A, B, C, D, cu, 8, impl="torch")[lens[0] :],
+        )

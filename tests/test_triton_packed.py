@@ -1,6 +1,7 @@
 """engines/triton/packed.py: a call's results packed into one byte tensor (one device-to-host copy on CUDA) unpack to
 the very bytes of the separate results. The packing runs here on CPU tensors (on CUDA it is the same code plus a
 pinned copy, covered by tests/test_triton_engine_gpu.py's replay-equals-eager test)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ module group the generator writes for Qwen3.5, and "all").
 
 Prompts: fresh random ids of ragged lengths packed into one batch, one of 300 tokens so that the chunked delta rule
 runs across several 64-token chunks and a prompt boundary falls inside a chunk of the packed view."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,10 +54,12 @@ def triton_runs(tiny, tmp_path_factory):
     from lpdiff.harness.types import AdapterSpec
 
     spec, adapters, prompts = tiny
-    pe = convert_adapter(adapters["experts"].path, tmp_path_factory.mktemp("pe") / "experts_pe", "per_expert",
-                         hf_config(spec))
-    return _run("triton", spec, {**adapters, "experts_pe": AdapterSpec("experts_pe", str(pe.path))}, prompts,
-                TRITON_CHOICES)
+    pe = convert_adapter(
+        adapters["experts"].path, tmp_path_factory.mktemp("pe") / "experts_pe", "per_expert", hf_config(spec)
+    )
+    return _run(
+        "triton", spec, {**adapters, "experts_pe": AdapterSpec("experts_pe", str(pe.path))}, prompts, TRITON_CHOICES
+    )
 
 
 @pytest.mark.cpu
@@ -70,8 +73,7 @@ def test_parity_with_hf_peft_base_adapters_and_mixed_batch(tiny, triton_runs):
         if name is not None:
             moved = float(np.abs(hf[2][i].logprobs - hf[0][i].logprobs).max())
             assert moved > 100 * TOL, (name, moved)
-    assert all(np.isfinite(r.router_margin).all() and len(r.router_margin) == n
-               for r, n in zip(triton_runs[0], LENS))
+    assert all(np.isfinite(r.router_margin).all() and len(r.router_margin) == n for r, n in zip(triton_runs[0], LENS))
 
 
 @pytest.mark.cpu
@@ -79,8 +81,10 @@ def test_packed_prompts_equal_each_prompt_alone(tiny, triton_runs):
     """Conv window and recurrent state start afresh at every prompt: a packed prompt computes what it computes
     alone (checked on the 300-token prompt, which follows a 16-token one, and the 5-token one after it)."""
     spec, adapters, prompts = tiny
-    alone = _run("triton", spec, adapters, [prompts[1]], ["all"])[0] + \
-        _run("triton", spec, adapters, [prompts[2]], [None])[0]
+    alone = (
+        _run("triton", spec, adapters, [prompts[1]], ["all"])[0]
+        + _run("triton", spec, adapters, [prompts[2]], [None])[0]
+    )
     assert _maxdiff([triton_runs[2][1]], [triton_runs[0][1]]) <= 1e-5  # a base row among adapter rows
     assert _maxdiff(alone, [triton_runs[1][1], triton_runs[0][2]]) <= 1e-5
 
@@ -122,8 +126,7 @@ def test_conv_does_not_read_across_prompts():
     cfg = type("C", (), {"rope_inv_freq": torch.ones(1), "rope_attention_scaling": 1.0})
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(9, 6, generator=g), torch.randn(6, 4, generator=g)
-    packed = gdn.causal_conv1d(x, w, Batch.build([[0] * 4, [0] * 5], [-1, -1], cfg, torch.float32,
-                                                 torch.device("cpu")))
+    packed = gdn.causal_conv1d(x, w, Batch.build([[0] * 4, [0] * 5], [-1, -1], cfg, torch.float32, torch.device("cpu")))
     one = Batch.build([[0] * 5], [-1], cfg, torch.float32, torch.device("cpu"))
     assert torch.allclose(packed[4:], gdn.causal_conv1d(x[4:], w, one), atol=0, rtol=0)
 
@@ -142,8 +145,16 @@ def test_an_unsupported_target_is_one_clear_error(tiny):
     a, b = next(iter(ad.dense.values()))
     bad = dataclasses.replace(ad, dense={**ad.dense, "model.layers.0.mlp.gate": (a, b[:8])})
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate.*supported targets"):
-        build(hf, source, {"bad": bad}, Shard(), torch.float32, torch.device("cpu"), lambda t: t,
-              TritonOptions.from_dict({}))
+        build(
+            hf,
+            source,
+            {"bad": bad},
+            Shard(),
+            torch.float32,
+            torch.device("cpu"),
+            lambda t: t,
+            TritonOptions.from_dict({}),
+        )
 
 
 def _cuda() -> bool:
@@ -172,7 +183,7 @@ def test_fla_delta_rule_matches_the_torch_form_in_bf16(lens):
     ref = gdn.gated_delta_rule(q, k, v, decay, beta, batch, "torch").float()
     err = (fla - ref).abs().max().item()
     # bf16 output rounding of values of magnitude ~|ref|: a few ulps
-    assert err <= 4 * 2 ** -8 * ref.abs().max().item(), (err, ref.abs().max().item())
+    assert err <= 4 * 2**-8 * ref.abs().max().item(), (err, ref.abs().max().item())
 
 
 @pytest.mark.gpu1
@@ -212,8 +223,11 @@ def test_module_capture_matches_hf_modules(tiny):
         def experts_hook(mod, args, out, i=i):
             cap[i, "experts_in"], cap[i, "router_ids"], cap[i, "router_weights"] = args[:3]
             cap[i, "experts_ref"] = out
-        handles += [mixer.register_forward_hook(mix_hook, with_kwargs=True),
-                    layer.mlp.experts.register_forward_hook(experts_hook)]
+
+        handles += [
+            mixer.register_forward_hook(mix_hook, with_kwargs=True),
+            layer.mlp.experts.register_forward_hook(experts_hook),
+        ]
     peft = PeftModel.from_pretrained(hf, adapters["all"].path).eval()
     with torch.no_grad():
         peft(input_ids=torch.tensor(rows), use_cache=False)  # a cache would make the re-runs continue it
@@ -224,12 +238,16 @@ def test_module_capture_matches_hf_modules(tiny):
                 out = mod(*args, **kwargs)
                 base_out[i] = (out[0] if isinstance(out, tuple) else out).reshape(cap[i, "attention_in"].shape)
     inputs = {k: v for k, v in cap.items() if not k[1].endswith("_ref")}
-    with open_engine("triton", EngineConfig(model=spec, adapters={"all": adapters["all"]}, dtype="float32",
-                                            device="cpu")) as eng:
+    with open_engine(
+        "triton", EngineConfig(model=spec, adapters={"all": adapters["all"]}, dtype="float32", device="cpu")
+    ) as eng:
         got = eng.capture_layers(rows, "all", inputs=inputs)
     for i in range(len(calls)):
-        for name, ref in (("attention", cap[i, "attention_ref"]), ("attention_base", base_out[i]),
-                          ("experts", cap[i, "experts_ref"])):
+        for name, ref in (
+            ("attention", cap[i, "attention_ref"]),
+            ("attention_base", base_out[i]),
+            ("experts", cap[i, "experts_ref"]),
+        ):
             err = float((got[i, name] - ref).abs().max() / ref.abs().max())
             assert err < 1e-5, (i, name, err)
         assert torch.equal(got[i, "router_ids"], cap[i, "router_ids"])
@@ -254,8 +272,10 @@ def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
     spec = get_model("qwen3.5-35b-a3b", num_layers=4)
     model = load_hf_model(spec, torch.float32, "cuda")
     groups = ("attention", "linear_attention", "shared_expert", "experts")
-    paths = {"all": generate_adapter(model, tmp_path / "all", groups=groups, rank=16, alpha=32, seed=1).path,
-             "la": generate_adapter(model, tmp_path / "la", groups=("linear_attention",), rank=8, seed=2).path}
+    paths = {
+        "all": generate_adapter(model, tmp_path / "all", groups=groups, rank=16, alpha=32, seed=1).path,
+        "la": generate_adapter(model, tmp_path / "la", groups=("linear_attention",), rank=8, seed=2).path,
+    }
     pe = convert_adapter(paths["all"], tmp_path / "all_pe", "per_expert", model.config).path
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (16, 300, 4096, 1024, 77)]
@@ -269,6 +289,7 @@ def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
             ids = torch.tensor([p], device="cuda")
             lg = peft(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
             return lg[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu().numpy()
+
         for name in ("all", "la"):
             peft.set_adapter(name)
             refs[name] = [logprobs(p) for p in prompts]
@@ -276,8 +297,11 @@ def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
             refs[None] = [logprobs(p) for p in prompts]
     del peft, model
     torch.cuda.empty_cache()
-    adapters = {"all": AdapterSpec("all", str(paths["all"])), "la": AdapterSpec("la", str(paths["la"])),
-                "all_pe": AdapterSpec("all_pe", str(pe))}
+    adapters = {
+        "all": AdapterSpec("all", str(paths["all"])),
+        "la": AdapterSpec("la", str(paths["la"])),
+        "all_pe": AdapterSpec("all_pe", str(pe)),
+    }
     mixed = ["all", None, "la", "all_pe", "all"]
     with open_engine("triton", EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cuda")) as e:
         for choice in (None, "all_pe", mixed):
@@ -304,8 +328,10 @@ def test_checkpoint_under_the_hub_wrappers_language_model_names(tiny, triton_run
     spec, adapters, prompts = tiny
     src = Path(spec.path)
     with safe_open(src / "model.safetensors", framework="pt") as f:
-        renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): f.get_tensor(k)
-                   for k in f.keys()}
+        renamed = {
+            ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): f.get_tensor(k)
+            for k in f.keys()
+        }
     renamed["model.visual.patch_embed.proj.weight"] = torch.randn(4, 3)  # a vision tower the runtime must skip
     save_file(renamed, tmp_path / "model.safetensors")
     shutil.copy(src / "config.json", tmp_path / "config.json")

@@ -15,6 +15,7 @@ A run under both must be bit-identical to a clean run: the triton engine on CPU 
 interpreter, dense LoRA on the vendor-GEMM paths, a mixed batch with rows without an adapter, a one-adapter
 batch) in fp32 and bf16, and its torch references.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
 """The validation layer itself (harness/spec/validate/) and the engines using it: hf and triton refuse the same bad
 prompts with the same message, and check adapters before loading them (triton: rank vs r, router LoRA)."""
+
 from __future__ import annotations
 
 import json
@@ -30,19 +31,25 @@ MODEL = "tiny-qwen3-moe"
 @pytest.fixture(scope="module")
 def engines():
     spec = get_model(MODEL)
-    with open_engine("hf", EngineConfig(model=spec, device="cpu")) as hf, \
-            open_engine("triton", EngineConfig(model=spec, device="cpu")) as triton:
+    with (
+        open_engine("hf", EngineConfig(model=spec, device="cpu")) as hf,
+        open_engine("triton", EngineConfig(model=spec, device="cpu")) as triton,
+    ):
         yield {"hf": hf, "triton": triton}
 
 
-@pytest.mark.parametrize("prompts, needle", [
-    ([], "no prompts"),
-    ([[1, 2, 3], [4, 1024, 5]], "prompt 1 has 1 token id(s) outside the vocabulary [0, 1024) (e.g. 1024)"),
-    ([[1, -3, 2]], "outside the vocabulary [0, 1024) (e.g. -3)"),
-    ([[1, 2.5, 3]], "float values"),
-    ([[7]], "prompt 0 has 1 token(s)"),
-    ([[1] * 1025], "more than the model's max_position_embeddings (1024)"),
-], ids=["empty-list", "out-of-vocab", "negative", "float", "one-token", "too-long"])
+@pytest.mark.parametrize(
+    "prompts, needle",
+    [
+        ([], "no prompts"),
+        ([[1, 2, 3], [4, 1024, 5]], "prompt 1 has 1 token id(s) outside the vocabulary [0, 1024) (e.g. 1024)"),
+        ([[1, -3, 2]], "outside the vocabulary [0, 1024) (e.g. -3)"),
+        ([[1, 2.5, 3]], "float values"),
+        ([[7]], "prompt 0 has 1 token(s)"),
+        ([[1] * 1025], "more than the model's max_position_embeddings (1024)"),
+    ],
+    ids=["empty-list", "out-of-vocab", "negative", "float", "one-token", "too-long"],
+)
 def test_engines_refuse_bad_prompts_alike(engines, prompts, needle):
     said = {}
     for name, eng in engines.items():
@@ -100,8 +107,11 @@ def test_engines_refuse_rank_that_differs_from_r(tmp_path, engine):
 def test_router_adapter_refused_by_triton_for_the_router(tmp_path):
     bad = _router(_copy(tmp_path))
     cfg = EngineConfig(model=get_model(MODEL), adapters={"a": AdapterSpec("a", str(bad))}, device="cpu")
-    with pytest.raises(ValidationError, match=r"LoRA on the MoE router \(model.layers.0.mlp.gate\), which the triton "
-                                              "engine refuses"):
+    with pytest.raises(
+        ValidationError,
+        match=r"LoRA on the MoE router \(model.layers.0.mlp.gate\), which the triton "
+        "engine refuses",
+    ):
         open_engine("triton", cfg).__enter__()
     # the engine-independent checks pass it: PEFT (hf) decides about routers itself
     assert not [p for p in adapter_problems(bad, model_facts(get_model(MODEL))) if p.severity == "error"]
@@ -122,6 +132,7 @@ def test_depth_cut_model_skips_deeper_layers_tensors():
 def test_logprob_rounding_above_zero_is_tolerated():
     def run(v):
         return LogprobRun([PromptLogprobs(np.array([1, 2, 3]), np.array([-1.0, v], np.float32))])
+
     check_run(run(LOGPROB_TOL / 2), "r")
     with pytest.raises(ValidationError, match="above 0"):
         check_run(run(LOGPROB_TOL * 2), "r")

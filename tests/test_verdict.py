@@ -1,4 +1,5 @@
 """Thresholds (lookup fallbacks, provenance, record) and verdicts on hand-made metrics."""
+
 import dataclasses
 import json
 import math
@@ -13,15 +14,35 @@ from lpdiff.harness.pipeline.verdict import judge, next_step, to_json
 
 
 def metrics(k2=1e-9, max_abs=1e-4, **kw) -> Metrics:
-    fields = dict(num_positions=100, k1=0.0, k2=k2, k3=k2, max_abs=max_abs, mean_abs=max_abs / 10,
-                  p99_abs=max_abs / 2, over_0_1=0.0, over_0_5=0.0, over_1_0=0.0, num_nonfinite=0)
+    fields = dict(
+        num_positions=100,
+        k1=0.0,
+        k2=k2,
+        k3=k2,
+        max_abs=max_abs,
+        mean_abs=max_abs / 10,
+        p99_abs=max_abs / 2,
+        over_0_1=0.0,
+        over_0_5=0.0,
+        over_1_0=0.0,
+        num_nonfinite=0,
+    )
     fields.update(kw)
     return Metrics(**fields)
 
 
 def thr(k2=1e-6, max_abs=1e-3, delta_fidelity=0.05, source="unmeasured", **kw) -> Threshold:
-    return Threshold(k2=k2, max_abs=max_abs, delta_fidelity=delta_fidelity, source=source, model="tiny-moe",
-                     engine_pair="triton-vs-hf", dtype="float32", tp=1, **kw)
+    return Threshold(
+        k2=k2,
+        max_abs=max_abs,
+        delta_fidelity=delta_fidelity,
+        source=source,
+        model="tiny-moe",
+        engine_pair="triton-vs-hf",
+        dtype="float32",
+        tp=1,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -45,11 +66,14 @@ def test_shipped_defaults_are_unmeasured_and_cover_every_dtype():
 
 def test_record_then_lookup_with_fallbacks(table):
     t = from_noise(2e-10, 3e-5, 10.0, noise_delta_fidelity=1e-3, gpu="H200", commit="abc1234", note="8 prompts")
-    assert (t.k2, t.max_abs, t.delta_fidelity, t.source) == (pytest.approx(2e-9), pytest.approx(3e-4),
-                                                             pytest.approx(1e-2), "measured")
+    assert (t.k2, t.max_abs, t.delta_fidelity, t.source) == (
+        pytest.approx(2e-9),
+        pytest.approx(3e-4),
+        pytest.approx(1e-2),
+        "measured",
+    )
     record("tiny-moe", ("triton", "hf"), "float32", 1, t, path=table)
-    record("tiny-moe", ("triton", "hf"), "float32", 4, from_noise(1e-9, 1e-4, 10.0, gpu="H200", commit="c"),
-           path=table)
+    record("tiny-moe", ("triton", "hf"), "float32", 4, from_noise(1e-9, 1e-4, 10.0, gpu="H200", commit="c"), path=table)
     exact = lookup("tiny-moe", "triton-vs-hf", "float32", 1, path=table)
     assert (exact.match, exact.source, exact.gpu, exact.k2) == ("exact", "measured", "H200", pytest.approx(2e-9))
     other = lookup("tiny-moe", "triton-vs-hf", "float32", 2, path=table)  # tp=1 is nearer than tp=4
@@ -57,8 +81,7 @@ def test_record_then_lookup_with_fallbacks(table):
     assert "no entry for tp=2; using the tp=1 entry" in other.note and other.provenance == "measured (other-tp)"
     assert lookup("tiny-moe", "triton-vs-hf", "bfloat16", 1, path=table).match == "default"
     # recording again replaces the entry instead of adding a second one
-    record("tiny-moe", ("triton", "hf"), "float32", 1, from_noise(1e-10, 1e-5, 5.0, gpu="H100", commit="d"),
-           path=table)
+    record("tiny-moe", ("triton", "hf"), "float32", 1, from_noise(1e-10, 1e-5, 5.0, gpu="H100", commit="d"), path=table)
     entries = [e for e in json.loads(table.read_text())["entries"] if e["model"] == "tiny-moe"]
     assert len(entries) == 2 and lookup("tiny-moe", "triton-vs-hf", "float32", 1, path=table).gpu == "H100"
 
@@ -69,22 +92,32 @@ def test_measured_threshold_needs_its_noise_floor():
 
 
 def test_pass():
-    v = judge(metrics(), thr(source="measured", noise_k2=1e-8, noise_max_abs=1e-4, margin_factor=10), 0.01,
-              adapter="r8")
+    v = judge(
+        metrics(), thr(source="measured", noise_k2=1e-8, noise_max_abs=1e-4, margin_factor=10), 0.01, adapter="r8"
+    )
     assert v.passed and v.reasons == [] and v.notes == []
     assert (v.model, v.engine_pair, v.dtype, v.tp, v.adapter) == ("tiny-moe", "triton-vs-hf", "float32", 1, "r8")
 
 
-@pytest.mark.parametrize("m, fidelity, want", [
-    (metrics(k2=3e-6), None, ["k2 3e-06 > threshold 1e-06"]),  # k2 alone over
-    (metrics(max_abs=0.25), None, ["max |Δ| 0.25 > threshold 0.001"]),  # one bad position, tiny k2
-    (metrics(), 0.97, ["delta fidelity 0.97 > threshold 0.05"]),  # adapter dropped while k2 stays small
-    (metrics(), {"attention": 0.01, "experts": 1.0}, ["delta fidelity [experts] 1 > threshold 0.05"]),
-    (metrics(k2=float("nan"), num_nonfinite=2), None,  # NaN must fail, not slip past a ">" comparison
-     ["2 of 100 positions have a NaN or inf logprob", "k2 nan > threshold 1e-06"]),
-    (metrics(k2=2e-6, max_abs=0.5), 0.5, ["k2 2e-06 > threshold 1e-06", "max |Δ| 0.5 > threshold 0.001",
-                                          "delta fidelity 0.5 > threshold 0.05"]),  # every reason listed
-])
+@pytest.mark.parametrize(
+    "m, fidelity, want",
+    [
+        (metrics(k2=3e-6), None, ["k2 3e-06 > threshold 1e-06"]),  # k2 alone over
+        (metrics(max_abs=0.25), None, ["max |Δ| 0.25 > threshold 0.001"]),  # one bad position, tiny k2
+        (metrics(), 0.97, ["delta fidelity 0.97 > threshold 0.05"]),  # adapter dropped while k2 stays small
+        (metrics(), {"attention": 0.01, "experts": 1.0}, ["delta fidelity [experts] 1 > threshold 0.05"]),
+        (
+            metrics(k2=float("nan"), num_nonfinite=2),
+            None,  # NaN must fail, not slip past a ">" comparison
+            ["2 of 100 positions have a NaN or inf logprob", "k2 nan > threshold 1e-06"],
+        ),
+        (
+            metrics(k2=2e-6, max_abs=0.5),
+            0.5,
+            ["k2 2e-06 > threshold 1e-06", "max |Δ| 0.5 > threshold 0.001", "delta fidelity 0.5 > threshold 0.05"],
+        ),  # every reason listed
+    ],
+)
 def test_fail_reasons_name_metric_and_both_numbers(m, fidelity, want):
     v = judge(m, thr(), fidelity)
     assert not v.passed and v.reasons == want
@@ -105,8 +138,10 @@ def test_near_ties_reported_not_hidden():
 
 
 def test_table_and_json():
-    vs = [judge(metrics(), thr(), 0.01, adapter="r8"),
-          judge(metrics(k2=float("nan"), num_nonfinite=1), thr(), {"attention": 0.0, "experts": 1.0})]
+    vs = [
+        judge(metrics(), thr(), 0.01, adapter="r8"),
+        judge(metrics(k2=float("nan"), num_nonfinite=1), thr(), {"attention": 0.0, "experts": 1.0}),
+    ]
     text = verdict_table(vs, wide=True)
     lines = text.splitlines()
     assert len(lines) == 4 and lines[0].split()[:2] == ["model", "engine"] and set(lines[1]) <= {"-", " "}
@@ -129,8 +164,12 @@ def _lanes(n_adapters: int = 6, tps=(1, 2)) -> list:
     for tp in tps:
         for a in names:
             bad = tp == 2
-            v = judge(metrics(k2=0.0153 if bad else 1e-9, max_abs=0.3 if bad else 1e-7), thr(),
-                      None if a == "-" else {"attention": 0.0012, "experts": 0.61 if bad else 1e-4}, adapter=a)
+            v = judge(
+                metrics(k2=0.0153 if bad else 1e-9, max_abs=0.3 if bad else 1e-7),
+                thr(),
+                None if a == "-" else {"attention": 0.0012, "experts": 0.61 if bad else 1e-4},
+                adapter=a,
+            )
             v.model, v.engine_pair, v.dtype, v.tp = "tiny-qwen3.5-moe", "triton:float32-vs-hf:float32", "float32", tp
             if bad:
                 v.next_step = next_step(v.engine_pair, v.model, a, tp, ())
@@ -162,16 +201,28 @@ def test_default_table_fits_120_columns_and_names_the_next_step():
 
 
 def test_next_step_per_engine():
-    assert next_step("triton:float32-vs-hf:float32", "tiny-qwen3-moe", "experts", 2, ("experts", "/my dir/a"),
-                     {"fault": "topk_weight_missing"}) == (
-        "lpdiff bisect tiny-qwen3-moe --adapter experts --adapter '/my dir/a' --tp 2 --fault topk_weight_missing")
-    assert next_step("triton:float32-vs-hf:float32", "tiny-qwen3-moe", "experts", 1) == \
-        "lpdiff bisect tiny-qwen3-moe --adapter experts --tp 1"
+    assert next_step(
+        "triton:float32-vs-hf:float32",
+        "tiny-qwen3-moe",
+        "experts",
+        2,
+        ("experts", "/my dir/a"),
+        {"fault": "topk_weight_missing"},
+    ) == ("lpdiff bisect tiny-qwen3-moe --adapter experts --adapter '/my dir/a' --tp 2 --fault topk_weight_missing")
+    assert (
+        next_step("triton:float32-vs-hf:float32", "tiny-qwen3-moe", "experts", 1)
+        == "lpdiff bisect tiny-qwen3-moe --adapter experts --tp 1"
+    )
     assert next_step("vllm:bfloat16-vs-hf:float32", "Qwen/Qwen3-30B-A3B", "my-lora", 4) == (
         "lpdiff doctor Qwen/Qwen3-30B-A3B my-lora --engine vllm; "
-        "lpdiff metamorphic Qwen/Qwen3-30B-A3B my-lora --engine vllm --tp 4")
-    assert next_step("sglang:bfloat16-vs-hf:float32", "m", "-", 2).startswith("lpdiff compare --model m --engine sglang")
+        "lpdiff metamorphic Qwen/Qwen3-30B-A3B my-lora --engine vllm --tp 4"
+    )
+    assert next_step("sglang:bfloat16-vs-hf:float32", "m", "-", 2).startswith(
+        "lpdiff compare --model m --engine sglang"
+    )
     assert "constraints.txt" in next_step("hf:float32-vs-hf:float32", "tiny-qwen3-moe", "all", 1)
     # an arch bisect cannot capture: the runtime against itself; a base lane names an adapter of its batch
-    assert next_step("triton:float32-vs-hf:float32", "tiny-qwen3.5-moe", "-", 2, (), bisect=False) == \
-        "lpdiff metamorphic tiny-qwen3.5-moe all --engine triton --tp 2"
+    assert (
+        next_step("triton:float32-vs-hf:float32", "tiny-qwen3.5-moe", "-", 2, (), bisect=False)
+        == "lpdiff metamorphic tiny-qwen3.5-moe all --engine triton --tp 2"
+    )

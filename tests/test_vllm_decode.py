@@ -2,6 +2,7 @@
 skips where vLLM is not installed): a tiny dense Qwen3 with a LoRA adapter and base rows in one batch, greedy and
 seeded sampling; vLLM's own logprob of each generated token (raw logprobs, its default) must equal the reference's
 prefill logprob of that token."""
+
 from __future__ import annotations
 
 from pathlib import Path

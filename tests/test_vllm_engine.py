@@ -7,6 +7,7 @@ tiny Qwen3-MoE without LoRA against HF; a second engine in the same process; the
 GPU (vLLM's MoE-LoRA path is Triton): those tests carry ``gpu1``. Measured numbers go to $LPDIFF_NUMBERS_OUT (JSON
 lines) when set, so the CI stage can print what it asserted.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,10 @@ def dense_rows(p, vocab: int) -> np.ndarray:
 def dense(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-dense")
     spec = tiny_checkpoint("tiny-qwen3-dense", root)
-    adapters = {"a8": make_adapter(spec, root / "a8", ("attention", "mlp"), rank=8, seed=1),
-                "b4": make_adapter(spec, root / "b4", ("attention",), rank=4, seed=2)}
+    adapters = {
+        "a8": make_adapter(spec, root / "a8", ("attention", "mlp"), rank=8, seed=1),
+        "b4": make_adapter(spec, root / "b4", ("attention",), rank=4, seed=2),
+    }
     return spec, adapters
 
 
@@ -117,10 +120,22 @@ def test_dense_lora_matches_hf_peft_fp32(dense_runs):
     v, h = runs["vllm"], runs["hf"]
     err = max_diff(v["mixed"], h["mixed"])
     # the adapters must move the logprobs far beyond the tolerance, or this test could not see them dropped
-    effect = {name: max(float(np.abs(h["mixed"][i].logprobs - h["base"][i].logprobs).max())
-                        for i, c in enumerate(choice) if c == name) for name in ("a8", "b4")}
-    record("dense_lora_fp32", version=runs["version"], max_abs_vs_hf=err, base_max_abs_vs_hf=max_diff(v["base"], h["base"]),
-           adapter_effect_a8=effect["a8"], adapter_effect_b4=effect["b4"])
+    effect = {
+        name: max(
+            float(np.abs(h["mixed"][i].logprobs - h["base"][i].logprobs).max())
+            for i, c in enumerate(choice)
+            if c == name
+        )
+        for name in ("a8", "b4")
+    }
+    record(
+        "dense_lora_fp32",
+        version=runs["version"],
+        max_abs_vs_hf=err,
+        base_max_abs_vs_hf=max_diff(v["base"], h["base"]),
+        adapter_effect_a8=effect["a8"],
+        adapter_effect_b4=effect["b4"],
+    )
     assert err <= TOL, f"vLLM LoRA vs HF+PEFT fp32: max |d| {err:.3g} > {TOL}"
     assert max_diff(v["base"], h["base"]) <= TOL
     assert min(effect.values()) > 100 * TOL, f"adapters barely change the output: {effect}"
@@ -162,8 +177,13 @@ def test_second_engine_in_same_process_repeats_exactly(dense):
 def test_subprocess_lane_gives_the_in_process_numbers(dense, dense_runs):
     spec, adapters = dense
     ps, choice, _, runs = dense_runs
-    cfg = EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu",
-                       options={"lane": "subprocess", "lane_start_timeout_s": 600})
+    cfg = EngineConfig(
+        model=spec,
+        adapters=adapters,
+        dtype="float32",
+        device="cpu",
+        options={"lane": "subprocess", "lane_start_timeout_s": 600},
+    )
     with open_engine("vllm", cfg) as eng:
         got = eng.prompt_logprobs(ps, choice)
         assert eng.version().startswith("vllm ")
@@ -198,12 +218,16 @@ def test_moe_lora_on_cpu_is_refused_with_the_fix(moe, tmp_path):
 
 # -- GPU: MoE + LoRA (vLLM's LoRA kernels are bf16/fp16 only; the reference is HF+PEFT in fp32) --------------------
 
+
 @pytest.mark.gpu1
-@pytest.mark.parametrize("model, layout", [
-    ("tiny-qwen3-moe", "peft3d"),  # not Qwen3's native layout: enable_mixed_moe_lora_format + is_3d_lora_weight
-    ("tiny-qwen3-moe", "per_expert"),  # Qwen3's native layout in vLLM
-    ("tiny-gpt-oss", "peft3d"),  # gpt-oss's native layout: interleaved gate/up kept by FusedMoE3DWithLoRA
-])
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("tiny-qwen3-moe", "peft3d"),  # not Qwen3's native layout: enable_mixed_moe_lora_format + is_3d_lora_weight
+        ("tiny-qwen3-moe", "per_expert"),  # Qwen3's native layout in vLLM
+        ("tiny-gpt-oss", "peft3d"),  # gpt-oss's native layout: interleaved gate/up kept by FusedMoE3DWithLoRA
+    ],
+)
 def test_moe_lora_bf16_matches_hf_fp32(model, layout, tmp_path):
     from lpdiff.harness.pipeline.metrics import compare, delta_fidelity
     from lpdiff.harness.types import LogprobRun
@@ -215,8 +239,13 @@ def test_moe_lora_bf16_matches_hf_fp32(model, layout, tmp_path):
     ps = prompts(hf_config(spec).vocab_size, lengths=(64, 128, 96, 32))
     runs = {}
     for engine, dtype in (("vllm", "bfloat16"), ("hf", "float32")):
-        cfg = EngineConfig(model=spec, adapters={"a": a}, dtype=dtype, device="cuda",
-                           options={"gpu_memory_utilization": 0.3} if engine == "vllm" else {})
+        cfg = EngineConfig(
+            model=spec,
+            adapters={"a": a},
+            dtype=dtype,
+            device="cuda",
+            options={"gpu_memory_utilization": 0.3} if engine == "vllm" else {},
+        )
         with open_engine(engine, cfg) as eng:
             runs[engine] = (LogprobRun(eng.prompt_logprobs(ps, "a")), LogprobRun(eng.prompt_logprobs(ps, None)))
     m = compare(runs["vllm"][0], runs["hf"][0])
@@ -251,8 +280,14 @@ def test_moe_lora_tp2_matches_tp1(tmp_path):
     ps = prompts(1024, lengths=(64, 128, 96))
     runs = {}
     for tp in (1, 2):
-        cfg = EngineConfig(model=spec, adapters={"a": a}, dtype="bfloat16", tp=tp, device="cuda",
-                           options={"gpu_memory_utilization": 0.3})
+        cfg = EngineConfig(
+            model=spec,
+            adapters={"a": a},
+            dtype="bfloat16",
+            tp=tp,
+            device="cuda",
+            options={"gpu_memory_utilization": 0.3},
+        )
         with open_engine("vllm", cfg) as eng:
             runs[tp] = LogprobRun(eng.prompt_logprobs(ps, "a"))
     m = compare(runs[2], runs[1])

@@ -6,6 +6,7 @@ deadline, closing must end the engine's own subprocesses, and a real engine must
 The small engines below are test doubles for the lane's failure paths (they stand in for SGLang killing itself);
 the last test runs the real HF engine through the lane.
 """
+
 from __future__ import annotations
 
 import os
@@ -110,11 +111,14 @@ def test_bad_target_fails_at_start_with_the_import_error():
         SubprocessLane("lpdiff.engines.no_such_engine:X", (), fast_lane()).start()
 
 
-@pytest.mark.parametrize("options, mode, rest", [
-    ({}, "inprocess", {}),  # default: no lane
-    ({"lane": "subprocess", "max_loras": 2}, "subprocess", {"max_loras": 2}),  # engine options pass through
-    ({"python": "/some/other/venv/bin/python"}, "subprocess", {}),  # another interpreter implies a lane
-])
+@pytest.mark.parametrize(
+    "options, mode, rest",
+    [
+        ({}, "inprocess", {}),  # default: no lane
+        ({"lane": "subprocess", "max_loras": 2}, "subprocess", {"max_loras": 2}),  # engine options pass through
+        ({"python": "/some/other/venv/bin/python"}, "subprocess", {}),  # another interpreter implies a lane
+    ],
+)
 def test_lane_options(options, mode, rest):
     cfg, left = lane_config_from_options(options)
     assert (cfg is None) == (mode == "inprocess") and left == rest
@@ -122,11 +126,14 @@ def test_lane_options(options, mode, rest):
         assert cfg.python == options["python"]
 
 
-@pytest.mark.parametrize("environ, lane_env, want", [
-    ({}, None, "0"),  # the lane holds vLLM's engine core: one process (and one import of vLLM) fewer
-    ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, None, None),  # the caller's own setting reaches the lane as it is
-    ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "1"),  # so does one given as lane_env
-])
+@pytest.mark.parametrize(
+    "environ, lane_env, want",
+    [
+        ({}, None, "0"),  # the lane holds vLLM's engine core: one process (and one import of vLLM) fewer
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, None, None),  # the caller's own setting reaches the lane as it is
+        ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "1"),  # so does one given as lane_env
+    ],
+)
 def test_vllm_lane_runs_the_engine_core_in_the_lane(monkeypatch, environ, lane_env, want):
     from lpdiff.engines.base import EngineConfig
     from lpdiff.engines.vllm import VLLMEngine

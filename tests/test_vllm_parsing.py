@@ -5,6 +5,7 @@ The ``Fake*`` classes below are stand-ins for vLLM's output types (``Logprob``, 
 tests only: they carry the same fields vLLM 0.25 (list of dicts) and 0.32 (flat lists) return. The real engine runs
 against real vLLM in tests/test_vllm_engine.py.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -102,11 +103,14 @@ def test_actual_token_outside_topk_is_not_mistaken_for_topk():
     assert got.logprobs.tolist() == [-6.0] and got.topk_ids.tolist() == [[1, 2]]
 
 
-@pytest.mark.parametrize("entries, ids, match", [
-    ([None, {1: FakeLogprob(-1.0)}], [5, 9], "lack the actual token 9"),  # a wrong entry must not pass silently
-    ([None], [5, 9], "for 1 positions, the prompt has 2"),  # length mismatch
-    (None, [5, 9], "prompt_logprobs=k"),  # the request forgot prompt logprobs
-])
+@pytest.mark.parametrize(
+    "entries, ids, match",
+    [
+        ([None, {1: FakeLogprob(-1.0)}], [5, 9], "lack the actual token 9"),  # a wrong entry must not pass silently
+        ([None], [5, 9], "for 1 positions, the prompt has 2"),  # length mismatch
+        (None, [5, 9], "prompt_logprobs=k"),  # the request forgot prompt logprobs
+    ],
+)
 def test_parse_errors_name_the_problem(entries, ids, match):
     with pytest.raises(ValueError, match=match):
         parse_prompt_logprobs(ids, entries)
@@ -118,12 +122,15 @@ def test_parse_refuses_short_topk():
         parse_prompt_logprobs([5, 9], entries, top_k=5)
 
 
-@pytest.mark.parametrize("top_k, vocab, want", [
-    (0, 100, 0),  # actual token only
-    (5, 100, 5),
-    (-1, 100, -1),  # whole vocabulary, vLLM's spelling
-    (100, 100, -1),  # k >= vocab is the whole vocabulary (HF engine spelling)
-])
+@pytest.mark.parametrize(
+    "top_k, vocab, want",
+    [
+        (0, 100, 0),  # actual token only
+        (5, 100, 5),
+        (-1, 100, -1),  # whole vocabulary, vLLM's spelling
+        (100, 100, -1),  # k >= vocab is the whole vocabulary (HF engine spelling)
+    ],
+)
 def test_vllm_top_k(top_k, vocab, want):
     assert vllm_top_k(top_k, vocab) == want
 
@@ -133,12 +140,15 @@ def test_vllm_top_k_refuses_negative():
         vllm_top_k(-2, 10)
 
 
-@pytest.mark.parametrize("ranks, want", [
-    ([8], 8),
-    ([4, 8], 8),  # a rank-4 adapter shares the rank-8 slots
-    ([9], 16),  # not an allowed value: next one up
-    ([320], 320),
-])
+@pytest.mark.parametrize(
+    "ranks, want",
+    [
+        ([8], 8),
+        ([4, 8], 8),  # a rank-4 adapter shares the rank-8 slots
+        ([9], 16),  # not an allowed value: next one up
+        ([320], 320),
+    ],
+)
 def test_pick_max_lora_rank(ranks, want):
     assert pick_max_lora_rank(ranks) == want
 
@@ -155,10 +165,21 @@ def test_adapter_max_rank_reads_rank_pattern(tmp_path):
 
     from safetensors.numpy import save_file
 
-    (tmp_path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "rank_pattern": {"q_proj": 32}}))
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((32, 4), np.float32)},
-              str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 8,
+                "lora_alpha": 16,
+                "target_modules": ["q_proj"],
+                "rank_pattern": {"q_proj": 32},
+            }
+        )
+    )
+    save_file(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((32, 4), np.float32)},
+        str(tmp_path / "adapter_model.safetensors"),
+    )
     assert adapter_max_rank(tmp_path) == 32
 
 
@@ -169,8 +190,11 @@ def test_unknown_option_is_refused_with_the_known_ones():
 
 
 def test_engine_outside_with_block_says_how_to_use_it():
-    eng = VLLMEngine(EngineConfig(model=ModelSpec(name="m", arch="qwen3", path="/nonexistent"),
-                                  adapters={"a": AdapterSpec("a", "/x")}))
+    eng = VLLMEngine(
+        EngineConfig(
+            model=ModelSpec(name="m", arch="qwen3", path="/nonexistent"), adapters={"a": AdapterSpec("a", "/x")}
+        )
+    )
     with pytest.raises(RuntimeError, match="context manager"):
         eng.prompt_logprobs([[1, 2]])
 
@@ -187,7 +211,8 @@ def test_checkpoint_dir_writes_a_layer_cut_model_once(tmp_path):
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], initializer_range=0.25)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw)).save_pretrained(
-        str(tmp_path / "m"))
+        str(tmp_path / "m")
+    )
     full = ModelSpec(name="m", arch="qwen3", path=str(tmp_path / "m"))
     assert checkpoint_dir(full, tmp_path / "cache") == full.path  # nothing to write
     cut = ModelSpec(name="m", arch="qwen3", path=full.path, num_layers=2)
@@ -205,15 +230,18 @@ def test_checkpoint_dir_writes_a_layer_cut_model_once(tmp_path):
 GPT_OSS, QWEN3 = "GptOssForCausalLM", "Qwen3MoeForCausalLM"
 
 
-@pytest.mark.parametrize("arch, native_3d, layouts, forced, mixed, rename", [
-    (QWEN3, False, ["per_expert"], None, False, {}),  # Qwen3-MoE reads per-expert adapters natively
-    (QWEN3, False, ["peft3d", "per_expert", "dense_only"], None, True, {}),  # 3D there needs the 2D conversion
-    (QWEN3, False, ["dense_only"], None, False, {}),  # attention-only adapters: no MoE-LoRA mode at all
-    (GPT_OSS, True, ["peft3d", "dense_only"], None, False, {}),  # gpt-oss 3D natively: the interleave-aware wrapper
-    # asked for: vLLM's 2D path, per-expert names renamed to what GptOssModel.get_expert_mapping says
-    (GPT_OSS, True, ["peft3d", "per_expert"], True, True, {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}),
-    ("Qwen3_5MoeForConditionalGeneration", True, ["per_expert"], None, True, {}),  # 3D-native, concatenated: fine
-])
+@pytest.mark.parametrize(
+    "arch, native_3d, layouts, forced, mixed, rename",
+    [
+        (QWEN3, False, ["per_expert"], None, False, {}),  # Qwen3-MoE reads per-expert adapters natively
+        (QWEN3, False, ["peft3d", "per_expert", "dense_only"], None, True, {}),  # 3D there needs the 2D conversion
+        (QWEN3, False, ["dense_only"], None, False, {}),  # attention-only adapters: no MoE-LoRA mode at all
+        (GPT_OSS, True, ["peft3d", "dense_only"], None, False, {}),  # gpt-oss 3D natively: the interleave-aware wrapper
+        # asked for: vLLM's 2D path, per-expert names renamed to what GptOssModel.get_expert_mapping says
+        (GPT_OSS, True, ["peft3d", "per_expert"], True, True, {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}),
+        ("Qwen3_5MoeForConditionalGeneration", True, ["per_expert"], None, True, {}),  # 3D-native, concatenated: fine
+    ],
+)
 def test_plan_moe_lora(arch, native_3d, layouts, forced, mixed, rename):
     plan = plan_moe_lora(arch, layouts, native_3d, forced)
     assert (plan.mixed, plan.rename) == (mixed, rename)
@@ -226,10 +254,13 @@ def test_plan_refuses_gpt_oss_per_expert_by_default_naming_both_ways_out():
         plan_moe_lora(GPT_OSS, ["peft3d", "per_expert"], True)
 
 
-@pytest.mark.parametrize("arch, native_3d, layout, fix", [
-    (QWEN3, False, "peft3d", "--to per_expert"),  # forced off: vLLM would crash at set_lora (fused_moe.py:363)
-    (GPT_OSS, True, "per_expert", "--to peft3d"),  # forced off: vLLM refuses the names as unexpected modules
-])
+@pytest.mark.parametrize(
+    "arch, native_3d, layout, fix",
+    [
+        (QWEN3, False, "peft3d", "--to per_expert"),  # forced off: vLLM would crash at set_lora (fused_moe.py:363)
+        (GPT_OSS, True, "per_expert", "--to peft3d"),  # forced off: vLLM refuses the names as unexpected modules
+    ],
+)
 def test_plan_refuses_a_layout_the_model_cannot_read_when_forced_off(arch, native_3d, layout, fix):
     with pytest.raises(ValueError, match=fix):
         plan_moe_lora(arch, [layout], native_3d, forced=False)
@@ -249,11 +280,21 @@ def _adapter_dir(tmp_path, keys_shapes: dict, **cfg) -> Path:
 
     d = tmp_path / "a"
     d.mkdir(exist_ok=True)
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
-                                                       "target_modules": ["gate_proj", "up_proj", "down_proj"],
-                                                       **cfg}))
-    save_file({k: np.arange(np.prod(s), dtype=np.float32).reshape(s) for k, s in keys_shapes.items()},
-              str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 2,
+                "lora_alpha": 4,
+                "target_modules": ["gate_proj", "up_proj", "down_proj"],
+                **cfg,
+            }
+        )
+    )
+    save_file(
+        {k: np.arange(np.prod(s), dtype=np.float32).reshape(s) for k, s in keys_shapes.items()},
+        str(d / "adapter_model.safetensors"),
+    )
     return d
 
 
@@ -261,15 +302,22 @@ P = "base_model.model.model.layers.0.mlp.experts"
 
 
 def _per_expert(parts=("gate_proj", "up_proj", "down_proj"), experts=2):
-    return {f"{P}.{e}.{part}.lora_{ab}.weight": (2, 3) if ab == "A" else (3, 2)
-            for e in range(experts) for part in parts for ab in "AB"}
+    return {
+        f"{P}.{e}.{part}.lora_{ab}.weight": (2, 3) if ab == "A" else (3, 2)
+        for e in range(experts)
+        for part in parts
+        for ab in "AB"
+    }
 
 
-@pytest.mark.parametrize("keys, cfg, match", [
-    ({f"{P}.lora_A.weight": (4, 3), f"{P}.lora_B.weight": (6, 4)}, {}, "one expert parameter"),  # lone gate_up
-    ({k: s for k, s in _per_expert().items() if ".1.up_proj" not in k}, {}, r"experts\.1 has"),  # missing part
-    (_per_expert(), {"rank_pattern": {"down_proj": 4}}, "rank_pattern"),  # vLLM scales every module alpha/r
-])
+@pytest.mark.parametrize(
+    "keys, cfg, match",
+    [
+        ({f"{P}.lora_A.weight": (4, 3), f"{P}.lora_B.weight": (6, 4)}, {}, "one expert parameter"),  # lone gate_up
+        ({k: s for k, s in _per_expert().items() if ".1.up_proj" not in k}, {}, r"experts\.1 has"),  # missing part
+        (_per_expert(), {"rank_pattern": {"down_proj": 4}}, "rank_pattern"),  # vLLM scales every module alpha/r
+    ],
+)
 def test_adapter_problems_name_what_vllm_would_misread(tmp_path, keys, cfg, match):
     from lpdiff.harness.spec.adapters import inspect_adapter
 
@@ -280,8 +328,12 @@ def test_adapter_problems_name_what_vllm_would_misread(tmp_path, keys, cfg, matc
 def test_adapter_problems_accept_what_vllm_reads(tmp_path):
     from lpdiff.harness.spec.adapters import inspect_adapter
 
-    both = {f"{P}.base_layer.lora_A.weight": (4, 3), f"{P}.base_layer.lora_B.weight": (6, 4),
-            f"{P}.lora_A.weight": (4, 3), f"{P}.lora_B.weight": (3, 4)}
+    both = {
+        f"{P}.base_layer.lora_A.weight": (4, 3),
+        f"{P}.base_layer.lora_B.weight": (6, 4),
+        f"{P}.lora_A.weight": (4, 3),
+        f"{P}.lora_B.weight": (3, 4),
+    }
     assert adapter_problems(inspect_adapter(_adapter_dir(tmp_path, both))) == []
     (tmp_path / "a" / "adapter_model.safetensors").unlink()
     assert adapter_problems(inspect_adapter(_adapter_dir(tmp_path, _per_expert()))) == []
@@ -294,8 +346,9 @@ def test_adapter_problems_accept_what_vllm_reads(tmp_path):
 def test_renamed_per_expert_adapter_keeps_every_tensor_under_vllms_names(tmp_path):
     from safetensors.numpy import load_file
 
-    src = _adapter_dir(tmp_path, {**_per_expert(), "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
-                                  (2, 3)})
+    src = _adapter_dir(
+        tmp_path, {**_per_expert(), "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (2, 3)}
+    )
     rename = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
     out = renamed_per_expert_adapter(src, rename, tmp_path / "cache")
     assert renamed_per_expert_adapter(src, rename, tmp_path / "cache") == out  # written once
@@ -310,10 +363,13 @@ def test_renamed_per_expert_adapter_keeps_every_tensor_under_vllms_names(tmp_pat
     assert json.loads(Path(out, "adapter_config.json").read_text())["target_modules"] == ["w1", "w2", "w3"]
 
 
-@pytest.mark.parametrize("dtype, backend", [
-    ("bfloat16", "FLASH_ATTN"),  # what ran MoE-LoRA on 0.25.1 (FA3 has gpt-oss's sinks)
-    ("float32", "TRITON_ATTN"),  # FlashAttention has no fp32 (flash_attn.py:68)
-])
+@pytest.mark.parametrize(
+    "dtype, backend",
+    [
+        ("bfloat16", "FLASH_ATTN"),  # what ran MoE-LoRA on 0.25.1 (FA3 has gpt-oss's sinks)
+        ("float32", "TRITON_ATTN"),  # FlashAttention has no fp32 (flash_attn.py:68)
+    ],
+)
 def test_default_attention_backend(dtype, backend):
     assert default_attention_backend(dtype) == backend
 
@@ -438,6 +494,8 @@ def test_nemotron_lora_steps_are_capped_where_vllm_runs_them(tmp_path):
         for tp in (1, 2, 4, 8):
             eng = VLLMEngine(EngineConfig(model=spec, adapters=adapters, dtype="bfloat16", tp=tp))
             got[model, tp] = eng._lora_kwargs(hf_config(spec), on_cpu=False, known=known).get("max_num_batched_tokens")
-    assert got == {**{("tiny-nemotron-h", tp): n for tp, n in ((1, 2048), (2, 2048), (4, 1024), (8, 512))},
-                   **{("tiny-qwen3-moe", tp): None for tp in (1, 2, 4, 8)}}
+    assert got == {
+        **{("tiny-nemotron-h", tp): n for tp, n in ((1, 2048), (2, 2048), (4, 1024), (8, 512))},
+        **{("tiny-qwen3-moe", tp): None for tp in (1, 2, 4, 8)},
+    }
     assert [nemotron_step_tokens(tp) for tp in (1, 2, 4, 8)] == [2048, 2048, 1024, 512]

@@ -1,5 +1,6 @@
 """The tiny zoo: committed weights are the ones recorded, saved in the Hub's layout, and behave like trained models
 (peaked next-token distributions, decisive routers) on the committed prompt sets."""
+
 from __future__ import annotations
 
 import hashlib
@@ -25,9 +26,7 @@ WEIGHTS_SHA256 = {
 }
 
 # The prompt sets' token ids (tokenizer + held-out text are committed; a tokenizers upgrade must not move them).
-PROMPTS_SHA256 = {
-    "default": "51505cdc27c6506dd17235dfb8f31cd37bdfe029872ef30bad623b1ca2203b4a",
-}
+PROMPTS_SHA256 = {"default": "51505cdc27c6506dd17235dfb8f31cd37bdfe029872ef30bad623b1ca2203b4a"}
 
 # Properties the recipe must deliver on the default prompt set, with room below what was measured
 # (docs/zoo.md): a model that regressed to random-init behaviour fails each of them.

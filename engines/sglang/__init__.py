@@ -12,7 +12,7 @@ engine or server becomes an error carrying its log tail.
 Requests: ``input_ids`` (token-id prompts; ``skip_tokenizer_init=True``), ``sampling_params={"max_new_tokens": 0}``
 (0 is allowed, sampling/sampling_params.py:209, and makes the request prefill-only), ``return_logprob=True``,
 ``logprob_start_len=0``, ``top_logprobs_num=k``, ``lora_path=[name or None per prompt]`` (adapters registered at
-start as ``lora_paths={name: path}``, server_args.py:6816; requests pick them by name). Responses: 
+start as ``lora_paths={name: path}``, server_args.py:6816; requests pick them by name). Responses:
 ``meta_info["input_token_logprobs"]`` = [(logprob, token_id, None)] per prompt token (text is None without
 return_text_in_logprobs, managers/tokenizer_manager.py:2302), the first logprob None ([None] + logprobs[:-1],
 managers/scheduler_components/logprob_result_processor.py:37); token ids >= vocab_size - 1 come back as 0
@@ -54,10 +54,32 @@ Options (``EngineConfig.options``):
                      request's tokens like a lane call, see LaneConfig.call_timeout)
   checkpoint_dir     where a config-built or layer-cut model is written for SGLang to load
 """
+
 from lpdiff.engines.sglang.capabilities import CAPABILITIES
 from lpdiff.engines.sglang.engine import SGLangEngine, SGLangHTTP, SGLangOffline, resolve
-from lpdiff.engines.sglang.requests import (ARCH_SETTINGS, MOE_LORA_SETTINGS, generate_request, parse_batch,
-                                            parse_response, server_args, server_cli, sglang_top_k)
+from lpdiff.engines.sglang.requests import (
+    ARCH_SETTINGS,
+    MOE_LORA_SETTINGS,
+    generate_request,
+    parse_batch,
+    parse_response,
+    server_args,
+    server_cli,
+    sglang_top_k,
+)
 
-__all__ = ["ARCH_SETTINGS", "CAPABILITIES", "MOE_LORA_SETTINGS", "SGLangEngine", "SGLangHTTP", "SGLangOffline",
-           "generate_request", "parse_batch", "parse_response", "resolve", "server_args", "server_cli", "sglang_top_k"]
+__all__ = [
+    "ARCH_SETTINGS",
+    "CAPABILITIES",
+    "MOE_LORA_SETTINGS",
+    "SGLangEngine",
+    "SGLangHTTP",
+    "SGLangOffline",
+    "generate_request",
+    "parse_batch",
+    "parse_response",
+    "resolve",
+    "server_args",
+    "server_cli",
+    "sglang_top_k",
+]

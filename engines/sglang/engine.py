@@ -1,5 +1,6 @@
 """SGLangEngine: the offline ``sgl.Engine`` inside a subprocess lane, or the HTTP ``/generate`` API of a server
 lpdiff launches or one already running (see the package docstring)."""
+
 from __future__ import annotations
 
 import json
@@ -12,18 +13,31 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_decode, check_request
-from lpdiff.engines.sglang.requests import (decode_request, generate_request, parse_batch, parse_decode, server_args,
-                                           server_cli)
-from lpdiff.engines.subprocess_lane import (LaneConfig, LaneEngine, ManagedProcess, lane_config_from_options,
-                                            strip_lane_options)
+from lpdiff.engines.sglang.requests import (
+    decode_request,
+    generate_request,
+    parse_batch,
+    parse_decode,
+    server_args,
+    server_cli,
+)
+from lpdiff.engines.subprocess_lane import (
+    LaneConfig,
+    LaneEngine,
+    ManagedProcess,
+    lane_config_from_options,
+    strip_lane_options,
+)
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import PromptLogprobs
 
 _OWN_OPTIONS = ("mode", "url", "server_args", "port", "request_timeout_s", "checkpoint_dir", "capture_routing")
 _RESOLVED = "_resolved"  # option the parent hands the lane: {"server_args": ..., "vocab_size": ...}
-_NOT_INSTALLED = ("sglang is not installed for {python}: install sglang==0.5.15 (or unpack the offline bundle from "
-                  "gpu-bundles/sglang-0.5.15.sh and put it on PYTHONPATH), or pass options python=<interpreter "
-                  "that has SGLang>")
+_NOT_INSTALLED = (
+    "sglang is not installed for {python}: install sglang==0.5.15 (or unpack the offline bundle from "
+    "gpu-bundles/sglang-0.5.15.sh and put it on PYTHONPATH), or pass options python=<interpreter "
+    "that has SGLang>"
+)
 
 
 def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> dict[str, Any]:
@@ -36,8 +50,11 @@ def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> 
     out: dict[str, Any] = {"vocab_size": text.vocab_size}
     if config.options.get("capture_routing"):  # requests.parse_routed_experts' shape
         types = getattr(text, "layers_block_type", None)
-        out["routing"] = {"layers": text.num_hidden_layers, "top_k": text.num_experts_per_tok,
-                          "moe_layers": [i for i, t in enumerate(types) if t == "moe"] if types else None}
+        out["routing"] = {
+            "layers": text.num_hidden_layers,
+            "top_k": text.num_experts_per_tok,
+            "moe_layers": [i for i, t in enumerate(types) if t == "moe"] if types else None,
+        }
     if launch:
         from lpdiff.engines.checkpoint import checkpoint_dir
 
@@ -48,6 +65,7 @@ def resolve(config: EngineConfig, opts: dict[str, Any], launch: bool = True) -> 
 
 
 # -- offline: sgl.Engine, run inside the lane's child process ------------------------------------------------------
+
 
 class SGLangOffline:
     """``sgl.Engine`` as an lpdiff engine. Runs in the lane's child (see SGLangEngine); never in the caller."""
@@ -85,8 +103,9 @@ class SGLangOffline:
         out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab, routing is not None))
         return parse_batch(prompts, out, top_k, self.vocab, routing)
 
-    def decode(self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy",
-               seed: int = 0):
+    def decode(
+        self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0
+    ):
         check_decode(max_new_tokens, sampling, seed)
         names = check_request(prompts, adapter, self.config.adapters)
         out = self.engine.generate(**decode_request(prompts, names, max_new_tokens, sampling, seed))
@@ -94,6 +113,7 @@ class SGLangOffline:
 
 
 # -- HTTP: a launched or running server ----------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -117,10 +137,19 @@ class SGLangHTTP:
         self.vocab = self.resolved["vocab_size"]
         if self.url is None:
             port = int(self.opts.get("port") or _free_port())
-            argv = [self.lane.python, "-m", "sglang.launch_server", *server_cli(self.resolved["server_args"]),
-                    "--host", "127.0.0.1", "--port", str(port)]
-            self.server = ManagedProcess(argv, self.lane.env, self.lane.log_path, self.lane.tail_lines,
-                                         log_prefix="lpdiff-sglang-server-").start()
+            argv = [
+                self.lane.python,
+                "-m",
+                "sglang.launch_server",
+                *server_cli(self.resolved["server_args"]),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ]
+            self.server = ManagedProcess(
+                argv, self.lane.env, self.lane.log_path, self.lane.tail_lines, log_prefix="lpdiff-sglang-server-"
+            ).start()
             self.url = f"http://127.0.0.1:{port}"
             self._wait_ready(self.lane.start_timeout_s)
         return self
@@ -151,15 +180,15 @@ class SGLangHTTP:
             time.sleep(1.0)
 
     def post(self, path: str, payload: dict[str, Any], tokens: int = 0) -> Any:
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             timeout = float(self.timeout) if self.timeout is not None else self.lane.call_timeout(tokens)
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:  # the server answered: its message says what was wrong
-            raise RuntimeError(f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}") \
-                from None
+            raise RuntimeError(f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             if self.server is not None:
                 try:
@@ -181,20 +210,28 @@ class SGLangHTTP:
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
         names = check_request(prompts, adapter, self.config.adapters)
         routing = self.resolved.get("routing")
-        out = self.post("/generate", generate_request(prompts, names, top_k, self.vocab, routing is not None),
-                        sum(map(len, prompts)))
+        out = self.post(
+            "/generate",
+            generate_request(prompts, names, top_k, self.vocab, routing is not None),
+            sum(map(len, prompts)),
+        )
         return parse_batch(prompts, out, top_k, self.vocab, routing)
 
-    def decode(self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy",
-               seed: int = 0):
+    def decode(
+        self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0
+    ):
         check_decode(max_new_tokens, sampling, seed)
         names = check_request(prompts, adapter, self.config.adapters)
-        out = self.post("/generate", decode_request(prompts, names, max_new_tokens, sampling, seed),
-                        sum(map(len, prompts)) + max_new_tokens * len(prompts))
+        out = self.post(
+            "/generate",
+            decode_request(prompts, names, max_new_tokens, sampling, seed),
+            sum(map(len, prompts)) + max_new_tokens * len(prompts),
+        )
         return parse_decode(prompts, out, max_new_tokens)
 
 
 # -- the engine ----------------------------------------------------------------------------------------------------
+
 
 class SGLangEngine:
     name = "sglang"
@@ -202,12 +239,16 @@ class SGLangEngine:
     def __init__(self, config: EngineConfig):
         lane, opts = lane_config_from_options({"lane": "subprocess", **config.options})
         if lane is None:
-            raise InputError("the sglang engine always runs in a subprocess lane (a PEFT 3D adapter kills SGLang's "
-                             "process); drop option lane='inprocess'")
+            raise InputError(
+                "the sglang engine always runs in a subprocess lane (a PEFT 3D adapter kills SGLang's "
+                "process); drop option lane='inprocess'"
+            )
         unknown = sorted(set(opts) - set(_OWN_OPTIONS))
         if unknown:
-            raise InputError(f"unknown sglang engine options {unknown}; known: {', '.join(_OWN_OPTIONS)}, python, "
-                             "lane_env, lane_start_timeout_s, lane_call_timeout_s, lane_log")
+            raise InputError(
+                f"unknown sglang engine options {unknown}; known: {', '.join(_OWN_OPTIONS)}, python, "
+                "lane_env, lane_start_timeout_s, lane_call_timeout_s, lane_log"
+            )
         self.mode = opts.get("mode", "offline")
         if self.mode not in ("offline", "http"):
             raise InputError(f"option mode must be 'offline' or 'http', got {self.mode!r}")
@@ -235,14 +276,21 @@ class SGLangEngine:
     def version(self) -> str:
         return self._impl.version() if self._impl is not None else "sglang (not started)"
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                        top_k: int = 0) -> list[PromptLogprobs]:
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, top_k: int = 0
+    ) -> list[PromptLogprobs]:
         if self._impl is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('sglang', cfg) as eng:`")
         return self._impl.prompt_logprobs(prompts, adapter, top_k)
 
-    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
-               sampling: str = "greedy", seed: int = 0):
+    def decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter: AdapterChoice = None,
+        max_new_tokens: int = 16,
+        sampling: str = "greedy",
+        seed: int = 0,
+    ):
         """SGLang's own generation with its logprobs (requests.decode_request)."""
         if self._impl is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('sglang', cfg) as eng:`")

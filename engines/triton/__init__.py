@@ -38,24 +38,40 @@ Options (``EngineConfig.options``; validated once into options.TritonOptions):
   capture_routing   return each token's expert ids, top-k weights and margin per MoE layer (default False; the
                     calls then run without CUDA graphs; engines/triton/routing.py)
 """
+
 from lpdiff.engines.capabilities import Capabilities, Mode
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS
 
 CAPABILITIES = Capabilities(
-    engine="triton", label="lpdiff-triton", versions="this lpdiff", archs=SUPPORTED_ARCHS,
-    layouts=("peft3d", "per_expert"), dtypes=("float32", "bfloat16", "float16"), lora_fp32=True,
+    engine="triton",
+    label="lpdiff-triton",
+    versions="this lpdiff",
+    archs=SUPPORTED_ARCHS,
+    layouts=("peft3d", "per_expert"),
+    dtypes=("float32", "bfloat16", "float16"),
+    lora_fp32=True,
     # above the kernels' register-held rank (kernels.MAX_RANK) a session runs the torch LoRA path
-    max_rank=None, max_moe_rank=None, tp=(1, 2, 4, 8), cpu_tp=(1, 2, 4, 8), per_layer_capture=True,
+    max_rank=None,
+    max_moe_rank=None,
+    tp=(1, 2, 4, 8),
+    cpu_tp=(1, 2, 4, 8),
+    per_layer_capture=True,
     # packed tokens per forward (TritonOptions.max_batch_tokens); a longer prompt runs alone in its own forward
-    prefill_step=8192, prefill_step_option=("max_batch_tokens",),
+    prefill_step=8192,
+    prefill_step_option=("max_batch_tokens",),
     router_lora="refused",  # LoRA runs on attention and experts only (engines/triton/lora.py SUPPORTED_TARGETS)
     # its kernels are Triton functions even where they run as their torch references; wheels for Linux only
     install="pip install triton==3.6.0 (Linux only: elsewhere run the install self-check, lpdiff run --engine hf)",
-    module="triton", fp32_twins=({"impl": "torch"}, {}),  # the torch references against the kernels
-    modes=(Mode("kernels_torch", {"impl": "torch"}), Mode("kernels_triton", {"impl": "triton"}, ("triton_kernels",)),
-           Mode("attention_sdpa", {"attention": "sdpa"}),
-           Mode("attention_flash", {"attention": "flash"}, ("cuda", "low_precision")),
-           Mode("attention_triton", {"attention": "triton"})))  # interpreted on CPU, any dtype
+    module="triton",
+    fp32_twins=({"impl": "torch"}, {}),  # the torch references against the kernels
+    modes=(
+        Mode("kernels_torch", {"impl": "torch"}),
+        Mode("kernels_triton", {"impl": "triton"}, ("triton_kernels",)),
+        Mode("attention_sdpa", {"attention": "sdpa"}),
+        Mode("attention_flash", {"attention": "flash"}, ("cuda", "low_precision")),
+        Mode("attention_triton", {"attention": "triton"}),
+    ),
+)  # interpreted on CPU, any dtype
 
 __all__ = ["CAPABILITIES", "TritonEngine"]
 

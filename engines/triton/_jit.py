@@ -2,6 +2,7 @@
 references. They are plain ``triton.jit`` kernels: compiled on CUDA tensors, interpreted on CPU tensors only when
 TRITON_INTERPRET=1 was set before this package was imported (the interpreter cannot run triton's own jit helpers
 such as tl.sum inside a kernel compiled for the GPU, so the mode is fixed at import)."""
+
 from __future__ import annotations
 
 import os

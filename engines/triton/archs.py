@@ -7,6 +7,7 @@
   runtime.Runtime calls it instead of model_config / load_weights / stack_adapters / MoeTransformer. It is imported
   only when a model of its arch is opened (lazily: it may import lora.py / weights.py, which import this file).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,8 +20,10 @@ from lpdiff.engines.triton.config import SUPPORTED_ARCHS, ModelConfig
 
 ARCHS: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
 # arch (the checkpoint's model type, engines.capabilities.model_type) -> the module that builds the whole model
-HYBRIDS: dict[str, str] = {"qwen3_5_moe": "lpdiff.engines.triton.qwen3_5",
-                            "nemotron_h": "lpdiff.engines.triton.nemotron_h"}
+HYBRIDS: dict[str, str] = {
+    "qwen3_5_moe": "lpdiff.engines.triton.qwen3_5",
+    "nemotron_h": "lpdiff.engines.triton.nemotron_h",
+}
 assert set(ARCHS) | set(HYBRIDS) == set(SUPPORTED_ARCHS), "config.SUPPORTED_ARCHS names the archs this file maps"
 
 
@@ -38,6 +41,7 @@ class Built:
       states, for lpdiff bisect). Optional ``capture_modules(batch, inputs) -> {(layer, point): tensor}`` re-runs
       its modules on another engine's inputs (capture.py); without it a module-level capture is refused.
     """
+
     cfg: object
     weights: object
     lora: object | None
@@ -68,10 +72,14 @@ def model_config(hf_config, num_layers: int | None = None) -> ModelConfig:
     arch = getattr(hf_config, "model_type", None)
     if arch not in ARCHS:
         if arch_name(hf_config) in HYBRIDS:
-            raise ValueError(f"arch {arch!r} is built by its own module ({HYBRIDS[arch_name(hf_config)]}.build), "
-                             "not from a ModelConfig")
-        raise ValueError(f"the triton engine does not support arch {arch!r}; supported: "
-                         f"{', '.join(SUPPORTED_ARCHS)} (use engine 'hf' for other models)")
+            raise ValueError(
+                f"arch {arch!r} is built by its own module ({HYBRIDS[arch_name(hf_config)]}.build), "
+                "not from a ModelConfig"
+            )
+        raise ValueError(
+            f"the triton engine does not support arch {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHS)} (use engine 'hf' for other models)"
+        )
     cfg = ARCHS[arch].config_from_hf(hf_config)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:

@@ -18,6 +18,7 @@ Three paths, each exact for what it computes:
   except sink/scale there, and its value is zero, so q'.k_sink * scale = sink and the sink only enlarges the
   softmax denominator, which is what transformers' eager path computes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,16 +28,25 @@ from lpdiff.engines.triton.batch import Batch
 from lpdiff.kernels import attention as kernels_attention
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
-              sinks: torch.Tensor | None, impl: str = "auto") -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: Batch,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    impl: str = "auto",
+) -> torch.Tensor:
     """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | triton | flash |
     sdpa (module docstring); "triton" on CPU tensors runs the kernel interpreted."""
     if impl == "auto":
         half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
         impl = "triton" if half and not padded_sdpa_pays(batch, window, sinks) else "sdpa"
     if impl == "triton":
-        return kernels_attention.attention(q, k, v, batch.cu_seqlens, batch.max_len, scale, window, sinks,
-                                           impl="triton")
+        return kernels_attention.attention(
+            q, k, v, batch.cu_seqlens, batch.max_len, scale, window, sinks, impl="triton"
+        )
     if impl == "flash" and flash_works(q.device, q.dtype, q.shape[-1]):
         return flash_varlen(q, k, v, batch, scale, window, sinks)
     return sdpa(q, k, v, batch, scale, window, sinks)
@@ -66,14 +76,22 @@ def flash_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
         lens, h, hkv = [3, 40, 17], 4, 2
         ids = torch.cat([torch.arange(n) for n in lens])
         cu = torch.tensor([0, 3, 43, 60], dtype=torch.int32, device=device)
-        fake = Batch(ids.to(device), ids.to(device), torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
-                     .to(device), lens, cu, None, None, None)
+        fake = Batch(
+            ids.to(device),
+            ids.to(device),
+            torch.repeat_interleave(torch.arange(3), torch.tensor(lens)).to(device),
+            lens,
+            cu,
+            None,
+            None,
+            None,
+        )
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(60, n, head_dim, generator=g, device=device) for n in (h, hkv, hkv))
         sinks = torch.randn(h, generator=g, device=device)
         try:
-            ref = sdpa(q, k, v, fake, head_dim ** -0.5, 8, sinks)
-            got = flash_varlen(q.to(dtype), k.to(dtype), v.to(dtype), fake, head_dim ** -0.5, 8, sinks.to(dtype))
+            ref = sdpa(q, k, v, fake, head_dim**-0.5, 8, sinks)
+            got = flash_varlen(q.to(dtype), k.to(dtype), v.to(dtype), fake, head_dim**-0.5, 8, sinks.to(dtype))
             err = ((got.float() - ref).norm() / ref.norm()).item()
             _FLASH_OK[key] = err < 2e-2
             why = f"relative error {err:.3g}"
@@ -88,8 +106,19 @@ def flash_varlen(q, k, v, batch: Batch, scale: float, window: int | None, sinks:
     T, h, _ = q.shape
     win = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
     out, lse = torch.ops.aten._flash_attention_forward(
-        q, k.contiguous(), v.contiguous(), batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len,
-        0.0, True, False, scale=scale, **win)[:2]
+        q,
+        k.contiguous(),
+        v.contiguous(),
+        batch.cu_seqlens,
+        batch.cu_seqlens,
+        batch.max_len,
+        batch.max_len,
+        0.0,
+        True,
+        False,
+        scale=scale,
+        **win,
+    )[:2]
     if sinks is None:
         return out
     # (h, T) from the unpadded varlen kernel; (B, h, L_max) from kernels that keep a padded layout
@@ -98,8 +127,15 @@ def flash_varlen(q, k, v, batch: Batch, scale: float, window: int | None, sinks:
     return (out.float() * keep[..., None]).to(out.dtype)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, scale: float, window: int | None,
-         sinks: torch.Tensor | None) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: Batch,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     h, d = q.shape[1], q.shape[2]
     rep = h // k.shape[1]
     qp, kp, vp = (batch.pad(t).transpose(1, 2) for t in (q, k, v))  # (B, heads, L, d)

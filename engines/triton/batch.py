@@ -1,6 +1,7 @@
 """One packed prefill batch: prompts of any lengths concatenated into T tokens (no padding in the GEMMs), plus the
 index maps that let attention see it as a right-padded (B, L_max) batch. Right padding is exact for causal
 attention: a real query never sees a key after itself, so padded keys never enter its softmax."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,8 +31,9 @@ class Batch:
     rows: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype,
-              device: torch.device) -> "Batch":
+    def build(
+        cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> "Batch":
         # index maps in numpy and rope on the device: no torch CPU kernels on the host's path to the first launch
         # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e.md)
         lens = [len(p) for p in prompts]
@@ -52,8 +54,18 @@ class Batch:
         cu = torch.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)).to(device)
         uniform = slots[0] if adapter is not None and all(s == slots[0] for s in slots) else None
         rows = np.concatenate([np.arange(s, s + k - 1) for s, k in zip(np.cumsum(n) - n, lens)])
-        return cls(torch.from_numpy(ids).to(device), positions, torch.from_numpy(seq).to(device), lens, cu, adapter,
-                   cos, sin, uniform_slot=uniform, rows=torch.from_numpy(rows).to(device))
+        return cls(
+            torch.from_numpy(ids).to(device),
+            positions,
+            torch.from_numpy(seq).to(device),
+            lens,
+            cu,
+            adapter,
+            cos,
+            sin,
+            uniform_slot=uniform,
+            rows=torch.from_numpy(rows).to(device),
+        )
 
     @staticmethod
     def token_ids(prompts: list[list[int]]) -> np.ndarray:

@@ -2,6 +2,7 @@
 engine's inputs to that module, so that a module's error is its own and not inherited from the layers before.
 Under TP every rank runs the same capture on its shard (``CaptureWork`` is broadcast to the workers, tp.py): the
 attention and expert outputs are all-reduced as in a forward, so rank 0 returns full (tokens, hidden) outputs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ def is_input(point: str) -> bool:
 @dataclass(slots=True)
 class CaptureWork:
     """One capture call as every rank runs it (rank 0 in the engine's process, the workers from a broadcast)."""
+
     prompts: list[list[int]]
     slots: list[int]  # the adapter slot of each prompt (-1: none), so a batch may mix adapters and base rows
     inputs: dict | None  # {(layer, point): tensor} of input points (is_input), on the CPU when broadcast
@@ -35,8 +37,9 @@ class CaptureWork:
         return run_capture(runtime, self)
 
 
-def capture_layers(engine, prompts: Sequence[Sequence[int]], adapter=None,
-                   inputs: dict | None = None) -> dict[tuple[int, str], torch.Tensor]:
+def capture_layers(
+    engine, prompts: Sequence[Sequence[int]], adapter=None, inputs: dict | None = None
+) -> dict[tuple[int, str], torch.Tensor]:
     """``engine``: an open TritonEngine, any TP size; ``adapter``: one name, None, or one choice per prompt.
     -> {(layer, point): tensor}: "hidden" from the runtime's own forward; with ``inputs`` (e.g. the hf engine's
     capture, prompts in the same order) also each module with and without the adapters (attention and experts; a
@@ -75,8 +78,10 @@ def run_capture(rt, work: CaptureWork) -> dict | None:
         cap.update(rerun(batch, inputs))
         return cap if rt.shard.first else None
     if inputs is not None and not isinstance(m, MoeTransformer):
-        raise ValueError(f"the triton engine's {cfg.arch} model does not re-run its modules on another engine's "
-                         "inputs; capture its layer outputs only (inputs=None)")
+        raise ValueError(
+            f"the triton engine's {cfg.arch} model does not re-run its modules on another engine's "
+            "inputs; capture its layer outputs only (inputs=None)"
+        )
     for i, lw in enumerate(m.w.layers if inputs is not None else ()):
         ll = m.lora.layers[i] if m.lora is not None else None
         h = inputs[i, "attention_in"].to(rt.device, rt.dtype)
@@ -87,9 +92,22 @@ def run_capture(rt, work: CaptureWork) -> dict | None:
         own_ids, own_weights, _ = route(x, lw, cfg, m.impl)
         cap[i, "router_ids"], cap[i, "router_weights"] = own_ids, own_weights
         # as the forward runs them, summed over top-k; the all-reduce turns each rank's partial into the output
-        cap[i, "experts"] = m.all_reduce(experts(x, ids, w32, lw, cfg, ll.moe if ll is not None else None,
-                                                 batch.token_adapter, m.lora_impl, m.moe_backend,
-                                                 shrink=m.moe_shrink, padding=m.moe_padding))
-        cap[i, "experts_base"] = m.all_reduce(experts(x, ids, w32, lw, cfg, None, None, m.lora_impl, m.moe_backend,
-                                                      padding=m.moe_padding))
+        cap[i, "experts"] = m.all_reduce(
+            experts(
+                x,
+                ids,
+                w32,
+                lw,
+                cfg,
+                ll.moe if ll is not None else None,
+                batch.token_adapter,
+                m.lora_impl,
+                m.moe_backend,
+                shrink=m.moe_shrink,
+                padding=m.moe_padding,
+            )
+        )
+        cap[i, "experts_base"] = m.all_reduce(
+            experts(x, ids, w32, lw, cfg, None, None, m.lora_impl, m.moe_backend, padding=m.moe_padding)
+        )
     return cap if rt.shard.first else None

@@ -4,6 +4,7 @@ Each supported arch has a small file (qwen3_moe.py, gpt_oss.py; archs.py maps na
 HF config and says how its expert weights map to the kernels' layout; everything else in the runtime reads only
 ``ModelConfig``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,8 +64,10 @@ def rope_from_hf(rotary_cls: type, hf_config) -> tuple[torch.Tensor, float]:
     """inv_freq and attention scaling exactly as the HF model computes them (YaRN included), on the CPU."""
     rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported by the triton engine (prefill-only, static "
-                         f"frequencies); supported: {', '.join(STATIC_ROPE_TYPES)}")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported by the triton engine (prefill-only, static "
+            f"frequencies); supported: {', '.join(STATIC_ROPE_TYPES)}"
+        )
     with torch.device("cpu"):
         rotary = rotary_cls(config=hf_config)
     return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)

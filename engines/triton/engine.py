@@ -1,4 +1,5 @@
 """``triton``: lpdiff's own prefill-only MoE-LoRA runtime (see engines/triton/__init__.py for the options)."""
+
 from __future__ import annotations
 
 import gc
@@ -27,16 +28,19 @@ class TritonEngine:
 
     def __init__(self, config: EngineConfig):
         if model_type(config.model.arch) not in SUPPORTED_ARCHS:
-            raise ValueError(f"the triton engine does not support arch {config.model.arch!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHS)} (use engine 'hf' for other models)")
+            raise ValueError(
+                f"the triton engine does not support arch {config.model.arch!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHS)} (use engine 'hf' for other models)"
+            )
         self.options = TritonOptions.from_dict(config.options)
         if config.tp not in (1, 2, 4, 8):
             raise ValueError(f"tp must be 1, 2, 4 or 8, got {config.tp}")
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and (self.device.index or 0) + config.tp > torch.cuda.device_count():
-            raise ValueError(f"tp={config.tp} from {self.device} needs {config.tp} GPUs; "
-                             f"{torch.cuda.device_count()} visible")
+            raise ValueError(
+                f"tp={config.tp} from {self.device} needs {config.tp} GPUs; {torch.cuda.device_count()} visible"
+            )
         self.runtime = None
         self.workers = None
         self.last_wall_s = 0.0
@@ -63,17 +67,21 @@ class TritonEngine:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                raise RuntimeError("a torch.distributed process group already exists in this process; the triton "
-                                   "engine starts its own for tp > 1 (close the other engine, or use tp=1)")
+                raise RuntimeError(
+                    "a torch.distributed process group already exists in this process; the triton "
+                    "engine starts its own for tp > 1 (close the other engine, or use tp=1)"
+                )
             self.workers = tp.Workers(world, self.config, self.device, self.options)
             log(f"{world - 1} workers spawned")
         try:
             if world > 1:
-                tp.init_group(0, world, self.workers.init_method, tp.rank_device(self.device, 0),
-                              self.options.timeout_s)
+                tp.init_group(
+                    0, world, self.workers.init_method, tp.rank_device(self.device, 0), self.options.timeout_s
+                )
                 log("process group joined")
-            self.runtime = Runtime(self.config, self.options, Shard(0, world), tp.rank_device(self.device, 0),
-                                   tp.all_reduce_fn(world))
+            self.runtime = Runtime(
+                self.config, self.options, Shard(0, world), tp.rank_device(self.device, 0), tp.all_reduce_fn(world)
+            )
             if self.workers is not None:
                 log("rank 0 loaded its shard")
                 self.workers.wait_ready()
@@ -110,16 +118,19 @@ class TritonEngine:
         opts = self.options
         fault = f", FAULT {opts.fault}" if opts.fault else ""
         moe = f", moe {opts.moe_backend}" if opts.moe_backend != DEFAULTS["moe_backend"] else ""
-        return (f"lpdiff-triton (impl {opts.impl}{moe}{fault}), torch {torch.__version__}, "
-                f"triton {triton.__version__}, transformers {transformers.__version__}")
+        return (
+            f"lpdiff-triton (impl {opts.impl}{moe}{fault}), torch {torch.__version__}, "
+            f"triton {triton.__version__}, transformers {transformers.__version__}"
+        )
 
     # -- work ------------------------------------------------------------------------------------------------
     def capture_layers(self, prompts, adapter=None, inputs=None):
         """Per-layer module outputs for lpdiff bisect (engines/triton/capture.py)."""
         return capture_layers(self, prompts, adapter, inputs)
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                        top_k: int = 0) -> list[PromptLogprobs]:
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, top_k: int = 0
+    ) -> list[PromptLogprobs]:
         if self.runtime is None:
             raise RuntimeError("use the engine as a context manager: `with TritonEngine(cfg) as eng:`")
         # check_request's checks, keeping the checked int lists (converting the prompts again cost ~0.7 ms per

@@ -14,6 +14,7 @@ Two implementations of the delta rule:
   form: fla's Triton dots take fp32 inputs at TF32 precision, which would break the 1e-4 fp32 parity the engine's
   fp32 mode exists for.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, batch: Batch) -> torch.
     Computed in weight's dtype, as transformers' causal_conv1d_fn."""
     xp = batch.pad(x).transpose(1, 2).to(weight.dtype)  # (B, C, L)
     K = weight.shape[1]
-    y = F.conv1d(xp, weight.unsqueeze(1), None, padding=K - 1, groups=weight.shape[0])[..., :xp.shape[-1]]
+    y = F.conv1d(xp, weight.unsqueeze(1), None, padding=K - 1, groups=weight.shape[0])[..., : xp.shape[-1]]
     return batch.unpad(F.silu(y).transpose(1, 2)).to(x.dtype)
 
 
@@ -52,7 +53,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk: int = CHUNK) -> torch.
     dv = v.shape[-1]
     q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))  # (B, h, L, d)
     g, beta = (t.float().transpose(1, 2) for t in (g, beta))  # (B, h, L)
-    q = l2norm(q) * dk ** -0.5
+    q = l2norm(q) * dk**-0.5
     k = l2norm(k)
     pad = (-L) % chunk
     if pad:
@@ -87,7 +88,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta) -> torch.Tensor:
     """Token-by-token reference of chunk_gated_delta_rule_torch (same shapes): the recurrence as its docstring
     writes it, for the tests."""
     B, L, h, dk = k.shape
-    q = l2norm(q.float()) * dk ** -0.5
+    q = l2norm(q.float()) * dk**-0.5
     k = l2norm(k.float())
     v, g, beta = v.float(), g.float(), beta.float()
     S = q.new_zeros(B, h, dk, v.shape[-1])
@@ -125,16 +126,23 @@ def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torc
     if resolve(impl, v) == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None],
-                                      output_final_state=False, cu_seqlens=batch.cu_seqlens.long(),
-                                      use_qk_l2norm_in_kernel=True)
+        o, _ = chunk_gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g[None].float(),
+            beta[None],
+            output_final_state=False,
+            cu_seqlens=batch.cu_seqlens.long(),
+            use_qk_l2norm_in_kernel=True,
+        )
         return o[0].to(v.dtype)
     if len(batch.lens) * batch.max_len > 2 * batch.num_tokens:
         # the padded view would be mostly padding (one long prompt among short ones: 4096 + 100 x 40 tokens pads to
         # 101 x 4096): each prompt alone instead, the same chunks and arithmetic per prompt
         outs, start = [], 0
         for n in batch.lens:
-            outs.append(chunk_gated_delta_rule_torch(*(t[start:start + n][None] for t in (q, k, v, g, beta)))[0])
+            outs.append(chunk_gated_delta_rule_torch(*(t[start : start + n][None] for t in (q, k, v, g, beta)))[0])
             start += n
         return torch.cat(outs)
     o = chunk_gated_delta_rule_torch(*(batch.pad(t) for t in (q, k, v, g, beta)))

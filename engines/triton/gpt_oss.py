@@ -1,6 +1,7 @@
 """gpt-oss (20b, 120b): attention with bias and per-head sinks, sliding window on alternate layers, YaRN rope,
 router with bias (top-k on logits, then softmax over the k), experts with biases and clamped SwiGLU whose gate and
 up columns are interleaved and whose weights are stored transposed ((E, in, out))."""
+
 from __future__ import annotations
 
 import torch
@@ -16,14 +17,31 @@ def config_from_hf(hf) -> ModelConfig:
     windows = tuple(hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
     inv_freq, attn_scaling = rope_from_hf(GptOssRotaryEmbedding, hf)
     return ModelConfig(
-        arch="gpt_oss", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-        num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim, num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
-        expert_width=hf.intermediate_size, activation="swiglu_oai", router="topk_softmax", norm_topk_prob=False,
-        router_bias=True, expert_bias=True, attention_bias=bool(hf.attention_bias), qk_norm=False,
-        attention_sinks=True, sliding_windows=windows, rms_norm_eps=hf.rms_norm_eps, norm_weight_fp32=True,
-        tie_word_embeddings=bool(hf.tie_word_embeddings), rope_inv_freq=inv_freq,
-        rope_attention_scaling=attn_scaling)
+        arch="gpt_oss",
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        num_experts=hf.num_local_experts,
+        top_k=hf.num_experts_per_tok,
+        expert_width=hf.intermediate_size,
+        activation="swiglu_oai",
+        router="topk_softmax",
+        norm_topk_prob=False,
+        router_bias=True,
+        expert_bias=True,
+        attention_bias=bool(hf.attention_bias),
+        qk_norm=False,
+        attention_sinks=True,
+        sliding_windows=windows,
+        rms_norm_eps=hf.rms_norm_eps,
+        norm_weight_fp32=True,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        rope_inv_freq=inv_freq,
+        rope_attention_scaling=attn_scaling,
+    )
 
 
 def gate_up_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -37,5 +55,9 @@ def expert_weights(take, prefix: str):
     """-> (w_gate_up (E, 2I, H), w_down (E, H, I), b_gate_up (E, 2I), b_down (E, H)) in the kernels' layout."""
     gu = take(prefix + "gate_up_proj")  # (E, H, 2I), interleaved columns
     down = take(prefix + "down_proj")  # (E, I, H)
-    return (gate_up_rows(gu.transpose(1, 2), 1), down.transpose(1, 2).contiguous(),
-            gate_up_rows(take(prefix + "gate_up_proj_bias"), 1), take(prefix + "down_proj_bias"))
+    return (
+        gate_up_rows(gu.transpose(1, 2), 1),
+        down.transpose(1, 2).contiguous(),
+        gate_up_rows(take(prefix + "gate_up_proj_bias"), 1),
+        take(prefix + "down_proj_bias"),
+    )

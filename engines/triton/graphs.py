@@ -13,6 +13,7 @@ Policy: a key is captured the second time it is seen (a one-off batch never pays
 ``capacity`` graphs are kept (least recently used out). All graphs share one memory pool: each call reads its
 outputs right after its own replay, so a graph may reuse another's intermediates. A key whose capture failed runs
 eagerly from then on (warned once)."""
+
 from __future__ import annotations
 
 import warnings
@@ -57,8 +58,9 @@ class GraphCache:
             entry = make()
         except Exception as e:  # noqa: BLE001 - any capture failure means: run this layout eagerly
             self.refused.add(key)
-            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); this batch layout runs eagerly",
-                          stacklevel=3)
+            warnings.warn(
+                f"CUDA graph capture failed ({type(e).__name__}: {e}); this batch layout runs eagerly", stacklevel=3
+            )
             return None
         self.seen.discard(key)
         self.graphs[key] = entry

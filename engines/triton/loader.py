@@ -6,6 +6,7 @@ that converting layer by layer never holds two copies of the model).
   layout), read straight to the target device.
 - ``StateDictSource``: a live model's state dict (config-built models: the seeded HF model built on the device).
 """
+
 from __future__ import annotations
 
 import gc
@@ -45,15 +46,19 @@ class CheckpointSource:
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
-                raise FileNotFoundError(f"no *.safetensors in {self.path}; the triton engine reads safetensors "
-                                        "checkpoints only (re-save a .bin checkpoint with save_pretrained)")
+                raise FileNotFoundError(
+                    f"no *.safetensors in {self.path}; the triton engine reads safetensors "
+                    "checkpoints only (re-save a .bin checkpoint with save_pretrained)"
+                )
             weight_map = {}
             for f in files:
                 with safe_open(f, framework="pt") as h:
                     weight_map.update({k: f.name for k in h.keys()})
         if any(k.endswith(("_blocks", "_scales")) for k in weight_map):
-            raise ValueError(f"{self.path} holds MXFP4-quantised experts (*_blocks/*_scales); the triton engine "
-                             "needs a bf16 checkpoint (dequantise with transformers and save_pretrained)")
+            raise ValueError(
+                f"{self.path} holds MXFP4-quantised experts (*_blocks/*_scales); the triton engine "
+                "needs a bf16 checkpoint (dequantise with transformers and save_pretrained)"
+            )
         dev = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
         self.handles = {f: safe_open(self.path / f, framework="pt", device=dev) for f in set(weight_map.values())}
         self.weight_map = weight_map

@@ -5,6 +5,7 @@ Input: canonical adapters (harness.adapters.CanonicalAdapter): ``dense`` {module
 ``experts`` {param: (A (E, r, in), B (E, out, r))}, (out, in) orientation, rows in the HF parameter's order.
 Buffers start as zeros so unused slots and padded rank columns contribute exactly nothing.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -49,6 +50,7 @@ class LayerLora:
 @dataclass(slots=True)
 class AdapterSlots:
     """A session's adapters by slot, whatever the arch keeps per layer (subclasses add it and ``nbytes``)."""
+
     names: list[str]  # slot -> adapter name
     scaling: Tensor  # (L,) float32
     ranks: Tensor  # (L,) int32
@@ -68,7 +70,7 @@ class StackedLora(AdapterSlots):
             if layer.moe is not None:
                 ts += [layer.moe.gate_up_a, layer.moe.gate_up_b, layer.moe.down_a, layer.moe.down_b]
             if layer.o_w_s is not None:  # the A rows stacked under W_o (its first H rows are the weight itself)
-                ts.append(layer.o_w_s[layer.o_b.shape[1]:])
+                ts.append(layer.o_w_s[layer.o_b.shape[1] :])
             total += sum(t.numel() * t.element_size() for t in ts if t is not None)
         return total
 
@@ -86,15 +88,18 @@ def _by_layer(cfg: ModelConfig, name: str, entries: dict, pattern: re.Pattern) -
     for key, ab in entries.items():
         m = pattern.match(key)
         if m is None:
-            raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on; "
-                             f"supported targets: {SUPPORTED_TARGETS}")
+            raise ValueError(
+                f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on; "
+                f"supported targets: {SUPPORTED_TARGETS}"
+            )
         if int(m.group(1)) < cfg.num_layers:
             out.setdefault(int(m.group(1)), {})[m.group(2)] = ab
     return out
 
 
-def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, dtype: torch.dtype,
-                   device: torch.device) -> StackedLora | None:
+def stack_adapters(
+    cfg: ModelConfig, adapters: dict[str, object], shard: Shard, dtype: torch.dtype, device: torch.device
+) -> StackedLora | None:
     """``adapters``: name -> CanonicalAdapter, in slot order."""
     if not adapters:
         return None
@@ -140,7 +145,7 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
                         put(o_b[s], B)
                     else:
                         put(qkv_a[s, "qkv".index(proj)], A)
-                        put(qkv_b_full[s, offsets[proj]:offsets[proj] + B.shape[0]], B)
+                        put(qkv_b_full[s, offsets[proj] : offsets[proj] + B.shape[0]], B)
         moe = None
         if any_experts:
             gu_a, gu_b, dn_a, dn_b = z(L, E, R, H), z(L, E, I2, R), z(L, E, R, I), z(L, E, H, R)
@@ -155,18 +160,27 @@ def stack_adapters(cfg: ModelConfig, adapters: dict[str, object], shard: Shard, 
                     put(dn_a[s], A)
                     put(dn_b[s], B)
             moe = MoeLoraWeights(
-                gate_up_a=gu_a, gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
-                down_a=shard.split(dn_a, 3).contiguous(), down_b=dn_b,
-                scaling=scaling, ranks=ranks)
+                gate_up_a=gu_a,
+                gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
+                down_a=shard.split(dn_a, 3).contiguous(),
+                down_b=dn_b,
+                scaling=scaling,
+                ranks=ranks,
+            )
         qkv_b = None if qkv_b_full is None else shard.split_qkv(qkv_b_full, 1, *heads).contiguous()
         # o is row-parallel: A split on its input, B whole; each rank expands its partial shrink with the whole
         # packed B and the all-reduce of o's output sums the partial deltas (linear in the shrink)
-        layers.append(LayerLora(
-            qkv_a=qkv_a, qkv_b=qkv_b,
-            o_a=None if o_a_full is None else shard.split_heads(o_a_full, 3, *heads).contiguous(),
-            o_b=o_b, moe=moe,
-            qkv_b_packed=None if qkv_b is None else pack_lora_b(qkv_b, scaling, qkv_loc_offsets, R),
-            o_b_packed=None if o_b is None else pack_lora_b(o_b, scaling, None, R)))
+        layers.append(
+            LayerLora(
+                qkv_a=qkv_a,
+                qkv_b=qkv_b,
+                o_a=None if o_a_full is None else shard.split_heads(o_a_full, 3, *heads).contiguous(),
+                o_b=o_b,
+                moe=moe,
+                qkv_b_packed=None if qkv_b is None else pack_lora_b(qkv_b, scaling, qkv_loc_offsets, R),
+                o_b_packed=None if o_b is None else pack_lora_b(o_b, scaling, None, R),
+            )
+        )
         assert qkv_a is None or layers[-1].o_a.shape[-1] == q_loc
     return StackedLora(names=names, scaling=scaling, ranks=ranks, layers=layers)
 
@@ -211,7 +225,10 @@ def session_lora_impl(impl: str, lora) -> str:
     from lpdiff.kernels import MAX_RANK as KERNEL_MAX_RANK
 
     if lora is not None and int(lora.ranks.max()) > KERNEL_MAX_RANK:
-        warnings.warn(f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
-                      "run on the kernels' torch references", stacklevel=3)
+        warnings.warn(
+            f"adapter rank {int(lora.ranks.max())} > {KERNEL_MAX_RANK}: the LoRA layers of this session "
+            "run on the kernels' torch references",
+            stacklevel=3,
+        )
         return "torch"
     return impl

@@ -9,6 +9,7 @@ the batch's positions / cu_seqlens (kernels/ssd_varlen.py); on the torch path th
 (B, L_max) batch (Batch.pad), one prompt per row (kernels/ssd.py). Either way no conv window and no scan state
 crosses a prompt boundary, and padding after a prompt's end never reaches its real positions (both ops are causal).
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,11 +57,13 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
     if kernels:  # packed prompts straight into kernels/ssd_varlen.py; a fault's pack is one long prompt
         whole = device_const((0, T), h.device)
         pos = torch.arange(T, device=h.device) if conv_across else batch.positions
-        xbc = causal_conv1d_varlen(xbc, p["conv_w"], p["conv_b"], pos, whole if conv_across else batch.cu_seqlens,
-                                   "silu", impl="triton")
+        xbc = causal_conv1d_varlen(
+            xbc, p["conv_w"], p["conv_b"], pos, whole if conv_across else batch.cu_seqlens, "silu", impl="triton"
+        )
     else:
-        xbc = _packed(batch, causal_conv1d(_rows(batch, xbc, conv_across), p["conv_w"], p["conv_b"], "silu"),
-                      conv_across)
+        xbc = _packed(
+            batch, causal_conv1d(_rows(batch, xbc, conv_across), p["conv_w"], p["conv_b"], "silu"), conv_across
+        )
     x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)
     x, B, C = x.reshape(T, heads, hd), B.reshape(T, groups, n), C.reshape(T, groups, n)
     dt = discretise_dt(dt, p["dt_bias"], cfg.dt_min)
@@ -68,10 +71,24 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
     if kernels:
         y = ssd_scan_varlen(x, dt, p["A"], B, C, p["D"], whole if across else batch.cu_seqlens, impl="triton")
     else:
-        y = ssd_scan(_rows(batch, x, across), _rows(batch, dt, across), p["A"], _rows(batch, B, across),
-                     _rows(batch, C, across), cfg.chunk_size, p["D"])
+        y = ssd_scan(
+            _rows(batch, x, across),
+            _rows(batch, dt, across),
+            p["A"],
+            _rows(batch, B, across),
+            _rows(batch, C, across),
+            cfg.chunk_size,
+            p["D"],
+        )
         y = _packed(batch, y, across)
     y = y.reshape(T, inner)
-    y = gated_rms_norm(y, z, p["gate_norm"], cfg.mamba_inner // cfg.n_groups, cfg.rms_norm_eps, h.dtype,
-                       lambda part: _group_sum(model, part))
+    y = gated_rms_norm(
+        y,
+        z,
+        p["gate_norm"],
+        cfg.mamba_inner // cfg.n_groups,
+        cfg.rms_norm_eps,
+        h.dtype,
+        lambda part: _group_sum(model, part),
+    )
     return model.linear(y, lay.mods["out_proj"], batch)

@@ -3,6 +3,7 @@ MoE-LoRA kernel (experts sharded on their width under TP; the caller all-reduces
 
 Shapes: T tokens, E experts, K top-k.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,16 +37,33 @@ def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool
 
 
 if triton is not None:
+
     @triton.jit
-    def _route_kernel(Logits, Ids, Weights, Margin, T, E, stride_l, K: tl.constexpr, SOFTMAX_ALL: tl.constexpr,
-                      NORM_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, MIN_INTO: tl.constexpr = False):
+    def _route_kernel(
+        Logits,
+        Ids,
+        Weights,
+        Margin,
+        T,
+        E,
+        stride_l,
+        K: tl.constexpr,
+        SOFTMAX_ALL: tl.constexpr,
+        NORM_TOPK: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        MIN_INTO: tl.constexpr = False,
+    ):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         cols = tl.arange(0, BLOCK_E)[None, :]
         kcols = tl.arange(0, BLOCK_K)[None, :]
-        raw = tl.load(Logits + rows[:, None].to(tl.int64) * stride_l + cols, mask=row_ok[:, None] & (cols < E),
-                      other=-float("inf"))
+        raw = tl.load(
+            Logits + rows[:, None].to(tl.int64) * stride_l + cols,
+            mask=row_ok[:, None] & (cols < E),
+            other=-float("inf"),
+        )
         logits = raw.to(tl.float32)
         vals = logits
         top = tl.full((BLOCK_T, BLOCK_K), -float("inf"), tl.float32)
@@ -85,8 +103,7 @@ def record(ids: torch.Tensor, weights: torch.Tensor, margin: torch.Tensor) -> No
         recording.append((ids, weights, margin))
 
 
-def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto",
-          min_into: torch.Tensor | None = None):
+def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto", min_into: torch.Tensor | None = None):
     """-> topk ids (T, K) int64, topk weights (T, K) float32, routing margin (T,) float32.
     min_into (T,) float32: the running minimum of earlier layers' margins, updated in place and returned as the
     margin (the kernel does it in its store: one launch fewer per layer on a host-bound forward)."""
@@ -105,24 +122,61 @@ def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto"
     weights = torch.empty(T, K, dtype=torch.float32, device=x.device)
     margin = torch.empty(T, dtype=torch.float32, device=x.device) if min_into is None else min_into
     block_t = 16
-    _route_kernel[(triton.cdiv(T, block_t),)](logits, ids, weights, margin, T, E, logits.stride(0), K=K,
-                                              SOFTMAX_ALL=softmax_all, NORM_TOPK=cfg.norm_topk_prob,
-                                              BLOCK_T=block_t, BLOCK_E=pow2(E), BLOCK_K=pow2(K),
-                                              MIN_INTO=min_into is not None, num_warps=4)
+    _route_kernel[(triton.cdiv(T, block_t),)](
+        logits,
+        ids,
+        weights,
+        margin,
+        T,
+        E,
+        logits.stride(0),
+        K=K,
+        SOFTMAX_ALL=softmax_all,
+        NORM_TOPK=cfg.norm_topk_prob,
+        BLOCK_T=block_t,
+        BLOCK_E=pow2(E),
+        BLOCK_K=pow2(K),
+        MIN_INTO=min_into is not None,
+        num_warps=4,
+    )
     record(ids, weights, margin)
     return ids, weights, margin
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
-            lora, token_adapter: torch.Tensor | None, impl: str, backend: str = "triton",
-            sum_topk: bool = True, shrink: tuple = ("auto", None), padding: str | None = None) -> torch.Tensor:
+def experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w: LayerWeights,
+    cfg: ModelConfig,
+    lora,
+    token_adapter: torch.Tensor | None,
+    impl: str,
+    backend: str = "triton",
+    sum_topk: bool = True,
+    shrink: tuple = ("auto", None),
+    padding: str | None = None,
+) -> torch.Tensor:
     """(T, H), or with sum_topk False on the paths that can skip the sum (kernels.moe_forward) the weighted
     per-pair outputs (T, K, H) for the next residual add + RMSNorm to sum (norm.add_rms_norm).
     shrink: (lora_shrink, n_tiles) of kernels.moe_forward (the engine's moe_lora_shrink option,
     options.parse_shrink); padding: its padding (the engine's moe_padding option; kernels.PADDING)."""
     use_lora = lora is not None and token_adapter is not None
-    return moe_forward(x, ids, weights, w.w_gate_up, w.w_down, cfg.activation, b_gate_up=w.b_gate_up,
-                       b_down=w.b_down, lora=lora if use_lora else None,
-                       token_adapter=token_adapter if use_lora else None, impl=impl, backend=backend,
-                       sum_topk=sum_topk, lora_shrink=shrink[0], n_tiles=shrink[1] if use_lora else None,
-                       padding=padding)
+    return moe_forward(
+        x,
+        ids,
+        weights,
+        w.w_gate_up,
+        w.w_down,
+        cfg.activation,
+        b_gate_up=w.b_gate_up,
+        b_down=w.b_down,
+        lora=lora if use_lora else None,
+        token_adapter=token_adapter if use_lora else None,
+        impl=impl,
+        backend=backend,
+        sum_topk=sum_topk,
+        lora_shrink=shrink[0],
+        n_tiles=shrink[1] if use_lora else None,
+        padding=padding,
+    )

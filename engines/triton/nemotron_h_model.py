@@ -8,6 +8,7 @@ The router follows transformers' NemotronHTopkRouter: fp32 logits, sigmoid score
 the choice only, top-``topk_group`` groups by the sum of their two best biased scores, top-k inside them, weights
 the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob) times routed_scaling.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -29,8 +30,17 @@ from lpdiff.kernels.activation import activate
 
 
 class NemotronHModel:
-    def __init__(self, cfg: NemotronHConfig, weights: Weights, lora: HybridLora | None, shard: Shard, all_reduce,
-                 impl: str = "auto", attention_impl: str = "auto", moe_backend: str = "triton"):
+    def __init__(
+        self,
+        cfg: NemotronHConfig,
+        weights: Weights,
+        lora: HybridLora | None,
+        shard: Shard,
+        all_reduce,
+        impl: str = "auto",
+        attention_impl: str = "auto",
+        moe_backend: str = "triton",
+    ):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
@@ -43,8 +53,9 @@ class NemotronHModel:
     def linear(self, x: torch.Tensor, lin: Linear, batch: Batch) -> torch.Tensor:
         if lin.a is None or batch.token_adapter is None:
             return lora_linear(x, lin.w, lin.bias, impl=self.impl)
-        return lora_linear(x, lin.w, lin.bias, lin.a, lin.b, self.lora.scaling, None, batch.token_adapter,
-                           impl=self.lora_impl)
+        return lora_linear(
+            x, lin.w, lin.bias, lin.a, lin.b, self.lora.scaling, None, batch.token_adapter, impl=self.lora_impl
+        )
 
     def _norm(self, x, delta, weight):
         return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, False, self.impl)
@@ -81,7 +92,7 @@ class NemotronHModel:
         q = self.linear(h, m["q_proj"], batch).view(T, self.heads, d)
         k = self.linear(h, m["k_proj"], batch).view(T, self.kv_heads, d)
         v = self.linear(h, m["v_proj"], batch).view(T, self.kv_heads, d)
-        o = attention(q, k, v, batch, d ** -0.5, None, None, self.attention_impl).reshape(T, self.heads * d)
+        o = attention(q, k, v, batch, d**-0.5, None, None, self.attention_impl).reshape(T, self.heads * d)
         return self.linear(o, m["o_proj"], batch)
 
     def mlp(self, h: torch.Tensor, up: Linear, down: Linear, batch: Batch) -> torch.Tensor:
@@ -97,8 +108,11 @@ class NemotronHModel:
         if faults.on("router_bias_rounded"):
             bias = torch.round(bias, decimals=2)
         choice = scores + bias
-        margin = topk_margin(choice, cfg.top_k) if cfg.top_k < cfg.num_experts else torch.full_like(scores[:, 0],
-                                                                                                   float("inf"))
+        margin = (
+            topk_margin(choice, cfg.top_k)
+            if cfg.top_k < cfg.num_experts
+            else torch.full_like(scores[:, 0], float("inf"))
+        )
         pick = choice
         if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
             T, E = choice.shape
@@ -121,21 +135,32 @@ class NemotronHModel:
             torch.minimum(margin, own_margin, out=margin)
         return self.experts(h, ids, weights, lay, batch) + self.shared(h, lay, batch)
 
-    def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch,
-                use_lora: bool = True) -> torch.Tensor:
+    def experts(
+        self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch, use_lora: bool = True
+    ) -> torch.Tensor:
         """The routed experts (through the latent projections where the model has them), this rank's partial sum."""
         m = lay.mods
         x = self.linear(h, m["fc1_latent_proj"], batch) if "fc1_latent_proj" in m else h
         y = self.routed(x, ids, weights, lay, batch, use_lora)
         return self.linear(y, m["fc2_latent_proj"], batch) if "fc2_latent_proj" in m else y
 
-    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch,
-               use_lora: bool = True) -> torch.Tensor:
+    def routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch, use_lora: bool = True
+    ) -> torch.Tensor:
         """The routed experts alone on their (latent, where the model has one) input: this rank's partial."""
         lora = lay.moe_lora if use_lora and batch.token_adapter is not None else None
-        return moe_forward(x, ids, weights, lay.p["w_up"], lay.p["w_down"], "relu2", lora=lora,
-                           token_adapter=batch.token_adapter if lora is not None else None,
-                           impl=self.lora_impl if lora is not None else self.impl, backend=self.moe_backend)
+        return moe_forward(
+            x,
+            ids,
+            weights,
+            lay.p["w_up"],
+            lay.p["w_down"],
+            "relu2",
+            lora=lora,
+            token_adapter=batch.token_adapter if lora is not None else None,
+            impl=self.lora_impl if lora is not None else self.impl,
+            backend=self.moe_backend,
+        )
 
     def shared(self, h: torch.Tensor, lay: Layer, batch: Batch) -> torch.Tensor:
         if faults.on("shared_expert_dropped"):

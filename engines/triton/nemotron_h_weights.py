@@ -12,6 +12,7 @@ ranks, B/C of a group are replicated on the ranks sharing it and the gated norm 
 attention heads as the MoE archs, experts and MLPs on their
 width; the router, latent fc1 and the lm head are replicated; every row-parallel output is all-reduced.
 """
+
 from __future__ import annotations
 
 import re
@@ -78,7 +79,7 @@ def config_from_hf(hf) -> NemotronHConfig:
     types = getattr(hf, "layers_block_type", None)
     if types is None:  # older configs carry only the pattern string
         types = [{"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}[c] for c in hf.hybrid_override_pattern]
-    kinds = tuple(KINDS[t] for t in types)[:hf.num_hidden_layers]
+    kinds = tuple(KINDS[t] for t in types)[: hf.num_hidden_layers]
     if getattr(hf, "mamba_hidden_act", "silu") != "silu":
         raise ValueError(f"Nemotron-H with mamba_hidden_act={hf.mamba_hidden_act!r} is not supported (expected silu)")
     if hf.mlp_hidden_act != "relu2":
@@ -86,25 +87,47 @@ def config_from_hf(hf) -> NemotronHConfig:
     if "E" in kinds and getattr(hf, "n_shared_experts", 1) not in (1, None):
         raise ValueError(f"Nemotron-H with n_shared_experts={hf.n_shared_experts} is not supported (expected 1)")
     return NemotronHConfig(
-        arch="nemotron_h", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=len(kinds), kinds=kinds,
-        num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
+        arch="nemotron_h",
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=len(kinds),
+        kinds=kinds,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        mamba_heads=hf.mamba_num_heads, mamba_head_dim=hf.mamba_head_dim, n_groups=hf.n_groups,
-        ssm_state=hf.ssm_state_size, conv_kernel=hf.conv_kernel, chunk_size=hf.chunk_size,
-        conv_bias=bool(hf.use_conv_bias), mamba_bias=bool(hf.use_bias), dt_min=float(hf.time_step_min),
-        num_experts=hf.n_routed_experts, top_k=hf.num_experts_per_tok, expert_width=hf.moe_intermediate_size,
-        shared_width=hf.moe_shared_expert_intermediate_size, mlp_width=hf.intermediate_size,
-        n_group=hf.n_group, topk_group=hf.topk_group, norm_topk_prob=bool(hf.norm_topk_prob),
-        routed_scaling=float(hf.routed_scaling_factor), latent_size=getattr(hf, "moe_latent_size", None),
-        mlp_bias=bool(hf.mlp_bias), attention_bias=bool(hf.attention_bias), rms_norm_eps=hf.layer_norm_epsilon,
-        tie_word_embeddings=bool(hf.tie_word_embeddings))
+        mamba_heads=hf.mamba_num_heads,
+        mamba_head_dim=hf.mamba_head_dim,
+        n_groups=hf.n_groups,
+        ssm_state=hf.ssm_state_size,
+        conv_kernel=hf.conv_kernel,
+        chunk_size=hf.chunk_size,
+        conv_bias=bool(hf.use_conv_bias),
+        mamba_bias=bool(hf.use_bias),
+        dt_min=float(hf.time_step_min),
+        num_experts=hf.n_routed_experts,
+        top_k=hf.num_experts_per_tok,
+        expert_width=hf.moe_intermediate_size,
+        shared_width=hf.moe_shared_expert_intermediate_size,
+        mlp_width=hf.intermediate_size,
+        n_group=hf.n_group,
+        topk_group=hf.topk_group,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        routed_scaling=float(hf.routed_scaling_factor),
+        latent_size=getattr(hf, "moe_latent_size", None),
+        mlp_bias=bool(hf.mlp_bias),
+        attention_bias=bool(hf.attention_bias),
+        rms_norm_eps=hf.layer_norm_epsilon,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+    )
 
 
 # -- weights ------------------------------------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class Linear:
     """One projection of this rank, and its LoRA of every slot once stacked (lora_linear's layout)."""
+
     w: Tensor  # (out_loc, in_loc)
     bias: Tensor | None = None  # column-parallel: this rank's rows; row-parallel: rank 0 only
     # which slice of the full weight this rank holds: output rows (dim 0), input columns (dim 1) or all (None)
@@ -172,8 +195,10 @@ def mamba_rows(cfg: NemotronHConfig, shard: Shard) -> tuple[Tensor, Tensor]:
     """-> (in_proj rows, conv channels) of this rank: in_proj's output is z | x | B | C | dt, conv's input x | B | C
     (transformers' split order); heads and their groups of this rank."""
     if cfg.n_groups % shard.size and shard.size % cfg.n_groups:
-        raise ValueError(f"Nemotron-H's {cfg.n_groups} mamba groups do not split over tp={shard.size} (use a TP size "
-                         "that divides the groups or that they divide)")
+        raise ValueError(
+            f"Nemotron-H's {cfg.n_groups} mamba groups do not split over tp={shard.size} (use a TP size "
+            "that divides the groups or that they divide)"
+        )
     h, g = shard.heads(cfg.mamba_heads, cfg.n_groups)
     p, n, inner = cfg.mamba_head_dim, cfg.ssm_state, cfg.mamba_inner
     heads_cols = torch.arange(h.start * p, h.stop * p)
@@ -219,16 +244,18 @@ def load(cfg: NemotronHConfig, names: Names, shard: Shard) -> Weights:
             lay.p.update(
                 conv_w=names.take(p + "conv1d.weight").squeeze(1).index_select(0, conv).contiguous(),
                 conv_b=names.take(p + "conv1d.bias").index_select(0, conv) if cfg.conv_bias else None,
-                dt_bias=names.take(p + "dt_bias")[h.start:h.stop].contiguous(),
-                A=-torch.exp(names.take(p + "A_log", torch.float32)[h.start:h.stop]),
-                D=names.take(p + "D")[h.start:h.stop].contiguous(),
-                gate_norm=names.take(p + "norm.weight").index_select(0, head_cols))
+                dt_bias=names.take(p + "dt_bias")[h.start : h.stop].contiguous(),
+                A=-torch.exp(names.take(p + "A_log", torch.float32)[h.start : h.stop]),
+                D=names.take(p + "D")[h.start : h.stop].contiguous(),
+                gate_norm=names.take(p + "norm.weight").index_select(0, head_cols),
+            )
         elif kind == "*":
             qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
             d = cfg.head_dim
             for proj, hs in (("q", qh), ("k", kvh), ("v", kvh)):
-                lay.mods[f"{proj}_proj"] = col(p + f"{proj}_proj", torch.arange(hs.start * d, hs.stop * d),
-                                               cfg.attention_bias)
+                lay.mods[f"{proj}_proj"] = col(
+                    p + f"{proj}_proj", torch.arange(hs.start * d, hs.stop * d), cfg.attention_bias
+                )
             lay.mods["o_proj"] = row(p + "o_proj", torch.arange(qh.start * d, qh.stop * d), cfg.attention_bias)
         elif kind == "-":
             lay.mods["up_proj"] = col(p + "up_proj", bias=cfg.mlp_bias)
@@ -238,16 +265,22 @@ def load(cfg: NemotronHConfig, names: Names, shard: Shard) -> Weights:
             lay.mods["shared_experts.down_proj"] = row(p + "shared_experts.down_proj", bias=cfg.mlp_bias)
             if cfg.latent_size is not None:  # fc1 replicated (every rank's experts read the whole latent), fc2
                 # applied to each rank's partial expert sum (linear: the all-reduce after it sums the partials)
-                lay.mods["fc1_latent_proj"] = Linear(names.take(p + "fc1_latent_proj.weight"),
-                                                     names.take(p + "fc1_latent_proj.bias") if cfg.mlp_bias else None)
+                lay.mods["fc1_latent_proj"] = Linear(
+                    names.take(p + "fc1_latent_proj.weight"),
+                    names.take(p + "fc1_latent_proj.bias") if cfg.mlp_bias else None,
+                )
                 fc2_b = names.take(p + "fc2_latent_proj.bias") if cfg.mlp_bias else None
-                lay.mods["fc2_latent_proj"] = Linear(names.take(p + "fc2_latent_proj.weight"),
-                                                     fc2_b if shard.first else None)
+                lay.mods["fc2_latent_proj"] = Linear(
+                    names.take(p + "fc2_latent_proj.weight"), fc2_b if shard.first else None
+                )
             up = names.experts(p, "up_proj", cfg.num_experts)  # (E, I, Hm)
             down = names.experts(p, "down_proj", cfg.num_experts)  # (E, Hm, I)
-            lay.p.update(router=names.take(p + "gate.weight", torch.float32),
-                         router_bias=names.take(p + "gate.e_score_correction_bias", torch.float32),
-                         w_up=shard.split(up, 1).contiguous(), w_down=shard.split(down, 2).contiguous())
+            lay.p.update(
+                router=names.take(p + "gate.weight", torch.float32),
+                router_bias=names.take(p + "gate.e_score_correction_bias", torch.float32),
+                w_up=shard.split(up, 1).contiguous(),
+                w_down=shard.split(down, 2).contiguous(),
+            )
         layers.append(lay)
     embed = names.take("model.embeddings.weight")
     lm_head = embed if cfg.tie_word_embeddings else names.take("lm_head.weight")
@@ -259,13 +292,16 @@ def load(cfg: NemotronHConfig, names: Names, shard: Shard) -> Weights:
 _DENSE = re.compile(r"^model\.layers\.(\d+)\.mixer\.(.+)$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mixer\.experts\.(up_proj|down_proj)$")
 MAMBA_MODULES = ("in_proj", "out_proj")
-SUPPORTED_TARGETS = ("mixer.{in_proj,out_proj} (mamba), mixer.{q,k,v,o}_proj, mixer.{up,down}_proj (mlp), "
-                     "mixer.shared_experts.{up,down}_proj, mixer.fc{1,2}_latent_proj, mixer.experts.{up,down}_proj")
+SUPPORTED_TARGETS = (
+    "mixer.{in_proj,out_proj} (mamba), mixer.{q,k,v,o}_proj, mixer.{up,down}_proj (mlp), "
+    "mixer.shared_experts.{up,down}_proj, mixer.fc{1,2}_latent_proj, mixer.experts.{up,down}_proj"
+)
 
 
 @dataclass(slots=True)
 class HybridLora(AdapterSlots):
     """Every adapter's slot (archs.Built's ``lora``): the factors live in the layers' Linear.a/.b and moe_lora."""
+
     weights: Weights
 
     def nbytes(self) -> int:
@@ -284,16 +320,20 @@ def _targets(cfg: NemotronHConfig, weights: Weights, name: str, adapter) -> tupl
     for key, ab in adapter.experts.items():
         m = _EXPERT.match(key)
         if m is None or (int(m.group(1)) < cfg.num_layers and cfg.kinds[int(m.group(1))] != "E"):
-            raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on for "
-                             f"Nemotron-H; supported targets: {SUPPORTED_TARGETS}")
+            raise ValueError(
+                f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on for "
+                f"Nemotron-H; supported targets: {SUPPORTED_TARGETS}"
+            )
         if int(m.group(1)) < cfg.num_layers:
             experts[int(m.group(1)), m.group(2)] = ab
     for key, ab in adapter.dense.items():
         m = _DENSE.match(key)
         i = int(m.group(1)) if m else -1
         if m is None or (i < cfg.num_layers and m.group(2) not in weights.layers[i].mods):
-            raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on for "
-                             f"Nemotron-H; supported targets: {SUPPORTED_TARGETS}")
+            raise ValueError(
+                f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on for "
+                f"Nemotron-H; supported targets: {SUPPORTED_TARGETS}"
+            )
         if i < cfg.num_layers:
             dense[i, m.group(2)] = ab
     if faults.on("mamba_lora_dropped"):
@@ -303,8 +343,9 @@ def _targets(cfg: NemotronHConfig, weights: Weights, name: str, adapter) -> tupl
     return dense, experts
 
 
-def stack_adapters(cfg: NemotronHConfig, weights: Weights, adapters: dict, shard: Shard, dtype: torch.dtype,
-                   device: torch.device) -> HybridLora | None:
+def stack_adapters(
+    cfg: NemotronHConfig, weights: Weights, adapters: dict, shard: Shard, dtype: torch.dtype, device: torch.device
+) -> HybridLora | None:
     """``adapters``: name -> CanonicalAdapter in slot order. Each targeted Linear gets A (L, 1, R, in_loc) and
     B (L, out_loc, R), zero-padded (unused slots and rank columns add exactly nothing), sliced as its weight."""
     if not adapters:
@@ -340,10 +381,14 @@ def stack_adapters(cfg: NemotronHConfig, weights: Weights, adapters: dict, shard
         if not hits:
             continue
         E, Hm, I = cfg.num_experts, cfg.moe_width, cfg.expert_width
-        up_a, up_b = torch.zeros(L, E, R, Hm, dtype=dtype, device=device), torch.zeros(L, E, I, R, dtype=dtype,
-                                                                                          device=device)
-        dn_a, dn_b = torch.zeros(L, E, R, I, dtype=dtype, device=device), torch.zeros(L, E, Hm, R, dtype=dtype,
-                                                                                         device=device)
+        up_a, up_b = (
+            torch.zeros(L, E, R, Hm, dtype=dtype, device=device),
+            torch.zeros(L, E, I, R, dtype=dtype, device=device),
+        )
+        dn_a, dn_b = (
+            torch.zeros(L, E, R, I, dtype=dtype, device=device),
+            torch.zeros(L, E, Hm, R, dtype=dtype, device=device),
+        )
         for s, ex in hits:
             if (i, "up_proj") in ex:
                 put(up_a[s], ex[i, "up_proj"][0])
@@ -351,8 +396,12 @@ def stack_adapters(cfg: NemotronHConfig, weights: Weights, adapters: dict, shard
             if (i, "down_proj") in ex:
                 put(dn_a[s], ex[i, "down_proj"][0])
                 put(dn_b[s], ex[i, "down_proj"][1])
-        lay.moe_lora = MoeLoraWeights(gate_up_a=up_a, gate_up_b=shard.split(up_b, 2).contiguous(),
-                                      down_a=shard.split(dn_a, 3).contiguous(), down_b=dn_b,
-                                      scaling=scaling, ranks=ranks)
+        lay.moe_lora = MoeLoraWeights(
+            gate_up_a=up_a,
+            gate_up_b=shard.split(up_b, 2).contiguous(),
+            down_a=shard.split(dn_a, 3).contiguous(),
+            down_b=dn_b,
+            scaling=scaling,
+            ranks=ranks,
+        )
     return HybridLora(names, scaling, ranks, weights)
-

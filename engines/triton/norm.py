@@ -12,6 +12,7 @@ saves a separate reduction's (T, K, H) read and its (T, H) write and re-read. On
 may differ from torch's reduction (on CUDA it combines K = 8 values as four interleaved partial sums): the results
 differ only where an fp32 sum of bf16 values is inexact and lands next to a bf16 rounding boundary.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,10 +45,26 @@ def add_rms_norm_torch(x, delta, weight, eps, weight_fp32=False):
 
 
 if triton is not None:
+
     @triton.jit
-    def _add_rms_norm_kernel(X, D, W, Out, Sum, H, eps, stride_x, stride_d, stride_dk, stride_o, stride_s,
-                             HAS_DELTA: tl.constexpr, K: tl.constexpr, WEIGHT_FP32: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(
+        X,
+        D,
+        W,
+        Out,
+        Sum,
+        H,
+        eps,
+        stride_x,
+        stride_d,
+        stride_dk,
+        stride_o,
+        stride_s,
+        HAS_DELTA: tl.constexpr,
+        K: tl.constexpr,
+        WEIGHT_FP32: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         ok = offs < H
@@ -72,22 +89,33 @@ if triton is not None:
 
 def check_delta(x: torch.Tensor, delta: torch.Tensor | None) -> None:
     T, H = x.shape
-    if delta is not None and not (delta.ndim in (2, 3) and delta.shape[0] == T and delta.shape[-1] == H
-                                  and delta.dtype == x.dtype):
-        raise ValueError(f"delta must be (T, H) = {(T, H)} or (T, K, H) (the MoE's unsummed top-k outputs) in "
-                         f"{x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
+    if delta is not None and not (
+        delta.ndim in (2, 3) and delta.shape[0] == T and delta.shape[-1] == H and delta.dtype == x.dtype
+    ):
+        raise ValueError(
+            f"delta must be (T, H) = {(T, H)} or (T, K, H) (the MoE's unsummed top-k outputs) in "
+            f"{x.dtype}, got {tuple(delta.shape)} {delta.dtype}"
+        )
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 weight_fp32: bool = False, impl: str = "auto",
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_fp32: bool = False,
+    impl: str = "auto",
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) x, delta (T, H) or (T, K, H) -> (rms_norm(x + sum_topk(delta)), x + sum_topk(delta)): the next
     sublayer's input and the new residual stream. ``out``: a (T, H) view with unit column stride (e.g. the first H
     columns of the q|k|v LoRA's augmented input) that receives the normed rows in place of a new tensor."""
     check_delta(x, delta)
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
-        raise ValueError(f"out must be a (T, H) = {tuple(x.shape)} {x.dtype} view with unit column stride, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+        raise ValueError(
+            f"out must be a (T, H) = {tuple(x.shape)} {x.dtype} view with unit column stride, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
     if not use_triton(x, impl):
         normed, s = add_rms_norm_torch(x, delta, weight, eps, weight_fp32)
         return (normed if out is None else out.copy_(normed)), s
@@ -98,7 +126,23 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     assert d.stride(-1) == 1, "delta rows must be contiguous"
     K, stride_dk = (d.shape[1], d.stride(1)) if d.ndim == 3 else (1, 0)
     block = pow2(H)
-    _add_rms_norm_kernel[(T,)](x, d, weight, out, s, H, eps, x.stride(0), d.stride(0), stride_dk, out.stride(0),
-                               s.stride(0), HAS_DELTA=delta is not None, K=K, WEIGHT_FP32=weight_fp32, BLOCK=block,
-                               num_warps=min(16, max(1, block // 256)))
+    _add_rms_norm_kernel[(T,)](
+        x,
+        d,
+        weight,
+        out,
+        s,
+        H,
+        eps,
+        x.stride(0),
+        d.stride(0),
+        stride_dk,
+        out.stride(0),
+        s.stride(0),
+        HAS_DELTA=delta is not None,
+        K=K,
+        WEIGHT_FP32=weight_fp32,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
     return out, s

@@ -1,5 +1,6 @@
 """The triton engine's options (``EngineConfig.options``, listed in engines/triton/__init__.py): one slotted object,
 validated once when the engine is made and handed to the runtime and to every tensor-parallel worker as it is."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -30,8 +31,10 @@ class TritonOptions:
         _choice("attention", self.attention, ATTENTION)
         _choice("moe_backend", self.moe_backend, BACKENDS)
         if self.moe_padding not in ("auto",) + PADDING:
-            raise InputError(f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
-                             f"group's padding rows), got {self.moe_padding!r}")
+            raise InputError(
+                f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
+                f"group's padding rows), got {self.moe_padding!r}"
+            )
         parse_shrink(self.moe_lora_shrink)  # one clear error now, not in every TP worker later
         for name in ("max_batch_tokens", "logit_chunk"):
             _count(name, getattr(self, name), 1)
@@ -79,6 +82,8 @@ def parse_shrink(option: str) -> tuple[str, tuple[int, int] | None]:
     except ValueError:
         ok = False
     if not ok or (n is not None and (len(n) != 2 or min(n) < 1)):
-        raise InputError(f"option moe_lora_shrink must be auto, once, fused or fused:G,D (N tiles per program of the "
-                         f"gate_up and down GEMMs, e.g. fused:3,4), got {option!r}")
+        raise InputError(
+            f"option moe_lora_shrink must be auto, once, fused or fused:G,D (N tiles per program of the "
+            f"gate_up and down GEMMs, e.g. fused:3,4), got {option!r}"
+        )
     return mode, n

@@ -10,6 +10,7 @@ back in one pinned copy and one stream sync. The bytes are the results' own: the
 the four separate copies bit for bit.
 
 Without CUDA nothing is staged: the results are already host tensors, read in place as before."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 class Packed:
     """The results of one call: ``data`` (CUDA: one uint8 device tensor holding them all) with where each one lies,
     or ``tensors`` as they are (host tensors, nothing to copy)."""
+
     data: torch.Tensor | None
     parts: tuple  # per result: None, or (byte offset, numpy dtype, shape)
     tensors: tuple | None = None
@@ -86,5 +88,7 @@ class Staging:
 
 def unpack(raw: np.ndarray, parts: tuple) -> tuple:
     """Packed host bytes -> one numpy view per result (None where there is none)."""
-    return tuple(None if p is None else raw[p[0]: p[0] + p[1].itemsize * int(np.prod(p[2]))].view(p[1]).reshape(p[2])
-                 for p in parts)
+    return tuple(
+        None if p is None else raw[p[0] : p[0] + p[1].itemsize * int(np.prod(p[2]))].view(p[1]).reshape(p[2])
+        for p in parts
+    )

@@ -16,6 +16,7 @@ Tensor parallelism: attention and linear-attention heads, the shared expert's an
 conv channels and the recurrent state follow their heads; o_proj, out_proj and the down projections are
 row-parallel and one all-reduce per sublayer sums them. LoRA stacking is in qwen3_5_lora.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -83,19 +84,34 @@ def config_from_hf(hf) -> Qwen35Config:
     inv_freq, scaling = rope_from_hf(Qwen3_5MoeTextRotaryEmbedding, hf)
     n = hf.num_hidden_layers
     return Qwen35Config(
-        arch="qwen3_5_moe", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=n,
-        layer_types=tuple(hf.layer_types[:n]), num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads, head_dim=hf.head_dim, rope_inv_freq=inv_freq,
-        rope_attention_scaling=scaling, lin_k_heads=hf.linear_num_key_heads, lin_v_heads=hf.linear_num_value_heads,
-        lin_k_dim=hf.linear_key_head_dim, lin_v_dim=hf.linear_value_head_dim, conv_kernel=hf.linear_conv_kernel_dim,
-        num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_width=hf.moe_intermediate_size,
-        shared_width=hf.shared_expert_intermediate_size, rms_norm_eps=hf.rms_norm_eps,
-        tie_word_embeddings=bool(hf.tie_word_embeddings))
+        arch="qwen3_5_moe",
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=n,
+        layer_types=tuple(hf.layer_types[:n]),
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        rope_inv_freq=inv_freq,
+        rope_attention_scaling=scaling,
+        lin_k_heads=hf.linear_num_key_heads,
+        lin_v_heads=hf.linear_num_value_heads,
+        lin_k_dim=hf.linear_key_head_dim,
+        lin_v_dim=hf.linear_value_head_dim,
+        conv_kernel=hf.linear_conv_kernel_dim,
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        expert_width=hf.moe_intermediate_size,
+        shared_width=hf.shared_expert_intermediate_size,
+        rms_norm_eps=hf.rms_norm_eps,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+    )
 
 
 @dataclass(slots=True)
 class MoeWeights:
     """One layer's MoE block; the first six fields are what moe.route / moe.experts read."""
+
     router: Tensor  # (E, H), replicated
     router_bias: None
     w_gate_up: Tensor  # (E, 2 I_loc, H) gate then up
@@ -135,9 +151,24 @@ class Qwen35Weights:
         ts = [self.embed, self.norm, self.lm_head]
         for lw in self.layers:
             m = lw.moe
-            ts += [lw.input_norm, lw.post_norm, lw.proj_in.w, lw.proj_out.w, lw.conv, lw.A_log, lw.dt_bias,
-                   lw.gnorm, lw.q_norm, lw.k_norm, m.router, m.w_gate_up, m.w_down, m.shared_gate_up.w,
-                   m.shared_down.w, m.shared_gate]
+            ts += [
+                lw.input_norm,
+                lw.post_norm,
+                lw.proj_in.w,
+                lw.proj_out.w,
+                lw.conv,
+                lw.A_log,
+                lw.dt_bias,
+                lw.gnorm,
+                lw.q_norm,
+                lw.k_norm,
+                m.router,
+                m.w_gate_up,
+                m.w_down,
+                m.shared_gate_up.w,
+                m.shared_down.w,
+                m.shared_gate,
+            ]
         for t in ts:
             if t is not None and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -146,8 +177,18 @@ class Qwen35Weights:
 
 
 class Qwen35Model:
-    def __init__(self, cfg: Qwen35Config, weights: Qwen35Weights, lora, shard: Shard, all_reduce, impl: str,
-                 attention_impl: str, gdn_impl: str = "auto", moe_backend: str = "triton"):
+    def __init__(
+        self,
+        cfg: Qwen35Config,
+        weights: Qwen35Weights,
+        lora,
+        shard: Shard,
+        all_reduce,
+        impl: str,
+        attention_impl: str,
+        gdn_impl: str = "auto",
+        moe_backend: str = "triton",
+    ):
         self.cfg, self.w, self.lora, self.shard, self.all_reduce = cfg, weights, lora, shard, all_reduce
         self.impl, self.attention_impl, self.gdn_impl, self.moe_backend = impl, attention_impl, gdn_impl, moe_backend
         self.lora_impl = impl if lora is None or int(lora.ranks.max()) <= _max_rank() else "torch"
@@ -164,8 +205,20 @@ class Qwen35Model:
             return lora_linear(x, lin.w, None, impl=self.impl)
         uniform = batch.uniform_slot
         mask = batch.slot_mask(ll.a.shape[0], x.dtype) if uniform is None else None
-        return lora_linear(x, lin.w, None, ll.a, ll.b, self.lora.scaling, lin.offsets, batch.token_adapter,
-                           impl=self.lora_impl, b_packed=ll.b_packed, slot_mask=mask, uniform_slot=uniform)
+        return lora_linear(
+            x,
+            lin.w,
+            None,
+            ll.a,
+            ll.b,
+            self.lora.scaling,
+            lin.offsets,
+            batch.token_adapter,
+            impl=self.lora_impl,
+            b_packed=ll.b_packed,
+            slot_mask=mask,
+            uniform_slot=uniform,
+        )
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[Tensor, Tensor]:
@@ -222,7 +275,7 @@ class Qwen35Model:
         r = cfg.rotary_dim
         q = torch.cat([rope(q[..., :r], batch.cos, batch.sin), q[..., r:]], dim=-1)
         k = torch.cat([rope(k[..., :r], batch.cos, batch.sin), k[..., r:]], dim=-1)
-        o = attention(q, k, v.view(T, self.kv_heads, d), batch, d ** -0.5, None, None, self.attention_impl)
+        o = attention(q, k, v.view(T, self.kv_heads, d), batch, d**-0.5, None, None, self.attention_impl)
         o = o.reshape(T, self.heads * d) * torch.sigmoid(gate.reshape(T, self.heads * d))
         return self.all_reduce(self.linear(o, lw.proj_out, ll and ll.proj_out, batch))
 
@@ -230,8 +283,7 @@ class Qwen35Model:
         """Routed experts + sigmoid-gated shared expert, all-reduced -> ((T, H), the running margin updated)."""
         ids, weights, margin = route(h, mw, self.cfg, self.impl, min_into=margin)
         moe_lora = ll.moe if ll is not None else None
-        out = experts(h, ids, weights, mw, self.cfg, moe_lora, batch.token_adapter, self.lora_impl,
-                      self.moe_backend)
+        out = experts(h, ids, weights, mw, self.cfg, moe_lora, batch.token_adapter, self.lora_impl, self.moe_backend)
         return self.all_reduce(out + self.shared(h, mw, ll, batch)), margin
 
     def shared(self, h: Tensor, mw: MoeWeights, ll, batch: Batch) -> Tensor:
@@ -262,15 +314,18 @@ class Qwen35Model:
                 ids, w32 = inputs[i, "router_ids"].to(dev), inputs[i, "router_weights"].to(dev).float()
                 cap[i, "router_ids"], cap[i, "router_weights"], _ = route(x, lw.moe, cfg, self.impl)
                 moe_lora = ll.moe if ll is not None else None
-                cap[i, "experts"] = self.all_reduce(experts(x, ids, w32, lw.moe, cfg, moe_lora, batch.token_adapter,
-                                                            self.lora_impl, self.moe_backend))
-                cap[i, "experts_base"] = self.all_reduce(experts(x, ids, w32, lw.moe, cfg, None, None, self.lora_impl,
-                                                                 self.moe_backend))
+                cap[i, "experts"] = self.all_reduce(
+                    experts(x, ids, w32, lw.moe, cfg, moe_lora, batch.token_adapter, self.lora_impl, self.moe_backend)
+                )
+                cap[i, "experts_base"] = self.all_reduce(
+                    experts(x, ids, w32, lw.moe, cfg, None, None, self.lora_impl, self.moe_backend)
+                )
             if (i, "shared_expert_in") in inputs:
                 x = inputs[i, "shared_expert_in"].to(dev, dtype)
                 cap[i, "shared_expert"] = self.all_reduce(self.shared(x, lw.moe, ll, batch))
                 cap[i, "shared_expert_base"] = self.all_reduce(self.shared(x, lw.moe, None, batch))
         return cap
+
 
 def _one_prompt(batch: Batch) -> Batch:
     """The batch seen as one prompt (the faults that let state or conv windows run across prompt boundaries)."""
@@ -279,12 +334,14 @@ def _one_prompt(batch: Batch) -> Batch:
 
 class _RopeStub:
     """Batch.build's cfg for _one_prompt: only its index maps are used, so rope is one frequency of zeros."""
+
     rope_inv_freq = torch.zeros(1)
     rope_attention_scaling = 1.0
 
 
 def _max_rank() -> int:
     from lpdiff.kernels import MAX_RANK
+
     return MAX_RANK
 
 
@@ -305,19 +362,31 @@ def load(cfg: Qwen35Config, source, shard: Shard, dtype, device) -> Qwen35Weight
         p = f"model.layers.{i}."
         kind = cfg.layer_types[i]
         if kind not in ("linear_attention", "full_attention"):
-            raise ValueError(f"layer {i} of this Qwen3.5 config has type {kind!r}; the triton engine runs "
-                             "linear_attention and full_attention layers")
+            raise ValueError(
+                f"layer {i} of this Qwen3.5 config has type {kind!r}; the triton engine runs "
+                "linear_attention and full_attention layers"
+            )
         lin = {name: load_linear(spec, take, p) for name, spec in layer_linears(cfg, kind, shard).items()}
         m = p + "mlp."
         moe = MoeWeights(
-            router=take(m + "gate.weight"), router_bias=None,
+            router=take(m + "gate.weight"),
+            router_bias=None,
             w_gate_up=shard.split_gate_up(take(m + "experts.gate_up_proj"), 1).contiguous(),
-            w_down=split(take(m + "experts.down_proj"), 2).contiguous(), b_gate_up=None, b_down=None,
-            shared_gate_up=lin["shared_gate_up"], shared_down=lin["shared_down"],
-            shared_gate=take(m + "shared_expert_gate.weight"))
-        lw = LayerWeights(kind=kind, input_norm=one_plus(p + "input_layernorm.weight"),
-                          post_norm=one_plus(p + "post_attention_layernorm.weight"), proj_in=lin["proj_in"],
-                          proj_out=lin["proj_out"], moe=moe)
+            w_down=split(take(m + "experts.down_proj"), 2).contiguous(),
+            b_gate_up=None,
+            b_down=None,
+            shared_gate_up=lin["shared_gate_up"],
+            shared_down=lin["shared_down"],
+            shared_gate=take(m + "shared_expert_gate.weight"),
+        )
+        lw = LayerWeights(
+            kind=kind,
+            input_norm=one_plus(p + "input_layernorm.weight"),
+            post_norm=one_plus(p + "post_attention_layernorm.weight"),
+            proj_in=lin["proj_in"],
+            proj_out=lin["proj_out"],
+            moe=moe,
+        )
         if kind == "linear_attention":
             a = p + "linear_attn."
             conv = take(a + "conv1d.weight")[:, 0]  # (C, 1, K) -> (C, K); channels are q|k|v like in_proj_qkv
@@ -341,6 +410,15 @@ def build(hf, source, adapters: dict, shard: Shard, dtype, device, all_reduce, o
             raise ValueError(f"{n} {what} do not split over tp={shard.size}; use a tp that divides {n}")
     weights = load(cfg, source, shard, dtype, device)
     lora = stack_qwen35(cfg, weights, adapters, shard, dtype, device)
-    model = Qwen35Model(cfg, weights, lora, shard, all_reduce, options.impl, options.attention,
-                        getattr(options, "gdn", "auto"), options.moe_backend)
+    model = Qwen35Model(
+        cfg,
+        weights,
+        lora,
+        shard,
+        all_reduce,
+        options.impl,
+        options.attention,
+        getattr(options, "gdn", "auto"),
+        options.moe_backend,
+    )
     return Built(cfg=cfg, weights=weights, lora=lora, model=model)

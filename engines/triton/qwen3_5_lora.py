@@ -9,6 +9,7 @@ lora.py. Slot buffers start as zeros, so a slot without a module and padded rank
 Sharding as shard.py: column-parallel parts split their rows (B's rows too, A replicated), row-parallel linears split
 their input columns (A's columns too, B whole); the all-reduce after a row-parallel linear sums partial deltas.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,9 +25,11 @@ from lpdiff.kernels.lora_linear import pack_lora_b
 
 Tensor = torch.Tensor
 Split = Callable[[Tensor, int], Tensor]
-SUPPORTED_TARGETS = ("linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}, "
-                     "self_attn.{q,k,v,o}_proj, mlp.shared_expert.{gate,up,down}_proj, "
-                     "mlp.experts.{gate_up_proj,down_proj}")
+SUPPORTED_TARGETS = (
+    "linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}, "
+    "self_attn.{q,k,v,o}_proj, mlp.shared_expert.{gate,up,down}_proj, "
+    "mlp.experts.{gate_up_proj,down_proj}"
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -60,18 +63,37 @@ def layer_linears(cfg, kind: str, shard: Shard) -> dict[str, LinearSpec]:
             return torch.cat([split(x, dim) for x in t.split([kd, kd, vd], dim)], dim)
 
         a = "linear_attn."
-        linears = {"proj_in": LinearSpec([(a + "in_proj_qkv", qkv_rows), (a + "in_proj_z", split),
-                                          (a + "in_proj_b", split), (a + "in_proj_a", split)]),
-                   "proj_out": LinearSpec([(a + "out_proj", _whole)], split)}
+        linears = {
+            "proj_in": LinearSpec(
+                [
+                    (a + "in_proj_qkv", qkv_rows),
+                    (a + "in_proj_z", split),
+                    (a + "in_proj_b", split),
+                    (a + "in_proj_a", split),
+                ]
+            ),
+            "proj_out": LinearSpec([(a + "out_proj", _whole)], split),
+        }
     else:
         d = cfg.head_dim
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads)
         a = "self_attn."
-        linears = {"proj_in": LinearSpec([
-            (a + "q_proj", lambda t, dim: t.narrow(dim, qh.start * 2 * d, len(qh) * 2 * d)),  # query | gate per head
-            (a + "k_proj", lambda t, dim: t.narrow(dim, kvh.start * d, len(kvh) * d)),  # kv heads may be replicated
-            (a + "v_proj", lambda t, dim: t.narrow(dim, kvh.start * d, len(kvh) * d))]),
-            "proj_out": LinearSpec([(a + "o_proj", _whole)], split)}
+        linears = {
+            "proj_in": LinearSpec(
+                [
+                    (
+                        a + "q_proj",
+                        lambda t, dim: t.narrow(dim, qh.start * 2 * d, len(qh) * 2 * d),
+                    ),  # query | gate per head
+                    (
+                        a + "k_proj",
+                        lambda t, dim: t.narrow(dim, kvh.start * d, len(kvh) * d),
+                    ),  # kv heads may be replicated
+                    (a + "v_proj", lambda t, dim: t.narrow(dim, kvh.start * d, len(kvh) * d)),
+                ]
+            ),
+            "proj_out": LinearSpec([(a + "o_proj", _whole)], split),
+        }
     se = "mlp.shared_expert."
     linears["shared_gate_up"] = LinearSpec([(se + "gate_proj", split), (se + "up_proj", split)])
     linears["shared_down"] = LinearSpec([(se + "down_proj", _whole)], split)
@@ -127,8 +149,10 @@ def _by_layer(cfg, name: str, adapter) -> dict[int, dict[str, tuple]]:
     for key, ab in [*adapter.dense.items(), *adapter.experts.items()]:
         m = _LAYER.match(key)
         if m is None:
-            raise ValueError(f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on for "
-                             f"Qwen3.5; supported targets: {SUPPORTED_TARGETS}")
+            raise ValueError(
+                f"adapter {name!r} targets {key!r}, which the triton engine does not run LoRA on for "
+                f"Qwen3.5; supported targets: {SUPPORTED_TARGETS}"
+            )
         if int(m.group(1)) < cfg.num_layers:
             out.setdefault(int(m.group(1)), {})[m.group(2)] = ab
     return out
@@ -174,8 +198,7 @@ def stack_qwen35(cfg, weights, adapters: dict, shard: Shard, dtype, device) -> Q
             b = torch.cat(bs, dim=1).contiguous()
             assert b.shape[1] == lin.w.shape[0] and a.shape[3] == lin.w.shape[1], (lname, b.shape, a.shape)
             setattr(ll, lname, LinearLora(a.contiguous(), b, pack_lora_b(b, scaling, lin.offsets, R)))
-        if any("mlp.experts.gate_up_proj" in p.get(li, {}) or "mlp.experts.down_proj" in p.get(li, {})
-               for p in parsed):
+        if any("mlp.experts.gate_up_proj" in p.get(li, {}) or "mlp.experts.down_proj" in p.get(li, {}) for p in parsed):
             gu_a, gu_b = _zeros(dtype, device, L, E, R, H), _zeros(dtype, device, L, E, 2 * I, R)
             dn_a, dn_b = _zeros(dtype, device, L, E, R, I), _zeros(dtype, device, L, E, H, R)
             for s, p in enumerate(parsed):
@@ -187,15 +210,22 @@ def stack_qwen35(cfg, weights, adapters: dict, shard: Shard, dtype, device) -> Q
                     put(dn_a[s], ex["mlp.experts.down_proj"][0])
                     put(dn_b[s], ex["mlp.experts.down_proj"][1])
             used |= {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
-            ll.moe = MoeLoraWeights(gate_up_a=gu_a, gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
-                                    down_a=shard.split(dn_a, 3).contiguous(), down_b=dn_b, scaling=scaling,
-                                    ranks=ranks)
+            ll.moe = MoeLoraWeights(
+                gate_up_a=gu_a,
+                gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
+                down_a=shard.split(dn_a, 3).contiguous(),
+                down_b=dn_b,
+                scaling=scaling,
+                ranks=ranks,
+            )
         for n, p in zip(names, parsed):
             unknown = set(p.get(li, {})) - used
             if unknown:
-                raise ValueError(f"adapter {n!r} targets model.layers.{li}.{sorted(unknown)[0]}, which the triton "
-                                 f"engine does not run LoRA on for Qwen3.5 (layer {li} is "
-                                 f"{cfg.layer_types[li]}); supported targets: {SUPPORTED_TARGETS}")
+                raise ValueError(
+                    f"adapter {n!r} targets model.layers.{li}.{sorted(unknown)[0]}, which the triton "
+                    f"engine does not run LoRA on for Qwen3.5 (layer {li} is "
+                    f"{cfg.layer_types[li]}); supported targets: {SUPPORTED_TARGETS}"
+                )
         layers.append(ll)
     return Qwen35Lora(names=names, scaling=scaling, ranks=ranks, layers=layers)
 
@@ -208,9 +238,17 @@ def _out_rows(cfg, part: str) -> int:
     """Output rows of a part no slot's adapter has (its B stays zeros)."""
     d, kd = cfg.head_dim, cfg.lin_k_heads * cfg.lin_k_dim
     vd = cfg.lin_v_heads * cfg.lin_v_dim
-    return {"linear_attn.in_proj_qkv": 2 * kd + vd, "linear_attn.in_proj_z": vd,
-            "linear_attn.in_proj_b": cfg.lin_v_heads, "linear_attn.in_proj_a": cfg.lin_v_heads,
-            "linear_attn.out_proj": cfg.hidden_size, "self_attn.q_proj": 2 * cfg.num_heads * d,
-            "self_attn.k_proj": cfg.num_kv_heads * d, "self_attn.v_proj": cfg.num_kv_heads * d,
-            "self_attn.o_proj": cfg.hidden_size, "mlp.shared_expert.gate_proj": cfg.shared_width,
-            "mlp.shared_expert.up_proj": cfg.shared_width, "mlp.shared_expert.down_proj": cfg.hidden_size}[part]
+    return {
+        "linear_attn.in_proj_qkv": 2 * kd + vd,
+        "linear_attn.in_proj_z": vd,
+        "linear_attn.in_proj_b": cfg.lin_v_heads,
+        "linear_attn.in_proj_a": cfg.lin_v_heads,
+        "linear_attn.out_proj": cfg.hidden_size,
+        "self_attn.q_proj": 2 * cfg.num_heads * d,
+        "self_attn.k_proj": cfg.num_kv_heads * d,
+        "self_attn.v_proj": cfg.num_kv_heads * d,
+        "self_attn.o_proj": cfg.hidden_size,
+        "mlp.shared_expert.gate_proj": cfg.shared_width,
+        "mlp.shared_expert.up_proj": cfg.shared_width,
+        "mlp.shared_expert.down_proj": cfg.hidden_size,
+    }[part]

@@ -1,5 +1,6 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): q/k RMSNorm per head, softmax router over all experts with
 optional top-k renormalisation, gated-SiLU experts without biases, fused gate_up already gate-then-up."""
+
 from __future__ import annotations
 
 import torch
@@ -13,22 +14,40 @@ def config_from_hf(hf) -> ModelConfig:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
     if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
-        raise ValueError("this Qwen3-MoE config has dense MLP layers (mlp_only_layers / decoder_sparse_step); "
-                         "the triton engine runs all-MoE models only — use engine 'hf'")
+        raise ValueError(
+            "this Qwen3-MoE config has dense MLP layers (mlp_only_layers / decoder_sparse_step); "
+            "the triton engine runs all-MoE models only — use engine 'hf'"
+        )
     if hf.hidden_act != "silu":
         raise ValueError(f"Qwen3-MoE with hidden_act={hf.hidden_act!r} is not supported (expected 'silu')")
     inv_freq, attn_scaling = rope_from_hf(Qwen3MoeRotaryEmbedding, hf)
     window = getattr(hf, "sliding_window", None)  # transformers already sets None unless use_sliding_window
     return ModelConfig(
-        arch="qwen3_moe", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-        num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
+        arch="qwen3_moe",
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_width=hf.moe_intermediate_size,
-        activation="silu", router="softmax_topk", norm_topk_prob=bool(hf.norm_topk_prob), router_bias=False,
-        expert_bias=False, attention_bias=bool(hf.attention_bias), qk_norm=True, attention_sinks=False,
-        sliding_windows=(window,) * hf.num_hidden_layers, rms_norm_eps=hf.rms_norm_eps, norm_weight_fp32=False,
-        tie_word_embeddings=bool(hf.tie_word_embeddings), rope_inv_freq=inv_freq,
-        rope_attention_scaling=attn_scaling)
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        expert_width=hf.moe_intermediate_size,
+        activation="silu",
+        router="softmax_topk",
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        router_bias=False,
+        expert_bias=False,
+        attention_bias=bool(hf.attention_bias),
+        qk_norm=True,
+        attention_sinks=False,
+        sliding_windows=(window,) * hf.num_hidden_layers,
+        rms_norm_eps=hf.rms_norm_eps,
+        norm_weight_fp32=False,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        rope_inv_freq=inv_freq,
+        rope_attention_scaling=attn_scaling,
+    )
 
 
 def expert_weights(take, prefix: str):

@@ -5,6 +5,7 @@ Shapes: T tokens, h heads of width d (HALF = d/2). Non-interleaved rope: halves 
 (x1 cos - x2 sin, x2 cos + x1 sin) — the same arithmetic as transformers' rotate_half (Qwen) and its gpt-oss
 variant. cos/sin (T, HALF) are in the model dtype, already multiplied by YaRN's attention scaling.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,9 +26,25 @@ def norm_rope_torch(x, weight, eps, cos, sin):
 
 
 if triton is not None:
+
     @triton.jit
-    def _norm_rope_heads(Src, Cos, Sin, W, Out, t, nh, eps, stride_t, stride_c, stride_o, HALF: tl.constexpr,
-                         NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _norm_rope_heads(
+        Src,
+        Cos,
+        Sin,
+        W,
+        Out,
+        t,
+        nh,
+        eps,
+        stride_t,
+        stride_c,
+        stride_o,
+        HALF: tl.constexpr,
+        NORM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         """One token's nh heads: optional per-head RMSNorm, then rope."""
         h = tl.arange(0, BLOCK_H)[:, None]
         dd = tl.arange(0, BLOCK_D)[None, :]
@@ -51,18 +68,48 @@ if triton is not None:
         tl.store(dst + HALF, (f2 * c + f1 * s).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _norm_rope_qk_kernel(SrcQ, SrcK, Cos, Sin, WQ, WK, OutQ, OutK, nq, nk, eps, stride_tq, stride_tk, stride_c,
-                             stride_oq, stride_ok, HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                             BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _norm_rope_qk_kernel(
+        SrcQ,
+        SrcK,
+        Cos,
+        Sin,
+        WQ,
+        WK,
+        OutQ,
+        OutK,
+        nq,
+        nk,
+        eps,
+        stride_tq,
+        stride_tk,
+        stride_c,
+        stride_oq,
+        stride_ok,
+        HALF: tl.constexpr,
+        NORM: tl.constexpr,
+        BLOCK_HQ: tl.constexpr,
+        BLOCK_HK: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
-        _norm_rope_heads(SrcQ, Cos, Sin, WQ, OutQ, t, nq, eps, stride_tq, stride_c, stride_oq, HALF, NORM,
-                         BLOCK_HQ, BLOCK_D)
-        _norm_rope_heads(SrcK, Cos, Sin, WK, OutK, t, nk, eps, stride_tk, stride_c, stride_ok, HALF, NORM,
-                         BLOCK_HK, BLOCK_D)
+        _norm_rope_heads(
+            SrcQ, Cos, Sin, WQ, OutQ, t, nq, eps, stride_tq, stride_c, stride_oq, HALF, NORM, BLOCK_HQ, BLOCK_D
+        )
+        _norm_rope_heads(
+            SrcK, Cos, Sin, WK, OutK, t, nk, eps, stride_tk, stride_c, stride_ok, HALF, NORM, BLOCK_HK, BLOCK_D
+        )
 
 
-def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                 eps: float, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, ...]:
+def norm_rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, ...]:
     """q (T, hq, d) and k (T, hk, d), each optionally RMS-normed per head and then roped (norm_rope_torch), in one
     launch; both weights or neither (Qwen3 norms both, gpt-oss neither)."""
     assert (q_weight is None) == (k_weight is None), "q and k are both normed or neither"
@@ -73,7 +120,28 @@ def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     oq = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)
     ok = torch.empty(T, hk, d, dtype=k.dtype, device=k.device)
     norm = q_weight is not None
-    _norm_rope_qk_kernel[(T,)](q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, oq, ok, hq, hk,
-                               eps, q.stride(0), k.stride(0), cos.stride(0), oq.stride(0), ok.stride(0), HALF=d // 2,
-                               NORM=norm, BLOCK_HQ=pow2(hq), BLOCK_HK=pow2(hk), BLOCK_D=pow2(d // 2), num_warps=4)
+    _norm_rope_qk_kernel[(T,)](
+        q,
+        k,
+        cos,
+        sin,
+        q_weight if norm else cos,
+        k_weight if norm else cos,
+        oq,
+        ok,
+        hq,
+        hk,
+        eps,
+        q.stride(0),
+        k.stride(0),
+        cos.stride(0),
+        oq.stride(0),
+        ok.stride(0),
+        HALF=d // 2,
+        NORM=norm,
+        BLOCK_HQ=pow2(hq),
+        BLOCK_HK=pow2(hk),
+        BLOCK_D=pow2(d // 2),
+        num_warps=4,
+    )
     return oq, ok

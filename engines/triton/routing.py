@@ -3,6 +3,7 @@ weights and top-k margin per MoE layer, as ``PromptLogprobs.routed_*``. Every ro
 through ``moe.record`` (``moe.route``; Nemotron-H's own sigmoid router); a call runs eagerly while capturing (a CUDA
 graph replay would not run the Python that collects the per-layer tensors). Routing is replicated on every TP rank,
 so rank 0's copy is the engine's; the workers record nothing."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,14 @@ def run_with_routing(runtime, prompts: list[list[int]], slots: list[int], top_k:
     res, tok = [], 0
     for p in out:
         n = p.token_ids.shape[0]
-        res.append(dataclasses.replace(p, routed_experts=ids[tok:tok + n], routed_weights=weights[tok:tok + n],
-                                       routed_margins=margins[tok:tok + n]))
+        res.append(
+            dataclasses.replace(
+                p,
+                routed_experts=ids[tok : tok + n],
+                routed_weights=weights[tok : tok + n],
+                routed_margins=margins[tok : tok + n],
+            )
+        )
         tok += n
     assert tok == ids.shape[0], f"routing rows {ids.shape[0]} for {tok} packed tokens"
     return res

@@ -1,5 +1,6 @@
 """One rank's loaded model: weights + stacked adapters + the decoder, and the work of one call
 (pack prompts, forward, and on rank 0 the chunked log-softmax)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,7 @@ def set_fp32_precision(dtype: torch.dtype, device: torch.device) -> None:
 
 
 class Runtime:
-    def __init__(self, config: EngineConfig, options: TritonOptions, shard: Shard, device: torch.device,
-                 all_reduce):
+    def __init__(self, config: EngineConfig, options: TritonOptions, shard: Shard, device: torch.device, all_reduce):
         self.dtype, self.device, self.shard = DTYPES[config.dtype], device, shard
         self.logit_chunk = options.logit_chunk
         set_fp32_precision(self.dtype, device)
@@ -48,10 +48,15 @@ class Runtime:
         adapters = {name: without_vocab(a) for name, a in adapters.items()}
         if hybrid is not None:  # an arch whose module builds the whole model (archs.HYBRIDS, archs.Built)
             # a hybrid module that adds embedding LoRA itself says so (EMBEDDING_LORA) and its model takes ``vocab``
-            if self.vocab is not None and self.vocab.embed_a is not None and not getattr(hybrid, "EMBEDDING_LORA",
-                                                                                          False):
-                raise ValueError("embed_tokens LoRA on a hybrid arch: the triton runtime runs embedding LoRA on "
-                                 "qwen3_moe, gpt_oss and nemotron_h only; judge that adapter on the hf engine")
+            if (
+                self.vocab is not None
+                and self.vocab.embed_a is not None
+                and not getattr(hybrid, "EMBEDDING_LORA", False)
+            ):
+                raise ValueError(
+                    "embed_tokens LoRA on a hybrid arch: the triton runtime runs embedding LoRA on "
+                    "qwen3_moe, gpt_oss and nemotron_h only; judge that adapter on the hf engine"
+                )
             built = hybrid.build(hf, source, adapters, shard, self.dtype, device, all_reduce, options)
             del source
             self.cfg, self.weights, self.lora, self.model = built.cfg, built.weights, built.lora, built.model
@@ -64,8 +69,18 @@ class Runtime:
         self.lora = stack_adapters(self.cfg, adapters, shard, self.dtype, device)
         fold_qkv_lora(self.weights, self.lora)
         fold_o_lora(self.weights, self.lora, shard)
-        self.model = MoeTransformer(self.cfg, self.weights, self.lora, shard, all_reduce, options.impl,
-                                    options.attention, options.moe_backend, options.moe_shrink, options.moe_padding)
+        self.model = MoeTransformer(
+            self.cfg,
+            self.weights,
+            self.lora,
+            shard,
+            all_reduce,
+            options.impl,
+            options.attention,
+            options.moe_backend,
+            options.moe_shrink,
+            options.moe_padding,
+        )
         self.model.vocab = self.vocab
         # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
         if options.cuda_graphs and device.type == "cuda" and shard.size == 1:
@@ -98,10 +113,15 @@ class Runtime:
         out, tok, pos = [], 0, 0
         for n in batch.lens:
             s = slice(pos, pos + n - 1)
-            out.append(PromptLogprobs(token_ids=ids[tok:tok + n], logprobs=lp[s],
-                                      topk_ids=tk_ids[s] if top_k else None,
-                                      topk_logprobs=tk_lp[s] if top_k else None,
-                                      router_margin=margin[tok:tok + n]))
+            out.append(
+                PromptLogprobs(
+                    token_ids=ids[tok : tok + n],
+                    logprobs=lp[s],
+                    topk_ids=tk_ids[s] if top_k else None,
+                    topk_logprobs=tk_lp[s] if top_k else None,
+                    router_margin=margin[tok : tok + n],
+                )
+            )
             tok, pos = tok + n, pos + n - 1
         return out
 
@@ -119,10 +139,14 @@ class Runtime:
             return None, None, None, None
         rows = batch.rows
         h = hidden[rows]
-        head = None if self.vocab is None or batch.token_adapter is None else \
-            self.vocab.head_logits(h, self.weights.lm_head, batch.token_adapter[rows])
-        lp, tk_ids, tk_lp = chunked_logprobs(h, self.weights.lm_head, batch.input_ids[rows + 1], top_k,
-                                             self.logit_chunk, fused=True, logits_fn=head)
+        head = (
+            None
+            if self.vocab is None or batch.token_adapter is None
+            else self.vocab.head_logits(h, self.weights.lm_head, batch.token_adapter[rows])
+        )
+        lp, tk_ids, tk_lp = chunked_logprobs(
+            h, self.weights.lm_head, batch.input_ids[rows + 1], top_k, self.logit_chunk, fused=True, logits_fn=head
+        )
         return lp, tk_ids, tk_lp, margin
 
     def _capture(self, batch: Batch, top_k: int) -> "Captured":

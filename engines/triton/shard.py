@@ -5,6 +5,7 @@ Row-parallel (o, expert down): input columns split, LoRA-A columns split, LoRA-B
 summed by an all-reduce, so biases of row-parallel layers live on rank 0 only.
 KV heads are replicated when there are fewer of them than ranks (Qwen3-30B-A3B: 4 kv heads at TP 8).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """Tensor parallelism started by the engine itself: rank 0 is the engine's own process, ranks 1..tp-1 are
 spawned workers that load their shard, then wait for broadcast work until told to stop. The same code path runs
 from pytest and the CLI. NCCL on GPUs (one GPU per rank), gloo on CPU (a real test of the sharding math)."""
+
 from __future__ import annotations
 
 import datetime
@@ -51,13 +52,17 @@ def init_group(rank: int, world: int, init_method: str, device: torch.device, ti
     os.environ.update(SAFE_ENV)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
-def worker_main(rank: int, world: int, init_method: str, config, device: torch.device, options: TritonOptions,
-                queue):
+def worker_main(rank: int, world: int, init_method: str, config, device: torch.device, options: TritonOptions, queue):
     try:
         faults.activate(options.fault)
         device = rank_device(device, rank)
@@ -93,10 +98,18 @@ class Workers:
         # killed caller leaves no worker blocked in a collective for timeout_s, nor multiprocessing's resource
         # tracker (it exits once every holder of its pipe is gone).
         me = os.getpid()
-        self.procs = [ctx.Process(target=supervise.guarded, daemon=True,
-                                  args=(me, pickle.dumps((worker_main, (r, world, self.init_method, config, device,
-                                                                        options))), self.queue))
-                      for r in range(1, world)]
+        self.procs = [
+            ctx.Process(
+                target=supervise.guarded,
+                daemon=True,
+                args=(
+                    me,
+                    pickle.dumps((worker_main, (r, world, self.init_method, config, device, options))),
+                    self.queue,
+                ),
+            )
+            for r in range(1, world)
+        ]
         for p in self.procs:
             p.start()
         self._wait("started")
@@ -112,8 +125,9 @@ class Workers:
                 if dead or time.monotonic() > deadline:
                     self.stop(force=True)
                     why = f"died (exit codes {[self.procs[r - 1].exitcode for r in dead]})" if dead else "timed out"
-                    raise RuntimeError(f"tensor-parallel workers {dead or sorted(pending)} {why} "
-                                       f"before reaching '{state}'") from None
+                    raise RuntimeError(
+                        f"tensor-parallel workers {dead or sorted(pending)} {why} before reaching '{state}'"
+                    ) from None
                 continue
             if got == "error":
                 self.stop(force=True)

@@ -13,6 +13,7 @@ factor, in the run dtype, torch only (these are (T, r) x (r, H|V) products besid
 Each slot's term is masked by the rows' slot (rows without an adapter add exactly zero), with no host sync, so a
 CUDA graph captures it. Not sharded under TP: the embedding is replicated on every rank and the head runs on rank 0.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,10 +33,14 @@ def fold_scalings(adapter):
         return adapter
 
     def fold(entries: dict) -> dict:
-        return {k: (a, b.float() * (scalings[k] / adapter.scaling)) if k in scalings else (a, b)
-                for k, (a, b) in entries.items()}
-    return dataclasses.replace(adapter, dense=fold(adapter.dense), experts=fold(adapter.experts),
-                               embed=fold(adapter.embed), scalings={})
+        return {
+            k: (a, b.float() * (scalings[k] / adapter.scaling)) if k in scalings else (a, b)
+            for k, (a, b) in entries.items()
+        }
+
+    return dataclasses.replace(
+        adapter, dense=fold(adapter.dense), experts=fold(adapter.experts), embed=fold(adapter.embed), scalings={}
+    )
 
 
 def without_vocab(adapter):
@@ -55,8 +60,11 @@ class VocabLora:
     head_b: Tensor | None  # (L, V, R): s * B
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.embed_a, self.embed_b, self.head_a, self.head_b)
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.embed_a, self.embed_b, self.head_a, self.head_b)
+            if t is not None
+        )
 
     def embed_delta(self, ids: Tensor, token_adapter: Tensor | None) -> Tensor | None:
         """(T, H) to add to the embedded tokens, or None when no row of the batch uses an embedding LoRA."""
@@ -82,6 +90,7 @@ class VocabLora:
                 u = (h @ self.head_a[k].T) * (slots[s:e] == k).unsqueeze(1).to(h.dtype)  # (c, R)
                 out = out + u @ self.head_b[k].T
             return out
+
         return logits
 
 
@@ -92,8 +101,10 @@ def stack_vocab(adapters: dict, dtype: torch.dtype, device: torch.device) -> Voc
     heads = [a.dense.get(HEAD) for a in slots]
     embeds = [next(iter(a.embed.values()), None) for a in slots]
     if len({n for a in slots for n in a.embed}) > 1:
-        raise ValueError(f"adapters target several embeddings ({sorted({n for a in slots for n in a.embed})}); the "
-                         "triton runtime runs LoRA on the input embedding only")
+        raise ValueError(
+            f"adapters target several embeddings ({sorted({n for a in slots for n in a.embed})}); the "
+            "triton runtime runs LoRA on the input embedding only"
+        )
 
     def stacked(pairs: list, first_t: bool) -> tuple[Tensor | None, Tensor | None]:
         """pairs[k] = (A, B) of slot k or None; scaling of slot k folded into B."""
@@ -105,8 +116,8 @@ def stack_vocab(adapters: dict, dtype: torch.dtype, device: torch.device) -> Voc
         A = torch.zeros(len(pairs), R, a0.shape[1], dtype=torch.float32, device=device)
         B = torch.zeros(len(pairs), b0.shape[0], R, dtype=torch.float32, device=device)
         for k, (a, b) in got:
-            A[k, :a.shape[0]] = a.float().to(device)
-            B[k, :, :b.shape[1]] = b.float().to(device) * float(slots[k].scaling)
+            A[k, : a.shape[0]] = a.float().to(device)
+            B[k, :, : b.shape[1]] = b.float().to(device) * float(slots[k].scaling)
         if first_t:  # the embedding: a token gathers its column of A, then expands through B
             return A.transpose(1, 2).contiguous().to(dtype), B.transpose(1, 2).contiguous().to(dtype)
         return A.to(dtype), B.to(dtype)

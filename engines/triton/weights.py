@@ -1,6 +1,7 @@
 """Load a model's weights once into kernel-ready layouts, already sharded for this tensor-parallel rank:
 q|k|v concatenated for one ``lora_linear`` with three slices, expert gate_up as (E, 2I, H) gate-then-up,
 expert down as (E, H, I)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,27 +72,29 @@ def load_weights(cfg: ModelConfig, source, shard: Shard, dtype: torch.dtype, dev
         p = f"model.layers.{i}."
         a = p + "self_attn."
         qkv = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
-        qkv_bias = (torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None)
+        qkv_bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
         o_bias = take_opt(a + "o_proj.bias", cfg.attention_bias)
         sinks = take_opt(a + "sinks", cfg.attention_sinks)
         gu, down, b_gu, b_down = arch.expert_weights(lambda n: take(n), p + "mlp.experts.")
-        layers.append(LayerWeights(
-            input_norm=take(p + "input_layernorm.weight", norm_dtype),
-            post_norm=take(p + "post_attention_layernorm.weight", norm_dtype),
-            qkv=fin(shard.split_qkv(qkv, 0, *heads)),
-            qkv_bias=fin(None if qkv_bias is None else shard.split_qkv(qkv_bias, 0, *heads)),
-            q_norm=take_opt(a + "q_norm.weight", cfg.qk_norm),
-            k_norm=take_opt(a + "k_norm.weight", cfg.qk_norm),
-            sinks=fin(None if sinks is None else shard.split_heads(sinks, 0, cfg.num_heads, cfg.num_kv_heads, 1)),
-            o=fin(shard.split_heads(take(a + "o_proj.weight"), 1, *heads)),
-            o_bias=o_bias if shard.first else None,
-            router=take(p + arch.ROUTER + ".weight"),
-            router_bias=take_opt(p + arch.ROUTER + ".bias", cfg.router_bias),
-            w_gate_up=fin(shard.split_gate_up(gu, 1)),
-            w_down=fin(shard.split(down, 2)),
-            b_gate_up=fin(None if b_gu is None else shard.split_gate_up(b_gu, 1)),
-            b_down=b_down if shard.first else None,
-        ))
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight", norm_dtype),
+                post_norm=take(p + "post_attention_layernorm.weight", norm_dtype),
+                qkv=fin(shard.split_qkv(qkv, 0, *heads)),
+                qkv_bias=fin(None if qkv_bias is None else shard.split_qkv(qkv_bias, 0, *heads)),
+                q_norm=take_opt(a + "q_norm.weight", cfg.qk_norm),
+                k_norm=take_opt(a + "k_norm.weight", cfg.qk_norm),
+                sinks=fin(None if sinks is None else shard.split_heads(sinks, 0, cfg.num_heads, cfg.num_kv_heads, 1)),
+                o=fin(shard.split_heads(take(a + "o_proj.weight"), 1, *heads)),
+                o_bias=o_bias if shard.first else None,
+                router=take(p + arch.ROUTER + ".weight"),
+                router_bias=take_opt(p + arch.ROUTER + ".bias", cfg.router_bias),
+                w_gate_up=fin(shard.split_gate_up(gu, 1)),
+                w_down=fin(shard.split(down, 2)),
+                b_gate_up=fin(None if b_gu is None else shard.split_gate_up(b_gu, 1)),
+                b_down=b_down if shard.first else None,
+            )
+        )
     embed = take("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else take("lm_head.weight")
     return ModelWeights(embed=embed, norm=take("model.norm.weight", norm_dtype), lm_head=lm_head, layers=layers)

@@ -35,6 +35,7 @@ Options (``EngineConfig.options``):
                          set while the engine is open: e.g. {"CUDA_LAUNCH_BLOCKING": "1"}, under which vLLM 0.25.1's
                          Qwen3-MoE LoRA runs that otherwise fault, docs/engines.md)
 """
+
 from lpdiff.engines.vllm.adapters import (
     MoeLoraPlan,
     adapter_problems,
@@ -50,7 +51,23 @@ from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, vllm_top_k
 from lpdiff.engines.vllm.processes import _children, cuda_visible, reap
 from lpdiff.engines.vllm.settings import GPU_MEMORY_UTILIZATION, default_attention_backend, pick_max_lora_rank
 
-__all__ = ["CAPABILITIES", "GPU_MEMORY_UTILIZATION", "MoeLoraPlan", "VLLMEngine", "_children",
-           "adapter_problems", "checkpoint_dir", "cuda_visible", "default_attention_backend", "is_moe_config",
-           "parse_prompt_logprobs", "pick_max_lora_rank", "plan_moe_lora", "reap", "renamed_per_expert_adapter",
-           "root_problems", "vllm_native_3d", "vllm_top_k"]
+__all__ = [
+    "CAPABILITIES",
+    "GPU_MEMORY_UTILIZATION",
+    "MoeLoraPlan",
+    "VLLMEngine",
+    "_children",
+    "adapter_problems",
+    "checkpoint_dir",
+    "cuda_visible",
+    "default_attention_backend",
+    "is_moe_config",
+    "parse_prompt_logprobs",
+    "pick_max_lora_rank",
+    "plan_moe_lora",
+    "reap",
+    "renamed_per_expert_adapter",
+    "root_problems",
+    "vllm_native_3d",
+    "vllm_top_k",
+]

@@ -14,6 +14,7 @@ flag is set only where an adapter's layout is not the model's native one, and a 
 refused unless asked for (``mixed_moe_lora_format=True``: it then runs, with vLLM's per-expert names w1/w2/w3, and a
 FAIL is vLLM's defect, listed in ``known_defects``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,14 @@ from lpdiff.harness.types import canonical_hash, dir_hash
 
 # vLLM 0.25.1 model classes with ``is_3d_moe_weight = True`` (gpt_oss.py:1173, qwen3_5.py:608, qwen3_vl_moe.py:203,
 # interns1_pro.py:547): used when vLLM's registry cannot be asked (no vLLM here).
-_NATIVE_3D_ARCHS = frozenset({"GptOssForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-                              "Qwen3VLMoeForConditionalGeneration", "InternS1ProForConditionalGeneration"})
+_NATIVE_3D_ARCHS = frozenset(
+    {
+        "GptOssForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "InternS1ProForConditionalGeneration",
+    }
+)
 # fused gate_up rows alternate gate/up (model_manager.py:997, fused_moe.py:528, gpt_oss.py:1027)
 _INTERLEAVED_ARCHS = frozenset({"GptOssForCausalLM"})
 # per-expert names vLLM's 2D loader expects, where they are not gate_proj/up_proj/down_proj
@@ -54,19 +61,25 @@ def plan_moe_lora(arch: str, layouts: Sequence[str], native_3d: bool, forced: bo
     need = "per_expert" if native_3d else "peft3d"  # the layout this model cannot read without the flag
     mixed = need in kinds if forced is None else forced
     if need in kinds and not mixed:
-        raise InputError(f"{arch} in vLLM reads {'PEFT 3D' if native_3d else 'per-expert'} expert adapters natively; "
-                         f"a {need} adapter needs mixed_moe_lora_format (vLLM otherwise refuses it or crashes at "
-                         "the first request): leave the option unset, or convert the adapter with `lpdiff adapters "
-                         f"convert --to {'peft3d' if native_3d else 'per_expert'}`")
+        raise InputError(
+            f"{arch} in vLLM reads {'PEFT 3D' if native_3d else 'per-expert'} expert adapters natively; "
+            f"a {need} adapter needs mixed_moe_lora_format (vLLM otherwise refuses it or crashes at "
+            "the first request): leave the option unset, or convert the adapter with `lpdiff adapters "
+            f"convert --to {'peft3d' if native_3d else 'per_expert'}`"
+        )
     defects = []
     if mixed and kinds and arch in _INTERLEAVED_ARCHS:
-        defect = (f"vLLM 0.25.1 adds {arch}'s expert gate/up LoRA as concatenated halves under "
-                  "enable_mixed_moe_lora_format (fused_moe_lora_op.py:1355) while the base gate_up rows are "
-                  "interleaved (gpt_oss.py:1027, activation.py:446): expert LoRA results are wrong")
+        defect = (
+            f"vLLM 0.25.1 adds {arch}'s expert gate/up LoRA as concatenated halves under "
+            "enable_mixed_moe_lora_format (fused_moe_lora_op.py:1355) while the base gate_up rows are "
+            "interleaved (gpt_oss.py:1027, activation.py:446): expert LoRA results are wrong"
+        )
         if forced is None:
-            raise InputError(f"{defect}. Serve PEFT 3D adapters only (`lpdiff adapters convert --to peft3d`, the "
-                             "layout vLLM reads natively and correctly here), or pass options "
-                             "mixed_moe_lora_format=True to run this path anyway and expect a FAIL that is vLLM's")
+            raise InputError(
+                f"{defect}. Serve PEFT 3D adapters only (`lpdiff adapters convert --to peft3d`, the "
+                "layout vLLM reads natively and correctly here), or pass options "
+                "mixed_moe_lora_format=True to run this path anyway and expect a FAIL that is vLLM's"
+            )
         defects.append(defect)
     rename = _PER_EXPERT_NAMES.get(arch, {}) if mixed and "per_expert" in kinds else {}
     return MoeLoraPlan(bool(mixed), dict(rename), tuple(defects))
@@ -95,8 +108,10 @@ def adapter_problems(info, gated: bool = True) -> list[str]:
     - per-expert experts missing a projection: vLLM packs (gate, down, up) for every expert (lora_weights.py:187)."""
     out = []
     if info.rank_pattern or info.alpha_pattern:
-        out.append(f"{info.path}: rank_pattern/alpha_pattern are ignored by vLLM (every module would get lora_alpha/r);"
-                   " re-save the adapter with one rank (lpdiff's save_canonical pads to one rank exactly)")
+        out.append(
+            f"{info.path}: rank_pattern/alpha_pattern are ignored by vLLM (every module would get lora_alpha/r);"
+            " re-save the adapter with one rank (lpdiff's save_canonical pads to one rank exactly)"
+        )
     three_d: dict[str, set[int]] = {}
     parts: dict[str, dict[int, set[str]]] = {}
     for k in info.keys:
@@ -108,15 +123,19 @@ def adapter_problems(info, gated: bool = True) -> list[str]:
             parts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(m.group(3))
     for module, depths in sorted(three_d.items()):
         if depths != {0, 1}:
-            out.append(f"{info.path}: {module} targets one expert parameter; vLLM reads a PEFT 3D expert adapter "
-                       "only with both gate_up_proj and down_proj targeted (a lone one is read as down_proj)")
+            out.append(
+                f"{info.path}: {module} targets one expert parameter; vLLM reads a PEFT 3D expert adapter "
+                "only with both gate_up_proj and down_proj targeted (a lone one is read as down_proj)"
+            )
             break
     want = {"gate_proj", "up_proj", "down_proj"} if gated else {"up_proj", "down_proj"}
     for module, experts in sorted(parts.items()):
         bad = sorted(e for e, got in experts.items() if got != want)
         if bad:
-            out.append(f"{info.path}: {module}.{bad[0]} has {sorted(experts[bad[0]])}; vLLM needs every expert's "
-                       f"{sorted(want)} (it asserts while packing)")
+            out.append(
+                f"{info.path}: {module}.{bad[0]} has {sorted(experts[bad[0]])}; vLLM needs every expert's "
+                f"{sorted(want)} (it asserts while packing)"
+            )
             break
     return out
 
@@ -150,8 +169,10 @@ def renamed_per_expert_adapter(src: str | Path, rename: dict[str, str], root: st
     if (out / "adapter_model.safetensors").is_file():
         return str(out)
     pat = re.compile(r"(\.experts\.\d+\.)(\w+)(\.lora_[AB]\.weight)$")
-    tensors = {pat.sub(lambda m: m.group(1) + rename.get(m.group(2), m.group(2)) + m.group(3), k): v
-               for k, v in load_file(str(Path(src) / "adapter_model.safetensors")).items()}
+    tensors = {
+        pat.sub(lambda m: m.group(1) + rename.get(m.group(2), m.group(2)) + m.group(3), k): v
+        for k, v in load_file(str(Path(src) / "adapter_model.safetensors")).items()
+    }
     cfg = json.loads((Path(src) / "adapter_config.json").read_text())
     if isinstance(cfg.get("target_modules"), list):
         cfg["target_modules"] = sorted({rename.get(t, t) for t in cfg["target_modules"]})

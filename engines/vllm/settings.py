@@ -1,6 +1,7 @@
 """What the vllm engine asks vLLM for: its own options, their defaults, and the feature detection that tells vLLM
 versions apart (engine arguments this vLLM lacks are not passed, and a needed one is an error that names the fix;
 ``LoRARequest`` / ``SamplingParams`` fields are read off the struct), never version strings."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +12,25 @@ from lpdiff.harness.spec.errors import InputError
 
 # vLLM's allowed max_lora_rank values (0.25-0.32); read from vLLM itself when it says.
 FALLBACK_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-OWN_OPTIONS = ("max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "max_logprobs",
-                "mixed_moe_lora_format", "gpu_memory_utilization", "attention_backend", "seed",
-                "enable_prefix_caching", "allow_fp32_lora", "checkpoint_dir", "enforce_eager", "close_timeout_s",
-                "llm_kwargs", "env", "capture_routing")
+OWN_OPTIONS = (
+    "max_lora_rank",
+    "max_loras",
+    "max_num_seqs",
+    "max_model_len",
+    "max_logprobs",
+    "mixed_moe_lora_format",
+    "gpu_memory_utilization",
+    "attention_backend",
+    "seed",
+    "enable_prefix_caching",
+    "allow_fp32_lora",
+    "checkpoint_dir",
+    "enforce_eager",
+    "close_timeout_s",
+    "llm_kwargs",
+    "env",
+    "capture_routing",
+)
 GPU_MEMORY_UTILIZATION = 0.6
 # tokens per step for Nemotron-H MoE-LoRA (vllm-nemotron-step-fault in engines/vllm/capabilities.py has the
 # measurements). Nano's engine died wherever tokens per step x TP reached 8192 (8192 at TP 1, 4096 at TP 2, 2048 at
@@ -34,8 +50,10 @@ def pick_max_lora_rank(ranks: Sequence[int], allowed: Sequence[int] = FALLBACK_R
     need = max(ranks, default=1)
     fits = [r for r in sorted(allowed) if r >= need]
     if not fits:
-        raise InputError(f"adapter rank {need} exceeds vLLM's largest max_lora_rank {max(allowed)}; re-train or "
-                         f"truncate the adapter to rank <= {max(allowed)}")
+        raise InputError(
+            f"adapter rank {need} exceeds vLLM's largest max_lora_rank {max(allowed)}; re-train or "
+            f"truncate the adapter to rank <= {max(allowed)}"
+        )
     return fits[0]
 
 

@@ -30,6 +30,7 @@ The runtime may run at any TP size (its capture returns the all-reduced, full mo
 One adapter: every row runs it. Several: one mixed batch of base rows plus every adapter's rows (as a default run's
 session), each row's modules compared with HF run with that row's adapter, so a finding names the adapter too.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,12 @@ def lora_of(module: str) -> str:
     return "expert_lora" if module == "experts" else f"{module}_lora"
 
 
-MODULES = (*(n for m in MIXERS for n in (m, lora_of(m))), "router",
-           *(n for m in MOE for n in (m, lora_of(m))), "hidden")
+MODULES = (
+    *(n for m in MIXERS for n in (m, lora_of(m))),
+    "router",
+    *(n for m in MOE for n in (m, lora_of(m))),
+    "hidden",
+)
 FACTOR = 10.0
 FLOOR_MIN = 1e-7  # fp32 relative rounding: a bit-exact clean module would otherwise give a zero floor
 BASE = "base"  # how the report names a mixed batch's rows without an adapter
@@ -121,8 +126,9 @@ def reference_floor(spec, adapters: dict, choices: Sequence[Choice], prompts, re
     return {mod: worst for mod in MODULES}
 
 
-def triton_errors(spec, adapters: dict, choices: Sequence[Choice], prompts, hf: dict, fault: str | None = None,
-                  tp: int = 1) -> Errors:
+def triton_errors(
+    spec, adapters: dict, choices: Sequence[Choice], prompts, hf: dict, fault: str | None = None, tp: int = 1
+) -> Errors:
     """Each triton module re-run on HF's inputs to it (fp32, TP ``tp``), every choice's rows in one batch ->
     relative error per (choice, layer, module), each choice's rows against HF run with that choice. The runtime
     holds every adapter of ``adapters`` in its slots, as a run's session does (unused slots and rank padding are
@@ -138,7 +144,7 @@ def triton_errors(spec, adapters: dict, choices: Sequence[Choice], prompts, hf: 
     n = len(prompts) * len(prompts[0])  # tokens per choice: equal-length prompts, packed in order
     err: Errors = {}
     for g, c in enumerate(choices):
-        part = {k: v[g * n:(g + 1) * n] for k, v in got.items()}
+        part = {k: v[g * n : (g + 1) * n] for k, v in got.items()}
         err.update({(c, *k): e for k, e in module_errors(part, hf[c]).items()})
     return err
 
@@ -199,15 +205,20 @@ class BisectResult:
         width = max(len("adapter"), *(len(label(c)) for c in self.choices))
         cols = [m for m in MODULES if any(k[2] == m for k in self.errors)]  # the modules some layer has
         cw = {m: max(10, len(m)) for m in cols}
-        rows = [f"{'noise':<{width}}  {'':>5}  " + "  ".join(f"{self.floors[m]:>{cw[m]}.3g}" for m in cols),
-                f"{'adapter':<{width}}  {'layer':>5}  " + "  ".join(f"{m:>{cw[m]}}" for m in cols)]
+        rows = [
+            f"{'noise':<{width}}  {'':>5}  " + "  ".join(f"{self.floors[m]:>{cw[m]}.3g}" for m in cols),
+            f"{'adapter':<{width}}  {'layer':>5}  " + "  ".join(f"{m:>{cw[m]}}" for m in cols),
+        ]
         for c in self.choices:
             for i in sorted({i for cc, i, _ in self.errors if cc == c}):
                 cells = []
                 for m in cols:
                     e = self.errors.get((c, i, m))  # None: a module this layer's kind does not have
-                    cells.append(f"{'-':>{cw[m] - 1}} " if e is None else
-                                 f"{e:>{cw[m] - 1}.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}")
+                    cells.append(
+                        f"{'-':>{cw[m] - 1}} "
+                        if e is None
+                        else f"{e:>{cw[m] - 1}.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}"
+                    )
                 rows.append(f"{label(c):<{width}}  {i:>5}  " + "  ".join(cells))
         return "\n".join(rows)
 
@@ -217,8 +228,10 @@ class BisectResult:
         head = f"{self.model} [{', '.join(map(label, self.choices))}] tp={self.tp} {what}"
         if f is None:
             return f"{head}: every module within {self.factor:g}x its noise floor"
-        return (f"{head}: first above noise: layer {f.layer} {f.module} of {label(f.adapter)} "
-                f"(error {f.error:.3g} = {f.ratio:.3g}x its floor {f.floor:.3g}; limit {f.factor:g}x)")
+        return (
+            f"{head}: first above noise: layer {f.layer} {f.module} of {label(f.adapter)} "
+            f"(error {f.error:.3g} = {f.ratio:.3g}x its floor {f.floor:.3g}; limit {f.factor:g}x)"
+        )
 
 
 @dataclass(slots=True)
@@ -254,8 +267,14 @@ def bisects(model: str) -> bool:
     return resolve_model(model, weights=False).arch in ARCHS
 
 
-def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None = None, factor: float = FACTOR,
-           num_prompts: int | None = None, tp: int | Sequence[int] | None = None) -> BisectResult | BisectRuns:
+def bisect(
+    model: str,
+    adapters: Sequence[str] | None = None,
+    fault: str | None = None,
+    factor: float = FACTOR,
+    num_prompts: int | None = None,
+    tp: int | Sequence[int] | None = None,
+) -> BisectResult | BisectRuns:
     """``adapters``: zoo names or PEFT directories, resolved as ``lpdiff run --adapter`` does (None: every zoo
     adapter of the model, with base rows: the batch a default ``lpdiff run`` judges); several make a mixed batch
     with base rows. ``tp``: one size -> a BisectResult; several, or None (``lpdiff run``'s default sizes for
@@ -272,8 +291,10 @@ def bisect(model: str, adapters: Sequence[str] | None = None, fault: str | None 
             raise InputError(f"--tp {t}: the triton runtime runs TP {', '.join(map(str, sizes))}")
     r = resolve(model, list(adapters) if adapters else None)
     if r.spec.arch not in ARCHS:
-        raise InputError(f"lpdiff bisect captures {', '.join(ARCHS)} layers module by module, not {r.spec.arch}; "
-                         f"`lpdiff metamorphic {model} ADAPTER --engine triton` judges the runtime against itself")
+        raise InputError(
+            f"lpdiff bisect captures {', '.join(ARCHS)} layers module by module, not {r.spec.arch}; "
+            f"`lpdiff metamorphic {model} ADAPTER --engine triton` judges the runtime against itself"
+        )
     if not r.adapters:
         raise InputError(f"model {model!r} has no zoo adapters: name one with --adapter (a PEFT directory)")
     choices = batch_choices(list(r.adapters))

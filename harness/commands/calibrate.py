@@ -5,6 +5,7 @@ itself, TP 1 vs TP n) are run over every prompt set and adapter of a model; the 
 fidelity seen between them is the noise floor, and ``factor`` times it becomes the threshold that verdicts for
 ``record_as`` read (harness/pipeline/thresholds.json), with the provenance: noise, factor, date, commit, device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,8 +24,15 @@ class Lane:
     tp: int = 1
 
 
-def measure_noise(model: str, a: Lane, b: Lane, prompt_sets=("default", "long"), num_layers=None,
-                  log=print, floor: Noise | None = None) -> Noise:
+def measure_noise(
+    model: str,
+    a: Lane,
+    b: Lane,
+    prompt_sets=("default", "long"),
+    num_layers=None,
+    log=print,
+    floor: Noise | None = None,
+) -> Noise:
     """Verdicts judge near-tie positions apart, so the noise is measured on the clean positions too. With both
     lanes in fp32, ``floor`` (when given) takes the largest fp32 rounding floor of b's runs: two correct kernels
     can agree bit for bit on one CPU and not on another, and a threshold must hold on both."""
@@ -51,39 +59,66 @@ def _layers(spec) -> int:
     return int(getattr(hf_config(spec), "num_hidden_layers", 1) or 1)
 
 
-def zoo_threshold(noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True,
-                  floor: Noise | None = None) -> Threshold:
-    return threshold_from(noise, factor, fidelity=fidelity, floor=floor,
-                          note=f"noise = worst of {noise.comparisons} comparisons ({noise.positions} positions) "
-                               f"between {_lane(a)} and {_lane(b)}")
+def zoo_threshold(
+    noise: Noise, factor: float, a: Lane, b: Lane, fidelity: bool = True, floor: Noise | None = None
+) -> Threshold:
+    return threshold_from(
+        noise,
+        factor,
+        fidelity=fidelity,
+        floor=floor,
+        note=f"noise = worst of {noise.comparisons} comparisons ({noise.positions} positions) "
+        f"between {_lane(a)} and {_lane(b)}",
+    )
 
 
 def _lane(lane: Lane) -> str:
     return f"{lane.engine}:{lane.dtype}{lane.options or ''}" + (f" at TP {lane.tp}" if lane.tp > 1 else "")
 
 
-def calibrate(model: str, a: Lane, b: Lane, record_as: list[tuple[str, str]], factor: float = 10.0,
-              fidelity: bool = True, tp: int = 1, num_layers=None, log=print) -> Threshold:
+def calibrate(
+    model: str,
+    a: Lane,
+    b: Lane,
+    record_as: list[tuple[str, str]],
+    factor: float = 10.0,
+    fidelity: bool = True,
+    tp: int = 1,
+    num_layers=None,
+    log=print,
+) -> Threshold:
     """Measure the a-vs-b noise on ``model`` and record factor x noise for each (engine pair, dtype)."""
     floor = Noise()
     noise = measure_noise(model, a, b, num_layers=num_layers, log=log, floor=floor)
     t = zoo_threshold(noise, factor, a, b, fidelity, floor if floor.k2 > 0 else None)
     for pair, dtype in record_as:
         record(model, pair, dtype, tp, t)
-        log(f"recorded {model} {pair} {dtype} tp={tp}: k2 {t.k2:.3g} max|d| {t.max_abs:.3g} "
-            f"delta-fidelity {t.delta_fidelity if t.delta_fidelity is None else f'{t.delta_fidelity:.3g}'}")
+        log(
+            f"recorded {model} {pair} {dtype} tp={tp}: k2 {t.k2:.3g} max|d| {t.max_abs:.3g} "
+            f"delta-fidelity {t.delta_fidelity if t.delta_fidelity is None else f'{t.delta_fidelity:.3g}'}"
+        )
     return t
 
 
 # The tiny zoo's standard calibration: what each suite lane is judged with, and the correct pair it comes from.
 ZOO_PLAN = [
     # fp32: two correct expert kernels (HF eager vs batched_mm) bound fp32 rounding between implementations.
-    (Lane("hf", "float32", {"experts_impl": "batched_mm"}), Lane("hf", "float32", {"experts_impl": "eager"}),
-     [("hf:float32-vs-hf:float32", "float32"), ("triton:float32-vs-hf:float32", "float32")], 30.0, True),
+    (
+        Lane("hf", "float32", {"experts_impl": "batched_mm"}),
+        Lane("hf", "float32", {"experts_impl": "eager"}),
+        [("hf:float32-vs-hf:float32", "float32"), ("triton:float32-vs-hf:float32", "float32")],
+        30.0,
+        True,
+    ),
     # bf16: the reference itself in bf16 against fp32. LoRA-delta fidelity is not judged in bf16: its noise on
     # the tiny zoo (0.06-0.24) leaves no room below the 1.0 of a dropped adapter.
-    (Lane("hf", "bfloat16"), Lane("hf", "float32"),
-     [("hf:bfloat16-vs-hf:float32", "bfloat16"), ("triton:bfloat16-vs-hf:float32", "bfloat16")], 10.0, False),
+    (
+        Lane("hf", "bfloat16"),
+        Lane("hf", "float32"),
+        [("hf:bfloat16-vs-hf:float32", "bfloat16"), ("triton:bfloat16-vs-hf:float32", "bfloat16")],
+        10.0,
+        False,
+    ),
 ]
 
 

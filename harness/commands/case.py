@@ -6,6 +6,7 @@ the output (base and LoRA logprobs not identical). Shown beside it: the case's o
 sampler); kl_v2(engine, original sampler); the base-vs-LoRA difference; every other lpdiff metric of engine vs
 trainer. Exit 0 PASS, 1 FAIL.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,13 +45,21 @@ def _run(prompts: list[list[int]], values: list[np.ndarray], who: str) -> Logpro
     return LogprobRun([PromptLogprobs(np.asarray(p), v) for p, v in zip(prompts, values)], {"engine": who})
 
 
-def judge_case(case: TrainerCase, spec, engine: str, dtype: str = "bfloat16", tp: int = 1,
-               options: dict | None = None) -> CaseVerdict:
+def judge_case(
+    case: TrainerCase, spec, engine: str, dtype: str = "bfloat16", tp: int = 1, options: dict | None = None
+) -> CaseVerdict:
     from lpdiff.harness.spec.catalog import hf_config
 
     check_vocab(case, hf_config(spec).get_text_config().vocab_size)
-    lanes = run_session(engine, spec, {CASE_ADAPTER: AdapterSpec(CASE_ADAPTER, str(case.adapter_dir))},
-                        case.prompts, dtype, tp=tp, options=options).first
+    lanes = run_session(
+        engine,
+        spec,
+        {CASE_ADAPTER: AdapterSpec(CASE_ADAPTER, str(case.adapter_dir))},
+        case.prompts,
+        dtype,
+        tp=tp,
+        options=options,
+    ).first
     lora, base = lanes[CASE_ADAPTER], lanes[None]
     trainer = _run(case.prompts, case.training, "trainer")
     m = compare(lora, trainer)
@@ -59,12 +68,36 @@ def judge_case(case: TrainerCase, spec, engine: str, dtype: str = "bfloat16", tp
     vs_sampler = compare(lora, _run(case.prompts, case.sampling, "sampler")).k2 if case.sampling else None
     changes = delta.max_abs > 0
     ok = m.k2 <= case.threshold and changes and m.num_nonfinite == 0
-    reason = ("" if ok else "; ".join(r for r in (
-        f"kl_v2(trainer, engine) {m.k2:.3e} > {case.threshold:.1e}" if m.k2 > case.threshold else "",
-        "the adapter does not change the output (LoRA logprobs equal the base model's)" if not changes else "",
-        f"{m.num_nonfinite} non-finite logprobs" if m.num_nonfinite else "") if r))
-    return CaseVerdict(case.source, spec.name, engine, dtype, tp, case.threshold, m.k2, noise, vs_sampler,
-                       delta.mean_abs, delta.max_abs, changes, m, ok, reason)
+    reason = (
+        ""
+        if ok
+        else "; ".join(
+            r
+            for r in (
+                f"kl_v2(trainer, engine) {m.k2:.3e} > {case.threshold:.1e}" if m.k2 > case.threshold else "",
+                "the adapter does not change the output (LoRA logprobs equal the base model's)" if not changes else "",
+                f"{m.num_nonfinite} non-finite logprobs" if m.num_nonfinite else "",
+            )
+            if r
+        )
+    )
+    return CaseVerdict(
+        case.source,
+        spec.name,
+        engine,
+        dtype,
+        tp,
+        case.threshold,
+        m.k2,
+        noise,
+        vs_sampler,
+        delta.mean_abs,
+        delta.max_abs,
+        changes,
+        m,
+        ok,
+        reason,
+    )
 
 
 def format_verdict(v: CaseVerdict) -> str:
@@ -73,16 +106,25 @@ def format_verdict(v: CaseVerdict) -> str:
     def e(x):
         return "-" if x is None else f"{x:.3e}"
 
-    rows = [["kl_v2(trainer, engine)", e(v.kl_v2_engine_trainer), f"<= {v.threshold:.1e}"],
-            ["kl_v2(trainer, original sampler)", e(v.kl_v2_sampler_trainer), "the case's own noise"],
-            ["kl_v2(engine, original sampler)", e(v.kl_v2_engine_sampler), ""],
-            ["LoRA vs base mean |d| / max |d|", f"{v.lora_vs_base_mean_abs:.3e} / {v.lora_vs_base_max_abs:.3e}",
-             "must be > 0"]]
+    rows = [
+        ["kl_v2(trainer, engine)", e(v.kl_v2_engine_trainer), f"<= {v.threshold:.1e}"],
+        ["kl_v2(trainer, original sampler)", e(v.kl_v2_sampler_trainer), "the case's own noise"],
+        ["kl_v2(engine, original sampler)", e(v.kl_v2_engine_sampler), ""],
+        [
+            "LoRA vs base mean |d| / max |d|",
+            f"{v.lora_vs_base_mean_abs:.3e} / {v.lora_vs_base_max_abs:.3e}",
+            "must be > 0",
+        ],
+    ]
     m = v.metrics
-    rows += [[f"engine vs trainer {k}", e(getattr(m, k)), ""] for k in
-             ("k1", "k3", "max_abs", "mean_abs", "p99_abs", "over_0_1", "over_0_5", "over_1_0")]
-    head = (f"{'PASS' if v.passed else 'FAIL'}  case {v.case}  model {v.model}  engine {v.engine} {v.dtype} "
-            f"tp {v.tp}  ({m.num_positions} positions)")
+    rows += [
+        [f"engine vs trainer {k}", e(getattr(m, k)), ""]
+        for k in ("k1", "k3", "max_abs", "mean_abs", "p99_abs", "over_0_1", "over_0_5", "over_1_0")
+    ]
+    head = (
+        f"{'PASS' if v.passed else 'FAIL'}  case {v.case}  model {v.model}  engine {v.engine} {v.dtype} "
+        f"tp {v.tp}  ({m.num_positions} positions)"
+    )
     return "\n".join([head, tabulate(rows, headers=["", "value", ""]), *([v.reason] if v.reason else [])])
 
 
@@ -96,12 +138,24 @@ def case_model(name: str, num_layers: int | None = None, log=lambda s: None):
     from lpdiff.harness.spec.resolve import resolve_model
 
     ref = src.parse_hub(name)
-    catalog = next((n for n, repo in HUB_REPOS.items() if ref is not None and ref.repo_type == "model"
-                    and not ref.revision and not ref.subfolder and repo.lower() == ref.repo_id.lower()), None)
+    catalog = next(
+        (
+            n
+            for n, repo in HUB_REPOS.items()
+            if ref is not None
+            and ref.repo_type == "model"
+            and not ref.revision
+            and not ref.subfolder
+            and repo.lower() == ref.repo_id.lower()
+        ),
+        None,
+    )
     if catalog is not None and not Path(name).expanduser().exists() and not _cached(ref.repo_id):
-        log(f"--model {name}: not in the HF cache ({src.hub_cache()}); using the catalog's {catalog} (its config, "
+        log(
+            f"--model {name}: not in the HF cache ({src.hub_cache()}); using the catalog's {catalog} (its config, "
             f"seeded random weights). A case trained on the real weights will FAIL on it: fetch them with "
-            f"`{ref.fetch_command()}`")
+            f"`{ref.fetch_command()}`"
+        )
         return get_model(catalog, num_layers=num_layers)
     return resolve_model(name, num_layers)
 
@@ -114,8 +168,17 @@ def _cached(repo_id: str) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=str(src.hub_cache())), str)
 
 
-def run_case(source: str, model: str | None, engine: str, dtype: str, tp: int, num_layers: int | None,
-             options: dict | None, json_path: str | None, echo) -> int:
+def run_case(
+    source: str,
+    model: str | None,
+    engine: str,
+    dtype: str,
+    tp: int,
+    num_layers: int | None,
+    options: dict | None,
+    json_path: str | None,
+    echo,
+) -> int:
     import sys
 
     from lpdiff.harness.spec.cases import DEFAULT_THRESHOLD, threshold_for

@@ -31,6 +31,7 @@ served to the engine in every layout that engine reads (its capabilities), under
 Reference runs go through the baseline store (policy ``cache``: computed once, then answered from the store), so
 checks of several engines on one machine compute them once.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -42,8 +43,15 @@ from typing import Callable, Sequence
 from lpdiff.engines.base import ENGINES, capabilities, layouts_for
 from lpdiff.engines.capabilities import model_type
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
-from lpdiff.harness.pipeline.noise import (REFERENCE_DTYPE, Noise, fp32_rounding_floor, noise_pair, pair_noise,
-                                          rerun_noise, threshold_from)
+from lpdiff.harness.pipeline.noise import (
+    REFERENCE_DTYPE,
+    Noise,
+    fp32_rounding_floor,
+    noise_pair,
+    pair_noise,
+    rerun_noise,
+    threshold_from,
+)
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import References
 from lpdiff.harness.pipeline.report import append_csv, verdict_table
@@ -57,11 +65,37 @@ FACTOR = {"bfloat16": 3.0, "float32": 30.0}
 
 
 PROMPT_LENGTHS = (256, 131, 200, 64, 256, 97, 180, 33)
-CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "layers", "tp", "dtype", "adapter", "adapter_format",
-               "engine_pair", "k2", "max_abs", "mean_abs", "delta_fidelity", "near_tie_share", "threshold_k2",
-               "threshold_max", "threshold_fidelity", "ref_noise_k2", "ref_noise_max", "ref_noise_fidelity",
-               "rerun_noise_k2", "rerun_noise_max", "rerun_noise_fidelity", "expected", "verdict", "reasons",
-               "init_recipe")
+CSV_COLUMNS = (
+    "date",
+    "commit",
+    "gpu",
+    "engine_version",
+    "model",
+    "layers",
+    "tp",
+    "dtype",
+    "adapter",
+    "adapter_format",
+    "engine_pair",
+    "k2",
+    "max_abs",
+    "mean_abs",
+    "delta_fidelity",
+    "near_tie_share",
+    "threshold_k2",
+    "threshold_max",
+    "threshold_fidelity",
+    "ref_noise_k2",
+    "ref_noise_max",
+    "ref_noise_fidelity",
+    "rerun_noise_k2",
+    "rerun_noise_max",
+    "rerun_noise_fidelity",
+    "expected",
+    "verdict",
+    "reasons",
+    "init_recipe",
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,17 +128,22 @@ ADAPTERS = (
 # group is named by its own lane; "all" holds the groups vLLM and SGLang both read (SGLang has no LoRA for HF's
 # GDN projections nor a PEFT-shaped mamba in_proj: those lanes are served where the engine reads them)
 _HYBRID_COMMON = ("attention", "shared_expert", "experts")
-HYBRID_ADAPTERS = {arch: (
-    AdapterPlan("all", _HYBRID_COMMON, 16, 1),
-    AdapterPlan("all_groups", (*_HYBRID_COMMON, own), 16, 8),  # every group together, where the engine reads them
-    AdapterPlan(own, (own,), 16, 2),
-    AdapterPlan("attention", ("attention",), 16, 5),
-    AdapterPlan("shared_expert", ("shared_expert",), 16, 6),
-    AdapterPlan("experts", ("experts",), 16, 3),
-    AdapterPlan("all_r8", _HYBRID_COMMON, 8, 4),
-    AdapterPlan("broken", _HYBRID_COMMON, 16, 1, broken_from="all"),
-    AdapterPlan("latent", ("latent",), 16, 7),  # Nemotron-3-Super's latent MoE projections (where the model has them)
-) for arch, own in (("qwen3_5_moe", "linear_attention"), ("nemotron_h", "mamba"))}
+HYBRID_ADAPTERS = {
+    arch: (
+        AdapterPlan("all", _HYBRID_COMMON, 16, 1),
+        AdapterPlan("all_groups", (*_HYBRID_COMMON, own), 16, 8),  # every group together, where the engine reads them
+        AdapterPlan(own, (own,), 16, 2),
+        AdapterPlan("attention", ("attention",), 16, 5),
+        AdapterPlan("shared_expert", ("shared_expert",), 16, 6),
+        AdapterPlan("experts", ("experts",), 16, 3),
+        AdapterPlan("all_r8", _HYBRID_COMMON, 8, 4),
+        AdapterPlan("broken", _HYBRID_COMMON, 16, 1, broken_from="all"),
+        AdapterPlan(
+            "latent", ("latent",), 16, 7
+        ),  # Nemotron-3-Super's latent MoE projections (where the model has them)
+    )
+    for arch, own in (("qwen3_5_moe", "linear_attention"), ("nemotron_h", "mamba"))
+}
 
 
 def plans_for(arch: str) -> tuple[AdapterPlan, ...]:
@@ -118,14 +157,22 @@ def trainer_plans_for(arch: str) -> tuple[AdapterPlan, ...]:
     128). Each engine is served the lanes doctor does not refuse for it."""
     base = plans_for(arch)
     decoder = next(p.groups for p in base if p.name == "all")
-    return (*(p for p in base if p.name in ("all", "broken")),
-            AdapterPlan("rslora_patterns", decoder, 16, 11, use_rslora=True,
-                        rank_pattern=(("q_proj", 8), ("experts.down_proj", 4)),
-                        alpha_pattern=(("o_proj", 6.0), ("experts.down_proj", 40.0))),
-            AdapterPlan("vocab", ("lm_head", "embed_tokens"), 16, 12),
-            AdapterPlan("all_vocab", (*decoder, "lm_head", "embed_tokens"), 16, 13, use_rslora=True),
-            AdapterPlan("rank128", decoder, 128, 14),
-            AdapterPlan("rank256", decoder, 256, 15))
+    return (
+        *(p for p in base if p.name in ("all", "broken")),
+        AdapterPlan(
+            "rslora_patterns",
+            decoder,
+            16,
+            11,
+            use_rslora=True,
+            rank_pattern=(("q_proj", 8), ("experts.down_proj", 4)),
+            alpha_pattern=(("o_proj", 6.0), ("experts.down_proj", 40.0)),
+        ),
+        AdapterPlan("vocab", ("lm_head", "embed_tokens"), 16, 12),
+        AdapterPlan("all_vocab", (*decoder, "lm_head", "embed_tokens"), 16, 13, use_rslora=True),
+        AdapterPlan("rank128", decoder, 128, 14),
+        AdapterPlan("rank256", decoder, 256, 15),
+    )
 
 
 def make_prompts(vocab_size: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
@@ -145,10 +192,17 @@ class Case:
     prompts: list[list[int]]
 
 
-def build_case(model: str, layers: int, root: str | Path, plans: Sequence[AdapterPlan] | None = None,
-               layouts: Sequence[str] | None = None, device: str = "cuda",
-               lengths: Sequence[int] = PROMPT_LENGTHS, log: Callable[[str], None] = print,
-               init_recipe: str | None = None) -> Case:
+def build_case(
+    model: str,
+    layers: int,
+    root: str | Path,
+    plans: Sequence[AdapterPlan] | None = None,
+    layouts: Sequence[str] | None = None,
+    device: str = "cuda",
+    lengths: Sequence[int] = PROMPT_LENGTHS,
+    log: Callable[[str], None] = print,
+    init_recipe: str | None = None,
+) -> Case:
     """``plans``: default ``plans_for`` the model; ``layouts``: default every layout an engine reads on it;
     ``init_recipe``: a config-built model's weights (catalog.INIT_RECIPES; default: catalog's choice)."""
     import torch
@@ -176,10 +230,17 @@ def build_case(model: str, layers: int, root: str | Path, plans: Sequence[Adapte
             permute_experts(files[(p.broken_from, "peft3d")].path, d3)
             files[(p.name, "peft3d")] = AdapterSpec(d3.name, str(d3))
         else:
-            files[(p.name, "peft3d")] = generate_adapter(hf, d3, groups=p.groups, rank=p.rank, alpha=2 * p.rank,
-                                                         seed=p.seed, use_rslora=p.use_rslora,
-                                                         rank_pattern=dict(p.rank_pattern),
-                                                         alpha_pattern=dict(p.alpha_pattern))
+            files[(p.name, "peft3d")] = generate_adapter(
+                hf,
+                d3,
+                groups=p.groups,
+                rank=p.rank,
+                alpha=2 * p.rank,
+                seed=p.seed,
+                use_rslora=p.use_rslora,
+                rank_pattern=dict(p.rank_pattern),
+                alpha_pattern=dict(p.alpha_pattern),
+            )
         for layout in layouts:
             if layout != "peft3d":
                 dst = root / f"{p.name}.{layout}"
@@ -193,8 +254,15 @@ def build_case(model: str, layers: int, root: str | Path, plans: Sequence[Adapte
 
 # -- runs ---------------------------------------------------------------------------------------------------------
 
-def reference_runs(case: Case, reference: str, dtype: str, options: dict | None, store: BaselineStore,
-                   log: Callable[[str], None] = print) -> Lanes:
+
+def reference_runs(
+    case: Case,
+    reference: str,
+    dtype: str,
+    options: dict | None,
+    store: BaselineStore,
+    log: Callable[[str], None] = print,
+) -> Lanes:
     """The reference engine's runs (base + every correct adapter, PEFT 3D files), from the store or computed and
     kept there (reference runs of several engines' checks on one machine are computed once)."""
     adapters = {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items() if not p.broken_from}
@@ -223,8 +291,7 @@ class CheckResult:
 
     @property
     def as_expected(self) -> bool:
-        return self.error is None and all(("PASS" if v.passed else "FAIL") == v.expected
-                                          for v in self.verdicts)
+        return self.error is None and all(("PASS" if v.passed else "FAIL") == v.expected for v in self.verdicts)
 
 
 # where an engine runs (its interpreter, its lane), not how it computes
@@ -240,9 +307,19 @@ def engine_pair(engine: str, dtype: str, reference: str, options: dict) -> str:
     return f"{engine}{tag}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}"
 
 
-def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3, options: dict | None = None,
-              store: BaselineStore | None = None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
-              serve_refused: bool = False, log: Callable[[str], None] = print) -> CheckResult:
+def run_check(
+    case: Case,
+    engine: str,
+    tp: int = 1,
+    reference: str = "hf",
+    k: int = 3,
+    options: dict | None = None,
+    store: BaselineStore | None = None,
+    dtype: str = "bfloat16",
+    layouts: Sequence[str] | None = None,
+    serve_refused: bool = False,
+    log: Callable[[str], None] = print,
+) -> CheckResult:
     """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here.
     ``layouts``: the adapter files served (default: every layout the engine reads); the lanes doctor says the
     engine refuses are left out (``refused_lanes``) unless ``serve_refused`` (a known defect reproduced on purpose).
@@ -275,22 +352,56 @@ def run_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: in
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
         log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
-        return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
-                           Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused,
-                           init_recipe=case.spec.init_recipe or "", engine_pair=pair)
-    log(f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
-        f"{sess.wall_s:.1f}s, {time.perf_counter() - t_start:.1f}s with start and close ({sess.version})")
+        return CheckResult(
+            case.spec.name,
+            case.spec.num_layers or 0,
+            engine,
+            reference,
+            tp,
+            dtype,
+            "?",
+            ref_noise,
+            Noise(),
+            None,
+            [],
+            error=f"{type(e).__name__}: {e}",
+            refused=refused,
+            init_recipe=case.spec.init_recipe or "",
+            engine_pair=pair,
+        )
+    log(
+        f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
+        f"{sess.wall_s:.1f}s, {time.perf_counter() - t_start:.1f}s with start and close ({sess.version})"
+    )
     reruns = rerun_noise(sess.runs)
     noise = Noise().merge(ref_noise, reruns)
     # fp32: two correct engines differ by rounding even where the reference's two kernels agree exactly
     floor = fp32_rounding_floor(ref32, case_layers(case)) if dtype == REFERENCE_DTYPE else None
-    t = threshold_from(noise, FACTOR[dtype], note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} "
-                       f"({ref_noise.describe()}) and {engine} rerun noise over {k} runs ({reruns.describe()}), "
-                       f"same model and prompts", floor=floor)
+    t = threshold_from(
+        noise,
+        FACTOR[dtype],
+        note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} "
+        f"({ref_noise.describe()}) and {engine} rerun noise over {k} runs ({reruns.describe()}), "
+        f"same model and prompts",
+        floor=floor,
+    )
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
-    res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, sess.version,
-                      ref_noise, reruns, t, sess.runs, refused=refused, init_recipe=case.spec.init_recipe or "",
-                      engine_pair=pair)
+    res = CheckResult(
+        case.spec.name,
+        case.spec.num_layers or 0,
+        engine,
+        reference,
+        tp,
+        dtype,
+        sess.version,
+        ref_noise,
+        reruns,
+        t,
+        sess.runs,
+        refused=refused,
+        init_recipe=case.spec.init_recipe or "",
+        engine_pair=pair,
+    )
     eps = near_tie_eps(dtype, REFERENCE_DTYPE)
     got = sess.first
     for lane in [None, *lanes]:
@@ -368,8 +479,14 @@ def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec]) -> dic
     return out
 
 
-def fault_sweep(case: Case, faults: Sequence[str], dtype: str = "float32", k: int = 2, store=None,
-                log: Callable[[str], None] = print) -> tuple[CheckResult, dict[str, CheckResult | None]]:
+def fault_sweep(
+    case: Case,
+    faults: Sequence[str],
+    dtype: str = "float32",
+    k: int = 2,
+    store=None,
+    log: Callable[[str], None] = print,
+) -> tuple[CheckResult, dict[str, CheckResult | None]]:
     """The triton runtime clean and with each bug-zoo fault (kernels/faults.py), judged like any engine. A fault
     whose runs are bit-identical to clean runs on the same code path is not reached at this shape (e.g. an unmasked
     tile on a width that is a multiple of the block) and maps to None. The faults inside the grouped GEMM
@@ -386,12 +503,16 @@ def fault_sweep(case: Case, faults: Sequence[str], dtype: str = "float32", k: in
         ref = clean
         if any(fault in by_gemm for by_gemm in KERNEL_FAULTS.values()):
             if clean_fused is None:
-                clean_fused = run_check(case, "triton", k=2, options={"moe_lora_shrink": "fused"}, store=store,
-                                        dtype=dtype, log=log)
+                clean_fused = run_check(
+                    case, "triton", k=2, options={"moe_lora_shrink": "fused"}, store=store, dtype=dtype, log=log
+                )
             ref = clean_fused
         res = run_check(case, "triton", k=2, options={"fault": fault}, store=store, dtype=dtype, log=log)
-        same = all(np.array_equal(p.logprobs, q.logprobs) for lane in res.runs[0]
-                   for p, q in zip(res.runs[0][lane].prompts, ref.runs[0][lane].prompts))
+        same = all(
+            np.array_equal(p.logprobs, q.logprobs)
+            for lane in res.runs[0]
+            for p, q in zip(res.runs[0][lane].prompts, ref.runs[0][lane].prompts)
+        )
         out[fault] = None if same else res
     return clean, out
 
@@ -403,15 +524,23 @@ def missed(res: CheckResult) -> bool:
 
 def format_result(res: CheckResult) -> str:
     if res.error is not None:
-        return "\n".join([f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the "
-                          f"engine failed before giving logprobs:\n{res.error}", *_refused_lines(res)])
+        return "\n".join(
+            [
+                f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the "
+                f"engine failed before giving logprobs:\n{res.error}",
+                *_refused_lines(res),
+            ]
+        )
     ok = "as expected" if res.as_expected else "NOT AS EXPECTED"
-    head = (f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
-            f"x{res.layers} layers: {ok}\nthreshold = {res.threshold.margin_factor:g} x noise: k2 "
-            f"{res.threshold.k2:.3g}, max |Δ| "
-            f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})")
-    bad = [f"  {v.adapter}: expected {v.expected}" for v in res.verdicts
-           if ("PASS" if v.passed else "FAIL") != v.expected]
+    head = (
+        f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
+        f"x{res.layers} layers: {ok}\nthreshold = {res.threshold.margin_factor:g} x noise: k2 "
+        f"{res.threshold.k2:.3g}, max |Δ| "
+        f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})"
+    )
+    bad = [
+        f"  {v.adapter}: expected {v.expected}" for v in res.verdicts if ("PASS" if v.passed else "FAIL") != v.expected
+    ]
     return "\n".join([head, verdict_table(res.verdicts), *bad, *_refused_lines(res)])
 
 
@@ -428,30 +557,75 @@ def _rows(res: CheckResult) -> list[dict]:
     if res.error is not None:
         lines = res.error.strip().splitlines()
         last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])[:300]  # the cause, not the teardown
-        return [dict(date=date, commit=commit, gpu=gpu, model=res.model, layers=res.layers, tp=res.tp, dtype=res.dtype,
-                     engine_pair=res.engine_pair, verdict="FAIL",
-                     reasons=f"engine failed: {last}")]
+        return [
+            dict(
+                date=date,
+                commit=commit,
+                gpu=gpu,
+                model=res.model,
+                layers=res.layers,
+                tp=res.tp,
+                dtype=res.dtype,
+                engine_pair=res.engine_pair,
+                verdict="FAIL",
+                reasons=f"engine failed: {last}",
+            )
+        ]
     t = res.threshold
-    rows = [dict(date=date, commit=commit, gpu=gpu, engine_version=res.engine_version, model=res.model,
-                 layers=res.layers, tp=res.tp, dtype=res.dtype, adapter=lane.partition(".")[0],
-                 adapter_format=lane.partition(".")[2], engine_pair=t.engine_pair, verdict="SKIP",
-                 reasons=f"not served: {why}"[:300]) for lane, why in res.refused.items()]
+    rows = [
+        dict(
+            date=date,
+            commit=commit,
+            gpu=gpu,
+            engine_version=res.engine_version,
+            model=res.model,
+            layers=res.layers,
+            tp=res.tp,
+            dtype=res.dtype,
+            adapter=lane.partition(".")[0],
+            adapter_format=lane.partition(".")[2],
+            engine_pair=t.engine_pair,
+            verdict="SKIP",
+            reasons=f"not served: {why}"[:300],
+        )
+        for lane, why in res.refused.items()
+    ]
     for v in res.verdicts:
         name, _, layout = v.adapter.partition(".")
         m = v.metrics
         fid = "" if v.delta_fidelity is None else f"{v.delta_fidelity:.4g}"
-        rows.append(dict(date=date, commit=commit, gpu=gpu, engine_version=res.engine_version, model=res.model,
-                         layers=res.layers, tp=res.tp, dtype=res.dtype, adapter=name, adapter_format=layout or "-",
-                         engine_pair=t.engine_pair, k2=f"{m.k2:.4g}", max_abs=f"{m.max_abs:.4g}",
-                         mean_abs=f"{m.mean_abs:.4g}", delta_fidelity=fid,
-                         near_tie_share="" if m.near_tie_share is None else f"{m.near_tie_share:.3f}",
-                         threshold_k2=f"{t.k2:.4g}", threshold_max=f"{t.max_abs:.4g}",
-                         threshold_fidelity=f"{t.delta_fidelity:.4g}", ref_noise_k2=f"{res.ref_noise.k2:.4g}",
-                         ref_noise_max=f"{res.ref_noise.max_abs:.4g}",
-                         ref_noise_fidelity=f"{res.ref_noise.fidelity:.4g}",
-                         rerun_noise_k2=f"{res.rerun_noise.k2:.4g}", rerun_noise_max=f"{res.rerun_noise.max_abs:.4g}",
-                         rerun_noise_fidelity=f"{res.rerun_noise.fidelity:.4g}", expected=v.expected,
-                         verdict="PASS" if v.passed else "FAIL", reasons="; ".join(v.reasons)))
+        rows.append(
+            dict(
+                date=date,
+                commit=commit,
+                gpu=gpu,
+                engine_version=res.engine_version,
+                model=res.model,
+                layers=res.layers,
+                tp=res.tp,
+                dtype=res.dtype,
+                adapter=name,
+                adapter_format=layout or "-",
+                engine_pair=t.engine_pair,
+                k2=f"{m.k2:.4g}",
+                max_abs=f"{m.max_abs:.4g}",
+                mean_abs=f"{m.mean_abs:.4g}",
+                delta_fidelity=fid,
+                near_tie_share="" if m.near_tie_share is None else f"{m.near_tie_share:.3f}",
+                threshold_k2=f"{t.k2:.4g}",
+                threshold_max=f"{t.max_abs:.4g}",
+                threshold_fidelity=f"{t.delta_fidelity:.4g}",
+                ref_noise_k2=f"{res.ref_noise.k2:.4g}",
+                ref_noise_max=f"{res.ref_noise.max_abs:.4g}",
+                ref_noise_fidelity=f"{res.ref_noise.fidelity:.4g}",
+                rerun_noise_k2=f"{res.rerun_noise.k2:.4g}",
+                rerun_noise_max=f"{res.rerun_noise.max_abs:.4g}",
+                rerun_noise_fidelity=f"{res.rerun_noise.fidelity:.4g}",
+                expected=v.expected,
+                verdict="PASS" if v.passed else "FAIL",
+                reasons="; ".join(v.reasons),
+            )
+        )
     return rows
 
 

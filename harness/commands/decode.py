@@ -11,6 +11,7 @@ decoding must agree with a prefill of the same tokens as closely as two prefills
 not thresholded. Engines without a decode of their own (the triton runtime, prefill-only) decode greedily by
 re-prefilling each step (engines.base.decode_by_prefill); seeded sampling is refused there.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,8 +58,16 @@ class DecodeResult:
 def judge_lane(lane: str, m: DecodeMetrics, t: Threshold) -> DecodeLane:
     reasons = []
     if m.num_nonfinite:  # the prefill verdicts' rule and wording (metrics.nonfinite_reason)
-        reasons.append(nonfinite_reason(m.num_nonfinite, m.num_tokens + m.num_nonfinite, m.first_nonfinite, lane,
-                                        "sequence", "generated position"))
+        reasons.append(
+            nonfinite_reason(
+                m.num_nonfinite,
+                m.num_tokens + m.num_nonfinite,
+                m.first_nonfinite,
+                lane,
+                "sequence",
+                "generated position",
+            )
+        )
     if m.num_tokens and m.k2 > t.k2:
         reasons.append(f"k2 {m.k2:.3g} > {t.k2:.3g}")
     if m.num_tokens and m.max_abs > t.max_abs:
@@ -66,11 +75,24 @@ def judge_lane(lane: str, m: DecodeMetrics, t: Threshold) -> DecodeLane:
     return DecodeLane(lane, m, not reasons, reasons)
 
 
-def run_decode(spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]], engine: str,
-               threshold: Threshold, dtype: str = "float32", tp: int = 1, options: dict | None = None,
-               reference: str = "hf", ref_dtype: str = "float32", max_new_tokens: int = 16,
-               sampling: str = "greedy", seed: int = 0, ref_adapters: dict[str, AdapterSpec] | None = None,
-               ref_options: dict | None = None, log: Callable[[str], None] = print) -> DecodeResult:
+def run_decode(
+    spec: ModelSpec,
+    adapters: dict[str, AdapterSpec],
+    prompts: Sequence[Sequence[int]],
+    engine: str,
+    threshold: Threshold,
+    dtype: str = "float32",
+    tp: int = 1,
+    options: dict | None = None,
+    reference: str = "hf",
+    ref_dtype: str = "float32",
+    max_new_tokens: int = 16,
+    sampling: str = "greedy",
+    seed: int = 0,
+    ref_adapters: dict[str, AdapterSpec] | None = None,
+    ref_options: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> DecodeResult:
     """``adapters``: lane name -> the file the engine reads; ``ref_adapters``: the reference's files of the same
     lanes (default: the same files)."""
     from lpdiff.harness.pipeline.session import engine_options
@@ -78,50 +100,93 @@ def run_decode(spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Seque
     lanes: list[str | None] = [None, *adapters]
     seqs = [list(p) for p in prompts for _ in lanes]
     choice = [lane for _ in prompts for lane in lanes]
-    cfg = EngineConfig(spec, dict(adapters), dtype=dtype, tp=tp,
-                       options={**engine_options(engine), **(options or {})})
+    cfg = EngineConfig(spec, dict(adapters), dtype=dtype, tp=tp, options={**engine_options(engine), **(options or {})})
     t0 = time.perf_counter()
     with open_engine(engine, cfg) as eng:
         version = eng.version()
         gens, how = decode(eng, seqs, choice, max_new_tokens, sampling, seed)
     wall = time.perf_counter() - t0
-    log(f"[decode] {engine} {dtype} tp={tp}: {len(seqs)} sequences x {max_new_tokens} tokens ({how}, {sampling}) "
-        f"in {wall:.1f}s")
-    rcfg = EngineConfig(spec, dict(ref_adapters or adapters), dtype=ref_dtype,
-                        options={**engine_options(reference), **(ref_options or {})})
+    log(
+        f"[decode] {engine} {dtype} tp={tp}: {len(seqs)} sequences x {max_new_tokens} tokens ({how}, {sampling}) "
+        f"in {wall:.1f}s"
+    )
+    rcfg = EngineConfig(
+        spec,
+        dict(ref_adapters or adapters),
+        dtype=ref_dtype,
+        options={**engine_options(reference), **(ref_options or {})},
+    )
     with open_engine(reference, rcfg) as ref:
         scored = ref.prompt_logprobs([g.sequence for g in gens], choice)
     out = []
     for lane in lanes:
         idx = [i for i, c in enumerate(choice) if c == lane]
-        m = decode_metrics([gens[i].logprobs for i in idx],
-                           [scored[i].logprobs[-max_new_tokens:] for i in idx])
+        m = decode_metrics([gens[i].logprobs for i in idx], [scored[i].logprobs[-max_new_tokens:] for i in idx])
         out.append(judge_lane(lane or "base", m, threshold))
-    return DecodeResult(spec.name, engine, reference, dtype, ref_dtype, tp, max_new_tokens, sampling, seed, how,
-                        version, threshold, out, wall)
+    return DecodeResult(
+        spec.name,
+        engine,
+        reference,
+        dtype,
+        ref_dtype,
+        tp,
+        max_new_tokens,
+        sampling,
+        seed,
+        how,
+        version,
+        threshold,
+        out,
+        wall,
+    )
 
 
 def format_decode(res: DecodeResult) -> str:
     from lpdiff.harness.pipeline.report import table
 
-    head = (f"decode verdict: {res.engine} {res.dtype} (tp={res.tp}, {res.how}, {res.sampling}"
-            f"{f' seed {res.seed}' if res.sampling == 'seeded' else ''}, {res.max_new_tokens} tokens) vs "
-            f"{res.reference} {res.ref_dtype} prefill on {res.model}: {'PASS' if res.passed else 'FAIL'}\n"
-            f"threshold: k2 {res.threshold.k2:.3g}, max |d| {res.threshold.max_abs:.3g} ({res.threshold.provenance}); "
-            "k1, k3: token means of the log-ratio estimators (KL(engine || reference)); seq k3: per-sequence mean "
-            "k3, mean and max over sequences; band: share of tokens with ratio outside [0.5, 2]")
+    head = (
+        f"decode verdict: {res.engine} {res.dtype} (tp={res.tp}, {res.how}, {res.sampling}"
+        f"{f' seed {res.seed}' if res.sampling == 'seeded' else ''}, {res.max_new_tokens} tokens) vs "
+        f"{res.reference} {res.ref_dtype} prefill on {res.model}: {'PASS' if res.passed else 'FAIL'}\n"
+        f"threshold: k2 {res.threshold.k2:.3g}, max |d| {res.threshold.max_abs:.3g} ({res.threshold.provenance}); "
+        "k1, k3: token means of the log-ratio estimators (KL(engine || reference)); seq k3: per-sequence mean "
+        "k3, mean and max over sequences; band: share of tokens with ratio outside [0.5, 2]"
+    )
     cols = ["lane", "tokens", "k1", "k3", "seq k3 mean", "seq k3 max", "band", "k2", "max |d|", "verdict"]
-    rows = [[ln.lane, ln.metrics.num_tokens, f"{ln.metrics.k1:.3g}", f"{ln.metrics.k3:.3g}",
-             f"{ln.metrics.seq_k3_mean:.3g}", f"{ln.metrics.seq_k3_max:.3g}", f"{ln.metrics.outside_band:.3g}",
-             f"{ln.metrics.k2:.3g}", f"{ln.metrics.max_abs:.3g}",
-             "PASS" if ln.passed else "FAIL: " + "; ".join(ln.reasons)] for ln in res.lanes]
+    rows = [
+        [
+            ln.lane,
+            ln.metrics.num_tokens,
+            f"{ln.metrics.k1:.3g}",
+            f"{ln.metrics.k3:.3g}",
+            f"{ln.metrics.seq_k3_mean:.3g}",
+            f"{ln.metrics.seq_k3_max:.3g}",
+            f"{ln.metrics.outside_band:.3g}",
+            f"{ln.metrics.k2:.3g}",
+            f"{ln.metrics.max_abs:.3g}",
+            "PASS" if ln.passed else "FAIL: " + "; ".join(ln.reasons),
+        ]
+        for ln in res.lanes
+    ]
     return head + "\n" + table(rows, cols)
 
 
-def run_decode_job(model: str, engine: str, dtype: str = "float32", tp: int = 1, adapters: Sequence[str] | None = None,
-                   prompts="default", num_layers: int | None = None, options: dict | None = None,
-                   reference: str = "hf", ref_dtype: str = "float32", max_new_tokens: int = 16,
-                   sampling: str = "greedy", seed: int = 0, log: Callable[[str], None] = print) -> DecodeResult:
+def run_decode_job(
+    model: str,
+    engine: str,
+    dtype: str = "float32",
+    tp: int = 1,
+    adapters: Sequence[str] | None = None,
+    prompts="default",
+    num_layers: int | None = None,
+    options: dict | None = None,
+    reference: str = "hf",
+    ref_dtype: str = "float32",
+    max_new_tokens: int = 16,
+    sampling: str = "greedy",
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> DecodeResult:
     """``lpdiff run --decode N`` for one model and TP size: the run's own resolution of model, adapters and
     prompts, the recorded threshold of the engine pair (thresholds.lookup)."""
     from lpdiff.harness.pipeline.thresholds import lookup
@@ -130,14 +195,42 @@ def run_decode_job(model: str, engine: str, dtype: str = "float32", tp: int = 1,
     r = resolve(model, adapters, prompts, num_layers)
     pair = f"{engine}:{dtype}-vs-{reference}:{ref_dtype}"
     t = lookup(r.spec.name, pair, dtype, tp)
-    return run_decode(r.spec, r.adapters, r.prompts, engine, t, dtype, tp, options, reference, ref_dtype,
-                      max_new_tokens, sampling, seed, log=log)
+    return run_decode(
+        r.spec,
+        r.adapters,
+        r.prompts,
+        engine,
+        t,
+        dtype,
+        tp,
+        options,
+        reference,
+        ref_dtype,
+        max_new_tokens,
+        sampling,
+        seed,
+        log=log,
+    )
 
 
-def decode_jobs(engine: str, models: Sequence[str], tps: Sequence[int], dtype: str, adapters, prompts,
-                num_layers: int | None, options: dict, reference: str, ref_dtype: str, n: int, sampling: str,
-                seed: int, need_engine: Callable[[str], None], echo: Callable[[str], None],
-                log: Callable[[str], None]) -> bool:
+def decode_jobs(
+    engine: str,
+    models: Sequence[str],
+    tps: Sequence[int],
+    dtype: str,
+    adapters,
+    prompts,
+    num_layers: int | None,
+    options: dict,
+    reference: str,
+    ref_dtype: str,
+    n: int,
+    sampling: str,
+    seed: int,
+    need_engine: Callable[[str], None],
+    echo: Callable[[str], None],
+    log: Callable[[str], None],
+) -> bool:
     """``lpdiff run --decode N``: every model the engine serves (default: the tiny zoo) x TP size (default: run's);
     prints each result, True when all pass."""
     from lpdiff.harness.commands.run import default_tps, zoo_models
@@ -147,8 +240,22 @@ def decode_jobs(engine: str, models: Sequence[str], tps: Sequence[int], dtype: s
     ok = True
     for model in chosen:
         for tp in dict.fromkeys(tps or default_tps(engine)):
-            res = run_decode_job(model, engine, dtype, tp, adapters, prompts, num_layers, options, reference,
-                                 ref_dtype, n, sampling, seed, log=log)
+            res = run_decode_job(
+                model,
+                engine,
+                dtype,
+                tp,
+                adapters,
+                prompts,
+                num_layers,
+                options,
+                reference,
+                ref_dtype,
+                n,
+                sampling,
+                seed,
+                log=log,
+            )
             echo(format_decode(res))
             ok &= res.passed
     for model, why in skipped:
@@ -156,9 +263,19 @@ def decode_jobs(engine: str, models: Sequence[str], tps: Sequence[int], dtype: s
     return ok
 
 
-def check_case_decode(case, engine: str, threshold: Threshold, tp: int = 1, dtype: str = "bfloat16",
-                 reference: str = "hf", max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0,
-                 options: dict | None = None, log: Callable[[str], None] = print) -> DecodeResult:
+def check_case_decode(
+    case,
+    engine: str,
+    threshold: Threshold,
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    reference: str = "hf",
+    max_new_tokens: int = 16,
+    sampling: str = "greedy",
+    seed: int = 0,
+    options: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> DecodeResult:
     """``lpdiff check --decode N`` and the GPU grid's decode lane: the check case's correct adapters in one layout
     the engine reads (not refused by doctor), the reference on PEFT 3D files in fp32, ``threshold`` from the check
     of the same engine and dtype."""
@@ -176,14 +293,55 @@ def check_case_decode(case, engine: str, threshold: Threshold, tp: int = 1, dtyp
             continue
         served[name] = AdapterSpec(name, spec.path)
         ref_files[name] = AdapterSpec(name, case.files[(name, "peft3d")].path)
-    return run_decode(case.spec, served, case.prompts, engine, threshold, dtype, tp, options, reference,
-                      REFERENCE_DTYPE, max_new_tokens, sampling, seed, ref_adapters=ref_files, log=log)
+    return run_decode(
+        case.spec,
+        served,
+        case.prompts,
+        engine,
+        threshold,
+        dtype,
+        tp,
+        options,
+        reference,
+        REFERENCE_DTYPE,
+        max_new_tokens,
+        sampling,
+        seed,
+        ref_adapters=ref_files,
+        log=log,
+    )
 
 
-DECODE_CSV_COLUMNS = ("date", "commit", "gpu", "engine_version", "model", "tp", "dtype", "engine", "reference",
-                      "ref_dtype", "how", "sampling", "seed", "tokens_per_prompt", "lane", "tokens", "k1", "k3",
-                      "seq_k3_mean", "seq_k3_max", "outside_band", "k2", "max_abs", "nonfinite", "threshold_k2",
-                      "threshold_max", "verdict", "reasons")
+DECODE_CSV_COLUMNS = (
+    "date",
+    "commit",
+    "gpu",
+    "engine_version",
+    "model",
+    "tp",
+    "dtype",
+    "engine",
+    "reference",
+    "ref_dtype",
+    "how",
+    "sampling",
+    "seed",
+    "tokens_per_prompt",
+    "lane",
+    "tokens",
+    "k1",
+    "k3",
+    "seq_k3_mean",
+    "seq_k3_max",
+    "outside_band",
+    "k2",
+    "max_abs",
+    "nonfinite",
+    "threshold_k2",
+    "threshold_max",
+    "verdict",
+    "reasons",
+)
 
 
 def write_decode_csv(res: DecodeResult, path) -> None:
@@ -193,15 +351,40 @@ def write_decode_csv(res: DecodeResult, path) -> None:
     from lpdiff.harness.pipeline.provenance import device_name, git_commit
     from lpdiff.harness.pipeline.report import append_csv
 
-    head = dict(date=datetime.date.today().isoformat(), commit=git_commit(), gpu=device_name(),
-                engine_version=res.engine_version, model=res.model, tp=res.tp, dtype=res.dtype, engine=res.engine,
-                reference=res.reference, ref_dtype=res.ref_dtype, how=res.how, sampling=res.sampling, seed=res.seed,
-                tokens_per_prompt=res.max_new_tokens, threshold_k2=f"{res.threshold.k2:.4g}",
-                threshold_max=f"{res.threshold.max_abs:.4g}")
-    rows = [{**head, "lane": ln.lane, "tokens": ln.metrics.num_tokens, "k1": f"{ln.metrics.k1:.4g}",
-             "k3": f"{ln.metrics.k3:.4g}", "seq_k3_mean": f"{ln.metrics.seq_k3_mean:.4g}",
-             "seq_k3_max": f"{ln.metrics.seq_k3_max:.4g}", "outside_band": f"{ln.metrics.outside_band:.4g}",
-             "k2": f"{ln.metrics.k2:.4g}", "max_abs": f"{ln.metrics.max_abs:.4g}",
-             "nonfinite": ln.metrics.num_nonfinite, "verdict": "PASS" if ln.passed else "FAIL",
-             "reasons": "; ".join(ln.reasons)[:300]} for ln in res.lanes]
+    head = dict(
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        gpu=device_name(),
+        engine_version=res.engine_version,
+        model=res.model,
+        tp=res.tp,
+        dtype=res.dtype,
+        engine=res.engine,
+        reference=res.reference,
+        ref_dtype=res.ref_dtype,
+        how=res.how,
+        sampling=res.sampling,
+        seed=res.seed,
+        tokens_per_prompt=res.max_new_tokens,
+        threshold_k2=f"{res.threshold.k2:.4g}",
+        threshold_max=f"{res.threshold.max_abs:.4g}",
+    )
+    rows = [
+        {
+            **head,
+            "lane": ln.lane,
+            "tokens": ln.metrics.num_tokens,
+            "k1": f"{ln.metrics.k1:.4g}",
+            "k3": f"{ln.metrics.k3:.4g}",
+            "seq_k3_mean": f"{ln.metrics.seq_k3_mean:.4g}",
+            "seq_k3_max": f"{ln.metrics.seq_k3_max:.4g}",
+            "outside_band": f"{ln.metrics.outside_band:.4g}",
+            "k2": f"{ln.metrics.k2:.4g}",
+            "max_abs": f"{ln.metrics.max_abs:.4g}",
+            "nonfinite": ln.metrics.num_nonfinite,
+            "verdict": "PASS" if ln.passed else "FAIL",
+            "reasons": "; ".join(ln.reasons)[:300],
+        }
+        for ln in res.lanes
+    ]
     append_csv(path, DECODE_CSV_COLUMNS, rows)

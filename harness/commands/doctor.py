@@ -1,5 +1,6 @@
 """``lpdiff doctor MODEL ADAPTER [--engine E]``: the doctor stage's findings (harness/pipeline/doctor.py) as a report,
 one line each with the fix; exit code 1 when something will break."""
+
 from __future__ import annotations
 
 # the stage's entry point and engine lists, for the CLI that prints this report
@@ -9,8 +10,7 @@ __all__ = ["ENGINES", "RANK_LIMITED", "doctor", "format_report"]
 
 
 def format_report(report: DoctorReport) -> str:
-    head = (f"lpdiff doctor: {report.model} ({report.arch}) + {report.adapter} (rank {report.rank}, "
-            f"{report.layout})")
+    head = f"lpdiff doctor: {report.model} ({report.arch}) + {report.adapter} (rank {report.rank}, {report.layout})"
     lines = [head]
     for f in report.findings:
         lines.append(f"  {f.engine:<7} {f.severity.upper():<8} {f.message}")

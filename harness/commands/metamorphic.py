@@ -39,6 +39,7 @@ gpt-oss and vLLM Qwen3 merged weights), vLLM's gpt-oss gate/up defect (mode mixe
 K2_FACTORS[bfloat16] = 5, ~4x above the clean worst and 2x below the defect. Checked again (vLLM shapes and TP 2,
 SGLang Qwen3 extra / shapes / TP 2): 59 more clean lanes, worst k2 ratio 1.29; the defect 10.9.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -53,20 +54,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lpdiff.harness.spec.adapters import (
-    ModelLayout,
-    load_canonical,
-    peft_signature,
-)
+from lpdiff.harness.spec.adapters import ModelLayout, load_canonical, peft_signature
 from lpdiff.harness.pipeline.provenance import git_commit
 from lpdiff.harness.commands.relations import ORIG, OTHER, RELATIONS, Context, Lane
 from lpdiff.harness.pipeline.report import append_csv, table
 from lpdiff.harness.spec.errors import InputError
-from lpdiff.harness.spec.transforms import (
-    negate_b,
-    pad_rank,
-    rerounded,
-)
+from lpdiff.harness.spec.transforms import negate_b, pad_rank, rerounded
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
 
 FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-2}
@@ -82,11 +75,27 @@ K2_FLOOR = {"bfloat16": 0.5 * FLOOR["bfloat16"] ** 2, "float16": 0.5 * FLOOR["fl
 K2_FACTORS = {"bfloat16": 5.0, "float16": 5.0}
 # the relative error of one rounding to the run dtype: the size of the change a re-parametrised adapter (M·A,
 # B·M⁻¹, merged weights) or another kernel tiling (a different batch) makes to the arithmetic
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 ROUNDING = "noise:rounding"
-CSV_COLUMNS = ("date", "commit", "gpu", "engine", "engine_version", "model", "relation", "adapter", "max_abs",
-               "k2", "delta_rel", "rerun_noise", "ratio", "verdict", "note")
+CSV_COLUMNS = (
+    "date",
+    "commit",
+    "gpu",
+    "engine",
+    "engine_version",
+    "model",
+    "relation",
+    "adapter",
+    "max_abs",
+    "k2",
+    "delta_rel",
+    "rerun_noise",
+    "ratio",
+    "verdict",
+    "note",
+)
 # -- running -------------------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Result:
@@ -151,7 +160,7 @@ def _arrange(lane: Lane, n: int, seed: int, among: Sequence[str] = ()) -> list[t
     me = "lane"
     if lane.arrangement == "among_adapters":
         group = [me, *among]
-        rows = [(i, who) for i in range(n) for who in group[i % len(group):] + group[:i % len(group)]]
+        rows = [(i, who) for i in range(n) for who in group[i % len(group) :] + group[: i % len(group)]]
         return [([i for i, _ in rows], [w for _, w in rows])]
     if lane.arrangement in ("alone", "beside_other"):
         return [(list(range(n)), [me] * n)]
@@ -166,8 +175,9 @@ def _arrange(lane: Lane, n: int, seed: int, among: Sequence[str] = ()) -> list[t
     return [([i for i, _ in rows], [w for _, w in rows])]
 
 
-def _run_lane(eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int,
-              among: Sequence[str] = ()) -> LogprobRun:
+def _run_lane(
+    eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int, among: Sequence[str] = ()
+) -> LogprobRun:
     out = [None] * len(prompts)
     for idx, who in _arrange(lane, len(prompts), seed, among):
         got = eng.prompt_logprobs([prompts[i] for i in idx], [names.get(w, w) for w in who])
@@ -177,10 +187,14 @@ def _run_lane(eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int,
     return LogprobRun(out)
 
 
-def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 2,
-            log: Callable[[str], None] = lambda s: None,
-            after_session: Callable[[list[Lane], dict, list, list, str], None] | None = None
-            ) -> tuple[dict[str, LogprobRun], list[LogprobRun], list[LogprobRun], str]:
+def execute(
+    ctx: Context,
+    lanes: list[Lane],
+    prompts: list[list[int]],
+    k: int = 2,
+    log: Callable[[str], None] = lambda s: None,
+    after_session: Callable[[list[Lane], dict, list, list, str], None] | None = None,
+) -> tuple[dict[str, LogprobRun], list[LogprobRun], list[LogprobRun], str]:
     """Run the original and base lanes k times, then every lane, one engine session per (session, model,
     options, tp); the original's session comes first. ``after_session(lanes, runs, origs, bases, version)`` after
     each (a run cut short keeps what it judged). -> (lane runs, original reruns, base reruns, engine version)."""
@@ -197,8 +211,9 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
     for (session, key, options, tp), group in sessions(ctx, lanes):
         model = models[key]
         among = any(lane.arrangement == "among_adapters" for lane in group)
-        uses_orig = (session.startswith("original") or among
-                     or any(lane.adapter == str(ctx.adapter_dir) for lane in group))
+        uses_orig = (
+            session.startswith("original") or among or any(lane.adapter == str(ctx.adapter_dir) for lane in group)
+        )
         adapters = {ORIG: orig_spec} if uses_orig else {}
         for j, lane in enumerate(group):
             if lane.adapter is not None and lane.adapter != str(ctx.adapter_dir):
@@ -207,8 +222,13 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
             adapters[OTHER] = AdapterSpec(OTHER, other_dir)
         if among:  # a session with no adapters (the LoRA-disabled one) never gets here: among implies ORIG
             adapters.update({f"neighbour:{n}": AdapterSpec(f"neighbour:{n}", d) for n, d in ctx.neighbours.items()})
-        cfg = EngineConfig(model=model or ctx.spec, adapters=adapters, dtype=ctx.dtype, tp=tp or ctx.tp,
-                           options={**ctx.options, **json.loads(options)})
+        cfg = EngineConfig(
+            model=model or ctx.spec,
+            adapters=adapters,
+            dtype=ctx.dtype,
+            tp=tp or ctx.tp,
+            options={**ctx.options, **json.loads(options)},
+        )
         log(f"session {session}: {len(group)} lane(s), {len(adapters)} adapter(s)")
         t0 = time.perf_counter()
         with open_engine(ctx.engine, cfg) as eng:
@@ -218,11 +238,13 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
                     bases.append(LogprobRun(eng.prompt_logprobs(prompts, None)))
                     origs.append(LogprobRun(eng.prompt_logprobs(prompts, ORIG)))
             for j, lane in enumerate(group):
-                adapter = None if lane.adapter is None else (
-                    ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
+                adapter = (
+                    None if lane.adapter is None else (ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
+                )
                 for r in range(lane.reruns):
-                    runs[rerun_name(lane.name, r)] = _run_lane(eng, lane, {"lane": adapter}, prompts, ctx.seed,
-                                                               [a for a in adapters if a != adapter])
+                    runs[rerun_name(lane.name, r)] = _run_lane(
+                        eng, lane, {"lane": adapter}, prompts, ctx.seed, [a for a in adapters if a != adapter]
+                    )
         log(f"session {session}: done in {time.perf_counter() - t0:.1f} s")
         if after_session is not None:
             after_session(group, runs, origs, bases, version)
@@ -232,6 +254,7 @@ def execute(ctx: Context, lanes: list[Lane], prompts: list[list[int]], k: int = 
 def sessions(ctx: Context, lanes: list[Lane]) -> list[tuple[tuple, list[Lane]]]:
     """The engine sessions ``execute`` opens, in order: ((session, model name, options, tp), lanes). The original's
     first; then each session after those holding the lanes its lanes are judged against."""
+
     def signature(adapter_dir: str | None) -> str:
         # PEFT holds several adapters in one model only when they name the same target_parameters; a base lane
         # runs anywhere, so it joins the original adapter's sessions
@@ -240,8 +263,9 @@ def sessions(ctx: Context, lanes: list[Lane]) -> list[tuple[tuple, list[Lane]]]:
     out: dict[tuple, list[Lane]] = {("original" + signature(None), None, "{}", None): []}
     for lane in lanes:
         sig = signature(lane.adapter) if lane.model is None else ""
-        out.setdefault((lane.session + sig, lane.model.name if lane.model else None, lane.options, lane.tp),
-                       []).append(lane)
+        out.setdefault((lane.session + sig, lane.model.name if lane.model else None, lane.options, lane.tp), []).append(
+            lane
+        )
     return _dependency_order(out)
 
 
@@ -251,8 +275,10 @@ def _dependency_order(sessions: dict[tuple, list[Lane]]) -> list[tuple[tuple, li
     per-expert forms reference its PEFT 3D form, which another signature's session holds), and a session is judged
     as soon as it ends."""
     home = {lane.name: key for key, group in sessions.items() for lane in group}
-    needs = {key: {home[lane.reference] for lane in group if lane.reference in home} - {key}
-             for key, group in sessions.items()}
+    needs = {
+        key: {home[lane.reference] for lane in group if lane.reference in home} - {key}
+        for key, group in sessions.items()
+    }
     done: list[tuple] = []
     while len(done) < len(sessions):
         ready = next((k for k in sessions if k not in done and needs[k] <= set(done)), None)
@@ -273,9 +299,16 @@ def _noise(reruns: list[LogprobRun], stat: str = "max_abs") -> float:
     return max(getattr(compare(r, reruns[0]), stat) for r in reruns[1:])
 
 
-def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[LogprobRun], bases: list[LogprobRun],
-                dtype: str, factor: float | None = None, floor: float | None = None,
-                near_tie_eps: float | None = None) -> list[Result]:
+def judge_lanes(
+    lanes: list[Lane],
+    runs: dict[str, LogprobRun],
+    origs: list[LogprobRun],
+    bases: list[LogprobRun],
+    dtype: str,
+    factor: float | None = None,
+    floor: float | None = None,
+    near_tie_eps: float | None = None,
+) -> list[Result]:
     """``near_tie_eps``: judge max |Δ| on the positions before any router near-tie (random-init full-size models,
     where a last-bit difference flips an expert); the excluded share is in the note. None: every position.
     A lane named ROUNDING (the adapter re-rounded, see rerounded) is not judged: its difference from the original
@@ -293,12 +326,16 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
     base_rows = {"base"} | {x.name for x in lanes if x.adapter is None}
 
     def measure(lane: Lane):
-        m = compare(runs[lane.name], refs[lane.reference],
-                    near_tie_eps=near_tie_eps if near_tie_eps is not None else NEAR_TIE_EPS[dtype])
+        m = compare(
+            runs[lane.name],
+            refs[lane.reference],
+            near_tie_eps=near_tie_eps if near_tie_eps is not None else NEAR_TIE_EPS[dtype],
+        )
         judged = m.clean if near_tie_eps is not None and m.clean is not None else m
         # the size of the adapter effect the difference is measured in: the reference's own, or the original's
-        effect_ref = (ORIG if lane.reference == ORIG or lane.reference in base_rows or lane.adapter is None
-                      else lane.reference)  # base rows against base rows of another session: the original's
+        effect_ref = (
+            ORIG if lane.reference == ORIG or lane.reference in base_rows or lane.adapter is None else lane.reference
+        )  # base rows against base rows of another session: the original's
         effect = float(np.linalg.norm(flat[effect_ref] - flat["base"]))
         delta_rel = float(np.linalg.norm(flat[lane.name] - flat[lane.reference])) / effect if effect else float("nan")
         note = "" if lane.reference == ORIG else f"vs {lane.reference}"
@@ -312,9 +349,20 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
     for lane in (x for x in lanes if x.name == ROUNDING):
         m, judged, delta_rel, note = measure(lane)
         rounding, rounding_k2 = judged.max_abs, m.k2
-        out.append(Result(lane.name, "noise", m.max_abs, m.k2, delta_rel, noise, None, m.near_tie_share,
-                          f"the adapter's entries moved by up to one {dtype} rounding: the floor of inexact relations"
-                          + (f"; {note}" if note else "")))
+        out.append(
+            Result(
+                lane.name,
+                "noise",
+                m.max_abs,
+                m.k2,
+                delta_rel,
+                noise,
+                None,
+                m.near_tie_share,
+                f"the adapter's entries moved by up to one {dtype} rounding: the floor of inexact relations"
+                + (f"; {note}" if note else ""),
+            )
+        )
     for lane in lanes:
         if not lane.reference or lane.name == ROUNDING:
             continue
@@ -326,8 +374,15 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
         ratio = judged.max_abs / bound if bound else (0.0 if judged.max_abs == 0 else math.inf)
         bad = m.num_nonfinite or not ratio <= factor
         if not lane.exact or own > noise:
-            which = ("this lane's rerun noise" if bound == own > noise else "rerun noise" if bound == noise
-                     else "rounding noise" if bound == rounding else f"the {dtype} floor")
+            which = (
+                "this lane's rerun noise"
+                if bound == own > noise
+                else "rerun noise"
+                if bound == noise
+                else "rounding noise"
+                if bound == rounding
+                else f"the {dtype} floor"
+            )
             note = (note + "; " if note else "") + f"bound: {which}"
         k2_ratio = None
         if dtype in K2_FACTORS and not lane.exact:
@@ -335,18 +390,42 @@ def judge_lanes(lanes: list[Lane], runs: dict[str, LogprobRun], origs: list[Logp
             k2_ratio = m.k2 / max(k2_noise, own_k2, rounding_k2, K2_FLOOR[dtype])
             bad = bad or not k2_ratio <= K2_FACTORS[dtype]
             note += f"; k2 ratio {k2_ratio:.3g}" + (f" > {K2_FACTORS[dtype]:g}" if k2_ratio > K2_FACTORS[dtype] else "")
-        out.append(Result(lane.name, "FAIL" if bad else "PASS", m.max_abs, m.k2, delta_rel, lane_noise, ratio,
-                          m.near_tie_share, note, k2_ratio))
+        out.append(
+            Result(
+                lane.name,
+                "FAIL" if bad else "PASS",
+                m.max_abs,
+                m.k2,
+                delta_rel,
+                lane_noise,
+                ratio,
+                m.near_tie_share,
+                note,
+                k2_ratio,
+            )
+        )
     return out
 
 
-def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, prompts: list[list[int]], *,
-                    adapter_name: str | None = None, dtype: str = "float32", tp: int = 1, options: dict | None = None,
-                    relations: Sequence[str] | None = None, k: int = 2, factor: float | None = None,
-                    near_tie_eps: float | None = None, tmp: str | Path | None = None,
-                    log: Callable[[str], None] = lambda s: None,
-                    on_results: Callable[[str, list[Result]], None] | None = None,
-                    neighbours: dict[str, str] | None = None) -> Report:
+def run_metamorphic(
+    engine: str,
+    spec: ModelSpec,
+    adapter_dir: str | Path,
+    prompts: list[list[int]],
+    *,
+    adapter_name: str | None = None,
+    dtype: str = "float32",
+    tp: int = 1,
+    options: dict | None = None,
+    relations: Sequence[str] | None = None,
+    k: int = 2,
+    factor: float | None = None,
+    near_tie_eps: float | None = None,
+    tmp: str | Path | None = None,
+    log: Callable[[str], None] = lambda s: None,
+    on_results: Callable[[str, list[Result]], None] | None = None,
+    neighbours: dict[str, str] | None = None,
+) -> Report:
     """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps).
     ``on_results(engine_version, results)``: each engine session's verdicts as soon as it ends, then the n/a ones.
     ``neighbours``: more adapters (name -> directory) beside which the neutral relation runs base rows."""
@@ -359,12 +438,33 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
         t0 = time.perf_counter()
         hf = hf_config(spec)
         layout = ModelLayout.from_config(hf)
-        ctx = Context(engine, spec, hf, layout, load_canonical(adapter_dir, layout), Path(adapter_dir), tmp, dtype,
-                      tp, dict(options or {}), log=log, neighbours=dict(neighbours or {}))
+        ctx = Context(
+            engine,
+            spec,
+            hf,
+            layout,
+            load_canonical(adapter_dir, layout),
+            Path(adapter_dir),
+            tmp,
+            dtype,
+            tp,
+            dict(options or {}),
+            log=log,
+            neighbours=dict(neighbours or {}),
+        )
         log(f"read the adapter: {time.perf_counter() - t0:.1f} s")
         lanes, na = plan(ctx, relations)
-        rounding = [Lane(ROUNDING, ctx.write("rerounded", rerounded(ctx.adapter, UNIT_ROUNDOFF[dtype], ctx.seed + 2)),
-                         session="original")] if any(lane.reference and not lane.exact for lane in lanes) else []
+        rounding = (
+            [
+                Lane(
+                    ROUNDING,
+                    ctx.write("rerounded", rerounded(ctx.adapter, UNIT_ROUNDOFF[dtype], ctx.seed + 2)),
+                    session="original",
+                )
+            ]
+            if any(lane.reference and not lane.exact for lane in lanes)
+            else []
+        )
         factor = FACTORS[dtype] if factor is None else factor
         results: list[Result] = []
         names = {lane.name for lane in lanes}
@@ -390,8 +490,9 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
         results += na
         order = {n: i for i, n in enumerate(RELATIONS)} | {"noise": -1, "mode": list(RELATIONS).index("modes")}
         results.sort(key=lambda r: (order.get(r.relation.split(":")[0], 99), r.relation))
-        return Report(engine, version, spec.name, adapter_name or Path(adapter_dir).name, dtype, k, results,
-                      device_name(), factor)
+        return Report(
+            engine, version, spec.name, adapter_name or Path(adapter_dir).name, dtype, k, results, device_name(), factor
+        )
     finally:
         if own_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -399,23 +500,59 @@ def run_metamorphic(engine: str, spec: ModelSpec, adapter_dir: str | Path, promp
 
 # -- output --------------------------------------------------------------------------------------------------------
 
+
 def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.3g}"
 
 
 def format_report(rep: Report) -> str:
-    title = (f"{rep.model} / {rep.adapter} on {rep.engine} ({rep.engine_version}), {rep.dtype}, {rep.k} reruns; "
-             f"FAIL when ratio > {rep.factor:g}")
-    rows = [(r.relation, _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise), _fmt(r.ratio),
-             r.verdict, r.note) for r in rep.results]
+    title = (
+        f"{rep.model} / {rep.adapter} on {rep.engine} ({rep.engine_version}), {rep.dtype}, {rep.k} reruns; "
+        f"FAIL when ratio > {rep.factor:g}"
+    )
+    rows = [
+        (
+            r.relation,
+            _fmt(r.max_abs),
+            _fmt(r.k2),
+            _fmt(r.delta_rel),
+            _fmt(r.rerun_noise),
+            _fmt(r.ratio),
+            r.verdict,
+            r.note,
+        )
+        for r in rep.results
+    ]
     return title + "\n" + table(rows, ("relation", "max |Δ|", "k2", "Δ rel", "rerun noise", "ratio", "verdict", "note"))
 
 
 def csv_rows(rep: Report) -> list[dict]:
     date, commit = datetime.date.today().isoformat(), git_commit()
-    return [dict(zip(CSV_COLUMNS, (date, commit, rep.gpu, rep.engine, rep.engine_version, rep.model, r.relation,
-                                   rep.adapter, _fmt(r.max_abs), _fmt(r.k2), _fmt(r.delta_rel), _fmt(r.rerun_noise),
-                                   _fmt(r.ratio), r.verdict, r.note))) for r in rep.results]
+    return [
+        dict(
+            zip(
+                CSV_COLUMNS,
+                (
+                    date,
+                    commit,
+                    rep.gpu,
+                    rep.engine,
+                    rep.engine_version,
+                    rep.model,
+                    r.relation,
+                    rep.adapter,
+                    _fmt(r.max_abs),
+                    _fmt(r.k2),
+                    _fmt(r.delta_rel),
+                    _fmt(r.rerun_noise),
+                    _fmt(r.ratio),
+                    r.verdict,
+                    r.note,
+                ),
+            )
+        )
+        for r in rep.results
+    ]
 
 
 def write_csv(rep: Report, path: str | Path) -> Path:

@@ -6,6 +6,7 @@ Zoo adapters are not checked: they are lpdiff's own fixtures, each engine's hand
 doctor reports raw-engine defects (vLLM's mixed MoE-LoRA format, SGLang's PEFT 3D experts) that lpdiff's engine
 wrappers work around for them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -32,5 +33,7 @@ def preflight(r: Resolved, engines: Iterable[str], log=lambda s: None) -> None:
                 else:
                     log(f"doctor: adapter {name!r} [{f.engine}] warning: {f.message} (fix: {f.fix})")
     if problems:
-        raise SpecError(f"lpdiff doctor found {len(problems)} error(s) before starting {', '.join(engines)}:\n  "
-                        + "\n  ".join(problems))
+        raise SpecError(
+            f"lpdiff doctor found {len(problems)} error(s) before starting {', '.join(engines)}:\n  "
+            + "\n  ".join(problems)
+        )

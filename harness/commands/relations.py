@@ -1,5 +1,6 @@
 """Metamorphic relations: each turns the adapter (or the engine's settings, or the batch) into lanes that must give
 the same logprobs as their reference lane; ``RELATIONS`` names them. Lanes that do not apply say why."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lpdiff.harness.spec.adapters import (
-    CanonicalAdapter,
-    ModelLayout,
-    merge_into,
-    save_canonical,
-)
+from lpdiff.harness.spec.adapters import CanonicalAdapter, ModelLayout, merge_into, save_canonical
 from lpdiff.harness.spec.transforms import (
     pad_rank,
     reparametrise,
@@ -39,6 +35,7 @@ ORIG, OTHER = "orig", "other"  # adapter names of the original adapter and the u
 
 
 # -- lanes and relations -------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True, frozen=True)
 class Lane:
@@ -138,6 +135,7 @@ def merged_checkpoint(ctx: Context, out: Path) -> ModelSpec:
 
 # -- the relations -------------------------------------------------------------------------------------------------
 
+
 def _needs_experts(ctx: Context) -> str | None:
     return None if ctx.adapter.experts else "the adapter has no expert LoRA: both expert layouts are the same file"
 
@@ -145,35 +143,44 @@ def _needs_experts(ctx: Context) -> str | None:
 def _format(ctx: Context):
     if (why := _needs_experts(ctx)) is not None:
         return why
-    written = [(f"format:{layout}", ctx.write(f"format-{layout}", ctx.adapter, layout))
-               for layout in ("per_expert", "peft3d") if ctx.adapter.layout != layout]
+    written = [
+        (f"format:{layout}", ctx.write(f"format-{layout}", ctx.adapter, layout))
+        for layout in ("per_expert", "peft3d")
+        if ctx.adapter.layout != layout
+    ]
     so = ctx.adapter.rank * ctx.layout.experts[next(iter(ctx.adapter.experts))].num_experts
     not_written = []
     from lpdiff.engines.base import max_rank
 
     limit = max_rank(ctx.engine)
     if limit is not None and so > limit:
-        not_written.append(f"format:shared_outer: the exact shared-outer form needs rank E*r = {so} > {limit}, "
-                           f"more than {ctx.engine} accepts")
+        not_written.append(
+            f"format:shared_outer: the exact shared-outer form needs rank E*r = {so} > {limit}, "
+            f"more than {ctx.engine} accepts"
+        )
     else:
-        written.append(("format:shared_outer", ctx.write("format-shared_outer", shared_outer(ctx.adapter,
-                                                                                            ctx.layout))))
+        written.append(("format:shared_outer", ctx.write("format-shared_outer", shared_outer(ctx.adapter, ctx.layout))))
     # an engine limit doctor knows (e.g. vLLM's MoE-LoRA rank cap) makes a lane n/a instead of killing the session
-    return [f"{name}: {ctx.refused(path)}" if ctx.refused(path) else Lane(name, path)
-            for name, path in written] + not_written
+    return [
+        f"{name}: {ctx.refused(path)}" if ctx.refused(path) else Lane(name, path) for name, path in written
+    ] + not_written
 
 
 def _rank(ctx: Context):
     r = max(ctx.adapter.inner_dims | {ctx.adapter.rank})
     padded = ctx.write("rank-pad", pad_rank(ctx.adapter, 2 * r))
     # the original adapter in an engine that also holds a rank-2r adapter: a loaded rank below the max rank
-    return [Lane(f"rank:pad_{r}_to_{2 * r}", padded),
-            Lane(f"rank:loaded_{r}_below_max_{2 * r}", str(ctx.adapter_dir), arrangement="beside_other")]
+    return [
+        Lane(f"rank:pad_{r}_to_{2 * r}", padded),
+        Lane(f"rank:loaded_{r}_below_max_{2 * r}", str(ctx.adapter_dir), arrangement="beside_other"),
+    ]
 
 
 def _factors(ctx: Context):
-    return [Lane("factors:M_A_B_Minv", ctx.write("factors-reparam", reparametrise(ctx.adapter, ctx.seed))),
-            Lane("factors:alpha_x4_B_div4", ctx.write("factors-alpha", rescale_alpha(ctx.adapter, 4.0)))]
+    return [
+        Lane("factors:M_A_B_Minv", ctx.write("factors-reparam", reparametrise(ctx.adapter, ctx.seed))),
+        Lane("factors:alpha_x4_B_div4", ctx.write("factors-alpha", rescale_alpha(ctx.adapter, 4.0))),
+    ]
 
 
 def _gate_up(ctx: Context):
@@ -183,9 +190,11 @@ def _gate_up(ctx: Context):
     if split is None:
         return f"the experts of {ctx.spec.arch} are not gated (no gate/up pair)"
     shared_a = ctx.write("gate_up-stacked-per_expert", split, "per_expert")
-    forms = [("gate_up:stacked_2r_peft3d", ctx.write("gate_up-stacked-peft3d", split, "peft3d")),
-             ("gate_up:stacked_2r_per_expert", shared_a),
-             ("gate_up:per_projection_A", str(strip_zero_rank(shared_a, ctx.tmp / "gate_up-per_projection")))]
+    forms = [
+        ("gate_up:stacked_2r_peft3d", ctx.write("gate_up-stacked-peft3d", split, "peft3d")),
+        ("gate_up:stacked_2r_per_expert", shared_a),
+        ("gate_up:per_projection_A", str(strip_zero_rank(shared_a, ctx.tmp / "gate_up-per_projection"))),
+    ]
     # the first form the engine loads is the others' reference (SGLang dies on PEFT 3D, vLLM's gpt-oss misreads
     # per-expert files: doctor refuses those, and the relation holds among the forms that remain)
     lanes: list = []
@@ -198,7 +207,8 @@ def _gate_up(ctx: Context):
         ref = ref or name
     if sum(isinstance(x, Lane) for x in lanes) < 2:
         return "the engine loads fewer than two forms of the split adapter: " + "; ".join(
-            x for x in lanes if isinstance(x, str))
+            x for x in lanes if isinstance(x, str)
+        )
     return lanes
 
 
@@ -210,17 +220,20 @@ def _merged(ctx: Context):
 def _zero_b(ctx: Context):
     # against base rows of the same engine session: the session's other adapters may set kernels for every row (a
     # larger max rank; triton's torch fallback above the kernels' rank cap), which is not what this relation tests
-    return [Lane("zero_b:base_rows", None, reference="", session="transformed"),
-            Lane("zero_b:vs_base", ctx.write("zero-b", zero_b(ctx.adapter)), reference="zero_b:base_rows",
-                 exact=True)]
+    return [
+        Lane("zero_b:base_rows", None, reference="", session="transformed"),
+        Lane("zero_b:vs_base", ctx.write("zero-b", zero_b(ctx.adapter)), reference="zero_b:base_rows", exact=True),
+    ]
 
 
 def _batch(ctx: Context):
     d = str(ctx.adapter_dir)
-    return [Lane("batch:mixed", d, arrangement="mixed", session="transformed"),
-            Lane("batch:permuted", d, arrangement="permuted", session="transformed"),
-            Lane("batch:size_1", d, arrangement="single", session="original"),
-            Lane("batch:tripled", d, arrangement="tripled", session="transformed")]
+    return [
+        Lane("batch:mixed", d, arrangement="mixed", session="transformed"),
+        Lane("batch:permuted", d, arrangement="permuted", session="transformed"),
+        Lane("batch:size_1", d, arrangement="single", session="original"),
+        Lane("batch:tripled", d, arrangement="tripled", session="transformed"),
+    ]
 
 
 def _neutral(ctx: Context):
@@ -233,11 +246,19 @@ def _neutral(ctx: Context):
     caps = capabilities(ctx.engine)
     if ctx.layout.experts and not caps.moe_lora_cpu and _cuda(ctx):
         return f"{caps.label} runs MoE models with LoRA only on a GPU ({_cuda(ctx)})"
-    return [Lane("neutral:lora_off", None, reference="", session="neutral:lora_off"),
-            Lane("neutral:base_alone", None, reference="neutral:lora_off", session="neutral:lora_on", exact=True,
-                 reruns=2),
-            Lane("neutral:base_among_adapters", None, reference="neutral:lora_off", arrangement="among_adapters",
-                 session="neutral:lora_on", exact=True, reruns=2)]
+    return [
+        Lane("neutral:lora_off", None, reference="", session="neutral:lora_off"),
+        Lane("neutral:base_alone", None, reference="neutral:lora_off", session="neutral:lora_on", exact=True, reruns=2),
+        Lane(
+            "neutral:base_among_adapters",
+            None,
+            reference="neutral:lora_off",
+            arrangement="among_adapters",
+            session="neutral:lora_on",
+            exact=True,
+            reruns=2,
+        ),
+    ]
 
 
 def _cuda(ctx: Context, need: int = 1) -> str | None:
@@ -268,17 +289,23 @@ def _tp_applies(engine: str, n: int):
         if n == 2 and n in capabilities(engine).cpu_tp and not torch.cuda.is_available():
             return None  # gloo on CPU (triton): a real test of the sharding math; TP 2 is the smallest split
         return _cuda(ctx, n)
+
     return applies
 
 
 # what a mode's ``needs`` (engines' capabilities, MODE_NEEDS) asks of this run -> None, or why it cannot run here
-NEEDS: dict[str, Callable[[Context], str | None]] = {"experts": _moe, "cuda": _cuda, "low_precision": _bf16_cuda,
-                                                     "triton_kernels": _interpreter_or_cuda}
+NEEDS: dict[str, Callable[[Context], str | None]] = {
+    "experts": _moe,
+    "cuda": _cuda,
+    "low_precision": _bf16_cuda,
+    "triton_kernels": _interpreter_or_cuda,
+}
 
 
 def _applies(needs: Sequence[str]) -> Callable[[Context], str | None]:
     def applies(ctx: Context) -> str | None:
         return next((why for n in needs if (why := NEEDS[n](ctx))), None)
+
     return applies
 
 
@@ -287,8 +314,9 @@ def engine_modes_table() -> dict[str, dict[str, tuple[dict, int | None, Callable
     from lpdiff.engines import ENGINES
     from lpdiff.engines.base import engine_modes
 
-    return {e: {name: (dict(m.options), None, _applies(m.needs)) for name, m in engine_modes(e).items()}
-            for e in ENGINES}
+    return {
+        e: {name: (dict(m.options), None, _applies(m.needs)) for name, m in engine_modes(e).items()} for e in ENGINES
+    }
 
 
 def tp_sizes_table() -> dict[str, dict[str, tuple[dict, int | None, Callable]]]:
@@ -296,8 +324,11 @@ def tp_sizes_table() -> dict[str, dict[str, tuple[dict, int | None, Callable]]]:
     from lpdiff.engines import ENGINES
     from lpdiff.engines.base import capabilities
 
-    return {e: {str(n): ({}, n, _tp_applies(e, n)) for n in (2, 4) if n in capabilities(e).tp} for e in ENGINES
-            if any(n in capabilities(e).tp for n in (2, 4))}
+    return {
+        e: {str(n): ({}, n, _tp_applies(e, n)) for n in (2, 4) if n in capabilities(e).tp}
+        for e in ENGINES
+        if any(n in capabilities(e).tp for n in (2, 4))
+    }
 
 
 def _variant_lanes(ctx: Context, relation: str, table: dict, session: str):
@@ -312,8 +343,17 @@ def _variant_lanes(ctx: Context, relation: str, table: dict, session: str):
             continue
         merged_opts = json.dumps(opts, sort_keys=True)
         for adapter, ref, tag in ((str(ctx.adapter_dir), ORIG, "lora"), (None, "base", "base")):
-            lanes.append(Lane(f"{relation}:{variant}:{tag}", adapter, reference=ref, session=f"{session}:{variant}",
-                              options=merged_opts, tp=tp, reruns=2))
+            lanes.append(
+                Lane(
+                    f"{relation}:{variant}:{tag}",
+                    adapter,
+                    reference=ref,
+                    session=f"{session}:{variant}",
+                    options=merged_opts,
+                    tp=tp,
+                    reruns=2,
+                )
+            )
     return lanes
 
 
@@ -325,18 +365,22 @@ def _tp(ctx: Context):
     return _variant_lanes(ctx, "tp", tp_sizes_table(), "tp")
 
 
-RELATIONS: dict[str, Relation] = {r.name: r for r in [
-    Relation("format", "PEFT 3D <-> per-expert keys <-> shared-outer: one delta, three files", _format),
-    Relation("rank", "zero-padded rank, and a rank below the engine's max rank", _rank),
-    Relation("factors", "A -> M·A, B -> B·M⁻¹; alpha changed with B rescaled", _factors),
-    Relation("gate_up", "different gate/up As: per-projection vs rank-2r stacked", _gate_up),
-    Relation("merged", "delta merged into the base weights, no adapter", _merged),
-    Relation("zero_b", "an all-zero B is the base model, exactly", _zero_b),
-    Relation("batch", "the adapter's rows mixed with others, permuted, batch size 1", _batch),
-    Relation("modes", "engine switches that must not change the math", _modes),
-    Relation("tp", "TP 2 and 4 against TP 1, each judged with its own rerun noise", _tp),
-    Relation("neutral", "base rows of a LoRA-enabled engine, alone and beside every adapter, = a LoRA-disabled one",
-             _neutral),
-]}
-
-
+RELATIONS: dict[str, Relation] = {
+    r.name: r
+    for r in [
+        Relation("format", "PEFT 3D <-> per-expert keys <-> shared-outer: one delta, three files", _format),
+        Relation("rank", "zero-padded rank, and a rank below the engine's max rank", _rank),
+        Relation("factors", "A -> M·A, B -> B·M⁻¹; alpha changed with B rescaled", _factors),
+        Relation("gate_up", "different gate/up As: per-projection vs rank-2r stacked", _gate_up),
+        Relation("merged", "delta merged into the base weights, no adapter", _merged),
+        Relation("zero_b", "an all-zero B is the base model, exactly", _zero_b),
+        Relation("batch", "the adapter's rows mixed with others, permuted, batch size 1", _batch),
+        Relation("modes", "engine switches that must not change the math", _modes),
+        Relation("tp", "TP 2 and 4 against TP 1, each judged with its own rerun noise", _tp),
+        Relation(
+            "neutral",
+            "base rows of a LoRA-enabled engine, alone and beside every adapter, = a LoRA-disabled one",
+            _neutral,
+        ),
+    ]
+}

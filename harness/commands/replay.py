@@ -14,6 +14,7 @@ Threshold = REPLAY_FACTOR[dtype] x max(replayed reference noise, rerun noise); r
 module's defaults, that factor x the noise pair's largest first-order flip margin / first-layer weight error).
 The kernel part of a verdict is the replayed comparison itself; the fault is named as routing.attribute says.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,36 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from lpdiff.engines.base import EngineConfig, layouts_for, open_engine
-from lpdiff.harness.commands.check import (
-    FACTOR,
-    Case,
-    CheckResult,
-    engine_pair,
-    refused_lanes,
-    run_check,
-    served_files,
-)
-from lpdiff.harness.pipeline.metrics import (
-    compare,
-    delta_fidelity,
-    near_tie_eps,
-    position_detail,
-)
-from lpdiff.harness.pipeline.noise import (
-    REFERENCE_DTYPE,
-    Noise,
-    noise_pair,
-    pair_noise,
-    rerun_noise,
-    threshold_from,
-)
-from lpdiff.harness.pipeline.routing import (
-    ROUTER_FAULT_FACTOR,
-    SPACING,
-    apply,
-    attribute,
-    flip_margin_noise,
-)
+from lpdiff.harness.commands.check import FACTOR, Case, CheckResult, engine_pair, refused_lanes, run_check, served_files
+from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
+from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
+from lpdiff.harness.pipeline.routing import ROUTER_FAULT_FACTOR, SPACING, apply, attribute, flip_margin_noise
 from lpdiff.harness.pipeline.session import Lanes, engine_options, run_session
 from lpdiff.harness.pipeline.verdict import judge
 from lpdiff.harness.spec.errors import InputError
@@ -63,8 +38,13 @@ CAPTURE = {"capture_routing": True}
 REPLAY_FACTOR = {"bfloat16": 10.0, "float16": 10.0, "float32": FACTOR["float32"]}
 
 
-def hf_runs(case: Case, adapters: dict[str, AdapterSpec], dtype: str, options: dict,
-            passes: Sequence[tuple[Lanes | None, dict | None]] = ((None, None),)) -> list[Lanes]:
+def hf_runs(
+    case: Case,
+    adapters: dict[str, AdapterSpec],
+    dtype: str,
+    options: dict,
+    passes: Sequence[tuple[Lanes | None, dict | None]] = ((None, None),),
+) -> list[Lanes]:
     """HF (in-process, capturing routing) over the case's prompts, one engine session (a full-width model is built
     once), one call per pass ``(routing, lanes)``: ``lanes`` maps each output lane to the adapter it runs (None:
     base + every adapter, each under its own name); ``routing`` (lane -> a run with expert ids, or None) replays
@@ -76,18 +56,22 @@ def hf_runs(case: Case, adapters: dict[str, AdapterSpec], dtype: str, options: d
         for routing, lanes in passes:
             lanes = lanes if lanes is not None else {None: None, **{a: a for a in adapters}}
             ids = None if routing is None else [q.routed_experts for lane in lanes for q in routing[lane].prompts]
-            flat = eng.prompt_logprobs([p for _ in lanes for p in prompts],
-                                       adapter=[a for a in lanes.values() for _ in prompts], routing=ids)
+            flat = eng.prompt_logprobs(
+                [p for _ in lanes for p in prompts], adapter=[a for a in lanes.values() for _ in prompts], routing=ids
+            )
             meta = {"engine": "hf", "engine_version": version, "dtype": dtype, "routing_replay": routing is not None}
-            out.append({lane: LogprobRun(flat[i * n:(i + 1) * n], {**meta, "adapter": lane})
-                        for i, lane in enumerate(lanes)})
+            out.append(
+                {lane: LogprobRun(flat[i * n : (i + 1) * n], {**meta, "adapter": lane}) for i, lane in enumerate(lanes)}
+            )
     return out
 
 
 def reference_lanes(case: Case, lanes) -> dict[str | None, str | None]:
     """Each served lane (``name.layout``, None = base) -> the correct adapter the reference runs for it."""
-    return {lane: None if lane is None else (case.plans[lane.split(".")[0]].broken_from or lane.split(".")[0])
-            for lane in [None, *(lane for lane in lanes if lane is not None)]}
+    return {
+        lane: None if lane is None else (case.plans[lane.split(".")[0]].broken_from or lane.split(".")[0])
+        for lane in [None, *(lane for lane in lanes if lane is not None)]
+    }
 
 
 def reference_adapters(case: Case) -> dict[str, AdapterSpec]:
@@ -98,8 +82,9 @@ def reference_adapters(case: Case) -> dict[str, AdapterSpec]:
 def replayed_references(case: Case, runs: Sequence[Lanes]) -> list[Lanes]:
     """R_E for each engine run: HF+PEFT fp32 over every lane, each with that run's expert ids for the lane forced
     (one HF session for all of them)."""
-    return hf_runs(case, reference_adapters(case), REFERENCE_DTYPE, {},
-                   [(run, reference_lanes(case, run)) for run in runs])
+    return hf_runs(
+        case, reference_adapters(case), REFERENCE_DTYPE, {}, [(run, reference_lanes(case, run)) for run in runs]
+    )
 
 
 def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckResult]:
@@ -112,10 +97,19 @@ def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckR
     return replay_check
 
 
-def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k: int = 3,
-                 options: dict | None = None, dtype: str = "bfloat16", layouts: Sequence[str] | None = None,
-                 serve_refused: bool = False, log: Callable[[str], None] = print,
-                 factor: float | None = None) -> CheckResult:
+def replay_check(
+    case: Case,
+    engine: str,
+    tp: int = 1,
+    reference: str = "hf",
+    k: int = 3,
+    options: dict | None = None,
+    dtype: str = "bfloat16",
+    layouts: Sequence[str] | None = None,
+    serve_refused: bool = False,
+    log: Callable[[str], None] = print,
+    factor: float | None = None,
+) -> CheckResult:
     """check.run_check's contract (a CheckResult, verdicts named ``name.layout``), judged against the replayed
     reference (module docstring); ``factor``: the threshold's, default REPLAY_FACTOR[dtype]."""
     if reference != "hf":
@@ -134,9 +128,11 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
     flip_limit = max(ROUTER_FAULT_FACTOR * near_tie_eps(*dtypes), factor * flip_noise)
     weight_limit = max(ROUTER_FAULT_FACTOR * max(SPACING[d] for d in dtypes), factor * weight_noise)
     unreplayed = pair_noise(na, nb, list(ref32))
-    log(f"[check] replay: reference noise {ref_noise.describe()} replayed, {unreplayed.describe()} unreplayed; "
+    log(
+        f"[check] replay: reference noise {ref_noise.describe()} replayed, {unreplayed.describe()} unreplayed; "
         f"noise-pair flips up to margin {flip_noise:.3g}, first-layer weight error {weight_noise:.3g} "
-        f"({time.perf_counter() - t0:.1f}s)")
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
 
     lanes = served_files(case, engine, layouts or layouts_for(engine, case.spec.arch))
     refused = {} if serve_refused else refused_lanes(case, engine, lanes)
@@ -146,25 +142,58 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
     try:
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
-        return CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, "?", ref_noise,
-                           Noise(), None, [], error=f"{type(e).__name__}: {e}", refused=refused,
-                           init_recipe=case.spec.init_recipe or "", engine_pair=pair)
+        return CheckResult(
+            case.spec.name,
+            case.spec.num_layers or 0,
+            engine,
+            reference,
+            tp,
+            dtype,
+            "?",
+            ref_noise,
+            Noise(),
+            None,
+            [],
+            error=f"{type(e).__name__}: {e}",
+            refused=refused,
+            init_recipe=case.spec.init_recipe or "",
+            engine_pair=pair,
+        )
     got = sess.first
     missing = [lane for lane, run in got.items() if any(p.routed_experts is None for p in run.prompts)]
     if missing:
-        raise InputError(f"{engine} returned no expert ids for lanes {missing}: it cannot capture routing here, so "
-                         "there is nothing to replay")
+        raise InputError(
+            f"{engine} returned no expert ids for lanes {missing}: it cannot capture routing here, so "
+            "there is nothing to replay"
+        )
     ref_of = reference_lanes(case, lanes)
     replayed = replayed_references(case, [got])[0]
     reruns = rerun_noise(sess.runs)
     noise = Noise().merge(ref_noise, reruns)
-    t = threshold_from(noise, factor, note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} with "
-                       f"{db}'s expert ids replayed ({ref_noise.describe()}) and {engine} rerun noise over {k} runs "
-                       f"({reruns.describe()}), same model and prompts")
+    t = threshold_from(
+        noise,
+        factor,
+        note=f"noise = max of {reference} {da}{oa or ''}-vs-{db}{ob or ''} with "
+        f"{db}'s expert ids replayed ({ref_noise.describe()}) and {engine} rerun noise over {k} runs "
+        f"({reruns.describe()}), same model and prompts",
+    )
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
-    res = CheckResult(case.spec.name, case.spec.num_layers or 0, engine, reference, tp, dtype, sess.version,
-                      ref_noise, reruns, t, sess.runs, refused=refused, init_recipe=case.spec.init_recipe or "",
-                      engine_pair=pair)
+    res = CheckResult(
+        case.spec.name,
+        case.spec.num_layers or 0,
+        engine,
+        reference,
+        tp,
+        dtype,
+        sess.version,
+        ref_noise,
+        reruns,
+        t,
+        sess.runs,
+        refused=refused,
+        init_recipe=case.spec.init_recipe or "",
+        engine_pair=pair,
+    )
     eps = near_tie_eps(*dtypes)
     for lane in [None, *lanes]:
         m = compare(got[lane], replayed[lane], near_tie_eps=eps)
@@ -173,7 +202,16 @@ def replay_check(case: Case, engine: str, tp: int = 1, reference: str = "hf", k:
         name = None if lane is None else lane.split(".")[0]
         v.expected = case.plans[name].expected if name else "PASS"
         v.detail = position_detail(got[lane], replayed[lane], eps)
-        apply(v, attribute(got[lane], ref32[ref_of[lane]], dtypes, flip_limit=flip_limit,
-                           weight_limit=weight_limit, kernel_fail=not v.passed))
+        apply(
+            v,
+            attribute(
+                got[lane],
+                ref32[ref_of[lane]],
+                dtypes,
+                flip_limit=flip_limit,
+                weight_limit=weight_limit,
+                kernel_fail=not v.passed,
+            ),
+        )
         res.verdicts.append(v)
     return res

@@ -7,6 +7,7 @@ model's spec, adapters and prompts, the TP sizes, the engine options) into a ``P
 doctor's preflight, reference runs through the store (``stored``; ``regen`` recomputes them), one engine session
 over the mixed batch, metrics against the references, verdicts against the recorded thresholds -> ``RunReport``.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,8 +74,9 @@ class Job:
     def regen_command(self) -> str:
         """The command that regenerates exactly this job's references."""
         # --reference / --ref-dtype: what the stored runs were computed with (regen runs no engine under test)
-        cmd = (f"lpdiff regen --model {shlex.quote(self.model)} --reference {self.reference} "
-               f"--ref-dtype {self.ref_dtype}")
+        cmd = (
+            f"lpdiff regen --model {shlex.quote(self.model)} --reference {self.reference} --ref-dtype {self.ref_dtype}"
+        )
         cmd += "".join(f" --adapter {shlex.quote(a)}" for a in self.adapters or ())
         cmd += f" --prompt-set {self.prompt_set}" if self.prompt_set != "default" else ""
         cmd += self.prompts.flags() if self.prompts else ""
@@ -93,8 +95,10 @@ class Job:
 def what_it_judges(job: Job) -> str:
     """The line above ``lpdiff run``'s table: what the verdicts below prove."""
     if job.is_self_check():
-        return (f"install self-check: {job.engine} ({job.dtype}) against its own stored reference runs; PASS means "
-                f"this install reproduces them (no engine under test is judged)")
+        return (
+            f"install self-check: {job.engine} ({job.dtype}) against its own stored reference runs; PASS means "
+            f"this install reproduces them (no engine under test is judged)"
+        )
     return f"{job.engine} ({job.dtype}) judged against the stored {job.reference} ({job.ref_dtype}) reference runs"
 
 
@@ -112,12 +116,22 @@ def resolve_job(job: Job) -> Resolved:
     return job.resolved
 
 
-def references(job: Job, store: BaselineStore, regen: bool = False, log: Callable[[str], None] = lambda s: None
-               ) -> References:
+def references(
+    job: Job, store: BaselineStore, regen: bool = False, log: Callable[[str], None] = lambda s: None
+) -> References:
     # --prompts FILE runs are no prompt set: keyed by their prompts' hash alone, so they never supersede (and prune
     # never removes) the default set's baselines
-    return References(store, job.reference, job.ref_dtype, None, job.top_k, "regen" if regen else "stored",
-                      job.regen_command(), None if job.prompts else job.prompt_set, log)
+    return References(
+        store,
+        job.reference,
+        job.ref_dtype,
+        None,
+        job.top_k,
+        "regen" if regen else "stored",
+        job.regen_command(),
+        None if job.prompts else job.prompt_set,
+        log,
+    )
 
 
 def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
@@ -135,10 +149,27 @@ def judge_runs(job: Job, runs: Lanes, refs: Lanes) -> list[Verdict]:
         m = compare(runs[a], refs[a], near_tie_eps=eps)
         detail = position_detail(runs[a], refs[a], eps)
         lane = LaneId(job.model, job.engine_pair, job.dtype, job.tp, a or "-")
-        hint = next_step(job.engine_pair, job.model, lane.adapter, job.tp, job.adapters or (), job.options,
-                         bisect=r.spec.arch in BISECT_ARCHS)
-        verdicts.append(judge(m, threshold, delta_fidelity=own, exclude_near_ties=m.clean is not None, lane=lane,
-                              groups=split, detail=detail, next_step=hint))
+        hint = next_step(
+            job.engine_pair,
+            job.model,
+            lane.adapter,
+            job.tp,
+            job.adapters or (),
+            job.options,
+            bisect=r.spec.arch in BISECT_ARCHS,
+        )
+        verdicts.append(
+            judge(
+                m,
+                threshold,
+                delta_fidelity=own,
+                exclude_near_ties=m.clean is not None,
+                lane=lane,
+                groups=split,
+                detail=detail,
+                next_step=hint,
+            )
+        )
     return verdicts
 
 
@@ -150,21 +181,23 @@ def _own_and_groups(fidelity):
     return fidelity, {}
 
 
-def run_job(job: Job, store: BaselineStore | None = None, regen: bool = False,
-            log: Callable[[str], None] | None = None) -> JobResult:
+def run_job(
+    job: Job, store: BaselineStore | None = None, regen: bool = False, log: Callable[[str], None] | None = None
+) -> JobResult:
     log = log or (lambda s: print(s, file=sys.stderr))
     store = store if store is not None else default_store()
     r = resolve_job(job)
     preflight(r, [job.engine, *([job.reference] if regen else [])], log)
     if regen:
-        log(f"regenerating {len(r.adapters) + 1} reference run(s) for {job.model} with {job.reference} "
-            f"({job.ref_dtype})")
+        log(
+            f"regenerating {len(r.adapters) + 1} reference run(s) for {job.model} with {job.reference} "
+            f"({job.ref_dtype})"
+        )
     refs = references(job, store, regen, log).runs(r.spec, r.adapters, r.prompts)
     if regen and job.engine == job.reference and job.dtype == job.ref_dtype and job.tp == 1:
         runs = refs  # nothing new to compute: the job is the reference itself
     else:
-        runs = run_session(job.engine, r.spec, r.adapters, r.prompts, job.dtype, job.tp, job.top_k,
-                           job.options).first
+        runs = run_session(job.engine, r.spec, r.adapters, r.prompts, job.dtype, job.tp, job.top_k, job.options).first
     return JobResult(job, runs, refs, judge_runs(job, runs, refs))
 
 
@@ -202,8 +235,9 @@ def zoo_models(engine: str, asked: Sequence[str] = ()) -> tuple[list[str], list[
     serve is skipped, not fatal), or by default every tiny MoE zoo model."""
     from lpdiff.harness.spec.catalog import list_models
 
-    names = list(asked) or [m.name for m in list_models() if m.path is not None and m.name.startswith("tiny-")
-                            and m.arch != "qwen3"]
+    names = list(asked) or [
+        m.name for m in list_models() if m.path is not None and m.name.startswith("tiny-") and m.arch != "qwen3"
+    ]
     chosen, skipped = [], []
     for name in names:
         why = unsupported(engine, name)
@@ -257,9 +291,11 @@ class RunReport:
 
     def summary(self) -> str:
         failed = sum(not v.passed for v in self.verdicts)
-        return (f"{len(self.verdicts) - failed} passed, {failed} failed"
-                + (f"; engine failed on: {', '.join(self.died)}" if self.died else "")
-                + (f"; skipped: {', '.join(m for m, _ in self.plan.skipped)}" if self.plan.skipped else ""))
+        return (
+            f"{len(self.verdicts) - failed} passed, {failed} failed"
+            + (f"; engine failed on: {', '.join(self.died)}" if self.died else "")
+            + (f"; skipped: {', '.join(m for m, _ in self.plan.skipped)}" if self.plan.skipped else "")
+        )
 
 
 def plan(request: RunRequest) -> Plan:
@@ -273,10 +309,21 @@ def plan(request: RunRequest) -> Plan:
     tps = tuple(dict.fromkeys(request.tps or ((1,) if request.regen else default_tps(engine))))
     jobs = []
     for model in chosen:
-        first = Job(model=model, engine=engine, reference=request.reference, dtype=request.dtype,
-                    ref_dtype=request.ref_dtype, tp=tps[0], adapters=request.adapters or None,
-                    prompt_set=request.prompt_set, prompts=request.prompts, top_k=request.top_k,
-                    num_layers=request.num_layers, options=dict(request.options), baselines=request.baselines)
+        first = Job(
+            model=model,
+            engine=engine,
+            reference=request.reference,
+            dtype=request.dtype,
+            ref_dtype=request.ref_dtype,
+            tp=tps[0],
+            adapters=request.adapters or None,
+            prompt_set=request.prompt_set,
+            prompts=request.prompts,
+            top_k=request.top_k,
+            num_layers=request.num_layers,
+            options=dict(request.options),
+            baselines=request.baselines,
+        )
         resolved = resolve_job(first)
         jobs += [first] + [replace(first, tp=tp, resolved=resolved) for tp in tps[1:]]
     if not jobs:
@@ -284,8 +331,11 @@ def plan(request: RunRequest) -> Plan:
     return Plan(request, engine, jobs, skipped)
 
 
-def run(request: RunRequest, log: Callable[[str], None] = lambda s: None,
-        progress: Callable[[list[Job]], Iterable[Job]] = lambda jobs: jobs) -> RunReport:
+def run(
+    request: RunRequest,
+    log: Callable[[str], None] = lambda s: None,
+    progress: Callable[[list[Job]], Iterable[Job]] = lambda jobs: jobs,
+) -> RunReport:
     """Every job of the plan: an engine that hangs, crashes or raises (LaneDied/LaneError) is a FAIL with its log
     and the run goes on. ``progress`` wraps the job list (a tqdm bar: its ``write`` then carries the log)."""
     from lpdiff.engines import LaneDied, LaneError

@@ -9,6 +9,7 @@ read through ``lpdiff.engines.capabilities(name)``), and the doctor tests each d
 HF+PEFT it also asks PEFT itself, injecting the adapter's LoraConfig into the meta model (that is where PEFT refuses
 routers it cannot wrap and Nemotron's Mamba out_proj/conv1d).
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,12 +63,20 @@ class DoctorReport:
         return {f.code for f in self.findings if engine in (None, f.engine) and severity in (None, f.severity)}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "arch": self.arch, "adapter": self.adapter, "layout": self.layout,
-                "rank": self.rank, "engines": self.engines, "exit_code": self.exit_code,
-                "findings": [asdict(f) for f in self.findings]}
+        return {
+            "model": self.model,
+            "arch": self.arch,
+            "adapter": self.adapter,
+            "layout": self.layout,
+            "rank": self.rank,
+            "engines": self.engines,
+            "exit_code": self.exit_code,
+            "findings": [asdict(f) for f in self.findings],
+        }
 
 
 # -- facts ----------------------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Facts:
@@ -164,8 +173,9 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
     info = inspect_adapter(adapter_dir)
     model_key, meta, layout, modules, params = mf.key, mf.meta, mf.layout, mf.modules, mf.params
     experts = {p.module: p for p in layout.experts.values()}
-    expert_modules = {m: tuple(part for q in layout.experts.values() if q.module == m for part in q.parts)
-                      for m in experts}
+    expert_modules = {
+        m: tuple(part for q in layout.experts.values() if q.module == m for part in q.parts) for m in experts
+    }
     routers = set(mf.routers)
     key_modules, foreign = set(), []
     for k in info.keys:
@@ -174,20 +184,34 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
         except ValueError:
             foreign.append(k)
     num_experts = max((p.num_experts for p in layout.experts.values()), default=0)
-    peft_error, peft_modules, peft_params = _remember(_PEFT_CACHE, (model_key, config_text),
-                                                      lambda: _peft_inject(copy.deepcopy(meta), adapter_dir))
-    facts = Facts(arch=layout.model_type, num_experts=num_experts, modules=dict(modules), params=set(params),
-                  routers=routers, expert_modules=expert_modules, info=info, config=config, key_modules=key_modules,
-                  foreign_keys=foreign, peft_error=peft_error, peft_modules=set(peft_modules),
-                  peft_params=set(peft_params),
-                  limits=dict(limits or {}), model_ref=str(model) if isinstance(model, (str, Path)) else spec.name,
-                  problems=problems)
+    peft_error, peft_modules, peft_params = _remember(
+        _PEFT_CACHE, (model_key, config_text), lambda: _peft_inject(copy.deepcopy(meta), adapter_dir)
+    )
+    facts = Facts(
+        arch=layout.model_type,
+        num_experts=num_experts,
+        modules=dict(modules),
+        params=set(params),
+        routers=routers,
+        expert_modules=expert_modules,
+        info=info,
+        config=config,
+        key_modules=key_modules,
+        foreign_keys=foreign,
+        peft_error=peft_error,
+        peft_modules=set(peft_modules),
+        peft_params=set(peft_params),
+        limits=dict(limits or {}),
+        model_ref=str(model) if isinstance(model, (str, Path)) else spec.name,
+        problems=problems,
+    )
     return spec, facts
 
 
 # -- checks --------------------------------------------------------------------------------------------------------
 # Checks for every engine ("all": the adapter does not fit the model), then each engine's declared defects
 # (lpdiff.engines.capabilities), each tested by the detector of its id below.
+
 
 def _convert_cmd(facts: Facts, to: str) -> str:
     from lpdiff.harness.spec.adapters import convert_command
@@ -205,10 +229,16 @@ def check_adapter_files(f: Facts) -> list[Finding]:
     that are not plain LoRA A/B weights (vLLM and SGLang refuse them)."""
     out = [Finding("all", p.severity, p.code, p.what, p.fix) for p in f.problems]
     if f.foreign_keys:
-        out.append(Finding("all", "error", "not-plain-lora",
-                           f"{len(f.foreign_keys)} tensor(s) are not LoRA A/B weights (e.g. {f.foreign_keys[0]}): "
-                           "DoRA magnitudes, biases or modules_to_save, which vLLM and SGLang refuse",
-                           "save a plain LoRA adapter (no use_dora, lora_bias or modules_to_save)"))
+        out.append(
+            Finding(
+                "all",
+                "error",
+                "not-plain-lora",
+                f"{len(f.foreign_keys)} tensor(s) are not LoRA A/B weights (e.g. {f.foreign_keys[0]}): "
+                "DoRA magnitudes, biases or modules_to_save, which vLLM and SGLang refuse",
+                "save a plain LoRA adapter (no use_dora, lora_bias or modules_to_save)",
+            )
+        )
     return out
 
 
@@ -217,9 +247,15 @@ def check_expert_count(f: Facts) -> list[Finding]:
     n = f.info.num_experts
     if n is None or not f.num_experts or n == f.num_experts:
         return []
-    return [Finding("all", "error", "expert-count",
-                    f"the adapter has {n} experts' weights, the model {f.num_experts} experts",
-                    "generate the adapter for this model")]
+    return [
+        Finding(
+            "all",
+            "error",
+            "expert-count",
+            f"the adapter has {n} experts' weights, the model {f.num_experts} experts",
+            "generate the adapter for this model",
+        )
+    ]
 
 
 def check_ranks(f: Facts, engines: Sequence[str]) -> list[Finding]:
@@ -228,14 +264,26 @@ def check_ranks(f: Facts, engines: Sequence[str]) -> list[Finding]:
     for engine in engines:
         caps = capabilities(engine)
         if caps.max_rank is not None and r > caps.max_rank:
-            out.append(Finding(engine, "error", "rank-above-max", f"adapter rank {r} exceeds {caps.label}'s largest "
-                               f"max_lora_rank {caps.max_rank}",
-                               f"re-train or truncate the adapter to rank <= {caps.max_rank}"))
+            out.append(
+                Finding(
+                    engine,
+                    "error",
+                    "rank-above-max",
+                    f"adapter rank {r} exceeds {caps.label}'s largest max_lora_rank {caps.max_rank}",
+                    f"re-train or truncate the adapter to rank <= {caps.max_rank}",
+                )
+            )
     for engine, limit in f.limits.items():
         if r > limit:
-            out.append(Finding(engine, "error", "rank-above-max", f"adapter rank {r} exceeds {engine}'s "
-                               f"max_lora_rank {limit}: the adapter is refused", f"start {engine} with "
-                               f"max_lora_rank >= {r} (lpdiff's engines size it from the adapters by default)"))
+            out.append(
+                Finding(
+                    engine,
+                    "error",
+                    "rank-above-max",
+                    f"adapter rank {r} exceeds {engine}'s max_lora_rank {limit}: the adapter is refused",
+                    f"start {engine} with max_lora_rank >= {r} (lpdiff's engines size it from the adapters by default)",
+                )
+            )
     return out
 
 
@@ -252,12 +300,16 @@ def _router_hits(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
     """LoRA on the MoE router: named by the adapter's tensors or targets, or converted by PEFT to a parameter."""
     tm = f.config.get("target_modules")
     named = set(tm) if isinstance(tm, (list, tuple)) else set()
-    hit = sorted({r for r in f.routers if r in f.key_modules or any(_matches(t, [r]) for t in named)}
-                 | {r for r in f.routers if r + ".weight" in f.peft_params})
+    hit = sorted(
+        {r for r in f.routers if r in f.key_modules or any(_matches(t, [r]) for t in named)}
+        | {r for r in f.routers if r + ".weight" in f.peft_params}
+    )
     if not hit:
         return None
-    return {"where": several(hit),
-            "router_fix": "drop the router from target_modules; adapt the experts instead (target_parameters)"}
+    return {
+        "where": several(hit),
+        "router_fix": "drop the router from target_modules; adapt the experts instead (target_parameters)",
+    }
 
 
 def _peft_mamba(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
@@ -269,8 +321,11 @@ def _peft_mamba(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
 def _peft_refused(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
     """What PEFT (the reference) refuses, found by injecting the adapter's LoraConfig into the meta model; a target
     that matches nothing is check_targets_match's, for every engine."""
-    if (f.peft_error is None or re.search(r"incompatible with Mamba", f.peft_error)
-            or "not found in the base model" in f.peft_error):
+    if (
+        f.peft_error is None
+        or re.search(r"incompatible with Mamba", f.peft_error)
+        or "not found in the base model" in f.peft_error
+    ):
         return None
     router = " (the router is not a Linear PEFT can wrap)" if re.search(r"Router|Gate\(", f.peft_error) else ""
     return {"router": router, "error": f.peft_error[:200]}
@@ -281,6 +336,7 @@ def _wrapped_without_weights(random_init: bool) -> Detector:
     default, random A and B with init_lora_weights=false. Per-expert adapters hit this: their gate/up/down_proj
     names also match shared experts, but the hf engine hands PEFT their PEFT 3D conversion, whose target_modules name
     only modules with tensors: a per-expert file is not checked (its raw-PEFT finding says to convert it)."""
+
     def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
         if f.info.layout == "per_expert":
             return None
@@ -288,6 +344,7 @@ def _wrapped_without_weights(random_init: bool) -> Detector:
         if not missing or (f.config.get("init_lora_weights", True) is False) != random_init:
             return None
         return {"where": several(missing)}
+
     return detect
 
 
@@ -316,7 +373,10 @@ def _experts_half_targeted(f: Facts, caps: Capabilities) -> dict[str, Any] | Non
     parts = {k.rsplit(".", 1)[-1] for k in f.key_modules if _PER_EXPERT_KEY.fullmatch(k)}
     if not parts or (parts & {"gate_proj", "up_proj"} and "down_proj" in parts):
         return None
-    return {"parts": ", ".join(sorted(parts)), "missing": "down_proj" if "down_proj" not in parts else "gate_proj/up_proj"}
+    return {
+        "parts": ", ".join(sorted(parts)),
+        "missing": "down_proj" if "down_proj" not in parts else "gate_proj/up_proj",
+    }
 
 
 def _gate_up_a_differ(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
@@ -354,9 +414,15 @@ def _tensors_on(leaf: str, experts: bool | None = None) -> Detector:
     pattern = re.compile(rf"(?:base_model\.model\.)?(.+\.{leaf})\.lora_[AB]\.weight")
 
     def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
-        hit = sorted({m.group(1) for k in f.info.keys if (m := pattern.fullmatch(k))
-                      and experts in (None, bool(_PER_EXPERT_KEY.fullmatch(m.group(1))))})
+        hit = sorted(
+            {
+                m.group(1)
+                for k in f.info.keys
+                if (m := pattern.fullmatch(k)) and experts in (None, bool(_PER_EXPERT_KEY.fullmatch(m.group(1))))
+            }
+        )
         return {"where": several(hit)} if hit else None
+
     return detect
 
 
@@ -377,6 +443,7 @@ def _features(field_name: str) -> Detector:
     def detect(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
         hit = [x for x in _set_features(f.config) if x.split("=")[0] in getattr(caps, field_name)]
         return {"features": ", ".join(hit)} if hit else None
+
     return detect
 
 
@@ -413,24 +480,40 @@ def _vocab_lora(f: Facts, caps: Capabilities) -> dict[str, Any] | None:
 
 
 DETECTORS: dict[str, Detector] = {
-    "peft-mamba-refused": _peft_mamba, "peft-refused": _peft_refused,
-    "peft-random-init-modules": _wrapped_without_weights(True), "peft-empty-modules": _wrapped_without_weights(False),
+    "peft-mamba-refused": _peft_mamba,
+    "peft-refused": _peft_refused,
+    "peft-random-init-modules": _wrapped_without_weights(True),
+    "peft-empty-modules": _wrapped_without_weights(False),
     "router-target": _router_hits,
-    "per-expert-ignored-by-peft": _always, "per-expert-converted-by-peft": _always,
-    "per-expert-unknown": _per_expert_unknown, "vllm-per-expert-interleaved": _always,
-    "vllm-qwen3.5-per-expert": _always, "vllm-qwen3.5-text-names": _outside_root,
-    "peft3d-needs-mixed-format": _always, "vllm-peft3d-mixed-format-faults": _always, "peft3d-kills-sglang": _always,
-    "q-without-v": _q_without_v, "kv-without-q": _kv_without_q, "sglang-experts-half-targeted": _experts_half_targeted,
-    "sglang-gpt-oss-gate-up-a": _gate_up_a_differ, "sglang-target-modules-string": _target_pattern,
-    "sglang-unsupported-target": _unsupported_targets, "moe-rank-above-128": _moe_rank,
-    "vllm-unsupported-feature": _features("refused_features"), "sglang-ignores-scaling": _features("ignored_features"),
-    "vllm-moe-lora-gpu": _moe_lora, "sglang-gpt-oss-runner": _always, "vllm-nemotron-peft3d": _always,
+    "per-expert-ignored-by-peft": _always,
+    "per-expert-converted-by-peft": _always,
+    "per-expert-unknown": _per_expert_unknown,
+    "vllm-per-expert-interleaved": _always,
+    "vllm-qwen3.5-per-expert": _always,
+    "vllm-qwen3.5-text-names": _outside_root,
+    "peft3d-needs-mixed-format": _always,
+    "vllm-peft3d-mixed-format-faults": _always,
+    "peft3d-kills-sglang": _always,
+    "q-without-v": _q_without_v,
+    "kv-without-q": _kv_without_q,
+    "sglang-experts-half-targeted": _experts_half_targeted,
+    "sglang-gpt-oss-gate-up-a": _gate_up_a_differ,
+    "sglang-target-modules-string": _target_pattern,
+    "sglang-unsupported-target": _unsupported_targets,
+    "moe-rank-above-128": _moe_rank,
+    "vllm-unsupported-feature": _features("refused_features"),
+    "sglang-ignores-scaling": _features("ignored_features"),
+    "vllm-moe-lora-gpu": _moe_lora,
+    "sglang-gpt-oss-runner": _always,
+    "vllm-nemotron-peft3d": _always,
     "sglang-nemotron-up-proj": _tensors_on("up_proj", experts=True),
     "sglang-nemotron-shared-up-proj": _tensors_on("up_proj", experts=False),
     "sglang-mamba-in-proj": _tensors_on("in_proj"),
-    "vllm-ignores-patterns": _features("ignored_features"), "vllm-per-expert-rslora": _rslora,
+    "vllm-ignores-patterns": _features("ignored_features"),
+    "vllm-per-expert-rslora": _rslora,
     "vllm-qwen3.5-vocab-lora": _vocab_lora,
-    "vllm-nemotron-step-fault": _moe_lora, "vllm-nemotron-latent-dropped": _tensors_on("fc[12]_latent_proj"),
+    "vllm-nemotron-step-fault": _moe_lora,
+    "vllm-nemotron-latent-dropped": _tensors_on("fc[12]_latent_proj"),
 }
 
 
@@ -438,8 +521,10 @@ def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
     """The engine's declared defects for this arch and layout whose detector finds them in this adapter. A defect
     that depends on what the files cannot show (the TP size, the batch) has no detector and is not reported."""
     caps, out = capabilities(engine), []
-    common = {"arch": f.arch,
-              **{f"to_{lay}": _convert_cmd(f, lay) for lay in ("peft3d", "per_expert", "per_expert_gate")}}
+    common = {
+        "arch": f.arch,
+        **{f"to_{lay}": _convert_cmd(f, lay) for lay in ("peft3d", "per_expert", "per_expert_gate")},
+    }
     for d in caps.defects(f.arch, f.info.layout):
         if d.tp or d.id not in DETECTORS or (fields := DETECTORS[d.id](f, caps)) is None:
             continue
@@ -450,8 +535,10 @@ def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
 
 # -- entry points ---------------------------------------------------------------------------------------------------
 
-def doctor(model, adapter_dir: str | Path, engines: Sequence[str] | None = None,
-           limits: dict[str, int] | None = None) -> "DoctorReport":
+
+def doctor(
+    model, adapter_dir: str | Path, engines: Sequence[str] | None = None, limits: dict[str, int] | None = None
+) -> "DoctorReport":
     """model: a ModelSpec, a catalog name, a checkpoint directory or a Hub id; adapter_dir: a PEFT directory, a zoo
     adapter name or a Hub repo (resolve_adapter); engines: a subset of ENGINES (default all); limits: engine -> the
     max_lora_rank it will be started with."""
@@ -461,13 +548,25 @@ def doctor(model, adapter_dir: str | Path, engines: Sequence[str] | None = None,
             raise InputError(f"doctor knows engines {', '.join(ENGINES)}, not {e!r}")
     adapter_dir = resolve_adapter(model, adapter_dir)
     spec, facts = gather(model, adapter_dir, limits)
-    findings = [*check_adapter_files(facts), *check_noop(facts), *check_expert_count(facts),
-                *check_ranks(facts, engines), *(x for e in engines for x in check_engine_defects(facts, e))]
+    findings = [
+        *check_adapter_files(facts),
+        *check_noop(facts),
+        *check_expert_count(facts),
+        *check_ranks(facts, engines),
+        *(x for e in engines for x in check_engine_defects(facts, e)),
+    ]
     findings = [x for x in findings if x.engine in (*engines, "all")]
     rank = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda x: (rank[x.severity], x.engine))
-    return DoctorReport(model=spec.name, arch=facts.arch, adapter=str(adapter_dir), layout=facts.info.layout,
-                        rank=facts.max_rank, engines=engines, findings=findings)
+    return DoctorReport(
+        model=spec.name,
+        arch=facts.arch,
+        adapter=str(adapter_dir),
+        layout=facts.info.layout,
+        rank=facts.max_rank,
+        engines=engines,
+        findings=findings,
+    )
 
 
 class Refusals(NamedTuple):

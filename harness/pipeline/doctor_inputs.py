@@ -1,5 +1,6 @@
 """What ``lpdiff doctor`` reads before its engine checks: the adapter the user named (a directory, a zoo name or a
 Hub repo, resolved as ``lpdiff run --adapter`` resolves it) and whether its tensors do anything at all."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +30,14 @@ def check_noop(f) -> list:  # f: doctor.Facts -> [doctor.Finding]
         keys = [k for k in fh.keys() if ".lora_B" in k]
         if not keys or any(bool(fh.get_tensor(k).any()) for k in keys):
             return []
-    return [Finding("all", "error", "adapter-no-op", f"every lora_B tensor ({len(keys)}) is zero: the adapter is a "
-                    "no-op (PEFT's default init_lora_weights=True, saved untrained), so a run on it proves nothing",
-                    "train it, or create it with LoraConfig(init_lora_weights=False) (random B) or `lpdiff adapters "
-                    "gen --model MODEL --out DIR`")]
+    return [
+        Finding(
+            "all",
+            "error",
+            "adapter-no-op",
+            f"every lora_B tensor ({len(keys)}) is zero: the adapter is a "
+            "no-op (PEFT's default init_lora_weights=True, saved untrained), so a run on it proves nothing",
+            "train it, or create it with LoraConfig(init_lora_weights=False) (random B) or `lpdiff adapters "
+            "gen --model MODEL --out DIR`",
+        )
+    ]

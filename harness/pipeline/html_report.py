@@ -10,6 +10,7 @@ too), shows delta fidelity, and names each unexpected lane's next step (the bise
 Inputs are checked field by field (``read_document``): a bad file is one error naming it (exit 2). Plots are
 hand-written SVG: a few lines each, so the report needs no plotting library and opens anywhere.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -109,9 +110,11 @@ class _Log:
 def _y_log_axis(y: _Log, w: int) -> str:
     out = []
     for t in y.ticks():
-        py = y(10.0 ** t)
-        out.append(f'<line x1="{PAD}" x2="{w - 6}" y1="{py:.1f}" y2="{py:.1f}" stroke="#eee"/>'
-                   f'<text x="{PAD - 3}" y="{py + 3:.1f}" text-anchor="end">1e{t}</text>')
+        py = y(10.0**t)
+        out.append(
+            f'<line x1="{PAD}" x2="{w - 6}" y1="{py:.1f}" y2="{py:.1f}" stroke="#eee"/>'
+            f'<text x="{PAD - 3}" y="{py + 3:.1f}" text-anchor="end">1e{t}</text>'
+        )
     return "".join(out)
 
 
@@ -130,8 +133,10 @@ def positions_svg(detail: Mapping[str, Any]) -> str:
         if i0:
             parts.append(f'<line x1="{x(i0):.1f}" x2="{x(i0):.1f}" y1="16" y2="{H - 18}" stroke="#ccc"/>')
         for j in p.get("near_tie") or []:
-            parts.append(f'<line class="tie" x1="{x(i0 + j):.1f}" x2="{x(i0 + j):.1f}" y1="{H - 18}" y2="{H - 12}" '
-                         f'stroke="{_TIE}" stroke-width="1.5"/>')
+            parts.append(
+                f'<line class="tie" x1="{x(i0 + j):.1f}" x2="{x(i0 + j):.1f}" y1="{H - 18}" y2="{H - 12}" '
+                f'stroke="{_TIE}" stroke-width="1.5"/>'
+            )
         pts = " ".join(f"{x(i0 + j):.1f},{y(v):.1f}" for j, v in enumerate(vals))
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{_LINE}" stroke-width="1"/>')
         i0 += len(vals)
@@ -147,34 +152,46 @@ def histogram_svg(detail: Mapping[str, Any]) -> str:
         return _svg('<text x="10" y="70">no histogram</text>', title="histogram of d")
     top = max(counts) or 1
     bw = (W - PAD - 6) / len(counts)
-    bars = "".join(f'<rect x="{PAD + i * bw:.1f}" y="{H - 18 - c / top * (H - 40):.1f}" width="{max(bw - 1, 1):.1f}" '
-                   f'height="{c / top * (H - 40):.1f}" fill="{_LINE}"><title>{edges[i]:.3g}..{edges[i + 1]:.3g}: '
-                   f'{c}</title></rect>' for i, c in enumerate(counts))
-    axis = (f'<text x="{PAD}" y="{H - 4}">{edges[0]:.2g}</text><text x="{W - 6}" y="{H - 4}" text-anchor="end">'
-            f'{edges[-1]:.2g}</text><text x="{PAD - 3}" y="24" text-anchor="end">{top}</text>')
+    bars = "".join(
+        f'<rect x="{PAD + i * bw:.1f}" y="{H - 18 - c / top * (H - 40):.1f}" width="{max(bw - 1, 1):.1f}" '
+        f'height="{c / top * (H - 40):.1f}" fill="{_LINE}"><title>{edges[i]:.3g}..{edges[i + 1]:.3g}: '
+        f"{c}</title></rect>"
+        for i, c in enumerate(counts)
+    )
+    axis = (
+        f'<text x="{PAD}" y="{H - 4}">{edges[0]:.2g}</text><text x="{W - 6}" y="{H - 4}" text-anchor="end">'
+        f'{edges[-1]:.2g}</text><text x="{PAD - 3}" y="24" text-anchor="end">{top}</text>'
+    )
     return _svg(bars + axis, title="histogram of d (all positions)")
 
 
 def scale_svg(v: Mapping[str, Any]) -> str:
     """Noise floor, threshold and the measured k2 of one lane on one log axis."""
     t, m = v["threshold"], v["metrics"]
-    marks = [("noise", _num(t.get("noise_k2")), "#888"), ("threshold", _num(t.get("k2")), "#b71c1c"),
-             ("k2", _num(m.get("k2")), _LINE)]
+    marks = [
+        ("noise", _num(t.get("noise_k2")), "#888"),
+        ("threshold", _num(t.get("k2")), "#b71c1c"),
+        ("k2", _num(m.get("k2")), _LINE),
+    ]
     x = _Log([val for _, val, _ in marks], PAD, W - 12)
     parts = [f'<line x1="{PAD}" x2="{W - 12}" y1="70" y2="70" stroke="#999"/>']
     for tick in x.ticks():
-        px = x(10.0 ** tick)
-        parts.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="66" y2="74" stroke="#999"/>'
-                     f'<text x="{px:.1f}" y="88" text-anchor="middle">1e{tick}</text>')
+        px = x(10.0**tick)
+        parts.append(
+            f'<line x1="{px:.1f}" x2="{px:.1f}" y1="66" y2="74" stroke="#999"/>'
+            f'<text x="{px:.1f}" y="88" text-anchor="middle">1e{tick}</text>'
+        )
     for row, (label, val, color) in enumerate(marks):
         if val is None or math.isnan(val):
             parts.append(f'<text x="{PAD}" y="{112 + row * 11}" fill="#999">{label}: n/a</text>')
             continue
         px = x(val)
-        parts.append(f'<circle cx="{px:.1f}" cy="70" r="5" fill="{color}"><title>{label} {val:.3g}</title></circle>'
-                     f'<text x="{min(max(px, PAD + 30), W - 40):.1f}" y="{50 - row * 11}" text-anchor="middle" '
-                     f'fill="{color}">{label} '
-                     f'{val:.2g}</text>')
+        parts.append(
+            f'<circle cx="{px:.1f}" cy="70" r="5" fill="{color}"><title>{label} {val:.3g}</title></circle>'
+            f'<text x="{min(max(px, PAD + 30), W - 40):.1f}" y="{50 - row * 11}" text-anchor="middle" '
+            f'fill="{color}">{label} '
+            f"{val:.2g}</text>"
+        )
     return _svg("".join(parts), title="k2: noise · threshold · measured")
 
 
@@ -190,10 +207,14 @@ def history_svg(points: Sequence[tuple[str, float | None, float | None]]) -> str
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{color}"{dash}/>')
     for i, (date, k, _) in enumerate(points):
         if k is not None:
-            parts.append(f'<circle cx="{x(i):.1f}" cy="{y(k):.1f}" r="3" fill="{_LINE}"><title>{_e(date)}: k2 '
-                         f'{k:.3g}</title></circle>')
-    parts.append(f'<text x="{PAD}" y="{H - 4}">{_e(points[0][0][:10])}</text><text x="{W - 6}" y="{H - 4}" '
-                 f'text-anchor="end">{_e(points[-1][0][:10])}</text>')
+            parts.append(
+                f'<circle cx="{x(i):.1f}" cy="{y(k):.1f}" r="3" fill="{_LINE}"><title>{_e(date)}: k2 '
+                f"{k:.3g}</title></circle>"
+            )
+    parts.append(
+        f'<text x="{PAD}" y="{H - 4}">{_e(points[0][0][:10])}</text><text x="{W - 6}" y="{H - 4}" '
+        f'text-anchor="end">{_e(points[-1][0][:10])}</text>'
+    )
     return _svg("".join(parts), title="k2 per night (threshold dashed)")
 
 
@@ -222,8 +243,24 @@ def _next(v: Mapping[str, Any]) -> str:
 
 
 def _table(verdicts: Sequence[Mapping[str, Any]], absent: Sequence[tuple[Mapping[str, Any], str]] = ()) -> str:
-    head = ("lane", "model", "engine pair", "dtype", "TP", "adapter", "k2", "max |d|", "Δ fidelity", "threshold k2",
-            "threshold", "near-tie", "expected", "verdict", "reasons", "next step")
+    head = (
+        "lane",
+        "model",
+        "engine pair",
+        "dtype",
+        "TP",
+        "adapter",
+        "k2",
+        "max |d|",
+        "Δ fidelity",
+        "threshold k2",
+        "threshold",
+        "near-tie",
+        "expected",
+        "verdict",
+        "reasons",
+        "next step",
+    )
     nums = (6, 7, 8, 9, 11)
     rows = []
     for i, v in enumerate(verdicts):
@@ -233,27 +270,64 @@ def _table(verdicts: Sequence[Mapping[str, Any]], absent: Sequence[tuple[Mapping
         bad = " bad" if cls in ("fail", "xpass") else ""
         what, guess = threshold_text(t)
         step = _next(v) if bad else ""
-        cells = [f'<a href="#lane-{i}">{i}</a>', _e(v["model"]), _e(v["engine_pair"]), _e(v["dtype"]), _e(v["tp"]),
-                 _e(v.get("adapter") or "-"), _fmt(m.get("k2")), _fmt(m.get("max_abs")),
-                 _e(fidelity_text(v.get("delta_fidelity"))), _fmt(t.get("k2")),
-                 f'<span class="{"unmeasured" if guess else ""}">{_e(what)}</span>',
-                 "-" if share is None else f"{share:.1%}", _e(v.get("expected", "PASS")),
-                 f'<span class="st {cls}">{label}</span>', _e("; ".join(v.get("reasons") or [])),
-                 f"<code>{_e(step)}</code>" if step else ""]
-        rows.append(f'<tr class="row {cls}{bad}" data-outcome="{cls}">' + "".join(
-            f'<td class="num">{c}</td>' if j in nums else f"<td>{c}</td>" for j, c in enumerate(cells)) + "</tr>")
+        cells = [
+            f'<a href="#lane-{i}">{i}</a>',
+            _e(v["model"]),
+            _e(v["engine_pair"]),
+            _e(v["dtype"]),
+            _e(v["tp"]),
+            _e(v.get("adapter") or "-"),
+            _fmt(m.get("k2")),
+            _fmt(m.get("max_abs")),
+            _e(fidelity_text(v.get("delta_fidelity"))),
+            _fmt(t.get("k2")),
+            f'<span class="{"unmeasured" if guess else ""}">{_e(what)}</span>',
+            "-" if share is None else f"{share:.1%}",
+            _e(v.get("expected", "PASS")),
+            f'<span class="st {cls}">{label}</span>',
+            _e("; ".join(v.get("reasons") or [])),
+            f"<code>{_e(step)}</code>" if step else "",
+        ]
+        rows.append(
+            f'<tr class="row {cls}{bad}" data-outcome="{cls}">'
+            + "".join(f'<td class="num">{c}</td>' if j in nums else f"<td>{c}</td>" for j, c in enumerate(cells))
+            + "</tr>"
+        )
     for v, seen in absent:  # lanes an earlier night judged and the newest did not: never dropped silently
         cls, label = outcome(v)
-        cells = ["-", _e(v["model"]), _e(v["engine_pair"]), _e(v["dtype"]), _e(v["tp"]), _e(v.get("adapter") or "-"),
-                 _fmt(v["metrics"].get("k2")), _fmt(v["metrics"].get("max_abs")),
-                 _e(fidelity_text(v.get("delta_fidelity"))), _fmt(v["threshold"].get("k2")), "", "-",
-                 _e(v.get("expected", "PASS")), '<span class="st na">absent in newest night</span>',
-                 _e(f"last judged {seen}: {label}; the newest night has no such lane (not run, skipped, or died "
-                    "before its verdict)"), ""]
-        rows.append('<tr class="row absent bad" data-outcome="absent">' + "".join(
-            f'<td class="num">{c}</td>' if j in nums else f"<td>{c}</td>" for j, c in enumerate(cells)) + "</tr>")
-    return ('<table id="verdicts"><thead><tr>' + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr></thead><tbody>"
-            + "".join(rows) + "</tbody></table>")
+        cells = [
+            "-",
+            _e(v["model"]),
+            _e(v["engine_pair"]),
+            _e(v["dtype"]),
+            _e(v["tp"]),
+            _e(v.get("adapter") or "-"),
+            _fmt(v["metrics"].get("k2")),
+            _fmt(v["metrics"].get("max_abs")),
+            _e(fidelity_text(v.get("delta_fidelity"))),
+            _fmt(v["threshold"].get("k2")),
+            "",
+            "-",
+            _e(v.get("expected", "PASS")),
+            '<span class="st na">absent in newest night</span>',
+            _e(
+                f"last judged {seen}: {label}; the newest night has no such lane (not run, skipped, or died "
+                "before its verdict)"
+            ),
+            "",
+        ]
+        rows.append(
+            '<tr class="row absent bad" data-outcome="absent">'
+            + "".join(f'<td class="num">{c}</td>' if j in nums else f"<td>{c}</td>" for j, c in enumerate(cells))
+            + "</tr>"
+        )
+    return (
+        '<table id="verdicts"><thead><tr>'
+        + "".join(f"<th>{_e(h)}</th>" for h in head)
+        + "</tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table>"
+    )
 
 
 def fidelity_text(f: Any) -> str:
@@ -289,8 +363,9 @@ def _history(docs: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[str, flo
     out: dict[str, list] = {}
     for doc in docs:
         for v in doc["verdicts"]:
-            out.setdefault(lane_id(v), []).append((doc.get("created", "?"), _num(v["metrics"].get("k2")),
-                                                   _num(v["threshold"].get("k2"))))
+            out.setdefault(lane_id(v), []).append(
+                (doc.get("created", "?"), _num(v["metrics"].get("k2")), _num(v["threshold"].get("k2")))
+            )
     return out
 
 
@@ -311,15 +386,20 @@ def render(docs: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
     guesses = [v for v in verdicts if threshold_text(v["threshold"])[1]]
     banner = ""
     if guesses:
-        banner += (f'<div class="banner">{len(guesses)} of {len(verdicts)} lanes are judged against an unmeasured '
-                   "default threshold (a guess with no measured noise floor behind it; marked in the threshold "
-                   "column): <code>lpdiff calibrate</code> measures one</div>")
+        banner += (
+            f'<div class="banner">{len(guesses)} of {len(verdicts)} lanes are judged against an unmeasured '
+            "default threshold (a guess with no measured noise floor behind it; marked in the threshold "
+            "column): <code>lpdiff calibrate</code> measures one</div>"
+        )
     if absent:
-        banner += (f'<div class="banner">{len(absent)} lane(s) judged in an earlier night are absent in the newest '
-                   "night: listed at the end of the table</div>")
-    summary = "".join(f'<span><span class="st {cls}">{label}</span> {counts.get(label, 0)}</span>'
-                      for cls, label in (("pass", "PASS"), ("fail", "FAIL"), ("xfail", "expected FAIL"),
-                                         ("xpass", "unexpected PASS")))
+        banner += (
+            f'<div class="banner">{len(absent)} lane(s) judged in an earlier night are absent in the newest '
+            "night: listed at the end of the table</div>"
+        )
+    summary = "".join(
+        f'<span><span class="st {cls}">{label}</span> {counts.get(label, 0)}</span>'
+        for cls, label in (("pass", "PASS"), ("fail", "FAIL"), ("xfail", "expected FAIL"), ("xpass", "unexpected PASS"))
+    )
     if absent:
         summary += f'<span><span class="st na">absent in newest night</span> {len(absent)}</span>'
     lanes = []
@@ -331,22 +411,28 @@ def render(docs: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
         reasons = "".join(f'<div class="reason">{_e(r)}</div>' for r in v.get("reasons") or [])
         bad = " bad" if cls in ("fail", "xpass") else ""
         if bad and _next(v):
-            reasons += f'<div>next step: <code>{_e(_next(v))}</code></div>'
-        lanes.append(f'<div class="lane{bad}" id="lane-{i}"><h3>{i}. {_e(lane_id(v))} <span class="st {cls}">'
-                     f'{label}</span></h3>{reasons}<div class="plots">{"".join(plots)}</div>'
-                     f'{routing_html(v.get("routing"))}</div>')
-    meta = (f"{len(verdicts)} lanes · lpdiff {_e(latest.get('lpdiff_version', '?'))} · created "
-            f"{_e(latest.get('created', '?'))}" + (f" · {len(docs)} runs: k2 over time in each lane" if history else ""))
+            reasons += f"<div>next step: <code>{_e(_next(v))}</code></div>"
+        lanes.append(
+            f'<div class="lane{bad}" id="lane-{i}"><h3>{i}. {_e(lane_id(v))} <span class="st {cls}">'
+            f'{label}</span></h3>{reasons}<div class="plots">{"".join(plots)}</div>'
+            f"{routing_html(v.get('routing'))}</div>"
+        )
+    meta = (
+        f"{len(verdicts)} lanes · lpdiff {_e(latest.get('lpdiff_version', '?'))} · created "
+        f"{_e(latest.get('created', '?'))}" + (f" · {len(docs)} runs: k2 over time in each lane" if history else "")
+    )
     meta += "".join(f"<br>{_e(s)}" for s in sources)
     metamorphic = latest.get("metamorphic") or []
     meta_html = f"<h2>Metamorphic relations</h2>{_metamorphic(metamorphic)}" if metamorphic else ""
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>lpdiff report</title>'
-            f"<style>{CSS}</style><script>{JS}</script></head><body><h1>lpdiff report</h1>"
-            f'<div class="meta">{meta}</div><div class="summary">{summary}</div>'
-            f'<div class="controls"><label><input type="checkbox" id="only-bad" onchange="filt()"> only unexpected '
-            f"outcomes</label></div>{banner}<h2>Verdicts</h2>{_table(verdicts, list(absent.values()))}{meta_html}"
-            "<h2>Lanes</h2>"
-            f'<div class="lanes">{"".join(lanes)}</div></body></html>')
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>lpdiff report</title>'
+        f"<style>{CSS}</style><script>{JS}</script></head><body><h1>lpdiff report</h1>"
+        f'<div class="meta">{meta}</div><div class="summary">{summary}</div>'
+        f'<div class="controls"><label><input type="checkbox" id="only-bad" onchange="filt()"> only unexpected '
+        f"outcomes</label></div>{banner}<h2>Verdicts</h2>{_table(verdicts, list(absent.values()))}{meta_html}"
+        "<h2>Lanes</h2>"
+        f'<div class="lanes">{"".join(lanes)}</div></body></html>'
+    )
 
 
 class ReportInputError(InputError):
@@ -354,14 +440,22 @@ class ReportInputError(InputError):
 
 
 # what a verdict needs to be drawn: field -> the JSON types it may have
-_NEEDS = {"model": (str,), "engine_pair": (str,), "dtype": (str,), "tp": (int, type(None)), "passed": (bool,),
-          "metrics": (dict,), "threshold": (dict,)}
-_WRITERS = ("pass a file written by `lpdiff run --json`, `lpdiff run --case --json` or pytest's --lpdiff-report")
+_NEEDS = {
+    "model": (str,),
+    "engine_pair": (str,),
+    "dtype": (str,),
+    "tp": (int, type(None)),
+    "passed": (bool,),
+    "metrics": (dict,),
+    "threshold": (dict,),
+}
+_WRITERS = "pass a file written by `lpdiff run --json`, `lpdiff run --case --json` or pytest's --lpdiff-report"
 
 
 def _kind(x: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(x), "a number")
+        type(x), "a number"
+    )
 
 
 def _check_verdict(v: Any, i: int, path: Path) -> None:
@@ -369,13 +463,16 @@ def _check_verdict(v: Any, i: int, path: Path) -> None:
         raise ReportInputError(f"{path}: verdict {i} is {_kind(v)}, not a verdict object; {_WRITERS}")
     missing = [k for k in _NEEDS if k not in v]
     wrong = [f"{k} is {_kind(v[k])}" for k, types in _NEEDS.items() if k in v and not isinstance(v[k], types)]
-    wrong += [f"metrics has no {k}" for k in ("k2", "max_abs") if isinstance(v.get("metrics"), dict)
-              and k not in v["metrics"]]
+    wrong += [
+        f"metrics has no {k}" for k in ("k2", "max_abs") if isinstance(v.get("metrics"), dict) and k not in v["metrics"]
+    ]
     wrong += ["threshold has no k2" for _ in [0] if isinstance(v.get("threshold"), dict) and "k2" not in v["threshold"]]
     if missing or wrong:
         what = "; ".join(([f"lacks {', '.join(missing)}"] if missing else []) + wrong)
-        raise ReportInputError(f"{path}: verdict {i} ({v.get('model', '?')} {v.get('engine_pair', '?')} "
-                               f"{v.get('adapter') or ''}) {what}: a partial or hand-edited file? {_WRITERS}")
+        raise ReportInputError(
+            f"{path}: verdict {i} ({v.get('model', '?')} {v.get('engine_pair', '?')} "
+            f"{v.get('adapter') or ''}) {what}: a partial or hand-edited file? {_WRITERS}"
+        )
 
 
 def _case_document(d: dict, path: Path) -> dict:
@@ -384,12 +481,26 @@ def _case_document(d: dict, path: Path) -> dict:
     missing = [k for k in ("case", "model", "engine", "dtype", "tp", "threshold", "metrics", "passed") if k not in d]
     if missing:
         raise ReportInputError(f"{path}: a trainer-case verdict lacking {', '.join(missing)}; {_WRITERS}")
-    v = {"model": d["model"], "engine_pair": f"{d['engine']}:{d['dtype']}-vs-trainer", "dtype": d["dtype"],
-         "tp": d["tp"], "adapter": f"case {d['case']}", "metrics": d["metrics"], "passed": d["passed"],
-         "threshold": {"k2": d["threshold"], "max_abs": None, "delta_fidelity": None, "source": "case",
-                       "noise_k2": d.get("kl_v2_sampler_trainer")},
-         "delta_fidelity": None, "near_tie_share": None, "reasons": [d["reason"]] if d.get("reason") else [],
-         "case": d["case"]}
+    v = {
+        "model": d["model"],
+        "engine_pair": f"{d['engine']}:{d['dtype']}-vs-trainer",
+        "dtype": d["dtype"],
+        "tp": d["tp"],
+        "adapter": f"case {d['case']}",
+        "metrics": d["metrics"],
+        "passed": d["passed"],
+        "threshold": {
+            "k2": d["threshold"],
+            "max_abs": None,
+            "delta_fidelity": None,
+            "source": "case",
+            "noise_k2": d.get("kl_v2_sampler_trainer"),
+        },
+        "delta_fidelity": None,
+        "near_tie_share": None,
+        "reasons": [d["reason"]] if d.get("reason") else [],
+        "case": d["case"],
+    }
     return {"schema_version": SCHEMA_VERSION, "verdicts": [v]}
 
 
@@ -411,23 +522,31 @@ def read_document(path: str | Path) -> dict[str, Any]:
         doc = {"schema_version": 0, "verdicts": doc}
     elif not isinstance(doc, dict) or not isinstance(doc.get("verdicts"), list):
         got = f"an object with keys {sorted(doc)[:6]}" if isinstance(doc, dict) else _kind(doc)
-        raise ReportInputError(f"{path}: not an lpdiff verdict document (a JSON object with a 'verdicts' list); got "
-                               f"{got}; {_WRITERS}")
+        raise ReportInputError(
+            f"{path}: not an lpdiff verdict document (a JSON object with a 'verdicts' list); got {got}; {_WRITERS}"
+        )
     version = doc.get("schema_version", 0)
     if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ReportInputError(f"{path}: schema_version {version!r}; this lpdiff reads up to {SCHEMA_VERSION}: "
-                               "upgrade lpdiff")
+        raise ReportInputError(
+            f"{path}: schema_version {version!r}; this lpdiff reads up to {SCHEMA_VERSION}: upgrade lpdiff"
+        )
     for i, v in enumerate(doc["verdicts"]):
         _check_verdict(v, i, path)
     meta = doc.get("metamorphic") or []
-    if not isinstance(meta, list) or not all(isinstance(r, dict) and isinstance(r.get("results", []), list)
-                                             and all(isinstance(x, dict) and "relation" in x and "verdict" in x
-                                                     for x in r.get("results", [])) for r in meta):
-        raise ReportInputError(f"{path}: 'metamorphic' must be a list of reports whose results each have a "
-                               f"relation and a verdict; {_WRITERS}")
+    if not isinstance(meta, list) or not all(
+        isinstance(r, dict)
+        and isinstance(r.get("results", []), list)
+        and all(isinstance(x, dict) and "relation" in x and "verdict" in x for x in r.get("results", []))
+        for r in meta
+    ):
+        raise ReportInputError(
+            f"{path}: 'metamorphic' must be a list of reports whose results each have a "
+            f"relation and a verdict; {_WRITERS}"
+        )
     if not doc.get("created"):  # the list form and a case verdict carry no stamp: the file's time orders them
         doc["created"] = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc).isoformat(
-            timespec="seconds")
+            timespec="seconds"
+        )
     return doc
 
 

@@ -17,6 +17,7 @@ HF_ENDPOINT, HF_HUB_OFFLINE and HF_HOME / HF_HUB_CACHE are read when a function 
 huggingface_hub was imported (transformers imports it early): the endpoint and cache are passed to every call,
 and the offline flag, which has no parameter, is copied into ``huggingface_hub.constants`` first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -68,8 +69,10 @@ def parse_url(text: str) -> HubRef:
     """``hf://datasets/ORG/NAME[@REV]`` -> HubRef; HubError naming the expected form otherwise."""
     m = _URL.match(text.strip())
     if not m:
-        raise HubError(f"bad baselines URL {text!r}: expected hf://datasets/ORG/NAME or hf://datasets/ORG/NAME@REV "
-                       "(REV a branch, tag or 40-hex commit)")
+        raise HubError(
+            f"bad baselines URL {text!r}: expected hf://datasets/ORG/NAME or hf://datasets/ORG/NAME@REV "
+            "(REV a branch, tag or 40-hex commit)"
+        )
     return HubRef(m.group(1), m.group(2))
 
 
@@ -83,17 +86,23 @@ def read_lock(path: str | Path, repo_id: str | None = None) -> HubRef | None:
     try:
         text = path.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise HubError(f"{path} is not a readable UTF-8 text file ({e}); rewrite it with "
-                       "`lpdiff baselines pull hf://datasets/ORG/NAME@REV`") from None
+        raise HubError(
+            f"{path} is not a readable UTF-8 text file ({e}); rewrite it with "
+            "`lpdiff baselines pull hf://datasets/ORG/NAME@REV`"
+        ) from None
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     ref = parse_url(lines[0]) if len(lines) == 1 and _URL.match(lines[0].strip()) else None
     if ref is None or not ref.revision or not _COMMIT.match(ref.revision):
-        raise HubError(f"{path} must hold one line hf://datasets/ORG/NAME@<40-hex commit>; rewrite it with "
-                       "`lpdiff baselines pull hf://datasets/ORG/NAME@REV`")
+        raise HubError(
+            f"{path} must hold one line hf://datasets/ORG/NAME@<40-hex commit>; rewrite it with "
+            "`lpdiff baselines pull hf://datasets/ORG/NAME@REV`"
+        )
     if repo_id is not None and ref.repo_id != repo_id:
-        raise HubError(f"{path} pins {ref.url}, not hf://datasets/{repo_id}: name the revision "
-                       f"(hf://datasets/{repo_id}@REV), pass --lock another file, or run `lpdiff baselines pull "
-                       f"hf://datasets/{repo_id}` to pin that repo instead")
+        raise HubError(
+            f"{path} pins {ref.url}, not hf://datasets/{repo_id}: name the revision "
+            f"(hf://datasets/{repo_id}@REV), pass --lock another file, or run `lpdiff baselines pull "
+            f"hf://datasets/{repo_id}` to pin that repo instead"
+        )
     return ref
 
 
@@ -101,8 +110,9 @@ def write_lock(path: str | Path, ref: HubRef) -> None:
     assert ref.revision and _COMMIT.match(ref.revision), ref
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per writer: two pushes may end at once
-    tmp.write_text("# Baselines revision used by `lpdiff run` and CI; `lpdiff baselines pull|push` rewrite it.\n"
-                   f"{ref.url}\n")
+    tmp.write_text(
+        f"# Baselines revision used by `lpdiff run` and CI; `lpdiff baselines pull|push` rewrite it.\n{ref.url}\n"
+    )
     tmp.replace(path)
 
 
@@ -121,12 +131,15 @@ class HubEnv:
     def from_environ(cls, env: Mapping[str, str] | None = None) -> HubEnv:
         """The same precedence huggingface_hub.constants applies at its import, applied now."""
         env = os.environ if env is None else env
-        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                                  "huggingface")
+        home = env.get("HF_HOME") or os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+        )
         cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
-        return cls(endpoint=(env.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/"),
-                   offline=_true(env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE")),
-                   cache_dir=Path(os.path.expandvars(os.path.expanduser(cache))))
+        return cls(
+            endpoint=(env.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/"),
+            offline=_true(env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE")),
+            cache_dir=Path(os.path.expandvars(os.path.expanduser(cache))),
+        )
 
 
 def _client(env: HubEnv):
@@ -142,14 +155,19 @@ def _explain(e: Exception, ref: HubRef, env: HubEnv) -> HubError:
 
     where = f"{ref.url} at {env.endpoint}"
     if isinstance(e, errors.RevisionNotFoundError):
-        return HubError(f"{where}: no revision {ref.revision!r}; list the repo's commits on the Hub or fix the "
-                        "revision in --baselines / baselines.lock")
+        return HubError(
+            f"{where}: no revision {ref.revision!r}; list the repo's commits on the Hub or fix the "
+            "revision in --baselines / baselines.lock"
+        )
     if isinstance(e, errors.RepositoryNotFoundError):
-        return HubError(f"{where}: no such dataset repo (or no access: set HF_TOKEN); create it with "
-                        "`lpdiff baselines push`")
+        return HubError(
+            f"{where}: no such dataset repo (or no access: set HF_TOKEN); create it with `lpdiff baselines push`"
+        )
     if env.offline and isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
-        return HubError(f"{where} is not in the HF cache ({env.cache_dir}) and HF_HUB_OFFLINE is set: run "
-                        "`lpdiff baselines pull` once with network access, or unset HF_HUB_OFFLINE")
+        return HubError(
+            f"{where} is not in the HF cache ({env.cache_dir}) and HF_HUB_OFFLINE is set: run "
+            "`lpdiff baselines pull` once with network access, or unset HF_HUB_OFFLINE"
+        )
     return HubError(f"{where}: {type(e).__name__}: {e}")
 
 
@@ -180,16 +198,20 @@ def _verify_snapshot(folder: Path, ref: HubRef) -> None:
         if got != want:
             blob.unlink(missing_ok=True)
             p.unlink(missing_ok=True)
-            raise HubError(f"{rel} pulled from {ref.url} is corrupt: its checksum is {got}, the Hub's is {want}; "
-                           "the bad copy was removed from the HF cache: run `lpdiff baselines pull` again")
+            raise HubError(
+                f"{rel} pulled from {ref.url} is corrupt: its checksum is {got}, the Hub's is {want}; "
+                "the bad copy was removed from the HF cache: run `lpdiff baselines pull` again"
+            )
 
 
 def _remote_checksums(api, ref: HubRef) -> dict[str, str]:
     from huggingface_hub.hf_api import RepoFile
 
-    return {f.path: (f.lfs.sha256 if f.lfs is not None else f.blob_id)
-            for f in api.list_repo_tree(ref.repo_id, recursive=True, revision=ref.revision, repo_type="dataset")
-            if isinstance(f, RepoFile)}
+    return {
+        f.path: (f.lfs.sha256 if f.lfs is not None else f.blob_id)
+        for f in api.list_repo_tree(ref.repo_id, recursive=True, revision=ref.revision, repo_type="dataset")
+        if isinstance(f, RepoFile)
+    }
 
 
 # -- pull -----------------------------------------------------------------------------------------------------
@@ -210,20 +232,30 @@ def _pin(ref: HubRef, lock: str | Path | None, repin: bool = False) -> HubRef:
     return HubRef(ref.repo_id, "main")
 
 
-def pull(source: str | HubRef, *, lock: str | Path | None = LOCK_NAME, update_lock: bool = False,
-         env: HubEnv | None = None) -> Pulled:
+def pull(
+    source: str | HubRef, *, lock: str | Path | None = LOCK_NAME, update_lock: bool = False, env: HubEnv | None = None
+) -> Pulled:
     """Fetch a revision (the given one, else the lock's for that repo, else main) and check every file.
     ``update_lock`` writes the resolved commit to ``lock``."""
     env = env or HubEnv.from_environ()
     ref = _pin(parse_url(source) if isinstance(source, str) else source, lock, repin=update_lock)
     if env.offline and not _COMMIT.match(ref.revision or ""):
-        raise HubError(f"{ref.url}: offline (HF_HUB_OFFLINE) a pull needs a 40-hex commit, not {ref.revision!r}; "
-                       "pin one with `lpdiff baselines pull` online (it writes baselines.lock)")
+        raise HubError(
+            f"{ref.url}: offline (HF_HUB_OFFLINE) a pull needs a 40-hex commit, not {ref.revision!r}; "
+            "pin one with `lpdiff baselines pull` online (it writes baselines.lock)"
+        )
     hf, _ = _client(env)
     try:
-        folder = Path(hf.snapshot_download(ref.repo_id, repo_type="dataset", revision=ref.revision,
-                                           cache_dir=env.cache_dir, endpoint=env.endpoint,
-                                           local_files_only=env.offline))
+        folder = Path(
+            hf.snapshot_download(
+                ref.repo_id,
+                repo_type="dataset",
+                revision=ref.revision,
+                cache_dir=env.cache_dir,
+                endpoint=env.endpoint,
+                local_files_only=env.offline,
+            )
+        )
     except Exception as e:  # every huggingface_hub / httpx failure becomes one message naming the fix
         raise _explain(e, ref, env) from e
     pulled = Pulled(HubRef(ref.repo_id, folder.name), folder)
@@ -247,9 +279,15 @@ def _entry_from_manifest(m: Mapping[str, Any], rel: str) -> dict[str, Any] | Non
     if not isinstance(key, Mapping):
         return None
     prompts = names.get("prompt_set") or meta.get("prompt_set") or str(key.get("prompts", "-"))[:12]
-    return {"model": names.get("model") or meta.get("model"), "adapter": names.get("adapter") or "-",
-            "engine": key.get("engine"), "dtype": key.get("dtype"), "tp": key.get("tp"), "prompt_set": prompts,
-            "file": rel}
+    return {
+        "model": names.get("model") or meta.get("model"),
+        "adapter": names.get("adapter") or "-",
+        "engine": key.get("engine"),
+        "dtype": key.get("dtype"),
+        "tp": key.get("tp"),
+        "prompt_set": prompts,
+        "file": rel,
+    }
 
 
 def _parquet_manifest(path: Path) -> tuple[str, dict | None]:
@@ -286,8 +324,10 @@ def describe(root: str | Path) -> tuple[list[dict[str, Any]], dict[str, list[str
         entry = _entry_from_manifest(manifest, rel) if isinstance(manifest, Mapping) else None
         if entry:
             entries.append(entry)
-    return entries, {f"config_{i}" if i else "default": files for i, files in enumerate(
-        sorted(groups.values(), key=len, reverse=True))}
+    return entries, {
+        f"config_{i}" if i else "default": files
+        for i, files in enumerate(sorted(groups.values(), key=len, reverse=True))
+    }
 
 
 def _table(rows: Iterable[Mapping[str, Any]], fields: tuple[str, ...]) -> str:
@@ -324,11 +364,14 @@ def _card(entries: list[dict[str, Any]], configs: dict[str, list[str]], repo_id:
 
     front: dict[str, Any] = {"pretty_name": f"lpdiff baselines ({repo_id})", "tags": ["lpdiff", "logprobs"]}
     if configs:
-        front["configs"] = [{"config_name": name, "data_files": [{"split": "train", "path": files}]}
-                            for name, files in configs.items()]
-    body = (f"# lpdiff baselines\n\nReference logprob runs for `lpdiff` ({len(entries)} entries). Use them with "
-            f"`lpdiff run --baselines hf://datasets/{repo_id}@<commit>`; `baselines.lock` in the project pins the "
-            "commit.\n\n")
+        front["configs"] = [
+            {"config_name": name, "data_files": [{"split": "train", "path": files}]} for name, files in configs.items()
+        ]
+    body = (
+        f"# lpdiff baselines\n\nReference logprob runs for `lpdiff` ({len(entries)} entries). Use them with "
+        f"`lpdiff run --baselines hf://datasets/{repo_id}@<commit>`; `baselines.lock` in the project pins the "
+        "commit.\n\n"
+    )
     body += _table(sorted(entries, key=lambda e: tuple(str(e.get(f, "-")) for f in ENTRY_FIELDS)), ENTRY_FIELDS) + "\n"
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + body
 
@@ -351,10 +394,13 @@ def _store_index(root: Path) -> dict[str, bytes]:
 
     good, bad = BaselineStore(root).scan()
     if bad:
-        names = "; ".join(f"{e.path} ({e.problem})" for e in bad[:5]) + (f"; and {len(bad) - 5} more"
-                                                                          if len(bad) > 5 else "")
-        raise HubError(f"refusing to push {root}: {len(bad)} file(s) in it are not baselines whose content matches "
-                       f"their key: {names}. Move them out of the store (a push uploads only the store's baselines)")
+        names = "; ".join(f"{e.path} ({e.problem})" for e in bad[:5]) + (
+            f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
+        )
+        raise HubError(
+            f"refusing to push {root}: {len(bad)} file(s) in it are not baselines whose content matches "
+            f"their key: {names}. Move them out of the store (a push uploads only the store's baselines)"
+        )
     out = {}
     for e in good:
         data = read_regular(e.path)
@@ -373,9 +419,17 @@ def _head(api, ref: HubRef) -> str:
     return api.dataset_info(ref.repo_id, revision="main").sha
 
 
-def push(store: str | Path, target: str | HubRef, *, lock: str | Path | None = LOCK_NAME,
-         parent: str | None = None, message: str = "lpdiff: update baselines", env: HubEnv | None = None,
-         delete: bool = False, attempts: int = 5) -> Pushed:
+def push(
+    store: str | Path,
+    target: str | HubRef,
+    *,
+    lock: str | Path | None = LOCK_NAME,
+    parent: str | None = None,
+    message: str = "lpdiff: update baselines",
+    env: HubEnv | None = None,
+    delete: bool = False,
+    attempts: int = 5,
+) -> Pushed:
     """Add the local store's baselines to the branch ``main`` of the target repo, with its card, in one commit.
 
     The base is ``parent`` or the lock's commit for that repo. The commit is made on the branch head with
@@ -403,8 +457,10 @@ def push(store: str | Path, target: str | HubRef, *, lock: str | Path | None = L
             head = _head(api, ref)
             remote = _remote_checksums(api, HubRef(ref.repo_id, head))
             if base is None and set(remote) - _SKIP:
-                raise HubError(f"{ref.url} already holds baselines and no base revision is known: run "
-                               f"`lpdiff baselines pull {ref.url}` (it writes {LOCK_NAME}), then push again")
+                raise HubError(
+                    f"{ref.url} already holds baselines and no base revision is known: run "
+                    f"`lpdiff baselines pull {ref.url}` (it writes {LOCK_NAME}), then push again"
+                )
             at_base = remote if base in (None, head) else _remote_checksums(api, HubRef(ref.repo_id, base))
         except HubError:
             raise
@@ -419,16 +475,20 @@ def push(store: str | Path, target: str | HubRef, *, lock: str | Path | None = L
             ops.append(hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=data))
             added.append(rel)
         if clash:
-            raise HubConflict(f"{ref.url}: {len(clash)} file(s) changed on the Hub since {base[:12]} (the revision "
-                              f"this push is based on) and differ here: {', '.join(clash[:5])}; nothing was "
-                              f"written. Run `lpdiff baselines pull {ref.url}@main`, decide which runs to keep, "
-                              "then push again")
+            raise HubConflict(
+                f"{ref.url}: {len(clash)} file(s) changed on the Hub since {base[:12]} (the revision "
+                f"this push is based on) and differ here: {', '.join(clash[:5])}; nothing was "
+                f"written. Run `lpdiff baselines pull {ref.url}@main`, decide which runs to keep, "
+                "then push again"
+            )
         deleted = sorted(set(remote) - set(local) - _SKIP) if delete else []
         if deleted and base != head:
-            raise HubConflict(f"{ref.url}: --delete would remove {len(deleted)} file(s), but the Hub moved from "
-                              f"{(base or 'nothing')[:12]} (this store's base) to {head[:12]}: they may be another "
-                              f"push's runs. Nothing was written. Run `lpdiff baselines pull {ref.url}@main`, then "
-                              "push again")
+            raise HubConflict(
+                f"{ref.url}: --delete would remove {len(deleted)} file(s), but the Hub moved from "
+                f"{(base or 'nothing')[:12]} (this store's base) to {head[:12]}: they may be another "
+                f"push's runs. Nothing was written. Run `lpdiff baselines pull {ref.url}@main`, then "
+                "push again"
+            )
         ops += [hf.CommitOperationDelete(path_in_repo=rel) for rel in deleted]
         card = dataset_card_files(local, set(remote) - set(deleted) - _SKIP, ref.repo_id).encode()
         if remote.get(CARD) != git_blob_sha1(card):
@@ -437,14 +497,17 @@ def push(store: str | Path, target: str | HubRef, *, lock: str | Path | None = L
             out = Pushed(HubRef(ref.repo_id, head), base=base)
             break
         try:
-            info = api.create_commit(ref.repo_id, ops, commit_message=message, repo_type="dataset",
-                                     revision="main", parent_commit=head)
+            info = api.create_commit(
+                ref.repo_id, ops, commit_message=message, repo_type="dataset", revision="main", parent_commit=head
+            )
         except hf.errors.HfHubHTTPError as e:
             if e.response is not None and e.response.status_code in (409, 412) and attempt + 1 < attempts:
                 continue  # another push landed between our read of the head and this commit: rebase on it
             if e.response is not None and e.response.status_code in (409, 412):
-                raise HubConflict(f"{ref.url}: the branch moved {attempts} times while this push was made; nothing "
-                                  "was written. Push again") from e
+                raise HubConflict(
+                    f"{ref.url}: the branch moved {attempts} times while this push was made; nothing "
+                    "was written. Push again"
+                ) from e
             raise _explain(e, ref, env) from e
         out = Pushed(HubRef(ref.repo_id, info.oid), added, deleted, base)
         break
@@ -496,5 +559,8 @@ def diff(repo: str | HubRef, rev1: str, rev2: str, *, env: HubEnv | None = None)
             grouped.setdefault(_entry_name(rel), set()).add((rel, checksum))
         entries.append(grouped)
     a, b = entries
-    return StoreDiff(added=sorted(set(b) - set(a)), removed=sorted(set(a) - set(b)),
-                     changed=sorted(k for k in set(a) & set(b) if a[k] != b[k]))
+    return StoreDiff(
+        added=sorted(set(b) - set(a)),
+        removed=sorted(set(a) - set(b)),
+        changed=sorted(k for k in set(a) & set(b) if a[k] != b[k]),
+    )

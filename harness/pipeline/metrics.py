@@ -3,6 +3,7 @@
 All arithmetic is float64 whatever the runs store, so the metrics of two fp32 runs that differ in the last bit are
 not themselves rounding noise. Pure numpy: nothing here needs torch or a model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,17 +57,23 @@ def check_same_prompts(*runs: LogprobRun) -> None:
     assert ref.prompts, "a run needs at least one prompt"
     for j, other in enumerate(runs[1:], start=1):
         if len(other.prompts) != len(ref.prompts):
-            raise ValueError(f"runs are over different prompts: run 0 has {len(ref.prompts)} prompts, "
-                             f"run {j} has {len(other.prompts)}")
+            raise ValueError(
+                f"runs are over different prompts: run 0 has {len(ref.prompts)} prompts, "
+                f"run {j} has {len(other.prompts)}"
+            )
         for i, (p, q) in enumerate(zip(ref.prompts, other.prompts)):
             if p.token_ids.shape != q.token_ids.shape:
-                raise ValueError(f"runs are over different prompts: prompt {i} has {p.token_ids.shape[0]} tokens "
-                                 f"in run 0 and {q.token_ids.shape[0]} in run {j}")
+                raise ValueError(
+                    f"runs are over different prompts: prompt {i} has {p.token_ids.shape[0]} tokens "
+                    f"in run 0 and {q.token_ids.shape[0]} in run {j}"
+                )
             diff = np.flatnonzero(p.token_ids != q.token_ids)
             if diff.size:
                 t = int(diff[0])
-                raise ValueError(f"runs are over different prompts: prompt {i} token {t} is {int(p.token_ids[t])} "
-                                 f"in run 0 and {int(q.token_ids[t])} in run {j}")
+                raise ValueError(
+                    f"runs are over different prompts: prompt {i} token {t} is {int(p.token_ids[t])} "
+                    f"in run 0 and {int(q.token_ids[t])} in run {j}"
+                )
 
 
 def topk_kl_per_position(a_ids: np.ndarray, a_lp: np.ndarray, b_ids: np.ndarray, b_lp: np.ndarray) -> np.ndarray:
@@ -105,11 +112,12 @@ def full_vocab_kl(a_rows: np.ndarray, b_rows: np.ndarray, chunk: int = 1024) -> 
     Chunked over N so a 32k x 150k pair never needs a float64 copy of the whole thing."""
     a_rows, b_rows = np.asarray(a_rows), np.asarray(b_rows)
     if a_rows.shape != b_rows.shape or a_rows.ndim != 2:
-        raise ValueError(f"full-vocab KL needs two (N, V) logprob arrays of one shape, got {a_rows.shape} and "
-                         f"{b_rows.shape}")
+        raise ValueError(
+            f"full-vocab KL needs two (N, V) logprob arrays of one shape, got {a_rows.shape} and {b_rows.shape}"
+        )
     total = 0.0
     for s in range(0, a_rows.shape[0], chunk):
-        la, lb = a_rows[s:s + chunk].astype(np.float64), b_rows[s:s + chunk].astype(np.float64)
+        la, lb = a_rows[s : s + chunk].astype(np.float64), b_rows[s : s + chunk].astype(np.float64)
         total += float(np.where(np.isneginf(lb), 0.0, np.exp(lb) * (lb - la)).sum())
     return total / a_rows.shape[0]
 
@@ -127,8 +135,7 @@ def near_tie_mask(run: LogprobRun, eps: float) -> np.ndarray | None:
     if any(p.router_margin is None for p in run.prompts):
         return None
     # position i sees tokens 0..i, so the running minimum over the first n-1 tokens decides it
-    return np.concatenate([np.minimum.accumulate(p.router_margin.astype(np.float64))[:-1] < eps
-                           for p in run.prompts])
+    return np.concatenate([np.minimum.accumulate(p.router_margin.astype(np.float64))[:-1] < eps for p in run.prompts])
 
 
 def nonfinite_at(a_rows: Sequence[np.ndarray], b_rows: Sequence[np.ndarray]) -> tuple[int, list | None]:
@@ -148,8 +155,14 @@ def nonfinite_at(a_rows: Sequence[np.ndarray], b_rows: Sequence[np.ndarray]) -> 
     return count, first
 
 
-def nonfinite_reason(count: int, total: int, first: Sequence | None, lane: str | None = None,
-                     row: str = "prompt", position: str = "position") -> str:
+def nonfinite_reason(
+    count: int,
+    total: int,
+    first: Sequence | None,
+    lane: str | None = None,
+    row: str = "prompt",
+    position: str = "position",
+) -> str:
     """The FAIL reason for ``count`` non-finite logprobs of ``total`` positions: the lane, and the row (prompt or
     sequence) and position of the first, with the side that produced it. ``position`` i of a prompt is the logprob
     of its token i + 1 (PromptLogprobs)."""
@@ -165,8 +178,21 @@ def _aggregate(d: np.ndarray, nonfinite: np.ndarray, kl: np.ndarray | None, top1
     n = d.shape[0]
     if n == 0:
         nan = float("nan")
-        return Metrics(0, nan, nan, nan, nan, nan, nan, nan, nan, nan, 0,
-                       None if kl is None else nan, None if top1 is None else nan)
+        return Metrics(
+            0,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            0,
+            None if kl is None else nan,
+            None if top1 is None else nan,
+        )
     ad = np.abs(d)
     dc = np.clip(d, -K3_CLAMP, K3_CLAMP)
     return Metrics(
@@ -186,8 +212,12 @@ def _aggregate(d: np.ndarray, nonfinite: np.ndarray, kl: np.ndarray | None, top1
     )
 
 
-def compare(a: LogprobRun, b: LogprobRun, near_tie_eps: float = NEAR_TIE_EPS["float32"],
-            full_rows: tuple[np.ndarray, np.ndarray] | None = None) -> Metrics:
+def compare(
+    a: LogprobRun,
+    b: LogprobRun,
+    near_tie_eps: float = NEAR_TIE_EPS["float32"],
+    full_rows: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Metrics:
     """Metrics of run a (engine under test) against run b (reference) over the same prompts.
 
     Top-k KL and top-1 agreement need top-k in both runs. ``full_rows`` = (a_rows, b_rows), full (N, V) logprob
@@ -201,8 +231,9 @@ def compare(a: LogprobRun, b: LogprobRun, near_tie_eps: float = NEAR_TIE_EPS["fl
     kl = top1 = None
     if all(p.topk_ids is not None for p in a.prompts + b.prompts):
         a_ids, b_ids = (np.concatenate([p.topk_ids for p in r.prompts]) for r in (a, b))
-        kl = topk_kl_per_position(a_ids, _flat(a, "topk_logprobs").reshape(a_ids.shape), b_ids,
-                                  _flat(b, "topk_logprobs").reshape(b_ids.shape))
+        kl = topk_kl_per_position(
+            a_ids, _flat(a, "topk_logprobs").reshape(a_ids.shape), b_ids, _flat(b, "topk_logprobs").reshape(b_ids.shape)
+        )
         top1 = a_ids[:, 0] == b_ids[:, 0]
     out = _aggregate(d, nonfinite, kl, top1)
     if out.num_nonfinite:
@@ -216,8 +247,9 @@ def compare(a: LogprobRun, b: LogprobRun, near_tie_eps: float = NEAR_TIE_EPS["fl
         flagged = np.logical_or.reduce(masks)
         keep = ~flagged
         out.near_tie_share = float(np.mean(flagged))
-        out.clean = _aggregate(d[keep], nonfinite[keep], None if kl is None else kl[keep],
-                               None if top1 is None else top1[keep])
+        out.clean = _aggregate(
+            d[keep], nonfinite[keep], None if kl is None else kl[keep], None if top1 is None else top1[keep]
+        )
     return out
 
 
@@ -225,8 +257,9 @@ DETAIL_MAX_POSITIONS = 2000  # positions per lane kept in verdict JSON for repor
 DETAIL_BINS = 40
 
 
-def position_detail(a: LogprobRun, b: LogprobRun, near_tie_eps: float,
-                    max_positions: int = DETAIL_MAX_POSITIONS) -> dict:
+def position_detail(
+    a: LogprobRun, b: LogprobRun, near_tie_eps: float, max_positions: int = DETAIL_MAX_POSITIONS
+) -> dict:
     """What a report draws for one lane: d = a - b along each prompt's positions (4 significant digits) and the
     positions at or after a router near-tie, for prompts in order until ``max_positions`` are listed, plus a
     histogram of d over every finite position (so the histogram is never truncated). ``near_tie_eps`` as given to
@@ -242,13 +275,21 @@ def position_detail(a: LogprobRun, b: LogprobRun, near_tie_eps: float,
         if take <= 0:
             break
         seg = slice(start, start + take)
-        prompts.append({"prompt": i, "d": [float(f"{x:.4g}") for x in d[seg]],
-                        "near_tie": None if flagged is None else np.flatnonzero(flagged[seg]).tolist()})
+        prompts.append(
+            {
+                "prompt": i,
+                "d": [float(f"{x:.4g}") for x in d[seg]],
+                "near_tie": None if flagged is None else np.flatnonzero(flagged[seg]).tolist(),
+            }
+        )
         start += n
     finite = d[np.isfinite(d)]
     counts, edges = np.histogram(finite, bins=DETAIL_BINS) if finite.size else (np.zeros(0), np.zeros(0))
-    return {"num_positions": int(d.size), "prompts": prompts,
-            "hist": {"edges": [float(f"{x:.4g}") for x in edges], "counts": counts.astype(int).tolist()}}
+    return {
+        "num_positions": int(d.size),
+        "prompts": prompts,
+        "hist": {"edges": [float(f"{x:.4g}") for x in edges], "counts": counts.astype(int).tolist()},
+    }
 
 
 def delta_fidelity(a_lora: LogprobRun, a_base: LogprobRun, b_lora: LogprobRun, b_base: LogprobRun) -> float:
@@ -259,21 +300,27 @@ def delta_fidelity(a_lora: LogprobRun, a_base: LogprobRun, b_lora: LogprobRun, b
     db = _flat(b_lora, "logprobs") - _flat(b_base, "logprobs")
     ref = float(np.linalg.norm(db))
     if ref == 0.0:
-        raise ValueError("the reference adapter does not change any logprob (||Δb|| = 0), so delta fidelity is "
-                         "undefined: its LoRA-B is probably all zeros (PEFT's default init); build the adapter "
-                         "with init_lora_weights=False and a seed, or fill B")
+        raise ValueError(
+            "the reference adapter does not change any logprob (||Δb|| = 0), so delta fidelity is "
+            "undefined: its LoRA-B is probably all zeros (PEFT's default init); build the adapter "
+            "with init_lora_weights=False and a seed, or fill B"
+        )
     return float(np.linalg.norm(da - db)) / ref
 
 
-def delta_fidelity_by_group(groups: Mapping[str, tuple[LogprobRun, LogprobRun]], a_base: LogprobRun,
-                            b_base: LogprobRun) -> dict[str, float]:
+def delta_fidelity_by_group(
+    groups: Mapping[str, tuple[LogprobRun, LogprobRun]], a_base: LogprobRun, b_base: LogprobRun
+) -> dict[str, float]:
     """Delta fidelity per module group (e.g. "attention", "experts", "shared_expert"): each group maps to
     (a_lora, b_lora) runs of an adapter restricted to that group; the base runs are shared. Names the broken part."""
     return {name: delta_fidelity(a_lora, a_base, b_lora, b_base) for name, (a_lora, b_lora) in groups.items()}
 
 
-def lane_fidelity(runs: Mapping[str | None, LogprobRun], refs: Mapping[str | None, LogprobRun],
-                  lane_groups: Mapping[str, Sequence[str]]) -> dict[str, float | dict[str, float]]:
+def lane_fidelity(
+    runs: Mapping[str | None, LogprobRun],
+    refs: Mapping[str | None, LogprobRun],
+    lane_groups: Mapping[str, Sequence[str]],
+) -> dict[str, float | dict[str, float]]:
     """Delta fidelity of every adapter lane of one run (None = the base lane), by module group where the batch
     allows it: a lane whose adapter touches one group is reported as {group: fidelity}; a lane touching several
     gets {"adapter": its own, group: the worst single-group lane of that group, ...} for each of its groups that
@@ -292,7 +339,10 @@ def lane_fidelity(runs: Mapping[str | None, LogprobRun], refs: Mapping[str | Non
         if len(groups) == 1:
             out[lane] = {groups[0]: own}
             continue
-        split = {g: max(delta_fidelity_by_group({s: (runs[s], refs[s]) for s in single[g]}, runs[None],
-                                                refs[None]).values()) for g in groups if g in single}
+        split = {
+            g: max(delta_fidelity_by_group({s: (runs[s], refs[s]) for s in single[g]}, runs[None], refs[None]).values())
+            for g in groups
+            if g in single
+        }
         out[lane] = {"adapter": own, **split} if split else own
     return out

@@ -1,5 +1,6 @@
 """Noise: the worst k2, max |Δ| and LoRA-delta fidelity seen between runs that are all correct (two correct
 implementations, bf16 against fp32, an engine against its own rerun). Thresholds are a factor times this."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,14 +54,21 @@ class Noise:
         return f"k2 {self.k2:.3g}, max {self.max_abs:.3g}, fidelity {self.fidelity:.3g}"
 
 
-def pair_noise(a: Lanes, b: Lanes, lanes: Iterable[str | None] | None = None, *, dtypes: Sequence[str] = (),
-               clean_only: bool = False, into: Noise | None = None) -> Noise:
+def pair_noise(
+    a: Lanes,
+    b: Lanes,
+    lanes: Iterable[str | None] | None = None,
+    *,
+    dtypes: Sequence[str] = (),
+    clean_only: bool = False,
+    into: Noise | None = None,
+) -> Noise:
     """Noise between runs ``a`` and ``b`` of two correct implementations over the base and each adapter lane.
     ``clean_only``: measure on positions before any router near-tie (for verdicts that judge those apart); the
     near-tie margin comes from ``dtypes`` (the coarsest decides)."""
     noise = into if into is not None else Noise()
     eps = near_tie_eps(*dtypes) if dtypes else near_tie_eps("float32")
-    for lane in (a if lanes is None else lanes):
+    for lane in a if lanes is None else lanes:
         m = compare(a[lane], b[lane], near_tie_eps=eps)
         if clean_only and m.clean is not None:
             m = m.clean
@@ -99,13 +107,15 @@ def fp32_rounding_floor(runs: Lanes, layers: int) -> Noise:
     what two correct engines showed."""
     import numpy as np
 
-    lp = np.concatenate([np.asarray(p.logprobs, dtype=np.float32).ravel()
-                         for run in runs.values() for p in run.prompts] or [np.zeros(0, np.float32)])
+    lp = np.concatenate(
+        [np.asarray(p.logprobs, dtype=np.float32).ravel() for run in runs.values() for p in run.prompts]
+        or [np.zeros(0, np.float32)]
+    )
     ulp = np.spacing(np.abs(lp[np.isfinite(lp)])).astype(np.float64)
     if ulp.size == 0:
         return Noise()
-    rms = float(np.sqrt((max(layers, 1) + 1) * np.mean(ulp ** 2)))
-    return Noise(k2=0.5 * rms ** 2, max_abs=4 * rms, positions=int(ulp.size))
+    rms = float(np.sqrt((max(layers, 1) + 1) * np.mean(ulp**2)))
+    return Noise(k2=0.5 * rms**2, max_abs=4 * rms, positions=int(ulp.size))
 
 
 def threshold_from(noise: Noise, factor: float, note: str, fidelity: bool = True, floor: Noise | None = None):
@@ -119,6 +129,12 @@ def threshold_from(noise: Noise, factor: float, note: str, fidelity: bool = True
     k2_floor, max_floor = (max(floor.k2, 1e-14), max(floor.max_abs, 1e-6)) if floor is not None else (1e-14, 1e-6)
     if noise.k2 < k2_floor or noise.max_abs < max_floor:
         note += f"; floored at fp32 rounding (k2 {k2_floor:.3g}, max |Δ| {max_floor:.3g})"
-    return from_noise(max(noise.k2, k2_floor), max(noise.max_abs, max_floor), factor,
-                      noise_delta_fidelity=max(noise.fidelity, 1e-6) if fidelity else None,
-                      gpu=device_name(), commit=git_commit(), note=note)
+    return from_noise(
+        max(noise.k2, k2_floor),
+        max(noise.max_abs, max_floor),
+        factor,
+        noise_delta_fidelity=max(noise.fidelity, 1e-6) if fidelity else None,
+        gpu=device_name(),
+        commit=git_commit(),
+        note=note,
+    )

@@ -1,4 +1,5 @@
 """Where a number came from: the commit and the device, stamped on thresholds, CSV rows and run metadata."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,9 @@ def git_commit() -> str:
     if os.environ.get("LPDIFF_COMMIT"):
         return os.environ["LPDIFF_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

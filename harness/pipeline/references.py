@@ -4,6 +4,7 @@ policy allows it (lm-evaluation-harness's CachingLM, for logprob runs).
 Policies: ``stored`` (run / compare: a missing baseline is an error naming the regen command), ``regen``
 (recompute and overwrite, nothing else touched), ``cache`` (check, calibrate: compute what is missing and keep it).
 """
+
 from __future__ import annotations
 
 import os
@@ -60,15 +61,28 @@ class References:
 
     def runs(self, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]]) -> Lanes:
         """Base + one run per adapter (reference engines run at TP 1: the reference does not shard)."""
-        keys = {a: baseline_key(spec, adapters.get(a) if a else None, prompts, self.dtype, 1, self.engine,
-                                self.top_k, extra=self.options or None, prompt_set=self.prompt_set,
-                                regen_command=self.regen_command)
-                for a in [None, *adapters]}
+        keys = {
+            a: baseline_key(
+                spec,
+                adapters.get(a) if a else None,
+                prompts,
+                self.dtype,
+                1,
+                self.engine,
+                self.top_k,
+                extra=self.options or None,
+                prompt_set=self.prompt_set,
+                regen_command=self.regen_command,
+            )
+            for a in [None, *adapters]
+        }
         if self.policy != "regen":
             try:
                 runs = {a: self.store.get(k) for a, k in keys.items()}
-                self.log(f"{self.engine}:{self.dtype}{self.options or ''} reference runs of {spec.name} from "
-                         f"{self.store.root}")
+                self.log(
+                    f"{self.engine}:{self.dtype}{self.options or ''} reference runs of {spec.name} from "
+                    f"{self.store.root}"
+                )
                 return runs
             except BaselineError:  # missing, stale or corrupt: only the cache may compute it afresh
                 if self.policy == "stored":
@@ -91,6 +105,8 @@ class References:
         for i, group in enumerate(groups):
             sess = run_session(self.engine, spec, group, prompts, self.dtype, 1, self.top_k, self.options)
             runs.update({a: r for a, r in sess.first.items() if a is not None or i == 0})
-        self.log(f"{self.engine}:{self.dtype}{self.options or ''} reference runs of {spec.name} computed in "
-                 f"{time.perf_counter() - t0:.1f}s")
+        self.log(
+            f"{self.engine}:{self.dtype}{self.options or ''} reference runs of {spec.name} computed in "
+            f"{time.perf_counter() - t0:.1f}s"
+        )
         return runs

@@ -1,5 +1,6 @@
 """The one writer of each output form: text tables (tabulate), CSV rows (appended, header once) and JSON files.
 Commands build rows; nothing else formats them."""
+
 from __future__ import annotations
 
 import csv
@@ -12,8 +13,22 @@ from tabulate import tabulate
 
 from lpdiff.harness.pipeline.verdict import Verdict
 
-VERDICT_HEADERS = ("model", "engine pair", "dtype", "TP", "adapter", "k2", "max |Δ|", "Δ fidelity", "near-tie",
-                   "threshold", "expected", "verdict", "reason", "next step")
+VERDICT_HEADERS = (
+    "model",
+    "engine pair",
+    "dtype",
+    "TP",
+    "adapter",
+    "k2",
+    "max |Δ|",
+    "Δ fidelity",
+    "near-tie",
+    "threshold",
+    "expected",
+    "verdict",
+    "reason",
+    "next step",
+)
 # The default table fits ~120 columns (a default run's rows are ~95 wide): columns every row shares (engine pair,
 # dtype, expected outcome) go to one line above it, reasons and next steps to lines below it; ``wide`` (or the JSON
 # of --json) keeps everything in the rows.
@@ -26,8 +41,12 @@ _MATCH = {"exact": "", "other-tp": "~tp", "default": "~dflt"}
 
 def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
     """A plain-text table for terminals and PR descriptions."""
-    return tabulate([[("-" if c is None else c) for c in r] for r in rows], headers=list(headers),
-                    tablefmt="simple", disable_numparse=True)
+    return tabulate(
+        [[("-" if c is None else c) for c in r] for r in rows],
+        headers=list(headers),
+        tablefmt="simple",
+        disable_numparse=True,
+    )
 
 
 def _g(x: float | None) -> str:
@@ -51,17 +70,31 @@ def outcome(v: Verdict) -> str:
 
 
 def threshold_cell(v: Verdict) -> str:
-    """"meas" / "unmeas", with "~tp" or "~dflt" when the lookup fell back to another TP's or the dtype's default."""
+    """ "meas" / "unmeas", with "~tp" or "~dflt" when the lookup fell back to another TP's or the dtype's default."""
     t = v.threshold
     return _SOURCE.get(t.source, t.source) + _MATCH.get(t.match, f"~{t.match}")
 
 
 def verdict_rows(verdicts: Sequence[Verdict]) -> list[list[str]]:
-    return [[v.model, v.engine_pair, v.dtype, str(v.tp), v.adapter or "-", _g(v.metrics.k2), _g(v.metrics.max_abs),
-             fidelity_cell(v.delta_fidelity), "-" if v.near_tie_share is None else f"{v.near_tie_share:.1%}",
-             v.threshold.provenance, getattr(v, "expected", None) or "PASS", outcome(v), "; ".join(v.reasons),
-             getattr(v, "next_step", "") or "-"]
-            for v in verdicts]
+    return [
+        [
+            v.model,
+            v.engine_pair,
+            v.dtype,
+            str(v.tp),
+            v.adapter or "-",
+            _g(v.metrics.k2),
+            _g(v.metrics.max_abs),
+            fidelity_cell(v.delta_fidelity),
+            "-" if v.near_tie_share is None else f"{v.near_tie_share:.1%}",
+            v.threshold.provenance,
+            getattr(v, "expected", None) or "PASS",
+            outcome(v),
+            "; ".join(v.reasons),
+            getattr(v, "next_step", "") or "-",
+        ]
+        for v in verdicts
+    ]
 
 
 def _github(rows: list[list[Any]], headers: list[str]) -> tuple[list[list[str]], list[str]]:
@@ -87,8 +120,19 @@ def verdict_table(verdicts: Sequence[Verdict], fmt: str = "simple", wide: bool =
         headers.insert(len(headers) - 1, "expect")
     rows = []
     for v, r in zip(verdicts, full):
-        cells = {"model": r[0], "engine": r[1], "TP": r[3], "adapter": r[4], "k2": r[5], "max |Δ|": r[6],
-                 "Δ fid": r[7], "tie": r[8], "thr": threshold_cell(v), "expect": r[10], "verdict": r[11]}
+        cells = {
+            "model": r[0],
+            "engine": r[1],
+            "TP": r[3],
+            "adapter": r[4],
+            "k2": r[5],
+            "max |Δ|": r[6],
+            "Δ fid": r[7],
+            "tie": r[8],
+            "thr": threshold_cell(v),
+            "expect": r[10],
+            "verdict": r[11],
+        }
         rows.append([cells[h] for h in headers])
     if fmt == "github":
         rows, headers = _github(rows, headers)
@@ -104,14 +148,19 @@ def _below(verdicts: Sequence[Verdict], fmt: str) -> list[str]:
 
     out, steps = [], []
     if any(v.threshold.source != "measured" for v in verdicts):
-        out += textwrap.wrap("thr: unmeas = an unmeasured default threshold (no noise floor behind it; `lpdiff "
-                             "calibrate` measures one); ~tp / ~dflt: another TP's entry / the dtype's default", WIDTH,
-                             subsequent_indent="    ", break_on_hyphens=False)
+        out += textwrap.wrap(
+            "thr: unmeas = an unmeasured default threshold (no noise floor behind it; `lpdiff "
+            "calibrate` measures one); ~tp / ~dflt: another TP's entry / the dtype's default",
+            WIDTH,
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+        )
     for v in verdicts:
         if outcome(v).endswith("(unexpected)"):
             head = f"{outcome(v)} {v.model} tp={v.tp} {v.adapter or '-'}: "
-            out += textwrap.wrap(head + ("; ".join(v.reasons) or "it passed"), WIDTH, subsequent_indent="    ",
-                                 break_on_hyphens=False)
+            out += textwrap.wrap(
+                head + ("; ".join(v.reasons) or "it passed"), WIDTH, subsequent_indent="    ", break_on_hyphens=False
+            )
             if getattr(v, "next_step", "") and v.next_step not in steps:
                 steps.append(v.next_step)
     out += [f"next step: {s}" for s in steps]

@@ -11,6 +11,7 @@ these estimate KL(rollout || train)):
 beside lpdiff's own k2 (mean r^2 / 2), max |d| and mean |d| (d = a - b). A non-finite logprob on either side is
 counted (``num_nonfinite``) and left out of the other aggregates.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,9 +68,16 @@ def decode_metrics(engine: Sequence[np.ndarray], reference: Sequence[np.ndarray]
         return DecodeMetrics(0, len(engine), nan, nan, nan, nan, nan, nan, nan, nan, bad, first)
     ratio = np.exp(np.clip(r, -K3_CLAMP, K3_CLAMP))
     return DecodeMetrics(
-        num_tokens=int(r.size), num_sequences=len(engine),
-        k1=float(np.mean(-r)), k3=float(token_k3(r).mean()),
-        seq_k3_mean=float(np.mean(per_seq)), seq_k3_max=float(np.max(per_seq)),
+        num_tokens=int(r.size),
+        num_sequences=len(engine),
+        k1=float(np.mean(-r)),
+        k3=float(token_k3(r).mean()),
+        seq_k3_mean=float(np.mean(per_seq)),
+        seq_k3_max=float(np.max(per_seq)),
         outside_band=float(np.mean((ratio < BAND[0]) | (ratio > BAND[1]))),
-        k2=float(0.5 * np.mean(r * r)), max_abs=float(np.max(np.abs(r))), mean_abs=float(np.mean(np.abs(r))),
-        num_nonfinite=bad, first_nonfinite=first)
+        k2=float(0.5 * np.mean(r * r)),
+        max_abs=float(np.max(np.abs(r))),
+        mean_abs=float(np.mean(np.abs(r))),
+        num_nonfinite=bad,
+        first_nonfinite=first,
+    )

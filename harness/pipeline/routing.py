@@ -31,6 +31,7 @@ Parts and the fault's name:
                 An attention or embedding fault that moves the first router's input beyond rounding reads as a
                 router fault here; the routing-replay comparison (harness/commands/replay.py) tells them apart.
 """
+
 from __future__ import annotations
 
 import html
@@ -42,7 +43,7 @@ from lpdiff.harness.pipeline.metrics import near_tie_eps
 from lpdiff.harness.types import LogprobRun
 
 ROUTER_FAULT_FACTOR = 10.0  # a flip or weight error this many times the rounding margin is not rounding
-SPACING = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}  # relative spacing at 1.0
+SPACING = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}  # relative spacing at 1.0
 MAX_LISTED_FLIPS = 200  # first-order flips listed per lane for reports
 
 
@@ -63,8 +64,15 @@ def _weight_error(a_ids, a_w, b_ids, b_w) -> np.ndarray:
     return np.abs(wa - wb).max(-1) / np.maximum(np.abs(wb).sum(-1), 1e-30)
 
 
-def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=None, flip_limit: float | None = None,
-              weight_limit: float | None = None, kernel_fail: bool | None = None) -> dict[str, Any] | None:
+def attribute(
+    a: LogprobRun,
+    b: LogprobRun,
+    dtypes: Sequence[str],
+    threshold=None,
+    flip_limit: float | None = None,
+    weight_limit: float | None = None,
+    kernel_fail: bool | None = None,
+) -> dict[str, Any] | None:
     """The routing part of a verdict of ``a`` against reference ``b`` (module docstring), or None when either run
     lacks expert ids. ``dtypes``: the two runs' dtypes (the coarsest sets the rounding); ``threshold``: the
     verdict's (k2, max_abs) for the kernel part (None: not judged); ``kernel_fail``: the kernel part as the caller
@@ -76,8 +84,9 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
     weight_limit = ROUTER_FAULT_FACTOR * max(SPACING[d] for d in dtypes) if weight_limit is None else weight_limit
     shapes = {(p.routed_experts.shape[1:], q.routed_experts.shape[1:]) for p, q in zip(a.prompts, b.prompts)}
     if any(x != y for x, y in shapes):
-        raise ValueError(f"the runs route over different (MoE layers, top_k): {min(shapes)}; were they made "
-                         "on the same model?")
+        raise ValueError(
+            f"the runs route over different (MoE layers, top_k): {min(shapes)}; were they made on the same model?"
+        )
     L, K = a.prompts[0].routed_experts.shape[1:]
     agree_all, clean_pos, d_all, flips = [], [], [], []
     layer_flips = np.zeros(L, dtype=np.int64)
@@ -97,8 +106,9 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
             flips.append((pi, int(t), int(layer), float(margins[t, layer])))
         if p.routed_weights is not None and q.routed_weights is not None:
             ok = agree[:, 0]
-            err = _weight_error(p.routed_experts[:n, 0], p.routed_weights[:n, 0], q.routed_experts[:n, 0],
-                                q.routed_weights[:n, 0])
+            err = _weight_error(
+                p.routed_experts[:n, 0], p.routed_weights[:n, 0], q.routed_experts[:n, 0], q.routed_weights[:n, 0]
+            )
             first_weight_err.append(err[ok])
     agree = np.concatenate(agree_all)
     clean = np.concatenate(clean_pos)
@@ -114,20 +124,28 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
     kernel_given = kernel_fail is not None
     if threshold is not None and dc.size and not kernel_given:
         kernel_fail = not (clean_k2 <= threshold.k2 and clean_max <= threshold.max_abs)
-    fault = "router fault" if router_first else "kernel fault" if kernel_fail else \
-        "router fault" if router_fail else None
+    fault = (
+        "router fault" if router_first else "kernel fault" if kernel_fail else "router fault" if router_fail else None
+    )
     router_part = "FAIL" if fault == "router fault" else "after kernel error" if router_fail else "PASS"
     out = {
-        "layers": int(L), "top_k": int(K), "tokens": int(agree.shape[0]),
+        "layers": int(L),
+        "top_k": int(K),
+        "tokens": int(agree.shape[0]),
         "token_agreement": float(agree.all(1).mean()) if agree.size else 1.0,
         "per_layer_agreement": [float(x) for x in agree.mean(0)] if agree.size else [1.0] * L,
         "flips_per_layer": layer_flips.tolist(),
-        "clean_share": float(clean.mean()) if clean.size else 1.0, "clean_positions": int(clean.sum()),
-        "clean_k2": clean_k2, "clean_max_abs": clean_max,
-        "first_order_flips": len(flips), "flips_above_rounding": len(above),
+        "clean_share": float(clean.mean()) if clean.size else 1.0,
+        "clean_positions": int(clean.sum()),
+        "clean_k2": clean_k2,
+        "clean_max_abs": clean_max,
+        "first_order_flips": len(flips),
+        "flips_above_rounding": len(above),
         "max_flip_margin": float(np.nanmax(margins)) if margins.size and np.isfinite(margins).any() else None,
-        "rounding_eps": eps, "flip_limit": flip_limit,
-        "first_layer_weight_error": werr, "weight_limit": weight_limit,
+        "rounding_eps": eps,
+        "flip_limit": flip_limit,
+        "first_layer_weight_error": werr,
+        "weight_limit": weight_limit,
         "kernel_part": "n/a" if kernel_fail is None else "FAIL" if kernel_fail else "PASS",
         "kernel_judged_on": "routing replay" if kernel_given else "routing-clean positions",
         "router_part": router_part,
@@ -140,19 +158,31 @@ def attribute(a: LogprobRun, b: LogprobRun, dtypes: Sequence[str], threshold=Non
 
 def summary(r: dict[str, Any]) -> str:
     """One line: agreement and both parts (the fault's name is r["fault"])."""
-    kern = "not judged" if r["kernel_part"] == "n/a" else f"{r['kernel_part']} (routing replay)" \
-        if r.get("kernel_judged_on") == "routing replay" else (
-        f"{r['kernel_part']} (k2 {r['clean_k2']:.3g}, max |Δ| {r['clean_max_abs']:.3g} over {r['clean_positions']} "
-        f"routing-clean positions)" if r["clean_positions"] else "no routing-clean positions")
-    flips = (f"{r['first_order_flips']} first-order flips, {r['flips_above_rounding']} above the "
-             f"{r['flip_limit']:.3g} rounding limit")
+    kern = (
+        "not judged"
+        if r["kernel_part"] == "n/a"
+        else f"{r['kernel_part']} (routing replay)"
+        if r.get("kernel_judged_on") == "routing replay"
+        else (
+            f"{r['kernel_part']} (k2 {r['clean_k2']:.3g}, max |Δ| {r['clean_max_abs']:.3g} over {r['clean_positions']} "
+            f"routing-clean positions)"
+            if r["clean_positions"]
+            else "no routing-clean positions"
+        )
+    )
+    flips = (
+        f"{r['first_order_flips']} first-order flips, {r['flips_above_rounding']} above the "
+        f"{r['flip_limit']:.3g} rounding limit"
+    )
     if r["max_flip_margin"] is not None:
         flips += f" (largest reference margin {r['max_flip_margin']:.3g})"
     if r["first_layer_weight_error"] is not None:
         flips += f", first-layer weight error {r['first_layer_weight_error']:.3g} (limit {r['weight_limit']:.3g})"
-    return (f"routing: {r['token_agreement']:.1%} of tokens routed as the reference at every layer, "
-            f"{r['clean_share']:.1%} of positions routing-clean; kernel part {kern}; router part {r['router_part']}: "
-            f"{flips}")
+    return (
+        f"routing: {r['token_agreement']:.1%} of tokens routed as the reference at every layer, "
+        f"{r['clean_share']:.1%} of positions routing-clean; kernel part {kern}; router part {r['router_part']}: "
+        f"{flips}"
+    )
 
 
 def apply(verdict, routing: dict[str, Any] | None) -> None:
@@ -164,10 +194,15 @@ def apply(verdict, routing: dict[str, Any] | None) -> None:
     verdict.notes.append(routing["summary"] + (f"; {routing['fault']}" if routing["fault"] else ""))
     if routing["router_part"] == "FAIL":
         verdict.passed = False
-        verdict.reasons.append(f"routing: {routing['flips_above_rounding']} first-order expert flips above the "
-                               f"rounding limit {routing['flip_limit']:.3g}"
-                               + (f" / first-layer weight error {routing['first_layer_weight_error']:.3g}"
-                                  if routing["first_layer_weight_error"] is not None else ""))
+        verdict.reasons.append(
+            f"routing: {routing['flips_above_rounding']} first-order expert flips above the "
+            f"rounding limit {routing['flip_limit']:.3g}"
+            + (
+                f" / first-layer weight error {routing['first_layer_weight_error']:.3g}"
+                if routing["first_layer_weight_error"] is not None
+                else ""
+            )
+        )
     if not verdict.passed and routing["fault"]:
         verdict.reasons.append(f"{routing['fault']}: {routing['summary']}")
 
@@ -187,6 +222,7 @@ def flip_margin_noise(pairs: Sequence[tuple[LogprobRun, LogprobRun]], dtypes: Se
 
 # -- report --------------------------------------------------------------------------------------------------------
 
+
 def routing_html(routing: dict[str, Any] | None) -> str:
     """The HTML report's routing panel of one lane: agreement per MoE layer (bars), first-order flips per layer
     and token with the reference's margin, and the summary line. Empty for a lane without routing."""
@@ -201,8 +237,10 @@ def routing_html(routing: dict[str, Any] | None) -> str:
     for i, share in enumerate(per):
         x = pad + i * bw
         bh = (h - 30) * float(share)
-        bars.append(f'<rect x="{x + 1:.1f}" y="{h - 18 - bh:.1f}" width="{max(bw - 2, 1):.1f}" height="{bh:.1f}" '
-                    f'fill="#3060c0"><title>layer {i}: {share:.2%} of tokens agree</title></rect>')
+        bars.append(
+            f'<rect x="{x + 1:.1f}" y="{h - 18 - bh:.1f}" width="{max(bw - 2, 1):.1f}" height="{bh:.1f}" '
+            f'fill="#3060c0"><title>layer {i}: {share:.2%} of tokens agree</title></rect>'
+        )
         if n <= 48:
             bars.append(f'<text x="{x + bw / 2:.1f}" y="{h - 6}" text-anchor="middle">{i}</text>')
     limit = routing.get("flip_limit") or 0.0
@@ -212,10 +250,14 @@ def routing_html(routing: dict[str, Any] | None) -> str:
         x = pad + (t / max(tokens, 1)) * (w - pad - 6)
         y = 10 + (layer + 0.5) * (h - 30) / n
         color = "#b71c1c" if not margin <= limit else "#e8890c"
-        dots.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"><title>prompt {p} token {t} layer '
-                    f'{layer}: reference margin {margin:.3g}</title></circle>')
-    svg = (f'<svg width="{w}" height="{h}"><text x="4" y="10">agreement per MoE layer</text>{"".join(bars)}</svg>'
-           f'<svg width="{w}" height="{h}"><text x="4" y="10">first-order flips (token x layer; red: above the '
-           f'rounding limit)</text>{"".join(dots)}</svg>')
+        dots.append(
+            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"><title>prompt {p} token {t} layer '
+            f"{layer}: reference margin {margin:.3g}</title></circle>"
+        )
+    svg = (
+        f'<svg width="{w}" height="{h}"><text x="4" y="10">agreement per MoE layer</text>{"".join(bars)}</svg>'
+        f'<svg width="{w}" height="{h}"><text x="4" y="10">first-order flips (token x layer; red: above the '
+        f"rounding limit)</text>{''.join(dots)}</svg>"
+    )
     summary = html.escape(routing.get("summary", "") + (f"; {routing['fault']}" if routing.get("fault") else ""))
     return f'<div class="routing"><div class="plots">{svg}</div><div>{summary}</div></div>'

@@ -1,5 +1,6 @@
 """Engine sessions: open an engine once, run the whole mixed batch (every prompt with every adapter choice) in one
 call the way a serving engine sees it, and return one LogprobRun per choice. Every command goes through here."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,17 +34,28 @@ class SessionRuns:
         return self.runs[0]
 
 
-def mixed_batch(eng, prompts: Sequence[Sequence[int]], choices: Sequence[str | None], top_k: int = 0,
-                meta: dict | None = None) -> Lanes:
+def mixed_batch(
+    eng, prompts: Sequence[Sequence[int]], choices: Sequence[str | None], top_k: int = 0, meta: dict | None = None
+) -> Lanes:
     """Every prompt once per adapter choice (None = base), all in one call of an open engine."""
-    flat = eng.prompt_logprobs([p for _ in choices for p in prompts],
-                               adapter=[c for c in choices for _ in prompts], top_k=top_k)
+    flat = eng.prompt_logprobs(
+        [p for _ in choices for p in prompts], adapter=[c for c in choices for _ in prompts], top_k=top_k
+    )
     n = len(prompts)
-    return {c: LogprobRun(flat[i * n:(i + 1) * n], {**(meta or {}), "adapter": c}) for i, c in enumerate(choices)}
+    return {c: LogprobRun(flat[i * n : (i + 1) * n], {**(meta or {}), "adapter": c}) for i, c in enumerate(choices)}
 
 
-def run_session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]],
-                dtype: str, tp: int = 1, top_k: int = 0, options: dict | None = None, reruns: int = 1) -> SessionRuns:
+def run_session(
+    engine: str,
+    spec: ModelSpec,
+    adapters: dict[str, AdapterSpec],
+    prompts: Sequence[Sequence[int]],
+    dtype: str,
+    tp: int = 1,
+    top_k: int = 0,
+    options: dict | None = None,
+    reruns: int = 1,
+) -> SessionRuns:
     """One engine session: the mixed batch (base + every adapter) ``reruns`` times. Each run's metadata says what
     produced it (engine, version, dtype, TP, model, device, wall time)."""
     cfg = EngineConfig(model=spec, adapters=dict(adapters), dtype=dtype, tp=tp, options=dict(options or {}))
@@ -51,8 +63,14 @@ def run_session(engine: str, spec: ModelSpec, adapters: dict[str, AdapterSpec], 
     out = SessionRuns(engine, "?")
     with open_engine(engine, cfg) as eng:
         out.version = eng.version()
-        meta = {"engine": engine, "engine_version": out.version, "dtype": dtype, "tp": tp, "model": spec.name,
-                "device": device_name(cfg.device)}
+        meta = {
+            "engine": engine,
+            "engine_version": out.version,
+            "dtype": dtype,
+            "tp": tp,
+            "model": spec.name,
+            "device": device_name(cfg.device),
+        }
         t0 = time.perf_counter()
         for _ in range(reruns):
             out.runs.append(mixed_batch(eng, prompts, choices, top_k, meta))
@@ -102,8 +120,7 @@ def engine_missing(engine: str) -> str | None:
     c = capabilities(engine)
     if not c.module or (c.offline_python and "python" in engine_options(engine)) or importlib.util.find_spec(c.module):
         return None
-    bundle = (f" (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline bundle)" if c.offline_python
-              else "")
+    bundle = f" (or set LPDIFF_{engine.upper()}_PYTHONPATH to an unpacked offline bundle)" if c.offline_python else ""
     return f"engine {engine!r} is not installed here: {c.install}{bundle}"
 
 

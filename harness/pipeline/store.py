@@ -7,6 +7,7 @@ regens can share one store and a kill never leaves a valid baseline unreadable. 
 reference engines coexist; nothing is deleted except by ``prune`` (or ``delete`` of one named key). Every read
 checks the content against the key (see ``check_content``): a file written by anyone else is trusted for nothing.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,14 +26,37 @@ import numpy as np
 from filelock import FileLock
 
 from lpdiff.harness.pipeline import store_format
-from lpdiff.harness.pipeline.store_errors import (BaselineCorrupt, BaselineError, BaselineExists, BaselineMissing,
-                                                  BaselineStale, BaselineStorePath)
-from lpdiff.harness.pipeline.store_files import (LOCK_DIR, atomic_write, read_regular, sweep_temps,
-                                                temp_files, write_lock)
+from lpdiff.harness.pipeline.store_errors import (
+    BaselineCorrupt,
+    BaselineError,
+    BaselineExists,
+    BaselineMissing,
+    BaselineStale,
+    BaselineStorePath,
+)
+from lpdiff.harness.pipeline.store_files import (
+    LOCK_DIR,
+    atomic_write,
+    read_regular,
+    sweep_temps,
+    temp_files,
+    write_lock,
+)
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, canonical_hash, prompts_hash
 
-__all__ = ["BaselineError", "BaselineMissing", "BaselineCorrupt", "BaselineStale", "BaselineExists",
-           "BaselineStorePath", "BaselineKey", "BaselineStore", "StoreEntry", "baseline_key", "path_lock"]
+__all__ = [
+    "BaselineError",
+    "BaselineMissing",
+    "BaselineCorrupt",
+    "BaselineStale",
+    "BaselineExists",
+    "BaselineStorePath",
+    "BaselineKey",
+    "BaselineStore",
+    "StoreEntry",
+    "baseline_key",
+    "path_lock",
+]
 
 FORMAT = store_format.FORMAT
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -70,8 +94,10 @@ class BaselineKey:
         adapter = f"adapter {self.adapter_name!r}" if self.adapter_name else "no adapter"
         depth = f", {f['model']['num_layers']} layers" if f["model"].get("num_layers") is not None else ""
         prompts = f"prompt set {self.prompt_set!r}" if self.prompt_set else f"prompts {f['prompts'][:12]}"
-        return (f"model {self.model_name!r}{depth}, {adapter}, {prompts} (engine {f['engine']}, {f['dtype']}, "
-                f"tp={f['tp']}, top_k={f['top_k']})")
+        return (
+            f"model {self.model_name!r}{depth}, {adapter}, {prompts} (engine {f['engine']}, {f['dtype']}, "
+            f"tp={f['tp']}, top_k={f['top_k']})"
+        )
 
     def regen_hint(self) -> str:
         if self.regen_command:
@@ -93,13 +119,31 @@ class BaselineKey:
         adapter or prompt set changed under its name). Prompts given without a set name are named by their hash,
         so two such lists never make each other stale."""
         f = self.fields
-        return (self.model_name, f["model"].get("num_layers"), self.adapter_name, self.prompt_set or f["prompts"],
-                f["engine"], f["dtype"], f["tp"], f["top_k"], _canonical(f.get("extra")))
+        return (
+            self.model_name,
+            f["model"].get("num_layers"),
+            self.adapter_name,
+            self.prompt_set or f["prompts"],
+            f["engine"],
+            f["dtype"],
+            f["tp"],
+            f["top_k"],
+            _canonical(f.get("extra")),
+        )
 
 
-def baseline_key(model: ModelSpec, adapter: AdapterSpec | None, prompts: Sequence[Sequence[int]], dtype: str,
-                 tp: int, engine: str, top_k: int = 0, extra: dict | None = None,
-                 prompt_set: str | None = None, regen_command: str | None = None) -> BaselineKey:
+def baseline_key(
+    model: ModelSpec,
+    adapter: AdapterSpec | None,
+    prompts: Sequence[Sequence[int]],
+    dtype: str,
+    tp: int,
+    engine: str,
+    top_k: int = 0,
+    extra: dict | None = None,
+    prompt_set: str | None = None,
+    regen_command: str | None = None,
+) -> BaselineKey:
     """Key of the reference run of ``engine`` on ``model`` (+ ``adapter``) over ``prompts`` (the prompt set
     ``prompt_set`` when they are one: a name, not hashed, that the stale rule and the regen hint use). ``extra``
     holds anything else that changes the numbers (engine options, reference-engine version pins)."""
@@ -113,14 +157,21 @@ def baseline_key(model: ModelSpec, adapter: AdapterSpec | None, prompts: Sequenc
         "top_k": int(top_k),
         "extra": extra or {},
     }
-    return BaselineKey(canonical_hash(content), _canonical(content), model.name,
-                       None if adapter is None else adapter.name, prompt_set, regen_command)
+    return BaselineKey(
+        canonical_hash(content),
+        _canonical(content),
+        model.name,
+        None if adapter is None else adapter.name,
+        prompt_set,
+        regen_command,
+    )
 
 
 def key_from_manifest(manifest: dict[str, Any]) -> BaselineKey:
     names = manifest["names"]
-    return BaselineKey(manifest["digest"], _canonical(manifest["key"]), names["model"], names.get("adapter"),
-                       names.get("prompt_set"))
+    return BaselineKey(
+        manifest["digest"], _canonical(manifest["key"]), names["model"], names.get("adapter"), names.get("prompt_set")
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,8 +181,13 @@ def _libraries() -> dict[str, str]:
     from lpdiff import __version__
     from lpdiff.harness.pipeline.provenance import git_commit
 
-    return {"lpdiff": __version__, "commit": git_commit(), "python": platform.python_version(),
-            "numpy": np.__version__, "pyarrow": pyarrow.__version__}
+    return {
+        "lpdiff": __version__,
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "pyarrow": pyarrow.__version__,
+    }
 
 
 def _same_arrays(a: LogprobRun, b: LogprobRun) -> bool:
@@ -169,16 +225,25 @@ class BaselineStore:
         for folder in (self.root, path.parent):
             if folder.exists() and not folder.is_dir():
                 what = "the baseline store" if folder == self.root else "a file where the baseline store expects a"
-                raise BaselineStorePath(f"{what} folder {folder} is a file; "
-                                        + ("pass --baselines (or LPDIFF_BASELINES) a folder" if folder == self.root
-                                           else "move that file out of the store"))
+                raise BaselineStorePath(
+                    f"{what} folder {folder} is a file; "
+                    + (
+                        "pass --baselines (or LPDIFF_BASELINES) a folder"
+                        if folder == self.root
+                        else "move that file out of the store"
+                    )
+                )
 
     def _os_error(self, e: OSError, path: Path) -> BaselineStorePath:
         if e.errno in (errno.EEXIST, errno.ENOTDIR):
-            return BaselineStorePath(f"{e.filename or path}: a file stands where the baseline store expects a "
-                                     "folder; move it out of the store or pass --baselines another folder")
-        return BaselineStorePath(f"cannot write to the baseline store {self.root} ({e.strerror or e} at "
-                                 f"{e.filename or path}); pass --baselines (or LPDIFF_BASELINES) a writable folder")
+            return BaselineStorePath(
+                f"{e.filename or path}: a file stands where the baseline store expects a "
+                "folder; move it out of the store or pass --baselines another folder"
+            )
+        return BaselineStorePath(
+            f"cannot write to the baseline store {self.root} ({e.strerror or e} at "
+            f"{e.filename or path}); pass --baselines (or LPDIFF_BASELINES) a writable folder"
+        )
 
     # -- reading (never locks, never writes) ---------------------------------------------------------------------
     def get(self, key: BaselineKey) -> LogprobRun:
@@ -194,9 +259,11 @@ class BaselineStore:
             raise BaselineCorrupt(f"{e}; {key.regen_hint()}") from None
         stored = _canonical(manifest.get("key"))
         if stored != key.description:
-            raise BaselineStale(f"the baseline stored at {path} describes another computation than "
-                                f"{key.label()} (hash collision or edited file): stored {stored}, wanted "
-                                f"{key.description}; {key.regen_hint()}")
+            raise BaselineStale(
+                f"the baseline stored at {path} describes another computation than "
+                f"{key.label()} (hash collision or edited file): stored {stored}, wanted "
+                f"{key.description}; {key.regen_hint()}"
+            )
         try:
             check_content(path, run, manifest)
         except BaselineCorrupt as e:
@@ -206,15 +273,20 @@ class BaselineStore:
     def _absent(self, key: BaselineKey, path: Path) -> BaselineError:
         legacy = path.with_suffix(".json")
         if legacy.exists():
-            return BaselineStale(f"the baseline for {key.label()} is stored in the old .npz format at {legacy}; "
-                                 f"convert the store with `python -m lpdiff.harness.pipeline.store_legacy "
-                                 f"{self.root}`, or {key.regen_hint()}")
+            return BaselineStale(
+                f"the baseline for {key.label()} is stored in the old .npz format at {legacy}; "
+                f"convert the store with `python -m lpdiff.harness.pipeline.store_legacy "
+                f"{self.root}`, or {key.regen_hint()}"
+            )
         stale = self.find_stale(key)
         if stale:
-            return BaselineStale(f"the baseline for {key.label()} was computed from something else: "
-                                 f"{self._differences(key, stale[0])} changed; {key.regen_hint()}")
-        return BaselineMissing(f"no baseline for {key.label()} in {self.root} (key {key.digest[:12]}); "
-                               f"{key.regen_hint()}")
+            return BaselineStale(
+                f"the baseline for {key.label()} was computed from something else: "
+                f"{self._differences(key, stale[0])} changed; {key.regen_hint()}"
+            )
+        return BaselineMissing(
+            f"no baseline for {key.label()} in {self.root} (key {key.digest[:12]}); {key.regen_hint()}"
+        )
 
     def manifest(self, key: BaselineKey) -> dict[str, Any]:
         """The stored manifest of ``key`` (provenance, metadata), without reading the numbers."""
@@ -260,11 +332,14 @@ class BaselineStore:
         except (KeyError, TypeError, AttributeError) as e:
             raise BaselineCorrupt(f"baseline {path} has no key in its manifest ({e})") from None
         if canonical_hash(manifest["key"]) != key.digest or key.digest != path.stem:
-            raise BaselineCorrupt(f"baseline {path}: its manifest's key does not hash to the digest that names the "
-                                  "file (a copied, renamed or forged file)")
+            raise BaselineCorrupt(
+                f"baseline {path}: its manifest's key does not hash to the digest that names the "
+                "file (a copied, renamed or forged file)"
+            )
         check_content(path, run, manifest)
-        return StoreEntry(path, key, str(manifest.get("created", "")), len(data),
-                          sha256=hashlib.sha256(data).hexdigest())
+        return StoreEntry(
+            path, key, str(manifest.get("created", "")), len(data), sha256=hashlib.sha256(data).hexdigest()
+        )
 
     def scan(self) -> tuple[list[StoreEntry], list[StoreEntry]]:
         """(baselines whose content matches their key, every other file or link in the store with its problem):
@@ -275,14 +350,27 @@ class BaselineStore:
         good, bad = [], []
         for path in sorted(self.root.rglob("*")):
             rel = path.relative_to(self.root)
-            if rel.parts[0] == LOCK_DIR or path in temps or rel.as_posix() == ".gitignore" or (
-                    path.is_dir() and not path.is_symlink()):
+            if (
+                rel.parts[0] == LOCK_DIR
+                or path in temps
+                or rel.as_posix() == ".gitignore"
+                or (path.is_dir() and not path.is_symlink())
+            ):
                 continue
-            if len(rel.parts) != 2 or rel.parts[0] != path.stem[:2] or not _DIGEST.match(path.stem) or \
-                    path.suffix != store_format.SUFFIX:
+            if (
+                len(rel.parts) != 2
+                or rel.parts[0] != path.stem[:2]
+                or not _DIGEST.match(path.stem)
+                or path.suffix != store_format.SUFFIX
+            ):
                 kind = "a symlink" if path.is_symlink() else "a folder" if path.is_dir() else "a file"
-                bad.append(StoreEntry(path, None, problem=f"{kind} that is not a baseline (baselines are "
-                                                            f"??/<sha256>{store_format.SUFFIX})"))
+                bad.append(
+                    StoreEntry(
+                        path,
+                        None,
+                        problem=f"{kind} that is not a baseline (baselines are ??/<sha256>{store_format.SUFFIX})",
+                    )
+                )
                 continue
             try:
                 good.append(self.verify(path))
@@ -305,8 +393,11 @@ class BaselineStore:
     @staticmethod
     def _differences(key: BaselineKey, old: BaselineKey) -> str:
         new_f, old_f = key.fields, old.fields
-        return ", ".join(f"{k} ({_canonical(old_f.get(k))} -> {_canonical(new_f.get(k))})"
-                         for k in sorted(new_f) if new_f.get(k) != old_f.get(k))
+        return ", ".join(
+            f"{k} ({_canonical(old_f.get(k))} -> {_canonical(new_f.get(k))})"
+            for k in sorted(new_f)
+            if new_f.get(k) != old_f.get(k)
+        )
 
     # -- writing -----------------------------------------------------------------------------------------------
     def put(self, key: BaselineKey, run: LogprobRun, overwrite: bool = False) -> bool:
@@ -338,28 +429,45 @@ class BaselineStore:
             raise BaselineCorrupt(f"{e}; refusing to write over it without overwrite: {key.regen_hint()}") from None
         if _same_arrays(stored, run):
             return True
-        raise BaselineExists(f"a different baseline is already stored for {key.label()} at {path}; refusing to "
-                             f"overwrite it. If the reference really changed, {key.regen_hint()}")
+        raise BaselineExists(
+            f"a different baseline is already stored for {key.label()} at {path}; refusing to "
+            f"overwrite it. If the reference really changed, {key.regen_hint()}"
+        )
 
     def _manifest(self, key: BaselineKey, run: LogprobRun) -> dict[str, Any]:
         meta = run.meta
-        provenance = {"engine": meta.get("engine", key.fields["engine"]), "engine_version": meta.get("engine_version"),
-                      "dtype": meta.get("dtype", key.fields["dtype"]), "tp": meta.get("tp", key.fields["tp"]),
-                      "device": meta.get("device"), **_libraries()}
-        return {"format": FORMAT, "digest": key.digest, "key": key.fields,
-                "names": {"model": key.model_name, "adapter": key.adapter_name, "prompt_set": key.prompt_set},
-                "meta": meta, "provenance": provenance, "data_sha256": store_format.data_sha256(run),
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        provenance = {
+            "engine": meta.get("engine", key.fields["engine"]),
+            "engine_version": meta.get("engine_version"),
+            "dtype": meta.get("dtype", key.fields["dtype"]),
+            "tp": meta.get("tp", key.fields["tp"]),
+            "device": meta.get("device"),
+            **_libraries(),
+        }
+        return {
+            "format": FORMAT,
+            "digest": key.digest,
+            "key": key.fields,
+            "names": {"model": key.model_name, "adapter": key.adapter_name, "prompt_set": key.prompt_set},
+            "meta": meta,
+            "provenance": provenance,
+            "data_sha256": store_format.data_sha256(run),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
 
     def _check_run(self, key: BaselineKey, run: LogprobRun) -> None:
         f = key.fields
         if prompts_hash([p.token_ids for p in run.prompts]) != f["prompts"]:
-            raise ValueError(f"the run is over other prompts than the key for {key.label()} was built from; "
-                             "build the key from the same prompts the engine ran")
+            raise ValueError(
+                f"the run is over other prompts than the key for {key.label()} was built from; "
+                "build the key from the same prompts the engine ran"
+            )
         widths = {None if p.topk_ids is None else p.topk_ids.shape[1] for p in run.prompts}
         if f["top_k"] and widths != {f["top_k"]}:
-            raise ValueError(f"the key asks for top_k={f['top_k']} but the run's top-k widths are {widths}; "
-                             f"run the engine with top_k={f['top_k']}")
+            raise ValueError(
+                f"the key asks for top_k={f['top_k']} but the run's top-k widths are {widths}; "
+                f"run the engine with top_k={f['top_k']}"
+            )
 
     # -- removing (explicit only) ----------------------------------------------------------------------------------
     def delete(self, key: BaselineKey) -> bool:
@@ -388,8 +496,10 @@ class BaselineStore:
             newest: dict[tuple, StoreEntry] = {}
             for e in good:
                 c = e.key.computation()
-                if c not in newest or (e.created, e.path.stat().st_mtime) > (newest[c].created,
-                                                                              newest[c].path.stat().st_mtime):
+                if c not in newest or (e.created, e.path.stat().st_mtime) > (
+                    newest[c].created,
+                    newest[c].path.stat().st_mtime,
+                ):
                     newest[c] = e
             drop = [e for e in good if newest[e.key.computation()] is not e]
         drop = sorted(drop, key=lambda e: e.path)
@@ -432,8 +542,9 @@ def check_content(path: Path, run: LogprobRun, manifest: dict[str, Any]) -> None
         raise BaselineCorrupt(f"baseline {path} holds other prompts than its key names")
     widths = {None if p.topk_ids is None else p.topk_ids.shape[1] for p in run.prompts}
     if key.get("top_k") and widths != {key["top_k"]}:
-        raise BaselineCorrupt(f"baseline {path} has top-k width(s) {sorted(map(str, widths))}, its key "
-                              f"top_k={key['top_k']}")
+        raise BaselineCorrupt(
+            f"baseline {path} has top-k width(s) {sorted(map(str, widths))}, its key top_k={key['top_k']}"
+        )
     from lpdiff.harness.spec.validate import ValidationError, check_run, check_topk_consistency  # imports torch
     from lpdiff.harness.spec.validate.runs import run_vocab
 

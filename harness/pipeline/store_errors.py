@@ -1,5 +1,6 @@
 """The baseline store's errors. Each message names the path at fault and the command or option that fixes it; the
 CLI turns every BaselineError into one line and exit code 2."""
+
 from __future__ import annotations
 
 from lpdiff.harness.spec.errors import InputError

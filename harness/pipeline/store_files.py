@@ -6,6 +6,7 @@ the new one. A writer killed before the rename leaves a temp file; the next writ
 gone. Locks serialise writers of one key only (readers never lock, so a read-only store needs no writable path);
 they are ``flock``s on files in the store's own ``.locks/`` folder, which every user of a shared store can reach.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -6,6 +6,7 @@ never a data file beside another run's description. Plain parquet, so ``datasets
 and the Hub's dataset viewer read it; the per-row ``baseline`` / ``model`` / ``adapter`` / ``engine`` / ``dtype``
 columns let one dataset hold many baselines and still be filtered.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,17 +24,26 @@ FORMAT = 2
 META_KEY = b"lpdiff.manifest"
 SUFFIX = ".parquet"
 
+
 def _list(t: pa.DataType) -> pa.DataType:
     return pa.list_(pa.field("element", t))  # parquet's own name for list items: what a reader sees anyway
 
 
-SCHEMA = pa.schema([
-    ("baseline", pa.string()), ("model", pa.string()), ("adapter", pa.string()), ("engine", pa.string()),
-    ("dtype", pa.string()), ("prompt", pa.int32()),
-    ("token_ids", _list(pa.int64())), ("logprobs", _list(pa.float32())),
-    ("topk_ids", _list(_list(pa.int64()))), ("topk_logprobs", _list(_list(pa.float32()))),
-    ("router_margin", _list(pa.float32())),
-])
+SCHEMA = pa.schema(
+    [
+        ("baseline", pa.string()),
+        ("model", pa.string()),
+        ("adapter", pa.string()),
+        ("engine", pa.string()),
+        ("dtype", pa.string()),
+        ("prompt", pa.int32()),
+        ("token_ids", _list(pa.int64())),
+        ("logprobs", _list(pa.float32())),
+        ("topk_ids", _list(_list(pa.int64()))),
+        ("topk_logprobs", _list(_list(pa.float32()))),
+        ("router_margin", _list(pa.float32())),
+    ]
+)
 
 
 def manifest_sha256(manifest: dict[str, Any]) -> str:
@@ -71,8 +81,13 @@ def encode(run: LogprobRun, manifest: dict[str, Any]) -> pa.Table:
     lens = arrays["lengths"]
     n = len(lens)
     names = manifest.get("names", {})
-    per_row = {"baseline": manifest.get("digest"), "model": names.get("model"), "adapter": names.get("adapter"),
-               "engine": manifest.get("key", {}).get("engine"), "dtype": manifest.get("key", {}).get("dtype")}
+    per_row = {
+        "baseline": manifest.get("digest"),
+        "model": names.get("model"),
+        "adapter": names.get("adapter"),
+        "engine": manifest.get("key", {}).get("engine"),
+        "dtype": manifest.get("key", {}).get("dtype"),
+    }
     cols: dict[str, pa.Array] = {c: pa.array([v] * n, type=pa.string()) for c, v in per_row.items()}
     cols["prompt"] = pa.array(np.arange(n, dtype=np.int32))
     cols["token_ids"] = _lists(arrays["token_ids"], lens, SCHEMA.field("token_ids").type)
@@ -81,8 +96,9 @@ def encode(run: LogprobRun, manifest: dict[str, Any]) -> pa.Table:
         typ = SCHEMA.field(name).type
         cols[name] = _nested(arrays[name], lens - 1, typ) if name in arrays else pa.nulls(n, type=typ)
     typ = SCHEMA.field("router_margin").type
-    cols["router_margin"] = _lists(arrays["router_margin"], lens, typ) if "router_margin" in arrays \
-        else pa.nulls(n, type=typ)
+    cols["router_margin"] = (
+        _lists(arrays["router_margin"], lens, typ) if "router_margin" in arrays else pa.nulls(n, type=typ)
+    )
     manifest = {**manifest, "manifest_sha256": manifest_sha256(manifest)}
     meta = {META_KEY: json.dumps(manifest, sort_keys=True, default=str).encode()}
     return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA.with_metadata(meta))
@@ -139,10 +155,16 @@ def read(path, data: bytes | None = None) -> tuple[LogprobRun, dict[str, Any]]:
         if not table.schema.equals(SCHEMA, check_metadata=False):
             raise ValueError(f"columns {table.schema.names} are not those of format {FORMAT}")
         lens = np.asarray(table.column("token_ids").combine_chunks().value_lengths(), dtype=np.int64)
-        arrays = {"lengths": lens, "token_ids": _flat(table.column("token_ids"), np.int64),
-                  "logprobs": _flat(table.column("logprobs"), np.float32)}
-        for name, dtype, nested in (("topk_ids", np.int64, True), ("topk_logprobs", np.float32, True),
-                                    ("router_margin", np.float32, False)):
+        arrays = {
+            "lengths": lens,
+            "token_ids": _flat(table.column("token_ids"), np.int64),
+            "logprobs": _flat(table.column("logprobs"), np.float32),
+        }
+        for name, dtype, nested in (
+            ("topk_ids", np.int64, True),
+            ("topk_logprobs", np.float32, True),
+            ("router_margin", np.float32, False),
+        ):
             arr = _optional(table, name, dtype, nested)
             if arr is not None:
                 arrays[name] = arr
@@ -152,8 +174,9 @@ def read(path, data: bytes | None = None) -> tuple[LogprobRun, dict[str, Any]]:
     except (OSError, ValueError, KeyError, TypeError, AssertionError, pa.ArrowException) as e:
         raise _unreadable(path, e) from None
     if manifest.get("format") != FORMAT:
-        raise BaselineCorrupt(f"baseline {path} has format {manifest.get('format')!r}; this lpdiff reads "
-                              f"format {FORMAT}")
+        raise BaselineCorrupt(
+            f"baseline {path} has format {manifest.get('format')!r}; this lpdiff reads format {FORMAT}"
+        )
     if data_sha256(run) != manifest.get("data_sha256"):
         raise BaselineCorrupt(f"baseline {path} fails its checksum (the file was damaged or edited)")
     return run, manifest

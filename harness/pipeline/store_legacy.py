@@ -5,6 +5,7 @@ parquet file under the same digest (checksum verified first), then removes the o
 kill and it carries on. The prompt-set name (not recorded in format 1) is filled in where the prompts are a
 catalog model's named set, so the stale rule groups them with new baselines of that set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,21 @@ def read_pair(side: Path) -> tuple[BaselineKey, LogprobRun]:
             raise ValueError(f"{npz.name} fails the sidecar's sha256")
         try:
             run = LogprobRun.load(io.BytesIO(blob))
-        except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as e:  # numpy's text would advise allow_pickle: never
+        except (
+            ValueError,
+            OSError,
+            KeyError,
+            EOFError,
+            zipfile.BadZipFile,
+        ) as e:  # numpy's text would advise allow_pickle: never
             raise ValueError(f"{npz.name} is not an lpdiff .npz run") from e
         names = info["names"]
         key = BaselineKey(info["digest"], _canonical(info["key"]), names["model"], names.get("adapter"))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise BaselineCorrupt(f"old-format baseline {side} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
-                              "regenerate it with `lpdiff regen`") from None
+        raise BaselineCorrupt(
+            f"old-format baseline {side} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
+            "regenerate it with `lpdiff regen`"
+        ) from None
     return key, run
 
 

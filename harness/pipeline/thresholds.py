@@ -5,6 +5,7 @@ stamped with date, commit and GPU. Anything else is ``source="unmeasured"`` and 
 falls back exact -> same model, pair and dtype at another TP -> the dtype's default, and the result's ``match``
 and ``note`` say which one was used.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,9 @@ class Threshold:
         assert self.match in MATCHES, f"match must be one of {MATCHES}, got {self.match!r}"
         assert self.k2 > 0 and self.max_abs > 0, "thresholds must be positive"
         if self.source == "measured":
-            assert self.noise_k2 is not None and self.noise_max_abs is not None and self.margin_factor, \
+            assert self.noise_k2 is not None and self.noise_max_abs is not None and self.margin_factor, (
                 "a measured threshold needs its noise floor and margin factor"
+            )
 
     @property
     def provenance(self) -> str:
@@ -68,14 +70,30 @@ def pair_name(engine_pair: str | tuple[str, str]) -> str:
     return f"{a}-vs-{b}"
 
 
-def from_noise(noise_k2: float, noise_max_abs: float, margin_factor: float, *,
-               noise_delta_fidelity: float | None = None, gpu: str, commit: str, note: str = "") -> Threshold:
+def from_noise(
+    noise_k2: float,
+    noise_max_abs: float,
+    margin_factor: float,
+    *,
+    noise_delta_fidelity: float | None = None,
+    gpu: str,
+    commit: str,
+    note: str = "",
+) -> Threshold:
     """A measured threshold: the noise floor between two correct runs times ``margin_factor``."""
     return Threshold(
-        k2=noise_k2 * margin_factor, max_abs=noise_max_abs * margin_factor,
+        k2=noise_k2 * margin_factor,
+        max_abs=noise_max_abs * margin_factor,
         delta_fidelity=None if noise_delta_fidelity is None else noise_delta_fidelity * margin_factor,
-        source="measured", noise_k2=noise_k2, noise_max_abs=noise_max_abs, margin_factor=margin_factor,
-        date=datetime.date.today().isoformat(), commit=commit, gpu=gpu, note=note)
+        source="measured",
+        noise_k2=noise_k2,
+        noise_max_abs=noise_max_abs,
+        margin_factor=margin_factor,
+        date=datetime.date.today().isoformat(),
+        commit=commit,
+        gpu=gpu,
+        note=note,
+    )
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -95,8 +113,9 @@ def _threshold(entry: dict[str, Any], **looked_up: Any) -> Threshold:
     return Threshold(**fields, **looked_up)
 
 
-def lookup(model: str, engine_pair: str | tuple[str, str], dtype: str, tp: int,
-           path: str | Path = DEFAULT_PATH) -> Threshold:
+def lookup(
+    model: str, engine_pair: str | tuple[str, str], dtype: str, tp: int, path: str | Path = DEFAULT_PATH
+) -> Threshold:
     pair = pair_name(engine_pair)
     data = _load(Path(path))
     same = [e for e in data["entries"] if (e["model"], e["engine_pair"], e["dtype"]) == (model, pair, dtype)]
@@ -116,18 +135,26 @@ def lookup(model: str, engine_pair: str | tuple[str, str], dtype: str, tp: int,
     return t
 
 
-def record(model: str, engine_pair: str | tuple[str, str], dtype: str, tp: int, threshold: Threshold,
-           path: str | Path = DEFAULT_PATH) -> None:
+def record(
+    model: str,
+    engine_pair: str | tuple[str, str],
+    dtype: str,
+    tp: int,
+    threshold: Threshold,
+    path: str | Path = DEFAULT_PATH,
+) -> None:
     """Add or replace the entry for (model, engine pair, dtype, tp); atomic and safe against parallel writers."""
     path = Path(path)
     pair = pair_name(engine_pair)
     entry = {"model": model, "engine_pair": pair, "dtype": dtype, "tp": int(tp)}
-    entry.update({k: v for k, v in dataclasses.asdict(threshold).items()
-                  if k not in _ENTRY_KEYS and k != "match"})
+    entry.update({k: v for k, v in dataclasses.asdict(threshold).items() if k not in _ENTRY_KEYS and k != "match"})
     with path_lock(path):
         data = _load(path)
-        data["entries"] = [e for e in data["entries"]
-                           if (e["model"], e["engine_pair"], e["dtype"], e["tp"]) != (model, pair, dtype, tp)]
+        data["entries"] = [
+            e
+            for e in data["entries"]
+            if (e["model"], e["engine_pair"], e["dtype"], e["tp"]) != (model, pair, dtype, tp)
+        ]
         data["entries"].append(entry)
         data["entries"].sort(key=lambda e: tuple(e[k] for k in _ENTRY_KEYS))
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

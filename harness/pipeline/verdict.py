@@ -4,6 +4,7 @@ Near-tie positions (router margin below ε) are never silently dropped: by defau
 positions and, when only the near-ties break it, the reason says so; ``exclude_near_ties=True`` judges the clean
 positions and records the excluded share in the notes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,9 @@ class LaneId:
         return "base" if self.adapter in (None, "-") else self.adapter
 
 
-def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity, lane: str | None = None,
-              nonfinite: bool = True) -> list[str]:
+def _exceeded(
+    m: Metrics, t: Threshold, fidelity: Fidelity, lane: str | None = None, nonfinite: bool = True
+) -> list[str]:
     if m.num_positions == 0:
         return ["no positions to judge"]
     out = []
@@ -80,9 +82,19 @@ def _exceeded(m: Metrics, t: Threshold, fidelity: Fidelity, lane: str | None = N
     return out
 
 
-def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = None, *, adapter: str | None = None,
-          exclude_near_ties: bool = False, lane: LaneId | None = None, groups: Mapping[str, float] | None = None,
-          detail: dict[str, Any] | None = None, next_step: str = "", expected: str = "PASS") -> Verdict:
+def judge(
+    metrics: Metrics,
+    threshold: Threshold,
+    delta_fidelity: Fidelity = None,
+    *,
+    adapter: str | None = None,
+    exclude_near_ties: bool = False,
+    lane: LaneId | None = None,
+    groups: Mapping[str, float] | None = None,
+    detail: dict[str, Any] | None = None,
+    next_step: str = "",
+    expected: str = "PASS",
+) -> Verdict:
     """Pass when k2, max |Δ| and (if both given) delta fidelity are within ``threshold`` and no logprob is
     NaN/inf. The verdict's identity is ``lane``; without one, model, engine pair, dtype and TP come from the
     threshold (which lookup() filled for this lane) and the adapter from ``adapter``.
@@ -101,49 +113,81 @@ def judge(metrics: Metrics, threshold: Threshold, delta_fidelity: Fidelity = Non
     judged = metrics
     if exclude_near_ties:
         if metrics.clean is None:
-            raise ValueError("exclude_near_ties needs router margins, and neither run reports them; use an engine "
-                             "that exposes routing (hf, triton) or judge all positions")
+            raise ValueError(
+                "exclude_near_ties needs router margins, and neither run reports them; use an engine "
+                "that exposes routing (hf, triton) or judge all positions"
+            )
         judged = metrics.clean
         if judged.num_positions < MIN_CLEAN_SHARE * metrics.num_positions:
             # so many near-ties that the clean rest could no longer show a real failure: judge nothing silently
-            reasons_pre = [f"only {judged.num_positions} of {metrics.num_positions} positions are free of router "
-                           f"near-ties (< {MIN_CLEAN_SHARE:.0%}): too few to judge; use fp32 or a decisive model"]
-        notes.append(f"judged on {judged.num_positions} positions; the {metrics.near_tie_share:.1%} at or after a "
-                     "router near-tie were excluded")
+            reasons_pre = [
+                f"only {judged.num_positions} of {metrics.num_positions} positions are free of router "
+                f"near-ties (< {MIN_CLEAN_SHARE:.0%}): too few to judge; use fp32 or a decisive model"
+            ]
+        notes.append(
+            f"judged on {judged.num_positions} positions; the {metrics.near_tie_share:.1%} at or after a "
+            "router near-tie were excluded"
+        )
     reasons = reasons_pre + _exceeded(judged, threshold, delta_fidelity, adapter, nonfinite=judged is metrics)
     if judged is not metrics and metrics.num_nonfinite:  # counted over every position: near-ties never hide one
-        reasons.insert(0, nonfinite_reason(metrics.num_nonfinite, metrics.num_positions, metrics.first_nonfinite,
-                                           adapter))
+        reasons.insert(
+            0, nonfinite_reason(metrics.num_nonfinite, metrics.num_positions, metrics.first_nonfinite, adapter)
+        )
     clean = metrics.clean
-    if reasons and not exclude_near_ties and clean is not None and clean.num_positions \
-            and not _exceeded(clean, threshold, None):
-        reasons.append(f"the {clean.num_positions} positions without a router near-tie are within the threshold "
-                       f"(k2 {clean.k2:.3g}, max |Δ| {clean.max_abs:.3g}): the excess comes from the "
-                       f"{metrics.near_tie_share:.1%} near-tie positions")
+    if (
+        reasons
+        and not exclude_near_ties
+        and clean is not None
+        and clean.num_positions
+        and not _exceeded(clean, threshold, None)
+    ):
+        reasons.append(
+            f"the {clean.num_positions} positions without a router near-tie are within the threshold "
+            f"(k2 {clean.k2:.3g}, max |Δ| {clean.max_abs:.3g}): the excess comes from the "
+            f"{metrics.near_tie_share:.1%} near-tie positions"
+        )
     if groups:
-        notes.append("delta fidelity of this batch's single-group lanes: "
-                     + ", ".join(f"{g} {f:.3g}" for g, f in groups.items()))
+        notes.append(
+            "delta fidelity of this batch's single-group lanes: " + ", ".join(f"{g} {f:.3g}" for g, f in groups.items())
+        )
         limit = threshold.delta_fidelity
         if limit is not None and any(r.startswith("delta fidelity ") for r in reasons):
-            reasons += [f"delta fidelity [{g}] {f:.3g} > threshold {limit:.3g} (the {g}-only lane of this batch)"
-                        for g, f in groups.items() if not f <= limit]
+            reasons += [
+                f"delta fidelity [{g}] {f:.3g} > threshold {limit:.3g} (the {g}-only lane of this batch)"
+                for g, f in groups.items()
+                if not f <= limit
+            ]
     who = lane or LaneId(threshold.model, threshold.engine_pair, threshold.dtype, threshold.tp, adapter)
     passed = not reasons
-    return Verdict(model=who.model, engine_pair=who.engine_pair, dtype=who.dtype, tp=who.tp, adapter=who.adapter,
-                   metrics=metrics, delta_fidelity=delta_fidelity, threshold=threshold, passed=passed,
-                   reasons=reasons, near_tie_share=metrics.near_tie_share, notes=notes, expected=expected,
-                   detail=detail, next_step="" if passed == (expected == "PASS") else next_step)
+    return Verdict(
+        model=who.model,
+        engine_pair=who.engine_pair,
+        dtype=who.dtype,
+        tp=who.tp,
+        adapter=who.adapter,
+        metrics=metrics,
+        delta_fidelity=delta_fidelity,
+        threshold=threshold,
+        passed=passed,
+        reasons=reasons,
+        near_tie_share=metrics.near_tie_share,
+        notes=notes,
+        expected=expected,
+        detail=detail,
+        next_step="" if passed == (expected == "PASS") else next_step,
+    )
 
 
 def _engine_of(engine_pair: str) -> tuple[str, str, str]:
-    """"triton:float32-vs-hf:float32" -> ("triton", "float32", "hf")."""
+    """ "triton:float32-vs-hf:float32" -> ("triton", "float32", "hf")."""
     test, _, ref = engine_pair.partition("-vs-")
     engine, _, dtype = test.partition(":")
     return engine, dtype, ref.partition(":")[0]
 
 
-def bisect_command(model: str, adapters: Sequence[str] | None = (), tp: int | None = 1,
-                   options: Mapping[str, Any] | None = None) -> str:
+def bisect_command(
+    model: str, adapters: Sequence[str] | None = (), tp: int | None = 1, options: Mapping[str, Any] | None = None
+) -> str:
     """The ``lpdiff bisect`` command that re-runs a triton lane module by module against HF+PEFT: the same model,
     the same adapters (a mixed batch when several, as the run's session), the same TP size and bug-zoo fault."""
     cmd = f"lpdiff bisect {shlex.quote(model)}" + "".join(f" --adapter {shlex.quote(a)}" for a in adapters or ())
@@ -152,9 +196,15 @@ def bisect_command(model: str, adapters: Sequence[str] | None = (), tp: int | No
     return cmd + (f" --fault {shlex.quote(str(fault))}" if fault else "")
 
 
-def next_step(engine_pair: str, model: str, adapter: str | None, tp: int | None = 1,
-              adapters: Sequence[str] | None = None, options: Mapping[str, Any] | None = None,
-              bisect: bool = True) -> str:
+def next_step(
+    engine_pair: str,
+    model: str,
+    adapter: str | None,
+    tp: int | None = 1,
+    adapters: Sequence[str] | None = None,
+    options: Mapping[str, Any] | None = None,
+    bisect: bool = True,
+) -> str:
     """What to run after a lane came out unexpectedly: the triton runtime -> the bisect command naming the first
     layer and module that leaves HF+PEFT (``adapters``: the run's batch; default the lane's adapter); HF against
     its own stored runs -> the stack differs from the baselines'; another engine -> doctor (what it refuses or
@@ -166,13 +216,16 @@ def next_step(engine_pair: str, model: str, adapter: str | None, tp: int | None 
     if engine == "triton" and ref == "hf" and bisect:
         return bisect_command(model, adapters if adapters is not None else ([lane] if lane else []), tp, options)
     if engine == ref == "hf":
-        return ("HF+PEFT differs from its own stored runs: compare `pip list` with constraints.txt (the stack the "
-                f"baselines were measured with), or `lpdiff regen --model {m} --baselines DIR` into a new store")
+        return (
+            "HF+PEFT differs from its own stored runs: compare `pip list` with constraints.txt (the stack the "
+            f"baselines were measured with), or `lpdiff regen --model {m} --baselines DIR` into a new store"
+        )
     if lane is None and engine == "triton":
         lane = (list(adapters or ()) or ["all"])[0]  # base rows go wrong with the adapters beside them
     if lane is None:
-        return (f"lpdiff compare --model {m} --engine {engine} --dtype {dtype or 'float32'} --against {ref} "
-                f"--tp {tp or 1}")
+        return (
+            f"lpdiff compare --model {m} --engine {engine} --dtype {dtype or 'float32'} --against {ref} --tp {tp or 1}"
+        )
     a = shlex.quote(lane)
     doctor = f"lpdiff doctor {m} {a} --engine {engine}; " if _doctor_knows(engine) else ""
     return f"{doctor}lpdiff metamorphic {m} {a} --engine {engine} --tp {tp or 1}"
@@ -203,9 +256,12 @@ def to_json(verdicts: Sequence[Verdict], *, metamorphic: Sequence[Mapping[str, A
     metamorphic reports as plain dicts (``dataclasses.asdict`` of a Report), which ``lpdiff report`` draws."""
     from lpdiff import __version__
 
-    doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "lpdiff_version": __version__,
-                           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           "verdicts": [_plain(dataclasses.asdict(v)) for v in verdicts]}
+    doc: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "lpdiff_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "verdicts": [_plain(dataclasses.asdict(v)) for v in verdicts],
+    }
     if metamorphic:
         doc["metamorphic"] = _plain(list(metamorphic))
     return json.dumps(doc, indent=1, sort_keys=True)
@@ -219,8 +275,10 @@ def load_document(text: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or "verdicts" not in doc:
         raise InputError("not an lpdiff verdict document: expected a JSON object with 'verdicts'")
     if doc.get("schema_version", 0) > SCHEMA_VERSION:
-        raise InputError(f"verdict document has schema_version {doc['schema_version']}; this lpdiff reads up to "
-                         f"{SCHEMA_VERSION}: upgrade lpdiff")
+        raise InputError(
+            f"verdict document has schema_version {doc['schema_version']}; this lpdiff reads up to "
+            f"{SCHEMA_VERSION}: upgrade lpdiff"
+        )
     return doc
 
 

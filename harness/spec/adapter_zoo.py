@@ -26,6 +26,7 @@ files are the source of truth and existing ones are kept unless ``--force``. The
 weights (generate_adapter scales each delta to its weight), so rebuild them after the zoo changes (``--force``),
 then ``lpdiff regen``; a new adapter needs ``lpdiff regen --model M --adapter A``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,10 @@ from lpdiff.harness.spec.resolve import ZOO_ADAPTERS
 
 SEED = 20261121
 MOE_MODELS = [m for m, arch in ZOO.items() if arch != "qwen3"]
-SHARED_OUTER_ARCHS = ("qwen3_moe", "gpt_oss")  # the archs the triton engine serves: it reads shared-outer and per-expert
+SHARED_OUTER_ARCHS = (
+    "qwen3_moe",
+    "gpt_oss",
+)  # the archs the triton engine serves: it reads shared-outer and per-expert
 
 
 def available_groups(model) -> list[str]:
@@ -77,12 +81,22 @@ def trainer_plan(model) -> dict[str, dict]:
     PEFT's: a regex for a dotted suffix of the module path (the parameter path for 3D experts)."""
     decoder = [g for g in ("attention", "experts") if g in available_groups(model)]
     return {
-        "rslora_patterns": {"groups": decoder, "rank": 16, "alpha": 24, "use_rslora": True,
-                            "rank_pattern": {"q_proj": 8, "layers.1.mlp.experts.gate_up_proj": 4},
-                            "alpha_pattern": {"o_proj": 6, "down_proj": 40}},
+        "rslora_patterns": {
+            "groups": decoder,
+            "rank": 16,
+            "alpha": 24,
+            "use_rslora": True,
+            "rank_pattern": {"q_proj": 8, "layers.1.mlp.experts.gate_up_proj": 4},
+            "alpha_pattern": {"o_proj": 6, "down_proj": 40},
+        },
         "vocab": {"groups": list(VOCAB_GROUPS), "rank": 8, "alpha": 16},
-        "all_vocab": {"groups": [*decoder, *VOCAB_GROUPS], "rank": 32, "alpha": 16, "use_rslora": True,
-                      "rank_pattern": {"lm_head": 4}},
+        "all_vocab": {
+            "groups": [*decoder, *VOCAB_GROUPS],
+            "rank": 32,
+            "alpha": 16,
+            "use_rslora": True,
+            "rank_pattern": {"lm_head": 4},
+        },
         "rank128": {"groups": decoder, "rank": 128, "alpha": 256},
     }
 
@@ -106,12 +120,21 @@ def build(name: str, force: bool = False) -> list[str]:
         kept = (root / adapter / "adapter_config.json").exists() and not force
         if not kept:
             shutil.rmtree(root / adapter, ignore_errors=True)
-            generate_adapter(model, root / adapter, groups=p["groups"], rank=p["rank"], alpha=2 * p["rank"],
-                             seed=SEED + i, shared_outer=p.get("shared_outer", False),
-                             layout=p.get("layout", "peft3d"))
-        made.append(f"{name}/{adapter}: groups={','.join(p['groups'])} rank={p['rank']}"
-                    f"{' shared-outer' if p.get('shared_outer') else ''}{' ' + p['layout'] if 'layout' in p else ''}"
-                    f"{' (kept)' if kept else ''}")
+            generate_adapter(
+                model,
+                root / adapter,
+                groups=p["groups"],
+                rank=p["rank"],
+                alpha=2 * p["rank"],
+                seed=SEED + i,
+                shared_outer=p.get("shared_outer", False),
+                layout=p.get("layout", "peft3d"),
+            )
+        made.append(
+            f"{name}/{adapter}: groups={','.join(p['groups'])} rank={p['rank']}"
+            f"{' shared-outer' if p.get('shared_outer') else ''}{' ' + p['layout'] if 'layout' in p else ''}"
+            f"{' (kept)' if kept else ''}"
+        )
     return made
 
 
@@ -119,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.spec.adapter_zoo")
     ap.add_argument("models", nargs="*", help=f"zoo models (default: {' '.join(MOE_MODELS)})")
     ap.add_argument("--force", action="store_true", help="regenerate adapters that exist too")
-    ap.add_argument("--trainer", metavar="OUT", help="write the trainers' adapters (trainer_plan) under OUT/<model>/ "
-                    "instead of the committed zoo")
+    ap.add_argument(
+        "--trainer",
+        metavar="OUT",
+        help="write the trainers' adapters (trainer_plan) under OUT/<model>/ instead of the committed zoo",
+    )
     args = ap.parse_args(argv)
     if args.trainer:
         for n in args.models or MOE_MODELS:

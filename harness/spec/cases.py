@@ -17,6 +17,7 @@ holding a PEFT adapter (adapter_config.json at the root or in one subfolder) and
 An optional ``case.json`` gives ``base_model`` (catalog name, directory or Hub id), ``kl_threshold`` and
 ``trainer``. Without a threshold, the one of SGLang's test for that base model applies (docs/cases.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -75,19 +76,20 @@ def fetch(source: str) -> Path:
             raise CaseError(f"case {source!r} is not a directory (or hf://datasets/ORG/NAME[@REV])")
         return root
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-    )
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
     try:  # offline, a commit-hash revision is only looked up in the cache when asked to (huggingface_hub 1.x)
-        return Path(snapshot_download(m["repo"], repo_type="dataset", revision=m["rev"],
-                                      local_files_only=constants.HF_HUB_OFFLINE))
+        return Path(
+            snapshot_download(
+                m["repo"], repo_type="dataset", revision=m["rev"], local_files_only=constants.HF_HUB_OFFLINE
+            )
+        )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as e:
-        raise CaseError(f"case {source!r} cannot be fetched ({type(e).__name__}); online, run "
-                        f"`hf download --repo-type dataset {m['repo']}"
-                        f"{' --revision ' + m['rev'] if m['rev'] else ''}` once") from None
+        raise CaseError(
+            f"case {source!r} cannot be fetched ({type(e).__name__}); online, run "
+            f"`hf download --repo-type dataset {m['repo']}"
+            f"{' --revision ' + m['rev'] if m['rev'] else ''}` once"
+        ) from None
 
 
 def _adapter_dir(root: Path) -> Path:
@@ -116,13 +118,17 @@ def _per_prompt(values, lengths: list[int], what: str, path: Path) -> list[np.nd
         flat = np.asarray(values, dtype=np.float64)
         cuts = np.cumsum([n - 1 for n in lengths])[:-1]
         if flat.shape[0] != sum(n - 1 for n in lengths):
-            raise CaseError(f"{path}: {what} has {flat.shape[0]} values; positions 1..n-1 of the tokens need "
-                            f"{sum(n - 1 for n in lengths)}")
+            raise CaseError(
+                f"{path}: {what} has {flat.shape[0]} values; positions 1..n-1 of the tokens need "
+                f"{sum(n - 1 for n in lengths)}"
+            )
         arrs = np.split(flat, cuts)
     bad = [i for i, (a, n) in enumerate(zip(arrs, lengths)) if a.shape != (n - 1,)]
     if len(arrs) != len(lengths) or bad:
-        raise CaseError(f"{path}: {what} must give n-1 logprobs (positions 1..n-1) for each of the "
-                        f"{len(lengths)} prompts; prompt(s) {bad or 'count'} do not")
+        raise CaseError(
+            f"{path}: {what} must give n-1 logprobs (positions 1..n-1) for each of the "
+            f"{len(lengths)} prompts; prompt(s) {bad or 'count'} do not"
+        )
     return arrs
 
 
@@ -140,15 +146,18 @@ def _load_pt(path: Path) -> dict:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CaseError(f"{path} holds pickled Python objects that torch.load(weights_only=True) refuses "
-                        f"({str(e).splitlines()[0][:160]}); lpdiff never unpickles files. Re-save it with plain "
-                        "tensors and lists: torch.save({k: torch.as_tensor(v) for k, v in data.items()}, path)") \
-            from None
+        raise CaseError(
+            f"{path} holds pickled Python objects that torch.load(weights_only=True) refuses "
+            f"({str(e).splitlines()[0][:160]}); lpdiff never unpickles files. Re-save it with plain "
+            "tensors and lists: torch.save({k: torch.as_tensor(v) for k, v in data.items()}, path)"
+        ) from None
     except (RuntimeError, EOFError) as e:
         raise CaseError(f"{path} is not a readable torch file: {e}") from None
     if not isinstance(data, dict) or not {"tokens", "training_logprobs"} <= set(data):
-        raise CaseError(f"{path}: expected a dict with tokens, training_logprobs[, sampling_logprobs]; got "
-                        f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        raise CaseError(
+            f"{path}: expected a dict with tokens, training_logprobs[, sampling_logprobs]; got "
+            f"{sorted(data) if isinstance(data, dict) else type(data).__name__}"
+        )
     return data
 
 
@@ -161,8 +170,9 @@ def _load_table(path: Path) -> dict:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError:
-                    raise CaseError(f"{path}: line {i} is not JSON; write one JSON object per line "
-                                    "(docs/cases.md)") from None
+                    raise CaseError(
+                        f"{path}: line {i} is not JSON; write one JSON object per line (docs/cases.md)"
+                    ) from None
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -170,13 +180,18 @@ def _load_table(path: Path) -> dict:
         try:
             rows = pq.read_table(path).to_pylist()
         except (OSError, pa.ArrowException) as e:
-            raise CaseError(f"{path} is not a readable parquet file ({' '.join(str(e).split())[:160]}); "
-                            "re-export it (docs/cases.md)") from None
+            raise CaseError(
+                f"{path} is not a readable parquet file ({' '.join(str(e).split())[:160]}); "
+                "re-export it (docs/cases.md)"
+            ) from None
     if not rows or any(not isinstance(r, dict) or "tokens" not in r or "logprobs" not in r for r in rows):
         raise CaseError(f"{path}: every row needs tokens and logprobs (docs/cases.md)")
     sampler = [r.get("sampler_logprobs") for r in rows]
-    return {"tokens": [r["tokens"] for r in rows], "training_logprobs": [r["logprobs"] for r in rows],
-            "sampling_logprobs": sampler if all(s is not None for s in sampler) else None}
+    return {
+        "tokens": [r["tokens"] for r in rows],
+        "training_logprobs": [r["logprobs"] for r in rows],
+        "sampling_logprobs": sampler if all(s is not None for s in sampler) else None,
+    }
 
 
 def _text(path: Path) -> str:
@@ -192,11 +207,14 @@ def _case_json(path: Path) -> dict:
     try:
         info = json.loads(_text(path))
     except json.JSONDecodeError as e:
-        raise CaseError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix it or remove "
-                        "it (case.json is optional: base_model, kl_threshold, trainer)") from None
+        raise CaseError(
+            f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix it or remove "
+            "it (case.json is optional: base_model, kl_threshold, trainer)"
+        ) from None
     if not isinstance(info, dict):
-        raise CaseError(f"{path} must hold a JSON object (base_model, kl_threshold, trainer), got "
-                        f"{type(info).__name__}")
+        raise CaseError(
+            f"{path} must hold a JSON object (base_model, kl_threshold, trainer), got {type(info).__name__}"
+        )
     if info.get("base_model") is not None and not isinstance(info["base_model"], str):
         raise CaseError(f"{path}: base_model must be a string (catalog name, directory or Hub id)")
     return info
@@ -210,8 +228,10 @@ def _threshold(info: dict, path: Path) -> float:
     except (TypeError, ValueError):
         t = float("nan")
     if not math.isfinite(t) or t <= 0:
-        raise CaseError(f"{path}: kl_threshold must be a finite number > 0, got {value!r}; write e.g. "
-                        f'"kl_threshold": {DEFAULT_THRESHOLD}, or leave it out for the default of the base model')
+        raise CaseError(
+            f"{path}: kl_threshold must be a finite number > 0, got {value!r}; write e.g. "
+            f'"kl_threshold": {DEFAULT_THRESHOLD}, or leave it out for the default of the base model'
+        )
     return t
 
 
@@ -240,6 +260,8 @@ def load_case(source: str) -> TrainerCase:
 def check_vocab(case: TrainerCase, vocab_size: int) -> None:
     bad = sorted({t for p in case.prompts for t in p if not 0 <= t < vocab_size})
     if bad:
-        raise CaseError(f"case {case.source}: token ids {bad[:5]}{' ...' if len(bad) > 5 else ''} are outside the "
-                        f"model's vocabulary (size {vocab_size}); the case was made for another model — pass its "
-                        "base model with --model")
+        raise CaseError(
+            f"case {case.source}: token ids {bad[:5]}{' ...' if len(bad) > 5 else ''} are outside the "
+            f"model's vocabulary (size {vocab_size}); the case was made for another model — pass its "
+            "base model with --model"
+        )

@@ -4,6 +4,7 @@ from their real configs with a seeded init (weights cannot be downloaded, so GPU
 Everything downstream reads MoE structure through ``moe_fields(config)`` instead of raw config fields: the same fact
 is spelled ``num_experts`` / ``num_local_experts`` / ``n_routed_experts`` depending on the architecture.
 """
+
 from __future__ import annotations
 
 import json
@@ -95,6 +96,7 @@ def text_arch(cfg: dict[str, Any]) -> str:
 
 # -- specs ---------------------------------------------------------------------------------------------------------
 
+
 def known_models() -> list[str]:
     return list(ZOO) + list(FULL_CONFIGS)
 
@@ -109,8 +111,9 @@ def resolve_init_recipe(name: str | None = None, default: str = INIT_RECIPE) -> 
     return chosen
 
 
-def get_model(name: str, num_layers: int | None = None, init_seed: int = DEFAULT_SEED,
-              init_recipe: str | None = None) -> ModelSpec:
+def get_model(
+    name: str, num_layers: int | None = None, init_seed: int = DEFAULT_SEED, init_recipe: str | None = None
+) -> ModelSpec:
     """A catalog model by name; ``num_layers`` keeps the first n layers (zoo or full-size); ``init_recipe``
     (full-size only): see ``resolve_init_recipe``."""
     assert num_layers is None or num_layers >= 1, f"num_layers must be >= 1, got {num_layers}"
@@ -118,9 +121,14 @@ def get_model(name: str, num_layers: int | None = None, init_seed: int = DEFAULT
         return ModelSpec(name=name, arch=ZOO[name], path=str(ZOO_DIR / name), num_layers=num_layers)
     if name in FULL_CONFIGS:
         cfg = FULL_CONFIGS[name]
-        return ModelSpec(name=name, arch=text_arch(cfg), config=json.loads(json.dumps(cfg)),
-                         init_seed=init_seed, init_recipe=resolve_init_recipe(init_recipe),
-                         num_layers=num_layers)
+        return ModelSpec(
+            name=name,
+            arch=text_arch(cfg),
+            config=json.loads(json.dumps(cfg)),
+            init_seed=init_seed,
+            init_recipe=resolve_init_recipe(init_recipe),
+            num_layers=num_layers,
+        )
     raise UnknownName(f"unknown model {name!r}; known models: {', '.join(known_models())}")
 
 
@@ -130,11 +138,15 @@ def list_models() -> list[ModelSpec]:
 
 # -- configs -------------------------------------------------------------------------------------------------------
 
+
 def _per_layer_fields(cfg) -> list[str]:
     """Config fields that hold one entry per layer (they must shrink with the depth)."""
     n = cfg.num_hidden_layers
-    return [k for k in ("layer_types", "layers_block_type")
-            if isinstance(getattr(cfg, k, None), list) and len(getattr(cfg, k)) == n]
+    return [
+        k
+        for k in ("layer_types", "layers_block_type")
+        if isinstance(getattr(cfg, k, None), list) and len(getattr(cfg, k)) == n
+    ]
 
 
 def with_num_layers(cfg, num_layers: int):
@@ -161,8 +173,10 @@ def hf_config(spec: ModelSpec):
 
     if spec.path is not None:
         if not (Path(spec.path) / "config.json").is_file():
-            raise InputError(f"{spec.path} has no config.json; for a zoo model run "
-                             f"`python -m lpdiff.harness.spec.zoo build --name {spec.name}`")
+            raise InputError(
+                f"{spec.path} has no config.json; for a zoo model run "
+                f"`python -m lpdiff.harness.spec.zoo build --name {spec.name}`"
+            )
         cfg = AutoConfig.from_pretrained(spec.path)
     else:
         kw = dict(spec.config)
@@ -190,8 +204,10 @@ def load_hf_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.devic
         model = AutoModelForCausalLM.from_pretrained(spec.path, config=cfg, dtype=dtype, device_map=str(device))
     else:
         if spec.init_recipe not in INIT_RECIPES:
-            raise SpecError(f"model {spec.name}: init recipe {spec.init_recipe!r} is unknown to this lpdiff (it "
-                            f"builds {', '.join(INIT_RECIPES)}); regenerate the baseline or upgrade lpdiff")
+            raise SpecError(
+                f"model {spec.name}: init recipe {spec.init_recipe!r} is unknown to this lpdiff (it "
+                f"builds {', '.join(INIT_RECIPES)}); regenerate the baseline or upgrade lpdiff"
+            )
         cls = AutoModelForCausalLM._model_mapping[type(cfg)]
         torch.manual_seed(spec.init_seed)
         with torch.device(device):
@@ -204,6 +220,7 @@ def load_hf_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.devic
 
 
 # -- normalised MoE facts ------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True, frozen=True)
 class MoeFields:
@@ -264,31 +281,69 @@ def moe_fields(config) -> MoeFields:
     if arch == "qwen3_moe":
         step, dense = cfg.decoder_sparse_step, set(cfg.mlp_only_layers or [])
         layers = tuple(i for i in range(n) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
-        return MoeFields(moe_layers=layers, num_experts=num_experts, top_k=top_k,
-                         expert_width=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob), **base)
+        return MoeFields(
+            moe_layers=layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_width=cfg.moe_intermediate_size,
+            norm_topk_prob=bool(cfg.norm_topk_prob),
+            **base,
+        )
     if arch in ("qwen3_5_moe_text", "qwen3_next"):
-        return MoeFields(moe_layers=tuple(range(n)), num_experts=num_experts, top_k=top_k,
-                         expert_width=cfg.moe_intermediate_size, shared_width=cfg.shared_expert_intermediate_size,
-                         shared_gate=True, norm_topk_prob=True, **base)
+        return MoeFields(
+            moe_layers=tuple(range(n)),
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_width=cfg.moe_intermediate_size,
+            shared_width=cfg.shared_expert_intermediate_size,
+            shared_gate=True,
+            norm_topk_prob=True,
+            **base,
+        )
     if arch == "gpt_oss":
-        return MoeFields(moe_layers=tuple(range(n)), num_experts=num_experts, top_k=top_k,
-                         expert_width=cfg.intermediate_size, activation="swiglu_oai", gate_up_interleaved=True,
-                         experts_transposed=True, expert_bias=True, router="topk_softmax", router_bias=True,
-                         norm_topk_prob=True, swiglu_alpha=1.702,
-                         swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)), **base)
+        return MoeFields(
+            moe_layers=tuple(range(n)),
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_width=cfg.intermediate_size,
+            activation="swiglu_oai",
+            gate_up_interleaved=True,
+            experts_transposed=True,
+            expert_bias=True,
+            router="topk_softmax",
+            router_bias=True,
+            norm_topk_prob=True,
+            swiglu_alpha=1.702,
+            swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
+            **base,
+        )
     if arch == "nemotron_h":
         layers = tuple(i for i, t in enumerate(cfg.layers_block_type) if t == "moe")
         shared = cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts if cfg.n_shared_experts else 0
-        return MoeFields(moe_layers=layers, num_experts=num_experts, top_k=top_k,
-                         expert_width=cfg.moe_intermediate_size, shared_width=shared, activation="relu2",
-                         gated=False, router="sigmoid", norm_topk_prob=bool(cfg.norm_topk_prob),
-                         routed_scaling_factor=float(cfg.routed_scaling_factor), n_group=cfg.n_group,
-                         topk_group=cfg.topk_group, latent_size=cfg.moe_latent_size, **base)
-    raise NotImplementedError(f"moe_fields does not know model_type {arch!r}; supported: qwen3, qwen3_moe, "
-                              "qwen3_5_moe_text, gpt_oss, nemotron_h")
+        return MoeFields(
+            moe_layers=layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_width=cfg.moe_intermediate_size,
+            shared_width=shared,
+            activation="relu2",
+            gated=False,
+            router="sigmoid",
+            norm_topk_prob=bool(cfg.norm_topk_prob),
+            routed_scaling_factor=float(cfg.routed_scaling_factor),
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            latent_size=cfg.moe_latent_size,
+            **base,
+        )
+    raise NotImplementedError(
+        f"moe_fields does not know model_type {arch!r}; supported: qwen3, qwen3_moe, "
+        "qwen3_5_moe_text, gpt_oss, nemotron_h"
+    )
 
 
 # -- description ---------------------------------------------------------------------------------------------------
+
 
 def count_params(cfg) -> int:
     """Parameter count without allocating weights (the model is built on the meta device)."""
@@ -306,11 +361,20 @@ def describe(spec: ModelSpec) -> dict[str, Any]:
     m = moe_fields(cfg)
     text = cfg.get_text_config()
     return {
-        "name": spec.name, "arch": m.arch, "source": spec.path or f"config (seed {spec.init_seed}, {spec.init_recipe})",
-        "hidden": m.hidden, "layers": m.num_layers, "moe_layers": len(m.moe_layers),
-        "experts": m.num_experts, "top_k": m.top_k, "expert_width": m.expert_width,
-        "shared_expert": m.shared_width, "activation": m.activation,
-        "heads": text.num_attention_heads, "kv_heads": text.num_key_value_heads,
+        "name": spec.name,
+        "arch": m.arch,
+        "source": spec.path or f"config (seed {spec.init_seed}, {spec.init_recipe})",
+        "hidden": m.hidden,
+        "layers": m.num_layers,
+        "moe_layers": len(m.moe_layers),
+        "experts": m.num_experts,
+        "top_k": m.top_k,
+        "expert_width": m.expert_width,
+        "shared_expert": m.shared_width,
+        "activation": m.activation,
+        "heads": text.num_attention_heads,
+        "kv_heads": text.num_key_value_heads,
         "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        "vocab": text.vocab_size, "params": count_params(cfg),
+        "vocab": text.vocab_size,
+        "params": count_params(cfg),
     }

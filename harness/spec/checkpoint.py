@@ -4,6 +4,7 @@ keys for qwen3_moe / qwen3_5_moe and ``backbone.`` for nemotron_h; a multimodal 
 its language-model prefix, its vision tower is written too), sharded with ``model.safetensors.index.json``, so
 vLLM, SGLang and transformers load it exactly as they load the real repo.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ def checkpoint_tensors(model, cfg: dict[str, Any], seed: int = 0) -> dict[str, t
     prefix = WRAPPER_PREFIX.get((cfg.get("architectures") or [""])[0])
     if prefix is None:
         return sd
-    out = {(prefix + k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+    out = {(prefix + k[len("model.") :] if k.startswith("model.") else k): v for k, v in sd.items()}
     p = next(iter(sd.values()))
     out.update(_vision_weights(cfg, seed, p.dtype, p.device))
     return out
@@ -78,16 +79,19 @@ def write_checkpoint(model, spec: ModelSpec, out: str | Path, shard_bytes: int =
 
     built = getattr(model, "init_report", None)  # set by catalog.load_hf_model on config-built models
     if built is not None and (built["recipe"], built["seed"]) != (spec.init_recipe, spec.init_seed):
-        raise ValueError(f"write_checkpoint: the model was built with init recipe {built['recipe']} seed "
-                         f"{built['seed']}, the spec says {spec.init_recipe} seed {spec.init_seed}; engines would "
-                         "load other weights than the reference: build it with load_hf_model(spec, ...)")
+        raise ValueError(
+            f"write_checkpoint: the model was built with init recipe {built['recipe']} seed "
+            f"{built['seed']}, the spec says {spec.init_recipe} seed {spec.init_seed}; engines would "
+            "load other weights than the reference: build it with load_hf_model(spec, ...)"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hub_config_dict(spec)
     tensors = checkpoint_tensors(model, cfg, seed=spec.init_seed or 0)
     _set_dtype(cfg, next(iter(tensors.values())).dtype)
-    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=shard_bytes)
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=shard_bytes
+    )
     files = split.filename_to_tensors
     if not split.is_sharded:  # always an index, as the Hub repos have
         files = {"model-00001-of-00001.safetensors": next(iter(files.values()))}

@@ -5,6 +5,7 @@ included, travels as it is). The copy lives under ``cache_root()/cut/<identity h
 The config is cut in its own JSON (not through transformers), so the Hub's spelling (``hybrid_override_pattern``,
 ``text_config`` nesting) survives for engines that pin other transformers versions.
 """
+
 from __future__ import annotations
 
 import copy
@@ -128,11 +129,15 @@ def cut_checkpoint(src: Path, n: int, identity: dict[str, Any], root: Path) -> P
                 written.add(s)
         if weight_map is not None:
             kept_map = {k: v for k, v in weight_map.items() if kept(k, n) and v in written}
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": kept_map},
-                                                indent=2, sort_keys=True))
+            (tmp / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": kept_map}, indent=2, sort_keys=True)
+            )
         for f in src.iterdir():  # tokenizer, generation config, chat template...; never pickles
-            if f.is_file() and f.name not in ("config.json", INDEX) and f.suffix not in (".safetensors", ".bin",
-                                                                                       ".pt", ".pth", ".pkl"):
+            if (
+                f.is_file()
+                and f.name not in ("config.json", INDEX)
+                and f.suffix not in (".safetensors", ".bin", ".pt", ".pth", ".pkl")
+            ):
                 shutil.copyfile(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         try:

@@ -1,5 +1,6 @@
 """The errors that mean bad input. The CLI maps ``InputError`` (and click's own usage errors) to one line and exit
 2; every other exception is a bug in lpdiff and exits 3 with its traceback (README "Exit codes")."""
+
 from __future__ import annotations
 
 

@@ -27,6 +27,7 @@ The weights depend on forward numerics only through beta, rounded up to a power 
 its last bits on another GPU or library gives the same weights unless it sits at a grid point); the rest is the
 seeded draws and float64 arithmetic. Deterministic per seed and device type. Bump PEAKED's version with any change.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,8 +72,9 @@ def residual_writers(model: torch.nn.Module, moe) -> list[tuple[str, torch.nn.Pa
             continue
         if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "fc2_latent_proj.weight")):
             axis = 0
-        elif name.endswith(("o_proj.bias", "out_proj.bias", "down_proj.bias", "fc2_latent_proj.bias",
-                            "experts.down_proj_bias")):
+        elif name.endswith(
+            ("o_proj.bias", "out_proj.bias", "down_proj.bias", "fc2_latent_proj.bias", "experts.down_proj_bias")
+        ):
             axis = p.dim() - 1
         elif name.endswith("experts.down_proj"):
             if moe.latent_size:  # latent experts write fc2_latent_proj's input, not the residual stream
@@ -90,7 +92,7 @@ def _blocks(rows: torch.Tensor):
     """Row blocks of a (n, ..., H) view small enough for float64."""
     step = max(1, _CHUNK // max(1, rows[0].numel()))
     for i in range(0, rows.shape[0], step):
-        yield rows[i:i + step]
+        yield rows[i : i + step]
 
 
 def _representable(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +154,7 @@ def _entropy_scale(model, target: float, gen, n: int = 64) -> tuple[float, float
     lo, hi = -8.0, 12.0  # log2 t
     for _ in range(48):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ent(2 ** mid) > target else (lo, mid)
+        lo, hi = (mid, hi) if ent(2**mid) > target else (lo, mid)
     t = _snap(2 ** ((lo + hi) / 2), 16)
     return t, ent(t)
 
@@ -236,8 +238,8 @@ def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) 
     probe.run(model, ids)
     c_sq = (codes[ids.flatten()].double() ** 2).sum(-1)
     # token t at layer l: kappa_t = beta / rms(h_t), rms(h_t)^2 = sigma^2 + beta^2 |c_t|^2 / H + branch_t^2
-    branch_sq = max(float(((beta0 / kap) ** 2 - sigma ** 2 - beta0 ** 2 * c_sq / H).mean()) for kap in probe.kappa)
-    beta = _snap(math.sqrt((sigma ** 2 + max(branch_sq, 0.0)) / (1 / kappa ** 2 - code_sq / H)), 2, up=True)
+    branch_sq = max(float(((beta0 / kap) ** 2 - sigma**2 - beta0**2 * c_sq / H).mean()) for kap in probe.kappa)
+    beta = _snap(math.sqrt((sigma**2 + max(branch_sq, 0.0)) / (1 / kappa**2 - code_sq / H)), 2, up=True)
     set_embedding(beta)
     del base
 
@@ -264,8 +266,19 @@ def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) 
     kappas = [float(k_.median()) for k_ in check.kappa]
     for i, (kap, leak) in enumerate(zip(kappas, check.leak)):
         if not kap > 0 or leak > 0.1:  # bf16 rounding of the hidden state is ~1e-3 of a code unit at kappa
-            raise RuntimeError(f"{PEAKED}: the token code reaches MoE layer {moe.moe_layers[i]} with code unit "
-                               f"{kap:.3g} and {leak:.0%} leakage: a weight that writes the residual stream is not "
-                               "projected off it (residual_writers knows o_proj/out_proj/down_proj/fc2_latent_proj)")
-    return {"recipe": PEAKED, "beta": beta, "sigma": sigma, "kappa_target": kappa, "kappa": kappas,
-            "leakage": check.leak, "lm_head_scale": t, "entropy": entropy, "seconds": time.perf_counter() - t0}
+            raise RuntimeError(
+                f"{PEAKED}: the token code reaches MoE layer {moe.moe_layers[i]} with code unit "
+                f"{kap:.3g} and {leak:.0%} leakage: a weight that writes the residual stream is not "
+                "projected off it (residual_writers knows o_proj/out_proj/down_proj/fc2_latent_proj)"
+            )
+    return {
+        "recipe": PEAKED,
+        "beta": beta,
+        "sigma": sigma,
+        "kappa_target": kappa,
+        "kappa": kappas,
+        "leakage": check.leak,
+        "lm_head_scale": t,
+        "entropy": entropy,
+        "seconds": time.perf_counter() - t0,
+    }

@@ -7,6 +7,7 @@ attention, mamba, shared expert, ...) in any layout. Everything else stays byte-
 and tests/test_hybrid_groups.py check each one against PEFT's ``merge_and_unload`` (only the intended weights
 move).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,10 @@ WEIGHTS = "adapter_model.safetensors"
 def _expert_b_keys(state: dict[str, torch.Tensor]) -> list[str]:
     keys = [k for k in state if ".experts." in k and k.endswith("lora_B.weight")]
     if not keys:
-        raise InputError("adapter has no stacked 3D expert LoRA (PEFT target_parameters); convert it with "
-                         "`lpdiff adapters convert --to peft3d` first")
+        raise InputError(
+            "adapter has no stacked 3D expert LoRA (PEFT target_parameters); convert it with "
+            "`lpdiff adapters convert --to peft3d` first"
+        )
     return keys
 
 
@@ -50,9 +53,11 @@ def _mutate(src: str | Path, dst: str | Path, fn: Callable[[torch.Tensor, int], 
 
 def zero_expert(src, dst, expert: int = 0) -> Path:
     """Expert ``expert``'s LoRA silently dropped (as when an engine skips weights it cannot map)."""
+
     def fn(b, r):
         b[:, :, expert] = 0
         return b
+
     return _mutate(src, dst, fn)
 
 
@@ -87,5 +92,9 @@ def drop_group(src, dst, group: str) -> Path:
     return dst
 
 
-MUTATIONS = {"zero_expert": zero_expert, "scale_experts": scale_experts, "permute_experts": permute_experts,
-             "drop_group": drop_group}
+MUTATIONS = {
+    "zero_expert": zero_expert,
+    "scale_experts": scale_experts,
+    "permute_experts": permute_experts,
+    "drop_group": drop_group,
+}

@@ -3,6 +3,7 @@ model's own tokenizer, or ``{"messages": [...]}`` through its chat template) or 
 ``hf://datasets/ORG/NAME[@REV]`` read with ``datasets.load_dataset`` (split, column, count, seed). Every prompt is
 checked against the model (vocabulary, at least two tokens, max_position_embeddings) and a bad one is one SpecError
 naming its line or row."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,19 @@ from lpdiff.harness.spec.errors import SpecError
 
 KINDS = ("token_ids", "text", "messages")
 _COLUMNS = ("token_ids", "input_ids", "messages", "text", "prompt", "question", "content")
-DATA_FILES = ["*.parquet", "*.jsonl", "*.json", "*.csv", "*.txt", "*.arrow", "**/*.parquet", "**/*.jsonl",
-              "**/*.json", "**/*.csv", "README.md"]
+DATA_FILES = [
+    "*.parquet",
+    "*.jsonl",
+    "*.json",
+    "*.csv",
+    "*.txt",
+    "*.arrow",
+    "**/*.parquet",
+    "**/*.jsonl",
+    "**/*.json",
+    "**/*.csv",
+    "README.md",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,8 +46,9 @@ class PromptSource:
         if self.count is not None and self.count < 1:
             raise SpecError(f"--prompts-count must be >= 1, got {self.count}")
         if not self.is_hub and not str(self.path).endswith(".jsonl"):
-            raise SpecError(f"--prompts {self.path!r}: give a .jsonl file (one JSON object a line) or "
-                            "hf://datasets/ORG/NAME[@REV]")
+            raise SpecError(
+                f"--prompts {self.path!r}: give a .jsonl file (one JSON object a line) or hf://datasets/ORG/NAME[@REV]"
+            )
 
     @property
     def is_hub(self) -> bool:
@@ -67,9 +80,10 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise SpecError(f"{path} line {line}: not UTF-8 text (byte {e.start}: "
-                        f"{e.reason}); save the file as UTF-8") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise SpecError(
+            f"{path} line {line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
+        ) from None
     for i, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 inside a JSON string is no line end
         if not line.strip():
             continue
@@ -84,7 +98,7 @@ def _dataset(src: PromptSource) -> Iterator[tuple[str, Any]]:
 
     from lpdiff.harness.spec.sources import parse_hub, snapshot
 
-    ref = parse_hub(src.path[len("hf://"):] if src.path.startswith("hf://datasets/") else "")
+    ref = parse_hub(src.path[len("hf://") :] if src.path.startswith("hf://datasets/") else "")
     if ref is None or ref.repo_type != "dataset":
         raise SpecError(f"--prompts {src.path!r}: expected hf://datasets/ORG/NAME[@REV]")
     snap = snapshot(ref, DATA_FILES)
@@ -94,22 +108,31 @@ def _dataset(src: PromptSource) -> Iterator[tuple[str, Any]]:
         raise SpecError(f"{ref.label}: {str(e).splitlines()[0]} (--prompts-split)") from None
     column = src.column or next((c for c in _COLUMNS if c in ds.column_names), None)
     if column not in ds.column_names:
-        raise SpecError(f"{ref.label} split {src.split!r} has no column {column!r}; columns: "
-                        f"{', '.join(ds.column_names)} (--prompts-column)")
+        raise SpecError(
+            f"{ref.label} split {src.split!r} has no column {column!r}; columns: "
+            f"{', '.join(ds.column_names)} (--prompts-column)"
+        )
     if src.seed is not None:
         ds = ds.shuffle(seed=src.seed)
     if src.count is not None:
         ds = ds.select(range(min(src.count, len(ds))))
     for i, value in enumerate(ds[column]):
-        kind = ("messages" if isinstance(value, list) and value and isinstance(value[0], dict)
-                else "token_ids" if isinstance(value, list) else "text")
+        kind = (
+            "messages"
+            if isinstance(value, list) and value and isinstance(value[0], dict)
+            else "token_ids"
+            if isinstance(value, list)
+            else "text"
+        )
         yield f"{ref.label} split {src.split!r} row {i}", {kind: value}
 
 
 def _tokenizer(model: ModelText, where: str, kind: str):
     if model.tokenizer_dir is None:
-        raise SpecError(f"{where}: {kind} prompts need the model's tokenizer and {model.name} has no tokenizer "
-                        "files; give token_ids")
+        raise SpecError(
+            f"{where}: {kind} prompts need the model's tokenizer and {model.name} has no tokenizer "
+            "files; give token_ids"
+        )
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model.tokenizer_dir)
@@ -118,8 +141,10 @@ def _tokenizer(model: ModelText, where: str, kind: str):
 def _no_surrogates(text: str, where: str) -> None:
     bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
     if bad is not None:  # JSON's "\ud800" escape: a lone surrogate, which no tokenizer (nor UTF-8) can encode
-        raise SpecError(f"{where}: text holds a lone surrogate (U+{ord(text[bad]):04X} at character {bad}), which "
-                        "is not a character; fix the \\u escape (a pair such as \\ud83d\\ude00 is one emoji)")
+        raise SpecError(
+            f"{where}: text holds a lone surrogate (U+{ord(text[bad]):04X} at character {bad}), which "
+            "is not a character; fix the \\u escape (a pair such as \\ud83d\\ude00 is one emoji)"
+        )
 
 
 def _ids(record: Any, where: str, model: ModelText, tok: list) -> list[int]:
@@ -137,7 +162,7 @@ def _ids(record: Any, where: str, model: ModelText, tok: list) -> list[int]:
         _no_surrogates(value, where)
         return list(tok[0](value)["input_ids"])
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
-        raise SpecError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        raise SpecError(f'{where}: messages must be a list of {{"role": ..., "content": ...}} objects')
     for text in (v for m in value for v in m.values() if isinstance(v, str)):
         _no_surrogates(text, where)
     if not getattr(tok[0], "chat_template", None):
@@ -156,7 +181,7 @@ def load_prompts(src: PromptSource, model: ModelText) -> list[list[int]]:
     records = _dataset(src) if src.is_hub else _jsonl(Path(src.path))
     out = [check_prompt(_ids(rec, where, model, tok), where, model) for where, rec in records]
     if not src.is_hub and src.count is not None:
-        out = out[:src.count]
+        out = out[: src.count]
     if not out:
         raise SpecError(f"--prompts {src.path}: no prompts")
     return out

@@ -7,6 +7,7 @@ differ within a set on purpose: engines must handle ragged batches. Full-size ca
 (every id is < 1024, valid in any of their vocabularies); their random weights do not care what the ids mean. A
 checkpoint with its own tokenizer gets the same windows of the same text cut with that tokenizer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,9 +88,11 @@ def _window(streams: tuple[tuple[int, ...], ...], i: int, start: int, n: int, na
             break
         ids = ids + streams[(i + j) % len(streams)]
     if start + n > len(ids):
-        raise InputError(f"the held-out text is too short for set {name!r}: {n} tokens from {start} of "
-                         f"{len(ids)} (harness/data/heldout.txt)")
-    return list(ids[start:start + n])
+        raise InputError(
+            f"the held-out text is too short for set {name!r}: {n} tokens from {start} of "
+            f"{len(ids)} (harness/data/heldout.txt)"
+        )
+    return list(ids[start : start + n])
 
 
 def named_prompts(name: str = "default", tokenizer: str | Path | None = None) -> list[list[int]]:
@@ -100,8 +103,11 @@ def named_prompts(name: str = "default", tokenizer: str | Path | None = None) ->
     if name == "rl":
         return rl_prompts(RL_NAMED_MAX, tokenizer=tokenizer)
     if name not in SETS:
-        raise UnknownName(f"unknown prompt set {name!r}; known sets: "
-                          + ", ".join(f"{k} ({v.why})" for k, v in SETS.items()) + f", rl ({RL_WHY})")
+        raise UnknownName(
+            f"unknown prompt set {name!r}; known sets: "
+            + ", ".join(f"{k} ({v.why})" for k, v in SETS.items())
+            + f", rl ({RL_WHY})"
+        )
     spec = SETS[name]
     streams = _streams(None if same_as_zoo(tokenizer) else str(Path(tokenizer).resolve()))
     return [_window(streams, i, spec.start + (i // len(streams)) * n, n, name) for i, n in enumerate(spec.lengths)]
@@ -138,10 +144,12 @@ def rl_lengths(max_len: int, step: int | None = None) -> list[int]:
         raise InputError(f"max_len {max_len} is below the shortest RL prompt ({RL_LENGTHS[0]} tokens)")
     if step is not None and max(lengths) <= step:
         if past_step(step) > max_len:
-            raise InputError(f"no prompt of at most {max_len} tokens (the model's or engine's max_model_len) crosses "
-                             f"a prefill step of {step} tokens: lower the engine's step (e.g. vLLM "
-                             f"max_num_batched_tokens, SGLang chunked_prefill_size, triton/hf max_batch_tokens) or "
-                             f"raise max_model_len")
+            raise InputError(
+                f"no prompt of at most {max_len} tokens (the model's or engine's max_model_len) crosses "
+                f"a prefill step of {step} tokens: lower the engine's step (e.g. vLLM "
+                f"max_num_batched_tokens, SGLang chunked_prefill_size, triton/hf max_batch_tokens) or "
+                f"raise max_model_len"
+            )
         lengths[-1] = past_step(step)
     ordered, lo, hi = [], 0, len(lengths) - 1
     while lo <= hi:
@@ -164,14 +172,16 @@ def template_ids(tok, prompt: str) -> list[int]:
     """The ids of a chat prompt before its response: the tokenizer's chat template (user turn, generation prompt)
     where it has one, else PLAIN_TEMPLATE tokenized without special tokens."""
     if getattr(tok, "chat_template", None):
-        out = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                      add_generation_prompt=True, return_dict=False)
+        out = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
         return list(out["input_ids"] if hasattr(out, "keys") else out)
     return list(tok.encode(PLAIN_TEMPLATE.format(prompt=prompt), add_special_tokens=False))
 
 
-def rl_prompts(max_len: int, step: int | None = None, tokenizer: str | Path | None = None,
-               kinds: bool = False) -> list[list[int]] | tuple[list[list[int]], list[str]]:
+def rl_prompts(
+    max_len: int, step: int | None = None, tokenizer: str | Path | None = None, kinds: bool = False
+) -> list[list[int]] | tuple[list[list[int]], list[str]]:
     """RL-like prompts of rl_lengths(max_len, step) tokens, each exactly that long: every other one (the longest
     first) a rollout as the trainer scores it — a chat-templated question (template_ids) followed by its response's
     ids, ending in the tokenizer's EOS — the others raw token ids (a window of held-out text), as RL stacks hand
@@ -192,7 +202,7 @@ def rl_prompts(max_len: int, step: int | None = None, tokenizer: str | Path | No
                 head = template_ids(tok, tok.decode(window[:q]))
                 room = n - len(head) - (eos is not None)
                 if room >= 1:
-                    ids = head + window[q:q + room] + ([eos] if eos is not None else [])
+                    ids = head + window[q : q + room] + ([eos] if eos is not None else [])
                 q //= 2
         out.append(ids if ids is not None else window)
         what.append("chat" if ids is not None else "raw")

@@ -5,6 +5,7 @@ name, a local PEFT directory or a Hub model/dataset repo ``[hf://datasets/]ORG/N
 built-in set, a JSONL file or ``hf://datasets/ORG/NAME[@REV]`` (``PromptSource``). Everything that can be wrong
 with them is found here, before any engine starts or anything is written, as one SpecError.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ class Resolved:
 
 # -- models --------------------------------------------------------------------------------------------------------
 
+
 def _model_type(path: Path, what: str) -> str:
     try:
         config = json.loads((path / "config.json").read_text())
@@ -78,8 +80,10 @@ def resolve_model(model: str, num_layers: int | None = None, weights: bool = Tru
         return _cut(ModelSpec(name=str(path), arch=arch, path=str(path), source=source), num_layers, weights)
     ref = src.parse_hub(model)
     if ref is None or ref.repo_type != "model":
-        raise SpecError(f"unknown model {model!r}: not a catalog model ({', '.join(known_models())}), not a "
-                        "directory, not a Hub model id ORG/NAME[@REV]")
+        raise SpecError(
+            f"unknown model {model!r}: not a catalog model ({', '.join(known_models())}), not a "
+            "directory, not a Hub model id ORG/NAME[@REV]"
+        )
     snap = src.snapshot(ref, src.CONFIG_FILES + (src.WEIGHT_FILES if weights else []))
     if not (snap.path / "config.json").is_file():
         raise SpecError(f"{ref.label} has no config.json at commit {snap.commit[:12]}: not a transformers model")
@@ -111,6 +115,7 @@ def _config(spec: ModelSpec):
 
 
 # -- adapters ------------------------------------------------------------------------------------------------------
+
 
 def _hub_adapter(ref: src.HubRef, text: str) -> tuple[Path, str]:
     """-> (adapter folder in the snapshot, its name: the subfolder's, else the repo's)."""
@@ -147,8 +152,10 @@ def _adapter(text: str, model: str, zoo: dict[str, AdapterSpec]) -> tuple[Adapte
     ref = src.parse_hub(text)
     if ref is None:
         known = f"a zoo adapter of {model} ({', '.join(sorted(zoo))}), " if zoo else ""
-        raise SpecError(f"model {model!r} has no adapter {text!r}: give {known}a PEFT adapter directory or a Hub "
-                        "repo [hf://datasets/]ORG/NAME[@REV][/SUBDIR]")
+        raise SpecError(
+            f"model {model!r} has no adapter {text!r}: give {known}a PEFT adapter directory or a Hub "
+            "repo [hf://datasets/]ORG/NAME[@REV][/SUBDIR]"
+        )
     path, name = _hub_adapter(ref, text)
     return AdapterSpec(name, str(path)), False
 
@@ -171,11 +178,13 @@ def _adapters(model: str, asked: Sequence[str] | None) -> tuple[dict[str, Adapte
 
 # -- prompts -------------------------------------------------------------------------------------------------------
 
+
 def _model_text(spec: ModelSpec, config) -> ModelText:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     has_tok = spec.path is not None and any((Path(spec.path) / f).is_file() for f in _TOKENIZER_FILES)
-    return ModelText(spec.name, int(text.vocab_size), getattr(text, "max_position_embeddings", None),
-                     spec.path if has_tok else None)
+    return ModelText(
+        spec.name, int(text.vocab_size), getattr(text, "max_position_embeddings", None), spec.path if has_tok else None
+    )
 
 
 def _prompts(prompts: str | PromptSource, spec: ModelSpec, config, catalog: bool) -> list[list[int]]:
@@ -193,8 +202,13 @@ def _prompts(prompts: str | PromptSource, spec: ModelSpec, config, catalog: bool
     return ids
 
 
-def resolve(model: str, adapters: Sequence[str] | None = None, prompts: str | PromptSource = "default",
-            num_layers: int | None = None, weights: bool = True) -> Resolved:
+def resolve(
+    model: str,
+    adapters: Sequence[str] | None = None,
+    prompts: str | PromptSource = "default",
+    num_layers: int | None = None,
+    weights: bool = True,
+) -> Resolved:
     """``adapters`` None = every committed adapter of a zoo model (none for other models). ``weights`` False:
     the model's config and tokenizer suffice (doctor, adapters convert, capability checks)."""
     from lpdiff.harness.spec.catalog import known_models

@@ -10,6 +10,7 @@ reference run with an engine's expert choices, so that a comparison excludes rou
 
 transformers 5.17's routers (Qwen3MoeTopKRouter, Qwen3_5MoeTopKRouter, GptOssTopKRouter, NemotronHTopkRouter)
 all return ``(router_logits, top-k weights, top-k indices)``; a hook's return value replaces that output."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -76,12 +77,14 @@ def forced_ids(routing: Sequence[np.ndarray], seq: int, num_layers: int, device)
     ks = {np.asarray(r).shape[2] for r in routing if np.asarray(r).ndim == 3}
     bad = [i for i, r in enumerate(routing) if np.asarray(r).ndim != 3 or np.asarray(r).shape[1] != num_layers]
     if bad or len(ks) != 1:
-        raise ValueError(f"routing replay needs (tokens, {num_layers} MoE layers, top_k) expert ids per prompt; "
-                         f"prompt {bad[0] if bad else 0} has shape {np.asarray(routing[bad[0] if bad else 0]).shape}")
+        raise ValueError(
+            f"routing replay needs (tokens, {num_layers} MoE layers, top_k) expert ids per prompt; "
+            f"prompt {bad[0] if bad else 0} has shape {np.asarray(routing[bad[0] if bad else 0]).shape}"
+        )
     k = ks.pop()
     out = np.full((len(routing), seq, num_layers, k), -1, dtype=np.int64)
     for i, r in enumerate(routing):
-        out[i, :len(r)] = r
+        out[i, : len(r)] = r
     t = torch.from_numpy(out.reshape(len(routing) * seq, num_layers, k)).to(device)
     return [t[:, layer] for layer in range(num_layers)]
 
@@ -116,8 +119,10 @@ class RouterMarginRecorder:
         if self._forced is not None:
             forced = self._forced[layer]
             if forced.shape != ids.shape:
-                raise ValueError(f"routing replay: MoE layer {layer} routes {tuple(ids.shape)} (tokens, top_k), the "
-                                 f"forced ids are {tuple(forced.shape)}")
+                raise ValueError(
+                    f"routing replay: MoE layer {layer} routes {tuple(ids.shape)} (tokens, top_k), the "
+                    f"forced ids are {tuple(forced.shape)}"
+                )
             ids = torch.where(forced[:, :1] < 0, ids, forced)
             weights = replay_weights(module, flat, ids)
             replaced = (logits, weights, ids)
@@ -139,9 +144,11 @@ class RouterMarginRecorder:
         layers = [self._caught[i] for i in range(self.num_routers)]
         ids, margins, weights = (torch.stack([c[j] for c in layers], dim=1) for j in range(3))
         k = ids.shape[-1]
-        return (ids.reshape(batch, seq, -1, k).to(torch.int32).cpu().numpy(),
-                margins.reshape(batch, seq, -1).float().cpu().numpy(),
-                weights.reshape(batch, seq, -1, k).cpu().numpy())
+        return (
+            ids.reshape(batch, seq, -1, k).to(torch.int32).cpu().numpy(),
+            margins.reshape(batch, seq, -1).float().cpu().numpy(),
+            weights.reshape(batch, seq, -1, k).cpu().numpy(),
+        )
 
     def stop(self, batch: int, seq: int) -> np.ndarray | None:
         """-> (batch, seq) smallest margin per token, or None for a model without routers."""

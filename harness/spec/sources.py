@@ -6,6 +6,7 @@ are read at each call, not when huggingface_hub was imported (transformers impor
 A Hub source is identified by repo + commit (hashing a 60 GB snapshot every run would cost minutes); a local
 directory by its content hash, cached per (path, file sizes, mtimes) so it is computed once.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,8 +64,9 @@ class HubRef:
         return cmd + (f" --revision {self.revision}" if self.revision else "")
 
     def other_kind(self) -> HubRef:
-        return HubRef(self.repo_id, self.revision, "dataset" if self.repo_type == "model" else "model",
-                      self.subfolder, True)
+        return HubRef(
+            self.repo_id, self.revision, "dataset" if self.repo_type == "model" else "model", self.subfolder, True
+        )
 
 
 def parse_hub(text: str) -> HubRef | None:
@@ -97,29 +99,47 @@ def snapshot(ref: HubRef, allow_patterns: list[str] | None) -> Snapshot:
 
     offline = hub_offline()
     constants.HF_HUB_OFFLINE = offline
-    patterns = None if allow_patterns is None else [f"{ref.subfolder}/{p}" if ref.subfolder else p
-                                                      for p in allow_patterns]
+    patterns = (
+        None if allow_patterns is None else [f"{ref.subfolder}/{p}" if ref.subfolder else p for p in allow_patterns]
+    )
     fetch = f"fetch it with `{ref.fetch_command()}`"
     try:
-        path = Path(snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=ref.revision,
-                                      cache_dir=str(hub_cache()), allow_patterns=patterns,
-                                      local_files_only=offline))  # offline: even a commit hash asks no server
+        path = Path(
+            snapshot_download(
+                ref.repo_id,
+                repo_type=ref.repo_type,
+                revision=ref.revision,
+                cache_dir=str(hub_cache()),
+                allow_patterns=patterns,
+                local_files_only=offline,
+            )
+        )  # offline: even a commit hash asks no server
     except RevisionNotFoundError:
-        raise SpecError(f"{ref.label}: no revision {ref.revision!r} (a branch, tag or commit of the repo); "
-                        f"pass an existing one, e.g. `{HubRef(ref.repo_id, None, ref.repo_type).fetch_command()}` "
-                        "fetches main") from None
+        raise SpecError(
+            f"{ref.label}: no revision {ref.revision!r} (a branch, tag or commit of the repo); "
+            f"pass an existing one, e.g. `{HubRef(ref.repo_id, None, ref.repo_type).fetch_command()}` "
+            "fetches main"
+        ) from None
     except RepositoryNotFoundError:
-        raise SpecError(f"{ref.label} not found on the Hub (or private/gated: log in with `hf auth login`); "
-                        f"check the id, then {fetch}") from None
+        raise SpecError(
+            f"{ref.label} not found on the Hub (or private/gated: log in with `hf auth login`); "
+            f"check the id, then {fetch}"
+        ) from None
     except IncompleteSnapshotError as e:
         missing = str(e).split("are missing (")[-1].split(")")[0] if "are missing (" in str(e) else "some files"
-        raise SpecError(f"{ref.label}: the cached snapshot lacks {missing} (cache {hub_cache()}); {fetch}"
-                        + (" (with HF_HUB_OFFLINE unset)" if offline else "")) from None
+        raise SpecError(
+            f"{ref.label}: the cached snapshot lacks {missing} (cache {hub_cache()}); {fetch}"
+            + (" (with HF_HUB_OFFLINE unset)" if offline else "")
+        ) from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        why = ("is not in the HF cache and HF_HUB_OFFLINE is set" if offline
-               else f"could not be fetched ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-        raise SpecError(f"{ref.label} {why} (cache {hub_cache()}); {fetch}"
-                        + (" (with HF_HUB_OFFLINE unset)" if offline else "")) from None
+        why = (
+            "is not in the HF cache and HF_HUB_OFFLINE is set"
+            if offline
+            else f"could not be fetched ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        )
+        raise SpecError(
+            f"{ref.label} {why} (cache {hub_cache()}); {fetch}" + (" (with HF_HUB_OFFLINE unset)" if offline else "")
+        ) from None
     commit = path.name
     if ref.subfolder:
         path = path / ref.subfolder
@@ -138,6 +158,7 @@ def missing_weights(path: Path) -> list[str]:
 
 
 # -- local directories -------------------------------------------------------------------------------------------
+
 
 def _stat_list(path: Path) -> list[list]:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in HASHED_SUFFIXES)
@@ -172,7 +193,10 @@ def checkpoint_dir(path: Path, what: str, need: str) -> Path:
     if not path.is_dir():
         raise SpecError(f"{what} {str(path)!r} is not a directory")
     if not (path / need).is_file():
-        kind = "a Hugging Face checkpoint directory (config.json + *.safetensors)" if need == "config.json" \
+        kind = (
+            "a Hugging Face checkpoint directory (config.json + *.safetensors)"
+            if need == "config.json"
             else "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)"
+        )
         raise SpecError(f"{what} directory {str(path)!r} has no {need}; give {kind}")
     return path

@@ -1,6 +1,7 @@
 """Exact adapter transformations: each returns an adapter that must give the same logprobs as the original
 (canonical form: W' = W + scaling * B @ A), or a known change of them (zero B, negated B, rounding-sized moves).
 Metamorphic relations serve them to an engine and compare it with itself."""
+
 from __future__ import annotations
 
 import json
@@ -12,20 +13,32 @@ import torch
 from lpdiff.harness.spec.adapters import CanonicalAdapter, ModelLayout, peft_scaling
 from lpdiff.harness.spec.errors import InputError
 
+
 def _with(ad: CanonicalAdapter, fn, alpha: float | None = None) -> CanonicalAdapter:
     """A copy with every entry replaced by fn(name, A, B) -> (A, B) (experts: (E, r, in) / (E, out, r))."""
     alpha = ad.alpha if alpha is None else alpha
-    return CanonicalAdapter(ad.rank, alpha, ad.use_rslora, peft_scaling(alpha, ad.rank, ad.use_rslora),
-                            {n: fn(n, a, b) for n, (a, b) in ad.dense.items()},
-                            {n: fn(n, a, b) for n, (a, b) in ad.experts.items()}, dict(ad.config), ad.layout)
+    return CanonicalAdapter(
+        ad.rank,
+        alpha,
+        ad.use_rslora,
+        peft_scaling(alpha, ad.rank, ad.use_rslora),
+        {n: fn(n, a, b) for n, (a, b) in ad.dense.items()},
+        {n: fn(n, a, b) for n, (a, b) in ad.experts.items()},
+        dict(ad.config),
+        ad.layout,
+    )
 
 
 def pad_rank(ad: CanonicalAdapter, rank: int) -> CanonicalAdapter:
     """Zero rows of A and zero columns of B up to ``rank`` (save_canonical then scales alpha to keep scaling)."""
+
     def fn(name, a, b):
         extra = rank - a.shape[-2]
-        return (torch.cat([a, a.new_zeros(*a.shape[:-2], extra, a.shape[-1])], -2),
-                torch.cat([b, b.new_zeros(*b.shape[:-1], extra)], -1))
+        return (
+            torch.cat([a, a.new_zeros(*a.shape[:-2], extra, a.shape[-1])], -2),
+            torch.cat([b, b.new_zeros(*b.shape[:-1], extra)], -1),
+        )
+
     return _with(ad, fn)
 
 
@@ -41,6 +54,7 @@ def reparametrise(ad: CanonicalAdapter, seed: int = 0, spread: float = 2.0) -> C
         s = spread ** (2 * torch.rand(*lead, 1, r, generator=g, dtype=torch.float64) - 1)
         m = q * s
         return ((m @ a.double()).to(a.dtype), (b.double() @ torch.linalg.inv(m)).to(b.dtype))
+
     return _with(ad, fn)
 
 
@@ -65,6 +79,7 @@ def rerounded(ad: CanonicalAdapter, rel: float, seed: int = 0) -> CanonicalAdapt
 
     def jitter(t):
         return t * (1 + rel * (2 * torch.rand(t.shape, generator=g, dtype=torch.float64) - 1)).to(t.dtype)
+
     return _with(ad, lambda n, a, b: (jitter(a), jitter(b)))
 
 
@@ -72,6 +87,7 @@ def shared_outer(ad: CanonicalAdapter, layout: ModelLayout) -> CanonicalAdapter:
     """The shared-outer form at rank E·r, exact for any adapter: the input-side projection (gate_up / up) gets one
     A for all experts (every expert's A stacked) and a block-diagonal B; down_proj gets one B for all experts and
     a block-structured A. Dense entries are zero-padded to the new rank when written."""
+
     def fn(name, a, b):
         if name not in ad.experts:
             return a, b
@@ -84,6 +100,7 @@ def shared_outer(ad: CanonicalAdapter, layout: ModelLayout) -> CanonicalAdapter:
         a_shared = a.reshape(E * r, a.shape[-1])
         b_big = (eye[:, None, :, None] * b[:, :, None]).reshape(E, b.shape[1], E * r)
         return a_shared.expand(E, -1, -1).clone(), b_big
+
     return _with(ad, fn)
 
 
@@ -105,6 +122,7 @@ def split_gate_up(ad: CanonicalAdapter, layout: ModelLayout, seed: int = 0) -> C
         r = b.shape[2]
         b2[:, gate, :r], b2[:, up, r:] = b[:, gate], b[:, up]
         return torch.cat([a, a_up], 1), b2
+
     return _with(ad, fn)
 
 
@@ -121,14 +139,16 @@ def strip_zero_rank(src: str | Path, dst: str | Path) -> Path:
     for key in tensors:
         if not key.endswith("lora_A.weight"):
             continue
-        bkey = key[:-len("lora_A.weight")] + "lora_B.weight"
+        bkey = key[: -len("lora_A.weight")] + "lora_B.weight"
         a, b = tensors[key], tensors[bkey]
         keep = (a.abs().sum(1) > 0) & (b.abs().sum(0) > 0)
         kept.add(int(keep.sum()))
         out[key], out[bkey] = a[keep].contiguous(), b[:, keep].contiguous()
     if len(kept) != 1:
-        raise InputError(f"{src}: modules keep different numbers of non-zero rank components {sorted(kept)}; one "
-                         "rank per adapter file cannot hold them")
+        raise InputError(
+            f"{src}: modules keep different numbers of non-zero rank components {sorted(kept)}; one "
+            "rank per adapter file cannot hold them"
+        )
     (new,) = kept
     old_scaling = peft_scaling(cfg["lora_alpha"], cfg["r"], cfg.get("use_rslora", False))
     alpha = cfg["lora_alpha"] * (math.sqrt(new / cfg["r"]) if cfg.get("use_rslora") else new / cfg["r"])
@@ -139,5 +159,3 @@ def strip_zero_rank(src: str | Path, dst: str | Path) -> Path:
     cfg.update(r=new, lora_alpha=alpha)
     (dst / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return dst
-
-

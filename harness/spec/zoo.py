@@ -27,6 +27,7 @@ Recipe (seeded; the committed weights are the source of truth, a rebuild on anot
 Files: zoo_data.py (corpus, held-out text, tokenizer), zoo_configs.py (the configs and their init), zoo_train.py
 (training and conditioning), zoo_measure.py (the measured properties); this one builds, saves and runs the commands.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,10 +77,20 @@ def build_one(name: str, stream: torch.Tensor, tc: TrainConfig, out: Path) -> di
 
     t0 = time.time()
     model, log = train(name, stream, tc)
-    info = {"name": name, "train": asdict(tc), "seq_len": SEQ_LEN, "corpus_tokens": stream.numel(), "log": log,
-            "build_s": round(time.time() - t0, 1), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "recipe": RECIPE}
+    info = {
+        "name": name,
+        "train": asdict(tc),
+        "seq_len": SEQ_LEN,
+        "corpus_tokens": stream.numel(),
+        "log": log,
+        "build_s": round(time.time() - t0, 1),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "recipe": RECIPE,
+    }
     save(out, model, info)
     print(f"[{name}] saved to {out} in {info['build_s']}s", flush=True)
     return info

@@ -1,5 +1,6 @@
 """The zoo's text: the training corpus (the running Python's top-level stdlib modules), the committed held-out
 modules the prompt sets are cut from, and the byte-level BPE tokenizer trained on the corpus (recipe: zoo.py)."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,16 @@ HELDOUT = DATA_DIR / "heldout.txt"
 VOCAB = 1024
 EOS = "<|endoftext|>"
 # Held out of training: their text is committed and the prompt sets are cut from it.
-HELDOUT_MODULES = ("bisect.py", "colorsys.py", "fractions.py", "graphlib.py", "queue.py", "sched.py", "shlex.py",
-                   "textwrap.py")
+HELDOUT_MODULES = (
+    "bisect.py",
+    "colorsys.py",
+    "fractions.py",
+    "graphlib.py",
+    "queue.py",
+    "sched.py",
+    "shlex.py",
+    "textwrap.py",
+)
 # Not prose or code a model can learn from (generated tables, rot13, machine-specific data).
 SKIPPED_MODULES = ("__hello__.py", "antigravity.py", "stringprep.py", "this.py")
 DOC_SEPARATOR = "\n# ==== {name} ====\n"
@@ -61,8 +70,12 @@ def build_tokenizer(docs: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(docs, trainer=trainer)
     assert tok.get_vocab_size() == VOCAB and tok.token_to_id(EOS) == 0
     TOKENIZER_DIR.mkdir(parents=True, exist_ok=True)
@@ -82,9 +95,18 @@ def save_tokenizer(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if out.resolve() != TOKENIZER_DIR.resolve():
         shutil.copyfile(TOKENIZER_DIR / "tokenizer.json", out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
-         "model_max_length": 1024}, indent=1) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "pad_token": EOS,
+                "model_max_length": 1024,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def token_stream(tok) -> torch.Tensor:

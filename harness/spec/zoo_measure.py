@@ -1,5 +1,6 @@
 """What the zoo's models are measured by (docs/zoo.md's table): entropy vs log V, router margins vs bf16 rounding
 and measured bf16 noise, and bf16-vs-fp32 logprob noise on a prompt set."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ def forward_stats(model, prompts: list[list[int]]) -> dict:
     lens = torch.tensor([len(p) for p in prompts], device=device)
     ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64, device=device)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p, device=device)
+        ids[i, : len(p)] = torch.tensor(p, device=device)
     real = torch.arange(ids.shape[1], device=device)[None] < lens[:, None]  # (B, T)
     tap = RouterTap(model)
     try:
@@ -65,10 +66,16 @@ def measure(name: str, set_name: str = "default", path: Path | None = None) -> d
     d = b16["logprobs"] - f32["logprobs"]
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     out = {
-        "name": name, "prompt_set": set_name, "positions": int(d.numel()), "params": n_params, "vocab": vocab,
-        "log_v": math.log(vocab), "entropy_mean": float(f32["entropy"].mean()),
+        "name": name,
+        "prompt_set": set_name,
+        "positions": int(d.numel()),
+        "params": n_params,
+        "vocab": vocab,
+        "log_v": math.log(vocab),
+        "entropy_mean": float(f32["entropy"].mean()),
         "nll_mean": float(-f32["logprobs"].mean()),
-        "bf16_k2": float(0.5 * (d ** 2).mean()), "bf16_max_abs": float(d.abs().max()),
+        "bf16_k2": float(0.5 * (d**2).mean()),
+        "bf16_max_abs": float(d.abs().max()),
     }
     if f32["routers"]:
         margins, ratios, noise, flips, load = [], [], [], [], []
@@ -83,22 +90,28 @@ def measure(name: str, set_name: str = "default", path: Path | None = None) -> d
             same = (s32.topk(k, -1).indices.sort(-1).values == s16.topk(k, -1).indices.sort(-1).values).all(-1)
             flips.append((~same).float())
         margins, ratios, noise, flips = map(torch.cat, (margins, ratios, noise, flips))
-        out.update({
-            "router_positions": int(margins.numel()),
-            "margin": _pct(margins), "margin_over_bf16_ulp": _pct(ratios),
-            "bf16_score_noise": _pct(noise, (50, 99, 100)),
-            "margin_below_noise_p99": float((margins < torch.quantile(noise.double(), 0.99)).float().mean()),
-            "routing_flip_rate": float(flips.mean()),
-            "expert_load_min": float(torch.cat(load).min()), "expert_load_max": float(torch.cat(load).max()),
-        })
+        out.update(
+            {
+                "router_positions": int(margins.numel()),
+                "margin": _pct(margins),
+                "margin_over_bf16_ulp": _pct(ratios),
+                "bf16_score_noise": _pct(noise, (50, 99, 100)),
+                "margin_below_noise_p99": float((margins < torch.quantile(noise.double(), 0.99)).float().mean()),
+                "routing_flip_rate": float(flips.mean()),
+                "expert_load_min": float(torch.cat(load).min()),
+                "expert_load_max": float(torch.cat(load).max()),
+            }
+        )
     return out
 
 
 def markdown(rows: list[dict]) -> str:
     """The measured table of docs/zoo.md."""
-    head = ("| model | params | vocab | entropy (nats) | entropy / log V | NLL | router margin p1 / p10 / p50 | "
-            "margin / bf16 spacing p1 / p10 / p50 | bf16 score noise p99 / max | fp32-vs-bf16 expert-set flips | "
-            "expert load min / max | bf16-vs-fp32 k2 | max abs d |\n" + "|---" * 13 + "|\n")
+    head = (
+        "| model | params | vocab | entropy (nats) | entropy / log V | NLL | router margin p1 / p10 / p50 | "
+        "margin / bf16 spacing p1 / p10 / p50 | bf16 score noise p99 / max | fp32-vs-bf16 expert-set flips | "
+        "expert load min / max | bf16-vs-fp32 k2 | max abs d |\n" + "|---" * 13 + "|\n"
+    )
     lines = []
     for r in rows:
         moe = "margin" in r
@@ -107,8 +120,12 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['name']} | {r['params']:,} | {r['vocab']} | {r['entropy_mean']:.2f} | "
             f"{r['entropy_mean'] / r['log_v']:.2f} | {r['nll_mean']:.2f} | {fmt3(r.get('margin'))} | "
             f"{fmt3(r.get('margin_over_bf16_ulp'))} | "
-            + (f"{r['bf16_score_noise']['p99']:.3g} / {r['bf16_score_noise']['p100']:.3g} | "
-               f"{r['routing_flip_rate']:.2%} | {r['expert_load_min']:.2f} / {r['expert_load_max']:.2f} | "
-               if moe else "- | - | - | ")
-            + f"{r['bf16_k2']:.2e} | {r['bf16_max_abs']:.3f} |")
+            + (
+                f"{r['bf16_score_noise']['p99']:.3g} / {r['bf16_score_noise']['p100']:.3g} | "
+                f"{r['routing_flip_rate']:.2%} | {r['expert_load_min']:.2f} / {r['expert_load_max']:.2f} | "
+                if moe
+                else "- | - | - | "
+            )
+            + f"{r['bf16_k2']:.2e} | {r['bf16_max_abs']:.3f} |"
+        )
     return head + "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """Training one zoo model (recipe steps 3 and 4 in zoo.py): AdamW on next-token loss plus the router terms
 (margin, balance, z) read through ``RouterTap``, Nemotron's aux-loss-free bias update, then ``sharpen``."""
+
 from __future__ import annotations
 
 import math
@@ -114,15 +115,18 @@ def train(name: str, stream: torch.Tensor, tc: TrainConfig, log_every: int = 50)
     gen = torch.Generator().manual_seed(tc.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "router" not in n and ".gate." not in n]
     other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "router" not in n and ".gate." not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay}, {"params": other, "weight_decay": 0}],
-                            lr=tc.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": other, "weight_decay": 0}],
+        lr=tc.lr,
+        betas=(0.9, 0.95),
+    )
     tap = RouterTap(model)
     log, t0 = [], time.time()
     for step in range(tc.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         starts = torch.randint(0, stream.numel() - SEQ_LEN, (tc.batch,), generator=gen)
-        x = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
+        x = torch.stack([stream[s : s + SEQ_LEN] for s in starts.tolist()])
         lm = model(input_ids=x, labels=x, use_cache=False).loss
         taps = tap.pop()
         balance, margin, z = router_losses(taps, tc)
@@ -133,8 +137,10 @@ def train(name: str, stream: torch.Tensor, tc: TrainConfig, log_every: int = 50)
         opt.step()
         update_correction_bias(taps, tc.bias_update_rate)
         if step % log_every == 0 or step == tc.steps - 1:
-            log.append(f"step {step:4d} lm {lm.item():.3f} balance {balance.item():.3f} "
-                       f"margin {margin.item():.3f} z {z.item():.2f} t {time.time() - t0:.0f}s")
+            log.append(
+                f"step {step:4d} lm {lm.item():.3f} balance {balance.item():.3f} "
+                f"margin {margin.item():.3f} z {z.item():.2f} t {time.time() - t0:.0f}s"
+            )
             print(f"[{name}] {log[-1]}", flush=True)
     tap.remove()
     model.eval()
@@ -151,7 +157,7 @@ def sharpen(model, stream: torch.Tensor, target: float, seed: int, windows: int 
     entropy penalty during training (both measured; see docs/zoo.md)."""
     gen = torch.Generator().manual_seed(seed + 1)
     starts = torch.randint(0, stream.numel() - SEQ_LEN, (windows,), generator=gen).tolist()
-    x = torch.stack([stream[s:s + SEQ_LEN] for s in starts])
+    x = torch.stack([stream[s : s + SEQ_LEN] for s in starts])
     logits = model(input_ids=x, use_cache=False).logits.float()
     want = target * math.log(logits.shape[-1])
 

@@ -1,4 +1,5 @@
 """Full-size catalog configs shrunk for a CPU: the same architecture, names and nesting, CPU-sized widths."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,23 @@ def narrow_full_config(name: str) -> dict:
     """The Hub config shrunk in width only (same architecture, names, nesting), CPU-sized."""
     cfg = json.loads(json.dumps(FULL_CONFIGS[name]))
     t = cfg.get("text_config", cfg)
-    t.update(hidden_size=64, vocab_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-             num_experts_per_tok=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    for k in ("moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
-              "moe_shared_expert_intermediate_size"):
+    t.update(
+        hidden_size=64,
+        vocab_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts_per_tok=2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    for k in (
+        "moe_intermediate_size",
+        "intermediate_size",
+        "shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+    ):
         if k in t:
             t[k] = 24
     for k in ("num_local_experts", "num_experts", "n_routed_experts"):

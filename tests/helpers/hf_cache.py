@@ -2,6 +2,7 @@
 blobs/<etag>`` (sha256 for safetensors, as for LFS files; the git blob sha1 for the rest), ``refs/<branch>`` holding
 the commit and ``snapshots/<commit>/<file>`` symlinks into blobs. The real huggingface_hub / transformers / datasets
 code then reads it with HF_HUB_OFFLINE=1 (no Hub is reachable from the tests)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,16 @@ def _etag(data: bytes, lfs: bool) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def populate(hub_cache: str | Path, repo_id: str, src: str | Path, repo_type: str = "model",
-             branch: str | None = "main", commit: str | None = None, skip: tuple[str, ...] = (), listing: bool = True) -> tuple[Path, str]:
+def populate(
+    hub_cache: str | Path,
+    repo_id: str,
+    src: str | Path,
+    repo_type: str = "model",
+    branch: str | None = "main",
+    commit: str | None = None,
+    skip: tuple[str, ...] = (),
+    listing: bool = True,
+) -> tuple[Path, str]:
     """Put every file under ``src`` into ``hub_cache`` as commit ``commit`` (default: derived from the content) of
     ``repo_id``; ``branch`` (when given) points at it; the commit's tree listing (``trees/<commit>.json``, which
     huggingface_hub writes at a download and reads offline) lists every file. Files whose suffix is in ``skip`` are
@@ -33,9 +42,9 @@ def populate(hub_cache: str | Path, repo_id: str, src: str | Path, repo_type: st
     for p in files:
         data = p.read_bytes()
         lfs = p.suffix == ".safetensors"
-        tree[p.relative_to(src).as_posix()] = TreeCacheEntry(len(data), _etag(data, False),
-                                                             _etag(data, True) if lfs else None,
-                                                             len(data) if lfs else None)
+        tree[p.relative_to(src).as_posix()] = TreeCacheEntry(
+            len(data), _etag(data, False), _etag(data, True) if lfs else None, len(data) if lfs else None
+        )
         if p.suffix in skip:
             continue
         blob = repo / "blobs" / _etag(data, lfs)

@@ -1,6 +1,7 @@
 """The MoE launches that benchmarks/bench_kernels.py times and the kernel tests check on CPU: expert shapes and
 seeded inputs, moe_forward_triton's default tiles, each launch staged on its own, the LoRA shrink sweep and the
 sm90 compile report. Benchmarks import these; tests never import benchmarks."""
+
 from __future__ import annotations
 
 import itertools
@@ -10,8 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from lpdiff.kernels._triton import next_pow2
-from lpdiff.kernels.fused_moe_lora import (expert_lora_kwargs, expert_shrink, moe_configs, moe_forward_triton,
-                                           shrink_once)
+from lpdiff.kernels.fused_moe_lora import (
+    expert_lora_kwargs,
+    expert_shrink,
+    moe_configs,
+    moe_forward_triton,
+    shrink_once,
+)
 from lpdiff.kernels.gemm_config import SMEM_BUDGET, ShrinkConfig, shrink_block_k
 from lpdiff.kernels.lora_gemm import launch_gemm
 from lpdiff.kernels.lora_weights import MoeLoraWeights
@@ -36,8 +42,10 @@ class MoeShape:
         return f"{self.name}(E{self.E},H{self.H},I{self.I},K{self.K},r{rank})"
 
 
-SHAPES = [MoeShape("qwen3-30b-a3b", 128, 2048, 768, 8, "silu", False),
-          MoeShape("gpt-oss-20b", 32, 2880, 2880, 4, "swiglu_oai", True)]
+SHAPES = [
+    MoeShape("qwen3-30b-a3b", 128, 2048, 768, 8, "silu", False),
+    MoeShape("gpt-oss-20b", 32, 2880, 2880, 4, "swiglu_oai", True),
+]
 
 
 def make_inputs(s: MoeShape, T: int, L: int, rank: int, dtype, device, seed=0):
@@ -46,15 +54,27 @@ def make_inputs(s: MoeShape, T: int, L: int, rank: int, dtype, device, seed=0):
     rnd = lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale  # noqa
     x = rnd(T, s.H)
     w, ids = torch.randn(T, s.E, generator=g, device=device).softmax(-1).topk(s.K, dim=-1)
-    p = dict(x=x, topk_ids=ids.to(torch.int32), topk_weights=(w / w.sum(-1, keepdim=True)).float(),
-             w_gate_up=rnd(s.E, s.n1, s.H, scale=s.H ** -0.5), w_down=rnd(s.E, s.H, s.I, scale=s.I ** -0.5),
-             activation=s.activation, b_gate_up=rnd(s.E, s.n1, scale=0.1) if s.bias else None,
-             b_down=rnd(s.E, s.H, scale=0.1) if s.bias else None, lora=None, token_adapter=None)
+    p = dict(
+        x=x,
+        topk_ids=ids.to(torch.int32),
+        topk_weights=(w / w.sum(-1, keepdim=True)).float(),
+        w_gate_up=rnd(s.E, s.n1, s.H, scale=s.H**-0.5),
+        w_down=rnd(s.E, s.H, s.I, scale=s.I**-0.5),
+        activation=s.activation,
+        b_gate_up=rnd(s.E, s.n1, scale=0.1) if s.bias else None,
+        b_down=rnd(s.E, s.H, scale=0.1) if s.bias else None,
+        lora=None,
+        token_adapter=None,
+    )
     if L:
-        p["lora"] = MoeLoraWeights(rnd(L, s.E, rank, s.H, scale=s.H ** -0.5), rnd(L, s.E, s.n1, rank, scale=0.02),
-                                   rnd(L, s.E, rank, s.I, scale=s.I ** -0.5), rnd(L, s.E, s.H, rank, scale=0.02),
-                                   scaling=torch.full((L,), 2.0, device=device),
-                                   ranks=torch.full((L,), rank, dtype=torch.int32, device=device))
+        p["lora"] = MoeLoraWeights(
+            rnd(L, s.E, rank, s.H, scale=s.H**-0.5),
+            rnd(L, s.E, s.n1, rank, scale=0.02),
+            rnd(L, s.E, rank, s.I, scale=s.I**-0.5),
+            rnd(L, s.E, s.H, rank, scale=0.02),
+            scaling=torch.full((L,), 2.0, device=device),
+            ranks=torch.full((L,), rank, dtype=torch.int32, device=device),
+        )
         # contiguous runs of tokens per adapter, as prompts of a batch would be
         p["token_adapter"] = (torch.arange(T, device=device) * L // T).to(torch.int32)
     return p
@@ -66,6 +86,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench(fn, rep=100) -> float:
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
@@ -78,8 +99,16 @@ def untimed(fn, rep=0) -> float:
 def configs(p, lora_shrink: str = "once", device=None, **flags) -> dict:
     """moe_forward_triton's default tiles of both GEMMs with GemmConfig flags changed, as its keywords; device:
     the tiles for that device instead of x's."""
-    c1, c2 = moe_configs(p["x"], p["topk_ids"], p["w_gate_up"], p["activation"], p["lora"],
-                         shrink_once(p["lora"], lora_shrink), device, **flags)
+    c1, c2 = moe_configs(
+        p["x"],
+        p["topk_ids"],
+        p["w_gate_up"],
+        p["activation"],
+        p["lora"],
+        shrink_once(p["lora"], lora_shrink),
+        device,
+        **flags,
+    )
     return dict(config=c1, down_config=c2)
 
 
@@ -108,16 +137,35 @@ def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None, **flags) -
     if once:
         t["shrink1"] = timer(lambda: expert_shrink(x, lora, "gate_up", r), rep)
         s1 = expert_shrink(x, lora, "gate_up", r)
-    g1 = lambda: launch_gemm(x, p["w_gate_up"], inter, r, cfg1, x_sorted=False, out_sorted=True,  # noqa: E731
-                             activation=p["activation"], bias=p["b_gate_up"],
-                             **expert_lora_kwargs(lora, "gate_up", s1))
+    g1 = lambda: launch_gemm(
+        x,
+        p["w_gate_up"],
+        inter,
+        r,
+        cfg1,
+        x_sorted=False,
+        out_sorted=True,  # noqa: E731
+        activation=p["activation"],
+        bias=p["b_gate_up"],
+        **expert_lora_kwargs(lora, "gate_up", s1),
+    )
     g1()
     t["gemm1"] = timer(g1, rep)
     if once:
         t["shrink2"] = timer(lambda: expert_shrink(inter, lora, "down", r), rep)
         s2 = expert_shrink(inter, lora, "down", r)
-    g2 = lambda: launch_gemm(inter, p["w_down"], y, r, cfg2, x_sorted=True, out_sorted=False,  # noqa: E731
-                             bias=p["b_down"], topk_weights=tw, **expert_lora_kwargs(lora, "down", s2))
+    g2 = lambda: launch_gemm(
+        inter,
+        p["w_down"],
+        y,
+        r,
+        cfg2,
+        x_sorted=True,
+        out_sorted=False,  # noqa: E731
+        bias=p["b_down"],
+        topk_weights=tw,
+        **expert_lora_kwargs(lora, "down", s2),
+    )
     g2()
     t["gemm2"] = timer(g2, rep)
     t["sum"] = timer(lambda: y.view(T, K, H).sum(dim=1), rep)
@@ -130,8 +178,7 @@ def shrink_sweep_configs(R: int, dtype=torch.bfloat16) -> list[ShrinkConfig]:
     cfgs = [ShrinkConfig()]
     d = ShrinkConfig()  # what it resolves to at T=4096 (128-row routing blocks)
     today = (128, shrink_block_k(128, next_pow2(R), dtype, True), d.num_warps, d.num_stages)
-    for rows, bk, (warps, stages) in itertools.product((64, 32, 128), (128, 64, 256),
-                                                       ((4, 3), (8, 3), (4, 4), (4, 2))):
+    for rows, bk, (warps, stages) in itertools.product((64, 32, 128), (128, 64, 256), ((4, 3), (8, 3), (4, 4), (4, 2))):
         fits = stages * (rows + next_pow2(R)) * bk * torch.finfo(dtype).bits // 8 <= SMEM_BUDGET
         if fits and (rows, bk, warps, stages) != today:
             cfgs.append(ShrinkConfig(rows, bk, warps, stages))
@@ -142,8 +189,9 @@ def shrink_label(c: ShrinkConfig) -> str:
     return f"rows={c.rows or 'block_m'} bk={c.block_k or 'auto'} w={c.num_warps} s={c.num_stages}"
 
 
-def shrink_sweep(log, record_row, shapes, T: int, R: int, budget_s: float, device="cuda", dtype=torch.bfloat16,
-                 timer=None, cfgs=None) -> list[tuple[float, ShrinkConfig]]:
+def shrink_sweep(
+    log, record_row, shapes, T: int, R: int, budget_s: float, device="cuda", dtype=torch.bfloat16, timer=None, cfgs=None
+) -> list[tuple[float, ShrinkConfig]]:
     """expert_shrink of both GEMMs (gate_up over x gathered per pair, down over the sorted intermediate) at each
     shape, T tokens, one adapter, under each ShrinkConfig (default shrink_sweep_configs); each output is checked
     against the default launch's. Stops starting configs after budget_s. record_row(shape, gemm, cfg, ms, err).
@@ -170,8 +218,7 @@ def shrink_sweep(log, record_row, shapes, T: int, R: int, budget_s: float, devic
                 err = rel_err(fn()[:used], ref)
                 ms = timer(fn)
             except Exception as exc:  # a config that does not compile or fit must not end the run
-                log(f"shrink sweep {s.name} {gemm} {shrink_label(cfg)} failed: {type(exc).__name__}: "
-                    f"{str(exc)[:200]}")
+                log(f"shrink sweep {s.name} {gemm} {shrink_label(cfg)} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 break
             record_row(s, gemm, cfg, ms, err)
             total += ms
@@ -191,6 +238,7 @@ SM90_SMEM = 232448  # bytes of shared memory one block may use on sm90 (227 KiB)
 def record_launches(fn) -> list[tuple]:
     """Runs fn with every Triton launch recorded instead of run: [(kernel, args, kwargs)]."""
     from lpdiff.kernels._triton import DualKernel
+
     launches, original = [], DualKernel.__getitem__
     DualKernel.__getitem__ = lambda kernel, grid_device: lambda *a, **kw: launches.append((kernel, a, kw))
     try:
@@ -214,36 +262,66 @@ def compile_sm90(kernel, args, kwargs) -> dict:
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
+
     target = GPUTarget("cuda", 90, 64)
     backend, jf, kwargs = make_backend(target), kernel.jit, dict(kwargs)
     if kwargs.get("UPCAST"):  # meta tensors count as interpreted; the GPU multiplies bf16 in tl.dot
         kwargs.update(UPCAST=False, DOT_PREC="tf32")
     bound, spec, options = create_function_from_signature(jf.signature, jf.params, backend)(*args, **kwargs)
     options, sig, const, attrs = jf._pack_args(backend, kwargs, bound, spec, options)
-    k = triton.compile(ASTSource(jf, sig, const, attrs), target=target,
-                       options=dict(num_warps=options.num_warps, num_stages=options.num_stages))
+    k = triton.compile(
+        ASTSource(jf, sig, const, attrs),
+        target=target,
+        options=dict(num_warps=options.num_warps, num_stages=options.num_stages),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(k.asm["ptx"])
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     ttgir = k.asm["ttgir"]
-    return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
-                spill=int(re.search(r"(\d+) bytes spill stores", log).group(1)), smem=k.metadata.shared,
-                tma="async_tma_copy_global_to_local" in ttgir, cp_async="async_copy_global_to_local" in ttgir,
-                wgmma="warp_group_dot" in ttgir, warp_specialized="ttg.warp_specialize" in ttgir)
+    return dict(
+        regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+        spill=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+        smem=k.metadata.shared,
+        tma="async_tma_copy_global_to_local" in ttgir,
+        cp_async="async_copy_global_to_local" in ttgir,
+        wgmma="warp_group_dot" in ttgir,
+        warp_specialized="ttg.warp_specialize" in ttgir,
+    )
 
 
-SM90_KEYS = ("LORA", "X_SORTED", "GATED", "HAS_BIAS", "PREFETCH", "TMA", "TMA_X", "N_TILES", "ZERO_PAD", "HALF_TAIL",
-             "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")
+SM90_KEYS = (
+    "LORA",
+    "X_SORTED",
+    "GATED",
+    "HAS_BIAS",
+    "PREFETCH",
+    "TMA",
+    "TMA_X",
+    "N_TILES",
+    "ZERO_PAD",
+    "HALF_TAIL",
+    "BLOCK_M",
+    "BLOCK_N",
+    "BLOCK_K",
+    "num_stages",
+)
 
 
 # --compile-sm90's variants: default, prefetch off, TMA; then the programs walking several N tiles (GemmConfig
 # n_tiles): the shrink in the first tile's K-loop ("fused") at 1-4 tiles, and "once" / no LoRA at 2; padding
 # "half" (two tile heights in one kernel) with each shrink placement
-SM90_FLAG_SETS = ([{}, dict(prefetch=False), dict(tma=True)]
-                  + [dict(lora_shrink="fused", n_tiles=k) for k in (1, 2, 3, 4)] + [dict(n_tiles=2)]
-                  + [dict(padding="half"), dict(lora_shrink="fused", n_tiles=3, padding="half")])
+SM90_FLAG_SETS = (
+    [{}, dict(prefetch=False), dict(tma=True)]
+    + [dict(lora_shrink="fused", n_tiles=k) for k in (1, 2, 3, 4)]
+    + [dict(n_tiles=2)]
+    + [dict(padding="half"), dict(lora_shrink="fused", n_tiles=3, padding="half")]
+)
 
 
 def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
@@ -253,6 +331,7 @@ def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
     One line per distinct launch. Needs a process in which the Triton interpreter has not run: Triton 3.6 leaves
     triton.language patched after an interpreted device-function call, and compiling then fails."""
     from lpdiff.kernels._triton import next_pow2 as np2
+
     seen, out = set(), []
     for s, flags in itertools.product(shapes, flag_sets):
         flags = dict(flags)
@@ -268,10 +347,17 @@ def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
                 if name.startswith("_align") or key in seen:
                     continue
                 seen.add(key)
-                r = dict(compile_sm90(kernel, args, kw), shape=s.name, kernel=name,
-                         **{k: kw[k] for k in SM90_KEYS if k in kw})
+                r = dict(
+                    compile_sm90(kernel, args, kw),
+                    shape=s.name,
+                    kernel=name,
+                    **{k: kw[k] for k in SM90_KEYS if k in kw},
+                )
                 out.append(r)
-                log(f"sm90 {s.name:14s} {name:22s} " + " ".join(f"{k}={kw[k]}" for k in SM90_KEYS if k in kw)
+                log(
+                    f"sm90 {s.name:14s} {name:22s} "
+                    + " ".join(f"{k}={kw[k]}" for k in SM90_KEYS if k in kw)
                     + f" | smem {r['smem']}{' OVER' if r['smem'] > SM90_SMEM else ''} regs {r['regs']} spill "
-                    f"{r['spill']} B tma {int(r['tma'])} cp.async {int(r['cp_async'])} wgmma {int(r['wgmma'])}")
+                    f"{r['spill']} B tma {int(r['tma'])} cp.async {int(r['cp_async'])} wgmma {int(r['wgmma'])}"
+                )
     return out

@@ -4,6 +4,7 @@ A fixture defined in one test module and re-exported by another gets its own Fix
 scope would build it again per module; the tiny triton-engine models took 5-23 s each to build (save, adapters,
 conversion) on CI's 2 loaded cores, three modules over. This module is imported under one name
 (``tests.helpers.once``), so its dict is the same object for every test module in the process."""
+
 from __future__ import annotations
 
 from typing import Callable, TypeVar

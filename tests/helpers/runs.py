@@ -1,6 +1,7 @@
 """Logprob runs for store tests that are what an engine returns: a log-softmax of random logits per position, the
 actual next token's logprob and the top-k taken from the same distribution (so the store's read-side checks,
 which a file written by anyone else must pass, hold for them)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,15 @@ from lpdiff.harness.types import LogprobRun, PromptLogprobs
 VOCAB = 50
 
 
-def engine_like_run(prompts, top_k: int | None = 2, shift: float = 0.0, seed: int = 0, wall: float = 1.0,
-                    vocab: int = VOCAB, meta: dict | None = None) -> LogprobRun:
+def engine_like_run(
+    prompts,
+    top_k: int | None = 2,
+    shift: float = 0.0,
+    seed: int = 0,
+    wall: float = 1.0,
+    vocab: int = VOCAB,
+    meta: dict | None = None,
+) -> LogprobRun:
     """``shift`` moves every logit of the actual tokens (other numbers, still consistent). ``top_k`` None: an
     engine that gives neither top-k nor router margins."""
     rng = np.random.default_rng(seed)

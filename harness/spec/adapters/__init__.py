@@ -18,24 +18,11 @@ Nemotron-H checkpoints call the decoder ``backbone.`` on disk (``model.`` in mem
 ``model.``; readers accept either, writers take ``disk_root``. Qwen3.5 multimodal checkpoints nest the text decoder
 under ``model.language_model.``; readers accept that too.
 """
-from lpdiff.harness.spec.adapters.canonical import (
-    CanonicalAdapter,
-    load_canonical,
-    merge_into,
-    peft_scaling,
-)
+
+from lpdiff.harness.spec.adapters.canonical import CanonicalAdapter, load_canonical, merge_into, peft_scaling
 from lpdiff.harness.spec.adapters.convert import convert_adapter, convert_command, reroot_fix, save_canonical
-from lpdiff.harness.spec.adapters.files import (
-    CONFIG_NAME,
-    PROVENANCE_NAME,
-    WEIGHTS_NAME,
-    peft_signature,
-)
-from lpdiff.harness.spec.adapters.generate import (
-    DEFAULT_SCALE,
-    GENERATOR_VERSION,
-    generate_adapter,
-)
+from lpdiff.harness.spec.adapters.files import CONFIG_NAME, PROVENANCE_NAME, WEIGHTS_NAME, peft_signature
+from lpdiff.harness.spec.adapters.generate import DEFAULT_SCALE, GENERATOR_VERSION, generate_adapter
 from lpdiff.harness.spec.adapters.inspection import (
     AdapterInfo,
     adapter_groups,

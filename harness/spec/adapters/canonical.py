@@ -1,5 +1,6 @@
 """The canonical in-memory adapter (W' = W + scaling * B @ A per module and per expert), read from either disk
 layout and merged into a model exactly as PEFT merges it."""
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,9 @@ class CanonicalAdapter:
         for name, (a, b) in self.dense.items():
             assert a.ndim == 2 and b.ndim == 2 and a.shape[0] == b.shape[1], f"{name}: A {a.shape} B {b.shape}"
         for name, (a, b) in self.experts.items():
-            assert a.ndim == 3 and b.ndim == 3 and a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2], \
+            assert a.ndim == 3 and b.ndim == 3 and a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2], (
                 f"{name}: A {a.shape} B {b.shape}"
+            )
 
     def scaling_of(self, name: str) -> float:
         """The scaling of one entry (a module's rank_pattern / alpha_pattern, else the adapter's)."""
@@ -124,9 +126,11 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
             vocab, hidden = layout.embeddings[ident[1]]
             a, b = s["A"], s["B"]
             if a.ndim != 2 or b.ndim != 2 or a.shape[1] != vocab or b.shape[0] != hidden or a.shape[0] != b.shape[1]:
-                raise InputError(f"{ident[1]}: lora_embedding_A {tuple(a.shape)} / lora_embedding_B {tuple(b.shape)} "
-                                 f"do not fit the model's (vocab={vocab}, hidden={hidden}): PEFT writes A (r, vocab), "
-                                 "B (hidden, r); is the adapter for a resized vocabulary?")
+                raise InputError(
+                    f"{ident[1]}: lora_embedding_A {tuple(a.shape)} / lora_embedding_B {tuple(b.shape)} "
+                    f"do not fit the model's (vocab={vocab}, hidden={hidden}): PEFT writes A (r, vocab), "
+                    "B (hidden, r); is the adapter for a resized vocabulary?"
+                )
             embed[ident[1]] = (a, b)
         elif ident[0] == "dense":
             out_f, in_f = layout.linears[ident[1]]
@@ -137,8 +141,9 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
             E = p.num_experts
             a, b = s["A"], s["B"]
             if a.ndim != 2 or b.ndim != 2 or a.shape[0] % E or b.shape[1] % E:
-                raise InputError(f"{ident[1]}: A {tuple(a.shape)} / B {tuple(b.shape)} are not (r*{E}, in) / "
-                                 f"(out, r*{E})")
+                raise InputError(
+                    f"{ident[1]}: A {tuple(a.shape)} / B {tuple(b.shape)} are not (r*{E}, in) / (out, r*{E})"
+                )
             a = a.reshape(E, -1, a.shape[-1])
             b = b.reshape(b.shape[0], -1, E).permute(2, 0, 1).contiguous()
             _check_shapes(ident[1], a, b, p.in_features, p.out_features)
@@ -179,8 +184,10 @@ def entry_scaling(cfg: dict, paths: list[str], rank: int, alpha: float, rslora: 
         a = pattern_value(cfg.get("alpha_pattern"), path)
         got.add(peft_scaling(float(alpha if a is None else a), int(rank if r is None else r), rslora))
     if len(got) != 1:
-        raise InputError(f"rank_pattern / alpha_pattern give the parts of {paths[0]} different scalings "
-                         f"({sorted(got)}), which one fused entry cannot carry; give them one rank and alpha")
+        raise InputError(
+            f"rank_pattern / alpha_pattern give the parts of {paths[0]} different scalings "
+            f"({sorted(got)}), which one fused entry cannot carry; give them one rank and alpha"
+        )
     return got.pop()
 
 
@@ -196,8 +203,10 @@ def _pattern_names(layout: ModelLayout, name: str, per_expert: dict) -> list[str
 
 def _check_shapes(name: str, a: torch.Tensor, b: torch.Tensor, in_f: int, out_f: int) -> None:
     if a.shape[-1] != in_f or b.shape[-2] != out_f or a.shape[-2] != b.shape[-1]:
-        raise InputError(f"{name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
-                         f"(out={out_f}, in={in_f}); is the adapter for another model size?")
+        raise InputError(
+            f"{name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model's "
+            f"(out={out_f}, in={in_f}); is the adapter for another model size?"
+        )
 
 
 def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int, tuple]]):
@@ -216,8 +225,10 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
             used.add(part)
             got = projs[part]
             if sorted(got) != list(range(p.num_experts)):
-                raise InputError(f"{module}.<e>.{part}: the adapter has {len(got)} experts (indices {min(got)}.."
-                                 f"{max(got)}) but the model has {p.num_experts}; every expert needs its A and B")
+                raise InputError(
+                    f"{module}.<e>.{part}: the adapter has {len(got)} experts (indices {min(got)}.."
+                    f"{max(got)}) but the model has {p.num_experts}; every expert needs its A and B"
+                )
             A.append(torch.stack([got[e][0] for e in range(p.num_experts)]))
             B.append(torch.stack([got[e][1] for e in range(p.num_experts)]))
         rows = p.part_rows()
@@ -227,16 +238,20 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
         col = 0
         for (j, part), a, b in zip(present, A, B):
             if b.shape[1] != rows[j].numel() or a.shape[2] != p.in_features:
-                raise InputError(f"{module}.*.{part}: A {tuple(a.shape[1:])} / B {tuple(b.shape[1:])} do not fit "
-                                 f"({rows[j].numel()}, {p.in_features})")
+                raise InputError(
+                    f"{module}.*.{part}: A {tuple(a.shape[1:])} / B {tuple(b.shape[1:])} do not fit "
+                    f"({rows[j].numel()}, {p.in_features})"
+                )
             width = b.shape[2]
-            b_full[:, rows[j], col:col + width] = b
+            b_full[:, rows[j], col : col + width] = b
             col += 0 if shared_a else width
         out[p.path] = (A[0] if shared_a else torch.cat(A, dim=1), b_full)
     unknown = set(projs) - used
     if unknown:
-        raise InputError(f"{module}: per-expert projections {sorted(unknown)} are not part of this model's experts "
-                         f"({', '.join(layout.module_params[module])})")
+        raise InputError(
+            f"{module}: per-expert projections {sorted(unknown)} are not part of this model's experts "
+            f"({', '.join(layout.module_params[module])})"
+        )
     return out
 
 
@@ -247,10 +262,16 @@ def merge_into(model: nn.Module, adapter: CanonicalAdapter) -> nn.Module:
     adapters on one tensor (with ensure_weight_tying too it saves both, tied), which no merge into that tensor is."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if (adapter.embed or "lm_head" in adapter.dense) and head is not None and emb is not None \
-            and head.weight is emb.weight:
-        raise InputError("lm_head / embed_tokens LoRA on a model with tied embeddings cannot be merged into the "
-                         "shared weight; run it unmerged (the hf engine does)")
+    if (
+        (adapter.embed or "lm_head" in adapter.dense)
+        and head is not None
+        and emb is not None
+        and head.weight is emb.weight
+    ):
+        raise InputError(
+            "lm_head / embed_tokens LoRA on a model with tied embeddings cannot be merged into the "
+            "shared weight; run it unmerged (the hf engine does)"
+        )
     for name in [*adapter.dense, *adapter.embed]:
         w = model.get_submodule(name).weight
         w += adapter.delta(name).to(w.device, w.dtype)

@@ -1,5 +1,6 @@
 """Writing a canonical adapter as a PEFT directory in either expert layout, and exact conversion between layouts
 (the rank change and its reason recorded in the provenance file)."""
+
 from __future__ import annotations
 
 import math
@@ -9,12 +10,7 @@ from typing import Any
 
 import torch
 
-from lpdiff.harness.spec.adapters.canonical import (
-    CanonicalAdapter,
-    as_layout,
-    load_canonical,
-    peft_scaling,
-)
+from lpdiff.harness.spec.adapters.canonical import CanonicalAdapter, as_layout, load_canonical, peft_scaling
 from lpdiff.harness.spec.adapters.files import (
     CONFIG_NAME,
     PROVENANCE_NAME,
@@ -38,9 +34,11 @@ def _rerank(adapter: CanonicalAdapter) -> tuple[int, float]:
     ratio = new_rank / adapter.rank
     alpha = adapter.alpha * (math.sqrt(ratio) if adapter.use_rslora else ratio)
     if peft_scaling(alpha, new_rank, adapter.use_rslora) != adapter.scaling:
-        raise InputError(f"this adapter needs rank {new_rank} (from {adapter.rank}) in one file, but no lora_alpha "
-                         f"gives exactly the same scaling {adapter.scaling!r}{' with rslora' if adapter.use_rslora else ''}"
-                         "; refusing to approximate. Use the source adapter as it is.")
+        raise InputError(
+            f"this adapter needs rank {new_rank} (from {adapter.rank}) in one file, but no lora_alpha "
+            f"gives exactly the same scaling {adapter.scaling!r}{' with rslora' if adapter.use_rslora else ''}"
+            "; refusing to approximate. Use the source adapter as it is."
+        )
     return new_rank, alpha
 
 
@@ -54,8 +52,14 @@ def _pad(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
     return a_pad, b_pad
 
 
-def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config, layout: str = "peft3d",
-                   disk_root: str | None = None, provenance: dict | None = None) -> dict[str, Any]:
+def save_canonical(
+    adapter: CanonicalAdapter,
+    out_dir: str | Path,
+    model_config,
+    layout: str = "peft3d",
+    disk_root: str | None = None,
+    provenance: dict | None = None,
+) -> dict[str, Any]:
     """Write a canonical adapter as a PEFT-format directory in `layout`. Entries of different inner dimensions
     are zero-padded to one rank with alpha adjusted (exactly; see _rerank), or, for an adapter whose entries have
     their own scalings, written at their own ranks with rank_pattern / alpha_pattern (_plan_ranks). `disk_root`:
@@ -66,14 +70,16 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
     mlayout = as_layout(model_config)
     roots = disk_roots(mlayout.model_type)
     if disk_root is not None and disk_root.rstrip(".") not in roots:
-        raise InputError(f"disk root {disk_root!r}: a {mlayout.model_type} adapter names its decoder "
-                         f"{' or '.join(roots)}, which lpdiff and the engines read; give one of those")
+        raise InputError(
+            f"disk root {disk_root!r}: a {mlayout.model_type} adapter names its decoder "
+            f"{' or '.join(roots)}, which lpdiff and the engines read; give one of those"
+        )
     rank, alpha, written, rank_pattern, alpha_pattern = _plan_ranks(adapter)
     root = "model." if disk_root is None else disk_root.rstrip(".") + "."
 
     def key(path: str, which: str, suffix: str = ".weight") -> str:
         if path.startswith("model."):  # under the decoder root; lm_head is outside it
-            path = root + path[len("model."):]
+            path = root + path[len("model.") :]
         return f"{PEFT_PREFIX}{path}.lora_{which}{suffix}"
 
     tensors: dict[str, torch.Tensor] = {}
@@ -102,11 +108,17 @@ def save_canonical(adapter: CanonicalAdapter, out_dir: str | Path, model_config,
                     tensors[key(f"{p.module}.{e}.{part}", "B")] = b[e, rows]
 
     cfg = dict(adapter.config)
-    cfg.update(r=rank, lora_alpha=alpha, rank_pattern=_pattern(rank_pattern, mlayout, layout),
-               alpha_pattern=_pattern(alpha_pattern, mlayout, layout), peft_type="LORA")
+    cfg.update(
+        r=rank,
+        lora_alpha=alpha,
+        rank_pattern=_pattern(rank_pattern, mlayout, layout),
+        alpha_pattern=_pattern(alpha_pattern, mlayout, layout),
+        peft_type="LORA",
+    )
     dense = sorted([*adapter.dense, *adapter.embed])
-    cfg["target_modules"] = sorted(set(suffixes(dense, [*mlayout.linears, *mlayout.embeddings,
-                                                        *mlayout.per_expert_paths()])) | expert_names)
+    cfg["target_modules"] = sorted(
+        set(suffixes(dense, [*mlayout.linears, *mlayout.embeddings, *mlayout.per_expert_paths()])) | expert_names
+    )
     cfg["target_parameters"] = suffixes(sorted(target_parameters), mlayout.experts, min_depth=3) or None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,8 +148,10 @@ def _plan_ranks(adapter: CanonicalAdapter) -> tuple[int, float, dict[str, int], 
         if peft_scaling(adapter.alpha, r, adapter.use_rslora) != s:
             alpha = s * (math.sqrt(r) if adapter.use_rslora else r)
             if peft_scaling(alpha, r, adapter.use_rslora) != s:
-                raise InputError(f"{n}: no lora_alpha gives exactly its scaling {s!r} at rank {r}; refusing to "
-                                 "approximate. Use the source adapter as it is.")
+                raise InputError(
+                    f"{n}: no lora_alpha gives exactly its scaling {s!r} at rank {r}; refusing to "
+                    "approximate. Use the source adapter as it is."
+                )
             alphas[n] = alpha
     return adapter.rank, adapter.alpha, inner, ranks, alphas
 
@@ -173,12 +187,12 @@ def reroot_fix(info, model_ref: str, root: str, layouts: Sequence[str]) -> dict[
     if not outside:
         return None
     to = info.layout if info.layout in layouts else layouts[0]
-    return {"where": several(outside),
-            "to_root": convert_command(model_ref, info.path, to, root)}
+    return {"where": several(outside), "to_root": convert_command(model_ref, info.path, to, root)}
 
 
-def convert_adapter(src_dir: str | Path, dst_dir: str | Path, to: str, model_config,
-                    disk_root: str | None = None) -> AdapterSpec:
+def convert_adapter(
+    src_dir: str | Path, dst_dir: str | Path, to: str, model_config, disk_root: str | None = None
+) -> AdapterSpec:
     """Convert between the expert layouts (LAYOUTS; dense entries are copied). Exact both ways:
     per_expert -> peft3d stays at rank r when gate and up share A in every expert, and otherwise stacks to rank 2r
     (block-structured B, alpha doubled so the scaling is identical); the rank change is recorded in
@@ -189,11 +203,18 @@ def convert_adapter(src_dir: str | Path, dst_dir: str | Path, to: str, model_con
     adapter = load_canonical(src_dir, model_config)
     prov = read_provenance(src_dir)
     cfg = save_canonical(adapter, dst_dir, model_config, to, disk_root)
-    step = {"from": adapter.layout, "to": to, "rank": [adapter.rank, cfg["r"]],
-            "alpha": [adapter.alpha, cfg["lora_alpha"]], "disk_root": disk_root or "model"}
+    step = {
+        "from": adapter.layout,
+        "to": to,
+        "rank": [adapter.rank, cfg["r"]],
+        "alpha": [adapter.alpha, cfg["lora_alpha"]],
+        "disk_root": disk_root or "model",
+    }
     if cfg["r"] != adapter.rank:
-        step["why"] = ("per-expert gate and up have different A matrices; fused exactly by stacking A and "
-                       "block-structured B, other entries zero-padded")
+        step["why"] = (
+            "per-expert gate and up have different A matrices; fused exactly by stacking A and "
+            "block-structured B, other entries zero-padded"
+        )
     prov["conversions"] = [*prov.get("conversions", []), step]
     write_json(dst_dir / PROVENANCE_NAME, prov)
     return AdapterSpec(name=dst_dir.name, path=str(dst_dir))

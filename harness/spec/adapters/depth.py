@@ -2,6 +2,7 @@
 nothing of the layers the cut removed. Loaders check every entry against the model (the per-expert conversion, the
 canonical form triton reads) and rightly refuse a module the model does not have, so a cut model needs a cut
 adapter; the kept entries being the adapter's own, a cut run judges exactly the layers it runs."""
+
 from __future__ import annotations
 
 import os

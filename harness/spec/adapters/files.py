@@ -1,5 +1,6 @@
 """The PEFT adapter directory on disk: its config, tensors and lpdiff's provenance file, read and written so that
 the bytes are stable (adapter directories are content-hashed into baseline keys)."""
+
 from __future__ import annotations
 
 import json

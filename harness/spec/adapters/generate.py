@@ -1,4 +1,5 @@
 """A deterministic random LoRA adapter for a model, written by PEFT's own save_pretrained."""
+
 from __future__ import annotations
 
 import copy
@@ -31,11 +32,21 @@ def _generator(seed: int, *parts: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str] = ("attention", "experts"),
-                     rank: int = 8, alpha: float = 16, seed: int = 0, scale: float = DEFAULT_SCALE,
-                     layout: str = "peft3d", shared_outer: bool = False, use_rslora: bool = False,
-                     dtype: torch.dtype = torch.float32, rank_pattern: dict[str, int] | None = None,
-                     alpha_pattern: dict[str, float] | None = None) -> AdapterSpec:
+def generate_adapter(
+    model: nn.Module,
+    out_dir: str | Path,
+    groups: Sequence[str] = ("attention", "experts"),
+    rank: int = 8,
+    alpha: float = 16,
+    seed: int = 0,
+    scale: float = DEFAULT_SCALE,
+    layout: str = "peft3d",
+    shared_outer: bool = False,
+    use_rslora: bool = False,
+    dtype: torch.dtype = torch.float32,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
+) -> AdapterSpec:
     """A deterministic random LoRA adapter for `model` (a transformers model with real weights), saved by PEFT's
     own save_pretrained (peft3d) or converted from it (per_expert).
 
@@ -62,13 +73,19 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     assert rank >= 1 and scale > 0
     mlayout = ModelLayout.of(model)
     targets = resolve_targets(mlayout, groups)
-    lcfg = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=use_rslora, init_lora_weights=False,
-                      rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
-                      # [] and not None: PEFT fills None with its default targets for some model types
-                      # (nemotron_h: q/k/v/o_proj), even when target_parameters are given
-                      target_modules=list(targets.target_modules),
-                      target_parameters=list(targets.target_parameters) or None,
-                      base_model_name_or_path=getattr(model, "name_or_path", None) or None)
+    lcfg = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        use_rslora=use_rslora,
+        init_lora_weights=False,
+        rank_pattern=dict(rank_pattern or {}),
+        alpha_pattern=dict(alpha_pattern or {}),
+        # [] and not None: PEFT fills None with its default targets for some model types
+        # (nemotron_h: q/k/v/o_proj), even when target_parameters are given
+        target_modules=list(targets.target_modules),
+        target_parameters=list(targets.target_parameters) or None,
+        base_model_name_or_path=getattr(model, "name_or_path", None) or None,
+    )
     with torch.device("meta"):
         shadow = type(model)._from_config(copy.deepcopy(model.config), dtype=torch.float32)
         peft_model = get_peft_model(shadow, lcfg)
@@ -76,9 +93,11 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     got_modules, got_params = set(tuner.targeted_module_names), set(tuner.targeted_parameter_names)
     if got_modules != set(targets.modules) or got_params != set(targets.params):
         diff = sorted((got_modules | got_params) ^ set(targets.modules + targets.params))[:4]
-        raise InputError(f"PEFT did not target exactly what groups {list(groups)} name on this "
-                         f"{mlayout.model_type} model (differences: {diff}); PEFT rewrites gate/up/down_proj "
-                         "targets to the experts on qwen2-style MoE models: drop the 'mlp'/'shared_expert' group")
+        raise InputError(
+            f"PEFT did not target exactly what groups {list(groups)} name on this "
+            f"{mlayout.model_type} model (differences: {diff}); PEFT rewrites gate/up/down_proj "
+            "targets to the experts on qwen2-style MoE models: drop the 'mlp'/'shared_expert' group"
+        )
 
     for name, layer in tuner.model.named_modules():
         if not isinstance(layer, LoraLayer):
@@ -92,8 +111,15 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
         if w_rms == 0:
             raise InputError(f"{base}.{pname} is all zeros: cannot size a relative delta for it")
         if "default" in getattr(layer, "lora_embedding_A", {}):
-            _fill_embedding(layer, weight, w_rms, scale, _generator(seed, base, pname, "A"),
-                            _generator(seed, base, pname, "B"), dtype)
+            _fill_embedding(
+                layer,
+                weight,
+                w_rms,
+                scale,
+                _generator(seed, base, pname, "A"),
+                _generator(seed, base, pname, "B"),
+                dtype,
+            )
             continue
         a_mod, b_mod = layer.lora_A["default"], layer.lora_B["default"]
         n_exp = getattr(layer, "num_experts", 1)
@@ -109,9 +135,19 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
         b_mod.weight = nn.Parameter(b.to(dtype).contiguous(), requires_grad=False)
 
     out_dir = Path(out_dir)
-    recipe = {"generator": GENERATOR_VERSION, "model_type": mlayout.model_type, "groups": list(groups),
-              "rank": rank, "alpha": alpha, "seed": seed, "scale": scale, "shared_outer": shared_outer,
-              "use_rslora": use_rslora, "dtype": str(dtype).removeprefix("torch."), "layout": layout}
+    recipe = {
+        "generator": GENERATOR_VERSION,
+        "model_type": mlayout.model_type,
+        "groups": list(groups),
+        "rank": rank,
+        "alpha": alpha,
+        "seed": seed,
+        "scale": scale,
+        "shared_outer": shared_outer,
+        "use_rslora": use_rslora,
+        "dtype": str(dtype).removeprefix("torch."),
+        "layout": layout,
+    }
     if rank_pattern or alpha_pattern:  # only when given: older recipes (and their content hashes) stay as they were
         recipe.update(rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
     # Written whole beside out_dir, then moved in: a Ctrl-C or a crash leaves no half-written adapter behind
@@ -135,8 +171,9 @@ def generate_adapter(model: nn.Module, out_dir: str | Path, groups: Sequence[str
     return AdapterSpec(name=out_dir.name, path=str(out_dir))
 
 
-def _fill_embedding(layer, weight, w_rms: float, scale: float, gen_a: torch.Generator, gen_b: torch.Generator,
-                    dtype: torch.dtype) -> None:
+def _fill_embedding(
+    layer, weight, w_rms: float, scale: float, gen_a: torch.Generator, gen_b: torch.Generator, dtype: torch.dtype
+) -> None:
     """PEFT's Embedding LoRA (lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)): a token's delta is
     scaling * B @ A[:, id], so A ~ N(0, 1) and B ~ N(0, c^2) with c chosen like the Linear case (RMS of the delta =
     scale x RMS of the embedding)."""

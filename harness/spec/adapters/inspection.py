@@ -1,5 +1,6 @@
 """What an adapter directory holds, read from its config and safetensors header without a model (for doctor and
 for naming the module groups a verdict judges)."""
+
 from __future__ import annotations
 
 import json
@@ -8,11 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lpdiff.harness.spec.adapters.files import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    read_provenance,
-)
+from lpdiff.harness.spec.adapters.files import CONFIG_NAME, WEIGHTS_NAME, read_provenance
 from lpdiff.harness.spec.adapters.layout import (
     GROUPS,
     PEFT_PREFIX,
@@ -99,16 +96,33 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
         a_key = next(k for k in three_d if k.endswith("lora_A.weight"))
         module = re.sub(r"(\.base_layer)+$", "", key_module(a_key)[0]).removeprefix(PEFT_PREFIX)
         # PEFT matches rank_pattern against the parameter path (experts.gate_up_proj); any expert parameter's will do
-        r = next((v for p in ("gate_up_proj", "up_proj", "down_proj")
-                  if (v := pattern_value(cfg.get("rank_pattern"), f"{module}.{p}")) is not None), None)
+        r = next(
+            (
+                v
+                for p in ("gate_up_proj", "up_proj", "down_proj")
+                if (v := pattern_value(cfg.get("rank_pattern"), f"{module}.{p}")) is not None
+            ),
+            None,
+        )
         num_experts = shapes[a_key][0] // int(r or rank)
     return AdapterInfo(
-        path=str(adapter_dir), rank=rank, alpha=float(cfg.get("lora_alpha", 0)),
-        rslora=bool(cfg.get("use_rslora", False)), target_modules=cfg.get("target_modules"),
-        target_parameters=cfg.get("target_parameters"), base_model_name_or_path=cfg.get("base_model_name_or_path"),
-        layout=layout, keys=keys, shapes=shapes, dtypes=sorted(dtypes), groups=sorted(groups),
-        num_experts=num_experts, rank_pattern=dict(cfg.get("rank_pattern") or {}),
-        alpha_pattern=dict(cfg.get("alpha_pattern") or {}), provenance=read_provenance(adapter_dir))
+        path=str(adapter_dir),
+        rank=rank,
+        alpha=float(cfg.get("lora_alpha", 0)),
+        rslora=bool(cfg.get("use_rslora", False)),
+        target_modules=cfg.get("target_modules"),
+        target_parameters=cfg.get("target_parameters"),
+        base_model_name_or_path=cfg.get("base_model_name_or_path"),
+        layout=layout,
+        keys=keys,
+        shapes=shapes,
+        dtypes=sorted(dtypes),
+        groups=sorted(groups),
+        num_experts=num_experts,
+        rank_pattern=dict(cfg.get("rank_pattern") or {}),
+        alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
+        provenance=read_provenance(adapter_dir),
+    )
 
 
 def adapter_groups(adapter_dir: str | Path) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """What a model lets an adapter target: its nn.Linear modules and fused 3D expert parameters, the module group of
 every path (name-based, so it works on adapter keys without a model), and group names resolved to exact targets."""
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,17 @@ from lpdiff.harness.spec.errors import InputError
 # q_proj is twice as wide: query and output gate), Gated DeltaNet linear attention (Qwen3.5: in_proj_qkv, in_proj_z,
 # in_proj_b, in_proj_a, out_proj), Mamba-2 mixers (Nemotron-H: in_proj, out_proj), dense MLPs, shared experts and
 # routed experts. A verdict names the group whose LoRA an engine mishandles by these names.
-GROUPS = ("attention", "linear_attention", "mamba", "mlp", "shared_expert", "experts", "latent", "lm_head",
-          "embed_tokens")
+GROUPS = (
+    "attention",
+    "linear_attention",
+    "mamba",
+    "mlp",
+    "shared_expert",
+    "experts",
+    "latent",
+    "lm_head",
+    "embed_tokens",
+)
 # the vocabulary-sized groups (PEFT adapts both: lm_head as a Linear LoRA, the input embedding as an Embedding LoRA
 # whose tensors are lora_embedding_A (r, vocab) and lora_embedding_B (hidden, r)). A model's "all" adapters leave
 # them out: trainers add them on purpose (new tokens, a tuned head), and the committed zoo predates them
@@ -39,8 +49,11 @@ _EMBED = {"embed_tokens", "embeddings"}  # Nemotron-H: backbone.embeddings
 # _check_lora_target_modules_mamba): the mamba group is in_proj alone there.
 _PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}
 _PEFT_MAMBA_REFUSED = {"out_proj", "conv1d"}
-_ROOT_ALIASES = {"nemotron_h": ("backbone.",), "qwen3_5_moe_text": ("model.language_model.",),
-                 "qwen3_5_moe": ("model.language_model.",)}
+_ROOT_ALIASES = {
+    "nemotron_h": ("backbone.",),
+    "qwen3_5_moe_text": ("model.language_model.",),
+    "qwen3_5_moe": ("model.language_model.",),
+}
 # fused expert parameter -> its per-expert projections, in the order their rows appear in the fused output
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 KEY_RE = re.compile(r"(.+)\.lora_([AB])\.weight")
@@ -116,8 +129,9 @@ class ExpertParam:
         try:
             return EXPERT_PARTS[self.name]
         except KeyError:
-            raise InputError(f"expert parameter {self.path} has no known per-expert layout (known: "
-                             f"{sorted(EXPERT_PARTS)})") from None
+            raise InputError(
+                f"expert parameter {self.path} has no known per-expert layout (known: {sorted(EXPERT_PARTS)})"
+            ) from None
 
     def disk_parts(self, layout: str = "per_expert") -> tuple[str, ...]:
         """The per-expert module names its parts are saved under in ``layout``."""
@@ -159,12 +173,14 @@ class ModelLayout:
                 e, a, b = p.shape
                 out_f, in_f = (b, a) if transposed else (a, b)
                 path = f"{mname}.{pname}"
-                experts[path] = ExpertParam(path, mname, pname, e, out_f, in_f, transposed,
-                                            not bool(getattr(mod, "is_concatenated", True)))
+                experts[path] = ExpertParam(
+                    path, mname, pname, e, out_f, in_f, transposed, not bool(getattr(mod, "is_concatenated", True))
+                )
                 names.append(pname)
             module_params[mname] = tuple(names)
-        embeddings = {n: (m.num_embeddings, m.embedding_dim) for n, m in model.named_modules()
-                      if isinstance(m, nn.Embedding)}
+        embeddings = {
+            n: (m.num_embeddings, m.embedding_dim) for n, m in model.named_modules() if isinstance(m, nn.Embedding)
+        }
         return cls(model.config.model_type, linears, experts, module_params, embeddings)
 
     @classmethod
@@ -187,22 +203,27 @@ class ModelLayout:
         """'base_model.model.backbone.layers.1.x.lora_A.weight' -> ('model.layers.1.x', 'A')."""
         if not key.startswith(PEFT_PREFIX):
             raise InputError(f"tensor {key!r} does not start with {PEFT_PREFIX!r}: not a PEFT LoRA adapter")
-        path = key[len(PEFT_PREFIX):]
+        path = key[len(PEFT_PREFIX) :]
         for alias in _ROOT_ALIASES.get(self.model_type, ()):
             if path.startswith(alias):
-                path = "model." + path[len(alias):]
+                path = "model." + path[len(alias) :]
                 break
         got = key_module(path)
         if got is None:
-            raise InputError(f"tensor {key!r} is not a LoRA A/B weight; lpdiff handles plain LoRA only (no DoRA "
-                             "magnitudes, LoRA biases, saved base layers or modules_to_save)")
+            raise InputError(
+                f"tensor {key!r} is not a LoRA A/B weight; lpdiff handles plain LoRA only (no DoRA "
+                "magnitudes, LoRA biases, saved base layers or modules_to_save)"
+            )
         return got
 
     def targeted_params(self, module: str, target_parameters) -> list[str]:
         """The experts module's parameters PEFT wraps for ``target_parameters``, innermost first (definition
         order)."""
-        return [p for p in self.module_params[module]
-                if any(f"{module}.{p}" == t or f"{module}.{p}".endswith("." + t) for t in target_parameters or ())]
+        return [
+            p
+            for p in self.module_params[module]
+            if any(f"{module}.{p}" == t or f"{module}.{p}".endswith("." + t) for t in target_parameters or ())
+        ]
 
     def tensor_slot(self, mod: str, target_parameters) -> tuple:
         """Which weight the LoRA tensors of in-memory module path ``mod`` (memory_path's first part) adapt:
@@ -214,8 +235,10 @@ class ModelLayout:
             depth = (len(mod) - len(base)) // len(".base_layer")
             names = self.targeted_params(base, target_parameters)
             if depth >= len(names):
-                raise InputError(f"{len(names)} parameter(s) of {base} are in target_parameters "
-                                 f"{target_parameters}, so PEFT nests at most {max(len(names) - 1, 0)} base_layer")
+                raise InputError(
+                    f"{len(names)} parameter(s) of {base} are in target_parameters "
+                    f"{target_parameters}, so PEFT nests at most {max(len(names) - 1, 0)} base_layer"
+                )
             return "3d", f"{base}.{names[len(names) - 1 - depth]}"
         pe = PER_EXPERT_RE.fullmatch(mod)
         if pe is not None and pe.group(1) in self.module_params:
@@ -226,8 +249,9 @@ class ModelLayout:
             return "pe", module, proj, int(pe.group(2))
         if mod in self.linears:
             return "dense", mod
-        raise InputError(f"no module {mod!r} in this {self.model_type} model; is the adapter for another model (or "
-                         "another depth)?")
+        raise InputError(
+            f"no module {mod!r} in this {self.model_type} model; is the adapter for another model (or another depth)?"
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -239,8 +263,10 @@ class Targets:
 
 
 def _router_error(target: str) -> ValueError:
-    return ValueError(f"adapter target {target!r} is a router/gate: LoRA on the router is not supported by the "
-                      "engines (vLLM and SGLang refuse it); drop it and target the experts with group 'experts'")
+    return ValueError(
+        f"adapter target {target!r} is a router/gate: LoRA on the router is not supported by the "
+        "engines (vLLM and SGLang refuse it); drop it and target the experts with group 'experts'"
+    )
 
 
 def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
@@ -248,8 +274,10 @@ def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
     the exact modules and parameters they name in this model. Raises on routers and on targets matching nothing."""
     if isinstance(groups, str):
         groups = [groups]
-    candidates = {**{n: "module" for n in [*layout.linears, *layout.embeddings]},
-                  **{n: "param" for n in layout.experts}}
+    candidates = {
+        **{n: "module" for n in [*layout.linears, *layout.embeddings]},
+        **{n: "param" for n in layout.experts},
+    }
     present = sorted({module_group(n) for n in candidates} & set(GROUPS))
     mamba = layout.model_type in _PEFT_MAMBA_TYPES
     chosen: set[str] = set()
@@ -265,17 +293,24 @@ def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
             if any(module_group(n) == "router" for n in hits):
                 raise _router_error(g)
             if mamba and any(n.rsplit(".", 1)[-1] in _PEFT_MAMBA_REFUSED for n in hits):
-                raise InputError(f"adapter target {g!r} names a Mamba {sorted(_PEFT_MAMBA_REFUSED)} module: PEFT "
-                                 f"refuses LoRA there on {layout.model_type}; target the mamba in_proj instead")
+                raise InputError(
+                    f"adapter target {g!r} names a Mamba {sorted(_PEFT_MAMBA_REFUSED)} module: PEFT "
+                    f"refuses LoRA there on {layout.model_type}; target the mamba in_proj instead"
+                )
         if not hits:
-            raise InputError(f"adapter target {g!r} matches nothing in this {layout.model_type} model; groups it "
-                             f"has: {present} (or give a module/parameter suffix such as 'self_attn.q_proj')")
+            raise InputError(
+                f"adapter target {g!r} matches nothing in this {layout.model_type} model; groups it "
+                f"has: {present} (or give a module/parameter suffix such as 'self_attn.q_proj')"
+            )
         chosen |= hits
     modules = sorted(n for n in chosen if candidates[n] == "module")
     params = sorted(n for n in chosen if candidates[n] == "param")
-    return Targets(tuple(modules), tuple(params),
-                   tuple(suffixes(modules, [*layout.linears, *layout.embeddings, *layout.per_expert_paths()])),
-                   tuple(suffixes(params, layout.experts, min_depth=3)))
+    return Targets(
+        tuple(modules),
+        tuple(params),
+        tuple(suffixes(modules, [*layout.linears, *layout.embeddings, *layout.per_expert_paths()])),
+        tuple(suffixes(params, layout.experts, min_depth=3)),
+    )
 
 
 def suffixes(chosen: Sequence[str], universe, min_depth: int = 1) -> list[str]:

@@ -6,6 +6,7 @@ Files that cannot be read at all (no directory, broken JSON, a pickle instead of
 shapes or ranks that differ from the model or from ``r``, NaN/Inf, targets with no tensors, an adapter made for
 another architecture, router LoRA for an engine that refuses it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,11 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lpdiff.harness.spec.adapters.files import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    read_provenance,
-)
+from lpdiff.harness.spec.adapters.files import CONFIG_NAME, WEIGHTS_NAME, read_provenance
 from lpdiff.harness.spec.adapters.layout import ModelLayout
 from lpdiff.harness.spec.validate.errors import Problem, ValidationError, first_error
 
@@ -72,46 +69,64 @@ def model_facts(spec) -> ModelFacts:
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(copy.deepcopy(config))
         modules = {n: type(m).__name__ for n, m in meta.named_modules() if n}
-        routers = {n for n in modules if n.rsplit(".", 1)[-1] in _ROUTER_LEAVES
-                   and n.rsplit(".", 1)[0] + ".experts" in modules}
-        return ModelFacts(key, meta, ModelLayout.of(meta), modules, frozenset(n for n, _ in meta.named_parameters()),
-                          frozenset(routers))
+        routers = {
+            n for n in modules if n.rsplit(".", 1)[-1] in _ROUTER_LEAVES and n.rsplit(".", 1)[0] + ".experts" in modules
+        }
+        return ModelFacts(
+            key,
+            meta,
+            ModelLayout.of(meta),
+            modules,
+            frozenset(n for n, _ in meta.named_parameters()),
+            frozenset(routers),
+        )
+
     return _remember(_MODELS, key, make)
 
 
 # -- files ----------------------------------------------------------------------------------------------------------
+
 
 def read_adapter_config(adapter_dir: str | Path, arg: str = "adapter") -> dict[str, Any]:
     """adapter_config.json, parsed, of a directory that also holds safetensors weights; anything else is a
     ValidationError naming the file and the fix. Pickle weights are refused without being opened."""
     d = Path(adapter_dir)
     if not d.is_dir():
-        raise ValidationError(f"{arg} {d}: no such directory; give a PEFT adapter directory ({CONFIG_NAME} + "
-                              f"{WEIGHTS_NAME})")
+        raise ValidationError(
+            f"{arg} {d}: no such directory; give a PEFT adapter directory ({CONFIG_NAME} + {WEIGHTS_NAME})"
+        )
     path = d / CONFIG_NAME
     if not path.is_file():
-        raise ValidationError(f"{arg} {d}: no {CONFIG_NAME}, so not a PEFT adapter directory; save the adapter with "
-                              "PEFT's save_pretrained")
+        raise ValidationError(
+            f"{arg} {d}: no {CONFIG_NAME}, so not a PEFT adapter directory; save the adapter with "
+            "PEFT's save_pretrained"
+        )
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValidationError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file "
-                              "or re-save the adapter with PEFT's save_pretrained") from None
+        raise ValidationError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file "
+            "or re-save the adapter with PEFT's save_pretrained"
+        ) from None
     except UnicodeDecodeError:
         raise ValidationError(f"{path}: not UTF-8 text; re-save the adapter with PEFT's save_pretrained") from None
     if not isinstance(cfg, dict):
-        raise ValidationError(f"{path}: holds a JSON {type(cfg).__name__}, not an object; re-save the adapter with "
-                              "PEFT's save_pretrained")
+        raise ValidationError(
+            f"{path}: holds a JSON {type(cfg).__name__}, not an object; re-save the adapter with PEFT's save_pretrained"
+        )
     if not (d / WEIGHTS_NAME).is_file():
         pickled = [d / n for n in PICKLE_NAMES if (d / n).is_file()]
         if pickled:
-            raise ValidationError(f"{pickled[0]}: pickle weights; lpdiff never unpickles: save the adapter as "
-                                  f"safetensors (save_pretrained(..., safe_serialization=True) writes {WEIGHTS_NAME})")
+            raise ValidationError(
+                f"{pickled[0]}: pickle weights; lpdiff never unpickles: save the adapter as "
+                f"safetensors (save_pretrained(..., safe_serialization=True) writes {WEIGHTS_NAME})"
+            )
         raise ValidationError(f"{arg} {d}: no {WEIGHTS_NAME}; save the adapter's weights as safetensors")
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValidationError(f"{path}: r is {r!r}, not a positive integer; set r to the rank of the adapter's "
-                              "lora_A tensors")
+        raise ValidationError(
+            f"{path}: r is {r!r}, not a positive integer; set r to the rank of the adapter's lora_A tensors"
+        )
     return cfg
 
 
@@ -129,6 +144,7 @@ def read_tensors(adapter_dir: str | Path) -> dict[str, Any]:
 
 # -- what the files hold ----------------------------------------------------------------------------------------------
 
+
 def _arch_problem(d: Path, cfg: dict, facts: ModelFacts) -> Problem | None:
     """The architecture the adapter's own files name (PEFT's auto_mapping, lpdiff's generator record)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -143,8 +159,11 @@ def _arch_problem(d: Path, cfg: dict, facts: ModelFacts) -> Problem | None:
         what = f"lpdiff_adapter.json says it was generated for a {made_for} model"
     else:
         return None
-    return Problem("arch-mismatch", f"adapter {d}: {what}, but the model is {facts.arch} "
-                   f"({type(facts.meta).__name__})", "use an adapter trained for this model")
+    return Problem(
+        "arch-mismatch",
+        f"adapter {d}: {what}, but the model is {facts.arch} ({type(facts.meta).__name__})",
+        "use an adapter trained for this model",
+    )
 
 
 def _rank_for(cfg: dict, module: str) -> set[int]:
@@ -184,8 +203,15 @@ def _expected(key: str, mod: str, cfg: dict, facts: ModelFacts) -> tuple[str, tu
     return "lora", ((1, in_f), (out_f, 1))
 
 
-def tensor_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, num_layers: int | None = None,
-                    router_lora: str | None = None, engine: str | None = None) -> list[Problem]:
+def tensor_problems(
+    d: Path,
+    cfg: dict,
+    tensors: dict,
+    facts: ModelFacts,
+    num_layers: int | None = None,
+    router_lora: str | None = None,
+    engine: str | None = None,
+) -> list[Problem]:
     import torch
 
     found: dict[str, list[str]] = {}
@@ -209,8 +235,9 @@ def tensor_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, num_la
         if shapes is None:
             continue
         base = re.sub(r"(\.base_layer)+$", "", mod)  # PEFT matches 3D experts' patterns by parameter path
-        ranks = set().union(*(_rank_for(cfg, p) for p in
-                              [base, *(f"{base}.{q}" for q in facts.layout.module_params.get(base, ()))]))
+        ranks = set().union(
+            *(_rank_for(cfg, p) for p in [base, *(f"{base}.{q}" for q in facts.layout.module_params.get(base, ()))])
+        )
         n = shapes[0][0] if kind == "experts" else 1  # peft3d: A is (r * experts, in), B (out, r * experts)
         want = shapes[0][1] if which == "A" else shapes[1][0]
         got = t.shape[1] if which == "A" else t.shape[0] if t.ndim == 2 else None
@@ -218,33 +245,45 @@ def tensor_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, num_la
         if t.ndim != 2 or got != want:
             found.setdefault("shape-mismatch", []).append(
                 f"{key} is {tuple(t.shape)}, the model's {mod} needs "
-                + (f"(r, {want})" if which == "A" else f"({want}, r)") + (f" x {n} experts" if n > 1 else ""))
+                + (f"(r, {want})" if which == "A" else f"({want}, r)")
+                + (f" x {n} experts" if n > 1 else "")
+            )
         elif rank % n or rank // n not in ranks:
             found.setdefault("rank-mismatch", []).append(
-                f"{key} has rank {rank // n if rank % n == 0 else rank / n} but {CONFIG_NAME} says r={min(ranks)}")
+                f"{key} has rank {rank // n if rank % n == 0 else rank / n} but {CONFIG_NAME} says r={min(ranks)}"
+            )
     out = [_problem(code, items, d, facts, engine) for code, items in found.items()]
     return out + target_problems(d, cfg, tensors, facts, router_lora, engine)
 
 
 _MESSAGES = {
-    "non-finite": ("adapter {d}: {n} tensor(s) hold NaN or Inf (e.g. {first})",
-                   "re-export the adapter from a checkpoint without NaN/Inf (did training diverge?)"),
-    "router-target": ("adapter {d}: LoRA on the MoE router ({first}), which the {engine} engine refuses",
-                      "drop the router from target_modules/target_parameters; adapt the experts instead"),
-    "tensors-for-missing-modules": ("adapter {d}: {n} tensor(s) are for modules this {arch} model lacks (e.g. {first})",
-                                    "use an adapter made for this model (and depth)"),
-    "shape-mismatch": ("adapter {d}: {n} tensor(s) do not fit this {arch} model ({first})",
-                       "use an adapter made for this model size"),
-    "rank-mismatch": ("adapter {d}: {n} tensor(s) disagree with the config's rank ({first})",
-                      f"set r (and rank_pattern) in {CONFIG_NAME} to the tensors' rank, or re-save the adapter"),
+    "non-finite": (
+        "adapter {d}: {n} tensor(s) hold NaN or Inf (e.g. {first})",
+        "re-export the adapter from a checkpoint without NaN/Inf (did training diverge?)",
+    ),
+    "router-target": (
+        "adapter {d}: LoRA on the MoE router ({first}), which the {engine} engine refuses",
+        "drop the router from target_modules/target_parameters; adapt the experts instead",
+    ),
+    "tensors-for-missing-modules": (
+        "adapter {d}: {n} tensor(s) are for modules this {arch} model lacks (e.g. {first})",
+        "use an adapter made for this model (and depth)",
+    ),
+    "shape-mismatch": (
+        "adapter {d}: {n} tensor(s) do not fit this {arch} model ({first})",
+        "use an adapter made for this model size",
+    ),
+    "rank-mismatch": (
+        "adapter {d}: {n} tensor(s) disagree with the config's rank ({first})",
+        f"set r (and rank_pattern) in {CONFIG_NAME} to the tensors' rank, or re-save the adapter",
+    ),
 }
 
 
 def _problem(code: str, items: list[str], d: Path, facts: ModelFacts, engine: str | None) -> Problem:
     items = sorted(dict.fromkeys(items))
     what, fix = _MESSAGES[code]
-    return Problem(code, what.format(d=d, n=len(items), first=items[0], arch=facts.arch, engine=engine or "this"),
-                   fix)
+    return Problem(code, what.format(d=d, n=len(items), first=items[0], arch=facts.arch, engine=engine or "this"), fix)
 
 
 def _matches(target: str, names) -> list[str]:
@@ -252,8 +291,9 @@ def _matches(target: str, names) -> list[str]:
     return [n for n in names if n == target or n.endswith("." + target)]
 
 
-def target_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, router_lora: str | None = None,
-                    engine: str | None = None) -> list[Problem]:
+def target_problems(
+    d: Path, cfg: dict, tensors: dict, facts: ModelFacts, router_lora: str | None = None, engine: str | None = None
+) -> list[Problem]:
     """Targets that name nothing in the model (PEFT refuses when none does, ignores the others), targets that name
     modules the adapter has no tensors for, and router targets an engine refuses."""
     tm, tp = cfg.get("target_modules"), list(cfg.get("target_parameters") or [])
@@ -277,41 +317,67 @@ def target_problems(d: Path, cfg: dict, tensors: dict, facts: ModelFacts, router
     dead = [t for t in (*entries, *tp) if not hits[t]]
     out = []
     if dead and len(dead) == len(entries) + len(tp):
-        out.append(Problem("targets-match-nothing", f"adapter {d}: no target ({', '.join(dead)}) names a module or "
-                           f"parameter of this {facts.arch} model, so nothing would be adapted (PEFT refuses it)",
-                           "use an adapter made for this model (lpdiff adapters gen --model MODEL ...)"))
+        out.append(
+            Problem(
+                "targets-match-nothing",
+                f"adapter {d}: no target ({', '.join(dead)}) names a module or "
+                f"parameter of this {facts.arch} model, so nothing would be adapted (PEFT refuses it)",
+                "use an adapter made for this model (lpdiff adapters gen --model MODEL ...)",
+            )
+        )
     elif dead:
-        out.append(Problem("target-matches-nothing", f"adapter {d}: target(s) {', '.join(dead)} name nothing in this "
-                           f"{facts.arch} model and are ignored", "drop them from target_modules/target_parameters "
-                           "or fix their names", severity="warning"))
+        out.append(
+            Problem(
+                "target-matches-nothing",
+                f"adapter {d}: target(s) {', '.join(dead)} name nothing in this {facts.arch} model and are ignored",
+                "drop them from target_modules/target_parameters or fix their names",
+                severity="warning",
+            )
+        )
     if empty:
-        out.append(Problem("target-without-tensors", f"adapter {d}: target(s) {', '.join(empty)} name modules of the "
-                           "model but the adapter has no tensors for them: PEFT wraps them with zero or random "
-                           "weights, other engines skip them", "drop them from target_modules/target_parameters, or "
-                           "save the adapter with their tensors"))
+        out.append(
+            Problem(
+                "target-without-tensors",
+                f"adapter {d}: target(s) {', '.join(empty)} name modules of the "
+                "model but the adapter has no tensors for them: PEFT wraps them with zero or random "
+                "weights, other engines skip them",
+                "drop them from target_modules/target_parameters, or save the adapter with their tensors",
+            )
+        )
     routers = sorted({r for t in hits.values() for r in t if re.sub(r"\.weight$", "", r) in facts.routers})
     if routers and router_lora == "refused" and not any(p.code == "router-target" for p in out):
         out.append(_problem("router-target", routers, d, facts, engine))
     return out
 
 
-def adapter_problems(adapter_dir: str | Path, facts: ModelFacts, num_layers: int | None = None,
-                     router_lora: str | None = None, engine: str | None = None, arg: str = "adapter") -> list[Problem]:
+def adapter_problems(
+    adapter_dir: str | Path,
+    facts: ModelFacts,
+    num_layers: int | None = None,
+    router_lora: str | None = None,
+    engine: str | None = None,
+    arg: str = "adapter",
+) -> list[Problem]:
     """Every problem of one adapter on one model (errors and warnings); unreadable files raise ValidationError.
     Kept per (files, model, engine facts): engines and commands ask again for the same adapter."""
     d = Path(adapter_dir)
     cfg = read_adapter_config(d, arg)
-    stats = tuple((p.name, s.st_size, s.st_mtime_ns) for p in sorted(d.iterdir()) if p.is_file()
-                  for s in [os.stat(p)])
+    stats = tuple((p.name, s.st_size, s.st_mtime_ns) for p in sorted(d.iterdir()) if p.is_file() for s in [os.stat(p)])
     key = (str(d.resolve()), stats, facts.key, num_layers, router_lora, engine)
 
     def make() -> list[Problem]:
         tensors = read_tensors(d)
         if not tensors:
-            return [Problem("empty-adapter", f"adapter {d}: {WEIGHTS_NAME} holds no tensors, so the adapter changes "
-                            "nothing", "save the trained adapter's weights (PEFT's save_pretrained)")]
+            return [
+                Problem(
+                    "empty-adapter",
+                    f"adapter {d}: {WEIGHTS_NAME} holds no tensors, so the adapter changes nothing",
+                    "save the trained adapter's weights (PEFT's save_pretrained)",
+                )
+            ]
         arch = _arch_problem(d, cfg, facts)
         return [*([arch] if arch else []), *tensor_problems(d, cfg, tensors, facts, num_layers, router_lora, engine)]
+
     return list(_remember(_CHECKED, key, make))
 
 
@@ -324,4 +390,3 @@ def check_adapters(spec, adapters: dict, router_lora: str | None = None, engine:
     for name, a in adapters.items():
         problems = adapter_problems(a.path, facts, spec.num_layers, router_lora, engine, arg=f"adapter {name!r}:")
         first_error(problems, f"lpdiff doctor {spec.name} {a.path}")
-

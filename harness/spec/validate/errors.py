@@ -1,5 +1,6 @@
 """What the validation layer says: one ``ValidationError`` per refusal (an InputError, so the CLI prints it as one
 line and exits 2) and the ``Problem``s that doctor lists and a run refuses."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

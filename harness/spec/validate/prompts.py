@@ -1,5 +1,6 @@
 """Prompts checked once, the same way for every engine and command: a non-empty list of prompts, each of at least
 two integer token ids inside the vocabulary and within the model's positions."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,34 +31,47 @@ def _ids(p: Any, where: str) -> np.ndarray:
     if isinstance(p, (list, tuple)) and any(isinstance(x, bool) for x in p):
         raise ValidationError(f"{where} holds booleans, not integer token ids; give integers")
     if isinstance(p, (str, bytes, dict)) or not hasattr(p, "__len__"):
-        raise ValidationError(f"{where} is a {type(p).__name__}, not a list of token ids; give each "
-                              "prompt as a list of integers")
+        raise ValidationError(
+            f"{where} is a {type(p).__name__}, not a list of token ids; give each prompt as a list of integers"
+        )
     try:
         a = np.asarray(p)
     except (ValueError, TypeError):
-        raise ValidationError(f"{where} is not a flat list of token ids; give each prompt as a list "
-                              "of integers") from None
+        raise ValidationError(
+            f"{where} is not a flat list of token ids; give each prompt as a list of integers"
+        ) from None
     if a.ndim != 1:
-        raise ValidationError(f"{where} has shape {a.shape}, not a flat list of token ids; give each "
-                              "prompt as a list of integers")
+        raise ValidationError(
+            f"{where} has shape {a.shape}, not a flat list of token ids; give each prompt as a list of integers"
+        )
     if a.size == 0 or a.dtype.kind in "iu":
         return a.astype(np.int64)
     if a.dtype.kind == "O" and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in a):
         return a  # ints beyond int64: the vocabulary check names them
     bad = next(x for x in a.tolist() if not isinstance(x, int) or isinstance(x, bool))
-    raise ValidationError(f"{where} holds {type(bad).__name__} values (e.g. {bad!r}), not integer token "
-                          "ids; give integers (lpdiff never rounds or truncates ids)")
+    raise ValidationError(
+        f"{where} holds {type(bad).__name__} values (e.g. {bad!r}), not integer token "
+        "ids; give integers (lpdiff never rounds or truncates ids)"
+    )
 
 
-def check_prompt(p: Any, where: str, vocab_size: int | None = None, max_positions: int | None = None,
-                 truncate: bool = False, hint: str = "") -> list[int]:
+def check_prompt(
+    p: Any,
+    where: str,
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
+    truncate: bool = False,
+    hint: str = "",
+) -> list[int]:
     """One prompt -> its ids as ints, or ValidationError naming ``where`` (e.g. "--prompts f.jsonl line 3") and the
     fix. Longer than ``max_positions``: refused, or cut to it when ``truncate`` (the user asked for it); ``hint``
     says how the user asks for that."""
     ids = _ids(p, where)
     if len(ids) < 2:
-        raise ValidationError(f"{where} has {len(ids)} token(s); logprobs need at least 2 (one to condition on, one "
-                              "to score): drop it or make it longer")
+        raise ValidationError(
+            f"{where} has {len(ids)} token(s); logprobs need at least 2 (one to condition on, one "
+            "to score): drop it or make it longer"
+        )
     if ids.dtype.kind == "O":  # ints beyond int64: compared one by one
         bad = [int(x) for x in ids if x < 0 or (vocab_size is not None and x >= vocab_size)]
     else:  # vectorised: a per-element Python loop cost ~3 ms per 8 x 512-token call, inside every engine's call
@@ -65,23 +79,36 @@ def check_prompt(p: Any, where: str, vocab_size: int | None = None, max_position
         bad = ids[out_of_range].tolist()
     if bad:
         span = f"[0, {vocab_size})" if vocab_size is not None else "the non-negative ids"
-        raise ValidationError(f"{where} has {len(bad)} token id(s) outside the vocabulary {span} (e.g. {bad[0]}); use "
-                              "ids of this model's tokenizer")
+        raise ValidationError(
+            f"{where} has {len(bad)} token id(s) outside the vocabulary {span} (e.g. {bad[0]}); use "
+            "ids of this model's tokenizer"
+        )
     if max_positions is not None and len(ids) > max_positions:
         if not truncate:
-            raise ValidationError(f"{where} has {len(ids)} tokens, more than the model's max_position_embeddings "
-                                  f"({max_positions}); shorten it" + (f" or pass {hint}" if hint else ""))
+            raise ValidationError(
+                f"{where} has {len(ids)} tokens, more than the model's max_position_embeddings "
+                f"({max_positions}); shorten it" + (f" or pass {hint}" if hint else "")
+            )
         ids = ids[:max_positions]
     return [int(x) for x in ids] if ids.dtype.kind == "O" else ids.tolist()
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None, max_positions: int | None = None,
-                  truncate: bool = False, source: str = "prompts", hint: str = "") -> list[list[int]]:
+def check_prompts(
+    prompts: Sequence[Sequence[int]],
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
+    truncate: bool = False,
+    source: str = "prompts",
+    hint: str = "",
+) -> list[list[int]]:
     """A non-empty list of prompts, each through ``check_prompt`` (named "``source``: prompt i")."""
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise ValidationError(f"{source}: expected a list of prompts (lists of token ids), got a "
-                              f"{type(prompts).__name__}")
+        raise ValidationError(
+            f"{source}: expected a list of prompts (lists of token ids), got a {type(prompts).__name__}"
+        )
     if len(prompts) == 0:
         raise ValidationError(f"{source}: no prompts; give at least one prompt of 2 or more token ids")
-    return [check_prompt(p, f"{source}: prompt {i}", vocab_size, max_positions, truncate, hint)
-            for i, p in enumerate(prompts)]
+    return [
+        check_prompt(p, f"{source}: prompt {i}", vocab_size, max_positions, truncate, hint)
+        for i, p in enumerate(prompts)
+    ]

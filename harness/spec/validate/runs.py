@@ -1,5 +1,6 @@
 """Logprob runs checked before they are judged or stored: files that are runs, finite logprobs <= 0, top-k ids in
 the vocabulary, and two runs of the same prompts (and, unless asked otherwise, of the same model and adapter)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ def load_run(path: str | Path, arg: str = "--runs") -> LogprobRun:
         with np.load(p, allow_pickle=False) as z:
             missing = [k for k in RUN_ARRAYS if k not in z.files]
             if missing:
-                raise ValidationError(f"{arg} {p}: no {', '.join(repr(k) for k in missing)} array(s), so not a "
-                                      f"logprob run; {_SAVED}")
+                raise ValidationError(
+                    f"{arg} {p}: no {', '.join(repr(k) for k in missing)} array(s), so not a logprob run; {_SAVED}"
+                )
             arrays = {k: z[k] for k in z.files if k != "__meta__"}
             meta = json.loads(bytes(z["__meta__"]).decode()) if "__meta__" in z.files else {}
         return LogprobRun.from_arrays(arrays, meta)
@@ -71,22 +73,33 @@ def _first(mask_per_prompt: list[np.ndarray]) -> tuple[int, int, int]:
     return 0, -1, -1
 
 
-def check_run(run: LogprobRun, source: str, vocab_size: int | None = None,
-              fix: str = "regenerate it (the engine or adapter that wrote it produced these values)") -> None:
+def check_run(
+    run: LogprobRun,
+    source: str,
+    vocab_size: int | None = None,
+    fix: str = "regenerate it (the engine or adapter that wrote it produced these values)",
+) -> None:
     """Finite logprobs <= LOGPROB_TOL, top-k values finite and <= LOGPROB_TOL, top-k and token ids in the vocabulary."""
     checks = [
         ("logprob(s) are NaN or Inf", [~np.isfinite(p.logprobs) for p in run.prompts]),
-        (f"logprob(s) are above 0 (+{LOGPROB_TOL})", [np.isfinite(p.logprobs) & (p.logprobs > LOGPROB_TOL)
-                                                      for p in run.prompts]),
+        (
+            f"logprob(s) are above 0 (+{LOGPROB_TOL})",
+            [np.isfinite(p.logprobs) & (p.logprobs > LOGPROB_TOL) for p in run.prompts],
+        ),
     ]
     if all(p.topk_logprobs is not None for p in run.prompts):
-        checks += [("top-k logprob(s) are NaN or Inf", [~np.isfinite(p.topk_logprobs) for p in run.prompts]),
-                   (f"top-k logprob(s) are above 0 (+{LOGPROB_TOL})",
-                    [np.isfinite(p.topk_logprobs) & (p.topk_logprobs > LOGPROB_TOL) for p in run.prompts])]
+        checks += [
+            ("top-k logprob(s) are NaN or Inf", [~np.isfinite(p.topk_logprobs) for p in run.prompts]),
+            (
+                f"top-k logprob(s) are above 0 (+{LOGPROB_TOL})",
+                [np.isfinite(p.topk_logprobs) & (p.topk_logprobs > LOGPROB_TOL) for p in run.prompts],
+            ),
+        ]
         hi = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
         where = f"[0, {vocab_size})" if vocab_size is not None else "the non-negative ids"
-        checks.append((f"top-k id(s) are outside {where}",
-                       [(p.topk_ids < 0) | (p.topk_ids >= hi) for p in run.prompts]))
+        checks.append(
+            (f"top-k id(s) are outside {where}", [(p.topk_ids < 0) | (p.topk_ids >= hi) for p in run.prompts])
+        )
     for what, masks in checks:
         n, i, j = _first(masks)
         if n:
@@ -103,17 +116,19 @@ def check_topk_consistency(run: LogprobRun, source: str, fix: str) -> None:
     actual next token's logprob equal to its top-k entry when listed there and no higher than the k-th when not."""
     if any(p.topk_ids is None or p.topk_logprobs is None for p in run.prompts):
         return
-    masks: dict[str, list[np.ndarray]] = {"top-k logprob rows are not sorted from the most likely down": [],
-                                          "top-k rows list one token id twice": [],
-                                          "actual-token logprobs disagree with their top-k entry": [],
-                                          "actual-token logprobs are above the k-th top-k logprob of a top-k row "
-                                          "that does not list the token": []}
+    masks: dict[str, list[np.ndarray]] = {
+        "top-k logprob rows are not sorted from the most likely down": [],
+        "top-k rows list one token id twice": [],
+        "actual-token logprobs disagree with their top-k entry": [],
+        "actual-token logprobs are above the k-th top-k logprob of a top-k row that does not list the token": [],
+    }
     lists = list(masks.values())
     for p in run.prompts:
         ids, lps = p.topk_ids, p.topk_logprobs
         if ids.shape != lps.shape or ids.shape[0] != len(p.logprobs):
-            raise ValidationError(f"{source}: top-k arrays of shape {ids.shape} / {lps.shape} for "
-                                  f"{len(p.logprobs)} positions; {fix}")
+            raise ValidationError(
+                f"{source}: top-k arrays of shape {ids.shape} / {lps.shape} for {len(p.logprobs)} positions; {fix}"
+            )
         k = ids.shape[1]
         if k == 0:
             return
@@ -135,21 +150,27 @@ def check_run_pair(a: LogprobRun, b: LogprobRun, names: tuple[str, str], allow_d
     """Two runs that can be compared position by position: the same prompts, and unless ``allow_different`` the same
     model and adapter according to their metadata."""
     same = len(a.prompts) == len(b.prompts) and all(
-        np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a.prompts, b.prompts))
+        np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a.prompts, b.prompts)
+    )
     if not same:
-        raise ValidationError(f"--runs: {names[0]} ({len(a.prompts)} prompts) and {names[1]} ({len(b.prompts)} "
-                              "prompts) score different prompts; compare runs of the same prompt set")
+        raise ValidationError(
+            f"--runs: {names[0]} ({len(a.prompts)} prompts) and {names[1]} ({len(b.prompts)} "
+            "prompts) score different prompts; compare runs of the same prompt set"
+        )
     if allow_different:
         return
     for key in ("model", "adapter"):
         if a.meta.get(key) != b.meta.get(key):
-            raise ValidationError(f"--runs: {names[0]} has {key} {a.meta.get(key) or '-'!s} but {names[1]} has "
-                                  f"{b.meta.get(key) or '-'!s}; compare runs of the same {key}, or pass "
-                                  "--allow-different to compare them anyway")
+            raise ValidationError(
+                f"--runs: {names[0]} has {key} {a.meta.get(key) or '-'!s} but {names[1]} has "
+                f"{b.meta.get(key) or '-'!s}; compare runs of the same {key}, or pass "
+                "--allow-different to compare them anyway"
+            )
 
 
-def load_run_pair(path_a: str | Path, path_b: str | Path, allow_different: bool = False
-                  ) -> tuple[LogprobRun, LogprobRun]:
+def load_run_pair(
+    path_a: str | Path, path_b: str | Path, allow_different: bool = False
+) -> tuple[LogprobRun, LogprobRun]:
     """``lpdiff compare --runs A B``: both loaded and checked, alone and as a pair."""
     runs = tuple(load_run(p) for p in (path_a, path_b))
     for p, r in zip((path_a, path_b), runs):
@@ -162,5 +183,9 @@ def check_reference_runs(runs: dict, source: str) -> None:
     """Reference runs about to be stored (adapter name or None -> run): a non-finite one is refused, nothing
     stored."""
     for adapter, run in runs.items():
-        check_run(run, f"{source} ({adapter or 'base'} run)", run_vocab(run.meta),
-                  fix="nothing was stored; check the adapter (lpdiff doctor MODEL ADAPTER) and the engine")
+        check_run(
+            run,
+            f"{source} ({adapter or 'base'} run)",
+            run_vocab(run.meta),
+            fix="nothing was stored; check the adapter (lpdiff doctor MODEL ADAPTER) and the engine",
+        )

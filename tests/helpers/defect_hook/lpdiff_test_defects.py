@@ -18,6 +18,7 @@ cannot reach; they inherit the environment, so ``sitecustomize.py`` beside this 
 installs the defects named in $LPDIFF_TEST_DEFECTS in each of them at interpreter start. The test process itself
 (rank 0) installs them with ``install(names, monkeypatch.setattr)``.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,10 @@ def _tp_partial_twice(setattr) -> None:
 
 def is_shared_outer(adapter) -> bool:
     """Every expert's gate_up A is one matrix (the shared-outer layout's input-side factor)."""
-    return any(k.endswith("gate_up_proj") and a.shape[0] > 1 and bool((a == a[:1]).all())
-               for k, (a, _) in adapter.experts.items())
+    return any(
+        k.endswith("gate_up_proj") and a.shape[0] > 1 and bool((a == a[:1]).all())
+        for k, (a, _) in adapter.experts.items()
+    )
 
 
 def _shared_outer_misread(setattr) -> None:
@@ -117,9 +120,13 @@ def _last_slot_o_misread(setattr) -> None:
     setattr(runtime, "stack_adapters", stack_adapters)
 
 
-DEFECTS = {"tp_partial_twice": _tp_partial_twice, "shared_outer_misread": _shared_outer_misread,
-           "tp_expert_lora_twice": _tp_expert_lora_twice, "last_slot_o_misread": _last_slot_o_misread,
-           "per_expert_swapped": _per_expert_swapped}
+DEFECTS = {
+    "tp_partial_twice": _tp_partial_twice,
+    "shared_outer_misread": _shared_outer_misread,
+    "tp_expert_lora_twice": _tp_expert_lora_twice,
+    "last_slot_o_misread": _last_slot_o_misread,
+    "per_expert_swapped": _per_expert_swapped,
+}
 
 
 def install(names, setattr=setattr) -> None:
