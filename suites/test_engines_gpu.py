@@ -308,6 +308,9 @@ def test_trainer_adapters_vs_reference(model, engine, tp, dtype, tmp_path_factor
 # -- decode verdicts (issue 42) --------------------------------------------------------------------------------------
 
 DECODE_TOKENS = 16
+# the prefill check's threshold per (model, engine, dtype): greedy and seeded decode judge against the same one, so
+# the second case skips a whole engine start (1.5-3.5 min for vLLM and SGLang on these models)
+_DECODE_THRESHOLDS: dict[tuple[str, str, str], float] = {}
 
 
 def decode_grid():
@@ -342,20 +345,22 @@ def test_decode_vs_reference(model, engine, dtype, sampling, tmp_path_factory):
     _installed(engine)
     case = case_for(model, tmp_path_factory)
     step = step_options(engine, model)  # the grid's prompts cross this step (grid_prompts)
-    res = check.run_check(
-        case,
-        engine,
-        k=2,
-        reference=REFERENCE,
-        dtype=dtype,
-        options=step,
-        log=progress_log(f"[{model}-{engine}-decode] "),
-    )
-    assert res.error is None, check.format_result(res)
+    if (model, engine, dtype) not in _DECODE_THRESHOLDS:
+        res = check.run_check(
+            case,
+            engine,
+            k=2,
+            reference=REFERENCE,
+            dtype=dtype,
+            options=step,
+            log=progress_log(f"[{model}-{engine}-decode] "),
+        )
+        assert res.error is None, check.format_result(res)
+        _DECODE_THRESHOLDS[(model, engine, dtype)] = res.threshold
     dec = check_case_decode(
         case,
         engine,
-        res.threshold,
+        _DECODE_THRESHOLDS[(model, engine, dtype)],
         1,
         dtype,
         REFERENCE,
