@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lpdiff.harness.pipeline.doctor_facts import Facts, Finding
+
 
 def resolve_adapter(model, adapter: str | Path) -> str:
     """A directory as given; a zoo name or Hub repo resolved as ``lpdiff run --adapter`` does (spec/resolve.py)."""
@@ -16,18 +18,17 @@ def resolve_adapter(model, adapter: str | Path) -> str:
     return _adapter(str(adapter), name, zoo_adapters(name))[0].path
 
 
-def check_noop(f) -> list:  # f: doctor.Facts -> [doctor.Finding]
+def check_noop(f: Facts) -> list[Finding]:
     """Every lora_B zero (PEFT's default init saved untrained): every engine matches the reference on a no-op."""
     from safetensors import safe_open
 
-    from lpdiff.harness.pipeline.doctor import Finding
     from lpdiff.harness.spec.adapters import WEIGHTS_NAME
 
     path = Path(f.info.path) / WEIGHTS_NAME
     if not path.is_file():  # the validation layer names a missing or pickled weights file
         return []
     with safe_open(str(path), framework="pt") as fh:
-        keys = [k for k in fh.keys() if ".lora_B" in k]
+        keys = [k for k in fh.keys() if ".lora_B" in k]  # noqa: SIM118 - safe_open is not iterable
         if not keys or any(bool(fh.get_tensor(k).any()) for k in keys):
             return []
     return [
