@@ -122,6 +122,13 @@ class Capabilities:
     fp32_twins: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     fp32_twins_cuda: tuple[dict[str, Any], dict[str, Any]] | None = None
     adapter_doctor: bool = False  # lpdiff doctor knows how it reads (refuses, drops) adapter files
+    # one session holds only adapters of one PEFT signature (PeftModel refuses adapters whose target_parameters are
+    # spelled differently): reference runs and metamorphic sessions are split by signature
+    peft_sessions: bool = False
+    routing_replay: bool = False  # prompt_logprobs takes ``routing=`` (forced expert ids): check --routing-replay
+    # lpdiff bisect re-runs it module by module against the reference (lpdiff's own runtime): a lane of it that went
+    # wrong is localised there, base rows too (they go wrong with the adapters beside them)
+    bisects: bool = False
     max_lora_rank_option: bool = False  # started with a max_lora_rank (its LoRA buffers' size): doctor --max-lora-rank
 
     def twins(self, cuda: bool) -> tuple[dict[str, Any], dict[str, Any]]:

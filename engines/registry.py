@@ -9,3 +9,9 @@ ENGINES: dict[str, str] = {
     "vllm": "lpdiff.engines.vllm:VLLMEngine",
     "sglang": "lpdiff.engines.sglang:SGLangEngine",
 }
+# What plain ``lpdiff run`` judges: lpdiff's own runtime (on a CPU through its kernels' torch references; the bug
+# zoo's faults are injected there), against the stored runs of the reference engine: HF+PEFT, the implementation
+# every engine is held to. ``lpdiff run --engine hf`` judges the reference against its own stored runs: an install
+# self-check.
+DEFAULT_ENGINE = "triton"
+REFERENCE_ENGINE = "hf"

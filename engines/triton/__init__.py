@@ -56,6 +56,7 @@ CAPABILITIES = Capabilities(
     tp=(1, 2, 4, 8),
     cpu_tp=(1, 2, 4, 8),
     per_layer_capture=True,
+    bisects=True,
     # packed tokens per forward (TritonOptions.max_batch_tokens); a longer prompt runs alone in its own forward
     prefill_step=8192,
     prefill_step_option=("max_batch_tokens",),
