@@ -7,6 +7,10 @@ from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
 
 _V = "SGLang 0.5.15"  # file:line below are in python/sglang/srt/ of this version
 _FIX_QV = "add q_proj and v_proj to the adapter (zero lora_B keeps its math)"
+# the LoRA target names every SGLang model takes (utils/common.py:3985 SUPPORTED_LORA_TARGET_MODULES)
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+_VOCAB = ("embed_tokens", "lm_head")
 
 CAPABILITIES = Capabilities(
     engine="sglang",
@@ -26,69 +30,18 @@ CAPABILITIES = Capabilities(
     module="sglang",
     offline_python=True,
     max_lora_rank_option=True,
-    # utils/common.py:3985 SUPPORTED_LORA_TARGET_MODULES; any other name has no get_hidden_dim entry
-    # (lora/utils.py:224) and the engine fails to start
-    lora_targets=frozenset(
-        {
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "qkv_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "gate_up_proj",
-            "embed_tokens",
-            "lm_head",
-        }
-    ),
+    # any other name has no get_hidden_dim entry (lora/utils.py:224) and the engine fails to start
+    lora_targets=frozenset({*_ATTENTION, *_MLP, *_VOCAB}),
     # the hybrids' own LoRA modules, as adapter leaf names: Qwen3.5 supported_lora_modules (models/qwen3_5.py:1116)
     # with get_hidden_dim entries (:1126-1173; q_proj carries the output gate, :1130); HF's GDN names in_proj_qkv,
     # in_proj_z, in_proj_b, in_proj_a keep their names (lora/utils.py:274-278) and have none. Nemotron-H:
     # models/nemotron_h.py:861-871 and get_hidden_dim :965-1048 (gate_proj/x_proj: lora/lora.py:286)
     arch_lora_targets=(
-        (
-            "qwen3_5_moe",
-            frozenset(
-                {
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "qkv_proj",
-                    "o_proj",
-                    "out_proj",
-                    "in_proj_qkvz",
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                    "gate_up_proj",
-                    "embed_tokens",
-                    "lm_head",
-                }
-            ),
-        ),
+        ("qwen3_5_moe", frozenset({*_ATTENTION, "out_proj", "in_proj_qkvz", *_MLP, *_VOCAB})),
         (
             "nemotron_h",
             frozenset(
-                {
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "qkv_proj",
-                    "o_proj",
-                    "out_proj",
-                    "in_proj",
-                    "gate_proj",
-                    "x_proj",
-                    "up_proj",
-                    "down_proj",
-                    "gate_up_proj",
-                    "fc1_latent_proj",
-                    "fc2_latent_proj",
-                    "embed_tokens",
-                    "lm_head",
-                }
+                {*_ATTENTION, "out_proj", "in_proj", "x_proj", *_MLP, "fc1_latent_proj", "fc2_latent_proj", *_VOCAB}
             ),
         ),
     ),
