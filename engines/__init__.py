@@ -9,7 +9,7 @@ from importlib import import_module
 # as engines.base's own ``capabilities`` did when this face imported everything
 from lpdiff.engines import capabilities as _declarations  # noqa: F401
 from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
-from lpdiff.engines.registry import ENGINES
+from lpdiff.engines.registry import DEFAULT_ENGINE, ENGINES, REFERENCE_ENGINE
 
 
 def capabilities(name: str) -> Capabilities:
@@ -38,7 +38,9 @@ _FROM = {
 }
 
 __all__ = [
+    "DEFAULT_ENGINE",
     "ENGINES",
+    "REFERENCE_ENGINE",
     "Capabilities",
     "CapturesLayers",
     "Engine",

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
+from lpdiff.engines import DEFAULT_ENGINE, REFERENCE_ENGINE
 from lpdiff.engines.base import ENGINES, capabilities, layouts_for
 from lpdiff.engines.capabilities import model_type
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
@@ -311,7 +312,7 @@ def run_check(
     case: Case,
     engine: str,
     tp: int = 1,
-    reference: str = "hf",
+    reference: str = REFERENCE_ENGINE,
     k: int = 3,
     options: dict | None = None,
     store: BaselineStore | None = None,
@@ -470,10 +471,10 @@ def _rerooted(src: Path, dst: Path, layout: str, mlayout, root: str) -> None:
 def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec]) -> dict[str, str]:
     """Lanes whose adapter ``lpdiff doctor`` says this engine refuses or computes wrongly (an error finding): not
     served, reported with the doctor's message (e.g. SGLang has no LoRA for Qwen3.5's GDN projections)."""
-    from lpdiff.harness.pipeline.doctor import ENGINES as DOCTOR_ENGINES, refusals
+    from lpdiff.harness.pipeline.doctor import refusals
 
     out = {}
-    for lane, a in lanes.items() if engine in DOCTOR_ENGINES else ():
+    for lane, a in lanes.items():
         if errors := refusals(case.spec, a.path, engine).errors:
             out[lane] = f"{errors[0].code}: {errors[0].message}"
     return out
@@ -487,7 +488,7 @@ def fault_sweep(
     store=None,
     log: Callable[[str], None] = print,
 ) -> tuple[CheckResult, dict[str, CheckResult | None]]:
-    """The triton runtime clean and with each bug-zoo fault (kernels/faults.py), judged like any engine. A fault
+    """lpdiff's own runtime (DEFAULT_ENGINE) clean and with each bug-zoo fault (kernels/faults.py), judged like any engine. A fault
     whose runs are bit-identical to clean runs on the same code path is not reached at this shape (e.g. an unmasked
     tile on a width that is a multiple of the block) and maps to None. The faults inside the grouped GEMM
     (KERNEL_FAULTS) force its K-loop shrink (moe_lora_shrink "fused"), which rounds differently from the default
@@ -496,7 +497,7 @@ def fault_sweep(
 
     from lpdiff.kernels.fused_moe_lora import KERNEL_FAULTS
 
-    clean = run_check(case, "triton", k=k, store=store, dtype=dtype, log=log)
+    clean = run_check(case, DEFAULT_ENGINE, k=k, store=store, dtype=dtype, log=log)
     clean_fused = None
     out: dict[str, CheckResult | None] = {}
     for fault in faults:
@@ -504,10 +505,10 @@ def fault_sweep(
         if any(fault in by_gemm for by_gemm in KERNEL_FAULTS.values()):
             if clean_fused is None:
                 clean_fused = run_check(
-                    case, "triton", k=2, options={"moe_lora_shrink": "fused"}, store=store, dtype=dtype, log=log
+                    case, DEFAULT_ENGINE, k=2, options={"moe_lora_shrink": "fused"}, store=store, dtype=dtype, log=log
                 )
             ref = clean_fused
-        res = run_check(case, "triton", k=2, options={"fault": fault}, store=store, dtype=dtype, log=log)
+        res = run_check(case, DEFAULT_ENGINE, k=2, options={"fault": fault}, store=store, dtype=dtype, log=log)
         same = all(
             np.array_equal(p.logprobs, q.logprobs)
             for lane in res.runs[0]
@@ -526,8 +527,10 @@ def format_result(res: CheckResult) -> str:
     if res.error is not None:
         return "\n".join(
             [
-                f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the "
-                f"engine failed before giving logprobs:\n{res.error}",
+                (
+                    f"{res.engine} {res.dtype} (tp={res.tp}) on {res.model} x{res.layers} layers: FAIL, the "
+                    f"engine failed before giving logprobs:\n{res.error}"
+                ),
                 *_refused_lines(res),
             ]
         )
@@ -558,36 +561,36 @@ def _rows(res: CheckResult) -> list[dict]:
         lines = res.error.strip().splitlines()
         last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])[:300]  # the cause, not the teardown
         return [
-            dict(
-                date=date,
-                commit=commit,
-                gpu=gpu,
-                model=res.model,
-                layers=res.layers,
-                tp=res.tp,
-                dtype=res.dtype,
-                engine_pair=res.engine_pair,
-                verdict="FAIL",
-                reasons=f"engine failed: {last}",
-            )
+            {
+                "date": date,
+                "commit": commit,
+                "gpu": gpu,
+                "model": res.model,
+                "layers": res.layers,
+                "tp": res.tp,
+                "dtype": res.dtype,
+                "engine_pair": res.engine_pair,
+                "verdict": "FAIL",
+                "reasons": f"engine failed: {last}",
+            }
         ]
     t = res.threshold
     rows = [
-        dict(
-            date=date,
-            commit=commit,
-            gpu=gpu,
-            engine_version=res.engine_version,
-            model=res.model,
-            layers=res.layers,
-            tp=res.tp,
-            dtype=res.dtype,
-            adapter=lane.partition(".")[0],
-            adapter_format=lane.partition(".")[2],
-            engine_pair=t.engine_pair,
-            verdict="SKIP",
-            reasons=f"not served: {why}"[:300],
-        )
+        {
+            "date": date,
+            "commit": commit,
+            "gpu": gpu,
+            "engine_version": res.engine_version,
+            "model": res.model,
+            "layers": res.layers,
+            "tp": res.tp,
+            "dtype": res.dtype,
+            "adapter": lane.partition(".")[0],
+            "adapter_format": lane.partition(".")[2],
+            "engine_pair": t.engine_pair,
+            "verdict": "SKIP",
+            "reasons": f"not served: {why}"[:300],
+        }
         for lane, why in res.refused.items()
     ]
     for v in res.verdicts:
@@ -595,36 +598,36 @@ def _rows(res: CheckResult) -> list[dict]:
         m = v.metrics
         fid = "" if v.delta_fidelity is None else f"{v.delta_fidelity:.4g}"
         rows.append(
-            dict(
-                date=date,
-                commit=commit,
-                gpu=gpu,
-                engine_version=res.engine_version,
-                model=res.model,
-                layers=res.layers,
-                tp=res.tp,
-                dtype=res.dtype,
-                adapter=name,
-                adapter_format=layout or "-",
-                engine_pair=t.engine_pair,
-                k2=f"{m.k2:.4g}",
-                max_abs=f"{m.max_abs:.4g}",
-                mean_abs=f"{m.mean_abs:.4g}",
-                delta_fidelity=fid,
-                near_tie_share="" if m.near_tie_share is None else f"{m.near_tie_share:.3f}",
-                threshold_k2=f"{t.k2:.4g}",
-                threshold_max=f"{t.max_abs:.4g}",
-                threshold_fidelity=f"{t.delta_fidelity:.4g}",
-                ref_noise_k2=f"{res.ref_noise.k2:.4g}",
-                ref_noise_max=f"{res.ref_noise.max_abs:.4g}",
-                ref_noise_fidelity=f"{res.ref_noise.fidelity:.4g}",
-                rerun_noise_k2=f"{res.rerun_noise.k2:.4g}",
-                rerun_noise_max=f"{res.rerun_noise.max_abs:.4g}",
-                rerun_noise_fidelity=f"{res.rerun_noise.fidelity:.4g}",
-                expected=v.expected,
-                verdict="PASS" if v.passed else "FAIL",
-                reasons="; ".join(v.reasons),
-            )
+            {
+                "date": date,
+                "commit": commit,
+                "gpu": gpu,
+                "engine_version": res.engine_version,
+                "model": res.model,
+                "layers": res.layers,
+                "tp": res.tp,
+                "dtype": res.dtype,
+                "adapter": name,
+                "adapter_format": layout or "-",
+                "engine_pair": t.engine_pair,
+                "k2": f"{m.k2:.4g}",
+                "max_abs": f"{m.max_abs:.4g}",
+                "mean_abs": f"{m.mean_abs:.4g}",
+                "delta_fidelity": fid,
+                "near_tie_share": "" if m.near_tie_share is None else f"{m.near_tie_share:.3f}",
+                "threshold_k2": f"{t.k2:.4g}",
+                "threshold_max": f"{t.max_abs:.4g}",
+                "threshold_fidelity": f"{t.delta_fidelity:.4g}",
+                "ref_noise_k2": f"{res.ref_noise.k2:.4g}",
+                "ref_noise_max": f"{res.ref_noise.max_abs:.4g}",
+                "ref_noise_fidelity": f"{res.ref_noise.fidelity:.4g}",
+                "rerun_noise_k2": f"{res.rerun_noise.k2:.4g}",
+                "rerun_noise_max": f"{res.rerun_noise.max_abs:.4g}",
+                "rerun_noise_fidelity": f"{res.rerun_noise.fidelity:.4g}",
+                "expected": v.expected,
+                "verdict": "PASS" if v.passed else "FAIL",
+                "reasons": "; ".join(v.reasons),
+            }
         )
     return rows
 

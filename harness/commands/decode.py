@@ -15,9 +15,10 @@ re-prefilling each step (engines.base.decode_by_prefill); seeded sampling is ref
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
+from lpdiff.engines import REFERENCE_ENGINE
 from lpdiff.engines.base import EngineConfig, decode, open_engine
 from lpdiff.harness.pipeline.metrics import nonfinite_reason
 from lpdiff.harness.pipeline.rl_metrics import DecodeMetrics, decode_metrics
@@ -84,7 +85,7 @@ def run_decode(
     dtype: str = "float32",
     tp: int = 1,
     options: dict | None = None,
-    reference: str = "hf",
+    reference: str = REFERENCE_ENGINE,
     ref_dtype: str = "float32",
     max_new_tokens: int = 16,
     sampling: str = "greedy",
@@ -180,7 +181,7 @@ def run_decode_job(
     prompts="default",
     num_layers: int | None = None,
     options: dict | None = None,
-    reference: str = "hf",
+    reference: str = REFERENCE_ENGINE,
     ref_dtype: str = "float32",
     max_new_tokens: int = 16,
     sampling: str = "greedy",
@@ -269,7 +270,7 @@ def check_case_decode(
     threshold: Threshold,
     tp: int = 1,
     dtype: str = "bfloat16",
-    reference: str = "hf",
+    reference: str = REFERENCE_ENGINE,
     max_new_tokens: int = 16,
     sampling: str = "greedy",
     seed: int = 0,
@@ -351,24 +352,24 @@ def write_decode_csv(res: DecodeResult, path) -> None:
     from lpdiff.harness.pipeline.provenance import device_name, git_commit
     from lpdiff.harness.pipeline.report import append_csv
 
-    head = dict(
-        date=datetime.date.today().isoformat(),
-        commit=git_commit(),
-        gpu=device_name(),
-        engine_version=res.engine_version,
-        model=res.model,
-        tp=res.tp,
-        dtype=res.dtype,
-        engine=res.engine,
-        reference=res.reference,
-        ref_dtype=res.ref_dtype,
-        how=res.how,
-        sampling=res.sampling,
-        seed=res.seed,
-        tokens_per_prompt=res.max_new_tokens,
-        threshold_k2=f"{res.threshold.k2:.4g}",
-        threshold_max=f"{res.threshold.max_abs:.4g}",
-    )
+    head = {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "gpu": device_name(),
+        "engine_version": res.engine_version,
+        "model": res.model,
+        "tp": res.tp,
+        "dtype": res.dtype,
+        "engine": res.engine,
+        "reference": res.reference,
+        "ref_dtype": res.ref_dtype,
+        "how": res.how,
+        "sampling": res.sampling,
+        "seed": res.seed,
+        "tokens_per_prompt": res.max_new_tokens,
+        "threshold_k2": f"{res.threshold.k2:.4g}",
+        "threshold_max": f"{res.threshold.max_abs:.4g}",
+    }
     rows = [
         {
             **head,

@@ -48,16 +48,16 @@ import math
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
-from lpdiff.harness.spec.adapters import ModelLayout, load_canonical, peft_signature
-from lpdiff.harness.pipeline.provenance import git_commit
 from lpdiff.harness.commands.relations import ORIG, OTHER, RELATIONS, Context, Lane
+from lpdiff.harness.pipeline.provenance import git_commit
 from lpdiff.harness.pipeline.report import append_csv, table
+from lpdiff.harness.spec.adapters import ModelLayout, load_canonical, peft_signature
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.spec.transforms import negate_b, pad_rank, rerounded
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec
@@ -254,11 +254,14 @@ def execute(
 def sessions(ctx: Context, lanes: list[Lane]) -> list[tuple[tuple, list[Lane]]]:
     """The engine sessions ``execute`` opens, in order: ((session, model name, options, tp), lanes). The original's
     first; then each session after those holding the lanes its lanes are judged against."""
+    from lpdiff.engines import capabilities
+
+    by_signature = capabilities(ctx.engine).peft_sessions
 
     def signature(adapter_dir: str | None) -> str:
         # PEFT holds several adapters in one model only when they name the same target_parameters; a base lane
         # runs anywhere, so it joins the original adapter's sessions
-        return peft_signature(adapter_dir or str(ctx.adapter_dir)) if ctx.engine == "hf" else ""
+        return peft_signature(adapter_dir or str(ctx.adapter_dir)) if by_signature else ""
 
     out: dict[tuple, list[Lane]] = {("original" + signature(None), None, "{}", None): []}
     for lane in lanes:
@@ -271,9 +274,9 @@ def sessions(ctx: Context, lanes: list[Lane]) -> list[tuple[tuple, list[Lane]]]:
 
 def _dependency_order(sessions: dict[tuple, list[Lane]]) -> list[tuple[tuple, list[Lane]]]:
     """Sessions in their first-seen order, except that a session runs after every session holding a lane that one
-    of its lanes is judged against: hf splits one relation's lanes over sessions by PEFT signature (gate_up's
-    per-expert forms reference its PEFT 3D form, which another signature's session holds), and a session is judged
-    as soon as it ends."""
+    of its lanes is judged against: an engine with ``peft_sessions`` (hf) splits one relation's lanes over sessions
+    by PEFT signature (gate_up's per-expert forms reference its PEFT 3D form, which another signature's session
+    holds), and a session is judged as soon as it ends."""
     home = {lane.name: key for key, group in sessions.items() for lane in group}
     needs = {
         key: {home[lane.reference] for lane in group if lane.reference in home} - {key}
@@ -429,8 +432,8 @@ def run_metamorphic(
     """Every relation (or those named) on one engine, model and adapter (see judge_lanes for near_tie_eps).
     ``on_results(engine_version, results)``: each engine session's verdicts as soon as it ends, then the n/a ones.
     ``neighbours``: more adapters (name -> directory) beside which the neutral relation runs base rows."""
-    from lpdiff.harness.spec.catalog import hf_config
     from lpdiff.harness.pipeline.provenance import device_name
+    from lpdiff.harness.spec.catalog import hf_config
 
     own_tmp = tmp is None
     tmp = Path(tempfile.mkdtemp(prefix="lpdiff-metamorphic-") if own_tmp else tmp)

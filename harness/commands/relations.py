@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -99,12 +99,10 @@ class Context:
 
 
 def refusal(spec: ModelSpec, engine: str, adapter_dir: str | Path) -> str | None:
-    """doctor's first error for this engine on this adapter: the engine refuses or drops it (known limit). None
-    for engines doctor knows nothing about."""
-    from lpdiff.harness.pipeline.doctor import ENGINES, refusals
+    """doctor's first error for this engine on this adapter (pipeline.doctor.refusals, for every engine): the engine
+    refuses or drops it (known limit), or the adapter does not fit the model."""
+    from lpdiff.harness.pipeline.doctor import refusals
 
-    if engine not in ENGINES:
-        return None
     errors = refusals(spec, adapter_dir, engine).errors
     return f"doctor [{errors[0].code}]: {errors[0].message}" if errors else None
 
@@ -113,7 +111,7 @@ def refusal(spec: ModelSpec, engine: str, adapter_dir: str | Path) -> str | None
 class Relation:
     name: str
     why: str
-    lanes: Callable[[Context], "list[Lane] | str"]  # a str says why the relation does not apply
+    lanes: Callable[[Context], list[Lane] | str]  # a str says why the relation does not apply
 
 
 def merged_checkpoint(ctx: Context, out: Path) -> ModelSpec:

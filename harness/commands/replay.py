@@ -21,6 +21,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
+from lpdiff.engines import ENGINES, REFERENCE_ENGINE, capabilities
 from lpdiff.engines.base import EngineConfig, layouts_for, open_engine
 from lpdiff.harness.commands.check import FACTOR, Case, CheckResult, engine_pair, refused_lanes, run_check, served_files
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
@@ -38,20 +39,21 @@ CAPTURE = {"capture_routing": True}
 REPLAY_FACTOR = {"bfloat16": 10.0, "float16": 10.0, "float32": FACTOR["float32"]}
 
 
-def hf_runs(
+def reference_session(
     case: Case,
+    reference: str,
     adapters: dict[str, AdapterSpec],
     dtype: str,
     options: dict,
     passes: Sequence[tuple[Lanes | None, dict | None]] = ((None, None),),
 ) -> list[Lanes]:
-    """HF (in-process, capturing routing) over the case's prompts, one engine session (a full-width model is built
-    once), one call per pass ``(routing, lanes)``: ``lanes`` maps each output lane to the adapter it runs (None:
+    """The reference (in-process, capturing routing) over the case's prompts, one engine session (a full-width model
+    is built once), one call per pass ``(routing, lanes)``: ``lanes`` maps each output lane to the adapter it runs (None:
     base + every adapter, each under its own name); ``routing`` (lane -> a run with expert ids, or None) replays
     those ids per lane."""
     cfg = EngineConfig(model=case.spec, adapters=dict(adapters), dtype=dtype, options={**options, **CAPTURE})
     prompts, n, out = case.prompts, len(case.prompts), []
-    with open_engine("hf", cfg) as eng:
+    with open_engine(reference, cfg) as eng:
         version = eng.version()
         for routing, lanes in passes:
             lanes = lanes if lanes is not None else {None: None, **{a: a for a in adapters}}
@@ -59,7 +61,12 @@ def hf_runs(
             flat = eng.prompt_logprobs(
                 [p for _ in lanes for p in prompts], adapter=[a for a in lanes.values() for _ in prompts], routing=ids
             )
-            meta = {"engine": "hf", "engine_version": version, "dtype": dtype, "routing_replay": routing is not None}
+            meta = {
+                "engine": reference,
+                "engine_version": version,
+                "dtype": dtype,
+                "routing_replay": routing is not None,
+            }
             out.append(
                 {lane: LogprobRun(flat[i * n : (i + 1) * n], {**meta, "adapter": lane}) for i, lane in enumerate(lanes)}
             )
@@ -79,21 +86,38 @@ def reference_adapters(case: Case) -> dict[str, AdapterSpec]:
     return {n: AdapterSpec(n, case.files[(n, "peft3d")].path) for n, p in case.plans.items() if not p.broken_from}
 
 
-def replayed_references(case: Case, runs: Sequence[Lanes]) -> list[Lanes]:
-    """R_E for each engine run: HF+PEFT fp32 over every lane, each with that run's expert ids for the lane forced
-    (one HF session for all of them)."""
-    return hf_runs(
-        case, reference_adapters(case), REFERENCE_DTYPE, {}, [(run, reference_lanes(case, run)) for run in runs]
+def replayed_references(case: Case, runs: Sequence[Lanes], reference: str = REFERENCE_ENGINE) -> list[Lanes]:
+    """R_E for each engine run: the reference in fp32 over every lane, each with that run's expert ids for the lane
+    forced (one reference session for all of them)."""
+    return reference_session(
+        case,
+        reference,
+        reference_adapters(case),
+        REFERENCE_DTYPE,
+        {},
+        [(run, reference_lanes(case, run)) for run in runs],
     )
 
 
+def _replays(reference: str) -> None:
+    if not capabilities(reference).routing_replay:
+        replaying = ", ".join(e for e in ENGINES if capabilities(e).routing_replay)
+        raise InputError(
+            f"--routing-replay forces expert ids in the reference's routers, which {reference} cannot take: use "
+            f"--reference {replaying}"
+        )
+
+
 def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckResult]:
-    """lpdiff check's run function: check.run_check on ``store``, or replay_check (the hf reference only; a bad
-    combination is refused here, before any model is built)."""
+    """lpdiff check's run function: check.run_check on ``store``, or replay_check (a reference that takes forced
+    expert ids, ``Capabilities.routing_replay``); a bad combination is refused here, before any model is built."""
+    if not capabilities(reference).lora_fp32:
+        raise InputError(
+            f"check runs the reference in fp32 with LoRA, which {reference} cannot: use --reference {REFERENCE_ENGINE}"
+        )
     if not routing_replay:
         return functools.partial(run_check, store=store)
-    if reference != "hf":
-        raise InputError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
+    _replays(reference)
     return replay_check
 
 
@@ -101,7 +125,7 @@ def replay_check(
     case: Case,
     engine: str,
     tp: int = 1,
-    reference: str = "hf",
+    reference: str = REFERENCE_ENGINE,
     k: int = 3,
     options: dict | None = None,
     dtype: str = "bfloat16",
@@ -112,15 +136,14 @@ def replay_check(
 ) -> CheckResult:
     """check.run_check's contract (a CheckResult, verdicts named ``name.layout``), judged against the replayed
     reference (module docstring); ``factor``: the threshold's, default REPLAY_FACTOR[dtype]."""
-    if reference != "hf":
-        raise InputError("--routing-replay forces expert ids in the hf reference's routers: use --reference hf")
+    _replays(reference)
     assert k >= 2, "rerun noise needs k >= 2 runs"
     ref_adapters = reference_adapters(case)
     t0 = time.perf_counter()
-    ref32 = hf_runs(case, ref_adapters, REFERENCE_DTYPE, {})[0]
+    ref32 = reference_session(case, reference, ref_adapters, REFERENCE_DTYPE, {})[0]
     (da, oa), (db, ob) = noise_pair(reference, dtype)
-    nb = ref32 if (db, ob) == (REFERENCE_DTYPE, {}) else hf_runs(case, ref_adapters, db, ob)[0]
-    na, na_replayed = hf_runs(case, ref_adapters, da, oa, [(None, None), (nb, None)])
+    nb = ref32 if (db, ob) == (REFERENCE_DTYPE, {}) else reference_session(case, reference, ref_adapters, db, ob)[0]
+    na, na_replayed = reference_session(case, reference, ref_adapters, da, oa, [(None, None), (nb, None)])
     dtypes = (dtype, REFERENCE_DTYPE)
     factor = REPLAY_FACTOR[dtype] if factor is None else factor
     ref_noise = pair_noise(na_replayed, nb, list(ref32))
@@ -167,7 +190,7 @@ def replay_check(
             "there is nothing to replay"
         )
     ref_of = reference_lanes(case, lanes)
-    replayed = replayed_references(case, [got])[0]
+    replayed = replayed_references(case, [got], reference)[0]
     reruns = rerun_noise(sess.runs)
     noise = Noise().merge(ref_noise, reruns)
     t = threshold_from(

@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
+from lpdiff.engines import DEFAULT_ENGINE, REFERENCE_ENGINE
 from lpdiff.harness.commands.bisect import ARCHS as BISECT_ARCHS
 from lpdiff.harness.commands.preflight import preflight
 from lpdiff.harness.pipeline.metrics import compare, lane_fidelity, near_tie_eps, position_detail
@@ -26,15 +27,11 @@ from lpdiff.harness.pipeline.store import BaselineStore
 from lpdiff.harness.pipeline.thresholds import lookup
 from lpdiff.harness.pipeline.verdict import LaneId, Verdict, judge, next_step
 from lpdiff.harness.spec.adapters import adapter_groups
-from lpdiff.harness.spec.errors import InputError
-from lpdiff.harness.spec.errors import UsageError
+from lpdiff.harness.spec.errors import InputError, UsageError
 from lpdiff.harness.spec.prompt_sources import PromptSource
 from lpdiff.harness.spec.resolve import Resolved, resolve, resolve_model
 
 DTYPES = ("float32", "bfloat16", "float16")
-# What plain ``lpdiff run`` judges: lpdiff's own engine (on a CPU through its kernels' torch references) against
-# the stored HF+PEFT reference runs. ``--engine hf`` judges HF+PEFT against its own stored runs: an install self-check.
-DEFAULT_ENGINE = "triton"
 
 
 @dataclass(slots=True)
@@ -42,8 +39,8 @@ class Job:
     """What one ``lpdiff run`` lane computes; validated once here."""
 
     model: str  # catalog name, checkpoint directory or Hub id ORG/NAME[@REV]
-    engine: str = "hf"  # engine under test
-    reference: str = "hf"  # engine whose stored runs are the reference
+    engine: str = REFERENCE_ENGINE  # engine under test
+    reference: str = REFERENCE_ENGINE  # engine whose stored runs are the reference
     dtype: str = "float32"
     ref_dtype: str = "float32"
     tp: int = 1
@@ -253,7 +250,7 @@ class RunRequest:
     models: tuple[str, ...] = ()  # () = every tiny MoE zoo model the engine serves
     engine: str | None = None  # None: DEFAULT_ENGINE for run, the reference for regen
     dtype: str = "float32"
-    reference: str = "hf"
+    reference: str = REFERENCE_ENGINE
     ref_dtype: str = "float32"
     tps: tuple[int, ...] = ()  # () = default_tps(engine) for run, TP 1 for regen (references never shard)
     adapters: tuple[str, ...] = ()  # () = a zoo model's all

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
+from lpdiff.engines import REFERENCE_ENGINE, capabilities
 from lpdiff.harness.pipeline.session import Lanes, run_session
 from lpdiff.harness.pipeline.store import BaselineError, BaselineStore, baseline_key
 from lpdiff.harness.spec.adapters import peft_signature
@@ -47,7 +48,7 @@ class References:
     command line that regenerates them: the store quotes it in every missing/stale/corrupt error."""
 
     store: BaselineStore
-    engine: str = "hf"
+    engine: str = REFERENCE_ENGINE
     dtype: str = "float32"
     options: dict | None = None
     top_k: int = 0
@@ -100,7 +101,7 @@ class References:
 
     def compute(self, spec: ModelSpec, adapters: dict[str, AdapterSpec], prompts: Sequence[Sequence[int]]) -> Lanes:
         t0 = time.perf_counter()
-        groups = peft_groups(adapters) if self.engine == "hf" and adapters else [adapters]
+        groups = peft_groups(adapters) if adapters and capabilities(self.engine).peft_sessions else [adapters]
         runs: Lanes = {}
         for i, group in enumerate(groups):
             sess = run_session(self.engine, spec, group, prompts, self.dtype, 1, self.top_k, self.options)

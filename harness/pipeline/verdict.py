@@ -12,8 +12,9 @@ import datetime
 import json
 import math
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from lpdiff.harness.pipeline.metrics import Metrics, nonfinite_reason
 from lpdiff.harness.pipeline.thresholds import Threshold
@@ -121,8 +122,10 @@ def judge(
         if judged.num_positions < MIN_CLEAN_SHARE * metrics.num_positions:
             # so many near-ties that the clean rest could no longer show a real failure: judge nothing silently
             reasons_pre = [
-                f"only {judged.num_positions} of {metrics.num_positions} positions are free of router "
-                f"near-ties (< {MIN_CLEAN_SHARE:.0%}): too few to judge; use fp32 or a decisive model"
+                (
+                    f"only {judged.num_positions} of {metrics.num_positions} positions are free of router "
+                    f"near-ties (< {MIN_CLEAN_SHARE:.0%}): too few to judge; use fp32 or a decisive model"
+                )
             ]
         notes.append(
             f"judged on {judged.num_positions} positions; the {metrics.near_tie_share:.1%} at or after a "
@@ -205,36 +208,41 @@ def next_step(
     options: Mapping[str, Any] | None = None,
     bisect: bool = True,
 ) -> str:
-    """What to run after a lane came out unexpectedly: the triton runtime -> the bisect command naming the first
-    layer and module that leaves HF+PEFT (``adapters``: the run's batch; default the lane's adapter); HF against
-    its own stored runs -> the stack differs from the baselines'; another engine -> doctor (what it refuses or
-    drops in the adapter) and metamorphic (the engine against itself); ``bisect`` False (an arch bisect cannot
-    capture, commands/bisect.ARCHS): the triton runtime gets metamorphic too."""
+    """What to run after a lane came out unexpectedly, from the engines' capabilities: an engine that bisects
+    (lpdiff's own runtime) against a reference that captures its layers -> the bisect command naming the first
+    layer and module that leaves the reference (``adapters``: the run's batch; default the lane's adapter); an engine
+    against its own stored runs -> the stack differs from the baselines'; another engine -> doctor where it knows the
+    engine's adapter handling, and metamorphic (the engine against itself); ``bisect`` False (an arch bisect cannot
+    capture, commands/bisect.ARCHS): a bisecting engine gets metamorphic too."""
     engine, dtype, ref = _engine_of(engine_pair)
+    caps, ref_caps = _capabilities(engine), _capabilities(ref)
     lane = None if adapter in (None, "-", "base") else adapter
     m = shlex.quote(model)
-    if engine == "triton" and ref == "hf" and bisect:
+    bisects = caps is not None and caps.bisects
+    if bisects and bisect and engine != ref and ref_caps is not None and ref_caps.per_layer_capture:
         return bisect_command(model, adapters if adapters is not None else ([lane] if lane else []), tp, options)
-    if engine == ref == "hf":
+    if engine == ref:
+        label = caps.label if caps is not None else engine
         return (
-            "HF+PEFT differs from its own stored runs: compare `pip list` with constraints.txt (the stack the "
+            f"{label} differs from its own stored runs: compare `pip list` with constraints.txt (the stack the "
             f"baselines were measured with), or `lpdiff regen --model {m} --baselines DIR` into a new store"
         )
-    if lane is None and engine == "triton":
+    if lane is None and bisects:
         lane = (list(adapters or ()) or ["all"])[0]  # base rows go wrong with the adapters beside them
     if lane is None:
         return (
             f"lpdiff compare --model {m} --engine {engine} --dtype {dtype or 'float32'} --against {ref} --tp {tp or 1}"
         )
     a = shlex.quote(lane)
-    doctor = f"lpdiff doctor {m} {a} --engine {engine}; " if _doctor_knows(engine) else ""
+    doctor = f"lpdiff doctor {m} {a} --engine {engine}; " if caps is not None and caps.adapter_doctor else ""
     return f"{doctor}lpdiff metamorphic {m} {a} --engine {engine} --tp {tp or 1}"
 
 
-def _doctor_knows(engine: str) -> bool:
+def _capabilities(engine: str):
+    """The engine's Capabilities; None for a name the registry does not hold (a pair read from an old document)."""
     from lpdiff.engines import ENGINES, capabilities
 
-    return engine in ENGINES and capabilities(engine).adapter_doctor
+    return capabilities(engine) if engine in ENGINES else None
 
 
 def _plain(obj: Any) -> Any:
