@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
 from lpdiff.engines.vllm.adapters import (
     adapter_problems,
     plan_moe_lora,
@@ -32,8 +33,6 @@ from lpdiff.engines.vllm.adapters import (
     root_problems,
     vllm_native_3d,
 )
-from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
-from lpdiff.harness.spec.adapters import adapter_max_rank
 from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, parse_routed_experts, vllm_top_k
 from lpdiff.engines.vllm.processes import _children, cuda_visible, reap, shutdown
 from lpdiff.engines.vllm.settings import (
@@ -45,9 +44,9 @@ from lpdiff.engines.vllm.settings import (
     pick_max_lora_rank,
     struct_fields,
 )
+from lpdiff.harness.spec.adapters import adapter_max_rank
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import PromptLogprobs
-
 
 IN_LANE_ENGINE_CORE = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -346,15 +345,7 @@ class VLLMEngine:
         if k == -1 and "flat_logprobs" in struct_fields(SamplingParams):
             extra["flat_logprobs"] = True  # whole vocabulary: flat lists instead of one dict per position (0.3x)
         sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False, **extra)
-        reqs = [self._lora[n] if n is not None else None for n in names]
-        t0 = time.perf_counter()
-        outs = self.llm.generate(
-            [{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
-            sp,
-            lora_request=reqs if any(r is not None for r in reqs) else None,
-            use_tqdm=False,
-        )
-        self.last_wall_s = time.perf_counter() - t0
+        outs = self._generate(prompts, sp, names)
         want = -1 if k == -1 else top_k
         res = [parse_prompt_logprobs([int(t) for t in p], o.prompt_logprobs, want) for p, o in zip(prompts, outs)]
         if self.opts.get("capture_routing"):
@@ -365,6 +356,20 @@ class VLLMEngine:
                 for r, p, o in zip(res, prompts, outs)
             ]
         return res
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params, names: list[str | None]) -> list:
+        """vLLM's generate over token-id prompts (params: one SamplingParams, or one per prompt), each prompt with its
+        adapter's LoRARequest (None: the base model); its wall time in last_wall_s."""
+        reqs = [self._lora[n] if n is not None else None for n in names]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(
+            [{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
+            params,
+            lora_request=reqs if any(r is not None for r in reqs) else None,
+            use_tqdm=False,
+        )
+        self.last_wall_s = time.perf_counter() - t0
+        return outs
 
     def decode(
         self,
@@ -402,15 +407,7 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
-        reqs = [self._lora[n] if n is not None else None for n in names]
-        t0 = time.perf_counter()
-        outs = self.llm.generate(
-            [{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
-            sps,
-            lora_request=reqs if any(r is not None for r in reqs) else None,
-            use_tqdm=False,
-        )
-        self.last_wall_s = time.perf_counter() - t0
+        outs = self._generate(prompts, sps, names)
         res = []
         for p, o in zip(prompts, outs):
             toks = [int(t) for t in o.outputs[0].token_ids]
