@@ -87,19 +87,19 @@ def check_run(
             [np.isfinite(p.logprobs) & (p.logprobs > LOGPROB_TOL) for p in run.prompts],
         ),
     ]
-    if all(p.topk_logprobs is not None for p in run.prompts):
+    topk = [(p.topk_ids, p.topk_logprobs) for p in run.prompts]
+    if all(ids is not None and lps is not None for ids, lps in topk):
+        ids_lps = [(ids, lps) for ids, lps in topk if ids is not None and lps is not None]
         checks += [
-            ("top-k logprob(s) are NaN or Inf", [~np.isfinite(p.topk_logprobs) for p in run.prompts]),
+            ("top-k logprob(s) are NaN or Inf", [~np.isfinite(lps) for _, lps in ids_lps]),
             (
                 f"top-k logprob(s) are above 0 (+{LOGPROB_TOL})",
-                [np.isfinite(p.topk_logprobs) & (p.topk_logprobs > LOGPROB_TOL) for p in run.prompts],
+                [np.isfinite(lps) & (lps > LOGPROB_TOL) for _, lps in ids_lps],
             ),
         ]
         hi = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
         where = f"[0, {vocab_size})" if vocab_size is not None else "the non-negative ids"
-        checks.append(
-            (f"top-k id(s) are outside {where}", [(p.topk_ids < 0) | (p.topk_ids >= hi) for p in run.prompts])
-        )
+        checks.append((f"top-k id(s) are outside {where}", [(ids < 0) | (ids >= hi) for ids, _ in ids_lps]))
     for what, masks in checks:
         n, i, j = _first(masks)
         if n:
@@ -125,6 +125,7 @@ def check_topk_consistency(run: LogprobRun, source: str, fix: str) -> None:
     lists = list(masks.values())
     for p in run.prompts:
         ids, lps = p.topk_ids, p.topk_logprobs
+        assert ids is not None and lps is not None  # every prompt has both: checked above
         if ids.shape != lps.shape or ids.shape[0] != len(p.logprobs):
             raise ValidationError(
                 f"{source}: top-k arrays of shape {ids.shape} / {lps.shape} for {len(p.logprobs)} positions; {fix}"
@@ -132,7 +133,7 @@ def check_topk_consistency(run: LogprobRun, source: str, fix: str) -> None:
         k = ids.shape[1]
         if k == 0:
             return
-        lists[0].append((np.diff(lps, axis=1) > LOGPROB_TOL).any(axis=1))
+        lists[0].append(np.any(np.diff(lps, axis=1) > LOGPROB_TOL, axis=1))
         srt = np.sort(ids, axis=1)
         lists[1].append((srt[:, 1:] == srt[:, :-1]).any(axis=1))
         hit = ids == np.asarray(p.token_ids[1:])[:, None]
@@ -172,11 +173,11 @@ def load_run_pair(
     path_a: str | Path, path_b: str | Path, allow_different: bool = False
 ) -> tuple[LogprobRun, LogprobRun]:
     """``lpdiff compare --runs A B``: both loaded and checked, alone and as a pair."""
-    runs = tuple(load_run(p) for p in (path_a, path_b))
-    for p, r in zip((path_a, path_b), runs):
+    a, b = load_run(path_a), load_run(path_b)
+    for p, r in ((path_a, a), (path_b, b)):
         check_run(r, f"--runs {p}", run_vocab(r.meta))
-    check_run_pair(*runs, names=(str(path_a), str(path_b)), allow_different=allow_different)
-    return runs
+    check_run_pair(a, b, names=(str(path_a), str(path_b)), allow_different=allow_different)
+    return a, b
 
 
 def check_reference_runs(runs: dict, source: str) -> None:
