@@ -50,7 +50,7 @@ export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
 export LPDIFF_NUMBERS_OUT="$work/numbers.jsonl"
 cd "$repo"
 rc=0
-"$py" -m pytest tests/test_vllm*.py -m "not gpu1 and not gpu2 and not gpu4 and not gpu8" -q -rs \
+"$py" -m pytest tests/engines/vllm/ -m "not gpu1 and not gpu2 and not gpu4 and not gpu8" -q -rs \
   -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning 2>&1 | tee "$work/pytest.out" \
   || rc=${PIPESTATUS[0]}
 if [ "$rc" -eq 5 ]; then echo "vLLM stage: pytest collected no tests: that is a failure"; exit 1; fi

@@ -4,9 +4,8 @@
   GPUs than the machine has is skipped, saying how many it needs and how many there are;
 - ``--lpdiff-regen`` (re)writes reference baselines instead of refusing to overwrite them;
   ``--lpdiff-baselines DIR`` picks the store (default: ``$LPDIFF_BASELINES`` or the repo's ``baselines/``);
-- fixtures: ``lpdiff_store``, ``lpdiff_regen``, ``engine_factory`` (engines as context managers, closed at
-  teardown) and ``record_verdict`` (adds a verdict to the table printed at the end of the run;
-  ``--lpdiff-report FILE`` also writes it as JSON).
+- fixtures: ``lpdiff_store``, ``lpdiff_regen`` and ``record_verdict`` (adds a verdict to the table printed at the
+  end of the run; ``--lpdiff-report FILE`` also writes it as JSON).
 """
 
 from __future__ import annotations
@@ -110,17 +109,6 @@ def lpdiff_store(request):
     from lpdiff.harness.pipeline.references import default_store
 
     return default_store(request.config.getoption("--lpdiff-baselines"))
-
-
-@pytest.fixture
-def engine_factory():
-    """``eng = engine_factory("hf", cfg)`` opens an engine that is closed (GPU freed) when the test ends."""
-    from contextlib import ExitStack
-
-    from lpdiff.engines import open_engine
-
-    with ExitStack() as stack:
-        yield lambda name, config: stack.enter_context(open_engine(name, config))
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 not apply are printed as n/a with the reason. ``LPDIFF_METAMORPHIC_CSV=path`` appends the rows to a CSV
 (benchmarks/results/metamorphic.csv holds the committed results).
 
-- cpu: the tiny zoo on hf and triton (the vLLM-CPU ones are in tests/test_vllm_metamorphic.py, which the vLLM
+- cpu: the tiny zoo on hf and triton (the vLLM-CPU ones are in tests/engines/vllm/test_metamorphic.py, which the vLLM
   stage runs in its own virtualenv).
 - gpu1 / gpu2: 4 layers of Qwen3-30B-A3B and gpt-oss-20b at full width, built on the device, on triton (fp32),
   vLLM and SGLang (bf16: their LoRA kernels have no fp32). Random-init routers have near-ties, so the ratio is taken
@@ -60,10 +60,11 @@ def _check(rep: mm.Report, written: bool = False, arch: str = "") -> None:
 CPU_CASES = [
     # the reference engine on the concatenated-gate/up MoE: formats through lpdiff's per-expert -> PEFT 3D conversion
     # (the hf engine converts before PEFT loads; PEFT's own qwen3_moe conversion is covered only by
-    # tests/test_doctor.py), merged weights, its expert kernels as modes
+    # tests/harness/commands/test_doctor.py), merged weights, its expert kernels as modes
     pytest.param("hf", "tiny-qwen3-moe", "all", ["format", "merged", "zero_b", "modes"], id="hf-qwen3"),
     # our runtime on gpt-oss (interleaved, transposed experts): every relation but the slow ones (merged: another
-    # checkpoint; modes: the Triton interpreter) that tests/test_metamorphic.py and the CSV cover; TP 2 over gloo
+    # checkpoint; modes: the Triton interpreter) that tests/harness/commands/test_metamorphic.py and the CSV cover;
+    # TP 2 over gloo
     pytest.param(
         "triton",
         "tiny-gpt-oss",

@@ -3,8 +3,9 @@ package on Linux (not only of the dev extra); .ci/wheel_check.sh installs the wh
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ Written for SGLang 0.5.15 and checked line by line against its source (file:line
 0.5.15); run on H100 / H200 in its offline mode by the GPU grid (benchmarks/results/engines_gpu.md: Qwen3-MoE,
 gpt-oss, Qwen3.5, Nemotron-H). One concept per file: ``capabilities`` (the facts, read without SGLang),
 ``requests`` (ServerArgs, flags, request, response parsing), ``engine``. Tested without SGLang
-(tests/test_sglang_engine.py): the launch
+(tests/engines/sglang/test_engine.py): the launch
 settings, the request, the response parsing, the HTTP client against a local stand-in server, and that a dying
 engine or server becomes an error carrying its log tail.
 

@@ -3,9 +3,9 @@ written as adapters so that any engine can be fed them and lpdiff must FAIL the 
 
 The expert mutations act on PEFT's stacked 3D expert tensors (``target_parameters``), where expert e's B is
 ``B.reshape(out, r, E)[:, :, e]`` (rank-major columns); ``drop_group`` acts on one module group (attention, linear
-attention, mamba, shared expert, ...) in any layout. Everything else stays byte-identical. tests/test_mutations.py
-and tests/test_hybrid_groups.py check each one against PEFT's ``merge_and_unload`` (only the intended weights
-move).
+attention, mamba, shared expert, ...) in any layout. Everything else stays byte-identical.
+tests/harness/spec/test_mutations.py and tests/harness/pipeline/test_hybrid_groups.py check each one against PEFT's
+``merge_and_unload`` (only the intended weights move).
 """
 
 from __future__ import annotations

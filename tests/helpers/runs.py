@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpdiff.harness.types import LogprobRun, PromptLogprobs
+from lpdiff.harness.pipeline.store import baseline_key
+from lpdiff.harness.types import LogprobRun, ModelSpec, PromptLogprobs
 
 VOCAB = 50
 
@@ -37,3 +38,30 @@ def engine_like_run(
         ids = np.argsort(-lp, axis=1, kind="stable")[:, :top_k]
         out.append(PromptLogprobs(p, actual, ids, np.take_along_axis(lp, ids, 1).astype(np.float32), rng.random(n)))
     return LogprobRun(out, {"engine": "hf", "wall_s": wall, "vocab_size": vocab, **(meta or {})})
+
+
+# A small store fixture set: two prompts, one tiny model identity, a key builder, exact equality of two runs.
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
+
+
+def model(seed=0, name="tiny-moe", num_layers=None):
+    return ModelSpec(
+        name=name, arch="qwen3_moe", config={"hidden_size": 8}, init_seed=seed, init_recipe="r1", num_layers=num_layers
+    )
+
+
+def make_run(shift=0.0, top_k=2, wall=1.0, prompts=PROMPTS):
+    return engine_like_run(prompts, top_k=top_k, shift=shift, wall=wall)
+
+
+def key(**kw):
+    args = dict(model=model(), adapter=None, prompts=PROMPTS, dtype="float32", tp=1, engine="hf", top_k=2)
+    args.update(kw)
+    return baseline_key(**args)
+
+
+def assert_same(a: LogprobRun, b: LogprobRun):
+    xa, xb = a.to_arrays(), b.to_arrays()
+    assert xa.keys() == xb.keys()
+    for k in xa:
+        assert xa[k].dtype == xb[k].dtype and np.array_equal(xa[k], xb[k]), k

@@ -1,4 +1,4 @@
-"""Test hook (tests/test_default_run_defects.py): a process started with this folder on PYTHONPATH installs the
+"""Test hook (tests/harness/test_default_run_defects.py): a process started with this folder on PYTHONPATH installs the
 engine defects named in $LPDIFF_TEST_DEFECTS (lpdiff_test_defects.py) before it runs anything. Inert without it."""
 
 import os

@@ -1,0 +1,139 @@
+"""The validation layer itself (harness/spec/validate/) and the engines using it: hf and triton refuse the same bad
+prompts with the same message, and check adapters before loading them (triton: rank vs r, router LoRA)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from safetensors.torch import load_file, save_file
+
+from lpdiff.engines import EngineConfig, open_engine
+from lpdiff.harness.spec.catalog import get_model
+from lpdiff.harness.spec.resolve import zoo_adapters
+from lpdiff.harness.spec.validate import (
+    LOGPROB_TOL,
+    ValidationError,
+    adapter_problems,
+    check_prompts,
+    check_run,
+    model_facts,
+)
+from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs
+
+MODEL = "tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    spec = get_model(MODEL)
+    with (
+        open_engine("hf", EngineConfig(model=spec, device="cpu")) as hf,
+        open_engine("triton", EngineConfig(model=spec, device="cpu")) as triton,
+    ):
+        yield {"hf": hf, "triton": triton}
+
+
+@pytest.mark.parametrize(
+    "prompts, needle",
+    [
+        ([], "no prompts"),
+        ([[1, 2, 3], [4, 1024, 5]], "prompt 1 has 1 token id(s) outside the vocabulary [0, 1024) (e.g. 1024)"),
+        ([[1, -3, 2]], "outside the vocabulary [0, 1024) (e.g. -3)"),
+        ([[1, 2.5, 3]], "float values"),
+        ([[7]], "prompt 0 has 1 token(s)"),
+        ([[1] * 1025], "more than the model's max_position_embeddings (1024)"),
+    ],
+    ids=["empty-list", "out-of-vocab", "negative", "float", "one-token", "too-long"],
+)
+def test_engines_refuse_bad_prompts_alike(engines, prompts, needle):
+    said = {}
+    for name, eng in engines.items():
+        with pytest.raises(ValidationError) as e:
+            eng.prompt_logprobs(prompts)
+        said[name] = str(e.value)
+    assert said["hf"] == said["triton"] and needle in said["hf"] and said["hf"].startswith("prompts for tiny-qwen3-moe")
+
+
+def test_engines_accept_numpy_and_torch_ids(engines):
+    p = [np.array([3, 9, 27], dtype=np.int32), torch.tensor([5, 7, 11, 13])]
+    for eng in engines.values():
+        assert [len(r.logprobs) for r in eng.prompt_logprobs(p)] == [2, 3]
+
+
+def test_prompts_truncate_only_when_asked():
+    with pytest.raises(ValidationError, match="shorten it or pass --truncate-prompts"):
+        check_prompts([[1] * 10], 100, 8, source="x", hint="--truncate-prompts")
+    assert check_prompts([[1] * 10, [2, 3]], 100, 8, truncate=True) == [[1] * 8, [2, 3]]
+
+
+def _copy(tmp_path, name="attention"):
+    d = tmp_path / name
+    shutil.copytree(zoo_adapters(MODEL)[name].path, d)
+    return d
+
+
+def _rank_4_under_r_8(d):
+    path = d / "adapter_model.safetensors"
+    t = load_file(str(path))
+    save_file({k: v[:4].contiguous() if ".lora_A." in k else v[:, :4].contiguous() for k, v in t.items()}, str(path))
+    return d
+
+
+def _router(d):
+    """A qwen3_moe adapter with LoRA on layer 0's router (as PEFT saves one for target_modules=['gate'])."""
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": [*cfg["target_modules"], "gate"]}))
+    path = d / "adapter_model.safetensors"
+    t = load_file(str(path))
+    p = "base_model.model.model.layers.0.mlp.gate"
+    t[f"{p}.lora_A.weight"], t[f"{p}.lora_B.weight"] = torch.zeros(8, 128), torch.zeros(8, 8)
+    save_file(t, str(path))
+    return d
+
+
+@pytest.mark.parametrize("engine", ["hf", "triton"])
+def test_engines_refuse_rank_that_differs_from_r(tmp_path, engine):
+    bad = _rank_4_under_r_8(_copy(tmp_path))
+    cfg = EngineConfig(model=get_model(MODEL), adapters={"a": AdapterSpec("a", str(bad))}, device="cpu")
+    with pytest.raises(ValidationError, match="has rank 4 but adapter_config.json says r=8"):
+        open_engine(engine, cfg).__enter__()
+
+
+def test_router_adapter_refused_by_triton_for_the_router(tmp_path):
+    bad = _router(_copy(tmp_path))
+    cfg = EngineConfig(model=get_model(MODEL), adapters={"a": AdapterSpec("a", str(bad))}, device="cpu")
+    with pytest.raises(
+        ValidationError,
+        match=r"LoRA on the MoE router \(model.layers.0.mlp.gate\), which the triton "
+        "engine refuses",
+    ):
+        open_engine("triton", cfg).__enter__()
+    # the engine-independent checks pass it: PEFT (hf) decides about routers itself
+    assert not [p for p in adapter_problems(bad, model_facts(get_model(MODEL))) if p.severity == "error"]
+
+
+def test_every_zoo_adapter_is_clean():
+    for model in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"):
+        facts = model_facts(get_model(model))
+        for name, a in zoo_adapters(model).items():
+            assert adapter_problems(a.path, facts, router_lora="refused") == [], (model, name)
+
+
+def test_depth_cut_model_skips_deeper_layers_tensors():
+    a = zoo_adapters(MODEL)["all"].path
+    assert adapter_problems(a, model_facts(get_model(MODEL, num_layers=1)), num_layers=1) == []
+
+
+def test_logprob_rounding_above_zero_is_tolerated():
+    def run(v):
+        return LogprobRun([PromptLogprobs(np.array([1, 2, 3]), np.array([-1.0, v], np.float32))])
+
+    check_run(run(LOGPROB_TOL / 2), "r")
+    with pytest.raises(ValidationError, match="above 0"):
+        check_run(run(LOGPROB_TOL * 2), "r")
