@@ -170,13 +170,15 @@ class CapturesLayers(Protocol):
         prompts: Sequence[Sequence[int]],
         adapter: AdapterChoice = None,
         inputs: dict[tuple[int, str], Any] | None = None,
+        steps: Sequence[int] = (),
     ) -> dict[tuple[int, str], Any]:
         """Equal-length prompts (no padding) -> {(layer, point): tensor} for the CAPTURE_POINTS the engine has.
         ``adapter``: as prompt_logprobs (triton takes one choice per prompt; hf one name or None for all).
         Without ``inputs`` each module sees the engine's own activations. With ``inputs`` (another engine's
         capture) attention and experts re-run on that capture's "attention_in" / "experts_in", "router_ids" and
         "router_weights" (its own routing of "experts_in" is reported), so each module's error is its own;
-        "hidden" is always the engine's free run."""
+        "hidden" is always the engine's free run. ``steps``: layers whose Mamba-2 / Gated DeltaNet mixer also
+        reports its sub-steps as "<mixer>.<step>" (harness/commands/bisect_steps.py STEPS; hf and triton at TP 1)."""
         ...
 
 

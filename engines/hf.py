@@ -66,6 +66,8 @@ CAPABILITIES = Capabilities(
     router_lora="peft",
     per_layer_capture=True,
     adapter_doctor=True,
+    peft_sessions=True,
+    routing_replay=True,
     # two expert kernels: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where batched_mm
     # gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)
     fp32_twins=({"experts_impl": "batched_mm"}, {"experts_impl": "eager"}),
@@ -264,12 +266,17 @@ class HFEngine:
 
     @torch.inference_mode()
     def capture_layers(
-        self, prompts: Sequence[Sequence[int]], adapter: str | None = None, inputs: dict | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter: str | None = None,
+        inputs: dict | None = None,
+        steps: Sequence[int] = (),
     ) -> dict[tuple[int, str], torch.Tensor]:
         """Per-layer module inputs and outputs (engines.base.CapturesLayers) on equal-length prompts, hooked in one
         forward: each layer's token mixer under the name of its kind (``layer_modules``), the MoE's routed experts
         with their routing, its shared expert (with Qwen3.5's sigmoid gate) and the layer output; then every module
-        re-runs on the same inputs with the adapter off ("_base"). The reference engine: no ``inputs``."""
+        re-runs on the same inputs with the adapter off ("_base"). The reference engine: no ``inputs``. ``steps``:
+        layers whose Mamba-2 / Gated DeltaNet mixer's sub-steps are recorded too (engines/hf_steps.py)."""
         if inputs is not None:
             raise ValueError("the hf engine is the reference: it captures its own activations only (inputs=None)")
         if adapter is not None and not isinstance(adapter, str):
@@ -317,8 +324,9 @@ class HFEngine:
                 handles.append(moe.experts.register_forward_hook(experts_hook))
             handles.append(layer.register_forward_hook(layer_hook))
         ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=self.device)
+        tracer = _step_tracer(self.decoder.layers, steps, cap, ids.numel())
         try:
-            with self._adapter_ctx(adapter):
+            with self._adapter_ctx(adapter), tracer.active():
                 self.decoder(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
                 for i, layer in enumerate(self.decoder.layers):  # the shared expert on its input, adapter on
                     moe = layer_modules(layer)[2]
@@ -328,7 +336,8 @@ class HFEngine:
         finally:
             for h in handles:
                 h.remove()
-        with self._adapter_ctx(None):  # the same module inputs through the base weights
+        tracer.suffix = "_base"
+        with self._adapter_ctx(None), tracer.active():  # the same module inputs through the base weights
             for (i, point), (mod, args, kwargs) in calls.items():
                 base = mod(*args, **kwargs)
                 cap[i, f"{point}_base"] = flat(base[0] if isinstance(base, tuple) else base)
@@ -419,6 +428,14 @@ def layer_modules(layer) -> tuple:
         else:
             raise ValueError(f"layer kind {block!r} of this Nemotron-H model has no per-module capture")
     return mixer, kind, (moe if getattr(moe, "experts", None) is not None else None)
+
+
+def _step_tracer(layers, steps: Sequence[int], cap: dict, tokens: int):
+    """engines/hf_steps.py's tracer of the hybrid mixers of layers ``steps`` (other kinds have no sub-steps)."""
+    from lpdiff.engines.hf_steps import StepTracer
+
+    mixers = {i: layer_modules(layers[i])[:2] for i in steps}
+    return StepTracer({i: mk for i, mk in mixers.items() if mk[1] in ("mamba", "linear_attention")}, cap, tokens)
 
 
 def _has_shared(moe) -> bool:

@@ -25,6 +25,15 @@ def is_input(point: str) -> bool:
     return point.endswith("_in") or point in ROUTING_POINTS
 
 
+def put_steps(cap: dict, layer: int, kind: str, trace: dict, suffix: str = "") -> None:
+    """A mixer's ``trace`` (step -> tensor, or a tuple of tensors joined along their widths) into ``cap`` as
+    (layer, "<kind>.<step><suffix>"): (tokens, width), fp32, the points engines/hf_steps.py records for HF."""
+    for step, t in trace.items():
+        parts = t if isinstance(t, tuple) else (t,)
+        n = parts[0].shape[0]
+        cap[layer, f"{kind}.{step}{suffix}"] = torch.cat([p.float().reshape(n, -1) for p in parts], dim=-1)
+
+
 @dataclass(slots=True)
 class CaptureWork:
     """One capture call as every rank runs it (rank 0 in the engine's process, the workers from a broadcast)."""
@@ -32,20 +41,25 @@ class CaptureWork:
     prompts: list[list[int]]
     slots: list[int]  # the adapter slot of each prompt (-1: none), so a batch may mix adapters and base rows
     inputs: dict | None  # {(layer, point): tensor} of input points (is_input), on the CPU when broadcast
+    steps: tuple[int, ...] = ()  # layers whose hybrid mixer's sub-steps are traced too (TP 1)
 
     def __call__(self, runtime) -> dict | None:
         return run_capture(runtime, self)
 
 
 def capture_layers(
-    engine, prompts: Sequence[Sequence[int]], adapter=None, inputs: dict | None = None
+    engine, prompts: Sequence[Sequence[int]], adapter=None, inputs: dict | None = None, steps: Sequence[int] = ()
 ) -> dict[tuple[int, str], torch.Tensor]:
     """``engine``: an open TritonEngine, any TP size; ``adapter``: one name, None, or one choice per prompt.
     -> {(layer, point): tensor}: "hidden" from the runtime's own forward; with ``inputs`` (e.g. the hf engine's
     capture, prompts in the same order) also each module with and without the adapters (attention and experts; a
     hybrid model's own capture_modules: each layer's mixer by its kind and the shared expert too), and the routing,
-    each computed on that capture's inputs to the module."""
+    each computed on that capture's inputs to the module. ``steps``: layers whose Mamba-2 / Gated DeltaNet mixer
+    also reports its sub-steps ("mamba.conv1d", "linear_attention.delta_rule" ..., with and without "_base"),
+    whole-width, so at TP 1 only."""
     rt = engine.runtime
+    if steps and engine.workers is not None:
+        raise ValueError("mixer sub-steps are captured at TP 1 (a rank holds only its heads' columns of each step)")
     if rt is None:
         raise RuntimeError("use the engine as a context manager: `with open_engine('triton', cfg) as eng:`")
     names = check_request(prompts, adapter, engine.config.adapters, engine.config.model)
@@ -53,7 +67,7 @@ def capture_layers(
         inputs = {k: v for k, v in inputs.items() if is_input(k[1])}
         if engine.workers is not None:  # pickled to every rank: host tensors, each rank moves them to its device
             inputs = {k: v.detach().cpu() for k, v in inputs.items()}
-    work = CaptureWork([list(map(int, p)) for p in prompts], [rt.slot(n) for n in names], inputs)
+    work = CaptureWork([list(map(int, p)) for p in prompts], [rt.slot(n) for n in names], inputs, tuple(steps))
     if engine.workers is not None:
         tp.broadcast(work)
     return work(rt)
@@ -75,7 +89,7 @@ def run_capture(rt, work: CaptureWork) -> dict | None:
     inputs = work.inputs
     rerun = getattr(m, "capture_modules", None)  # a hybrid arch's own model (archs.Built) re-runs its own modules
     if inputs is not None and rerun is not None:
-        cap.update(rerun(batch, inputs))
+        cap.update(rerun(batch, inputs, work.steps))
         return cap if rt.shard.first else None
     if inputs is not None and not isinstance(m, MoeTransformer):
         raise ValueError(

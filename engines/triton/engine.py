@@ -124,9 +124,9 @@ class TritonEngine:
         )
 
     # -- work ------------------------------------------------------------------------------------------------
-    def capture_layers(self, prompts, adapter=None, inputs=None):
+    def capture_layers(self, prompts, adapter=None, inputs=None, steps=()):
         """Per-layer module outputs for lpdiff bisect (engines/triton/capture.py)."""
-        return capture_layers(self, prompts, adapter, inputs)
+        return capture_layers(self, prompts, adapter, inputs, steps)
 
     def prompt_logprobs(
         self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice = None, top_k: int = 0

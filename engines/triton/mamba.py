@@ -40,9 +40,10 @@ def _group_sum(model, part: torch.Tensor) -> torch.Tensor:
     return model.all_reduce(sums)[:, group]
 
 
-def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
+def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch, trace: dict | None = None) -> torch.Tensor:
     """h (T, H) normed -> (T, H) this rank's partial out_proj output. ``model``: the NemotronHModel (its config
-    and LoRA-aware linear)."""
+    and LoRA-aware linear). ``trace`` (lpdiff bisect, TP 1): filled with each sub-step's output as (T, width),
+    named as engines/hf_steps.py names transformers' (the D skip split out of the scan as D * x)."""
     cfg, p = model.cfg, lay.p
     heads = p["A"].shape[0]
     hd, n = cfg.mamba_head_dim, cfg.ssm_state
@@ -51,6 +52,8 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
     T = h.shape[0]
     zxbcdt = model.linear(h, lay.mods["in_proj"], batch)
     z, xbc, dt = zxbcdt.split([inner, inner + 2 * groups * n, heads], dim=-1)
+    tracing, trace = trace is not None, {} if trace is None else trace  # untraced: dict stores, nothing computed
+    trace["in_proj"] = zxbcdt
 
     conv_across, across = faults.on("conv_across_prompts"), faults.on("state_not_reset")
     kernels = resolve_impl(model.impl, h) == "triton"
@@ -64,6 +67,7 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
         xbc = _packed(
             batch, causal_conv1d(_rows(batch, xbc, conv_across), p["conv_w"], p["conv_b"], "silu"), conv_across
         )
+    trace["conv1d"] = xbc
     x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)
     x, B, C = x.reshape(T, heads, hd), B.reshape(T, groups, n), C.reshape(T, groups, n)
     dt = discretise_dt(dt, p["dt_bias"], cfg.dt_min)
@@ -82,6 +86,9 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
         )
         y = _packed(batch, y, across)
     y = y.reshape(T, inner)
+    if tracing:  # the D skip as HF's scan adds it (in fp32), the scan's share the rest
+        trace["d_skip"] = (p["D"][:, None].float() * x.float()).reshape(T, inner)
+        trace["ssd_scan"] = y.float() - trace["d_skip"]
     y = gated_rms_norm(
         y,
         z,
@@ -91,4 +98,6 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch) -> torch.Tensor:
         h.dtype,
         lambda part: _group_sum(model, part),
     )
-    return model.linear(y, lay.mods["out_proj"], batch)
+    trace["gated_norm"] = y
+    trace["out_proj"] = out = model.linear(y, lay.mods["out_proj"], batch)
+    return out

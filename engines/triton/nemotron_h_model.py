@@ -168,36 +168,42 @@ class NemotronHModel:
         return self.mlp(h, lay.mods["shared_experts.up_proj"], lay.mods["shared_experts.down_proj"], batch)
 
     @torch.inference_mode()
-    def capture_modules(self, batch: Batch, inputs: dict) -> dict:
+    def capture_modules(self, batch: Batch, inputs: dict, steps: tuple[int, ...] = ()) -> dict:
         """capture.py's module re-runs on another engine's inputs (capture.is_input), with the adapters and without
         ("_base"), all-reduced (full outputs on every rank): a mamba / attention / dense-MLP layer's mixer on its
         input point ("mamba_in", "attention_in", "mlp_in"; the output named alike); a MoE layer's router on the
         MoE input ("moe_in": this model's own routing), its routed experts on their input ("experts_in", after
         the latent projection where the model has one; HF's NemotronHExperts sees the same) with the reference's
-        routing, and its shared expert ("shared_expert_in")."""
+        routing, and its shared expert ("shared_expert_in"). A mamba layer in ``steps`` also reports its mixer's
+        sub-steps (capture.put_steps; TP 1)."""
+        from lpdiff.engines.triton.capture import put_steps
+
         dev, dtype = self.w.embed.device, self.w.embed.dtype
         base = replace(batch, token_adapter=None, uniform_slot=None)  # every linear and the experts without LoRA
         cap: dict = {}
 
         def both(point: str, fn) -> None:
-            h = inputs[point].to(dev, dtype)
-            cap[point[0], point[1].removesuffix("_in")] = self.all_reduce(fn(h, batch))
-            cap[point[0], point[1].removesuffix("_in") + "_base"] = self.all_reduce(fn(h, base))
+            h, (i, name) = inputs[point].to(dev, dtype), point
+            for suffix, b in (("", batch), ("_base", base)):
+                trace: dict | None = {} if i in steps else None
+                cap[i, name.removesuffix("_in") + suffix] = self.all_reduce(fn(h, b, trace))
+                if trace:
+                    put_steps(cap, i, name.removesuffix("_in"), trace, suffix)
 
         for i, lay in enumerate(self.w.layers):
             if lay.kind == "M" and (i, "mamba_in") in inputs:
-                both((i, "mamba_in"), lambda h, b, lay=lay: mamba_mixer(self, h, lay, b))
+                both((i, "mamba_in"), lambda h, b, t, lay=lay: mamba_mixer(self, h, lay, b, t))
             elif lay.kind == "*" and (i, "attention_in") in inputs:
-                both((i, "attention_in"), lambda h, b, lay=lay: self.attend(h, lay, b))
+                both((i, "attention_in"), lambda h, b, t, lay=lay: self.attend(h, lay, b))
             elif lay.kind == "-" and (i, "mlp_in") in inputs:
-                both((i, "mlp_in"), lambda h, b, lay=lay: self.mlp(h, lay.mods["up_proj"], lay.mods["down_proj"], b))
+                both((i, "mlp_in"), lambda h, b, t, lay=lay: self.mlp(h, lay.mods["up_proj"], lay.mods["down_proj"], b))
             elif lay.kind == "E":
                 if (i, "moe_in") in inputs:
                     ids, weights, _ = self.route(inputs[i, "moe_in"].to(dev, dtype), lay)
                     cap[i, "router_ids"], cap[i, "router_weights"] = ids, weights
                 if (i, "experts_in") in inputs:
                     ids, w32 = inputs[i, "router_ids"].to(dev), inputs[i, "router_weights"].to(dev).float()
-                    both((i, "experts_in"), lambda x, b, lay=lay, ids=ids, w=w32: self.routed(x, ids, w, lay, b))
+                    both((i, "experts_in"), lambda x, b, t, lay=lay, ids=ids, w=w32: self.routed(x, ids, w, lay, b))
                 if (i, "shared_expert_in") in inputs:
-                    both((i, "shared_expert_in"), lambda h, b, lay=lay: self.shared(h, lay, b))
+                    both((i, "shared_expert_in"), lambda h, b, t, lay=lay: self.shared(h, lay, b))
         return cap

@@ -241,13 +241,17 @@ class Qwen35Model:
             return self.linear_attention(h, lw, ll, batch)
         return self.full_attention(h, lw, ll, batch)
 
-    def linear_attention(self, h: Tensor, lw: LayerWeights, ll, batch: Batch) -> Tensor:
+    def linear_attention(self, h: Tensor, lw: LayerWeights, ll, batch: Batch, trace: dict | None = None) -> Tensor:
+        """``trace`` (lpdiff bisect, TP 1): filled with each sub-step's output as (T, width), named as
+        engines/hf_steps.py names transformers'."""
         cfg, T = self.cfg, h.shape[0]
+        trace = {} if trace is None else trace  # untraced: dict stores of tensors computed anyway
         nk, nv, dk, dv = self.lin_k, self.lin_v, cfg.lin_k_dim, cfg.lin_v_dim
         if faults.on("linear_attention_lora_dropped"):
             ll = None
         proj = self.linear(h, lw.proj_in, ll and ll.proj_in, batch)
         qkv, z, b, a = proj.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
+        trace.update(in_proj_qkv=qkv, in_proj_z=z, in_proj_b=b, in_proj_a=a)
         if faults.on("conv_across_prompts"):  # the whole packed batch as one sequence
             qkv = gdn.causal_conv1d(qkv, lw.conv, _one_prompt(batch))
         else:
@@ -258,12 +262,17 @@ class Qwen35Model:
         g = -lw.A_log.float().exp() * F.softplus(a.float() + lw.dt_bias)
         if nv != nk:
             q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+        trace["conv1d"] = (q, k, v)  # (T, h, d) each, q and k repeated to v's heads as transformers passes them
+        trace["gate"] = (g, beta)
         if faults.on("state_not_reset"):
             o = gdn.gated_delta_rule(q, k, v, g, beta, _one_prompt(batch), self.gdn_impl)
         else:
             o = gdn.gated_delta_rule(q, k, v, g, beta, batch, self.gdn_impl)
+        trace["delta_rule"] = o
         o = gdn.gated_rms_norm(o, z.reshape(T, nv, dv), lw.gnorm, cfg.rms_norm_eps).reshape(T, nv * dv)
-        return self.all_reduce(self.linear(o, lw.proj_out, ll and ll.proj_out, batch))
+        trace["gated_norm"] = o
+        trace["out_proj"] = out = self.linear(o, lw.proj_out, ll and ll.proj_out, batch)
+        return self.all_reduce(out)
 
     def full_attention(self, h: Tensor, lw: LayerWeights, ll, batch: Batch) -> Tensor:
         cfg, T, d = self.cfg, h.shape[0], self.cfg.head_dim
@@ -295,11 +304,14 @@ class Qwen35Model:
         return torch.sigmoid(F.linear(h, mw.shared_gate)) * s
 
     @torch.inference_mode()
-    def capture_modules(self, batch: Batch, inputs: dict) -> dict:
+    def capture_modules(self, batch: Batch, inputs: dict, steps: tuple[int, ...] = ()) -> dict:
         """capture.py's module re-runs on another engine's inputs (capture.is_input), with the adapters and without
         ("_base"): each layer's token mixer on its input point ("linear_attention_in" or "attention_in", the
         output named alike), the routed experts on the reference's routing, the gated shared expert, and this
-        model's own routing of the experts' input. All-reduced: full (T, H) outputs on every rank."""
+        model's own routing of the experts' input. All-reduced: full (T, H) outputs on every rank. A Gated DeltaNet
+        layer in ``steps`` also reports its sub-steps (capture.put_steps; TP 1)."""
+        from lpdiff.engines.triton.capture import put_steps
+
         cfg, dev, dtype = self.cfg, self.w.embed.device, self.w.embed.dtype
         cap: dict = {}
         for i, lw in enumerate(self.w.layers):
@@ -307,6 +319,12 @@ class Qwen35Model:
             for point in ("linear_attention", "attention"):
                 if (i, f"{point}_in") in inputs:
                     h = inputs[i, f"{point}_in"].to(dev, dtype)
+                    if point == "linear_attention" and i in steps:
+                        for suffix, lora in (("", ll), ("_base", None)):
+                            trace: dict = {}
+                            cap[i, point + suffix] = self.linear_attention(h, lw, lora, batch, trace)
+                            put_steps(cap, i, point, trace, suffix)
+                        continue
                     cap[i, point] = self.mix(h, lw, ll, batch)
                     cap[i, f"{point}_base"] = self.mix(h, lw, None, batch)
             if (i, "experts_in") in inputs:

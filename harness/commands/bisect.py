@@ -26,6 +26,10 @@ layer between them — fp32 rounding between two orderings of the same arithmeti
 the clean runtime's worst module is 3.3e-7). The first layer + module (+ adapter) whose error exceeds ``factor`` x
 the floor is named.
 
+A finding inside a Mamba-2 or Gated DeltaNet mixer is followed into it (commands/bisect_steps.py): the mixer's
+sub-steps (projections, conv1d, the scan / delta rule and its state, the D skip or the gates, the gated norm,
+out_proj) captured in both engines at TP 1, the first above the same limit named as the finding's ``step``.
+
 The runtime may run at any TP size (its capture returns the all-reduced, full module outputs) against HF at TP 1.
 One adapter: every row runs it. Several: one mixed batch of base rows plus every adapter's rows (as a default run's
 session), each row's modules compared with HF run with that row's adapter, so a finding names the adapter too.
@@ -39,6 +43,7 @@ from typing import Sequence
 import torch
 
 from lpdiff.engines.base import dense_routing
+from lpdiff.harness.commands import bisect_steps
 from lpdiff.harness.spec.errors import InputError
 
 MIXERS = ("attention", "linear_attention", "mamba", "mlp")  # a layer's token mixer, named by its kind
@@ -76,15 +81,19 @@ class Finding:
     floor: float
     factor: float
     adapter: Choice = None
+    step: str | None = None  # the mixer's first sub-step above the limit (bisect_steps.STEPS), where it has steps
+    step_error: float | None = None
 
     @property
     def ratio(self) -> float:
         return self.error / self.floor
 
+    @property
+    def limit(self) -> float:
+        return self.factor * self.floor
 
-def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
-    den = float(scale.float().norm())
-    return float((a.float() - b.float()).norm()) / max(den, 1e-30)
+
+_rel = bisect_steps.rel  # ||a - b|| / ||scale||
 
 
 def equal_length(prompts: Sequence[Sequence[int]], num_prompts: int = 8) -> list[list[int]]:
@@ -105,13 +114,16 @@ def _used(adapters: dict, choices: Sequence[Choice]) -> dict:
     return {c: adapters[c] for c in choices if c is not None}
 
 
-def hf_captures(spec, adapters: dict, choices: Sequence[Choice], prompts, options: dict | None = None) -> dict:
-    """HF's per-layer module inputs and outputs on ``prompts`` for each choice (fp32, TP 1): choice -> capture."""
+def hf_captures(
+    spec, adapters: dict, choices: Sequence[Choice], prompts, options: dict | None = None, steps: Sequence[int] = ()
+) -> dict:
+    """HF's per-layer module inputs and outputs on ``prompts`` for each choice (fp32, TP 1): choice -> capture;
+    with the hybrid mixers' sub-steps of layers ``steps`` (bisect_steps.STEPS)."""
     from lpdiff.engines import EngineConfig, open_engine
 
     opts = {"router_margins": False, **(options or {})}
     with open_engine("hf", EngineConfig(model=spec, adapters=_used(adapters, choices), options=opts)) as eng:
-        return {c: eng.capture_layers(prompts, c) for c in choices}
+        return {c: eng.capture_layers(prompts, c, steps=steps) for c in choices}
 
 
 def reference_floor(spec, adapters: dict, choices: Sequence[Choice], prompts, reference: dict) -> dict[str, float]:
@@ -126,27 +138,42 @@ def reference_floor(spec, adapters: dict, choices: Sequence[Choice], prompts, re
     return {mod: worst for mod in MODULES}
 
 
-def triton_errors(
-    spec, adapters: dict, choices: Sequence[Choice], prompts, hf: dict, fault: str | None = None, tp: int = 1
-) -> Errors:
+def triton_captures(
+    spec,
+    adapters: dict,
+    choices: Sequence[Choice],
+    prompts,
+    hf: dict,
+    fault: str | None = None,
+    tp: int = 1,
+    steps: Sequence[int] = (),
+) -> dict:
     """Each triton module re-run on HF's inputs to it (fp32, TP ``tp``), every choice's rows in one batch ->
-    relative error per (choice, layer, module), each choice's rows against HF run with that choice. The runtime
-    holds every adapter of ``adapters`` in its slots, as a run's session does (unused slots and rank padding are
-    where some defects live)."""
+    choice -> that choice's rows of the capture (with the sub-steps of the hybrid mixers of layers ``steps``, TP 1).
+    The runtime holds every adapter of ``adapters`` in its slots, as a run's session does (unused slots and rank
+    padding are where some defects live)."""
     from lpdiff.engines import EngineConfig, open_engine
 
     rows = [p for _ in choices for p in prompts]
     row_adapters = [c for c in choices for _ in prompts]
-    joined = {k: torch.cat([hf[c][k] for c in choices]) for k in hf[choices[0]]}
+    joined = {k: torch.cat([hf[c][k] for c in choices]) for k in hf[choices[0]] if k[1].endswith(INPUTS)}
     cfg = EngineConfig(model=spec, adapters=dict(adapters), tp=tp, options={"fault": fault} if fault else {})
     with open_engine("triton", cfg) as eng:
-        got = eng.capture_layers(rows, row_adapters, inputs=joined)
+        got = eng.capture_layers(rows, row_adapters, inputs=joined, steps=steps)
     n = len(prompts) * len(prompts[0])  # tokens per choice: equal-length prompts, packed in order
-    err: Errors = {}
-    for g, c in enumerate(choices):
-        part = {k: v[g * n : (g + 1) * n] for k, v in got.items()}
-        err.update({(c, *k): e for k, e in module_errors(part, hf[c]).items()})
-    return err
+    return {c: {k: v[g * n : (g + 1) * n] for k, v in got.items()} for g, c in enumerate(choices)}
+
+
+INPUTS = ("_in", "router_ids", "router_weights")  # the reference's points the runtime's re-runs read
+
+
+def triton_errors(
+    spec, adapters: dict, choices: Sequence[Choice], prompts, hf: dict, fault: str | None = None, tp: int = 1
+) -> Errors:
+    """triton_captures -> relative error per (choice, layer, module), each choice's rows against HF run with that
+    choice."""
+    got = triton_captures(spec, adapters, choices, prompts, hf, fault, tp)
+    return {(c, *k): e for c in choices for k, e in module_errors(got[c], hf[c]).items()}
 
 
 def module_errors(got: dict, ref: dict) -> dict[tuple[int, str], float]:
@@ -200,6 +227,7 @@ class BisectResult:
     floors: dict
     factor: float
     finding: Finding | None
+    steps: dict[str, float] | None = None  # the found mixer's sub-step errors (bisect_steps.step_errors)
 
     def table(self) -> str:
         width = max(len("adapter"), *(len(label(c)) for c in self.choices))
@@ -220,6 +248,12 @@ class BisectResult:
                         else f"{e:>{cw[m] - 1}.3g}{'*' if not e <= self.factor * self.floors[m] else ' '}"
                     )
                 rows.append(f"{label(c):<{width}}  {i:>5}  " + "  ".join(cells))
+        f = self.finding
+        if f is not None and self.steps is not None:
+            limit, lora = f.limit, f.module.endswith("_lora")
+            errs = {k.removesuffix("_lora"): e for k, e in self.steps.items() if k.endswith("_lora") == lora}
+            cells = [f"{k} {e:.3g}{'*' if not e <= limit else ''}" for k, e in errs.items()]
+            rows.append(f"\nlayer {f.layer} {f.module} of {label(f.adapter)}, step by step (TP 1): " + ", ".join(cells))
         return "\n".join(rows)
 
     def summary(self) -> str:
@@ -228,9 +262,16 @@ class BisectResult:
         head = f"{self.model} [{', '.join(map(label, self.choices))}] tp={self.tp} {what}"
         if f is None:
             return f"{head}: every module within {self.factor:g}x its noise floor"
+        inside = ""
+        if self.steps is not None:
+            inside = (
+                f"; inside it first {f.step} (error {f.step_error:.3g})"
+                if f.step is not None
+                else "; every sub-step within the limit at TP 1"
+            )
         return (
             f"{head}: first above noise: layer {f.layer} {f.module} of {label(f.adapter)} "
-            f"(error {f.error:.3g} = {f.ratio:.3g}x its floor {f.floor:.3g}; limit {f.factor:g}x)"
+            f"(error {f.error:.3g} = {f.ratio:.3g}x its floor {f.floor:.3g}; limit {f.factor:g}x){inside}"
         )
 
 
@@ -301,8 +342,41 @@ def bisect(
     prompts = equal_length(r.prompts, num_prompts or max(MIN_PROMPTS, DEFAULT_ROWS // len(choices)))
     hf = hf_captures(r.spec, r.adapters, choices, prompts, {"experts_impl": "eager"})
     floors = reference_floor(r.spec, r.adapters, choices, prompts, hf)
-    out = []
+    out, drilled = [], {}
     for t in tps:
         errors = triton_errors(r.spec, r.adapters, choices, prompts, hf, fault, t)
-        out.append(BisectResult(model, choices, fault, t, errors, floors, factor, first_above(errors, floors, factor)))
+        res = BisectResult(model, choices, fault, t, errors, floors, factor, first_above(errors, floors, factor))
+        into_mixer(res, r.spec, r.adapters, prompts, hf, drilled)
+        out.append(res)
     return out[0] if isinstance(tp, int) else BisectRuns(out)
+
+
+def drill(spec, adapters: dict, choices: Sequence[Choice], prompts, hf: dict, finding: Finding, fault) -> dict:
+    """The named mixer's sub-step errors for the finding's adapter choice (bisect_steps.step_errors): HF re-captures
+    that choice with the layer's steps traced; the runtime runs the module comparison's whole batch at TP 1 on HF's
+    captured inputs (``hf``: choice -> capture)."""
+    layer, choice = finding.layer, finding.adapter
+    ref = hf_captures(spec, adapters, [choice], prompts, steps=[layer])[choice]
+    got = triton_captures(spec, adapters, choices, prompts, hf, fault, 1, [layer])[choice]
+    return bisect_steps.step_errors(got, ref, layer, bisect_steps.mixer_of(finding.module))
+
+
+def into_mixer(res: BisectResult, spec, adapters: dict, prompts, hf: dict, cache: dict | None = None) -> None:
+    """A finding in a Mamba-2 / Gated DeltaNet mixer: its sub-step errors (``drill``, once per layer, module and
+    adapter over ``cache``) into ``res.steps`` and the first above the limit into the finding."""
+    f = res.finding
+    if f is None or bisect_steps.mixer_of(f.module) is None:
+        return
+    key = (f.layer, f.module, f.adapter)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = drill(spec, adapters, res.choices, prompts, hf, f, res.fault)
+    set_step(res, cache[key])
+
+
+def set_step(res: BisectResult, steps: dict[str, float]) -> None:
+    """The found mixer's sub-step errors into ``res``; the first above the finding's limit into the finding."""
+    f = res.finding
+    res.steps = steps
+    hit = bisect_steps.first_step(steps, bisect_steps.mixer_of(f.module), f.module.endswith("_lora"), f.limit)
+    f.step, f.step_error = hit if hit is not None else (None, None)
