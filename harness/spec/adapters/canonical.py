@@ -103,7 +103,7 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
         if mod in layout.embeddings:
             if not EMBED_KEY_RE.fullmatch(key):
                 raise InputError(f"{key}: {mod} is an embedding; PEFT saves its LoRA as lora_embedding_A/B")
-            ident = ("embed", mod)
+            ident: tuple = ("embed", mod)
             slot = pairs.setdefault(ident, {})
             slot[which] = t
             continue
@@ -120,7 +120,11 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
         if set(slot) != {"A", "B"}:
             raise InputError(f"{adapter_dir}: {ident[1]} has lora_{''.join(slot)} but not both A and B")
 
-    dense, experts, per_expert, embed = {}, {}, {}, {}
+    Pair = tuple[torch.Tensor, torch.Tensor]
+    dense: dict[str, Pair] = {}
+    experts: dict[str, Pair] = {}
+    embed: dict[str, Pair] = {}
+    per_expert: dict[str, dict[str, dict[int, tuple]]] = {}  # experts module -> projection -> expert -> (A, B)
     for ident, s in pairs.items():
         if ident[0] == "embed":
             vocab, hidden = layout.embeddings[ident[1]]
@@ -162,9 +166,9 @@ def load_canonical(adapter_dir: str | Path, model_config) -> CanonicalAdapter:
     scaling = peft_scaling(alpha, rank, rslora)
     scalings = {}
     for name in [*dense, *experts, *embed]:
-        s = entry_scaling(cfg, _pattern_names(layout, name, per_expert), rank, alpha, rslora)
-        if s != scaling:
-            scalings[name] = s
+        sc = entry_scaling(cfg, _pattern_names(layout, name, per_expert), rank, alpha, rslora)
+        if sc != scaling:
+            scalings[name] = sc
     return CanonicalAdapter(rank, alpha, rslora, scaling, dense, experts, cfg, layout_name, embed, scalings)
 
 
@@ -260,8 +264,9 @@ def merge_into(model: nn.Module, adapter: CanonicalAdapter) -> nn.Module:
     """Add every delta into the model's weights in place (as PEFT's merge does: delta cast to the weight dtype).
     Refuses lm_head / embedding LoRA on a model whose lm_head shares the embedding's weight: PEFT keeps them as two
     adapters on one tensor (with ensure_weight_tying too it saves both, tied), which no merge into that tensor is."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_head, get_emb = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    head = get_head() if get_head is not None else None
+    emb = get_emb() if get_emb is not None else None
     if (
         (adapter.embed or "lm_head" in adapter.dense)
         and head is not None
@@ -273,12 +278,12 @@ def merge_into(model: nn.Module, adapter: CanonicalAdapter) -> nn.Module:
             "shared weight; run it unmerged (the hf engine does)"
         )
     for name in [*adapter.dense, *adapter.embed]:
-        w = model.get_submodule(name).weight
-        w += adapter.delta(name).to(w.device, w.dtype)
+        w = model.get_parameter(f"{name}.weight")
+        w.add_(adapter.delta(name).to(w.device, w.dtype))
     for name in adapter.experts:
         w = model.get_parameter(name)
         d = adapter.delta(name)
         if getattr(model.get_submodule(name.rsplit(".", 1)[0]), "is_transposed", False):
             d = d.transpose(1, 2)
-        w += d.to(w.device, w.dtype)
+        w.add_(d.to(w.device, w.dtype))
     return model
