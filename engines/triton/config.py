@@ -8,6 +8,7 @@ HF config and says how its expert weights map to the kernels' layout; everything
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,6 +72,24 @@ def rope_from_hf(rotary_cls: type, hf_config) -> tuple[torch.Tensor, float]:
     with torch.device("cpu"):
         rotary = rotary_cls(config=hf_config)
     return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
+
+
+def hf_common(hf, arch: str, rotary_cls: type) -> dict[str, Any]:
+    """The ModelConfig fields every decoder reads the same way from its HF config; the rope through the model's own
+    rotary class (rope_from_hf)."""
+    inv_freq, attn_scaling = rope_from_hf(rotary_cls, hf)
+    return {
+        "arch": arch,
+        "vocab_size": hf.vocab_size,
+        "hidden_size": hf.hidden_size,
+        "num_layers": hf.num_hidden_layers,
+        "num_heads": hf.num_attention_heads,
+        "num_kv_heads": hf.num_key_value_heads,
+        "rms_norm_eps": hf.rms_norm_eps,
+        "tie_word_embeddings": bool(hf.tie_word_embeddings),
+        "rope_inv_freq": inv_freq,
+        "rope_attention_scaling": attn_scaling,
+    }
 
 
 SUPPORTED_ARCHS = ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "nemotron_h")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lpdiff.engines.triton.config import ModelConfig, rope_from_hf
+from lpdiff.engines.triton.config import ModelConfig, hf_common
 
 ROUTER = "mlp.router"
 
@@ -15,14 +15,8 @@ def config_from_hf(hf) -> ModelConfig:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
     windows = tuple(hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
-    inv_freq, attn_scaling = rope_from_hf(GptOssRotaryEmbedding, hf)
     return ModelConfig(
-        arch="gpt_oss",
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
+        **hf_common(hf, "gpt_oss", GptOssRotaryEmbedding),
         head_dim=hf.head_dim,
         num_experts=hf.num_local_experts,
         top_k=hf.num_experts_per_tok,
@@ -36,11 +30,7 @@ def config_from_hf(hf) -> ModelConfig:
         qk_norm=False,
         attention_sinks=True,
         sliding_windows=windows,
-        rms_norm_eps=hf.rms_norm_eps,
         norm_weight_fp32=True,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
-        rope_inv_freq=inv_freq,
-        rope_attention_scaling=attn_scaling,
     )
 
 

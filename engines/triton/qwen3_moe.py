@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lpdiff.engines.triton.config import ModelConfig, rope_from_hf
+from lpdiff.engines.triton.config import ModelConfig, hf_common
 
 ROUTER = "mlp.gate"
 
@@ -20,15 +20,9 @@ def config_from_hf(hf) -> ModelConfig:
         )
     if hf.hidden_act != "silu":
         raise ValueError(f"Qwen3-MoE with hidden_act={hf.hidden_act!r} is not supported (expected 'silu')")
-    inv_freq, attn_scaling = rope_from_hf(Qwen3MoeRotaryEmbedding, hf)
     window = getattr(hf, "sliding_window", None)  # transformers already sets None unless use_sliding_window
     return ModelConfig(
-        arch="qwen3_moe",
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
+        **hf_common(hf, "qwen3_moe", Qwen3MoeRotaryEmbedding),
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         num_experts=hf.num_experts,
         top_k=hf.num_experts_per_tok,
@@ -42,11 +36,7 @@ def config_from_hf(hf) -> ModelConfig:
         qk_norm=True,
         attention_sinks=False,
         sliding_windows=(window,) * hf.num_hidden_layers,
-        rms_norm_eps=hf.rms_norm_eps,
         norm_weight_fp32=False,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
-        rope_inv_freq=inv_freq,
-        rope_attention_scaling=attn_scaling,
     )
 
 
