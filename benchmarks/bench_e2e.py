@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 
 from lpdiff.engines.base import EngineConfig
-from lpdiff.engines.triton.options import ATTENTION, DEFAULTS as OPTIONS
+from lpdiff.engines.triton.options import ATTENTION
+from lpdiff.engines.triton.options import DEFAULTS as OPTIONS
+from lpdiff.harness.types import AdapterSpec
 from lpdiff.kernels import fused_moe_lora as fm
 from lpdiff.kernels.fused_moe_lora import MOE_EXPAND
 from lpdiff.kernels.gemm_config import EXPAND
 from lpdiff.kernels.moe_grouped import BACKENDS
-from lpdiff.harness.types import AdapterSpec
 
 COLUMNS = [
     "date",
@@ -162,11 +163,10 @@ def impl_name(
 
 
 def bench_model(name: str, args, writer) -> None:
+    from benchmarks import e2e_peers
     from lpdiff.engines.hf import HFEngine
     from lpdiff.engines.triton import TritonEngine
     from lpdiff.harness.spec.catalog import get_model
-
-    from benchmarks import e2e_peers
 
     spec = get_model(name, num_layers=args.layers)
     tokens = args.batch * args.seq

@@ -42,9 +42,9 @@ from lpdiff.kernels import moe_grouped as mg
 from lpdiff.kernels.activation import activate
 from lpdiff.kernels.fused_moe_lora import moe_forward_triton
 from lpdiff.kernels.gemm_config import GemmConfig
+from lpdiff.kernels.lora_linear import base_linear, lora_linear, pack_lora_b
 from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe import moe_forward
-from lpdiff.kernels.lora_linear import base_linear, lora_linear, pack_lora_b
 from tests.helpers.moe_bench import (
     SHAPES,
     SM90_FLAG_SETS,
@@ -372,7 +372,7 @@ def main():
         return check_baselines()
     if args.compile_sm90:
         sm90_report(print, SHAPES, 4096, args.rank, SM90_FLAG_SETS)
-        return
+        return None
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench.log"), "a")
 
@@ -422,7 +422,7 @@ def main():
         shrink_sweep(log, shrink_row, SHAPES, 4096, R, args.sweep_budget_s)
         csvf.close()
         log(f"wrote {len(rows)} rows to {path}")
-        return
+        return None
     peak, bw = ceilings(log)
     rows.append(dict(benchmark="ceiling", shape="bf16 matmul 8192^3", impl="torch.matmul", tflops=f"{peak:.1f}"))
     rows.append(dict(benchmark="ceiling", shape=f"copy 1GiB: {bw:.0f} GB/s (read+write)", impl="Tensor.copy_"))
@@ -465,7 +465,7 @@ def main():
         tile_sweep(log, sweep_row, R, args.sweep_budget_s)
         csvf.close()
         log(f"wrote {len(rows)} rows to {path}")
-        return
+        return None
 
     moe_shapes = [] if args.dense_only else SHAPES
     no_tma = set()  # shapes whose TMA variant failed its check: no TMA rows for them

@@ -21,18 +21,18 @@ import datetime
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.engines.progress import progress_log
-from lpdiff.kernels.faults import runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
-from lpdiff.harness.pipeline.session import mixed_batch
 from lpdiff.harness.pipeline.provenance import device_name, git_commit
 from lpdiff.harness.pipeline.references import default_store
+from lpdiff.harness.pipeline.session import mixed_batch
+from lpdiff.kernels.faults import runtime_faults
 
 MODELS = {"tiny-qwen3-moe": "qwen3_moe", "tiny-gpt-oss": "gpt_oss"}
 COLUMNS = [

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 PEERS = ("vllm", "sglang")
 ENGINES = ("triton", "hf", *PEERS)
@@ -147,9 +147,8 @@ def bench_peer(
     -> (seconds, peak); ``row(adapter_name, impl, secs=None, startup_s=None, settings="", error="")``. -> {adapter
     name or None: the engine's PromptLogprobs} for the calls that ran."""
     from lpdiff.engines.base import EngineConfig, open_engine
-    from lpdiff.harness.pipeline.session import engine_missing
-
     from lpdiff.engines.subprocess_lane import LaneDied
+    from lpdiff.harness.pipeline.session import engine_missing
 
     tags = {None: "none", adapter.name: f"r{args.rank}"}
     opts = peer_options(engine, args.engine_options.get(engine))

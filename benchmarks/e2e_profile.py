@@ -70,7 +70,8 @@ def host_split(eng, prompts, adapter, reps: int) -> dict:
 
 def profile(eng, prompts, adapter, path: Path) -> None:
     """Top CUDA kernels of one call (where the time goes), with ``adapter`` (None: the base call)."""
-    from torch.profiler import ProfilerActivity, profile as tprof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
 
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eng.prompt_logprobs(prompts, adapter)
@@ -96,11 +97,11 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
     if do_bench is None:
         from triton.testing import do_bench
 
+    from lpdiff.engines.logprobs import chunked_logprobs
     from lpdiff.engines.triton.attention import attention
     from lpdiff.engines.triton.batch import Batch
     from lpdiff.engines.triton.moe import experts, route
     from lpdiff.engines.triton.rope import norm_rope_qk
-    from lpdiff.engines.logprobs import chunked_logprobs
 
     rt = eng.runtime
     m, cfg = rt.model, rt.cfg

@@ -249,7 +249,7 @@ class HybridForward:
             if kind in kinds:
                 before = set(ops)
                 getattr(self, f"_build_{kind}")(ops, r)
-                self.kind_of.update({name: kind for name in set(ops) - before})
+                self.kind_of.update(dict.fromkeys(set(ops) - before, kind))
         return ops
 
     def _build_attn(self, ops: dict, r: int) -> None:

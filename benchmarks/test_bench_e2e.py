@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_e2e
 from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.spec.catalog import get_model
 from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.types import AdapterSpec
-
-from benchmarks import bench_e2e
 
 
 def _once(fn, **_):  # stands in for triton.testing.do_bench: run the piece once, report 1 ms

@@ -10,8 +10,9 @@ line in ``ENGINES``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from lpdiff.engines.capabilities import DTYPES, Capabilities, Mode
 from lpdiff.engines.registry import ENGINES
@@ -49,7 +50,7 @@ class Engine(Protocol):
 
     def version(self) -> str: ...
 
-    def __enter__(self) -> "Engine": ...
+    def __enter__(self) -> Engine: ...
 
     def __exit__(self, *exc) -> None: ...
 

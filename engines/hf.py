@@ -24,8 +24,8 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -166,7 +166,7 @@ class HFEngine:
             )
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def __enter__(self) -> "HFEngine":
+    def __enter__(self) -> HFEngine:
         from lpdiff.harness.spec.catalog import load_hf_model
 
         check_adapters(self.config, self.name)

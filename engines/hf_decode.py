@@ -7,7 +7,7 @@ a CPU/GPU generator seeded ``seed + i`` for prompt i. Exactly ``max_new_tokens``
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -3,7 +3,7 @@ without ever holding the batch's full fp32 logits (32k tokens x 150k vocab would
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def progress_log(tag: str = "", path: str | Path | None = None) -> Callable[[str], None]:

@@ -30,9 +30,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -203,7 +204,7 @@ class ManagedProcess:
         self.log_path = str(log_path)
         self.proc: subprocess.Popen | None = None
 
-    def start(self, **popen) -> "ManagedProcess":
+    def start(self, **popen) -> ManagedProcess:
         assert self.proc is None, "process already started"
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_import_root(), env.get("PYTHONPATH")) if p)
@@ -291,7 +292,7 @@ class SubprocessLane:
         return self.child.proc
 
     # lifecycle
-    def start(self) -> "SubprocessLane":
+    def start(self) -> SubprocessLane:
         r, w = os.pipe()
         self.child.argv += [str(w)]
         self.child.start(stdin=subprocess.PIPE, pass_fds=(w,))
@@ -324,7 +325,7 @@ class SubprocessLane:
         finally:
             self._kill()
 
-    def __enter__(self) -> "SubprocessLane":
+    def __enter__(self) -> SubprocessLane:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc) -> None:
@@ -382,7 +383,7 @@ class LaneEngine:
         self.name, self.target, self.config, self.lane_config = name, target, config, lane
         self.lane: SubprocessLane | None = None
 
-    def __enter__(self) -> "LaneEngine":
+    def __enter__(self) -> LaneEngine:
         self.lane = SubprocessLane(self.target, (self.config,), self.lane_config).start()
         return self
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class LogprobRun:
         return out
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> "LogprobRun":
+    def from_arrays(cls, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> LogprobRun:
         lens = arrays["lengths"]
         tok_off = np.concatenate([[0], np.cumsum(lens)])
         pos_off = np.concatenate([[0], np.cumsum(lens - 1)])
@@ -119,7 +120,7 @@ class LogprobRun:
         )
 
     @classmethod
-    def load(cls, path: str | Path) -> "LogprobRun":
+    def load(cls, path: str | Path) -> LogprobRun:
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files if k != "__meta__"}
             meta = json.loads(bytes(z["__meta__"]).decode()) if "__meta__" in z.files else {}

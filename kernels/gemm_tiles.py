@@ -122,7 +122,7 @@ def _k_loop_expand(
     w_cols = W + e * stride_we + wrow * stride_wn  # (WN,)
     b_cols = LB + a_safe * stride_lbl + e * stride_lbe + wrow * stride_lbn
     R_STEPS: tl.constexpr = (R + BLOCK_K - 1) // BLOCK_K
-    for i in range(0, K_TILES + R_STEPS):
+    for i in range(K_TILES + R_STEPS):
         lora = i < R_STEPS
         kk = tl.where(lora, i, i - R_STEPS) * BLOCK_K + offs_k  # the step's K columns (of S / B, or of X / W)
         if EVEN_K:
@@ -205,7 +205,7 @@ def _k_loop(
         la_ptrs = (
             LA + a_safe * stride_lal + e * stride_lae + offs_r[None, :] * stride_lar + offs_k[:, None] * stride_lak
         )
-    for k in range(0, K_TILES):
+    for k in range(K_TILES):
         if not EVEN_K:
             k_ok = offs_k < Kdim - k * BLOCK_K
         if TMA_X:

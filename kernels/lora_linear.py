@@ -71,7 +71,7 @@ def check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_ad
             "(T,) (slot per row, -1 = none)"
         )
     L, S, R, ka = lora_a.shape
-    if ka != kin or S != len(offs) - 1:
+    if ka != kin or len(offs) - 1 != S:
         raise ValueError(f"lora_a must be (L, S={len(offs) - 1}, R, Kin={kin}), got {tuple(lora_a.shape)}")
     if lora_b.shape != (L, n, R):
         raise ValueError(f"lora_b must be (L, N, R) = {(L, n, R)}, got {tuple(lora_b.shape)}")
@@ -144,7 +144,7 @@ def pack_lora_b(lora_b, scaling, slice_offsets=None, R: int | None = None) -> to
     S = x A_all^T (A_all = lora_a viewed (L*S*R, Kin)) adds every slice's delta to its own output columns only.
     The scaling multiplies in fp32 and rounds once. R, if given, must be lora_b's rank (lora_a.shape[2])."""
     L, n, rank = lora_b.shape
-    if R is not None and R != rank:
+    if R is not None and rank != R:
         raise ValueError(f"lora_b has rank {rank} but R={R}; pass lora_a.shape[2] and the matching lora_b")
     if scaling.shape != (L,):
         raise ValueError(f"scaling must be (L={L},), got {tuple(scaling.shape)}")

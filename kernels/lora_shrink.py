@@ -86,7 +86,7 @@ def _lora_shrink_kernel(
         + offs_k[:, None] * stride_ak
     )
     acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
-    for k in range(0, K_TILES):
+    for k in range(K_TILES):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)

@@ -127,7 +127,7 @@ if triton is not None:
         d = tl.load(D + head).to(tl.float32)
         state = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
         start64 = start.to(tl.int64)
-        for i in range(0, end - start):
+        for i in range(end - start):
             t64 = start64 + i
             dt = tl.load(DT + t64 * stride_dt + head).to(tl.float32)
             x = tl.load(X + t64 * stride_xt + head * stride_xh + offs_p, mask=p_ok, other=0.0).to(tl.float32)

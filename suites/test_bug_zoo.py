@@ -5,9 +5,9 @@ pass 20 reruns without a false alarm. Faults are real engine bugs re-created at 
 import numpy as np
 import pytest
 
-from lpdiff.kernels.faults import applicable, runtime_faults
 from lpdiff.harness.commands.run import Job, judge_runs, resolve_job, run_job
 from lpdiff.harness.pipeline.session import mixed_batch
+from lpdiff.kernels.faults import applicable, runtime_faults
 
 MODELS = {
     "tiny-qwen3-moe": "qwen3_moe",

@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 
 import pytest
+
 from lpdiff.harness.commands import metamorphic as mm
 from lpdiff.harness.commands import relations as rel
 from lpdiff.harness.pipeline.metrics import near_tie_eps
@@ -116,6 +117,7 @@ GPU_ENGINES = {"triton": "float32", "vllm": "bfloat16", "sglang": "bfloat16"}
 @pytest.fixture(scope="module", params=GPU_MODELS)
 def gpu_case(request, tmp_path_factory):
     import torch
+
     from lpdiff.harness.spec.adapters import convert_adapter, generate_adapter
     from lpdiff.harness.spec.catalog import load_hf_model
 

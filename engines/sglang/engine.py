@@ -9,8 +9,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_decode, check_request
 from lpdiff.engines.sglang.requests import (
@@ -76,7 +77,7 @@ class SGLangOffline:
         self.config, self.opts = config, dict(config.options)
         self.engine = None
 
-    def __enter__(self) -> "SGLangOffline":
+    def __enter__(self) -> SGLangOffline:
         try:
             import sglang as sgl
         except ImportError as e:
@@ -133,7 +134,7 @@ class SGLangHTTP:
         self.timeout = opts.get("request_timeout_s")  # None: the lane's work-scaled call deadline
         self.server: ManagedProcess | None = None
 
-    def __enter__(self) -> "SGLangHTTP":
+    def __enter__(self) -> SGLangHTTP:
         self.vocab = self.resolved["vocab_size"]
         if self.url is None:
             port = int(self.opts.get("port") or _free_port())
@@ -257,7 +258,7 @@ class SGLangEngine:
         self.config, self.opts, self.lane = config, opts, lane
         self._impl = None
 
-    def __enter__(self) -> "SGLangEngine":
+    def __enter__(self) -> SGLangEngine:
         resolved = resolve(self.config, self.opts, launch=self.mode == "offline" or "url" not in self.opts)
         if self.mode == "offline":
             child = strip_lane_options(self.config)

@@ -3,8 +3,9 @@ launch_server flags, the /generate request and the parsing of its prompt logprob
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -33,7 +33,7 @@ class Batch:
     @classmethod
     def build(
         cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype, device: torch.device
-    ) -> "Batch":
+    ) -> Batch:
         # index maps in numpy and rope on the device: no torch CPU kernels on the host's path to the first launch
         # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e.md)
         lens = [len(p) for p in prompts]

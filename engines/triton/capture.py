@@ -5,8 +5,8 @@ attention and expert outputs are all-reduced as in a forward, so rank 0 returns 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

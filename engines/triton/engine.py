@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, per_prompt_adapters
 from lpdiff.engines.capabilities import model_type
 from lpdiff.engines.progress import progress_log
-import lpdiff.engines.triton.tp as tp
 from lpdiff.engines.triton.capture import capture_layers
 from lpdiff.engines.triton.config import SUPPORTED_ARCHS
 from lpdiff.engines.triton.options import DEFAULTS, TritonOptions
@@ -47,7 +47,7 @@ class TritonEngine:
         self._prev_fault = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def __enter__(self) -> "TritonEngine":
+    def __enter__(self) -> TritonEngine:
         self.start()
         return self
 
@@ -112,8 +112,8 @@ class TritonEngine:
             torch.cuda.empty_cache()
 
     def version(self) -> str:
-        import triton
         import transformers
+        import triton
 
         opts = self.options
         fault = f", FAULT {opts.fault}" if opts.fault else ""

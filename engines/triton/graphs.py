@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 SEEN_LIMIT = 1024  # keys remembered as seen once; forgotten wholesale past this (a suite of one-off batches)
 

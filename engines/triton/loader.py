@@ -53,7 +53,7 @@ class CheckpointSource:
             weight_map = {}
             for f in files:
                 with safe_open(f, framework="pt") as h:
-                    weight_map.update({k: f.name for k in h.keys()})
+                    weight_map.update(dict.fromkeys(h.keys(), f.name))
         if any(k.endswith(("_blocks", "_scales")) for k in weight_map):
             raise ValueError(
                 f"{self.path} holds MXFP4-quantised experts (*_blocks/*_scales); the triton engine "

@@ -8,9 +8,8 @@ Buffers start as zeros so unused slots and padded rank columns contribute exactl
 
 from __future__ import annotations
 
-import warnings
-
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch

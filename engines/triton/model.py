@@ -6,7 +6,6 @@ whose other columns take the LoRA shrink, and q|k|v is one GEMM with the LoRA as
 
 from __future__ import annotations
 
-
 import torch
 
 from lpdiff.engines.triton.attention import attention

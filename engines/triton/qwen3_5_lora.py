@@ -13,8 +13,8 @@ their input columns (A's columns too, B whole); the all-reduce after a row-paral
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -39,7 +39,7 @@ class Linear:
     offsets: tuple[int, ...] | None  # the parts' row boundaries (None: one part)
 
     @classmethod
-    def of(cls, parts: list[Tensor]) -> "Linear":
+    def of(cls, parts: list[Tensor]) -> Linear:
         w = torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
         bounds = [0]
         for p in parts:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from lpdiff.engines.triton import moe
 from lpdiff.harness.types import PromptLogprobs
 

@@ -16,7 +16,8 @@ from lpdiff.engines.triton.loader import open_source
 from lpdiff.engines.triton.lora import fold_o_lora, fold_qkv_lora, stack_adapters
 from lpdiff.engines.triton.model import MoeTransformer
 from lpdiff.engines.triton.options import TritonOptions
-from lpdiff.engines.triton.packed import Packed, Staging, pack as _pack
+from lpdiff.engines.triton.packed import Packed, Staging
+from lpdiff.engines.triton.packed import pack as _pack
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.engines.triton.vocab_lora import fold_scalings, stack_vocab, without_vocab
 from lpdiff.engines.triton.weights import load_weights
@@ -149,7 +150,7 @@ class Runtime:
         )
         return lp, tk_ids, tk_lp, margin
 
-    def _capture(self, batch: Batch, top_k: int) -> "Captured":
+    def _capture(self, batch: Batch, top_k: int) -> Captured:
         """Warm up on a side stream (lazy library set-up must not happen inside the capture), capture, replay once
         (the capture itself computes nothing)."""
         stream = torch.cuda.Stream(self.device)
@@ -166,6 +167,6 @@ class Runtime:
 
 @dataclass(slots=True)
 class Captured:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     batch: Batch  # the captured inputs: replays copy new token ids into batch.input_ids
-    packed: "Packed"  # _compute's outputs as packed inside the capture, rewritten by every replay
+    packed: Packed  # _compute's outputs as packed inside the capture, rewritten by every replay

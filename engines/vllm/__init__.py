@@ -36,6 +36,7 @@ Options (``EngineConfig.options``):
                          Qwen3-MoE LoRA runs that otherwise fault, docs/engines.md)
 """
 
+from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
 from lpdiff.engines.vllm.adapters import (
     MoeLoraPlan,
     adapter_problems,
@@ -45,7 +46,6 @@ from lpdiff.engines.vllm.adapters import (
     vllm_native_3d,
 )
 from lpdiff.engines.vllm.capabilities import CAPABILITIES
-from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
 from lpdiff.engines.vllm.engine import VLLMEngine
 from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, vllm_top_k
 from lpdiff.engines.vllm.processes import _children, cuda_visible, reap

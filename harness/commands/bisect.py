@@ -37,8 +37,8 @@ session), each row's modules compared with HF run with that row's adapter, so a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -135,7 +135,7 @@ def reference_floor(spec, adapters: dict, choices: Sequence[Choice], prompts, re
     pair = hf_captures(spec, adapters, choices, prompts, other)
     errs = [e for c in choices for e in module_errors(pair[c], reference[c]).values()]
     worst = max([FLOOR_MIN] + [e for e in errs if e == e])  # NaN would be a bug in HF itself: ignore
-    return {mod: worst for mod in MODULES}
+    return dict.fromkeys(MODULES, worst)
 
 
 def triton_captures(

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
 from lpdiff.harness.pipeline.metrics import Metrics, compare
 from lpdiff.harness.pipeline.session import run_session
 from lpdiff.harness.spec.cases import TrainerCase, check_vocab, load_case

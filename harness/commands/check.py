@@ -16,8 +16,8 @@ to be measured on the same model and prompts. Per (model, engine, dtype, TP):
                    LoRA runs are not bit-reproducible);
   threshold        FACTOR[dtype] x max(reference noise, rerun noise), for k2, max |Δ| and LoRA-delta fidelity.
 
-A correct bf16 engine sits near 1x the reference noise (vLLM k2 1.4e-4 vs HF bf16 1.3e-4 on Qwen3-30B-A3B). Every lane is
-judged over all positions (the noise was measured over all of them too); the share after a router near-tie in
+A correct bf16 engine sits near 1x the reference noise (vLLM k2 1.4e-4 vs HF bf16 1.3e-4 on Qwen3-30B-A3B). Every lane
+is judged over all positions (the noise was measured over all of them too); the share after a router near-tie in
 the fp32 reference is reported beside it.
 
 Adapters, generated with fixed seeds (``ADAPTERS``): rank 16 on attention + experts, attention only and experts only
@@ -82,6 +82,7 @@ __all__ = [
     "CheckResult",
     "build_case",
     "case_layers",
+    "check_result",
     "csv_rows",
     "engine_pair",
     "fault_sweep",
@@ -93,6 +94,7 @@ __all__ = [
     "refused_lanes",
     "run_check",
     "served_files",
+    "served_lanes",
     "trainer_plans_for",
     "write_csv",
 ]
@@ -190,9 +192,7 @@ def run_check(
     (da, oa), (db, ob) = noise_pair(reference, dtype)
     ref_noise = pair_noise(ref(da, oa), ref(db, ob), list(ref32))
 
-    lanes = served_files(case, engine, layouts or layouts_for(engine, case.spec.arch))
-    refused = {} if serve_refused else refused_lanes(case, engine, lanes)
-    lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
+    lanes, refused = served_lanes(case, engine, layouts, serve_refused)
     log(f"[check] {engine} tp={tp}: starting, {len(lanes)} lanes ({len(refused)} refused)")
     t_start = time.perf_counter()
     opts = {**engine_options(engine), **(options or {})}
@@ -201,23 +201,7 @@ def run_check(
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
         log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
-        return CheckResult(
-            case.spec.name,
-            case.spec.num_layers or 0,
-            engine,
-            reference,
-            tp,
-            dtype,
-            "?",
-            ref_noise,
-            Noise(),
-            None,
-            [],
-            error=f"{type(e).__name__}: {e}",
-            refused=refused,
-            init_recipe=case.spec.init_recipe or "",
-            engine_pair=pair,
-        )
+        return check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, error=e)
     log(
         f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
         f"{sess.wall_s:.1f}s, {time.perf_counter() - t_start:.1f}s with start and close ({sess.version})"
@@ -235,22 +219,7 @@ def run_check(
         floor=floor,
     )
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
-    res = CheckResult(
-        case.spec.name,
-        case.spec.num_layers or 0,
-        engine,
-        reference,
-        tp,
-        dtype,
-        sess.version,
-        ref_noise,
-        reruns,
-        t,
-        sess.runs,
-        refused=refused,
-        init_recipe=case.spec.init_recipe or "",
-        engine_pair=pair,
-    )
+    res = check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, sess, reruns, t)
     eps = near_tie_eps(dtype, REFERENCE_DTYPE)
     got = sess.first
     for lane in [None, *lanes]:
@@ -263,6 +232,51 @@ def run_check(
         v.detail = position_detail(got[lane], ref_run, eps)
         res.verdicts.append(v)
     return res
+
+
+def served_lanes(
+    case: Case, engine: str, layouts: Sequence[str] | None, serve_refused: bool
+) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
+    """-> (the lanes served to ``engine``: the case's files in ``layouts``, default every layout it reads, less those
+    doctor refuses unless ``serve_refused``; the refused lanes with doctor's message)."""
+    lanes = served_files(case, engine, layouts or layouts_for(engine, case.spec.arch))
+    refused = {} if serve_refused else refused_lanes(case, engine, lanes)
+    return {lane: a for lane, a in lanes.items() if lane not in refused}, refused
+
+
+def check_result(
+    case: Case,
+    engine: str,
+    reference: str,
+    tp: int,
+    dtype: str,
+    pair: str,
+    refused: dict[str, str],
+    ref_noise: Noise,
+    sess=None,
+    reruns: Noise | None = None,
+    threshold=None,
+    error: Exception | None = None,
+) -> CheckResult:
+    """A check's result before its verdicts: of the engine session ``sess`` (its runs, version, rerun noise and the
+    threshold from it), or of an engine that died or raised (``error``: every lane FAILs with its message)."""
+    return CheckResult(
+        case.spec.name,
+        case.spec.num_layers or 0,
+        engine,
+        reference,
+        tp,
+        dtype,
+        "?" if sess is None else sess.version,
+        ref_noise,
+        reruns or Noise(),
+        threshold,
+        [] if sess is None else sess.runs,
+        error=None if error is None else f"{type(error).__name__}: {error}",
+        refused=refused,
+        init_recipe=case.spec.init_recipe or "",
+        engine_pair=pair,
+    )
 
 
 def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec]) -> dict[str, str]:
@@ -285,8 +299,8 @@ def fault_sweep(
     store=None,
     log: Callable[[str], None] = print,
 ) -> tuple[CheckResult, dict[str, CheckResult | None]]:
-    """lpdiff's own runtime (DEFAULT_ENGINE) clean and with each bug-zoo fault (kernels/faults.py), judged like any engine. A fault
-    whose runs are bit-identical to clean runs on the same code path is not reached at this shape (e.g. an unmasked
+    """lpdiff's own runtime (DEFAULT_ENGINE) clean and with each bug-zoo fault (kernels/faults.py), judged like any
+    engine. A fault whose runs are bit-identical to clean runs on the same code path is not reached at this shape (e.g. an unmasked
     tile on a width that is a multiple of the block) and maps to None. The faults inside the grouped GEMM
     (KERNEL_FAULTS) force its K-loop shrink (moe_lora_shrink "fused"), which rounds differently from the default
     "once": they are compared with a clean "fused" run, else an unreached fault would look reached and missed."""

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from lpdiff.engines import ENGINES, REFERENCE_ENGINE, capabilities
-from lpdiff.engines.base import EngineConfig, layouts_for, open_engine
-from lpdiff.harness.commands.check import FACTOR, Case, CheckResult, engine_pair, refused_lanes, run_check, served_files
+from lpdiff.engines.base import EngineConfig, open_engine
+from lpdiff.harness.commands.check import FACTOR, Case, CheckResult, check_result, engine_pair, run_check, served_lanes
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
 from lpdiff.harness.pipeline.routing import ROUTER_FAULT_FACTOR, SPACING, apply, attribute, flip_margin_noise
@@ -47,9 +47,9 @@ def reference_session(
     options: dict,
     passes: Sequence[tuple[Lanes | None, dict | None]] = ((None, None),),
 ) -> list[Lanes]:
-    """The reference (in-process, capturing routing) over the case's prompts, one engine session (a full-width model
-    is built once), one call per pass ``(routing, lanes)``: ``lanes`` maps each output lane to the adapter it runs (None:
-    base + every adapter, each under its own name); ``routing`` (lane -> a run with expert ids, or None) replays
+    """The reference (in-process, capturing routing) over the case's prompts, one engine session (a full-width
+    model is built once), one call per pass ``(routing, lanes)``: ``lanes`` maps each output lane to the adapter it
+    runs (None: base + every adapter, each under its own name); ``routing`` (lane -> a run with expert ids, or None) replays
     those ids per lane."""
     cfg = EngineConfig(model=case.spec, adapters=dict(adapters), dtype=dtype, options={**options, **CAPTURE})
     prompts, n, out = case.prompts, len(case.prompts), []
@@ -157,31 +157,13 @@ def replay_check(
         f"({time.perf_counter() - t0:.1f}s)"
     )
 
-    lanes = served_files(case, engine, layouts or layouts_for(engine, case.spec.arch))
-    refused = {} if serve_refused else refused_lanes(case, engine, lanes)
-    lanes = {lane: a for lane, a in lanes.items() if lane not in refused}
+    lanes, refused = served_lanes(case, engine, layouts, serve_refused)
     opts = {**engine_options(engine), **(options or {}), **CAPTURE}
     pair = engine_pair(engine, dtype, reference, opts).replace(f"-vs-{reference}:", f"-vs-{reference}[replay]:")
     try:
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
-        return CheckResult(
-            case.spec.name,
-            case.spec.num_layers or 0,
-            engine,
-            reference,
-            tp,
-            dtype,
-            "?",
-            ref_noise,
-            Noise(),
-            None,
-            [],
-            error=f"{type(e).__name__}: {e}",
-            refused=refused,
-            init_recipe=case.spec.init_recipe or "",
-            engine_pair=pair,
-        )
+        return check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, error=e)
     got = sess.first
     missing = [lane for lane, run in got.items() if any(p.routed_experts is None for p in run.prompts)]
     if missing:
@@ -201,22 +183,7 @@ def replay_check(
         f"({reruns.describe()}), same model and prompts",
     )
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
-    res = CheckResult(
-        case.spec.name,
-        case.spec.num_layers or 0,
-        engine,
-        reference,
-        tp,
-        dtype,
-        sess.version,
-        ref_noise,
-        reruns,
-        t,
-        sess.runs,
-        refused=refused,
-        init_recipe=case.spec.init_recipe or "",
-        engine_pair=pair,
-    )
+    res = check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, sess, reruns, t)
     eps = near_tie_eps(*dtypes)
     for lane in [None, *lanes]:
         m = compare(got[lane], replayed[lane], near_tie_eps=eps)

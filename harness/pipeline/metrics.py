@@ -6,8 +6,8 @@ not themselves rounding noise. Pure numpy: nothing here needs torch or a model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Metrics:
     top1_agreement: float | None = None  # argmax match rate; None unless both runs carry top-k
     full_kl: float | None = None  # mean exact KL(b||a) from full logprob rows, when the caller had them
     near_tie_share: float | None = None
-    clean: "Metrics | None" = None
+    clean: Metrics | None = None
     # where the first non-finite logprob is: [prompt, position, "engine" | "reference" | "both"] (nonfinite_at)
     first_nonfinite: list | None = None
 

@@ -3,12 +3,12 @@ implementations, bf16 against fp32, an engine against its own rerun). Thresholds
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps
 from lpdiff.harness.pipeline.session import Lanes
-
 
 REFERENCE_DTYPE = "float32"  # references are computed in fp32: no engine's bf16 rounding is trusted as truth
 
@@ -34,7 +34,7 @@ class Noise:
     positions: int = 0
     comparisons: int = 0
 
-    def add(self, k2: float, max_abs: float, fidelity: float | None = None, positions: int = 0) -> "Noise":
+    def add(self, k2: float, max_abs: float, fidelity: float | None = None, positions: int = 0) -> Noise:
         self.k2, self.max_abs = max(self.k2, k2), max(self.max_abs, max_abs)
         if fidelity is not None:
             self.fidelity = max(self.fidelity, fidelity)
@@ -42,7 +42,7 @@ class Noise:
         self.comparisons += 1
         return self
 
-    def merge(self, *others: "Noise") -> "Noise":
+    def merge(self, *others: Noise) -> Noise:
         for o in others:
             self.k2, self.max_abs = max(self.k2, o.k2), max(self.max_abs, o.max_abs)
             self.fidelity = max(self.fidelity, o.fidelity)
@@ -73,11 +73,9 @@ def pair_noise(
         if clean_only and m.clean is not None:
             m = m.clean
         fid = None
-        if lane is not None:
-            try:
-                fid = delta_fidelity(a[lane], a[None], b[lane], b[None])
-            except ValueError:  # b's adapter changes nothing (a fault that drops it): no fidelity to measure
-                pass
+        # b's adapter may change nothing (a fault that drops it): no fidelity to measure then (ValueError)
+        with contextlib.suppress(ValueError):
+            fid = None if lane is None else delta_fidelity(a[lane], a[None], b[lane], b[None])
         noise.add(m.k2, m.max_abs, fid, m.num_positions)
     return noise
 

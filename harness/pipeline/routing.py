@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from lpdiff.harness.pipeline.metrics import near_tie_eps
 from lpdiff.harness.types import LogprobRun
 

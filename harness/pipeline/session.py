@@ -8,8 +8,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.harness.pipeline.provenance import device_name

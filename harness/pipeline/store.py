@@ -18,9 +18,10 @@ import json
 import platform
 import re
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from filelock import FileLock
@@ -45,14 +46,14 @@ from lpdiff.harness.pipeline.store_files import (
 from lpdiff.harness.types import AdapterSpec, LogprobRun, ModelSpec, canonical_hash, prompts_hash
 
 __all__ = [
-    "BaselineError",
-    "BaselineMissing",
     "BaselineCorrupt",
-    "BaselineStale",
+    "BaselineError",
     "BaselineExists",
-    "BaselineStorePath",
     "BaselineKey",
+    "BaselineMissing",
+    "BaselineStale",
     "BaselineStore",
+    "BaselineStorePath",
     "StoreEntry",
     "baseline_key",
     "path_lock",

@@ -19,8 +19,9 @@ import secrets
 import socket
 import stat
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 TMP_SUFFIX = ".tmp"
 LOCK_DIR = ".locks"

@@ -32,10 +32,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from pathlib import Path
 
 import torch
-
-from pathlib import Path
 
 from lpdiff.harness.spec.adapters import GROUPS, VOCAB_GROUPS, ModelLayout, generate_adapter, resolve_targets
 from lpdiff.harness.spec.catalog import ZOO, get_model, load_hf_model

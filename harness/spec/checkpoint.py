@@ -98,7 +98,7 @@ def write_checkpoint(model, spec: ModelSpec, out: str | Path, shard_bytes: int =
     weight_map = {}
     for fname, names in files.items():
         save_file({n: tensors[n].contiguous() for n in names}, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in names})
+        weight_map.update(dict.fromkeys(names, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

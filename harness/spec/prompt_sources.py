@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from lpdiff.harness.spec import validate
 from lpdiff.harness.spec.errors import SpecError

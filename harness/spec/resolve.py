@@ -9,9 +9,9 @@ with them is found here, before any engine starts or anything is written, as one
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from lpdiff.harness.spec import sources as src
 from lpdiff.harness.spec.errors import SpecError

@@ -139,7 +139,7 @@ def _plan_ranks(adapter: CanonicalAdapter) -> tuple[int, float, dict[str, int], 
     inner = {n: (adapter.dense.get(n) or adapter.experts.get(n) or adapter.embed[n])[0].shape[-2] for n in names}
     if not adapter.scalings:
         rank, alpha = _rerank(adapter)
-        return rank, alpha, {n: rank for n in names}, {}, {}
+        return rank, alpha, dict.fromkeys(names, rank), {}, {}
     ranks, alphas = {}, {}
     for n in names:
         r, s = inner[n], adapter.scaling_of(n)

@@ -275,8 +275,8 @@ def resolve_targets(layout: ModelLayout, groups: Sequence[str]) -> Targets:
     if isinstance(groups, str):
         groups = [groups]
     candidates = {
-        **{n: "module" for n in [*layout.linears, *layout.embeddings]},
-        **{n: "param" for n in layout.experts},
+        **dict.fromkeys([*layout.linears, *layout.embeddings], "module"),
+        **dict.fromkeys(layout.experts, "param"),
     }
     present = sorted({module_group(n) for n in candidates} & set(GROUPS))
     mamba = layout.model_type in _PEFT_MAMBA_TYPES

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from lpdiff.harness.spec.validate.errors import ValidationError
 
 _LIMITS: dict[tuple, tuple[int | None, int | None]] = {}

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+
 from lpdiff.harness.spec.validate.errors import ValidationError
 from lpdiff.harness.types import LogprobRun
 
