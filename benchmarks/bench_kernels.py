@@ -209,7 +209,7 @@ def dense_unfused(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adap
     out = F.linear(x, w, bias)
     for a in range(L):
         rows = slice(-(-a * T // L), -(-(a + 1) * T // L))
-        for si, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
+        for si, (lo, hi) in enumerate(itertools.pairwise(slice_offsets)):
             out[rows, lo:hi] += (x[rows] @ lora_a[a, si].T * scaling[a].to(x.dtype)) @ lora_b[a, lo:hi].T
     return out
 

@@ -28,7 +28,7 @@ def latest(rows, gpu_only: bool, engines) -> dict:
 
 def cell(r: dict) -> str:
     if r["verdict"] in ("", "n/a") or r["relation"].startswith("noise:"):
-        return "noise %s" % r["max_abs"] if r["relation"].startswith("noise:") else "n/a"
+        return f"noise {r['max_abs']}" if r["relation"].startswith("noise:") else "n/a"
     return f"{r['verdict']} {r['ratio']} ({r['max_abs']})"
 
 
@@ -48,7 +48,7 @@ def tables(rows: dict) -> str:
                 cell(cells[(e, a, rel)]) + f" `{cells[(e, a, rel)]['commit']}`" if (e, a, rel) in cells else ""
                 for e, a in cols
             ]
-            lines.append("| " + " | ".join([rel] + vals) + " |")
+            lines.append("| " + " | ".join([rel, *vals]) + " |")
         fails = [r for r in cells.values() if r["verdict"] == "FAIL"]
         if fails:
             lines += ["", "FAIL notes:"]

@@ -32,10 +32,10 @@ def adapters_for(model, root: str) -> dict[str, AdapterSpec]:
     latent = ["latent"] if getattr(model.config, "moe_latent_size", None) else []
     made = {
         "all": generate_adapter(
-            model, f"{root}/all", ["mamba", "attention", "shared_expert", "experts"] + latent, rank=16, seed=1
+            model, f"{root}/all", ["mamba", "attention", "shared_expert", "experts", *latent], rank=16, seed=1
         ),
         "mixers": generate_adapter(model, f"{root}/mixers", ["mamba", "attention"], rank=8, seed=2),
-        "moe_pe": generate_adapter(model, f"{root}/moe_pe", ["experts"] + latent, rank=4, seed=3, layout="per_expert"),
+        "moe_pe": generate_adapter(model, f"{root}/moe_pe", ["experts", *latent], rank=4, seed=3, layout="per_expert"),
     }
     return {k: AdapterSpec(k, v.path) for k, v in made.items()}
 

@@ -15,6 +15,7 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
+import itertools
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "python_function", "user_annotation")
@@ -79,7 +80,7 @@ def analyse(events: list[dict], min_gap_us: float = 20.0) -> dict:
     last_host = max((h.end for h in host), default=busy[-1][1])
     span_start, span_end = min(first_host, busy[0][0]), max(last_host, busy[-1][1])
     gaps = [(span_start, busy[0][0], "before the first kernel")]
-    gaps += [(a[1], b[0], "") for a, b in zip(busy, busy[1:])]
+    gaps += [(a[1], b[0], "") for a, b in itertools.pairwise(busy)]
     gaps.append((busy[-1][1], span_end, "after the last kernel"))
     big = [(a, b, where) for a, b, where in gaps if b - a >= min_gap_us]
     big.sort(key=lambda g: g[0] - g[1])

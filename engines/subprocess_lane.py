@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from lpdiff.engines.supervise import supervised_argv
+import contextlib
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # lpdiff/ in a wheel, the source tree's root otherwise
 
@@ -243,10 +244,8 @@ class ManagedProcess:
             return
         # The supervisor leads its own session, so its pid is the group of the engine and everything it started
         # (SGLang's scheduler, vLLM's workers): end the whole group, even when the leader itself has already exited.
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         proc.wait()
         # The engine is the supervisor's child: once the supervisor is gone, init reaps it. Wait (briefly) until the
         # group is empty, so that a closed lane means no process of it is left, not even a zombie.
@@ -258,10 +257,8 @@ class ManagedProcess:
                 break
             time.sleep(0.01)
         if proc.stdin is not None:
-            try:
+            with contextlib.suppress(OSError):
                 proc.stdin.close()
-            except OSError:
-                pass
 
 
 class SubprocessLane:
@@ -341,10 +338,8 @@ class SubprocessLane:
         def alive(eof: bool = False):
             proc = self.proc
             if eof:  # a dying process closes its pipes a moment before it can be reaped
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
             rc = proc.poll()
             if rc is not None:
                 self._kill()

@@ -27,6 +27,7 @@ import pickle
 import signal
 import sys
 import time
+import contextlib
 
 SUPERVISOR = os.path.abspath(__file__)
 POLL_S = 0.1  # how often the supervisor looks at its parent: a killed caller's engine is gone within ~0.1 s
@@ -43,10 +44,8 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """Have the kernel send ``sig`` to this process when its parent (``parent_pid``) ends (Linux; elsewhere only
     the check below), and exit at once when it has already ended."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
     if os.getppid() != parent_pid:
         os._exit(1)
 
@@ -103,10 +102,8 @@ def _supervise(caller: int, argv: list[str]) -> None:
         fds = list(range(3, 1024))
     for fd in fds:
         if fd > 2:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the caller, which decides
     while True:
         pid, status = os.waitpid(child, os.WNOHANG)

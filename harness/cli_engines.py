@@ -12,6 +12,7 @@ import click
 
 from lpdiff.engines import REFERENCE_ENGINE
 from lpdiff.harness.cli_common import DTYPES, ENGINE, EXIT_FAILED, EXIT_OK, log, need_engine, parse_options
+from lpdiff.harness.cli_run import decode_options
 
 
 @click.command()
@@ -131,19 +132,13 @@ def calibrate(
 @click.option(
     "--routing-replay",
     is_flag=True,
-    help="judge against the hf reference run with the engine's expert "
+    help="judge against the reference run with the engine's expert "
     "ids forced; routing flips judged apart (harness/commands/replay.py)",
 )
-@click.option(
-    "--decode",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="also a decode verdict: N "
-    "generated tokens per prompt and lane, judged with this check's measured threshold (commands/decode.py)",
+@decode_options(
+    "also a decode verdict: N generated tokens per prompt and lane, judged with this check's measured threshold "
+    "(commands/decode.py)"
 )
-@click.option("--sampling", type=click.Choice(["greedy", "seeded"]), default="greedy", show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 def check(
     engine,
     models,

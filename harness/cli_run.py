@@ -69,13 +69,7 @@ def selection(f):
         ),
         click.option("--prompts-count", type=click.IntRange(min=1), default=None, help="use only N prompts"),
         click.option("--prompts-seed", type=int, default=None, help="shuffle the dataset with this seed first"),
-        click.option(
-            "--top-k",
-            type=click.IntRange(min=0),
-            default=8,
-            show_default=True,
-            help="top-k logprobs stored and compared (KL, top-1)",
-        ),
+        click.option("--top-k", type=click.IntRange(min=0), default=8, help="top-k logprobs kept and compared [8]"),
         click.option("--num-layers", type=click.IntRange(min=1), default=None, help="keep the first N layers"),
         click.option("--option", "options", multiple=True, help="engine option KEY=VALUE (repeatable)"),
         click.option("--baselines", default=None, help="baseline store (default: $LPDIFF_BASELINES or lpdiff's)"),
@@ -93,6 +87,35 @@ def selection(f):
     return f
 
 
+def decode_options(decode_help: str):
+    """``--decode N``, ``--sampling`` and ``--seed``: a decode verdict beside a command's prefill ones
+    (commands/decode.py); ``decode_help`` says what --decode adds to this command."""
+    opts = [
+        click.option("--decode", type=click.IntRange(min=1), default=None, metavar="N", help=decode_help),
+        click.option(
+            "--sampling",
+            type=click.Choice(["greedy", "seeded"]),
+            default="greedy",
+            show_default=True,
+            help="with --decode: argmax, or a seeded draw from the raw distribution",
+        ),
+        click.option(
+            "--seed",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="with --decode --sampling seeded: prompt i uses seed + i",
+        ),
+    ]
+
+    def wrap(f):
+        for o in reversed(opts):
+            f = o(f)
+        return f
+
+    return wrap
+
+
 def _prompt_source(prompts, split, column, count, seed):
     from lpdiff.harness.spec.prompt_sources import PromptSource
 
@@ -103,97 +126,56 @@ def _prompt_source(prompts, split, column, count, seed):
     return PromptSource(prompts, split, column, count, seed)
 
 
-def _run_or_regen(
-    regen: bool,
-    models,
-    engine,
-    dtype,
-    reference,
-    ref_dtype,
-    tps,
-    adapters,
-    prompt_set,
-    prompts,
-    prompts_split,
-    prompts_column,
-    prompts_count,
-    prompts_seed,
-    top_k,
-    num_layers,
-    options,
-    baselines,
-    json_path,
-    save_runs,
-    wide=False,
-) -> int:
-    from lpdiff.harness.commands.run import RunRequest, run, what_it_judges
+def _request(regen: bool, kw: dict):
+    """The parsed options as the one ``RunRequest`` (commands/run.py) that run, regen and run --decode read."""
+    from lpdiff.harness.commands.run import RunRequest
+
+    same = ("engine", "dtype", "reference", "ref_dtype", "prompt_set", "top_k", "num_layers", "baselines", "save_runs")
+    return RunRequest(
+        regen=regen,
+        models=tuple(kw["models"]),
+        tps=tuple(kw["tps"]),
+        adapters=tuple(kw["adapters"]),
+        prompts=_prompt_source(
+            kw["prompts"], kw["prompts_split"], kw["prompts_column"], kw["prompts_count"], kw["prompts_seed"]
+        ),
+        options=parse_options(kw["options"]),
+        **{k: kw[k] for k in same},
+    )
+
+
+def _run_or_regen(regen: bool, kw: dict) -> int:
+    from lpdiff.harness.commands.run import run, what_it_judges
     from lpdiff.harness.pipeline.report import verdict_table
     from lpdiff.harness.pipeline.verdict import to_json
 
-    request = RunRequest(
-        regen,
-        tuple(models),
-        engine,
-        dtype,
-        reference,
-        ref_dtype,
-        tuple(tps),
-        tuple(adapters),
-        prompt_set,
-        _prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed),
-        top_k,
-        num_layers,
-        parse_options(options),
-        baselines,
-        save_runs,
-    )
-    rep = run(request, log=log, progress=lambda jobs: progress(jobs, "regen" if regen else "run"))
+    rep = run(_request(regen, kw), log=log, progress=lambda jobs: progress(jobs, "regen" if regen else "run"))
     if not regen:
         click.echo(what_it_judges(rep.plan.jobs[0]))
-    click.echo(verdict_table(rep.verdicts, wide=wide))
-    if json_path:
-        Path(json_path).write_text(to_json(rep.verdicts))
+    click.echo(verdict_table(rep.verdicts, wide=kw["wide"]))
+    if kw["json_path"]:
+        Path(kw["json_path"]).write_text(to_json(rep.verdicts))
     if regen:
         return EXIT_OK
     log(rep.summary())
     return EXIT_FAILED if rep.failed else EXIT_OK
 
 
-def _run_decode(
-    n,
-    sampling,
-    seed,
-    models,
-    engine,
-    dtype,
-    reference,
-    ref_dtype,
-    tps,
-    adapters,
-    prompt_set,
-    prompts,
-    prompts_split,
-    prompts_column,
-    prompts_count,
-    prompts_seed,
-    num_layers,
-    options,
-    **_,
-) -> int:
+def _run_decode(n: int, sampling: str, seed: int, kw: dict) -> int:
     from lpdiff.harness.commands.decode import decode_jobs
 
-    source = _prompt_source(prompts, prompts_split, prompts_column, prompts_count, prompts_seed) or prompt_set
+    r = _request(False, kw)
     ok = decode_jobs(
-        engine or DEFAULT_ENGINE,
-        models,
-        tps,
-        dtype,
-        tuple(adapters) or None,
-        source,
-        num_layers,
-        parse_options(options),
-        reference,
-        ref_dtype,
+        r.engine or DEFAULT_ENGINE,
+        r.models,
+        r.tps,
+        r.dtype,
+        r.adapters or None,
+        r.prompts or r.prompt_set,
+        r.num_layers,
+        r.options,
+        r.reference,
+        r.ref_dtype,
         n,
         sampling,
         seed,
@@ -216,33 +198,15 @@ def _run_decode(
     help="judge against a trainer test case: DIR or hf://datasets/ORG/NAME[@REV] "
     "(adapter + compare_sample_train_data.pt or reference.jsonl/.parquet; docs/cases.md)",
 )
-@click.option(
-    "--decode",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="decode verdict: the engine generates N tokens per prompt with its own logprobs, the reference "
-    "scores prompt + generated by prefill (commands/decode.py)",
-)
-@click.option(
-    "--sampling",
-    type=click.Choice(["greedy", "seeded"]),
-    default="greedy",
-    show_default=True,
-    help="with --decode: argmax, or a seeded draw from the raw distribution",
-)
-@click.option(
-    "--seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="with --decode --sampling seeded: prompt i uses seed + i",
+@decode_options(
+    "decode verdict: the engine generates N tokens per prompt with its own logprobs, the reference scores prompt + "
+    "generated by prefill (commands/decode.py)"
 )
 def run(case=None, decode=None, sampling="greedy", seed=0, **kw) -> int:
     if decode is not None:
         if case:
             raise UsageError("--decode judges generated tokens against a prefill reference; --case has its own")
-        return _run_decode(decode, sampling, seed, **kw)
+        return _run_decode(decode, sampling, seed, kw)
     if case:
         from lpdiff.harness.commands.case import run_case
 
@@ -262,11 +226,11 @@ def run(case=None, decode=None, sampling="greedy", seed=0, **kw) -> int:
             kw["json_path"],
             click.echo,
         )
-    return _run_or_regen(False, **kw)
+    return _run_or_regen(False, kw)
 
 
 @click.command()
 @selection
 def regen(**kw) -> int:
     """(Re)compute reference runs and write them to the store (nothing else is touched)."""
-    return _run_or_regen(True, **kw)
+    return _run_or_regen(True, kw)

@@ -20,6 +20,7 @@ import math
 import torch
 
 from lpdiff.kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
+import itertools
 
 LOG2E = math.log2(math.e)
 
@@ -38,7 +39,7 @@ def attention_torch(
     out = torch.empty_like(q)
     rep = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in itertools.pairwise(bounds):
         qs = q[s:e].float().transpose(0, 1)  # (Hq, L, D)
         ks, vs = (t[s:e].float().repeat_interleave(rep, dim=1).transpose(0, 1) for t in (k, v))
         logits = qs @ ks.transpose(1, 2) * scale  # (Hq, L, L)

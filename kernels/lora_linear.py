@@ -45,11 +45,12 @@ from lpdiff.kernels.lora_gemm import launch_gemm
 from lpdiff.kernels.lora_shrink import check_kernel_rank, launch_shrink
 from lpdiff.kernels.lora_weights import lora_delta
 from lpdiff.kernels.moe_align import moe_align
+import itertools
 
 
 def _offsets(slice_offsets, n: int) -> tuple[int, ...]:
     offs = (0, n) if slice_offsets is None else tuple(int(o) for o in slice_offsets)
-    if offs[0] != 0 or offs[-1] != n or any(b <= a for a, b in zip(offs, offs[1:])):
+    if offs[0] != 0 or offs[-1] != n or any(b <= a for a, b in itertools.pairwise(offs)):
         raise ValueError(f"slice_offsets must rise strictly from 0 to N={n}, got {offs}")
     return offs
 
@@ -94,7 +95,7 @@ def lora_linear_torch(
             if a < 0:
                 continue
             rows = slots == a
-            for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
+            for s, (lo, hi) in enumerate(itertools.pairwise(offs)):
                 out[rows, lo:hi] += lora_delta(x[rows], lora_a[a, s], lora_b[a, lo:hi], scaling[a], lora_a.shape[2])
     return out.to(x.dtype)
 
@@ -152,7 +153,7 @@ def pack_lora_b(lora_b, scaling, slice_offsets=None, R: int | None = None) -> to
     S = len(offs) - 1
     packed = lora_b.new_zeros(n, L, S, rank)
     scaled = lora_b.float() * scaling.float().to(lora_b.device)[:, None, None]
-    for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
+    for s, (lo, hi) in enumerate(itertools.pairwise(offs)):
         packed[lo:hi, :, s] = scaled[:, lo:hi].transpose(0, 1).to(lora_b.dtype)
     return packed.view(n, L * S * rank)
 

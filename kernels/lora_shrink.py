@@ -117,7 +117,7 @@ def launch_shrink(
 ) -> torch.Tensor:
     """a viewed as (L, E, S, R, Kdim) (expand()ed dims may have stride 0) -> S (M, S*R) in dtype, default float32
     (computed in fp32, rounded once on store)."""
-    L, E, NS, R, Kdim = a.shape
+    _L, _E, NS, R, Kdim = a.shape
     M = routing.sorted_ids.shape[0]
     s = torch.empty(M, NS * R, dtype=dtype or torch.float32, device=x.device)
     cfg = cfg or ShrinkConfig()

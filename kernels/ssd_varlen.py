@@ -20,12 +20,13 @@ import torch
 
 from lpdiff.kernels._triton import dual_jit, next_pow2, resolve_impl, tl, triton
 from lpdiff.kernels.ssd import causal_conv1d, ssd_scan
+import itertools
 
 
 def _rows(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """-> (lengths, row of each token, position of each token) of the packed prompts (host lengths: reference only)."""
     cu = cu_seqlens.tolist()
-    lens = [b - a for a, b in zip(cu, cu[1:])]
+    lens = [b - a for a, b in itertools.pairwise(cu)]
     dev = cu_seqlens.device
     seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
     pos = torch.arange(cu[-1], device=dev) - torch.tensor(cu[:-1], device=dev)[seq]

@@ -93,13 +93,25 @@ BISECT_LAYER = {
     ("router_bias_rounded", "tiny-nemotron-h"): 4,
     ("shared_expert_dropped", "tiny-nemotron-h"): 1,
 }
+# and inside a named mixer, the first of its sub-steps (harness/commands/bisect_steps.py STEPS) that leaves HF; a fault
+# outside the Mamba-2 / Gated DeltaNet mixers has no step
+BISECT_STEP = {
+    ("mamba_lora_dropped", "tiny-nemotron-h"): "in_proj",
+    ("state_not_reset", "tiny-nemotron-h"): "ssd_scan",
+    ("conv_across_prompts", "tiny-nemotron-h"): "conv1d",
+    ("linear_attention_lora_dropped", "tiny-qwen3.5-moe"): "in_proj_qkv",
+    ("state_not_reset", "tiny-qwen3.5-moe"): "delta_rule",
+    ("conv_across_prompts", "tiny-qwen3.5-moe"): "conv1d",
+}
 HYBRID_ZOO = [(f, m) for f, m in ZOO if MODELS[m] in ("nemotron_h", "qwen3_5_moe")]
 
 
 @pytest.fixture(scope="module")
 def bisect_side():
-    """HF captures and floors per hybrid: the zoo's every-group adapter on 2 prompts (2 rows of the pack, so state
-    or a conv window crossing a prompt boundary shows)."""
+    """HF captures (with every mixer's sub-steps) and floors per hybrid: the zoo's every-group adapter on 2 prompts
+    (2 rows of the pack, so state or a conv window crossing a prompt boundary shows)."""
+    from transformers import AutoConfig
+
     from lpdiff.harness.commands import bisect as bs
     from lpdiff.harness.spec.resolve import resolve
 
@@ -109,7 +121,8 @@ def bisect_side():
         if model not in cache:
             r = resolve(model, ["all"])
             prompts = bs.equal_length(r.prompts, 2)
-            hf = bs.hf_captures(r.spec, r.adapters, ["all"], prompts, {"experts_impl": "eager"})
+            layers = range(AutoConfig.from_pretrained(r.spec.path).get_text_config().num_hidden_layers)
+            hf = bs.hf_captures(r.spec, r.adapters, ["all"], prompts, {"experts_impl": "eager"}, steps=layers)
             cache[model] = (r, prompts, hf, bs.reference_floor(r.spec, r.adapters, ["all"], prompts, hf))
         return cache[model]
 
@@ -119,15 +132,25 @@ def bisect_side():
 @pytest.mark.cpu
 @pytest.mark.parametrize("fault,model", HYBRID_ZOO, ids=[f"{f}-{m}" for f, m in HYBRID_ZOO])
 def test_bisect_names_hybrid_fault(fault, model, bisect_side):
-    """Not told which module: bisect names the fault's own (kernels/faults.py Fault.module_on), far above noise."""
+    """Not told which module: bisect names the fault's own (kernels/faults.py Fault.module_on), far above noise, and
+    inside a Mamba-2 / Gated DeltaNet mixer the sub-step where it lives."""
     from lpdiff.harness.commands import bisect as bs
+    from lpdiff.harness.commands.bisect_steps import first_step, mixer_of, step_errors
     from lpdiff.kernels.faults import FAULTS
 
     r, prompts, hf, floors = bisect_side(model)
-    found = bs.first_above(bs.triton_errors(r.spec, r.adapters, ["all"], prompts, hf, fault), floors, bs.FACTOR)
+    layers = sorted({i for i, _ in hf["all"]})
+    got = bs.triton_captures(r.spec, r.adapters, ["all"], prompts, hf, fault, 1, layers)["all"]
+    found = bs.first_above({("all", *k): e for k, e in bs.module_errors(got, hf["all"]).items()}, floors, bs.FACTOR)
     want = ("all", BISECT_LAYER.get((fault, model), 0), FAULTS[fault].module_on(MODELS[model]))
     assert found is not None and (found.adapter, found.layer, found.module) == want, found
     assert found.ratio > 1e2, found
+    kind = mixer_of(found.module)
+    step = None
+    if kind is not None:
+        errors = step_errors(got, hf["all"], found.layer, kind)
+        step = first_step(errors, kind, found.module.endswith("_lora"), found.limit)[0]
+    assert step == BISECT_STEP.get((fault, model)), (step, found)
 
 
 # Nemotron-H's 20 reruns take ~200 s on the CI's 2 cores (its 7 lanes x 8 prompts on the torch references), over the

@@ -103,7 +103,7 @@ def flash_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
 
 
 def flash_varlen(q, k, v, batch: Batch, scale: float, window: int | None, sinks: torch.Tensor | None):
-    T, h, _ = q.shape
+    _T, _h, _ = q.shape
     win = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
     out, lse = torch.ops.aten._flash_attention_forward(
         q,

@@ -30,7 +30,7 @@ class TritonOptions:
         _choice("impl", self.impl, IMPLS)
         _choice("attention", self.attention, ATTENTION)
         _choice("moe_backend", self.moe_backend, BACKENDS)
-        if self.moe_padding not in ("auto",) + PADDING:
+        if self.moe_padding not in ("auto", *PADDING):
             raise InputError(
                 f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
                 f"group's padding rows), got {self.moe_padding!r}"

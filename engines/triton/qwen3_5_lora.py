@@ -222,7 +222,7 @@ def stack_qwen35(cfg, weights, adapters: dict, shard: Shard, dtype, device) -> Q
             unknown = set(p.get(li, {})) - used
             if unknown:
                 raise ValueError(
-                    f"adapter {n!r} targets model.layers.{li}.{sorted(unknown)[0]}, which the triton "
+                    f"adapter {n!r} targets model.layers.{li}.{min(unknown)}, which the triton "
                     f"engine does not run LoRA on for Qwen3.5 (layer {li} is "
                     f"{cfg.layer_types[li]}); supported targets: {SUPPORTED_TARGETS}"
                 )

@@ -75,7 +75,7 @@ def load_weights(cfg: ModelConfig, source, shard: Shard, dtype: torch.dtype, dev
         qkv_bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
         o_bias = take_opt(a + "o_proj.bias", cfg.attention_bias)
         sinks = take_opt(a + "sinks", cfg.attention_sinks)
-        gu, down, b_gu, b_down = arch.expert_weights(lambda n: take(n), p + "mlp.experts.")
+        gu, down, b_gu, b_down = arch.expert_weights(take, p + "mlp.experts.")
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight", norm_dtype),

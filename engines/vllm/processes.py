@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+import contextlib
 
 
 def cuda_visible() -> bool:
@@ -51,10 +52,8 @@ def reap(procs: list, timeout_s: float) -> list[int]:
 
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     for p in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=10)
     return [p.pid for p in alive]
 

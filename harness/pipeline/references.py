@@ -15,7 +15,8 @@ from pathlib import Path
 
 from lpdiff.engines import REFERENCE_ENGINE, capabilities
 from lpdiff.harness.pipeline.session import Lanes, run_session
-from lpdiff.harness.pipeline.store import BaselineError, BaselineStore, baseline_key
+from lpdiff.harness.pipeline.store import BaselineError, BaselineStore
+from lpdiff.harness.pipeline.store_key import baseline_key
 from lpdiff.harness.spec.adapters import peft_signature
 from lpdiff.harness.spec.validate import check_reference_runs
 from lpdiff.harness.types import AdapterSpec, ModelSpec

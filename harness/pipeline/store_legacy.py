@@ -16,8 +16,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-from lpdiff.harness.pipeline.store import BaselineKey, BaselineStore, _canonical
+from lpdiff.harness.pipeline.store import BaselineStore
 from lpdiff.harness.pipeline.store_errors import BaselineCorrupt, BaselineError
+from lpdiff.harness.pipeline.store_key import BaselineKey, canonical_json
 from lpdiff.harness.types import LogprobRun
 
 
@@ -40,7 +41,7 @@ def read_pair(side: Path) -> tuple[BaselineKey, LogprobRun]:
         ) as e:  # numpy's text would advise allow_pickle: never
             raise ValueError(f"{npz.name} is not an lpdiff .npz run") from e
         names = info["names"]
-        key = BaselineKey(info["digest"], _canonical(info["key"]), names["model"], names.get("adapter"))
+        key = BaselineKey(info["digest"], canonical_json(info["key"]), names["model"], names.get("adapter"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BaselineCorrupt(
             f"old-format baseline {side} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
