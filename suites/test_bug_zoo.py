@@ -87,7 +87,8 @@ def test_default_suite_fails_on_fault(fault, model, lpdiff_store, lpdiff_regen, 
 
 # lpdiff bisect on each hybrid fault (the qwen3_moe / gpt_oss faults: tests/harness/commands/test_bisect.py): the
 # layer where it first shows (Qwen3.5: layers 0-2 Gated DeltaNet, 3 attention, a MoE in each; Nemotron-H: ME*ME-).
-# The rounded router bias changes no choice in layer 1 on these prompts; layer 4 is the first where it picks another expert
+# The rounded router bias changes no choice in layer 1 on these prompts; layer 4 is the first where it picks another
+# expert
 BISECT_LAYER = {
     ("relu2_as_gated", "tiny-nemotron-h"): 1,
     ("router_bias_rounded", "tiny-nemotron-h"): 4,
