@@ -14,7 +14,8 @@ from lpdiff.harness.spec.errors import UsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
-# spec.adapters.LAYOUTS, spelt out so that the CLI starts without importing torch (tests/harness/test_cli.py compares them)
+# spec.adapters.LAYOUTS, spelt out so that the CLI starts without importing torch (tests/harness/test_cli.py compares
+# them)
 LAYOUTS = click.Choice(["peft3d", "per_expert", "per_expert_gate"])
 
 

@@ -300,10 +300,11 @@ def fault_sweep(
     log: Callable[[str], None] = print,
 ) -> tuple[CheckResult, dict[str, CheckResult | None]]:
     """lpdiff's own runtime (DEFAULT_ENGINE) clean and with each bug-zoo fault (kernels/faults.py), judged like any
-    engine. A fault whose runs are bit-identical to clean runs on the same code path is not reached at this shape (e.g. an unmasked
-    tile on a width that is a multiple of the block) and maps to None. The faults inside the grouped GEMM
-    (KERNEL_FAULTS) force its K-loop shrink (moe_lora_shrink "fused"), which rounds differently from the default
-    "once": they are compared with a clean "fused" run, else an unreached fault would look reached and missed."""
+    engine. A fault whose runs are bit-identical to clean runs on the same code path is not reached at this shape
+    (e.g. an unmasked tile on a width that is a multiple of the block) and maps to None. The faults inside the
+    grouped GEMM (KERNEL_FAULTS) force its K-loop shrink (moe_lora_shrink "fused"), which rounds differently from the
+    default "once": they are compared with a clean "fused" run, else an unreached fault would look reached and
+    missed."""
     import numpy as np
 
     from lpdiff.kernels.fused_moe_lora import KERNEL_FAULTS

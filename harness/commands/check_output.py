@@ -80,37 +80,26 @@ def csv_rows(res: CheckResult) -> list[dict]:
 
 def _rows(res: CheckResult) -> list[dict]:
     date, commit, gpu = datetime.date.today().isoformat(), git_commit(), device_name()
+    head = {
+        "date": date,
+        "commit": commit,
+        "gpu": gpu,
+        "model": res.model,
+        "layers": res.layers,
+        "tp": res.tp,
+        "dtype": res.dtype,
+    }
     if res.error is not None:
         lines = res.error.strip().splitlines()
         last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])[:300]  # the cause, not the teardown
-        return [
-            {
-                "date": date,
-                "commit": commit,
-                "gpu": gpu,
-                "model": res.model,
-                "layers": res.layers,
-                "tp": res.tp,
-                "dtype": res.dtype,
-                "engine_pair": res.engine_pair,
-                "verdict": "FAIL",
-                "reasons": f"engine failed: {last}",
-            }
-        ]
+        return [{**head, "engine_pair": res.engine_pair, "verdict": "FAIL", "reasons": f"engine failed: {last}"}]
     t = res.threshold
+    head.update(engine_version=res.engine_version, engine_pair=t.engine_pair)
     rows = [
         {
-            "date": date,
-            "commit": commit,
-            "gpu": gpu,
-            "engine_version": res.engine_version,
-            "model": res.model,
-            "layers": res.layers,
-            "tp": res.tp,
-            "dtype": res.dtype,
+            **head,
             "adapter": lane.partition(".")[0],
             "adapter_format": lane.partition(".")[2],
-            "engine_pair": t.engine_pair,
             "verdict": "SKIP",
             "reasons": f"not served: {why}"[:300],
         }
@@ -122,17 +111,9 @@ def _rows(res: CheckResult) -> list[dict]:
         fid = "" if v.delta_fidelity is None else f"{v.delta_fidelity:.4g}"
         rows.append(
             {
-                "date": date,
-                "commit": commit,
-                "gpu": gpu,
-                "engine_version": res.engine_version,
-                "model": res.model,
-                "layers": res.layers,
-                "tp": res.tp,
-                "dtype": res.dtype,
+                **head,
                 "adapter": name,
                 "adapter_format": layout or "-",
-                "engine_pair": t.engine_pair,
                 "k2": f"{m.k2:.4g}",
                 "max_abs": f"{m.max_abs:.4g}",
                 "mean_abs": f"{m.mean_abs:.4g}",

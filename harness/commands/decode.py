@@ -172,48 +172,6 @@ def format_decode(res: DecodeResult) -> str:
     return head + "\n" + table(rows, cols)
 
 
-def run_decode_job(
-    model: str,
-    engine: str,
-    dtype: str = "float32",
-    tp: int = 1,
-    adapters: Sequence[str] | None = None,
-    prompts="default",
-    num_layers: int | None = None,
-    options: dict | None = None,
-    reference: str = REFERENCE_ENGINE,
-    ref_dtype: str = "float32",
-    max_new_tokens: int = 16,
-    sampling: str = "greedy",
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-) -> DecodeResult:
-    """``lpdiff run --decode N`` for one model and TP size: the run's own resolution of model, adapters and
-    prompts, the recorded threshold of the engine pair (thresholds.lookup)."""
-    from lpdiff.harness.pipeline.thresholds import lookup
-    from lpdiff.harness.spec.resolve import resolve
-
-    r = resolve(model, adapters, prompts, num_layers)
-    pair = f"{engine}:{dtype}-vs-{reference}:{ref_dtype}"
-    t = lookup(r.spec.name, pair, dtype, tp)
-    return run_decode(
-        r.spec,
-        r.adapters,
-        r.prompts,
-        engine,
-        t,
-        dtype,
-        tp,
-        options,
-        reference,
-        ref_dtype,
-        max_new_tokens,
-        sampling,
-        seed,
-        log=log,
-    )
-
-
 def decode_jobs(
     engine: str,
     models: Sequence[str],
@@ -232,23 +190,29 @@ def decode_jobs(
     echo: Callable[[str], None],
     log: Callable[[str], None],
 ) -> bool:
-    """``lpdiff run --decode N``: every model the engine serves (default: the tiny zoo) x TP size (default: run's);
-    prints each result, True when all pass."""
+    """``lpdiff run --decode N``: every model the engine serves (default: the tiny zoo) x TP size (default: run's),
+    each model resolved once as ``lpdiff run`` resolves it (model, adapters, prompts), judged with the recorded
+    threshold of the engine pair (thresholds.lookup); prints each result, True when all pass."""
     from lpdiff.harness.commands.run import default_tps, zoo_models
+    from lpdiff.harness.pipeline.thresholds import lookup
+    from lpdiff.harness.spec.resolve import resolve
 
     need_engine(engine)
     chosen, skipped = zoo_models(engine, models)
     ok = True
+    pair = f"{engine}:{dtype}-vs-{reference}:{ref_dtype}"
     for model in chosen:
+        r = resolve(model, adapters, prompts, num_layers)
         for tp in dict.fromkeys(tps or default_tps(engine)):
-            res = run_decode_job(
-                model,
+            t = lookup(r.spec.name, pair, dtype, tp)
+            res = run_decode(
+                r.spec,
+                r.adapters,
+                r.prompts,
                 engine,
+                t,
                 dtype,
                 tp,
-                adapters,
-                prompts,
-                num_layers,
                 options,
                 reference,
                 ref_dtype,

@@ -1,5 +1,6 @@
 """``lpdiff metamorphic MODEL ADAPTER --engine E``: an engine against *itself* on inputs that must give the same
-logprobs (docs/metrics.md, "Metamorphic verdicts"), judged against the engine's own rerun noise instead of a reference's.
+logprobs (docs/metrics.md, "Metamorphic verdicts"), judged against the engine's own rerun noise instead of a
+reference's.
 
 A relation turns the adapter (or the engine's settings, or the batch) into one or more *lanes*; each lane's
 logprobs must equal those of its reference lane (the original adapter, or the base model, or another lane of the
@@ -389,24 +390,17 @@ def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.3g}"
 
 
+def _numbers(r: Result) -> tuple[str, ...]:
+    """max |Δ|, k2, Δ rel, rerun noise and ratio as the table and the CSV print them."""
+    return tuple(_fmt(x) for x in (r.max_abs, r.k2, r.delta_rel, r.rerun_noise, r.ratio))
+
+
 def format_report(rep: Report) -> str:
     title = (
         f"{rep.model} / {rep.adapter} on {rep.engine} ({rep.engine_version}), {rep.dtype}, {rep.k} reruns; "
         f"FAIL when ratio > {rep.factor:g}"
     )
-    rows = [
-        (
-            r.relation,
-            _fmt(r.max_abs),
-            _fmt(r.k2),
-            _fmt(r.delta_rel),
-            _fmt(r.rerun_noise),
-            _fmt(r.ratio),
-            r.verdict,
-            r.note,
-        )
-        for r in rep.results
-    ]
+    rows = [(r.relation, *_numbers(r), r.verdict, r.note) for r in rep.results]
     return title + "\n" + table(rows, ("relation", "max |Δ|", "k2", "Δ rel", "rerun noise", "ratio", "verdict", "note"))
 
 
@@ -425,11 +419,7 @@ def csv_rows(rep: Report) -> list[dict]:
                     rep.model,
                     r.relation,
                     rep.adapter,
-                    _fmt(r.max_abs),
-                    _fmt(r.k2),
-                    _fmt(r.delta_rel),
-                    _fmt(r.rerun_noise),
-                    _fmt(r.ratio),
+                    *_numbers(r),
                     r.verdict,
                     r.note,
                 ),

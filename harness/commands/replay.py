@@ -49,8 +49,8 @@ def reference_session(
 ) -> list[Lanes]:
     """The reference (in-process, capturing routing) over the case's prompts, one engine session (a full-width
     model is built once), one call per pass ``(routing, lanes)``: ``lanes`` maps each output lane to the adapter it
-    runs (None: base + every adapter, each under its own name); ``routing`` (lane -> a run with expert ids, or None) replays
-    those ids per lane."""
+    runs (None: base + every adapter, each under its own name); ``routing`` (lane -> a run with expert ids, or None)
+    replays those ids per lane."""
     cfg = EngineConfig(model=case.spec, adapters=dict(adapters), dtype=dtype, options={**options, **CAPTURE})
     prompts, n, out = case.prompts, len(case.prompts), []
     with open_engine(reference, cfg) as eng:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from lpdiff.engines import capabilities
 from lpdiff.harness.pipeline.doctor_detectors import DETECTORS
-from lpdiff.harness.pipeline.doctor_facts import ENGINES, Facts, Finding, gather
+from lpdiff.harness.pipeline.doctor_facts import ENGINES, Facts, Finding, _resolve_model, gather
 from lpdiff.harness.pipeline.doctor_inputs import check_noop, resolve_adapter
 from lpdiff.harness.spec.errors import InputError
 
@@ -154,12 +154,31 @@ def doctor(
     """model: a ModelSpec, a catalog name, a checkpoint directory or a Hub id; adapter_dir: a PEFT directory, a zoo
     adapter name or a Hub repo (resolve_adapter); engines: a subset of ENGINES (default all); limits: engine -> the
     max_lora_rank it will be started with."""
+    engines = _known(engines)
+    adapter_dir = resolve_adapter(model, adapter_dir)
+    spec = _resolve_model(model)
+    return examine(spec, adapter_dir, engines, limits, str(model) if isinstance(model, (str, Path)) else spec.name)
+
+
+def _known(engines: Sequence[str] | None) -> list[str]:
     engines = list(engines or ENGINES)
     for e in engines:
         if e not in ENGINES:
             raise InputError(f"doctor knows engines {', '.join(ENGINES)}, not {e!r}")
-    adapter_dir = resolve_adapter(model, adapter_dir)
-    spec, facts = gather(model, adapter_dir, limits)
+    return engines
+
+
+def examine(
+    spec,
+    adapter_dir: str | Path,
+    engines: Sequence[str] | None = None,
+    limits: dict[str, int] | None = None,
+    model_ref: str = "",
+) -> DoctorReport:
+    """``doctor`` on a model and adapter already resolved (a ModelSpec, a PEFT directory): what the doctor stage of
+    a run asks (``refusals``), where nothing is resolved again."""
+    engines = _known(engines)
+    facts = gather(spec, adapter_dir, limits, model_ref)
     findings = [
         *check_adapter_files(facts),
         *check_noop(facts),
@@ -191,6 +210,6 @@ def refusals(spec, adapter_dir: str | Path, engine: str) -> Refusals:
     the adapter does not fit the model). For an engine whose adapter handling the doctor does not know (triton
     reads every layout), the "all" findings alone. The one place that decides what stops a run: preflight, check
     and the metamorphic relations read it."""
-    findings = doctor(spec, adapter_dir, [engine] if engine in ENGINES else [ENGINES[0]]).findings
+    findings = examine(spec, adapter_dir, [engine] if engine in ENGINES else [ENGINES[0]]).findings
     mine = [f for f in findings if f.engine in (engine, "all")]
     return Refusals([f for f in mine if f.severity == "error"], [f for f in mine if f.severity == "warning"])

@@ -116,13 +116,14 @@ def _peft_inject(model, adapter_dir: str) -> tuple[str | None, set[str], set[str
     return None, set(tuner.targeted_module_names), set(getattr(tuner, "targeted_parameter_names", ()))
 
 
-def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None) -> tuple[Any, Facts]:
-    """Unreadable adapter files (no directory, broken JSON, pickle weights) raise the validation layer's one-line
-    ValidationError (exit 2); what the files hold is checked by its ``adapter_problems``."""
+def gather(spec, adapter_dir: str | Path, limits: dict[str, int] | None = None, model_ref: str = "") -> Facts:
+    """The facts of a resolved model (a ModelSpec) and an adapter directory; ``model_ref``: how the user named the
+    model (default its name). Unreadable adapter files (no directory, broken JSON, pickle weights) raise the
+    validation layer's one-line ValidationError (exit 2); what the files hold is checked by its
+    ``adapter_problems``."""
     from lpdiff.harness.spec.adapters import inspect_adapter
     from lpdiff.harness.spec.validate import adapter_problems, model_facts, read_adapter_config
 
-    spec = _resolve_model(model)
     adapter_dir = str(adapter_dir)
     config = read_adapter_config(adapter_dir)
     config_text = (Path(adapter_dir) / "adapter_config.json").read_text()
@@ -145,7 +146,7 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
     peft_error, peft_modules, peft_params = _remember(
         _PEFT_CACHE, (model_key, config_text), lambda: _peft_inject(copy.deepcopy(meta), adapter_dir)
     )
-    facts = Facts(
+    return Facts(
         arch=layout.model_type,
         num_experts=num_experts,
         modules=dict(modules),
@@ -160,7 +161,6 @@ def gather(model, adapter_dir: str | Path, limits: dict[str, int] | None = None)
         peft_modules=set(peft_modules),
         peft_params=set(peft_params),
         limits=dict(limits or {}),
-        model_ref=str(model) if isinstance(model, (str, Path)) else spec.name,
+        model_ref=model_ref or spec.name,
         problems=problems,
     )
-    return spec, facts
