@@ -14,16 +14,13 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file
 
 from lpdiff.engines import EngineConfig, open_engine
+from lpdiff.harness.spec import validate
 from lpdiff.harness.spec.catalog import get_model
 from lpdiff.harness.spec.resolve import zoo_adapters
-from lpdiff.harness.spec.validate import (
-    LOGPROB_TOL,
-    ValidationError,
-    adapter_problems,
-    check_prompts,
-    check_run,
-    model_facts,
-)
+from lpdiff.harness.spec.validate import ValidationError
+from lpdiff.harness.spec.validate.adapters import adapter_problems, model_facts
+from lpdiff.harness.spec.validate.prompts import check_prompts
+from lpdiff.harness.spec.validate.runs import LOGPROB_TOL, check_run
 from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs
 
 MODEL = "tiny-qwen3-moe"
@@ -137,3 +134,14 @@ def test_logprob_rounding_above_zero_is_tolerated():
     check_run(run(LOGPROB_TOL / 2), "r")
     with pytest.raises(ValidationError, match="above 0"):
         check_run(run(LOGPROB_TOL * 2), "r")
+
+
+def test_the_face_hands_out_the_submodules_objects():
+    """``lpdiff.harness.spec.validate`` loads adapters / prompts / runs on first use (PEP 562): the names it gives
+    are those modules' own objects, and an unknown name is an AttributeError."""
+    from lpdiff.harness.spec.validate import adapters, prompts, runs
+
+    assert validate.check_run is runs.check_run and validate.check_prompts is prompts.check_prompts
+    assert validate.adapter_problems is adapters.adapter_problems and validate.LOGPROB_TOL == runs.LOGPROB_TOL
+    with pytest.raises(AttributeError):
+        validate.no_such_check  # noqa: B018
