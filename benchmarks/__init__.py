@@ -1,1 +1,4 @@
-"""Benchmarks: kernels, end-to-end, speed of light, detection. Run from the repo root as ``python -m benchmarks.<name>``."""
+"""Benchmarks: kernels, end-to-end, speed of light, detection.
+
+Run from the repo root as ``python -m benchmarks.<name>``.
+"""

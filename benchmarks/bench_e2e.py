@@ -141,7 +141,7 @@ def make_adapter(spec, out_dir: Path, rank: int) -> AdapterSpec:
     log(f"adapter rank {rank} generated in {time.perf_counter() - t0:.1f} s")
     del model
     free_gpu()
-    return AdapterSpec("r%d" % rank, ad.path)
+    return AdapterSpec(f"r{rank}", ad.path)
 
 
 def impl_name(
@@ -547,7 +547,7 @@ def open_csv(path: Path):
                 w.writerows(r + [""] * (len(COLUMNS) - len(r)) for r in rows[1:])
             os.replace(tmp, path)
     new = not path.exists() or path.stat().st_size == 0
-    f = open(path, "a", newline="")
+    f = open(path, "a", newline="")  # noqa: SIM115 (returned open: main writes rows to it under `with f`)
     w = csv.DictWriter(f, fieldnames=COLUMNS)
     if new:
         w.writeheader()
@@ -567,7 +567,7 @@ def main(argv=None):
         for name in args.models:
             try:
                 bench_model(name, args, writer)
-            except Exception as e:  # one model failing must not lose the other's numbers
+            except Exception as e:  # noqa: BLE001 (one model failing must not lose the other's numbers)
                 import traceback
 
                 traceback.print_exc()

@@ -185,7 +185,10 @@ DENSE_SHAPES = [("qkv", 2048, (4096, 512, 512)), ("o", 4096, (2048,))]  # (name,
 def dense_inputs(T: int, L: int, H: int, widths: tuple, rank: int, dtype, device, seed=0) -> dict:
     """lora_linear's arguments; contiguous runs of tokens per adapter, as prompts of a batch would be."""
     g = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale  # noqa
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale
+
     N = sum(widths)
     offs = [0]
     for w in widths:
@@ -235,7 +238,6 @@ def ceilings(log) -> tuple[float, float]:
     ms_c = bench(lambda: dst.copy_(src))
     bw = 2 * src.numel() * 2 / ms_c / 1e6  # GB/s, read + write
     log(f"ceilings: bf16 matmul 8192^3 {tflops:.0f} TFLOP/s ({ms:.3f} ms); copy 1 GiB {bw:.0f} GB/s (r+w)")
-    del a, b, src, dst
     return tflops, bw
 
 
@@ -270,7 +272,7 @@ def grouped_stages(p, rep=50) -> dict:
     xg = x[tok]
     t["gemm1"] = bench(lambda: mg.grouped_gemm(xg, p["w_gate_up"], offs), rep)
     wt = p["w_gate_up"].transpose(1, 2).contiguous()
-    t["(gemm1, (E,H,N1) copy)"] = bench(lambda: mg._GROUPED_MM(xg, wt, offs=offs), rep)
+    t["(gemm1, (E,H,N1) copy)"] = bench(lambda wt=wt: mg._GROUPED_MM(xg, wt, offs=offs), rep)
     del wt
     h = mg.grouped_gemm(xg, p["w_gate_up"], offs)
     if lora is not None:  # the in-place deltas add up over the repetitions: the values are not looked at
@@ -330,8 +332,8 @@ def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
             break
         for name, q in (("lora", p), ("no_lora", base)):
             try:
-                ms = bench(lambda: moe_forward_triton(**q, config=c1, down_config=c2))
-            except Exception as exc:  # a config that does not compile or fit must not end the run
+                ms = bench(lambda q=q, c1=c1, c2=c2: moe_forward_triton(**q, config=c1, down_config=c2))
+            except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit must not end the run)
                 log(f"sweep {name} c1={c1} c2={c2} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             results[name + ("_tma" if c1.tma else "")].append((ms, c1, c2))
@@ -369,12 +371,13 @@ def main():
     )
     args = ap.parse_args()
     if args.check:
-        return check_baselines()
+        check_baselines()
+        return
     if args.compile_sm90:
         sm90_report(print, SHAPES, 4096, args.rank, SM90_FLAG_SETS)
-        return None
+        return
     os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "bench.log"), "a")
+    logf = open(os.path.join(args.out, "bench.log"), "a")  # noqa: SIM115 (appended to for the whole run, closed at exit)
 
     def log(msg):
         print(msg, flush=True)
@@ -385,7 +388,7 @@ def main():
     date = datetime.date.today().isoformat()
     path = os.path.join(args.out, "kernels.csv")
     new = not os.path.exists(path)
-    csvf = open(path, "a", newline="")
+    csvf = open(path, "a", newline="")  # noqa: SIM115 (closed on each of main's three ways out)
     wr = csv.DictWriter(csvf, fieldnames=COLUMNS)
     if new:
         wr.writeheader()
@@ -422,7 +425,7 @@ def main():
         shrink_sweep(log, shrink_row, SHAPES, 4096, R, args.sweep_budget_s)
         csvf.close()
         log(f"wrote {len(rows)} rows to {path}")
-        return None
+        return
     peak, bw = ceilings(log)
     rows.append(dict(benchmark="ceiling", shape="bf16 matmul 8192^3", impl="torch.matmul", tflops=f"{peak:.1f}"))
     rows.append(dict(benchmark="ceiling", shape=f"copy 1GiB: {bw:.0f} GB/s (read+write)", impl="Tensor.copy_"))
@@ -465,7 +468,7 @@ def main():
         tile_sweep(log, sweep_row, R, args.sweep_budget_s)
         csvf.close()
         log(f"wrote {len(rows)} rows to {path}")
-        return None
+        return
 
     moe_shapes = [] if args.dense_only else SHAPES
     no_tma = set()  # shapes whose TMA variant failed its check: no TMA rows for them
@@ -475,9 +478,9 @@ def main():
         ref = moe_forward(**p, impl="torch")
         err = rel_err(moe_forward(**p, impl="triton"), ref)
         err_k = rel_err(moe_forward(**p, impl="triton", lora_shrink="fused"), ref)
-        try:  # exploratory: a TMA failure on this GPU must not cost the other rows
+        try:
             err_tma = f"{rel_err(moe_forward_triton(**p, **configs(p, tma=True)), ref):.2e}"
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (exploratory: a TMA failure on this GPU must not cost the other rows)
             err_tma = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
             no_tma.add(s.name)
         err_g = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
@@ -512,7 +515,7 @@ def main():
                     T,
                     L,
                     "triton_fused_lora",
-                    bench(lambda: moe_forward_triton(**p, lora_shrink="once")),
+                    bench(lambda p=p: moe_forward_triton(**p, lora_shrink="once")),
                     fl,
                     fb,
                 )
@@ -522,7 +525,7 @@ def main():
                     T,
                     L,
                     "triton_fused_lora_epilogue_loads",
-                    bench(lambda: moe_forward_triton(**p, **configs(p, prefetch=False))),
+                    bench(lambda p=p: moe_forward_triton(**p, **configs(p, prefetch=False))),
                     fl,
                     fb,
                 )
@@ -533,7 +536,7 @@ def main():
                         T,
                         L,
                         "triton_fused_lora_tma",
-                        bench(lambda: moe_forward_triton(**p, **configs(p, tma=True))),
+                        bench(lambda p=p: moe_forward_triton(**p, **configs(p, tma=True))),
                         fl,
                         fb,
                     )
@@ -543,7 +546,7 @@ def main():
                     T,
                     L,
                     "triton_fused_shrink_in_k_loop",
-                    bench(lambda: moe_forward_triton(**p, lora_shrink="fused")),
+                    bench(lambda p=p: moe_forward_triton(**p, lora_shrink="fused")),
                     fl,
                     fb,
                 )
@@ -567,7 +570,7 @@ def main():
                     T,
                     L,
                     f"{gname}+triton_lora",
-                    bench(lambda: moe_forward(**p, backend="grouped_mm")),
+                    bench(lambda p=p: moe_forward(**p, backend="grouped_mm")),
                     fl,
                     fb,
                 )
@@ -577,7 +580,7 @@ def main():
                     T,
                     L,
                     "torch_grouped_mm+unfused_lora",
-                    bench(lambda: torch_grouped_lora(**p)),
+                    bench(lambda p=p: torch_grouped_lora(**p)),
                     fl,
                     fb,
                 )
@@ -585,7 +588,14 @@ def main():
                     base = dict(p, lora=None, token_adapter=None)
                     fl0, fb0 = moe_flops(s, T, R, False), moe_bytes(s, T, R, 0)
                     record(
-                        "moe_layer", lab, T, 0, "triton_no_lora", bench(lambda: moe_forward_triton(**base)), fl0, fb0
+                        "moe_layer",
+                        lab,
+                        T,
+                        0,
+                        "triton_no_lora",
+                        bench(lambda base=base: moe_forward_triton(**base)),
+                        fl0,
+                        fb0,
                     )
                     record(
                         "moe_layer",
@@ -593,7 +603,7 @@ def main():
                         T,
                         0,
                         "triton_no_lora_epilogue_loads",
-                        bench(lambda: moe_forward_triton(**base, **configs(base, prefetch=False))),
+                        bench(lambda base=base: moe_forward_triton(**base, **configs(base, prefetch=False))),
                         fl0,
                         fb0,
                     )
@@ -604,7 +614,7 @@ def main():
                             T,
                             0,
                             "triton_no_lora_tma",
-                            bench(lambda: moe_forward_triton(**base, **configs(base, tma=True))),
+                            bench(lambda base=base: moe_forward_triton(**base, **configs(base, tma=True))),
                             fl0,
                             fb0,
                         )
@@ -621,12 +631,19 @@ def main():
                         T,
                         0,
                         f"{gname}_no_lora",
-                        bench(lambda: moe_forward(**base, backend="grouped_mm")),
+                        bench(lambda base=base: moe_forward(**base, backend="grouped_mm")),
                         fl0,
                         fb0,
                     )
                     record(
-                        "moe_layer", lab, T, 0, "torch_grouped_mm", bench(lambda: torch_grouped_lora(**base)), fl0, fb0
+                        "moe_layer",
+                        lab,
+                        T,
+                        0,
+                        "torch_grouped_mm",
+                        bench(lambda base=base: torch_grouped_lora(**base)),
+                        fl0,
+                        fb0,
                     )
                     record("moe_layer", lab, T, 0, "hf_experts_grouped_mm", bench(hf_experts(s, base)), fl0, fb0)
                     if T == 4096:
@@ -665,14 +682,14 @@ def main():
         if L == 1:  # the bases alone: what the LoRA passes add to, and the old runtime's base without LoRA
             base = dict(p, lora_a=None, lora_b=None, scaling=None, token_adapter=None)
             fl0, fb0 = 2 * T * H * N, (N * H + T * H + T * N) * 2
-            record("lora_linear", lab, T, 0, "cublas_base", bench(lambda: base_linear(p["x"], p["w"])), fl0, fb0)
+            record("lora_linear", lab, T, 0, "cublas_base", bench(lambda p=p: base_linear(p["x"], p["w"])), fl0, fb0)
             record(
                 "lora_linear",
                 lab,
                 T,
                 0,
                 "triton_fused_no_lora",
-                bench(lambda: lora_linear(**base, impl="triton", fused=True)),
+                bench(lambda base=base: lora_linear(**base, impl="triton", fused=True)),
                 fl0,
                 fb0,
             )

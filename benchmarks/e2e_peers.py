@@ -17,9 +17,10 @@ engine's ``optimization_level=0`` (set while enforce_eager is on), and level 0 m
 graphs in vLLM: that relation did not exercise graphs, so these settings' correctness rests on this run's agreement
 with the triton runtime (logged per adapter) and the dropped-LoRA check below until a metamorphic run with them.
 ``--engine-options vllm='{"enforce_eager": true}'`` times the eager engine. ``--engine-options ENGINE=JSON`` merges
-over FAST. A LoRA row whose logprobs equal the engine's own base run bit for bit carries a "LoRA dropped" error. The model is written once as a Hub-layout
-checkpoint (engines/checkpoint.py, built on the GPU from the same seeded recipe as the triton and HF runs) under
-``--checkpoint-root``; both peers load that directory, so its build is not in their start-up time.
+over FAST. A LoRA row whose logprobs equal the engine's own base run bit for bit carries a "LoRA dropped" error.
+The model is written once as a Hub-layout checkpoint (engines/checkpoint.py, built on the GPU from the same seeded
+recipe as the triton and HF runs) under ``--checkpoint-root``; both peers load that directory, so its build is not in
+their start-up time.
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ def test_old_csv_gets_the_new_columns_empty_and_a_foreign_one_is_refused(tmp_pat
                 bench_e2e.parse_args([]), "g", "m", 8, "none", "vllm", 1.0, startup_s=80.0, settings='{"a":1}'
             )
         )
-    rows = list(csv.DictReader(open(path, newline="")))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
     assert list(rows[0]) == bench_e2e.COLUMNS
     assert rows[0]["tokens_per_s"] == "66834" and rows[0]["startup_s"] == "" and rows[0]["settings"] == ""
     assert rows[1]["startup_s"] == "80.0" and rows[1]["settings"] == '{"a":1}' and rows[1]["tokens_per_s"] == "8"

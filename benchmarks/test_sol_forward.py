@@ -172,7 +172,11 @@ def test_hybrid_call_runs_each_product_once_per_layer_of_its_kind(model):
         ops = fwd.gemms(lora)
         for name, (fn, flops) in list(ops.items()):
             ops[name] = (
-                (lambda name=name, fn=fn: calls.__setitem__((lora, name), calls.get((lora, name), 0) + 1) or fn()),
+                (
+                    lambda name=name, fn=fn, lora=lora: (
+                        calls.__setitem__((lora, name), calls.get((lora, name), 0) + 1) or fn()
+                    )
+                ),
                 flops,
             )
         fwd.call(lora)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-import itertools
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "python_function", "user_annotation")
@@ -98,14 +98,16 @@ def analyse(events: list[dict], min_gap_us: float = 20.0) -> dict:
 
 def report(res: dict, top: int = 15) -> str:
     lines = [
-        f"span {res['span_us'] / 1e3:.2f} ms, GPU busy {res['busy_us'] / 1e3:.2f} ms, idle "
-        f"{res['idle_us'] / 1e3:.2f} ms over {res['kernels']} GPU events; gaps >= threshold: "
-        f"{len(res['gaps'])}, {sum(g['dur_us'] for g in res['gaps']) / 1e3:.2f} ms"
-    ]
-    for g in res["gaps"][:top]:
-        lines.append(
-            f"  at {g['start_us'] / 1e3:8.3f} ms  {g['dur_us']:8.1f} us  {g['where']}  host: " + " > ".join(g["host"])
+        (
+            f"span {res['span_us'] / 1e3:.2f} ms, GPU busy {res['busy_us'] / 1e3:.2f} ms, idle "
+            f"{res['idle_us'] / 1e3:.2f} ms over {res['kernels']} GPU events; gaps >= threshold: "
+            f"{len(res['gaps'])}, {sum(g['dur_us'] for g in res['gaps']) / 1e3:.2f} ms"
         )
+    ]
+    lines.extend(
+        f"  at {g['start_us'] / 1e3:8.3f} ms  {g['dur_us']:8.1f} us  {g['where']}  host: " + " > ".join(g["host"])
+        for g in res["gaps"][:top]
+    )
     return "\n".join(lines)
 
 
