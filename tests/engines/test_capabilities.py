@@ -143,7 +143,7 @@ def test_engine_modes_are_the_metamorphic_table(engine):
 
 def test_every_detectable_defect_has_a_doctor_detector():
     """A defect the adapter files can show is checked by doctor; the ones only a run shows (a TP size) are not."""
-    from lpdiff.harness.pipeline.doctor import DETECTORS
+    from lpdiff.harness.pipeline.doctor_detectors import DETECTORS
 
     declared = {d.id: d for e in ENGINES for d in capabilities(e).known_defects}
     undetected = {i for i, d in declared.items() if i not in DETECTORS}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpdiff.harness.pipeline.store import baseline_key
+from lpdiff.harness.pipeline.store_key import baseline_key
 from lpdiff.harness.types import LogprobRun, ModelSpec, PromptLogprobs
 
 VOCAB = 50

@@ -238,7 +238,7 @@ def test_card_front_matter_lists_parquet(tmp_path):
     import pyarrow.parquet as pq
     import yaml
 
-    from lpdiff.harness.pipeline import hub
+    from lpdiff.harness.pipeline import hub_card
 
     for i, model in enumerate(("m1", "m2")):
         manifest = {
@@ -248,7 +248,7 @@ def test_card_front_matter_lists_parquet(tmp_path):
         t = pa.table({"logprobs": [[0.1, 0.2]]}).replace_schema_metadata({b"m": json.dumps(manifest).encode()})
         (tmp_path / f"{i:02d}").mkdir()
         pq.write_table(t, tmp_path / f"{i:02d}" / f"run{i}.parquet")
-    card = hub.dataset_card(tmp_path, "org/name")
+    card = hub_card.dataset_card(tmp_path, "org/name")
     front = yaml.safe_load(card.split("---\n")[1])
     assert front["configs"] == [
         {"config_name": "default", "data_files": [{"split": "train", "path": ["00/run0.parquet", "01/run1.parquet"]}]}
@@ -310,7 +310,8 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 
 def _baselines(root: Path, tags) -> list[str]:
     """One real baseline per tag (another computation each) in the store ``root``; their store paths."""
-    from lpdiff.harness.pipeline.store import BaselineStore, baseline_key
+    from lpdiff.harness.pipeline.store import BaselineStore
+    from lpdiff.harness.pipeline.store_key import baseline_key
     from lpdiff.harness.types import ModelSpec
     from tests.helpers.runs import engine_like_run
 

@@ -13,7 +13,8 @@ import pytest
 
 from lpdiff.harness.cli import main
 from lpdiff.harness.pipeline import store_format
-from lpdiff.harness.pipeline.store import BaselineCorrupt, BaselineStore, baseline_key, key_from_manifest
+from lpdiff.harness.pipeline.store import BaselineCorrupt, BaselineStore
+from lpdiff.harness.pipeline.store_key import baseline_key, key_from_manifest
 from lpdiff.harness.types import LogprobRun, ModelSpec, PromptLogprobs, canonical_hash
 from tests.helpers.paths import REPO
 from tests.helpers.runs import engine_like_run
