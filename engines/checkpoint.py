@@ -1,5 +1,5 @@
-"""The model engines that start from a directory (vLLM, SGLang) load: a checkpoint directory, written once where the spec has none or cuts layers,
-and whether its config is a MoE model."""
+"""The model engines that start from a directory (vLLM, SGLang) load: a checkpoint directory, written once where
+the spec has none or cuts layers, and whether its config is a MoE model."""
 
 from __future__ import annotations
 

@@ -44,8 +44,9 @@ class StepTracer:
             for i, (mixer, kind) in self.layers.items():
                 handles.append(mixer.register_forward_pre_hook(lambda m, a, i=i, k=kind: self._enter(i, k)))
                 handles.append(mixer.register_forward_hook(lambda m, a, o: self._leave()))
-                for name in _PROJECTIONS[kind]:
-                    handles.append(getattr(mixer, name).register_forward_hook(self._hook(i, kind, name)))
+                handles.extend(
+                    getattr(mixer, name).register_forward_hook(self._hook(i, kind, name)) for name in _PROJECTIONS[kind]
+                )
                 handles.append(mixer.norm.register_forward_hook(self._hook(i, kind, "gated_norm")))
             for kind in {k for _, k in self.layers.values()}:
                 module, name = _SEQUENCE_OPS[kind]

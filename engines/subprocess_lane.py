@@ -18,6 +18,7 @@ tail: a FAIL for that engine, and the caller goes on.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import os
@@ -38,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from lpdiff.engines.supervise import supervised_argv
-import contextlib
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # lpdiff/ in a wheel, the source tree's root otherwise
 
@@ -262,7 +262,8 @@ class ManagedProcess:
 
 
 class SubprocessLane:
-    """``lane = SubprocessLane("lpdiff.engines.vllm:VLLMEngine", (config,)).start(); lane.call("prompt_logprobs", ...)``.
+    """``lane = SubprocessLane("lpdiff.engines.vllm:VLLMEngine", (config,)).start()``, then
+    ``lane.call("prompt_logprobs", ...)``.
 
     The child builds ``target(*args)`` and enters it when it has ``__enter__``; ``call`` runs one method there;
     ``close`` exits it cleanly, then ends the child's process group."""

@@ -21,13 +21,13 @@ from a worker thread).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
 import signal
 import sys
 import time
-import contextlib
 
 SUPERVISOR = os.path.abspath(__file__)
 POLL_S = 0.1  # how often the supervisor looks at its parent: a killed caller's engine is gone within ~0.1 s
@@ -69,10 +69,8 @@ def _mirror(status: int) -> None:
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         except (ImportError, ValueError, OSError):
             pass
-        try:
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set (nor needs to be)
             signal.signal(sig, signal.SIG_DFL)
-        except (OSError, ValueError):  # SIGKILL's cannot be set (nor needs to be)
-            pass
         os.kill(os.getpid(), sig)
         time.sleep(1)  # a signal that does not end the process by default: fall through to an exit code
         os._exit(128 + sig)

@@ -15,12 +15,12 @@ key loop, and q/k/v are read in place from the q|k|v GEMM's output (strided view
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
 from lpdiff.kernels._triton import dot_flags, dual_jit, next_pow2, resolve_impl, tl, triton
-import itertools
 
 LOG2E = math.log2(math.e)
 

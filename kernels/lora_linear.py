@@ -34,6 +34,7 @@ cuBLAS one rounding of out). fp32 runs are IEEE fp32 in every GEMM, whatever tor
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -45,7 +46,6 @@ from lpdiff.kernels.lora_gemm import launch_gemm
 from lpdiff.kernels.lora_shrink import check_kernel_rank, launch_shrink
 from lpdiff.kernels.lora_weights import lora_delta
 from lpdiff.kernels.moe_align import moe_align
-import itertools
 
 
 def _offsets(slice_offsets, n: int) -> tuple[int, ...]:

@@ -16,11 +16,12 @@ dependent steps), which a chunked kernel would avoid on long prompts: the place 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lpdiff.kernels._triton import dual_jit, next_pow2, resolve_impl, tl, triton
 from lpdiff.kernels.ssd import causal_conv1d, ssd_scan
-import itertools
 
 
 def _rows(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor]:

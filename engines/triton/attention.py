@@ -98,7 +98,9 @@ def flash_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
         except Exception as e:  # noqa: BLE001 - any failure of the private op means: do not use it
             _FLASH_OK[key], why = False, repr(e)
         if not _FLASH_OK[key]:
-            warnings.warn(f"FlashAttention varlen check failed on {device} ({why}); the triton engine uses SDPA")
+            warnings.warn(
+                f"FlashAttention varlen check failed on {device} ({why}); the triton engine uses SDPA", stacklevel=2
+            )
     return _FLASH_OK[key]
 
 

@@ -30,7 +30,8 @@ class ModelConfig:
     top_k: int
     expert_width: int  # I: width of one expert's gate (and of its up) projection
     activation: str  # kernels' name: "silu" (gated SiLU) | "swiglu_oai" (gpt-oss clamped SwiGLU)
-    router: str  # "softmax_topk": softmax over all experts then top-k (Qwen); "topk_softmax": top-k logits then softmax (gpt-oss)
+    # "softmax_topk": softmax over all experts then top-k (Qwen); "topk_softmax": top-k logits then softmax (gpt-oss)
+    router: str
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1 (softmax_topk only)
     router_bias: bool
     expert_bias: bool

@@ -125,7 +125,8 @@ def stack_adapters(
     def put(dst: Tensor, src: Tensor) -> None:
         """Copy a (possibly lower-rank) factor into a zero-padded slot; rank is dim -2 for A, -1 for B."""
         if faults.on("lora_rank_layout"):
-            return faults.flat_put(dst, src)
+            faults.flat_put(dst, src)
+            return
         dst[tuple(slice(0, s) for s in src.shape)] = src.to(device=device, dtype=dtype)
 
     scaling = torch.tensor([float(adapters[n].scaling) for n in names], dtype=torch.float32, device=device)

@@ -10,6 +10,7 @@ import pickle
 import socket
 import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ def worker_main(rank: int, world: int, init_method: str, config, device: torch.d
         init_group(rank, world, init_method, device, options.timeout_s)
         runtime = Runtime(config, options, Shard(rank, world), device, all_reduce_fn(world))
         queue.put((rank, "ready", None))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (whatever stops a worker starting, the parent is told and re-raises it)
         queue.put((rank, "error", traceback.format_exc()))
         return
     while (msg := broadcast()) is not None:  # a run's arguments, or a callable work item (capture.CaptureWork)
@@ -120,7 +121,7 @@ class Workers:
         while pending:
             try:
                 rank, got, tb = self.queue.get(timeout=1.0)
-            except Exception:  # queue.Empty: check the workers are still alive
+            except Empty:  # nothing within the second: check the workers are still alive
                 dead = [r for r, p in zip(range(1, self.world), self.procs) if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     self.stop(force=True)

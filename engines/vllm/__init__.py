@@ -3,8 +3,8 @@ share one batch.
 
 One concept per file: ``engine`` (VLLMEngine, in-process or subprocess lane), ``capabilities`` (CAPABILITIES, read
 without importing vLLM), ``settings`` (options, defaults, version feature detection), ``adapters`` (how vLLM reads
-adapters: MoE-LoRA mode, refusals, renamed copies), ``parsing`` (prompt logprobs), ``lpdiff.engines.checkpoint`` (the directory
-vLLM loads), ``processes`` (CUDA check, vLLM's processes and their shutdown).
+adapters: MoE-LoRA mode, refusals, renamed copies), ``parsing`` (prompt logprobs), ``lpdiff.engines.checkpoint``
+(the directory vLLM loads), ``processes`` (CUDA check, vLLM's processes and their shutdown).
 
 Options (``EngineConfig.options``):
   lane                   "inprocess" (default) | "subprocess" (engines.subprocess_lane); ``python`` = another

@@ -135,7 +135,7 @@ class VLLMEngine:
         # free memory at once, so wait for them (and end any that hang)
         killed = reap(self._procs, float(self.opts.get("close_timeout_s", 30)))
         if killed:
-            warnings.warn(f"vLLM processes {killed} did not exit after shutdown and were killed")
+            warnings.warn(f"vLLM processes {killed} did not exit after shutdown and were killed", stacklevel=2)
         import torch
 
         if torch.cuda.is_initialized():
@@ -304,7 +304,7 @@ class VLLMEngine:
         ]
         self.known_defects = plan.known_defects + tuple(rslora)
         for d in self.known_defects:
-            warnings.warn(d)
+            warnings.warn(d, stacklevel=2)
         if plan.rename:
             root = Path(o.get("checkpoint_dir") or Path.home() / ".cache" / "lpdiff" / "checkpoints") / "vllm-adapters"
             for n, layout in self._layouts.items():

@@ -3,9 +3,9 @@ them on close, and tearing down its engine core and process groups so that anoth
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
-import contextlib
 
 
 def cuda_visible() -> bool:

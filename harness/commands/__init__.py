@@ -1,1 +1,2 @@
-"""The commands (run, regen, compare, check, metamorphic, calibrate, bisect, doctor): build lanes, run, judge, report."""
+"""The commands (run, regen, compare, check, metamorphic, calibrate, bisect, doctor): build lanes, run, judge,
+report."""

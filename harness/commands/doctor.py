@@ -15,9 +15,11 @@ def format_report(report: DoctorReport) -> str:
     for f in report.findings:
         lines.append(f"  {f.engine:<7} {f.severity.upper():<8} {f.message}")
         lines.append(f"  {'':<7} {'':<8} fix: {f.fix}")
-    for e in report.engines:
-        if not any(f.engine in (e, "all") and f.severity != "info" for f in report.findings):
-            lines.append(f"  {e:<7} OK")
+    lines.extend(
+        f"  {e:<7} OK"
+        for e in report.engines
+        if not any(f.engine in (e, "all") and f.severity != "info" for f in report.findings)
+    )
     errors = sum(f.severity == "error" for f in report.findings)
     warnings = sum(f.severity == "warning" for f in report.findings)
     lines.append(f"{errors} error(s), {warnings} warning(s): exit {report.exit_code}")

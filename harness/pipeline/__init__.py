@@ -1,1 +1,2 @@
-"""The pipeline every command runs: engine sessions, the baseline store, noise, metrics, thresholds, verdicts, reports."""
+"""The pipeline every command runs: engine sessions, the baseline store, noise, metrics, thresholds, verdicts,
+reports."""

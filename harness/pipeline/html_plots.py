@@ -70,17 +70,20 @@ def positions_svg(detail: Mapping[str, Any]) -> str:
         return _svg('<text x="10" y="70">no per-position detail</text>', title="|d| along positions")
     y = _Log(ds, H - 18, 16)
     n = len(ds)
-    x = lambda i: PAD + i / max(n - 1, 1) * (W - PAD - 6)
+
+    def x(i: float) -> float:
+        return PAD + i / max(n - 1, 1) * (W - PAD - 6)
+
     parts, i0 = [_y_log_axis(y, W)], 0
     for p in prompts:
         vals = [abs(num(v) or 0.0) for v in p["d"]]
         if i0:
             parts.append(f'<line x1="{x(i0):.1f}" x2="{x(i0):.1f}" y1="16" y2="{H - 18}" stroke="#ccc"/>')
-        for j in p.get("near_tie") or []:
-            parts.append(
-                f'<line class="tie" x1="{x(i0 + j):.1f}" x2="{x(i0 + j):.1f}" y1="{H - 18}" y2="{H - 12}" '
-                f'stroke="{TIE}" stroke-width="1.5"/>'
-            )
+        parts.extend(
+            f'<line class="tie" x1="{x(i0 + j):.1f}" x2="{x(i0 + j):.1f}" y1="{H - 18}" y2="{H - 12}" '
+            f'stroke="{TIE}" stroke-width="1.5"/>'
+            for j in p.get("near_tie") or []
+        )
         pts = " ".join(f"{x(i0 + j):.1f},{y(v):.1f}" for j, v in enumerate(vals))
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{LINE}" stroke-width="1"/>')
         i0 += len(vals)
@@ -144,7 +147,10 @@ def history_svg(points: Sequence[tuple[str, float | None, float | None]]) -> str
     ys = [k for _, k, _ in points] + [t for _, _, t in points]
     y = _Log(ys, H - 22, 16)
     n = len(points)
-    x = lambda i: PAD + 8 + i / max(n - 1, 1) * (W - PAD - 24)
+
+    def x(i: float) -> float:
+        return PAD + 8 + i / max(n - 1, 1) * (W - PAD - 24)
+
     parts = [_y_log_axis(y, W)]
     for key, color, dash in ((2, "#b71c1c", ' stroke-dasharray="4 3"'), (1, LINE, "")):
         pts = " ".join(f"{x(i):.1f},{y(p[key]):.1f}" for i, p in enumerate(points) if p[key] is not None)

@@ -226,21 +226,21 @@ def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) 
     sigma = math.sqrt(sum(float(blk.double().pow(2).sum()) for blk in _blocks(emb.data)) / emb.numel())
     base = emb.data.clone()  # the embedding's own part, off U
 
-    def set_embedding(beta: float) -> None:
+    def set_embedding(beta: float, base: torch.Tensor) -> None:
         for i in range(0, V, max(1, _CHUNK // H)):
             rows = slice(i, i + max(1, _CHUNK // H))
             emb.data[rows] = _representable(base[rows].double() + beta * (codes[rows].double() @ U), emb.dtype)
 
     # probe: the branches' energy in the hidden state at each MoE layer, with a code of 4x the embedding's own part
     beta0 = 2 * sigma * math.sqrt(H / code_sq)
-    set_embedding(beta0)
+    set_embedding(beta0, base)
     probe = _Probe(routers, U, codes, ids)
     probe.run(model, ids)
     c_sq = (codes[ids.flatten()].double() ** 2).sum(-1)
     # token t at layer l: kappa_t = beta / rms(h_t), rms(h_t)^2 = sigma^2 + beta^2 |c_t|^2 / H + branch_t^2
     branch_sq = max(float(((beta0 / kap) ** 2 - sigma**2 - beta0**2 * c_sq / H).mean()) for kap in probe.kappa)
     beta = _snap(math.sqrt((sigma**2 + max(branch_sq, 0.0)) / (1 / kappa**2 - code_sq / H)), 2, up=True)
-    set_embedding(beta)
+    set_embedding(beta, base)
     del base
 
     alpha, ctx, offset = params.gap / kappa, params.context * params.gap, float(moe.router == "sigmoid")

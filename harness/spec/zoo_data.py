@@ -47,9 +47,9 @@ def training_docs() -> list[str]:
 
 
 def write_heldout() -> None:
-    parts = []
-    for name in HELDOUT_MODULES:
-        parts.append(DOC_SEPARATOR.format(name=name) + (stdlib_dir() / name).read_text(encoding="utf-8"))
+    parts = [
+        DOC_SEPARATOR.format(name=name) + (stdlib_dir() / name).read_text(encoding="utf-8") for name in HELDOUT_MODULES
+    ]
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     HELDOUT.write_text("".join(parts), encoding="utf-8")
 

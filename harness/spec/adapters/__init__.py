@@ -23,13 +23,7 @@ from lpdiff.harness.spec.adapters.canonical import CanonicalAdapter, load_canoni
 from lpdiff.harness.spec.adapters.convert import convert_adapter, convert_command, reroot_fix, save_canonical
 from lpdiff.harness.spec.adapters.files import CONFIG_NAME, PROVENANCE_NAME, WEIGHTS_NAME, peft_signature
 from lpdiff.harness.spec.adapters.generate import DEFAULT_SCALE, GENERATOR_VERSION, generate_adapter
-from lpdiff.harness.spec.adapters.inspection import (
-    AdapterInfo,
-    adapter_groups,
-    adapter_max_rank,
-    inspect_adapter,
-    several,
-)
+from lpdiff.harness.spec.adapters.inspection import AdapterInfo, adapter_groups, adapter_max_rank, inspect_adapter
 from lpdiff.harness.spec.adapters.layout import (
     GROUPS,
     LAYOUTS,

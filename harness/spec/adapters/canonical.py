@@ -225,7 +225,7 @@ def _fuse_per_expert(layout: ModelLayout, module: str, projs: dict[str, dict[int
         if not present:
             continue
         A, B = [], []
-        for j, part in present:
+        for _, part in present:
             used.add(part)
             got = projs[part]
             if sorted(got) != list(range(p.num_experts)):

@@ -53,9 +53,9 @@ def generate_adapter(
     Every A and B is non-zero. Sizes: A ~ N(0, 1/in), B ~ N(0, c^2) with c chosen so that the RMS of each
     delta scaling * B @ A is `scale` times the RMS of the weight it adapts. The default 0.2 moves the tiny zoo's
     actual-token logprobs by mean |d| 0.17-0.28 (max 1.0-2.5) with every group, 0.07-0.13 (max 0.5-1.0) with
-    experts only (docs/zoo.md, "Generated adapter scale"). `shared_outer`: A of gate_up (Nemotron: up) and B of down_proj identical
-    across experts (the layout some engines use). The caller's model is not modified: PEFT wraps a meta-device
-    copy of it.
+    experts only (docs/zoo.md, "Generated adapter scale"). `shared_outer`: A of gate_up (Nemotron: up) and B of
+    down_proj identical across experts (the layout some engines use). The caller's model is not modified: PEFT wraps
+    a meta-device copy of it.
 
     Trainers' forms, through PEFT's own LoraConfig: ``use_rslora`` (scaling alpha/sqrt(r)), ``rank_pattern`` /
     ``alpha_pattern`` (per-module rank and alpha, keyed as PEFT matches them: a regex for a dotted suffix of the
