@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import click
 
-
-def _log(msg: str) -> None:
-    click.echo(msg, err=True)
+from lpdiff.harness.cli_common import log
 
 
 @click.group()
@@ -25,7 +23,7 @@ def baselines_ls(source) -> int:
     entries = store.ls()
     for e in entries:
         click.echo(e.describe())
-    _log(f"{len(entries)} file(s) in {store.root}")
+    log(f"{len(entries)} file(s) in {store.root}")
     return 0
 
 
@@ -50,12 +48,12 @@ def baselines_prune(source, dry_run) -> int:
             f"keep) {e.path}: {e.problem}"
         )
     if dry_run:
-        _log(f"{len(plan)} file(s) would be removed from {store.root}; `lpdiff baselines prune --yes` removes them")
+        log(f"{len(plan)} file(s) would be removed from {store.root}; `lpdiff baselines prune --yes` removes them")
         return 0
     changed = store.remove(plan)
     for e in changed:
         click.echo(f"kept (changed since it was listed) {e.path}")
-    _log(f"{len(plan) - len(changed)} file(s) were removed from {store.root}")
+    log(f"{len(plan) - len(changed)} file(s) were removed from {store.root}")
     return 0
 
 
@@ -108,7 +106,7 @@ def baselines_diff(repo, rev1, rev2) -> int:
     for label, names in (("added", d.added), ("removed", d.removed), ("changed", d.changed)):
         for n in names:
             click.echo(f"{label:8s} {n}")
-    _log(f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed")
+    log(f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed")
     return 0
 
 
