@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lpdiff.engines import DEFAULT_ENGINE, REFERENCE_ENGINE, capabilities
 from lpdiff.harness.pipeline.noise import Noise, fp32_rounding_floor, pair_noise, threshold_from
 from lpdiff.harness.pipeline.session import run_session
 from lpdiff.harness.pipeline.thresholds import Threshold, record
@@ -101,21 +102,23 @@ def calibrate(
 
 
 # The tiny zoo's standard calibration: what each suite lane is judged with, and the correct pair it comes from.
+_REF, _OWN = REFERENCE_ENGINE, DEFAULT_ENGINE
 ZOO_PLAN = [
-    # fp32: two correct expert kernels (HF eager vs batched_mm) bound fp32 rounding between implementations.
+    # fp32: the reference's two correct expert kernels (its fp32 twins: HF batched_mm vs eager) bound fp32 rounding
+    # between implementations.
     (
-        Lane("hf", "float32", {"experts_impl": "batched_mm"}),
-        Lane("hf", "float32", {"experts_impl": "eager"}),
-        [("hf:float32-vs-hf:float32", "float32"), ("triton:float32-vs-hf:float32", "float32")],
+        Lane(_REF, "float32", dict(capabilities(_REF).fp32_twins[0])),
+        Lane(_REF, "float32", dict(capabilities(_REF).fp32_twins[1])),
+        [(f"{_REF}:float32-vs-{_REF}:float32", "float32"), (f"{_OWN}:float32-vs-{_REF}:float32", "float32")],
         30.0,
         True,
     ),
     # bf16: the reference itself in bf16 against fp32. LoRA-delta fidelity is not judged in bf16: its noise on
     # the tiny zoo (0.06-0.24) leaves no room below the 1.0 of a dropped adapter.
     (
-        Lane("hf", "bfloat16"),
-        Lane("hf", "float32"),
-        [("hf:bfloat16-vs-hf:float32", "bfloat16"), ("triton:bfloat16-vs-hf:float32", "bfloat16")],
+        Lane(_REF, "bfloat16"),
+        Lane(_REF, "float32"),
+        [(f"{_REF}:bfloat16-vs-{_REF}:float32", "bfloat16"), (f"{_OWN}:bfloat16-vs-{_REF}:float32", "bfloat16")],
         10.0,
         False,
     ),
