@@ -225,6 +225,16 @@ class ManagedProcess:
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    def wait(self, timeout: float) -> int | None:
+        """The exit status once the process has ended within ``timeout`` seconds; None while it runs on (or was
+        never started)."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def log_tail(self) -> str:
         try:
             lines = Path(self.log_path).read_text(errors="replace").splitlines()
@@ -335,9 +345,11 @@ class SubprocessLane:
 
     def _request(self, msg: tuple, timeout: float | None, what: str) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
+        proc, resp_fd = self.proc, self._resp_fd
+        if proc is None or proc.stdin is None or resp_fd is None:
+            raise RuntimeError("the lane is not running: use it as a context manager or call start() first")
 
         def alive(eof: bool = False):
-            proc = self.proc
             if eof:  # a dying process closes its pipes a moment before it can be reaped
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
@@ -353,13 +365,13 @@ class SubprocessLane:
                 raise self.child.died(what, None, f"did not answer within {timeout:.0f} s and was killed")
 
         try:
-            _send(self.proc.stdin, msg)
+            _send(proc.stdin, msg)
         except (BrokenPipeError, OSError):
-            rc = self.proc.wait(timeout=5)
+            rc = proc.wait(timeout=5)
             self._kill()
             raise self.child.died(what, rc, f"exited with status {rc}") from None
-        (size,) = _HEADER.unpack(_read_exact(self._resp_fd, _HEADER.size, deadline, alive))
-        status, payload = pickle.loads(_read_exact(self._resp_fd, size, deadline, alive))
+        (size,) = _HEADER.unpack(_read_exact(resp_fd, _HEADER.size, deadline, alive))
+        status, payload = pickle.loads(_read_exact(resp_fd, size, deadline, alive))
         if status == "ok":
             return payload
         raise LaneError(f"{what} failed inside the lane:\n{payload}")
@@ -433,6 +445,7 @@ def _serve(resp_fd: int) -> int:
                 obj.__exit__(None, None, None)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         msg = pickle.loads(requests.read(_HEADER.unpack(header)[0]))
+        reply: tuple[str, Any]
         try:
             if msg[0] == "open":
                 _, target, args = msg

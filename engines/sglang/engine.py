@@ -75,7 +75,7 @@ class SGLangOffline:
 
     def __init__(self, config: EngineConfig):
         self.config, self.opts = config, dict(config.options)
-        self.engine = None
+        self.engine: Any = None  # sgl.Engine while entered
 
     def __enter__(self) -> SGLangOffline:
         try:
@@ -98,10 +98,15 @@ class SGLangOffline:
 
         return f"sglang {sglang.__version__}, torch {torch.__version__}"
 
+    def _live(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError("SGLangOffline is used inside `with` (the lane's child enters it)")
+        return self.engine
+
     def prompt_logprobs(self, prompts, adapter: AdapterChoice = None, top_k: int = 0) -> list[PromptLogprobs]:
         names = check_request(prompts, adapter, self.config.adapters)
         routing = self.resolved.get("routing")
-        out = self.engine.generate(**generate_request(prompts, names, top_k, self.vocab, routing is not None))
+        out = self._live().generate(**generate_request(prompts, names, top_k, self.vocab, routing is not None))
         return parse_batch(prompts, out, top_k, self.vocab, routing)
 
     def decode(
@@ -109,7 +114,7 @@ class SGLangOffline:
     ):
         check_decode(max_new_tokens, sampling, seed)
         names = check_request(prompts, adapter, self.config.adapters)
-        out = self.engine.generate(**decode_request(prompts, names, max_new_tokens, sampling, seed))
+        out = self._live().generate(**decode_request(prompts, names, max_new_tokens, sampling, seed))
         return parse_decode(prompts, out, max_new_tokens)
 
 
@@ -130,13 +135,13 @@ class SGLangHTTP:
 
     def __init__(self, config: EngineConfig, opts: dict[str, Any], lane: LaneConfig, resolved: dict[str, Any]):
         self.config, self.opts, self.lane, self.resolved = config, opts, lane, resolved
-        self.url = opts.get("url")
+        self.url: str = opts.get("url") or ""  # "": launch a server in __enter__
         self.timeout = opts.get("request_timeout_s")  # None: the lane's work-scaled call deadline
         self.server: ManagedProcess | None = None
 
     def __enter__(self) -> SGLangHTTP:
         self.vocab = self.resolved["vocab_size"]
-        if self.url is None:
+        if not self.url:
             port = int(self.opts.get("port") or _free_port())
             argv = [
                 self.lane.python,
@@ -152,7 +157,7 @@ class SGLangHTTP:
                 argv, self.lane.env, self.lane.log_path, self.lane.tail_lines, log_prefix="lpdiff-sglang-server-"
             ).start()
             self.url = f"http://127.0.0.1:{port}"
-            self._wait_ready(self.lane.start_timeout_s)
+            self._wait_ready(self.server, self.lane.start_timeout_s)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -160,12 +165,12 @@ class SGLangHTTP:
             self.server.kill()
             self.server = None
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, server: ManagedProcess, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            rc = self.server.poll()
+            rc = server.poll()
             if rc is not None:
-                died = self.server.died("starting the SGLang server", rc, f"exited with status {rc}")
+                died = server.died("starting the SGLang server", rc, f"exited with status {rc}")
                 self.__exit__()
                 raise died
             try:
@@ -175,7 +180,7 @@ class SGLangHTTP:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                died = self.server.died("starting the SGLang server", None, f"was not ready in {timeout:.0f} s")
+                died = server.died("starting the SGLang server", None, f"was not ready in {timeout:.0f} s")
                 self.__exit__()
                 raise died
             time.sleep(1.0)
@@ -192,10 +197,7 @@ class SGLangHTTP:
             raise RuntimeError(f"SGLang {path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             if self.server is not None:
-                try:
-                    rc = self.server.proc.wait(timeout=5)
-                except Exception:  # noqa: BLE001 - still running: the request itself failed
-                    rc = None
+                rc = self.server.wait(5)  # None: still running, so the request itself failed
                 if rc is not None:
                     raise self.server.died(f"SGLang {path}", rc, f"exited with status {rc}") from None
             raise RuntimeError(f"SGLang {path} at {self.url} failed: {e}") from None
@@ -256,17 +258,19 @@ class SGLangEngine:
         if config.dtype == "float32":
             server_args(config, "")  # raises the fp32 error before anything starts
         self.config, self.opts, self.lane = config, opts, lane
-        self._impl = None
+        self._impl: LaneEngine | SGLangHTTP | None = None
 
     def __enter__(self) -> SGLangEngine:
         resolved = resolve(self.config, self.opts, launch=self.mode == "offline" or "url" not in self.opts)
+        impl: LaneEngine | SGLangHTTP
         if self.mode == "offline":
             child = strip_lane_options(self.config)
             child = replace(child, options={**child.options, _RESOLVED: resolved})
-            self._impl = LaneEngine(self.name, "lpdiff.engines.sglang:SGLangOffline", child, self.lane)
+            impl = LaneEngine(self.name, "lpdiff.engines.sglang:SGLangOffline", child, self.lane)
         else:
-            self._impl = SGLangHTTP(self.config, self.opts, self.lane, resolved)
-        self._impl.__enter__()
+            impl = SGLangHTTP(self.config, self.opts, self.lane, resolved)
+        impl.__enter__()
+        self._impl = impl
         return self
 
     def __exit__(self, *exc) -> None:
