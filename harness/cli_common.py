@@ -20,8 +20,8 @@ LAYOUTS = click.Choice(["peft3d", "per_expert", "per_expert_gate"])
 
 
 class EngineChoice(click.Choice):
-    """An engine of the registry (engines/registry.py): the choices are read when the option is, so an engine
-    added there is offered by every command without an edit here."""
+    """An engine of the registry (engines/registry.py), as it stands when the CLI loads: an engine added there (its
+    one line) is offered by every command without an edit here; an unknown name is one line naming the known ones."""
 
     def __init__(self) -> None:
         super().__init__(list(ENGINES))
