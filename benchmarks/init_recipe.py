@@ -84,7 +84,7 @@ def _sync(device) -> None:
 def forward_stats(model, ids: torch.Tensor) -> dict:
     """zoo_measure's statistics (next-token entropies, actual-token logprobs, router choice scores per MoE layer) on
     equal-length prompts, with log V."""
-    from lpdiff.harness.spec.zoo_measure import forward_stats as stats
+    from lpdiff.harness.build.zoo_measure import forward_stats as stats
 
     return {**stats(model, ids.tolist()), "log_v": math.log(model.get_output_embeddings().weight.shape[0])}
 
@@ -95,8 +95,8 @@ def _sets(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def router_stats(stats: dict) -> dict[str, torch.Tensor]:
     """Margins, margin / bf16 spacing at the k-th score, over every (token, MoE layer)."""
+    from lpdiff.harness.build.zoo_measure import bf16_ulp
     from lpdiff.harness.spec.routing import topk_margin
-    from lpdiff.harness.spec.zoo_measure import bf16_ulp
 
     margins, ratios = [], []
     for s, k in stats["routers"]:

@@ -92,8 +92,8 @@ def calibrate(
     models, engine, dtype, options, against, against_dtype, against_options, record_as, factor, tp, num_layers
 ) -> int:
     """Measure noise floors between correct implementations and record thresholds from them."""
+    from lpdiff.harness.build.adapter_zoo import MOE_MODELS
     from lpdiff.harness.commands import calibrate as cal
-    from lpdiff.harness.spec.adapter_zoo import MOE_MODELS
 
     models = list(models) or MOE_MODELS
     if engine is None:

@@ -1,4 +1,5 @@
-"""The import graph keeps one direction: kernels <- engines <- harness.pipeline <- harness.commands <- cli / plugin.
+"""The import graph keeps one direction: kernels <- engines <- harness.pipeline <- harness.commands <- cli / plugin;
+harness.build (the zoo's builders) reads spec only and only the CLI imports it.
 
 Every .py under kernels/, engines/, harness/, suites/ and tests/ is parsed (not imported): ``import`` and ``from``
 statements at any depth, ``importlib.import_module("...")`` / ``pytest.importorskip("...")`` with a literal name,
@@ -193,6 +194,26 @@ def test_spec_imports_only_types_and_spec():
     )
 
 
+def test_build_imports_only_spec_and_only_the_cli_imports_build():
+    """harness/build/ (the zoo's builders) sits beside engines, above spec: it reads spec and types; of the product
+    only the CLI faces import it, so nothing a run executes depends on a builder (its docstring says why)."""
+    ok = ("lpdiff.harness.types", "lpdiff.harness.spec", "lpdiff.harness.build")
+    bad = _violations(
+        ("lpdiff.harness.build",),
+        lambda t: t in ("lpdiff", "lpdiff.harness") or _under(t, *ok),
+        "harness.build imports only spec, types and build",
+    )
+    cli = tuple(m for m in MODULES if m.startswith(("lpdiff.harness.cli", "lpdiff.harness.plugin")))
+    bad += [
+        f"{e.where()}: only the CLI imports harness.build: {e.source} imports {e.target}"
+        for e in EDGES
+        if _under(e.target, "lpdiff.harness.build")
+        and _under(e.source, "lpdiff")
+        and not _under(e.source, "lpdiff.harness.build", *cli)
+    ]
+    _assert_none(bad)
+
+
 def test_pipeline_and_commands_import_no_layer_above():
     above = {
         "lpdiff.harness.pipeline": ("lpdiff.harness.commands", "lpdiff.harness.cli", "lpdiff.harness.plugin"),
@@ -292,3 +313,140 @@ def test_cycle_finder_finds_a_cycle():
         assert len(_cycles("lpdiff.kernels")) == 1
     finally:
         EDGES = saved
+
+
+# -- every product module is imported by a test ----------------------------------------------------------------------
+
+
+def _is_test(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1]
+    return _under(module, "tests") and (last.startswith("test_") or last == "conftest")
+
+
+def _exports() -> dict[tuple[str, str], tuple[str, str]]:
+    """(module, name) -> (module, name) it was imported from, for the top-level ``from lpdiff... import`` lines of
+    product modules: how a package's face re-exports what its submodules define."""
+    out = {}
+    for module, path in MODULES.items():
+        if not _under(module, "lpdiff"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve_from(node, module, path.name == "__init__.py")
+                if _under(base, "lpdiff"):
+                    for a in node.names:
+                        out[(module, a.asname or a.name)] = (base, a.name)
+    return out
+
+
+EXPORTS = _exports()
+
+
+def _defining(module: str, name: str) -> str:
+    """The module that ``module.name`` lives in: the submodule of that name, or the end of the re-export chain."""
+    seen = set()
+    while f"{module}.{name}" not in MODULES:
+        nxt = EXPORTS.get((module, name))
+        if nxt is None or nxt in seen:
+            return module
+        seen.add(nxt)
+        module, name = nxt
+    return f"{module}.{name}"
+
+
+class _TestUses(ast.NodeVisitor):
+    """What one test file reaches of lpdiff: the modules it imports, the modules that define the names it imports
+    from a package's face, and ``alias.name`` attributes of a module it imported under an alias."""
+
+    def __init__(self, module: str, path: Path):
+        self.module, self.is_package, self.aliases, self.used = module, path.name == "__init__.py", {}, set()
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for a in node.names:
+            if _under(a.name, "lpdiff"):
+                self.used.add(a.name)
+                if a.asname:
+                    self.aliases[a.asname] = a.name
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = _resolve_from(node, self.module, self.is_package)
+        if not _under(base, "lpdiff"):
+            return
+        self.used.add(base)
+        for a in node.names:
+            target = _defining(base, a.name)
+            self.used.add(target)
+            if target in MODULES and target.endswith("." + a.name):
+                self.aliases[a.asname or a.name] = target
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.value, ast.Name) and node.value.id in self.aliases:
+            self.used.add(_defining(self.aliases[node.value.id], node.attr))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name in IMPORT_CALLS and node.args and isinstance(node.args[0], ast.Constant):
+            if isinstance(node.args[0].value, str) and _under(node.args[0].value, "lpdiff"):
+                self.used.add(node.args[0].value)
+        self.generic_visit(node)
+
+
+def _tested() -> set[str]:
+    used = set()
+    for module, path in MODULES.items():
+        if _is_test(module):
+            v = _TestUses(module, path)
+            v.visit(ast.parse(path.read_text(), filename=str(path)))
+            used |= v.used
+    return used
+
+
+def _untested(used: set[str]) -> list[str]:
+    """Product modules no test reaches; a package counts as reached when a test reaches it or anything in it."""
+    out = []
+    for module, path in MODULES.items():
+        if not _under(module, "lpdiff"):
+            continue
+        package = path.name == "__init__.py"
+        if not (module in used or (package and any(_under(u, module) for u in used))):
+            out.append(f"{path.relative_to(ROOT)} ({module})")
+    return sorted(out)
+
+
+def test_every_product_module_is_imported_by_a_test():
+    """Each .py under harness/, engines/, kernels/ is imported by some tests/**/test_*.py or conftest.py: directly,
+    or by a name imported from a package that re-exports it from there (lpdiff/__init__.py is the version only).
+    A new module comes with its test."""
+    missing = _untested(_tested())
+    assert not missing, f"{len(missing)} product module(s) no test imports (add a test beside its mirror in " + (
+        "tests/):\n" + "\n".join(missing)
+    )
+
+
+def test_the_test_rule_sees_names_through_a_face_and_aliases():
+    tree = ast.parse(
+        "from lpdiff.harness.spec.adapters import convert_adapter\n"
+        "from lpdiff.harness.spec import validate as v\n"
+        "def t():\n    v.adapters\n"
+    )
+    uses = _TestUses("tests.harness.spec.test_x", ROOT / "tests/harness/spec/test_x.py")
+    uses.visit(tree)
+    assert "lpdiff.harness.spec.adapters.convert" in uses.used  # the face re-exports it from there
+    assert "lpdiff.harness.spec.validate.adapters" in uses.used  # a submodule reached through an alias
+    assert "lpdiff.kernels.ssd" not in uses.used
+    assert _untested(set()), "with no test at all, every module is missing"
+    assert _is_test("tests.engines.triton.conftest") and _is_test("tests.kernels.test_moe")
+    assert not _is_test("tests.helpers.moe") and not _is_test("suites.test_bug_zoo")
+
+
+def test_no_test_file_imports_another():
+    """Shared code lives in tests/helpers/: a test file imported by another runs its module-level code twice and
+    ties the two together (a fixture re-exported from one test module to another ran in both). The GPU suites in
+    suites/ are the product's own test plans: tests of their grid and helpers read them, as tests read any module."""
+    bad = [
+        f"{e.where()}: a test imports no test file (shared code goes to tests/helpers/): {e.source} imports {e.target}"
+        for e in EDGES
+        if _under(e.source, "tests", "suites") and _under(e.target, "tests") and _is_test(e.target)
+    ]
+    _assert_none(bad)

@@ -175,7 +175,7 @@ def hf_config(spec: ModelSpec):
         if not (Path(spec.path) / "config.json").is_file():
             raise InputError(
                 f"{spec.path} has no config.json; for a zoo model run "
-                f"`python -m lpdiff.harness.spec.zoo build --name {spec.name}`"
+                f"`python -m lpdiff.harness.build.zoo build --name {spec.name}`"
             )
         cfg = AutoConfig.from_pretrained(spec.path)
     else:

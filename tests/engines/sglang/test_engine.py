@@ -37,8 +37,8 @@ def tiny(tmp_path_factory):
     """A 2-layer dense Qwen3 of the zoo's shape, with one attention adapter."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lpdiff.harness.build.zoo import TINY_CONFIGS
     from lpdiff.harness.spec.adapters import generate_adapter
-    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     root = tmp_path_factory.mktemp("sglang")
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], num_hidden_layers=2, initializer_range=0.25)

@@ -285,9 +285,9 @@ def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
         peft.load_adapter(paths["la"], adapter_name="la")
         peft.eval()
 
-        def logprobs(p):
+        def logprobs(p, net=peft):
             ids = torch.tensor([p], device="cuda")
-            lg = peft(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
+            lg = net(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
             return lg[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu().numpy()
 
         for name in ("all", "la"):
@@ -295,7 +295,7 @@ def test_full_width_reduced_depth_matches_hf_peft(tmp_path):
             refs[name] = [logprobs(p) for p in prompts]
         with peft.disable_adapter():
             refs[None] = [logprobs(p) for p in prompts]
-    del peft, model
+    del peft, model, logprobs  # the closure's default holds the model too
     torch.cuda.empty_cache()
     adapters = {
         "all": AdapterSpec("all", str(paths["all"])),

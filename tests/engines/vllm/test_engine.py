@@ -46,7 +46,7 @@ def tiny_checkpoint(name: str, root: Path) -> ModelSpec:
         return spec
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lpdiff.harness.spec.zoo import TINY_CONFIGS
+    from lpdiff.harness.build.zoo import TINY_CONFIGS
 
     kw = dict(TINY_CONFIGS[name], initializer_range=0.25)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)

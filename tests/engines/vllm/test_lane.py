@@ -164,7 +164,7 @@ def test_real_hf_engine_in_a_lane_matches_in_process(tmp_path):
     from lpdiff.engines.base import EngineConfig
     from lpdiff.engines.hf import HFEngine
     from lpdiff.engines.subprocess_lane import LaneEngine
-    from lpdiff.harness.spec.zoo import TINY_CONFIGS
+    from lpdiff.harness.build.zoo import TINY_CONFIGS
     from lpdiff.harness.types import ModelSpec
 
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], num_hidden_layers=2, initializer_range=0.25)

@@ -206,8 +206,8 @@ def test_checkpoint_dir_writes_a_layer_cut_model_once(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lpdiff.engines.vllm import checkpoint_dir
+    from lpdiff.harness.build.zoo import TINY_CONFIGS
     from lpdiff.harness.spec.catalog import load_hf_model
-    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     kw = dict(TINY_CONFIGS["tiny-qwen3-dense"], initializer_range=0.25)
     torch.manual_seed(0)

@@ -27,8 +27,8 @@ def zoo(tmp_path_factory):
     """name -> (ModelSpec, model): the zoo checkpoint when built, else the zoo's config with a seeded init."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lpdiff.harness.build.zoo import TINY_CONFIGS
     from lpdiff.harness.spec.catalog import ZOO, get_model, load_hf_model
-    from lpdiff.harness.spec.zoo import TINY_CONFIGS
 
     root, out = tmp_path_factory.mktemp("doctor"), {}
     for name in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen3.5-moe", "tiny-nemotron-h"):

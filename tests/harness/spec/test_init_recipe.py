@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from lpdiff.harness.build.zoo_measure import bf16_ulp, forward_stats
 from lpdiff.harness.spec import init_recipe as ir
 from lpdiff.harness.spec.catalog import (
     FULL_CONFIGS,
@@ -23,7 +24,6 @@ from lpdiff.harness.spec.catalog import (
 from lpdiff.harness.spec.checkpoint import write_checkpoint
 from lpdiff.harness.spec.errors import SpecError
 from lpdiff.harness.spec.routing import topk_margin
-from lpdiff.harness.spec.zoo_measure import bf16_ulp, forward_stats
 from lpdiff.harness.types import ModelSpec
 from tests.helpers.configs import narrow_full_config
 

@@ -14,14 +14,14 @@ One batch per model mixes them, so that verdicts can name which part of an adapt
                         rank 8, on the models the triton engine serves (the only CPU engine that reads that layout;
                         the hf reference converts it to PEFT 3D exactly before loading)
 Trainers' adapters (``trainer_plan``; written on demand, not committed, so default runs and baselines stay as they
-are: ``python -m lpdiff.harness.spec.adapter_zoo --trainer OUT [MODEL ...]``, or ``build_trainer``):
+are: ``python -m lpdiff.harness.build.adapter_zoo --trainer OUT [MODEL ...]``, or ``build_trainer``):
   rslora_patterns       attention + experts, rank 16, rsLoRA, rank_pattern / alpha_pattern giving q_proj, one layer's
                         gate_up and o_proj / down_proj their own rank or alpha (slots zero-padded below 16)
   vocab                 lm_head + embed_tokens (PEFT's Linear and Embedding LoRA), rank 8
   all_vocab             attention + experts + lm_head + embed_tokens, rank 32, rsLoRA, lm_head at rank 4
   rank128               attention + experts, rank 128 (vLLM 0.25.1's MoE-LoRA limit; the triton runtime's LoRA layers
                         run on the torch references above its kernels' MAX_RANK)
-Generated deterministically (``python -m lpdiff.harness.spec.adapter_zoo [--force] [MODEL ...]``); the committed
+Generated deterministically (``python -m lpdiff.harness.build.adapter_zoo [--force] [MODEL ...]``); the committed
 files are the source of truth and existing ones are kept unless ``--force``. Their size depends on the model's
 weights (generate_adapter scales each delta to its weight), so rebuild them after the zoo changes (``--force``),
 then ``lpdiff regen``; a new adapter needs ``lpdiff regen --model M --adapter A``.
@@ -138,7 +138,7 @@ def build(name: str, force: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.spec.adapter_zoo")
+    ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.build.adapter_zoo")
     ap.add_argument("models", nargs="*", help=f"zoo models (default: {' '.join(MOE_MODELS)})")
     ap.add_argument("--force", action="store_true", help="regenerate adapters that exist too")
     ap.add_argument(

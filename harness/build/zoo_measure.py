@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from lpdiff.harness.build.zoo_train import RouterTap
 from lpdiff.harness.spec.catalog import ZOO_DIR
-from lpdiff.harness.spec.zoo_train import RouterTap
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The tiny model zoo: five small checkpoints (four MoE architectures and one dense model) that behave like trained
 models, so that verdicts on a laptop mean something (docs/models.md, "Random init is a trap").
 
-    python -m lpdiff.harness.spec.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]  # tokenizer + held-out text
+    python -m lpdiff.harness.build.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]  # tokenizer + held-out text
                                                                                 # (if missing) + model(s)
-    python -m lpdiff.harness.spec.zoo measure [--name N] [--prompt-set S] [--dir DIR] [--markdown]
+    python -m lpdiff.harness.build.zoo measure [--name N] [--prompt-set S] [--dir DIR] [--markdown]
 
 Recipe (seeded; the committed weights are the source of truth, a rebuild on another machine or torch may differ):
   1. Corpus: the top-level modules of the running Python's standard library (``Lib/*.py``), minus a few held-out
@@ -39,8 +39,10 @@ from pathlib import Path
 
 import torch
 
+from lpdiff.harness.build.zoo_configs import TINY_CONFIGS, hub_compat
+from lpdiff.harness.build.zoo_measure import markdown, measure
+from lpdiff.harness.build.zoo_train import SEQ_LEN, TrainConfig, train
 from lpdiff.harness.spec.catalog import ZOO_DIR
-from lpdiff.harness.spec.zoo_configs import TINY_CONFIGS, hub_compat
 from lpdiff.harness.spec.zoo_data import (
     HELDOUT,
     TOKENIZER_DIR,
@@ -51,8 +53,6 @@ from lpdiff.harness.spec.zoo_data import (
     training_docs,
     write_heldout,
 )
-from lpdiff.harness.spec.zoo_measure import markdown, measure
-from lpdiff.harness.spec.zoo_train import SEQ_LEN, TrainConfig, train
 
 RECIPE = "zoo-recipe/v1 (harness/zoo.py docstring)"
 
@@ -114,7 +114,7 @@ def build(names: list[str], steps: int | None = None, corpus: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.spec.zoo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lpdiff.harness.build.zoo", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="train and save zoo model(s) (all by default)")
     b.add_argument("--name", action="append", choices=list(TINY_CONFIGS))

@@ -15,7 +15,7 @@ from lpdiff.harness.spec.catalog import ZOO, ZOO_DIR
 from lpdiff.harness.spec.prompts import SETS, prompt_set
 from lpdiff.harness.types import prompts_hash
 
-# sha256 of each committed model.safetensors: a rebuild (python -m lpdiff.harness.spec.zoo build) changes these on purpose
+# sha256 of each committed model.safetensors: a rebuild (python -m lpdiff.harness.build.zoo build) changes these on purpose
 # only; update them together with docs/zoo.md and regenerate the baselines.
 WEIGHTS_SHA256 = {
     "tiny-qwen3-moe": "1550d4bd7f88354bcb4f84ee24bbd14b941a32b8df69f723b90057847f37815f",
@@ -98,7 +98,7 @@ def test_prompt_sets_deterministic_and_ragged():
 
 @pytest.fixture(scope="module")
 def measured():
-    from lpdiff.harness.spec.zoo_measure import measure
+    from lpdiff.harness.build.zoo_measure import measure
 
     torch.manual_seed(0)
     return {name: measure(name) for name in ZOO}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lpdiff.engines import EngineConfig, open_engine
-from lpdiff.harness.spec.adapter_zoo import build_trainer
+from lpdiff.harness.build.adapter_zoo import build_trainer
 from lpdiff.harness.spec.adapters import convert_adapter, load_canonical
 from lpdiff.harness.spec.catalog import get_model, load_hf_model
 from lpdiff.harness.types import AdapterSpec

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lpdiff.harness.spec.zoo_configs import SEED, init_model
+from lpdiff.harness.build.zoo_configs import SEED, init_model
 
 SEQ_LEN = 128
 
