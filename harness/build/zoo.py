@@ -40,10 +40,7 @@ from pathlib import Path
 import torch
 
 from lpdiff.harness.build.zoo_configs import TINY_CONFIGS, hub_compat
-from lpdiff.harness.build.zoo_measure import markdown, measure
-from lpdiff.harness.build.zoo_train import SEQ_LEN, TrainConfig, train
-from lpdiff.harness.spec.catalog import ZOO_DIR
-from lpdiff.harness.spec.zoo_data import (
+from lpdiff.harness.build.zoo_data import (
     HELDOUT,
     TOKENIZER_DIR,
     build_tokenizer,
@@ -53,6 +50,9 @@ from lpdiff.harness.spec.zoo_data import (
     training_docs,
     write_heldout,
 )
+from lpdiff.harness.build.zoo_measure import markdown, measure
+from lpdiff.harness.build.zoo_train import SEQ_LEN, TrainConfig, train
+from lpdiff.harness.spec.catalog import ZOO_DIR
 
 RECIPE = "zoo-recipe/v1 (harness/zoo.py docstring)"
 

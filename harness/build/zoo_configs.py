@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from lpdiff.harness.build.zoo_data import VOCAB
 from lpdiff.harness.spec.catalog import ZOO
 from lpdiff.harness.spec.errors import UnknownName
-from lpdiff.harness.spec.zoo_data import VOCAB
 
 SEED = 0
 

@@ -71,7 +71,7 @@ def test_hub_layout_on_disk():
 def test_tokenizer_loads_and_round_trips():
     from transformers import AutoTokenizer
 
-    from lpdiff.harness.spec.zoo_data import heldout_docs
+    from lpdiff.harness.build.zoo_data import heldout_docs
 
     tok = AutoTokenizer.from_pretrained(ZOO_DIR / "tiny-qwen3-dense")
     text = heldout_docs()["textwrap.py"][:2000]
