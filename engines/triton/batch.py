@@ -5,12 +5,21 @@ attention: a real query never sees a key after itself, so padded keys never ente
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from lpdiff.engines.triton.config import ModelConfig
 from lpdiff.kernels.lora_linear import slot_one_hot
+
+
+class RopeTables(Protocol):
+    """What Batch.build reads of a model's config (ModelConfig, Qwen3.5's and Nemotron-H's configs)."""
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor: ...
+    @property
+    def rope_attention_scaling(self) -> float: ...
 
 
 @dataclass(slots=True)
@@ -32,7 +41,7 @@ class Batch:
 
     @classmethod
     def build(
-        cls, prompts: list[list[int]], slots: list[int], cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+        cls, prompts: list[list[int]], slots: list[int], cfg: RopeTables, dtype: torch.dtype, device: torch.device
     ) -> Batch:
         # index maps in numpy and rope on the device: no torch CPU kernels on the host's path to the first launch
         # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e.md)
@@ -104,7 +113,11 @@ class Batch:
         LoRA layers' shrink; built once per batch and shared by every layer."""
         key = (num_slots, dtype)
         if key not in self._slot_masks:
-            self._slot_masks[key] = slot_one_hot(self.token_adapter, num_slots, dtype)
+            if self.token_adapter is None:  # no prompt uses an adapter: every row is all zero
+                ids = self.input_ids
+                self._slot_masks[key] = torch.zeros(ids.shape[0], num_slots, dtype=dtype, device=ids.device)
+            else:
+                self._slot_masks[key] = slot_one_hot(self.token_adapter, num_slots, dtype)
         return self._slot_masks[key]
 
     def mask(self, window: int | None, sink: bool) -> torch.Tensor:

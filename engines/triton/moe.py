@@ -6,12 +6,12 @@ Shapes: T tokens, E experts, K top-k.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
-from lpdiff.engines.triton.config import ModelConfig
-from lpdiff.engines.triton.weights import LayerWeights
 from lpdiff.harness.spec.routing import topk_margin
 from lpdiff.kernels import moe_forward
 
@@ -103,7 +103,47 @@ def record(ids: torch.Tensor, weights: torch.Tensor, margin: torch.Tensor) -> No
         recording.append((ids, weights, margin))
 
 
-def route(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, impl: str = "auto", min_into: torch.Tensor | None = None):
+class RouterWeights(Protocol):
+    """What route() reads of a layer's weights (the shared decoder's LayerWeights, Qwen3.5's MoeWeights)."""
+
+    @property
+    def router(self) -> torch.Tensor: ...
+    @property
+    def router_bias(self) -> torch.Tensor | None: ...
+
+
+class RouterConfig(Protocol):
+    """What route() reads of a model's config (ModelConfig, Qwen35Config)."""
+
+    @property
+    def router(self) -> str: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
+
+
+class ExpertWeights(Protocol):
+    """What experts() reads of a layer's weights."""
+
+    @property
+    def w_gate_up(self) -> torch.Tensor: ...
+    @property
+    def w_down(self) -> torch.Tensor: ...
+    @property
+    def b_gate_up(self) -> torch.Tensor | None: ...
+    @property
+    def b_down(self) -> torch.Tensor | None: ...
+
+
+class ExpertConfig(Protocol):
+    @property
+    def activation(self) -> str: ...
+
+
+def route(
+    x: torch.Tensor, w: RouterWeights, cfg: RouterConfig, impl: str = "auto", min_into: torch.Tensor | None = None
+):
     """-> topk ids (T, K) int64, topk weights (T, K) float32, routing margin (T,) float32.
     min_into (T,) float32: the running minimum of earlier layers' margins, updated in place and returned as the
     margin (the kernel does it in its store: one launch fewer per layer on a host-bound forward)."""
@@ -147,8 +187,8 @@ def experts(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    w: LayerWeights,
-    cfg: ModelConfig,
+    w: ExpertWeights,
+    cfg: ExpertConfig,
     lora,
     token_adapter: torch.Tensor | None,
     impl: str,

@@ -138,6 +138,19 @@ class LayerWeights:
     q_norm: Tensor | None = None  # (d,) fp32, 1 + w
     k_norm: Tensor | None = None
 
+    def linear_parts(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """conv, A_log, dt_bias, gnorm of a linear-attention layer."""
+        conv, a_log, dt_bias, gnorm = self.conv, self.A_log, self.dt_bias, self.gnorm
+        if conv is None or a_log is None or dt_bias is None or gnorm is None:
+            raise ValueError(f"a {self.kind} layer has no linear-attention weights")
+        return conv, a_log, dt_bias, gnorm
+
+    def qk_norms(self) -> tuple[Tensor, Tensor]:
+        """q_norm, k_norm of a full-attention layer."""
+        if self.q_norm is None or self.k_norm is None:
+            raise ValueError(f"a {self.kind} layer has no q/k norms")
+        return self.q_norm, self.k_norm
+
 
 @dataclass(slots=True)
 class Qwen35Weights:
@@ -148,7 +161,7 @@ class Qwen35Weights:
 
     def nbytes(self) -> int:
         seen, total = set(), 0
-        ts = [self.embed, self.norm, self.lm_head]
+        ts: list[Tensor | None] = [self.embed, self.norm, self.lm_head]
         for lw in self.layers:
             m = lw.moe
             ts += [
@@ -252,14 +265,15 @@ class Qwen35Model:
         proj = self.linear(h, lw.proj_in, ll and ll.proj_in, batch)
         qkv, z, b, a = proj.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
         trace.update(in_proj_qkv=qkv, in_proj_z=z, in_proj_b=b, in_proj_a=a)
+        conv, A_log, dt_bias, gnorm = lw.linear_parts()
         if faults.on("conv_across_prompts"):  # the whole packed batch as one sequence
-            qkv = gdn.causal_conv1d(qkv, lw.conv, _one_prompt(batch))
+            qkv = gdn.causal_conv1d(qkv, conv, _one_prompt(batch))
         else:
-            qkv = gdn.causal_conv1d(qkv, lw.conv, batch)
+            qkv = gdn.causal_conv1d(qkv, conv, batch)
         q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q, k, v = q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv)
         beta = b.sigmoid()
-        g = -lw.A_log.float().exp() * F.softplus(a.float() + lw.dt_bias)
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
         if nv != nk:
             q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
         trace["conv1d"] = (q, k, v)  # (T, h, d) each, q and k repeated to v's heads as transformers passes them
@@ -269,7 +283,7 @@ class Qwen35Model:
         else:
             o = gdn.gated_delta_rule(q, k, v, g, beta, batch, self.gdn_impl)
         trace["delta_rule"] = o
-        o = gdn.gated_rms_norm(o, z.reshape(T, nv, dv), lw.gnorm, cfg.rms_norm_eps).reshape(T, nv * dv)
+        o = gdn.gated_rms_norm(o, z.reshape(T, nv, dv), gnorm, cfg.rms_norm_eps).reshape(T, nv * dv)
         trace["gated_norm"] = o
         trace["out_proj"] = out = self.linear(o, lw.proj_out, ll and ll.proj_out, batch)
         return self.all_reduce(out)
@@ -279,8 +293,9 @@ class Qwen35Model:
         qkv = self.linear(h, lw.proj_in, ll and ll.proj_in, batch)
         qg, k, v = qkv.split([self.heads * 2 * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, gate = qg.view(T, self.heads, 2 * d).chunk(2, dim=-1)
-        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps, True)
-        k = rms_norm(k.view(T, self.kv_heads, d), lw.k_norm, cfg.rms_norm_eps, True)
+        q_norm, k_norm = lw.qk_norms()
+        q = rms_norm(q, q_norm, cfg.rms_norm_eps, True)
+        k = rms_norm(k.view(T, self.kv_heads, d), k_norm, cfg.rms_norm_eps, True)
         r = cfg.rotary_dim
         q = torch.cat([rope(q[..., :r], batch.cos, batch.sin), q[..., r:]], dim=-1)
         k = torch.cat([rope(k[..., :r], batch.cos, batch.sin), k[..., r:]], dim=-1)
