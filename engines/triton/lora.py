@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from lpdiff.engines.triton.config import ModelConfig
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeLoraWeights, faults
 from lpdiff.kernels.lora_linear import augment_weight, pack_lora_b, stack_shrink_rows
+
+if TYPE_CHECKING:
+    from lpdiff.harness.spec.adapters import CanonicalAdapter
 
 Tensor = torch.Tensor
 _DENSE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj$")
@@ -32,7 +36,7 @@ class LayerLora:
     qkv_b: Tensor | None  # (L, q_loc + 2 kv_loc, R)
     o_a: Tensor | None  # (L, 1, R, q_loc)
     o_b: Tensor | None  # (L, H, R)
-    moe: object | None  # kernels.MoeLoraWeights
+    moe: MoeLoraWeights | None
     # B of q|k|v and o for lora_linear's cublas path (kernels.lora_linear.pack_lora_b, scaling folded in), built
     # once here so that a forward does no per-layer packing: (q_loc + 2 kv_loc, L*3*R) and (H, L*R)
     qkv_b_packed: Tensor | None = None
@@ -68,7 +72,9 @@ class StackedLora(AdapterSlots):
             ts = [layer.qkv_a, layer.qkv_b, layer.o_a, layer.o_b, layer.qkv_b_packed, layer.o_b_packed]
             if layer.moe is not None:
                 ts += [layer.moe.gate_up_a, layer.moe.gate_up_b, layer.moe.down_a, layer.moe.down_b]
-            if layer.o_w_s is not None:  # the A rows stacked under W_o (its first H rows are the weight itself)
+            if (
+                layer.o_w_s is not None and layer.o_b is not None
+            ):  # the A rows stacked under W_o (its first H rows are the weight itself)
                 ts.append(layer.o_w_s[layer.o_b.shape[1] :])
             total += sum(t.numel() * t.element_size() for t in ts if t is not None)
         return total
@@ -97,7 +103,7 @@ def _by_layer(cfg: ModelConfig, name: str, entries: dict, pattern: re.Pattern) -
 
 
 def stack_adapters(
-    cfg: ModelConfig, adapters: dict[str, object], shard: Shard, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig, adapters: dict[str, CanonicalAdapter], shard: Shard, dtype: torch.dtype, device: torch.device
 ) -> StackedLora | None:
     """``adapters``: name -> CanonicalAdapter, in slot order."""
     if not adapters:
@@ -181,7 +187,8 @@ def stack_adapters(
                 o_b_packed=None if o_b is None else pack_lora_b(o_b, scaling, None, R),
             )
         )
-        assert qkv_a is None or layers[-1].o_a.shape[-1] == q_loc
+        o_a = layers[-1].o_a
+        assert qkv_a is None or (o_a is not None and o_a.shape[-1] == q_loc)
     return StackedLora(names=names, scaling=scaling, ranks=ranks, layers=layers)
 
 

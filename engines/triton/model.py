@@ -118,12 +118,14 @@ class MoeTransformer:
                 self.qkv_offsets,
                 batch,
             )
+        # h is qkv_input's buffer, which exists only when the layers' q|k|v LoRA is folded into W_aug
+        assert ll is not None and ll.qkv_a is not None and ll.qkv_w_aug is not None
         uniform = batch.uniform_slot
         mask = batch.slot_mask(ll.qkv_a.shape[0], h.dtype) if uniform is None else None
         return lora_linear_aug(h, ll.qkv_w_aug, lw.qkv_bias, ll.qkv_a, mask, uniform, others_zero=True)
 
     def _linear(self, x, w, bias, lora_a, lora_b, b_packed, offsets, batch: Batch):
-        if lora_a is None or batch.token_adapter is None:
+        if lora_a is None or batch.token_adapter is None or self.lora is None:
             return lora_linear(x, w, bias, impl=self.impl)
         # the pieces lora_linear's cublas path would otherwise rebuild per call: B packed per layer (lora.py),
         # the slot mask per batch, or no mask when every prompt uses one adapter
@@ -171,6 +173,7 @@ class MoeTransformer:
         if (
             ll is not None
             and ll.o_w_s is not None
+            and ll.o_a is not None
             and batch.token_adapter is not None
             and resolve_impl(self.lora_impl, o) != "torch"
         ):

@@ -42,7 +42,8 @@ def pack(outs: tuple) -> Packed:
 def pack_bytes(outs: tuple) -> Packed:
     """The packing itself, on any device (pack uses it on CUDA only)."""
     order = sorted((i for i, t in enumerate(outs) if t is not None), key=lambda i: -outs[i].element_size())
-    parts, chunks, offset = [None] * len(outs), [], 0
+    parts: list[tuple | None] = [None] * len(outs)
+    chunks, offset = [], 0
     for i in order:
         t = outs[i].contiguous()
         parts[i] = (offset, torch.empty(0, dtype=t.dtype).numpy().dtype, tuple(t.shape))
@@ -57,10 +58,11 @@ class Staging:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._ids = self._out = None
+        self._ids: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
 
     @staticmethod
-    def _grow(buf, n: int, dtype) -> torch.Tensor:
+    def _grow(buf: torch.Tensor | None, n: int, dtype: torch.dtype) -> torch.Tensor:
         if buf is None or buf.numel() < n:
             buf = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())), dtype=dtype, pin_memory=True)
         return buf
@@ -69,18 +71,18 @@ class Staging:
         """(T,) int64 host ids -> a tensor to copy to the device from (CUDA: a pinned buffer's first T)."""
         if not self.cuda:
             return torch.from_numpy(ids)
-        self._ids = self._grow(self._ids, ids.shape[0], torch.int64)
-        staged = self._ids[: ids.shape[0]]
+        self._ids = buf = self._grow(self._ids, ids.shape[0], torch.int64)
+        staged = buf[: ids.shape[0]]
         staged.numpy()[:] = ids
         return staged
 
     def fetch(self, packed: Packed) -> tuple:
         """-> the results as numpy arrays (None where a result is None), owned by the caller."""
         if packed.data is None:
-            return tuple(t.numpy() if t is not None else None for t in packed.tensors)
+            return tuple(t.numpy() if t is not None else None for t in packed.tensors or ())
         n = packed.data.numel()
-        self._out = self._grow(self._out, n, torch.uint8)
-        host = self._out[:n]
+        self._out = buf = self._grow(self._out, n, torch.uint8)
+        host = buf[:n]
         host.copy_(packed.data, non_blocking=True)
         torch.cuda.current_stream(packed.data.device).synchronize()
         return unpack(host.numpy().copy(), packed.parts)  # copied: the next call rewrites the pinned buffer
