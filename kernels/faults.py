@@ -69,18 +69,18 @@ FAULTS: dict[str, Fault] = {
         Fault(
             "lora_after_activation",
             "expert gate_up LoRA added after the activation (act(xW) + act(xAB)) instead of inside it (act(xW + xAB))",
-            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue",
+            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _grouped_gemm_kernel epilogue",
         ),
         Fault(
             "topk_weight_twice",
             "the routing weight multiplied into the expert down LoRA delta twice (once in the LoRA kernel, once in "
             "the weighted sum)",
-            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue",
+            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _grouped_gemm_kernel epilogue",
         ),
         Fault(
             "topk_weight_missing",
             "the expert down LoRA delta added to the MoE output without its routing weight",
-            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _row_block epilogue",
+            "kernels/moe_reference.py: moe_forward_torch; kernels/lora_gemm.py: _grouped_gemm_kernel epilogue",
         ),
         Fault(
             "relu2_as_gated",
@@ -110,7 +110,7 @@ FAULTS: dict[str, Fault] = {
             "router_bias_rounded",
             "the sigmoid router's e_score_correction_bias rounded before the top-k choice (a low-precision copy of "
             "the fp32 bias); here to 2 decimals, since a bf16 rounding (|error| <= 2.3e-4 on the tiny zoo) changes "
-            "no choice there and leaves the output bit-identical (tests/test_hybrid_bug_zoo.py)",
+            "no choice there and leaves the output bit-identical (tests/harness/commands/test_hybrid_bug_zoo.py)",
             "engines/triton/nemotron_h_model.py NemotronHModel.route",
             archs=("nemotron_h",),
             module="router",

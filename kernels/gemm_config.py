@@ -59,6 +59,33 @@ def half_tail(cfg: GemmConfig) -> bool:
     return cfg.padding == "half" and cfg.block_m >= 32
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and 16-byte aligned strides, the last one 1."""
+    return (
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+    )
+
+
+def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool) -> tuple[bool, bool]:
+    """(W by TMA, X by TMA) for a launch asking cfg.tma. W: without the K-loop shrink (LORA 1, the bug zoo's
+    branch) and add_to_out, and when its strides allow a descriptor, else the pointer loads; X: sorted rows only
+    (gathered rows are not a block of the tensor), and only beside W, and not with padding "half" (a descriptor's
+    blocks are block_m rows; half blocks load block_m / 2). fp32 on the GPU keeps the pointer loads:
+    compiled for sm90, its TMA variant came out at 32 registers with ~16 KB of spills per thread (ptxas -v)."""
+    tma_w = (
+        cfg.tma and mode != 1 and not add_to_out and tma_ok(w) and (w.element_size() == 2 or w.device.type != "cuda")
+    )
+    return tma_w, tma_w and x_sorted and tma_ok(x) and not half_tail(cfg)
+
+
+def launch_expand(cfg: GemmConfig, mode: int, num_slices: int, tma_w: bool, add_to_out: bool) -> int:
+    """The kernel's EXPAND for a launch: cfg.expand's index, except that "loop" needs the one-slice precomputed
+    shrink (LORA 2) with W by pointer loads and a K-loop (not add_to_out); elsewhere it runs "first"."""
+    if cfg.expand == "loop" and not (mode == 2 and num_slices == 1 and not tma_w and not add_to_out):
+        return EXPAND.index("first")
+    return EXPAND.index(cfg.expand)
+
+
 SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses them for the epilogue); Hopper: 227 KiB
 SMEM_LIMIT = 227 * 1024  # what one block may use on Hopper (sm90)
 

@@ -19,7 +19,7 @@ import torch
 
 from lpdiff.kernels._triton import device_const, dot_flags, dual_jit, next_pow2, placeholder, tl, triton
 from lpdiff.kernels.activation import ACTIVATIONS, GATED, _act, _gated_act
-from lpdiff.kernels.gemm_config import EXPAND, GemmConfig, half_tail
+from lpdiff.kernels.gemm_config import GemmConfig, gemm_tma, half_tail, launch_expand
 from lpdiff.kernels.gemm_tiles import _b_tiles, _bias_rows, _k_loop, _k_loop_expand, _out_tile, _s_tile, _tile_cols
 from lpdiff.kernels.moe_align import MoeRouting
 
@@ -146,224 +146,6 @@ def _grouped_gemm_kernel(
     if ADD_TO_OUT:
         if a < 0:
             return  # rows without an adapter keep the cuBLAS output bit for bit
-    if HALF_TAIL:  # a constexpr branch: without it the kernel compiles one row-block body, as before
-        if tl.load(SortedIds + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs:
-            _row_block(
-                X,
-                W,
-                Bias,
-                Out,
-                LA,
-                S,
-                LB,
-                Scaling,
-                Ranks,
-                TopkW,
-                SortedIds,
-                SliceOffs,
-                num_pairs,
-                N,
-                Kdim,
-                lb_numel,
-                out_numel,
-                stride_xm,
-                stride_xk,
-                stride_we,
-                stride_wn,
-                stride_wk,
-                stride_be,
-                stride_bn,
-                stride_om,
-                stride_on,
-                stride_lal,
-                stride_lae,
-                stride_lar,
-                stride_lak,
-                stride_sm,
-                stride_sr,
-                stride_lbl,
-                stride_lbe,
-                stride_lbn,
-                stride_lbr,
-                e,
-                e32,
-                a,
-                pid_m * BLOCK_M,
-                first_n,
-                num_n,
-                TOPK,
-                X_SORTED,
-                OUT_SORTED,
-                GATED,
-                ACT,
-                HAS_BIAS,
-                LORA,
-                MUL_TOPK,
-                NUM_SLICES,
-                R,
-                BLOCK_M // 2,
-                BLOCK_N,
-                BLOCK_K,
-                BLOCK_R,
-                K_TILES,
-                EVEN_K,
-                DOT_PREC,
-                UPCAST,
-                FAULT,
-                ADD_TO_OUT,
-                PREFETCH,
-                TMA,
-                TMA_X,
-                N_TILES,
-                ZERO_PAD,
-                EXPAND,
-            )
-            return
-    _row_block(
-        X,
-        W,
-        Bias,
-        Out,
-        LA,
-        S,
-        LB,
-        Scaling,
-        Ranks,
-        TopkW,
-        SortedIds,
-        SliceOffs,
-        num_pairs,
-        N,
-        Kdim,
-        lb_numel,
-        out_numel,
-        stride_xm,
-        stride_xk,
-        stride_we,
-        stride_wn,
-        stride_wk,
-        stride_be,
-        stride_bn,
-        stride_om,
-        stride_on,
-        stride_lal,
-        stride_lae,
-        stride_lar,
-        stride_lak,
-        stride_sm,
-        stride_sr,
-        stride_lbl,
-        stride_lbe,
-        stride_lbn,
-        stride_lbr,
-        e,
-        e32,
-        a,
-        pid_m * BLOCK_M,
-        first_n,
-        num_n,
-        TOPK,
-        X_SORTED,
-        OUT_SORTED,
-        GATED,
-        ACT,
-        HAS_BIAS,
-        LORA,
-        MUL_TOPK,
-        NUM_SLICES,
-        R,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        BLOCK_R,
-        K_TILES,
-        EVEN_K,
-        DOT_PREC,
-        UPCAST,
-        FAULT,
-        ADD_TO_OUT,
-        PREFETCH,
-        TMA,
-        TMA_X,
-        N_TILES,
-        ZERO_PAD,
-        EXPAND,
-    )
-
-
-@triton.jit
-def _row_block(
-    X,
-    W,
-    Bias,
-    Out,
-    LA,
-    S,
-    LB,
-    Scaling,
-    Ranks,
-    TopkW,
-    SortedIds,
-    SliceOffs,
-    num_pairs,
-    N,
-    Kdim,
-    lb_numel,
-    out_numel,
-    stride_xm,
-    stride_xk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_be,
-    stride_bn,
-    stride_om,
-    stride_on,
-    stride_lal,
-    stride_lae,
-    stride_lar,
-    stride_lak,
-    stride_sm,
-    stride_sr,
-    stride_lbl,
-    stride_lbe,
-    stride_lbn,
-    stride_lbr,
-    e,
-    e32,
-    a,
-    row0,
-    first_n,
-    num_n,
-    TOPK: tl.constexpr,
-    X_SORTED: tl.constexpr,
-    OUT_SORTED: tl.constexpr,
-    GATED: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    LORA: tl.constexpr,
-    MUL_TOPK: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    K_TILES: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    FAULT: tl.constexpr,
-    ADD_TO_OUT: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    TMA: tl.constexpr,
-    TMA_X: tl.constexpr,
-    N_TILES: tl.constexpr,
-    ZERO_PAD: tl.constexpr,
-    EXPAND: tl.constexpr,
-):
-    """_grouped_gemm_kernel's work on BLOCK_M rows from row0 (a routing block, or its first half) and N_TILES N
-    tiles from first_n: the K-loops and epilogues."""
     SPLIT: tl.constexpr = GATED and TMA
     WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
     LOOP: tl.constexpr = EXPAND == 2  # the expand as the K-loop's first step (launch_expand says where it can)
@@ -373,219 +155,214 @@ def _row_block(
     # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
     EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
     a_safe = tl.maximum(a, 0).to(tl.int64)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(SortedIds + offs_m)
-    row_ok = pair < num_pairs
-    if X_SORTED:
-        xrow = offs_m
-    else:
-        xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows: a valid address, never stored
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < 0
     if LORA > 0:
         rank = tl.load(Ranks + a_safe)
         r_ok = (offs_r < rank) & (offs_r < R) & (a >= 0)  # columns past the loaded rank: ignored even if not 0
-    if MUL_TOPK and PREFETCH:
-        tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
-    if EARLY_S:  # one S tile per row block, whichever N tiles the program walks
-        st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, stride_sm, stride_sr, UPCAST)
-    else:  # LORA 1: the first tile's shrink replaces it before any expand reads it
-        st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        if not UPCAST:
-            st = st.to(LB.dtype.element_ty)
 
-    for t in tl.static_range(N_TILES):
-        pid_n = first_n + t
-        if pid_n < num_n:  # always for t == 0; the row block's last group may be short
-            j, col, wrow = _tile_cols(pid_n, N, GATED and not TMA, BLOCK_N, WN)
-            lb_ptrs = (
-                LB + a_safe * stride_lbl + e * stride_lbe + offs_r[:, None] * stride_lbr + wrow[None, :] * stride_lbn
-            )
-            # this tile's LoRA B tile (and bias), issued before its K-loop so their latency hides behind it
-            if LORA == 1:
-                if FAULT == 4:  # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
-                    lb_off = (
-                        a_safe * stride_lbl
+    # HALF_TAIL: a routing block whose rows past the first half are all padding runs as a BLOCK_M / 2 tile (v 0),
+    # every other block as a BLOCK_M tile (v 1): two bodies in one kernel; without HALF_TAIL only the second
+    half = False
+    if HALF_TAIL:
+        half = tl.load(SortedIds + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs
+    row0 = pid_m * BLOCK_M
+    FIRST_V: tl.constexpr = 0 if HALF_TAIL else 1
+    for v in tl.static_range(FIRST_V, 2):
+        if half == (v == 0):
+            BM: tl.constexpr = BLOCK_M // (2 - v)  # the tile's rows, from row0
+            offs_m = row0 + tl.arange(0, BM)
+            pair = tl.load(SortedIds + offs_m)
+            row_ok = pair < num_pairs
+            if X_SORTED:
+                xrow = offs_m
+            else:
+                xrow = tl.minimum(pair, num_pairs - 1) // TOPK  # padding rows: a valid address, never stored
+            if MUL_TOPK and PREFETCH:
+                tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
+            if EARLY_S:  # one S tile per row block, whichever N tiles the program walks
+                st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, stride_sm, stride_sr, UPCAST)
+            else:  # LORA 1: the first tile's shrink replaces it before any expand reads it
+                st = tl.zeros((BM, BLOCK_R), dtype=tl.float32)
+                if not UPCAST:
+                    st = st.to(LB.dtype.element_ty)
+
+            for t in tl.static_range(N_TILES):
+                pid_n = first_n + t
+                if pid_n < num_n:  # always for t == 0; the row block's last group may be short
+                    j, col, wrow = _tile_cols(pid_n, N, GATED and not TMA, BLOCK_N, WN)
+                    lb_ptrs = (
+                        LB
+                        + a_safe * stride_lbl
                         + e * stride_lbe
                         + offs_r[:, None] * stride_lbr
-                        + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn
+                        + wrow[None, :] * stride_lbn
                     )
-                    bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
-                else:
-                    bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
-            if EARLY_S:
-                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
-            if EARLY_BIAS:
-                bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
-            if ADD_TO_OUT:  # the accumulator starts from the base output already in Out, and the K-loop is empty
-                o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
-                acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # SPLIT: the gate columns
-            acc_up = acc
-            if SPLIT:
-                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if FIRST:
-                if a >= 0:
-                    acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
-                    if SPLIT:
-                        acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
-            acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            if LOOP:
-                acc = _k_loop_expand(
-                    X,
-                    W,
-                    S,
-                    LB,
-                    acc,
-                    xrow,
-                    offs_m,
-                    row_ok,
-                    wrow,
-                    e,
-                    a,
-                    a_safe,
-                    Kdim,
-                    R,
-                    stride_xm,
-                    stride_xk,
-                    stride_wn,
-                    stride_we,
-                    stride_wk,
-                    stride_sm,
-                    stride_sr,
-                    stride_lbl,
-                    stride_lbe,
-                    stride_lbn,
-                    stride_lbr,
-                    K_TILES,
-                    EVEN_K,
-                    UPCAST,
-                    DOT_PREC,
-                    ZERO_PAD,
-                    BLOCK_K,
-                )
-            else:
-                acc, acc_up, acc_s = _k_loop(
-                    X,
-                    W,
-                    LA,
-                    acc,
-                    acc_up,
-                    acc_s,
-                    xrow,
-                    row_ok,
-                    wrow,
-                    e,
-                    e32,
-                    a_safe,
-                    row0,
-                    pid_n,
-                    N,
-                    Kdim,
-                    r_ok,
-                    stride_xm,
-                    stride_xk,
-                    stride_we,
-                    stride_wn,
-                    stride_wk,
-                    stride_lal,
-                    stride_lae,
-                    stride_lar,
-                    stride_lak,
-                    LORA == 1 and t == 0,
-                    SPLIT,
-                    TMA,
-                    TMA_X,
-                    K_TILES,
-                    EVEN_K,
-                    UPCAST,
-                    DOT_PREC,
-                    ZERO_PAD,
-                    BLOCK_N,
-                    BLOCK_K,
-                    BLOCK_R,
-                )
-
-            acc_l = tl.zeros((BLOCK_M, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
-            if LORA == 1 and t == 0:
-                st = acc_s * tl.load(Scaling + a_safe)
-                st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-            if LORA > 0 and not FIRST and not LOOP:
-                if a >= 0:
+                    # this tile's LoRA B tile (and bias), issued before its K-loop so their latency hides behind it
                     if LORA == 1:
-                        bl = bt.to(tl.float32) if UPCAST else bt
-                        if FAULT == 1 or FAULT == 2 or FAULT == 3:
-                            acc_l = tl.dot(st, bl, acc_l, input_precision=DOT_PREC)
+                        # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
+                        if FAULT == 4:
+                            lb_off = (
+                                a_safe * stride_lbl
+                                + e * stride_lbe
+                                + offs_r[:, None] * stride_lbr
+                                + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn
+                            )
+                            bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
                         else:
-                            acc = tl.dot(st, bl, acc, input_precision=DOT_PREC)
+                            bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
+                    if EARLY_S:
+                        bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
+                    if EARLY_BIAS:
+                        bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+                    if (
+                        ADD_TO_OUT
+                    ):  # the accumulator starts from the base output already in Out, and the K-loop is empty
+                        o_off, o_mask = _out_tile(
+                            offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N
+                        )
+                        acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
                     else:
-                        for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
-                            if not EARLY_S:
-                                st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST)
-                                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT, UPCAST)
+                        acc = tl.zeros((BM, WN), dtype=tl.float32)  # SPLIT: the gate columns
+                    acc_up = acc
+                    if SPLIT:
+                        acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+                    if FIRST:
+                        if a >= 0:
                             acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
                             if SPLIT:
                                 acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+                    acc_s = tl.zeros((BM, BLOCK_R), dtype=tl.float32)
+                    if LOOP:
+                        acc = _k_loop_expand(
+                            X,
+                            W,
+                            S,
+                            LB,
+                            acc,
+                            xrow,
+                            offs_m,
+                            row_ok,
+                            wrow,
+                            e,
+                            a,
+                            a_safe,
+                            Kdim,
+                            R,
+                            stride_xm,
+                            stride_xk,
+                            stride_wn,
+                            stride_we,
+                            stride_wk,
+                            stride_sm,
+                            stride_sr,
+                            stride_lbl,
+                            stride_lbe,
+                            stride_lbn,
+                            stride_lbr,
+                            K_TILES,
+                            EVEN_K,
+                            UPCAST,
+                            DOT_PREC,
+                            ZERO_PAD,
+                            BLOCK_K,
+                        )
+                    else:
+                        acc, acc_up, acc_s = _k_loop(
+                            X,
+                            W,
+                            LA,
+                            acc,
+                            acc_up,
+                            acc_s,
+                            xrow,
+                            row_ok,
+                            wrow,
+                            e,
+                            e32,
+                            a_safe,
+                            row0,
+                            pid_n,
+                            N,
+                            Kdim,
+                            r_ok,
+                            stride_xm,
+                            stride_xk,
+                            stride_we,
+                            stride_wn,
+                            stride_wk,
+                            stride_lal,
+                            stride_lae,
+                            stride_lar,
+                            stride_lak,
+                            LORA == 1 and t == 0,
+                            SPLIT,
+                            TMA,
+                            TMA_X,
+                            K_TILES,
+                            EVEN_K,
+                            UPCAST,
+                            DOT_PREC,
+                            ZERO_PAD,
+                            BLOCK_N,
+                            BLOCK_K,
+                            BLOCK_R,
+                        )
 
-            if HAS_BIAS:
-                if not EARLY_BIAS:
-                    bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
-                acc += bias[None, :]
-                if SPLIT:
-                    acc_up += bias_up[None, :]
-            if SPLIT:
-                h = _act(acc, acc_up, ACT)
-            elif GATED:
-                h = _gated_act(acc, ACT, BLOCK_M, BLOCK_N)
-                if FAULT == 1:  # lora_after_activation
-                    h += _gated_act(acc_l, ACT, BLOCK_M, BLOCK_N)
-            elif ACT == 3:  # relu^2, not gated
-                h = tl.maximum(acc, 0.0)
-                h = h * h
-            else:
-                h = acc
-            if MUL_TOPK:
-                if PREFETCH:
-                    twc = tw[:, None]
-                else:
-                    twc = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
-                h = h * twc
-                if FAULT == 2:  # topk_weight_twice
-                    h += acc_l * twc * twc
-                if FAULT == 3:  # topk_weight_missing
-                    h += acc_l
-            o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
-            if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
-                o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
-            tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
+                    acc_l = tl.zeros((BM, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
+                    if LORA == 1 and t == 0:
+                        st = acc_s * tl.load(Scaling + a_safe)
+                        st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+                    if LORA > 0 and not FIRST and not LOOP:
+                        if a >= 0:
+                            if LORA == 1:
+                                bl = bt.to(tl.float32) if UPCAST else bt
+                                if FAULT == 1 or FAULT == 2 or FAULT == 3:
+                                    acc_l = tl.dot(st, bl, acc_l, input_precision=DOT_PREC)
+                                else:
+                                    acc = tl.dot(st, bl, acc, input_precision=DOT_PREC)
+                            else:
+                                for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
+                                    if not EARLY_S:
+                                        st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST)
+                                        bt, bu = _b_tiles(
+                                            LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT, UPCAST
+                                        )
+                                    acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                                    if SPLIT:
+                                        acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
 
-
-def tma_ok(t: torch.Tensor) -> bool:
-    """A TMA descriptor needs a 16-byte aligned base and 16-byte aligned strides, the last one 1."""
-    return (
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-    )
-
-
-def gemm_tma(cfg: GemmConfig, x, w, mode: int, add_to_out: bool, x_sorted: bool) -> tuple[bool, bool]:
-    """(W by TMA, X by TMA) for a launch asking cfg.tma. W: without the K-loop shrink (LORA 1, the bug zoo's
-    branch) and add_to_out, and when its strides allow a descriptor, else the pointer loads; X: sorted rows only
-    (gathered rows are not a block of the tensor), and only beside W, and not with padding "half" (a descriptor's
-    blocks are block_m rows; half blocks load block_m / 2). fp32 on the GPU keeps the pointer loads:
-    compiled for sm90, its TMA variant came out at 32 registers with ~16 KB of spills per thread (ptxas -v)."""
-    tma_w = (
-        cfg.tma and mode != 1 and not add_to_out and tma_ok(w) and (w.element_size() == 2 or w.device.type != "cuda")
-    )
-    return tma_w, tma_w and x_sorted and tma_ok(x) and not half_tail(cfg)
-
-
-def launch_expand(cfg: GemmConfig, mode: int, num_slices: int, tma_w: bool, add_to_out: bool) -> int:
-    """The kernel's EXPAND for a launch: cfg.expand's index, except that "loop" needs the one-slice precomputed
-    shrink (LORA 2) with W by pointer loads and a K-loop (not add_to_out); elsewhere it runs "first"."""
-    if cfg.expand == "loop" and not (mode == 2 and num_slices == 1 and not tma_w and not add_to_out):
-        return EXPAND.index("first")
-    return EXPAND.index(cfg.expand)
+                    if HAS_BIAS:
+                        if not EARLY_BIAS:
+                            bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+                        acc += bias[None, :]
+                        if SPLIT:
+                            acc_up += bias_up[None, :]
+                    if SPLIT:
+                        h = _act(acc, acc_up, ACT)
+                    elif GATED:
+                        h = _gated_act(acc, ACT, BM, BLOCK_N)
+                        if FAULT == 1:  # lora_after_activation
+                            h += _gated_act(acc_l, ACT, BM, BLOCK_N)
+                    elif ACT == 3:  # relu^2, not gated
+                        h = tl.maximum(acc, 0.0)
+                        h = h * h
+                    else:
+                        h = acc
+                    if MUL_TOPK:
+                        if PREFETCH:
+                            twc = tw[:, None]
+                        else:
+                            twc = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+                        h = h * twc
+                        if FAULT == 2:  # topk_weight_twice
+                            h += acc_l * twc * twc
+                        if FAULT == 3:  # topk_weight_missing
+                            h += acc_l
+                    o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
+                    if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
+                        o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
+                    tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
 
 
 def launch_gemm(
@@ -614,7 +391,7 @@ def launch_gemm(
     (M, S*R) with slice_offsets (dense layers). add_to_out: out already holds x w^T (+ bias); only the
     precomputed LoRA delta is added to it, in place (x and w are not read)."""
     gated = GATED.get(activation, False)
-    E, n_w, kdim = w.shape
+    _, n_w, kdim = w.shape
     n = n_w // 2 if gated else n_w
     mode = 1 if lora_a is not None else 2 if lora_s is not None else 0
     assert not add_to_out or (mode == 2 and not gated and bias is None and topk_weights is None), (

@@ -715,8 +715,7 @@ def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
 def test_loop_expand_runs_first_where_it_cannot_run():
     """launch_expand: "loop" needs the one-slice precomputed shrink, W by pointer loads and a K-loop; a TMA launch,
     the dense delta pass (add_to_out) and several slices run "first"; the other placements are taken as asked."""
-    from lpdiff.kernels.gemm_config import EXPAND
-    from lpdiff.kernels.lora_gemm import launch_expand
+    from lpdiff.kernels.gemm_config import EXPAND, launch_expand
 
     cfg = GemmConfig(64, 64, 32)  # expand "loop" by default
     assert launch_expand(cfg, 2, 1, False, False) == EXPAND.index("loop")
