@@ -175,11 +175,22 @@ if triton is not None:
             l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         EVEN_D: tl.constexpr = BLOCK_D == D
+        # keys in up to three runs, one code path each (_attn_blocks' MASK): the window's lower edge [lo, full)
+        # (MASK 2, WINDOW only), keys every query sees [full, m0) (MASK 0), the diagonal [m0, m0 + BLOCK_M) (MASK 1)
+        full = 0
         if WINDOW > 0:
             # keys the block's first query can see start at m0 - WINDOW + 1; those its last query cannot see end
             # at m0 + BLOCK_M - WINDOW: blocks before that bound are masked, blocks after it are not
             lo = tl.maximum(m0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             full = tl.minimum(tl.maximum((m0 + BLOCK_M - WINDOW + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), m0)
+        FIRST_RUN: tl.constexpr = 0 if WINDOW > 0 else 1
+        for run in tl.static_range(FIRST_RUN, 3):
+            if run == 0:
+                k0, k1 = lo, full
+            elif run == 1:
+                k0, k1 = full, m0
+            else:
+                k0, k1 = m0, m0 + BLOCK_M
             acc, l_i, m_i = _attn_blocks(
                 acc,
                 l_i,
@@ -190,12 +201,12 @@ if triton is not None:
                 offs_m,
                 offs_d,
                 seqlen,
-                lo,
-                full,
+                k0,
+                k1,
                 stride_kt,
                 stride_vt,
                 qk_scale,
-                2,
+                (run + 2) % 3,  # MASK of runs 0, 1, 2: 2, 0, 1
                 WINDOW,
                 D,
                 BLOCK_N,
@@ -203,54 +214,6 @@ if triton is not None:
                 DOT_PREC,
                 UPCAST,
             )
-        else:
-            full = 0
-        acc, l_i, m_i = _attn_blocks(
-            acc,
-            l_i,
-            m_i,
-            q,
-            Kh,
-            Vh,
-            offs_m,
-            offs_d,
-            seqlen,
-            full,
-            m0,
-            stride_kt,
-            stride_vt,
-            qk_scale,
-            0,
-            WINDOW,
-            D,
-            BLOCK_N,
-            EVEN_D,
-            DOT_PREC,
-            UPCAST,
-        )
-        acc, l_i, m_i = _attn_blocks(
-            acc,
-            l_i,
-            m_i,
-            q,
-            Kh,
-            Vh,
-            offs_m,
-            offs_d,
-            seqlen,
-            m0,
-            m0 + BLOCK_M,
-            stride_kt,
-            stride_vt,
-            qk_scale,
-            1,
-            WINDOW,
-            D,
-            BLOCK_N,
-            EVEN_D,
-            DOT_PREC,
-            UPCAST,
-        )
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # rows past the prompt saw no key (l 0 without sinks)
         tl.store(
             Out + (start64 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
