@@ -143,7 +143,7 @@ def _grouped_gemm_kernel(
     e32 = tl.load(BlockExpert + pid_m)
     e = e32.to(tl.int64)
     a = tl.load(BlockAdapter + pid_m)
-    if ADD_TO_OUT:
+    if ADD_TO_OUT:  # noqa: SIM102 - a constexpr if around a runtime one
         if a < 0:
             return  # rows without an adapter keep the cuBLAS output bit for bit
     SPLIT: tl.constexpr = GATED and TMA
@@ -227,7 +227,7 @@ def _grouped_gemm_kernel(
                     acc_up = acc
                     if SPLIT:
                         acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-                    if FIRST:
+                    if FIRST:  # noqa: SIM102 - a constexpr if around a runtime one
                         if a >= 0:
                             acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
                             if SPLIT:
@@ -313,7 +313,7 @@ def _grouped_gemm_kernel(
                     if LORA == 1 and t == 0:
                         st = acc_s * tl.load(Scaling + a_safe)
                         st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-                    if LORA > 0 and not FIRST and not LOOP:
+                    if LORA > 0 and not FIRST and not LOOP:  # noqa: SIM102 - a constexpr if around a runtime one
                         if a >= 0:
                             if LORA == 1:
                                 bl = bt.to(tl.float32) if UPCAST else bt
