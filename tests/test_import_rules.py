@@ -4,6 +4,7 @@ harness.build (the zoo's builders) reads spec only and only the CLI imports it.
 Every .py under kernels/, engines/, harness/, suites/ and tests/ is parsed (not imported): ``import`` and ``from``
 statements at any depth, ``importlib.import_module("...")`` / ``pytest.importorskip("...")`` with a literal name,
 and registry strings such as ``"lpdiff.engines.vllm:VLLMEngine"``. Each failure names file:line and the rule.
+The same parse checks the tests: every product module is imported by some test, and no test file imports another.
 """
 
 from __future__ import annotations
