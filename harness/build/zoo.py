@@ -1,8 +1,8 @@
 """The tiny model zoo: five small checkpoints (four MoE architectures and one dense model) that behave like trained
 models, so that verdicts on a laptop mean something (docs/models.md, "Random init is a trap").
 
-    python -m lpdiff.harness.build.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]  # tokenizer + held-out text
-                                                                                # (if missing) + model(s)
+    python -m lpdiff.harness.build.zoo build [--name N] [--steps S] [--corpus F] [--out DIR]
+                                                    # tokenizer + held-out text (if missing) + model(s)
     python -m lpdiff.harness.build.zoo measure [--name N] [--prompt-set S] [--dir DIR] [--markdown]
 
 Recipe (seeded; the committed weights are the source of truth, a rebuild on another machine or torch may differ):

@@ -17,7 +17,7 @@ from lpdiff.engines.supervise import supervised_argv
 def test_the_supervisor_mirrors_the_engines_exit_status(code, want):
     argv = supervised_argv([sys.executable, "-c", code])
     assert argv[:4] == [sys.executable, "-I", "-S", argv[3]] and argv[4] == str(os.getpid()) and argv[5] == "--"
-    proc = subprocess.run(argv, start_new_session=True, timeout=60)
+    proc = subprocess.run(argv, start_new_session=True, timeout=60, check=False)
     assert proc.returncode == want
 
 
@@ -28,8 +28,10 @@ _CHILD = (
 
 
 def test_guarded_runs_the_target_with_its_extra_arguments_while_the_parent_lives():
-    ok = subprocess.run([sys.executable, "-c", _CHILD, str(os.getpid())], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(os.getpid())], capture_output=True, text=True, timeout=60, check=False
+    )
     assert ok.returncode == 0 and ok.stdout.strip() == "(3, 2)", ok.stderr
     # a parent that is not this child's (the parent already gone): exit 1 at once, the target never runs
-    gone = subprocess.run([sys.executable, "-c", _CHILD, "1"], capture_output=True, text=True, timeout=60)
+    gone = subprocess.run([sys.executable, "-c", _CHILD, "1"], capture_output=True, text=True, timeout=60, check=False)
     assert gone.returncode == 1 and gone.stdout == ""

@@ -5,6 +5,7 @@ routers, and Nemotron's aux-loss-free bias step. No training run: a rebuild is p
 
 import math
 import random
+from itertools import pairwise
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     tc = TrainConfig(steps=200, warmup=20, lr=1e-3)
     lrs = [lr_at(s, tc) for s in range(tc.steps)]
     assert lrs[0] == pytest.approx(tc.lr / tc.warmup) and lrs[tc.warmup - 1] == pytest.approx(tc.lr)
-    assert all(a < b for a, b in zip(lrs[: tc.warmup - 1], lrs[1 : tc.warmup]))
-    assert all(a >= b for a, b in zip(lrs[tc.warmup :], lrs[tc.warmup + 1 :]))
+    assert all(a < b for a, b in pairwise(lrs[: tc.warmup]))
+    assert all(a >= b for a, b in pairwise(lrs[tc.warmup :]))
     assert lr_at(tc.steps, tc) == pytest.approx(0.1 * tc.lr)
 
 
@@ -60,7 +61,7 @@ def test_the_tap_reads_every_router_of_a_forward_and_stops_when_removed():
 
 
 def test_router_losses_on_known_logits(qwen):
-    model, tap = qwen
+    _, tap = qwen
     router = tap.routers[0]
     E, k = router.weight.shape[0], int(router.top_k)
     # every token ranks the experts by a rotation of one score vector: each expert is first equally often
