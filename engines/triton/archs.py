@@ -71,10 +71,10 @@ def model_config(hf_config, num_layers: int | None = None) -> ModelConfig:
     """Normalise a transformers config (optionally reduced to ``num_layers``) for the arch it names."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in ARCHS:
-        if arch_name(hf_config) in HYBRIDS:
+        hybrid = arch_name(hf_config)
+        if hybrid in HYBRIDS:
             raise ValueError(
-                f"arch {arch!r} is built by its own module ({HYBRIDS[arch_name(hf_config)]}.build), "
-                "not from a ModelConfig"
+                f"arch {arch!r} is built by its own module ({HYBRIDS[hybrid]}.build), not from a ModelConfig"
             )
         raise ValueError(
             f"the triton engine does not support arch {arch!r}; supported: "

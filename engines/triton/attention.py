@@ -83,8 +83,8 @@ def flash_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
             lens,
             cu,
             None,
-            None,
-            None,
+            torch.zeros(0, device=device),  # cos and sin: attention reads no rope
+            torch.zeros(0, device=device),
         )
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(60, n, head_dim, generator=g, device=device) for n in (h, hkv, hkv))

@@ -70,7 +70,9 @@ def capture_layers(
     work = CaptureWork([list(map(int, p)) for p in prompts], [rt.slot(n) for n in names], inputs, tuple(steps))
     if engine.workers is not None:
         tp.broadcast(work)
-    return work(rt)
+    cap = work(rt)
+    assert cap is not None  # rank 0 (this process) holds the capture
+    return cap
 
 
 @torch.inference_mode()
@@ -96,13 +98,14 @@ def run_capture(rt, work: CaptureWork) -> dict | None:
             f"the triton engine's {cfg.arch} model does not re-run its modules on another engine's "
             "inputs; capture its layer outputs only (inputs=None)"
         )
+    ins: dict = inputs if inputs is not None else {}
     for i, lw in enumerate(m.w.layers if inputs is not None else ()):
         ll = m.lora.layers[i] if m.lora is not None else None
-        h = inputs[i, "attention_in"].to(rt.device, rt.dtype)
+        h = ins[i, "attention_in"].to(rt.device, rt.dtype)
         cap[i, "attention"] = m.attend(h, lw, ll, batch, cfg.sliding_windows[i])  # all-reduced inside
         cap[i, "attention_base"] = m.attend(h, lw, None, batch, cfg.sliding_windows[i])
-        x = inputs[i, "experts_in"].to(rt.device, rt.dtype)
-        ids, w32 = inputs[i, "router_ids"].to(rt.device), inputs[i, "router_weights"].to(rt.device).float()
+        x = ins[i, "experts_in"].to(rt.device, rt.dtype)
+        ids, w32 = ins[i, "router_ids"].to(rt.device), ins[i, "router_weights"].to(rt.device).float()
         own_ids, own_weights, _ = route(x, lw, cfg, m.impl)
         cap[i, "router_ids"], cap[i, "router_weights"] = own_ids, own_weights
         # as the forward runs them, summed over top-k; the all-reduce turns each rank's partial into the output

@@ -41,10 +41,10 @@ class TritonEngine:
             raise ValueError(
                 f"tp={config.tp} from {self.device} needs {config.tp} GPUs; {torch.cuda.device_count()} visible"
             )
-        self.runtime = None
-        self.workers = None
+        self.runtime: Runtime | None = None
+        self.workers: tp.Workers | None = None
         self.last_wall_s = 0.0
-        self._prev_fault = None
+        self._prev_fault: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> TritonEngine:
@@ -74,7 +74,7 @@ class TritonEngine:
             self.workers = tp.Workers(world, self.config, self.device, self.options)
             log(f"{world - 1} workers spawned")
         try:
-            if world > 1:
+            if self.workers is not None:
                 tp.init_group(
                     0, world, self.workers.init_method, tp.rank_device(self.device, 0), self.options.timeout_s
                 )
@@ -136,22 +136,24 @@ class TritonEngine:
         # check_request's checks, keeping the checked int lists (converting the prompts again cost ~0.7 ms per
         # 8 x 512 tokens, inside every call)
         model = self.config.model
-        prompts = check_prompts(prompts, *model_limits(model), source=f"prompts for {model.name}")
-        names = per_prompt_adapters(adapter, len(prompts), self.config.adapters)
+        checked = check_prompts(prompts, *model_limits(model), source=f"prompts for {model.name}")
+        names = per_prompt_adapters(adapter, len(checked), self.config.adapters)
         vocab = self.runtime.cfg.vocab_size
         if not 0 <= top_k <= vocab:
             raise ValueError(f"top_k must be in [0, {vocab}], got {top_k}")
         slots = [self.runtime.slot(n) for n in names]
         out: list[PromptLogprobs] = []
         t0 = time.perf_counter()
-        for lo, hi in _batches([len(p) for p in prompts], self.options.max_batch_tokens):
-            msg = (prompts[lo:hi], slots[lo:hi], top_k)
+        for lo, hi in _batches([len(p) for p in checked], self.options.max_batch_tokens):
+            msg = (checked[lo:hi], slots[lo:hi], top_k)
             if self.workers is not None:
                 tp.broadcast(msg)
             if self.options.capture_routing:
-                out += run_with_routing(self.runtime, *msg)
+                got = run_with_routing(self.runtime, *msg)
             else:
-                out += self.runtime.run(*msg)  # on rank 0 each run ends by waiting for its results: no sync here
+                got = self.runtime.run(*msg)  # on rank 0 each run ends by waiting for its results: no sync here
+            assert got is not None  # rank 0 (this process) gets the results
+            out += got
         self.last_wall_s = time.perf_counter() - t0
         return out
 

@@ -142,10 +142,12 @@ def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torc
         # 101 x 4096): each prompt alone instead, the same chunks and arithmetic per prompt
         outs, start = [], 0
         for n in batch.lens:
-            outs.append(chunk_gated_delta_rule_torch(*(t[start : start + n][None] for t in (q, k, v, g, beta)))[0])
+            qs, ks, vs, gs, bs = (t[start : start + n][None] for t in (q, k, v, g, beta))
+            outs.append(chunk_gated_delta_rule_torch(qs, ks, vs, gs, bs)[0])
             start += n
         return torch.cat(outs)
-    o = chunk_gated_delta_rule_torch(*(batch.pad(t) for t in (q, k, v, g, beta)))
+    qp, kp, vp, gp, bp = (batch.pad(t) for t in (q, k, v, g, beta))
+    o = chunk_gated_delta_rule_torch(qp, kp, vp, gp, bp)
     return batch.unpad(o)
 
 

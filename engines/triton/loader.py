@@ -76,7 +76,7 @@ class CheckpointSource:
             return None
         base, param = m.groups()
         parts = ["gate_proj", "up_proj"] if param == "gate_up_proj" else ["down_proj"]
-        keys = []
+        keys: list[list[str]] = []
         while all(f"{base}.{len(keys)}.{p}.weight" in self.weight_map for p in parts):
             keys.append([f"{base}.{len(keys)}.{p}.weight" for p in parts])
         return keys or None

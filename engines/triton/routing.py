@@ -18,7 +18,8 @@ def run_with_routing(runtime, prompts: list[list[int]], slots: list[int], top_k:
     """Runtime.run with the routers recording, their rows then cut into each prompt's (n, L, K) arrays (prompts
     are packed in order, so each prompt's tokens are the next n rows)."""
     graphs, runtime.graphs = runtime.graphs, None
-    moe.recording = layers = []
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    moe.recording = layers
     try:
         out = runtime.run(prompts, slots, top_k)
     finally:

@@ -106,7 +106,7 @@ class Runtime:
         else:
             batch = Batch.build(prompts, slots, self.cfg, self.dtype, self.device)
             if graphs is not None and graphs.want(key):
-                entry = graphs.capture(key, lambda: self._capture(batch, top_k))
+                entry = graphs.capture(key, lambda: self._capture(batch, top_k, graphs.pool))
             packed = entry.packed if entry is not None else _pack(self._compute(batch, top_k))
         if not self.shard.first:
             return None
@@ -139,6 +139,7 @@ class Runtime:
         if not self.shard.first:
             return None, None, None, None
         rows = batch.rows
+        assert rows is not None  # Batch.build sets it
         h = hidden[rows]
         head = (
             None
@@ -150,7 +151,7 @@ class Runtime:
         )
         return lp, tk_ids, tk_lp, margin
 
-    def _capture(self, batch: Batch, top_k: int) -> Captured:
+    def _capture(self, batch: Batch, top_k: int, pool) -> Captured:
         """Warm up on a side stream (lazy library set-up must not happen inside the capture), capture, replay once
         (the capture itself computes nothing)."""
         stream = torch.cuda.Stream(self.device)
@@ -159,7 +160,7 @@ class Runtime:
             self._compute(batch, top_k)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graphs.pool):
+        with torch.cuda.graph(graph, pool=pool):
             packed = _pack(self._compute(batch, top_k))  # the packing is one more kernel of the graph
         graph.replay()
         return Captured(graph, batch, packed)

@@ -68,27 +68,29 @@ class VocabLora:
 
     def embed_delta(self, ids: Tensor, token_adapter: Tensor | None) -> Tensor | None:
         """(T, H) to add to the embedded tokens, or None when no row of the batch uses an embedding LoRA."""
-        if self.embed_a is None or token_adapter is None:
+        embed_a, embed_b = self.embed_a, self.embed_b
+        if embed_a is None or embed_b is None or token_adapter is None:
             return None
         out = None
-        for k in range(self.embed_a.shape[0]):
-            a = self.embed_a[k][ids] * (token_adapter == k).unsqueeze(1).to(self.embed_a.dtype)  # (T, R)
-            term = a @ self.embed_b[k]
+        for k in range(embed_a.shape[0]):
+            a = embed_a[k][ids] * (token_adapter == k).unsqueeze(1).to(embed_a.dtype)  # (T, R)
+            term = a @ embed_b[k]
             out = term if out is None else out + term
         return out
 
     def head_logits(self, hidden: Tensor, lm_head: Tensor, slots: Tensor | None):
         """-> logits_fn(s, e) for engines.logprobs.chunked_logprobs: rows s:e of ``hidden`` through the head plus
         each row's slot's lm_head LoRA; None when no lm_head LoRA is stacked or no row has an adapter."""
-        if self.head_a is None or slots is None:
+        head_a, head_b = self.head_a, self.head_b
+        if head_a is None or head_b is None or slots is None:
             return None
 
         def logits(s: int, e: int) -> Tensor:
             h = hidden[s:e]
             out = h @ lm_head.T
-            for k in range(self.head_a.shape[0]):
-                u = (h @ self.head_a[k].T) * (slots[s:e] == k).unsqueeze(1).to(h.dtype)  # (c, R)
-                out = out + u @ self.head_b[k].T
+            for k in range(head_a.shape[0]):
+                u = (h @ head_a[k].T) * (slots[s:e] == k).unsqueeze(1).to(h.dtype)  # (c, R)
+                out = out + u @ head_b[k].T
             return out
 
         return logits
