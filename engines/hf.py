@@ -264,7 +264,6 @@ class HFEngine:
         names = check_request(prompts, adapter, self.config.adapters, self.config.model)
         return hf_decode(self, prompts, names, max_new_tokens, sampling, seed)
 
-    @torch.inference_mode()
     def capture_layers(
         self,
         prompts: Sequence[Sequence[int]],
@@ -273,10 +272,10 @@ class HFEngine:
         steps: Sequence[int] = (),
     ) -> dict[tuple[int, str], torch.Tensor]:
         """Per-layer module inputs and outputs (engines.base.CapturesLayers) on equal-length prompts, hooked in one
-        forward: each layer's token mixer under the name of its kind (``layer_modules``), the MoE's routed experts
-        with their routing, its shared expert (with Qwen3.5's sigmoid gate) and the layer output; then every module
-        re-runs on the same inputs with the adapter off ("_base"). The reference engine: no ``inputs``. ``steps``:
-        layers whose Mamba-2 / Gated DeltaNet mixer's sub-steps are recorded too (engines/hf_steps.py)."""
+        forward (engines/hf_capture.py). The reference engine: no ``inputs``. ``steps``: layers whose Mamba-2 /
+        Gated DeltaNet mixer's sub-steps are recorded too (engines/hf_steps.py)."""
+        from lpdiff.engines.hf_capture import capture_layers
+
         if inputs is not None:
             raise ValueError("the hf engine is the reference: it captures its own activations only (inputs=None)")
         if adapter is not None and not isinstance(adapter, str):
@@ -288,63 +287,7 @@ class HFEngine:
         check_request(prompts, adapter, self.config.adapters, self.config.model)
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("capture_layers takes prompts of one length (no padding)")
-        cap: dict = {}
-        calls: dict = {}  # (layer, point) -> (module, args, kwargs) to re-run without the adapter
-        handles = []
-
-        def flat(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1, t.shape[-1])
-
-        for i, layer in enumerate(self.decoder.layers):
-            mixer, kind, moe = layer_modules(layer)
-
-            def mixer_hook(mod, args, kwargs, out, i=i, kind=kind):
-                calls[i, kind] = (mod, args, kwargs)
-                h = kwargs.get("hidden_states", args[0] if args else None)
-                o = out[0] if isinstance(out, tuple) else out  # attention returns (out, weights), the others out
-                cap[i, kind], cap[i, f"{kind}_in"] = flat(o), flat(h)
-
-            def moe_hook(mod, args, kwargs, i=i):
-                cap[i, "moe_in"] = flat(kwargs.get("hidden_states", args[0] if args else None))
-
-            def experts_hook(mod, args, out, i=i):
-                calls[i, "experts"] = (mod, args, {})
-                x, ids, weights = args[:3]
-                cap[i, "experts_in"], cap[i, "router_ids"], cap[i, "router_weights"] = x, ids, weights
-                cap[i, "experts"] = out
-
-            def layer_hook(mod, args, out, i=i):
-                cap[i, "hidden"] = flat(out[0] if isinstance(out, tuple) else out)
-
-            if mixer is not None:
-                handles.append(mixer.register_forward_hook(mixer_hook, with_kwargs=True))
-            if moe is not None:
-                if _has_shared(moe) or moe is getattr(layer, "mixer", None):  # the shared expert's, Nemotron's router's
-                    handles.append(moe.register_forward_pre_hook(moe_hook, with_kwargs=True))
-                handles.append(moe.experts.register_forward_hook(experts_hook))
-            handles.append(layer.register_forward_hook(layer_hook))
-        ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=self.device)
-        tracer = _step_tracer(self.decoder.layers, steps, cap, ids.numel())
-        try:
-            with self._adapter_ctx(adapter), tracer.active():
-                self.decoder(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-                for i, layer in enumerate(self.decoder.layers):  # the shared expert on its input, adapter on
-                    moe = layer_modules(layer)[2]
-                    if moe is not None and (i, "moe_in") in cap and _has_shared(moe):
-                        cap[i, "shared_expert_in"] = cap[i, "moe_in"]
-                        cap[i, "shared_expert"] = _shared_expert(moe, cap[i, "moe_in"])
-        finally:
-            for h in handles:
-                h.remove()
-        tracer.suffix = "_base"
-        with self._adapter_ctx(None), tracer.active():  # the same module inputs through the base weights
-            for (i, point), (mod, args, kwargs) in calls.items():
-                base = mod(*args, **kwargs)
-                cap[i, f"{point}_base"] = flat(base[0] if isinstance(base, tuple) else base)
-            for i, layer in enumerate(self.decoder.layers):
-                if (i, "shared_expert_in") in cap:
-                    cap[i, "shared_expert_base"] = _shared_expert(layer_modules(layer)[2], cap[i, "shared_expert_in"])
-        return cap
+        return capture_layers(self, prompts, adapter, steps)
 
     def _forward(self, prompts: list[Sequence[int]], top_k: int, routing=None) -> list[PromptLogprobs]:
         lens = [len(p) for p in prompts]
@@ -403,53 +346,6 @@ class HFEngine:
                 )
             )
         return res
-
-
-# Nemotron-H's block types (config.layers_block_type) as lpdiff bisect names the mixer: its "linear_attention" is a
-# Mamba-2 mixer, its "mlp" a dense relu² MLP; "moe" blocks are captured module by module (router, experts, shared)
-_NEMOTRON_MIXERS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
-
-
-def layer_modules(layer) -> tuple:
-    """A decoder layer -> (token mixer or None, its capture name, the MoE block holding ``experts`` or None):
-    self_attn -> "attention", Qwen3.5's Gated DeltaNet linear_attn -> "linear_attention", Nemotron-H's ``mixer``
-    by its block type (_NEMOTRON_MIXERS; a MoE block is the layer's MoE, not its mixer)."""
-    mixer = getattr(layer, "self_attn", None)
-    kind = "attention"
-    if mixer is None and getattr(layer, "linear_attn", None) is not None:
-        mixer, kind = layer.linear_attn, "linear_attention"
-    moe = getattr(layer, "mlp", None)
-    if mixer is None and getattr(layer, "mixer", None) is not None:  # Nemotron-H: one mixer per block
-        block = getattr(layer, "block_type", None)
-        if block == "moe":
-            moe = layer.mixer
-        elif block in _NEMOTRON_MIXERS:
-            mixer, kind = layer.mixer, _NEMOTRON_MIXERS[block]
-        else:
-            raise ValueError(f"layer kind {block!r} of this Nemotron-H model has no per-module capture")
-    return mixer, kind, (moe if getattr(moe, "experts", None) is not None else None)
-
-
-def _step_tracer(layers, steps: Sequence[int], cap: dict, tokens: int):
-    """engines/hf_steps.py's tracer of the hybrid mixers of layers ``steps`` (other kinds have no sub-steps)."""
-    from lpdiff.engines.hf_steps import StepTracer
-
-    mixers = {i: layer_modules(layers[i])[:2] for i in steps}
-    return StepTracer({i: mk for i, mk in mixers.items() if mk[1] in ("mamba", "linear_attention")}, cap, tokens)
-
-
-def _has_shared(moe) -> bool:
-    return getattr(moe, "shared_expert", None) is not None or getattr(moe, "shared_experts", None) is not None
-
-
-def _shared_expert(moe, x: torch.Tensor) -> torch.Tensor:
-    """The shared expert's share of the MoE output on ``x`` (tokens, hidden): Qwen3.5's scaled by its sigmoid
-    gate (Qwen3_5MoeSparseMoeBlock), Nemotron-H's shared_experts as they are (NemotronHMoE)."""
-    if getattr(moe, "shared_experts", None) is not None:
-        return moe.shared_experts(x)
-    out = moe.shared_expert(x)
-    gate = getattr(moe, "shared_expert_gate", None)
-    return out if gate is None else torch.sigmoid(gate(x)) * out
 
 
 def _as_peft3d(path: str, tmp: str, i: int, model_config) -> str:

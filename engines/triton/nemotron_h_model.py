@@ -206,4 +206,19 @@ class NemotronHModel:
                     both((i, "experts_in"), lambda x, b, t, lay=lay, ids=ids, w=w32: self.routed(x, ids, w, lay, b))
                 if (i, "shared_expert_in") in inputs:
                     both((i, "shared_expert_in"), lambda h, b, t, lay=lay: self.shared(h, lay, b))
+                if (i, "fc1_latent_proj_in") in inputs and "fc1_latent_proj" in lay.mods:
+                    for suffix, b in (("", batch), ("_base", base)):
+                        cap[i, "latent" + suffix] = self.latent(inputs, i, lay, b)
         return cap
+
+    def latent(self, inputs: dict, i: int, lay: Layer, batch: Batch) -> torch.Tensor:
+        """Super's two latent projections, each on the reference's input to it: (T, latent + hidden), all-reduced.
+        fc1 is replicated; fc2 runs on each rank's partial expert sum in a forward, so here rank 0 alone feeds it the
+        whole input (its bias is rank 0's too) and the all-reduce returns fc2's output once."""
+        dev, dtype = self.w.embed.device, self.w.embed.dtype
+        x, y = (inputs[i, f"{n}_in"].to(dev, dtype) for n in ("fc1_latent_proj", "fc2_latent_proj"))
+        fc1 = self.linear(x, lay.mods["fc1_latent_proj"], batch)
+        fc2 = self.all_reduce(
+            self.linear(y if self.shard.first else torch.zeros_like(y), lay.mods["fc2_latent_proj"], batch)
+        )
+        return torch.cat([fc1, fc2], dim=-1)

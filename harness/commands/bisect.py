@@ -10,6 +10,7 @@ each module first on the base weights (adapter off: a defect of the module itsel
   mamba, mamba_lora                         Nemotron-H's Mamba-2 mixer (conv1d, SSD scan, gated norm)
   mlp, mlp_lora                             Nemotron-H's dense relu² MLP layer
   router          routing weights scattered to (tokens, experts): wrong experts or wrong weights
+  latent, latent_lora                       Nemotron-Super's fc1_latent_proj and fc2_latent_proj, each on HF's input
   experts, expert_lora                      the routed experts on HF's routing
   shared_expert, shared_expert_lora         the MoE's shared expert (Qwen3.5's with its sigmoid gate)
   hidden          the layer's output hidden state, each engine running freely (errors accumulate here)
@@ -47,7 +48,7 @@ from lpdiff.harness.commands import bisect_steps
 from lpdiff.harness.spec.errors import InputError
 
 MIXERS = ("attention", "linear_attention", "mamba", "mlp")  # a layer's token mixer, named by its kind
-MOE = ("experts", "shared_expert")
+MOE = ("latent", "experts", "shared_expert")  # latent: Nemotron-Super's fc1 / fc2_latent_proj around the experts
 
 
 def lora_of(module: str) -> str:
@@ -296,7 +297,7 @@ class BisectRuns:
 # costs 6x one adapter's HF captures, the dominant cost on a CPU; 2 prompts per choice keep every choice's rows
 DEFAULT_ROWS = 8
 MIN_PROMPTS = 2
-# the archs whose layers both engines capture module by module (HF: engines/hf.py layer_modules; the triton
+# the archs whose layers both engines capture module by module (HF: engines/hf_capture.py layer_modules; the triton
 # runtime: MoeTransformer's re-runs, a hybrid model's capture_modules)
 ARCHS = ("qwen3_moe", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h")
 

@@ -88,3 +88,32 @@ def test_super_latent_lora_matches_hf_peft_in_a_mixed_batch(super_tiny):
     for j, name in enumerate(MIXED):
         moved = float(np.abs(got[2][j].logprobs - got[0][j].logprobs).max())
         assert (moved > 100 * TOL) if name else (moved <= NEUTRAL), (name, moved)
+
+
+def test_bisect_names_super_latent_lora_dropped(super_tiny, monkeypatch):
+    """lpdiff bisect's module comparison covers the latent projections (commands/bisect.py "latent"): clean, every
+    module within 10x HF's own noise; with the runtime dropping the latent LoRA on load (vLLM 0.25.1's
+    vllm-nemotron-latent-dropped, re-created by filtering the parsed adapter), it names the first MoE layer's
+    latent_lora of the latent adapter, not the experts and not the layer's hidden state."""
+    from lpdiff.engines.triton import nemotron_h_weights as nw
+    from lpdiff.harness.commands import bisect as bs
+
+    spec, adapters, prompts = super_tiny
+    choices = bs.batch_choices(["latent", "moe"])
+    short = bs.equal_length(prompts, 2)
+    hf = bs.hf_captures(spec, adapters, choices, short, {"experts_impl": "eager"})
+    floors = bs.reference_floor(spec, adapters, choices, short, hf)
+    clean = bs.triton_errors(spec, adapters, choices, short, hf)
+    assert {"latent", "latent_lora"} <= {m for _, _, m in clean}
+    assert bs.first_above(clean, floors, bs.FACTOR) is None, clean
+
+    real = nw._targets
+
+    def latent_dropped(*args):
+        dense, experts = real(*args)
+        return {k: v for k, v in dense.items() if "latent" not in k[1]}, experts
+
+    monkeypatch.setattr(nw, "_targets", latent_dropped)
+    found = bs.first_above(bs.triton_errors(spec, adapters, choices, short, hf), floors, bs.FACTOR)
+    assert found is not None and (found.adapter, found.layer, found.module) == ("latent", 1, "latent_lora"), found
+    assert found.ratio > 1e3, found
