@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal, overload
 
 from lpdiff.harness.spec.errors import InputError, UnknownName
 
@@ -54,12 +55,17 @@ def _streams(tokenizer: str | None = None) -> tuple[tuple[int, ...], ...]:
     if tokenizer is None:
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(ZOO_TOKENIZER))
-        return tuple(tuple(tok.encode(d).ids) for d in _docs())
+        zoo = Tokenizer.from_file(str(ZOO_TOKENIZER))
+        return tuple(tuple(zoo.encode(d).ids) for d in _docs())
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    return tuple(tuple(tok.encode(d, add_special_tokens=False)) for d in _docs())
+    own = AutoTokenizer.from_pretrained(tokenizer)
+    return tuple(tuple(own.encode(d, add_special_tokens=False)) for d in _docs())
+
+
+def _streams_for(tokenizer: str | Path | None) -> tuple[tuple[int, ...], ...]:
+    """_streams of a checkpoint's tokenizer, or the zoo's when it is the zoo's (or None)."""
+    return _streams(None if tokenizer is None or same_as_zoo(tokenizer) else str(Path(tokenizer).resolve()))
 
 
 def same_as_zoo(tokenizer: str | Path | None) -> bool:
@@ -109,7 +115,7 @@ def named_prompts(name: str = "default", tokenizer: str | Path | None = None) ->
             + f", rl ({RL_WHY})"
         )
     spec = SETS[name]
-    streams = _streams(None if same_as_zoo(tokenizer) else str(Path(tokenizer).resolve()))
+    streams = _streams_for(tokenizer)
     return [_window(streams, i, spec.start + (i // len(streams)) * n, n, name) for i, n in enumerate(spec.lengths)]
 
 
@@ -179,6 +185,14 @@ def template_ids(tok, prompt: str) -> list[int]:
     return list(tok.encode(PLAIN_TEMPLATE.format(prompt=prompt), add_special_tokens=False))
 
 
+@overload
+def rl_prompts(
+    max_len: int, step: int | None = None, tokenizer: str | Path | None = None, kinds: Literal[False] = False
+) -> list[list[int]]: ...
+@overload
+def rl_prompts(
+    max_len: int, step: int | None = None, tokenizer: str | Path | None = None, *, kinds: Literal[True]
+) -> tuple[list[list[int]], list[str]]: ...
 def rl_prompts(
     max_len: int, step: int | None = None, tokenizer: str | Path | None = None, kinds: bool = False
 ) -> list[list[int]] | tuple[list[list[int]], list[str]]:
@@ -189,7 +203,7 @@ def rl_prompts(
     a long template) is raw ids. Text and ids come from the held-out modules cut with ``tokenizer`` (a checkpoint
     directory; None or the zoo's: the zoo tokenizer). ``kinds``: also return "chat" / "raw" per prompt."""
     lengths = rl_lengths(max_len, step)
-    streams = _streams(None if same_as_zoo(tokenizer) else str(Path(tokenizer).resolve()))
+    streams = _streams_for(tokenizer)
     tok = _chat_tokenizer(tokenizer)
     eos = tok.eos_token_id
     out, what = [], []

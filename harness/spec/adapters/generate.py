@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from lpdiff.harness.spec.adapters.files import CONFIG_NAME, PROVENANCE_NAME, res
 from lpdiff.harness.spec.adapters.layout import LAYOUTS, ModelLayout, resolve_targets
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import AdapterSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GENERATOR_VERSION = "lpdiff-adapter-gen/v1"  # bump when generated values change for the same arguments
 DEFAULT_SCALE = 0.2
@@ -33,7 +37,7 @@ def _generator(seed: int, *parts: str) -> torch.Generator:
 
 
 def generate_adapter(
-    model: nn.Module,
+    model: PreTrainedModel,
     out_dir: str | Path,
     groups: Sequence[str] = ("attention", "experts"),
     rank: int = 8,
@@ -64,7 +68,7 @@ def generate_adapter(
     saved with ``save_embedding_layers=False``: PEFT's default ("auto") also stores the base embedding and lm_head
     weights when an embedding is targeted, which adds nothing to the LoRA (lpdiff's reader skips such copies)."""
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, LoraModel
 
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -75,7 +79,7 @@ def generate_adapter(
     targets = resolve_targets(mlayout, groups)
     lcfg = LoraConfig(
         r=rank,
-        lora_alpha=alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; it scales by alpha / r and saves floats
         use_rslora=use_rslora,
         init_lora_weights=False,
         rank_pattern=dict(rank_pattern or {}),
@@ -89,7 +93,7 @@ def generate_adapter(
     with torch.device("meta"):
         shadow = type(model)._from_config(copy.deepcopy(model.config), dtype=torch.float32)
         peft_model = get_peft_model(shadow, lcfg)
-    tuner = peft_model.base_model
+    tuner = cast(LoraModel, peft_model.base_model)  # nn.Module's __getattr__ types it Tensor | Module
     got_modules, got_params = set(tuner.targeted_module_names), set(tuner.targeted_parameter_names)
     if got_modules != set(targets.modules) or got_params != set(targets.params):
         diff = sorted((got_modules | got_params) ^ set(targets.modules + targets.params))[:4]
@@ -121,7 +125,8 @@ def generate_adapter(
                 dtype,
             )
             continue
-        a_mod, b_mod = layer.lora_A["default"], layer.lora_B["default"]
+        # nn.Linear for both PEFT's Linear LoRA and its 3D-experts ParamWrapper (r * num_experts rows)
+        a_mod, b_mod = cast(nn.Linear, layer.lora_A["default"]), cast(nn.Linear, layer.lora_B["default"])
         n_exp = getattr(layer, "num_experts", 1)
         r, (out_f, in_f) = layer.r["default"], (b_mod.weight.shape[0], a_mod.weight.shape[1])
         b_std = scale * w_rms * math.sqrt(in_f) / (layer.scaling["default"] * math.sqrt(r))

@@ -241,14 +241,15 @@ def tensor_problems(
         n = shapes[0][0] if kind == "experts" else 1  # peft3d: A is (r * experts, in), B (out, r * experts)
         want = shapes[0][1] if which == "A" else shapes[1][0]
         got = t.shape[1] if which == "A" else t.shape[0] if t.ndim == 2 else None
-        rank = (t.shape[0] if which == "A" else t.shape[1]) if t.ndim == 2 else None
         if t.ndim != 2 or got != want:
             found.setdefault("shape-mismatch", []).append(
                 f"{key} is {tuple(t.shape)}, the model's {mod} needs "
                 + (f"(r, {want})" if which == "A" else f"({want}, r)")
                 + (f" x {n} experts" if n > 1 else "")
             )
-        elif rank % n or rank // n not in ranks:
+            continue
+        rank = t.shape[0] if which == "A" else t.shape[1]
+        if rank % n or rank // n not in ranks:
             found.setdefault("rank-mismatch", []).append(
                 f"{key} has rank {rank // n if rank % n == 0 else rank / n} but {CONFIG_NAME} says r={min(ranks)}"
             )
