@@ -242,8 +242,10 @@ def decode_request(
 
     def params(i: int) -> dict[str, Any]:
         p = {
+            # ignore_eos alone makes it exactly max_new_tokens: SGLang 0.5.15 refuses min_new_tokens when the
+            # tokenizer is not loaded (skip_tokenizer_init, as lpdiff runs it: ValueError "min_new_tokens=16 is
+            # unavailable when skip_tokenizer_init=True", sampling/sampling_params.py, seen on an H200)
             "max_new_tokens": max_new_tokens,
-            "min_new_tokens": max_new_tokens,
             "ignore_eos": True,
             "temperature": 0.0 if sampling == "greedy" else 1.0,
             "top_p": 1.0,

@@ -110,6 +110,8 @@ def test_sglang_decode_request_and_answer():
     req = decode_request([[1, 2], [3, 4, 5]], [None, "a"], 2, "seeded", 10)
     assert [p["sampling_seed"] for p in req["sampling_params"]] == [10, 11] and req["lora_path"] == [None, "a"]
     assert all(p["ignore_eos"] and p["max_new_tokens"] == 2 and p["temperature"] == 1.0 for p in req["sampling_params"])
+    # SGLang runs with skip_tokenizer_init: fields that need the tokenizer (min_new_tokens, stop strings) raise there
+    assert not any({"min_new_tokens", "stop"} & set(p) for p in req["sampling_params"])
     out = [{"meta_info": {"output_token_logprobs": [(-0.5, 8, None), (-1.0, 9, None)]}}] * 2
     gens = parse_decode([[1, 2], [3, 4, 5]], out, 2)
     assert gens[1].sequence == [3, 4, 5, 8, 9] and gens[0].logprobs.tolist() == [-0.5, -1.0]
