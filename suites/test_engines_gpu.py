@@ -147,6 +147,20 @@ def grid_prompts(model: str) -> list[list[int]]:
 
 
 _CASES: dict[str, check.Case] = {}
+_CASE_DIRS: list[Path] = []
+
+
+def _new_case_dir(tmp_path_factory, name: str) -> Path:
+    """A fresh folder for the next case, the previous cases' folders deleted: at full width one case's adapters and
+    checkpoint take 4-23 GB (Qwen3.5's trainer case, rank 256 on 256 experts, in two layouts), and the GPU machine's
+    disk (64 GiB) filled after three of them (H200, "No space left on device")."""
+    import shutil
+
+    _CASES.clear()
+    while _CASE_DIRS:
+        shutil.rmtree(_CASE_DIRS.pop(), ignore_errors=True)
+    _CASE_DIRS.append(tmp_path_factory.mktemp(name))
+    return _CASE_DIRS[-1]
 
 
 def case_for(model: str, tmp_path_factory) -> check.Case:
@@ -156,10 +170,8 @@ def case_for(model: str, tmp_path_factory) -> check.Case:
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     if model not in _CASES:
-        _CASES.clear()  # one model's files at a time
-        case = check.build_case(
-            model, LAYERS[model], tmp_path_factory.mktemp(model), init_recipe=RECIPE, log=progress_log(f"[{model}] ")
-        )
+        root = _new_case_dir(tmp_path_factory, model)  # one case's files at a time
+        case = check.build_case(model, LAYERS[model], root, init_recipe=RECIPE, log=progress_log(f"[{model}] "))
         case.prompts = grid_prompts(model)
         _CASES[model] = case
     return _CASES[model]
@@ -264,18 +276,21 @@ def trainer_grid():
                     )
 
 
-def trainer_case_for(model: str, tmp_path_factory) -> check.Case:
+def trainer_case_for(model: str, engine: str, tmp_path_factory) -> check.Case:
+    """The trainer lanes' case, its adapters written in the reference's layout (PEFT 3D) and ``engine``'s only."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    key = f"{model}:trainer"
+    layouts = sorted({"peft3d", *layouts_for(engine, get_model(model).arch)})
+    key = f"{model}:trainer:{','.join(layouts)}"
     if key not in _CASES:
-        _CASES.clear()
+        root = _new_case_dir(tmp_path_factory, f"{model}-trainer")
         _CASES[key] = check.build_case(
             model,
             LAYERS[model],
-            tmp_path_factory.mktemp(f"{model}-trainer"),
+            root,
+            layouts=layouts,
             plans=check.trainer_plans_for(get_model(model).arch),
             init_recipe=RECIPE,
             log=progress_log(f"[{model}-trainer] "),
@@ -291,7 +306,7 @@ def test_trainer_adapters_vs_reference(model, engine, tp, dtype, tmp_path_factor
     if why := cannot_serve(engine, model, tp, dtype):
         pytest.skip(why)
     _installed(engine)
-    case = trainer_case_for(model, tmp_path_factory)
+    case = trainer_case_for(model, engine, tmp_path_factory)
     if engine == "triton" and case.spec.arch.removesuffix("_text") == "qwen3_5_moe":
         # the runtime runs embedding LoRA on qwen3_moe, gpt_oss and nemotron_h only (Qwen3.5's model builds its own
         # embedding lookup) and refuses the session at start: those lanes are left out here, said so in the output
