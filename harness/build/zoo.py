@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="train and save zoo model(s) (all by default)")
     b.add_argument("--name", action="append", choices=list(TINY_CONFIGS))
-    b.add_argument("--steps", type=int, help=f"training steps (default {TrainConfig.steps})")
+    b.add_argument("--steps", type=int, help=f"training steps (default {TrainConfig().steps})")
     b.add_argument("--corpus", help="token file of an earlier build (written when missing)")
     b.add_argument("--out", default=str(ZOO_DIR), help="where to write the model directories (default: the zoo)")
     m = sub.add_parser("measure", help="print the zoo's measured properties as JSON lines")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -35,7 +36,8 @@ def forward_stats(model, prompts: list[list[int]]) -> dict:
     tap = RouterTap(model)
     try:
         logp = model(input_ids=ids, use_cache=False).logits[:, :-1].float().log_softmax(-1)
-        routers = [(choice_scores(m, lg)[real.flatten()], int(m.top_k)) for m, lg in tap.pop()]
+        # top_k: an int attribute of every MoE router, which nn.Module's __getattr__ types as Tensor | Module
+        routers = [(choice_scores(m, lg)[real.flatten()], cast(int, m.top_k)) for m, lg in tap.pop()]
     finally:
         tap.remove()
     pred = real[:, 1:]  # positions with a real next token
@@ -89,15 +91,15 @@ def measure(name: str, set_name: str = "default", path: Path | None = None) -> d
             noise.append((s16 - s32).abs().max(dim=-1).values)
             same = (s32.topk(k, -1).indices.sort(-1).values == s16.topk(k, -1).indices.sort(-1).values).all(-1)
             flips.append((~same).float())
-        margins, ratios, noise, flips = map(torch.cat, (margins, ratios, noise, flips))
+        margin, ratio, noise_all, flip = map(torch.cat, (margins, ratios, noise, flips))
         out.update(
             {
-                "router_positions": int(margins.numel()),
-                "margin": _pct(margins),
-                "margin_over_bf16_ulp": _pct(ratios),
-                "bf16_score_noise": _pct(noise, (50, 99, 100)),
-                "margin_below_noise_p99": float((margins < torch.quantile(noise.double(), 0.99)).float().mean()),
-                "routing_flip_rate": float(flips.mean()),
+                "router_positions": int(margin.numel()),
+                "margin": _pct(margin),
+                "margin_over_bf16_ulp": _pct(ratio),
+                "bf16_score_noise": _pct(noise_all, (50, 99, 100)),
+                "margin_below_noise_p99": float((margin < torch.quantile(noise_all.double(), 0.99)).float().mean()),
+                "routing_flip_rate": float(flip.mean()),
                 "expert_load_min": float(torch.cat(load).min()),
                 "expert_load_max": float(torch.cat(load).max()),
             }

@@ -11,13 +11,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lpdiff.harness.spec.errors import InputError, SpecError, UnknownName
 from lpdiff.harness.spec.init_recipe import PEAKED, apply_peaked
 from lpdiff.harness.types import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ZOO_DIR = Path(__file__).resolve().parents[1] / "zoo"
 
@@ -179,6 +182,7 @@ def hf_config(spec: ModelSpec):
             )
         cfg = AutoConfig.from_pretrained(spec.path)
     else:
+        assert spec.config is not None  # a ModelSpec has a path or a config
         kw = dict(spec.config)
         cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     if getattr(cfg, "text_config", None) is not None:
@@ -208,10 +212,10 @@ def load_hf_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.devic
                 f"model {spec.name}: init recipe {spec.init_recipe!r} is unknown to this lpdiff (it "
                 f"builds {', '.join(INIT_RECIPES)}); regenerate the baseline or upgrade lpdiff"
             )
-        cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+        assert spec.init_seed is not None  # a config-built ModelSpec has a seed
         torch.manual_seed(spec.init_seed)
         with torch.device(device):
-            model = cls._from_config(cfg, dtype=INIT_DTYPE)
+            model = _causal_lm_class(cfg)._from_config(cfg, dtype=INIT_DTYPE)
         report = apply_peaked(model, moe_fields(cfg), spec.init_seed) if spec.init_recipe == PEAKED else {}
         model = model.to(dtype)
         # what was built, for spec/checkpoint.py to check against the spec it writes and to record beside it
@@ -345,13 +349,17 @@ def moe_fields(config) -> MoeFields:
 # -- description ---------------------------------------------------------------------------------------------------
 
 
-def count_params(cfg) -> int:
-    """Parameter count without allocating weights (the model is built on the meta device)."""
+def _causal_lm_class(cfg) -> type[PreTrainedModel]:
+    """transformers' causal-LM class of a config (its auto mapping's stub types the value as a tuple)."""
     from transformers import AutoModelForCausalLM
 
-    cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+    return cast("type[PreTrainedModel]", AutoModelForCausalLM._model_mapping[type(cfg)])
+
+
+def count_params(cfg) -> int:
+    """Parameter count without allocating weights (the model is built on the meta device)."""
     with torch.device("meta"):
-        model = cls._from_config(cfg, dtype=torch.bfloat16)
+        model = _causal_lm_class(cfg)._from_config(cfg, dtype=torch.bfloat16)
     return sum(p.numel() for p in model.parameters())
 
 

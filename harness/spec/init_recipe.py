@@ -33,9 +33,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PEAKED = "peaked/v1"
 _CHUNK = 1 << 22  # elements per float64 block (32 MiB): a 35B model leaves little GPU memory beside its weights
@@ -184,7 +187,7 @@ class _Probe:
                 h.remove()
 
 
-def apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams = PeakedParams()) -> dict[str, Any]:
+def apply_peaked(model: PreTrainedModel, moe, seed: int, params: PeakedParams = PeakedParams()) -> dict[str, Any]:
     """Condition a freshly built bf16 model (transformers' init) in place; ``moe`` is its catalog MoeFields.
     Returns what was chosen and measured (beta, kappa and leakage per MoE layer, lm_head factor, entropy).
     TF32 is off meanwhile (the caller's setting is restored): the fp32 parts must not depend on the process."""
@@ -197,13 +200,16 @@ def apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams = 
 
 
 @torch.no_grad()
-def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) -> dict[str, Any]:
+def _apply_peaked(model: PreTrainedModel, moe, seed: int, params: PeakedParams) -> dict[str, Any]:
     from lpdiff.harness.spec.routing import is_router
 
     t0 = time.perf_counter()
     if not moe.is_moe:
         raise ValueError(f"{PEAKED} conditions MoE routers; {moe.arch} has none")
-    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    head_module = model.get_output_embeddings()
+    if head_module is None:
+        raise ValueError(f"{PEAKED} scales lm_head; {type(model).__name__} has none")
+    emb, head = model.get_input_embeddings().get_parameter("weight"), head_module.get_parameter("weight")
     if head is emb:
         raise ValueError(f"{PEAKED} scales lm_head apart from the embedding; tied embeddings are not supported")
     device, H, E, k, V = emb.device, moe.hidden, moe.num_experts, moe.top_k, emb.shape[0]
@@ -250,7 +256,8 @@ def _apply_peaked(model: torch.nn.Module, moe, seed: int, params: PeakedParams) 
         r = torch.randn(E, H, generator=gen, device=device, dtype=torch.float64)
         r -= (r @ U.T) @ U
         w = alpha * (U[perm] - offset * U[E]) + ctx * r / r.norm(dim=-1, keepdim=True)
-        module.weight.data.copy_(_representable(w, module.weight.dtype))
+        weight = module.get_parameter("weight")
+        weight.data.copy_(_representable(w, weight.dtype))
         bias = ((torch.rand(E, generator=gen, device=device) * 2 - 1) * bias_scale).to(torch.bfloat16)
         for name in ("bias", "e_score_correction_bias"):  # gpt-oss / Nemotron
             if isinstance(getattr(module, name, None), torch.Tensor):

@@ -81,9 +81,9 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
+        lineno = data[: e.start].count(b"\n") + 1
         raise SpecError(
-            f"{path} line {line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
+            f"{path} line {lineno}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
         ) from None
     for i, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 inside a JSON string is no line end
         if not line.strip():

@@ -101,6 +101,7 @@ def _cut(spec: ModelSpec, num_layers: int | None, weights: bool) -> ModelSpec:
         return ModelSpec(name=spec.name, arch=spec.arch, path=spec.path, source=spec.source, num_layers=num_layers)
     from lpdiff.harness.spec.cut import cut_checkpoint
 
+    assert spec.path is not None and spec.source is not None  # a directory read with its weights has an identity
     out = cut_checkpoint(Path(spec.path), num_layers, spec.source, src.cache_root())
     return ModelSpec(name=spec.name, arch=spec.arch, path=str(out), source={**spec.source, "num_layers": num_layers})
 

@@ -14,6 +14,7 @@ all return ``(router_logits, top-k weights, top-k indices)``; a hook's return va
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -67,7 +68,8 @@ def replay_weights(module: torch.nn.Module, logits: torch.Tensor, ids: torch.Ten
     w = logits.sigmoid().gather(1, ids)
     if module.norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * module.routed_scaling_factor
+    # a float attribute of Nemotron-H's router, which nn.Module's __getattr__ types as Tensor | Module
+    return w * cast(float, module.routed_scaling_factor)
 
 
 def forced_ids(routing: Sequence[np.ndarray], seq: int, num_layers: int, device) -> list[torch.Tensor]:

@@ -94,7 +94,9 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
         num_experts = max(experts_seen) + 1
     elif three_d and rank:
         a_key = next(k for k in three_d if k.endswith("lora_A.weight"))
-        module = re.sub(r"(\.base_layer)+$", "", key_module(a_key)[0]).removeprefix(PEFT_PREFIX)
+        a_module = key_module(a_key)
+        assert a_module is not None  # a lora_A.weight key always parses
+        module = re.sub(r"(\.base_layer)+$", "", a_module[0]).removeprefix(PEFT_PREFIX)
         # PEFT matches rank_pattern against the parameter path (experts.gate_up_proj); any expert parameter's will do
         r = next(
             (

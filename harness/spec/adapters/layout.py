@@ -7,11 +7,15 @@ import copy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lpdiff.harness.spec.errors import InputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Module groups an adapter can target, one per kind of block of the four families: full attention (Qwen3.5's
 # q_proj is twice as wide: query and output gate), Gated DeltaNet linear attention (Qwen3.5: in_proj_qkv, in_proj_z,
@@ -159,7 +163,7 @@ class ModelLayout:
     embeddings: dict[str, tuple[int, int]] = field(default_factory=dict)  # nn.Embedding path -> (vocab, hidden)
 
     @classmethod
-    def of(cls, model: nn.Module) -> ModelLayout:
+    def of(cls, model: PreTrainedModel) -> ModelLayout:
         linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         experts, module_params = {}, {}
         for mname, mod in model.named_modules():
