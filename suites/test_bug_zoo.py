@@ -150,7 +150,7 @@ def test_bisect_names_hybrid_fault(fault, model, bisect_side):
     step = None
     if kind is not None:
         errors = step_errors(got, hf["all"], found.layer, kind)
-        step = first_step(errors, kind, found.module.endswith("_lora"), found.limit)[0]
+        step = first_step(errors, kind, found.module.endswith("_lora"), bs.step_limit(found))[0]
     assert step == BISECT_STEP.get((fault, model)), (step, found)
 
 

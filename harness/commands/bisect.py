@@ -29,7 +29,8 @@ the floor is named.
 
 A finding inside a Mamba-2 or Gated DeltaNet mixer is followed into it (commands/bisect_steps.py): the mixer's
 sub-steps (projections, conv1d, the scan / delta rule and its state, the D skip or the gates, the gated norm,
-out_proj) captured in both engines at TP 1, the first above the same limit named as the finding's ``step``.
+out_proj) captured in both engines at TP 1, the first above the module's limit (and bisect_steps.STEP_SHARE of
+the module's error) named as the finding's ``step``.
 
 The runtime may run at any TP size (its capture returns the all-reduced, full module outputs) against HF at TP 1.
 One adapter: every row runs it. Several: one mixed batch of base rows plus every adapter's rows (as a default run's
@@ -251,7 +252,7 @@ class BisectResult:
                 rows.append(f"{label(c):<{width}}  {i:>5}  " + "  ".join(cells))
         f = self.finding
         if f is not None and self.steps is not None:
-            limit, lora = f.limit, f.module.endswith("_lora")
+            limit, lora = step_limit(f), f.module.endswith("_lora")
             errs = {k.removesuffix("_lora"): e for k, e in self.steps.items() if k.endswith("_lora") == lora}
             cells = [f"{k} {e:.3g}{'*' if not e <= limit else ''}" for k, e in errs.items()]
             rows.append(f"\nlayer {f.layer} {f.module} of {label(f.adapter)}, step by step (TP 1): " + ", ".join(cells))
@@ -375,9 +376,16 @@ def into_mixer(res: BisectResult, spec, adapters: dict, prompts, hf: dict, cache
     set_step(res, cache[key])
 
 
+def step_limit(f: Finding) -> float:
+    """How far a sub-step of the found mixer must be off to be named: the module's limit, and STEP_SHARE of the
+    module's own error (bisect_steps.STEP_SHARE)."""
+    return max(f.limit, bisect_steps.STEP_SHARE * f.error)
+
+
 def set_step(res: BisectResult, steps: dict[str, float]) -> None:
-    """The found mixer's sub-step errors into ``res``; the first above the finding's limit into the finding."""
+    """The found mixer's sub-step errors into ``res``; the first above the finding's limit, and above STEP_SHARE of
+    the module's own error, into the finding."""
     f = res.finding
     res.steps = steps
-    hit = bisect_steps.first_step(steps, bisect_steps.mixer_of(f.module), f.module.endswith("_lora"), f.limit)
+    hit = bisect_steps.first_step(steps, bisect_steps.mixer_of(f.module), f.module.endswith("_lora"), step_limit(f))
     f.step, f.step_error = hit if hit is not None else (None, None)

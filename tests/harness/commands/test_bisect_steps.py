@@ -14,7 +14,7 @@ import torch
 
 from lpdiff.engines import EngineConfig, open_engine
 from lpdiff.harness.commands import bisect as bs
-from lpdiff.harness.commands.bisect_steps import STEPS, first_step, step_errors
+from lpdiff.harness.commands.bisect_steps import STEP_SHARE, STEPS, first_step, step_errors
 from lpdiff.harness.spec.resolve import resolve
 
 LIMIT = 1e-5  # 10 x the module noise floor of the tiny zoo (3.6-4.6e-7, commands/bisect.py reference_floor)
@@ -107,6 +107,8 @@ def test_each_mixer_step_named_where_its_weight_moved(model):
             found = first_step(err, kind, False, LIMIT)
             assert found is not None and found[0] == want, (name, found, err)
             assert found[1] > 100 * LIMIT, (name, found)
+            # bisect's own limit also asks STEP_SHARE of the module's error (the mixer's output: its out_proj step)
+            assert first_step(err, kind, False, max(LIMIT, STEP_SHARE * err["out_proj"])) == found, (name, err)
         assert errors() == clean  # every weight back in place
 
 
