@@ -73,45 +73,40 @@ class Generated:
         return [*self.prompt, *self.tokens]
 
 
+@dataclass(frozen=True, slots=True)
+class Decoding:
+    """How a decode draws: ``max_new_tokens`` per prompt (EOS does not stop them); ``sampling`` one of SAMPLINGS,
+    "seeded" drawing prompt i's tokens with seed ``seed + i`` (so a prompt's tokens do not depend on the rest of the
+    batch, where the engine allows it). Checked here, once: a bad value is an InputError naming it."""
+
+    max_new_tokens: int = 16
+    sampling: str = "greedy"
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.sampling not in SAMPLINGS:
+            raise InputError(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise InputError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
 @runtime_checkable
 class Decodes(Protocol):
-    """Optional: an engine that generates (vLLM, SGLang, HF). ``sampling``: one of SAMPLINGS; "seeded" draws
-    prompt i's tokens with seed ``seed + i`` (so a prompt's tokens do not depend on the rest of the batch, where
-    the engine allows it)."""
+    """Optional: an engine that generates (vLLM, SGLang, HF)."""
 
-    def decode(
-        self,
-        prompts: Sequence[Sequence[int]],
-        adapter: AdapterChoice = None,
-        max_new_tokens: int = 16,
-        sampling: str = "greedy",
-        seed: int = 0,
-    ) -> list[Generated]: ...
-
-
-def check_decode(max_new_tokens: int, sampling: str, seed: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if sampling not in SAMPLINGS:
-        raise InputError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
-    if not isinstance(seed, int) or seed < 0:
-        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice, how: Decoding) -> list[Generated]: ...
 
 
 def decode_by_prefill(
-    engine: Engine,
-    prompts: Sequence[Sequence[int]],
-    adapter: AdapterChoice = None,
-    max_new_tokens: int = 16,
-    sampling: str = "greedy",
-    seed: int = 0,
+    engine: Engine, prompts: Sequence[Sequence[int]], adapter: AdapterChoice, how: Decoding
 ) -> list[Generated]:
     """Greedy decoding for an engine without a KV cache (the triton runtime, prefill-only): each step re-prefills
     every sequence with one placeholder token appended and takes the top-1 of its last position (the argmax of the
     next-token distribution and its logprob). N steps cost N prefills of the growing sequences; seeded sampling
     would need the whole distribution, so it is refused."""
-    check_decode(max_new_tokens, sampling, seed)
-    if sampling != "greedy":
+    if how.sampling != "greedy":
         raise InputError(
             f"{engine.name}: decoding by re-prefill takes the top-1 only; seeded sampling needs an "
             "engine with its own decode (hf, vllm, sglang)"
@@ -119,7 +114,7 @@ def decode_by_prefill(
     seqs = [[int(t) for t in p] for p in prompts]
     gen: list[list[int]] = [[] for _ in seqs]
     lps: list[list[float]] = [[] for _ in seqs]
-    for _ in range(max_new_tokens):
+    for _ in range(how.max_new_tokens):
         res = engine.prompt_logprobs([[*s, *g, 0] for s, g in zip(seqs, gen)], adapter, top_k=1)
         for i, r in enumerate(res):
             gen[i].append(int(r.topk_ids[-1, 0]))
@@ -137,12 +132,11 @@ def decode(
     sampling: str = "greedy",
     seed: int = 0,
 ) -> tuple[list[Generated], str]:
-    """The engine's own decode where it has one, else greedy re-prefill; -> (sequences, how: "decode" or
-    "re-prefill")."""
-    check_decode(max_new_tokens, sampling, seed)
+    """The engine's own decode where it has one, else greedy re-prefill; -> (sequences, "decode" or "re-prefill")."""
+    how = Decoding(max_new_tokens, sampling, seed)
     if isinstance(engine, Decodes):
-        return engine.decode(prompts, adapter, max_new_tokens, sampling, seed), "decode"
-    return decode_by_prefill(engine, prompts, adapter, max_new_tokens, sampling, seed), "re-prefill"
+        return engine.decode(prompts, adapter, how), "decode"
+    return decode_by_prefill(engine, prompts, adapter, how), "re-prefill"
 
 
 # What ``capture_layers`` returns, per (layer index, point): every tensor is (tokens, width) over the prompts'

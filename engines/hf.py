@@ -30,8 +30,9 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from lpdiff.engines.base import AdapterChoice, EngineConfig, check_adapters, check_request
+from lpdiff.engines.base import AdapterChoice, Decoding, EngineConfig, check_adapters, check_request
 from lpdiff.engines.capabilities import Capabilities, KnownDefect, Mode
+from lpdiff.engines.hf_torch_paths import modeling_modules, torch_paths
 from lpdiff.engines.logprobs import chunked_logprobs
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.spec.routing import RouterMarginRecorder, forced_ids
@@ -159,6 +160,7 @@ class HFEngine:
         self.logit_chunk = int(opts.pop("logit_chunk", 1024))
         self.record_margins = bool(opts.pop("router_margins", True))
         self.capture_routing = bool(opts.pop("capture_routing", False))
+        self.torch_only: tuple = ()  # modeling modules whose sequence ops run their torch path (fp32)
         if opts:
             raise InputError(
                 f"unknown hf engine options {sorted(opts)}; known: experts_impl, max_batch_tokens, "
@@ -180,6 +182,10 @@ class HFEngine:
         if self.config.adapters:
             model = self._load_adapters(model)
         self.model = model.eval()
+        # fp32 runs call transformers' torch delta rule / conv / Mamba scans, never fla's or mamba_ssm's Triton
+        # kernels, whose fp32 dots run at TF32 (k2 1.75e-5 against an fp32 threshold of 7.6e-7 on Qwen3.5-35B-A3B
+        # with fla-core 0.5.2 on an H200): engines/hf_torch_paths.py
+        self.torch_only = modeling_modules(model) if self.config.dtype == "float32" else ()
         self.lm = model.get_base_model() if self.config.adapters else model
         self.decoder = self.lm.get_decoder()
         self.margins = RouterMarginRecorder(self.lm, capture=self.capture_routing)
@@ -238,7 +244,7 @@ class HFEngine:
         t0 = time.perf_counter()
         for name in dict.fromkeys(names):  # groups in first-seen order
             idx = [i for i, n in enumerate(names) if n == name]
-            with self._adapter_ctx(name):
+            with self._adapter_ctx(name), torch_paths(self.torch_only):
                 for batch in _batches(idx, prompts, self.max_batch_tokens):
                     forced = None if routing is None else [routing[i] for i in batch]
                     for i, res in zip(batch, self._forward([prompts[i] for i in batch], top_k, forced)):
@@ -246,23 +252,15 @@ class HFEngine:
         self.last_wall_s = time.perf_counter() - t0
         return out  # type: ignore[return-value]
 
-    def decode(
-        self,
-        prompts: Sequence[Sequence[int]],
-        adapter: AdapterChoice = None,
-        max_new_tokens: int = 16,
-        sampling: str = "greedy",
-        seed: int = 0,
-    ):
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice, how: Decoding):
         """Generate with the KV cache (engines.hf_decode: raw-logit logprobs, one prompt at a time)."""
-        from lpdiff.engines.base import check_decode
         from lpdiff.engines.hf_decode import hf_decode
 
         if self.model is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('hf', cfg) as eng:`")
-        check_decode(max_new_tokens, sampling, seed)
         names = check_request(prompts, adapter, self.config.adapters, self.config.model)
-        return hf_decode(self, prompts, names, max_new_tokens, sampling, seed)
+        with torch_paths(self.torch_only):
+            return hf_decode(self, prompts, names, how.max_new_tokens, how.sampling, how.seed)
 
     def capture_layers(
         self,
@@ -287,7 +285,8 @@ class HFEngine:
         check_request(prompts, adapter, self.config.adapters, self.config.model)
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("capture_layers takes prompts of one length (no padding)")
-        return capture_layers(self, prompts, adapter, steps)
+        with torch_paths(self.torch_only):
+            return capture_layers(self, prompts, adapter, steps)
 
     def _forward(self, prompts: list[Sequence[int]], top_k: int, routing=None) -> list[PromptLogprobs]:
         lens = [len(p) for p in prompts]

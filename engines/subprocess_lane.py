@@ -407,12 +407,12 @@ class LaneEngine:
         adapter = adapter if adapter is None or isinstance(adapter, str) else list(adapter)
         return self.lane.call("prompt_logprobs", prompts, adapter, top_k)
 
-    def decode(self, prompts, adapter=None, max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0):
+    def decode(self, prompts, adapter, how):
         if self.lane is None:
             raise RuntimeError(f"use the engine as a context manager: `with open_engine({self.name!r}, cfg) as eng:`")
         prompts = [[int(t) for t in p] for p in prompts]
         adapter = adapter if adapter is None or isinstance(adapter, str) else list(adapter)
-        return self.lane.call("decode", prompts, adapter, max_new_tokens, sampling, seed)
+        return self.lane.call("decode", prompts, adapter, how)
 
     def version(self) -> str:
         return self.lane.call("version") if self.lane is not None else f"{self.name} (lane not started)"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from lpdiff.engines.base import AdapterChoice, EngineConfig, check_decode, check_request
+from lpdiff.engines.base import AdapterChoice, Decoding, EngineConfig, check_request
 from lpdiff.engines.sglang.requests import (
     decode_request,
     generate_request,
@@ -109,13 +109,10 @@ class SGLangOffline:
         out = self._live().generate(**generate_request(prompts, names, top_k, self.vocab, routing is not None))
         return parse_batch(prompts, out, top_k, self.vocab, routing)
 
-    def decode(
-        self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0
-    ):
-        check_decode(max_new_tokens, sampling, seed)
+    def decode(self, prompts, adapter: AdapterChoice, how: Decoding):
         names = check_request(prompts, adapter, self.config.adapters)
-        out = self._live().generate(**decode_request(prompts, names, max_new_tokens, sampling, seed))
-        return parse_decode(prompts, out, max_new_tokens)
+        out = self._live().generate(**decode_request(prompts, names, how.max_new_tokens, how.sampling, how.seed))
+        return parse_decode(prompts, out, how.max_new_tokens)
 
 
 # -- HTTP: a launched or running server ----------------------------------------------------------------------------
@@ -220,17 +217,14 @@ class SGLangHTTP:
         )
         return parse_batch(prompts, out, top_k, self.vocab, routing)
 
-    def decode(
-        self, prompts, adapter: AdapterChoice = None, max_new_tokens: int = 16, sampling: str = "greedy", seed: int = 0
-    ):
-        check_decode(max_new_tokens, sampling, seed)
+    def decode(self, prompts, adapter: AdapterChoice, how: Decoding):
         names = check_request(prompts, adapter, self.config.adapters)
         out = self.post(
             "/generate",
-            decode_request(prompts, names, max_new_tokens, sampling, seed),
-            sum(map(len, prompts)) + max_new_tokens * len(prompts),
+            decode_request(prompts, names, how.max_new_tokens, how.sampling, how.seed),
+            sum(map(len, prompts)) + how.max_new_tokens * len(prompts),
         )
-        return parse_decode(prompts, out, max_new_tokens)
+        return parse_decode(prompts, out, how.max_new_tokens)
 
 
 # -- the engine ----------------------------------------------------------------------------------------------------
@@ -288,15 +282,8 @@ class SGLangEngine:
             raise RuntimeError("use the engine as a context manager: `with open_engine('sglang', cfg) as eng:`")
         return self._impl.prompt_logprobs(prompts, adapter, top_k)
 
-    def decode(
-        self,
-        prompts: Sequence[Sequence[int]],
-        adapter: AdapterChoice = None,
-        max_new_tokens: int = 16,
-        sampling: str = "greedy",
-        seed: int = 0,
-    ):
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice, how: Decoding):
         """SGLang's own generation with its logprobs (requests.decode_request)."""
         if self._impl is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('sglang', cfg) as eng:`")
-        return self._impl.decode(prompts, adapter, max_new_tokens, sampling, seed)
+        return self._impl.decode(prompts, adapter, how)

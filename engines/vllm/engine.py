@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lpdiff.engines.base import AdapterChoice, EngineConfig, check_request
+from lpdiff.engines.base import AdapterChoice, Decoding, EngineConfig, check_request
 from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
 from lpdiff.engines.vllm.adapters import (
     adapter_problems,
@@ -371,39 +371,31 @@ class VLLMEngine:
         self.last_wall_s = time.perf_counter() - t0
         return outs
 
-    def decode(
-        self,
-        prompts: Sequence[Sequence[int]],
-        adapter: AdapterChoice = None,
-        max_new_tokens: int = 16,
-        sampling: str = "greedy",
-        seed: int = 0,
-    ):
+    def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice, how: Decoding):
         """Generate ``max_new_tokens`` per prompt (EOS ignored) and return vLLM's own logprob of each generated token:
         ``SamplingParams(logprobs=0)`` with vLLM's default raw logprobs (before temperature / top-p). Greedy is
         temperature 0; seeded is temperature 1 (no top-p / top-k) with per-request seed ``seed + i``."""
-        from lpdiff.engines.base import Generated, check_decode
+        from lpdiff.engines.base import Generated
 
         if self._proxy is not None:
-            return self._proxy.decode(prompts, adapter, max_new_tokens, sampling, seed)
+            return self._proxy.decode(prompts, adapter, how)
         if self.llm is None:
             raise RuntimeError("use the engine as a context manager: `with open_engine('vllm', cfg) as eng:`")
         from vllm import SamplingParams
 
         from lpdiff.engines.vllm.parsing import parse_sample_logprobs
 
-        check_decode(max_new_tokens, sampling, seed)
         names = check_request(prompts, adapter, self.config.adapters)
-        temp = 0.0 if sampling == "greedy" else 1.0
+        temp = 0.0 if how.sampling == "greedy" else 1.0
         sps = [
             SamplingParams(
-                max_tokens=max_new_tokens,
-                min_tokens=max_new_tokens,
+                max_tokens=how.max_new_tokens,
+                min_tokens=how.max_new_tokens,
                 ignore_eos=True,
                 temperature=temp,
                 logprobs=0,
                 detokenize=False,
-                seed=None if sampling == "greedy" else seed + i,
+                seed=None if how.sampling == "greedy" else how.seed + i,
             )
             for i in range(len(prompts))
         ]

@@ -13,7 +13,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from lpdiff.engines.base import EngineConfig, open_engine  # noqa: E402
+from lpdiff.engines.base import Decoding, EngineConfig, open_engine  # noqa: E402
 from lpdiff.harness.types import AdapterSpec  # noqa: E402
 
 TOL = 1e-4
@@ -41,10 +41,10 @@ def test_vllm_decode_logprobs_match_hf_prefill(dense, sampling):
     spec, adapters, prompts = dense
     choice = ["a8", None, "a8"]
     with open_engine("vllm", EngineConfig(spec, adapters, dtype="float32", device="cpu")) as eng:
-        gens = eng.decode(prompts, choice, N, sampling, 3)
+        gens = eng.decode(prompts, choice, Decoding(N, sampling, 3))
     with open_engine("hf", EngineConfig(spec, adapters, dtype="float32", device="cpu")) as hf:
         ref = hf.prompt_logprobs([g.sequence for g in gens], choice)
-        own = hf.decode(prompts, choice, N, "greedy", 0) if sampling == "greedy" else None
+        own = hf.decode(prompts, choice, Decoding(N)) if sampling == "greedy" else None
     for g, r in zip(gens, ref):
         assert len(g.tokens) == N and np.isfinite(g.logprobs).all()
         assert np.abs(g.logprobs - r.logprobs[-N:]).max() <= TOL, sampling

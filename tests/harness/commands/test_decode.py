@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from lpdiff.engines import EngineConfig, open_engine
-from lpdiff.engines.base import decode
+from lpdiff.engines.base import Decoding, decode
 from lpdiff.harness.commands.decode import judge_lane, run_decode
 from lpdiff.harness.pipeline.rl_metrics import decode_metrics
 from lpdiff.harness.pipeline.thresholds import lookup
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.spec.resolve import resolve
 
 MODEL = "tiny-qwen3-moe"
@@ -29,13 +30,23 @@ def _threshold(engine: str):
     return lookup(MODEL, f"{engine}:float32-vs-hf:float32", "float32", 1)
 
 
+@pytest.mark.parametrize(
+    "args, what", [((0,), "max_new_tokens"), ((2, "top_p"), "sampling"), ((2, "seeded", -1), "seed")]
+)
+def test_a_bad_decoding_is_one_input_error_naming_it(args, what):
+    """Checked once, where the Decoding is made (engines.base), whichever engine then decodes."""
+    with pytest.raises(InputError, match=f"^{what} must be"):
+        Decoding(*args)
+    assert Decoding(2, "seeded", 0).seed == 0
+
+
 def test_hf_decode_matches_hf_prefill_of_the_same_sequences(zoo):
     spec, adapters, prompts = zoo
     choice = [None, "all"]
     with open_engine("hf", EngineConfig(spec, adapters, dtype="float32", device="cpu")) as eng:
         greedy, how = decode(eng, prompts, choice, N, "greedy", 0)
-        seeded = eng.decode(prompts, choice, N, "seeded", 7)
-        again = eng.decode(prompts, choice, N, "seeded", 7)
+        seeded = eng.decode(prompts, choice, Decoding(N, "seeded", 7))
+        again = eng.decode(prompts, choice, Decoding(N, "seeded", 7))
         pre = {
             k: eng.prompt_logprobs([g.sequence for g in gens], choice)
             for k, gens in (("greedy", greedy), ("seeded", seeded))
