@@ -23,21 +23,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.kernels import attention as kernels_attention
 
 
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     batch: Batch,
     scale: float,
     window: int | None,
-    sinks: torch.Tensor | None,
+    sinks: Tensor | None,
     impl: str = "auto",
-) -> torch.Tensor:
+) -> Tensor:
     """q (T, h, d), k/v (T, h_kv, d) -> (T, h, d), causal within each prompt. ``impl``: auto | triton | flash |
     sdpa (module docstring); "triton" on CPU tensors runs the kernel interpreted."""
     if impl == "auto":
@@ -55,7 +56,7 @@ def attention(
 MAX_PADDING = 0.2  # share of the padded (B, L_max) view that is padding, up to which SDPA still pays
 
 
-def padded_sdpa_pays(batch: Batch, window: int | None, sinks: torch.Tensor | None) -> bool:
+def padded_sdpa_pays(batch: Batch, window: int | None, sinks: Tensor | None) -> bool:
     """Plain causal attention (no sinks, no window) over prompts of nearly one length: SDPA's padded batch is faster
     than the varlen kernels (module docstring); the padding it computes grows with the spread of prompt lengths."""
     if sinks is not None or window is not None:
@@ -104,7 +105,7 @@ def flash_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
     return _FLASH_OK[key]
 
 
-def flash_varlen(q, k, v, batch: Batch, scale: float, window: int | None, sinks: torch.Tensor | None):
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, batch: Batch, scale: float, window: int | None, sinks: Tensor | None):
     _T, _h, _ = q.shape
     win = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
     out, lse = torch.ops.aten._flash_attention_forward(
@@ -130,14 +131,8 @@ def flash_varlen(q, k, v, batch: Batch, scale: float, window: int | None, sinks:
 
 
 def sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    batch: Batch,
-    scale: float,
-    window: int | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, batch: Batch, scale: float, window: int | None, sinks: Tensor | None
+) -> Tensor:
     h, d = q.shape[1], q.shape[2]
     rep = h // k.shape[1]
     qp, kp, vp = (batch.pad(t).transpose(1, 2) for t in (q, k, v))  # (B, heads, L, d)
