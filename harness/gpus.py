@@ -92,7 +92,10 @@ def _selects(markexpr: str, mark: str) -> bool:
     """Whether a test carrying only ``mark`` is selected by ``-m markexpr`` (pytest's own evaluator)."""
     from _pytest.mark.expression import Expression
 
-    return Expression.compile(markexpr).evaluate(lambda name, **kwargs: name == mark)
+    def matches(name: str, /, **kwargs: object) -> bool:
+        return name == mark
+
+    return Expression.compile(markexpr).evaluate(matches)
 
 
 def worker_index(worker: str) -> int:

@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    note = bytecode_note(sys.flags.dont_write_bytecode, _bytecode_cached("torch"))
+    note = bytecode_note(bool(sys.flags.dont_write_bytecode), _bytecode_cached("torch"))
     return gpus.report_header(config) + ([note] if note else [])
 
 

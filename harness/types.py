@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -113,14 +113,14 @@ class LogprobRun:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        np.savez(
-            path,
-            __meta__=np.frombuffer(json.dumps(self.meta, sort_keys=True).encode(), dtype=np.uint8),
+        arrays: dict[str, Any] = {
+            "__meta__": np.frombuffer(json.dumps(self.meta, sort_keys=True).encode(), dtype=np.uint8),
             **self.to_arrays(),
-        )
+        }
+        np.savez(path, **arrays)
 
     @classmethod
-    def load(cls, path: str | Path) -> LogprobRun:
+    def load(cls, path: str | Path | IO[bytes]) -> LogprobRun:
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files if k != "__meta__"}
             meta = json.loads(bytes(z["__meta__"]).decode()) if "__meta__" in z.files else {}
@@ -129,7 +129,7 @@ class LogprobRun:
 
 def canonical_hash(obj: Any) -> str:
     """sha256 of a canonical JSON rendering (sorted keys, no whitespace): the basis of every content address."""
-    if dataclasses.is_dataclass(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = dataclasses.asdict(obj)
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()

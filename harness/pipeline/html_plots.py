@@ -33,7 +33,7 @@ def _svg(body: str, w: int = W, h: int = H, title: str = "") -> str:
 class _Log:
     """A log10 axis over [lo, hi] mapped to pixels [p0, p1]; values <= 0 sit at lo."""
 
-    def __init__(self, values: Iterable[float], p0: float, p1: float, floor: float = 1e-12):
+    def __init__(self, values: Iterable[float | None], p0: float, p1: float, floor: float = 1e-12):
         vs = [v for v in values if v is not None and math.isfinite(v) and v > 0]
         lo, hi = (min(vs), max(vs)) if vs else (floor, 1.0)
         self.lo, self.hi = math.floor(math.log10(max(lo, floor))), math.ceil(math.log10(max(hi, floor)))
@@ -144,16 +144,16 @@ def scale_svg(v: Mapping[str, Any]) -> str:
 
 def history_svg(points: Sequence[tuple[str, float | None, float | None]]) -> str:
     """k2 per night (date, k2, threshold k2), log y; the threshold dashed."""
-    ys = [k for _, k, _ in points] + [t for _, _, t in points]
-    y = _Log(ys, H - 22, 16)
+    ks, ts = [k for _, k, _ in points], [t for _, _, t in points]
+    y = _Log(ks + ts, H - 22, 16)
     n = len(points)
 
     def x(i: float) -> float:
         return PAD + 8 + i / max(n - 1, 1) * (W - PAD - 24)
 
     parts = [_y_log_axis(y, W)]
-    for key, color, dash in ((2, "#b71c1c", ' stroke-dasharray="4 3"'), (1, LINE, "")):
-        pts = " ".join(f"{x(i):.1f},{y(p[key]):.1f}" for i, p in enumerate(points) if p[key] is not None)
+    for vals, color, dash in ((ts, "#b71c1c", ' stroke-dasharray="4 3"'), (ks, LINE, "")):
+        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(vals) if v is not None)
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{color}"{dash}/>')
     for i, (date, k, _) in enumerate(points):
         if k is not None:

@@ -61,7 +61,8 @@ def _parquet_manifest(path: Path) -> tuple[str, dict | None]:
 def describe(root: str | Path) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
     """(entries, parquet files grouped by schema) of a store: entries come from JSON sidecars with a ``key`` and
     from parquet files' manifests."""
-    entries, groups = [], {}
+    entries: list[dict[str, Any]] = []
+    groups: dict[str, list[str]] = {}
     for rel, p in entry_files(Path(root)).items():
         manifest = None
         if rel.endswith(".parquet"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -132,10 +133,11 @@ def near_tie_eps(*dtypes: str) -> float:
 def near_tie_mask(run: LogprobRun, eps: float) -> np.ndarray | None:
     """Per position: True when some token up to and including that position's last input token had a router
     margin below eps (a routing flip there changes every later hidden state). None when the run has no margins."""
-    if any(p.router_margin is None for p in run.prompts):
+    margins = [p.router_margin for p in run.prompts if p.router_margin is not None]
+    if len(margins) < len(run.prompts):
         return None
     # position i sees tokens 0..i, so the running minimum over the first n-1 tokens decides it
-    return np.concatenate([np.minimum.accumulate(p.router_margin.astype(np.float64))[:-1] < eps for p in run.prompts])
+    return np.concatenate([np.minimum.accumulate(m.astype(np.float64))[:-1] < eps for m in margins])
 
 
 def nonfinite_at(a_rows: Sequence[np.ndarray], b_rows: Sequence[np.ndarray]) -> tuple[int, list | None]:
@@ -268,7 +270,8 @@ def position_detail(
     d = _flat(a, "logprobs") - _flat(b, "logprobs")
     masks = [m for m in (near_tie_mask(a, near_tie_eps), near_tie_mask(b, near_tie_eps)) if m is not None]
     flagged = np.logical_or.reduce(masks) if masks else None
-    prompts, start = [], 0
+    prompts: list[dict[str, Any]] = []
+    start = 0
     for i, p in enumerate(a.prompts):
         n = len(p.logprobs)
         take = min(n, max_positions - sum(len(q["d"]) for q in prompts))
@@ -327,9 +330,9 @@ def lane_fidelity(
     has such a lane (delta_fidelity_by_group), so a verdict names the group an engine dropped instead of only the
     adapter. Lanes without ``lane_groups`` entries, or with nothing to split by, stay one number."""
     single: dict[str, list[str]] = {}
-    for lane, groups in lane_groups.items():
-        if lane in runs and len(groups) == 1:
-            single.setdefault(groups[0], []).append(lane)
+    for name, groups in lane_groups.items():
+        if name in runs and len(groups) == 1:
+            single.setdefault(groups[0], []).append(name)
     out: dict[str, float | dict[str, float]] = {}
     for lane in runs:
         if lane is None:

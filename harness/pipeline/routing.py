@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from lpdiff.harness.pipeline.metrics import near_tie_eps
-from lpdiff.harness.types import LogprobRun
+from lpdiff.harness.types import LogprobRun, PromptLogprobs
 
 ROUTER_FAULT_FACTOR = 10.0  # a flip or weight error this many times the rounding margin is not rounding
 SPACING = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}  # relative spacing at 1.0
@@ -50,6 +50,13 @@ MAX_LISTED_FLIPS = 200  # first-order flips listed per lane for reports
 
 def has_routing(*runs: LogprobRun) -> bool:
     return all(p.routed_experts is not None for r in runs for p in r.prompts)
+
+
+def _routed(p: PromptLogprobs) -> np.ndarray:
+    """A prompt's (n, L, K) routed expert ids (has_routing said they are there)."""
+    if p.routed_experts is None:
+        raise ValueError("a prompt without captured routing (routed_experts)")
+    return p.routed_experts
 
 
 def _agree(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -83,18 +90,20 @@ def attribute(
     eps = near_tie_eps(*dtypes)
     flip_limit = ROUTER_FAULT_FACTOR * eps if flip_limit is None else flip_limit
     weight_limit = ROUTER_FAULT_FACTOR * max(SPACING[d] for d in dtypes) if weight_limit is None else weight_limit
-    shapes = {(p.routed_experts.shape[1:], q.routed_experts.shape[1:]) for p, q in zip(a.prompts, b.prompts)}
+    routed = [(_routed(p), _routed(q)) for p, q in zip(a.prompts, b.prompts)]
+    shapes = {(pe.shape[1:], qe.shape[1:]) for pe, qe in routed}
     if any(x != y for x, y in shapes):
         raise ValueError(
             f"the runs route over different (MoE layers, top_k): {min(shapes)}; were they made on the same model?"
         )
-    L, K = a.prompts[0].routed_experts.shape[1:]
+    L, K = routed[0][0].shape[1:]
     agree_all, clean_pos, d_all, flips = [], [], [], []
     layer_flips = np.zeros(L, dtype=np.int64)
     first_weight_err = []
     for pi, (p, q) in enumerate(zip(a.prompts, b.prompts)):
+        pe, qe = routed[pi]
         n = p.token_ids.shape[0] - 1  # tokens that positions see
-        agree = _agree(p.routed_experts[:n], q.routed_experts[:n])
+        agree = _agree(pe[:n], qe[:n])
         agree_all.append(agree)
         clean_pos.append(np.logical_and.accumulate(agree.all(1)))
         d_all.append(p.logprobs.astype(np.float64) - q.logprobs.astype(np.float64))
@@ -107,9 +116,7 @@ def attribute(
             flips.append((pi, int(t), int(layer), float(margins[t, layer])))
         if p.routed_weights is not None and q.routed_weights is not None:
             ok = agree[:, 0]
-            err = _weight_error(
-                p.routed_experts[:n, 0], p.routed_weights[:n, 0], q.routed_experts[:n, 0], q.routed_weights[:n, 0]
-            )
+            err = _weight_error(pe[:n, 0], p.routed_weights[:n, 0], qe[:n, 0], q.routed_weights[:n, 0])
             first_weight_err.append(err[ok])
     agree = np.concatenate(agree_all)
     clean = np.concatenate(clean_pos)

@@ -99,6 +99,8 @@ def sweep_temps(root: Path, locked_final: Path | None = None) -> list[Path]:
     removed = []
     for p in temp_files(root):
         m = _TMP.match(p.name)
+        if m is None:  # temp_files yields only names _TMP matches
+            continue
         if locked_final is not None and p.parent == locked_final.parent and m["final"] == locked_final.name:
             gone = True
         elif m["host"] == _HOST:
