@@ -58,7 +58,8 @@ def compare(
     from lpdiff.harness.pipeline.report import verdict_table
 
     if runs:
-        verdicts = [compare_runs(*runs, allow_different=allow_different)]
+        path_a, path_b = runs  # click's nargs=2
+        verdicts = [compare_runs(path_a, path_b, allow_different=allow_different)]
     elif model:
         for e in (engine, against):
             need_engine(e)

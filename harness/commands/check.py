@@ -67,6 +67,7 @@ from lpdiff.harness.pipeline.noise import (
 from lpdiff.harness.pipeline.references import References
 from lpdiff.harness.pipeline.session import Lanes, engine_options, run_session
 from lpdiff.harness.pipeline.store import BaselineStore
+from lpdiff.harness.pipeline.thresholds import Threshold
 from lpdiff.harness.pipeline.verdict import judge
 from lpdiff.harness.types import AdapterSpec
 
@@ -132,7 +133,7 @@ class CheckResult:
     engine_version: str
     ref_noise: Noise
     rerun_noise: Noise
-    threshold: object
+    threshold: Threshold | None  # None when the engine failed (error)
     runs: list[dict]  # the engine's runs, each {lane (None = base): LogprobRun}
     verdicts: list = field(default_factory=list)  # harness.verdict.Verdict, with .adapter "name.layout"
     error: str | None = None  # the engine died or raised: every lane FAILs with this message
@@ -255,7 +256,7 @@ def check_result(
     ref_noise: Noise,
     sess=None,
     reruns: Noise | None = None,
-    threshold=None,
+    threshold: Threshold | None = None,
     error: Exception | None = None,
 ) -> CheckResult:
     """A check's result before its verdicts: of the engine session ``sess`` (its runs, version, rerun noise and the

@@ -58,11 +58,13 @@ def format_result(res: CheckResult) -> str:
             ]
         )
     ok = "as expected" if res.as_expected else "NOT AS EXPECTED"
+    t = res.threshold
+    assert t is not None  # set unless the engine failed (res.error, above)
     head = (
         f"{res.engine} {res.dtype} (tp={res.tp}, {res.engine_version}) vs {res.reference} fp32 on {res.model} "
-        f"x{res.layers} layers: {ok}\nthreshold = {res.threshold.margin_factor:g} x noise: k2 "
-        f"{res.threshold.k2:.3g}, max |Δ| "
-        f"{res.threshold.max_abs:.3g}, fidelity {res.threshold.delta_fidelity:.3g} ({res.threshold.note})"
+        f"x{res.layers} layers: {ok}\nthreshold = {t.margin_factor:g} x noise: k2 "
+        f"{t.k2:.3g}, max |Δ| "
+        f"{t.max_abs:.3g}, fidelity {t.delta_fidelity:.3g} ({t.note})"
     )
     bad = [
         f"  {v.adapter}: expected {v.expected}" for v in res.verdicts if ("PASS" if v.passed else "FAIL") != v.expected
@@ -94,6 +96,7 @@ def _rows(res: CheckResult) -> list[dict]:
         last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])[:300]  # the cause, not the teardown
         return [{**head, "engine_pair": res.engine_pair, "verdict": "FAIL", "reasons": f"engine failed: {last}"}]
     t = res.threshold
+    assert t is not None  # set unless the engine failed (res.error, above)
     head.update(engine_version=res.engine_version, engine_pair=t.engine_pair)
     rows = [
         {
