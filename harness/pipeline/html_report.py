@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lpdiff.harness.pipeline.html_plots import esc, histogram_svg, history_svg, num, positions_svg, scale_svg
+from lpdiff.harness.pipeline.report import LANE_COLUMNS
 from lpdiff.harness.pipeline.routing import routing_html
 from lpdiff.harness.pipeline.verdict import SCHEMA_VERSION, next_step
 from lpdiff.harness.spec.errors import InputError
@@ -93,11 +94,7 @@ def _next(v: Mapping[str, Any]) -> str:
 def _table(verdicts: Sequence[Mapping[str, Any]], absent: Sequence[tuple[Mapping[str, Any], str]] = ()) -> str:
     head = (
         "lane",
-        "model",
-        "engine pair",
-        "dtype",
-        "TP",
-        "adapter",
+        *LANE_COLUMNS,
         "k2",
         "max |d|",
         "Δ fidelity",

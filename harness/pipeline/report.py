@@ -14,12 +14,9 @@ from tabulate import tabulate
 
 from lpdiff.harness.pipeline.verdict import Verdict
 
+LANE_COLUMNS = ("model", "engine pair", "dtype", "TP", "adapter")  # what names a lane, in every table of lanes
 VERDICT_HEADERS = (
-    "model",
-    "engine pair",
-    "dtype",
-    "TP",
-    "adapter",
+    *LANE_COLUMNS,
     "k2",
     "max |Δ|",
     "Δ fidelity",
