@@ -34,7 +34,7 @@ from lpdiff.engines.vllm.adapters import (
     vllm_native_3d,
 )
 from lpdiff.engines.vllm.parsing import parse_prompt_logprobs, parse_routed_experts, vllm_top_k
-from lpdiff.engines.vllm.processes import _children, cuda_visible, reap, shutdown
+from lpdiff.engines.vllm.processes import cuda_visible, reap, shutdown
 from lpdiff.engines.vllm.settings import (
     GPU_MEMORY_UTILIZATION,
     OWN_OPTIONS,
@@ -110,13 +110,13 @@ class VLLMEngine:
         os.environ.update(env)  # vLLM's engine core and workers are spawned from this process: they inherit it
         from vllm import LLM
 
-        before = set(_children())
-        try:
-            self.llm = LLM(**kwargs)
+        from lpdiff.engines.vllm.startup import start_llm
+
+        try:  # retried where another process freed GPU memory during vLLM's profile run (vllm/startup.py)
+            self.llm, self._procs = start_llm(LLM, kwargs)  # the processes: those started while LLM() was built
         except BaseException:
             self._restore_env()
             raise
-        self._procs = [p for pid, p in _children().items() if pid not in before]  # started while LLM() was built
         self._lora = self._lora_requests()
         return self
 
