@@ -4,7 +4,8 @@ share one batch.
 One concept per file: ``engine`` (VLLMEngine, in-process or subprocess lane), ``capabilities`` (CAPABILITIES, read
 without importing vLLM), ``settings`` (options, defaults, version feature detection), ``adapters`` (how vLLM reads
 adapters: MoE-LoRA mode, refusals, renamed copies), ``parsing`` (prompt logprobs), ``lpdiff.engines.checkpoint``
-(the directory vLLM loads), ``processes`` (CUDA check, vLLM's processes and their shutdown).
+(the directory vLLM loads), ``processes`` (CUDA check, vLLM's processes and their shutdown), ``startup`` (LLM
+built with a retry where another process freed GPU memory during vLLM's profile run).
 
 Options (``EngineConfig.options``):
   lane                   "inprocess" (default) | "subprocess" (engines.subprocess_lane); ``python`` = another
