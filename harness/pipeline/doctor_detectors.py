@@ -246,6 +246,7 @@ DETECTORS: dict[str, Detector] = {
     "vllm-ignores-patterns": _features("ignored_features"),
     "vllm-per-expert-rslora": _rslora,
     "vllm-qwen3.5-vocab-lora": _vocab_lora,
+    "vllm-lm-head-prompt-logprobs": _tensors_on("lm_head"),
     "vllm-nemotron-step-fault": _moe_lora,
     "vllm-nemotron-latent-dropped": _tensors_on("fc[12]_latent_proj"),
 }

