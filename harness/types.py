@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -135,7 +135,8 @@ def canonical_hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def prompts_hash(prompts: Sequence[Sequence[int]]) -> str:
+def prompts_hash(prompts: Iterable[Iterable[int]]) -> str:
+    """The identity of a prompt set (lists of ids, or numpy id arrays)."""
     return canonical_hash([list(map(int, p)) for p in prompts])
 
 

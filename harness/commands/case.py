@@ -151,7 +151,7 @@ def case_model(name: str, num_layers: int | None = None, log=lambda s: None):
         ),
         None,
     )
-    if catalog is not None and not Path(name).expanduser().exists() and not _cached(ref.repo_id):
+    if catalog is not None and ref is not None and not Path(name).expanduser().exists() and not _cached(ref.repo_id):
         log(
             f"--model {name}: not in the HF cache ({src.hub_cache()}); using the catalog's {catalog} (its config, "
             f"seeded random weights). A case trained on the real weights will FAIL on it: fetch them with "

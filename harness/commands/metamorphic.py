@@ -318,7 +318,7 @@ def run_metamorphic(
     from lpdiff.harness.spec.catalog import hf_config
 
     own_tmp = tmp is None
-    tmp = Path(tempfile.mkdtemp(prefix="lpdiff-metamorphic-") if own_tmp else tmp)
+    tmp = Path(tempfile.mkdtemp(prefix="lpdiff-metamorphic-") if tmp is None else tmp)
     try:
         t0 = time.perf_counter()
         hf = hf_config(spec)

@@ -13,7 +13,7 @@ import numpy as np
 from lpdiff.harness.commands.relations import ORIG, OTHER, Context, Lane
 from lpdiff.harness.spec.adapters import peft_signature
 from lpdiff.harness.spec.transforms import negate_b, pad_rank
-from lpdiff.harness.types import AdapterSpec, LogprobRun
+from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs
 
 
 def _arrange(lane: Lane, n: int, seed: int, among: Sequence[str] = ()) -> list[tuple[list[int], list[str | None]]]:
@@ -22,7 +22,9 @@ def _arrange(lane: Lane, n: int, seed: int, among: Sequence[str] = ()) -> list[t
     me = "lane"
     if lane.arrangement == "among_adapters":
         group = [me, *among]
-        rows = [(i, who) for i in range(n) for who in group[i % len(group) :] + group[: i % len(group)]]
+        rows: list[tuple[int, str | None]] = [
+            (i, who) for i in range(n) for who in group[i % len(group) :] + group[: i % len(group)]
+        ]
         return [([i for i, _ in rows], [w for _, w in rows])]
     if lane.arrangement in ("alone", "beside_other"):
         return [(list(range(n)), [me] * n)]
@@ -40,13 +42,15 @@ def _arrange(lane: Lane, n: int, seed: int, among: Sequence[str] = ()) -> list[t
 def _run_lane(
     eng, lane: Lane, names: dict, prompts: list[list[int]], seed: int, among: Sequence[str] = ()
 ) -> LogprobRun:
-    out = [None] * len(prompts)
+    out: list[PromptLogprobs | None] = [None] * len(prompts)
     for idx, who in _arrange(lane, len(prompts), seed, among):
         got = eng.prompt_logprobs([prompts[i] for i in idx], [names.get(w, w) for w in who])
         for i, w, res in zip(idx, who, got):
             if w == "lane":
                 out[i] = res
-    return LogprobRun(out)
+    done = [p for p in out if p is not None]
+    assert len(done) == len(out), "every arrangement gives each prompt one 'lane' row"
+    return LogprobRun(done)
 
 
 def execute(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 from lpdiff.engines import ENGINES, REFERENCE_ENGINE, capabilities
 from lpdiff.engines.base import EngineConfig, open_engine
@@ -30,7 +31,16 @@ from lpdiff.harness.pipeline.routing import ROUTER_FAULT_FACTOR, SPACING, apply,
 from lpdiff.harness.pipeline.session import Lanes, engine_options, run_session
 from lpdiff.harness.pipeline.verdict import judge
 from lpdiff.harness.spec.errors import InputError
-from lpdiff.harness.types import AdapterSpec, LogprobRun
+from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs
+
+
+class _ReplaysRouting(Protocol):
+    """An engine whose Capabilities.routing_replay is True: prompt_logprobs takes forced expert ids."""
+
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], adapter: Any = None, top_k: int = 0, routing: Any = None
+    ) -> list[PromptLogprobs]: ...
+
 
 CAPTURE = {"capture_routing": True}
 # With routing replayed, a bf16 engine's noise is kernel rounding alone, and the verdict can take the 10x of the
@@ -58,7 +68,7 @@ def reference_session(
         for routing, lanes in passes:
             lanes = lanes if lanes is not None else {None: None, **{a: a for a in adapters}}
             ids = None if routing is None else [q.routed_experts for lane in lanes for q in routing[lane].prompts]
-            flat = eng.prompt_logprobs(
+            flat = cast(_ReplaysRouting, eng).prompt_logprobs(  # checker() refused any other reference
                 [p for _ in lanes for p in prompts], adapter=[a for a in lanes.values() for _ in prompts], routing=ids
             )
             meta = {

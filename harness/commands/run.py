@@ -205,7 +205,9 @@ def unsupported(engine: str, model: str) -> str | None:
 
     arch = resolve_model(model, weights=False).arch
     c = capabilities(engine)
-    return None if c.serves(arch) else f"the {engine} engine does not serve {arch} (it serves {', '.join(c.archs)})"
+    return (
+        None if c.serves(arch) else f"the {engine} engine does not serve {arch} (it serves {', '.join(c.archs or ())})"
+    )
 
 
 # The TP sizes a default run covers: TP 1, and TP 2 as the smallest sharded layout (every row- and column-parallel

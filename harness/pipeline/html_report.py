@@ -178,7 +178,7 @@ def _table(verdicts: Sequence[Mapping[str, Any]], absent: Sequence[tuple[Mapping
 def fidelity_text(f: Any) -> str:
     """One number, or the worst module group's with its name (the group lanes of a mixed batch)."""
     if isinstance(f, Mapping):
-        vals = {k: num(x) for k, x in f.items() if num(x) is not None}
+        vals = {k: v for k, v in ((k, num(x)) for k, x in f.items()) if v is not None}
         if not vals:
             return "-"
         group, worst = max(vals.items(), key=lambda kv: kv[1] if not math.isnan(kv[1]) else math.inf)

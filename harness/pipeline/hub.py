@@ -358,7 +358,7 @@ def push(
             added.append(rel)
         if clash:
             raise HubConflict(
-                f"{ref.url}: {len(clash)} file(s) changed on the Hub since {base[:12]} (the revision "
+                f"{ref.url}: {len(clash)} file(s) changed on the Hub since {str(base)[:12]} (the revision "
                 f"this push is based on) and differ here: {', '.join(clash[:5])}; nothing was "
                 f"written. Run `lpdiff baselines pull {ref.url}@main`, decide which runs to keep, "
                 "then push again"

@@ -11,6 +11,7 @@ nothing.
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import errno
 import functools
@@ -280,7 +281,7 @@ class BaselineStore:
     def list(self) -> list[BaselineKey]:
         return [e.key for e in self.ls() if e.key is not None]
 
-    def find_stale(self, key: BaselineKey) -> list[BaselineKey]:
+    def find_stale(self, key: BaselineKey) -> builtins.list[BaselineKey]:  # `list` is a method here
         """Stored keys of the same computation as ``key`` (names, depth, prompt set, engine, dtype, TP, top-k,
         options) but other content: what a regen of ``key`` supersedes. Other prompt sets, depths or reference
         engines are other computations and never stale."""
@@ -379,32 +380,37 @@ class BaselineStore:
             raise self._os_error(e, path) from None
         return True
 
-    def prune(self, keep: Iterable[BaselineKey | str] | None = None, dry_run: bool = True) -> list[StoreEntry]:
+    def prune(self, keep: Iterable[BaselineKey | str] | None = None, dry_run: bool = True) -> builtins.list[StoreEntry]:
         """What to remove, removed unless ``dry_run`` (see ``remove``): with ``keep`` (keys or digests), every
         baseline not in it; without, each baseline superseded by a newer one of the same computation (see
         ``find_stale``). Only baselines whose content matches their key are candidates, and only they can supersede
         another: a file's own manifest is never trusted (a forged or damaged file removes nothing and is never
         removed; ``scan`` lists it). Returns the entries, sorted by path."""
         good, _ = self.scan()
+
+        def key_of(e: StoreEntry) -> BaselineKey:
+            assert e.key is not None  # scan's good entries are baselines
+            return e.key
+
         if keep is not None:
             kept = {k if isinstance(k, str) else k.digest for k in keep}
-            drop = [e for e in good if e.key.digest not in kept]
+            drop = [e for e in good if key_of(e).digest not in kept]
         else:
             newest: dict[tuple, StoreEntry] = {}
             for e in good:
-                c = e.key.computation()
+                c = key_of(e).computation()
                 if c not in newest or (e.created, e.path.stat().st_mtime) > (
                     newest[c].created,
                     newest[c].path.stat().st_mtime,
                 ):
                     newest[c] = e
-            drop = [e for e in good if newest[e.key.computation()] is not e]
+            drop = [e for e in good if newest[key_of(e).computation()] is not e]
         drop = sorted(drop, key=lambda e: e.path)
         if not dry_run:
             self.remove(drop)
         return drop
 
-    def remove(self, entries: Iterable[StoreEntry]) -> list[StoreEntry]:
+    def remove(self, entries: Iterable[StoreEntry]) -> builtins.list[StoreEntry]:
         """Delete verified entries (from ``prune``), each under its key's write lock and only while its bytes are
         still the ones verified; returns those that changed meanwhile and were kept. Temp files of writers that
         are gone are swept too."""
@@ -434,7 +440,8 @@ def check_content(path: Path, run: LogprobRun, manifest: dict[str, Any]) -> None
     <= 0, top-k ids in the vocabulary and top-k data consistent with the logprobs (sorted, distinct ids, the
     actual token's entry equal to its logprob). Checked at every read: the write-side checks do not cover a file
     written by anyone else. BaselineCorrupt naming the file."""
-    key = manifest.get("key") if isinstance(manifest.get("key"), dict) else {}
+    raw_key = manifest.get("key")
+    key = raw_key if isinstance(raw_key, dict) else {}
     if prompts_hash([p.token_ids for p in run.prompts]) != key.get("prompts"):
         raise BaselineCorrupt(f"baseline {path} holds other prompts than its key names")
     widths = {None if p.topk_ids is None else p.topk_ids.shape[1] for p in run.prompts}
