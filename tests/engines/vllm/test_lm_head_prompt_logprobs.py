@@ -67,3 +67,36 @@ def test_vllm_cpu_adds_lm_head_lora_by_sequence_not_by_prompt_row(tmp_path):
         assert (d[wrong] > 0.05).all() and (d[~wrong] < 1e-4).all(), (row, c, d)
     single = [np.abs(a - b).max() for a, b in zip(run("vllm", max_num_seqs=1), ref)]
     assert max(single) < 1e-4, single
+
+
+@pytest.mark.gpu1
+def test_vllm_gpu_adds_lm_head_lora_to_the_first_rows_by_sequence(tmp_path):
+    """The same on a GPU (bf16), where the LoRA kernels take the step's per-sequence mapping for the first rows of each
+    prompt's logits and add nothing to the rest (vLLM's LoRAKernelMeta, read off vllm 0.32.0's source): 4 prompts of
+    12 tokens beside base rows. The base model is the same engine's all-base batch (no adapter in the step: no LoRA
+    kernel runs). Expected while the defect stands: base rows move at rows 1 and 3 only, the adapter's rows equal the
+    base model from row 4 on. Not yet run by its author (no GPU): the lead's H200 run is its first."""
+    pytest.importorskip("vllm")
+    from lpdiff.engines.base import EngineConfig, open_engine
+
+    ads = _adapters(tmp_path, lm=("lm_head",))
+    g = np.random.default_rng(0)
+    prompts = [g.integers(1, 1024, size=12).tolist() for _ in range(4)]
+    choice = [None, "lm", None, "lm"]
+    cfg = EngineConfig(
+        model=get_model(MODEL),
+        adapters=ads,
+        dtype="bfloat16",
+        device="cuda",
+        options={"gpu_memory_utilization": 0.3, "max_num_seqs": 4},
+    )
+    with open_engine("vllm", cfg) as eng:
+        base = [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, None)]
+        mixed = [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, choice)]
+    moved = [np.abs(a - b) for a, b in zip(mixed, base)]
+    print("\n|mixed - all-base| per row and position:", [np.round(d, 3).tolist() for d in moved])
+    theirs = np.zeros(11, dtype=bool)
+    theirs[[1, 3]] = True  # rows below the sequence count whose sequence holds the adapter
+    for row, (c, d) in enumerate(zip(choice, moved)):
+        assert (d[theirs] > 0.05).all(), (row, c, d)
+        assert (d[~theirs] < 0.02).all(), (row, c, d)  # the adapter's own rows too: its delta is missing there
