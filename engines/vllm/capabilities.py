@@ -248,7 +248,8 @@ CAPABILITIES = Capabilities(
             when="use_rslora with per-expert expert LoRA",
         ),
         # the lead's brief for issue 42 (not measured by lpdiff): lm_head / embed_tokens LoRA on Qwen3.5 is broken
-        # before vLLM 0.29; the GPU grid's vocab lanes on the other archs are served and judged
+        # before vLLM 0.29; on every arch vLLM's lm_head LoRA is refused for prompt logprobs (vllm-lm-head-prompt-
+        # logprobs), embed_tokens alone is served and judged
         KnownDefect(
             "vllm-qwen3.5-vocab-lora",
             "lm_head / embed_tokens LoRA ({where}) on {arch}: broken in vLLM before "
