@@ -96,13 +96,13 @@ def test_vllm_gpu_adds_lm_head_lora_to_the_first_rows_by_sequence(tmp_path):
         device="cuda",
         options={**engine_options("vllm"), "gpu_memory_utilization": 0.3, "max_num_seqs": 4},
     )
-    with open_engine("vllm", cfg) as eng:
-        base = [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, None)]
+    with open_engine("vllm", cfg) as eng:  # the mixed batch first: a fresh engine's batch keeps the prompts' order
         mixed = [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, choice)]
+        base = [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, None)]
     moved = [np.abs(a - b) for a, b in zip(mixed, base)]
     print("\n|mixed - all-base| per row and position:", [np.round(d, 3).tolist() for d in moved])
-    theirs = np.zeros(11, dtype=bool)
-    theirs[[1, 3]] = True  # rows below the sequence count whose sequence holds the adapter
-    for row, (c, d) in enumerate(zip(choice, moved)):
-        assert (d[theirs] > 0.05).all(), (row, c, d)
-        assert (d[~theirs] < 0.02).all(), (row, c, d)  # the adapter's own rows too: its delta is missing there
+    # expected {1, 3}: the rows below the sequence count whose sequence holds the adapter, the same in every prompt,
+    # the adapter's own included (its delta is missing from the others); > 0.05 moved, < 0.02 not (bf16 rounding)
+    sets = [set(np.flatnonzero(d > 0.05).tolist()) for d in moved]
+    assert all(s == {1, 3} for s in sets), sets
+    assert all((d[[0, 2, *range(4, 11)]] < 0.02).all() for d in moved), moved
