@@ -110,7 +110,7 @@ def _patch_interpreter_scalars() -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._lpdiff = True
+    patched.__dict__["_lpdiff"] = True  # the mark the getattr above finds on a second call
     interpreter._patch_lang_tensor = patched
 
 
@@ -138,7 +138,7 @@ def _patch_interpreter_masks() -> None:
     def masked_store(self, ptrs, value, mask, *args, **kwargs):
         return store(self, ptrs, value, as_bool(mask), *args, **kwargs)
 
-    masked_load._lpdiff = masked_store._lpdiff = True
+    masked_load.__dict__["_lpdiff"] = masked_store.__dict__["_lpdiff"] = True  # found by the getattr above
     InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = masked_load, masked_store
 
 

@@ -105,7 +105,7 @@ def ieee_fp32_matmul():
     """fp32 matmuls in IEEE fp32 inside the block, whatever the process chose: torch.set_float32_matmul_precision
     ("high" / "medium") turns on TF32 in cuBLAS and bf16 in oneDNN, which would break parity with the fp32
     reference. The previous settings come back on exit; nothing is written when they are already IEEE."""
-    mm = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    mm = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)  # type: ignore[attr-defined]  # set at import
     saved = [m.fp32_precision for m in mm]
     try:
         legacy = torch.get_float32_matmul_precision()

@@ -66,11 +66,12 @@ def moe_align(
     Dense layers pass topk_ids=None with num_tokens and device: one expert, K = 1."""
     if topk_ids is None:
         assert num_tokens is not None and device is not None, "topk_ids=None needs num_tokens and device"
-    dev = torch.device(device) if topk_ids is None else topk_ids.device
-    if resolve_impl(impl, dev) == "triton":
-        return moe_align_triton(topk_ids, token_adapter, num_experts, num_slots, block_m, num_tokens, dev)
-    if topk_ids is None:
+        dev = torch.device(device)
+        if resolve_impl(impl, dev) == "triton":
+            return moe_align_triton(None, token_adapter, num_experts, num_slots, block_m, num_tokens, dev)
         topk_ids = torch.zeros(num_tokens, 1, dtype=torch.int32, device=dev)
+    elif resolve_impl(impl, topk_ids.device) == "triton":
+        return moe_align_triton(topk_ids, token_adapter, num_experts, num_slots, block_m)
     return moe_align_torch(topk_ids, token_adapter, num_experts, num_slots, block_m)
 
 
@@ -88,6 +89,7 @@ def moe_align_torch(
     if S1 == 1:
         gid = ids
     else:
+        assert token_adapter is not None  # S1 > 1 only with slots
         assert token_adapter.shape == (T,), f"token_adapter must be ({T},), got {tuple(token_adapter.shape)}"
         slot = token_adapter.long().clamp(min=-1).repeat_interleave(K)
         gid = ids * S1 + slot + 1
@@ -264,8 +266,11 @@ def moe_align_triton(
     num_tokens: int | None = None,
     device=None,
 ) -> MoeRouting:
-    dev = topk_ids.device if topk_ids is not None else torch.device(device)
-    T, K = topk_ids.shape if topk_ids is not None else (num_tokens, 1)
+    if topk_ids is not None:
+        dev, (T, K) = topk_ids.device, topk_ids.shape
+    else:
+        assert num_tokens is not None, "topk_ids=None needs num_tokens"
+        dev, T, K = torch.device(device), num_tokens, 1
     has_slots = token_adapter is not None and num_slots > 0
     P, E = T * K, num_experts
     S1 = num_slots + 1 if has_slots else 1
@@ -280,7 +285,7 @@ def moe_align_triton(
     )
     counts.zero_()
     ids = topk_ids.contiguous() if topk_ids is not None else counts  # unread when absent (HAS_IDS=False)
-    ta = token_adapter.contiguous() if has_slots else counts
+    ta = token_adapter.contiguous() if token_adapter is not None and has_slots else counts
     BLOCK = 1024 if dev.type == "cuda" else 256
     flags = dict(TOPK=K, HAS_IDS=topk_ids is not None, HAS_SLOTS=has_slots, BLOCK=BLOCK, SUBS=SUBS)
     _align_count_kernel[(triton.cdiv(P, BLOCK),), dev](ids, ta, counts, pos, P, S1, **flags)

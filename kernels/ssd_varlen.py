@@ -47,7 +47,8 @@ def causal_conv1d_varlen_torch(x, weight, bias, cu_seqlens, activation="silu"):
 
 def ssd_scan_varlen_torch(x, dt, A, B, C, D, cu_seqlens, chunk: int = 64):
     lens, seq, pos = _rows(cu_seqlens)
-    y = ssd_scan(*(_pad(t, lens, seq, pos) for t in (x, dt)), A, *(_pad(t, lens, seq, pos) for t in (B, C)), chunk, D)
+    xp, dtp, Bp, Cp = (_pad(t, lens, seq, pos) for t in (x, dt, B, C))
+    y = ssd_scan(xp, dtp, A, Bp, Cp, chunk, D)
     return y[seq, pos]
 
 
