@@ -43,8 +43,8 @@ from lpdiff.kernels.activation import activate
 from lpdiff.kernels.fused_moe_lora import moe_forward_triton
 from lpdiff.kernels.gemm_config import GemmConfig
 from lpdiff.kernels.lora_linear import base_linear, lora_linear, pack_lora_b
-from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe import moe_forward
+from lpdiff.kernels.moe_inputs import MoeInputs
 from tests.helpers.moe_bench import (
     SHAPES,
     SM90_FLAG_SETS,
@@ -92,52 +92,42 @@ def _group(keys: torch.Tensor, num_groups: int):
     return order, counts.cumsum(0, dtype=torch.int32)
 
 
-def torch_grouped_lora(
-    x,
-    topk_ids,
-    topk_weights,
-    w_gate_up,
-    w_down,
-    activation,
-    b_gate_up=None,
-    b_down=None,
-    lora: MoeLoraWeights | None = None,
-    token_adapter=None,
-):
+def torch_grouped_lora(moe: MoeInputs) -> torch.Tensor:
     """torch grouped_mm for the base GEMMs plus unfused LoRA (grouped_mm shrink and expand per (slot, expert)
     group), in the pair order of the base GEMMs: what an engine gets without a fused kernel."""
+    x, lora = moe.x, moe.lora
     T, H = x.shape
-    E, K = w_gate_up.shape[0], topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).long()
+    E, K = moe.w_gate_up.shape[0], moe.topk_ids.shape[1]
+    ids = moe.topk_ids.reshape(-1).long()
     order, offs = _group(ids, E)
     tok = order // K
     xs = x[tok]
-    h = grouped_mm(xs, w_gate_up.transpose(1, 2), offs)
-    if b_gate_up is not None:
-        h += b_gate_up[ids[order]]
+    h = grouped_mm(xs, moe.w_gate_up.transpose(1, 2), offs)
+    if moe.b_gate_up is not None:
+        h += moe.b_gate_up[ids[order]]
     if lora is not None:
         L, _, R, _ = lora.gate_up_a.shape
-        slot = token_adapter.long()[tok]
+        slot = moe.token_adapter.long()[tok]
         # pairs sorted by expert; LoRA groups by (slot, expert) inside that order (one slot: the same order)
         lorder, loffs = _group(slot * E + ids[order], L * E)
         xl = xs[lorder]
         scale = lora.scaling[slot[lorder]].to(x.dtype)[:, None]
         sa = grouped_mm(xl, lora.gate_up_a.reshape(L * E, R, H).transpose(1, 2), loffs) * scale
         h.index_add_(0, lorder, grouped_mm(sa, lora.gate_up_b.reshape(L * E, -1, R).transpose(1, 2), loffs))
-    act = activate(h, activation)
-    y = grouped_mm(act, w_down.transpose(1, 2), offs)
-    if b_down is not None:
-        y += b_down[ids[order]]
+    act = activate(h, moe.activation)
+    y = grouped_mm(act, moe.w_down.transpose(1, 2), offs)
+    if moe.b_down is not None:
+        y += moe.b_down[ids[order]]
     if lora is not None:
         sd = grouped_mm(act[lorder], lora.down_a.reshape(L * E, R, -1).transpose(1, 2), loffs) * scale
         y.index_add_(0, lorder, grouped_mm(sd, lora.down_b.reshape(L * E, H, R).transpose(1, 2), loffs))
-    y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
+    y = y * moe.topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y.float())
     return out.to(x.dtype)
 
 
-def hf_experts(s: MoeShape, p):
+def hf_experts(s: MoeShape, p: MoeInputs):
     """transformers' own experts module with experts_implementation="grouped_mm", weights in HF layout."""
     if s.name.startswith("qwen3"):
         from transformers import Qwen3MoeConfig
@@ -146,7 +136,7 @@ def hf_experts(s: MoeShape, p):
         cfg = Qwen3MoeConfig(hidden_size=s.H, moe_intermediate_size=s.I, num_experts=s.E, num_experts_per_tok=s.K)
         cfg._experts_implementation = "grouped_mm"
         m = Qwen3MoeExperts(cfg)
-        m.gate_up_proj.data, m.down_proj.data = p["w_gate_up"], p["w_down"]
+        m.gate_up_proj.data, m.down_proj.data = p.w_gate_up, p.w_down
     else:
         from transformers import GptOssConfig
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -154,12 +144,12 @@ def hf_experts(s: MoeShape, p):
         cfg = GptOssConfig(hidden_size=s.H, intermediate_size=s.I, num_local_experts=s.E, num_experts_per_tok=s.K)
         cfg._experts_implementation = "grouped_mm"
         m = GptOssExperts(cfg)
-        gu, bgu = p["w_gate_up"], p["b_gate_up"]  # kernel layout (gate rows then up rows) -> HF interleaved
+        gu, bgu = p.w_gate_up, p.b_gate_up  # kernel layout (gate rows then up rows) -> HF interleaved
         m.gate_up_proj.data = torch.stack([gu[:, : s.I], gu[:, s.I :]], 2).reshape(s.E, s.n1, s.H).transpose(1, 2)
         m.gate_up_proj_bias.data = torch.stack([bgu[:, : s.I], bgu[:, s.I :]], 2).reshape(s.E, s.n1)
-        m.down_proj.data = p["w_down"].transpose(1, 2)
-        m.down_proj_bias.data = p["b_down"]
-    return lambda: m(p["x"], p["topk_ids"].long(), p["topk_weights"].to(p["x"].dtype))
+        m.down_proj.data = p.w_down.transpose(1, 2)
+        m.down_proj_bias.data = p.b_down
+    return lambda: m(p.x, p.topk_ids.long(), p.topk_weights.to(p.x.dtype))
 
 
 # ------------------------------------------------------------------------------------------------------ counting
@@ -255,44 +245,44 @@ NO_LORA_NTILES = 2  # the base path's row triton_no_lora_ntiles2: the same K-loo
 
 def ntile_run(p, lora_shrink: str, n_tiles: int):
     """moe_forward_triton with the default tiles of lora_shrink's mode, both GEMMs walking n_tiles N tiles."""
-    return lambda: moe_forward_triton(**p, **configs(p, lora_shrink, n_tiles=n_tiles), lora_shrink=lora_shrink)
+    return lambda: moe_forward_triton(p, **configs(p, lora_shrink, n_tiles=n_tiles), lora_shrink=lora_shrink)
 
 
 def grouped_stages(p, rep=50) -> dict:
     """Times each step of moe_forward_grouped alone (same inputs, same order). The key in parentheses is not a
     step: gate_up's grouped GEMM on a contiguous (E, H, N1) copy of the weights, against the transposed view of
     the nn.Linear layout that the backend passes (no copy)."""
-    x, lora, ids = p["x"], p["lora"], p["topk_ids"]
-    E, n1, _ = p["w_gate_up"].shape
+    x, lora, ids = p.x, p.lora, p.topk_ids
+    E, n1, _ = p.w_gate_up.shape
     K = ids.shape[1]
     t = {"sort": bench(lambda: mg.sort_by_expert(ids, E), rep)}
     row_pair, row_expert, offs = mg.sort_by_expert(ids, E)
     t["gather"] = bench(lambda: x[row_pair // K], rep)
     tok = row_pair // K
     xg = x[tok]
-    t["gemm1"] = bench(lambda: mg.grouped_gemm(xg, p["w_gate_up"], offs), rep)
-    wt = p["w_gate_up"].transpose(1, 2).contiguous()
+    t["gemm1"] = bench(lambda: mg.grouped_gemm(xg, p.w_gate_up, offs), rep)
+    wt = p.w_gate_up.transpose(1, 2).contiguous()
     t["(gemm1, (E,H,N1) copy)"] = bench(lambda wt=wt: mg._GROUPED_MM(xg, wt, offs=offs), rep)
     del wt
-    h = mg.grouped_gemm(xg, p["w_gate_up"], offs)
+    h = mg.grouped_gemm(xg, p.w_gate_up, offs)
     if lora is not None:  # the in-place deltas add up over the repetitions: the values are not looked at
-        slot = p["token_adapter"][tok]
+        slot = p.token_adapter[tok]
         t["plan_lora"] = bench(lambda: mg.plan_lora(row_expert, slot, lora, E, (n1, x.shape[1])), rep)
         blocks, cfg1, cfg2 = mg.plan_lora(row_expert, slot, lora, E, (n1, x.shape[1]))
         t["delta1"] = bench(
-            lambda: mg.add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks, p["w_gate_up"], cfg1), rep
+            lambda: mg.add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks, p.w_gate_up, cfg1), rep
         )
-    t["bias_act"] = bench(lambda: mg.bias_act(h, row_expert, p["b_gate_up"], p["activation"]), rep)
-    act = mg.bias_act(h, row_expert, p["b_gate_up"], p["activation"])
-    t["gemm2"] = bench(lambda: mg.grouped_gemm(act, p["w_down"], offs), rep)
-    y = mg.grouped_gemm(act, p["w_down"], offs)
+    t["bias_act"] = bench(lambda: mg.bias_act(h, row_expert, p.b_gate_up, p.activation), rep)
+    act = mg.bias_act(h, row_expert, p.b_gate_up, p.activation)
+    t["gemm2"] = bench(lambda: mg.grouped_gemm(act, p.w_down, offs), rep)
+    y = mg.grouped_gemm(act, p.w_down, offs)
     if lora is not None:
         t["delta2"] = bench(
-            lambda: mg.add_lora_delta(y, act, lora.down_a, lora.down_b, lora, blocks, p["w_down"], cfg2), rep
+            lambda: mg.add_lora_delta(y, act, lora.down_a, lora.down_b, lora, blocks, p.w_down, cfg2), rep
         )
     row_of = torch.empty_like(row_pair)
     row_of[row_pair] = torch.arange(row_pair.shape[0], dtype=row_pair.dtype, device=x.device)
-    t["topk_sum"] = bench(lambda: mg.topk_sum(y, row_of, ids, p["topk_weights"], p["b_down"]), rep)
+    t["topk_sum"] = bench(lambda: mg.topk_sum(y, row_of, ids, p.topk_weights, p.b_down), rep)
     return t
 
 
@@ -324,7 +314,7 @@ def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
     TMA apart) printed last."""
     s = SHAPES[0]
     p = make_inputs(s, 4096, 1, R, torch.bfloat16, "cuda")
-    base = dict(p, lora=None, token_adapter=None)
+    base = p.without_lora()
     t0, results = time.time(), {"lora": [], "no_lora": [], "lora_tma": [], "no_lora_tma": []}
     for c1, c2 in sweep_pairs():
         if time.time() - t0 > budget_s:
@@ -332,7 +322,7 @@ def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
             break
         for name, q in (("lora", p), ("no_lora", base)):
             try:
-                ms = bench(lambda q=q, c1=c1, c2=c2: moe_forward_triton(**q, config=c1, down_config=c2))
+                ms = bench(lambda q=q, c1=c1, c2=c2: moe_forward_triton(q, config=c1, down_config=c2))
             except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit must not end the run)
                 log(f"sweep {name} c1={c1} c2={c2} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -475,16 +465,16 @@ def main():
     # correctness at the benchmark shapes before timing them
     for s in moe_shapes:
         p = make_inputs(s, 1024, 2, R, torch.bfloat16, "cuda", seed=1)
-        ref = moe_forward(**p, impl="torch")
-        err = rel_err(moe_forward(**p, impl="triton"), ref)
-        err_k = rel_err(moe_forward(**p, impl="triton", lora_shrink="fused"), ref)
+        ref = moe_forward(p, impl="torch")
+        err = rel_err(moe_forward(p, impl="triton"), ref)
+        err_k = rel_err(moe_forward(p, impl="triton", lora_shrink="fused"), ref)
         try:
-            err_tma = f"{rel_err(moe_forward_triton(**p, **configs(p, tma=True)), ref):.2e}"
+            err_tma = f"{rel_err(moe_forward_triton(p, **configs(p, tma=True)), ref):.2e}"
         except Exception as exc:  # noqa: BLE001 (exploratory: a TMA failure on this GPU must not cost the other rows)
             err_tma = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
             no_tma.add(s.name)
-        err_g = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
-        err_t = rel_err(torch_grouped_lora(**p), ref)
+        err_g = rel_err(moe_forward(p, impl="triton", backend="grouped_mm"), ref)
+        err_t = rel_err(torch_grouped_lora(p), ref)
         err_n = ", ".join(
             f"{name[len('triton_fused_lora_') :]} {rel_err(ntile_run(p, mode, k)(), ref):.2e}"
             for name, mode, k in NTILE_ROWS
@@ -495,7 +485,7 @@ def main():
             f"grouped_mm backend rel err {err_g:.2e}, "
             f"torch grouped_mm+LoRA rel err {err_t:.2e}"
         )
-        why = mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"])
+        why = mg.grouped_mm_unsupported(p)
         if why is not None:
             log(
                 f"WARNING {s.name}: the grouped_mm backend falls back to the fused kernel here ({why}); its rows "
@@ -515,7 +505,7 @@ def main():
                     T,
                     L,
                     "triton_fused_lora",
-                    bench(lambda p=p: moe_forward_triton(**p, lora_shrink="once")),
+                    bench(lambda p=p: moe_forward_triton(p, lora_shrink="once")),
                     fl,
                     fb,
                 )
@@ -525,7 +515,7 @@ def main():
                     T,
                     L,
                     "triton_fused_lora_epilogue_loads",
-                    bench(lambda p=p: moe_forward_triton(**p, **configs(p, prefetch=False))),
+                    bench(lambda p=p: moe_forward_triton(p, **configs(p, prefetch=False))),
                     fl,
                     fb,
                 )
@@ -536,7 +526,7 @@ def main():
                         T,
                         L,
                         "triton_fused_lora_tma",
-                        bench(lambda p=p: moe_forward_triton(**p, **configs(p, tma=True))),
+                        bench(lambda p=p: moe_forward_triton(p, **configs(p, tma=True))),
                         fl,
                         fb,
                     )
@@ -546,11 +536,11 @@ def main():
                     T,
                     L,
                     "triton_fused_shrink_in_k_loop",
-                    bench(lambda p=p: moe_forward_triton(**p, lora_shrink="fused")),
+                    bench(lambda p=p: moe_forward_triton(p, lora_shrink="fused")),
                     fl,
                     fb,
                 )
-                default_out = moe_forward_triton(**p, lora_shrink="once")
+                default_out = moe_forward_triton(p, lora_shrink="once")
                 for name, mode, k in NTILE_ROWS:
                     fn = ntile_run(p, mode, k)
                     log(
@@ -559,18 +549,14 @@ def main():
                     )
                     record("moe_layer", lab, T, L, name, bench(fn), fl, fb)
                 del default_out
-                gname = (
-                    "grouped_mm"
-                    if mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None
-                    else "grouped_mm(fallback)"
-                )
+                gname = "grouped_mm" if mg.grouped_mm_unsupported(p) is None else "grouped_mm(fallback)"
                 record(
                     "moe_layer",
                     lab,
                     T,
                     L,
                     f"{gname}+triton_lora",
-                    bench(lambda p=p: moe_forward(**p, backend="grouped_mm")),
+                    bench(lambda p=p: moe_forward(p, backend="grouped_mm")),
                     fl,
                     fb,
                 )
@@ -580,12 +566,12 @@ def main():
                     T,
                     L,
                     "torch_grouped_mm+unfused_lora",
-                    bench(lambda p=p: torch_grouped_lora(**p)),
+                    bench(lambda p=p: torch_grouped_lora(p)),
                     fl,
                     fb,
                 )
                 if L == 1:
-                    base = dict(p, lora=None, token_adapter=None)
+                    base = p.without_lora()
                     fl0, fb0 = moe_flops(s, T, R, False), moe_bytes(s, T, R, 0)
                     record(
                         "moe_layer",
@@ -593,7 +579,7 @@ def main():
                         T,
                         0,
                         "triton_no_lora",
-                        bench(lambda base=base: moe_forward_triton(**base)),
+                        bench(lambda base=base: moe_forward_triton(base)),
                         fl0,
                         fb0,
                     )
@@ -603,7 +589,7 @@ def main():
                         T,
                         0,
                         "triton_no_lora_epilogue_loads",
-                        bench(lambda base=base: moe_forward_triton(**base, **configs(base, prefetch=False))),
+                        bench(lambda base=base: moe_forward_triton(base, **configs(base, prefetch=False))),
                         fl0,
                         fb0,
                     )
@@ -614,12 +600,12 @@ def main():
                             T,
                             0,
                             "triton_no_lora_tma",
-                            bench(lambda base=base: moe_forward_triton(**base, **configs(base, tma=True))),
+                            bench(lambda base=base: moe_forward_triton(base, **configs(base, tma=True))),
                             fl0,
                             fb0,
                         )
                     fn = ntile_run(base, "once", NO_LORA_NTILES)
-                    same = torch.equal(fn(), moe_forward_triton(**base))
+                    same = torch.equal(fn(), moe_forward_triton(base))
                     log(
                         f"check triton_no_lora_ntiles{NO_LORA_NTILES} {s.name} T={T}: bit-identical to "
                         f"triton_no_lora: {same}" + ("" if same else "  MISMATCH")
@@ -631,7 +617,7 @@ def main():
                         T,
                         0,
                         f"{gname}_no_lora",
-                        bench(lambda base=base: moe_forward(**base, backend="grouped_mm")),
+                        bench(lambda base=base: moe_forward(base, backend="grouped_mm")),
                         fl0,
                         fb0,
                     )
@@ -641,7 +627,7 @@ def main():
                         T,
                         0,
                         "torch_grouped_mm",
-                        bench(lambda base=base: torch_grouped_lora(**base)),
+                        bench(lambda base=base: torch_grouped_lora(base)),
                         fl0,
                         fb0,
                     )
@@ -709,8 +695,8 @@ def check_baselines():
     ):
         for L in (0, 1, 3):
             p = make_inputs(s, 37, L, 16, torch.float32, "cpu")
-            ref = moe_forward(**p, impl="torch")
-            err = ((torch_grouped_lora(**p) - ref).norm() / ref.norm()).item()
+            ref = moe_forward(p, impl="torch")
+            err = ((torch_grouped_lora(p) - ref).norm() / ref.norm()).item()
             print(f"{s.name} L={L}: torch grouped_mm + unfused LoRA rel err {err:.2e}")
             assert err < 1e-5
             for mode in ("once", "fused"):  # the staged launches the GPU run times, interpreted
@@ -718,7 +704,7 @@ def check_baselines():
                 print(f"{s.name} L={L}: triton stages, lora_shrink={mode}, rel err {err:.2e}")
                 assert err < 1e-5, mode
             # the grouped_mm backend: torch's CPU grouped_mm + the Triton passes interpreted
-            err = rel_err(moe_forward(**p, impl="triton", backend="grouped_mm"), ref)
+            err = rel_err(moe_forward(p, impl="triton", backend="grouped_mm"), ref)
             print(f"{s.name} L={L}: grouped_mm backend rel err {err:.2e}")
             assert err < 1e-5
             if L == 0:

@@ -29,6 +29,7 @@ from lpdiff.kernels.lora_gemm import KERNEL_FAULTS, launch_gemm
 from lpdiff.kernels.lora_shrink import check_kernel_rank, launch_shrink
 from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe_align import MoeRouting, moe_align
+from lpdiff.kernels.moe_inputs import MoeInputs
 
 LORA_SHRINK = ("auto", "once", "fused")
 # "auto" = "once". Kernel stage times favoured the shrink in the K-loop ("fused", programs walking several N tiles)
@@ -73,14 +74,7 @@ def shrink_once(lora: MoeLoraWeights | None, lora_shrink: str) -> bool:
 
 
 def moe_configs(
-    x,
-    topk_ids,
-    w_gate_up,
-    activation: str,
-    lora: MoeLoraWeights | None,
-    once: bool,
-    device: torch.device | None = None,
-    **flags,
+    moe: MoeInputs, once: bool, device: torch.device | None = None, **flags
 ) -> tuple[GemmConfig, GemmConfig]:
     """Default tiles of the gate_up and down GEMMs. The LoRA A tile takes pipeline stages only when the shrink
     runs in the K-loop; precomputed (once), the GEMMs get the stage count of the no-LoRA path unless a B tile
@@ -89,14 +83,15 @@ def moe_configs(
     padding: auto_padding's unless flags say. flags: GemmConfig fields to change in both (prefetch=False for the
     A/B of the epilogue loads). device: the device to pick tiles for, if not x's (bench_kernels --compile-sm90
     builds GPU launches on meta tensors)."""
+    x, lora = moe.x, moe.lora
     device = device or x.device
     T, H = x.shape
-    n1 = w_gate_up.shape[1]
-    gated = GATED[activation]
+    n1 = moe.w_gate_up.shape[1]
+    gated = GATED[moe.activation]
     inter_n = n1 // 2 if gated else n1
-    pairs = T * topk_ids.shape[1]
+    pairs = T * moe.topk_ids.shape[1]
     # rows spread over (expert, slot) groups; used slots are not known without a sync
-    groups = w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
+    groups = moe.w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
     flags = dict(padding=auto_padding(lora, once), expand=MOE_EXPAND) | flags
     # the expand "loop" brings B through the pipeline's own buffers (a TMA launch runs "first" instead)
@@ -132,16 +127,7 @@ def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor |
 
 
 def moe_forward_triton(
-    x,
-    topk_ids,
-    topk_weights,
-    w_gate_up,
-    w_down,
-    activation,
-    b_gate_up=None,
-    b_down=None,
-    lora: MoeLoraWeights | None = None,
-    token_adapter=None,
+    moe: MoeInputs,
     config: GemmConfig | None = None,
     down_config: GemmConfig | None = None,
     lora_shrink: str = "auto",
@@ -161,13 +147,14 @@ def moe_forward_triton(
     padding: GemmConfig.padding of both GEMMs (PADDING); None keeps the configs' own (default configs: auto_padding).
     sum_topk False: return the (T, K, H) weighted per-pair outputs unsummed, for a caller that fuses the sum into
     its next pass (the runtime's residual add + RMSNorm)."""
+    x, lora = moe.x, moe.lora
     check_kernel_rank(lora.max_rank if lora is not None else 0)
     T, H = x.shape
-    E, n1, _ = w_gate_up.shape
-    K = topk_ids.shape[1]
-    inter_n = n1 // 2 if GATED[activation] else n1
+    E, n1, _ = moe.w_gate_up.shape
+    K = moe.topk_ids.shape[1]
+    inter_n = n1 // 2 if GATED[moe.activation] else n1
     once = shrink_once(lora, lora_shrink)
-    cfg1, cfg2 = moe_configs(x, topk_ids, w_gate_up, activation, lora, once)
+    cfg1, cfg2 = moe_configs(moe, once)
     cfg1, cfg2 = config or cfg1, down_config or cfg2
     if n_tiles is not None:
         t1, t2 = (n_tiles, n_tiles) if isinstance(n_tiles, int) else n_tiles
@@ -176,25 +163,20 @@ def moe_forward_triton(
         cfg1, cfg2 = replace(cfg1, padding=padding), replace(cfg2, padding=padding)
     assert cfg2.block_m == cfg1.block_m, "both GEMMs share one alignment, so block_m must match"
     routing = moe_align(
-        topk_ids,
-        token_adapter if lora is not None else None,
-        E,
-        lora.num_slots if lora is not None else 0,
-        cfg1.block_m,
-        impl="triton",
+        moe.topk_ids, moe.slots, E, lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton"
     )
     inter = torch.empty(routing.sorted_ids.shape[0], inter_n, dtype=x.dtype, device=x.device)
     s1 = expert_shrink(x, lora, "gate_up", routing, shrink_config) if once else None
     launch_gemm(
         x,
-        w_gate_up,
+        moe.w_gate_up,
         inter,
         routing,
         cfg1,
         x_sorted=False,
         out_sorted=True,
-        activation=activation,
-        bias=b_gate_up,
+        activation=moe.activation,
+        bias=moe.b_gate_up,
         **expert_lora_kwargs(lora, "gate_up", s1),
     )
     del s1  # its memory can serve s2
@@ -202,14 +184,14 @@ def moe_forward_triton(
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(
         inter,
-        w_down,
+        moe.w_down,
         y,
         routing,
         cfg2,
         x_sorted=True,
         out_sorted=False,
-        bias=b_down,
-        topk_weights=topk_weights.reshape(-1).float(),
+        bias=moe.b_down,
+        topk_weights=moe.topk_weights.reshape(-1).float(),
         **expert_lora_kwargs(lora, "down", s2),
     )
     if not sum_topk:

@@ -46,6 +46,7 @@ from lpdiff.kernels.lora_linear import delta_config, ieee_fp32_matmul
 from lpdiff.kernels.lora_shrink import check_kernel_rank, launch_shrink
 from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe_align import MoeRouting, moe_align
+from lpdiff.kernels.moe_inputs import MoeInputs
 
 BACKENDS = ("triton", "grouped_mm")
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -59,8 +60,9 @@ def _operand_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.stride(-2) % align == 0 and t.data_ptr() % 16 == 0
 
 
-def grouped_mm_unsupported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> str | None:
+def grouped_mm_unsupported(moe: MoeInputs) -> str | None:
     """Why the grouped_mm backend cannot run these inputs (they then run on moe_forward_triton), or None."""
+    x, w_gate_up, w_down = moe.x, moe.w_gate_up, moe.w_down
     if _GROUPED_MM is None:
         return f"torch {torch.__version__} has no grouped_mm"
     if x.is_cuda:
@@ -320,45 +322,34 @@ def topk_sum(
 # launcher
 
 
-def moe_forward_grouped(
-    x,
-    topk_ids,
-    topk_weights,
-    w_gate_up,
-    w_down,
-    activation,
-    b_gate_up=None,
-    b_down=None,
-    lora: MoeLoraWeights | None = None,
-    token_adapter=None,
-) -> torch.Tensor:
-    """(T, H), as moe.moe_forward (inputs checked there); runs moe_forward_triton where
-    grouped_mm_unsupported says why not (warned once per reason)."""
-    why = grouped_mm_unsupported(x, w_gate_up, w_down)
+def moe_forward_grouped(moe: MoeInputs) -> torch.Tensor:
+    """(T, H), as moe.moe_forward; runs moe_forward_triton where grouped_mm_unsupported says why not (warned once
+    per reason)."""
+    why = grouped_mm_unsupported(moe)
     if why is not None:
         if why not in _warned:
             _warned.add(why)
             warnings.warn(f"moe backend grouped_mm: {why}; these runs use the fused Triton kernel", stacklevel=2)
-        return moe_forward_triton(
-            x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, lora, token_adapter
-        )
+        return moe_forward_triton(moe)
+    x, lora = moe.x, moe.lora
     check_kernel_rank(lora.max_rank if lora is not None else 0)
-    T, K = topk_ids.shape
-    E = w_gate_up.shape[0]
+    T, K = moe.topk_ids.shape
+    E = moe.w_gate_up.shape[0]
     P = T * K
-    row_pair, row_expert, offs = sort_by_expert(topk_ids, E)
+    row_pair, row_expert, offs = sort_by_expert(moe.topk_ids, E)
     tok = row_pair // K
     xg = x[tok]
-    h = grouped_gemm(xg, w_gate_up, offs)
+    h = grouped_gemm(xg, moe.w_gate_up, offs)
     if lora is not None:
-        blocks, cfg1, cfg2 = plan_lora(row_expert, token_adapter[tok], lora, E, (h.shape[1], x.shape[1]))
-        add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks, w_gate_up, cfg1)
+        assert moe.token_adapter is not None  # MoeInputs checked it
+        blocks, cfg1, cfg2 = plan_lora(row_expert, moe.token_adapter[tok], lora, E, (h.shape[1], x.shape[1]))
+        add_lora_delta(h, xg, lora.gate_up_a, lora.gate_up_b, lora, blocks, moe.w_gate_up, cfg1)
     del xg
-    act = bias_act(h, row_expert, b_gate_up, activation)
+    act = bias_act(h, row_expert, moe.b_gate_up, moe.activation)
     del h
-    y = grouped_gemm(act, w_down, offs)
+    y = grouped_gemm(act, moe.w_down, offs)
     if lora is not None:
-        add_lora_delta(y, act, lora.down_a, lora.down_b, lora, blocks, w_down, cfg2)
+        add_lora_delta(y, act, lora.down_a, lora.down_b, lora, blocks, moe.w_down, cfg2)
     row_of = torch.empty_like(row_pair)
     row_of[row_pair] = torch.arange(P, dtype=row_pair.dtype, device=x.device)
-    return topk_sum(y, row_of, topk_ids, topk_weights, b_down)
+    return topk_sum(y, row_of, moe.topk_ids, moe.topk_weights, moe.b_down)

@@ -9,6 +9,7 @@ import torch
 import lpdiff.kernels.faults as faults
 from lpdiff.kernels.activation import activate
 from lpdiff.kernels.lora_weights import MoeLoraWeights, lora_delta
+from lpdiff.kernels.moe_inputs import MoeInputs
 
 
 def add_slot_deltas(
@@ -36,21 +37,13 @@ def add_slot_deltas(
             out[rows] = sub
 
 
-def moe_forward_torch(
-    x,
-    topk_ids,
-    topk_weights,
-    w_gate_up,
-    w_down,
-    activation,
-    b_gate_up=None,
-    b_down=None,
-    lora: MoeLoraWeights | None = None,
-    token_adapter=None,
-) -> torch.Tensor:
+def moe_forward_torch(moe: MoeInputs) -> torch.Tensor:
+    """(T, H) in x's dtype, as moe.moe_forward."""
+    x, topk_ids, topk_weights, w_gate_up, w_down = moe.x, moe.topk_ids, moe.topk_weights, moe.w_gate_up, moe.w_down
+    b_gate_up, b_down, lora = moe.b_gate_up, moe.b_down, moe.lora
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    slots = token_adapter.long() if lora is not None else torch.full((T,), -1, device=x.device)
+    slots = torch.full((T,), -1, device=x.device) if moe.slots is None else moe.slots.long()
     fault = faults.active() if lora is not None else None
     for e in range(w_gate_up.shape[0]):
         t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
@@ -72,9 +65,9 @@ def moe_forward_torch(
                 lora,
                 lora.gate_up_b if fault == "lora_b_unmasked" else None,
             )
-        act = activate(h, activation)
+        act = activate(h, moe.activation)
         if hd is not h:
-            act = act + activate(hd, activation)
+            act = act + activate(hd, moe.activation)
         act = act.to(x.dtype).float()
         y = act @ w_down[e].float().T
         if b_down is not None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
 from lpdiff.harness.spec.routing import topk_margin
-from lpdiff.kernels import moe_forward
+from lpdiff.kernels import MoeInputs, moe_forward
 
 
 def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool):
@@ -203,16 +203,18 @@ def experts(
     options.parse_shrink); padding: its padding (the engine's moe_padding option; kernels.PADDING)."""
     use_lora = lora is not None and token_adapter is not None
     return moe_forward(
-        x,
-        ids,
-        weights,
-        w.w_gate_up,
-        w.w_down,
-        cfg.activation,
-        b_gate_up=w.b_gate_up,
-        b_down=w.b_down,
-        lora=lora if use_lora else None,
-        token_adapter=token_adapter if use_lora else None,
+        MoeInputs(
+            x,
+            ids,
+            weights,
+            w.w_gate_up,
+            w.w_down,
+            cfg.activation,
+            w.b_gate_up,
+            w.b_down,
+            lora if use_lora else None,
+            token_adapter if use_lora else None,
+        ),
         impl=impl,
         backend=backend,
         sum_topk=sum_topk,

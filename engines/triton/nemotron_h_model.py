@@ -25,7 +25,7 @@ from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, 
 from lpdiff.engines.triton.norm import add_rms_norm
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.harness.spec.routing import topk_margin
-from lpdiff.kernels import faults, lora_linear, moe_forward
+from lpdiff.kernels import MoeInputs, faults, lora_linear, moe_forward
 from lpdiff.kernels.activation import activate
 
 
@@ -150,14 +150,9 @@ class NemotronHModel:
         """The routed experts alone on their (latent, where the model has one) input: this rank's partial."""
         lora = lay.moe_lora if use_lora and batch.token_adapter is not None else None
         return moe_forward(
-            x,
-            ids,
-            weights,
-            lay.p["w_up"],
-            lay.p["w_down"],
-            "relu2",
-            lora=lora,
-            token_adapter=batch.token_adapter if lora is not None else None,
+            MoeInputs(
+                x, ids, weights, lay.p["w_up"], lay.p["w_down"], "relu2", lora=lora, token_adapter=batch.token_adapter
+            ),
             impl=self.lora_impl if lora is not None else self.impl,
             backend=self.moe_backend,
         )

@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from lpdiff.kernels import MoeLoraWeights, moe_forward
+from lpdiff.kernels import MoeInputs, MoeLoraWeights, moe_forward
 
 NOISE = 1e-5  # fp32 interpreter vs torch reference on the bug zoo's shapes is ~1e-7; a fault must be far above this
 CUDA = torch.cuda.is_available()
@@ -37,7 +37,7 @@ def make_moe(
     x_scale=1.0,
     seed=0,
     pad_garbage=False,
-):
+) -> MoeInputs:
     """Random inputs (never zeros). ranks: loaded rank per adapter slot, padded to R with zeros or, pad_garbage,
     with garbage that the kernels must ignore (large finite values in A and B); experts_used: route only to these
     experts so that the others receive zero tokens."""
@@ -55,7 +55,6 @@ def make_moe(
         topk_weights=w / w.sum(-1, keepdim=True),
         w_gate_up=rnd(E, n1, H, scale=H**-0.5),
         w_down=rnd(E, H, I, scale=I**-0.5),
-        activation=activation,
     )
     if bias:
         p.update(b_gate_up=rnd(E, n1, scale=0.5), b_down=rnd(E, H, scale=0.5))
@@ -83,7 +82,8 @@ def make_moe(
         ta = torch.randint(-1 if none_rows else 0, L, (T,), generator=g, dtype=torch.int32)
         ta[:L] = torch.arange(L)  # every slot is used at least once
     p.update(lora=lora, token_adapter=ta)
-    return {k: move(v, torch.float32 if k == "topk_weights" else dtype, device) for k, v in p.items()}
+    moved = {k: move(v, torch.float32 if k == "topk_weights" else dtype, device) for k, v in p.items()}
+    return MoeInputs(activation=activation, **moved)
 
 
 def move(v, dtype, device):
@@ -94,20 +94,20 @@ def move(v, dtype, device):
     return v
 
 
-def check_moe(p, tol, triton_fn=None, **kw):
+def check_moe(p: MoeInputs, tol, triton_fn=None, **kw):
     """Kernel vs reference on the full output and on the LoRA delta alone (a dropped adapter is a large delta
     error even when the full output barely moves). triton_fn: the Triton path to run instead of moe_forward's
     (moe_forward_triton, which takes tile configs)."""
     triton_fn = triton_fn or partial(moe_forward, impl="triton")
-    ref = moe_forward(**p, impl="torch")
-    out = triton_fn(**p, **kw)
-    assert out.shape == ref.shape and out.dtype == p["x"].dtype
+    ref = moe_forward(p, impl="torch")
+    out = triton_fn(p, **kw)
+    assert out.shape == ref.shape and out.dtype == p.x.dtype
     err = rel_err(out, ref)
     assert err <= tol, f"rel err {err:.3g} > {tol}"
-    if p["lora"] is not None:
-        base = dict(p, lora=None, token_adapter=None)
-        d_ref = ref.float() - moe_forward(**base, impl="torch").float()
-        d_out = out.float() - triton_fn(**base, **kw).float()
+    if p.lora is not None:
+        base = p.without_lora()
+        d_ref = ref.float() - moe_forward(base, impl="torch").float()
+        d_out = out.float() - triton_fn(base, **kw).float()
         derr = rel_err(d_out, d_ref)
         assert derr <= 3 * tol, f"LoRA delta rel err {derr:.3g} > {3 * tol}"
     return out, ref

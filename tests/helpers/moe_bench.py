@@ -22,6 +22,7 @@ from lpdiff.kernels.gemm_config import SMEM_BUDGET, ShrinkConfig, shrink_block_k
 from lpdiff.kernels.lora_gemm import launch_gemm
 from lpdiff.kernels.lora_weights import MoeLoraWeights
 from lpdiff.kernels.moe_align import moe_align
+from lpdiff.kernels.moe_inputs import MoeInputs
 
 
 @dataclass(slots=True)
@@ -48,26 +49,15 @@ SHAPES = [
 ]
 
 
-def make_inputs(s: MoeShape, T: int, L: int, rank: int, dtype, device, seed=0):
+def make_inputs(s: MoeShape, T: int, L: int, rank: int, dtype, device, seed=0) -> MoeInputs:
     """device "meta": shapes only (--compile-sm90 builds launches from them)."""
     g = torch.Generator(device=device).manual_seed(seed) if device != "meta" else None
     rnd = lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale  # noqa
     x = rnd(T, s.H)
     w, ids = torch.randn(T, s.E, generator=g, device=device).softmax(-1).topk(s.K, dim=-1)
-    p = dict(
-        x=x,
-        topk_ids=ids.to(torch.int32),
-        topk_weights=(w / w.sum(-1, keepdim=True)).float(),
-        w_gate_up=rnd(s.E, s.n1, s.H, scale=s.H**-0.5),
-        w_down=rnd(s.E, s.H, s.I, scale=s.I**-0.5),
-        activation=s.activation,
-        b_gate_up=rnd(s.E, s.n1, scale=0.1) if s.bias else None,
-        b_down=rnd(s.E, s.H, scale=0.1) if s.bias else None,
-        lora=None,
-        token_adapter=None,
-    )
+    lora, token_adapter = None, None
     if L:
-        p["lora"] = MoeLoraWeights(
+        lora = MoeLoraWeights(
             rnd(L, s.E, rank, s.H, scale=s.H**-0.5),
             rnd(L, s.E, s.n1, rank, scale=0.02),
             rnd(L, s.E, rank, s.I, scale=s.I**-0.5),
@@ -76,8 +66,19 @@ def make_inputs(s: MoeShape, T: int, L: int, rank: int, dtype, device, seed=0):
             ranks=torch.full((L,), rank, dtype=torch.int32, device=device),
         )
         # contiguous runs of tokens per adapter, as prompts of a batch would be
-        p["token_adapter"] = (torch.arange(T, device=device) * L // T).to(torch.int32)
-    return p
+        token_adapter = (torch.arange(T, device=device) * L // T).to(torch.int32)
+    return MoeInputs(
+        x=x,
+        topk_ids=ids.to(torch.int32),
+        topk_weights=(w / w.sum(-1, keepdim=True)).float(),
+        w_gate_up=rnd(s.E, s.n1, s.H, scale=s.H**-0.5),
+        w_down=rnd(s.E, s.H, s.I, scale=s.I**-0.5),
+        activation=s.activation,
+        b_gate_up=rnd(s.E, s.n1, scale=0.1) if s.bias else None,
+        b_down=rnd(s.E, s.H, scale=0.1) if s.bias else None,
+        lora=lora,
+        token_adapter=token_adapter,
+    )
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -96,42 +97,33 @@ def untimed(fn, rep=0) -> float:
     return 0.0
 
 
-def configs(p, lora_shrink: str = "once", device=None, **flags) -> dict:
+def configs(p: MoeInputs, lora_shrink: str = "once", device=None, **flags) -> dict:
     """moe_forward_triton's default tiles of both GEMMs with GemmConfig flags changed, as its keywords; device:
     the tiles for that device instead of x's."""
-    c1, c2 = moe_configs(
-        p["x"],
-        p["topk_ids"],
-        p["w_gate_up"],
-        p["activation"],
-        p["lora"],
-        shrink_once(p["lora"], lora_shrink),
-        device,
-        **flags,
-    )
+    c1, c2 = moe_configs(p, shrink_once(p.lora, lora_shrink), device, **flags)
     return dict(config=c1, down_config=c2)
 
 
-def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None, **flags) -> tuple[dict, torch.Tensor]:
+def stage_breakdown(p: MoeInputs, lora_shrink: str = "once", rep=50, timer=None, **flags) -> tuple[dict, torch.Tensor]:
     """Times each launch of moe_forward_triton alone (same inputs, tiles and order of operations); with
     lora_shrink "once" the two shrink launches are stages of their own. timer(fn, rep) -> ms (default: bench);
     flags: GemmConfig fields changed in both GEMMs. Also returns the (T, H) output of the staged launches, so that
     a CPU test can check they compute the layer."""
     timer = timer or bench
-    x, lora = p["x"], p["lora"]
+    x, lora = p.x, p.lora
     once = shrink_once(lora, lora_shrink)
     cfg1, cfg2 = configs(p, lora_shrink, **flags).values()
     T, H = x.shape
-    E, n1, _ = p["w_gate_up"].shape
-    K = p["topk_ids"].shape[1]
-    I = p["w_down"].shape[2]
+    E, n1, _ = p.w_gate_up.shape
+    K = p.topk_ids.shape[1]
+    I = p.w_down.shape[2]
     L = lora.num_slots if lora is not None else 0
-    align = lambda: moe_align(p["topk_ids"], p["token_adapter"], E, L, cfg1.block_m, impl="triton")  # noqa
+    align = lambda: moe_align(p.topk_ids, p.token_adapter, E, L, cfg1.block_m, impl="triton")  # noqa
     r = align()
     M = r.sorted_ids.shape[0]
     inter = torch.empty(M, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    tw = p["topk_weights"].reshape(-1).float()
+    tw = p.topk_weights.reshape(-1).float()
     t = {"align": timer(align, rep)}
     s1 = s2 = None
     if once:
@@ -139,14 +131,14 @@ def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None, **flags) -
         s1 = expert_shrink(x, lora, "gate_up", r)
     g1 = lambda: launch_gemm(
         x,
-        p["w_gate_up"],
+        p.w_gate_up,
         inter,
         r,
         cfg1,
         x_sorted=False,
         out_sorted=True,  # noqa: E731
-        activation=p["activation"],
-        bias=p["b_gate_up"],
+        activation=p.activation,
+        bias=p.b_gate_up,
         **expert_lora_kwargs(lora, "gate_up", s1),
     )
     g1()
@@ -156,13 +148,13 @@ def stage_breakdown(p, lora_shrink: str = "once", rep=50, timer=None, **flags) -
         s2 = expert_shrink(inter, lora, "down", r)
     g2 = lambda: launch_gemm(
         inter,
-        p["w_down"],
+        p.w_down,
         y,
         r,
         cfg2,
         x_sorted=True,
         out_sorted=False,  # noqa: E731
-        bias=p["b_down"],
+        bias=p.b_down,
         topk_weights=tw,
         **expert_lora_kwargs(lora, "down", s2),
     )
@@ -201,11 +193,11 @@ def shrink_sweep(
     for s in shapes:
         p = make_inputs(s, T, 1, R, dtype, device)
         block_m = configs(p)["config"].block_m  # the routing the GEMMs would use
-        r = moe_align(p["topk_ids"], p["token_adapter"], s.E, 1, block_m, impl="triton")
+        r = moe_align(p.topk_ids, p.token_adapter, s.E, 1, block_m, impl="triton")
         used = int(r.num_padded)  # rows past it are never written
         inter = torch.randn(r.sorted_ids.shape[0], s.I, device=device, dtype=dtype)
-        for gemm, inp in (("gate_up", p["x"]), ("down", inter)):
-            cases.append((s, gemm, inp, p["lora"], r, used, expert_shrink(inp, p["lora"], gemm, r)[:used]))
+        for gemm, inp in (("gate_up", p.x), ("down", inter)):
+            cases.append((s, gemm, inp, p.lora, r, used, expert_shrink(inp, p.lora, gemm, r)[:used]))
     t0, totals = time.time(), []
     for cfg in cfgs or shrink_sweep_configs(R, dtype):
         if time.time() - t0 > budget_s:
@@ -337,10 +329,10 @@ def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
         flags = dict(flags)
         mode = flags.pop("lora_shrink", "once")
         p = make_inputs(s, T, 1, R, torch.bfloat16, "meta")
-        for q in (p, dict(p, lora=None, token_adapter=None)):
+        for q in (p, p.without_lora()):
             cfg = configs(q, mode, device=torch.device("cuda"), **flags)
             shrink = ShrinkConfig(block_k=shrink_block_k(cfg["config"].block_m, np2(R), torch.bfloat16, True))
-            run = lambda: moe_forward_triton(**q, **cfg, shrink_config=shrink, lora_shrink=mode)  # noqa: E731
+            run = lambda: moe_forward_triton(q, **cfg, shrink_config=shrink, lora_shrink=mode)  # noqa: E731
             for kernel, args, kw in record_launches(run):
                 name = kernel.fn.__name__
                 key = (s.name, name, tuple(sorted(kw.items())))

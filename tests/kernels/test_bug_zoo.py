@@ -15,7 +15,7 @@ SHAPE = dict(T=24, H=64, I=40, E=4, K=2)
 
 def _out(params, impl, fault=None):
     with faults.injected(fault):
-        return moe_forward(**params, impl=impl)
+        return moe_forward(params, impl=impl)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_relu2_read_as_gated(impl):
     assert rel_err(_out(p, impl), clean) < NOISE
     bad = _out(p, impl, "relu2_as_gated")
     assert rel_err(bad, clean) > 0.1
-    none = p["token_adapter"] < 0
+    none = p.token_adapter < 0
     assert rel_err(bad[none], clean[none]) > 0.1
     # gated activations are untouched by this fault
     q = make_moe(**SHAPE, activation="silu")

@@ -4,10 +4,12 @@ gpu1 cases run them compiled in bf16 and fp32."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from lpdiff.kernels import MoeLoraWeights, moe_align, moe_forward
+from lpdiff.kernels import MoeInputs, MoeLoraWeights, moe_align, moe_forward
 from lpdiff.kernels.fused_moe_lora import moe_forward_triton
 from lpdiff.kernels.gemm_config import GemmConfig, ShrinkConfig
 from lpdiff.kernels.moe_align import align_groups_reference
@@ -129,16 +131,16 @@ def test_lora_shrink_launches(monkeypatch):
     real = fm.launch_shrink
     monkeypatch.setattr(fm, "launch_shrink", lambda *a, **kw: calls.append(kw["x_sorted"]) or real(*a, **kw))
     p = make_moe(T=9, H=16, I=16, E=2, K=2, activation="silu", ranks=(4,))
-    moe_forward(**p, impl="triton")
+    moe_forward(p, impl="triton")
     assert calls == [False, True]
-    moe_forward(**p, impl="triton", lora_shrink="fused")
-    moe_forward(**dict(p, lora=None, token_adapter=None), impl="triton")
+    moe_forward(p, impl="triton", lora_shrink="fused")
+    moe_forward(p.without_lora(), impl="triton")
     for fault in fm.KERNEL_FAULTS["gate_up"] | fm.KERNEL_FAULTS["down"]:
         with faults.injected(fault):
-            moe_forward(**p, impl="triton")
+            moe_forward(p, impl="triton")
     assert calls == [False, True]
     with faults.injected("lora_rank_layout"):  # a runtime-level fault leaves the kernel path as it is
-        moe_forward(**p, impl="triton")
+        moe_forward(p, impl="triton")
     assert calls == [False, True] * 2
 
 
@@ -155,7 +157,7 @@ def test_bench_stage_breakdown_on_cpu(lora_shrink, flags):
     times, out = stage_breakdown(p, lora_shrink, timer=untimed, **flags)
     once = ["shrink1", "shrink2"] if lora_shrink == "once" else []
     assert sorted(times) == sorted(["align", "gemm1", "gemm2", "sum"] + once)
-    assert rel_err(out, moe_forward(**p, impl="torch")) <= 1e-5
+    assert rel_err(out, moe_forward(p, impl="torch")) <= 1e-5
 
 
 GEMM_FLAGS = [
@@ -222,7 +224,7 @@ def test_tma_launches(monkeypatch):
     ]:
         p = make_moe(**case)
         launches.clear()
-        moe_forward_triton(**p, **configs(p, kw.get("lora_shrink", "once"), **flags), **kw)
+        moe_forward_triton(p, **configs(p, kw.get("lora_shrink", "once"), **flags), **kw)
         assert launches == want, (case["H"], flags, kw)
 
 
@@ -232,14 +234,14 @@ def test_sum_topk_false_gives_each_weighted_pair(flags, tol=1e-5):
     with that slot as top-1); summed over K it is the summed output bit for bit."""
     p = make_moe(T=21, H=32, I=24, E=5, K=3, activation="swiglu_oai", ranks=(8, 3), bias=True, pad_garbage=True)
     cfg = configs(p, **flags)
-    pairs = moe_forward_triton(**p, sum_topk=False, **cfg)
+    pairs = moe_forward_triton(p, sum_topk=False, **cfg)
     assert pairs.shape == (21, 3, 32)
     for k in range(3):
         ref = moe_forward(
-            **dict(p, topk_ids=p["topk_ids"][:, k : k + 1], topk_weights=p["topk_weights"][:, k : k + 1]), impl="torch"
+            replace(p, topk_ids=p.topk_ids[:, k : k + 1], topk_weights=p.topk_weights[:, k : k + 1]), impl="torch"
         )
         assert rel_err(pairs[:, k], ref) <= tol, k
-    assert torch.equal(pairs.sum(dim=1), moe_forward_triton(**p, **cfg))
+    assert torch.equal(pairs.sum(dim=1), moe_forward_triton(p, **cfg))
 
 
 SHRINK_LAUNCHES = [
@@ -274,7 +276,7 @@ def test_shrink_rows_must_divide_the_routing_block():
     p = make_moe(T=9, H=16, I=16, E=2, K=2, activation="silu", ranks=(4,))
     tiles = GemmConfig(32, 32, 32, num_stages=1)
     with pytest.raises(ValueError, match="must divide the routing block_m=32"):
-        moe_forward_triton(**p, config=tiles, down_config=tiles, shrink_config=ShrinkConfig(rows=64))
+        moe_forward_triton(p, config=tiles, down_config=tiles, shrink_config=ShrinkConfig(rows=64))
 
 
 def ntile_configs(n_tiles: int, **flags) -> dict:
@@ -328,13 +330,13 @@ def test_n_tiles_keyword_sum_topk_false(tol=1e-5):
     """moe_forward's n_tiles sets both GEMMs' (default interpreter tiles: H=100 and I=72 span several 32-column
     tiles) or, as a pair, each GEMM's, and sum_topk=False gives the per-pair outputs of the same launches."""
     p = make_moe(T=21, H=100, I=72, E=5, K=3, activation="swiglu_oai", ranks=(8, 3), bias=True, pad_garbage=True)
-    ref = moe_forward(**p, impl="torch")
-    out = moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=2)
+    ref = moe_forward(p, impl="torch")
+    out = moe_forward(p, impl="triton", lora_shrink="fused", n_tiles=2)
     assert rel_err(out, ref) <= tol
-    pairs = moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=2, sum_topk=False)
+    pairs = moe_forward(p, impl="triton", lora_shrink="fused", n_tiles=2, sum_topk=False)
     assert pairs.shape == (21, 3, 100) and torch.equal(pairs.sum(dim=1), out)
     # a count per GEMM (gate_up 3 tiles, down 4 — the engine's moe_lora_shrink "fused:3,4")
-    assert rel_err(moe_forward(**p, impl="triton", lora_shrink="fused", n_tiles=(3, 4)), ref) <= tol
+    assert rel_err(moe_forward(p, impl="triton", lora_shrink="fused", n_tiles=(3, 4)), ref) <= tol
 
 
 @pytest.mark.parametrize("fault", ["lora_after_activation", "topk_weight_twice"])  # gate_up's / down's epilogue
@@ -344,10 +346,10 @@ def test_kernel_fault_with_n_tiles(fault):
     from lpdiff.kernels import faults
 
     p = make_moe(T=24, H=100, I=72, E=4, K=2, activation="silu", ranks=(8, 4))
-    clean = moe_forward(**p, impl="torch")
+    clean = moe_forward(p, impl="torch")
     with faults.injected(fault):
-        bad_ref = moe_forward(**p, impl="torch")
-        bad = moe_forward_triton(**p, **ntile_configs(2))
+        bad_ref = moe_forward(p, impl="torch")
+        bad = moe_forward_triton(p, **ntile_configs(2))
     assert rel_err(bad_ref, clean) > 1e3 * NOISE
     assert rel_err(bad, bad_ref) < NOISE
 
@@ -457,12 +459,12 @@ def test_padded_rank_is_exact_and_ignores_garbage(monkeypatch):
     in A (the shrink masks it), finite garbage in B (the default expand, "loop", masks B at R and multiplies S,
     exactly zero there), and even NaN in B for the expands outside the K-loop (they mask B at the loaded rank)."""
     p = make_moe(T=21, H=32, I=24, E=4, K=2, activation="silu", ranks=(5,), R=32)
-    lo = p["lora"]
+    lo = p.lora
     narrow = MoeLoraWeights(
         lo.gate_up_a[:, :, :5], lo.gate_up_b[..., :5], lo.down_a[:, :, :5], lo.down_b[..., :5], lo.scaling, lo.ranks
     )
-    out_pad = moe_forward(**p, impl="triton")
-    out_narrow = moe_forward(**dict(p, lora=narrow), impl="triton")
+    out_pad = moe_forward(p, impl="triton")
+    out_narrow = moe_forward(replace(p, lora=narrow), impl="triton")
     assert rel_err(out_pad, out_narrow) <= 1e-6
     dirty = MoeLoraWeights(
         *(t.clone() for t in (lo.gate_up_a, lo.gate_up_b, lo.down_a, lo.down_b)), lo.scaling, lo.ranks
@@ -471,36 +473,36 @@ def test_padded_rank_is_exact_and_ignores_garbage(monkeypatch):
     dirty.gate_up_b[..., 5:] = -1e30  # read by the expand
     dirty.down_b[..., 5:] = 1e30
     for impl in ("torch", "triton"):
-        assert rel_err(moe_forward(**dict(p, lora=dirty), impl=impl), out_pad) <= 1e-5, impl
+        assert rel_err(moe_forward(replace(p, lora=dirty), impl=impl), out_pad) <= 1e-5, impl
     import lpdiff.kernels.fused_moe_lora as fm
 
     dirty.gate_up_b[..., 5:] = float("nan")
     for expand in ("first", "last"):
         monkeypatch.setattr(fm, "MOE_EXPAND", expand)
-        assert rel_err(moe_forward(**dict(p, lora=dirty), impl="triton"), out_pad) <= 1e-5, expand
+        assert rel_err(moe_forward(replace(p, lora=dirty), impl="triton"), out_pad) <= 1e-5, expand
 
 
 def test_rows_without_adapter_equal_base():
     """Slots present but every token on -1: the output must be the base model's, bit for bit."""
     p = make_moe(T=19, H=32, I=24, E=4, K=2, activation="silu", ranks=(8, 8))
-    p["token_adapter"] = torch.full_like(p["token_adapter"], -1)
-    with_slots = moe_forward(**p, impl="triton")
-    base = moe_forward(**dict(p, lora=None, token_adapter=None), impl="triton")
+    p = replace(p, token_adapter=torch.full_like(p.token_adapter, -1))
+    with_slots = moe_forward(p, impl="triton")
+    base = moe_forward(p.without_lora(), impl="triton")
     assert torch.equal(with_slots, base)
 
 
 def test_bad_inputs_raise_one_clear_error():
     p = make_moe(T=4, H=16, I=8, E=2, K=1, activation="silu", ranks=(4,))
-    with pytest.raises(ValueError, match="token_adapter"):
-        moe_forward(**dict(p, token_adapter=None))
+    with pytest.raises(ValueError, match="token_adapter"):  # MoeInputs checks itself when built
+        replace(p, token_adapter=None)
     with pytest.raises(ValueError, match="relu2 is not gated"):
-        moe_forward(**dict(p, activation="relu2"))
+        replace(p, activation="relu2")
     with pytest.raises(ValueError, match="unknown"):
-        moe_forward(**dict(p, activation="gelu"))
+        replace(p, activation="gelu")
     with pytest.raises(ValueError, match="impl"):
-        moe_forward(**p, impl="cuda")
+        moe_forward(p, impl="cuda")
     with pytest.raises(ValueError, match="lora_shrink must be one of"):
-        moe_forward(**p, lora_shrink="twice")
+        moe_forward(p, lora_shrink="twice")
 
 
 def test_auto_picks_torch_on_cpu_without_interpreter(monkeypatch):
@@ -548,7 +550,7 @@ def test_moe_forward_gpu(case, dtype, tol, lora_shrink):
     p = make_moe(**case, dtype=dtype, device="cuda")
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
     out, _ = check_moe(p, tol, lora_shrink=lora_shrink)
-    assert torch.equal(out, moe_forward(**p, impl="triton", lora_shrink=lora_shrink)), "reruns must be bit-identical"
+    assert torch.equal(out, moe_forward(p, impl="triton", lora_shrink=lora_shrink)), "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize("flags", GEMM_FLAGS[1:], ids=flag_id)
@@ -564,7 +566,7 @@ def test_gemm_flags_gpu(case, flags, tol=1e-2):
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
     cfg = configs(p, **flags)
     out, _ = check_moe(p, tol, moe_forward_triton, **cfg)
-    assert torch.equal(out, moe_forward_triton(**p, **cfg)), "reruns must be bit-identical"
+    assert torch.equal(out, moe_forward_triton(p, **cfg)), "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize(
@@ -588,7 +590,7 @@ def test_n_tiles_gpu(case, lora_shrink, n_tiles, tol=1e-2):
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
     kw = dict(lora_shrink=lora_shrink, n_tiles=n_tiles)
     out, _ = check_moe(p, tol, moe_forward_triton, **kw)
-    assert torch.equal(out, moe_forward_triton(**p, **kw)), "reruns must be bit-identical"
+    assert torch.equal(out, moe_forward_triton(p, **kw)), "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
@@ -613,14 +615,13 @@ def test_reference_matches_transformers_experts(arch):
     with torch.no_grad():
         hf = m(x, ids, w)
         if arch == "qwen3_moe":
-            out = moe_forward(x, ids, w, m.gate_up_proj, m.down_proj, "silu", impl="torch")
+            out = moe_forward(MoeInputs(x, ids, w, m.gate_up_proj, m.down_proj, "silu"), impl="torch")
         else:
             gu = m.gate_up_proj.transpose(1, 2)  # (E, 2I, H) with gate/up interleaved
             gu = torch.cat([gu[:, ::2], gu[:, 1::2]], 1)
             bgu = torch.cat([m.gate_up_proj_bias[:, ::2], m.gate_up_proj_bias[:, 1::2]], 1)
-            out = moe_forward(
-                x, ids, w, gu, m.down_proj.transpose(1, 2), "swiglu_oai", bgu, m.down_proj_bias, impl="torch"
-            )
+            moe = MoeInputs(x, ids, w, gu, m.down_proj.transpose(1, 2), "swiglu_oai", bgu, m.down_proj_bias)
+            out = moe_forward(moe, impl="torch")
     assert rel_err(out, hf) <= 1e-6
 
 
@@ -645,9 +646,9 @@ PAD_CASES = [
 
 def last_block_kinds(p, block_m: int) -> tuple[int, int]:
     """(blocks at most half used, blocks more than half used with padding) of the case's routing."""
-    E = p["w_gate_up"].shape[0]
-    L = p["lora"].num_slots if p["lora"] is not None else 0
-    r = moe_align(p["topk_ids"], p["token_adapter"], E, L, block_m, impl="torch")
+    E = p.w_gate_up.shape[0]
+    L = p.lora.num_slots if p.lora is not None else 0
+    r = moe_align(p.topk_ids, p.token_adapter, E, L, block_m, impl="torch")
     ids = r.sorted_ids[: int(r.num_padded)].view(-1, block_m)
     used = (ids < r.num_pairs).sum(1)
     return int((used <= block_m // 2).sum()), int(((used > block_m // 2) & (used < block_m)).sum())
@@ -679,7 +680,7 @@ def test_padding_modes_gpu(padding, tol=1e-2):
     for shrink in SHRINK_MODES:
         kw = dict(lora_shrink=shrink, padding=padding)
         out, _ = check_moe(p, tol, moe_forward_triton, **kw)
-        assert torch.equal(out, moe_forward_triton(**p, **kw)), "reruns must be bit-identical"
+        assert torch.equal(out, moe_forward_triton(p, **kw)), "reruns must be bit-identical"
 
 
 @pytest.mark.parametrize(
@@ -695,20 +696,25 @@ def test_gpu_stages_leave_room_for_a_held_b_tile_only(expand, tma, stages):
     for a B tile held outside the pipeline only where one is (compiled for sm90, loop at 4 stages is 196608 B)."""
     import lpdiff.kernels.fused_moe_lora as fm
 
-    x = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
-    ids = torch.empty(4096, 8, dtype=torch.int32, device="meta")
-    w1 = torch.empty(128, 1536, 2048, dtype=torch.bfloat16, device="meta")
-    lora = MoeLoraWeights(
-        *(
-            torch.empty(*s, dtype=torch.bfloat16, device="meta")
-            for s in ((1, 128, 128, 2048), (1, 128, 1536, 128), (1, 128, 128, 768), (1, 128, 2048, 128))
-        ),
-        scaling=torch.ones(1),
-        ranks=torch.ones(1, dtype=torch.int32),
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    shapes = ((1, 128, 128, 2048), (1, 128, 1536, 128), (1, 128, 128, 768), (1, 128, 2048, 128))
+    lora = MoeLoraWeights(*(meta(*s) for s in shapes), scaling=torch.ones(1), ranks=torch.ones(1, dtype=torch.int32))
+    ints = dict(dtype=torch.int32)
+    moe = MoeInputs(
+        meta(4096, 2048),
+        meta(4096, 8, **ints),
+        meta(4096, 8),
+        meta(128, 1536, 2048),
+        meta(128, 2048, 768),
+        "silu",
+        lora=lora,
+        token_adapter=meta(4096, **ints),
     )
-    c1, c2 = fm.moe_configs(x, ids, w1, "silu", lora, once=True, device=torch.device("cuda"), expand=expand, tma=tma)
+    c1, c2 = fm.moe_configs(moe, once=True, device=torch.device("cuda"), expand=expand, tma=tma)
     assert (c1.num_stages, c2.num_stages) == (stages, stages)
-    base = fm.moe_configs(x, ids, w1, "silu", None, once=True, device=torch.device("cuda"))
+    base = fm.moe_configs(moe.without_lora(), once=True, device=torch.device("cuda"))
     assert base[0].num_stages == base[1].num_stages == 4
 
 

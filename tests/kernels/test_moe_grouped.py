@@ -9,6 +9,8 @@ expert shapes, and first asserts that the CUTLASS path is the one taken (not the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -35,8 +37,8 @@ def check_grouped(p, tol, calls):
     """test_kernels_moe.check_moe (full output and LoRA delta alone) on this backend; its grouped GEMMs must have
     run (2 per call), not the fallback."""
     out, _ = check_moe(p, tol, backend="grouped_mm")
-    why = mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"])
-    assert len(calls) == 2 * (1 + (p["lora"] is not None)), f"grouped GEMMs run: {calls} (fallback: {why})"
+    why = mg.grouped_mm_unsupported(p)
+    assert len(calls) == 2 * (1 + (p.lora is not None)), f"grouped GEMMs run: {calls} (fallback: {why})"
     return out
 
 
@@ -77,9 +79,9 @@ def test_grouped_backend_bf16(gemm_calls, tol=2e-2):
 def test_rows_without_adapter_equal_base_bit_for_bit(gemm_calls):
     """Slots present but every row on -1: the delta passes must not touch a row."""
     p = make_moe(T=19, H=32, I=24, E=4, K=2, activation="silu", ranks=(8, 8))
-    p["token_adapter"] = torch.full_like(p["token_adapter"], -1)
-    with_slots = moe_forward(**p, impl="triton", backend="grouped_mm")
-    base = moe_forward(**dict(p, lora=None, token_adapter=None), impl="triton", backend="grouped_mm")
+    p = replace(p, token_adapter=torch.full_like(p.token_adapter, -1))
+    with_slots = moe_forward(p, impl="triton", backend="grouped_mm")
+    base = moe_forward(p.without_lora(), impl="triton", backend="grouped_mm")
     assert len(gemm_calls) == 4 and torch.equal(with_slots, base)
 
 
@@ -144,23 +146,23 @@ def test_unaligned_widths_and_kernel_faults_fall_back_to_the_fused_kernel(gemm_c
     """grouped_mm needs 16-byte strides (H = 37 fp32 has 148) and the zoo's kernel faults live in the fused
     kernel: both run there, correctly, with one warning per reason."""
     p = make_moe(T=13, H=37, I=24, E=4, K=2, activation="silu", ranks=(4,))
-    ref = moe_forward(**p, impl="torch")
+    ref = moe_forward(p, impl="torch")
     mg._warned.clear()
     with pytest.warns(UserWarning, match="16-byte aligned"):
-        out = moe_forward(**p, impl="triton", backend="grouped_mm")
+        out = moe_forward(p, impl="triton", backend="grouped_mm")
     assert not gemm_calls and rel_err(out, ref) <= 1e-5
     q = make_moe(T=13, H=40, I=24, E=4, K=2, activation="silu", ranks=(4,))
     with faults.injected("lora_after_activation"):
         with pytest.warns(UserWarning, match="lives in the fused kernel"):
-            bad = moe_forward(**q, impl="triton", backend="grouped_mm")
-        want = moe_forward(**q, impl="torch")  # the reference carries the fault too
+            bad = moe_forward(q, impl="triton", backend="grouped_mm")
+        want = moe_forward(q, impl="torch")  # the reference carries the fault too
     assert not gemm_calls and rel_err(bad, want) <= 1e-5
 
 
 def test_bad_backend_is_one_clear_error():
     p = make_moe(T=4, H=16, I=8, E=2, K=1, activation="silu")
     with pytest.raises(ValueError, match="backend must be one of"):
-        moe_forward(**p, backend="cutlass")
+        moe_forward(p, backend="cutlass")
 
 
 def test_triton_engine_moe_backend_option(gemm_calls, tmp_path):
@@ -229,9 +231,9 @@ GPU_SHAPES = [
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_grouped_backend_gpu_bf16(case, gemm_calls, tol=1e-2, tol_vs_triton=1e-2):
     p = make_moe(**case, dtype=torch.bfloat16, device="cuda")
-    assert mg.grouped_mm_unsupported(p["x"], p["w_gate_up"], p["w_down"]) is None, "CUTLASS path not taken"
+    assert mg.grouped_mm_unsupported(p) is None, "CUTLASS path not taken"
     torch.full((1 << 28,), float("nan"), device="cuda")  # freed at once: unwritten outputs would read NaN
     out = check_grouped(p, tol, gemm_calls)
-    fused = moe_forward(**p, impl="triton")
+    fused = moe_forward(p, impl="triton")
     assert rel_err(out, fused) <= tol_vs_triton
-    assert torch.equal(out, moe_forward(**p, impl="triton", backend="grouped_mm")), "reruns must be bit-identical"
+    assert torch.equal(out, moe_forward(p, impl="triton", backend="grouped_mm")), "reruns must be bit-identical"
