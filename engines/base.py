@@ -117,6 +117,8 @@ def decode_by_prefill(
     for _ in range(how.max_new_tokens):
         res = engine.prompt_logprobs([[*s, *g, 0] for s, g in zip(seqs, gen)], adapter, top_k=1)
         for i, r in enumerate(res):
+            if r.topk_ids is None or r.topk_logprobs is None:
+                raise RuntimeError(f"{engine.name} returned no top-1 entries when asked for top_k=1")
             gen[i].append(int(r.topk_ids[-1, 0]))
             lps[i].append(float(r.topk_logprobs[-1, 0]))
     import numpy as np

@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -150,7 +151,12 @@ class HFEngine:
         if config.tp != 1:
             raise InputError("the hf engine runs on one device (tp=1); use engine 'triton' for tensor parallelism")
         self.config = config
-        self.model = None  # the PeftModel (or the bare model when no adapter is given)
+        # while entered: the PeftModel (or the bare model when no adapter is given), the transformers model under
+        # it, its decoder stack and the router hooks
+        self.model: Any = None
+        self.lm: Any = None
+        self.decoder: Any = None
+        self.margins: RouterMarginRecorder | None = None
         # PEFT adapter names become module names (no '.'): lpdiff's names ("all.peft3d") map to slot names
         self.peft_names = {name: f"adapter{i}" for i, name in enumerate(config.adapters or {})}
         self.device = default_device(config.device)
@@ -250,7 +256,9 @@ class HFEngine:
                     for i, res in zip(batch, self._forward([prompts[i] for i in batch], top_k, forced)):
                         out[i] = res
         self.last_wall_s = time.perf_counter() - t0
-        return out  # type: ignore[return-value]
+        done = [r for r in out if r is not None]
+        assert len(done) == len(out), "every prompt's adapter group ran"
+        return done
 
     def decode(self, prompts: Sequence[Sequence[int]], adapter: AdapterChoice, how: Decoding):
         """Generate with the KV cache (engines.hf_decode: raw-logit logprobs, one prompt at a time)."""
@@ -297,14 +305,16 @@ class HFEngine:
             ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
             mask[i, : len(p)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        forced = None if routing is None else forced_ids(routing, T, self.margins.num_routers, self.device)
+        recorder = self.margins
+        assert recorder is not None  # set while entered (prompt_logprobs checked)
+        forced = None if routing is None else forced_ids(routing, T, recorder.num_routers, self.device)
         hooked = self.record_margins or self.capture_routing or forced is not None  # else the hooks cost nothing
         if hooked:
-            self.margins.start(forced)
+            recorder.start(forced)
         hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        margins = self.margins.stop(n, T) if hooked else None
+        margins = recorder.stop(n, T) if hooked else None
         margins = margins if self.record_margins else None
-        routed = self.margins.routing(n, T) if self.capture_routing else None
+        routed = recorder.routing(n, T) if self.capture_routing else None
         # rows of real positions that predict a next token: (prompt i, position j < len-1)
         sel = torch.cat([torch.arange(L - 1) + i * T for i, L in enumerate(lens)]).to(self.device)
         targets = ids.reshape(-1)[sel + 1]  # row i*T + j predicts token (i, j + 1)
@@ -330,8 +340,8 @@ class HFEngine:
                 PromptLogprobs(
                     token_ids=np.asarray(prompts[i], dtype=np.int64),
                     logprobs=lp[s].cpu().numpy(),
-                    topk_ids=tk_ids[s].cpu().numpy() if top_k else None,
-                    topk_logprobs=tk_lp[s].cpu().numpy() if top_k else None,
+                    topk_ids=tk_ids[s].cpu().numpy() if tk_ids is not None else None,
+                    topk_logprobs=tk_lp[s].cpu().numpy() if tk_lp is not None else None,
                     router_margin=margins[i, :L] if margins is not None else None,
                     **(
                         {}

@@ -54,7 +54,7 @@ def chunked_logprobs(
             logits = logits * logit_scale
         logz = torch.logsumexp(logits, dim=-1, keepdim=True)
         lp[s:e] = (logits.gather(1, targets[s:e, None]) - logz)[:, 0]
-        if top_k:
+        if tk_ids is not None and tk_lp is not None:  # top_k > 0
             vals, ids = logits.topk(top_k, dim=-1)
             tk_ids[s:e], tk_lp[s:e] = ids, vals - logz
     return lp, tk_ids, tk_lp

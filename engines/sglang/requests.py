@@ -168,8 +168,8 @@ def parse_response(
     ``vocab_size``: the model's; SGLang reports token ids >= vocab_size - 1 as 0, which is then not a mismatch."""
     n = len(token_ids)
     meta = item.get("meta_info") if isinstance(item, dict) else None
-    entries = meta.get("input_token_logprobs") if meta else None
-    if entries is None:
+    entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    if meta is None or entries is None:
         raise ValueError(
             "SGLang returned no meta_info.input_token_logprobs: the request needs return_logprob=True "
             "and logprob_start_len=0"

@@ -372,10 +372,12 @@ def stack_adapters(
                 put(a[s, 0], A)
                 put(b[s], B)
             # the Linear's own slice: B's rows of a column-parallel weight, A's columns of a row-parallel one
-            if lin.dim == 0:
-                b = b.index_select(1, lin.index)
-            elif lin.dim == 1:
-                a = a.index_select(3, lin.index)
+            if lin.dim in (0, 1):
+                assert lin.index is not None  # a sharded Linear keeps the index of its slice
+                if lin.dim == 0:
+                    b = b.index_select(1, lin.index)
+                else:
+                    a = a.index_select(3, lin.index)
             lin.a, lin.b = a.contiguous(), b.contiguous()
         hits = [(s, e) for s, (_, e) in enumerate(parsed) if any(k[0] == i for k in e)]
         if not hits:

@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lpdiff.engines.base import AdapterChoice, Decoding, EngineConfig, check_request
 from lpdiff.engines.checkpoint import checkpoint_dir, is_moe_config
@@ -48,6 +48,9 @@ from lpdiff.harness.spec.adapters import adapter_max_rank
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.harness.types import PromptLogprobs
 
+if TYPE_CHECKING:
+    from lpdiff.engines.subprocess_lane import LaneEngine
+
 IN_LANE_ENGINE_CORE = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
@@ -70,8 +73,8 @@ class VLLMEngine:
                 f"{', '.join(OWN_OPTIONS)} (pass other LLM arguments in llm_kwargs)"
             )
         self.opts = opts
-        self.llm = None
-        self._proxy = None
+        self.llm: Any = None  # vllm.LLM while entered in-process
+        self._proxy: LaneEngine | None = None  # while entered in a subprocess lane
         self._lora: dict[str, Any] = {}
         self._mixed = False  # enable_mixed_moe_lora_format is on: LoRARequests say which layout each adapter has
         self._paths: dict[str, str] = {}  # adapter name -> the directory vLLM loads (a renamed copy where needed)
