@@ -248,13 +248,13 @@ def test_tests_and_suites_never_import_benchmarks():
     _assert_none(bad)
 
 
-def _cycles(prefix: str) -> list[list[Edge]]:
+def _cycles(prefix: str, edges: list[Edge] | None = None) -> list[list[Edge]]:
     """Cycles among the modules under ``prefix``, one per strongly connected component. Imports inside functions
     count too: a lazy import is how such a circle is hidden (kernels' fused_moe_lora importing moe_grouped, which
     builds on it; engines/triton's engine -> tp -> runtime -> engine), and it still ties the modules together.
     Only ``if TYPE_CHECKING:`` imports, never executed, are left out."""
     graph: dict[str, dict[str, Edge]] = {m: {} for m in MODULES if _under(m, prefix)}
-    for e in EDGES:
+    for e in EDGES if edges is None else edges:
         if not e.type_only and e.source in graph and e.target in graph and e.target != e.source:
             graph[e.source].setdefault(e.target, e)
     index: dict[str, int] = {}
@@ -298,22 +298,17 @@ def test_no_import_cycles(prefix):
 
 
 def test_cycle_finder_finds_a_cycle():
-    global EDGES
-    saved = EDGES
-    try:
-        a, b = "lpdiff.kernels.logprob", "lpdiff.kernels.attention"
-        EDGES = [
-            Edge(a, b, ROOT / "kernels/logprob.py", 1, True),
-            Edge(b, a, ROOT / "kernels/attention.py", 2, True),
-            Edge(a, b, ROOT / "kernels/logprob.py", 3, False, True),
-        ]
-        assert [[(e.source, e.target) for e in c] for c in _cycles("lpdiff.kernels")] == [[(b, a), (a, b)]]
-        EDGES = EDGES[1:]  # a lazy import closes a cycle as well; a TYPE_CHECKING one does not
-        assert _cycles("lpdiff.kernels") == []
-        EDGES = [*EDGES, Edge(a, b, ROOT / "kernels/logprob.py", 4, False)]
-        assert len(_cycles("lpdiff.kernels")) == 1
-    finally:
-        EDGES = saved
+    a, b = "lpdiff.kernels.logprob", "lpdiff.kernels.attention"
+    edges = [
+        Edge(a, b, ROOT / "kernels/logprob.py", 1, True),
+        Edge(b, a, ROOT / "kernels/attention.py", 2, True),
+        Edge(a, b, ROOT / "kernels/logprob.py", 3, False, True),
+    ]
+    assert [[(e.source, e.target) for e in c] for c in _cycles("lpdiff.kernels", edges)] == [[(b, a), (a, b)]]
+    edges = edges[1:]  # a lazy import closes a cycle as well; a TYPE_CHECKING one does not
+    assert _cycles("lpdiff.kernels", edges) == []
+    edges = [*edges, Edge(a, b, ROOT / "kernels/logprob.py", 4, False)]
+    assert len(_cycles("lpdiff.kernels", edges)) == 1
 
 
 # -- every product module is imported by a test ----------------------------------------------------------------------
@@ -387,9 +382,10 @@ class _TestUses(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-        if name in IMPORT_CALLS and node.args and isinstance(node.args[0], ast.Constant):
-            if isinstance(node.args[0].value, str) and _under(node.args[0].value, "lpdiff"):
-                self.used.add(node.args[0].value)
+        arg = node.args[0] if node.args else None
+        literal = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else ""
+        if name in IMPORT_CALLS and _under(literal, "lpdiff"):
+            self.used.add(literal)
         self.generic_visit(node)
 
 
