@@ -58,6 +58,25 @@ def several(names: Sequence[str]) -> str:
     return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
+def peft3d_expert_count(three_d: list[str], shapes: dict, cfg: dict, rank: int) -> int | None:
+    """The expert count a PEFT 3D adapter was written for: each wrapped expert parameter's lora_A holds r x
+    num_experts rows, with r the adapter's rank or its rank_pattern's for that parameter. Which nesting level
+    (experts.base_layer....lora_A) is which parameter is PEFT's business, so the count is the one every lora_A agrees
+    on for some rank the config allows (a rank_pattern of 4 on down_proj beside r 16 on gate_up read 32 experts for 8
+    when one pattern was applied to every parameter)."""
+    ranks = {rank}
+    for k in three_d:
+        m = key_module(k)
+        module = re.sub(r"(\.base_layer)+$", "", m[0] if m else k).removeprefix(PEFT_PREFIX)
+        for p in ("gate_up_proj", "up_proj", "gate_proj", "down_proj"):
+            if (v := pattern_value(cfg.get("rank_pattern"), f"{module}.{p}")) is not None:
+                ranks.add(int(v))
+    rows = {shapes[k][0] for k in three_d if k.endswith("lora_A.weight")}
+    fits = set.intersection(*({n // r for r in ranks if n % r == 0} for n in rows)) if rows else set()
+    # several counts fit only where the ranks are multiples of each other: prefer one read at the adapter's own rank
+    return min(fits, key=lambda e: (e * rank not in rows, e)) if fits else None
+
+
 def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
     from safetensors import safe_open
 
@@ -93,20 +112,7 @@ def inspect_adapter(adapter_dir: str | Path) -> AdapterInfo:
     if experts_seen:
         num_experts = max(experts_seen) + 1
     elif three_d and rank:
-        a_key = next(k for k in three_d if k.endswith("lora_A.weight"))
-        a_module = key_module(a_key)
-        assert a_module is not None  # a lora_A.weight key always parses
-        module = re.sub(r"(\.base_layer)+$", "", a_module[0]).removeprefix(PEFT_PREFIX)
-        # PEFT matches rank_pattern against the parameter path (experts.gate_up_proj); any expert parameter's will do
-        r = next(
-            (
-                v
-                for p in ("gate_up_proj", "up_proj", "down_proj")
-                if (v := pattern_value(cfg.get("rank_pattern"), f"{module}.{p}")) is not None
-            ),
-            None,
-        )
-        num_experts = shapes[a_key][0] // int(r or rank)
+        num_experts = peft3d_expert_count(three_d, shapes, cfg, int(rank))
     return AdapterInfo(
         path=str(adapter_dir),
         rank=rank,

@@ -390,3 +390,18 @@ def test_latent_group_on_nemotron_super_matches_peft_merge(tmp_path):
     merged = ad.merge_into(copy.deepcopy(model), ad.load_canonical(path, model.config)).state_dict()
     assert {k.removesuffix(".weight") for k in changed(merged, model)} == latent
     assert max_diff(merged, peft_merged(model, path)) <= ATOL
+
+
+def test_peft3d_expert_count_reads_each_parameter_at_its_own_rank():
+    """A PEFT 3D adapter with rank_pattern on one expert parameter (down_proj r 4 beside gate_up at r 16, 8 experts:
+    lora_A rows 128 and 32) is read as 8 experts, whichever lora_A comes first; one pattern applied to both read 32."""
+    from lpdiff.harness.spec.adapters.inspection import peft3d_expert_count
+
+    pre = "base_model.model.model.layers.0.mlp.experts"
+    keys = [f"{pre}.base_layer.lora_A.weight", f"{pre}.lora_A.weight"]
+    cfg = {"r": 16, "rank_pattern": {"experts.down_proj": 4}}
+    for rows in ((128, 32), (32, 128)):
+        shapes = {k: (n, 40) for k, n in zip(keys, rows)}
+        assert peft3d_expert_count(keys, shapes, cfg, 16) == 8
+    assert peft3d_expert_count(keys[:1], {keys[0]: (128, 40)}, {"r": 16}, 16) == 8
+    assert peft3d_expert_count(keys[:1], {keys[0]: (100, 40)}, {"r": 16}, 16) is None  # no rank fits: not guessed
