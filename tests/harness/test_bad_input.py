@@ -11,9 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from safetensors.torch import load_file, save_file
 
 from lpdiff.harness.cli import main

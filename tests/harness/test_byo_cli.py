@@ -108,7 +108,7 @@ def test_bad_input_exit_2_nothing_written(user, capsys, case):
     populate(hub, "acme/tiny-moe", tmp / "model")
     args, says = _bad_inputs(tmp)[case]
     for command in ("regen", "run"):
-        rc, out, err = _lpdiff(capsys, command, *args, "--engine", "hf", "--baselines", tmp / "B")
+        rc, _out, err = _lpdiff(capsys, command, *args, "--engine", "hf", "--baselines", tmp / "B")
         assert rc == 2, (case, command, err)
         assert says in err and err.count("error:") == 1 and "Traceback" not in err
         assert not (tmp / "B").exists()
@@ -133,7 +133,7 @@ def test_doctor_error_stops_the_run_and_its_fix_runs_as_printed(user, capsys, tm
     assert commands, fixes
     for i, cmd in enumerate(commands):
         argv = shlex.split(cmd.replace(" OUT ", f" {tmp / f'out{i}'} "))[1:]
-        rc, out, err = _lpdiff(capsys, *argv)
+        rc, _out, err = _lpdiff(capsys, *argv)
         assert rc == 0, (cmd, err)
         assert (tmp / f"out{i}" / "adapter_config.json").is_file()
     preflight(r, ["triton"])  # the engines lpdiff's doctor does not know: only "does it fit the model" gates
@@ -141,6 +141,6 @@ def test_doctor_error_stops_the_run_and_its_fix_runs_as_printed(user, capsys, tm
 
 def test_adapters_gen_on_a_directory(user, capsys):
     tmp, _ = user
-    rc, out, err = _lpdiff(capsys, "adapters", "gen", "--model", tmp / "model", "--out", tmp / "gen", "--rank", "4")
+    rc, _out, err = _lpdiff(capsys, "adapters", "gen", "--model", tmp / "model", "--out", tmp / "gen", "--rank", "4")
     assert rc == 0, err
     assert json.loads((tmp / "gen" / "adapter_config.json").read_text())["r"] == 4

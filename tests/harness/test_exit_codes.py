@@ -18,7 +18,7 @@ README = REPO / "README.md"
 
 def readme_codes() -> set[int]:
     section = README.read_text().split("### Exit codes", 1)[1].split("\n#", 1)[0]
-    return {int(m) for m in re.findall(r"^\| (\d) \|", section, flags=re.M)}
+    return {int(m) for m in re.findall(r"^\| (\d) \|", section, flags=re.MULTILINE)}
 
 
 def test_readme_documents_exactly_the_codes_main_returns():

@@ -114,7 +114,7 @@ def stage_breakdown(p: MoeInputs, lora_shrink: str = "once", rep=50, timer=None,
     once = shrink_once(lora, lora_shrink)
     cfg1, cfg2 = configs(p, lora_shrink, **flags).values()
     T, H = x.shape
-    E, n1, _ = p.w_gate_up.shape
+    E, _n1, _ = p.w_gate_up.shape
     K = p.topk_ids.shape[1]
     I = p.w_down.shape[2]
     L = lora.num_slots if lora is not None else 0
@@ -129,35 +129,41 @@ def stage_breakdown(p: MoeInputs, lora_shrink: str = "once", rep=50, timer=None,
     if once:
         t["shrink1"] = timer(lambda: expert_shrink(x, lora, "gate_up", r), rep)
         s1 = expert_shrink(x, lora, "gate_up", r)
-    g1 = lambda: launch_gemm(
-        x,
-        p.w_gate_up,
-        inter,
-        r,
-        cfg1,
-        x_sorted=False,
-        out_sorted=True,  # noqa: E731
-        activation=p.activation,
-        bias=p.b_gate_up,
-        **expert_lora_kwargs(lora, "gate_up", s1),
-    )
+
+    def g1():
+        return launch_gemm(
+            x,
+            p.w_gate_up,
+            inter,
+            r,
+            cfg1,
+            x_sorted=False,
+            out_sorted=True,
+            activation=p.activation,
+            bias=p.b_gate_up,
+            **expert_lora_kwargs(lora, "gate_up", s1),
+        )
+
     g1()
     t["gemm1"] = timer(g1, rep)
     if once:
         t["shrink2"] = timer(lambda: expert_shrink(inter, lora, "down", r), rep)
         s2 = expert_shrink(inter, lora, "down", r)
-    g2 = lambda: launch_gemm(
-        inter,
-        p.w_down,
-        y,
-        r,
-        cfg2,
-        x_sorted=True,
-        out_sorted=False,  # noqa: E731
-        bias=p.b_down,
-        topk_weights=tw,
-        **expert_lora_kwargs(lora, "down", s2),
-    )
+
+    def g2():
+        return launch_gemm(
+            inter,
+            p.w_down,
+            y,
+            r,
+            cfg2,
+            x_sorted=True,
+            out_sorted=False,
+            bias=p.b_down,
+            topk_weights=tw,
+            **expert_lora_kwargs(lora, "down", s2),
+        )
+
     g2()
     t["gemm2"] = timer(g2, rep)
     t["sum"] = timer(lambda: y.view(T, K, H).sum(dim=1), rep)

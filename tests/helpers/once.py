@@ -7,7 +7,8 @@ conversion) on CI's 2 loaded cores, three modules over. This module is imported 
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 _BUILT: dict[object, object] = {}

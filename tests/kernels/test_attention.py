@@ -20,7 +20,7 @@ def make_qkv(lens, hq, hkv, d, dtype=torch.float32, device="cpu", seed=0):
     q = qkv[:, : hq * d].view(T, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].view(T, hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(T, hkv, d)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return q, k, v, cu
 
 

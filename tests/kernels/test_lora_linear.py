@@ -186,7 +186,7 @@ def test_lora_linear_shrink_out_matches_reference(case, dtype, tol):
     (several adapters, rows without one) and one-slot batches against the reference, the delta alone too; the
     result is the first N columns of the wider product; base-only batches use the contiguous view W_s[:N]."""
     p = make_linear(**case, dtype=dtype, seed=case["T"])
-    L, S, R, kin = p["lora_a"].shape
+    L, S, R, _kin = p["lora_a"].shape
     n = p["w"].shape[0]
     b_packed = pack_lora_b(p["lora_b"], p["scaling"], p["slice_offsets"], R)
     w_s, bias_s = stack_shrink_rows(p["w"], p["lora_a"], p["bias"])

@@ -156,7 +156,7 @@ def test_bench_stage_breakdown_on_cpu(lora_shrink, flags):
     p = make_moe(T=21, H=40, I=24, E=4, K=3, activation="swiglu_oai", ranks=(8, 5), bias=True)
     times, out = stage_breakdown(p, lora_shrink, timer=untimed, **flags)
     once = ["shrink1", "shrink2"] if lora_shrink == "once" else []
-    assert sorted(times) == sorted(["align", "gemm1", "gemm2", "sum"] + once)
+    assert sorted(times) == sorted(["align", "gemm1", "gemm2", "sum", *once])
     assert rel_err(out, moe_forward(p, impl="torch")) <= 1e-5
 
 
@@ -395,7 +395,7 @@ def test_bench_shrink_sweep_on_cpu():
         device="cpu",
         dtype=torch.float32,
         timer=untimed,
-        cfgs=good + [ShrinkConfig(rows=32)],
+        cfgs=[*good, ShrinkConfig(rows=32)],
     )  # the CPU routing block is 16 rows: 32 cannot run
     assert [(gemm, cfg) for _, gemm, cfg, _, _ in rows] == [(g, c) for c in good for g in ("gate_up", "down")]
     assert all(err <= 1e-6 for *_, err in rows)
@@ -533,9 +533,7 @@ GPU_CASES = [
         x_scale=4.0,
     ),
     # Nemotron-like relu^2, top-6, rank 1 and 128, experts with zero tokens
-    dict(
-        T=129, H=128, I=112, E=12, K=6, activation="relu2", ranks=(1, 128), experts_used=tuple(range(0, 12, 2)) + (3,)
-    ),
+    dict(T=129, H=128, I=112, E=12, K=6, activation="relu2", ranks=(1, 128), experts_used=(*tuple(range(0, 12, 2)), 3)),
     # full Qwen3-30B-A3B expert shape at a small token count, one adapter (the benchmark's configuration)
     dict(T=64, H=2048, I=768, E=128, K=8, activation="silu", ranks=(32,), none_rows=False),
 ]
@@ -576,7 +574,7 @@ def test_gemm_flags_gpu(case, flags, tol=1e-2):
         ("fused", 4),  # groups of 4: gate_up's 6 tiles end in a short group
         ("once", 3),  # precomputed S loaded once per program for 3 tiles; down's 8 tiles end in a short group
     ],
-    ids=lambda v: str(v),
+    ids=str,
 )
 @pytest.mark.parametrize(
     "case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]], ids=lambda c: f"{c['activation']}-T{c['T']}-E{c['E']}"

@@ -330,7 +330,7 @@ def test_checkpoint_under_the_hub_wrappers_language_model_names(tiny, triton_run
     with safe_open(src / "model.safetensors", framework="pt") as f:
         renamed = {
             ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): f.get_tensor(k)
-            for k in f.keys()
+            for k in f.keys()  # noqa: SIM118 (safe_open is not iterable)
         }
     renamed["model.visual.patch_embed.proj.weight"] = torch.randn(4, 3)  # a vision tower the runtime must skip
     save_file(renamed, tmp_path / "model.safetensors")

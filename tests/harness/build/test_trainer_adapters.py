@@ -52,7 +52,7 @@ def _peft_layers(model, path):
 def test_canonical_scalings_are_peft_s_own(zoo):
     """Every entry's scaling equals the scaling PEFT gives that module when it loads the file (rank_pattern,
     alpha_pattern and rsLoRA resolved by PEFT itself), and the file really has modules of differing scalings."""
-    spec, model, paths, _ = zoo
+    _spec, model, paths, _ = zoo
     for name in ("rslora_patterns", "all_vocab"):
         ad = load_canonical(paths[name], model.config)
         _, layers = _peft_layers(model, paths[name])
@@ -67,7 +67,7 @@ def test_canonical_scalings_are_peft_s_own(zoo):
 
 
 def test_conversions_keep_per_module_scalings_exactly(zoo, tmp_path):
-    spec, model, paths, _ = zoo
+    _spec, model, paths, _ = zoo
     src = load_canonical(paths["rslora_patterns"], model.config)
     pe = convert_adapter(paths["rslora_patterns"], tmp_path / "pe", "per_expert", model.config).path
     back = convert_adapter(pe, tmp_path / "back", "peft3d", model.config).path

@@ -44,7 +44,7 @@ def test_weights_match_recorded_sha256():
 
 def _keys(name: str) -> dict[str, tuple[int, ...]]:
     with safe_open(ZOO_DIR / name / "model.safetensors", "pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
 
 
 def test_hub_layout_on_disk():

@@ -75,7 +75,7 @@ def test_names_a_defect_it_was_not_told_about(model, hf_side, monkeypatch):
 def test_first_above_order_and_nan():
     """Earlier layers win; inside a layer the data-flow order does (a module on the base weights before its adapter
     delta, the mixer before the MoE), then the batch's adapter order; a NaN error is above any floor."""
-    floors = {m: 1e-6 for m in bs.MODULES}
+    floors = dict.fromkeys(bs.MODULES, 1e-06)
     errs = {(c, i, m): 0.0 for c in (None, "a", "b") for i in range(3) for m in bs.MODULES}
     errs[None, 2, "attention"] = 1.0
     errs["b", 1, "experts"] = errs["a", 1, "expert_lora"] = errs["a", 1, "shared_expert"] = 1.0

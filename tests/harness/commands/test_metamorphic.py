@@ -241,7 +241,7 @@ def test_engine_path_dropping_an_expert_fails_format(tmp_path, monkeypatch):
 
     def drop_expert_0(layout, module, projs):
         out = real_fuse(layout, module, projs)
-        for name, (a, b) in out.items():
+        for _a, b in out.values():
             b[0] = 0
         return out
 

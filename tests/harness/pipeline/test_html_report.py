@@ -213,12 +213,12 @@ def test_report_in_headless_chromium(report, tmp_path):
     shot = tmp_path / "shot.png"
     url = report.resolve().as_uri()
     subprocess.run(
-        cmd + [f"--screenshot={shot}", "--window-size=1200,900", url], check=True, timeout=120, capture_output=True
+        [*cmd, f"--screenshot={shot}", "--window-size=1200,900", url], check=True, timeout=120, capture_output=True
     )
     px = _png_pixels(shot.read_bytes())[..., :3]
     assert px.shape[:2] == (900, 1200)
     assert px.std() > 20 and len(np.unique(px.reshape(-1, 3), axis=0)) > 50, "the screenshot is blank"
-    dom = subprocess.run(cmd + ["--dump-dom", url], check=True, timeout=120, capture_output=True, text=True).stdout
+    dom = subprocess.run([*cmd, "--dump-dom", url], check=True, timeout=120, capture_output=True, text=True).stdout
     _check_dom(dom)
 
 

@@ -391,7 +391,7 @@ def test_racing_pushes_with_one_lock_never_revert_each_other(server, env, tmp_pa
         )
         for i in own
     ]
-    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    results = [(*p.communicate(timeout=300), p.returncode) for p in procs]
     assert all(rc == 0 for _, _, rc in results), results
     outs = [json.loads(o.strip().splitlines()[-1]) for o, _, _ in results]
     assert all(o["deleted"] == [] for o in outs)

@@ -114,8 +114,8 @@ def reference_topk_kl(a_ids, a_lp, b_ids, b_lp):
         def with_tail(p):
             missing = union - set(p)
             leftover = max(0.0, 1 - sum(p.values()))
-            each = min(min(p.values()), leftover / (len(missing) + 1))
-            return {**p, **{i: each for i in missing}, "tail": max(0.0, leftover - len(missing) * each)}
+            each = min(*p.values(), leftover / (len(missing) + 1))
+            return {**p, **dict.fromkeys(missing, each), "tail": max(0.0, leftover - len(missing) * each)}
 
         qa, qb = with_tail(pa), with_tail(pb)
         out.append(sum(qb[k] * math.log(qb[k] / qa[k]) for k in qb if qb[k] > 0))

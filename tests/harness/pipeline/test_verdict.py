@@ -194,7 +194,7 @@ def test_default_table_fits_120_columns_and_names_the_next_step():
     assert lines[-1] == "next step: lpdiff bisect tiny-qwen3.5-moe --tp 2"  # once, not once per lane
     wide = verdict_table(vs, wide=True)
     assert "triton:float32-vs-hf:float32" in wide.splitlines()[2] and "lpdiff bisect" in wide.splitlines()[-1]
-    mixed = vs[:1] + [dataclasses.replace(vs[1], engine_pair="vllm:bfloat16-vs-hf:float32", dtype="bfloat16")]
+    mixed = [*vs[:1], dataclasses.replace(vs[1], engine_pair="vllm:bfloat16-vs-hf:float32", dtype="bfloat16")]
     assert "engine" in verdict_table(mixed).splitlines()[1].split()  # rows that differ keep the column
     md = verdict_table(vs, "github")
     assert "max \\|Δ\\|" in md and md.splitlines()[-1].endswith("--tp 2  ")

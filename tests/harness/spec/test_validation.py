@@ -8,9 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from safetensors.torch import load_file, save_file
 
 from lpdiff.engines import EngineConfig, open_engine
