@@ -210,7 +210,10 @@ def _judge(engine: str, case, tp: int, dtype: str, record_verdict, options: dict
     sessions = [(lay,) for lay in layouts] if engine in ONE_SESSION_PER_LAYOUT else [layouts]
     log = progress_log(f"[{case.spec.name}-{engine}-tp{tp}-{dtype}] ")
     results = [
-        check.run_check(case, engine, tp=tp, reference=REFERENCE, layouts=lays, dtype=dtype, options=options, log=log)
+        check.run_check(
+            check.CheckRequest(case, engine, tp=tp, reference=REFERENCE, layouts=lays, dtype=dtype, options=options),
+            log=log,
+        )
         for lays in sessions
     ]
     # engine defects declared for this TP size (the engine's capabilities): an error must come out NOT as expected
@@ -301,7 +304,7 @@ def trainer_case_for(model: str, engine: str, tmp_path_factory) -> check.Case:
 @pytest.mark.parametrize("model,engine,tp,dtype", list(trainer_grid()))
 def test_trainer_adapters_vs_reference(model, engine, tp, dtype, tmp_path_factory, record_verdict):
     """The trainer lanes the engine accepts (doctor refuses the others with the engine's reason: vLLM 0.25.1
-    rank_pattern/alpha_pattern and expert rank > 128, SGLang rsLoRA and patterns) judged like the main grid's:
+    rank_pattern/alpha_pattern, expert rank > 128 and lm_head LoRA, SGLang rsLoRA and patterns) judged like the main grid's:
     every served correct lane PASSes, "broken" FAILs."""
     if why := cannot_serve(engine, model, tp, dtype):
         pytest.skip(why)
@@ -362,12 +365,7 @@ def test_decode_vs_reference(model, engine, dtype, sampling, tmp_path_factory):
     step = step_options(engine, model)  # the grid's prompts cross this step (grid_prompts)
     if (model, engine, dtype) not in _DECODE_THRESHOLDS:
         res = check.run_check(
-            case,
-            engine,
-            k=2,
-            reference=REFERENCE,
-            dtype=dtype,
-            options=step,
+            check.CheckRequest(case, engine, k=2, reference=REFERENCE, dtype=dtype, options=step),
             log=progress_log(f"[{model}-{engine}-decode] "),
         )
         assert res.error is None, check.format_result(res)
@@ -479,7 +477,9 @@ def test_vllm_gpt_oss_per_expert_layout_fails(case, record_verdict):
         pytest.skip("gpt-oss only")
     _installed("vllm")
     res = check.run_check(
-        case, "vllm", layouts=("per_expert",), options={"mixed_moe_lora_format": True}, serve_refused=True
+        check.CheckRequest(
+            case, "vllm", layouts=("per_expert",), options={"mixed_moe_lora_format": True}, serve_refused=True
+        )
     )
     _report("vllm", res, record_verdict)
     assert res.error is None, res.error
@@ -499,7 +499,7 @@ def test_vllm_qwen3_peft3d_layout_is_judged_or_reported(case, record_verdict):
     if case.spec.arch != "qwen3_moe":
         pytest.skip("the mixed-format path serves PEFT 3D only where the model's native layout is per-expert")
     _installed("vllm")
-    res = check.run_check(case, "vllm", layouts=("peft3d",), serve_refused=True)
+    res = check.run_check(check.CheckRequest(case, "vllm", layouts=("peft3d",), serve_refused=True))
     _report("vllm", res, record_verdict)
     assert res.as_expected or res.error is not None, check.format_result(res)
 
@@ -512,7 +512,7 @@ def test_vllm_nemotron_super_latent_lora_is_dropped(tmp_path_factory, record_ver
     passes, the fix gets recorded."""
     case = case_for("nemotron-3-super-120b-a12b", tmp_path_factory)
     _installed("vllm")
-    res = check.run_check(case, "vllm", serve_refused=True)
+    res = check.run_check(check.CheckRequest(case, "vllm", serve_refused=True))
     got = {v.adapter.split(".")[0]: v for v in res.verdicts}
     if "latent" in got:
         got["latent"].expected = "FAIL"  # the declared defect, marked so in the reports
@@ -532,7 +532,9 @@ def test_sglang_peft3d_expert_adapter_is_a_fail_with_the_engine_log(case):
         pytest.skip("one model is enough to show it")
     _installed("sglang")
     res = check.run_check(
-        case, "sglang", k=2, layouts=("peft3d",), options={"lane_call_timeout_s": 120}, serve_refused=True
+        check.CheckRequest(
+            case, "sglang", k=2, layouts=("peft3d",), options={"lane_call_timeout_s": 120}, serve_refused=True
+        )
     )
     _report("sglang", res)
     assert res.error is not None and not res.as_expected, "SGLang served a PEFT 3D expert adapter: record the fix"

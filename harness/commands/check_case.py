@@ -72,7 +72,7 @@ def plans_for(arch: str) -> tuple[AdapterPlan, ...]:
 def trainer_plans_for(arch: str) -> tuple[AdapterPlan, ...]:
     """The adapters trainers write (issue 42), beside the arch's "all" and "broken" lanes: rsLoRA with rank/alpha
     patterns (keys that name a module suffix on every arch), lm_head + embed_tokens alone and with the decoder
-    groups, rank 128 (vLLM 0.25.1's MoE-LoRA limit) and 256 (above it: doctor refuses it for vLLM, moe-rank-above-
+    groups, embed_tokens alone, rank 128 (vLLM 0.25.1's MoE-LoRA limit) and 256 (above it: doctor refuses it for vLLM, moe-rank-above-
     128). Each engine is served the lanes doctor does not refuse for it."""
     base = plans_for(arch)
     decoder = next(p.groups for p in base if p.name == "all")
@@ -88,6 +88,9 @@ def trainer_plans_for(arch: str) -> tuple[AdapterPlan, ...]:
             alpha_pattern=(("o_proj", 6.0), ("experts.down_proj", 40.0)),
         ),
         AdapterPlan("vocab", ("lm_head", "embed_tokens"), 16, 12),
+        # embed_tokens alone: an engine that cannot serve lm_head LoRA (vLLM: vllm-lm-head-prompt-logprobs) is still
+        # judged on its embedding LoRA
+        AdapterPlan("embed", ("embed_tokens",), 16, 16),
         AdapterPlan("all_vocab", (*decoder, "lm_head", "embed_tokens"), 16, 13, use_rslora=True),
         AdapterPlan("rank128", decoder, 128, 14),
         AdapterPlan("rank256", decoder, 256, 15),

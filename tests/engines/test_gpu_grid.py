@@ -65,10 +65,14 @@ def test_declared_tp_defects_decide_which_outcomes_a_case_accepts(tmp_path_facto
         "tiny-qwen3-moe", 2, tmp_path_factory.mktemp("case"), device="cpu", lengths=(40, 27), log=lambda s: None
     )
     store = BaselineStore(tmp_path_factory.mktemp("store"))
-    run = dict(k=2, store=store, log=lambda s: None)
-    served = check.run_check(case, "triton", dtype="float32", **run)
-    wrong = check.run_check(case, "triton", dtype="float32", options={"fault": "topk_weight_missing"}, **run)
-    died = check.run_check(case, "hf", tp=2, **run)  # the hf engine refuses TP: an engine error
+    run = dict(store=store, log=lambda s: None)
+    served = check.run_check(check.CheckRequest(case, "triton", k=2, dtype="float32"), **run)
+    wrong = check.run_check(
+        check.CheckRequest(case, "triton", k=2, dtype="float32", options={"fault": "topk_weight_missing"}), **run
+    )
+    died = check.run_check(
+        check.CheckRequest(case, "hf", tp=2, k=2), **run
+    )  # the hf engine refuses TP: an engine error
     assert served.as_expected and not wrong.as_expected and wrong.error is None and died.error is not None
     may = capabilities("vllm").defect("vllm-moe-lora-tp4-fault", "qwen3_moe")
     assert may.severity == "warning" and may.tp == (4,)
@@ -134,7 +138,9 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
         }
         for e in ("vllm", "sglang")
     }
-    assert {"rslora_patterns", "rank256", "vocab"} <= set(refused["vllm"]) and "rank128" not in refused["vllm"]
+    assert {"rslora_patterns", "rank256", "vocab"} <= set(refused["vllm"]) and not {"rank128", "embed"} & set(
+        refused["vllm"]
+    )
     assert refused["vllm"]["rslora_patterns"].startswith(("vllm-ignores-patterns", "vllm-per-expert-rslora"))
     assert refused["vllm"]["rank256"].startswith("moe-rank-above-128")
     assert refused["vllm"]["vocab"].startswith("vllm-lm-head-prompt-logprobs")
@@ -153,7 +159,9 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
         files={k: v for k, v in case.files.items() if k[0] in keep},
     )
     res = check.run_check(
-        case, "triton", dtype="float32", k=2, store=BaselineStore(tmp_path_factory.mktemp("s")), log=lambda s: None
+        check.CheckRequest(case, "triton", dtype="float32", k=2),
+        store=BaselineStore(tmp_path_factory.mktemp("s")),
+        log=lambda s: None,
     )
     assert res.error is None and not res.refused
     assert {v.adapter.split(".")[0] for v in res.verdicts} == keep | {"base"}
