@@ -180,11 +180,15 @@ def measure_engine(
     if routing_replay:
         from lpdiff.harness.commands.replay import replay_check, replayed_references
 
-        res = replay_check(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference, log=log)
+        res = replay_check(
+            check.CheckRequest(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference), log=log
+        )
         refs = replayed_references(case, res.runs) if res.error is None else []
     else:
         res = check.run_check(
-            case, engine, k=reruns, dtype=dtype, store=store, layouts=layouts, reference=reference, log=log
+            check.CheckRequest(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference),
+            store=store,
+            log=log,
         )
         ref = check.reference_runs(case, reference, "float32", None, store, log=log)
     print(check.format_result(res), file=sys.stderr)

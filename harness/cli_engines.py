@@ -173,7 +173,7 @@ def check(
             case = chk.build_case(
                 model, layers, Path(workdir or tmp) / model, device=device, log=log, init_recipe=init_recipe
             )
-            res = run(case, engine, tp, reference, k, dtype=dtype, log=log)
+            res = run(chk.CheckRequest(case, engine, tp, reference, k, dtype=dtype), log)
             click.echo(chk.format_result(res))
             if csv_path:
                 chk.write_csv(res, csv_path)

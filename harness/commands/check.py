@@ -80,6 +80,7 @@ __all__ = [
     "PROMPT_LENGTHS",
     "AdapterPlan",
     "Case",
+    "CheckRequest",
     "CheckResult",
     "build_case",
     "case_layers",
@@ -159,27 +160,33 @@ def engine_pair(engine: str, dtype: str, reference: str, options: dict) -> str:
     return f"{engine}{tag}:{dtype}-vs-{reference}:{REFERENCE_DTYPE}"
 
 
-def run_check(
-    case: Case,
-    engine: str,
-    tp: int = 1,
-    reference: str = REFERENCE_ENGINE,
-    k: int = 3,
-    options: dict | None = None,
-    store: BaselineStore | None = None,
-    dtype: str = "bfloat16",
-    layouts: Sequence[str] | None = None,
-    serve_refused: bool = False,
-    log: Callable[[str], None] = print,
-) -> CheckResult:
-    """The engine in ``dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured here.
-    ``layouts``: the adapter files served (default: every layout the engine reads); the lanes doctor says the
-    engine refuses are left out (``refused_lanes``) unless ``serve_refused`` (a known defect reproduced on purpose).
-    An engine that dies or raises
-    gives a result whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
+@dataclass(frozen=True, slots=True)
+class CheckRequest:
+    """One engine judged on one case: what run_check and replay_check take. ``layouts``: the adapter files served
+    (default: every layout the engine reads); the lanes doctor says the engine refuses are left out unless
+    ``serve_refused`` (a known defect reproduced on purpose). ``options`` merge over the engine's defaults."""
+
+    case: Case
+    engine: str
+    tp: int = 1
+    reference: str = REFERENCE_ENGINE
+    k: int = 3  # runs of the engine: its rerun noise needs two at least
+    options: dict | None = None
+    dtype: str = "bfloat16"
+    layouts: Sequence[str] | None = None
+    serve_refused: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.k >= 2, "rerun noise needs k >= 2 runs"
+
+
+def run_check(req: CheckRequest, log: Callable[[str], None] = print, store: BaselineStore | None = None) -> CheckResult:
+    """The engine in ``req.dtype`` against the reference in fp32, judged with FACTOR[dtype] x the noise measured
+    here; the lanes doctor refuses are reported in ``refused_lanes``. An engine that dies or raises gives a result
+    whose ``error`` holds its message (for a subprocess lane, its last log lines)."""
     from lpdiff.harness.pipeline.references import default_store
 
-    assert k >= 2, "rerun noise needs k >= 2 runs"
+    case, engine, tp, reference, k, dtype = req.case, req.engine, req.tp, req.reference, req.k, req.dtype
     store = store if store is not None else default_store()
     refs: dict[tuple[str, str], Lanes] = {}
 
@@ -193,16 +200,16 @@ def run_check(
     (da, oa), (db, ob) = noise_pair(reference, dtype)
     ref_noise = pair_noise(ref(da, oa), ref(db, ob), list(ref32))
 
-    lanes, refused = served_lanes(case, engine, layouts, serve_refused)
+    lanes, refused = served_lanes(req)
     log(f"[check] {engine} tp={tp}: starting, {len(lanes)} lanes ({len(refused)} refused)")
     t_start = time.perf_counter()
-    opts = {**engine_options(engine), **(options or {})}
+    opts = {**engine_options(engine), **(req.options or {})}
     pair = engine_pair(engine, dtype, reference, opts)
     try:
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
         log(f"[check] {engine} tp={tp} failed: {type(e).__name__}")
-        return check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, error=e)
+        return check_result(req, pair, refused, ref_noise, error=e)
     log(
         f"[check] {engine} tp={tp}: {k} runs of {len(lanes) + 1} lanes x {len(case.prompts)} prompts in "
         f"{sess.wall_s:.1f}s, {time.perf_counter() - t_start:.1f}s with start and close ({sess.version})"
@@ -220,7 +227,7 @@ def run_check(
         floor=floor,
     )
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
-    res = check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, sess, reruns, t)
+    res = check_result(req, pair, refused, ref_noise, sess, reruns, t)
     eps = near_tie_eps(dtype, REFERENCE_DTYPE)
     got = sess.first
     for lane in [None, *lanes]:
@@ -235,22 +242,17 @@ def run_check(
     return res
 
 
-def served_lanes(
-    case: Case, engine: str, layouts: Sequence[str] | None, serve_refused: bool
-) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
-    """-> (the lanes served to ``engine``: the case's files in ``layouts``, default every layout it reads, less those
-    doctor refuses unless ``serve_refused``; the refused lanes with doctor's message)."""
-    lanes = served_files(case, engine, layouts or layouts_for(engine, case.spec.arch))
-    refused = {} if serve_refused else refused_lanes(case, engine, lanes)
+def served_lanes(req: CheckRequest) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
+    """-> (the lanes served to the engine: the case's files in ``req.layouts``, default every layout it reads, less
+    those doctor refuses unless ``req.serve_refused``; the refused lanes with doctor's message)."""
+    case, engine = req.case, req.engine
+    lanes = served_files(case, engine, req.layouts or layouts_for(engine, case.spec.arch))
+    refused = {} if req.serve_refused else refused_lanes(case, engine, lanes)
     return {lane: a for lane, a in lanes.items() if lane not in refused}, refused
 
 
 def check_result(
-    case: Case,
-    engine: str,
-    reference: str,
-    tp: int,
-    dtype: str,
+    req: CheckRequest,
     pair: str,
     refused: dict[str, str],
     ref_noise: Noise,
@@ -261,13 +263,14 @@ def check_result(
 ) -> CheckResult:
     """A check's result before its verdicts: of the engine session ``sess`` (its runs, version, rerun noise and the
     threshold from it), or of an engine that died or raised (``error``: every lane FAILs with its message)."""
+    spec = req.case.spec
     return CheckResult(
-        case.spec.name,
-        case.spec.num_layers or 0,
-        engine,
-        reference,
-        tp,
-        dtype,
+        spec.name,
+        spec.num_layers or 0,
+        req.engine,
+        req.reference,
+        req.tp,
+        req.dtype,
         "?" if sess is None else sess.version,
         ref_noise,
         reruns or Noise(),
@@ -275,7 +278,7 @@ def check_result(
         [] if sess is None else sess.runs,
         error=None if error is None else f"{type(error).__name__}: {error}",
         refused=refused,
-        init_recipe=case.spec.init_recipe or "",
+        init_recipe=spec.init_recipe or "",
         engine_pair=pair,
     )
 
@@ -310,18 +313,19 @@ def fault_sweep(
 
     from lpdiff.kernels.fused_moe_lora import KERNEL_FAULTS
 
-    clean = run_check(case, DEFAULT_ENGINE, k=k, store=store, dtype=dtype, log=log)
+    def check(k: int, options: dict | None = None) -> CheckResult:
+        return run_check(CheckRequest(case, DEFAULT_ENGINE, k=k, options=options, dtype=dtype), log, store)
+
+    clean = check(k)
     clean_fused = None
     out: dict[str, CheckResult | None] = {}
     for fault in faults:
         ref = clean
         if any(fault in by_gemm for by_gemm in KERNEL_FAULTS.values()):
             if clean_fused is None:
-                clean_fused = run_check(
-                    case, DEFAULT_ENGINE, k=2, options={"moe_lora_shrink": "fused"}, store=store, dtype=dtype, log=log
-                )
+                clean_fused = check(2, {"moe_lora_shrink": "fused"})
             ref = clean_fused
-        res = run_check(case, DEFAULT_ENGINE, k=2, options={"fault": fault}, store=store, dtype=dtype, log=log)
+        res = check(2, {"fault": fault})
         same = all(
             np.array_equal(p.logprobs, q.logprobs)
             for lane in res.runs[0]

@@ -24,7 +24,16 @@ from typing import Any, Protocol, cast
 
 from lpdiff.engines import ENGINES, REFERENCE_ENGINE, capabilities
 from lpdiff.engines.base import EngineConfig, open_engine
-from lpdiff.harness.commands.check import FACTOR, Case, CheckResult, check_result, engine_pair, run_check, served_lanes
+from lpdiff.harness.commands.check import (
+    FACTOR,
+    Case,
+    CheckRequest,
+    CheckResult,
+    check_result,
+    engine_pair,
+    run_check,
+    served_lanes,
+)
 from lpdiff.harness.pipeline.metrics import compare, delta_fidelity, near_tie_eps, position_detail
 from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE, Noise, noise_pair, pair_noise, rerun_noise, threshold_from
 from lpdiff.harness.pipeline.routing import ROUTER_FAULT_FACTOR, SPACING, apply, attribute, flip_margin_noise
@@ -118,7 +127,9 @@ def _replays(reference: str) -> None:
         )
 
 
-def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckResult]:
+def checker(
+    routing_replay: bool, reference: str, store
+) -> Callable[[CheckRequest, Callable[[str], None]], CheckResult]:
     """lpdiff check's run function: check.run_check on ``store``, or replay_check (a reference that takes forced
     expert ids, ``Capabilities.routing_replay``); a bad combination is refused here, before any model is built."""
     if not capabilities(reference).lora_fp32:
@@ -131,23 +142,11 @@ def checker(routing_replay: bool, reference: str, store) -> Callable[..., CheckR
     return replay_check
 
 
-def replay_check(
-    case: Case,
-    engine: str,
-    tp: int = 1,
-    reference: str = REFERENCE_ENGINE,
-    k: int = 3,
-    options: dict | None = None,
-    dtype: str = "bfloat16",
-    layouts: Sequence[str] | None = None,
-    serve_refused: bool = False,
-    log: Callable[[str], None] = print,
-    factor: float | None = None,
-) -> CheckResult:
+def replay_check(req: CheckRequest, log: Callable[[str], None] = print, factor: float | None = None) -> CheckResult:
     """check.run_check's contract (a CheckResult, verdicts named ``name.layout``), judged against the replayed
     reference (module docstring); ``factor``: the threshold's, default REPLAY_FACTOR[dtype]."""
+    case, engine, tp, reference, k, dtype = req.case, req.engine, req.tp, req.reference, req.k, req.dtype
     _replays(reference)
-    assert k >= 2, "rerun noise needs k >= 2 runs"
     ref_adapters = reference_adapters(case)
     t0 = time.perf_counter()
     ref32 = reference_session(case, reference, ref_adapters, REFERENCE_DTYPE, {})[0]
@@ -167,13 +166,13 @@ def replay_check(
         f"({time.perf_counter() - t0:.1f}s)"
     )
 
-    lanes, refused = served_lanes(case, engine, layouts, serve_refused)
-    opts = {**engine_options(engine), **(options or {}), **CAPTURE}
+    lanes, refused = served_lanes(req)
+    opts = {**engine_options(engine), **(req.options or {}), **CAPTURE}
     pair = engine_pair(engine, dtype, reference, opts).replace(f"-vs-{reference}:", f"-vs-{reference}[replay]:")
     try:
         sess = run_session(engine, case.spec, lanes, case.prompts, dtype, tp, options=opts, reruns=k)
     except Exception as e:  # noqa: BLE001 - a dead or refusing engine is a verdict, not a crashed session
-        return check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, error=e)
+        return check_result(req, pair, refused, ref_noise, error=e)
     got = sess.first
     missing = [lane for lane, run in got.items() if any(p.routed_experts is None for p in run.prompts)]
     if missing:
@@ -193,7 +192,7 @@ def replay_check(
         f"({reruns.describe()}), same model and prompts",
     )
     t.model, t.engine_pair, t.dtype, t.tp = case.spec.name, pair, dtype, tp
-    res = check_result(case, engine, reference, tp, dtype, pair, refused, ref_noise, sess, reruns, t)
+    res = check_result(req, pair, refused, ref_noise, sess, reruns, t)
     eps = near_tie_eps(*dtypes)
     for lane in [None, *lanes]:
         m = compare(got[lane], replayed[lane], near_tie_eps=eps)

@@ -32,7 +32,7 @@ def store(tmp_path_factory):
     ],
 )
 def test_correct_lanes_pass_and_the_broken_adapter_fails(case, store, dtype, tmp_path):
-    res = check.run_check(case, "triton", k=2, store=store, dtype=dtype, log=lambda s: None)
+    res = check.run_check(check.CheckRequest(case, "triton", k=2, dtype=dtype), store=store, log=lambda s: None)
     assert res.as_expected, check.format_result(res)
     got = {v.adapter: v.passed for v in res.verdicts}
     # every adapter in both layouts, plus the base lane; the broken one fails in both layouts
@@ -47,7 +47,9 @@ def test_correct_lanes_pass_and_the_broken_adapter_fails(case, store, dtype, tmp
 def test_triton_runtime_as_the_reference(case, store):
     """HF+PEFT in bf16 judged against lpdiff's triton runtime in fp32 (noise: triton bf16 vs fp32): the engines'
     roles swapped, the same verdicts."""
-    res = check.run_check(case, "hf", reference="triton", k=2, store=store, dtype="bfloat16", log=lambda s: None)
+    res = check.run_check(
+        check.CheckRequest(case, "hf", reference="triton", k=2, dtype="bfloat16"), store=store, log=lambda s: None
+    )
     assert res.as_expected, check.format_result(res)
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
     assert not got["broken"] and all(ok for name, ok in got.items() if name != "broken"), got
@@ -76,7 +78,7 @@ def test_engine_options_point_at_a_bundle(monkeypatch):
 
 def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
     # the hf engine refuses tensor parallelism: the check reports it as the result, the session goes on
-    res = check.run_check(case, "hf", tp=2, k=2, store=store, log=lambda s: None)
+    res = check.run_check(check.CheckRequest(case, "hf", tp=2, k=2), store=store, log=lambda s: None)
     assert res.error and "tp=1" in res.error and not res.as_expected
     assert "FAIL" in check.format_result(res)
     rows = list(csv.DictReader(open(check.write_csv(res, tmp_path / "x.csv"))))
@@ -87,7 +89,7 @@ def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
 def test_an_engine_judged_against_itself_names_its_options(case, store, monkeypatch):
     # HF's eager experts against HF's default kernel: labelled so, not as HF against itself
     monkeypatch.setenv("LPDIFF_HF_OPTIONS", '{"experts_impl": "eager"}')
-    res = check.run_check(case, "hf", k=2, store=store, dtype="float32", log=lambda s: None)
+    res = check.run_check(check.CheckRequest(case, "hf", k=2, dtype="float32"), store=store, log=lambda s: None)
     assert res.as_expected, check.format_result(res)
     assert res.threshold.engine_pair == res.engine_pair == "hf[experts_impl=eager]:float32-vs-hf:float32"
     # where an engine runs is not how it computes; another engine's options leave the pair as it was
@@ -144,7 +146,7 @@ def test_hybrid_case_has_a_lane_per_group_and_sglang_refuses_its_own(model, own,
     served = layouts_for("vllm", case.spec.arch)  # vLLM reads the hybrids' every group in the layouts it serves
     vllm_lanes = check.served_files(case, "vllm", served)  # under the root vLLM reads names from (Qwen3.5)
     assert vllm_lanes and check.refused_lanes(case, "vllm", vllm_lanes) == {}
-    res = check.run_check(case, "hf", k=2, store=store, dtype="bfloat16", log=lambda s: None)
+    res = check.run_check(check.CheckRequest(case, "hf", k=2, dtype="bfloat16"), store=store, log=lambda s: None)
     assert res.as_expected and not res.refused, check.format_result(res)
     got = {v.adapter.split(".")[0]: v.passed for v in res.verdicts}
     assert not got["broken"] and got[own] and got["shared_expert"] and got["all_groups"], got
@@ -205,7 +207,7 @@ def test_fp32_threshold_holds_where_the_reference_kernels_agree_exactly(case, st
     here by measuring the reference noise between eager and eager. The threshold must still clear the triton
     runtime's own fp32 rounding (k2 1.9e-12 to 2.2e-12 on this model), and the broken adapter must still FAIL."""
     monkeypatch.setattr(check, "noise_pair", lambda reference, dtype: (("float32", {"experts_impl": "eager"}),) * 2)
-    res = check.run_check(case, "triton", k=2, store=store, dtype="float32", log=lambda s: None)
+    res = check.run_check(check.CheckRequest(case, "triton", k=2, dtype="float32"), store=store, log=lambda s: None)
     assert res.ref_noise.k2 == 0 and res.ref_noise.max_abs == 0
     assert "floored at fp32 rounding" in res.threshold.note
     assert res.as_expected, check.format_result(res)

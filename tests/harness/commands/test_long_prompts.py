@@ -71,16 +71,14 @@ def test_triton_on_rl_prompts_past_its_step_passes_against_hf_and_a_fault_fails(
     case.prompts = P.rl_prompts(1024, step)
     assert max(map(len, case.prompts)) > step and min(map(len, case.prompts)) == 16
     store = BaselineStore(tmp_path_factory.mktemp("store"))
-    res = check.run_check(case, "triton", dtype="float32", k=2, store=store, options=opts, log=lambda s: None)
+    res = check.run_check(
+        check.CheckRequest(case, "triton", dtype="float32", k=2, options=opts), store=store, log=lambda s: None
+    )
     assert res.error is None and res.as_expected, check.format_result(res)
     assert all(v.metrics.num_positions == sum(map(len, case.prompts)) - len(case.prompts) for v in res.verdicts)
     bad = check.run_check(
-        case,
-        "triton",
-        dtype="float32",
-        k=2,
+        check.CheckRequest(case, "triton", dtype="float32", k=2, options={**opts, "fault": "topk_weight_missing"}),
         store=store,
-        options={**opts, "fault": "topk_weight_missing"},
         log=lambda s: None,
     )
     assert not bad.as_expected

@@ -327,7 +327,7 @@ def test_check_with_routing_replay_on_the_triton_runtime(tmp_path):
     case = check.build_case(
         "tiny-qwen3-moe", 2, tmp_path / "case", device="cpu", lengths=(40, 23), layouts=("peft3d",), log=lambda s: None
     )
-    res = replay_check(case, "triton", k=2, dtype="bfloat16", log=lambda s: None)
+    res = replay_check(check.CheckRequest(case, "triton", k=2, dtype="bfloat16"), log=lambda s: None)
     assert res.as_expected, check.format_result(res)
     assert res.engine_pair == "triton:bfloat16-vs-hf[replay]:float32"
     assert all(v.routing is not None and v.routing["kernel_judged_on"] == "routing replay" for v in res.verdicts)
