@@ -22,7 +22,7 @@ def test_capabilities_import_without_the_engines_libraries():
         "caps = {e: capabilities(e).engine for e in ENGINES}\n"
         "print(json.dumps([caps, sorted(m for m in ('vllm', 'sglang', 'sgl_kernel') if m in sys.modules)]))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     caps, heavy = json.loads(out.stdout.strip().splitlines()[-1])
     assert caps == {e: e for e in ENGINES}

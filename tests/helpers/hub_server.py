@@ -132,7 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
         for pattern, handler in self.ROUTES.get(method, ()):
             m = re.fullmatch(pattern, path)
             if m:
-                return handler(self, *m.groups(), query=query)
+                handler(self, *m.groups(), query=query)
+                return
         self._error(404, f"no route for {method} {path}", head=method == "HEAD")
 
     def do_GET(self) -> None:
@@ -158,7 +159,8 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server.state
         with state.lock:
             if repo_id in state.repos:
-                return self._error(409, "You already created this dataset repo")
+                self._error(409, "You already created this dataset repo")
+                return
             repo = state.repos[repo_id] = _Repo()
             state.new_commit(repo, {".gitattributes": _File(GITATTRIBUTES, False)}, "initial commit")
         self._json(200, {"url": f"{self._base}/datasets/{repo_id}", "name": repo_id})
@@ -170,9 +172,10 @@ class _Handler(BaseHTTPRequestHandler):
             if found is None:
                 code = 404
                 msg = "Repository not found" if repo_id not in state.repos else f"Invalid rev id: {rev}"
-                return self._error(
+                self._error(
                     code, msg, {"X-Error-Code": "RepoNotFound" if repo_id not in state.repos else "RevisionNotFound"}
                 )
+                return
             repo, sha = found
             files = repo.commits[sha]
         self._json(
@@ -191,7 +194,8 @@ class _Handler(BaseHTTPRequestHandler):
         with state.lock:
             found = state.resolve(repo_id, rev)
             if found is None:
-                return self._error(404, f"Invalid rev id: {rev}", {"X-Error-Code": "RevisionNotFound"})
+                self._error(404, f"Invalid rev id: {rev}", {"X-Error-Code": "RevisionNotFound"})
+                return
             repo, sha = found
             files = dict(repo.commits[sha])
         prefix = f"{sub.rstrip('/')}/" if sub else ""
@@ -267,7 +271,8 @@ class _Handler(BaseHTTPRequestHandler):
     def lfs_upload(self, oid: str, query) -> None:
         data = self._body()
         if hashlib.sha256(data).hexdigest() != oid:
-            return self._error(400, "uploaded bytes do not match the LFS oid")
+            self._error(400, "uploaded bytes do not match the LFS oid")
+            return
         with self.server.state.lock:
             self.server.state.lfs[oid] = data
         self._send(200)
@@ -276,7 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         req = json.loads(self._body())
         data = self.server.state.lfs.get(oid)
         if data is None or len(data) != req["size"]:
-            return self._error(404, f"LFS object {oid} not found or of another size")
+            self._error(404, f"LFS object {oid} not found or of another size")
+            return
         self._json(200, {"success": True})
 
     def commit(self, repo_id: str, rev: str, query) -> None:
@@ -286,10 +292,12 @@ class _Handler(BaseHTTPRequestHandler):
         with state.lock:
             repo = state.repos.get(repo_id)
             if repo is None:
-                return self._error(404, "Repository not found", {"X-Error-Code": "RepoNotFound"})
+                self._error(404, "Repository not found", {"X-Error-Code": "RepoNotFound"})
+                return
             parent = header.get("parentCommit")
             if parent is not None and parent != repo.head:
-                return self._error(412, "A commit has happened since. Please refresh and try again.")
+                self._error(412, "A commit has happened since. Please refresh and try again.")
+                return
             files = dict(repo.commits[repo.head])
             for x in lines:
                 v = x["value"]
@@ -298,15 +306,16 @@ class _Handler(BaseHTTPRequestHandler):
                 elif x["key"] == "lfsFile":
                     data = state.lfs.get(v["oid"])
                     if data is None:
-                        return self._error(422, f"LFS object {v['oid']} for {v['path']} was never uploaded")
+                        self._error(422, f"LFS object {v['oid']} for {v['path']} was never uploaded")
+                        return
                     files[v["path"]] = _File(data, True)
                 elif x["key"] == "deletedFile":
                     if files.pop(v["path"], None) is None:
-                        return self._error(
-                            404, "A file with this name doesn't exist", {"X-Error-Code": "EntryNotFound"}
-                        )
+                        self._error(404, "A file with this name doesn't exist", {"X-Error-Code": "EntryNotFound"})
+                        return
                 elif x["key"] != "header":
-                    return self._error(400, f"unsupported commit operation {x['key']}")
+                    self._error(400, f"unsupported commit operation {x['key']}")
+                    return
             sha = state.new_commit(repo, files, header["summary"])
         self._json(
             200, {"success": True, "commitOid": sha, "commitUrl": f"{self._base}/datasets/{repo_id}/commit/{sha}"}
@@ -318,16 +327,18 @@ class _Handler(BaseHTTPRequestHandler):
         with state.lock:
             found = state.resolve(repo_id, rev)
             if found is None:
-                return self._error(404, f"Invalid rev id: {rev}", {"X-Error-Code": "RevisionNotFound"}, head)
+                self._error(404, f"Invalid rev id: {rev}", {"X-Error-Code": "RevisionNotFound"}, head)
+                return
             repo, sha = found
             f = repo.commits[sha].get(path)
         common = {"X-Repo-Commit": sha}
         if f is None:
-            return self._error(404, "Entry not found", {"X-Error-Code": "EntryNotFound", **common}, head)
+            self._error(404, "Entry not found", {"X-Error-Code": "EntryNotFound", **common}, head)
+            return
         if f.lfs:
             oid = hashlib.sha256(f.data).hexdigest()
             cdn = f"http://localhost:{self.server.server_address[1]}"  # another host name, as the Hub's CDN is
-            return self._send(
+            self._send(
                 302,
                 b"",
                 {
@@ -339,6 +350,7 @@ class _Handler(BaseHTTPRequestHandler):
                 },
                 head=head,
             )
+            return
         self._send(
             200,
             self._maybe_corrupt(path, f.data),
@@ -361,7 +373,8 @@ class _Handler(BaseHTTPRequestHandler):
     def lfs_object(self, oid: str, query, head: bool = False) -> None:
         data = self.server.state.lfs.get(oid)
         if data is None:
-            return self._error(404, "no such object", head=head)
+            self._error(404, "no such object", head=head)
+            return
         path = query.get("path", [""])[0]
         self._send(
             200, self._maybe_corrupt(path, data), {"ETag": f'"{oid}"'}, ctype="application/octet-stream", head=head

@@ -52,7 +52,10 @@ SHAPES = [
 def make_inputs(s: MoeShape, T: int, L: int, rank: int, dtype, device, seed=0) -> MoeInputs:
     """device "meta": shapes only (--compile-sm90 builds launches from them)."""
     g = torch.Generator(device=device).manual_seed(seed) if device != "meta" else None
-    rnd = lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale  # noqa
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale
+
     x = rnd(T, s.H)
     w, ids = torch.randn(T, s.E, generator=g, device=device).softmax(-1).topk(s.K, dim=-1)
     lora, token_adapter = None, None
@@ -118,7 +121,10 @@ def stage_breakdown(p: MoeInputs, lora_shrink: str = "once", rep=50, timer=None,
     K = p.topk_ids.shape[1]
     I = p.w_down.shape[2]
     L = lora.num_slots if lora is not None else 0
-    align = lambda: moe_align(p.topk_ids, p.token_adapter, E, L, cfg1.block_m, impl="triton")  # noqa
+
+    def align():
+        return moe_align(p.topk_ids, p.token_adapter, E, L, cfg1.block_m, impl="triton")
+
     r = align()
     M = r.sorted_ids.shape[0]
     inter = torch.empty(M, I, dtype=x.dtype, device=x.device)
@@ -211,11 +217,14 @@ def shrink_sweep(
             break
         total = 0.0
         for s, gemm, inp, lora, r, used, ref in cases:
-            fn = lambda: expert_shrink(inp, lora, gemm, r, cfg)  # noqa: E731
+
+            def fn(inp=inp, lora=lora, gemm=gemm, r=r, cfg=cfg):
+                return expert_shrink(inp, lora, gemm, r, cfg)
+
             try:
                 err = rel_err(fn()[:used], ref)
                 ms = timer(fn)
-            except Exception as exc:  # a config that does not compile or fit must not end the run
+            except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit must not end the run)
                 log(f"shrink sweep {s.name} {gemm} {shrink_label(cfg)} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 break
             record_row(s, gemm, cfg, ms, err)
@@ -338,7 +347,10 @@ def sm90_report(log, shapes, T: int, R: int, flag_sets) -> list[dict]:
         for q in (p, p.without_lora()):
             cfg = configs(q, mode, device=torch.device("cuda"), **flags)
             shrink = ShrinkConfig(block_k=shrink_block_k(cfg["config"].block_m, np2(R), torch.bfloat16, True))
-            run = lambda: moe_forward_triton(q, **cfg, shrink_config=shrink, lora_shrink=mode)  # noqa: E731
+
+            def run(q=q, cfg=cfg, shrink=shrink, mode=mode):
+                return moe_forward_triton(q, **cfg, shrink_config=shrink, lora_shrink=mode)
+
             for kernel, args, kw in record_launches(run):
                 name = kernel.fn.__name__
                 key = (s.name, name, tuple(sorted(kw.items())))

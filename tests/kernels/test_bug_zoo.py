@@ -66,7 +66,7 @@ def test_fault_selection_is_explicit_and_scoped(monkeypatch):
     from lpdiff.harness.spec.catalog import get_model
 
     spec = get_model("tiny-qwen3-moe")
-    with pytest.raises(ValueError, match="unknown fault 'nope'.*lora_rank_layout"):
+    with pytest.raises(ValueError, match=r"unknown fault 'nope'.*lora_rank_layout"):
         TritonEngine(EngineConfig(model=spec, options={"fault": "nope"}))
     monkeypatch.setenv(faults.ENV, "lora_after_activation")
     eng = TritonEngine(EngineConfig(model=spec))

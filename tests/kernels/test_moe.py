@@ -361,7 +361,7 @@ def test_n_tiles_is_for_expert_gemms_only():
         GemmConfig(16, 32, 32, n_tiles=0)
     x, w = torch.randn(4, 16), torch.randn(1, 40, 16)
     r = moe_align(torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 1, 1, 16, impl="torch")
-    with pytest.raises(AssertionError, match="dense path .* walks one N tile"):
+    with pytest.raises(AssertionError, match=r"dense path .* walks one N tile"):
         launch_gemm(
             x,
             w,
@@ -437,7 +437,7 @@ def test_moe_launches_compile_for_sm90():
         "print(json.dumps(sm90_report(lambda line: None, SHAPES[:1], 4096, 32, [{}, dict(tma=True), "
         "dict(lora_shrink='fused', n_tiles=2)])))"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
     gemms = [r for r in report if r["kernel"] == "_grouped_gemm_kernel"]

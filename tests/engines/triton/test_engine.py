@@ -138,19 +138,19 @@ def test_bad_input_gives_one_clear_error(tiny):
     )
     with pytest.raises(ValueError, match="targets 'lm_head', which the triton engine does not run LoRA on"):
         stack_adapters(cfg, {"head": head}, Shard(), torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="does not support arch 'qwen3'.*supported: qwen3_moe, gpt_oss"):
+    with pytest.raises(ValueError, match=r"does not support arch 'qwen3'.*supported: qwen3_moe, gpt_oss"):
         TritonEngine(EngineConfig(model=ModelSpec(name="x", arch="qwen3", path="/nonexistent"), device="cpu"))
     with pytest.raises(ValueError, match="unknown triton engine options"):
         TritonEngine(EngineConfig(model=spec, device="cpu", options={"chunk": 3}))
     for bad in ("fused:3", "once:3,4", "fused:0,2", "fast"):  # one count, tiles on once, zero tiles, no such mode
         with pytest.raises(ValueError, match="moe_lora_shrink must be auto, once, fused or fused:G,D"):
             TritonEngine(EngineConfig(model=spec, device="cpu", options={"moe_lora_shrink": bad}))
-    with pytest.raises(ValueError, match="option moe_padding must be auto or one of .*'compute', 'zero', 'half'"):
+    with pytest.raises(ValueError, match=r"option moe_padding must be auto or one of .*'compute', 'zero', 'half'"):
         TritonEngine(EngineConfig(model=spec, device="cpu", options={"moe_padding": "skip"}))
     with TritonEngine(
         EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapters["hf"]["attn_experts"].path)}, device="cpu")
     ) as eng:
-        with pytest.raises(KeyError, match="unknown adapter 'nope'.*opened with \\['a'\\]"):
+        with pytest.raises(KeyError, match=r"unknown adapter 'nope'.*opened with \['a'\]"):
             eng.prompt_logprobs(prompts, "nope")
         with pytest.raises(ValueError, match="prompt 1 has 1 token"):
             eng.prompt_logprobs([prompts[0], [3]])

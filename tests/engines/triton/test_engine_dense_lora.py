@@ -140,7 +140,7 @@ def test_fused_norm_kernel_in_a_forward_under_the_interpreter(tiny):
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])

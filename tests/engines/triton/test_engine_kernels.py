@@ -202,7 +202,7 @@ def run_all():
 
 def test_fused_kernels_match_torch_references_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all fused-kernel checks passed" in proc.stdout
 

@@ -211,9 +211,11 @@ def test_moe_without_lora_matches_hf(moe):
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU refusal")
 def test_moe_lora_on_cpu_is_refused_with_the_fix(moe, tmp_path):
     a = make_adapter(moe, tmp_path / "x", ("attention",), rank=4, seed=3)
-    with pytest.raises(ValueError, match="MoE models with LoRA only on a GPU"):
-        with open_engine("vllm", EngineConfig(model=moe, adapters={"x": a}, dtype="float32", device="cpu")):
-            pass
+    with (
+        pytest.raises(ValueError, match="MoE models with LoRA only on a GPU"),
+        open_engine("vllm", EngineConfig(model=moe, adapters={"x": a}, dtype="float32", device="cpu")),
+    ):
+        pass
 
 
 # -- GPU: MoE + LoRA (vLLM's LoRA kernels are bf16/fp16 only; the reference is HF+PEFT in fp32) --------------------
@@ -251,8 +253,8 @@ def test_moe_lora_bf16_matches_hf_fp32(model, layout, tmp_path):
     m = compare(runs["vllm"][0], runs["hf"][0])
     fid = delta_fidelity(runs["vllm"][0], runs["vllm"][1], runs["hf"][0], runs["hf"][1])
     record("moe_lora_bf16_gpu", model=model, layout=layout, k2=m.k2, max_abs=m.max_abs, delta_fidelity=fid)
-    # bf16 engine vs fp32 reference: vLLM 0.25.1 measured k2 1.4e-4 on a full-width model (docs/engines.md), the same as HF bf16 vs fp32;
-    # a dropped expert adapter gives delta fidelity ~1 (its delta is only the attention part).
+    # bf16 engine vs fp32 reference: vLLM 0.25.1 measured k2 1.4e-4 on a full-width model (docs/engines.md), the same
+    # as HF bf16 vs fp32; a dropped expert adapter gives delta fidelity ~1 (its delta is only the attention part).
     assert m.k2 < 5e-3, f"k2 {m.k2:.3g}"
     assert fid < 0.25, f"LoRA delta fidelity {fid:.3f}: part of the adapter is missing or wrong"
 
@@ -263,9 +265,11 @@ def test_gpt_oss_per_expert_adapter_is_refused_before_start(tmp_path):
     # interleaved base rows: refused at open (before any process starts) with both ways out
     spec = tiny_checkpoint("tiny-gpt-oss", tmp_path)
     a = make_adapter(spec, tmp_path / "a", ("attention", "experts"), rank=8, seed=5, layout="per_expert")
-    with pytest.raises(ValueError, match=r"interleaved.*mixed_moe_lora_format=True"):
-        with open_engine("vllm", EngineConfig(model=spec, adapters={"a": a}, dtype="bfloat16", device="cuda")):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"interleaved.*mixed_moe_lora_format=True"),
+        open_engine("vllm", EngineConfig(model=spec, adapters={"a": a}, dtype="bfloat16", device="cuda")),
+    ):
+        pass
 
 
 @pytest.mark.gpu2

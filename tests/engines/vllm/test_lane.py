@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ def test_lane_round_trip_and_engine_error_keeps_lane_usable():
         with pytest.raises(LaneError, match="adapter rank 64 > max_lora_rank 16"):
             lane.call("fail")
         assert lane.call("echo", [1.0])["arr"].tolist() == [2.0]
-    assert "double: exit" in open(lane.log_path).read(), "close must run the engine's __exit__"
+    assert "double: exit" in Path(lane.log_path).read_text(), "close must run the engine's __exit__"
 
 
 def test_killed_engine_becomes_lane_died_with_log_tail():

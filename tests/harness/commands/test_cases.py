@@ -133,7 +133,7 @@ def test_jsonl_form_and_bad_lengths(case_dir, tmp_path):
     assert case.base_model == MODEL
     row["logprobs"] = row["logprobs"][:-1]
     (d / "reference.jsonl").write_text(json.dumps(row) + "\n")
-    with pytest.raises(CaseError, match="positions 1..n-1"):
+    with pytest.raises(CaseError, match=r"positions 1..n-1"):
         load_case(str(d))
 
 
@@ -238,7 +238,7 @@ def test_catalog_hub_id_is_the_cached_checkpoint_else_the_catalog(case_dir, tmp_
     assert (spec.name, spec.path, spec.arch) == ("qwen3.5-35b-a3b", None, "qwen3_5_moe_text")
     assert "hf download Qwen/Qwen3.5-35B-A3B" in said[0] and "will FAIL" in said[0]
     assert case_model("openai/gpt-oss-20b", num_layers=2).name == "gpt-oss-20b"
-    with pytest.raises(SpecError, match="hf download Qwen/Qwen3.5-35B-A3B --revision v2"):
+    with pytest.raises(SpecError, match=r"hf download Qwen/Qwen3.5-35B-A3B --revision v2"):
         case_model("Qwen/Qwen3.5-35B-A3B@v2")  # a pinned revision asks for the real checkpoint
     snap, _ = populate(hub, "Qwen/Qwen3.5-35B-A3B", ZOO_DIR / MODEL)
     assert case_model("Qwen/Qwen3.5-35B-A3B").path == str(snap)

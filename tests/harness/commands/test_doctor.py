@@ -363,7 +363,7 @@ def test_per_expert_adapter_on_hf_is_info_and_does_not_block_a_run(zoo, tmp_path
     for engines in (["hf"], ["triton", "hf"]):  # run --engine hf; regen of another engine with the hf reference
         preflight(r, engines, logged.append)
     assert logged == []  # not even a warning
-    with pytest.raises(SpecError, match="vllm-per-expert-interleaved|interleaved"):
+    with pytest.raises(SpecError, match=r"vllm-per-expert-interleaved|interleaved"):
         preflight(r, ["vllm"])
 
     prompts = tmp_path / "p.jsonl"

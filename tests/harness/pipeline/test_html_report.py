@@ -147,7 +147,7 @@ def test_report_html(report):
 
 def test_report_rejects_non_verdict_json(tmp_path):
     (tmp_path / "x.json").write_text('{"a": 1}')
-    with pytest.raises(ValueError, match="x.json"):
+    with pytest.raises(ValueError, match=r"x.json"):
         write_report([tmp_path / "x.json"], tmp_path / "r.html")
 
 

@@ -329,7 +329,7 @@ def test_on_disk_decoder_root(arch, root, generated, tmp_path):
     ],
 )
 def test_router_targets_are_refused(arch, target, tmp_path):
-    with pytest.raises(ValueError, match="router/gate.*not supported"):
+    with pytest.raises(ValueError, match=r"router/gate.*not supported"):
         ad.generate_adapter(tiny_model(arch), tmp_path / "x", ["attention", target])
 
 

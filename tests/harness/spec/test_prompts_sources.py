@@ -45,7 +45,7 @@ def test_token_ids_text_and_messages(monkeypatch, tmp_path):
     assert r.prompts[2] == tok.encode("<user>x = 1\n").ids  # through its chat template
     assert resolve(str(d), adapters=(), prompts=PromptSource(f, count=1)).prompts == [[1, 2, 3]]
     # the catalog model has the same tokenizer files but no template: messages are refused by name
-    with pytest.raises(SpecError, match="line 3: .*no chat template"):
+    with pytest.raises(SpecError, match=r"line 3: .*no chat template"):
         resolve(MODEL, adapters=(), prompts=PromptSource(f))
 
 
@@ -68,7 +68,7 @@ def test_bad_prompt_is_one_error_naming_the_line(tmp_path, row, says):
 
 def test_not_json_and_wrong_suffix(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"token_ids": [1, 2]}\n{oops\n')
-    with pytest.raises(SpecError, match="x.jsonl line 2: not JSON"):
+    with pytest.raises(SpecError, match=r"x.jsonl line 2: not JSON"):
         resolve(MODEL, adapters=(), prompts=PromptSource(str(tmp_path / "x.jsonl")))
     with pytest.raises(SpecError, match=r"give a \.jsonl file"):
         PromptSource(str(tmp_path / "x.txt"))

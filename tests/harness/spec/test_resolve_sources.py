@@ -90,9 +90,9 @@ def test_config_only_cache_serves_weightless_commands(hub, tmp_path):
 
 def test_bad_directories(hub, tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SpecError, match="has no config.json"):
+    with pytest.raises(SpecError, match=r"has no config.json"):
         resolve(str(tmp_path / "empty"))
-    with pytest.raises(SpecError, match="has no adapter_config.json"):
+    with pytest.raises(SpecError, match=r"has no adapter_config.json"):
         resolve(MODEL, [str(tmp_path / "empty")])
     with pytest.raises(SpecError, match="unknown model"):
         resolve("no such thing")

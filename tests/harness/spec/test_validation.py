@@ -96,7 +96,7 @@ def _router(d):
 def test_engines_refuse_rank_that_differs_from_r(tmp_path, engine):
     bad = _rank_4_under_r_8(_copy(tmp_path))
     cfg = EngineConfig(model=get_model(MODEL), adapters={"a": AdapterSpec("a", str(bad))}, device="cpu")
-    with pytest.raises(ValidationError, match="has rank 4 but adapter_config.json says r=8"):
+    with pytest.raises(ValidationError, match=r"has rank 4 but adapter_config.json says r=8"):
         open_engine(engine, cfg).__enter__()
 
 
