@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def test_arch_settings_reach_the_hybrids(model, want):
 
 
 def test_fp32_is_refused_before_anything_starts(tiny):
-    with pytest.raises(ValueError, match="no fp32 path.*use dtype bfloat16"):
+    with pytest.raises(ValueError, match=r"no fp32 path.*use dtype bfloat16"):
         SGLangEngine(EngineConfig(model=tiny[0], dtype="float32"))
 
 
@@ -173,7 +174,7 @@ class StandIn(BaseHTTPRequestHandler):
     """Stand-in SGLang server (see module docstring): the HF engine computes, the answer has SGLang's shape."""
 
     engine = None
-    requests: list = []
+    requests: ClassVar[list] = []  # every request the stand-in served, shared by the handler instances
 
     def log_message(self, *args):
         pass
@@ -232,9 +233,11 @@ def test_launched_server_that_dies_reports_its_log_tail(tiny):
     cfg = EngineConfig(
         model=tiny[0], dtype="bfloat16", options={"mode": "http", "python": sys.executable, "lane_start_timeout_s": 60}
     )
-    with pytest.raises(LaneDied, match="starting the SGLang server: the engine process exited") as err:
-        with open_engine("sglang", cfg):
-            pass
+    with (
+        pytest.raises(LaneDied, match="starting the SGLang server: the engine process exited") as err,
+        open_engine("sglang", cfg),
+    ):
+        pass
     assert "No module named 'sglang'" in err.value.log_tail
 
 
@@ -248,7 +251,8 @@ def _log(entry):
 
 class Engine:  # sgl.Engine's call shape; records what the lane passes and what the lane process has imported
     def __init__(self, **kwargs):
-        _log({"init": kwargs, "imported": sorted(m for m in ("lpdiff.harness.spec.catalog", "transformers") if m in sys.modules)})
+        seen = ("lpdiff.harness.spec.catalog", "transformers")
+        _log({"init": kwargs, "imported": sorted(m for m in seen if m in sys.modules)})
 
     def generate(self, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num=None,
                  lora_path=None):
@@ -292,9 +296,11 @@ def test_offline_lane_gets_resolved_args_and_shuts_the_engine_down(tiny, tmp_pat
 
 def test_offline_without_sglang_says_how_to_install(tiny):
     cfg = EngineConfig(model=tiny[0], dtype="bfloat16", options={"lane_start_timeout_s": 60})
-    with pytest.raises(LaneError, match="sglang is not installed for .*install sglang==0.5.15"):
-        with open_engine("sglang", cfg):
-            pass
+    with (
+        pytest.raises(LaneError, match=r"sglang is not installed for .*install sglang==0.5.15"),
+        open_engine("sglang", cfg),
+    ):
+        pass
 
 
 @pytest.mark.parametrize(

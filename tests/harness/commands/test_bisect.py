@@ -122,6 +122,8 @@ def test_hf_capture_refuses_an_adapter_per_prompt():
     from lpdiff.harness.spec.resolve import resolve
 
     r = resolve("tiny-qwen3-moe", adapters=("experts",))
-    with open_engine("hf", EngineConfig(model=r.spec, adapters=r.adapters)) as eng:
-        with pytest.raises(ValueError, match="one adapter .* for the whole batch"):
-            eng.capture_layers([[1, 2, 3], [4, 5, 6]], ["experts", None])
+    with (
+        open_engine("hf", EngineConfig(model=r.spec, adapters=r.adapters)) as eng,
+        pytest.raises(ValueError, match=r"one adapter .* for the whole batch"),
+    ):
+        eng.capture_layers([[1, 2, 3], [4, 5, 6]], ["experts", None])

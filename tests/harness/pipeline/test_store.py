@@ -117,7 +117,7 @@ def test_overwrite_only_when_asked(tmp_path):
     store, k = BaselineStore(tmp_path), key()
     store.put(k, make_run())
     assert store.put(k, make_run(wall=2.0)) is False  # same arrays, other wall time: a no-op
-    with pytest.raises(BaselineExists, match="refusing to overwrite.*lpdiff regen"):
+    with pytest.raises(BaselineExists, match=r"refusing to overwrite.*lpdiff regen"):
         store.put(k, make_run(shift=1.0))
     assert store.put(k, make_run(shift=1.0), overwrite=True) is True
     assert_same(store.get(k), make_run(shift=1.0))
@@ -142,7 +142,7 @@ def _put_worker(root, shift, barrier, results):
             results.put((i, "written" if written else "same", shift))
         except BaselineExists:
             results.put((i, "exists", shift))
-        except Exception as e:  # a torn read or a broken barrier: report it instead of hanging the test
+        except Exception as e:  # noqa: BLE001 (a torn read or a broken barrier: report it, do not hang the test)
             results.put((i, f"error {type(e).__name__}: {e}", shift))
 
 
@@ -199,7 +199,7 @@ def test_other_prompt_sets_depths_and_engines_coexist(tmp_path):
     # the same prompt set whose prompts changed: stale, and regen of it leaves the old one for prune
     changed = key(prompt_set="default", prompts=[[3, 1, 4, 1, 5], [9, 2, 7]])
     assert store.find_stale(changed) == [base]
-    with pytest.raises(BaselineStale, match="prompts .* changed"):
+    with pytest.raises(BaselineStale, match=r"prompts .* changed"):
         store.get(changed)
     store.put(changed, make_run(prompts=[[3, 1, 4, 1, 5], [9, 2, 7]]), overwrite=True)
     assert base in store.list()
@@ -261,7 +261,7 @@ def test_old_npz_store_is_converted_with_its_keys(tmp_path):
         )
     )
     store = BaselineStore(tmp_path)
-    with pytest.raises(BaselineStale, match="old .npz format.*store_legacy"):
+    with pytest.raises(BaselineStale, match=r"old .npz format.*store_legacy"):
         store.get(k)
     assert migrate_main([str(tmp_path)]) == 0
     assert_same(store.get(k), run) and store.get(k).meta == run.meta
