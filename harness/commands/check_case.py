@@ -71,9 +71,9 @@ def plans_for(arch: str) -> tuple[AdapterPlan, ...]:
 
 def trainer_plans_for(arch: str) -> tuple[AdapterPlan, ...]:
     """The adapters trainers write (issue 42), beside the arch's "all" and "broken" lanes: rsLoRA with rank/alpha
-    patterns (keys that name a module suffix on every arch), lm_head + embed_tokens alone and with the decoder
-    groups, embed_tokens alone, rank 128 (vLLM 0.25.1's MoE-LoRA limit) and 256 (above it: doctor refuses it for vLLM, moe-rank-above-
-    128). Each engine is served the lanes doctor does not refuse for it."""
+    patterns (keys that name a module suffix on every arch), lm_head + embed_tokens alone and with the decoder groups,
+    embed_tokens alone, rank 128 (vLLM 0.25.1's MoE-LoRA limit) and 256 (above it: doctor refuses it for vLLM,
+    moe-rank-above-128). Each engine is served the lanes doctor does not refuse for it."""
     base = plans_for(arch)
     decoder = next(p.groups for p in base if p.name == "all")
     return (

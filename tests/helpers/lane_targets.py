@@ -1,5 +1,5 @@
-"""Engines built inside a lane child by the kill-the-caller tests (tests/engines/test_integrity_orphans.py): each says in the
-lane log which state it reached, then stays there (a hang in its constructor, a call that sleeps, a grandchild of
+"""Engines built inside a lane child by the kill-the-caller tests (tests/engines/test_integrity_orphans.py): each says
+in the lane log which state it reached, then stays there (a hang in its constructor, a call that sleeps, a grandchild of
 its own, a call that holds the GIL in C code). Test doubles for engines that hang; the lane machinery is real."""
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ def test_kernel_bf16_within_rounding(lens, hq, hkv, d, window):
 
 @pytest.mark.parametrize("window,sinks", [(None, False), (5, False), (None, True), (7, True)])
 def test_reference_matches_the_runtime_sdpa_path(window, sinks):
-    """Two independent references: this file's loop over prompts and the runtime's padded SDPA (sink as an extra key)."""
+    """Two independent references: this file's loop over prompts and the runtime's padded SDPA (the sink as an extra
+    key)."""
     from lpdiff.engines.triton.attention import sdpa
     from lpdiff.engines.triton.batch import Batch
 

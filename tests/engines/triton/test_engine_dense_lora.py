@@ -3,9 +3,9 @@ mask once per batch, no mask when every prompt uses one adapter), q|k|v as extra
 (lora_linear_aug, fed by the input norm), and at TP 1 the MoE's top-k sum fused into the next norm.
 
 tests/engines/triton/test_engine.py runs its TP=2 test on impl "auto", which on CPU is the torch reference of every
-kernel, so this file is where those paths meet tensor parallelism (o row-parallel: each rank expands its partial shrink with
-the whole packed B, and the all-reduce sums the partial deltas; q|k|v's W_aug sharded by rows; the top-k sum
-before the all-reduce), one-adapter batches, HF+PEFT at TP 1, and the runtime's own kernels under the interpreter.
+kernel, so this file is where those paths meet tensor parallelism (o row-parallel: each rank expands its partial shrink
+with the whole packed B, and the all-reduce sums the partial deltas; q|k|v's W_aug sharded by rows; the top-k sum before
+the all-reduce), one-adapter batches, HF+PEFT at TP 1, and the runtime's own kernels under the interpreter.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""lpdiff.engines.triton on GPUs at full width and reduced depth (4 layers of Qwen3-30B-A3B and gpt-oss-20b, built on the
-device with the catalog's seeded recipe), fp32 with IEEE matmuls on both sides:
+"""lpdiff.engines.triton on GPUs at full width and reduced depth (4 layers of Qwen3-30B-A3B and gpt-oss-20b, built on
+the device with the catalog's seeded recipe), fp32 with IEEE matmuls on both sides:
 
 - gpu1: against HF+PEFT (engines.hf), base, one adapter, and two adapters plus base rows in one batch;
 - gpu2 / gpu4: tensor parallelism 2 and 4 against TP 1.

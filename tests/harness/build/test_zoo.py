@@ -15,8 +15,8 @@ from lpdiff.harness.spec.catalog import ZOO, ZOO_DIR
 from lpdiff.harness.spec.prompts import SETS, prompt_set
 from lpdiff.harness.types import prompts_hash
 
-# sha256 of each committed model.safetensors: a rebuild (python -m lpdiff.harness.build.zoo build) changes these on purpose
-# only; update them together with docs/zoo.md and regenerate the baselines.
+# sha256 of each committed model.safetensors: a rebuild (python -m lpdiff.harness.build.zoo build) changes these on
+# purpose only; update them together with docs/zoo.md and regenerate the baselines.
 WEIGHTS_SHA256 = {
     "tiny-qwen3-moe": "1550d4bd7f88354bcb4f84ee24bbd14b941a32b8df69f723b90057847f37815f",
     "tiny-gpt-oss": "2f2b15c6fb10b31cb4ed75539e68c71e4056437d3bc47c6e94dca59d4e7cc8a2",

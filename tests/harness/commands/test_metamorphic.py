@@ -1,6 +1,6 @@
-"""lpdiff.harness.commands.metamorphic: the transformations are exact, the judge flags what it should, not-applicable relations
-say why, and planted faults (a converter reading gpt-oss's interleaved gate/up as concatenated; an engine load path
-that drops an expert) make the relation that covers them FAIL far above the calibrated factor."""
+"""lpdiff.harness.commands.metamorphic: the transformations are exact, the judge flags what it should, not-applicable
+relations say why, and planted faults (a converter reading gpt-oss's interleaved gate/up as concatenated; an engine load
+path that drops an expert) make the relation that covers them FAIL far above the calibrated factor."""
 
 from __future__ import annotations
 

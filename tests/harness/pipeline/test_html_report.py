@@ -288,9 +288,10 @@ def test_report_draws_the_json_of_run_case(tmp_path, capsys):
 
 
 def test_report_says_unmeasured_fidelity_next_step_and_absent_lanes(tmp_path):
-    """Night 2 lost night 1's experts lane (and its zoo lane now runs as triton at TP 2, another lane), judges one
-    lane against an unmeasured default threshold and FAILs the triton lane: the page shows the vanished lane as "absent in newest night", says which threshold is a
-    guess (a banner and the threshold column), has a delta-fidelity column, and names the bisect command."""
+    """Night 2 lost night 1's experts lane (and its zoo lane now runs as triton at TP 2, another lane), judges one lane
+    against an unmeasured default threshold and FAILs the triton lane: the page shows the vanished lane as "absent in
+    newest night", says which threshold is a guess (a banner and the threshold column), has a delta-fidelity column, and
+    names the bisect command."""
     night1 = json.loads(to_json(_verdicts()))
     night1["created"] = "2026-01-01T03:00:00+00:00"
     vs = _verdicts()[:2]

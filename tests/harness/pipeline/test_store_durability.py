@@ -2,7 +2,8 @@
 paths that are files where folders belong. Each ends with a readable baseline or one clear BaselineError naming
 the path and the fix.
 
-Run the kill loop longer by hand with ``LPDIFF_KILLS=1000 python -m pytest -q tests/harness/pipeline/test_store_durability.py -k kill``.
+Run the kill loop longer by hand with
+``LPDIFF_KILLS=1000 python -m pytest -q tests/harness/pipeline/test_store_durability.py -k kill``.
 """
 
 from __future__ import annotations

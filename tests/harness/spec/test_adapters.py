@@ -1,8 +1,8 @@
-"""lpdiff.harness.spec.adapters against PEFT itself: generated adapters change the model, the canonical form reproduces PEFT's
-merge_and_unload, conversions are exact, and bad requests fail with one clear error.
+"""lpdiff.harness.spec.adapters against PEFT itself: generated adapters change the model, the canonical form reproduces
+PEFT's merge_and_unload, conversions are exact, and bad requests fail with one clear error.
 
-Tiny random models are built in tests/helpers/adapters.py from transformers configs (hidden 32, expert width 24 so that no two of hidden,
-width and 2*width coincide: a transposed or swapped matrix cannot pass a shape check by accident)."""
+Tiny random models are built in tests/helpers/adapters.py from transformers configs (hidden 32, expert width 24 so that
+no two of hidden, width and 2*width coincide: a transposed or swapped matrix cannot pass a shape check by accident)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def test_generated_dir_is_byte_stable_across_processes(tmp_path):
     import sys
 
     code = (
-        "import sys, torch; from transformers import AutoModelForCausalLM; from lpdiff.harness.spec import adapters as ad; "
+        "import sys, torch; from transformers import AutoModelForCausalLM; "
+        "from lpdiff.harness.spec import adapters as ad; "
         "from tests.helpers.adapters import tiny_config; torch.manual_seed(0); "
         "m = AutoModelForCausalLM.from_config(tiny_config('qwen3_moe')); "
         "ad.generate_adapter(m, sys.argv[1], ['attention', 'experts'], seed=0)"
