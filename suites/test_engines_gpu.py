@@ -304,8 +304,8 @@ def trainer_case_for(model: str, engine: str, tmp_path_factory) -> check.Case:
 @pytest.mark.parametrize("model,engine,tp,dtype", list(trainer_grid()))
 def test_trainer_adapters_vs_reference(model, engine, tp, dtype, tmp_path_factory, record_verdict):
     """The trainer lanes the engine accepts (doctor refuses the others with the engine's reason: vLLM 0.25.1
-    rank_pattern/alpha_pattern, expert rank > 128 and lm_head LoRA, SGLang rsLoRA and patterns) judged like the main grid's:
-    every served correct lane PASSes, "broken" FAILs."""
+    rank_pattern/alpha_pattern, expert rank > 128 and lm_head LoRA, SGLang rsLoRA and patterns) judged like the main
+    grid's: every served correct lane PASSes, "broken" FAILs."""
     if why := cannot_serve(engine, model, tp, dtype):
         pytest.skip(why)
     _installed(engine)

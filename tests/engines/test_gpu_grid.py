@@ -150,8 +150,8 @@ def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_tri
         for a, why in refused["sglang"].items()
         if a in ("rslora_patterns", "all_vocab")
     )
-    # judged: the lanes whose math is new here (rank 128 / 256 parity: tests/harness/spec/test_trainer_adapters.py, and the
-    # kernels' own rank tests), to keep this CPU test short
+    # judged: the lanes whose math is new here (rank 128 / 256 parity: tests/harness/build/test_trainer_adapters.py, and
+    # the kernels' own rank tests), to keep this CPU test short
     keep = {"all", "broken", "rslora_patterns", "vocab"}
     case = dataclasses.replace(
         case,

@@ -39,7 +39,8 @@ def test_correct_lanes_pass_and_the_broken_adapter_fails(case, store, dtype, tmp
     assert set(got) == {"base"} | {f"{p.name}.{layout}" for p in check.ADAPTERS for layout in ("peft3d", "per_expert")}
     assert not got["broken.peft3d"] and not got["broken.per_expert"]
     assert res.threshold.source == "measured" and res.threshold.margin_factor == check.FACTOR[dtype]
-    rows = list(csv.DictReader(open(check.write_csv(res, tmp_path / "x.csv"))))
+    with open(check.write_csv(res, tmp_path / "x.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
     assert len(rows) == len(res.verdicts) and set(rows[0]) == set(check.CSV_COLUMNS)
     assert {r["verdict"] for r in rows if r["adapter"] == "broken"} == {"FAIL"}
 
@@ -81,7 +82,8 @@ def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
     res = check.run_check(check.CheckRequest(case, "hf", tp=2, k=2), store=store, log=lambda s: None)
     assert res.error and "tp=1" in res.error and not res.as_expected
     assert "FAIL" in check.format_result(res)
-    rows = list(csv.DictReader(open(check.write_csv(res, tmp_path / "x.csv"))))
+    with open(check.write_csv(res, tmp_path / "x.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
     assert rows[0]["verdict"] == "FAIL" and "engine failed" in rows[0]["reasons"]
     assert rows[0]["engine_pair"] == "hf:bfloat16-vs-hf:float32"
 
