@@ -51,7 +51,7 @@ class NemotronHModel:
         self.heads, self.kv_heads = len(qh), len(kvh)
 
     def linear(self, x: torch.Tensor, lin: Linear, batch: Batch) -> torch.Tensor:
-        if lin.a is None or batch.token_adapter is None:
+        if lin.a is None or batch.token_adapter is None or self.lora is None:
             return lora_linear(x, lin.w, lin.bias, impl=self.impl)
         return lora_linear(
             x, lin.w, lin.bias, lin.a, lin.b, self.lora.scaling, None, batch.token_adapter, impl=self.lora_impl
@@ -103,8 +103,8 @@ class NemotronHModel:
         """-> top-k ids (T, K), weights (T, K) fp32, margin (T,): the gap between the k-th and (k+1)-th biased score
         over all experts (harness.routing's definition for sigmoid routers)."""
         cfg = self.cfg
-        scores = F.linear(h.float(), lay.p["router"]).sigmoid()
-        bias = lay.p["router_bias"]
+        scores = F.linear(h.float(), lay.need("router")).sigmoid()
+        bias = lay.need("router_bias")
         if faults.on("router_bias_rounded"):
             bias = torch.round(bias, decimals=2)
         choice = scores + bias
@@ -151,7 +151,14 @@ class NemotronHModel:
         lora = lay.moe_lora if use_lora and batch.token_adapter is not None else None
         return moe_forward(
             MoeInputs(
-                x, ids, weights, lay.p["w_up"], lay.p["w_down"], "relu2", lora=lora, token_adapter=batch.token_adapter
+                x,
+                ids,
+                weights,
+                lay.need("w_up"),
+                lay.need("w_down"),
+                "relu2",
+                lora=lora,
+                token_adapter=batch.token_adapter,
             ),
             impl=self.lora_impl if lora is not None else self.impl,
             backend=self.moe_backend,
@@ -177,7 +184,7 @@ class NemotronHModel:
         base = replace(batch, token_adapter=None, uniform_slot=None)  # every linear and the experts without LoRA
         cap: dict = {}
 
-        def both(point: str, fn) -> None:
+        def both(point: tuple[int, str], fn) -> None:
             h, (i, name) = inputs[point].to(dev, dtype), point
             for suffix, b in (("", batch), ("_base", base)):
                 trace: dict | None = {} if i in steps else None

@@ -147,6 +147,13 @@ class Layer:
     p: dict[str, Tensor | None] = field(default_factory=dict)
     moe_lora: MoeLoraWeights | None = None
 
+    def need(self, name: str) -> Tensor:
+        """A weight of ``p`` this layer's kind always has."""
+        t = self.p.get(name)
+        if t is None:
+            raise ValueError(f"a {self.kind!r} layer has no {name}")
+        return t
+
 
 @dataclass(slots=True)
 class Weights:
