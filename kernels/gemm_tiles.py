@@ -4,13 +4,27 @@ an interpreted kernel they run interpreted too (_triton.DualKernel)."""
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 from lpdiff.kernels._triton import tl, triton
+
+# Triton 3.6 takes (named) tuples as kernel and device-function arguments: each element is specialized as a lone
+# argument would be (a stride of 1 is a compile-time 1), and a tuple is a compile-time bundle of the same values, so
+# the compiled kernel is the one separate arguments give (the PTX of all 82 sm90 launches that bench_kernels
+# --compile-sm90 and the dense paths make is identical, debug lines aside). Pointers and tl.constexpr stay kernel
+# parameters. The grouped GEMM's strides, one tuple per tensor (its .stride()), in the kernel's argument order:
+GemmStrides = namedtuple("GemmStrides", ["x", "w", "bias", "out", "la", "s", "lb"])
+# What the K-loops read of one program's N tile: its X rows, padded rows and which of them are real, its first
+# padded row, its N tile and W rows, its expert (int64, and int32 for TMA coordinates) and its adapter slot (-1:
+# none; clamped to a valid index; the rank mask).
+Tile = namedtuple("Tile", ["xrow", "offs_m", "row_ok", "row0", "pid_n", "wrow", "e", "e32", "a", "a_safe", "r_ok"])
 
 
 @triton.jit
-def _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST: tl.constexpr):
+def _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_s, UPCAST: tl.constexpr):
     """LORA 2's S tile of slice s (BLOCK_M, R), rounded to the B dtype right after its load (as LORA 1 rounds its
     in-register shrink; half the registers while it waits)."""
+    stride_sm, stride_sr = stride_s
     st = tl.load(
         S + offs_m[:, None].to(tl.int64) * stride_sm + (s * R + offs_r[None, :]) * stride_sr,
         mask=r_ok[None, :],
@@ -36,8 +50,9 @@ def _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT: tl.cons
 
 
 @triton.jit
-def _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT: tl.constexpr):
+def _bias_rows(Bias, e, wrow, N, stride_b, SPLIT: tl.constexpr):
     """The bias of the program's columns (rows wrow of W) in fp32; SPLIT: also the up rows' (N rows further)."""
+    stride_be, stride_bn = stride_b
     bias = tl.load(Bias + e * stride_be + wrow * stride_bn).to(tl.float32)
     bias_up = bias
     if SPLIT:
@@ -46,9 +61,10 @@ def _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED: tl.constexpr, BLOCK_N: tl.constexpr):
+def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_o, OUT_SORTED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Offsets and mask of a program's (BLOCK_M, BLOCK_N) output tile: padded rows in place, or scattered back
     to their pair's row."""
+    stride_om, stride_on = stride_o
     if OUT_SORTED:
         orow = offs_m
     else:
@@ -76,31 +92,13 @@ def _tile_cols(pid_n, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl
 
 @triton.jit
 def _k_loop_expand(
-    X,
-    W,
-    S,
-    LB,
     acc,
-    xrow,
-    offs_m,
-    row_ok,
-    wrow,
-    e,
-    a,
-    a_safe,
+    gemm,
+    expand,
+    tile,
     Kdim,
-    R,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_we,
-    stride_wk,
-    stride_sm,
-    stride_sr,
-    stride_lbl,
-    stride_lbe,
-    stride_lbn,
-    stride_lbr,
+    R: tl.constexpr,
+    strides,
     K_TILES: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -113,7 +111,22 @@ def _k_loop_expand(
     masked for a block without an adapter), then the K_TILES steps of acc += X W^T. Each step selects its pointers
     and masks, so one pipelined loop carries both: the expand's loads overlap the K-loop's instead of waiting
     before it. The trip count is a constant: blocks without an adapter multiply zeros in the expand's steps
-    instead of skipping them."""
+    instead of skipping them. gemm: (X, W); expand: (S, LB); tile: a Tile; strides: the kernel's GemmStrides."""
+    X, W = gemm
+    S, LB = expand
+    xrow, offs_m, row_ok, wrow, e, a, a_safe = (
+        tile.xrow,
+        tile.offs_m,
+        tile.row_ok,
+        tile.wrow,
+        tile.e,
+        tile.a,
+        tile.a_safe,
+    )
+    stride_xm, stride_xk = strides.x
+    stride_we, stride_wn, stride_wk = strides.w
+    stride_sm, stride_sr = strides.s
+    stride_lbl, stride_lbe, stride_lbn, stride_lbr = strides.lb
     offs_k = tl.arange(0, BLOCK_K)
     # row / column base pointers only (1-D): each step builds its 2-D tiles from them, so no pair of 2-D pointer
     # tensors stays live through the loop (compiled for sm90 that spilled)
@@ -152,32 +165,13 @@ def _k_loop_expand(
 
 @triton.jit
 def _k_loop(
-    X,
-    W,
+    accs,
+    gemm,
     LA,
-    acc,
-    acc_up,
-    acc_s,
-    xrow,
-    row_ok,
-    wrow,
-    e,
-    e32,
-    a_safe,
-    row0,
-    pid_n,
+    tile,
     N,
     Kdim,
-    r_ok,
-    stride_xm,
-    stride_xk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_lal,
-    stride_lae,
-    stride_lar,
-    stride_lak,
+    strides,
     SHRINK: tl.constexpr,
     SPLIT: tl.constexpr,
     TMA: tl.constexpr,
@@ -194,7 +188,15 @@ def _k_loop(
     """One N tile's K-loop: acc (SPLIT: and acc_up, the up rows) += X[rows] W[e, tile]^T. SHRINK (LORA 1, the
     first tile a program walks): also acc_s += X[rows] A[a, e]^T, a narrow dot on the X tile already loaded.
     ZERO_PAD: padding rows load zeros instead of a real row (their results are never stored either way); under a
-    power cap the tensor cores spend less energy on zeros (see GemmConfig.padding)."""
+    power cap the tensor cores spend less energy on zeros (see GemmConfig.padding). accs: (acc, acc_up, acc_s),
+    returned updated; gemm: (X, W); tile: a Tile; strides: the kernel's GemmStrides."""
+    acc, acc_up, acc_s = accs
+    X, W = gemm
+    xrow, row_ok, row0, pid_n, wrow = tile.xrow, tile.row_ok, tile.row0, tile.pid_n, tile.wrow
+    e, e32, a_safe, r_ok = tile.e, tile.e32, tile.a_safe, tile.r_ok
+    stride_xm, stride_xk = strides.x
+    stride_we, stride_wn, stride_wk = strides.w
+    stride_lal, stride_lae, stride_lar, stride_lak = strides.la
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     if not TMA_X:

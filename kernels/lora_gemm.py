@@ -20,7 +20,17 @@ import torch
 from lpdiff.kernels._triton import device_const, dot_flags, dual_jit, next_pow2, placeholder, tl, triton
 from lpdiff.kernels.activation import ACTIVATIONS, GATED, _act, _gated_act
 from lpdiff.kernels.gemm_config import GemmConfig, gemm_tma, half_tail, launch_expand
-from lpdiff.kernels.gemm_tiles import _b_tiles, _bias_rows, _k_loop, _k_loop_expand, _out_tile, _s_tile, _tile_cols
+from lpdiff.kernels.gemm_tiles import (
+    GemmStrides,
+    Tile,
+    _b_tiles,
+    _bias_rows,
+    _k_loop,
+    _k_loop_expand,
+    _out_tile,
+    _s_tile,
+    _tile_cols,
+)
 from lpdiff.kernels.moe_align import MoeRouting
 
 # Bug-zoo faults that live inside the grouped GEMM (kernels/faults.py), by the GEMM they break.
@@ -52,25 +62,7 @@ def _grouped_gemm_kernel(
     Kdim,
     lb_numel,
     out_numel,
-    stride_xm,
-    stride_xk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_be,
-    stride_bn,
-    stride_om,
-    stride_on,
-    stride_lal,
-    stride_lae,
-    stride_lar,
-    stride_lak,
-    stride_sm,
-    stride_sr,
-    stride_lbl,
-    stride_lbe,
-    stride_lbn,
-    stride_lbr,
+    strides,
     TOPK: tl.constexpr,
     X_SORTED: tl.constexpr,
     OUT_SORTED: tl.constexpr,
@@ -102,6 +94,8 @@ def _grouped_gemm_kernel(
 ):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
+    strides: a gemm_tiles.GemmStrides, each tensor's strides as one tuple.
+
     GATED: W rows [0, N) are the gate and [N, 2N) the up projection, interleaved in one dot (_tile_cols).
     LORA: 0 none; 1 the shrink X A^T runs inside the K-loop on the X tiles already loaded (one row block, one
     adapter: A is a plain tile); 2 the shrink comes precomputed and scaled in S (rows of S are padded rows, one
@@ -127,6 +121,7 @@ def _grouped_gemm_kernel(
     EXPAND (LORA 2, one slice; launch_expand): 0 the expand S B^T is a dot in the epilogue; 1 (with PREFETCH) the
     accumulator's first product, before the K-loop; 2 the K-loop's first step, S and B loaded by its pipeline
     (_k_loop_expand; S then has X's dtype)."""
+    stride_lbl, stride_lbe, stride_lbn, stride_lbr = strides.lb
     pid = tl.program_id(0)
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -181,7 +176,7 @@ def _grouped_gemm_kernel(
             if MUL_TOPK and PREFETCH:
                 tw = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))
             if EARLY_S:  # one S tile per row block, whichever N tiles the program walks
-                st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, stride_sm, stride_sr, UPCAST)
+                st = _s_tile(S, LB, offs_m, offs_r, r_ok, 0, R, strides.s, UPCAST)
             else:  # LORA 1: the first tile's shrink replaces it before any expand reads it
                 st = tl.zeros((BM, BLOCK_R), dtype=tl.float32)
                 if not UPCAST:
@@ -214,13 +209,11 @@ def _grouped_gemm_kernel(
                     if EARLY_S:
                         bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
                     if EARLY_BIAS:
-                        bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+                        bias, bias_up = _bias_rows(Bias, e, wrow, N, strides.bias, SPLIT)
                     if (
                         ADD_TO_OUT
                     ):  # the accumulator starts from the base output already in Out, and the K-loop is empty
-                        o_off, o_mask = _out_tile(
-                            offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N
-                        )
+                        o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, strides.out, OUT_SORTED, BLOCK_N)
                         acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
                     else:
                         acc = tl.zeros((BM, WN), dtype=tl.float32)  # SPLIT: the gate columns
@@ -233,33 +226,16 @@ def _grouped_gemm_kernel(
                             if SPLIT:
                                 acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
                     acc_s = tl.zeros((BM, BLOCK_R), dtype=tl.float32)
+                    tile = Tile(xrow, offs_m, row_ok, row0, pid_n, wrow, e, e32, a, a_safe, r_ok)
                     if LOOP:
                         acc = _k_loop_expand(
-                            X,
-                            W,
-                            S,
-                            LB,
                             acc,
-                            xrow,
-                            offs_m,
-                            row_ok,
-                            wrow,
-                            e,
-                            a,
-                            a_safe,
+                            (X, W),
+                            (S, LB),
+                            tile,
                             Kdim,
                             R,
-                            stride_xm,
-                            stride_xk,
-                            stride_wn,
-                            stride_we,
-                            stride_wk,
-                            stride_sm,
-                            stride_sr,
-                            stride_lbl,
-                            stride_lbe,
-                            stride_lbn,
-                            stride_lbr,
+                            strides,
                             K_TILES,
                             EVEN_K,
                             UPCAST,
@@ -269,32 +245,13 @@ def _grouped_gemm_kernel(
                         )
                     else:
                         acc, acc_up, acc_s = _k_loop(
-                            X,
-                            W,
+                            (acc, acc_up, acc_s),
+                            (X, W),
                             LA,
-                            acc,
-                            acc_up,
-                            acc_s,
-                            xrow,
-                            row_ok,
-                            wrow,
-                            e,
-                            e32,
-                            a_safe,
-                            row0,
-                            pid_n,
+                            tile,
                             N,
                             Kdim,
-                            r_ok,
-                            stride_xm,
-                            stride_xk,
-                            stride_we,
-                            stride_wn,
-                            stride_wk,
-                            stride_lal,
-                            stride_lae,
-                            stride_lar,
-                            stride_lak,
+                            strides,
                             LORA == 1 and t == 0,
                             SPLIT,
                             TMA,
@@ -324,7 +281,7 @@ def _grouped_gemm_kernel(
                             else:
                                 for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
                                     if not EARLY_S:
-                                        st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, stride_sm, stride_sr, UPCAST)
+                                        st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, strides.s, UPCAST)
                                         bt, bu = _b_tiles(
                                             LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT, UPCAST
                                         )
@@ -334,7 +291,7 @@ def _grouped_gemm_kernel(
 
                     if HAS_BIAS:
                         if not EARLY_BIAS:
-                            bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+                            bias, bias_up = _bias_rows(Bias, e, wrow, N, strides.bias, SPLIT)
                         acc += bias[None, :]
                         if SPLIT:
                             acc_up += bias_up[None, :]
@@ -359,7 +316,7 @@ def _grouped_gemm_kernel(
                             h += acc_l * twc * twc
                         if FAULT == 3:  # topk_weight_missing
                             h += acc_l
-                    o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, stride_om, stride_on, OUT_SORTED, BLOCK_N)
+                    o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, strides.out, OUT_SORTED, BLOCK_N)
                     if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
                         o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
                     tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
@@ -439,25 +396,15 @@ def launch_gemm(
         kdim,
         lb.numel(),
         out.numel(),
-        x.stride(0),
-        x.stride(1),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        bias.stride(0) if bias is not None else 0,
-        bias.stride(1) if bias is not None else 0,
-        out.stride(0),
-        out.stride(1),
-        la.stride(0),
-        la.stride(1),
-        la.stride(2),
-        la.stride(3),
-        sv.stride(0),
-        sv.stride(1),
-        lb.stride(0),
-        lb.stride(1),
-        lb.stride(2),
-        lb.stride(3),
+        GemmStrides(
+            x.stride(),
+            w.stride(),
+            bias.stride() if bias is not None else (0, 0),
+            out.stride(),
+            la.stride(),
+            sv.stride(),
+            lb.stride(),
+        ),
         TOPK=routing.top_k,
         X_SORTED=x_sorted,
         OUT_SORTED=out_sorted,

@@ -23,7 +23,7 @@ def _cols(J, COL, WROW, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: 
 @dual_jit
 def _bias(Bias, Out, OutUp, e, N, stride_be, stride_bn, SPLIT: tl.constexpr, WN: tl.constexpr):
     wrow = tl.arange(0, WN) % N
-    bias, up = _bias_rows(Bias, e, wrow, N, stride_be, stride_bn, SPLIT)
+    bias, up = _bias_rows(Bias, e, wrow, N, (stride_be, stride_bn), SPLIT)
     tl.store(Out + tl.arange(0, WN), bias)
     tl.store(OutUp + tl.arange(0, WN), up)
 
