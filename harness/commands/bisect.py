@@ -101,9 +101,9 @@ _rel = bisect_steps.rel  # ||a - b|| / ||scale||
 def equal_length(prompts: Sequence[Sequence[int]], num_prompts: int = 8) -> list[list[int]]:
     """The first ``num_prompts``, cut to the shortest of them, so HF's batch needs no padding and its flattened
     tokens are the triton runtime's packed order."""
-    prompts = [list(p) for p in prompts[:num_prompts]]
-    n = min(len(p) for p in prompts)
-    return [p[:n] for p in prompts]
+    first = [list(p) for p in prompts[:num_prompts]]
+    n = min(len(p) for p in first)
+    return [p[:n] for p in first]
 
 
 def batch_choices(adapters: Sequence[str]) -> list[Choice]:
@@ -344,7 +344,8 @@ def bisect(
     prompts = equal_length(r.prompts, num_prompts or max(MIN_PROMPTS, DEFAULT_ROWS // len(choices)))
     hf = hf_captures(r.spec, r.adapters, choices, prompts, {"experts_impl": "eager"})
     floors = reference_floor(r.spec, r.adapters, choices, prompts, hf)
-    out, drilled = [], {}
+    out: list[BisectResult] = []
+    drilled: dict[tuple, dict[str, float]] = {}  # (layer, module, adapter) -> its mixer's sub-step errors
     for t in tps:
         errors = triton_errors(r.spec, r.adapters, choices, prompts, hf, fault, t)
         res = BisectResult(model, choices, fault, t, errors, floors, factor, first_above(errors, floors, factor))
@@ -360,7 +361,9 @@ def drill(spec, adapters: dict, choices: Sequence[Choice], prompts, hf: dict, fi
     layer, choice = finding.layer, finding.adapter
     ref = hf_captures(spec, adapters, [choice], prompts, steps=[layer])[choice]
     got = triton_captures(spec, adapters, choices, prompts, hf, fault, 1, [layer])[choice]
-    return bisect_steps.step_errors(got, ref, layer, bisect_steps.mixer_of(finding.module))
+    mixer = bisect_steps.mixer_of(finding.module)
+    assert mixer is not None, "drill runs on a finding in a mixer (into_mixer)"
+    return bisect_steps.step_errors(got, ref, layer, mixer)
 
 
 def into_mixer(res: BisectResult, spec, adapters: dict, prompts, hf: dict, cache: dict | None = None) -> None:
@@ -386,6 +389,8 @@ def set_step(res: BisectResult, steps: dict[str, float]) -> None:
     """The found mixer's sub-step errors into ``res``; the first above the finding's limit, and above STEP_SHARE of
     the module's own error, into the finding."""
     f = res.finding
+    mixer = None if f is None else bisect_steps.mixer_of(f.module)
+    assert f is not None and mixer is not None, "set_step runs on a finding in a mixer (into_mixer)"
     res.steps = steps
-    hit = bisect_steps.first_step(steps, bisect_steps.mixer_of(f.module), f.module.endswith("_lora"), step_limit(f))
+    hit = bisect_steps.first_step(steps, mixer, f.module.endswith("_lora"), step_limit(f))
     f.step, f.step_error = hit if hit is not None else (None, None)
