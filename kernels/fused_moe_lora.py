@@ -123,7 +123,9 @@ def expert_lora_kwargs(lora: MoeLoraWeights | None, gemm: str, s: torch.Tensor |
     kw = dict(lora_b=getattr(lora, f"{gemm}_b"), scaling=lora.scaling, ranks=lora.ranks)
     if s is not None:
         return dict(kw, lora_s=s)
-    return dict(kw, lora_a=getattr(lora, f"{gemm}_a"), fault=KERNEL_FAULTS[gemm].get(faults.active(), 0))
+    active = faults.active()
+    fault = 0 if active is None else KERNEL_FAULTS[gemm].get(active, 0)
+    return dict(kw, lora_a=getattr(lora, f"{gemm}_a"), fault=fault)
 
 
 def moe_forward_triton(
@@ -166,7 +168,7 @@ def moe_forward_triton(
         moe.topk_ids, moe.slots, E, lora.num_slots if lora is not None else 0, cfg1.block_m, impl="triton"
     )
     inter = torch.empty(routing.sorted_ids.shape[0], inter_n, dtype=x.dtype, device=x.device)
-    s1 = expert_shrink(x, lora, "gate_up", routing, shrink_config) if once else None
+    s1 = expert_shrink(x, lora, "gate_up", routing, shrink_config) if once and lora is not None else None
     launch_gemm(
         x,
         moe.w_gate_up,
@@ -180,7 +182,7 @@ def moe_forward_triton(
         **expert_lora_kwargs(lora, "gate_up", s1),
     )
     del s1  # its memory can serve s2
-    s2 = expert_shrink(inter, lora, "down", routing, shrink_config) if once else None
+    s2 = expert_shrink(inter, lora, "down", routing, shrink_config) if once and lora is not None else None
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_gemm(
         inter,

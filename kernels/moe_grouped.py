@@ -81,6 +81,8 @@ def grouped_mm_unsupported(moe: MoeInputs) -> str | None:
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """(P, Kdim) rows sorted by expert x w (E, N, Kdim) in nn.Linear orientation -> (P, N). The transposed view
     is Kdim-major, the layout the CUTLASS kernel reads natively, so no copy of the weights is made."""
+    if _GROUPED_MM is None:
+        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm (grouped_mm_unsupported says so first)")
     with ieee_fp32_matmul():
         return _GROUPED_MM(a, w.transpose(1, 2), offs=offs)
 
