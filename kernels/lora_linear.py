@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,48 +56,70 @@ def _offsets(slice_offsets, n: int) -> tuple[int, ...]:
     return offs
 
 
-def check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_adapter) -> None:
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x (T, Kin) and w (N, Kin) do not fit: {tuple(x.shape)} vs {tuple(w.shape)}")
-    if w.dtype != x.dtype:
-        raise ValueError(f"w is {w.dtype} but x is {x.dtype}; cast the weight to the run dtype")
-    T, kin = x.shape
-    n = w.shape[0]
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be (N={n},), got {tuple(bias.shape)}")
-    if lora_a is None and lora_b is None:
-        return
-    if lora_a is None or lora_b is None or scaling is None or token_adapter is None:
-        raise ValueError(
-            "LoRA needs all of lora_a (L,S,R,Kin), lora_b (L,N,R), scaling (L,) and token_adapter "
-            "(T,) (slot per row, -1 = none)"
-        )
-    L, S, R, ka = lora_a.shape
-    if ka != kin or len(offs) - 1 != S:
-        raise ValueError(f"lora_a must be (L, S={len(offs) - 1}, R, Kin={kin}), got {tuple(lora_a.shape)}")
-    if lora_b.shape != (L, n, R):
-        raise ValueError(f"lora_b must be (L, N, R) = {(L, n, R)}, got {tuple(lora_b.shape)}")
-    if scaling.shape != (L,) or scaling.dtype != torch.float32:
-        raise ValueError(f"scaling must be ({L},) float32, got {tuple(scaling.shape)} {scaling.dtype}")
-    if token_adapter.shape != (T,):
-        raise ValueError(f"token_adapter must be (T={T},), got {tuple(token_adapter.shape)}")
+@dataclass(frozen=True, slots=True)
+class LoraLinearInputs:
+    """One dense LoRA linear call: what lora_linear builds from its arguments and its torch reference and both
+    Triton-side paths take. Building one checks it (one ValueError per bad input, naming the fix) and puts
+    slice_offsets in its normal form, a tuple rising from 0 to N."""
+
+    x: torch.Tensor  # (T, Kin)
+    w: torch.Tensor  # (N, Kin)
+    bias: torch.Tensor | None = None  # (N,)
+    lora_a: torch.Tensor | None = None  # (L, S, R, Kin), zero past each slot's loaded rank
+    lora_b: torch.Tensor | None = None  # (L, N, R)
+    scaling: torch.Tensor | None = None  # (L,) float32
+    slice_offsets: tuple[int, ...] | None = None  # S + 1 column offsets of the slices; None: one slice
+    token_adapter: torch.Tensor | None = None  # (T,) slot per row, -1 = none
+
+    def __post_init__(self) -> None:
+        x, w, bias, lora_a, lora_b, scaling = self.x, self.w, self.bias, self.lora_a, self.lora_b, self.scaling
+        if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x (T, Kin) and w (N, Kin) do not fit: {tuple(x.shape)} vs {tuple(w.shape)}")
+        T, kin = x.shape
+        n = w.shape[0]
+        offs = _offsets(self.slice_offsets, n)
+        object.__setattr__(self, "slice_offsets", offs)  # frozen: set once, here
+        if w.dtype != x.dtype:
+            raise ValueError(f"w is {w.dtype} but x is {x.dtype}; cast the weight to the run dtype")
+        if bias is not None and bias.shape != (n,):
+            raise ValueError(f"bias must be (N={n},), got {tuple(bias.shape)}")
+        if lora_a is None and lora_b is None:
+            return
+        if lora_a is None or lora_b is None or scaling is None or self.token_adapter is None:
+            raise ValueError(
+                "LoRA needs all of lora_a (L,S,R,Kin), lora_b (L,N,R), scaling (L,) and token_adapter "
+                "(T,) (slot per row, -1 = none)"
+            )
+        L, S, R, ka = lora_a.shape
+        if ka != kin or len(offs) - 1 != S:
+            raise ValueError(f"lora_a must be (L, S={len(offs) - 1}, R, Kin={kin}), got {tuple(lora_a.shape)}")
+        if lora_b.shape != (L, n, R):
+            raise ValueError(f"lora_b must be (L, N, R) = {(L, n, R)}, got {tuple(lora_b.shape)}")
+        if scaling.shape != (L,) or scaling.dtype != torch.float32:
+            raise ValueError(f"scaling must be ({L},) float32, got {tuple(scaling.shape)} {scaling.dtype}")
+        if self.token_adapter.shape != (T,):
+            raise ValueError(f"token_adapter must be (T={T},), got {tuple(self.token_adapter.shape)}")
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        assert self.slice_offsets is not None  # normalised when built
+        return self.slice_offsets
 
 
-def lora_linear_torch(
-    x, w, bias=None, lora_a=None, lora_b=None, scaling=None, slice_offsets=None, token_adapter=None
-) -> torch.Tensor:
+def lora_linear_torch(inp: LoraLinearInputs) -> torch.Tensor:
+    x, w, lora_a = inp.x, inp.w, inp.lora_a
     out = x.float() @ w.float().T
-    if bias is not None:
-        out += bias.float()
-    if lora_a is not None:
-        offs = _offsets(slice_offsets, w.shape[0])
-        slots = token_adapter.long()
+    if inp.bias is not None:
+        out += inp.bias.float()
+    if lora_a is not None and inp.lora_b is not None and inp.scaling is not None and inp.token_adapter is not None:
+        slots = inp.token_adapter.long()
         for a in slots.unique().tolist():
             if a < 0:
                 continue
             rows = slots == a
-            for s, (lo, hi) in enumerate(itertools.pairwise(offs)):
-                out[rows, lo:hi] += lora_delta(x[rows], lora_a[a, s], lora_b[a, lo:hi], scaling[a], lora_a.shape[2])
+            for s, (lo, hi) in enumerate(itertools.pairwise(inp.offsets)):
+                delta = lora_delta(x[rows], lora_a[a, s], inp.lora_b[a, lo:hi], inp.scaling[a], lora_a.shape[2])
+                out[rows, lo:hi] += delta
     return out.to(x.dtype)
 
 
@@ -190,28 +213,19 @@ def check_slot_choice(x, L: int, slot_mask, uniform_slot, required: bool = True)
 
 
 def lora_linear_cublas(
-    x,
-    w,
-    bias,
-    lora_a,
-    lora_b,
-    scaling,
-    slice_offsets,
-    token_adapter,
-    b_packed=None,
-    slot_mask=None,
-    uniform_slot: int | None = None,
+    inp: LoraLinearInputs, b_packed=None, slot_mask=None, uniform_slot: int | None = None
 ) -> torch.Tensor:
     """The "cublas" path (module docstring). b_packed: pack_lora_b(lora_b, scaling, slice_offsets), built here
     when None. uniform_slot: the slot of every row, when the caller knows it (then no mask is applied and only that
     slot's columns are computed); else slot_mask (T, L) (slot_one_hot of token_adapter, built here when None)."""
+    x, lora_a, token_adapter = inp.x, inp.lora_a, inp.token_adapter
     with exact_matmuls(x.dtype):
-        out = F.linear(x, w, bias)
+        out = F.linear(x, inp.w, inp.bias)
         if lora_a is None:
             return out
         L, S, R, kin = lora_a.shape
         if b_packed is None:
-            b_packed = pack_lora_b(lora_b, scaling, slice_offsets)
+            b_packed = pack_lora_b(inp.lora_b, inp.scaling, inp.offsets)
         if uniform_slot is not None:
             s = F.linear(x, lora_a[uniform_slot].reshape(S * R, kin))
         else:
@@ -365,30 +379,10 @@ def delta_config(num_tokens: int, n: int, device: torch.device, dtype: torch.dty
 PATHS = ("cublas", "triton_delta", "fused")
 
 
-def lora_linear_triton(
-    x,
-    w,
-    bias=None,
-    lora_a=None,
-    lora_b=None,
-    scaling=None,
-    slice_offsets=None,
-    token_adapter=None,
-    config: GemmConfig | None = None,
-    fused: bool = False,
-    path: str = "cublas",
-    b_packed=None,
-    slot_mask=None,
-    uniform_slot: int | None = None,
-) -> torch.Tensor:
-    """path: see the module docstring (fused=True is path="fused"). config: tiles of the fused GEMM or of the
-    delta pass. b_packed, slot_mask, uniform_slot: precomputed pieces of the "cublas" path (lora_linear_cublas)."""
-    path = "fused" if fused else path
-    if path == "cublas":
-        return lora_linear_cublas(
-            x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter, b_packed, slot_mask, uniform_slot
-        )
-    fused = path == "fused"
+def lora_linear_triton(inp: LoraLinearInputs, fused: bool, config: GemmConfig | None = None) -> torch.Tensor:
+    """The Triton paths (module docstring): "fused", else "triton_delta". config: tiles of the fused GEMM or of
+    the delta pass."""
+    x, w, bias, lora_a, lora_b, scaling = inp.x, inp.w, inp.bias, inp.lora_a, inp.lora_b, inp.scaling
     T, kin = x.shape
     n = w.shape[0]
     has_lora = lora_a is not None
@@ -396,14 +390,14 @@ def lora_linear_triton(
         return base_linear(x, w, bias)
     L = lora_a.shape[0] if has_lora else 0
     # fused: the prefetched B tile (one slice) stays in shared memory through the K-loop, off the stage budget
-    held = lora_a.shape[2] if fused and has_lora and len(_offsets(slice_offsets, n)) == 2 else 0
+    held = lora_a.shape[2] if fused and has_lora and len(inp.offsets) == 2 else 0
     cfg = config or (
         default_config(T, 1, n, kin, x.device, x.dtype, held_rank=held)
         if fused
         else delta_config(T, n, x.device, x.dtype)
     )
     routing = moe_align(
-        None, token_adapter if has_lora else None, 1, L, cfg.block_m, impl="triton", num_tokens=T, device=x.device
+        None, inp.token_adapter if has_lora else None, 1, L, cfg.block_m, impl="triton", num_tokens=T, device=x.device
     )
     lora_kw = {}
     if has_lora:
@@ -412,9 +406,7 @@ def lora_linear_triton(
         ranks = device_const((R,) * L, x.device)
         # the fused GEMM's expand may load S through x's pointers (GemmConfig.expand "loop"): S in x's dtype
         s = launch_shrink(x, lora_a.unsqueeze(1), scaling, ranks, routing, False, dtype=x.dtype if fused else None)
-        lora_kw = dict(
-            lora_s=s, lora_b=lora_b.unsqueeze(1), scaling=scaling, ranks=ranks, slice_offsets=_offsets(slice_offsets, n)
-        )
+        lora_kw = dict(lora_s=s, lora_b=lora_b.unsqueeze(1), scaling=scaling, ranks=ranks, slice_offsets=inp.offsets)
     if fused:
         out = torch.empty(T, n, dtype=x.dtype, device=x.device)
         return launch_gemm(
@@ -466,13 +458,13 @@ def lora_linear(
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if fused and path not in ("cublas", "fused"):
         raise ValueError(f"fused=True is path='fused'; it cannot be combined with path={path!r}")
-    offs = _offsets(slice_offsets, w.shape[0]) if w.ndim == 2 else None
-    check_lora_linear_inputs(x, w, bias, lora_a, lora_b, scaling, offs, token_adapter)
+    inp = LoraLinearInputs(x, w, bias, lora_a, lora_b, scaling, slice_offsets, token_adapter)
     if lora_a is not None:
         check_cublas_extras(x, lora_a, w.shape[0], b_packed, slot_mask, uniform_slot)
-    args = (x, w, bias, lora_a, lora_b, scaling, offs, token_adapter)
     if resolve_impl(impl, x) == "torch":
-        return lora_linear_torch(*args)
-    return lora_linear_triton(
-        *args, fused=fused, path=path, b_packed=b_packed, slot_mask=slot_mask, uniform_slot=uniform_slot
-    )
+        return lora_linear_torch(inp)
+    if fused or path == "fused":
+        return lora_linear_triton(inp, fused=True)
+    if path == "triton_delta":
+        return lora_linear_triton(inp, fused=False)
+    return lora_linear_cublas(inp, b_packed, slot_mask, uniform_slot)
