@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -223,6 +224,7 @@ def lora_linear_cublas(
         out = F.linear(x, inp.w, inp.bias)
         if lora_a is None:
             return out
+        assert token_adapter is not None  # LoraLinearInputs holds all of the LoRA or none of it
         L, S, R, kin = lora_a.shape
         if b_packed is None:
             b_packed = pack_lora_b(inp.lora_b, inp.scaling, inp.offsets)
@@ -388,9 +390,9 @@ def lora_linear_triton(inp: LoraLinearInputs, fused: bool, config: GemmConfig | 
     has_lora = lora_a is not None
     if not fused and not has_lora:
         return base_linear(x, w, bias)
-    L = lora_a.shape[0] if has_lora else 0
+    L = lora_a.shape[0] if lora_a is not None else 0
     # fused: the prefetched B tile (one slice) stays in shared memory through the K-loop, off the stage budget
-    held = lora_a.shape[2] if fused and has_lora and len(inp.offsets) == 2 else 0
+    held = lora_a.shape[2] if fused and lora_a is not None and len(inp.offsets) == 2 else 0
     cfg = config or (
         default_config(T, 1, n, kin, x.device, x.dtype, held_rank=held)
         if fused
@@ -399,8 +401,9 @@ def lora_linear_triton(inp: LoraLinearInputs, fused: bool, config: GemmConfig | 
     routing = moe_align(
         None, inp.token_adapter if has_lora else None, 1, L, cfg.block_m, impl="triton", num_tokens=T, device=x.device
     )
-    lora_kw = {}
-    if has_lora:
+    lora_kw: dict[str, Any] = {}
+    if lora_a is not None:
+        assert lora_b is not None  # LoraLinearInputs holds all of the LoRA or none of it
         R = lora_a.shape[2]
         check_kernel_rank(R)
         ranks = device_const((R,) * L, x.device)
