@@ -62,6 +62,17 @@ class AdapterSlots:
         return -1 if name is None else self.names.index(name)
 
 
+def sharded_moe_lora(
+    factors: tuple[Tensor, Tensor, Tensor, Tensor], scaling: Tensor, ranks: Tensor, shard: Shard, gated: bool = True
+) -> MoeLoraWeights:
+    """The stacked expert factors (gate_up A, B, down A, B, every expert's whole) as this rank's MoeLoraWeights: the
+    experts' intermediate columns are split across ranks, so gate_up's B rows (each of gate and up, when gated) and
+    down's A columns are split; gate_up's A and down's B stay whole."""
+    gu_a, gu_b, dn_a, dn_b = factors
+    gu_b = shard.split_gate_up(gu_b, 2) if gated else shard.split(gu_b, 2)
+    return MoeLoraWeights(gu_a, gu_b.contiguous(), shard.split(dn_a, 3).contiguous(), dn_b, scaling, ranks)
+
+
 @dataclass(slots=True)
 class StackedLora(AdapterSlots):
     layers: list[LayerLora]
@@ -165,14 +176,7 @@ def stack_adapters(
                     A, B = ex["down_proj"]
                     put(dn_a[s], A)
                     put(dn_b[s], B)
-            moe = MoeLoraWeights(
-                gate_up_a=gu_a,
-                gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
-                down_a=shard.split(dn_a, 3).contiguous(),
-                down_b=dn_b,
-                scaling=scaling,
-                ranks=ranks,
-            )
+            moe = sharded_moe_lora((gu_a, gu_b, dn_a, dn_b), scaling, ranks, shard)
         qkv_b = None if qkv_b_full is None else shard.split_qkv(qkv_b_full, 1, *heads).contiguous()
         # o is row-parallel: A split on its input, B whole; each rank expands its partial shrink with the whole
         # packed B and the all-reduce of o's output sums the partial deltas (linear in the shrink)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lpdiff.engines.triton.lora import AdapterSlots
+from lpdiff.engines.triton.lora import AdapterSlots, sharded_moe_lora
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeLoraWeights, faults
 
@@ -405,12 +405,5 @@ def stack_adapters(
             if (i, "down_proj") in ex:
                 put(dn_a[s], ex[i, "down_proj"][0])
                 put(dn_b[s], ex[i, "down_proj"][1])
-        lay.moe_lora = MoeLoraWeights(
-            gate_up_a=up_a,
-            gate_up_b=shard.split(up_b, 2).contiguous(),
-            down_a=shard.split(dn_a, 3).contiguous(),
-            down_b=dn_b,
-            scaling=scaling,
-            ranks=ranks,
-        )
+        lay.moe_lora = sharded_moe_lora((up_a, up_b, dn_a, dn_b), scaling, ranks, shard, gated=False)
     return HybridLora(names, scaling, ranks, weights)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lpdiff.engines.triton.lora import AdapterSlots
+from lpdiff.engines.triton.lora import AdapterSlots, sharded_moe_lora
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeLoraWeights
 from lpdiff.kernels.lora_linear import pack_lora_b
@@ -210,14 +210,7 @@ def stack_qwen35(cfg, weights, adapters: dict, shard: Shard, dtype, device) -> Q
                     put(dn_a[s], ex["mlp.experts.down_proj"][0])
                     put(dn_b[s], ex["mlp.experts.down_proj"][1])
             used |= {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
-            ll.moe = MoeLoraWeights(
-                gate_up_a=gu_a,
-                gate_up_b=shard.split_gate_up(gu_b, 2).contiguous(),
-                down_a=shard.split(dn_a, 3).contiguous(),
-                down_b=dn_b,
-                scaling=scaling,
-                ranks=ranks,
-            )
+            ll.moe = sharded_moe_lora((gu_a, gu_b, dn_a, dn_b), scaling, ranks, shard)
         for n, p in zip(names, parsed):
             unknown = set(p.get(li, {})) - used
             if unknown:
