@@ -25,7 +25,9 @@ def hf_decode(
         with engine._adapter_ctx(name):
             for i in (i for i, n in enumerate(names) if n == name):
                 out[i] = _one(engine, [int(t) for t in prompts[i]], max_new_tokens, sampling, seed + i)
-    return out  # type: ignore[return-value]
+    done = [g for g in out if g is not None]
+    assert len(done) == len(out), "every prompt's adapter group ran"
+    return done
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:

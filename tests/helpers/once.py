@@ -19,4 +19,4 @@ def once(key: object, build: Callable[[], T]) -> T:
     deterministic builds whose result the tests read and never change."""
     if key not in _BUILT:
         _BUILT[key] = build()
-    return _BUILT[key]  # type: ignore[return-value]
+    return _BUILT[key]  # type: ignore[return-value]  # the value is what this key's own build returned
