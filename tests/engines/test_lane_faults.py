@@ -63,7 +63,7 @@ def test_default_timeouts_are_bounded_and_scale_with_the_work():
 def test_stopped_engine_child_ends_the_call_at_its_default_deadline():
     lane_cfg = LaneConfig(start_timeout_s=60, close_timeout_s=5, call_floor_s=2.0, call_per_token_s=0.01)
     prompts = [[1, 2, 3, 4, 5]] * 20  # 100 tokens: deadline 2 + 1 = 3 s, from the defaults' formula
-    with LaneEngine("stoppable", "tests.test_lane_faults:StoppableEngine", {"model": "m"}, lane_cfg) as eng:
+    with LaneEngine("stoppable", "tests.engines.test_lane_faults:StoppableEngine", {"model": "m"}, lane_cfg) as eng:
         assert eng.prompt_logprobs(prompts) == [5] * 20
         pid = eng.lane.info["pid"]
         os.kill(pid, signal.SIGSTOP)  # what a wedged GPU driver call looks like from outside
@@ -80,7 +80,7 @@ def test_stopped_engine_child_ends_the_call_at_its_default_deadline():
 CALLER = textwrap.dedent("""
     import sys, time
     from lpdiff.engines.subprocess_lane import LaneConfig, SubprocessLane
-    lane = SubprocessLane("tests.test_vllm_lane:Doubles", (1.0,), LaneConfig(start_timeout_s=60)).start()
+    lane = SubprocessLane("tests.helpers.lane_targets:Doubles", (1.0,), LaneConfig(start_timeout_s=60)).start()
     grandchild = lane.call("spawn_child")
     print(lane.info["pid"], grandchild, flush=True)
     if sys.argv[1] == "mid-call":

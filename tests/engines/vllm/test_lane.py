@@ -3,7 +3,8 @@ with ``lane="subprocess"``: an engine that kills its process must become an erro
 engine error must come back with its traceback and leave the lane usable, a hung engine must be killed at the
 deadline, closing must end the engine's own subprocesses, and a real engine must give the same numbers in a lane.
 
-The small engines below are test doubles for the lane's failure paths (they stand in for SGLang killing itself);
+The small engines in tests/helpers/lane_targets.py are test doubles for the lane's failure paths (they stand in for
+SGLang killing itself);
 the last test runs the real HF engine through the lane.
 """
 
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,44 +21,12 @@ import pytest
 from lpdiff.engines.subprocess_lane import LaneConfig, LaneDied, LaneError, SubprocessLane, lane_config_from_options
 
 
-class Doubles:
-    """Built in the child by target 'tests.test_vllm_lane:Doubles'."""
-
-    def __init__(self, scale: float):
-        self.scale = scale
-        self.entered = False
-
-    def __enter__(self):
-        self.entered = True
-        return self
-
-    def __exit__(self, *exc):
-        print("double: exit", flush=True)
-
-    def echo(self, x):
-        return {"arr": np.asarray(x, dtype=np.float32) * self.scale, "entered": self.entered, "pid": os.getpid()}
-
-    def fail(self):
-        raise ValueError("adapter rank 64 > max_lora_rank 16")
-
-    def die(self):
-        # what SGLang 0.5.15 does on a PEFT 3D adapter: log, then the process is killed
-        print("Loading LoRA weights: skipped 96 expert tensors", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def hang(self):
-        time.sleep(600)
-
-    def spawn_child(self):
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
-
-
 def fast_lane(**kw) -> LaneConfig:
     return LaneConfig(start_timeout_s=60, close_timeout_s=10, **kw)
 
 
 def test_lane_round_trip_and_engine_error_keeps_lane_usable():
-    with SubprocessLane("tests.test_vllm_lane:Doubles", (2.0,), fast_lane()) as lane:
+    with SubprocessLane("tests.helpers.lane_targets:Doubles", (2.0,), fast_lane()) as lane:
         out = lane.call("echo", [1.0, 2.5])
         assert out["entered"] and out["pid"] != os.getpid() and out["pid"] == lane.info["pid"]
         assert out["arr"].dtype == np.float32 and out["arr"].tolist() == [2.0, 5.0]
@@ -70,7 +37,7 @@ def test_lane_round_trip_and_engine_error_keeps_lane_usable():
 
 
 def test_killed_engine_becomes_lane_died_with_log_tail():
-    lane = SubprocessLane("tests.test_vllm_lane:Doubles", (1.0,), fast_lane()).start()
+    lane = SubprocessLane("tests.helpers.lane_targets:Doubles", (1.0,), fast_lane()).start()
     try:
         with pytest.raises(LaneDied) as err:
             lane.call("die")
@@ -81,7 +48,7 @@ def test_killed_engine_becomes_lane_died_with_log_tail():
 
 
 def test_hung_engine_is_killed_at_the_deadline():
-    lane = SubprocessLane("tests.test_vllm_lane:Doubles", (1.0,), fast_lane(call_timeout_s=1.5)).start()
+    lane = SubprocessLane("tests.helpers.lane_targets:Doubles", (1.0,), fast_lane(call_timeout_s=1.5)).start()
     pid = lane.info["pid"]
     t0 = time.monotonic()
     with pytest.raises(LaneDied, match="did not answer within 2 s"):
@@ -92,7 +59,7 @@ def test_hung_engine_is_killed_at_the_deadline():
 
 
 def test_close_ends_the_engines_own_subprocesses():
-    lane = SubprocessLane("tests.test_vllm_lane:Doubles", (1.0,), fast_lane()).start()
+    lane = SubprocessLane("tests.helpers.lane_targets:Doubles", (1.0,), fast_lane()).start()
     grandchild = lane.call("spawn_child")
     os.kill(grandchild, 0)  # alive while the lane runs
     lane.close()
