@@ -24,7 +24,8 @@ PACKAGES = {
     "suites": "suites",
     "tests": "tests",
 }
-REGISTRY_STRING = re.compile(r"(lpdiff(?:\.\w+)+):\w+")
+REGISTRY_STRING = re.compile(r"((?:lpdiff|tests)(?:\.\w+)+):\w+")  # "module:Class", built in a lane or by the registry
+STRING_TARGETS: list[tuple[str, str]] = []  # (file:line, module) of every "module:Class" string
 IMPORT_CALLS = ("import_module", "importorskip", "__import__")
 
 
@@ -115,6 +116,7 @@ class _Collector(ast.NodeVisitor):
             m = REGISTRY_STRING.fullmatch(node.value)
             if m:
                 self._add(m.group(1), node)
+                STRING_TARGETS.append((f"{self.path.relative_to(ROOT)}:{node.lineno}", m.group(1)))
 
 
 def _edges() -> list[Edge]:
@@ -444,6 +446,21 @@ def test_no_test_file_imports_another():
     bad = [
         f"{e.where()}: a test imports no test file (shared code goes to tests/helpers/): {e.source} imports {e.target}"
         for e in EDGES
-        if _under(e.source, "tests", "suites") and _under(e.target, "tests") and _is_test(e.target)
+        if _under(e.source, "tests", "suites")
+        and _under(e.target, "tests")
+        and _is_test(e.target)
+        and e.target != e.source  # a lane child building a class of the test file that starts it
     ]
+    _assert_none(bad)
+
+
+def test_module_class_strings_name_a_module_that_exists():
+    """The "module:Class" strings (the engine registry, a subprocess lane's target) are imported by name in another
+    process: a module moved or renamed must fail here, not there."""
+    bad = [
+        f"{where}: {target} is no module of the checkout"
+        for where, target in STRING_TARGETS
+        if target not in MODULES and not target.rsplit(".", 1)[-1].startswith("no_such")  # missing on purpose
+    ]
+    assert len(STRING_TARGETS) > 5, STRING_TARGETS  # the registry's four engines at least
     _assert_none(bad)
