@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -108,34 +107,56 @@ def test_good_case_threshold_and_an_infinite_one_through_the_cli(tmp_path, capsy
     assert rc == 2 and str(d / "case.json") in err and "kl_threshold" in err, err
 
 
+# The child: lpdiff's CLI with HF's prompt_logprobs held for 120 s once it has computed a run of the second model (the
+# first model's baselines are then whole on disk), after a marker line: the signal lands mid-regen whatever the load
+# (a plain three-model regen finished before a starved parent sent its signal: exit 0, seen on 2 loaded cores).
+_HELD_REGEN = """
+import sys, time
+from lpdiff.engines.hf import HFEngine
+from lpdiff.harness.cli import main
+computed = HFEngine.prompt_logprobs
+def held(self, *a, **k):
+    out = computed(self, *a, **k)
+    if self.config.model.name == sys.argv[1]:
+        print("LPDIFF-TEST: holding", file=sys.stderr, flush=True)
+        time.sleep(120)
+    return out
+HFEngine.prompt_logprobs = held
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def test_ctrl_c_exits_130_and_leaves_no_partial_file(tmp_path):
     store = tmp_path / "B"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    # three models: one model's references take ~1 s after its "regenerating" line, so on a loaded machine the
-    # signal could land after a one-model regen had finished (exit 0); the later models keep it busy
-    models = [a for m in (MODEL, "tiny-gpt-oss", "tiny-qwen3.5-moe") for a in ("--model", m)]
+    models = [a for m in (MODEL, "tiny-gpt-oss") for a in ("--model", m)]
+    argv = ["regen", *models, "--engine", "hf", "--baselines", str(store)]
     p = subprocess.Popen(
-        [sys.executable, "-m", "lpdiff.harness.cli", "regen", *models, "--engine", "hf", "--baselines", str(store)],
+        [sys.executable, "-c", _HELD_REGEN, "tiny-gpt-oss", *argv],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
+    seen = []
     try:
-        deadline = time.monotonic() + 240
         for line in p.stderr:  # interrupted while it computes the references it is about to store
-            if "regenerating" in line or time.monotonic() > deadline:
+            seen.append(line)
+            if "LPDIFF-TEST: holding" in line:
                 break
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
     finally:
         p.kill()
+    err = "".join(seen) + err
+    assert "LPDIFF-TEST: holding" in err, err[-2000:]
     assert p.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "aborted" in err
-    if store.exists():  # nothing half-written: no temp file, every file a whole baseline
-        assert not [f for f in store.rglob("*") if f.is_file() and f.suffix == ".tmp"]
-        assert BaselineStore(store).scan()[1] == []
+    # nothing half-written: no temp file, every file a whole baseline, the first model's among them
+    assert not [f for f in store.rglob("*") if f.is_file() and f.suffix == ".tmp"]
+    whole, broken = BaselineStore(store).scan()
+    assert whole and broken == [], (whole, broken)
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
