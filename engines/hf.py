@@ -43,10 +43,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PEFT = "PEFT 0.21, transformers 5"
 # PEFT 0.21 + transformers 5 loading a per-expert adapter (experts.{e}.gate_proj ...) itself: converts it to the
 # fused experts for qwen3_moe, drops its routed-expert tensors silently for these (on gpt_oss it refuses an
-# experts-only file), tests/test_doctor.py checks both against real PEFT. This engine converts every per-expert file
-# to PEFT 3D first (_as_peft3d), so it reads the layout on every arch: the per-expert defects are info, told to
-# whoever loads the file with PEFT directly. The converted config names only modules with tensors, so PEFT wraps
-# none without weights: the peft-*-modules defects are for files PEFT loads as they are.
+# experts-only file), tests/harness/commands/test_doctor.py checks both against real PEFT. This engine converts
+# every per-expert file to PEFT 3D first (_as_peft3d), so it reads the layout on every arch: the per-expert defects
+# are info, told to whoever loads the file with PEFT directly. The converted config names only modules with tensors,
+# so PEFT wraps none without weights: the peft-*-modules defects are for files PEFT loads as they are.
 _PEFT_IGNORES_PER_EXPERT = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h", "gpt_oss")
 _CONVERTS = "lpdiff's hf engine converts it to PEFT 3D before PEFT loads it"
 _DIRECT = "none for lpdiff; loading the file with PEFT yourself, convert it first: {to_peft3d}"

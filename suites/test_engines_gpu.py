@@ -51,7 +51,8 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # id suffix -> dtype the engin
 # cleared gpt-oss-20b's threshold by 1.8x; with peaked/v1 by 118x (benchmarks/results/engines_gpu.md)
 RECIPE = resolve_init_recipe(default=PEAKED)
 # the fp32 reference the engines are judged against: HF+PEFT, or lpdiff's triton runtime (fp32 parity with HF+PEFT
-# to ~1e-5 at these shapes, tests/test_triton_engine_gpu.py); its noise pair is its torch-reference kernels vs Triton
+# to ~1e-5 at these shapes, tests/engines/triton/test_engine_gpu.py); its noise pair is its torch-reference kernels
+# vs Triton
 REFERENCE = os.environ.get("LPDIFF_CHECK_REFERENCE", "hf")
 assert REFERENCE in ("hf", "triton"), f"LPDIFF_CHECK_REFERENCE must be hf or triton, got {REFERENCE!r}"
 

@@ -28,8 +28,8 @@ Calibration, fp32 (benchmarks/results/metamorphic.csv: tiny zoo "all" adapters, 
 gpt-oss / nemotron-h and triton on qwen3-moe / gpt-oss, every relation, 2 reruns): reruns were bit-identical
 (noise 0) in every case, so the floor decides. FLOOR float32 = 1e-6 (fp32 rounding of a logprob of size ~10); the
 worst clean lane was 8.58e-6 (ratio 8.6, hf merged weights on tiny-qwen3-moe), so FACTOR = 100 (10x above it,
-rounded up). The faults in tests/test_metamorphic.py (an expert dropped on the per-expert load path, gpt-oss
-interleaved gate/up read as concatenated by a converter) give ratios above 1e5.
+rounded up). The faults in tests/harness/commands/test_metamorphic.py (an expert dropped on the per-expert load
+path, gpt-oss interleaved gate/up read as concatenated by a converter) give ratios above 1e5.
 bf16: FLOOR 1e-2 is one bf16 rounding of a logit of size ~2-5; the rounding-noise lane exists because SGLang (rerun
 noise 0) moved by max |Δ| 1.7 on gpt-oss-20b for M·A / B·M⁻¹ (H200) — the size of HF's own bf16-vs-fp32 difference
 there — against a 1e-2 floor. Calibration, bf16 (H200, 4-layer Qwen3-30B-A3B and
