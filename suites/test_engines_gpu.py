@@ -57,12 +57,13 @@ REFERENCE = os.environ.get("LPDIFF_CHECK_REFERENCE", "hf")
 assert REFERENCE in ("hf", "triton"), f"LPDIFF_CHECK_REFERENCE must be hf or triton, got {REFERENCE!r}"
 
 
-def grid():
+def grid(tps=TPS, suffix: str = ""):
     """Every model x engine x TP x dtype, marked gpuN by the GPUs the case needs (TP N): ``-m gpu8`` selects every
-    model at TP 8. A combination the engine's capabilities rule out is still collected and skips with their reason."""
+    model at TP 8. A combination the engine's capabilities rule out is still collected and skips with their reason.
+    ``suffix`` ends the ids of a further grid over the same cells (-trainer, -neutrality)."""
     for model in MODELS:
         for engine in ENGINES:
-            for tp in TPS:
+            for tp in tps:
                 for tag, dtype in DTYPES.items():
                     yield pytest.param(
                         model,
@@ -70,7 +71,7 @@ def grid():
                         tp,
                         dtype,
                         marks=getattr(pytest.mark, f"gpu{tp}"),
-                        id=f"{model}-{engine}-tp{tp}-{tag}",
+                        id=f"{model}-{engine}-tp{tp}-{tag}{suffix}",
                     )
 
 
@@ -266,18 +267,7 @@ def trainer_grid():
     """Every model x engine x dtype at TP 1 and 2, ids ending -trainer: check.trainer_plans_for's lanes (rsLoRA with
     rank/alpha patterns, lm_head + embed_tokens, rank 128 and 256) beside "all", "broken" and base rows in one
     batch; doctor's refusals for the engine are reported as not served, with its reason."""
-    for model in MODELS:
-        for engine in ENGINES:
-            for tp in TRAINER_TPS:
-                for tag, dtype in DTYPES.items():
-                    yield pytest.param(
-                        model,
-                        engine,
-                        tp,
-                        dtype,
-                        marks=getattr(pytest.mark, f"gpu{tp}"),
-                        id=f"{model}-{engine}-tp{tp}-{tag}-trainer",
-                    )
+    return grid(TRAINER_TPS, "-trainer")
 
 
 def trainer_case_for(model: str, engine: str, tmp_path_factory) -> check.Case:
@@ -398,18 +388,7 @@ NEUTRAL_TPS = [1, 2]
 def neutrality_grid():
     """Every model x engine x dtype at TP 1 and 2, ids ending -neutrality (hf in fp32 too: the reference's own base
     rows must not move when PEFT holds adapters)."""
-    for model in MODELS:
-        for engine in ENGINES:
-            for tp in NEUTRAL_TPS:
-                for tag, dtype in DTYPES.items():
-                    yield pytest.param(
-                        model,
-                        engine,
-                        tp,
-                        dtype,
-                        marks=getattr(pytest.mark, f"gpu{tp}"),
-                        id=f"{model}-{engine}-tp{tp}-{tag}-neutrality",
-                    )
+    return grid(NEUTRAL_TPS, "-neutrality")
 
 
 def neutrality_cannot_serve(engine: str, model: str, tp: int, dtype: str) -> str | None:
