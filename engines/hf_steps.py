@@ -109,8 +109,11 @@ def mamba_steps(tr: StepTracer, i: int, args: tuple, kwargs: dict, y: torch.Tens
 
 
 def delta_rule_steps(tr: StepTracer, i: int, args: tuple, kwargs: dict, o: torch.Tensor) -> None:
-    """torch_chunk_gated_delta_rule(query, key, value (b, l, h, d; q and k repeated to v's heads), g=, beta=)."""
+    """torch_chunk_gated_delta_rule(query, key, value (b, l, h, d), g=, beta=); q and k are compared repeated to v's
+    heads, as transformers 5.17 passes them (later versions repeat them inside the function)."""
     q, k, v = (_arg(args, kwargs, j, name) for j, name in enumerate(("query", "key", "value")))
+    if (rep := v.shape[2] // q.shape[2]) > 1:  # transformers 5.24 repeats q and k inside the function, 5.17 before it
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     g, beta = _arg(args, kwargs, 3, "g"), _arg(args, kwargs, 4, "beta")
     n = tr.tokens
     tr.put(i, "linear_attention", "conv1d", torch.cat([t.reshape(n, -1) for t in (q, k, v)], dim=-1))
