@@ -40,27 +40,12 @@ def test_flops_match_the_products_run(model, dense_experts):
     assert fwd.w[0]["xe"].shape[:2] == (s.E, s.T * s.K // s.E)
 
 
+# the smallest run main() measures on a CPU: two 8-token prompts, one timed rep, a rank-4 LoRA
+SMALL_CPU = ["--device", "cpu", "--batch", "2", "--seq", "8", "--reps", "1", "--warmup", "0", "--rank", "4"]
+
+
 def test_main_reports_base_and_lora_on_cpu(capsys):
-    res = sol_forward.main(
-        [
-            "--models",
-            "tiny-qwen3-moe",
-            "--device",
-            "cpu",
-            "--layers",
-            "1",
-            "--batch",
-            "2",
-            "--seq",
-            "8",
-            "--reps",
-            "1",
-            "--warmup",
-            "0",
-            "--rank",
-            "4",
-        ]
-    )
+    res = sol_forward.main(["--models", "tiny-qwen3-moe", "--layers", "1", *SMALL_CPU])
     (r,) = res
     assert r["base_tokens_per_s"] > 0 and r["lora_tokens_per_s"] > 0 and r["floor_ms"] > 0
     assert "lm_head" in capsys.readouterr().out
@@ -201,26 +186,7 @@ def test_super_runs_at_the_depth_that_fits_one_h200():
 
 
 def test_main_reports_every_family_on_cpu(capsys):
-    res = sol_forward.main(
-        [
-            "--models",
-            "tiny-qwen3-moe",
-            "tiny-qwen3.5-moe",
-            "tiny-nemotron-h",
-            "--device",
-            "cpu",
-            "--batch",
-            "2",
-            "--seq",
-            "8",
-            "--reps",
-            "1",
-            "--warmup",
-            "0",
-            "--rank",
-            "4",
-        ]
-    )
+    res = sol_forward.main(["--models", "tiny-qwen3-moe", "tiny-qwen3.5-moe", "tiny-nemotron-h", *SMALL_CPU])
     assert [r["model"] for r in res] == ["tiny-qwen3-moe", "tiny-qwen3.5-moe", "tiny-nemotron-h"]
     assert all(r["base_tokens_per_s"] > 0 and r["lora_tokens_per_s"] > 0 and r["floor_ms"] > 0 for r in res)
     out = capsys.readouterr().out

@@ -92,11 +92,13 @@ def test_k_dtype_selects_that_dtype_only():
     assert names and not [n for n in names if any(tag in n for tag in grid_module.DTYPES)], names
 
 
-def test_trainer_lanes_carry_their_gpu_mark_at_tp_1_and_2():
+def assert_every_cell_at_tp_1_and_2(params, suffix: str) -> None:
+    """A further grid (trainer, neutrality): every model x engine x dtype at TP 1 and 2, each marked gpuN, ids
+    ending ``suffix``."""
     ids = set()
-    for p in grid_module.trainer_grid():
+    for p in params:
         model, engine, tp, dtype = p.values
-        assert [m.name for m in p.marks] == [f"gpu{tp}"] and p.id.endswith("-trainer"), p.id
+        assert [m.name for m in p.marks] == [f"gpu{tp}"] and p.id.endswith(suffix), p.id
         ids.add((model, engine, tp, dtype))
     assert ids == {
         (m, e, tp, d)
@@ -105,6 +107,10 @@ def test_trainer_lanes_carry_their_gpu_mark_at_tp_1_and_2():
         for tp in (1, 2)
         for d in grid_module.DTYPES.values()
     }
+
+
+def test_trainer_lanes_carry_their_gpu_mark_at_tp_1_and_2():
+    assert_every_cell_at_tp_1_and_2(grid_module.trainer_grid(), "-trainer")
 
 
 def test_trainer_lanes_on_cpu_refused_with_each_engines_reason_and_judged_on_triton(tmp_path_factory):
@@ -205,18 +211,7 @@ def test_the_grid_prompts_cross_every_engines_prefill_step_within_the_models_len
 
 
 def test_neutrality_lanes_carry_their_gpu_mark_at_tp_1_and_2_and_judge_hf_fp32_too():
-    ids = set()
-    for p in grid_module.neutrality_grid():
-        model, engine, tp, dtype = p.values
-        assert [m.name for m in p.marks] == [f"gpu{tp}"] and p.id.endswith("-neutrality"), p.id
-        ids.add((model, engine, tp, dtype))
-    assert ids == {
-        (m, e, tp, d)
-        for m in grid_module.MODELS
-        for e in grid_module.ENGINES
-        for tp in (1, 2)
-        for d in grid_module.DTYPES.values()
-    }
+    assert_every_cell_at_tp_1_and_2(grid_module.neutrality_grid(), "-neutrality")
     assert grid_module.neutrality_cannot_serve("hf", "qwen3-30b-a3b", 1, "float32") is None
     assert "runs TP 1 only" in grid_module.neutrality_cannot_serve("hf", "qwen3-30b-a3b", 2, "float32")
     assert "no float32 LoRA path" in grid_module.neutrality_cannot_serve("vllm", "qwen3-30b-a3b", 1, "float32")
