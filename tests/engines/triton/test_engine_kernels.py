@@ -125,7 +125,6 @@ def check_norm_rope(dtype, tol):
 
 
 def check_route(dtype, tol):
-    import lpdiff.engines.triton.moe as moe
     from lpdiff.engines.triton.moe import route_torch
 
     g = torch.Generator().manual_seed(2)
@@ -139,21 +138,8 @@ def check_route(dtype, tol):
     ]:
         logits = torch.randn(37, E, generator=g).to(dtype)
         ids, w, m = torch.empty(37, K, dtype=torch.int64), torch.empty(37, K), torch.empty(37)
-        moe._route_kernel[(3,)](
-            logits,
-            ids,
-            w,
-            m,
-            37,
-            E,
-            logits.stride(0),
-            K=K,
-            SOFTMAX_ALL=softmax_all,
-            NORM_TOPK=norm,
-            BLOCK_T=16,
-            BLOCK_E=moe.pow2(E),
-            BLOCK_K=moe.pow2(K),
-        )
+
+        route_kernel(logits, ids, w, m, K, softmax_all, norm)
         rids, rw, rm = route_torch(logits, K, softmax_all, norm)
         what = f"route {dtype} E={E} K={K} softmax_all={softmax_all} norm={norm}"
         assert torch.equal(ids, rids), what
@@ -169,23 +155,31 @@ def check_route(dtype, tol):
             * torch.where(torch.isinf(rm), 1.0, rm.abs().float() + 1e-3)
         )
         acc = prev.clone()
-        moe._route_kernel[(3,)](
-            logits,
-            ids,
-            w,
-            acc,
-            37,
-            E,
-            logits.stride(0),
-            K=K,
-            SOFTMAX_ALL=softmax_all,
-            NORM_TOPK=norm,
-            BLOCK_T=16,
-            BLOCK_E=moe.pow2(E),
-            BLOCK_K=moe.pow2(K),
-            MIN_INTO=True,
-        )
+        route_kernel(logits, ids, w, acc, K, softmax_all, norm, MIN_INTO=True)
         _close(acc, torch.minimum(prev, rm), 1e-6, what + " running minimum")
+
+
+def route_kernel(logits, ids, w, margins, K, softmax_all, norm, **min_into) -> None:
+    """The routing kernel over 37 tokens in 3 programs of 16, writing ids, weights and margins in place."""
+    import lpdiff.engines.triton.moe as moe
+
+    E = logits.shape[1]
+    moe._route_kernel[(3,)](
+        logits,
+        ids,
+        w,
+        margins,
+        37,
+        E,
+        logits.stride(0),
+        K=K,
+        SOFTMAX_ALL=softmax_all,
+        NORM_TOPK=norm,
+        BLOCK_T=16,
+        BLOCK_E=moe.pow2(E),
+        BLOCK_K=moe.pow2(K),
+        **min_into,
+    )
 
 
 def run_all():
