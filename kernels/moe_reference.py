@@ -38,18 +38,35 @@ def add_slot_deltas(
 
 
 def moe_forward_torch(moe: MoeInputs) -> torch.Tensor:
-    """(T, H) in x's dtype, as moe.moe_forward."""
+    """(T, H) in x's dtype, as moe.moe_forward.
+
+    On CPU each expert runs on every row of the batch (slot -1 and weight 1 on the rows it was not chosen for) and
+    keeps its tokens' rows, so that a token's result does not depend on how many tokens its expert got: MKL's sgemm
+    computes a row differently at some row counts M (M = 1-3 at 1 thread; 1-3, 5-7, 9-11 at 2; also 17-19 and
+    25-27 at 16), and torch's vectorised sigmoid / SiLU round the last elements of a tensor, the ones past a
+    whole vector, otherwise than the rest (the activation of a gathered (M, I) block). An expert's M changes when
+    other rows of the batch route elsewhere (an adapter's rows), which moved base rows by up to 9.5e-6 in logprobs
+    on the tiny zoo (LoRA neutrality, exact in fp32). On every row M = T, the batch's own size, like every other
+    GEMM of the forward. It costs E / top_k times the experts' work (4x on the tiny zoo's 8 experts, top-2); GPU
+    runs of this reference keep the gathered rows (16x on Qwen3-30B-A3B would be too slow for its fallback above
+    the kernels' rank cap)."""
     x, topk_ids, topk_weights, w_gate_up, w_down = moe.x, moe.topk_ids, moe.topk_weights, moe.w_gate_up, moe.w_down
     b_gate_up, b_down, lora = moe.b_gate_up, moe.b_down, moe.lora
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     slots = torch.full((T,), -1, device=x.device) if moe.slots is None else moe.slots.long()
     fault = faults.active() if lora is not None else None
+    all_rows = x.device.type == "cpu"
     for e in range(w_gate_up.shape[0]):
         t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
         if t_idx.numel() == 0:
             continue
-        xe = x[t_idx].float()
+        weight = topk_weights[t_idx, k_idx, None].float()
+        if all_rows:
+            xe, es, we = x.float(), torch.full_like(slots, -1), torch.ones(T, 1, device=x.device)
+            es[t_idx], we[t_idx] = slots[t_idx], weight
+        else:
+            xe, es, we = x[t_idx].float(), slots[t_idx], weight
         h = xe @ w_gate_up[e].float().T
         if b_gate_up is not None:
             h += b_gate_up[e].float()
@@ -59,7 +76,7 @@ def moe_forward_torch(moe: MoeInputs) -> torch.Tensor:
             add_slot_deltas(
                 hd,
                 xe,
-                slots[t_idx],
+                es,
                 lora.gate_up_a[:, e],
                 lora.gate_up_b[:, e],
                 lora,
@@ -72,11 +89,11 @@ def moe_forward_torch(moe: MoeInputs) -> torch.Tensor:
         y = act @ w_down[e].float().T
         if b_down is not None:
             y += b_down[e].float()
-        weight = topk_weights[t_idx, k_idx, None].float()
         yd = torch.zeros_like(y) if fault in ("topk_weight_twice", "topk_weight_missing") else y
         if lora is not None:
-            add_slot_deltas(yd, act, slots[t_idx], lora.down_a[:, e], lora.down_b[:, e], lora)
+            add_slot_deltas(yd, act, es, lora.down_a[:, e], lora.down_b[:, e], lora)
         if yd is not y:
-            y = y + yd * (weight if fault == "topk_weight_twice" else 1.0 / weight)
-        out.index_add_(0, t_idx, y * weight)
+            y = y + yd * (we if fault == "topk_weight_twice" else 1.0 / we)
+        y = y * we
+        out.index_add_(0, t_idx, y[t_idx] if all_rows else y)
     return out.to(x.dtype)
