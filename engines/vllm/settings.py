@@ -40,6 +40,24 @@ NEMOTRON_LORA_STEP_TOKENS = 2048
 NEMOTRON_LORA_STEP_X_TP = 4096
 
 
+# tokens per step for MoE-LoRA while vLLM returns routed experts (capture_routing; issue 43). Measured on an H200,
+# vLLM 0.25.1, Qwen3-30B-A3B x4 bf16, 5 per-expert adapters + base rows, 48 sequences of 33-256 tokens (7302 tokens, one
+# step): with enable_return_routed_experts at vLLM's own 16384-token step the engine died with an illegal memory access
+# on its second call of that same batch (1 of 1 engines; the first call had returned); without it vLLM served such
+# batches at 16384 (benchmarks/results/detection.csv: Qwen3-30B-A3B x4, 3 reruns on an H200, 20 on an H100) and the
+# grid's at 4096 (suites/test_engines_gpu.py GRID_MAX_STEP) all day. The capturer's own GPU writes cannot leave
+# their buffers (routed_experts_capturer.py: slice copies that torch shape-checks on the host, into buffers of
+# max_num_batched_tokens x layers x top_k), so the fault is read as this vLLM's MoE-LoRA illegal-access family, which
+# larger steps expose (vllm-nemotron-step-fault): lpdiff runs capture at the grid's step, where that path ran
+ROUTING_CAPTURE_LORA_STEP_TOKENS = 4096
+
+
+def routing_capture_step_tokens(step: int | None) -> int:
+    """max_num_batched_tokens lpdiff's vllm engine asks for on MoE-LoRA with capture_routing, given the step it asks
+    for otherwise (None: vLLM's default, 16384 on an H200): the smaller of that and ROUTING_CAPTURE_LORA_STEP_TOKENS."""
+    return ROUTING_CAPTURE_LORA_STEP_TOKENS if step is None else min(step, ROUTING_CAPTURE_LORA_STEP_TOKENS)
+
+
 def nemotron_step_tokens(tp: int) -> int:
     """max_num_batched_tokens lpdiff's vllm engine asks for on Nemotron-H MoE-LoRA at tensor parallelism ``tp``."""
     return min(NEMOTRON_LORA_STEP_TOKENS, NEMOTRON_LORA_STEP_X_TP // max(tp, 1))
