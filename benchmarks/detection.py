@@ -6,7 +6,9 @@ threshold, and the threshold against the weakest bug-zoo fault. Writes benchmark
       lpdiff check's method: the reference is HF+PEFT fp32 on the full-width model, the threshold FACTOR x the noise
       measured in the same run; rows are appended)
   python -m benchmarks.detection --full-width MODEL --engine vllm|sglang|hf|triton --dtype bfloat16
-      [--init-recipe peaked/v1] [--reruns 20] (GPU; the engine's effect is the broken adapter's, see measure_engine)
+      [--init-recipe peaked/v1] [--reruns 20] [--engine-step] (GPU; the engine's effect is the broken adapter's, see
+      measure_engine; the engine runs at the GPU grid's prefill step, suites/test_engines_gpu.py step_options:
+      at most $LPDIFF_GRID_MAX_STEP tokens, default 4096, unless --engine-step keeps the engine's own)
 
 effect of a fault = the largest k2 over its job's verdicts (a fault is caught when any verdict fails);
 min_zoo_effect_k2 = the smallest such effect over the faults; noise_* = 99.9th percentile over all
@@ -163,6 +165,7 @@ def measure_engine(
     layouts: Sequence[str] | None = None,
     reference: str = "hf",
     routing_replay: bool = False,
+    options: dict | None = None,
 ) -> dict:
     """A serving engine's row (vLLM and SGLang have no fault switches): ``reruns`` runs of lpdiff check's mixed
     batch; noise = p99.9 over (run, correct lane) of k2 against HF+PEFT fp32, effect = the broken adapter's k2
@@ -171,25 +174,23 @@ def measure_engine(
     judged against (triton for hf's own fp32 row, which against itself would be a self-comparison). The verdicts are
     printed, and appended to $LPDIFF_CHECK_CSV_DIR/engines_gpu.csv when that is set, as the GPU suite does.
     ``routing_replay``: lpdiff check --routing-replay (harness/commands/replay.py); the noise is then each run
-    against the HF+PEFT fp32 reference replaying that run's own expert ids."""
+    against the HF+PEFT fp32 reference replaying that run's own expert ids. ``options``: the engine's, merged over
+    its defaults (main passes the GPU grid's prefill step); the row's noise_source names the step they set."""
     from lpdiff.harness.commands import check
 
     store = default_store()
     log = progress_log(f"[{model}-{engine}-{dtype}] ")
     case = _case(model, layers, init_recipe, device, tuple(lengths or ()), log)
+    req = check.CheckRequest(
+        case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference, options=dict(options or {}) or None
+    )
     if routing_replay:
         from lpdiff.harness.commands.replay import replay_check, replayed_references
 
-        res = replay_check(
-            check.CheckRequest(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference), log=log
-        )
+        res = replay_check(req, log=log)
         refs = replayed_references(case, res.runs) if res.error is None else []
     else:
-        res = check.run_check(
-            check.CheckRequest(case, engine, k=reruns, dtype=dtype, layouts=layouts, reference=reference),
-            store=store,
-            log=log,
-        )
+        res = check.run_check(req, store=store, log=log)
         ref = check.reference_runs(case, reference, "float32", None, store, log=log)
     print(check.format_result(res), file=sys.stderr)
     if os.environ.get("LPDIFF_CHECK_CSV_DIR"):
@@ -204,7 +205,7 @@ def measure_engine(
         f"threshold {thr.k2:.3g}, broken {effect:.3g}; {'as expected' if res.as_expected else 'NOT as expected'}",
         file=sys.stderr,
     )
-    return detection_row(
+    row = detection_row(
         f"{model} x{layers}",
         thr.engine_pair,
         dtype,
@@ -216,6 +217,20 @@ def measure_engine(
         case.spec.init_recipe,
         "the broken adapter, smallest over layouts",
     )
+    if options:
+        from lpdiff.engines import capabilities
+
+        step = capabilities(engine).prefill_step_for(case.spec.arch, options)
+        row["noise_source"] += f"; {engine} at {step}-token prefill steps"
+    return row
+
+
+def grid_step_options(engine: str, model: str) -> dict:
+    """The GPU grid's engine options for ``model`` (its prefill step where that is below the engine's own, with
+    $LPDIFF_<ENGINE>_OPTIONS): engine rows are measured at the settings the grid's verdicts ran with."""
+    from suites.test_engines_gpu import step_options
+
+    return step_options(engine, model)
 
 
 _CASES: dict[tuple, object] = {}
@@ -321,6 +336,11 @@ def main(argv=None) -> int:
         help="with --engine: judge against the fp32 reference "
         "replaying the engine's expert ids (lpdiff check --routing-replay)",
     )
+    p.add_argument(
+        "--engine-step",
+        action="store_true",
+        help="with --engine: run at the engine's own prefill step instead of the GPU grid's",
+    )
     p.add_argument("--commit", help="the commit to record (GPU machines have no git)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "detection.csv"))
     args = p.parse_args(argv)
@@ -339,6 +359,7 @@ def main(argv=None) -> int:
                 layouts=args.layout,
                 reference=args.reference,
                 routing_replay=args.routing_replay,
+                options=None if args.engine_step else grid_step_options(args.engine, m),
             )
             for m in args.full_width
             for d in dtypes

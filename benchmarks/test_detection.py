@@ -61,7 +61,8 @@ def test_rows_of_one_model_share_one_case(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore")
 def test_engine_row_with_routing_replay(tmp_path, monkeypatch):
-    """benchmarks/detection.py --routing-replay: noise = each run against the reference replaying its own ids."""
+    """benchmarks/detection.py --routing-replay: noise = each run against the reference replaying its own ids. The
+    engine options main passes (the grid's step) reach the check, and the row names the step it was measured at."""
     monkeypatch.setenv("LPDIFF_BASELINES", str(tmp_path / "store"))
     row = detection.measure_engine(
         "tiny-qwen3-moe",
@@ -73,7 +74,39 @@ def test_engine_row_with_routing_replay(tmp_path, monkeypatch):
         lengths=(20, 12),
         layouts=("peft3d",),
         routing_replay=True,
+        options={"max_batch_tokens": 64},
     )
     assert row["engine_pair"] == "triton:bfloat16-vs-hf[replay]:float32", row
+    assert row["noise_source"] == detection.P999 + "; triton at 64-token prefill steps", row
     noise, thr, effect = float(row["noise_k2"]), float(row["threshold_k2"]), float(row["min_zoo_effect_k2"])
     assert 0 < noise <= thr < effect, row
+
+
+@pytest.mark.parametrize(
+    ("argv", "grid_max", "want"),
+    [
+        ([], 4096, {"llm_kwargs": {"max_num_batched_tokens": 4096}}),  # the grid's default step, below vLLM's 16384
+        (["--engine-step"], 4096, None),  # vLLM's own step
+        ([], 16384, {}),  # a grid run at vLLM's own step sets none
+    ],
+)
+def test_engine_rows_run_at_the_gpu_grids_prefill_step(tmp_path, monkeypatch, argv, grid_max, want):
+    """--engine rows take the GPU grid's step options (suites/test_engines_gpu.py step_options), so detection rows and
+    the grid's verdicts are measured at one step. measure_engine is replaced by a recorder here: the real row needs a
+    GPU for vLLM (the real rows run on CPU in the tests above); the options it records are the ones main passes."""
+    import suites.test_engines_gpu as grid
+
+    monkeypatch.delenv("LPDIFF_VLLM_OPTIONS", raising=False)
+    monkeypatch.setattr(grid, "GRID_MAX_STEP", grid_max)  # what LPDIFF_GRID_MAX_STEP sets when the suite is imported
+    got = []
+
+    def record(model, engine, dtype, *args, **kw):
+        got.append((model, engine, dtype, kw["options"], kw["routing_replay"]))
+        return dict.fromkeys(detection.COLUMNS, "1")
+
+    monkeypatch.setattr(detection, "measure_engine", record)
+    out = tmp_path / "rows.csv"
+    argv = ["--full-width", "qwen3-30b-a3b", "--engine", "vllm", "--dtype", "bfloat16", "--routing-replay", *argv]
+    assert detection.main([*argv, "--out", str(out)]) == 0
+    assert got == [("qwen3-30b-a3b", "vllm", "bfloat16", want, True)]
+    assert len(out.read_text().splitlines()) == 2
