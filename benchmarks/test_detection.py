@@ -96,7 +96,8 @@ def test_engine_rows_run_at_the_gpu_grids_prefill_step(tmp_path, monkeypatch, ar
     GPU for vLLM (the real rows run on CPU in the tests above); the options it records are the ones main passes."""
     import suites.test_engines_gpu as grid
 
-    monkeypatch.delenv("LPDIFF_VLLM_OPTIONS", raising=False)
+    for var in ("LPDIFF_VLLM_OPTIONS", "LPDIFF_VLLM_PYTHONPATH", "LPDIFF_VLLM_PYTHON"):  # where vLLM is: not asked
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(grid, "GRID_MAX_STEP", grid_max)  # what LPDIFF_GRID_MAX_STEP sets when the suite is imported
     got = []
 
