@@ -8,6 +8,13 @@ Per-prompt reset: on the kernels (impl triton: CUDA, or the interpreter) conv an
 the batch's positions / cu_seqlens (kernels/ssd_varlen.py); on the torch path they read them as a right-padded
 (B, L_max) batch (Batch.pad), one prompt per row (kernels/ssd.py). Either way no conv window and no scan state
 crosses a prompt boundary, and padding after a prompt's end never reaches its real positions (both ops are causal).
+
+The scan (the engine's ``mamba_scan`` option, scan_impl): "recurrence" runs kernels/ssd_varlen.py's token-by-token
+kernel on the kernels path and kernels/ssd.py's chunked torch form otherwise; "chunked" runs mamba_ssm's chunked
+Triton kernels (kernels/ssd_chunked.py; interpreted on CPU) on every run; "auto" picks "chunked" for bf16/fp16 on
+CUDA only. fp32 runs keep the recurrence under "auto": the chunked kernels' dots run fp32 inputs at TF32 precision
+and hand the chunk states on in the input dtype, while fp32 runs exist for parity with HF+PEFT within 1e-4 (the
+recurrence holds ~1e-6). The conv, the gated norm and the fault paths are the same under every choice.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ from lpdiff.engines.triton.batch import Batch
 from lpdiff.kernels import faults
 from lpdiff.kernels._triton import device_const, resolve_impl
 from lpdiff.kernels.ssd import causal_conv1d, discretise_dt, gated_rms_norm, ssd_scan
+from lpdiff.kernels.ssd_chunked import ssd_scan_chunked
 from lpdiff.kernels.ssd_varlen import causal_conv1d_varlen, ssd_scan_varlen
+
+SCANS = ("recurrence", "chunked", "auto")
 
 
 def _rows(batch: Batch, t: torch.Tensor, across: bool) -> torch.Tensor:
@@ -38,6 +48,15 @@ def _group_sum(model, part: torch.Tensor) -> torch.Tensor:
     sums = part.new_zeros(part.shape[0], cfg.n_groups)
     sums[:, group] = part
     return model.all_reduce(sums)[:, group]
+
+
+def scan_impl(option: str, h: torch.Tensor) -> str:
+    """The mamba_scan option -> "chunked" or "recurrence" for a run whose activations look like ``h``."""
+    if option not in SCANS:
+        raise ValueError(f"mamba_scan must be one of {', '.join(SCANS)}, got {option!r}")
+    if option == "auto":
+        return "chunked" if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) else "recurrence"
+    return option
 
 
 def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch, trace: dict | None = None) -> torch.Tensor:
@@ -72,7 +91,10 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch, trace: dict | None = 
     x, B, C = x.reshape(T, heads, hd), B.reshape(T, groups, n), C.reshape(T, groups, n)
     dt = discretise_dt(dt, p["dt_bias"], cfg.dt_min)
 
-    if kernels:
+    if scan_impl(model.mamba_scan, h) == "chunked":  # a fault's pack is one long prompt: one seq_idx for all
+        seq_idx = torch.zeros_like(batch.seq) if across else batch.seq
+        y = ssd_scan_chunked(x, dt, p["A"], B, C, p["D"], seq_idx, cfg.chunk_size)
+    elif kernels:
         y = ssd_scan_varlen(x, dt, p["A"], B, C, p["D"], whole if across else batch.cu_seqlens, impl="triton")
     else:
         y = ssd_scan(

@@ -19,5 +19,7 @@ def build(hf, source, adapters: dict, shard: Shard, dtype: torch.dtype, device: 
     cfg = config_from_hf(hf)
     weights = load(cfg, Names(source, dtype, device), shard)
     lora = stack_adapters(cfg, weights, adapters, shard, dtype, device)
-    model = NemotronHModel(cfg, weights, lora, shard, all_reduce, options.impl, options.attention, options.moe_backend)
+    model = NemotronHModel(
+        cfg, weights, lora, shard, all_reduce, options.impl, options.attention, options.moe_backend, options.mamba_scan
+    )
     return Built(cfg, weights, lora, model)

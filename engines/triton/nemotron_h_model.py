@@ -40,8 +40,10 @@ class NemotronHModel:
         impl: str = "auto",
         attention_impl: str = "auto",
         moe_backend: str = "triton",
+        mamba_scan: str = "recurrence",
     ):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
+        self.mamba_scan = mamba_scan  # the engine's mamba_scan option (mamba.scan_impl)
         self.all_reduce = all_reduce  # sums row-parallel partial outputs over the TP group (identity at TP 1)
         self.impl, self.attention_impl, self.moe_backend = impl, attention_impl, moe_backend
         self.lora_impl = session_lora_impl(impl, lora)

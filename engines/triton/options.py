@@ -10,6 +10,7 @@ from lpdiff.kernels import BACKENDS, LORA_SHRINK, PADDING, faults
 
 IMPLS = ("auto", "triton", "torch")
 ATTENTION = ("auto", "flash", "sdpa", "triton")
+MAMBA_SCAN = ("recurrence", "chunked", "auto")
 
 
 @dataclass(slots=True)
@@ -25,11 +26,13 @@ class TritonOptions:
     moe_lora_shrink: str = "auto"  # "auto" | "once" | "fused" | "fused:G,D" (parse_shrink)
     moe_padding: str = "auto"  # "auto" or one of kernels.PADDING
     capture_routing: bool = False  # return expert ids / weights / margins per MoE layer (engines/triton/routing.py)
+    mamba_scan: str = "recurrence"  # Nemotron-H's SSD scan (engines/triton/mamba.py scan_impl)
 
     def __post_init__(self):
         _choice("impl", self.impl, IMPLS)
         _choice("attention", self.attention, ATTENTION)
         _choice("moe_backend", self.moe_backend, BACKENDS)
+        _choice("mamba_scan", self.mamba_scan, MAMBA_SCAN)
         if self.moe_padding not in ("auto", *PADDING):
             raise InputError(
                 f"option moe_padding must be auto or one of {PADDING} (what the expert GEMMs do with a "
