@@ -5,17 +5,22 @@ sequences (prompt + generated) by prefill (what the trainer computes); the verdi
 Every prompt runs under every lane (base and each adapter) in one mixed batch, greedy or seeded sampling. Per lane:
 the RL mismatch metrics (pipeline/rl_metrics.py: token k1 / k3, sequence-level k3 mean and max, the share outside
 IcePop's [0.5, 2] ratio band) beside lpdiff's own k2 and max |d|. PASS needs every logprob finite (a non-finite one
-is a FAIL naming the lane, sequence and position) and k2 and max |d| within the threshold the prefill verdict of the
-same engine pair uses (``lpdiff run``: the recorded thresholds; ``lpdiff check``: the one measured in that run):
-decoding must agree with a prefill of the same tokens as closely as two prefills do. The RL metrics are reported,
-not thresholded. Engines without a decode of their own (the triton runtime, prefill-only) decode greedily by
-re-prefilling each step (engines.base.decode_by_prefill); seeded sampling is refused there.
+is a FAIL naming the lane, prompt and generated position) and k2 and max |d| within the threshold the prefill verdict
+of the same engine pair uses (``lpdiff run``: the recorded thresholds; ``lpdiff check``: the one measured in that
+run): decoding must agree with a prefill of the same tokens as closely as two prefills do. The RL metrics are
+reported, not thresholded. Engines without a decode of their own (the triton runtime, prefill-only) decode greedily
+by re-prefilling each step (engines.base.decode_by_prefill); seeded sampling is refused there.
+
+Each lane has an expected verdict, as the prefill check's lanes do: ``lpdiff check --decode`` and the GPU grid serve
+the check case's ``broken`` adapter (every expert's LoRA-B shifted one expert) while the reference scores the
+engine's sequences with the correct adapter it was made from; that lane must FAIL, or the decode verdict could not
+see an expert-ordering bug. A result is ``as_expected`` when every lane's verdict is its expectation.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lpdiff.engines import REFERENCE_ENGINE
@@ -32,6 +37,14 @@ class DecodeLane:
     metrics: DecodeMetrics
     passed: bool
     reasons: list[str] = field(default_factory=list)
+    expected: str = "PASS"  # "FAIL": the lane serves a deliberately broken adapter (the check case's "broken")
+
+
+def unexpected(lanes: Sequence[DecodeLane]) -> list[DecodeLane]:
+    """The lanes whose verdict is not their expectation, by the prefill verdicts' rule (report.outcome)."""
+    from lpdiff.harness.pipeline.report import outcome
+
+    return [ln for ln in lanes if outcome(ln).endswith("(unexpected)")]
 
 
 @dataclass(slots=True)
@@ -53,10 +66,16 @@ class DecodeResult:
 
     @property
     def passed(self) -> bool:
+        """Every lane passed (a result with a broken lane never does: see ``as_expected``)."""
         return all(lane.passed for lane in self.lanes)
 
+    @property
+    def as_expected(self) -> bool:
+        """Every lane's verdict is its expectation: the correct lanes PASS, the broken one FAILs."""
+        return not unexpected(self.lanes)
 
-def judge_lane(lane: str, m: DecodeMetrics, t: Threshold) -> DecodeLane:
+
+def judge_lane(lane: str, m: DecodeMetrics, t: Threshold, expected: str = "PASS") -> DecodeLane:
     reasons = []
     if m.num_nonfinite:  # the prefill verdicts' rule and wording (metrics.nonfinite_reason)
         reasons.append(
@@ -65,7 +84,7 @@ def judge_lane(lane: str, m: DecodeMetrics, t: Threshold) -> DecodeLane:
                 m.num_tokens + m.num_nonfinite,
                 m.first_nonfinite,
                 lane,
-                "sequence",
+                "prompt",  # a lane's sequence i is prompt i's continuation (run_decode)
                 "generated position",
             )
         )
@@ -73,7 +92,7 @@ def judge_lane(lane: str, m: DecodeMetrics, t: Threshold) -> DecodeLane:
         reasons.append(f"k2 {m.k2:.3g} > {t.k2:.3g}")
     if m.num_tokens and m.max_abs > t.max_abs:
         reasons.append(f"max |d| {m.max_abs:.3g} > {t.max_abs:.3g}")
-    return DecodeLane(lane, m, not reasons, reasons)
+    return DecodeLane(lane, m, not reasons, reasons, expected)
 
 
 def run_decode(
@@ -93,9 +112,10 @@ def run_decode(
     ref_adapters: dict[str, AdapterSpec] | None = None,
     ref_options: dict | None = None,
     log: Callable[[str], None] = print,
+    expected: Mapping[str, str] | None = None,
 ) -> DecodeResult:
     """``adapters``: lane name -> the file the engine reads; ``ref_adapters``: the reference's files of the same
-    lanes (default: the same files)."""
+    lanes (default: the same files); ``expected``: lane name -> its expected verdict (default: every lane PASS)."""
     from lpdiff.harness.pipeline.session import engine_options
 
     lanes: list[str | None] = [None, *adapters]
@@ -123,7 +143,7 @@ def run_decode(
     for lane in lanes:
         idx = [i for i, c in enumerate(choice) if c == lane]
         m = decode_metrics([gens[i].logprobs for i in idx], [scored[i].logprobs[-max_new_tokens:] for i in idx])
-        out.append(judge_lane(lane or "base", m, threshold))
+        out.append(judge_lane(lane or "base", m, threshold, (expected or {}).get(lane or "base", "PASS")))
     return DecodeResult(
         spec.name,
         engine,
@@ -143,17 +163,23 @@ def run_decode(
 
 
 def format_decode(res: DecodeResult) -> str:
-    from lpdiff.harness.pipeline.report import table
+    """The verdict line (PASS / FAIL; "as expected" / "NOT AS EXPECTED" where a lane must FAIL), the threshold, one
+    row per lane, then one line per lane that did not come out as expected, naming it and why."""
+    from lpdiff.harness.pipeline.report import outcome, table
 
+    if any(ln.expected != "PASS" for ln in res.lanes):
+        word = "as expected" if res.as_expected else "NOT AS EXPECTED"
+    else:
+        word = "PASS" if res.passed else "FAIL"
     head = (
         f"decode verdict: {res.engine} {res.dtype} (tp={res.tp}, {res.how}, {res.sampling}"
         f"{f' seed {res.seed}' if res.sampling == 'seeded' else ''}, {res.max_new_tokens} tokens) vs "
-        f"{res.reference} {res.ref_dtype} prefill on {res.model}: {'PASS' if res.passed else 'FAIL'}\n"
+        f"{res.reference} {res.ref_dtype} prefill on {res.model}: {word}\n"
         f"threshold: k2 {res.threshold.k2:.3g}, max |d| {res.threshold.max_abs:.3g} ({res.threshold.provenance}); "
         "k1, k3: token means of the log-ratio estimators (KL(engine || reference)); seq k3: per-sequence mean "
         "k3, mean and max over sequences; band: share of tokens with ratio outside [0.5, 2]"
     )
-    cols = ["lane", "tokens", "k1", "k3", "seq k3 mean", "seq k3 max", "band", "k2", "max |d|", "verdict"]
+    cols = ["lane", "tokens", "k1", "k3", "seq k3 mean", "seq k3 max", "band", "k2", "max |d|", "expected", "verdict"]
     rows = [
         [
             ln.lane,
@@ -165,11 +191,17 @@ def format_decode(res: DecodeResult) -> str:
             f"{ln.metrics.outside_band:.3g}",
             f"{ln.metrics.k2:.3g}",
             f"{ln.metrics.max_abs:.3g}",
-            "PASS" if ln.passed else "FAIL: " + "; ".join(ln.reasons),
+            ln.expected,
+            f"{outcome(ln)}: {'; '.join(ln.reasons)}" if ln.reasons else outcome(ln),
         ]
         for ln in res.lanes
     ]
-    return head + "\n" + table(rows, cols)
+    bad = [
+        f"lane {ln.lane}: expected {ln.expected}, got "
+        + (f"FAIL: {'; '.join(ln.reasons)}" if not ln.passed else "PASS: the verdict did not see a broken adapter")
+        for ln in unexpected(res.lanes)
+    ]
+    return "\n".join([head, table(rows, cols), *bad])
 
 
 def decode_jobs(
@@ -227,7 +259,7 @@ def decode_jobs(
                 log=log,
             )
             echo(format_decode(res))
-            ok &= res.passed
+            ok &= res.as_expected
     for model, why in skipped:
         log(f"skipped {model}: {why}")
     return ok
@@ -246,9 +278,11 @@ def check_case_decode(
     options: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> DecodeResult:
-    """``lpdiff check --decode N`` and the GPU grid's decode lane: the check case's correct adapters in one layout
-    the engine reads (not refused by doctor for a decode verdict), the reference on PEFT 3D files in fp32,
-    ``threshold`` from the check of the same engine and dtype."""
+    """``lpdiff check --decode N`` and the GPU grid's decode lane: the check case's adapters in one layout the engine
+    reads (those doctor does not refuse for a decode verdict), the reference on PEFT 3D files in fp32, ``threshold``
+    from the check of the same engine and dtype. The broken lane is served its broken file and scored by the
+    reference with the correct file of its ``broken_from`` adapter (the prefill check's rule): it is expected to FAIL,
+    every other lane to PASS (``DecodeResult.as_expected``)."""
     from lpdiff.engines.base import layouts_for
     from lpdiff.harness.commands.check import served_files
     from lpdiff.harness.pipeline.doctor import refusals
@@ -256,13 +290,15 @@ def check_case_decode(
 
     layout = layouts_for(engine, case.spec.arch)[:1]
     lanes = served_files(case, engine, layout)
-    served, ref_files = {}, {}
+    served, ref_files, expected = {}, {}, {}
     for lane, spec in lanes.items():
-        name = lane.split(".")[0]
-        if case.plans[name].broken_from or refusals(case.spec, spec.path, engine, "decode").errors:
+        name, plan = lane.split(".")[0], case.plans[lane.split(".")[0]]
+        if errors := refusals(case.spec, spec.path, engine, "decode").errors:
+            log(f"[decode] {engine}: lane {name} not served ({errors[0].code})")
             continue
         served[name] = AdapterSpec(name, spec.path)
-        ref_files[name] = AdapterSpec(name, case.files[(name, "peft3d")].path)
+        ref_files[name] = AdapterSpec(name, case.files[(plan.broken_from or name, "peft3d")].path)
+        expected[name] = plan.expected
     return run_decode(
         case.spec,
         served,
@@ -279,6 +315,7 @@ def check_case_decode(
         seed,
         ref_adapters=ref_files,
         log=log,
+        expected=expected,
     )
 
 
@@ -311,16 +348,35 @@ DECODE_CSV_COLUMNS = (
     "threshold_max",
     "verdict",
     "reasons",
+    "expected",
 )
 
 
 def write_decode_csv(res: DecodeResult, path) -> None:
-    """One row per lane (benchmarks/results/engines_gpu_decode.csv beside the check's engines_gpu.csv)."""
+    """One row per lane (benchmarks/results/engines_gpu_decode.csv beside the check's engines_gpu.csv). A file whose
+    header is not DECODE_CSV_COLUMNS is refused before anything is written: rows of more columns under a shorter
+    header would be misread."""
     import datetime
+    from pathlib import Path
 
     from lpdiff.harness.pipeline.provenance import device_name, git_commit
     from lpdiff.harness.pipeline.report import append_csv
+    from lpdiff.harness.spec.errors import InputError
 
+    path = Path(path)
+    if path.is_file() and path.stat().st_size:
+        with path.open(newline="") as f:
+            have = f.readline().rstrip("\r\n").split(",")
+        if have != list(DECODE_CSV_COLUMNS):
+            missing = [c for c in DECODE_CSV_COLUMNS if c not in have]
+            fix = (
+                f"add the column(s) to its header: sed -i '1s/$/,{','.join(missing)}/' {path}"
+                if have == list(DECODE_CSV_COLUMNS[: len(have)])
+                else "write to a new file"
+            )
+            raise InputError(
+                f"{path}: its header is not lpdiff's decode CSV columns ({', '.join(missing)} missing); {fix}"
+            )
     head = {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
@@ -354,6 +410,7 @@ def write_decode_csv(res: DecodeResult, path) -> None:
             "nonfinite": ln.metrics.num_nonfinite,
             "verdict": "PASS" if ln.passed else "FAIL",
             "reasons": "; ".join(ln.reasons)[:300],
+            "expected": ln.expected,
         }
         for ln in res.lanes
     ]

@@ -96,10 +96,10 @@ def test_triton_decodes_by_re_prefill_and_its_fault_zoo_fails(zoo):
         run_decode(spec, adapters, prompts[:1], "triton", t, max_new_tokens=2, sampling="seeded", log=lambda s: None)
 
 
-def test_a_non_finite_decode_logprob_fails_naming_lane_sequence_and_position():
+def test_a_non_finite_decode_logprob_fails_naming_lane_prompt_and_position():
     m = decode_metrics([np.array([-1.0, -0.5]), np.array([-1.0, -np.inf])], [np.array([-1.0, -0.5])] * 2)
     lane = judge_lane("all", m, _threshold("hf"))
-    assert not lane.passed and "lane all, first in sequence 1 at generated position 1 (engine)" in lane.reasons[0]
+    assert not lane.passed and "lane all, first in prompt 1 at generated position 1 (engine)" in lane.reasons[0]
 
 
 def test_vllm_sample_logprobs_parse_from_dicts_and_flat_lists():
