@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from lpdiff.engines import REFERENCE_ENGINE
+from lpdiff.engines.capabilities import VERDICTS
 from lpdiff.harness.cli_common import DTYPES, ENGINE, EXIT_FAILED, EXIT_OK, log, need_engine, parse_options
 from lpdiff.harness.cli_run import decode_options
 
@@ -185,7 +186,7 @@ def check(
                     case, engine, res.threshold, tp, dtype, reference, decode, sampling, seed, log=log
                 )
                 click.echo(format_decode(d))
-                ok &= d.passed
+                ok &= d.as_expected  # its broken lane must FAIL, as in the prefill check
     return EXIT_OK if ok else EXIT_FAILED
 
 
@@ -254,14 +255,27 @@ def metamorphic(
     help="the max_lora_rank the engines whose LoRA buffers are sized at start are started with "
     "(default: sized from the adapter)",
 )
+@click.option(
+    "--verdict",
+    type=click.Choice(VERDICTS),
+    default=None,
+    help="only the defects that break this verdict: prefill (prompt logprobs: lpdiff run, check) or decode (the "
+    "engine's sampled logprobs: run/check --decode; e.g. vLLM's lm_head LoRA is refused for prefill only) "
+    "(default: both)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def doctor(model, adapter, engines, max_lora_rank, as_json) -> int:
+def doctor(model, adapter, engines, max_lora_rank, verdict, as_json) -> int:
     """What each engine will refuse or silently ignore in an adapter, before any run (exit 1 if anything)."""
     from lpdiff.harness.commands import doctor as dr
 
     limits = dict.fromkeys(dr.RANK_LIMITED, max_lora_rank) if max_lora_rank else None
-    report = dr.doctor(model, adapter, list(engines) or None, limits)
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else dr.format_report(report))
+    report = dr.doctor(model, adapter, list(engines) or None, limits, verdict)
+    if as_json:
+        click.echo(json.dumps({**report.to_dict(), "verdict": verdict or "all"}, indent=2))
+    else:  # the scope under the report's first line: an lm_head finding holds for prefill only
+        head, _, rest = dr.format_report(report).partition("\n")
+        scope = f"{verdict} verdicts only" if verdict else "prefill and decode verdicts (--verdict asks one)"
+        click.echo(f"{head}\n  for {scope}\n{rest}")
     return report.exit_code
 
 
