@@ -4,8 +4,8 @@ reference beside it is ssd_varlen.ssd_scan_varlen_torch (kernels/ssd.py's chunke
 
 Why use theirs: a prompt of L tokens costs ssd_varlen's recurrence L dependent steps per (prompt, head) program;
 the chunked form (state-space duality) does the same map as matmuls inside chunks of ``chunk`` tokens plus a short
-recurrence over chunk states, which is how vLLM and SGLang run Nemotron-H (both vendor these same kernels). mamba_ssm
-is the kept original; writing our own would only add a second copy to keep correct.
+recurrence over chunk states, which is how vLLM and SGLang run Nemotron-H (both carry adapted copies of these
+kernels). mamba_ssm is the kept original; writing our own would only add another copy to keep correct.
 
 Packed prompts: ``seq_idx`` (T,) gives each token's prompt. The kernels mask every term that would couple two
 prompts (the intra-chunk C.B matrix, a chunk's state contribution, the state passed into the next chunk), so each
@@ -130,7 +130,7 @@ def ssd_scan_chunked(
     ops = vendored(interpret)
     if x.stride(-1) != 1 and x.stride(0) != 1:  # upstream's layout checks, on the batch of one
         x = x.contiguous()
-    B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (B, C))
+    B, C, D = (t if t.stride(-1) == 1 else t.contiguous() for t in (B, C, D))
     x4, dt3, B4, C4 = x[None], dt[None], B[None], C[None]
     s2 = seq_idx.to(torch.int32)[None]
     with _cpu_device_guard(interpret):

@@ -74,3 +74,37 @@ def test_chunked_scan_in_the_forward_matches_the_default_path():
     assert _maxdiff(got, ref) <= 1e-4
     assert _maxdiff(got_f, ref_f) <= 1e-4
     assert _maxdiff(ref_f[1:], ref[1:]) > 1e-2
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_on_cuda_chunked_against_the_recurrence_and_under_cuda_graphs():
+    """bf16 on CUDA, where "auto" takes the chunked kernels: within bf16 noise of the recurrence, and the same
+    layout three times (eager, captured on the second sighting, replayed) captures without falling back and
+    repeats the eager numbers."""
+    import warnings
+
+    from lpdiff.harness.spec.resolve import resolve_model, zoo_adapters
+
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(1, 1024, (n,), generator=g).tolist() for n in (300, 17, 129, 64)]
+    choice = ["mamba", None, "mamba", None]
+    runs = {}
+    for scan in ("recurrence", "auto"):
+        cfg = EngineConfig(
+            model=resolve_model(ZOO),
+            adapters={"mamba": zoo_adapters(ZOO)["mamba"]},
+            dtype="bfloat16",
+            device="cuda",
+            options={"mamba_scan": scan},
+        )
+        with warnings.catch_warnings(record=True) as seen, open_engine("triton", cfg) as eng:
+            warnings.simplefilter("always")
+            runs[scan] = [eng.prompt_logprobs(prompts, choice, top_k=0) for _ in range(3)]
+        assert not [w for w in seen if "graph capture failed" in str(w.message)], scan
+        first, _, replayed = runs[scan]
+        print(f"{scan}: replay vs eager max |d| {_maxdiff(replayed, first):.3g}")
+        assert _maxdiff(replayed, first) <= 1e-3
+    d = _maxdiff(runs["auto"][0], runs["recurrence"][0])
+    print(f"chunked vs recurrence, bf16 logprobs: max |d| {d:.3g}")
+    assert d <= 5e-2
