@@ -8,10 +8,10 @@ beside it: ssd.py's padded ops applied to the prompts laid out one per row.
   the prompt's tokens, so each prompt starts from a zero state. It is the same linear map as the chunked form the
   reference computes (ssd.ssd_scan); fp32 throughout, the two differ by rounding only (~1e-6 relative).
 
-Why not mamba_ssm's Triton SSD kernels (what vLLM and SGLang vendor): they need the package's CUDA build to install
-and their chunked kernels span five files of 300-1000 lines each; the recurrence here is one short kernel, exact in
-fp32, and takes packed prompts (cu_seqlens) directly. It is latency-bound per token (a prompt of L tokens is L
-dependent steps), which a chunked kernel would avoid on long prompts: the place to start if the mixer dominates.
+Why keep a recurrence beside mamba_ssm's chunked SSD kernels (vendored, run by ssd_chunked.py when the engine's
+mamba_scan option says so): it is one short kernel, exact in fp32 (its state and products in fp32, no TF32 dots),
+which the fp32 parity runs need. It is latency-bound per token (a prompt of L tokens is L dependent steps), which
+the chunked kernels avoid on long prompts: benchmarks/bench_ssd.py times the two.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 (hybrids built whole by their own modules, archs.HYBRIDS: Qwen3.5-MoE's Gated DeltaNet / gated attention / shared-
 expert MoE by engines/triton/qwen3_5.py, its conv and delta rule in torch (gdn.py) except 16-bit CUDA runs, which
 take fla-core's chunked kernel when the ``fla`` extra is installed; Nemotron-H's Mamba-2 / attention / relu² MoE
-hybrid by engines/triton/nemotron_h.py, its mamba conv and SSD scan as torch ops on every device, kernels/ssd.py).
+hybrid by engines/triton/nemotron_h.py, its mamba conv and SSD scan as Triton kernels on the kernels path
+(kernels/ssd_varlen.py; the scan optionally mamba_ssm's chunked kernels, option mamba_scan), torch ops otherwise,
+kernels/ssd.py).
 
 Loads an HF checkpoint directory (safetensors, sharded or not, per-expert or fused experts) or builds a
 config-specified model with the seeded recipe on the device; stacks every configured adapter into LoRA slots so
