@@ -405,7 +405,8 @@ class Run:
 def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: dict, outs: dict) -> None:
     """Each peer engine's rows (benchmarks/e2e_peers.py), after the in-process engines gave their GPU memory back;
     the checkpoint is written once for all of them under --checkpoint-root and removed afterwards unless it was there
-    already, is the spec's own directory, or --keep-checkpoint (a full-depth bf16 Qwen3-30B-A3B is 61 GB: two would not fit a 64 GiB disk)."""
+    already, is the spec's own directory, or --keep-checkpoint (a full-depth bf16 Qwen3-30B-A3B is 61 GB: two would
+    not fit a 64 GiB disk)."""
     import shutil
 
     from benchmarks import e2e_peers
