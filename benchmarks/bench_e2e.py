@@ -404,31 +404,36 @@ class Run:
 
 def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: dict, outs: dict) -> None:
     """Each peer engine's rows (benchmarks/e2e_peers.py), after the in-process engines gave their GPU memory back;
-    the checkpoint is written once for all of them under --checkpoint-root and removed afterwards unless it was there
-    already, is the spec's own directory, or --keep-checkpoint (a full-depth bf16 Qwen3-30B-A3B is 61 GB: two would
-    not fit a 64 GiB disk)."""
+    the checkpoint is written once for all of them under the first --checkpoint-root it fits and removed afterwards
+    unless it was there already, is the spec's own directory, or --keep-checkpoint (a full-depth bf16 Qwen3-30B-A3B
+    is 61 GB: two would not fit a 64 GiB disk). With --deadline-s, a peer that could not finish before it is not
+    started: its rows say so."""
+    import argparse
     import shutil
 
     from benchmarks import e2e_peers
 
     free_gpu()
-    root = Path(args.checkpoint_root)
-    before = set(root.iterdir()) if root.is_dir() else set()
-    path = None
+
+    def error_rows(engines, error: str) -> None:
+        for engine in engines:
+            for a in (None, adapter.name):
+                results[(engine, a)] = row(f"r{args.rank}" if a else "none", engine, error=error)
+
+    if (late := too_late(args, e2e_peers.PEER_S)) is not None:
+        return error_rows(peers, late)
+    path = root = None
     try:
-        e2e_peers.check_disk(spec, root)
+        root = e2e_peers.pick_root(spec, [Path(r) for r in args.checkpoint_root])
+        before = set(root.iterdir()) if root.is_dir() else set()
         path = e2e_peers.write_checkpoint_once(spec, root, log)
     except Exception as e:  # noqa: BLE001 - no checkpoint: every peer row carries the error
         import traceback
 
         traceback.print_exc()
-        for engine in peers:
-            for a in (None, adapter.name):
-                results[(engine, a)] = row(
-                    f"r{args.rank}" if a else "none", engine, error=f"checkpoint: {e2e_peers.error_line(e)}"
-                )
-        return
+        return error_rows(peers, f"checkpoint: {e2e_peers.error_line(e)}")
     free_gpu()
+    args = argparse.Namespace(**{**vars(args), "checkpoint_root": str(root)})  # where the engines find it
 
     def peer_row(*a, **kw):
         r = row(*a, **kw)
@@ -436,7 +441,10 @@ def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: d
         return r
 
     try:
-        for engine in peers:
+        for i, engine in enumerate(peers):
+            if (late := too_late(args, e2e_peers.PEER_S)) is not None:
+                error_rows(peers[i:], late)
+                break
             got = e2e_peers.bench_peer(engine, spec, adapter, prompts, args, work, timed_any, peer_row, log)
             outs.update({(engine, a): v for a, v in got.items()})
             free_gpu()
@@ -447,6 +455,19 @@ def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: d
         if mine and not args.keep_checkpoint:
             shutil.rmtree(path, ignore_errors=True)
             log(f"checkpoint {path} removed (--keep-checkpoint keeps it)")
+
+
+def too_late(args, need_s: float) -> str | None:
+    """Why a step that takes up to ``need_s`` seconds is not started (None: it is): --deadline-s seconds after the
+    call began would pass first."""
+    if args.deadline_s is None:
+        return None
+    left = args.deadline_s - (time.monotonic() - args.started)
+    return (
+        None
+        if left >= need_s
+        else f"not started: {left:.0f} s left of --deadline-s {args.deadline_s}, {need_s} s needed"
+    )
 
 
 def timed_any(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, None]:
@@ -518,8 +539,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--checkpoint-root",
-        default=str(Path.home() / ".cache" / "lpdiff" / "checkpoints"),
-        help="where the peers' checkpoint is written (bf16: ~2 bytes per parameter)",
+        nargs="+",
+        default=[str(Path.home() / ".cache" / "lpdiff" / "checkpoints")],
+        help="where the peers' checkpoint is written (bf16: ~2 bytes per parameter): the first of these with room "
+        "for it (e.g. /dev/shm/lpdiff ~/.cache/lpdiff/checkpoints)",
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="seconds from the start of this call: a peer (start-up, warm-up and timed calls: e2e_peers.PEER_S) "
+        "that could not finish before it is not started, its rows say so (a device call's limit is 600 s)",
     )
     p.add_argument("--keep-checkpoint", action="store_true", help="keep the peers' checkpoint after the model")
     p.add_argument(
@@ -638,6 +668,7 @@ def open_csv(path: Path):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.started = time.monotonic()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     f, w = open_csv(Path(args.out) / "e2e.csv")

@@ -31,6 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 PEERS = ("vllm", "sglang")
+# what one peer takes at most at full depth on one GPU, start to close (--deadline-s): vLLM's start 85-199 s and
+# SGLang's 73-153 s with their first batches' compiles (benchmarks/results/engines_gpu.md), its checkpoint's load, and
+# warm-up and timed calls
+PEER_S = 240
 ENGINES = ("triton", "hf", *PEERS)
 FAST: dict[str, dict] = {
     "vllm": {"enforce_eager": False},  # vLLM's default level: torch.compile + CUDA graphs (module docstring)
@@ -109,6 +113,18 @@ def device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_root(spec, roots: list[Path]) -> Path:
+    """The first of ``roots`` where the checkpoint fits (check_disk); none: OSError naming each root's room."""
+    why = []
+    for root in roots:
+        try:
+            check_disk(spec, root)
+            return root
+        except OSError as e:
+            why.append(str(e))
+    raise OSError("; ".join(why))
 
 
 def check_disk(spec, root: Path) -> None:

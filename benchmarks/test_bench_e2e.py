@@ -368,3 +368,43 @@ def test_peers_remove_only_the_checkpoint_they_wrote(cut, tmp_path, monkeypatch)
     assert (Path(path).parent == root) == cut and (Path(path) == own) != cut
     assert (own / "config.json").is_file()  # the spec's own directory is never removed
     assert not Path(path).exists() if cut else Path(path).is_dir()
+
+
+def test_checkpoint_goes_to_the_first_root_with_room(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from benchmarks import e2e_peers
+
+    spec = get_model("qwen3-30b-a3b", num_layers=1)  # ~2.4 GB at 1 layer in bf16
+    small, big = tmp_path / "shm", tmp_path / "disk"
+    small.mkdir()
+    big.mkdir()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 10**9 if Path(p) == small else 1 << 40))
+    assert e2e_peers.pick_root(spec, [small / "ck", big / "ck"]) == big / "ck"
+    with pytest.raises(OSError, match=r"needs 2\.\d GB .* 1\.0 GB free there.*; the qwen3"):
+        e2e_peers.pick_root(spec, [small / "ck", small / "ck2"])
+
+
+def test_a_peer_that_would_pass_the_deadline_is_not_started(tmp_path):
+    import time
+
+    args = bench_e2e.parse_args(["--deadline-s", "300", "--checkpoint-root", str(tmp_path / "ck"), "--rank", "4"])
+    args.started = time.monotonic() - 200  # 100 s left: less than a peer takes
+    rows = []
+    row = lambda *a, **kw: rows.append((a[:2], kw["error"])) or {}  # noqa: E731
+    bench_e2e.bench_peers(
+        get_model("tiny-qwen3-moe", num_layers=1),
+        AdapterSpec("r", "/x"),
+        [],
+        ["vllm", "sglang"],
+        args,
+        tmp_path,
+        row,
+        {},
+        {},
+    )
+    assert [r for r, _ in rows] == [("none", "vllm"), ("r4", "vllm"), ("none", "sglang"), ("r4", "sglang")]
+    assert all(e.startswith("not started: 100 s left of --deadline-s 300.0") for _, e in rows), rows
+    assert not (tmp_path / "ck").exists()  # nothing written for peers that do not run
