@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_e2e
+from benchmarks import bench_e2e, e2e_profile, e2e_run
 from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.spec.catalog import get_model
 from lpdiff.harness.spec.resolve import zoo_adapters
@@ -38,7 +38,7 @@ def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
     with TritonEngine(
         EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapter.path)}, device="cpu", options={"impl": impl})
     ) as eng:
-        rows = bench_e2e.breakdown(eng, prompts, "a", do_bench=_once)
+        rows = e2e_profile.breakdown(eng, prompts, "a", do_bench=_once)
     pieces = {p for p, _ in rows}
     assert {"qkv lora_linear", "o lora_linear", "moe_forward", "attention", "whole forward"} <= pieces
     assert all((p, tag) in rows for p in pieces for tag in ("base", "lora"))
@@ -282,7 +282,7 @@ def test_hybrid_breakdown_times_each_mixer_on_the_runtime(model, request):
     cfg = EngineConfig(model=spec, adapters={"a": AdapterSpec("a", path)}, device="cpu")
     with TritonEngine(cfg) as eng:
         kinds = list(getattr(eng.runtime.cfg, "kinds", None) or eng.runtime.cfg.layer_types)
-        rows = bench_e2e.breakdown(eng, prompts, "a", do_bench=_once)
+        rows = e2e_profile.breakdown(eng, prompts, "a", do_bench=_once)
     for piece, kind in HYBRID_PIECES[model].items():
         count = len(kinds) if kind is None else kinds.count(kind)
         assert count > 0 and rows[(piece, "lora")] == rows[(piece, "base")] == count, piece  # _once: 1 ms a call
@@ -320,7 +320,7 @@ SMALL_CPU += ["--breakdown"]
 
 def test_an_engine_that_fails_leaves_error_rows_and_the_call_goes_on():
     rows = []
-    run = bench_e2e.Run(None, AdapterSpec("r", "/x"), [[1, 2]], bench_e2e.parse_args(["--rank", "4"]), None)
+    run = e2e_run.Run(None, AdapterSpec("r", "/x"), [[1, 2]], bench_e2e.parse_args(["--rank", "4"]), None)
     run.row = lambda tag, impl, **kw: rows.append((tag, impl, kw["error"])) or {"impl": impl}
 
     def oom():
@@ -363,7 +363,7 @@ def test_peers_remove_only_the_checkpoint_they_wrote(cut, tmp_path, monkeypatch)
     monkeypatch.setattr(
         e2e_peers, "bench_peer", lambda engine, spec, *a: loaded.append(checkpoint_dir(spec, root, True)) or {}
     )
-    bench_e2e.bench_peers(spec, AdapterSpec("r", "/x"), [[1, 2]], ["sglang"], args, tmp_path, None, {}, {})
+    e2e_run.bench_peers(spec, AdapterSpec("r", "/x"), [[1, 2]], ["sglang"], args, tmp_path, None, {}, {})
     (path,) = loaded
     assert (Path(path).parent == root) == cut and (Path(path) == own) != cut
     assert (own / "config.json").is_file()  # the spec's own directory is never removed
@@ -394,7 +394,7 @@ def test_a_peer_that_would_pass_the_deadline_is_not_started(tmp_path):
     args.started = time.monotonic() - 200  # 100 s left: less than a peer takes
     rows = []
     row = lambda *a, **kw: rows.append((a[:2], kw["error"])) or {}  # noqa: E731
-    bench_e2e.bench_peers(
+    e2e_run.bench_peers(
         get_model("tiny-qwen3-moe", num_layers=1),
         AdapterSpec("r", "/x"),
         [],
