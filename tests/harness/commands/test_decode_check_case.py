@@ -130,18 +130,23 @@ def test_a_lane_not_as_expected_is_named_with_why():
 
 def test_a_decode_csv_with_another_header_is_refused_before_writing(tmp_path):
     """Rows with the appended ``expected`` column under an older header would be misread: one error naming the fix,
-    the file untouched."""
+    the file untouched; the fix it names (run here) makes the file appendable."""
+    import subprocess
+
     old = tmp_path / "engines_gpu_decode.csv"
-    text = ",".join(DECODE_CSV_COLUMNS[:-1]) + "\n" + ",".join("x" * (len(DECODE_CSV_COLUMNS) - 1)) + "\n"
-    old.write_text(text)
     res = _result([_lane("base", [np.array([-1.0, -0.5, -2.0]), np.array([-0.25, -3.0, -1.0])])])
-    with pytest.raises(InputError, match=r"\(expected missing\); add the column\(s\) to its header: sed -i '1s/\$/,"):
+    with open(old, "w", newline="") as f:  # as csv writes it: CRLF line ends
+        csv.writer(f).writerows([DECODE_CSV_COLUMNS[:-1], ["x"] * (len(DECODE_CSV_COLUMNS) - 1)])
+    before = old.read_bytes()
+    with pytest.raises(InputError, match=r"\(expected missing\); add the column\(s\) to its header: sed ") as err:
         write_decode_csv(res, old)
-    assert old.read_text() == text
+    assert old.read_bytes() == before
+    subprocess.run(str(err.value).split("to its header: ")[1], shell=True, check=True)
+    write_decode_csv(res, old)
+    with open(old, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == DECODE_CSV_COLUMNS and [r["expected"] for r in rows] == [None, "PASS"]
     other = tmp_path / "other.csv"
     other.write_text("a,b\n1,2\n")
     with pytest.raises(InputError, match="write to a new file"):
         write_decode_csv(res, other)
-    old.write_text(",".join(DECODE_CSV_COLUMNS) + "\n")  # the header as written today: appended to
-    write_decode_csv(res, old)
-    assert len(old.read_text().splitlines()) == 2
