@@ -408,3 +408,32 @@ def test_a_peer_that_would_pass_the_deadline_is_not_started(tmp_path):
     assert [r for r, _ in rows] == [("none", "vllm"), ("r4", "vllm"), ("none", "sglang"), ("r4", "sglang")]
     assert all(e.startswith("not started: 100 s left of --deadline-s 300.0") for _, e in rows), rows
     assert not (tmp_path / "ck").exists()  # nothing written for peers that do not run
+
+
+def test_peer_that_fails_to_start_in_its_lane_gives_error_rows(monkeypatch, tmp_path):
+    """A real subprocess lane pointed at an offline bundle that is not there (a wrong LPDIFF_SGLANG_PYTHONPATH on the
+    GPU machine): the engine dies at start inside the lane and both rows carry why."""
+    import importlib.util
+    import sys
+
+    from benchmarks import e2e_peers
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    monkeypatch.setenv("LPDIFF_SGLANG_PYTHON", sys.executable)
+    monkeypatch.setenv("LPDIFF_SGLANG_PYTHONPATH", str(tmp_path / "no-bundle"))
+    monkeypatch.delenv("LPDIFF_SGLANG_OPTIONS", raising=False)
+    rows = []
+    e2e_peers.bench_peer(
+        "sglang",
+        get_model("tiny-qwen3-moe"),
+        AdapterSpec("r", zoo_adapters("tiny-qwen3-moe")["all"].path),
+        [[1, 2, 3]],
+        bench_e2e.parse_args(["--rank", "4"]),
+        tmp_path,
+        timed=None,
+        row=lambda *a, **kw: rows.append((a[:2], kw["error"])),
+        log=lambda *a: None,
+    )
+    assert [r for r, _ in rows] == [("none", "sglang"), ("r4", "sglang")]
+    assert all(e.startswith("LaneError: starting") and "sglang is not installed" in e for _, e in rows), rows
