@@ -193,7 +193,8 @@ def bench_peer(
     served, why = served_adapter(engine, spec, adapter, work)
     if served is None:  # the base rows are still timed: the engine serves the model
         emit(adapter.name, error=why)
-    opts["checkpoint_dir"] = str(args.checkpoint_root)
+    root = args.checkpoint_root  # bench_peers passes the root it wrote to; the CLI's list means its first
+    opts["checkpoint_dir"] = str(root[0] if isinstance(root, list) else root)
     cfg = EngineConfig(
         model=spec,
         adapters={served.name: served} if served else {},
