@@ -96,7 +96,7 @@ class Run:
     def tag(self, a) -> str:
         return f"r{self.args.rank}" if a else "none"
 
-    def guarded(self, impls: tuple[str, str], fn, *a) -> None:
+    def guarded(self, impls, fn, *a) -> None:
         """``fn(*a)``; an engine that fails to start or to serve leaves error rows (base, LoRA) for what it did not
         write, and the call goes on with the next engine (a full-size HF+PEFT may not fit beside its activations)."""
         try:
@@ -161,10 +161,11 @@ class Run:
                 args.moe_expand[0],
                 args.attention[0],
             )
-            self.guarded((impl, impl), self.triton, backend, graphs, shrink, padding, expand, attn, first)
+            names = [impl, impl]  # the rows' impl, renamed by triton() when the runtime captures no graph
+            self.guarded(names, self.triton, backend, graphs, shrink, padding, expand, attn, first, names)
             fm.MOE_EXPAND = MOE_EXPAND
 
-    def triton(self, backend, graphs, shrink, padding, expand, attn, first: bool) -> None:
+    def triton(self, backend, graphs, shrink, padding, expand, attn, first: bool, names: list) -> None:
         from benchmarks import e2e_peers
         from lpdiff.engines.triton import TritonEngine
 
@@ -186,7 +187,7 @@ class Run:
             startup = round(time.perf_counter() - t0, 1)
             rt = tr.runtime
             if graphs and rt.graphs is None:
-                impl = impl_name(backend, False, shrink, padding, expand, attn)
+                impl = names[0] = names[1] = impl_name(backend, False, shrink, padding, expand, attn)
                 log(f"the {rt.cfg.arch} runtime on {DEVICE} captures no CUDA graph: {impl}")
             settings = e2e_peers.settings_text({**opts, "moe_expand": expand})
             self.bytes = wbytes, lbytes = rt.weights.nbytes(), rt.lora.nbytes()

@@ -333,6 +333,22 @@ def test_an_engine_that_fails_leaves_error_rows_and_the_call_goes_on():
     assert len(rows) == 1
 
 
+def test_a_runtime_without_graphs_fails_under_its_eager_name(monkeypatch):
+    """The triton engine opened with CUDA graphs on a CPU captures none: its rows, error rows too, say -eager."""
+    rows = []
+    args = bench_e2e.parse_args(["--rank", "4", "--graphs", "on", "--dtype", "float32"])
+    spec, path = get_model("tiny-qwen3-moe"), zoo_adapters("tiny-qwen3-moe")["all"].path
+    run = e2e_run.Run(spec, AdapterSpec("r", path), [[1, 2, 3]], args, None)
+    run.row = lambda tag, impl, **kw: rows.append((tag, impl, kw["error"])) or {"impl": impl}
+
+    def fails(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(e2e_run, "timed_split", fails)
+    run.triton_variants()
+    assert rows == [("none", "triton-eager", "RuntimeError: boom"), ("r4", "triton-eager", "RuntimeError: boom")]
+
+
 def test_super_runs_at_the_depth_that_fits_one_gpu_and_the_others_at_full_depth():
     from benchmarks.sol_forward import depth_of
 
