@@ -105,6 +105,10 @@ class Capabilities:
     refused_features: tuple[str, ...] = ()  # adapter_config.json features it refuses (use_dora, bias, ...)
     ignored_features: tuple[str, ...] = ()  # features it reads past (rank_pattern, use_rslora, ...)
     moe_lora_cpu: bool = True  # MoE models with LoRA run without a GPU
+    # one forward runs rows of different adapters and base rows together (a batch's rows share its row count, which
+    # can change a row's rounding); False: rows are grouped by adapter, base rows run as their own batch (HF+PEFT
+    # sets one adapter per forward). The LoRA neutrality relation's reference batch follows it (relations._neutral)
+    mixed_batches: bool = True
     per_layer_capture: bool = False  # offers capture_layers (lpdiff bisect)
     # (model_type, root) where the engine maps adapter names from the checkpoint's decoder root rather than the text
     # model's ``model.`` (a multimodal wrapper's ``model.language_model``): adapters must name modules under it

@@ -69,6 +69,7 @@ CAPABILITIES = Capabilities(
     per_layer_capture=True,
     adapter_doctor=True,
     peft_sessions=True,
+    mixed_batches=False,  # prompt_logprobs runs each adapter's rows (and the base rows) as their own batches
     routing_replay=True,
     # two expert kernels: batched_mm on CPU (as the tiny zoo's calibration), grouped_mm on a GPU, where batched_mm
     # gathers every token's expert weights (192 GiB at Qwen3-30B-A3B width, measured OOM)

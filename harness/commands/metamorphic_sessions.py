@@ -18,9 +18,10 @@ from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs
 
 def _arrange(lane: Lane, n: int, seed: int, among: Sequence[str] = ()) -> list[tuple[list[int], list[str | None]]]:
     """-> calls, each (prompt indices, adapter names per row); the lane's rows are those with adapter 'lane'.
-    ``among``: the session's adapter names, for among_adapters."""
+    ``among``: the session's adapter names, for among_adapters (among_base: the names of the session it stands in
+    for; its engine runs every row without adapter)."""
     me = "lane"
-    if lane.arrangement == "among_adapters":
+    if lane.arrangement in ("among_adapters", "among_base"):
         group = [me, *among]
         rows: list[tuple[int, str | None]] = [
             (i, who) for i in range(n) for who in group[i % len(group) :] + group[: i % len(group)]
@@ -51,6 +52,12 @@ def _run_lane(
     done = [p for p in out if p is not None]
     assert len(done) == len(out), "every arrangement gives each prompt one 'lane' row"
     return LogprobRun(done)
+
+
+def among_held(ctx: Context) -> list[str]:
+    """The adapters a session with an among_adapters lane holds beside a base lane (the original, the neighbour,
+    Context.neighbours), in the order execute adds them: an among_base lane's batch has their rows."""
+    return [ORIG, OTHER, *(f"neighbour:{n}" for n in ctx.neighbours)]
 
 
 def execute(
@@ -84,7 +91,7 @@ def execute(
         for j, lane in enumerate(group):
             if lane.adapter is not None and lane.adapter != str(ctx.adapter_dir):
                 adapters[f"lane{j}"] = AdapterSpec(f"lane{j}", lane.adapter)
-        if any(lane.arrangement not in ("alone", "single", "tripled") for lane in group):
+        if any(lane.arrangement not in ("alone", "single", "tripled", "among_base") for lane in group):
             adapters[OTHER] = AdapterSpec(OTHER, other_dir)
         if among:  # a session with no adapters (the LoRA-disabled one) never gets here: among implies ORIG
             adapters.update({f"neighbour:{n}": AdapterSpec(f"neighbour:{n}", d) for n, d in ctx.neighbours.items()})
@@ -107,10 +114,14 @@ def execute(
                 adapter = (
                     None if lane.adapter is None else (ORIG if lane.adapter == str(ctx.adapter_dir) else f"lane{j}")
                 )
+                names, beside = {"lane": adapter}, [a for a in adapters if a != adapter]
+                if lane.arrangement == "among_adapters" and adapter is None:  # what among_base stands in for
+                    assert beside == among_held(ctx), (beside, among_held(ctx))
+                if lane.arrangement == "among_base":  # the rows of a base lane's among_adapters batch, all base
+                    beside = among_held(ctx)
+                    names |= dict.fromkeys(beside)
                 for r in range(lane.reruns):
-                    runs[rerun_name(lane.name, r)] = _run_lane(
-                        eng, lane, {"lane": adapter}, prompts, ctx.seed, [a for a in adapters if a != adapter]
-                    )
+                    runs[rerun_name(lane.name, r)] = _run_lane(eng, lane, names, prompts, ctx.seed, beside)
         log(f"session {session}: done in {time.perf_counter() - t0:.1f} s")
         if after_session is not None:
             after_session(group, runs, origs, bases, version)

@@ -29,8 +29,9 @@ from lpdiff.harness.types import ModelSpec
 # call; permuted: the mixed rows shuffled; single: one call per prompt; tripled: every prompt three times with the
 # lane's adapter (the mixed batch's size without its other adapters: tells a batch-size effect from a mixing one);
 # among_adapters: each prompt's row beside one row per adapter of the session (the original, the neighbour and
-# Context.neighbours), its place among them rotating from prompt to prompt
-ARRANGEMENTS = ("alone", "beside_other", "mixed", "permuted", "single", "tripled", "among_adapters")
+# Context.neighbours), its place among them rotating from prompt to prompt; among_base: among_adapters' batch, row
+# for row, with every row run without adapter (a LoRA-disabled session's reference for among_adapters)
+ARRANGEMENTS = ("alone", "beside_other", "mixed", "permuted", "single", "tripled", "among_adapters", "among_base")
 ORIG, OTHER = "orig", "other"  # adapter names of the original adapter and the unrelated neighbour in batches
 
 
@@ -238,19 +239,31 @@ def _neutral(ctx: Context):
     """LoRA neutrality: base rows of a LoRA-enabled engine (one holding the original, the neighbour and
     Context.neighbours), alone and each beside a row of every adapter, against a LoRA-disabled engine of the same
     build (a session with no adapters: EngineConfig.adapters empty, the engines start without LoRA). Exact: bit
-    for bit where reruns are (triton, HF, SGLang), within the rerun noise where LoRA runs are not (vLLM)."""
+    for bit where reruns are (triton, HF, SGLang), within the rerun noise where LoRA runs are not (vLLM).
+
+    The mixed batch's reference is the batch the engine really ran its base rows in: that batch row for row without
+    adapters (among_base) where one forward runs every row (Capabilities.mixed_batches), the base rows alone where
+    the engine runs them as their own batch (HF+PEFT groups rows by adapter). A row's bits may depend on its batch's
+    row count, LoRA or not: on CPU (MKL's sgemm, torch's vectorised activations) the triton runtime's base rows in the
+    56-row mixed batch differed from an 8-row LoRA-off batch by 9.5e-7 (tiny Nemotron-H and Qwen3.5, 8 prompts), and
+    HF's 8-row base group from a 56-row LoRA-off batch split at a 200-1000-token step by up to 4.3e-6 (all four tiny
+    MoE models): the other engine's reference would be a false FAIL about batch size, not LoRA."""
     from lpdiff.engines.base import capabilities
 
     caps = capabilities(ctx.engine)
     if ctx.layout.experts and not caps.moe_lora_cpu and _cuda(ctx):
         return f"{caps.label} runs MoE models with LoRA only on a GPU ({_cuda(ctx)})"
+    among_ref = "neutral:lora_off_among" if caps.mixed_batches else "neutral:lora_off"
+    lanes = [Lane("neutral:lora_off", None, reference="", session="neutral:lora_off")]
+    if caps.mixed_batches:
+        lanes.append(Lane(among_ref, None, reference="", arrangement="among_base", session="neutral:lora_off"))
     return [
-        Lane("neutral:lora_off", None, reference="", session="neutral:lora_off"),
+        *lanes,
         Lane("neutral:base_alone", None, reference="neutral:lora_off", session="neutral:lora_on", exact=True, reruns=2),
         Lane(
             "neutral:base_among_adapters",
             None,
-            reference="neutral:lora_off",
+            reference=among_ref,
             arrangement="among_adapters",
             session="neutral:lora_on",
             exact=True,
