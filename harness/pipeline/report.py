@@ -8,7 +8,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tabulate import tabulate
 
@@ -60,7 +60,14 @@ def fidelity_cell(f: float | Mapping[str, float] | None) -> str:
     return _g(f)
 
 
-def outcome(v: Verdict) -> str:
+class Judged(Protocol):
+    """A judged lane: a prefill Verdict, or a decode lane (harness/commands/decode.py DecodeLane)."""
+
+    @property
+    def passed(self) -> bool: ...
+
+
+def outcome(v: Judged) -> str:
     """PASS / FAIL, and whether that is what the lane expected (a bug-zoo fault or known defect must FAIL)."""
     got = "PASS" if v.passed else "FAIL"
     expected = getattr(v, "expected", None) or "PASS"
