@@ -38,6 +38,9 @@ class Batch:
     _slot_masks: dict = field(default_factory=dict)
     # (T - B,) int64: the packed rows that predict a next token (all but each prompt's last), from the host's lengths
     rows: torch.Tensor | None = None
+    # device tensors a model derives from the host's lengths (gdn.fla_plan), made by the batch's first forward --
+    # the eager warm-up before a CUDA graph capture -- so that the captured forward copies nothing from the host
+    plans: dict = field(default_factory=dict)
 
     @classmethod
     def build(

@@ -9,14 +9,26 @@ Two implementations of the delta rule:
   (modeling_qwen3_5_moe.torch_chunk_gated_delta_rule) so that the reference engine and this one do not share one
   implementation (a shared bug would pass every parity test); the arithmetic is the same fp32 chunked WY/UT form,
   so fp32 runs agree with HF to ~1e-6. ``gated_delta_rule_recurrent`` (token by token) checks it in the tests.
-- "fla" (16-bit runs on CUDA): fla-core's chunk_gated_delta_rule (pip extra ``fla``, imported lazily) on the packed
+- "fla" (16-bit runs on CUDA): fla-core's chunked gated delta rule (pip extra ``fla``, imported lazily) on the packed
   tokens with ``cu_seqlens``, which resets the state at each prompt boundary itself. fp32 runs stay on the torch
   form: fla's Triton dots take fp32 inputs at TF32 precision, which would break the 1e-4 fp32 parity the engine's
   fp32 mode exists for.
+
+CUDA graphs (graphs.py): fla 0.5.2's public chunk_gated_delta_rule derives its chunk indices from ``cu_seqlens`` on
+the host (prepare_chunk_indices: ``repeat_interleave`` over device counts reads their sum back, a sync that a capture
+refuses) and takes no precomputed ones. So the runtime calls what it calls after its argument checks --
+l2norm_fwd on q and k, then chunk_gated_delta_rule_fwd -- with the indices of a ``FlaPlan`` computed from the
+batch's host lengths once per batch (the first forward of a layout, i.e. the eager warm-up before a capture). Same
+kernels, same inputs (made contiguous, as the public path's input_guard does), so the outputs are the same bits.
+The public path's dispatch would pick the FlashQLA backend instead where the ``flash_qla`` package is installed
+(SM90/SM100, bf16, K = V = 128); lpdiff does not install it, so that backend is never taken either way.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -120,23 +132,72 @@ def resolve(impl: str, x: torch.Tensor) -> str:
     return impl
 
 
+def chunk_indices(lens: list[int], chunk: int = CHUNK) -> np.ndarray:
+    """(n_chunks, 2) int64: (prompt, chunk within the prompt) for every chunk of ``chunk`` tokens of each prompt,
+    prompts in order -- what fla's prepare_chunk_indices computes from cu_seqlens, here from the host's lengths."""
+    counts = (np.asarray(lens, dtype=np.int64) + chunk - 1) // chunk
+    prompt = np.repeat(np.arange(len(lens), dtype=np.int64), counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([prompt, within], axis=1)
+
+
+@dataclass(frozen=True, slots=True)
+class FlaPlan:
+    """What fla's varlen kernels read of a batch's layout, on the device, built once per batch from its host
+    lengths (no device-to-host read, so a CUDA graph can capture the forward that uses it)."""
+
+    cu_seqlens: torch.Tensor  # (B+1,) int64
+    chunk_indices: torch.Tensor  # (n_chunks, 2) int64 (chunk_indices above)
+    # fla's chunk_gated_delta_rule_fwd_h derives these itself (device ops, no sync) through fla's identity-keyed
+    # cache (4 entries): made here once through that cache, so a cache hit inside a capture returns a tensor this
+    # plan keeps alive for as long as the graph's batch lives, never a freed one
+    chunk_offsets: torch.Tensor | None = None
+
+
+def fla_plan(batch: Batch, make_offsets: bool = True) -> FlaPlan:
+    """The batch's FlaPlan, made on first use and kept in batch.plans."""
+    plan = batch.plans.get("fla")
+    if plan is None:
+        dev = batch.input_ids.device
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(batch.lens)]).astype(np.int64)).to(dev)
+        offsets = None
+        if make_offsets:
+            from fla.ops.utils.index import prepare_chunk_offsets
+
+            offsets = prepare_chunk_offsets(cu, CHUNK)
+        plan = batch.plans["fla"] = FlaPlan(cu, torch.from_numpy(chunk_indices(batch.lens)).to(dev), offsets)
+    return plan
+
+
+def _fla(q, k, v, g, beta, plan: FlaPlan) -> torch.Tensor:
+    """fla 0.5.2's ChunkGatedDeltaRuleFunction.forward for inference (use_qk_l2norm_in_kernel, no initial or final
+    state, default scale dk^-0.5, chunk 64) with the plan's chunk indices in place of its host-side ones."""
+    from fla.modules.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    qn, _ = l2norm_fwd(q[None].contiguous())
+    kn, _ = l2norm_fwd(k[None].contiguous())
+    _, o, *_ = chunk_gated_delta_rule_fwd(
+        q=qn,
+        k=kn,
+        v=v[None].contiguous(),
+        g=g[None].float().contiguous(),
+        beta=beta[None].contiguous(),
+        scale=k.shape[-1] ** -0.5,
+        initial_state=None,
+        output_final_state=False,
+        cu_seqlens=plan.cu_seqlens,
+        chunk_indices=plan.chunk_indices,
+        chunk_size=CHUNK,
+    )
+    return o[0].to(qn.dtype)  # as the public path: its output in the normalised q's dtype
+
+
 def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torch.Tensor:
     """Packed q/k (T, h, dk), v (T, h, dv), g/beta (T, h) (q/k already repeated to v's heads) -> (T, h, dv), every
     prompt from a zero state."""
     if resolve(impl, v) == "fla":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        o, _ = chunk_gated_delta_rule(
-            q[None],
-            k[None],
-            v[None],
-            g[None].float(),
-            beta[None],
-            output_final_state=False,
-            cu_seqlens=batch.cu_seqlens.long(),
-            use_qk_l2norm_in_kernel=True,
-        )
-        return o[0].to(v.dtype)
+        return _fla(q, k, v, g, beta, fla_plan(batch)).to(v.dtype)
     if len(batch.lens) * batch.max_len > 2 * batch.num_tokens:
         # the padded view would be mostly padding (one long prompt among short ones: 4096 + 100 x 40 tokens pads to
         # 101 x 4096): each prompt alone instead, the same chunks and arithmetic per prompt

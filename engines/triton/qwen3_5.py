@@ -361,8 +361,15 @@ class Qwen35Model:
 
 
 def _one_prompt(batch: Batch) -> Batch:
-    """The batch seen as one prompt (the faults that let state or conv windows run across prompt boundaries)."""
-    return Batch.build([batch.input_ids.tolist()], [-1], _RopeStub(), batch.cos.dtype, batch.input_ids.device)
+    """The batch seen as one prompt (the faults that let state or conv windows run across prompt boundaries), made
+    once per batch from its host token count (kept in batch.plans: the first forward, before any CUDA graph
+    capture, builds it, so a captured forward copies nothing). Its token ids are placeholders: the conv and the
+    delta rule read only its lengths and index maps."""
+    one = batch.plans.get("one_prompt")
+    if one is None:
+        dev = batch.input_ids.device
+        one = batch.plans["one_prompt"] = Batch.build([[0] * batch.num_tokens], [-1], _RopeStub(), batch.cos.dtype, dev)
+    return one
 
 
 class _RopeStub:

@@ -40,7 +40,7 @@ class Runtime:
         self.logit_chunk = options.logit_chunk
         set_fp32_precision(self.dtype, device)
         hf, source = open_source(config.model, self.dtype, device)
-        self.graphs = None
+        self.graphs: GraphCache | None = None
         self._staging = Staging(device)
         hybrid = hybrid_module(hf)
         # per-module scalings folded into B, vocabulary LoRA stacked apart (vocab_lora.py); the stackers get the rest
@@ -63,6 +63,7 @@ class Runtime:
             self.cfg, self.weights, self.lora, self.model = built.cfg, built.weights, built.lora, built.model
             if getattr(hybrid, "EMBEDDING_LORA", False):
                 self.model.vocab = self.vocab
+            self._graph_cache(options, device, shard)
             return
         self.cfg = model_config(hf, config.model.num_layers)
         self.weights = load_weights(self.cfg, source, shard, self.dtype, device)
@@ -83,7 +84,14 @@ class Runtime:
             options.moe_padding,
         )
         self.model.vocab = self.vocab
-        # CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done)
+        self._graph_cache(options, device, shard)
+
+    def _graph_cache(self, options: TritonOptions, device: torch.device, shard: Shard) -> None:
+        """CUDA graphs of whole calls at TP 1 (under TP the all-reduces would have to be captured too: not done).
+        The hybrids too: their forwards read no device value on the host either (Qwen3.5's fla delta rule takes
+        chunk indices made from the host's lengths once per batch, gdn.fla_plan; Nemotron-H's conv and scans take
+        cu_seqlens / seq_idx as device tensors and size their grids from host shapes); a layout whose capture fails
+        anyway is refused for good and runs eagerly (graphs.py)."""
         if options.cuda_graphs and device.type == "cuda" and shard.size == 1:
             self.graphs = GraphCache(options.cuda_graphs, torch.cuda.graph_pool_handle())
 

@@ -1,0 +1,146 @@
+"""CUDA graphs of the hybrids' calls (engines/triton/runtime.py, graphs.py): the per-batch plan that keeps host reads
+out of Qwen3.5's forward (gdn.chunk_indices / fla_plan, qwen3_5._one_prompt) on the host, and on CUDA (gpu1) a tiny
+Qwen3.5 and a tiny Nemotron-H layout captured on its second sighting and replayed bit-identically to the eager run."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from lpdiff.engines.base import EngineConfig, open_engine
+from lpdiff.engines.triton import gdn, qwen3_5
+from lpdiff.engines.triton.batch import Batch
+from lpdiff.harness.commands.run import Job, resolve_job
+from lpdiff.kernels import faults
+
+
+class _Rope:
+    rope_inv_freq = torch.rand(4) + 0.1
+    rope_attention_scaling = 1.0
+
+
+def _lens(seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(n) | 1 for n in rng.integers(1, 400, size=int(rng.integers(2, 9)) | 1)]  # odd lengths, odd count
+
+
+def _loop_indices(lens: list[int], chunk: int) -> list[list[int]]:
+    """The definition, written as a loop: (prompt, chunk within it) for each chunk of each prompt in order."""
+    return [[i, j] for i, n in enumerate(lens) for j in range(-(-n // chunk))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunk_indices_match_the_definition(seed, chunk):
+    lens = _lens(seed)
+    got = gdn.chunk_indices(lens, chunk)
+    assert got.dtype == np.int64 and got.tolist() == _loop_indices(lens, chunk)
+
+
+def test_chunk_indices_equal_what_fla_computes_from_cu_seqlens():
+    index = pytest.importorskip("fla.ops.utils.index")
+    for seed in range(4):
+        lens = _lens(100 + seed)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int64)
+        want = index.prepare_chunk_indices(cu, gdn.CHUNK)
+        assert torch.equal(torch.from_numpy(gdn.chunk_indices(lens)), want)
+        assert torch.equal(gdn.FlaPlan(cu, want).cu_seqlens, cu)
+        plan = gdn.fla_plan(Batch.build([[1] * n for n in lens], [-1] * len(lens), _Rope(), torch.float32, cu.device))
+        assert plan.chunk_offsets is not None and torch.equal(plan.chunk_offsets, index.prepare_chunk_offsets(cu, 64))
+
+
+def test_fla_plan_is_made_once_per_batch_from_its_lengths():
+    lens = _lens(7)
+    batch = Batch.build([[1] * n for n in lens], [-1] * len(lens), _Rope(), torch.float32, torch.device("cpu"))
+    plan = gdn.fla_plan(batch, make_offsets=False)
+    assert gdn.fla_plan(batch, make_offsets=False) is plan  # the capture reuses the warm-up's tensors
+    assert torch.equal(plan.cu_seqlens, batch.cu_seqlens.long()) and plan.cu_seqlens.dtype == torch.int64
+    assert plan.chunk_indices.tolist() == _loop_indices(lens, gdn.CHUNK)
+
+
+def test_one_prompt_view_is_cached_and_is_the_whole_pack_as_one_prompt():
+    lens = _lens(3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lens]
+    batch = Batch.build(prompts, [-1] * len(lens), _Rope(), torch.float32, torch.device("cpu"))
+    one = qwen3_5._one_prompt(batch)
+    assert qwen3_5._one_prompt(batch) is one
+    old = Batch.build([batch.input_ids.tolist()], [-1], qwen3_5._RopeStub(), torch.float32, torch.device("cpu"))
+    assert one.lens == old.lens == [sum(lens)]
+    for f in ("cu_seqlens", "positions", "seq", "rows"):
+        assert torch.equal(getattr(one, f), getattr(old, f)), f
+
+
+@pytest.mark.parametrize("fault", ["state_not_reset", "conv_across_prompts"])
+def test_qwen35_faults_give_the_same_logprobs_as_with_the_ids_rebuilt(fault, monkeypatch):
+    """The faults' one-prompt view no longer reads the token ids back (a host read a capture refuses): the faulty
+    forward is the same, bit for bit, as with the view rebuilt from the ids each time."""
+    spec, adapters, _ = resolve_job(Job(model="tiny-qwen3.5-moe", adapters=("all",)))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (70, 9, 33)]
+    choice = ["all", None, "all"]
+
+    def rebuilt(batch: Batch) -> Batch:
+        dev = batch.input_ids.device
+        return Batch.build([batch.input_ids.tolist()], [-1], qwen3_5._RopeStub(), batch.cos.dtype, dev)
+
+    cfg = EngineConfig(model=spec, adapters=adapters, dtype="float32", device="cpu")
+    with open_engine("triton", cfg) as eng, faults.injected(fault):
+        got = eng.prompt_logprobs(prompts, choice)
+        monkeypatch.setattr(qwen3_5, "_one_prompt", rebuilt)
+        want = eng.prompt_logprobs(prompts, choice)
+    with open_engine("triton", cfg) as eng:
+        clean = eng.prompt_logprobs(prompts, choice)
+    assert all(np.array_equal(x.logprobs, y.logprobs) for x, y in zip(got, want))
+    assert not np.array_equal(got[1].logprobs, clean[1].logprobs)  # the fault did move the later prompts
+
+
+# -- CUDA ----------------------------------------------------------------------------------------------------------
+
+HYBRIDS = [
+    ("tiny-qwen3.5-moe", ("all", "linear_attention"), {}, None),
+    ("tiny-qwen3.5-moe", ("all", "linear_attention"), {}, "state_not_reset"),
+    ("tiny-nemotron-h", ("mamba", "all"), {"mamba_scan": "auto"}, None),
+    ("tiny-nemotron-h", ("mamba", "all"), {"mamba_scan": "recurrence"}, None),
+]
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(("model", "names", "options", "fault"), HYBRIDS)
+def test_hybrid_graph_replay_equals_eager(model, names, options, fault, dtype):
+    """Graphs off, then on: the 2nd call captures (no fallback: no warning, one capture counted), the 3rd and 4th
+    replay (counted), the 4th on other token ids of the same layout; every call equals the eager run bit for bit
+    (logprobs, top-k, margins), adapters and base rows in one batch, odd lengths across chunk edges."""
+    spec, adapters, _ = resolve_job(Job(model=model, adapters=names))
+    g = torch.Generator().manual_seed(2)
+    lens = (300, 17, 129, 64, 5)
+    prompts = [torch.randint(1, 1024, (n,), generator=g).tolist() for n in lens]
+    other = [torch.randint(1, 1024, (n,), generator=g).tolist() for n in lens]
+    choice = [names[0], None, names[1], names[0], None]
+    calls = [prompts, prompts, prompts, other]
+    outs = {}
+    for graphs in (0, 2):
+        cfg = EngineConfig(
+            model=spec, adapters=adapters, dtype=dtype, device="cuda", options={**options, "cuda_graphs": graphs}
+        )
+        with warnings.catch_warnings(record=True) as seen, open_engine("triton", cfg) as eng:
+            warnings.simplefilter("always")
+            with faults.injected(fault) if fault else contextlib.nullcontext():
+                outs[graphs] = [eng.prompt_logprobs(p, choice, top_k=3) for p in calls]
+            if graphs:
+                cache = eng.runtime.graphs
+                assert cache is not None, "the hybrid runtime built no graph cache"
+                assert (cache.captures, cache.hits, len(cache.refused)) == (1, 2, 0)
+        assert not [w for w in seen if "graph capture failed" in str(w.message)]
+        torch.cuda.empty_cache()
+    for i, (e, r) in enumerate(zip(outs[0], outs[2])):
+        for x, y in zip(e, r):
+            for f in ("logprobs", "topk_ids", "topk_logprobs", "router_margin"):
+                assert np.array_equal(getattr(x, f), getattr(y, f)), f"call {i}: {f} differs from the eager run"
+    assert not np.array_equal(outs[2][0][0].logprobs, outs[2][3][0].logprobs), "other ids gave the same logprobs"
