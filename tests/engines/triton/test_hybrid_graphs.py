@@ -144,3 +144,43 @@ def test_hybrid_graph_replay_equals_eager(model, names, options, fault, dtype):
             for f in ("logprobs", "topk_ids", "topk_logprobs", "router_margin"):
                 assert np.array_equal(getattr(x, f), getattr(y, f)), f"call {i}: {f} differs from the eager run"
     assert not np.array_equal(outs[2][0][0].logprobs, outs[2][3][0].logprobs), "other ids gave the same logprobs"
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fla_with_the_plan_equals_fla_public_function(dtype):
+    """gdn's call of fla with the plan's chunk indices gives the bits of fla's public chunk_gated_delta_rule (which
+    computes them on the host) on fresh random packed inputs of odd lengths, v a strided view of one projection as
+    the model passes it, 2 key heads repeated to 4 value heads; and the plan's call captures into a CUDA graph whose
+    replay gives them again."""
+    fla = pytest.importorskip("fla.ops.gated_delta_rule")
+    dev = torch.device("cuda")
+    lens = _lens(21)
+    g = torch.Generator(device=dev).manual_seed(4)
+    T, h, dk, dv = sum(lens), 4, 128, 64
+    qkv = torch.randn(T, 2 * 2 * dk + h * dv, generator=g, device=dev).to(dtype)
+    q, k, v = qkv.split([2 * dk, 2 * dk, h * dv], dim=-1)
+    q, k = (t.reshape(T, 2, dk).repeat_interleave(2, dim=1) for t in (q, k))
+    v = v.reshape(T, h, dv)
+    decay = -torch.rand(T, h, generator=g, device=dev) * 0.3
+    beta = torch.rand(T, h, generator=g, device=dev).to(dtype)
+    batch = Batch.build([[0] * n for n in lens], [-1] * len(lens), _Rope(), dtype, dev)
+    want, _ = fla.chunk_gated_delta_rule(
+        q[None],
+        k[None],
+        v[None],
+        decay[None].float(),
+        beta[None],
+        output_final_state=False,
+        cu_seqlens=batch.cu_seqlens.long(),
+        use_qk_l2norm_in_kernel=True,
+    )
+    got = gdn.gated_delta_rule(q, k, v, decay, beta, batch, "fla")
+    assert torch.equal(got, want[0].to(dtype))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gdn.gated_delta_rule(q, k, v, decay, beta, batch, "fla")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want[0].to(dtype))
