@@ -50,7 +50,6 @@ def generate_adapter(
     dtype: torch.dtype = torch.float32,
     rank_pattern: dict[str, int] | None = None,
     alpha_pattern: dict[str, float] | None = None,
-    representable_in: torch.dtype | None = None,
 ) -> AdapterSpec:
     """A deterministic random LoRA adapter for `model` (a transformers model with real weights), saved by PEFT's
     own save_pretrained (peft3d) or converted from it (per_expert).
@@ -67,19 +66,12 @@ def generate_adapter(
     module path, the parameter path for 3D experts), and the ``lm_head`` / ``embed_tokens`` groups (an Embedding
     LoRA: A (r, vocab) ~ N(0, 1), one row of r values looked up per token, B sized like the others). The file is
     saved with ``save_embedding_layers=False``: PEFT's default ("auto") also stores the base embedding and lm_head
-    weights when an embedding is targeted, which adds nothing to the LoRA (lpdiff's reader skips such copies).
-
-    ``representable_in``: every A and B rounded through that dtype before it is stored in ``dtype``, so an engine that
-    loads the file in it (a bf16 engine casts A and B to bf16) holds exactly the values an fp32 reference reads; the
-    same rule the catalog applies to model weights (catalog.py, INIT_DTYPE)."""
+    weights when an embedding is targeted, which adds nothing to the LoRA (lpdiff's reader skips such copies)."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer, LoraModel
 
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if representable_in is not None and not representable_in.is_floating_point:
-        raise InputError(f"representable_in must be a floating-point dtype, got {representable_in}")
-    store = _storing(dtype, representable_in)
     if getattr(model, "peft_config", None) is not None:
         raise ValueError("pass the base transformers model, not a PeftModel")
     assert rank >= 1 and scale > 0
@@ -130,7 +122,7 @@ def generate_adapter(
                 scale,
                 _generator(seed, base, pname, "A"),
                 _generator(seed, base, pname, "B"),
-                store,
+                dtype,
             )
             continue
         # nn.Linear for both PEFT's Linear LoRA and its 3D-experts ParamWrapper (r * num_experts rows)
@@ -144,8 +136,8 @@ def generate_adapter(
         b = torch.randn(out_f, r, 1 if share_b else n_exp, generator=_generator(seed, base, pname, "B"))
         a = (a / math.sqrt(in_f)).expand(n_exp, r, in_f).reshape(n_exp * r, in_f)
         b = (b * b_std).expand(out_f, r, n_exp).reshape(out_f, r * n_exp)
-        a_mod.weight = nn.Parameter(store(a).contiguous(), requires_grad=False)
-        b_mod.weight = nn.Parameter(store(b).contiguous(), requires_grad=False)
+        a_mod.weight = nn.Parameter(a.to(dtype).contiguous(), requires_grad=False)
+        b_mod.weight = nn.Parameter(b.to(dtype).contiguous(), requires_grad=False)
 
     out_dir = Path(out_dir)
     recipe = {
@@ -163,8 +155,6 @@ def generate_adapter(
     }
     if rank_pattern or alpha_pattern:  # only when given: older recipes (and their content hashes) stay as they were
         recipe.update(rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
-    if representable_in is not None:  # likewise
-        recipe["representable_in"] = str(representable_in).removeprefix("torch.")
     # Written whole beside out_dir, then moved in: a Ctrl-C or a crash leaves no half-written adapter behind
     work = out_dir.parent / f".{out_dir.name}.{os.getpid()}.tmp"
     try:
@@ -186,15 +176,8 @@ def generate_adapter(
     return AdapterSpec(name=out_dir.name, path=str(out_dir))
 
 
-def _storing(dtype: torch.dtype, representable_in: torch.dtype | None):
-    """Tensor -> the values stored: cast to ``dtype``, first rounded through ``representable_in`` when given."""
-    if representable_in is None:
-        return lambda t: t.to(dtype)
-    return lambda t: t.to(representable_in).to(dtype)
-
-
 def _fill_embedding(
-    layer, weight, w_rms: float, scale: float, gen_a: torch.Generator, gen_b: torch.Generator, store
+    layer, weight, w_rms: float, scale: float, gen_a: torch.Generator, gen_b: torch.Generator, dtype: torch.dtype
 ) -> None:
     """PEFT's Embedding LoRA (lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)): a token's delta is
     scaling * B @ A[:, id], so A ~ N(0, 1) and B ~ N(0, c^2) with c chosen like the Linear case (RMS of the delta =
@@ -205,5 +188,5 @@ def _fill_embedding(
     a = torch.randn(r, vocab, generator=gen_a)
     b = torch.randn(hidden, r, generator=gen_b) * b_std
     assert a_par.shape == a.shape and b_par.shape == b.shape, (a_par.shape, b_par.shape)
-    layer.lora_embedding_A["default"] = nn.Parameter(store(a).contiguous(), requires_grad=False)
-    layer.lora_embedding_B["default"] = nn.Parameter(store(b).contiguous(), requires_grad=False)
+    layer.lora_embedding_A["default"] = nn.Parameter(a.to(dtype).contiguous(), requires_grad=False)
+    layer.lora_embedding_B["default"] = nn.Parameter(b.to(dtype).contiguous(), requires_grad=False)
