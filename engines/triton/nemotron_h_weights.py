@@ -22,6 +22,7 @@ import torch
 
 from lpdiff.engines.triton.lora import AdapterSlots, sharded_moe_lora
 from lpdiff.engines.triton.shard import Shard
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.kernels import MoeLoraWeights, faults
 
 Tensor = torch.Tensor
@@ -202,7 +203,7 @@ def mamba_rows(cfg: NemotronHConfig, shard: Shard) -> tuple[Tensor, Tensor]:
     """-> (in_proj rows, conv channels) of this rank: in_proj's output is z | x | B | C | dt, conv's input x | B | C
     (transformers' split order); heads and their groups of this rank."""
     if cfg.n_groups % shard.size and shard.size % cfg.n_groups:
-        raise ValueError(
+        raise InputError(
             f"Nemotron-H's {cfg.n_groups} mamba groups do not split over tp={shard.size} (use a TP size "
             "that divides the groups or that they divide)"
         )

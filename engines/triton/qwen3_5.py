@@ -33,7 +33,8 @@ from lpdiff.engines.triton.moe import experts, route
 from lpdiff.engines.triton.norm import add_rms_norm, rms_norm
 from lpdiff.engines.triton.qwen3_5_lora import Linear, LinearLora, layer_linears, load_linear, stack_qwen35
 from lpdiff.engines.triton.rope import rope
-from lpdiff.engines.triton.shard import Shard
+from lpdiff.engines.triton.shard import Shard, tp_fix
+from lpdiff.harness.spec.errors import InputError
 from lpdiff.kernels import faults, lora_linear
 
 Tensor = torch.Tensor
@@ -447,7 +448,7 @@ def build(hf, source, adapters: dict, shard: Shard, dtype, device, all_reduce, o
     cfg = config_from_hf(hf)
     for n, what in ((cfg.lin_k_heads, "linear-attention key heads"), (cfg.lin_v_heads, "linear-attention value heads")):
         if n % shard.size:  # checked before loading: shard.split would cut widths across heads
-            raise ValueError(f"{n} {what} do not split over tp={shard.size}; use a tp that divides {n}")
+            raise InputError(f"{n} {what} do not split over tp={shard.size}; {tp_fix(n)}")
     weights = load(cfg, source, shard, dtype, device)
     lora = stack_qwen35(cfg, weights, adapters, shard, dtype, device)
     model = Qwen35Model(

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from lpdiff.harness.spec.errors import InputError
+
+
+def tp_fix(n: int) -> str:
+    """The fix a TP size that does not divide ``n`` heads gets: the sizes that do (a bad --tp is the user's input)."""
+    return "use --tp " + " or ".join(str(t) for t in (1, 2, 4, 8) if n % t == 0)
+
 
 @dataclass(slots=True, frozen=True)
 class Shard:
@@ -37,11 +44,11 @@ class Shard:
     def heads(self, num_heads: int, num_kv_heads: int) -> tuple[range, range]:
         """-> (query heads, kv heads) of this rank."""
         if num_heads % self.size:
-            raise ValueError(f"{num_heads} attention heads do not split over tp={self.size}")
+            raise InputError(f"{num_heads} attention heads do not split over tp={self.size}; {tp_fix(num_heads)}")
         q = num_heads // self.size
         if num_kv_heads >= self.size:
             if num_kv_heads % self.size:
-                raise ValueError(f"{num_kv_heads} kv heads do not split over tp={self.size}")
+                raise InputError(f"{num_kv_heads} kv heads do not split over tp={self.size}; {tp_fix(num_kv_heads)}")
             kv = num_kv_heads // self.size
             return range(self.rank * q, (self.rank + 1) * q), range(self.rank * kv, (self.rank + 1) * kv)
         if self.size % num_kv_heads:

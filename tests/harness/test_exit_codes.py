@@ -42,6 +42,8 @@ def test_version_is_the_package_version():
         (["run", "--engine", "vllm"], "pip install vllm=="),  # not installed here: the command that installs it
         (["run", "--model", "no-such-model"], "no-such-model"),
         (["run", "--model", "tiny-qwen3-moe", "--option", "no_such_option=1"], "no_such_option"),
+        # a TP size the model's heads do not split over (tiny Qwen3.5: 2 linear-attention key heads)
+        (["run", "--model", "tiny-qwen3.5-moe", "--engine", "triton", "--tp", "4"], "use --tp 1 or 2"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys, monkeypatch):
