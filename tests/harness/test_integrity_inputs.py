@@ -110,8 +110,12 @@ def test_good_case_threshold_and_an_infinite_one_through_the_cli(tmp_path, capsy
 # The child: lpdiff's CLI with HF's prompt_logprobs held for 120 s once it has computed a run of the second model (the
 # first model's baselines are then whole on disk), after a marker line: the signal lands mid-regen whatever the load
 # (a plain three-model regen finished before a starved parent sent its signal: exit 0, seen on 2 loaded cores).
+# The child restores Python's Ctrl-C handler first: a shell that starts a job in the background (`cmd &` without job
+# control, nohup, some CI runners) passes SIGINT on ignored, and Python then leaves it ignored, so the signal the test
+# sends would be dropped and the child would sleep its 120 s (seen when .ci/run itself ran in the background).
 _HELD_REGEN = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from lpdiff.engines.hf import HFEngine
 from lpdiff.harness.cli import main
 computed = HFEngine.prompt_logprobs
