@@ -423,18 +423,24 @@ def test_engine_lora_setup_on_the_zoo_gpt_oss(tmp_path, layout):
 
 def test_close_does_not_wait_for_the_resource_tracker():
     # spawning (as vLLM's engine core is) starts multiprocessing's resource tracker, which lives as long as this
-    # process: closing an engine must not wait for it (it did, ~60 s per engine on an H200)
-    import multiprocessing as mp
+    # process: closing an engine must not wait for it (it did, ~60 s per engine on an H200). Checked in a fresh
+    # interpreter: a test worker may hold a tracker that an earlier test started in another process (not its child),
+    # and then no tracker of its own is started here ("no resource tracker started", seen once under xdist)
+    import subprocess
+    import sys
 
-    import psutil
-
-    from lpdiff.engines.vllm import _children
-
-    ctx = mp.get_context("spawn")
-    ctx.Semaphore()  # the tracker starts with the first named semaphore
-    trackers = [p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" in " ".join(p.cmdline())]
+    script = """
+import json, multiprocessing as mp, psutil
+from lpdiff.engines.vllm import _children
+mp.get_context("spawn").Semaphore()  # the tracker starts with the first named semaphore
+kids = psutil.Process().children(recursive=True)
+print(json.dumps([[p.pid for p in kids if "resource_tracker" in " ".join(p.cmdline())], sorted(_children())]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    trackers, children = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     assert trackers, "no resource tracker started: the test does not test anything"
-    assert not set(trackers) & set(_children())
+    assert not set(trackers) & set(children)
 
 
 def test_text_named_qwen35_adapters_are_refused_before_start_naming_the_fix(tmp_path):
