@@ -424,17 +424,21 @@ def test_engine_lora_setup_on_the_zoo_gpt_oss(tmp_path, layout):
 def test_close_does_not_wait_for_the_resource_tracker():
     # spawning (as vLLM's engine core is) starts multiprocessing's resource tracker, which lives as long as this
     # process: closing an engine must not wait for it (it did, ~60 s per engine on an H200). Checked in a fresh
-    # interpreter: a test worker may hold a tracker that an earlier test started in another process (not its child),
-    # and then no tracker of its own is started here ("no resource tracker started", seen once under xdist)
+    # interpreter (a test worker may already hold a tracker started elsewhere), and once the tracker has exec'd:
+    # just after the semaphore its /proc cmdline can still be empty (seen: CI failed "no resource tracker started")
     import subprocess
     import sys
 
     script = """
-import json, multiprocessing as mp, psutil
+import json, multiprocessing as mp, time, psutil
 from lpdiff.engines.vllm import _children
 mp.get_context("spawn").Semaphore()  # the tracker starts with the first named semaphore
-kids = psutil.Process().children(recursive=True)
-print(json.dumps([[p.pid for p in kids if "resource_tracker" in " ".join(p.cmdline())], sorted(_children())]))
+for _ in range(200):
+    trackers = [p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" in " ".join(p.cmdline())]
+    if trackers:
+        break
+    time.sleep(0.05)
+print(json.dumps([trackers, sorted(_children())]))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
