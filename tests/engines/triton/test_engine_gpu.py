@@ -18,6 +18,7 @@ import torch
 
 from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.types import AdapterSpec
+from tests.helpers.graph_replay import assert_replay_equals_eager
 
 TOL = 1e-4
 NEAR_TIE = 1e-5
@@ -165,27 +166,11 @@ def test_cuda_graph_replay_equals_eager(case, dtype):
     """A replayed CUDA graph gives the eager forward's logprobs, top-k and margins bit for bit: on the captured
     prompts (3rd call) and on other token ids of the same layout (the graph's only input), mixed adapters and base
     rows in one batch; the 2nd call captures, so the 3rd and 4th are replays (counted)."""
-    from lpdiff.engines.base import open_engine
-
     spec, adapters, prompts = case
     vocab = max(max(p) for p in prompts) + 1
     g = torch.Generator().manual_seed(1)
     other = [torch.randint(0, vocab, (len(p),), generator=g).tolist() for p in prompts]
-    calls = [prompts, prompts, prompts, other]
-    outs = {}
-    for graphs in (0, 2):
-        cfg = EngineConfig(model=spec, adapters=adapters, dtype=dtype, device="cuda", options={"cuda_graphs": graphs})
-        with open_engine("triton", cfg) as eng:
-            outs[graphs] = [eng.prompt_logprobs(p, MIXED, top_k=3) for p in calls]
-            if graphs:
-                cache = eng.runtime.graphs
-                assert (cache.captures, cache.hits) == (1, 2), (cache.captures, cache.hits)
-        torch.cuda.empty_cache()
-    for i, (e, r) in enumerate(zip(outs[0], outs[2])):
-        for x, y in zip(e, r):
-            for f in ("logprobs", "topk_ids", "topk_logprobs", "router_margin"):
-                assert np.array_equal(getattr(x, f), getattr(y, f)), f"call {i}: {f} differs from the eager run"
-    assert not np.array_equal(outs[2][0][0].logprobs, outs[2][3][0].logprobs), "other ids gave the same logprobs"
+    assert_replay_equals_eager(spec, adapters, dtype, [prompts, prompts, prompts, other], MIXED)
 
 
 TP_CHOICES = [None, MIXED]

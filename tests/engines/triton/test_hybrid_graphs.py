@@ -4,9 +4,6 @@ Qwen3.5 and a tiny Nemotron-H layout captured on its second sighting and replaye
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +13,7 @@ from lpdiff.engines.triton import gdn, qwen3_5
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.harness.commands.run import Job, resolve_job
 from lpdiff.kernels import faults
+from tests.helpers.graph_replay import assert_replay_equals_eager
 
 
 class _Rope:
@@ -123,27 +121,7 @@ def test_hybrid_graph_replay_equals_eager(model, names, options, fault, dtype):
     prompts = [torch.randint(1, 1024, (n,), generator=g).tolist() for n in lens]
     other = [torch.randint(1, 1024, (n,), generator=g).tolist() for n in lens]
     choice = [names[0], None, names[1], names[0], None]
-    calls = [prompts, prompts, prompts, other]
-    outs = {}
-    for graphs in (0, 2):
-        cfg = EngineConfig(
-            model=spec, adapters=adapters, dtype=dtype, device="cuda", options={**options, "cuda_graphs": graphs}
-        )
-        with warnings.catch_warnings(record=True) as seen, open_engine("triton", cfg) as eng:
-            warnings.simplefilter("always")
-            with faults.injected(fault) if fault else contextlib.nullcontext():
-                outs[graphs] = [eng.prompt_logprobs(p, choice, top_k=3) for p in calls]
-            if graphs:
-                cache = eng.runtime.graphs
-                assert cache is not None, "the hybrid runtime built no graph cache"
-                assert (cache.captures, cache.hits, len(cache.refused)) == (1, 2, 0)
-        assert not [w for w in seen if "graph capture failed" in str(w.message)]
-        torch.cuda.empty_cache()
-    for i, (e, r) in enumerate(zip(outs[0], outs[2])):
-        for x, y in zip(e, r):
-            for f in ("logprobs", "topk_ids", "topk_logprobs", "router_margin"):
-                assert np.array_equal(getattr(x, f), getattr(y, f)), f"call {i}: {f} differs from the eager run"
-    assert not np.array_equal(outs[2][0][0].logprobs, outs[2][3][0].logprobs), "other ids gave the same logprobs"
+    assert_replay_equals_eager(spec, adapters, dtype, [prompts, prompts, prompts, other], choice, options, fault)
 
 
 @pytest.mark.gpu1

@@ -78,12 +78,9 @@ def test_chunked_scan_in_the_forward_matches_the_default_path():
 
 @pytest.mark.gpu1
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_bf16_on_cuda_chunked_against_the_recurrence_and_under_cuda_graphs():
-    """bf16 on CUDA, where "auto" takes the chunked kernels: within bf16 noise of the recurrence, and the same
-    layout three times (eager, captured on the second sighting, replayed) captures without falling back and
-    repeats the eager numbers."""
-    import warnings
-
+def test_bf16_on_cuda_chunked_against_the_recurrence():
+    """bf16 on CUDA, where "auto" takes the chunked kernels: within bf16 noise of the recurrence, adapters and base
+    rows in one pack. (Their CUDA graphs replay bit for bit: tests/engines/triton/test_hybrid_graphs.py.)"""
     from lpdiff.harness.spec.resolve import resolve_model, zoo_adapters
 
     g = torch.Generator().manual_seed(8)
@@ -96,15 +93,10 @@ def test_bf16_on_cuda_chunked_against_the_recurrence_and_under_cuda_graphs():
             adapters={"mamba": zoo_adapters(ZOO)["mamba"]},
             dtype="bfloat16",
             device="cuda",
-            options={"mamba_scan": scan},
+            options={"mamba_scan": scan, "cuda_graphs": 0},
         )
-        with warnings.catch_warnings(record=True) as seen, open_engine("triton", cfg) as eng:
-            warnings.simplefilter("always")
-            runs[scan] = [eng.prompt_logprobs(prompts, choice, top_k=0) for _ in range(3)]
-        assert not [w for w in seen if "graph capture failed" in str(w.message)], scan
-        first, _, replayed = runs[scan]
-        print(f"{scan}: replay vs eager max |d| {_maxdiff(replayed, first):.3g}")
-        assert _maxdiff(replayed, first) <= 1e-3
-    d = _maxdiff(runs["auto"][0], runs["recurrence"][0])
+        with open_engine("triton", cfg) as eng:
+            runs[scan] = eng.prompt_logprobs(prompts, choice, top_k=0)
+    d = _maxdiff(runs["auto"], runs["recurrence"])
     print(f"chunked vs recurrence, bf16 logprobs: max |d| {d:.3g}")
     assert d <= 5e-2
