@@ -44,22 +44,22 @@ MODULES = ("ssd_chunk_state", "ssd_state_passing", "ssd_bmm", "ssd_chunk_scan")
 _LOADED: dict[bool, SimpleNamespace] = {}
 
 
+def _setenv(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextlib.contextmanager
 def _env(**values: str | None):
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _setenv(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _setenv(old)
 
 
 def _load_interpreted() -> SimpleNamespace:
