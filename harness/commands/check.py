@@ -283,14 +283,15 @@ def check_result(
     )
 
 
-def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec]) -> dict[str, str]:
-    """Lanes whose adapter ``lpdiff doctor`` says this engine refuses or computes wrongly (an error finding): not
-    served, reported with the doctor's message (e.g. SGLang has no LoRA for Qwen3.5's GDN projections)."""
+def refused_lanes(case: Case, engine: str, lanes: dict[str, AdapterSpec], verdict: str = "prefill") -> dict[str, str]:
+    """Lanes whose adapter ``lpdiff doctor`` says this engine refuses or computes wrongly (an error finding) in a
+    ``verdict`` ("prefill", or "decode": check_case_decode): not served, reported with the doctor's message (e.g.
+    SGLang has no LoRA for Qwen3.5's GDN projections)."""
     from lpdiff.harness.pipeline.doctor import refusals
 
     out = {}
     for lane, a in lanes.items():
-        if errors := refusals(case.spec, a.path, engine).errors:
+        if errors := refusals(case.spec, a.path, engine, verdict).errors:
             out[lane] = f"{errors[0].code}: {errors[0].message}"
     return out
 

@@ -284,17 +284,17 @@ def check_case_decode(
     reference with the correct file of its ``broken_from`` adapter (the prefill check's rule): it is expected to FAIL,
     every other lane to PASS (``DecodeResult.as_expected``)."""
     from lpdiff.engines.base import layouts_for
-    from lpdiff.harness.commands.check import served_files
-    from lpdiff.harness.pipeline.doctor import refusals
+    from lpdiff.harness.commands.check import refused_lanes, served_files
     from lpdiff.harness.pipeline.noise import REFERENCE_DTYPE
 
     layout = layouts_for(engine, case.spec.arch)[:1]
     lanes = served_files(case, engine, layout)
+    refused = refused_lanes(case, engine, lanes, "decode")
     served, ref_files, expected = {}, {}, {}
     for lane, spec in lanes.items():
         name, plan = lane.split(".")[0], case.plans[lane.split(".")[0]]
-        if errors := refusals(case.spec, spec.path, engine, "decode").errors:
-            log(f"[decode] {engine}: lane {name} not served ({errors[0].code})")
+        if lane in refused:
+            log(f"[decode] {engine}: lane {name} not served ({refused[lane]})")
             continue
         served[name] = AdapterSpec(name, spec.path)
         ref_files[name] = AdapterSpec(name, case.files[(plan.broken_from or name, "peft3d")].path)
