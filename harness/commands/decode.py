@@ -354,14 +354,12 @@ DECODE_CSV_COLUMNS = (
 
 def write_decode_csv(res: DecodeResult, path) -> None:
     """One row per lane (benchmarks/results/engines_gpu_decode.csv beside the check's engines_gpu.csv), appended to
-    ``path`` unless its header is another (``_refuse_another_header``)."""
+    ``path`` unless its header is another (report.append_csv)."""
     import datetime
-    from pathlib import Path
 
     from lpdiff.harness.pipeline.provenance import device_name, git_commit
     from lpdiff.harness.pipeline.report import append_csv
 
-    _refuse_another_header(Path(path))
     head = {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
@@ -400,26 +398,3 @@ def write_decode_csv(res: DecodeResult, path) -> None:
         for ln in res.lanes
     ]
     append_csv(path, DECODE_CSV_COLUMNS, rows)
-
-
-def _refuse_another_header(path) -> None:
-    """A file whose header is not DECODE_CSV_COLUMNS is refused before anything is written (rows of more columns
-    under a shorter header would be misread), naming the command that adds the missing columns."""
-    import shlex
-
-    from lpdiff.harness.spec.errors import InputError
-
-    if path.is_file() and path.stat().st_size:
-        with path.open(newline="") as f:
-            have = f.readline().rstrip("\r\n").split(",")
-        if have != list(DECODE_CSV_COLUMNS):
-            missing = [c for c in DECODE_CSV_COLUMNS if c not in have]
-            fix = (
-                "add the column(s) to its header: "
-                f"sed -i -E '1s/(\\r?)$/,{','.join(missing)}\\1/' {shlex.quote(str(path))}"
-                if have == list(DECODE_CSV_COLUMNS[: len(have)])
-                else "write to a new file"
-            )
-            raise InputError(
-                f"{path}: its header is not lpdiff's decode CSV columns ({', '.join(missing)} missing); {fix}"
-            )

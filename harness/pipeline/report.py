@@ -179,16 +179,38 @@ def verdict_summary(verdicts: Sequence[Verdict]) -> str:
 
 
 def append_csv(path: str | Path, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> Path:
-    """Append rows to a CSV (header written when the file is new); columns a row lacks stay empty."""
+    """Append rows to a CSV (header written when the file is new); columns a row lacks stay empty. A file whose
+    header is not ``columns`` is refused before anything is written (rows of more columns under a shorter header
+    would be misread), naming the command that adds the missing columns where its header is their prefix."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        _refuse_another_header(path, list(columns))
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="raise")
         if new:
             w.writeheader()
         w.writerows(rows)
     return path
+
+
+def _refuse_another_header(path: Path, columns: list[str]) -> None:
+    import shlex
+
+    from lpdiff.harness.spec.errors import InputError
+
+    with path.open(newline="") as f:
+        have = f.readline().rstrip("\r\n").split(",")
+    if have == columns:
+        return
+    missing = [c for c in columns if c not in have]
+    fix = (  # csv writes CRLF line ends: the new columns go before a line's \r
+        f"add the column(s) to its header: sed -i -E '1s/(\\r?)$/,{','.join(missing)}\\1/' {shlex.quote(str(path))}"
+        if have == columns[: len(have)]
+        else "write to a new file"
+    )
+    raise InputError(f"{path}: its header is not lpdiff's columns for it ({', '.join(missing)} missing); {fix}")
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

@@ -8,6 +8,7 @@ import pytest
 from lpdiff.engines.base import layouts_for
 from lpdiff.harness.commands import check
 from lpdiff.harness.pipeline import session
+from lpdiff.harness.spec.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,12 @@ def test_an_engine_that_fails_is_a_fail_with_its_message(case, store, tmp_path):
         rows = list(csv.DictReader(f))
     assert rows[0]["verdict"] == "FAIL" and "engine failed" in rows[0]["reasons"]
     assert rows[0]["engine_pair"] == "hf:bfloat16-vs-hf:float32"
+    # a file of another header (an older column set) is refused untouched (report.append_csv, every results CSV)
+    old = tmp_path / "old.csv"
+    old.write_text(",".join(check.CSV_COLUMNS[:-1]) + "\n")
+    with pytest.raises(InputError, match="to its header: sed "):
+        check.write_csv(res, old)
+    assert old.read_text() == ",".join(check.CSV_COLUMNS[:-1]) + "\n"
 
 
 def test_an_engine_judged_against_itself_names_its_options(case, store, monkeypatch):
