@@ -28,8 +28,6 @@ from lpdiff.kernels.ssd import causal_conv1d, discretise_dt, gated_rms_norm, ssd
 from lpdiff.kernels.ssd_chunked import ssd_scan_chunked
 from lpdiff.kernels.ssd_varlen import causal_conv1d_varlen, ssd_scan_varlen
 
-SCANS = ("recurrence", "chunked", "auto")
-
 
 def _rows(batch: Batch, t: torch.Tensor, across: bool) -> torch.Tensor:
     """(T, ...) packed -> (B, L_max, ...) one prompt per row; ``across``: the whole pack as one row (a fault)."""
@@ -51,9 +49,8 @@ def _group_sum(model, part: torch.Tensor) -> torch.Tensor:
 
 
 def scan_impl(option: str, h: torch.Tensor) -> str:
-    """The mamba_scan option -> "chunked" or "recurrence" for a run whose activations look like ``h``."""
-    if option not in SCANS:
-        raise ValueError(f"mamba_scan must be one of {', '.join(SCANS)}, got {option!r}")
+    """The mamba_scan option (one of options.MAMBA_SCAN, checked once by TritonOptions) -> "chunked" or
+    "recurrence" for a run whose activations look like ``h``."""
     if option == "auto":
         return "chunked" if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) else "recurrence"
     return option
