@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from benchmarks.bench_kernels import ceilings
 from lpdiff.kernels.ssd_chunked import ssd_scan_chunked
 from lpdiff.kernels.ssd_varlen import ssd_scan_varlen, ssd_scan_varlen_torch
 from tests.helpers.ssd import scan_inputs
@@ -54,19 +55,6 @@ def floor_ms(lens: list[int], m: dict, matmul_rate: float, bandwidth: float, el:
     flops = 2 * chunks * (g * c * n * c + h * (c * c * p + n * c * p + c * n * p))
     nbytes = T * (h * p + 2 * g * n) * el + T * h * 4 + T * h * p * el + 2 * chunks * h * n * p * el
     return 1e3 * max(flops / matmul_rate, nbytes / bandwidth)
-
-
-def measure_rates(device: str) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s, copy bytes/s read + write) on this GPU, each a do_bench median."""
-    import triton.testing
-
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ a, return_mode="median")
-    rate = 2 * 8192**3 / (ms * 1e-3)
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return rate, 2 * src.numel() / (ms * 1e-3)
 
 
 def run_layout(model: str, layout: str, device: str, dtype: torch.dtype, rates, timed: bool) -> list[dict]:
@@ -124,8 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return rows
     if not torch.cuda.is_available():
         raise SystemExit("bench_ssd times a GPU: run it where CUDA is available, or pass --check on a CPU")
-    rates = measure_rates("cuda")
-    print(f"bf16 matmul {rates[0] / 1e12:.0f} TFLOP/s, copy {rates[1] / 1e12:.2f} TB/s")
+    tflops, gbs = ceilings(print)  # the kernel benchmark's: bf16 matmul 8192^3, 1 GiB copy (read + write)
+    rates = (tflops * 1e12, gbs * 1e9)
     rows = []
     for lay in args.layouts.split(","):
         rows += run_layout(args.model, lay, "cuda", torch.bfloat16, rates, True)
