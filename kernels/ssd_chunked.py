@@ -11,12 +11,15 @@ Packed prompts: ``seq_idx`` (T,) gives each token's prompt. The kernels mask eve
 prompts (the intra-chunk C.B matrix, a chunk's state contribution, the state passed into the next chunk), so each
 prompt starts from a zero state although chunks are laid over the pack without regard to its boundaries.
 
-Rounding (why the runtime takes it for 16-bit runs only): x, B, C enter the dots in their own dtype, fp32 inputs at
-TF32 precision on a GPU (tl.dot's default: 10-bit mantissas), and the state handed from chunk to chunk is rounded to
-C's dtype (as upstream's mamba_chunk_scan_combined does), so fp32 runs would lose the 1e-4 parity with HF+PEFT that
-the fp32 recurrence holds (~1e-6). The interpreter's fp32 dots are exact: on CPU this path agrees with the fp32
-reference to ~1e-6 relative (tests/kernels/test_ssd_chunked.py). It cannot check 16-bit inputs on CPU: Triton 3.6's
-interpreter multiplies bf16/fp16 dot operands as raw bits (kernels._triton.dot_flags), so that is the gpu1 test's.
+Rounding: x, B, C enter the dots in their own dtype, and the state handed from chunk to chunk and y are rounded to
+C's and x's dtype (as upstream's mamba_chunk_scan_combined does): in bf16 ~1 ulp at the top of |y| (0.4 %), where the
+recurrence accumulates and returns fp32. fp32 inputs would enter tl.dot at TF32 on a GPU (its default, 10-bit
+mantissas: 1.9e-3 of max |y| at Nano's shapes), which would break the runtime's fp32 parity (~1e-6), so their compiled
+launches run with TRITON_F32_DEFAULT=ieee (dot_env). Triton reads it when it compiles; its on-disk cache key holds
+it, and its in-process cache keys on argument dtypes, whose fp32 variants are only ever compiled under it here. The
+interpreter's fp32 dots are exact: on CPU this path agrees with the fp32 reference to ~1e-6 relative
+(tests/kernels/test_ssd_chunked.py). It cannot check 16-bit inputs on CPU: Triton 3.6's interpreter multiplies
+bf16/fp16 dot operands as raw bits (kernels._triton.dot_flags), so that is the gpu1 test's.
 
 CPU tensors run a second copy of the kernels through the Triton interpreter (loaded with TRITON_INTERPRET=1 under its
 own module name, as kernels._triton.DualKernel does for lpdiff's kernels), each autotuner cut to one config through
@@ -107,6 +110,12 @@ def _cpu_device_guard(interpret: bool):
         torch.cuda.device = original  # type: ignore[misc]
 
 
+def dot_env(dtype: torch.dtype, interpret: bool) -> dict[str, str]:
+    """The environment a launch of the compiled kernels runs under: fp32 inputs get IEEE fp32 dots. bf16/fp16 runs
+    feed the dots only their own dtype (every operand is cast to x's or C's dtype first), so they are left alone."""
+    return {"TRITON_F32_DEFAULT": "ieee"} if dtype == torch.float32 and not interpret else {}
+
+
 def ssd_scan_chunked(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -133,7 +142,7 @@ def ssd_scan_chunked(
     B, C, D = (t if t.stride(-1) == 1 else t.contiguous() for t in (B, C, D))
     x4, dt3, B4, C4 = x[None], dt[None], B[None], C[None]
     s2 = seq_idx.to(torch.int32)[None]
-    with _cpu_device_guard(interpret):
+    with _cpu_device_guard(interpret), _env(**dot_env(x.dtype, interpret)):
         dA_cumsum, dt_chunks = ops.ssd_chunk_state._chunk_cumsum_fwd(dt3, A, chunk)
         states = ops.ssd_chunk_state._chunk_state_fwd(B4, x4, dt_chunks, dA_cumsum, seq_idx=s2, states_in_fp32=True)
         nchunks = states.shape[1]

@@ -87,6 +87,34 @@ def test_the_interpreted_copy_leaves_the_compiled_kernels_alone():
     assert ssd_chunked.vendored(False).ssd_chunk_scan is ssd_chunk_scan
 
 
+def test_fp32_launches_compile_ieee_dots(monkeypatch):
+    """fp32 on a GPU: the compiled launches run with TRITON_F32_DEFAULT=ieee (TF32 dots cost 1.9e-3 of max |y| at
+    Nano's shapes, the runtime's fp32 parity needs ~1e-6); 16-bit runs and the interpreter (exact fp32) keep
+    triton's default, and the caller's environment comes back as it was. The launch itself is interpreted here
+    (no GPU), with dot_env forced, to see that the kernels are launched inside the environment it names."""
+    import triton
+
+    assert ssd_chunked.dot_env(torch.float32, interpret=False) == {"TRITON_F32_DEFAULT": "ieee"}
+    assert ssd_chunked.dot_env(torch.bfloat16, interpret=False) == {}
+    assert ssd_chunked.dot_env(torch.float16, interpret=False) == {}
+    assert ssd_chunked.dot_env(torch.float32, interpret=True) == {}
+
+    seen = []
+    ops = ssd_chunked.vendored(True)
+    bmm = ops.ssd_bmm._bmm_chunk_fwd
+
+    def spy(*args, **kwargs):
+        seen.append(triton.knobs.language.fp32_default)
+        return bmm(*args, **kwargs)
+
+    monkeypatch.setattr(ops.ssd_bmm, "_bmm_chunk_fwd", spy)
+    monkeypatch.setattr(ssd_chunked, "dot_env", lambda dtype, interpret: {"TRITON_F32_DEFAULT": "ieee"})
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    s = scan_inputs([9, 4], h=2, p=4, g=1, n=8, seed=4)
+    ssd_scan_chunked(*s.args(), s.seq_idx, chunk=8)
+    assert seen == ["ieee"] and "TRITON_F32_DEFAULT" not in os.environ
+
+
 def _cuda() -> bool:
     return torch.cuda.is_available()
 
@@ -97,7 +125,9 @@ def _cuda() -> bool:
 def test_nemotron_nano_shapes_on_cuda(lens):
     """Nemotron-3-Nano's mixer (64 heads of 64, 8 groups, state 128, chunk 128), compiled: bf16 against the fp32
     reference on the same bf16 inputs (upstream hands chunk states on in bf16, and y is bf16), and against the
-    recurrence kernel; fp32 at TF32 dots, looser than the 1e-4 parity the engine keeps the recurrence for."""
+    recurrence kernel; fp32 with IEEE dots (dot_env) within 1e-4 of max |y|: ~1e-6 relative is expected (the CPU
+    test's exact dots), 1e-4 leaves room for the exp of cumulative-sum differences over 128-token chunks, and TF32
+    dots (seen 0.633 of max |y| 336, 1.9e-3 relative) would fail it."""
     s = scan_inputs(lens, h=64, p=64, g=8, n=128, dtype=torch.bfloat16, device="cuda", seed=3)
     ref = ssd_scan_varlen_torch(*(t.float() for t in s.args()), s.cu_seqlens, chunk=64)
     got = ssd_scan_chunked(*s.args(), s.seq_idx, chunk=128)
@@ -112,5 +142,5 @@ def test_nemotron_nano_shapes_on_cuda(lens):
     ref32 = ssd_scan_varlen_torch(*s32.args(), s32.cu_seqlens, chunk=64)
     got32 = ssd_scan_chunked(*s32.args(), s32.seq_idx, chunk=128)
     err32 = float((got32 - ref32).abs().max())
-    print(f"lens {lens}: fp32 (TF32 dots) chunked {err32:.3g} of max |y| {float(ref32.abs().max()):.3g}")
-    assert err32 <= 1e-2 * float(ref32.abs().max())
+    print(f"lens {lens}: fp32 (IEEE dots) chunked {err32:.3g} of max |y| {float(ref32.abs().max()):.3g}")
+    assert err32 <= 1e-4 * float(ref32.abs().max())
