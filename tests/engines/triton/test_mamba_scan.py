@@ -4,6 +4,7 @@ path, with adapters and base rows in one pack, and under the state_not_reset fau
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,6 +36,7 @@ def test_option_is_checked_and_defaults_to_the_recurrence():
         ("auto", True, torch.float32, "recurrence"),  # fp32 runs keep the 1e-4 parity with HF+PEFT
         ("auto", False, torch.bfloat16, "recurrence"),
         ("chunked", False, torch.float32, "chunked"),
+        ("chunked", True, torch.float32, "chunked"),  # asked for: IEEE dots (ssd_chunked.dot_env), not refused
         ("recurrence", True, torch.bfloat16, "recurrence"),
     ],
 )
@@ -78,25 +80,52 @@ def test_chunked_scan_in_the_forward_matches_the_default_path():
 
 @pytest.mark.gpu1
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_bf16_on_cuda_chunked_against_the_recurrence():
-    """bf16 on CUDA, where "auto" takes the chunked kernels: within bf16 noise of the recurrence, adapters and base
-    rows in one pack. (Their CUDA graphs replay bit for bit: tests/engines/triton/test_hybrid_graphs.py.)"""
+def test_on_cuda_each_scan_against_the_fp32_recurrence():
+    """Each scan on CUDA judged against the fp32 recurrence (the engine's fp32 parity path), in the harness's
+    metrics (k2 = 0.5 mean d^2, max |d|), adapters and base rows in one pack. (Their CUDA graphs replay bit for bit:
+    tests/engines/triton/test_hybrid_graphs.py.)
+
+    fp32 chunked (IEEE dots, kernels/ssd_chunked.dot_env): max |d| <= 1e-4, the parity the CPU test holds it to.
+
+    bf16: a correct chunked scan is judged by the bf16 recurrence's own deviation from fp32, since both share every
+    other bf16 rounding (matmuls, activations, router) and differ only in the scan's. Bound: chunked k2 <= 10x the
+    recurrence's. Why 10: on CPU, the bf16 torch forward with mamba_ssm's four bf16 roundings emulated in the scan
+    (the C.B scores, B * decay, the chunk states, y) gave k2 3.9e-3 against fp32 on these prompts, 6.5x the fp32
+    scan's 6.1e-4 (most of it from y handed on in bf16); 10x leaves 1.5x of that. And it can fail: the same bound
+    is asserted to be broken by the chunked scan under the state_not_reset fault (state crossing prompts; on CPU,
+    bf16, k2 1.65e-2 = 27x), so a broken seq_idx / initial state lands outside. max |d| is printed, not bounded:
+    on this tiny MoE (router margins ~5e-3, 78 % of positions near-ties at bf16's 4e-3) it is one routing flip's
+    size (CPU emulation 1.84, bf16 recurrence 0.22), not a measure of the scan."""
+    from lpdiff.harness.pipeline.metrics import compare
     from lpdiff.harness.spec.resolve import resolve_model, zoo_adapters
+    from lpdiff.harness.types import LogprobRun
 
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(1, 1024, (n,), generator=g).tolist() for n in (300, 17, 129, 64)]
     choice = ["mamba", None, "mamba", None]
-    runs = {}
-    for scan in ("recurrence", "auto"):
+
+    def run(dtype: str, scan: str, fault: str | None = None) -> LogprobRun:
         cfg = EngineConfig(
             model=resolve_model(ZOO),
             adapters={"mamba": zoo_adapters(ZOO)["mamba"]},
-            dtype="bfloat16",
+            dtype=dtype,
             device="cuda",
             options={"mamba_scan": scan, "cuda_graphs": 0},
         )
-        with open_engine("triton", cfg) as eng:
-            runs[scan] = eng.prompt_logprobs(prompts, choice, top_k=0)
-    d = _maxdiff(runs["auto"], runs["recurrence"])
-    print(f"chunked vs recurrence, bf16 logprobs: max |d| {d:.3g}")
-    assert d <= 5e-2
+        with open_engine("triton", cfg) as eng, faults.injected(fault) if fault else nullcontext():
+            return LogprobRun(eng.prompt_logprobs(prompts, choice, top_k=0))
+
+    ref = run("float32", "recurrence")
+    m = {
+        "fp32 chunked": compare(run("float32", "chunked"), ref),
+        "bf16 recurrence": compare(run("bfloat16", "recurrence"), ref),
+        "bf16 chunked": compare(run("bfloat16", "chunked"), ref),
+        "bf16 chunked, state_not_reset": compare(run("bfloat16", "chunked", "state_not_reset"), ref),
+    }
+    for name, x in m.items():
+        print(f"{name} vs fp32 recurrence: k2 {x.k2:.3g}, max |d| {x.max_abs:.3g}, mean |d| {x.mean_abs:.3g}")
+    rec, chunked, broken = (m[k].k2 for k in ("bf16 recurrence", "bf16 chunked", "bf16 chunked, state_not_reset"))
+    print(f"bf16 k2 ratio to the recurrence's: chunked {chunked / rec:.3g}, under the fault {broken / rec:.3g}")
+    assert m["fp32 chunked"].max_abs <= 1e-4
+    assert chunked <= 10 * rec
+    assert broken > 10 * rec
