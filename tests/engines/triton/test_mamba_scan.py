@@ -88,14 +88,15 @@ def test_on_cuda_each_scan_against_the_fp32_recurrence():
     fp32 chunked (IEEE dots, kernels/ssd_chunked.dot_env): max |d| <= 1e-4, the parity the CPU test holds it to.
 
     bf16: a correct chunked scan is judged by the bf16 recurrence's own deviation from fp32, since both share every
-    other bf16 rounding (matmuls, activations, router) and differ only in the scan's. Bound: chunked k2 <= 10x the
-    recurrence's. Why 10: on CPU, the bf16 torch forward with mamba_ssm's four bf16 roundings emulated in the scan
-    (the C.B scores, B * decay, the chunk states, y) gave k2 3.9e-3 against fp32 on these prompts, 6.5x the fp32
-    scan's 6.1e-4 (most of it from y handed on in bf16); 10x leaves 1.5x of that. And it can fail: the same bound
-    is asserted to be broken by the chunked scan under the state_not_reset fault (state crossing prompts; on CPU,
-    bf16, k2 1.65e-2 = 27x), so a broken seq_idx / initial state lands outside. max |d| is printed, not bounded:
-    on this tiny MoE (router margins ~5e-3, 78 % of positions near-ties at bf16's 4e-3) it is one routing flip's
-    size (CPU emulation 1.84, bf16 recurrence 0.22), not a measure of the scan."""
+    other bf16 rounding (matmuls, activations, router) and differ only in the scan's. Bound: chunked mean |d| <= 1.5x
+    the recurrence's. Why 1.5: on CPU, the bf16 torch forward with mamba_ssm's four bf16 roundings emulated in the
+    scan (the C.B scores, B * decay, the chunk states, y) had mean |d| against fp32 0.97-1.12x the fp32 scan's over
+    five prompt sets (1.12x on these prompts: 0.0289 vs 0.0259). And it can fail: the same bound is asserted to be
+    broken by the chunked scan under the state_not_reset fault (state crossing prompts; on CPU, bf16, 2.5x), so a
+    broken seq_idx / initial state lands outside. k2 and max |d| are printed, not bounded: on this tiny MoE (router
+    margins ~5e-3, 78 % of positions near-ties at bf16's 4e-3) they follow single positions (the emulation's k2
+    ratio was 0.84-6.5x over the five sets, one position moving 1.84 on these prompts; the bf16 recurrence's own
+    max |d| reached 2.22 on another set), so the GPU's max |d| 1.2 between the two scans is within that noise."""
     from lpdiff.harness.pipeline.metrics import compare
     from lpdiff.harness.spec.resolve import resolve_model, zoo_adapters
     from lpdiff.harness.types import LogprobRun
@@ -124,8 +125,9 @@ def test_on_cuda_each_scan_against_the_fp32_recurrence():
     }
     for name, x in m.items():
         print(f"{name} vs fp32 recurrence: k2 {x.k2:.3g}, max |d| {x.max_abs:.3g}, mean |d| {x.mean_abs:.3g}")
-    rec, chunked, broken = (m[k].k2 for k in ("bf16 recurrence", "bf16 chunked", "bf16 chunked, state_not_reset"))
-    print(f"bf16 k2 ratio to the recurrence's: chunked {chunked / rec:.3g}, under the fault {broken / rec:.3g}")
+    names = ("bf16 recurrence", "bf16 chunked", "bf16 chunked, state_not_reset")
+    rec, chunked, broken = (m[k].mean_abs for k in names)
+    print(f"bf16 mean |d| ratio to the recurrence's: chunked {chunked / rec:.3g}, under the fault {broken / rec:.3g}")
     assert m["fp32 chunked"].max_abs <= 1e-4
-    assert chunked <= 10 * rec
-    assert broken > 10 * rec
+    assert chunked <= 1.5 * rec
+    assert broken > 1.5 * rec
