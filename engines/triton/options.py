@@ -31,7 +31,7 @@ class TritonOptions:
     # times both), at a cost: they round chunk states and y to bf16 (~1 ulp at the top of |y|, where the recurrence
     # is ~1e-6 off). End to end that is not an order of magnitude: a CPU emulation of those roundings in the zoo's
     # tiny-nemotron-h, bf16, moved the forward's mean |d| against fp32 by 0.97-1.12x the recurrence's over five prompt
-    # sets, its k2 by 0.84-6.5x (single positions); the gpu1 test test_mamba_scan::
+    # sets, its k2 by 0.84-6.5x (single positions; benchmarks/ssd_rounding_noise.py); the gpu1 test test_mamba_scan::
     # test_on_cuda_each_scan_against_the_fp32_recurrence measures the real kernels.
     mamba_scan: str = "recurrence"
 
