@@ -5,14 +5,15 @@ Shapes: T tokens, K top-k, E experts, H hidden, I expert width, R max rank, L ad
 expert) pairs, M padded rows (pairs grouped by (expert, adapter slot), each group padded to BLOCK_M; moe_align.py).
 
 Per layer: alignment (a memset and three small kernels, no host sync), the gate_up GEMM, the down GEMM, and a sum
-over the K copies of each token. Each GEMM carries its LoRA expand as one more dot and its epilogue adds bias,
-activation (gate_up) or top-k weight (down). Its shrink X A^T (lora_shrink "once", the default) is a launch of its
-own before the GEMM, once per row block, into a (M, R) buffer S in X's dtype; "fused" runs it as one more narrow dot
-per K step on the X tile already in shared memory instead: no launch and no S, but redone by each program of a row
-block (6 for Qwen3's gate_up, 8 for its down) and its A tile takes pipeline stages; GemmConfig.n_tiles lets a
-program walk several N tiles of its row block and shrink only on the first (the redundancy drops to 1/n_tiles). The
-bug zoo's kernel faults live in the fused branch. Top-k slots of a token sit in different groups, so their sum is a
-separate deterministic reduction rather than atomics (reruns are bit-identical).
+over the K copies of each token. Each GEMM carries its LoRA expand as one more dot, starts its sum from the bias
+(gemm_tiles._acc_start) and its epilogue applies the activation (gate_up) or top-k weight (down). Its shrink X A^T
+(lora_shrink "once", the default) is a launch of its own before the GEMM, once per row block, into a (M, R) buffer
+S in X's dtype; "fused" runs it as one more narrow dot per K step on the X tile already in shared memory instead:
+no launch and no S, but redone by each program of a row block (6 for Qwen3's gate_up, 8 for its down) and its A
+tile takes pipeline stages; GemmConfig.n_tiles lets a program walk several N tiles of its row block and shrink only
+on the first (the redundancy drops to 1/n_tiles). The bug zoo's kernel faults live in the fused branch. Top-k slots
+of a token sit in different groups, so their sum is a separate deterministic reduction rather than atomics (reruns
+are bit-identical).
 Measured timings and the roofline analysis: benchmarks/results/kernels.md.
 """
 

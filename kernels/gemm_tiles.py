@@ -61,6 +61,29 @@ def _bias_rows(Bias, e, wrow, N, stride_b, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _acc_start(
+    Bias, e, wrow, N, stride_b, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, WN: tl.constexpr
+):
+    """The accumulator's starting value (acc, acc_up; SPLIT: the up rows', else acc again), (BM, WN) fp32: the bias
+    of the program's columns broadcast over its rows, or zeros. The bias is the first term of every variant's sum,
+    before any product: added after the K-loop, it would round as (sum) + bias where the loop runs, but Triton's
+    combine pass rewrites dot(x, w, 0) + bias into dot(x, w, bias) where a one-step K-loop (Kdim <= BLOCK_K) is
+    folded away, so a row would round differently in a launch whose loop is not folded (LORA 2's expand "loop"
+    adds steps): on an H200 in fp32, tiny gpt-oss's down GEMM (Kdim 40) moved base rows' expert outputs by up to
+    2.4e-7 beside adapter rows. tests/kernels/test_gemm_bias_start.py checks the accumulators compiled for sm90."""
+    if HAS_BIAS:
+        bias, bias_up = _bias_rows(Bias, e, wrow, N, stride_b, SPLIT)
+        acc = tl.broadcast_to(bias[None, :], (BM, WN))  # exact: no add, so a bias of -0.0 stays -0.0
+        acc_up = acc
+        if SPLIT:
+            acc_up = tl.broadcast_to(bias_up[None, :], (BM, WN))
+    else:
+        acc = tl.zeros((BM, WN), dtype=tl.float32)
+        acc_up = acc
+    return acc, acc_up
+
+
+@triton.jit
 def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_o, OUT_SORTED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Offsets and mask of a program's (BLOCK_M, BLOCK_N) output tile: padded rows in place, or scattered back
     to their pair's row."""

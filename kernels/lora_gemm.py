@@ -23,8 +23,8 @@ from lpdiff.kernels.gemm_config import GemmConfig, gemm_tma, half_tail, launch_e
 from lpdiff.kernels.gemm_tiles import (
     GemmStrides,
     Tile,
+    _acc_start,
     _b_tiles,
-    _bias_rows,
     _k_loop,
     _k_loop_expand,
     _out_tile,
@@ -107,10 +107,10 @@ def _grouped_gemm_kernel(
     FAULT: 0 always, except bug-zoo runs (KERNEL_FAULTS; kernels/faults.py).
     ADD_TO_OUT (dense layers after a cuBLAS base GEMM; LORA 2, K_TILES 0): Out[rows, n] += the LoRA delta in
     place; blocks without an adapter neither read nor write Out.
-    PREFETCH: the epilogue's operands (LORA 2's S and B tiles when there is one slice, the bias unless LORA 1
-    walks several tiles, the top-k weights) are loaded before the K-loop, so that their latency hides behind it
-    instead of stalling every program after its last MMA; off, they are loaded where they are used (the A/B in
-    bench_kernels.py).
+    HAS_BIAS: the bias is the accumulator's starting value, before any product, in every variant (_acc_start).
+    PREFETCH: the epilogue's operands (LORA 2's S and B tiles when there is one slice, the top-k weights) are
+    loaded before the K-loop, so that their latency hides behind it instead of stalling every program after its
+    last MMA; off, they are loaded where they are used (the A/B in bench_kernels.py).
     TMA (LORA 0 or 2, no ADD_TO_OUT): W is a host tensor descriptor over (E, N_w, Kdim) with blocks
     (1, BLOCK_N, BLOCK_K), its tiles come by TMA (rows or K past the end zero-filled). GATED then loads the gate
     block [n0, n0 + BLOCK_N) and the up block N rows further as two tiles into two accumulators (SPLIT): no
@@ -146,9 +146,6 @@ def _grouped_gemm_kernel(
     LOOP: tl.constexpr = EXPAND == 2  # the expand as the K-loop's first step (launch_expand says where it can)
     EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1 and not LOOP
     FIRST: tl.constexpr = EARLY_S and EXPAND == 1  # the expand before the K-loop
-    # LORA 1 over several tiles holds S in registers through the later K-loops: the bias waits for the epilogue
-    # (compiled for sm90, gpt-oss's down GEMM spilled with both held)
-    EARLY_BIAS: tl.constexpr = HAS_BIAS and PREFETCH and not (LORA == 1 and N_TILES > 1)
     a_safe = tl.maximum(a, 0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < 0
@@ -193,7 +190,7 @@ def _grouped_gemm_kernel(
                         + offs_r[:, None] * stride_lbr
                         + wrow[None, :] * stride_lbn
                     )
-                    # this tile's LoRA B tile (and bias), issued before its K-loop so their latency hides behind it
+                    # this tile's LoRA B tile, issued before its K-loop so that its latency hides behind it
                     if LORA == 1:
                         # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
                         if FAULT == 4:
@@ -208,18 +205,14 @@ def _grouped_gemm_kernel(
                             bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
                     if EARLY_S:
                         bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
-                    if EARLY_BIAS:
-                        bias, bias_up = _bias_rows(Bias, e, wrow, N, strides.bias, SPLIT)
                     if (
                         ADD_TO_OUT
                     ):  # the accumulator starts from the base output already in Out, and the K-loop is empty
                         o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, strides.out, OUT_SORTED, BLOCK_N)
                         acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
-                    else:
-                        acc = tl.zeros((BM, WN), dtype=tl.float32)  # SPLIT: the gate columns
-                    acc_up = acc
-                    if SPLIT:
-                        acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+                        acc_up = acc
+                    else:  # SPLIT: acc the gate columns, acc_up the up columns
+                        acc, acc_up = _acc_start(Bias, e, wrow, N, strides.bias, HAS_BIAS, SPLIT, BM, WN)
                     if FIRST:  # noqa: SIM102 - a constexpr if around a runtime one
                         if a >= 0:
                             acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
@@ -289,12 +282,6 @@ def _grouped_gemm_kernel(
                                     if SPLIT:
                                         acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
 
-                    if HAS_BIAS:
-                        if not EARLY_BIAS:
-                            bias, bias_up = _bias_rows(Bias, e, wrow, N, strides.bias, SPLIT)
-                        acc += bias[None, :]
-                        if SPLIT:
-                            acc_up += bias_up[None, :]
                     if SPLIT:
                         h = _act(acc, acc_up, ACT)
                     elif GATED:

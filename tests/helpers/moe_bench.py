@@ -255,17 +255,12 @@ def record_launches(fn) -> list[tuple]:
     return launches
 
 
-def compile_sm90(kernel, args, kwargs) -> dict:
+def sm90_compiled(kernel, args, kwargs):
     """One recorded launch compiled for sm90 with the JIT's own argument specialization (pointers and ints
-    divisible by 16, ints equal to 1 as constants; Triton 3.6 internals), no GPU needed; ptxas -v gives the
-    registers and spills, the TTGIR which loads are TMA / cp.async and whether the dots are wgmma."""
-    import re
-    import subprocess
-    import tempfile
-
+    divisible by 16, ints equal to 1 as constants; Triton 3.6 internals), no GPU needed: Triton's compiled kernel,
+    its IR of every stage in .asm (ttir, ttgir, llir, ptx)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -276,11 +271,23 @@ def compile_sm90(kernel, args, kwargs) -> dict:
         kwargs.update(UPCAST=False, DOT_PREC="tf32")
     bound, spec, options = create_function_from_signature(jf.signature, jf.params, backend)(*args, **kwargs)
     options, sig, const, attrs = jf._pack_args(backend, kwargs, bound, spec, options)
-    k = triton.compile(
+    return triton.compile(
         ASTSource(jf, sig, const, attrs),
         target=target,
         options=dict(num_warps=options.num_warps, num_stages=options.num_stages),
     )
+
+
+def compile_sm90(kernel, args, kwargs) -> dict:
+    """One recorded launch compiled for sm90 (sm90_compiled); ptxas -v gives the registers and spills, the TTGIR
+    which loads are TMA / cp.async and whether the dots are wgmma."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    k = sm90_compiled(kernel, args, kwargs)
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(k.asm["ptx"])
