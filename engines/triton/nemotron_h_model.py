@@ -55,8 +55,21 @@ class NemotronHModel:
     def linear(self, x: torch.Tensor, lin: Linear, batch: Batch) -> torch.Tensor:
         if lin.a is None or batch.token_adapter is None or self.lora is None:
             return lora_linear(x, lin.w, lin.bias, impl=self.impl)
+        # B packed once per session and the slot mask once per batch: the same operands lora_linear's cublas path
+        # would otherwise rebuild on every call (each row still computes every slot's shrink columns, so the
+        # arithmetic, and every bit of the output, are what they were)
         return lora_linear(
-            x, lin.w, lin.bias, lin.a, lin.b, self.lora.scaling, None, batch.token_adapter, impl=self.lora_impl
+            x,
+            lin.w,
+            lin.bias,
+            lin.a,
+            lin.b,
+            self.lora.scaling,
+            None,
+            batch.token_adapter,
+            impl=self.lora_impl,
+            b_packed=lin.b_packed,
+            slot_mask=batch.slot_mask(lin.a.shape[0], x.dtype),
         )
 
     def _norm(self, x, delta, weight):

@@ -24,6 +24,7 @@ from lpdiff.engines.triton.lora import AdapterSlots, sharded_moe_lora
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.kernels import MoeLoraWeights, faults
+from lpdiff.kernels.lora_linear import pack_lora_b
 
 Tensor = torch.Tensor
 KINDS = {"linear_attention": "M", "full_attention": "*", "attention": "*", "moe": "E", "mlp": "-", "mamba": "M"}
@@ -136,6 +137,9 @@ class Linear:
     index: Tensor | None = None
     a: Tensor | None = None  # (L, 1, R, in_loc)
     b: Tensor | None = None  # (L, out_loc, R)
+    # kernels.lora_linear.pack_lora_b(b, scaling): built once when the adapters are stacked, so that a forward does
+    # not repack it per call (5 small kernels per LoRA linear, 20 per attention layer in a replayed graph)
+    b_packed: Tensor | None = None  # (out_loc, L*R)
 
 
 @dataclass(slots=True)
@@ -315,7 +319,7 @@ class HybridLora(AdapterSlots):
     def nbytes(self) -> int:
         ts = []
         for lay in self.weights.layers:
-            ts += [t for m in lay.mods.values() for t in (m.a, m.b) if t is not None]
+            ts += [t for m in lay.mods.values() for t in (m.a, m.b, m.b_packed) if t is not None]
             if lay.moe_lora is not None:
                 m = lay.moe_lora
                 ts += [m.gate_up_a, m.gate_up_b, m.down_a, m.down_b]
@@ -387,6 +391,7 @@ def stack_adapters(
                 else:
                     a = a.index_select(3, lin.index)
             lin.a, lin.b = a.contiguous(), b.contiguous()
+            lin.b_packed = pack_lora_b(lin.b, scaling, None, R)
         hits = [(s, e) for s, (_, e) in enumerate(parsed) if any(k[0] == i for k in e)]
         if not hits:
             continue
