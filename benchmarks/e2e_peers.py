@@ -40,6 +40,14 @@ FAST: dict[str, dict] = {
     "vllm": {"enforce_eager": False},  # vLLM's default level: torch.compile + CUDA graphs (module docstring)
     "sglang": {"server_args": {"disable_cuda_graph": False}},
 }
+# On a GPU each peer runs alone, at full depth: the engines' own memory shares (vLLM 0.6 of the GPU, SGLang's static
+# 0.5, sized for the suite's engines beside others) hold neither Qwen3.5-35B-A3B's 69.3 GB of bf16 weights with its
+# LoRA slots nor Nemotron-3-Super's 116.0 GB at 43 layers (benchmarks/sol_hybrid.weight_bytes); 0.85 leaves ~21 GiB
+# of an H200 for the full-vocabulary prompt logits (8 x 512 x 248k fp32: 4.1 GB) and the engines' workspaces
+GPU_MEMORY: dict[str, dict] = {
+    "vllm": {"gpu_memory_utilization": 0.85},
+    "sglang": {"server_args": {"mem_fraction_static": 0.85}},
+}
 _WHERE = ("python", "lane", "lane_env", "checkpoint_dir")  # where an engine runs and loads from, not how it computes
 
 
@@ -63,10 +71,16 @@ def parse_engine_options(items: list[str]) -> dict[str, dict]:
 
 
 def peer_options(engine: str, overrides: dict | None = None) -> dict:
-    """Where the engine runs (the environment, as the harness reads it), FAST, then the caller's overrides."""
+    """Where the engine runs (the environment, as the harness reads it), FAST (and GPU_MEMORY on a GPU), then the
+    caller's overrides; an option holding a dict (server_args, llm_kwargs, env) is merged key by key, so that
+    LPDIFF_SGLANG_OPTIONS' server_args keep their fields beside FAST's."""
     from lpdiff.harness.pipeline.session import engine_options
 
-    return {**engine_options(engine), **FAST[engine], **(overrides or {})}
+    out: dict = {}
+    for layer in (engine_options(engine), FAST[engine], GPU_MEMORY[engine] if device() == "cuda" else {}, overrides):
+        for k, v in (layer or {}).items():
+            out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def settings_text(opts: dict, version: str = "") -> str:

