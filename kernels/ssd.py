@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lpdiff.kernels import gated_norm
+
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = "silu"
@@ -122,15 +124,10 @@ def gated_rms_norm(
     sum_squares=None,
 ) -> torch.Tensor:
     """Mamba-2's output norm: RMSNorm over each ``group_size`` columns of x * silu(z), in fp32, times weight.
-    x (..., N) (the scan's fp32 output), z (..., N) the gate, weight (N,). As transformers' Zamba2RMSNormGated
+    x (..., N) (the scan's output), z (..., N) the gate, weight (N,). As transformers' Zamba2RMSNormGated
     (which NemotronH's mixer uses): the normalised value is cast to x's dtype before the weight multiplies it.
     A group wider than N (one tensor-parallel rank's share of it): ``sum_squares`` maps this share's (...,) sum of
-    squares to the whole group's (an all-reduce over the ranks that share the group)."""
-    h = x.float() * F.silu(z.float())
-    shape = h.shape
-    if shape[-1] < group_size:
-        mean = sum_squares(h.pow(2).sum(-1)) / group_size
-        return (weight * (h * torch.rsqrt(mean[..., None] + eps)).to(x.dtype)).to(out_dtype)
-    hg = h.view(*shape[:-1], shape[-1] // group_size, group_size)
-    hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * hg.view(shape).to(x.dtype)).to(out_dtype)
+    squares to the whole group's (an all-reduce over the ranks that share the group). On CUDA with whole groups one
+    fused pass (kernels/gated_norm.py: rounded once, about one ulp from the chain in bf16), otherwise the torch
+    chain (gate_then_norm_torch)."""
+    return gated_norm.gate_then_norm(x, z, weight, group_size, eps, out_dtype, sum_squares)
