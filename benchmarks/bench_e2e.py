@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from lpdiff.engines.triton.options import ATTENTION
+from lpdiff.engines.triton.options import ATTENTION, MAMBA_SCAN
 from lpdiff.engines.triton.options import DEFAULTS as OPTIONS
 from lpdiff.kernels.fused_moe_lora import MOE_EXPAND
 from lpdiff.kernels.gemm_config import EXPAND
@@ -155,6 +155,7 @@ def impl_name(
     padding: str = OPTIONS["moe_padding"],
     expand: str = MOE_EXPAND,
     attention: str = OPTIONS["attention"],
+    scan: str = OPTIONS["mamba_scan"],
 ) -> str:
     return (
         ("triton" if backend == "triton" else f"triton+{backend}")
@@ -163,6 +164,7 @@ def impl_name(
         + ("" if padding == OPTIONS["moe_padding"] else f"@pad:{padding}")
         + ("" if expand == MOE_EXPAND else f"@expand:{expand}")
         + ("" if attention == OPTIONS["attention"] else f"@attn:{attention}")
+        + ("" if scan == OPTIONS["mamba_scan"] else f"@scan:{scan}")
     )
 
 
@@ -311,6 +313,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=[OPTIONS["attention"]],
         choices=ATTENTION,
         help="the triton engine's attention option(s) (engines/triton/attention.py), each timed in this run",
+    )
+    p.add_argument(
+        "--mamba-scan",
+        nargs="+",
+        default=[OPTIONS["mamba_scan"]],
+        choices=MAMBA_SCAN,
+        help="Nemotron-H: the triton engine's mamba_scan option(s) (engines/triton/mamba.py), each timed in this run "
+        "(impl ...@scan:<value>; auto = mamba_ssm's chunked kernels in bf16 on a GPU); other models run the default",
     )
     p.add_argument(
         "--moe-backend",

@@ -136,36 +136,40 @@ class Run:
         """CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"; and each
         --moe-shrink value (the engine's moe_lora_shrink option; impl "...@<value>" unless the default), --moe-padding
         value (moe_padding; "...@pad:<value>"), --moe-expand value (fused_moe_lora.MOE_EXPAND while that engine runs;
-        "...@expand:<value>") and --attention value (the engine's attention option; "...@attn:<value>"). A runtime
+        "...@expand:<value>"), --attention value (the engine's attention option; "...@attn:<value>") and, on Nemotron-H,
+        --mamba-scan value (mamba_scan; "...@scan:<value>"; other models run the default only). A runtime
         that captures no graph (the hybrids' runtimes, and any runtime on a CPU) runs its graphs-on variant eagerly:
         its rows say "-eager", and the graphs-off variant of the same options is not timed twice."""
         args = self.args
+        scans = args.mamba_scan if self.spec.arch == "nemotron_h" else [OPTIONS["mamba_scan"]]
         variants = [
-            (b, g, sh, pad, ex, at)
+            (b, g, sh, pad, ex, at, sc)
             for b in args.moe_backend
             for sh in args.moe_shrink
             for pad in args.moe_padding
             for ex in args.moe_expand
             for at in args.attention
+            for sc in scans
             for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]
         ]
-        for backend, graphs, shrink, padding, expand, attn in variants:
-            impl = impl_name(backend, graphs, shrink, padding, expand, attn)
-            eager = impl_name(backend, False, shrink, padding, expand, attn)
+        for backend, graphs, shrink, padding, expand, attn, scan in variants:
+            impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan)
+            eager = impl_name(backend, False, shrink, padding, expand, attn, scan)
             if not graphs and (eager, None) in self.results:
                 log(f"{impl}: already timed (the graphs-on variant ran eagerly)")
                 continue
-            first = (shrink, padding, expand, attn) == (
+            first = (shrink, padding, expand, attn, scan) == (
                 args.moe_shrink[0],
                 args.moe_padding[0],
                 args.moe_expand[0],
                 args.attention[0],
+                scans[0],
             )
             names = [impl, impl]  # the rows' impl, renamed by triton() when the runtime captures no graph
-            self.guarded(names, self.triton, backend, graphs, shrink, padding, expand, attn, first, names)
+            self.guarded(names, self.triton, backend, graphs, shrink, padding, expand, attn, scan, first, names)
             fm.MOE_EXPAND = MOE_EXPAND
 
-    def triton(self, backend, graphs, shrink, padding, expand, attn, first: bool, names: list) -> None:
+    def triton(self, backend, graphs, shrink, padding, expand, attn, scan, first: bool, names: list) -> None:
         from benchmarks import e2e_peers
         from lpdiff.engines.triton import TritonEngine
 
@@ -176,8 +180,9 @@ class Run:
             "moe_lora_shrink": shrink,
             "moe_padding": padding,
             "attention": attn,
+            "mamba_scan": scan,
         }
-        impl = impl_name(backend, graphs, shrink, padding, expand, attn)
+        impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan)
         fm.MOE_EXPAND = expand
         t0 = time.perf_counter()
         cfg = EngineConfig(
@@ -187,9 +192,9 @@ class Run:
             startup = round(time.perf_counter() - t0, 1)
             rt = tr.runtime
             if graphs and rt.graphs is None:
-                impl = names[0] = names[1] = impl_name(backend, False, shrink, padding, expand, attn)
+                impl = names[0] = names[1] = impl_name(backend, False, shrink, padding, expand, attn, scan)
                 log(f"the {rt.cfg.arch} runtime on {DEVICE} captures no CUDA graph: {impl}")
-            settings = e2e_peers.settings_text({**opts, "moe_expand": expand})
+            settings = e2e_peers.settings_text({**opts, "moe_expand": expand, **resolved_kernels(rt)})
             self.bytes = wbytes, lbytes = rt.weights.nbytes(), rt.lora.nbytes()
             log(
                 f"{impl} loaded in {startup} s: weights {wbytes / 1e9:.2f} GB, LoRA {lbytes / 1e9:.2f} GB"
@@ -264,6 +269,21 @@ class Run:
             if peer_lora:
                 summary["speedup_vs_fastest_peer"] = round(lora / max(peer_lora), 2)
             log("SUMMARY", summary)
+
+
+def resolved_kernels(rt) -> dict:
+    """What the runtime's "auto" choices came to for this run, for the rows' settings: Qwen3.5's Gated DeltaNet
+    (fla-core's kernels where importable, the torch form otherwise) and Nemotron-H's SSD scan."""
+    h = torch.empty(0, dtype=rt.dtype, device=rt.device)
+    if rt.cfg.arch.startswith("qwen3_5"):
+        from lpdiff.engines.triton.gdn import resolve
+
+        return {"gdn": resolve(rt.model.gdn_impl, h)}
+    if rt.cfg.arch == "nemotron_h":
+        from lpdiff.engines.triton.mamba import scan_impl
+
+        return {"mamba_scan_ran": scan_impl(rt.model.mamba_scan, h)}
+    return {}
 
 
 def bench_peers(spec, adapter, prompts, peers, args, work: Path, row, results: dict, outs: dict) -> None:
