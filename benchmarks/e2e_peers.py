@@ -48,7 +48,8 @@ GPU_MEMORY: dict[str, dict] = {
     "vllm": {"gpu_memory_utilization": 0.85},
     "sglang": {"server_args": {"mem_fraction_static": 0.85}},
 }
-_WHERE = ("python", "lane", "lane_env", "checkpoint_dir")  # where an engine runs and loads from, not how it computes
+# where an engine runs and loads from, and how long its lane may take (lane_start_timeout_s, ...): not how it computes
+_WHERE = ("python", "lane", "lane_env", "lane_start_timeout_s", "lane_call_timeout_s", "lane_log", "checkpoint_dir")
 
 
 def parse_engine_options(items: list[str]) -> dict[str, dict]:
@@ -216,6 +217,11 @@ def bench_peer(
         device=device(),
         options=opts,
     )
+    if device() == "cuda":  # what the engine's share (GPU_MEMORY) is asked of: this process's leftovers show here
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        log(f"{engine}: starting with {free / 2**30:.1f} of {total / 2**30:.1f} GiB of the GPU free")
     t0 = time.perf_counter()
     startup = None
     try:

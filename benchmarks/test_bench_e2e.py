@@ -163,6 +163,8 @@ def test_peer_options_merge_dict_options_and_size_memory_for_a_peer_alone_on_the
     got = e2e_peers.peer_options("vllm", {"llm_kwargs": {"max_model_len": 4096}})
     assert got["gpu_memory_utilization"] == 0.85
     assert got["llm_kwargs"] == {"kv_cache_memory_bytes": 17179869184, "max_model_len": 4096}
+    # a lane's time limit is where it runs, not how it computes: not in the rows' settings
+    assert e2e_peers.settings_text({**got, "lane_start_timeout_s": 420}) == e2e_peers.settings_text(got)
 
 
 @pytest.mark.parametrize(
