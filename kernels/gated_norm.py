@@ -136,11 +136,13 @@ def gated_rms_norm_triton(
     return out
 
 
-def norm_then_gate(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's gated norm: x, gate (..., h, d), weight (d,) -> (..., h, d) in x's dtype. Fused on CUDA (the
-    heads' columns as one row of h groups of d, weight repeated per head: h * d elements), the torch chain
-    otherwise."""
-    if not x.is_cuda or x.dim() < 2:
+def norm_then_gate(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool | None = None
+) -> torch.Tensor:
+    """Qwen3.5's gated norm: x, gate (..., h, d), weight (d,) -> (..., h, d) in x's dtype. Fused (``fused``; None:
+    on CUDA tensors) as one row of h groups of d per token, weight repeated per head (h * d elements); the torch
+    chain otherwise."""
+    if not (x.is_cuda if fused is None else fused) or x.dim() < 2:
         return norm_then_gate_torch(x, gate, weight, eps)
     h, d = x.shape[-2:]
     out = gated_rms_norm_triton(x.reshape(-1, h * d), gate.reshape(-1, h * d), weight.repeat(h), d, eps, True, x.dtype)
@@ -155,10 +157,11 @@ def gate_then_norm(
     eps: float,
     out_dtype: torch.dtype,
     sum_squares: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
-    """Nemotron-H's gated norm (gate_then_norm_torch's map): fused on CUDA when each group lies within the columns
-    given; a group split over tensor-parallel ranks and CPU tensors take the torch chain."""
-    if not x.is_cuda or x.shape[-1] < group_size:
+    """Nemotron-H's gated norm (gate_then_norm_torch's map): fused (``fused``; None: on CUDA tensors) when each
+    group lies within the columns given; a group split over tensor-parallel ranks takes the torch chain."""
+    if not (x.is_cuda if fused is None else fused) or x.shape[-1] < group_size:
         return gate_then_norm_torch(x, z, weight, group_size, eps, out_dtype, sum_squares)
     N = x.shape[-1]
     out = gated_rms_norm_triton(x.reshape(-1, N), z.reshape(-1, N), weight, group_size, eps, False, out_dtype)

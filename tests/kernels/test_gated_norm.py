@@ -132,6 +132,22 @@ def test_cpu_tensors_keep_the_torch_chains():
         assert torch.equal(got_q, want_q) and torch.equal(got_n, want_n), dtype
 
 
+def test_the_entry_points_reshape_for_the_kernel():
+    """What the engines call, with the kernel forced on CPU (interpreted): Qwen3.5's (T, h, d) output with its gate
+    a (T, h, d) view of a strided column block, Nemotron-H's (T, N) with a strided gate; the kernel's output in the
+    caller's shape and dtype, equal to the 2D launch."""
+    x, z, g = _inputs(17, 3 * 128, torch.float32, seed=9)
+    w = 1 + 0.2 * torch.randn(128, generator=g)
+    xs, zs = x.view(17, 3, 128), z.reshape(17, 3, 128)
+    got = gated_norm.norm_then_gate(xs, zs, w, 1e-6, fused=True)
+    assert got.shape == xs.shape and got.dtype == torch.float32
+    assert torch.equal(got.view(17, -1), gated_rms_norm_triton(x, z, w.repeat(3), 128, 1e-6, True, torch.float32))
+    w2 = (1 + 0.2 * torch.randn(3 * 128, generator=g)).to(torch.bfloat16)
+    got = gated_norm.gate_then_norm(x, z.to(torch.bfloat16), w2, 64, 1e-5, torch.bfloat16, fused=True)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, gated_rms_norm_triton(x, z.to(torch.bfloat16), w2, 64, 1e-5, False, torch.bfloat16))
+
+
 def test_a_group_split_over_ranks_sums_its_squares_first():
     """TP > n_groups: each rank holds half a group; summing the halves' sums of squares (what mamba._group_sum's
     all-reduce does) gives the whole group's norm, which the fused kernel cannot, so the chain runs."""
