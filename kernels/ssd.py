@@ -128,6 +128,6 @@ def gated_rms_norm(
     (which NemotronH's mixer uses): the normalised value is cast to x's dtype before the weight multiplies it.
     A group wider than N (one tensor-parallel rank's share of it): ``sum_squares`` maps this share's (...,) sum of
     squares to the whole group's (an all-reduce over the ranks that share the group). On CUDA with whole groups one
-    fused pass (kernels/gated_norm.py: rounded once, about one ulp from the chain in bf16), otherwise the torch
-    chain (gate_then_norm_torch)."""
+    fused pass (kernels/gated_norm.py, with the chain's 16-bit roundings; bf16: ~1e-5 of elements one ulp apart
+    from it), otherwise the torch chain (gate_then_norm_torch)."""
     return gated_norm.gate_then_norm(x, z, weight, group_size, eps, out_dtype, sum_squares)
