@@ -8,7 +8,8 @@ What each serves: the bench's adapter in the first expert layout the engine read
 convert_adapter) and written under the engine's decoder root where it maps names from one (vLLM on Qwen3.5); an
 adapter ``lpdiff doctor`` says the engine refuses or computes wrongly is not served, and its rows carry the doctor's
 error instead of a number, as do the rows of an engine that is not installed, dies or raises.
-Settings (FAST): the engine's own MoE-LoRA settings plus CUDA graphs. SGLang: ``disable_cuda_graph: False``, the
+Settings (FAST): the engine's own MoE-LoRA settings plus CUDA graphs, and on a GPU 0.85 of its memory (GPU_MEMORY:
+each peer runs alone there, at full depth). SGLang: ``disable_cuda_graph: False``, the
 metamorphic relation ``mode:cuda_graphs_on`` that passed on Qwen3-MoE and gpt-oss (benchmarks/results/
 metamorphic.csv, SGLang 0.5.15, H200; its graphs cover decode batches, so a prefill-only call runs as without).
 vLLM: the engine option ``enforce_eager: False``, which leaves vLLM 0.25.1 at its default optimization level
