@@ -8,8 +8,8 @@ What each serves: the bench's adapter in the first expert layout the engine read
 convert_adapter) and written under the engine's decoder root where it maps names from one (vLLM on Qwen3.5); an
 adapter ``lpdiff doctor`` says the engine refuses or computes wrongly is not served, and its rows carry the doctor's
 error instead of a number, as do the rows of an engine that is not installed, dies or raises.
-Settings (FAST): the engine's own MoE-LoRA settings plus CUDA graphs, and on a GPU 0.85 of its memory (GPU_MEMORY:
-each peer runs alone there, at full depth). SGLang: ``disable_cuda_graph: False``, the
+Settings (FAST): the engine's own MoE-LoRA settings plus CUDA graphs, and on a GPU 0.85 / 0.8 of its memory
+(GPU_MEMORY: each peer runs alone there, at full depth). SGLang: ``disable_cuda_graph: False``, the
 metamorphic relation ``mode:cuda_graphs_on`` that passed on Qwen3-MoE and gpt-oss (benchmarks/results/
 metamorphic.csv, SGLang 0.5.15, H200; its graphs cover decode batches, so a prefill-only call runs as without).
 vLLM: the engine option ``enforce_eager: False``, which leaves vLLM 0.25.1 at its default optimization level
@@ -42,12 +42,14 @@ FAST: dict[str, dict] = {
     "sglang": {"server_args": {"disable_cuda_graph": False}},
 }
 # On a GPU each peer runs alone, at full depth: the engines' own memory shares (vLLM 0.6 of the GPU, SGLang's static
-# 0.5, sized for the suite's engines beside others) hold neither Qwen3.5-35B-A3B's 69.3 GB of bf16 weights with its
-# LoRA slots nor Nemotron-3-Super's 116.0 GB at 43 layers (benchmarks/sol_hybrid.weight_bytes); 0.85 leaves ~21 GiB
-# of an H200 for the full-vocabulary prompt logits (8 x 512 x 248k fp32: 4.1 GB) and the engines' workspaces
+# 0.5, sized for the suite's engines beside others) cannot hold Qwen3.5-35B-A3B's 69.3 GB of bf16 weights with its
+# LoRA slots (Nemotron-3-Super's 116.0 GB at 43 layers fits neither engine here, nor its checkpoint the machine's RAM).
+# vLLM's share holds everything it allocates (its profile run sizes the rest); SGLang's static share is weights + KV
+# only, and its full-vocabulary prompt logits come on top (8 x 512 x 248k fp32 is 4.1 GB; at SGLang's default share
+# 7200 tokens of gpt-oss asked 5.5 GiB more than was left: engines/sglang docstring), so it leaves ~28 GiB of an H200
 GPU_MEMORY: dict[str, dict] = {
     "vllm": {"gpu_memory_utilization": 0.85},
-    "sglang": {"server_args": {"mem_fraction_static": 0.85}},
+    "sglang": {"server_args": {"mem_fraction_static": 0.8}},
 }
 # where an engine runs and loads from, and how long its lane may take (lane_start_timeout_s, ...): not how it computes
 _WHERE = ("python", "lane", "lane_env", "lane_start_timeout_s", "lane_call_timeout_s", "lane_log", "checkpoint_dir")

