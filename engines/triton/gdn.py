@@ -22,6 +22,17 @@ batch's host lengths once per batch (the first forward of a layout, i.e. the eag
 kernels, same inputs (made contiguous, as the public path's input_guard does), so the outputs are the same bits.
 The public path's dispatch would pick the FlashQLA backend instead where the ``flash_qla`` package is installed
 (SM90/SM100, bf16, K = V = 128); lpdiff does not install it, so that backend is never taken either way.
+
+Inputs on the fla path, as fla wants them with no copy in between:
+- q and k stay at their key heads (Qwen3.5-35B-A3B: 16 key heads, 32 value heads): fla 0.5.2's forward kernels
+  (kkt/solve, recompute_w_u, fwd_h, fwd_o) read key head ``i_h // (HV // H)`` for value head ``i_h``, the mapping
+  ``repeat_interleave(HV // H)`` writes out. The torch form repeats them itself.
+- the conv (``causal_conv1d_parts``) runs fla 0.5.2's Triton causal_conv1d (varlen over the plan's cu_seqlens and
+  64-token chunk indices, so no window reads across a prompt boundary) once per q / k / v channel group: it reads
+  the strided column block of the in projection and writes each group contiguous, the layout l2norm_fwd and the
+  delta rule kernels index (they take no strides). Its activation stays a torch SiLU after it: fla's fused SiLU
+  would round once where torch's conv then SiLU round twice in 16 bits (transformers' torch conv, HF's reference).
+  fp32 runs keep the torch conv, as they keep the torch delta rule.
 """
 
 from __future__ import annotations
@@ -45,6 +56,42 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, batch: Batch) -> torch.
     K = weight.shape[1]
     y = F.conv1d(xp, weight.unsqueeze(1), None, padding=K - 1, groups=weight.shape[0])[..., : xp.shape[-1]]
     return batch.unpad(F.silu(y).transpose(1, 2)).to(x.dtype)
+
+
+def causal_conv1d_parts(
+    x: torch.Tensor, weight: torch.Tensor, batch: Batch, widths: list[int], impl: str = "auto"
+) -> tuple[torch.Tensor, ...]:
+    """x (T, C) packed (a strided column block is fine), weight (C, K) -> silu(causal conv) split into channel groups
+    of ``widths`` (T, w): on the fla path each group written contiguous by its own launch; on the torch path views of
+    causal_conv1d's output. ``impl`` resolves as the delta rule's (resolve)."""
+    if resolve(impl, x) == "fla":
+        return _fla_conv(x, weight, widths, fla_plan(batch))
+    return causal_conv1d(x, weight, batch).split(widths, dim=-1)
+
+
+def _fla_conv(x: torch.Tensor, weight: torch.Tensor, widths: list[int], plan: FlaPlan) -> tuple[torch.Tensor, ...]:
+    """fla 0.5.2's causal_conv1d_fwd (no bias, no initial state) per channel group with the plan's cu_seqlens and
+    chunk indices (its default 64-token chunks, as CHUNK), then the SiLU in place: the conv rounds its fp32 sum to
+    x's dtype once, as torch's conv, and the SiLU rounds again, as torch's."""
+    from fla.modules.conv.triton.ops import causal_conv1d_fwd
+
+    if weight.dtype != x.dtype:
+        raise ValueError(f"the fla conv computes in x's dtype ({x.dtype}); the weight is {weight.dtype}")
+    outs, start = [], 0
+    for w in widths:
+        y, _ = causal_conv1d_fwd(
+            x=x[None, :, start : start + w],
+            weight=weight[start : start + w],
+            bias=None,
+            residual=None,
+            activation=None,
+            cu_seqlens=plan.cu_seqlens,
+            chunk_indices=plan.chunk_indices,
+            BT=CHUNK,
+        )
+        outs.append(F.silu(y[0], inplace=True))
+        start += w
+    return tuple(outs)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -194,10 +241,15 @@ def _fla(q, k, v, g, beta, plan: FlaPlan) -> torch.Tensor:
 
 
 def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torch.Tensor:
-    """Packed q/k (T, h, dk), v (T, h, dv), g/beta (T, h) (q/k already repeated to v's heads) -> (T, h, dv), every
-    prompt from a zero state."""
+    """Packed q/k (T, hk, dk), v (T, h, dv), g/beta (T, h) -> (T, h, dv), every prompt from a zero state. hk divides
+    h: value head i reads key head i // (h // hk) (fla's GVA; the torch form repeats q and k to h heads)."""
+    hk, h = k.shape[1], v.shape[1]
+    if q.shape[1] != hk or h % hk:
+        raise ValueError(f"q and k need the same heads, dividing v's {h}: got {q.shape[1]} and {hk}")
     if resolve(impl, v) == "fla":
         return _fla(q, k, v, g, beta, fla_plan(batch)).to(v.dtype)
+    if hk != h:
+        q, k = q.repeat_interleave(h // hk, dim=1), k.repeat_interleave(h // hk, dim=1)
     if len(batch.lens) * batch.max_len > 2 * batch.num_tokens:
         # the padded view would be mostly padding (one long prompt among short ones: 4096 + 100 x 40 tokens pads to
         # 101 x 4096): each prompt alone instead, the same chunks and arithmetic per prompt

@@ -259,7 +259,7 @@ class Qwen35Model:
         """``trace`` (lpdiff bisect, TP 1): filled with each sub-step's output as (T, width), named as
         engines/hf_steps.py names transformers'."""
         cfg, T = self.cfg, h.shape[0]
-        trace = {} if trace is None else trace  # untraced: dict stores of tensors computed anyway
+        tracing, trace = trace is not None, {} if trace is None else trace  # untraced: stores of tensors made anyway
         nk, nv, dk, dv = self.lin_k, self.lin_v, cfg.lin_k_dim, cfg.lin_v_dim
         if faults.on("linear_attention_lora_dropped"):
             ll = None
@@ -267,17 +267,16 @@ class Qwen35Model:
         qkv, z, b, a = proj.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
         trace.update(in_proj_qkv=qkv, in_proj_z=z, in_proj_b=b, in_proj_a=a)
         conv, A_log, dt_bias, gnorm = lw.linear_parts()
-        if faults.on("conv_across_prompts"):  # the whole packed batch as one sequence
-            qkv = gdn.causal_conv1d(qkv, conv, _one_prompt(batch))
-        else:
-            qkv = gdn.causal_conv1d(qkv, conv, batch)
-        q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+        # conv_across_prompts: the whole packed batch as one sequence, on whichever conv path runs
+        conv_batch = _one_prompt(batch) if faults.on("conv_across_prompts") else batch
+        q, k, v = gdn.causal_conv1d_parts(qkv, conv, conv_batch, [nk * dk, nk * dk, nv * dv], self.gdn_impl)
         q, k, v = q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv)
         beta = b.sigmoid()
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-        if nv != nk:
-            q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
-        trace["conv1d"] = (q, k, v)  # (T, h, d) each, q and k repeated to v's heads as transformers passes them
+        # q and k stay at their nk heads: the delta rule maps value heads to key heads itself (gdn.gated_delta_rule)
+        if tracing:  # (T, h, d) each, q and k repeated to v's heads as transformers passes them
+            r = nv // nk
+            trace["conv1d"] = (q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1), v) if r > 1 else (q, k, v)
         trace["gate"] = (g, beta)
         if faults.on("state_not_reset"):
             o = gdn.gated_delta_rule(q, k, v, g, beta, _one_prompt(batch), self.gdn_impl)
