@@ -101,13 +101,20 @@ def _gdn_pieces(m, i: int, n: int, b, x: torch.Tensor) -> dict:
     trace: dict = {}
     m.linear_attention(x, lw, ll, b, trace)  # each sub-step's inputs, as the mixer made them
     q, k, v = trace["conv1d"]
+    r = m.lin_v // m.lin_k  # the trace repeats q and k to the value heads (as transformers does); the forward does not
+    q, k = q[:, ::r].contiguous(), k[:, ::r].contiguous()
     g, beta = trace["gate"]
     conv, _, _, gnorm = lw.linear_parts()
     z = trace["in_proj_z"].reshape(T, m.lin_v, cfg.lin_v_dim)
     return {
         "Gated DeltaNet layer (mixer)": (n, lambda: m.linear_attention(x, lw, ll, b)),
         "  gdn in_proj lora_linear": (n, lambda: m.linear(x, lw.proj_in, ll and ll.proj_in, b)),
-        "  gdn causal conv1d": (n, lambda: gdn.causal_conv1d(trace["in_proj_qkv"], conv, b)),
+        "  gdn causal conv1d": (
+            n,
+            lambda: gdn.causal_conv1d_parts(
+                trace["in_proj_qkv"], conv, b, [m.lin_k * cfg.lin_k_dim] * 2 + [m.lin_v * cfg.lin_v_dim], m.gdn_impl
+            ),
+        ),
         "  gdn gated delta rule": (n, lambda: gdn.gated_delta_rule(q, k, v, g, beta, b, m.gdn_impl)),
         "  gdn gated rms_norm": (n, lambda: gdn.gated_rms_norm(trace["delta_rule"], z, gnorm, cfg.rms_norm_eps)),
         "  gdn out_proj lora_linear": (n, lambda: m.linear(trace["gated_norm"], lw.proj_out, ll and ll.proj_out, b)),
