@@ -95,6 +95,7 @@ def _qwen35_layer(m, i: int):
 
 def _gdn_pieces(m, i: int, n: int, b, x: torch.Tensor) -> dict:
     from lpdiff.engines.triton import gdn
+    from lpdiff.kernels import gated_norm
 
     cfg, T = m.cfg, b.num_tokens
     lw, ll = _qwen35_layer(m, i)
@@ -116,7 +117,7 @@ def _gdn_pieces(m, i: int, n: int, b, x: torch.Tensor) -> dict:
             ),
         ),
         "  gdn gated delta rule": (n, lambda: gdn.gated_delta_rule(q, k, v, g, beta, b, m.gdn_impl)),
-        "  gdn gated rms_norm": (n, lambda: gdn.gated_rms_norm(trace["delta_rule"], z, gnorm, cfg.rms_norm_eps)),
+        "  gdn gated rms_norm": (n, lambda: gated_norm.norm_then_gate(trace["delta_rule"], z, gnorm, cfg.rms_norm_eps)),
         "  gdn out_proj lora_linear": (n, lambda: m.linear(trace["gated_norm"], lw.proj_out, ll and ll.proj_out, b)),
     }
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lpdiff.kernels import gated_norm
-
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = "silu"
@@ -112,22 +110,3 @@ def ssd_scan(
     if D is not None:
         y = y + D.float()[:, None] * xf
     return (y, final) if return_state else y
-
-
-def gated_rms_norm(
-    x: torch.Tensor,
-    z: torch.Tensor,
-    weight: torch.Tensor,
-    group_size: int,
-    eps: float,
-    out_dtype: torch.dtype,
-    sum_squares=None,
-) -> torch.Tensor:
-    """Mamba-2's output norm: RMSNorm over each ``group_size`` columns of x * silu(z), in fp32, times weight.
-    x (..., N) (the scan's output), z (..., N) the gate, weight (N,). As transformers' Zamba2RMSNormGated
-    (which NemotronH's mixer uses): the normalised value is cast to x's dtype before the weight multiplies it.
-    A group wider than N (one tensor-parallel rank's share of it): ``sum_squares`` maps this share's (...,) sum of
-    squares to the whole group's (an all-reduce over the ranks that share the group). On CUDA with whole groups one
-    fused pass (kernels/gated_norm.py, with the chain's 16-bit roundings; bf16: ~1e-5 of elements one ulp apart
-    from it), otherwise the torch chain (gate_then_norm_torch)."""
-    return gated_norm.gate_then_norm(x, z, weight, group_size, eps, out_dtype, sum_squares)

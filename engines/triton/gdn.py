@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 
 from lpdiff.engines.triton.batch import Batch
-from lpdiff.kernels import gated_norm
 
 CHUNK = 64  # tokens per chunk of the torch form (fla uses 64 too)
 IMPLS = ("auto", "torch", "fla")
@@ -263,10 +262,3 @@ def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torc
     qp, kp, vp, gp, bp = (batch.pad(t) for t in (q, k, v, g, beta))
     o = chunk_gated_delta_rule_torch(qp, kp, vp, gp, bp)
     return batch.unpad(o)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """(..., h, d) -> weight * rmsnorm(x) * silu(gate) per head, rounded as transformers' Qwen3_5MoeRMSNormGated:
-    on CUDA one fused pass (kernels/gated_norm.py, with the chain's 16-bit roundings; bf16: ~1e-5 of elements one
-    ulp apart from it), elsewhere the torch chain (norm_then_gate_torch)."""
-    return gated_norm.norm_then_gate(x, gate, weight, eps)

@@ -26,7 +26,8 @@ import torch
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.kernels import faults
 from lpdiff.kernels._triton import device_const, resolve_impl
-from lpdiff.kernels.ssd import causal_conv1d, discretise_dt, gated_rms_norm, ssd_scan
+from lpdiff.kernels.gated_norm import gate_then_norm
+from lpdiff.kernels.ssd import causal_conv1d, discretise_dt, ssd_scan
 from lpdiff.kernels.ssd_chunked import ssd_scan_chunked
 from lpdiff.kernels.ssd_varlen import causal_conv1d_varlen, ssd_scan_varlen
 
@@ -110,7 +111,7 @@ def mamba_mixer(model, h: torch.Tensor, lay, batch: Batch, trace: dict | None = 
     if tracing:  # the D skip as HF's scan adds it (in fp32), the scan's share the rest
         trace["d_skip"] = (p["D"][:, None].float() * x.float()).reshape(T, inner)
         trace["ssd_scan"] = y.float() - trace["d_skip"]
-    y = gated_rms_norm(
+    y = gate_then_norm(  # Zamba2RMSNormGated's rounding; one fused pass on CUDA with whole groups
         y,
         z,
         p["gate_norm"],

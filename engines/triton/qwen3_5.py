@@ -35,7 +35,7 @@ from lpdiff.engines.triton.qwen3_5_lora import Linear, LinearLora, layer_linears
 from lpdiff.engines.triton.rope import rope
 from lpdiff.engines.triton.shard import Shard, tp_fix
 from lpdiff.harness.spec.errors import InputError
-from lpdiff.kernels import faults, lora_linear
+from lpdiff.kernels import faults, gated_norm, lora_linear
 
 Tensor = torch.Tensor
 
@@ -283,7 +283,7 @@ class Qwen35Model:
         else:
             o = gdn.gated_delta_rule(q, k, v, g, beta, batch, self.gdn_impl)
         trace["delta_rule"] = o
-        o = gdn.gated_rms_norm(o, z.reshape(T, nv, dv), gnorm, cfg.rms_norm_eps).reshape(T, nv * dv)
+        o = gated_norm.norm_then_gate(o, z.reshape(T, nv, dv), gnorm, cfg.rms_norm_eps).reshape(T, nv * dv)
         trace["gated_norm"] = o
         trace["out_proj"] = out = self.linear(o, lw.proj_out, ll and ll.proj_out, batch)
         return self.all_reduce(out)

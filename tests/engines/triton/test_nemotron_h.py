@@ -186,7 +186,8 @@ def test_ssd_scan_matches_the_recurrence():
 
 
 def test_causal_conv1d_and_gated_norm_match_their_definitions():
-    from lpdiff.kernels.ssd import causal_conv1d, gated_rms_norm
+    from lpdiff.kernels.gated_norm import gate_then_norm
+    from lpdiff.kernels.ssd import causal_conv1d
 
     g = torch.Generator().manual_seed(12)
     x, w, bias = torch.randn(2, 13, 9, generator=g), torch.randn(9, 4, generator=g), torch.randn(9, generator=g)
@@ -197,7 +198,7 @@ def test_causal_conv1d_and_gated_norm_match_their_definitions():
                 want[:, t] += w[:, 3 - j] * x[:, t - j]
     torch.testing.assert_close(causal_conv1d(x, w, bias), torch.nn.functional.silu(want + bias))
     y, z, weight = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g), torch.randn(12, generator=g)
-    got = gated_rms_norm(y, z, weight, 4, 1e-5, torch.float32)
+    got = gate_then_norm(y, z, weight, 4, 1e-5, torch.float32)
     v = (y * torch.nn.functional.silu(z)).view(5, 3, 4)
     torch.testing.assert_close(got, weight * (v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)).view(5, 12))
 
