@@ -39,10 +39,10 @@ Options (``EngineConfig.options``; validated once into options.TritonOptions):
                     (a warm-up and the capture)
   capture_routing   return each token's expert ids, top-k weights and margin per MoE layer (default False; the
                     calls then run without CUDA graphs; engines/triton/routing.py)
-  mamba_scan        Nemotron-H's SSD scan: "recurrence" (default; kernels/ssd_varlen.py on the kernels path, exact in
-                    fp32), "chunked" (mamba_ssm's chunked Triton kernels, vendored: kernels/ssd_chunked.py; TF32
-                    dots for fp32 inputs) or "auto" (chunked for bf16/fp16 on CUDA, else the recurrence;
-                    engines/triton/mamba.py)
+  mamba_scan        Nemotron-H's SSD scan: "auto" (default: chunked for bf16/fp16 on CUDA, else the recurrence;
+                    engines/triton/mamba.py), "recurrence" (kernels/ssd_varlen.py on the kernels path, fp32 states)
+                    or "chunked" (mamba_ssm's chunked Triton kernels, vendored: kernels/ssd_chunked.py; IEEE dots
+                    for fp32 inputs)
 """
 
 from lpdiff.engines.capabilities import Capabilities, Mode

@@ -26,14 +26,14 @@ class TritonOptions:
     moe_lora_shrink: str = "auto"  # "auto" | "once" | "fused" | "fused:G,D" (parse_shrink)
     moe_padding: str = "auto"  # "auto" or one of kernels.PADDING
     capture_routing: bool = False  # return expert ids / weights / margins per MoE layer (engines/triton/routing.py)
-    # Nemotron-H's SSD scan (engines/triton/mamba.py scan_impl). "recurrence" (fp32 state and y) is the default for
-    # its accuracy. "auto" takes mamba_ssm's chunked kernels for bf16/fp16 on CUDA, for speed (benchmarks/bench_ssd.py
-    # times both), at a cost: they round chunk states and y to bf16 (~1 ulp at the top of |y|, where the recurrence
-    # is ~1e-6 off). End to end that is not an order of magnitude: a CPU emulation of those roundings in the zoo's
-    # tiny-nemotron-h, bf16, moved the forward's mean |d| against fp32 by 0.97-1.12x the recurrence's over five prompt
-    # sets, its k2 by 0.84-6.5x (single positions; benchmarks/ssd_rounding_noise.py); the gpu1 test test_mamba_scan::
-    # test_on_cuda_each_scan_against_the_fp32_recurrence measures the real kernels.
-    mamba_scan: str = "recurrence"
+    # Nemotron-H's SSD scan (engines/triton/mamba.py scan_impl). "auto" (the default) takes mamba_ssm's chunked
+    # kernels for bf16/fp16 on CUDA and the recurrence otherwise (fp32 runs keep their 1e-4 parity with HF+PEFT).
+    # Why chunked in 16 bits: 1.85x the recurrence's throughput end to end on an H200 at 8 x 512 tokens (Nano, LoRA:
+    # 61.7k against 33.4k tokens/s; Super at 43 layers: 33.5k against 18.9k; benchmarks/results/e2e.md), for a
+    # forward that the GPU measured 1.08x as far from the fp32 recurrence as the bf16 recurrence (mean |d| 0.0309
+    # against 0.0285 on tiny-nemotron-h; engines_gpu.md): the chunked kernels round chunk states and y to bf16 where
+    # the recurrence keeps fp32. "recurrence" stays an option for a run that wants those fp32 states.
+    mamba_scan: str = "auto"
 
     def __post_init__(self):
         _choice("impl", self.impl, IMPLS)

@@ -22,8 +22,8 @@ LENS = [40, 3, 33]  # 76 tokens: the first prompt crosses a chunk edge, the last
 CHOICE = ["mamba", None, "mamba"]
 
 
-def test_option_is_checked_and_defaults_to_the_recurrence():
-    assert TritonOptions().mamba_scan == "recurrence"
+def test_option_is_checked_and_defaults_to_auto():
+    assert TritonOptions().mamba_scan == "auto"
     with pytest.raises(InputError, match="mamba_scan"):
         TritonOptions(mamba_scan="chunk")
 
