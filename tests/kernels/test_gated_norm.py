@@ -195,7 +195,7 @@ def _cuda() -> bool:
 )
 def test_fused_norm_on_cuda(name, heads, d, group, dtype):
     """Compiled, 4096 + 33 tokens: fp32 within a few ulps of the chain; bf16 equal to the chain but for rare
-    one-ulp flips; one launch captured in a CUDA graph replays to the eager bits. Times printed (events)."""
+    flips of a few ulps; one launch captured in a CUDA graph replays to the eager bits. Times printed (events)."""
     T, width = 4129, heads * d
     x, z, g = _inputs(T, width, dtype, seed=heads, device="cuda")
     if group is None:
@@ -215,7 +215,10 @@ def test_fused_norm_on_cuda(name, heads, d, group, dtype):
     else:
         worst, frac = _differing(got, ref)
         print(f"{name} bf16: {frac:.2e} of elements differ from the chain, at most {worst:.0f} ulp")
-        assert worst <= 1 and frac <= 1e-3, (worst, frac)
+        # A flip is born as one ulp of the normalised value (the kernel's fp32 sum order and 1/sqrt against torch's
+        # mean and rsqrt) and then goes through the weight product (|w| up to ~1.6 here) and, for Qwen3.5, the
+        # gate's, each rounded again: 2 ulps at the output were seen on an H200 (Nano, 1.1e-5 of elements).
+        assert worst <= 3 and frac <= 1e-3, (worst, frac)
 
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
