@@ -5,7 +5,10 @@ cuBLAS GEMM (or batched GEMM) on random buffers, the whole call replayed from on
 passes as bytes at the copy bandwidth measured in the same run. sol_forward.py runs this for these model types.
 
 Per layer, by kind (T = batch x seq tokens, B prompts of S; el = the model dtype's bytes):
-  every MoE block   router (+ Qwen3.5's shared-expert gate as one more output row of it) one GEMM; the routed experts
+  every MoE block   router (+ Qwen3.5's shared-expert gate as one more output row of it) one GEMM, Nemotron-H's
+                    in IEEE fp32 as the model computes it (transformers' NemotronHTopkRouter casts input and weight
+                    to fp32, vLLM's GateLinear runs force_fp32_compute; in bf16 it would pick other experts; on an
+                    H200 this GEMM is ~11x its bf16 time at Super's shape); the routed experts
                     as batched GEMMs over E experts of exactly T*K/E rows (balanced routing, no gather, no padding):
                     Qwen3.5 gate_up (2I) then down, Nemotron's non-gated relu² experts one up (I) then down; Super's
                     experts in the latent dim (1024) between fc1_latent_proj (H -> 1024) and fc2_latent_proj
@@ -298,7 +301,12 @@ class HybridForward:
     def _build_moe(self, ops: dict, r: int) -> None:
         s = self.s
         gated = s.family == "qwen3_5"
-        self._dense(ops, "router", s.H, s.E + (1 if gated else 0), None, r)
+        if gated:
+            self._dense(ops, "router", s.H, s.E + 1, None, r)
+        else:  # Nemotron-H's router is the model's IEEE fp32 GEMM (module docstring)
+            x32 = self._input(s.T, s.H).float()
+            w32 = self._rnd(s.E, s.H).float()
+            ops["router"] = (lambda: F.linear(x32, w32), 2 * s.T * s.E * s.H)
         if s.latent:
             self._dense(ops, "fc1_latent_proj", s.H, s.latent, None, r)
         self._experts(ops, "gate_up" if gated else "up", s.He, (2 if gated else 1) * s.I, r)
