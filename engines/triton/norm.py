@@ -11,6 +11,11 @@ way; its eager expert loop instead accumulates in the model dtype with index_add
 saves a separate reduction's (T, K, H) read and its (T, H) write and re-read. Only the order of the fp32 additions
 may differ from torch's reduction (on CUDA it combines K = 8 values as four interleaved partial sums): the results
 differ only where an fp32 sum of bf16 values is inexact and lands next to a bf16 rounding boundary.
+
+A shared expert's output (T, H) may ride along (``shared``, optionally scaled by sigmoid of a per-token gate logit
+(T, 1), Qwen3.5's shared_expert_gate): it is added to the rounded top-k sum in the kernel with the roundings of the
+unfused ``routed + sigmoid(gate) * shared`` (moe_delta), so the MoE block's tail (the sum, the sigmoid, the product,
+the add) costs no pass of its own.
 """
 
 from __future__ import annotations
@@ -39,8 +44,17 @@ def sum_topk(delta: torch.Tensor) -> torch.Tensor:
     return acc.to(delta.dtype)
 
 
-def add_rms_norm_torch(x, delta, weight, eps, weight_fp32=False):
-    s = x if delta is None else x + sum_topk(delta)
+def moe_delta(delta: torch.Tensor, shared: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+    """sum_topk(delta), plus the shared expert's output scaled by sigmoid(gate) (T, 1) where given: the MoE block's
+    output as the torch ops round it."""
+    out = sum_topk(delta)
+    if shared is None:
+        return out
+    return out + (shared if gate is None else torch.sigmoid(gate) * shared)
+
+
+def add_rms_norm_torch(x, delta, weight, eps, weight_fp32=False, shared=None, shared_gate=None):
+    s = x if delta is None else x + moe_delta(delta, shared, shared_gate)
     return rms_norm(s, weight, eps, weight_fp32), s
 
 
@@ -53,6 +67,8 @@ if triton is not None:
         W,
         Out,
         Sum,
+        Sh,
+        Gt,
         H,
         eps,
         stride_x,
@@ -60,10 +76,14 @@ if triton is not None:
         stride_dk,
         stride_o,
         stride_s,
+        stride_sh,
+        stride_g,
         HAS_DELTA: tl.constexpr,
         K: tl.constexpr,
         WEIGHT_FP32: tl.constexpr,
         BLOCK: tl.constexpr,
+        HAS_SHARED: tl.constexpr = False,
+        HAS_GATE: tl.constexpr = False,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -75,6 +95,13 @@ if triton is not None:
             for k in tl.static_range(1, K):  # k order, fp32, one rounding below (sum_topk)
                 acc += tl.load(D + row * stride_d + k * stride_dk + offs, mask=ok, other=0.0).to(tl.float32)
             acc = acc.to(d.dtype).to(tl.float32)
+            if HAS_SHARED:  # routed + sigmoid(gate) * shared, each op rounded to the dtype (moe_delta)
+                sh = tl.load(Sh + row * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
+                if HAS_GATE:
+                    gl = tl.load(Gt + row * stride_g).to(tl.float32)
+                    sg = (1.0 / (1.0 + tl.exp(-gl))).to(d.dtype).to(tl.float32)
+                    sh = (sg * sh).to(d.dtype).to(tl.float32)
+                acc = (acc + sh).to(d.dtype).to(tl.float32)
             x = (x.to(tl.float32) + acc).to(Sum.dtype.element_ty)
             tl.store(Sum + row * stride_s + offs, x, mask=ok)
         xf = x.to(tl.float32)
@@ -87,8 +114,14 @@ if triton is not None:
         tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=ok)
 
 
-def check_delta(x: torch.Tensor, delta: torch.Tensor | None) -> None:
+def check_delta(x: torch.Tensor, delta: torch.Tensor | None, shared=None, shared_gate=None) -> None:
     T, H = x.shape
+    if shared is not None and (
+        delta is None or shared.shape != (T, H) or shared.dtype != x.dtype or shared.stride(-1) != 1
+    ):
+        raise ValueError(f"shared must come with a delta and be (T, H) = {(T, H)} {x.dtype} with contiguous rows")
+    if shared_gate is not None and (shared is None or shared_gate.shape != (T, 1) or shared_gate.dtype != x.dtype):
+        raise ValueError(f"shared_gate must come with shared and be (T, 1) = {(T, 1)} {x.dtype}")
     if delta is not None and not (
         delta.ndim in (2, 3) and delta.shape[0] == T and delta.shape[-1] == H and delta.dtype == x.dtype
     ):
@@ -106,18 +139,22 @@ def add_rms_norm(
     weight_fp32: bool = False,
     impl: str = "auto",
     out: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) x, delta (T, H) or (T, K, H) -> (rms_norm(x + sum_topk(delta)), x + sum_topk(delta)): the next
     sublayer's input and the new residual stream. ``out``: a (T, H) view with unit column stride (e.g. the first H
-    columns of the q|k|v LoRA's augmented input) that receives the normed rows in place of a new tensor."""
-    check_delta(x, delta)
+    columns of the q|k|v LoRA's augmented input) that receives the normed rows in place of a new tensor.
+    ``shared`` (T, H) and ``shared_gate`` (T, 1): a shared expert's output and gate logit added to the delta as
+    moe_delta adds them."""
+    check_delta(x, delta, shared, shared_gate)
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
         raise ValueError(
             f"out must be a (T, H) = {tuple(x.shape)} {x.dtype} view with unit column stride, got "
             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
     if not use_triton(x, impl):
-        normed, s = add_rms_norm_torch(x, delta, weight, eps, weight_fp32)
+        normed, s = add_rms_norm_torch(x, delta, weight, eps, weight_fp32, shared, shared_gate)
         return (normed if out is None else out.copy_(normed)), s
     T, H = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -132,6 +169,8 @@ def add_rms_norm(
         weight,
         out,
         s,
+        x if shared is None else shared,
+        x if shared_gate is None else shared_gate,
         H,
         eps,
         x.stride(0),
@@ -139,10 +178,14 @@ def add_rms_norm(
         stride_dk,
         out.stride(0),
         s.stride(0),
+        0 if shared is None else shared.stride(0),
+        0 if shared_gate is None else shared_gate.stride(0),
         HAS_DELTA=delta is not None,
         K=K,
         WEIGHT_FP32=weight_fp32,
         BLOCK=block,
+        HAS_SHARED=shared is not None,
+        HAS_GATE=shared_gate is not None,
         num_warps=min(16, max(1, block // 256)),
     )
     return out, s

@@ -30,9 +30,10 @@ from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.config import rope_from_hf
 from lpdiff.engines.triton.moe import experts, route
-from lpdiff.engines.triton.norm import add_rms_norm, rms_norm
+from lpdiff.engines.triton.norm import add_rms_norm, moe_delta
+from lpdiff.engines.triton.qwen3_5_kernels import gdn_gates, sigmoid_gate
 from lpdiff.engines.triton.qwen3_5_lora import Linear, LinearLora, layer_linears, load_linear, stack_qwen35
-from lpdiff.engines.triton.rope import rope
+from lpdiff.engines.triton.rope import norm_partial_rope_qk
 from lpdiff.engines.triton.shard import Shard, tp_fix
 from lpdiff.harness.spec.errors import InputError
 from lpdiff.kernels import faults, gated_norm, lora_linear
@@ -212,6 +213,11 @@ class Qwen35Model:
         self.lin_k, self.lin_v = cfg.lin_k_heads // shard.size, cfg.lin_v_heads // shard.size
 
     def _norm(self, x, delta, weight):
+        """delta: a sublayer's output (T, H), or the MoE block's parts (routed, shared, gate) when moe() fuses its
+        tail into this norm."""
+        if isinstance(delta, tuple):
+            routed, shared, gate = delta
+            return add_rms_norm(x, routed, weight, self.cfg.rms_norm_eps, True, self.impl, None, shared, gate)
         return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, True, self.impl)
 
     def linear(self, x: Tensor, lin: Linear, ll: LinearLora | None, batch: Batch) -> Tensor:
@@ -246,7 +252,7 @@ class Qwen35Model:
             h, x = self._norm(x, delta, lw.post_norm)
             delta, margin = self.moe(h, lw.moe, ll, batch, margin)
             if self.capture is not None:
-                self.capture[i] = x + delta
+                self.capture[i] = x + (moe_delta(*delta) if isinstance(delta, tuple) else delta)
         return self._norm(x, delta, self.w.norm)[0], margin
 
     def mix(self, h: Tensor, lw: LayerWeights, ll, batch: Batch) -> Tensor:
@@ -271,8 +277,7 @@ class Qwen35Model:
         conv_batch = _one_prompt(batch) if faults.on("conv_across_prompts") else batch
         q, k, v = gdn.causal_conv1d_parts(qkv, conv, conv_batch, [nk * dk, nk * dk, nv * dv], self.gdn_impl)
         q, k, v = q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv)
-        beta = b.sigmoid()
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        g, beta = gdn_gates(a, b, A_log, dt_bias, self.impl)
         # q and k stay at their nk heads: the delta rule maps value heads to key heads itself (gdn.gated_delta_rule)
         if tracing:  # (T, h, d) each, q and k repeated to v's heads as transformers passes them
             r = nv // nk
@@ -294,29 +299,40 @@ class Qwen35Model:
         qg, k, v = qkv.split([self.heads * 2 * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, gate = qg.view(T, self.heads, 2 * d).chunk(2, dim=-1)
         q_norm, k_norm = lw.qk_norms()
-        q = rms_norm(q, q_norm, cfg.rms_norm_eps, True)
-        k = rms_norm(k.view(T, self.kv_heads, d), k_norm, cfg.rms_norm_eps, True)
-        r = cfg.rotary_dim
-        q = torch.cat([rope(q[..., :r], batch.cos, batch.sin), q[..., r:]], dim=-1)
-        k = torch.cat([rope(k[..., :r], batch.cos, batch.sin), k[..., r:]], dim=-1)
+        k = k.view(T, self.kv_heads, d)
+        q, k = norm_partial_rope_qk(
+            q, k, q_norm, k_norm, cfg.rms_norm_eps, batch.cos, batch.sin, cfg.rotary_dim, self.impl
+        )
         o = attention(q, k, v.view(T, self.kv_heads, d), batch, d**-0.5, None, None, self.attention_impl)
-        o = o.reshape(T, self.heads * d) * torch.sigmoid(gate.reshape(T, self.heads * d))
+        o = sigmoid_gate(o, gate, self.impl)
         return self.all_reduce(self.linear(o, lw.proj_out, ll and ll.proj_out, batch))
 
-    def moe(self, h: Tensor, mw: MoeWeights, ll, batch: Batch, margin: Tensor) -> tuple[Tensor, Tensor]:
-        """Routed experts + sigmoid-gated shared expert, all-reduced -> ((T, H), the running margin updated)."""
+    def moe(self, h: Tensor, mw: MoeWeights, ll, batch: Batch, margin: Tensor):
+        """Routed experts + sigmoid-gated shared expert -> (the block's output, the running margin updated). At TP 1
+        the output is its parts (routed (T, K, H) unsummed where the experts can skip the sum, else (T, H); the shared
+        expert's (T, H) or None; its gate logit (T, 1) or None) for the next add_rms_norm to combine in one pass
+        (norm.moe_delta's roundings); under TP the all-reduced (T, H) sum, one all-reduce of (T, H) per block."""
         ids, weights, margin = route(h, mw, self.cfg, self.impl, min_into=margin)
-        moe_lora = ll.moe if ll is not None else None
-        out = experts(h, ids, weights, mw, self.cfg, moe_lora, batch.token_adapter, self.lora_impl, self.moe_backend)
+        fuse = self.shard.size == 1
+        lora = (ll.moe if ll is not None else None, batch.token_adapter, self.lora_impl, self.moe_backend)
+        out = experts(h, ids, weights, mw, self.cfg, *lora, sum_topk=not fuse)
+        if fuse:
+            return (out, *self.shared_parts(h, mw, ll, batch)), margin
         return self.all_reduce(out + self.shared(h, mw, ll, batch)), margin
+
+    def shared_parts(self, h: Tensor, mw: MoeWeights, ll, batch: Batch) -> tuple[Tensor | None, Tensor | None]:
+        """The shared expert's output (T, H) and its gate logit (T, 1), this rank's partials; (None, None) while
+        the shared_expert_dropped fault is on."""
+        if faults.on("shared_expert_dropped"):
+            return None, None
+        gate, up = self.linear(h, mw.shared_gate_up, ll and ll.shared_gate_up, batch).chunk(2, dim=-1)
+        s = self.linear(F.silu(gate) * up, mw.shared_down, ll and ll.shared_down, batch)
+        return s, F.linear(h, mw.shared_gate)
 
     def shared(self, h: Tensor, mw: MoeWeights, ll, batch: Batch) -> Tensor:
         """The shared expert scaled by its sigmoid gate: this rank's partial (T, H)."""
-        if faults.on("shared_expert_dropped"):
-            return torch.zeros_like(h)
-        gate, up = self.linear(h, mw.shared_gate_up, ll and ll.shared_gate_up, batch).chunk(2, dim=-1)
-        s = self.linear(F.silu(gate) * up, mw.shared_down, ll and ll.shared_down, batch)
-        return torch.sigmoid(F.linear(h, mw.shared_gate)) * s
+        s, gate = self.shared_parts(h, mw, ll, batch)
+        return torch.zeros_like(h) if s is None else torch.sigmoid(gate) * s
 
     @torch.inference_mode()
     def capture_modules(self, batch: Batch, inputs: dict, steps: tuple[int, ...] = ()) -> dict:

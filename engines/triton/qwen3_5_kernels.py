@@ -1,0 +1,94 @@
+"""Qwen3.5's small elementwise steps as one Triton pass each, beside their torch references (which the CPU and
+``impl="torch"`` run): the gated attention's output gate and the Gated DeltaNet's decay and write strength.
+
+Each rounds as the torch chain it replaces rounds in 16 bits (every torch op computes in fp32 and rounds its result
+to the dtype): only the fp32 transcendental functions (exp, log) may differ in their last fp32 bit from torch's.
+Torch runs them as 2 and 9 launches (the attention output's sigmoid and product; the GDN's sigmoid, two casts, exp,
+neg, add, softplus and product): on the H200 ~44 us per attention layer and ~20 us per GDN layer, ~0.8 ms per call
+of Qwen3.5-35B-A3B at 8 x 512 tokens (benchmarks/results/hybrid_audit.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
+
+
+def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o, gate (T, h, d) -> o * sigmoid(gate) as (T, h * d), as transformers' Qwen3_5MoeAttention."""
+    T = o.shape[0]
+    return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+
+def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """a, b (T, h) -> g = -exp(A_log) softplus(a + dt_bias) in fp32 (the log decay) and beta = sigmoid(b) in b's
+    dtype, as transformers' Qwen3_5MoeGatedDeltaNet."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sigmoid_gate_kernel(O, G, Out, N, D, stride_ot, stride_oh, stride_gt, stride_gh, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = n < N
+        head, j = n // D, n % D
+        o = tl.load(O + t * stride_ot + head * stride_oh + j, mask=ok, other=0.0)
+        g = tl.load(G + t * stride_gt + head * stride_gh + j, mask=ok, other=0.0).to(tl.float32)
+        sg = (1.0 / (1.0 + tl.exp(-g))).to(o.dtype).to(tl.float32)  # torch.sigmoid, rounded to the dtype
+        tl.store(Out + t * N + n, (o.to(tl.float32) * sg).to(Out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _gdn_gates_kernel(A, B, ALog, DtBias, G, Beta, total, H, stride_a, stride_b, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < total
+        row, h = i // H, i % H
+        b = tl.load(B + row * stride_b + h, mask=ok, other=0.0)
+        bf = b.to(tl.float32)
+        tl.store(Beta + i, (1.0 / (1.0 + tl.exp(-bf))).to(Beta.dtype.element_ty), mask=ok)
+        x = tl.load(A + row * stride_a + h, mask=ok, other=0.0).to(tl.float32)
+        x = x + tl.load(DtBias + h, mask=ok, other=0.0).to(tl.float32)
+        # softplus as torch's (threshold 20); log1p(u) as log(1 + u) * u / ((1 + u) - 1), exact to a few ulp where
+        # 1 + u rounds (Goldberg), u itself where 1 + u == 1
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        lp = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+        sp = tl.where(x > 20.0, x, lp)
+        decay = tl.exp(tl.load(ALog + h, mask=ok, other=0.0).to(tl.float32))
+        tl.store(G + i, -decay * sp, mask=ok)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """o, gate (T, h, d) with unit stride along d (gate may be the gate half of Qwen3.5's query|gate heads) ->
+    sigmoid_gate_torch(o, gate) (T, h * d) contiguous, in one pass."""
+    if not use_triton(o, impl):
+        return sigmoid_gate_torch(o, gate)
+    T, h, d = o.shape
+    if gate.shape != o.shape or gate.dtype != o.dtype or o.stride(2) != 1 or gate.stride(2) != 1:
+        raise ValueError(f"sigmoid_gate: o {tuple(o.shape)} {o.dtype} and gate {tuple(gate.shape)} {gate.dtype}")
+    out = torch.empty(T, h * d, dtype=o.dtype, device=o.device)
+    block = min(1024, pow2(h * d))
+    _sigmoid_gate_kernel[(T, triton.cdiv(h * d, block))](
+        o, gate, out, h * d, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), BLOCK=block, num_warps=4
+    )
+    return out
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, impl: str = "auto"):
+    """a, b (T, h) with unit column stride (column blocks of the in projection), A_log and dt_bias (h,) ->
+    gdn_gates_torch's (g (T, h) fp32, beta (T, h) in b's dtype), contiguous, in one launch."""
+    if not use_triton(b, impl):
+        return gdn_gates_torch(a, b, a_log, dt_bias)
+    T, H = b.shape
+    if a.shape != b.shape or a.stride(1) != 1 or b.stride(1) != 1 or a_log.shape != (H,) or dt_bias.shape != (H,):
+        raise ValueError(f"gdn_gates: a {tuple(a.shape)}, b {tuple(b.shape)} (unit column stride), A_log, dt_bias (h,)")
+    g = torch.empty(T, H, dtype=torch.float32, device=b.device)
+    beta = torch.empty(T, H, dtype=b.dtype, device=b.device)
+    block = 1024
+    _gdn_gates_kernel[(triton.cdiv(T * H, block),)](
+        a, b, a_log, dt_bias, g, beta, T * H, H, a.stride(0), b.stride(0), BLOCK=block, num_warps=4
+    )
+    return g, beta
