@@ -156,6 +156,7 @@ def impl_name(
     expand: str = MOE_EXPAND,
     attention: str = OPTIONS["attention"],
     scan: str = OPTIONS["mamba_scan"],
+    block_m: int | None = None,
 ) -> str:
     return (
         ("triton" if backend == "triton" else f"triton+{backend}")
@@ -165,6 +166,7 @@ def impl_name(
         + ("" if expand == MOE_EXPAND else f"@expand:{expand}")
         + ("" if attention == OPTIONS["attention"] else f"@attn:{attention}")
         + ("" if scan == OPTIONS["mamba_scan"] else f"@scan:{scan}")
+        + ("" if block_m is None else f"@bm:{block_m}")
     )
 
 
@@ -306,6 +308,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="where the expert GEMMs' LoRA expand runs (GemmConfig.expand, kernels/fused_moe_lora.py "
         "EXPAND): the K-loop's first step (loop, the default), before the K-loop (first) or in the "
         "epilogue (last); each timed in this run",
+    )
+    p.add_argument(
+        "--moe-block-m",
+        nargs="+",
+        type=lambda v: None if v == "auto" else int(v),
+        default=[None],
+        choices=[None, 16, 32, 64, 128],
+        metavar="{auto,16,32,64,128}",
+        help="the expert GEMMs' routing block (kernels/fused_moe_lora.py MOE_BLOCK_M; auto = default_config's "
+        "rows heuristic), each timed in this run (impl ...@bm:<value>)",
     )
     p.add_argument(
         "--attention",

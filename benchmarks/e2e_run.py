@@ -76,7 +76,7 @@ def bench_model(name: str, args, writer) -> None:
             run.guarded(("hf", "hf+peft"), run.hf)
         if "triton" in args.engines:
             run.triton_variants()
-        fm.MOE_EXPAND = MOE_EXPAND
+        fm.MOE_EXPAND, fm.MOE_BLOCK_M = MOE_EXPAND, None
         peers = [e for e in args.engines if e in e2e_peers.PEERS]
         if peers:
             bench_peers(spec, adapter, prompts, peers, args, Path(tmp), row, run.results, run.outs)
@@ -136,40 +136,44 @@ class Run:
         """CUDA graphs on (the engine's default) and, with --graphs both, off: impl "...-eager"; and each
         --moe-shrink value (the engine's moe_lora_shrink option; impl "...@<value>" unless the default), --moe-padding
         value (moe_padding; "...@pad:<value>"), --moe-expand value (fused_moe_lora.MOE_EXPAND while that engine runs;
-        "...@expand:<value>"), --attention value (the engine's attention option; "...@attn:<value>") and, on Nemotron-H,
+        "...@expand:<value>"), --moe-block-m value (fused_moe_lora.MOE_BLOCK_M likewise; "...@bm:<value>"),
+        --attention value (the engine's attention option; "...@attn:<value>") and, on Nemotron-H,
         --mamba-scan value (mamba_scan; "...@scan:<value>"; other models run the default only). A runtime
         that captures no graph (the hybrids' runtimes, and any runtime on a CPU) runs its graphs-on variant eagerly:
         its rows say "-eager", and the graphs-off variant of the same options is not timed twice."""
         args = self.args
         scans = args.mamba_scan if self.spec.arch == "nemotron_h" else [OPTIONS["mamba_scan"]]
         variants = [
-            (b, g, sh, pad, ex, at, sc)
+            (b, g, sh, pad, ex, bm, at, sc)
             for b in args.moe_backend
             for sh in args.moe_shrink
             for pad in args.moe_padding
             for ex in args.moe_expand
+            for bm in args.moe_block_m
             for at in args.attention
             for sc in scans
             for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]
         ]
-        for backend, graphs, shrink, padding, expand, attn, scan in variants:
-            impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan)
-            eager = impl_name(backend, False, shrink, padding, expand, attn, scan)
+        for backend, graphs, shrink, padding, expand, bm, attn, scan in variants:
+            impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan, bm)
+            eager = impl_name(backend, False, shrink, padding, expand, attn, scan, bm)
             if not graphs and (eager, None) in self.results:
                 log(f"{impl}: already timed (the graphs-on variant ran eagerly)")
                 continue
-            first = (shrink, padding, expand, attn, scan) == (
+            first = (shrink, padding, expand, bm, attn, scan) == (
                 args.moe_shrink[0],
                 args.moe_padding[0],
                 args.moe_expand[0],
+                args.moe_block_m[0],
                 args.attention[0],
                 scans[0],
             )
             names = [impl, impl]  # the rows' impl, renamed by triton() when the runtime captures no graph
-            self.guarded(names, self.triton, backend, graphs, shrink, padding, expand, attn, scan, first, names)
-            fm.MOE_EXPAND = MOE_EXPAND
+            self.guarded(names, self.triton, backend, graphs, shrink, padding, (expand, bm), attn, scan, first, names)
+            fm.MOE_EXPAND, fm.MOE_BLOCK_M = MOE_EXPAND, None
 
-    def triton(self, backend, graphs, shrink, padding, expand, attn, scan, first: bool, names: list) -> None:
+    def triton(self, backend, graphs, shrink, padding, kernel, attn, scan, first: bool, names: list) -> None:
+        """kernel: (MOE_EXPAND, MOE_BLOCK_M) while this engine runs."""
         from benchmarks import e2e_peers
         from lpdiff.engines.triton import TritonEngine
 
@@ -182,8 +186,9 @@ class Run:
             "attention": attn,
             "mamba_scan": scan,
         }
-        impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan)
-        fm.MOE_EXPAND = expand
+        expand, bm = kernel
+        impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan, bm)
+        fm.MOE_EXPAND, fm.MOE_BLOCK_M = expand, bm
         t0 = time.perf_counter()
         cfg = EngineConfig(
             model=self.spec, adapters={name: self.adapter}, dtype=args.dtype, device=DEVICE, options=opts
@@ -192,9 +197,10 @@ class Run:
             startup = round(time.perf_counter() - t0, 1)
             rt = tr.runtime
             if graphs and rt.graphs is None:
-                impl = names[0] = names[1] = impl_name(backend, False, shrink, padding, expand, attn, scan)
+                impl = names[0] = names[1] = impl_name(backend, False, shrink, padding, expand, attn, scan, bm)
                 log(f"the {rt.cfg.arch} runtime on {DEVICE} captures no CUDA graph: {impl}")
-            settings = e2e_peers.settings_text({**opts, "moe_expand": expand, **resolved_kernels(rt)})
+            knobs = {"moe_expand": expand} | ({} if bm is None else {"moe_block_m": bm})
+            settings = e2e_peers.settings_text({**opts, **knobs, **resolved_kernels(rt)})
             self.bytes = wbytes, lbytes = rt.weights.nbytes(), rt.lora.nbytes()
             log(
                 f"{impl} loaded in {startup} s: weights {wbytes / 1e9:.2f} GB, LoRA {lbytes / 1e9:.2f} GB"

@@ -44,6 +44,11 @@ LORA_SHRINK = ("auto", "once", "fused")
 # benchmarks/bench_e2e.py (--moe-expand) sets it per engine to time the placements in one run.
 MOE_EXPAND = "loop"
 
+# The expert GEMMs' routing block (GemmConfig.block_m of both) instead of default_config's rows heuristic; None: the
+# heuristic. A module constant for the same reason as MOE_EXPAND: bench_e2e (--moe-block-m) times the choices of one
+# model side by side (the heuristic's thresholds were measured at Qwen3's and gpt-oss's rows per expert only).
+MOE_BLOCK_M: int | None = None
+
 
 def auto_padding(lora: MoeLoraWeights | None, once: bool) -> str:
     """moe_configs' GemmConfig.padding: "half", except "zero" for the GEMMs with the shrink in the K-loop (LORA 1),
@@ -98,9 +103,10 @@ def moe_configs(
     # the expand "loop" brings B through the pipeline's own buffers (a TMA launch runs "first" instead)
     in_loop = flags["expand"] == "loop" and not flags.get("tma", False)
     held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) and not in_loop else 0
+    bm = MOE_BLOCK_M
     return (
-        replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank), **flags),
-        replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank), **flags),
+        replace(default_config(pairs, groups, inter_n, H, device, x.dtype, gated, stage_rank, held_rank, bm), **flags),
+        replace(default_config(pairs, groups, H, inter_n, device, x.dtype, False, stage_rank, held_rank, bm), **flags),
     )
 
 

@@ -100,6 +100,7 @@ def default_config(
     gated: bool = False,
     rank: int = 0,
     held_rank: int = 0,
+    block_m: int | None = None,
 ) -> GemmConfig:
     """Tiles of one grouped GEMM launch. block_m follows the expected rows per group, so padding stays small; the
     dot is 256 wide for big row blocks (128 x 256 x 64 bf16 tiles were the fastest of those tried on an H100, see
@@ -110,11 +111,13 @@ def default_config(
     next_pow2(held_rank) x 256 bf16 beside the stages: 16 KB at rank 32, 64 KB at rank 128). LORA 1 holds its B
     tile too (always loaded before the K-loop); it is kept within SMEM_LIMIT rather than the stage budget, which
     leaves rank 32's 4 stages as they were measured (229376 B compiled for sm90) and gives rank 128 2 stages
-    instead of 3 (262144 B, more than a block may have)."""
+    instead of 3 (262144 B, more than a block may have).
+    block_m: the routing block instead of the rows heuristic's (a benchmark's variant: fused_moe_lora.MOE_BLOCK_M)."""
     if device.type != "cuda":  # interpreter: small tiles keep the program count and the per-step cost low
-        return GemmConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1)
+        return GemmConfig(block_m or 16, 32, 32, group_m=4, num_warps=4, num_stages=1)
     rows = num_pairs / max(1, num_groups)
-    block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64 if rows <= 160 else 128
+    if block_m is None:
+        block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64 if rows <= 160 else 128
     wn = 256 if block_m >= 64 else 128
     if dtype == torch.float32:
         block_m, wn = min(block_m, 64), 128

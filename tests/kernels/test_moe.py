@@ -739,3 +739,16 @@ def test_loop_expand_runs_first_where_it_cannot_run():
     for mode, slices, tma_w, add_to_out in [(2, 1, True, False), (2, 1, False, True), (2, 3, False, False)]:
         assert launch_expand(cfg, mode, slices, tma_w, add_to_out) == EXPAND.index("first")
     assert launch_expand(GemmConfig(64, 64, 32, expand="last"), 2, 1, False, False) == EXPAND.index("last")
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_moe_block_m_knob_sets_both_gemms_routing_block(monkeypatch, block_m):
+    """fused_moe_lora.MOE_BLOCK_M (bench_e2e --moe-block-m) replaces the rows heuristic's routing block in both
+    GEMMs' tiles, and the forward with it matches the reference (fp32, several adapters and rows with none)."""
+    import lpdiff.kernels.fused_moe_lora as fm
+
+    p = make_moe(T=37, H=48, I=40, E=5, K=2, activation="silu", ranks=(8, 4), device="cpu")
+    monkeypatch.setattr(fm, "MOE_BLOCK_M", block_m)
+    c1, c2 = fm.moe_configs(p, once=True)
+    assert c1.block_m == c2.block_m == block_m
+    check_moe(p, 1e-5)
