@@ -31,7 +31,7 @@ from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.config import rope_from_hf
 from lpdiff.engines.triton.moe import experts, route
 from lpdiff.engines.triton.norm import add_rms_norm, moe_delta
-from lpdiff.engines.triton.qwen3_5_kernels import gdn_gates, sigmoid_gate
+from lpdiff.engines.triton.qwen3_5_kernels import gdn_gates, sigmoid_gate, silu_mul
 from lpdiff.engines.triton.qwen3_5_lora import Linear, LinearLora, layer_linears, load_linear, stack_qwen35
 from lpdiff.engines.triton.rope import norm_partial_rope_qk
 from lpdiff.engines.triton.shard import Shard, tp_fix
@@ -325,8 +325,8 @@ class Qwen35Model:
         the shared_expert_dropped fault is on."""
         if faults.on("shared_expert_dropped"):
             return None, None
-        gate, up = self.linear(h, mw.shared_gate_up, ll and ll.shared_gate_up, batch).chunk(2, dim=-1)
-        s = self.linear(F.silu(gate) * up, mw.shared_down, ll and ll.shared_down, batch)
+        gate_up = self.linear(h, mw.shared_gate_up, ll and ll.shared_gate_up, batch)
+        s = self.linear(silu_mul(gate_up, self.impl), mw.shared_down, ll and ll.shared_down, batch)
         return s, F.linear(h, mw.shared_gate)
 
     def shared(self, h: Tensor, mw: MoeWeights, ll, batch: Batch) -> Tensor:

@@ -1,11 +1,13 @@
 """Qwen3.5's small elementwise steps as one Triton pass each, beside their torch references (which the CPU and
-``impl="torch"`` run): the gated attention's output gate and the Gated DeltaNet's decay and write strength.
+``impl="torch"`` run): the gated attention's output gate, the shared expert's SiLU-and-mul and the Gated DeltaNet's
+decay and write strength.
 
 Each rounds as the torch chain it replaces rounds in 16 bits (every torch op computes in fp32 and rounds its result
 to the dtype): only the fp32 transcendental functions (exp, log) may differ in their last fp32 bit from torch's.
-Torch runs them as 2 and 9 launches (the attention output's sigmoid and product; the GDN's sigmoid, two casts, exp,
-neg, add, softplus and product): on the H200 ~44 us per attention layer and ~20 us per GDN layer, ~0.8 ms per call
-of Qwen3.5-35B-A3B at 8 x 512 tokens (benchmarks/results/hybrid_audit.md).
+Torch runs them as 2, 2 and 9 launches (the attention output's sigmoid and product; the shared expert's SiLU and
+product; the GDN's sigmoid, two casts, exp, neg, add, softplus and product): on the H200 ~44 us per attention layer,
+~14 us per MoE block and ~20 us per GDN layer, ~1.4 ms per call of Qwen3.5-35B-A3B at 8 x 512 tokens
+(benchmarks/results/hybrid_audit.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """o, gate (T, h, d) -> o * sigmoid(gate) as (T, h * d), as transformers' Qwen3_5MoeAttention."""
     T = o.shape[0]
     return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2 S) gate | up -> silu(gate) * up (T, S), as transformers' Qwen3_5MoeMLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -40,6 +48,17 @@ if triton is not None:
         g = tl.load(G + t * stride_gt + head * stride_gh + j, mask=ok, other=0.0).to(tl.float32)
         sg = (1.0 / (1.0 + tl.exp(-g))).to(o.dtype).to(tl.float32)  # torch.sigmoid, rounded to the dtype
         tl.store(Out + t * N + n, (o.to(tl.float32) * sg).to(Out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(GU, Out, S, stride_gu, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = n < S
+        g = tl.load(GU + t * stride_gu + n, mask=ok, other=0.0)
+        u = tl.load(GU + t * stride_gu + S + n, mask=ok, other=0.0).to(tl.float32)
+        gf = g.to(tl.float32)
+        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # F.silu, rounded to the dtype
+        tl.store(Out + t * S + n, (sg * u).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _gdn_gates_kernel(A, B, ALog, DtBias, G, Beta, total, H, stride_a, stride_b, BLOCK: tl.constexpr):
@@ -74,6 +93,19 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, impl: str = "auto") -> tor
     _sigmoid_gate_kernel[(T, triton.cdiv(h * d, block))](
         o, gate, out, h * d, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), BLOCK=block, num_warps=4
     )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """(T, 2 S) with unit column stride -> silu_mul_torch(gate_up) (T, S) contiguous, in one pass."""
+    if not use_triton(gate_up, impl):
+        return silu_mul_torch(gate_up)
+    T, S2 = gate_up.shape
+    if S2 % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"silu_mul: gate | up (T, 2 S) with unit column stride, got {tuple(gate_up.shape)}")
+    out = torch.empty(T, S2 // 2, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, pow2(S2 // 2))
+    _silu_mul_kernel[(T, triton.cdiv(S2 // 2, block))](gate_up, out, S2 // 2, gate_up.stride(0), BLOCK=block)
     return out
 
 

@@ -1,7 +1,8 @@
 """Qwen3.5's fused passes against the torch chains they replace: the attention's q/k RMSNorm + partial rope
 (rope.norm_partial_rope_qk), its output gate (qwen3_5_kernels.sigmoid_gate), the GDN's decay and write strength
-(qwen3_5_kernels.gdn_gates) and the MoE block's tail fused into the residual add + RMSNorm (norm.add_rms_norm with
-shared and shared_gate: top-k sum + sigmoid(gate) * shared + residual).
+(qwen3_5_kernels.gdn_gates), the shared expert's SiLU-and-mul (qwen3_5_kernels.silu_mul) and the MoE block's tail
+fused into the residual add + RMSNorm (norm.add_rms_norm with shared and shared_gate: top-k sum + sigmoid(gate) *
+shared + residual).
 
 CPU: the kernels interpreted in a child Python started with TRITON_INTERPRET=1 (engines/triton/_jit.py fixes the
 mode at import), fresh random inputs, odd token counts and widths, inputs as the model passes them (strided views of
@@ -108,6 +109,14 @@ def check_sigmoid_gate(dtype):
         _check(got, sigmoid_gate_torch(oo, gate), f"sigmoid gate {dtype} contiguous={oo.is_contiguous()}")
 
 
+def check_silu_mul(dtype):
+    from lpdiff.engines.triton.qwen3_5_kernels import silu_mul, silu_mul_torch
+
+    g = torch.Generator().manual_seed(15)
+    gate_up = (3 * torch.randn(9, 2 * 37, generator=g)).to(dtype)  # S = 37: a masked tail
+    _check(silu_mul(gate_up, impl="triton"), silu_mul_torch(gate_up), f"silu_mul {dtype}")
+
+
 def check_gdn_gates(dtype):
     from lpdiff.engines.triton.qwen3_5_kernels import gdn_gates, gdn_gates_torch
 
@@ -142,6 +151,7 @@ def run_all():
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         check_partial_rope(dtype)
         check_sigmoid_gate(dtype)
+        check_silu_mul(dtype)
         check_gdn_gates(dtype)
         check_moe_tail(dtype)
     print("all qwen3.5 fused-kernel checks passed")
@@ -168,7 +178,8 @@ def test_bad_shapes_are_refused_before_a_launch():
 def test_qwen35_forward_under_the_interpreter():
     """The tiny zoo Qwen3.5 (3 Gated DeltaNet layers + 1 gated attention layer) with every runtime kernel run as
     Triton (a child Python with TRITON_INTERPRET=1): the MoE blocks hand their parts to the next norm (the routed
-    (T, K, H) unsummed, the shared output and gate), the attention layer takes the partial-rope and gate kernels;
+    (T, K, H) unsummed, the shared output and gate), the attention layer takes the partial-rope and gate kernels,
+    the GDN layers the g / beta kernel;
     fp32 logprobs against impl torch (the chains), base rows beside two adapters in one batch and one adapter alone."""
     from lpdiff.harness.commands.run import Job, resolve_job
 
@@ -273,7 +284,14 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
     top-8), 4096 + 33 tokens: fp32 within a few ulps of the chains; bf16 equal but for rare one-ulp flips (the
     kernels' fp32 sum order or exp against torch's); every kernel replays from a CUDA graph to its eager bits."""
     from lpdiff.engines.triton.norm import add_rms_norm, add_rms_norm_torch
-    from lpdiff.engines.triton.qwen3_5_kernels import gdn_gates, gdn_gates_torch, sigmoid_gate, sigmoid_gate_torch
+    from lpdiff.engines.triton.qwen3_5_kernels import (
+        gdn_gates,
+        gdn_gates_torch,
+        sigmoid_gate,
+        sigmoid_gate_torch,
+        silu_mul,
+        silu_mul_torch,
+    )
     from lpdiff.engines.triton.rope import norm_partial_rope_qk, norm_partial_rope_torch
 
     T, g, dev = 4129, torch.Generator().manual_seed(5), "cuda"
@@ -281,6 +299,7 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
     o = torch.randn(T, 16, 256, generator=g).to(dtype).to(dev)
     a, b, a_log, dt_bias = gdn_inputs(T, 32, dtype, g, dev)
     x, delta, shared, sgate, w = moe_inputs(T, 8, 2048, dtype, g, dev)
+    gate_up = (3 * torch.randn(T, 2 * 512, generator=g)).to(dtype).to(dev)  # the shared expert's 512 wide
     cases = {
         "norm_partial_rope_qk": (
             lambda: norm_partial_rope_qk(q, k, wq, wk, 1e-6, cos, sin, 64),
@@ -290,6 +309,7 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
             ),
         ),
         "sigmoid_gate": (lambda: (sigmoid_gate(o, gate),), lambda: (sigmoid_gate_torch(o, gate),)),
+        "silu_mul": (lambda: (silu_mul(gate_up),), lambda: (silu_mul_torch(gate_up),)),
         "gdn_gates": (lambda: gdn_gates(a, b, a_log, dt_bias), lambda: gdn_gates_torch(a, b, a_log, dt_bias)),
         "moe_tail": (
             lambda: add_rms_norm(x, delta, w, 1e-6, True, "triton", None, shared, sgate),
