@@ -6,7 +6,8 @@ Each mixer's output is this rank's partial sum under TP, all-reduced before the 
 
 The router follows transformers' NemotronHTopkRouter: fp32 logits, sigmoid scores, the correction bias added for
 the choice only, top-``topk_group`` groups by the sum of their two best biased scores, top-k inside them, weights
-the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob) times routed_scaling.
+the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob) times routed_scaling
+(moe.route_sigmoid: one Triton kernel after the fp32 GEMM on a GPU, the torch reference on CPU and for grouped picks).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.lora import session_lora_impl
 from lpdiff.engines.triton.mamba import mamba_mixer
-from lpdiff.engines.triton.moe import record
+from lpdiff.engines.triton.moe import route_sigmoid
 from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, NemotronHConfig, Weights
 from lpdiff.engines.triton.norm import add_rms_norm
 from lpdiff.engines.triton.shard import Shard
-from lpdiff.harness.spec.routing import topk_margin
 from lpdiff.kernels import MoeInputs, faults, lora_linear, moe_forward
 from lpdiff.kernels.activation import activate
 
@@ -114,40 +114,24 @@ class NemotronHModel:
         """down(relu(up(h))²): the dense layer and the shared expert (non-gated)."""
         return self.linear(activate(self.linear(h, up, batch), "relu2"), down, batch)
 
-    def route(self, h: torch.Tensor, lay: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(
+        self, h: torch.Tensor, lay: Layer, min_into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> top-k ids (T, K), weights (T, K) fp32, margin (T,): the gap between the k-th and (k+1)-th biased score
-        over all experts (harness.routing's definition for sigmoid routers)."""
+        over all experts (harness.routing's definition for sigmoid routers). ``min_into`` (T,): the running minimum
+        of the layers before, lowered in place and returned as the margin (moe.route_sigmoid)."""
         cfg = self.cfg
-        scores = F.linear(h.float(), lay.need("router")).sigmoid()
         bias = lay.need("router_bias")
         if faults.on("router_bias_rounded"):
             bias = torch.round(bias, decimals=2)
-        choice = scores + bias
-        margin = (
-            topk_margin(choice, cfg.top_k)
-            if cfg.top_k < cfg.num_experts
-            else torch.full_like(scores[:, 0], float("inf"))
+        logits = F.linear(h.float(), lay.need("router"))  # fp32 as transformers: the routing bits depend on it
+        groups = (cfg.n_group, cfg.topk_group)
+        return route_sigmoid(
+            logits, bias, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling, groups, self.impl, min_into
         )
-        pick = choice
-        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
-            T, E = choice.shape
-            grouped = choice.view(T, cfg.n_group, E // cfg.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
-            pick = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(T, E), float("-inf"))
-        ids = pick.topk(cfg.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        weights = weights * cfg.routed_scaling
-        record(ids, weights, margin)  # option capture_routing (engines/triton/routing.py)
-        return ids, weights, margin
 
     def moe(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None) -> torch.Tensor:
-        ids, weights, own_margin = self.route(h, lay)
-        if margin is not None:
-            torch.minimum(margin, own_margin, out=margin)
+        ids, weights, _ = self.route(h, lay, margin)
         return self.experts(h, ids, weights, lay, batch) + self.shared(h, lay, batch)
 
     def experts(
