@@ -40,7 +40,7 @@ class NemotronHModel:
         impl: str = "auto",
         attention_impl: str = "auto",
         moe_backend: str = "triton",
-        mamba_scan: str = "recurrence",
+        mamba_scan: str = "auto",
     ):
         self.cfg, self.w, self.lora, self.shard = cfg, weights, lora, shard
         self.mamba_scan = mamba_scan  # the engine's mamba_scan option (mamba.scan_impl)
