@@ -33,6 +33,9 @@ Inputs on the fla path, as fla wants them with no copy in between:
   delta rule kernels index (they take no strides). Its activation stays a torch SiLU after it: fla's fused SiLU
   would round once where torch's conv then SiLU round twice in 16 bits (transformers' torch conv, HF's reference).
   fp32 runs keep the torch conv, as they keep the torch delta rule.
+- qwen3_5.py's forward takes neither on the fla path: gdn_conv.conv_silu_l2norm runs the conv, the SiLU and fla's
+  q/k L2 norm in one pass with the same roundings, and the delta rule skips its l2norm_fwd (``qk_normed``). The
+  split conv above stays for lpdiff bisect's sub-step trace and as that pass's reference chain.
 """
 
 from __future__ import annotations
@@ -216,14 +219,19 @@ def fla_plan(batch: Batch, make_offsets: bool = True) -> FlaPlan:
     return plan
 
 
-def _fla(q, k, v, g, beta, plan: FlaPlan) -> torch.Tensor:
+def _fla(q, k, v, g, beta, plan: FlaPlan, qk_normed: bool = False) -> torch.Tensor:
     """fla 0.5.2's ChunkGatedDeltaRuleFunction.forward for inference (use_qk_l2norm_in_kernel, no initial or final
-    state, default scale dk^-0.5, chunk 64) with the plan's chunk indices in place of its host-side ones."""
-    from fla.modules.l2norm import l2norm_fwd
+    state, default scale dk^-0.5, chunk 64) with the plan's chunk indices in place of its host-side ones.
+    qk_normed: q and k come L2-normed already (gdn_conv.conv_silu_l2norm), so its l2norm_fwd is skipped."""
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    qn, _ = l2norm_fwd(q[None].contiguous())
-    kn, _ = l2norm_fwd(k[None].contiguous())
+    if qk_normed:
+        qn, kn = q[None].contiguous(), k[None].contiguous()
+    else:
+        from fla.modules.l2norm import l2norm_fwd
+
+        qn, _ = l2norm_fwd(q[None].contiguous())
+        kn, _ = l2norm_fwd(k[None].contiguous())
     _, o, *_ = chunk_gated_delta_rule_fwd(
         q=qn,
         k=kn,
@@ -240,14 +248,17 @@ def _fla(q, k, v, g, beta, plan: FlaPlan) -> torch.Tensor:
     return o[0].to(qn.dtype)  # as the public path: its output in the normalised q's dtype
 
 
-def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto") -> torch.Tensor:
+def gated_delta_rule(q, k, v, g, beta, batch: Batch, impl: str = "auto", qk_normed: bool = False) -> torch.Tensor:
     """Packed q/k (T, hk, dk), v (T, h, dv), g/beta (T, h) -> (T, h, dv), every prompt from a zero state. hk divides
-    h: value head i reads key head i // (h // hk) (fla's GVA; the torch form repeats q and k to h heads)."""
+    h: value head i reads key head i // (h // hk) (fla's GVA; the torch form repeats q and k to h heads).
+    qk_normed (fla path only): q and k are L2-normed already."""
     hk, h = k.shape[1], v.shape[1]
     if q.shape[1] != hk or h % hk:
         raise ValueError(f"q and k need the same heads, dividing v's {h}: got {q.shape[1]} and {hk}")
     if resolve(impl, v) == "fla":
-        return _fla(q, k, v, g, beta, fla_plan(batch)).to(v.dtype)
+        return _fla(q, k, v, g, beta, fla_plan(batch), qk_normed).to(v.dtype)
+    if qk_normed:
+        raise ValueError("qk_normed is for the fla path; the torch form normalises q and k itself")
     if hk != h:
         q, k = q.repeat_interleave(h // hk, dim=1), k.repeat_interleave(h // hk, dim=1)
     if len(batch.lens) * batch.max_len > 2 * batch.num_tokens:

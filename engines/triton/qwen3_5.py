@@ -29,6 +29,7 @@ from lpdiff.engines.triton.archs import Built
 from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.config import rope_from_hf
+from lpdiff.engines.triton.gdn_conv import conv_silu_l2norm
 from lpdiff.engines.triton.moe import experts, route
 from lpdiff.engines.triton.norm import add_rms_norm, moe_delta
 from lpdiff.engines.triton.qwen3_5_kernels import gdn_gates, sigmoid_gate, silu_mul
@@ -39,6 +40,9 @@ from lpdiff.harness.spec.errors import InputError
 from lpdiff.kernels import faults, gated_norm, lora_linear
 
 Tensor = torch.Tensor
+# the GDN's conv, SiLU and q/k L2 norm as one pass on the fla path (gdn_conv.py); False: fla's conv per channel group,
+# torch's SiLU and fla's l2norm_fwd, the chain it replaces (tests compare the two)
+FUSED_GDN_INPUT = True
 
 
 @dataclass(slots=True)
@@ -275,8 +279,12 @@ class Qwen35Model:
         conv, A_log, dt_bias, gnorm = lw.linear_parts()
         # conv_across_prompts: the whole packed batch as one sequence, on whichever conv path runs
         conv_batch = _one_prompt(batch) if faults.on("conv_across_prompts") else batch
-        q, k, v = gdn.causal_conv1d_parts(qkv, conv, conv_batch, [nk * dk, nk * dk, nv * dv], self.gdn_impl)
-        q, k, v = q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv)
+        fused = FUSED_GDN_INPUT and not tracing and gdn.resolve(self.gdn_impl, qkv) == "fla"
+        if fused:  # conv, SiLU and fla's q/k L2 norm in one pass (the trace wants the conv's output itself)
+            q, k, v = conv_silu_l2norm(qkv, conv, conv_batch.positions, nk, dk, nv, dv)
+        else:
+            q, k, v = gdn.causal_conv1d_parts(qkv, conv, conv_batch, [nk * dk, nk * dk, nv * dv], self.gdn_impl)
+            q, k, v = q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv)
         g, beta = gdn_gates(a, b, A_log, dt_bias, self.impl)
         # q and k stay at their nk heads: the delta rule maps value heads to key heads itself (gdn.gated_delta_rule)
         if tracing:  # (T, h, d) each, q and k repeated to v's heads as transformers passes them
@@ -284,9 +292,9 @@ class Qwen35Model:
             trace["conv1d"] = (q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1), v) if r > 1 else (q, k, v)
         trace["gate"] = (g, beta)
         if faults.on("state_not_reset"):
-            o = gdn.gated_delta_rule(q, k, v, g, beta, _one_prompt(batch), self.gdn_impl)
+            o = gdn.gated_delta_rule(q, k, v, g, beta, _one_prompt(batch), self.gdn_impl, fused)
         else:
-            o = gdn.gated_delta_rule(q, k, v, g, beta, batch, self.gdn_impl)
+            o = gdn.gated_delta_rule(q, k, v, g, beta, batch, self.gdn_impl, fused)
         trace["delta_rule"] = o
         o = gated_norm.norm_then_gate(o, z.reshape(T, nv, dv), gnorm, cfg.rms_norm_eps).reshape(T, nv * dv)
         trace["gated_norm"] = o

@@ -228,6 +228,7 @@ def test_qwen35_bf16_inputs_no_farther_from_fp32_than_the_previous_inputs(monkey
         return rule(q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1), v, *a)
 
     monkeypatch.setattr(gdn, "gated_delta_rule", repeated)
+    monkeypatch.setattr(qwen3_5, "FUSED_GDN_INPUT", False)  # the previous inputs come from the unfused chain
     monkeypatch.setattr(
         gdn, "causal_conv1d_parts", lambda x, w, b, widths, impl: gdn.causal_conv1d(x, w, b).split(widths, -1)
     )

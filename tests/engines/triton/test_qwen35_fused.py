@@ -1,8 +1,8 @@
 """Qwen3.5's fused passes against the torch chains they replace: the attention's q/k RMSNorm + partial rope
 (rope.norm_partial_rope_qk), its output gate (qwen3_5_kernels.sigmoid_gate), the GDN's decay and write strength
-(qwen3_5_kernels.gdn_gates), the shared expert's SiLU-and-mul (qwen3_5_kernels.silu_mul) and the MoE block's tail
-fused into the residual add + RMSNorm (norm.add_rms_norm with shared and shared_gate: top-k sum + sigmoid(gate) *
-shared + residual).
+(qwen3_5_kernels.gdn_gates), its conv + SiLU + q/k L2 norm (gdn_conv.conv_silu_l2norm), the shared expert's
+SiLU-and-mul (qwen3_5_kernels.silu_mul) and the MoE block's tail fused into the residual add + RMSNorm
+(norm.add_rms_norm with shared and shared_gate: top-k sum + sigmoid(gate) * shared + residual).
 
 CPU: the kernels interpreted in a child Python started with TRITON_INTERPRET=1 (engines/triton/_jit.py fixes the
 mode at import), fresh random inputs, odd token counts and widths, inputs as the model passes them (strided views of
@@ -130,6 +130,50 @@ def check_gdn_gates(dtype):
     _check(got_beta, ref_beta, f"gdn beta {dtype}")
 
 
+class _NoRope:
+    """Batch.build's cfg where only the layout (positions) is read."""
+
+    rope_inv_freq = torch.zeros(1)
+    rope_attention_scaling = 1.0
+
+
+def conv_inputs(lens, nk, dk, nv, dv, dtype, g, device="cpu"):
+    """The q|k|v column block of a GDN in projection (strided), a (C, 4) conv weight, the packed batch of ``lens``."""
+    from lpdiff.engines.triton.batch import Batch
+
+    C, T = 2 * nk * dk + nv * dv, sum(lens)
+    proj = torch.randn(T, C + 2 * nv + 5, generator=g).to(dtype).to(device)
+    weight = (0.5 * torch.randn(C, 4, generator=g)).to(dtype).to(device)
+    batch = Batch.build([[0] * n for n in lens], [-1] * len(lens), _NoRope(), dtype, torch.device(device))
+    return proj[:, :C], weight, batch
+
+
+def check_gdn_conv(dtype):
+    from lpdiff.engines.triton import gdn
+    from lpdiff.engines.triton.gdn_conv import conv_silu_l2norm, conv_silu_l2norm_torch, l2norm_torch
+
+    g = torch.Generator().manual_seed(16)
+    # prompts of 1 and 2 tokens (shorter than the window), boundaries inside a 32-token block; dk != dv (masked
+    # columns of the 32-wide head block), two value heads per key head
+    for nk, dk, nv, dv in ((2, 16, 4, 16), (1, 24, 2, 20)):
+        x, w, batch = conv_inputs([5, 1, 40, 2, 3], nk, dk, nv, dv, dtype, g)
+        got = conv_silu_l2norm(x, w, batch.positions, nk, dk, nv, dv)
+        ref = conv_silu_l2norm_torch(x, w, batch.positions, nk, dk, nv, dv)
+        what = f"gdn conv {dtype} nk={nk} dk={dk} nv={nv} dv={dv}"
+        for name, a, b in zip("qkv", got, ref):
+            assert a.is_contiguous(), what
+            _check(a, b, f"{what} {name}")
+        # the reference is the chain it replaces: torch's conv + SiLU per prompt, then fla's L2 norm of q and k
+        T = x.shape[0]
+        cq, ck, cv = gdn.causal_conv1d(x, w, batch).split([nk * dk, nk * dk, nv * dv], dim=-1)
+        chain = (l2norm_torch(cq.reshape(T, nk, dk)), l2norm_torch(ck.reshape(T, nk, dk)), cv.reshape(T, nv, dv))
+        for name, a, b in zip("qkv", ref, chain):
+            if dtype == torch.float32:  # torch's conv sums its taps in another order
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{what} {name} reference vs chain")
+            else:
+                assert torch.equal(a, b), f"{what} {name} reference vs chain"
+
+
 def check_moe_tail(dtype):
     from lpdiff.engines.triton.norm import add_rms_norm, add_rms_norm_torch, moe_delta
 
@@ -153,6 +197,7 @@ def run_all():
         check_sigmoid_gate(dtype)
         check_silu_mul(dtype)
         check_gdn_gates(dtype)
+        check_gdn_conv(dtype)
         check_moe_tail(dtype)
     print("all qwen3.5 fused-kernel checks passed")
 
@@ -283,6 +328,7 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
     """Qwen3.5-35B-A3B's widths (16 query heads and 2 kv heads of 256, rotary 64; 32 GDN value heads; hidden 2048,
     top-8), 4096 + 33 tokens: fp32 within a few ulps of the chains; bf16 equal but for rare one-ulp flips (the
     kernels' fp32 sum order or exp against torch's); every kernel replays from a CUDA graph to its eager bits."""
+    from lpdiff.engines.triton.gdn_conv import conv_silu_l2norm, conv_silu_l2norm_torch
     from lpdiff.engines.triton.norm import add_rms_norm, add_rms_norm_torch
     from lpdiff.engines.triton.qwen3_5_kernels import (
         gdn_gates,
@@ -294,12 +340,13 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
     )
     from lpdiff.engines.triton.rope import norm_partial_rope_qk, norm_partial_rope_torch
 
-    T, g, dev = 4129, torch.Generator().manual_seed(5), "cuda"
+    T, g, dev = 4129, torch.Generator().manual_seed(5), "cuda"  # 8 x 512 + 33
     q, gate, k, wq, wk, cos, sin = attention_inputs(T, 16, 2, 256, 64, dtype, g, dev)
     o = torch.randn(T, 16, 256, generator=g).to(dtype).to(dev)
     a, b, a_log, dt_bias = gdn_inputs(T, 32, dtype, g, dev)
     x, delta, shared, sgate, w = moe_inputs(T, 8, 2048, dtype, g, dev)
     gate_up = (3 * torch.randn(T, 2 * 512, generator=g)).to(dtype).to(dev)  # the shared expert's 512 wide
+    cx, cw, cb = conv_inputs([512] * 8 + [33], 16, 128, 32, 128, dtype, g, dev)
     cases = {
         "norm_partial_rope_qk": (
             lambda: norm_partial_rope_qk(q, k, wq, wk, 1e-6, cos, sin, 64),
@@ -311,6 +358,10 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
         "sigmoid_gate": (lambda: (sigmoid_gate(o, gate),), lambda: (sigmoid_gate_torch(o, gate),)),
         "silu_mul": (lambda: (silu_mul(gate_up),), lambda: (silu_mul_torch(gate_up),)),
         "gdn_gates": (lambda: gdn_gates(a, b, a_log, dt_bias), lambda: gdn_gates_torch(a, b, a_log, dt_bias)),
+        "gdn_conv": (
+            lambda: conv_silu_l2norm(cx, cw, cb.positions, 16, 128, 32, 128),
+            lambda: conv_silu_l2norm_torch(cx, cw, cb.positions, 16, 128, 32, 128),
+        ),
         "moe_tail": (
             lambda: add_rms_norm(x, delta, w, 1e-6, True, "triton", None, shared, sgate),
             lambda: add_rms_norm_torch(x, delta, w, 1e-6, True, shared, sgate),
@@ -328,6 +379,43 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
                 assert worst <= 2 and frac <= 1e-3, (name, i, worst, frac)
         _captured_equals_eager(fused, got)
         print(f"{name} {dtype} T={T}: fused {_time(fused):.1f} us, torch chain {_time(chain):.1f} us")
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(not _cuda(), reason="needs a GPU")
+def test_gdn_conv_against_fla_on_cuda():
+    """The fused GDN input pass against the kernels it replaces on the fla path (fla 0.5.2's causal_conv1d_fwd per
+    channel group, torch's SiLU, fla's l2norm_fwd on q and k) at Qwen3.5-35B-A3B's widths, bf16, ragged prompts:
+    equal but for rare one-ulp flips (the conv's tap order, the norm's sum order); times printed."""
+    from lpdiff.engines.triton import gdn
+    from lpdiff.engines.triton.gdn_conv import conv_silu_l2norm
+
+    if not gdn.fla_available():
+        pytest.skip("needs fla-core 0.5.2 (pip extra fla)")
+    from fla.modules.l2norm import l2norm_fwd
+
+    nk, dk, nv, dv = 16, 128, 32, 128
+    x, w, batch = conv_inputs(
+        [512, 300, 1, 2, 777, 64, 2400, 33], nk, dk, nv, dv, torch.bfloat16, torch.Generator().manual_seed(6), "cuda"
+    )
+    T = x.shape[0]
+
+    def chain():
+        q, k, v = gdn.causal_conv1d_parts(x, w, batch, [nk * dk, nk * dk, nv * dv], "fla")
+        qn, _ = l2norm_fwd(q.reshape(1, T, nk, dk))
+        kn, _ = l2norm_fwd(k.reshape(1, T, nk, dk))
+        return qn[0], kn[0], v.reshape(T, nv, dv)
+
+    def fused():
+        return conv_silu_l2norm(x, w, batch.positions, nk, dk, nv, dv)
+
+    got, ref = fused(), chain()
+    for name, a, b in zip("qkv", got, ref):
+        worst, frac = _ulps(a, b)
+        print(f"gdn conv vs fla {name}: {frac:.2e} of elements differ, at most {worst:.1f} ulp")
+        assert worst <= 2 and frac <= 1e-3, (name, worst, frac)
+    _captured_equals_eager(fused, got)
+    print(f"gdn conv T={T}: fused {_time(fused):.1f} us, fla conv + SiLU + l2norm {_time(chain):.1f} us")
 
 
 if __name__ == "__main__":
