@@ -39,7 +39,9 @@ def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bi
 if triton is not None:
 
     @triton.jit
-    def _sigmoid_gate_kernel(O, G, Out, N, D, stride_ot, stride_oh, stride_gt, stride_gh, BLOCK: tl.constexpr):
+    def _sigmoid_gate_kernel(
+        O, G, Out, stride_ot, stride_oh, stride_gt, stride_gh, N: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr
+    ):
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = n < N
@@ -91,7 +93,7 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, impl: str = "auto") -> tor
     out = torch.empty(T, h * d, dtype=o.dtype, device=o.device)
     block = min(1024, pow2(h * d))
     _sigmoid_gate_kernel[(T, triton.cdiv(h * d, block))](
-        o, gate, out, h * d, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), BLOCK=block, num_warps=4
+        o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), N=h * d, D=d, BLOCK=block, num_warps=4
     )
     return out
 
