@@ -25,9 +25,10 @@ EPS = 1e-6  # fla 0.5.2's l2norm_fwd default, which its delta rule uses
 
 
 def l2norm_torch(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """fla's l2norm_fwd as torch ops: x * rsqrt(sum(x^2) + eps) over the last dim in fp32, rounded to x's dtype."""
+    """fla's l2norm_fwd as torch ops: x * (1 / sqrt(sum(x^2) + eps)) over the last dim in fp32, rounded to x's
+    dtype."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    return (xf * (1 / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 def conv_silu_l2norm_torch(x, weight, positions, nk: int, dk: int, nv: int, dv: int):
@@ -94,7 +95,7 @@ if triton is not None:
         y = acc.to(dt).to(tl.float32)
         y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)  # torch's SiLU on the rounded conv, rounded
         if is_qk:
-            y = y * tl.math.rsqrt(tl.sum(y * y, axis=1) + eps)[:, None]
+            y = y * (1 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]  # as fla's l2norm_fwd_kernel writes it
         out_ok = row_ok[:, None] & col_ok[None, :]
         r64 = rows[:, None].to(tl.int64)
         if hb < NK:
