@@ -225,7 +225,7 @@ def test_qwen35_forward_under_the_interpreter():
     Triton (a child Python with TRITON_INTERPRET=1): the MoE blocks hand their parts to the next norm (the routed
     (T, K, H) unsummed, the shared output and gate), the attention layer takes the partial-rope and gate kernels,
     the GDN layers the g / beta kernel;
-    fp32 logprobs against impl torch (the chains), base rows beside two adapters in one batch and one adapter alone."""
+    fp32 logprobs against impl torch (the chains), a base row beside two adapters in one batch."""
     from lpdiff.harness.commands.run import Job, resolve_job
 
     spec, adapters, _ = resolve_job(Job(model="tiny-qwen3.5-moe", adapters=("all", "attention")))
@@ -236,7 +236,7 @@ def test_qwen35_forward_under_the_interpreter():
         arch=spec.arch,
         adapters={n: a.path for n, a in adapters.items()},
         prompts=[torch.randint(0, 1024, (n,), generator=g).tolist() for n in (9, 3, 14)],
-        choices=[["all", None, "attention"], "all"],
+        choices=[["all", None, "attention"]],
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
@@ -245,7 +245,7 @@ def test_qwen35_forward_under_the_interpreter():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["fused_tails"] > 0 and out["topk_unsummed"] > 0 and out["kernels"] == ["gdn_gates", "partial_rope"]
-    assert len(out["diffs"]) == 2 and max(out["diffs"]) <= 1e-4, out
+    assert len(out["diffs"]) == 1 and max(out["diffs"]) <= 1e-4, out
 
 
 def _interpreted_forward(job: dict) -> None:
