@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lpdiff.engines.triton._jit import pow2, tl, triton
+from lpdiff.engines.triton._jit import INTERPRETED, pow2, tl, triton
+from lpdiff.engines.triton.norm import torch_silu
 
 EPS = 1e-6  # fla 0.5.2's l2norm_fwd default, which its delta rule uses
 
@@ -68,6 +69,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
         eps,
+        EXACT: tl.constexpr,
     ):
         """Program (token block, head): heads 0..NK-1 are q's, NK..2NK-1 k's, then v's."""
         hb = tl.program_id(1)
@@ -93,7 +95,7 @@ if triton is not None:
             acc += xv.to(tl.float32) * w[None, :]
         dt = X.dtype.element_ty
         y = acc.to(dt).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)  # torch's SiLU on the rounded conv, rounded
+        y = torch_silu(y, EXACT).to(dt).to(tl.float32)  # torch's SiLU on the rounded conv, rounded
         if is_qk:
             y = y * (1 / tl.sqrt(tl.sum(y * y, axis=1) + eps))[:, None]  # as fla's l2norm_fwd_kernel writes it
         out_ok = row_ok[:, None] & col_ok[None, :]
@@ -121,7 +123,7 @@ def conv_silu_l2norm(
     q = torch.empty(T, nk, dk, dtype=x.dtype, device=x.device)
     k = torch.empty(T, nk, dk, dtype=x.dtype, device=x.device)
     v = torch.empty(T, nv, dv, dtype=x.dtype, device=x.device)
-    block_t = 32
+    block_t = 16  # 16 x 128 tiles on 8 warps: 62 registers (sm_90a, ptxas -v), 4 programs resident per SM
     _conv_silu_l2norm_kernel[(triton.cdiv(T, block_t), 2 * nk + nv)](
         x,
         weight.contiguous(),
@@ -139,6 +141,7 @@ def conv_silu_l2norm(
         BLOCK_T=block_t,
         BLOCK_C=pow2(max(dk, dv)),
         eps=EPS,
-        num_warps=4,
+        EXACT=not INTERPRETED,
+        num_warps=8,
     )
     return q, k, v

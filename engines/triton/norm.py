@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
+from lpdiff.engines.triton._jit import INTERPRETED, pow2, tl, triton, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False) -> torch.Tensor:
@@ -59,6 +59,26 @@ def add_rms_norm_torch(x, delta, weight, eps, weight_fp32=False, shared=None, sh
 
 
 if triton is not None:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def torch_sigmoid(x, EXACT: tl.constexpr):
+        """fp32 sigmoid with torch's CUDA bits when EXACT: 1 / (1 + expf(-x)), IEEE division. The interpreter has no
+        libdevice: there tl.exp and / (which compiled are approximate: ex2.approx, div.full)."""
+        if EXACT:
+            y = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))
+        else:
+            y = 1.0 / (1.0 + tl.exp(-x))
+        return y
+
+    @triton.jit
+    def torch_silu(x, EXACT: tl.constexpr):
+        """fp32 SiLU with torch's CUDA bits when EXACT: x / (1 + expf(-x)) (as torch_sigmoid)."""
+        if EXACT:
+            y = tl.math.div_rn(x, 1.0 + libdevice.exp(-x))
+        else:
+            y = x / (1.0 + tl.exp(-x))
+        return y
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -84,6 +104,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         HAS_SHARED: tl.constexpr = False,
         HAS_GATE: tl.constexpr = False,
+        EXACT: tl.constexpr = True,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -99,7 +120,7 @@ if triton is not None:
                 sh = tl.load(Sh + row * stride_sh + offs, mask=ok, other=0.0).to(tl.float32)
                 if HAS_GATE:
                     gl = tl.load(Gt + row * stride_g).to(tl.float32)
-                    sg = (1.0 / (1.0 + tl.exp(-gl))).to(d.dtype).to(tl.float32)
+                    sg = torch_sigmoid(gl, EXACT).to(d.dtype).to(tl.float32)
                     sh = (sg * sh).to(d.dtype).to(tl.float32)
                 acc = (acc + sh).to(d.dtype).to(tl.float32)
             x = (x.to(tl.float32) + acc).to(Sum.dtype.element_ty)
@@ -186,6 +207,7 @@ def add_rms_norm(
         BLOCK=block,
         HAS_SHARED=shared is not None,
         HAS_GATE=shared_gate is not None,
+        EXACT=not INTERPRETED,
         num_warps=min(16, max(1, block // 256)),
     )
     return out, s

@@ -3,7 +3,8 @@
 decay and write strength.
 
 Each rounds as the torch chain it replaces rounds in 16 bits (every torch op computes in fp32 and rounds its result
-to the dtype): only the fp32 transcendental functions (exp, log) may differ in their last fp32 bit from torch's.
+to the dtype), and compiled for CUDA computes torch's fp32 values too: libdevice's expf / log1pf and IEEE division,
+as torch's CUDA kernels (norm.torch_sigmoid). Interpreted (no libdevice) the last fp32 bit of exp / log may differ.
 Torch runs them as 2, 2 and 9 launches (the attention output's sigmoid and product; the shared expert's SiLU and
 product; the GDN's sigmoid, two casts, exp, neg, add, softplus and product): on the H200 ~44 us per attention layer,
 ~14 us per MoE block and ~20 us per GDN layer, ~1.4 ms per call of Qwen3.5-35B-A3B at 8 x 512 tokens
@@ -15,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
+from lpdiff.engines.triton._jit import INTERPRETED, pow2, tl, triton, use_triton
+from lpdiff.engines.triton.norm import torch_sigmoid, torch_silu
 
 
 def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -37,10 +39,21 @@ def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bi
 
 
 if triton is not None:
+    from triton.language.extra import libdevice
 
     @triton.jit
     def _sigmoid_gate_kernel(
-        O, G, Out, stride_ot, stride_oh, stride_gt, stride_gh, N: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr
+        O,
+        G,
+        Out,
+        stride_ot,
+        stride_oh,
+        stride_gt,
+        stride_gh,
+        N: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        EXACT: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -48,37 +61,41 @@ if triton is not None:
         head, j = n // D, n % D
         o = tl.load(O + t * stride_ot + head * stride_oh + j, mask=ok, other=0.0)
         g = tl.load(G + t * stride_gt + head * stride_gh + j, mask=ok, other=0.0).to(tl.float32)
-        sg = (1.0 / (1.0 + tl.exp(-g))).to(o.dtype).to(tl.float32)  # torch.sigmoid, rounded to the dtype
+        sg = torch_sigmoid(g, EXACT).to(o.dtype).to(tl.float32)  # torch.sigmoid, rounded to the dtype
         tl.store(Out + t * N + n, (o.to(tl.float32) * sg).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Out, S, stride_gu, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, Out, S, stride_gu, BLOCK: tl.constexpr, EXACT: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = n < S
         g = tl.load(GU + t * stride_gu + n, mask=ok, other=0.0)
         u = tl.load(GU + t * stride_gu + S + n, mask=ok, other=0.0).to(tl.float32)
         gf = g.to(tl.float32)
-        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # F.silu, rounded to the dtype
+        sg = torch_silu(gf, EXACT).to(g.dtype).to(tl.float32)  # F.silu, rounded to the dtype
         tl.store(Out + t * S + n, (sg * u).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gdn_gates_kernel(A, B, ALog, DtBias, G, Beta, total, H, stride_a, stride_b, BLOCK: tl.constexpr):
+    def _gdn_gates_kernel(
+        A, B, ALog, DtBias, G, Beta, total, H, stride_a, stride_b, BLOCK: tl.constexpr, EXACT: tl.constexpr
+    ):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
         row, h = i // H, i % H
         b = tl.load(B + row * stride_b + h, mask=ok, other=0.0)
         bf = b.to(tl.float32)
-        tl.store(Beta + i, (1.0 / (1.0 + tl.exp(-bf))).to(Beta.dtype.element_ty), mask=ok)
+        tl.store(Beta + i, torch_sigmoid(bf, EXACT).to(Beta.dtype.element_ty), mask=ok)
         x = tl.load(A + row * stride_a + h, mask=ok, other=0.0).to(tl.float32)
         x = x + tl.load(DtBias + h, mask=ok, other=0.0).to(tl.float32)
-        # softplus as torch's (threshold 20); log1p(u) as log(1 + u) * u / ((1 + u) - 1), exact to a few ulp where
-        # 1 + u rounds (Goldberg), u itself where 1 + u == 1
-        u = tl.exp(tl.minimum(x, 20.0))
-        w = 1.0 + u
-        lp = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
-        sp = tl.where(x > 20.0, x, lp)
-        decay = tl.exp(tl.load(ALog + h, mask=ok, other=0.0).to(tl.float32))
+        a_log = tl.load(ALog + h, mask=ok, other=0.0).to(tl.float32)
+        if EXACT:  # torch's softplus (threshold 20) and exp: log1pf(expf(x)), expf
+            sp = tl.where(x > 20.0, x, libdevice.log1p(libdevice.exp(tl.minimum(x, 20.0))))
+            decay = libdevice.exp(a_log)
+        else:  # log1p(u) as log(1 + u) * u / ((1 + u) - 1) (Goldberg), u itself where 1 + u == 1
+            u = tl.exp(tl.minimum(x, 20.0))
+            w = 1.0 + u
+            sp = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0))))
+            decay = tl.exp(a_log)
         tl.store(G + i, -decay * sp, mask=ok)
 
 
@@ -93,7 +110,18 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, impl: str = "auto") -> tor
     out = torch.empty(T, h * d, dtype=o.dtype, device=o.device)
     block = min(1024, pow2(h * d))
     _sigmoid_gate_kernel[(T, triton.cdiv(h * d, block))](
-        o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), N=h * d, D=d, BLOCK=block, num_warps=4
+        o,
+        gate,
+        out,
+        o.stride(0),
+        o.stride(1),
+        gate.stride(0),
+        gate.stride(1),
+        N=h * d,
+        D=d,
+        BLOCK=block,
+        EXACT=not INTERPRETED,
+        num_warps=4,
     )
     return out
 
@@ -107,7 +135,9 @@ def silu_mul(gate_up: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         raise ValueError(f"silu_mul: gate | up (T, 2 S) with unit column stride, got {tuple(gate_up.shape)}")
     out = torch.empty(T, S2 // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, pow2(S2 // 2))
-    _silu_mul_kernel[(T, triton.cdiv(S2 // 2, block))](gate_up, out, S2 // 2, gate_up.stride(0), BLOCK=block)
+    _silu_mul_kernel[(T, triton.cdiv(S2 // 2, block))](
+        gate_up, out, S2 // 2, gate_up.stride(0), BLOCK=block, EXACT=not INTERPRETED
+    )
     return out
 
 
@@ -123,6 +153,18 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
     beta = torch.empty(T, H, dtype=b.dtype, device=b.device)
     block = 1024
     _gdn_gates_kernel[(triton.cdiv(T * H, block),)](
-        a, b, a_log, dt_bias, g, beta, T * H, H, a.stride(0), b.stride(0), BLOCK=block, num_warps=4
+        a,
+        b,
+        a_log,
+        dt_bias,
+        g,
+        beta,
+        T * H,
+        H,
+        a.stride(0),
+        b.stride(0),
+        BLOCK=block,
+        EXACT=not INTERPRETED,
+        num_warps=4,
     )
     return g, beta
