@@ -324,7 +324,7 @@ def test_main_runs_a_hybrid_end_to_end_on_cpu(tmp_path, capsys):
     import csv
 
     out_dir = tmp_path / "out"
-    scans = ["--mamba-scan", "recurrence", "chunked"]
+    scans = ["--mamba-scan", "auto", "chunked"]  # auto: the recurrence on a CPU
     bench_e2e.main(
         [
             "--models",
