@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from lpdiff.engines.triton._jit import tl, triton
 from tests.helpers.paths import REPO
 
 
@@ -192,7 +193,31 @@ def check_moe_tail(dtype):
             _check(got[0], ref[0], what + " normed")
 
 
+if triton is not None:
+    from lpdiff.engines.triton.rope import _rounded
+
+    @triton.jit
+    def _round_bf16_kernel(X, Y, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + i, _rounded(tl.load(X + i, mask=i < n), tl.bfloat16), mask=i < n)
+
+
+def check_rope_rounding():
+    """rope._rounded's bf16 rounding on the bits equals torch's cast (nearest even) on every kind of fp32: ties,
+    subnormals, values that round up a binade or to inf; the interpreter runs its integer ops exactly."""
+    from lpdiff.engines.triton._jit import triton
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20011, generator=g) * torch.exp(8 * torch.randn(20011, generator=g))
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.3895e38, 3.39e38, 1e-40, -1e-39, 0.0])
+    x = torch.cat([x, ties])
+    y = torch.empty_like(x)
+    _round_bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    assert torch.equal(y, x.to(torch.bfloat16).float()), (x[y != x.to(torch.bfloat16).float()][:5], y[:5])
+
+
 def run_all():
+    check_rope_rounding()
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         check_partial_rope(dtype)
         check_sigmoid_gate(dtype)
