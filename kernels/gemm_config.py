@@ -117,7 +117,10 @@ def default_config(
         return GemmConfig(block_m or 16, 32, 32, group_m=4, num_warps=4, num_stages=1)
     rows = num_pairs / max(1, num_groups)
     if block_m is None:
-        block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64 if rows <= 160 else 128
+        # 128 from ~100 rows a group: at Qwen3.5's 128 rows (256 experts, T 4096, top-8) it gave 58.3k tokens/s with
+        # LoRA against 53.8k at 64, same bits (H200, full depth, benchmarks/results/e2e.md); Super's 176: 33.1k
+        # against 30.8k
+        block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64 if rows <= 96 else 128
     wn = 256 if block_m >= 64 else 128
     if dtype == torch.float32:
         block_m, wn = min(block_m, 64), 128
