@@ -342,7 +342,9 @@ class Qwen35Model:
     def shared(self, h: Tensor, mw: MoeWeights, ll, batch: Batch) -> Tensor:
         """The shared expert scaled by its sigmoid gate: this rank's partial (T, H)."""
         s, gate = self.shared_parts(h, mw, ll, batch)
-        return torch.zeros_like(h) if s is None else torch.sigmoid(gate) * s
+        if s is None or gate is None:
+            return torch.zeros_like(h)
+        return torch.sigmoid(gate) * s
 
     @torch.inference_mode()
     def capture_modules(self, batch: Batch, inputs: dict, steps: tuple[int, ...] = ()) -> dict:
