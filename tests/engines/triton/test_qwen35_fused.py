@@ -393,6 +393,7 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
             lambda: add_rms_norm_torch(x, delta, w, 1e-6, True, shared, sgate),
         ),
     }
+    failed = []  # every kernel checked and timed before the test fails: one GPU run shows them all
     for name, (fused, chain) in cases.items():
         got, ref = fused(), chain()
         for i, (gt, rf) in enumerate(zip(got, ref)):
@@ -401,12 +402,14 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
             worst, frac = _ulps(gt, rf, 1.0 if name == "norm_partial_rope_qk" else 2.0**-60)
             print(f"{name}[{i}] {dtype}: {frac:.2e} of elements differ, at most {worst:.1f} ulp")
             if rf.dtype == torch.float32:  # incl. g of a bf16 run: exp / log in fp32
-                torch.testing.assert_close(gt, rf, rtol=1e-5, atol=1e-5 * float(rf.abs().max()))
-            else:
+                if not torch.allclose(gt, rf, rtol=1e-5, atol=1e-5 * float(rf.abs().max())):
+                    failed.append((name, i, "fp32 beyond rtol 1e-5"))
+            elif not (worst <= 2 and frac <= 1e-3):
                 # one ulp born in an fp32 sum (norms, top-k sum) or exp, rounded again by a later op: 2 allowed
-                assert worst <= 2 and frac <= 1e-3, (name, i, worst, frac)
+                failed.append((name, i, worst, frac))
         _captured_equals_eager(fused, got)
         print(f"{name} {dtype} T={T}: fused {_time(fused):.1f} us, torch chain {_time(chain):.1f} us")
+    assert not failed, failed
 
 
 @pytest.mark.gpu1
