@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from lpdiff.kernels import gated_norm
 from lpdiff.kernels.gated_norm import gate_then_norm_torch, gated_rms_norm_triton, norm_then_gate_torch
+from tests.helpers.cuda_kernel import captured_equals_eager, launch_us
 
 
 def _inputs(T, width, dtype, seed, device="cpu"):
@@ -220,25 +221,5 @@ def test_fused_norm_on_cuda(name, heads, d, group, dtype):
         # gate's, each rounded again: 2 ulps at the output were seen on an H200 (Nano, 1.1e-5 of elements).
         assert worst <= 3 and frac <= 1e-3, (worst, frac)
 
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused()  # compiled before the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        captured = fused()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, got)
-
-    times = {}
-    for label, fn in (("fused", fused), ("chain", chain)):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times[label] = start.elapsed_time(end) / 20 * 1e3
-    print(f"{name} {dtype} T={T} width {width}: fused {times['fused']:.1f} us, torch chain {times['chain']:.1f} us")
+    captured_equals_eager(fused, got)
+    print(f"{name} {dtype} T={T} width {width}: fused {launch_us(fused):.1f} us, torch chain {launch_us(chain):.1f} us")

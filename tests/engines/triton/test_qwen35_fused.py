@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from lpdiff.engines.triton._jit import tl, triton
+from tests.helpers.cuda_kernel import captured_equals_eager, launch_us
 from tests.helpers.paths import REPO
 
 
@@ -321,32 +322,6 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _captured_equals_eager(fn, eager):
-    """fn captured in a CUDA graph (compiled before) replays to the eager outputs bit for bit."""
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        captured = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    for c, e in zip(captured, eager):
-        assert torch.equal(c, e)
-
-
-def _time(fn) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20 * 1e3
-
-
 @pytest.mark.gpu1
 @pytest.mark.skipif(not _cuda(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -407,8 +382,8 @@ def test_qwen35_fused_kernels_on_cuda(dtype):
             elif not (worst <= 2 and frac <= 1e-3):
                 # one ulp born in an fp32 sum (norms, top-k sum) or exp, rounded again by a later op: 2 allowed
                 failed.append((name, i, worst, frac))
-        _captured_equals_eager(fused, got)
-        print(f"{name} {dtype} T={T}: fused {_time(fused):.1f} us, torch chain {_time(chain):.1f} us")
+        captured_equals_eager(fused, got)
+        print(f"{name} {dtype} T={T}: fused {launch_us(fused):.1f} us, torch chain {launch_us(chain):.1f} us")
     assert not failed, failed
 
 
@@ -445,8 +420,8 @@ def test_gdn_conv_against_fla_on_cuda():
         worst, frac = _ulps(a, b)
         print(f"gdn conv vs fla {name}: {frac:.2e} of elements differ, at most {worst:.1f} ulp")
         assert worst <= 2 and frac <= 1e-3, (name, worst, frac)
-    _captured_equals_eager(fused, got)
-    print(f"gdn conv T={T}: fused {_time(fused):.1f} us, fla conv + SiLU + l2norm {_time(chain):.1f} us")
+    captured_equals_eager(fused, got)
+    print(f"gdn conv T={T}: fused {launch_us(fused):.1f} us, fla conv + SiLU + l2norm {launch_us(chain):.1f} us")
 
 
 if __name__ == "__main__":
