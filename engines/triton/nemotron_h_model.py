@@ -4,6 +4,13 @@ or a dense relu² MLP. The residual add is fused into the next RMSNorm (norm.add
 projection that holds stacked factors (kernels.lora_linear per slot, the routed experts through kernels.moe_forward).
 Each mixer's output is this rank's partial sum under TP, all-reduced before the residual add.
 
+At TP 1 a MoE layer hands the next norm its parts (moe_parts): the routed experts' weighted top-k outputs unsummed
+(T, K, H) where moe_forward can skip the sum, and the shared expert's (T, H); the norm sums the top-k, adds the
+shared expert and the residual in one pass with the unfused ops' roundings (norm.moe_delta). On an H200 (Nano,
+bf16, 8 x 512 tokens, eb92727) the separate top-k reduction and the routed + shared add took 1.67 + ~0.35 ms of a
+65.7 ms call. Super's latent MoE sums its top-k in the latent dim before fc2_latent_proj, so there only the
+routed + shared add folds. Under TP the partials are all-reduced as one (T, H) sum first.
+
 The router follows transformers' NemotronHTopkRouter: fp32 logits, sigmoid scores, the correction bias added for
 the choice only, top-``topk_group`` groups by the sum of their two best biased scores, top-k inside them, weights
 the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob) times routed_scaling
@@ -23,7 +30,7 @@ from lpdiff.engines.triton.lora import session_lora_impl
 from lpdiff.engines.triton.mamba import mamba_mixer
 from lpdiff.engines.triton.moe import route_sigmoid
 from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, NemotronHConfig, Weights
-from lpdiff.engines.triton.norm import add_rms_norm
+from lpdiff.engines.triton.norm import add_rms_norm, moe_delta
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeInputs, faults, lora_linear, moe_forward
 from lpdiff.kernels.activation import activate
@@ -51,6 +58,9 @@ class NemotronHModel:
         self.vocab = None  # vocab_lora.VocabLora of the session's adapters (set by the runtime), or None
         qh, kvh = shard.heads(cfg.num_heads, cfg.num_kv_heads) if "*" in cfg.kinds else (range(0), range(0))
         self.heads, self.kv_heads = len(qh), len(kvh)
+        # the MoE tail (top-k sum, + shared expert) folded into the next add_rms_norm: TP 1 only, where nothing is
+        # all-reduced between the experts and the norm
+        self.fuse_moe_tail = shard.size == 1
 
     def linear(self, x: torch.Tensor, lin: Linear, batch: Batch) -> torch.Tensor:
         if lin.a is None or batch.token_adapter is None or self.lora is None:
@@ -73,6 +83,11 @@ class NemotronHModel:
         )
 
     def _norm(self, x, delta, weight):
+        """delta: a mixer's output (T, H), or a MoE block's parts (routed, shared) when moe_parts folds its tail
+        into this norm."""
+        if isinstance(delta, tuple):
+            routed, shared = delta
+            return add_rms_norm(x, routed, weight, self.cfg.rms_norm_eps, False, self.impl, None, shared)
         return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, False, self.impl)
 
     @torch.inference_mode()
@@ -82,12 +97,16 @@ class NemotronHModel:
         if self.vocab is not None and (d := self.vocab.embed_delta(batch.input_ids, batch.token_adapter)) is not None:
             x = x + d  # embedding LoRA (vocab_lora.py; lm_head LoRA runs in the runtime's log-softmax)
         margin = torch.full((batch.num_tokens,), float("inf"), device=x.device)
-        delta = None  # output of the last mixer, not yet added to the residual x
+        # the last mixer's output (or a MoE block's parts: moe_parts), not yet added to the residual x
+        delta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
         for i, lay in enumerate(self.w.layers):
             h, x = self._norm(x, delta, lay.norm)
-            delta = self.mixer(h, lay, batch, margin)
+            if lay.kind == "E" and self.fuse_moe_tail:
+                delta = self.moe_parts(h, lay, batch, margin)
+            else:
+                delta = self.mixer(h, lay, batch, margin)
             if self.capture is not None:
-                self.capture[i] = x + delta
+                self.capture[i] = x + (moe_delta(*delta) if isinstance(delta, tuple) else delta)
         return self._norm(x, delta, self.w.norm)[0], margin
 
     def mixer(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,22 +150,49 @@ class NemotronHModel:
         )
 
     def moe(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None) -> torch.Tensor:
+        """The MoE block's output (T, H): this rank's partial."""
         ids, weights, _ = self.route(h, lay, margin)
         return self.experts(h, ids, weights, lay, batch) + self.shared(h, lay, batch)
 
+    def moe_parts(
+        self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MoE block at TP 1 as the next norm's parts: the routed experts' output, (T, K, H) weighted and
+        unsummed where moe_forward can skip the sum (impl and backend triton, no latent projection), else (T, H);
+        and the shared expert's (T, H). moe() is their sum."""
+        ids, weights, _ = self.route(h, lay, margin)
+        return self.experts(h, ids, weights, lay, batch, sum_topk=False), self.shared(h, lay, batch)
+
     def experts(
-        self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch, use_lora: bool = True
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        lay: Layer,
+        batch: Batch,
+        use_lora: bool = True,
+        sum_topk: bool = True,
     ) -> torch.Tensor:
-        """The routed experts (through the latent projections where the model has them), this rank's partial sum."""
+        """The routed experts (through the latent projections where the model has them), this rank's partial sum;
+        sum_topk False: (T, K, H) unsummed where there is no latent projection (fc2 needs the latent sum)."""
         m = lay.mods
-        x = self.linear(h, m["fc1_latent_proj"], batch) if "fc1_latent_proj" in m else h
-        y = self.routed(x, ids, weights, lay, batch, use_lora)
-        return self.linear(y, m["fc2_latent_proj"], batch) if "fc2_latent_proj" in m else y
+        latent = "fc1_latent_proj" in m
+        x = self.linear(h, m["fc1_latent_proj"], batch) if latent else h
+        y = self.routed(x, ids, weights, lay, batch, use_lora, sum_topk or latent)
+        return self.linear(y, m["fc2_latent_proj"], batch) if latent else y
 
     def routed(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lay: Layer, batch: Batch, use_lora: bool = True
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        lay: Layer,
+        batch: Batch,
+        use_lora: bool = True,
+        sum_topk: bool = True,
     ) -> torch.Tensor:
-        """The routed experts alone on their (latent, where the model has one) input: this rank's partial."""
+        """The routed experts alone on their (latent, where the model has one) input: this rank's partial; (T, K, H)
+        unsummed with sum_topk False on the paths that can skip the sum (kernels.moe_forward)."""
         lora = lay.moe_lora if use_lora and batch.token_adapter is not None else None
         return moe_forward(
             MoeInputs(
@@ -161,6 +207,7 @@ class NemotronHModel:
             ),
             impl=self.lora_impl if lora is not None else self.impl,
             backend=self.moe_backend,
+            sum_topk=sum_topk,
         )
 
     def shared(self, h: torch.Tensor, lay: Layer, batch: Batch) -> torch.Tensor:
