@@ -298,10 +298,13 @@ def route_sigmoid(
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     margin = torch.empty(T, dtype=torch.float32, device=logits.device) if min_into is None else min_into
     block_e = pow2(E)
-    # scores and the biased choice stay in registers through the K rounds, (BLOCK_T, BLOCK_E) fp32 each: 2048
-    # elements a tensor over 4 warps, 16 a thread. ptxas (triton 3.6, sm_90): 83 registers at E = 512, K = 22 with 4
-    # rows (Super), 128 at E = 128, K = 6 with 16 (Nano), none spilled; 16 rows at E = 512 spill (255 + 104 B stack)
-    block_t = max(1, min(16, 2048 // block_e))
+    # scores and the biased choice stay in registers through the K rounds, (BLOCK_T, BLOCK_E) fp32 each. Up to 128
+    # experts: 2048 elements a tensor over 4 warps (Nano's 128 x top-6: 19 us a layer on an H200, T 4096). From 256:
+    # one row per one-warp program, so that each round's reductions stay in the warp: 4 rows over 4 warps spread a
+    # row over the warps, 206 barriers a program in the sm_90 PTX, and Super's 512 x top-22 took 119 us a layer on
+    # the H200; one warp, one row: 1 barrier, 96 registers, no spill (ptxas, triton 3.6; not yet timed)
+    wide = block_e >= 256
+    block_t = 1 if wide else max(1, min(16, 2048 // block_e))
     _route_sigmoid_kernel[(triton.cdiv(T, block_t),)](
         logits,
         bias,
@@ -319,7 +322,7 @@ def route_sigmoid(
         BLOCK_K=pow2(k),
         MIN_INTO=min_into is not None,
         EXACT=not INTERPRETED,
-        num_warps=4,
+        num_warps=1 if wide else 4,
     )
     record(ids, weights, margin)
     return ids, weights, margin
