@@ -72,6 +72,21 @@ if triton is not None:
         return y
 
     @triton.jit
+    def rounded(x, dt: tl.constexpr):
+        """fp32 x rounded to dt (nearest even) and back to fp32, where a torch op rounds its result, in a form the
+        compiler cannot fold away. The sm90 build (Triton 3.6) turns ``x.to(bf16).to(tl.float32)`` followed by an add
+        into bf16 arithmetic and then one FMA with x unrounded: the partial rope's products put 5.8 % of bf16 q
+        elements one ulp off torch's on an H200 (a CPU emulation of that contraction gives 5.79 %), and the MoE tail's
+        sigmoid(gate) * shared compiles to fma.rn.bf16x2. bf16 is rounded on the bits (finite values; a carry into
+        the exponent is the rounding up to the next binade or to inf, as the cast's); other dtypes by the cast."""
+        if dt == tl.bfloat16:
+            u = x.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+            return u.to(tl.float32, bitcast=True)
+        else:  # noqa: RET505 (both returns inside the constexpr if: the form the sm90 build was checked in)
+            return x.to(dt).to(tl.float32)
+
+    @triton.jit
     def torch_silu(x, EXACT: tl.constexpr):
         """fp32 SiLU with torch's CUDA bits when EXACT: x / (1 + expf(-x)) (as torch_sigmoid)."""
         if EXACT:
@@ -121,7 +136,7 @@ if triton is not None:
                 if HAS_GATE:
                     gl = tl.load(Gt + row * stride_g).to(tl.float32)
                     sg = torch_sigmoid(gl, EXACT).to(d.dtype).to(tl.float32)
-                    sh = (sg * sh).to(d.dtype).to(tl.float32)
+                    sh = rounded(sg * sh, d.dtype)  # the product feeds an add: rounded (see rounded)
                 acc = (acc + sh).to(d.dtype).to(tl.float32)
             x = (x.to(tl.float32) + acc).to(Sum.dtype.element_ty)
             tl.store(Sum + row * stride_s + offs, x, mask=ok)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from lpdiff.engines.triton._jit import pow2, tl, triton, use_triton
-from lpdiff.engines.triton.norm import rms_norm
+from lpdiff.engines.triton.norm import rms_norm, rounded
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -159,20 +159,6 @@ def norm_partial_rope_torch(x, weight, eps, cos, sin, rotary_dim: int):
 if triton is not None:
 
     @triton.jit
-    def _rounded(x, dt: tl.constexpr):
-        """fp32 x rounded to dt (nearest even) and back to fp32, in a form the compiler cannot contract away. With
-        ``x.to(dt).to(tl.float32)`` the sm90 build fused the rope's second product into the sum's FMA, unrounded:
-        5.8 % of bf16 q elements one ulp off torch's rounding (H200; a CPU emulation of exactly that contraction gives
-        the same 5.79 %). bf16 by integer rounding on the bits (finite values; a carry into the exponent is the
-        rounding up to the next binade or to inf, as the cast's); other dtypes by the cast."""
-        if dt == tl.bfloat16:
-            u = x.to(tl.uint32, bitcast=True)
-            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-            return u.to(tl.float32, bitcast=True)
-        else:  # noqa: RET505 (both returns inside the constexpr if: the form the sm90 build was checked in)
-            return x.to(dt).to(tl.float32)
-
-    @triton.jit
     def _norm_prope_heads(
         Src,
         Cos,
@@ -216,8 +202,8 @@ if triton is not None:
         yp = (wp * (fp * r)).to(dt)
         c = tl.load(Cos + t * stride_c + dd, mask=dd < HALF, other=0.0).to(tl.float32)
         s = tl.load(Sin + t * stride_c + dd, mask=dd < HALF, other=0.0).to(tl.float32)
-        o1 = _rounded(y1 * c, dt) - _rounded(y2 * s, dt)
-        o2 = _rounded(y2 * c, dt) + _rounded(y1 * s, dt)
+        o1 = rounded(y1 * c, dt) - rounded(y2 * s, dt)
+        o2 = rounded(y2 * c, dt) + rounded(y1 * s, dt)
         dst = Out + t * (nh * D) + h * D
         tl.store(dst + dd, o1.to(Out.dtype.element_ty), mask=ok)
         tl.store(dst + HALF + dd, o2.to(Out.dtype.element_ty), mask=ok)

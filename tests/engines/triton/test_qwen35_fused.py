@@ -195,16 +195,16 @@ def check_moe_tail(dtype):
 
 
 if triton is not None:
-    from lpdiff.engines.triton.rope import _rounded
+    from lpdiff.engines.triton.norm import rounded
 
     @triton.jit
     def _round_bf16_kernel(X, Y, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(Y + i, _rounded(tl.load(X + i, mask=i < n), tl.bfloat16), mask=i < n)
+        tl.store(Y + i, rounded(tl.load(X + i, mask=i < n), tl.bfloat16), mask=i < n)
 
 
 def check_rope_rounding():
-    """rope._rounded's bf16 rounding on the bits equals torch's cast (nearest even) on every kind of fp32: ties,
+    """norm.rounded's bf16 rounding on the bits equals torch's cast (nearest even) on every kind of fp32: ties,
     subnormals, values that round up a binade or to inf; the interpreter runs its integer ops exactly."""
     from lpdiff.engines.triton._jit import triton
 
