@@ -65,7 +65,7 @@ def route_sigmoid_torch(
 
 
 if triton is not None:
-    from triton.language.extra import libdevice
+    from lpdiff.engines.triton.norm import torch_sigmoid
 
     @triton.jit
     def _route_kernel(
@@ -147,10 +147,7 @@ if triton is not None:
         x = tl.load(
             Logits + rows[:, None].to(tl.int64) * stride_l + cols, mask=row_ok[:, None] & (cols < E), other=0.0
         ).to(tl.float32)
-        if EXACT:  # torch's CUDA sigmoid, 1 / (1 + expf(-x)) with IEEE division: the same fp32 bits as the reference
-            scores = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))
-        else:  # the interpreter has no libdevice (tl.exp and / are approximate when compiled: ex2.approx, div.full)
-            scores = 1.0 / (1.0 + tl.exp(-x))
+        scores = torch_sigmoid(x, EXACT)  # torch's CUDA bits when compiled: the same scores as the reference
         bias = tl.load(Bias + cols, mask=cols < E, other=0.0).to(tl.float32)
         vals = tl.where(cols < E, scores + bias, -float("inf"))
         w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
