@@ -33,9 +33,10 @@ Inputs on the fla path, as fla wants them with no copy in between:
   delta rule kernels index (they take no strides). Its activation stays a torch SiLU after it: fla's fused SiLU
   would round once where torch's conv then SiLU round twice in 16 bits (transformers' torch conv, HF's reference).
   fp32 runs keep the torch conv, as they keep the torch delta rule.
-- qwen3_5.py's forward takes neither on the fla path: gdn_conv.conv_silu_l2norm runs the conv, the SiLU and fla's
-  q/k L2 norm in one pass with the same roundings, and the delta rule skips its l2norm_fwd (``qk_normed``). The
-  split conv above stays for lpdiff bisect's sub-step trace and as that pass's reference chain.
+- with qwen3_5.FUSED_GDN_INPUT (off by default: slower than this chain as tiled, see there) the forward takes
+  gdn_conv.conv_silu_l2norm instead: the conv, the SiLU and fla's q/k L2 norm in one pass with the same roundings,
+  and the delta rule skips its l2norm_fwd (``qk_normed``). The split conv above is the default path, lpdiff
+  bisect's sub-step trace and that pass's reference chain.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ prompts, its SiLU, and the L2 norm of every q and k head that fla's delta rule w
 It replaces, per layer, fla 0.5.2's causal_conv1d_fwd once per q / k / v channel group, a torch SiLU after each,
 and fla's l2norm_fwd on q and on k: 7 launches that read and write the (T, C) activations 5 times over (on an H200
 at 8 x 512 tokens, Qwen3.5-35B-A3B: ~105 us per layer, ~3.2 ms per call; the pass reads (T, C) once and writes it
-once, ~33 us of bytes). Roundings as the chain's: the conv's fp32 sum rounded to the dtype, the SiLU computed in
+once, ~33 us of bytes). As tiled here it took 152 us per layer on that H200, slower than the chain, so
+qwen3_5.FUSED_GDN_INPUT leaves it off until its tiles are tuned; the gpu1 test holds its bits to fla's. Roundings as
+the chain's: the conv's fp32 sum rounded to the dtype, the SiLU computed in
 fp32 and rounded again (torch's conv then SiLU, transformers' reference without causal-conv1d), the L2 norm in fp32
 on the rounded SiLU output and rounded once (fla's l2norm_fwd). Only the order of the conv's K fp32 products and
 of the norm's sum may differ from those kernels' own.
