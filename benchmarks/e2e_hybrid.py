@@ -3,11 +3,13 @@ nemotron_h_model.py): each piece of one layer of each kind timed on its own at t
 of that kind, next to one whole forward (e2e_profile.breakdown prints them with their share of it).
 
 Pieces, each the runtime's own call on the first layer of its kind:
-  Qwen3.5       per layer: two add_rms_norm, the MoE block (router + route, the routed experts' moe_forward, the
+  Qwen3.5       per layer: two add_rms_norm (one on the mixer's output, one summing the MoE block's parts as the
+                forward hands them on at TP 1), the MoE block (router + route, the routed experts' moe_forward, the
                 gated shared expert); per Gated DeltaNet layer its whole mixer and, inside it, in_proj (q|k|v|z|b|a,
                 one LoRA-aware GEMM), the causal conv1d, the chunked gated delta rule, the gated RMSNorm and out_proj;
                 per full-attention layer its whole mixer and its q|k|v, attention and o.
-  Nemotron-H    per layer one add_rms_norm; per Mamba-2 layer its whole mixer (engines/triton/mamba.py), in_proj and
+  Nemotron-H    per layer one add_rms_norm (after a MoE layer at TP 1 the one that sums its parts: moe_parts, the
+                block as the forward runs it); per Mamba-2 layer its whole mixer (engines/triton/mamba.py), in_proj and
                 out_proj, and what the mixer spends between them (conv1d + SSD scan + gated norm: the mixer less the
                 two projections, so that a change inside mamba.py's scan shows here without this file following
                 it); per attention layer the mixer, q/k/v (three LoRA-aware GEMMs), attention and o; per dense MLP
@@ -72,8 +74,11 @@ def qwen35_pieces(rt, b, x: torch.Tensor) -> dict:
     lw, ll = _qwen35_layer(m, 0)
     mw, moe_lora = lw.moe, (ll.moe if ll is not None else None)
     ids, wts, _ = route(x, mw, cfg, m.impl)
+    # the MoE block's output as the forward hands it on: at TP 1 its parts, summed by the next norm (moe())
+    moe_out = m.moe(x, mw, ll, b, torch.full((T,), float("inf"), device=x.device))[0]
     out = {
-        "add_rms_norm (x2 per layer)": (2 * L, lambda: m._norm(x, x, lw.input_norm)),
+        "add_rms_norm (mixer output)": (L, lambda: m._norm(x, x, lw.post_norm)),
+        "add_rms_norm (MoE block output)": (L, lambda: m._norm(x, moe_out, lw.input_norm)),
         "moe block": (L, lambda: m.moe(x, mw, ll, b, torch.full((T,), float("inf"), device=x.device))),
         "  router+route": (L, lambda: route(x, mw, cfg, m.impl)),
         "  moe_forward (routed experts)": (
@@ -147,7 +152,8 @@ def nemotron_pieces(rt, b, x: torch.Tensor) -> dict:
     each kind's pieces made in a scope of their own (see qwen35_pieces)."""
     m, kinds = rt.model, rt.cfg.kinds
     lay0 = m.w.layers[0]
-    out = {"add_rms_norm": (len(kinds), lambda: m._norm(x, x, lay0.norm))}
+    folded = kinds.count("E") if m.fuse_moe_tail else 0  # the norms after a MoE layer sum its parts (moe_parts)
+    out = {"add_rms_norm (mixer output)": (len(kinds) - folded, lambda: m._norm(x, x, lay0.norm))}
     for kind, make in (("M", _mamba_pieces), ("*", _nemotron_attention_pieces), ("-", _mlp_pieces), ("E", _moe_pieces)):
         if (i := _first(kinds, kind)) is not None:
             out |= make(m, m.w.layers[i], kinds.count(kind), b, x)
@@ -186,12 +192,16 @@ def _moe_pieces(m, lay, n: int, b, x: torch.Tensor) -> dict:
     ids, wts, _ = m.route(x, lay)
     latent = "fc1_latent_proj" in mods  # Super: the routed experts run in the latent dim between two projections
     xl = m.linear(x, mods["fc1_latent_proj"], b) if latent else x
+    block = m.moe_parts if m.fuse_moe_tail else m.moe  # as the forward runs it (nemotron_h_model.forward)
     out = {
-        "moe block": (n, lambda: m.moe(x, lay, b, None)),
+        "moe block": (n, lambda: block(x, lay, b, None)),
         "  router+route": (n, lambda: m.route(x, lay)),
         "  moe_forward (routed experts)": (n, lambda: m.routed(xl, ids, wts, lay, b)),
         "  shared expert": (n, lambda: m.shared(x, lay, b)),
     }
+    if m.fuse_moe_tail:
+        parts = m.moe_parts(x, lay, b, None)
+        out["add_rms_norm (MoE block output)"] = (n, lambda: m._norm(x, parts, lay.norm))
     if latent:
         yl = torch.randn_like(xl)
         out["  fc1_latent_proj lora_linear"] = (n, lambda: m.linear(x, mods["fc1_latent_proj"], b))

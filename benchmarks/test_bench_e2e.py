@@ -312,8 +312,11 @@ def test_hybrid_breakdown_times_each_mixer_on_the_runtime(model, request):
     if "M" in kinds:  # the mixer less its two projections: 1 - 1 - 1 ms a layer under _once
         assert rows[("  conv1d + SSD scan + gated norm (the rest)", "lora")] == -kinds.count("M")
     parts = sum(kinds.count(k) for k in set(kinds) if k in ("M", "*", "-", "linear_attention", "full_attention"))
-    norms = 2 * len(kinds) if model == "tiny-qwen3.5-moe" else len(kinds)
     moe = len(kinds) if model == "tiny-qwen3.5-moe" else kinds.count("E")
+    # at TP 1 the norm after each MoE block sums its parts (the folded tail), timed as such; the others take a mixer's
+    assert rows[("add_rms_norm (MoE block output)", "lora")] == moe
+    norms = 2 * len(kinds) if model == "tiny-qwen3.5-moe" else len(kinds)
+    assert rows[("add_rms_norm (mixer output)", "lora")] == norms - moe
     assert rows[("sum of mixers, MoE blocks, norms, logprobs", "lora")] == parts + norms + moe + 1
 
 
