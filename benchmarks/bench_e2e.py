@@ -21,7 +21,8 @@ same adapter, warm (after warm-up calls), median of --reps calls. Each row also 
 (startup_s: opening the engine, weights built or loaded included) and the settings it ran with; a row of an engine
 that cannot serve the model's LoRA holds its error instead of a number. Replayed triton calls split their wall time
 (call_ms) from the replay's GPU time between CUDA events recorded around it inside the same calls (gpu_ms): the
-difference is the host's time around the replay (staging the ids, fetching the results, Python).
+difference is the host's time around the replay (staging the ids, fetching the results, Python), logged split into
+before the launch, the launch and after the replay (host_split).
 
 Models are the catalog's full-size configs built on the GPU with the seeded recipe (no downloads); both engines
 see the same weights. Rows are appended to DIR/e2e.csv as they are measured (columns of
@@ -94,8 +95,9 @@ def peak_gb() -> float | None:
     return torch.cuda.max_memory_allocated() / 1e9 if CUDA else None
 
 
-def timed(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float | None]:
-    """-> (median seconds per call, peak GB allocated during the timed calls; None without a GPU)."""
+def timed(eng, prompts, adapter, warmup: int, reps: int, calls: list | None = None) -> tuple[float, float | None]:
+    """-> (median seconds per call, peak GB allocated during the timed calls; None without a GPU). ``calls``: each
+    timed call's (start, end) perf_counter seconds are appended to it."""
     for _ in range(warmup):
         eng.prompt_logprobs(prompts, adapter)
     sync()
@@ -107,7 +109,10 @@ def timed(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float |
         t0 = time.perf_counter()
         eng.prompt_logprobs(prompts, adapter)
         sync()
-        walls.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        walls.append(t1 - t0)
+        if calls is not None:
+            calls.append((t0, t1))
     return statistics.median(walls), peak_gb()
 
 
@@ -116,13 +121,15 @@ class ReplayTimer:
     CUDA events, so the GPU time of the replay is read from the same calls as their wall time."""
 
     def __init__(self, graph):
-        self.graph, self.events = graph, []
+        self.graph, self.events, self.launches = graph, [], []
 
     def replay(self) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         self.graph.replay()
         end.record()
+        self.launches.append((t0, time.perf_counter()))  # the host's side of the launch (host_split)
         self.events.append((start, end))
 
     def ms(self) -> list[float]:
@@ -130,22 +137,39 @@ class ReplayTimer:
         return [s.elapsed_time(e) for s, e in self.events]
 
 
-def timed_split(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float, float | None]:
-    """timed() for the triton engine, plus the median GPU ms of the replay inside the timed calls (None when the
-    layout has no graph: eager variants)."""
+def timed_split(eng, prompts, adapter, warmup: int, reps: int) -> tuple[float, float, float | None, dict | None]:
+    """timed() for the triton engine, plus the median GPU ms of the replay inside the timed calls and where the
+    host's time around it goes (host_split); both None when the layout has no graph (eager variants)."""
     for _ in range(warmup):
         eng.prompt_logprobs(prompts, adapter)
     rt = eng.runtime
     key = rt.layout(prompts, [rt.slot(adapter)] * len(prompts), 0)
     entry = rt.graphs.graphs.get(key) if rt.graphs is not None else None
     if entry is None:
-        return (*timed(eng, prompts, adapter, 0, reps), None)
+        return (*timed(eng, prompts, adapter, 0, reps), None, None)
     entry.graph = timer = ReplayTimer(entry.graph)
+    calls: list = []
     try:
-        secs, peak = timed(eng, prompts, adapter, 0, reps)
+        secs, peak = timed(eng, prompts, adapter, 0, reps, calls)
     finally:
         entry.graph = timer.graph
-    return secs, peak, statistics.median(timer.ms())
+    gpu = timer.ms()
+    return secs, peak, statistics.median(gpu), host_split(calls, timer.launches, gpu)
+
+
+def host_split(calls: list, launches: list, gpu_ms: list) -> dict | None:
+    """Where a replayed call's host time goes, medians in ms over calls with one replay each (None otherwise):
+    "before" the replay's launch (checks, layout, staging the ids: the GPU is idle then), the "launch" itself
+    (cudaGraphLaunch; the GPU starts on the graph while it runs), and "after": what is left of the call once the
+    replay's GPU time is counted from the launch on (fetching the results, Python)."""
+    if not calls or len(calls) != len(launches) or len(calls) != len(gpu_ms):
+        return None
+    before, launch, after = [], [], []
+    for (c0, c1), (l0, l1), g in zip(calls, launches, gpu_ms, strict=True):
+        before.append(1e3 * (l0 - c0))
+        launch.append(1e3 * (l1 - l0))
+        after.append(1e3 * (c1 - l0) - g)
+    return {k: round(statistics.median(v), 3) for k, v in (("before", before), ("launch", launch), ("after", after))}
 
 
 def impl_name(

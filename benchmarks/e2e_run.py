@@ -208,12 +208,20 @@ class Run:
             )
             for a in (None, name):
                 # 3 warm-up calls: the 2nd captures the layout's CUDA graph, the 3rd is its first replay
-                secs, peak, gpu_ms = timed_split(tr, prompts, a, 3, args.reps)
+                secs, peak, gpu_ms, host = timed_split(tr, prompts, a, 3, args.reps)
                 self.results[(impl, a)] = self.row(self.tag(a), impl, secs, peak, startup, settings, 1e3 * secs, gpu_ms)
                 if gpu_ms is not None:
+                    split = (
+                        ""
+                        if host is None
+                        else (
+                            f" (before the launch {host['before']:.2f} ms, after the replay {host['after']:.2f} ms; "
+                            f"the launch took {host['launch']:.2f} ms of the host beside the GPU)"
+                        )
+                    )
                     log(
                         f"{impl} adapter={a}: call {1e3 * secs:.2f} ms = replay GPU {gpu_ms:.2f} ms + host "
-                        f"{1e3 * secs - gpu_ms:.2f} ms around it"
+                        f"{1e3 * secs - gpu_ms:.2f} ms around it{split}"
                     )
                 self.outs[(impl, a)] = tr.prompt_logprobs(prompts, a)
             if CUDA:

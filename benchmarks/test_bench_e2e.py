@@ -49,6 +49,22 @@ def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
 # -- the engine list, the rows and the peers (benchmarks/e2e_peers.py) ---------------------------------------------
 
 
+def test_host_split_takes_the_gpu_time_from_the_launch_on():
+    """Per call: before = launch start - call start; launch = its host time; after = call end - launch start - GPU
+    time; medians over calls, in ms. Three calls: 0.5 ms before, a 2 ms launch beside a 50 ms replay, 0.25 ms
+    after (the second call 1 ms after, the median is the first's). Counts that do not pair up give None."""
+    calls, launches, gpu = [], [], []
+    for i, extra in enumerate((0.0, 0.75, 0.0)):
+        t = 10.0 * i
+        launches.append((t + 0.5e-3, t + 2.5e-3))
+        gpu.append(50.0)
+        calls.append((t, t + 0.5e-3 + 50e-3 + (0.25 + extra) * 1e-3))
+    split = bench_e2e.host_split(calls, launches, gpu)
+    assert split == pytest.approx({"before": 0.5, "launch": 2.0, "after": 0.25}, abs=1e-6)
+    assert bench_e2e.host_split(calls, launches[:2], gpu[:2]) is None  # a call that replayed twice, or not at all
+    assert bench_e2e.host_split([], [], []) is None
+
+
 def test_engine_list_parsing():
     args = bench_e2e.parse_args(
         [
