@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lpdiff.engines.triton._jit import INTERPRETED, pow2, tl, triton, use_triton
 from lpdiff.engines.triton.norm import torch_sigmoid, torch_silu
+from lpdiff.kernels.activation import activate
 
 
 def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -27,9 +28,8 @@ def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """(T, 2 S) gate | up -> silu(gate) * up (T, S), as transformers' Qwen3_5MoeMLP."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """(T, 2 S) gate | up -> silu(gate) * up (T, S), as transformers' Qwen3_5MoeMLP: the experts' gated SiLU."""
+    return activate(gate_up, "silu")
 
 
 def gdn_gates_torch(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
