@@ -7,9 +7,9 @@ Each mixer's output is this rank's partial sum under TP, all-reduced before the 
 At TP 1 a MoE layer hands the next norm its parts (moe_parts): the routed experts' weighted top-k outputs unsummed
 (T, K, H) where moe_forward can skip the sum, and the shared expert's (T, H); the norm sums the top-k, adds the
 shared expert and the residual in one pass with the unfused ops' roundings (norm.moe_delta). On an H200 (Nano,
-bf16, 8 x 512 tokens, eb92727) the separate top-k reduction and the routed + shared add took 1.67 + ~0.35 ms of a
-65.7 ms call. Super's latent MoE sums its top-k in the latent dim before fc2_latent_proj, so there only the
-routed + shared add folds. Under TP the partials are all-reduced as one (T, H) sum first.
+bf16, 8 x 512 tokens; benchmarks/results/e2e.md) the separate top-k reduction and the routed + shared add took
+1.67 + ~0.35 ms of a 65.7 ms call. Super's latent MoE sums its top-k in the latent dim before fc2_latent_proj,
+so there only the routed + shared add folds. Under TP the partials are all-reduced as one (T, H) sum first.
 
 The router follows transformers' NemotronHTopkRouter: fp32 logits, sigmoid scores, the correction bias added for
 the choice only, top-``topk_group`` groups by the sum of their two best biased scores, top-k inside them, weights

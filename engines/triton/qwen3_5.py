@@ -42,8 +42,8 @@ from lpdiff.kernels import faults, gated_norm, lora_linear
 Tensor = torch.Tensor
 # True: the GDN's conv, SiLU and q/k L2 norm as one pass on the fla path (gdn_conv.py); False: fla's conv per channel
 # group, torch's SiLU and fla's l2norm_fwd (same bits: the gpu1 test compares them). The chain is the default: in the
-# replayed full-depth forward on an H200 the fused pass took 4.56 ms a call (30 x 152 us, eb92727) where the chain's
-# kernels took 3.15 ms (conv 1.47 + SiLU 1.09 + l2norm 0.59, fc3d140); the pass needs its tiles tuned on a GPU first
+# replayed full-depth forward on an H200 the fused pass took 4.56 ms a call (30 x 152 us) where the chain's kernels
+# took 3.15 ms (conv 1.47 + SiLU 1.09 + l2norm 0.59; benchmarks/results/e2e.md); the pass needs its tiles tuned first
 FUSED_GDN_INPUT = False
 
 
