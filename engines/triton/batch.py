@@ -4,6 +4,7 @@ attention: a real query never sees a key after itself, so padded keys never ente
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,7 +45,12 @@ class Batch:
 
     @classmethod
     def build(
-        cls, prompts: list[list[int]], slots: list[int], cfg: RopeTables, dtype: torch.dtype, device: torch.device
+        cls,
+        prompts: Sequence[Sequence[int]],
+        slots: list[int],
+        cfg: RopeTables,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> Batch:
         # index maps in numpy and rope on the device: no torch CPU kernels on the host's path to the first launch
         # (suspected of slowing the launches that follow; not confirmed: benchmarks/results/e2e.md)
@@ -80,8 +86,10 @@ class Batch:
         )
 
     @staticmethod
-    def token_ids(prompts: list[list[int]]) -> np.ndarray:
-        """The packed (T,) int64 token ids."""
+    def token_ids(prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """The packed (T,) int64 token ids, of int lists or of the engine's checked int64 arrays (one concatenate)."""
+        if prompts and all(isinstance(p, np.ndarray) for p in prompts):
+            return np.concatenate(prompts).astype(np.int64, copy=False)
         return np.fromiter((t for p in prompts for t in p), dtype=np.int64, count=sum(map(len, prompts)))
 
     @property

@@ -7,6 +7,7 @@ so rank 0's copy is the engine's; the workers record nothing."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -14,7 +15,9 @@ from lpdiff.engines.triton import moe
 from lpdiff.harness.types import PromptLogprobs
 
 
-def run_with_routing(runtime, prompts: list[list[int]], slots: list[int], top_k: int) -> list[PromptLogprobs] | None:
+def run_with_routing(
+    runtime, prompts: Sequence[Sequence[int]], slots: list[int], top_k: int
+) -> list[PromptLogprobs] | None:
     """Runtime.run with the routers recording, their rows then cut into each prompt's (n, L, K) arrays (prompts
     are packed in order, so each prompt's tokens are the next n rows)."""
     graphs, runtime.graphs = runtime.graphs, None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +99,10 @@ class Runtime:
     def slot(self, name: str | None) -> int:
         return -1 if name is None else self.lora.slot(name)
 
-    def run(self, prompts: list[list[int]], slots: list[int], top_k: int) -> list[PromptLogprobs] | None:
-        """Forward one packed batch; rank 0 returns the logprobs, other ranks only take part. A layout seen before
-        replays its CUDA graph (graphs.py) with these prompts' token ids."""
+    def run(self, prompts: Sequence[Sequence[int]], slots: list[int], top_k: int) -> list[PromptLogprobs] | None:
+        """Forward one packed batch (prompts as int lists or the engine's checked int64 arrays); rank 0 returns the
+        logprobs, other ranks only take part. A layout seen before replays its CUDA graph (graphs.py) with these
+        prompts' token ids."""
         key = self.layout(prompts, slots, top_k)
         graphs = self.graphs if self.model.capture is None else None  # lpdiff bisect's capture runs eagerly
         entry = graphs.get(key) if graphs is not None else None
@@ -135,7 +137,7 @@ class Runtime:
         return out
 
     @staticmethod
-    def layout(prompts: list[list[int]], slots: list[int], top_k: int) -> tuple:
+    def layout(prompts: Sequence[Sequence[int]], slots: list[int], top_k: int) -> tuple:
         """What a CUDA graph of a call is keyed on: everything but the token ids (graphs.py)."""
         return tuple(map(len, prompts)), tuple(slots), top_k
 

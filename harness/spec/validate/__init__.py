@@ -11,7 +11,9 @@ _LAZY = {
     **dict.fromkeys(
         ("ModelFacts", "adapter_problems", "check_adapters", "model_facts", "read_adapter_config"), "adapters"
     ),
-    **dict.fromkeys(("check_prompt", "check_prompts", "model_limits"), "prompts"),
+    **dict.fromkeys(
+        ("check_prompt", "check_prompt_array", "check_prompt_arrays", "check_prompts", "model_limits"), "prompts"
+    ),
     **dict.fromkeys(
         (
             "LOGPROB_TOL",
@@ -41,6 +43,8 @@ __all__ = [
     "adapter_problems",
     "check_adapters",
     "check_prompt",
+    "check_prompt_array",
+    "check_prompt_arrays",
     "check_prompts",
     "check_reference_runs",
     "check_run",

@@ -17,7 +17,7 @@ from lpdiff.harness.spec.catalog import get_model
 from lpdiff.harness.spec.resolve import zoo_adapters
 from lpdiff.harness.spec.validate import ValidationError
 from lpdiff.harness.spec.validate.adapters import adapter_problems, model_facts
-from lpdiff.harness.spec.validate.prompts import check_prompts
+from lpdiff.harness.spec.validate.prompts import check_prompt_arrays, check_prompts
 from lpdiff.harness.spec.validate.runs import LOGPROB_TOL, check_run
 from lpdiff.harness.types import AdapterSpec, LogprobRun, PromptLogprobs
 
@@ -43,8 +43,9 @@ def engines():
         ([[1, 2.5, 3]], "float values"),
         ([[7]], "prompt 0 has 1 token(s)"),
         ([[1] * 1025], "more than the model's max_position_embeddings (1024)"),
+        ([[1, 2], (3, True, 4)], "prompt 1 holds booleans"),
     ],
-    ids=["empty-list", "out-of-vocab", "negative", "float", "one-token", "too-long"],
+    ids=["empty-list", "out-of-vocab", "negative", "float", "one-token", "too-long", "bool"],
 )
 def test_engines_refuse_bad_prompts_alike(engines, prompts, needle):
     said = {}
@@ -65,6 +66,25 @@ def test_prompts_truncate_only_when_asked():
     with pytest.raises(ValidationError, match="shorten it or pass --truncate-prompts"):
         check_prompts([[1] * 10], 100, 8, source="x", hint="--truncate-prompts")
     assert check_prompts([[1] * 10, [2, 3]], 100, 8, truncate=True) == [[1] * 8, [2, 3]]
+
+
+def test_prompt_arrays_are_the_checked_ids():
+    """The triton engine takes the checked prompts as int64 arrays (check_prompt_arrays) and packs them with one
+    concatenate: the same ids as the int lists check_prompts gives, packed the same way, whatever came in."""
+    from lpdiff.engines.triton.batch import Batch
+
+    rng = np.random.default_rng()
+    raw = [rng.integers(0, 100, size=int(n)).tolist() for n in rng.integers(2, 40, size=5)] + [
+        np.array([4, 5, 6], dtype=np.uint8),
+        torch.tensor([7, 8]),
+        (9, 10, 11),
+    ]
+    arrays, lists = check_prompt_arrays(raw, 100, 30, truncate=True), check_prompts(raw, 100, 30, truncate=True)
+    assert all(a.dtype == np.int64 for a in arrays) and [a.tolist() for a in arrays] == lists
+    assert all(len(p) <= 30 for p in lists) and all(type(x) is int for p in lists for x in p)
+    packed = Batch.token_ids(arrays)
+    assert packed.dtype == np.int64 and np.array_equal(packed, Batch.token_ids(lists))
+    assert packed.tolist() == [x for p in lists for x in p]
 
 
 def _copy(tmp_path, name="attention"):
