@@ -304,7 +304,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--split",
         action="store_true",
-        help="graph variants: split a call's wall time into the replay and the host work around it",
+        help="graph variants: the call's graph replayed alone back to back beside the whole calls, and a cProfile "
+        "of one call (e2e_profile.bare_replays)",
     )
     p.add_argument(
         "--graphs",

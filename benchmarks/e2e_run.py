@@ -21,7 +21,7 @@ from benchmarks.bench_e2e import (
     timed,
     timed_split,
 )
-from benchmarks.e2e_profile import breakdown, host_split, profile
+from benchmarks.e2e_profile import bare_replays, breakdown, profile
 from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.types import AdapterSpec
 from lpdiff.kernels import fused_moe_lora as fm  # MOE_EXPAND is read from the module while an engine runs
@@ -231,7 +231,7 @@ class Run:
                 )
             if args.split and rt.graphs is not None:
                 for a in (None, name):
-                    host_split(tr, prompts, a, args.reps)
+                    bare_replays(tr, prompts, a, args.reps)
             if args.profile and graphs == (args.graphs != "off") and (first or args.profile_all):
                 stem = f"profile_{self.spec.name}_{impl}".replace("@", "_").replace(
                     ":", "-"
