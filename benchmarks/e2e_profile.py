@@ -1,6 +1,6 @@
 """benchmarks/bench_e2e.py's looks inside one engine: a call's graph replayed alone beside the whole calls, the
-profiler's top kernels and GPU idle gaps of one call, and the per-piece breakdown of one layer at the benchmark's
-shapes."""
+profiler's top kernels and GPU idle gaps of one call, the rows the batch's routing makes the expert GEMMs run, and
+the per-piece breakdown of one layer at the benchmark's shapes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -93,6 +94,55 @@ def profile(eng, prompts, adapter, path: Path) -> None:
     trace.unlink()
     path.write_text(table + "\n\nGPU idle gaps (>= 20 us):\n" + gaps + "\n")
     print(table[:6000], "\n" + gaps, flush=True)
+
+
+def expert_rows(counts, block_m: int, half: bool) -> int:
+    """Rows the expert GEMMs run for these per-group pair counts: each non-empty group padded to block_m, its last
+    block run as block_m / 2 rows when at most half of it is used and ``half`` (GemmConfig.padding "half")."""
+    full, rem = np.divmod(np.asarray(counts, dtype=np.int64), block_m)
+    last = np.where(rem == 0, 0, np.where(half & (rem <= block_m // 2), block_m // 2, block_m))
+    return int((full * block_m + last).sum())
+
+
+def padding_stats(eng, prompts, adapter) -> dict:
+    """What the routing of this batch costs the expert GEMMs before any kernel runs: per MoE layer the rows they
+    execute (each expert's pairs padded to the routing block, half-height last blocks as the engine's default
+    padding runs them, and with whole blocks) against the pairs themselves, and the busiest expert against the
+    mean. The speed-of-light bound (sol_forward) times balanced routing, every expert P / E rows; its padding is in
+    the log line too. One eager call with the routers recording (engines/triton/routing.py). -> dict, logged."""
+    from lpdiff.engines.triton.routing import run_with_routing
+    from lpdiff.kernels.gemm_config import default_config
+
+    rt = eng.runtime
+    out = run_with_routing(rt, prompts, [rt.slot(adapter)] * len(prompts), 0)
+    experts = np.concatenate([p.routed_experts for p in out])  # (T, MoE layers, K)
+    T, layers, K = experts.shape
+    E, P = rt.cfg.num_experts, T * K
+    # the tiles a GPU run picks (default_config: block_m from the mean rows per (expert, adapter slot) group)
+    groups = E * max(1, len(eng.config.adapters))
+    bm = default_config(P, groups, 256, 256, torch.device("cuda")).block_m
+    half, whole, busiest = [], [], []
+    for i in range(layers):
+        counts = np.bincount(experts[:, i, :].ravel(), minlength=E)
+        half.append(expert_rows(counts, bm, True) / P - 1)
+        whole.append(expert_rows(counts, bm, False) / P - 1)
+        busiest.append(counts.max() * E / P)
+    balanced = np.full(E, P // E) + (np.arange(E) < P % E)
+    stats = {
+        "block_m": bm,
+        "padding_half": float(np.mean(half)),
+        "padding_whole": float(np.mean(whole)),
+        "padding_balanced": expert_rows(balanced, bm, True) / P - 1,
+        "busiest_over_mean": float(np.mean(busiest)),
+    }
+    log(
+        f"routing adapter={adapter}: {P} pairs a layer ({T} tokens x top-{K}) into {E} experts, block_m {bm}: the "
+        f"expert GEMMs run {100 * stats['padding_half']:+.1f} % rows over the pairs (mean of {layers} MoE layers, "
+        f"{100 * min(half):+.1f} to {100 * max(half):+.1f} %; whole last blocks {100 * stats['padding_whole']:+.1f} "
+        f"%), the busiest expert {stats['busiest_over_mean']:.2f}x the mean; balanced routing (the bound's) "
+        f"{100 * stats['padding_balanced']:+.1f} %"
+    )
+    return stats
 
 
 def cpu_bench(fn, warmup: int = 1, rep: int = 3, return_mode: str = "median") -> float:

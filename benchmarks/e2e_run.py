@@ -21,7 +21,7 @@ from benchmarks.bench_e2e import (
     timed,
     timed_split,
 )
-from benchmarks.e2e_profile import bare_replays, breakdown, profile
+from benchmarks.e2e_profile import bare_replays, breakdown, padding_stats, profile
 from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.types import AdapterSpec
 from lpdiff.kernels import fused_moe_lora as fm  # MOE_EXPAND is read from the module while an engine runs
@@ -238,6 +238,7 @@ class Run:
                 )  # names the device returns
                 profile(tr, prompts, name, Path(args.out) / f"{stem}.txt")
                 profile(tr, prompts, None, Path(args.out) / f"{stem}_base.txt")
+                padding_stats(tr, prompts, name)
             if (args.profile or args.breakdown) and first and graphs == (args.graphs != "off"):
                 breakdown(tr, prompts, name)
 

@@ -46,6 +46,32 @@ def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
     assert all((p, tag) in rows for p in pieces for tag in ("base", "lora"))
 
 
+def test_expert_rows_pad_each_group_and_halve_half_used_last_blocks():
+    counts = [0, 1, 64, 65, 128, 129, 256, 300]
+    # half: 0, 64, 64, 128, 128, 128 + 64, 256, 256 + 64; whole blocks: 0, 128, 128, 128, 128, 256, 256, 384
+    assert e2e_profile.expert_rows(counts, 128, True) == 1152
+    assert e2e_profile.expert_rows(counts, 128, False) == 1408
+    assert e2e_profile.expert_rows([16] * 5, 16, True) == 80  # full blocks only: no padding either way
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-nemotron-h"])
+def test_padding_stats_read_the_batch_routing(model):
+    """The padding of a real call's routing: never below the pairs, whole blocks at least the half-height ones, at
+    most one whole block per expert over the pairs, and the busiest expert at least the mean."""
+    from lpdiff.engines.triton import TritonEngine
+
+    spec = get_model(model)
+    adapter = zoo_adapters(model)["all"]
+    prompts = [list(range(3, 3 + n)) for n in (37, 29)]
+    with TritonEngine(EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapter.path)}, device="cpu")) as eng:
+        stats = e2e_profile.padding_stats(eng, prompts, "a")
+        cfg = eng.runtime.cfg
+    bound = cfg.num_experts * (stats["block_m"] - 1) / (sum(map(len, prompts)) * cfg.top_k)
+    assert stats["block_m"] == 16  # ~16 rows a group at this batch (default_config)
+    assert 0 <= stats["padding_half"] <= stats["padding_whole"] <= bound and 0 <= stats["padding_balanced"] <= bound
+    assert stats["busiest_over_mean"] >= 1
+
+
 # -- the engine list, the rows and the peers (benchmarks/e2e_peers.py) ---------------------------------------------
 
 
