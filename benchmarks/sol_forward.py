@@ -9,7 +9,9 @@ Each layer is timed as its GEMMs and attention only, on random buffers (nothing 
   experts                 gate_up and down as batched GEMMs over E experts of exactly T*K/E pre-gathered rows:
                           perfectly balanced routing, no gather, no padding rows, activation and top-k weights
                           folded away (--dense-experts: one dense GEMM each over one expert's weight, the
-                          same FLOPs without the weight streaming: the bound at the dense GEMMs' rate)
+                          same FLOPs without the weight streaming: the bound at the dense GEMMs' rate;
+                          --expert-rows padded: each expert the rows the runtime's routing blocks run at evenly
+                          spread routing, 64-row steps with padding, ~32 rows an expert: the bound at that padding)
   lm_head                 one (T, H) x (H, V) GEMM
 and, with a LoRA (rank R, one adapter on q/k/v/o and every expert), each shrink as its own GEMM and each expand as
 extra K of the base GEMM (q|k|v, gate_up, down) or an addmm (o, whose shrink is extra output rows of its GEMM):
@@ -32,7 +34,7 @@ weights + LoRA fit one H200 (sol_hybrid.FIT_GB: 43 of its 88 layers) unless --la
 
     python -m benchmarks.sol_forward [--models qwen3-30b-a3b gpt-oss-20b qwen3.5-35b-a3b nemotron-3-nano-30b-a3b
         nemotron-3-super-120b-a12b] [--batch 8 --seq 512 --rank 32] [--reps 10] [--layers N] [--dense-experts]
-        [--device cuda|cpu]
+        [--expert-rows balanced|padded] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +70,7 @@ class Shapes:
     kv_heads: int
     d: int
     V: int
+    padded_m: int = 0  # rows per expert when the bound counts the routing's padding (--expert-rows padded)
 
     def __post_init__(self):
         assert self.T == self.B * self.S and (self.T * self.K) % self.E == 0, (
@@ -75,8 +78,24 @@ class Shapes:
         )
 
     @property
-    def m(self) -> int:  # rows per expert at perfectly balanced routing
-        return self.T * self.K // self.E
+    def m(self) -> int:  # rows per expert at perfectly balanced routing (or padded_m)
+        return self.padded_m or self.T * self.K // self.E
+
+
+def padded_rows(T: int, E: int, K: int, seed: int = 0) -> int:
+    """Rows per expert, rounded up, that the runtime's expert GEMMs run at evenly spread routing (top-k of Gaussian
+    logits, the routing bench_kernels times): each expert's pairs in routing blocks with half-height last blocks
+    (e2e_profile.expert_rows), the block the runtime picks for these shapes (gemm_config.default_config). Same
+    FLOPs as that padded routing, spread evenly so that the batched GEMMs can run it."""
+    import numpy as np
+
+    from benchmarks.e2e_profile import expert_rows
+    from lpdiff.kernels.gemm_config import default_config
+
+    logits = np.random.default_rng(seed).standard_normal((T, E), dtype=np.float32)
+    counts = np.bincount(np.argpartition(-logits, K - 1, axis=1)[:, :K].ravel(), minlength=E)
+    bm = default_config(T * K, E, 256, 256, torch.device("cuda")).block_m
+    return -(-expert_rows(counts, bm, True) // E)
 
 
 def shapes_of(model: str, batch: int, seq: int, layers: int | None) -> Shapes:
@@ -263,18 +282,23 @@ def sol(model: str, args) -> dict:
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     layers = depth_of(model, args)
-    if is_hybrid(model):
-        s = hybrid_shapes(model, args.batch, args.seq, layers)
+    hybrid = is_hybrid(model)
+    s = hybrid_shapes(model, args.batch, args.seq, layers) if hybrid else shapes_of(model, args.batch, args.seq, layers)
+    what = ""
+    if args.expert_rows == "padded":  # the same GEMMs at the rows the runtime's routing blocks make them run
+        balanced = s.m
+        s = replace(s, padded_m=padded_rows(s.T, s.E, s.K))
+        what = f" (padded as the runtime's blocks pad evenly spread routing: {s.m / balanced - 1:+.1%} rows)"
+    if hybrid:
         fwd = HybridForward(s, args.rank, args.device, dtype)
         w, lo = weight_bytes(s, args.rank)
-        what = (
+        what += (
             f"; layers {', '.join(f'{n} {k}' for k, n in count_kinds(s.kinds).items())}; weights {w / 1e9:.1f} "
             f"GB + LoRA {lo / 1e9:.2f} GB in bf16"
         )
     else:
-        s = shapes_of(model, args.batch, args.seq, layers)
         fwd = SolForward(s, args.rank, args.device, dtype, args.dense_experts)
-        what = " as one dense GEMM" if args.dense_experts else ""
+        what += " as one dense GEMM" if args.dense_experts else ""
     graphs = args.device == "cuda"
     bw = copy_bandwidth(args.device)
     floor_s = fwd.floor_bytes() / bw
@@ -333,6 +357,13 @@ def main(argv=None) -> list[dict]:
         help="the expert GEMMs as one dense GEMM each over the first expert's weight (same FLOPs, no "
         "weight streaming): the bound if they ran at the dense GEMMs' rate (Qwen3-MoE and gpt-oss; "
         "the hybrids' experts stay batched)",
+    )
+    p.add_argument(
+        "--expert-rows",
+        choices=("balanced", "padded"),
+        default="balanced",
+        help="balanced: every expert T*K/E rows, no padding (the bound); padded: the rows the runtime's routing "
+        "blocks run at evenly spread routing (half-height last blocks; padded_rows), spread evenly",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)

@@ -106,14 +106,15 @@ class HybridShapes:
     gated_attention: bool = False
     gdn: dict = field(default_factory=dict)  # nk, nv, dk, dv, conv
     mamba: dict = field(default_factory=dict)  # nh, P, ng, N, chunk
+    padded_m: int = 0  # rows per expert when the bound counts the routing's padding (sol_forward --expert-rows)
 
     @property
     def L(self) -> int:
         return len(self.kinds)
 
     @property
-    def m(self) -> int:  # rows per expert at perfectly balanced routing
-        return self.T * self.K // self.E
+    def m(self) -> int:  # rows per expert at perfectly balanced routing (or padded_m)
+        return self.padded_m or self.T * self.K // self.E
 
     @property
     def He(self) -> int:  # the routed experts' input / output width

@@ -211,3 +211,19 @@ def test_hybrid_floor_bytes_by_hand():
         + 3 * T * di * el
     )  # gated RMSNorm
     assert fwd.floor_bytes() == norms + moe + mamba  # Nemotron's attention layer adds nothing (no rope, no gate)
+
+
+def test_padded_rows_are_the_runtime_blocks_at_spread_routing():
+    """--expert-rows padded: the rows the runtime's routing blocks run at evenly spread routing, per expert, rounded
+    up: above the balanced T*K/E (Qwen3's 256 rows pad ~12 %), below one whole block more; the same at one seed."""
+    m = sol_forward.padded_rows(4096, 128, 8)
+    assert 256 < m < 256 + 128 and m == sol_forward.padded_rows(4096, 128, 8)
+    assert 512 < sol_forward.padded_rows(4096, 32, 4) < 512 * 1.1  # gpt-oss: 512 rows an expert pad ~6 %
+    assert sol_forward.padded_rows(4096, 256, 8) > 128 * 1.15  # Qwen3.5: 128 rows an expert pad ~24 %
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-nemotron-h"])
+def test_main_runs_the_padded_expert_rows(model, capsys):
+    (r,) = sol_forward.main(["--models", model, "--layers", "2", "--expert-rows", "padded", *SMALL_CPU])
+    assert r["lora_tokens_per_s"] > 0
+    assert "padded as the runtime's blocks pad evenly spread routing: +" in capsys.readouterr().out
