@@ -98,9 +98,13 @@ def profile(eng, prompts, adapter, path: Path) -> None:
 
 def expert_rows(counts, block_m: int, half: bool) -> int:
     """Rows the expert GEMMs run for these per-group pair counts: each non-empty group padded to block_m, its last
-    block run as block_m / 2 rows when at most half of it is used and ``half`` (GemmConfig.padding "half")."""
+    block run as block_m / 2 rows when at most half of it is used and ``half`` (GemmConfig.padding "half", which
+    the kernel takes from block_m HALF_TAIL_MIN_M on: gemm_config.half_tail)."""
+    from lpdiff.kernels.gemm_config import HALF_TAIL_MIN_M
+
+    halve = half and block_m >= HALF_TAIL_MIN_M
     full, rem = np.divmod(np.asarray(counts, dtype=np.int64), block_m)
-    last = np.where(rem == 0, 0, np.where(half & (rem <= block_m // 2), block_m // 2, block_m))
+    last = np.where(rem == 0, 0, np.where(halve & (rem <= block_m // 2), block_m // 2, block_m))
     return int((full * block_m + last).sum())
 
 
@@ -111,16 +115,14 @@ def padding_stats(eng, prompts, adapter) -> dict:
     mean. The speed-of-light bound (sol_forward) times balanced routing, every expert P / E rows; its padding is in
     the log line too. One eager call with the routers recording (engines/triton/routing.py). -> dict, logged."""
     from lpdiff.engines.triton.routing import run_with_routing
-    from lpdiff.kernels.gemm_config import default_config
+    from lpdiff.kernels.gemm_config import routing_block_m
 
     rt = eng.runtime
     out = run_with_routing(rt, prompts, [rt.slot(adapter)] * len(prompts), 0)
     experts = np.concatenate([p.routed_experts for p in out])  # (T, MoE layers, K)
     T, layers, K = experts.shape
     E, P = rt.cfg.num_experts, T * K
-    # the tiles a GPU run picks (default_config: block_m from the mean rows per (expert, adapter slot) group)
-    groups = E * max(1, len(eng.config.adapters))
-    bm = default_config(P, groups, 256, 256, torch.device("cuda")).block_m
+    bm = routing_block_m(P, E * max(1, len(eng.config.adapters)))  # the block a GPU run picks
     half, whole, busiest = [], [], []
     for i in range(layers):
         counts = np.bincount(experts[:, i, :].ravel(), minlength=E)

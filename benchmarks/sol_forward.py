@@ -85,16 +85,16 @@ class Shapes:
 def padded_rows(T: int, E: int, K: int, seed: int = 0) -> int:
     """Rows per expert, rounded up, that the runtime's expert GEMMs run at evenly spread routing (top-k of Gaussian
     logits, the routing bench_kernels times): each expert's pairs in routing blocks with half-height last blocks
-    (e2e_profile.expert_rows), the block the runtime picks for these shapes (gemm_config.default_config). Same
+    (e2e_profile.expert_rows), the block the runtime picks for these shapes (gemm_config.routing_block_m). Same
     FLOPs as that padded routing, spread evenly so that the batched GEMMs can run it."""
     import numpy as np
 
     from benchmarks.e2e_profile import expert_rows
-    from lpdiff.kernels.gemm_config import default_config
+    from lpdiff.kernels.gemm_config import routing_block_m
 
     logits = np.random.default_rng(seed).standard_normal((T, E), dtype=np.float32)
     counts = np.bincount(np.argpartition(-logits, K - 1, axis=1)[:, :K].ravel(), minlength=E)
-    bm = default_config(T * K, E, 256, 256, torch.device("cuda")).block_m
+    bm = routing_block_m(T * K, E)
     return -(-expert_rows(counts, bm, True) // E)
 
 

@@ -52,6 +52,7 @@ def test_expert_rows_pad_each_group_and_halve_half_used_last_blocks():
     assert e2e_profile.expert_rows(counts, 128, True) == 1152
     assert e2e_profile.expert_rows(counts, 128, False) == 1408
     assert e2e_profile.expert_rows([16] * 5, 16, True) == 80  # full blocks only: no padding either way
+    assert e2e_profile.expert_rows([1, 17], 16, True) == 48  # 16-row blocks have no half-height tiles (half_tail)
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-nemotron-h"])

@@ -54,9 +54,12 @@ PADDING = ("compute", "zero", "half")
 EXPAND = ("last", "first", "loop")
 
 
+HALF_TAIL_MIN_M = 32  # a half-height tile must keep the 16 rows a dot needs
+
+
 def half_tail(cfg: GemmConfig) -> bool:
     """Whether the kernel runs half-used last blocks as half-height tiles (cfg.block_m is the routing block)."""
-    return cfg.padding == "half" and cfg.block_m >= 32
+    return cfg.padding == "half" and cfg.block_m >= HALF_TAIL_MIN_M
 
 
 def tma_ok(t: torch.Tensor) -> bool:
@@ -90,6 +93,15 @@ SMEM_BUDGET = 216 * 1024  # bytes of pipelined tiles per program (Triton reuses 
 SMEM_LIMIT = 227 * 1024  # what one block may use on Hopper (sm90)
 
 
+def routing_block_m(num_pairs: int, num_groups: int) -> int:
+    """The routing block of a GPU launch in bf16 (default_config's block_m): it follows the mean rows per (expert,
+    adapter slot) group, so padding stays small."""
+    rows = num_pairs / max(1, num_groups)
+    # 128 from ~100 rows a group: at Qwen3.5's 128 rows (256 experts, T 4096, top-8) it gave 58.3k tokens/s with LoRA
+    # against 53.8k at 64, same bits (H200, full depth, benchmarks/results/e2e.md); Super's 176: 33.1k against 30.8k
+    return 16 if rows <= 24 else 32 if rows <= 48 else 64 if rows <= 96 else 128
+
+
 def default_config(
     num_pairs: int,
     num_groups: int,
@@ -115,12 +127,8 @@ def default_config(
     block_m: the routing block instead of the rows heuristic's (a benchmark's variant: fused_moe_lora.MOE_BLOCK_M)."""
     if device.type != "cuda":  # interpreter: small tiles keep the program count and the per-step cost low
         return GemmConfig(block_m or 16, 32, 32, group_m=4, num_warps=4, num_stages=1)
-    rows = num_pairs / max(1, num_groups)
     if block_m is None:
-        # 128 from ~100 rows a group: at Qwen3.5's 128 rows (256 experts, T 4096, top-8) it gave 58.3k tokens/s with
-        # LoRA against 53.8k at 64, same bits (H200, full depth, benchmarks/results/e2e.md); Super's 176: 33.1k
-        # against 30.8k
-        block_m = 16 if rows <= 24 else 32 if rows <= 48 else 64 if rows <= 96 else 128
+        block_m = routing_block_m(num_pairs, num_groups)
     wn = 256 if block_m >= 64 else 128
     if dtype == torch.float32:
         block_m, wn = min(block_m, 64), 128
