@@ -69,7 +69,10 @@ def check_prompt(
     """One prompt -> its ids as ints, or ValidationError naming ``where`` (e.g. "--prompts f.jsonl line 3") and the
     fix. Longer than ``max_positions``: refused, or cut to it when ``truncate`` (the user asked for it); ``hint``
     says how the user asks for that."""
-    ids = check_prompt_array(p, where, vocab_size, max_positions, truncate, hint)
+    return _as_ints(check_prompt_array(p, where, vocab_size, max_positions, truncate, hint))
+
+
+def _as_ints(ids: np.ndarray) -> list[int]:
     return [int(x) for x in ids] if ids.dtype.kind == "O" else ids.tolist()
 
 
@@ -121,10 +124,7 @@ def check_prompts(
     hint: str = "",
 ) -> list[list[int]]:
     """A non-empty list of prompts, each through ``check_prompt`` (named "``source``: prompt i")."""
-    return [
-        [int(x) for x in ids] if ids.dtype.kind == "O" else ids.tolist()
-        for ids in check_prompt_arrays(prompts, vocab_size, max_positions, truncate, source, hint)
-    ]
+    return [_as_ints(ids) for ids in check_prompt_arrays(prompts, vocab_size, max_positions, truncate, source, hint)]
 
 
 def check_prompt_arrays(
