@@ -51,10 +51,7 @@ def bare_replays(eng, prompts, adapter, reps: int) -> dict:
         end.synchronize()
         gpu.append(start.elapsed_time(end) / 1e3)
     med = {"call": 1e3 * call, "replay": 1e3 * statistics.median(replays), "replay_gpu": 1e3 * statistics.median(gpu)}
-    try:
-        clock = torch.cuda.clock_rate()
-    except Exception as e:  # noqa: BLE001 - nvml may be missing; the timings stand without it
-        clock = f"n/a ({type(e).__name__})"
+    clock = sm_clock()
     log(
         f"bare replays adapter={adapter}: whole call {med['call']:.2f} ms, bare replay + sync {med['replay']:.2f} ms "
         f"(GPU {med['replay_gpu']:.2f} ms between events), {med['replay'] - med['call']:+.2f} ms against the whole "
@@ -71,18 +68,40 @@ def bare_replays(eng, prompts, adapter, reps: int) -> dict:
     return med
 
 
-def profile(eng, prompts, adapter, path: Path) -> None:
-    """Top CUDA kernels of one call (where the time goes), with ``adapter`` (None: the base call). On a CPU (the tiny
-    zoo's dry runs) the top CPU ops, and no idle gaps: a trace without GPU kernels has none to find."""
-    from torch.profiler import ProfilerActivity
+# whole calls run back to back before the profiled ones: at 700 W the H200's SM clock drops within a few calls, so a
+# single call profiled after a pause ran at boost clocks, 4-5 ms faster than the timed calls (gpt-oss: 55.3 ms busy
+# against 60.3 ms a timed replay, e2e.md) and its kernels could not be set beside the bound's, timed sustained
+PROFILE_WARM, PROFILE_CALLS = 8, 3
+
+
+def profile(eng, prompts, adapter, path: Path, warm: int = PROFILE_WARM, calls: int = PROFILE_CALLS) -> None:
+    """Top CUDA kernels of a call (where the time goes), with ``adapter`` (None: the base call): ``calls`` whole
+    calls profiled back to back after ``warm`` unprofiled ones, so the kernels run at the sustained clock the timed
+    calls run at; the table's totals are over the ``calls`` calls, and a per-call table and the SM clock after them
+    come first. On a CPU (the tiny zoo's dry runs) the top CPU ops of one call, and no idle gaps: a trace without
+    GPU kernels has none to find."""
+    from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as tprof
 
     cuda = eng.runtime.device.type == "cuda"
-    with tprof(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    if not cuda:
+        warm, calls = 0, 1
+    for _ in range(warm):
         eng.prompt_logprobs(prompts, adapter)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # one unrecorded step first: the profiler's start-up does not land between the recorded calls
+    with tprof(activities=acts, schedule=schedule(wait=0, warmup=1, active=calls)) as prof:
+        for _ in range(calls + 1):
+            eng.prompt_logprobs(prompts, adapter)
+            prof.step()
         if cuda:
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    clock = sm_clock() if cuda else "n/a (CPU)"
+    avgs = prof.key_averages()
+    table = avgs.table(sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    head = f"{calls} whole calls profiled after {warm} back to back; SM clock {clock} MHz after them\n"
+    if cuda:
+        head += per_call_kernels(avgs, calls) + "\n"
     # where the GPU waits on the host (benchmarks/trace_gaps.py): the gzipped chrome trace comes back for a closer look
     from benchmarks.trace_gaps import analyse, load_events, report
 
@@ -92,8 +111,34 @@ def profile(eng, prompts, adapter, path: Path) -> None:
     with open(trace, "rb") as src, gzip.open(path.with_suffix(".trace.json.gz"), "wb") as dst:
         dst.write(src.read())
     trace.unlink()
-    path.write_text(table + "\n\nGPU idle gaps (>= 20 us):\n" + gaps + "\n")
-    print(table[:6000], "\n" + gaps, flush=True)
+    path.write_text(head + "\n" + table + "\n\nGPU idle gaps (>= 20 us):\n" + gaps + "\n")
+    print(head + "\n" + table[:6000], "\n" + gaps, flush=True)
+
+
+def sm_clock() -> str:
+    """The SM clock now in MHz (nvml), or why it is not known."""
+    try:
+        return str(torch.cuda.clock_rate())
+    except Exception as e:  # noqa: BLE001 - nvml may be missing; the timings stand without it
+        return f"n/a ({type(e).__name__})"
+
+
+def per_call_kernels(avgs, calls: int, top: int = 25) -> str:
+    """The GPU kernels of a profile, per call: launches and ms a call, largest first, and their sum (device events
+    only: a CPU op's self device time is its kernels' again)."""
+    from torch.autograd import DeviceType
+
+    rows = [
+        (e.key, e.count / calls, e.self_device_time_total / 1e3 / calls)
+        for e in avgs
+        if e.device_type == DeviceType.CUDA
+    ]
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    out = [f"{'kernel (per call)':60s} {'launches':>8s} {'ms':>8s}"]
+    out += [f"{k[:60]:60s} {n:8.1f} {ms:8.3f}" for k, n, ms in rows[:top]]
+    out.append(f"{'all GPU time':60s} {'':8s} {total:8.3f}")
+    return "\n".join(out)
 
 
 def expert_rows(counts, block_m: int, half: bool) -> int:

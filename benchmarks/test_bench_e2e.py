@@ -55,6 +55,24 @@ def test_expert_rows_pad_each_group_and_halve_half_used_last_blocks():
     assert e2e_profile.expert_rows([1, 17], 16, True) == 48  # 16-row blocks have no half-height tiles (half_tail)
 
 
+def test_per_call_kernels_divide_by_the_calls_and_count_device_events_only():
+    """A profile's kernels per call. Stand-in events (SimpleNamespace): a CPU has no CUDA kernels to profile; the
+    fields are the ones torch's FunctionEventAvg carries."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(key, count, us, dev=DeviceType.CUDA):
+        return SimpleNamespace(key=key, count=count, self_device_time_total=us, device_type=dev)
+
+    avgs = [ev("gemm", 6, 3000.0), ev("norm", 9, 600.0), ev("aten::copy_", 3, 450.0, DeviceType.CPU)]
+    lines = e2e_profile.per_call_kernels(avgs, 3).splitlines()
+    assert lines[1].split() == ["gemm", "2.0", "1.000"]
+    assert lines[2].split() == ["norm", "3.0", "0.200"]
+    assert lines[-1].split()[-1] == "1.200"  # the CPU op's self device time is the kernels' again: not counted
+    assert len(lines) == 4
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-nemotron-h"])
 def test_padding_stats_read_the_batch_routing(model):
     """The padding of a real call's routing: never below the pairs, whole blocks at least the half-height ones, at
