@@ -74,26 +74,24 @@ def bare_replays(eng, prompts, adapter, reps: int) -> dict:
 PROFILE_WARM, PROFILE_CALLS = 8, 3
 
 
-def profile(eng, prompts, adapter, path: Path, warm: int = PROFILE_WARM, calls: int = PROFILE_CALLS) -> None:
+def profile(eng, prompts, adapter, path: Path, warm: int | None = None, calls: int | None = None):
     """Top CUDA kernels of a call (where the time goes), with ``adapter`` (None: the base call): ``calls`` whole
     calls profiled back to back after ``warm`` unprofiled ones, so the kernels run at the sustained clock the timed
     calls run at; the table's totals are over the ``calls`` calls, and a per-call table and the SM clock after them
-    come first. On a CPU (the tiny zoo's dry runs) the top CPU ops of one call, and no idle gaps: a trace without
-    GPU kernels has none to find."""
-    from torch.profiler import ProfilerActivity, schedule
+    come first (PROFILE_WARM / PROFILE_CALLS unless given). On a CPU (the tiny zoo's dry runs) the top CPU ops of one
+    call unless given, and no idle gaps: a trace without GPU kernels has none to find. -> its key_averages."""
+    from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprof
 
     cuda = eng.runtime.device.type == "cuda"
-    if not cuda:
-        warm, calls = 0, 1
+    warm = (PROFILE_WARM if cuda else 0) if warm is None else warm
+    calls = (PROFILE_CALLS if cuda else 1) if calls is None else calls
     for _ in range(warm):
         eng.prompt_logprobs(prompts, adapter)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    # one unrecorded step first: the profiler's start-up does not land between the recorded calls
-    with tprof(activities=acts, schedule=schedule(wait=0, warmup=1, active=calls)) as prof:
-        for _ in range(calls + 1):
+    # no schedule: torch's clears a cycle's events when the cycle ends, before key_averages could read them
+    with tprof(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
             eng.prompt_logprobs(prompts, adapter)
-            prof.step()
         if cuda:
             torch.cuda.synchronize()
     clock = sm_clock() if cuda else "n/a (CPU)"
@@ -113,6 +111,7 @@ def profile(eng, prompts, adapter, path: Path, warm: int = PROFILE_WARM, calls: 
     trace.unlink()
     path.write_text(head + "\n" + table + "\n\nGPU idle gaps (>= 20 us):\n" + gaps + "\n")
     print(head + "\n" + table[:6000], "\n" + gaps, flush=True)
+    return avgs
 
 
 def sm_clock() -> str:

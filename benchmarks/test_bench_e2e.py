@@ -55,6 +55,27 @@ def test_expert_rows_pad_each_group_and_halve_half_used_last_blocks():
     assert e2e_profile.expert_rows([1, 17], 16, True) == 48  # 16-row blocks have no half-height tiles (half_tail)
 
 
+def test_profile_records_every_profiled_call(tmp_path):
+    """profile's table counts the ``calls`` calls it ran (torch's profiler schedule once dropped them all: a cycle's
+    events are cleared when it ends), and the warm-up calls before them not at all."""
+    from lpdiff.engines.triton import TritonEngine
+
+    spec = get_model("tiny-qwen3-moe")
+    adapter = zoo_adapters("tiny-qwen3-moe")["all"]
+    prompts = [list(range(3, 3 + n)) for n in (5, 4)]
+    with TritonEngine(
+        EngineConfig(model=spec, adapters={"a": AdapterSpec("a", adapter.path)}, device="cpu", options={})
+    ) as eng:
+        counts = {}
+        for calls in (1, 2):
+            avgs = e2e_profile.profile(eng, prompts, "a", tmp_path / f"p{calls}.txt", warm=1, calls=calls)
+            counts[calls] = {e.key: e.count for e in avgs}
+    text = (tmp_path / "p2.txt").read_text()
+    assert text.startswith("2 whole calls profiled after 1 back to back") and "aten::" in text
+    mm = {k: n for k, n in counts[1].items() if k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")}
+    assert mm and all(counts[2][k] == 2 * n for k, n in mm.items()), counts
+
+
 def test_per_call_kernels_divide_by_the_calls_and_count_device_events_only():
     """A profile's kernels per call. Stand-in events (SimpleNamespace): a CPU has no CUDA kernels to profile; the
     fields are the ones torch's FunctionEventAvg carries."""
