@@ -24,6 +24,7 @@ class GemmConfig:
     n_tiles: int = 1  # consecutive N tiles per program; LORA 1 shrinks on the first only (_grouped_gemm_kernel)
     padding: str = "compute"  # what the padding rows of a group's last block cost; see PADDING
     expand: str = "loop"  # where LORA 2's expand runs; see EXPAND
+    n_tail: bool = True  # the last N tile no wider than the columns left (n_tail_width)
 
     def __post_init__(self):
         for b in (self.block_m, self.block_n, self.block_k):
@@ -60,6 +61,20 @@ HALF_TAIL_MIN_M = 32  # a half-height tile must keep the 16 rows a dot needs
 def half_tail(cfg: GemmConfig) -> bool:
     """Whether the kernel runs half-used last blocks as half-height tiles (cfg.block_m is the routing block)."""
     return cfg.padding == "half" and cfg.block_m >= HALF_TAIL_MIN_M
+
+
+def n_tail_width(cfg: GemmConfig, n: int, tma_w: bool, add_to_out: bool) -> int:
+    """The width (output columns) the last N tile runs at, the kernel's N_TAIL, or 0 for block_n: the least power of
+    two >= the columns past the full tiles, and >= 16 (a dot's least), where that is under block_n. At full tiles
+    the last one computes columns that are dropped: gpt-oss's down GEMM (N 2880, 256-wide tiles) 3072 columns and its
+    gate_up (128 gated columns a tile) 2944, Nemotron-3-Nano's up (N 1856) 2048 and its down (N 2688) 2816, i.e.
+    6.7, 2.2, 10.3 and 4.8 % more MMA work than the output has; at 64, 64, 64 and 128-wide last tiles, none. Not
+    with TMA weight tiles (a descriptor's blocks are block_n rows) or add_to_out (the dense layers' delta)."""
+    rem = n % cfg.block_n
+    if not cfg.n_tail or rem == 0 or tma_w or add_to_out:
+        return 0
+    width = max(16, next_pow2(rem))
+    return width if width < cfg.block_n else 0
 
 
 def tma_ok(t: torch.Tensor) -> bool:

@@ -84,31 +84,32 @@ def _acc_start(
 
 
 @triton.jit
-def _out_tile(offs_m, pair, row_ok, pid_n, N, stride_o, OUT_SORTED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Offsets and mask of a program's (BLOCK_M, BLOCK_N) output tile: padded rows in place, or scattered back
-    to their pair's row."""
+def _out_tile(offs_m, pair, row_ok, col0, N, stride_o, OUT_SORTED: tl.constexpr, BN: tl.constexpr):
+    """Offsets and mask of a program's (BLOCK_M, BN) output tile, its columns from col0: padded rows in place, or
+    scattered back to their pair's row."""
     stride_om, stride_on = stride_o
     if OUT_SORTED:
         orow = offs_m
     else:
         orow = pair
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = col0 + tl.arange(0, BN)
     o_off = orow[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     return o_off, row_ok[:, None] & (offs_n < N)[None, :]
 
 
 @triton.jit
-def _tile_cols(pid_n, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl.constexpr):
-    """The dot's WN columns of N tile pid_n: j, the output column of each, and the row of W (and of LoRA B) it
-    reads. INTERLEAVE (gated, no TMA): BLOCK_N gate and BLOCK_N up rows interleaved (even j gate, odd j up), so
-    one MMA of width 2*BLOCK_N feeds the activation; columns past N wrap to valid rows, so the K-loop's loads need
-    no column mask (their results are never stored). Else wrow are the gate rows (SPLIT: the up rows N further)."""
+def _tile_cols(col0, N, INTERLEAVE: tl.constexpr, WN: tl.constexpr):
+    """The dot's WN columns of the N tile whose first output column is col0: j, the output column of each, and the
+    row of W (and of LoRA B) it reads. INTERLEAVE (gated, no TMA): WN / 2 gate and WN / 2 up rows interleaved (even
+    j gate, odd j up), so one MMA of width WN feeds the activation; columns past N wrap to valid rows, so the
+    K-loop's loads need no column mask (their results are never stored). Else wrow are the gate rows (SPLIT: the
+    up rows N further)."""
     j = tl.arange(0, WN)
     if INTERLEAVE:
-        col = pid_n * BLOCK_N + j // 2
+        col = col0 + j // 2
         wrow = col % N + (j % 2) * N
     else:
-        col = pid_n * BLOCK_N + j
+        col = col0 + j
         wrow = col % N
     return j, col, wrow
 

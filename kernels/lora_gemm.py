@@ -19,7 +19,7 @@ import torch
 
 from lpdiff.kernels._triton import device_const, dot_flags, dual_jit, next_pow2, placeholder, tl, triton
 from lpdiff.kernels.activation import ACTIVATIONS, GATED, _act, _gated_act
-from lpdiff.kernels.gemm_config import GemmConfig, gemm_tma, half_tail, launch_expand
+from lpdiff.kernels.gemm_config import GemmConfig, gemm_tma, half_tail, launch_expand, n_tail_width
 from lpdiff.kernels.gemm_tiles import (
     GemmStrides,
     Tile,
@@ -91,6 +91,7 @@ def _grouped_gemm_kernel(
     ZERO_PAD: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False,
     EXPAND: tl.constexpr = 0,
+    N_TAIL: tl.constexpr = 0,
 ):
     """Out[rows, n] = act(X[rows] W[e, n]^T + bias[e, n] + scaling (X[rows] A[a, e]^T) B[a, e, n]^T) (* topk w).
 
@@ -117,7 +118,9 @@ def _grouped_gemm_kernel(
     interleave. TMA_X (X_SORTED only, the rows being contiguous): X is a descriptor too, blocks (BLOCK_M, BLOCK_K).
     ZERO_PAD: padding rows are loaded as zeros (_k_loop). HALF_TAIL: a routing block whose rows past the first half
     are all padding (a group's last block, at most BLOCK_M / 2 rows used) runs as a BLOCK_M / 2 tile: padding rows
-    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding).
+    sit at the end of their group, so row BLOCK_M / 2 being padding says it (GemmConfig.padding). N_TAIL (0: off;
+    launch_gemm's n_tail_width): the last N tile, whose columns past N would be computed and dropped, runs as an
+    N_TAIL-wide tile (output columns; the gated dot twice that).
     EXPAND (LORA 2, one slice; launch_expand): 0 the expand S B^T is a dot in the epilogue; 1 (with PREFETCH) the
     accumulator's first product, before the K-loop; 2 the K-loop's first step, S and B loaded by its pipeline
     (_k_loop_expand; S then has X's dtype)."""
@@ -142,7 +145,6 @@ def _grouped_gemm_kernel(
         if a < 0:
             return  # rows without an adapter keep the cuBLAS output bit for bit
     SPLIT: tl.constexpr = GATED and TMA
-    WN: tl.constexpr = 2 * BLOCK_N if GATED and not TMA else BLOCK_N
     LOOP: tl.constexpr = EXPAND == 2  # the expand as the K-loop's first step (launch_expand says where it can)
     EARLY_S: tl.constexpr = PREFETCH and LORA == 2 and NUM_SLICES == 1 and not LOOP
     FIRST: tl.constexpr = EARLY_S and EXPAND == 1  # the expand before the K-loop
@@ -182,131 +184,146 @@ def _grouped_gemm_kernel(
             for t in tl.static_range(N_TILES):
                 pid_n = first_n + t
                 if pid_n < num_n:  # always for t == 0; the row block's last group may be short
-                    j, col, wrow = _tile_cols(pid_n, N, GATED and not TMA, BLOCK_N, WN)
-                    lb_ptrs = (
-                        LB
-                        + a_safe * stride_lbl
-                        + e * stride_lbe
-                        + offs_r[:, None] * stride_lbr
-                        + wrow[None, :] * stride_lbn
-                    )
-                    # this tile's LoRA B tile, issued before its K-loop so that its latency hides behind it
-                    if LORA == 1:
-                        # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
-                        if FAULT == 4:
-                            lb_off = (
-                                a_safe * stride_lbl
+                    # N_TAIL: the last N tile runs N_TAIL columns wide (w 0) instead of BLOCK_N (w 1): the columns
+                    # past N are never computed; two bodies, as HALF_TAIL for rows
+                    narrow = False
+                    if N_TAIL > 0:
+                        narrow = pid_n == num_n - 1
+                    col0 = pid_n * BLOCK_N
+                    FIRST_W: tl.constexpr = 0 if N_TAIL > 0 else 1
+                    for w in tl.static_range(FIRST_W, 2):
+                        if narrow == (w == 0):
+                            BN: tl.constexpr = BLOCK_N + (N_TAIL - BLOCK_N) * (1 - w)  # the tile's output columns
+                            WNT: tl.constexpr = 2 * BN if GATED and not TMA else BN  # its dot's width
+                            j, col, wrow = _tile_cols(col0, N, GATED and not TMA, WNT)
+                            lb_ptrs = (
+                                LB
+                                + a_safe * stride_lbl
                                 + e * stride_lbe
                                 + offs_r[:, None] * stride_lbr
-                                + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn
+                                + wrow[None, :] * stride_lbn
                             )
-                            bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
-                        else:
-                            bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
-                    if EARLY_S:
-                        bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
-                    if (
-                        ADD_TO_OUT
-                    ):  # the accumulator starts from the base output already in Out, and the K-loop is empty
-                        o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, strides.out, OUT_SORTED, BLOCK_N)
-                        acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
-                        acc_up = acc
-                    else:  # SPLIT: acc the gate columns, acc_up the up columns
-                        acc, acc_up = _acc_start(Bias, e, wrow, N, strides.bias, HAS_BIAS, SPLIT, BM, WN)
-                    if FIRST:  # noqa: SIM102 - a constexpr if around a runtime one
-                        if a >= 0:
-                            acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
-                            if SPLIT:
-                                acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
-                    acc_s = tl.zeros((BM, BLOCK_R), dtype=tl.float32)
-                    tile = Tile(xrow, offs_m, row_ok, row0, pid_n, wrow, e, e32, a, a_safe, r_ok)
-                    if LOOP:
-                        acc = _k_loop_expand(
-                            acc,
-                            (X, W),
-                            (S, LB),
-                            tile,
-                            Kdim,
-                            R,
-                            strides,
-                            K_TILES,
-                            EVEN_K,
-                            UPCAST,
-                            DOT_PREC,
-                            ZERO_PAD,
-                            BLOCK_K,
-                        )
-                    else:
-                        acc, acc_up, acc_s = _k_loop(
-                            (acc, acc_up, acc_s),
-                            (X, W),
-                            LA,
-                            tile,
-                            N,
-                            Kdim,
-                            strides,
-                            LORA == 1 and t == 0,
-                            SPLIT,
-                            TMA,
-                            TMA_X,
-                            K_TILES,
-                            EVEN_K,
-                            UPCAST,
-                            DOT_PREC,
-                            ZERO_PAD,
-                            BLOCK_N,
-                            BLOCK_K,
-                            BLOCK_R,
-                        )
-
-                    acc_l = tl.zeros((BM, WN), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
-                    if LORA == 1 and t == 0:
-                        st = acc_s * tl.load(Scaling + a_safe)
-                        st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
-                    if LORA > 0 and not FIRST and not LOOP:  # noqa: SIM102 - a constexpr if around a runtime one
-                        if a >= 0:
+                            # this tile's LoRA B tile, issued before its K-loop so that its latency hides behind it
                             if LORA == 1:
-                                bl = bt.to(tl.float32) if UPCAST else bt
-                                if FAULT == 1 or FAULT == 2 or FAULT == 3:
-                                    acc_l = tl.dot(st, bl, acc_l, input_precision=DOT_PREC)
+                                # lora_b_unmasked: rows past N unwrapped (next expert's B; the allocation's end holds)
+                                if FAULT == 4:
+                                    lb_off = (
+                                        a_safe * stride_lbl
+                                        + e * stride_lbe
+                                        + offs_r[:, None] * stride_lbr
+                                        + (col + (j % 2) * N if GATED else col)[None, :] * stride_lbn
+                                    )
+                                    bt = tl.load(LB + lb_off, mask=r_ok[:, None] & (lb_off < lb_numel), other=0.0)
                                 else:
-                                    acc = tl.dot(st, bl, acc, input_precision=DOT_PREC)
-                            else:
-                                for s in tl.static_range(NUM_SLICES):  # S holds the slices' shrinks side by side
-                                    if not EARLY_S:
-                                        st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, strides.s, UPCAST)
-                                        bt, bu = _b_tiles(
-                                            LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT, UPCAST
-                                        )
+                                    bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
+                            if EARLY_S:
+                                bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
+                            if (
+                                ADD_TO_OUT
+                            ):  # the accumulator starts from the base output already in Out, and the K-loop is empty
+                                o_off, o_mask = _out_tile(offs_m, pair, row_ok, col0, N, strides.out, OUT_SORTED, BN)
+                                acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
+                                acc_up = acc
+                            else:  # SPLIT: acc the gate columns, acc_up the up columns
+                                acc, acc_up = _acc_start(Bias, e, wrow, N, strides.bias, HAS_BIAS, SPLIT, BM, WNT)
+                            if FIRST:  # noqa: SIM102 - a constexpr if around a runtime one
+                                if a >= 0:
                                     acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
                                     if SPLIT:
                                         acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+                            acc_s = tl.zeros((BM, BLOCK_R), dtype=tl.float32)
+                            tile = Tile(xrow, offs_m, row_ok, row0, pid_n, wrow, e, e32, a, a_safe, r_ok)
+                            if LOOP:
+                                acc = _k_loop_expand(
+                                    acc,
+                                    (X, W),
+                                    (S, LB),
+                                    tile,
+                                    Kdim,
+                                    R,
+                                    strides,
+                                    K_TILES,
+                                    EVEN_K,
+                                    UPCAST,
+                                    DOT_PREC,
+                                    ZERO_PAD,
+                                    BLOCK_K,
+                                )
+                            else:
+                                acc, acc_up, acc_s = _k_loop(
+                                    (acc, acc_up, acc_s),
+                                    (X, W),
+                                    LA,
+                                    tile,
+                                    N,
+                                    Kdim,
+                                    strides,
+                                    LORA == 1 and t == 0,
+                                    SPLIT,
+                                    TMA,
+                                    TMA_X,
+                                    K_TILES,
+                                    EVEN_K,
+                                    UPCAST,
+                                    DOT_PREC,
+                                    ZERO_PAD,
+                                    BLOCK_N,
+                                    BLOCK_K,
+                                    BLOCK_R,
+                                )
 
-                    if SPLIT:
-                        h = _act(acc, acc_up, ACT)
-                    elif GATED:
-                        h = _gated_act(acc, ACT, BM, BLOCK_N)
-                        if FAULT == 1:  # lora_after_activation
-                            h += _gated_act(acc_l, ACT, BM, BLOCK_N)
-                    elif ACT == 3:  # relu^2, not gated
-                        h = tl.maximum(acc, 0.0)
-                        h = h * h
-                    else:
-                        h = acc
-                    if MUL_TOPK:
-                        if PREFETCH:
-                            twc = tw[:, None]
-                        else:
-                            twc = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
-                        h = h * twc
-                        if FAULT == 2:  # topk_weight_twice
-                            h += acc_l * twc * twc
-                        if FAULT == 3:  # topk_weight_missing
-                            h += acc_l
-                    o_off, o_mask = _out_tile(offs_m, pair, row_ok, pid_n, N, strides.out, OUT_SORTED, BLOCK_N)
-                    if FAULT == 4:  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
-                        o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
-                    tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
+                            acc_l = tl.zeros((BM, WNT), dtype=tl.float32)  # the LoRA delta kept apart (faults 1-3 only)
+                            if LORA == 1 and t == 0:
+                                st = acc_s * tl.load(Scaling + a_safe)
+                                st = st.to(tl.float32) if UPCAST else st.to(LB.dtype.element_ty)
+                            if LORA > 0 and not FIRST and not LOOP:  # noqa: SIM102 - a constexpr if around a runtime one
+                                if a >= 0:
+                                    if LORA == 1:
+                                        bl = bt.to(tl.float32) if UPCAST else bt
+                                        if FAULT == 1 or FAULT == 2 or FAULT == 3:
+                                            acc_l = tl.dot(st, bl, acc_l, input_precision=DOT_PREC)
+                                        else:
+                                            acc = tl.dot(st, bl, acc, input_precision=DOT_PREC)
+                                    else:
+                                        for s in tl.static_range(
+                                            NUM_SLICES
+                                        ):  # S holds the slices' shrinks side by side
+                                            if not EARLY_S:
+                                                st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, strides.s, UPCAST)
+                                                bt, bu = _b_tiles(
+                                                    LB, lb_ptrs, r_ok, col, SliceOffs, s, N, stride_lbn, SPLIT, UPCAST
+                                                )
+                                            acc = tl.dot(st, bt, acc, input_precision=DOT_PREC)
+                                            if SPLIT:
+                                                acc_up = tl.dot(st, bu, acc_up, input_precision=DOT_PREC)
+
+                            if SPLIT:
+                                h = _act(acc, acc_up, ACT)
+                            elif GATED:
+                                h = _gated_act(acc, ACT, BM, BN)
+                                if FAULT == 1:  # lora_after_activation
+                                    h += _gated_act(acc_l, ACT, BM, BN)
+                            elif ACT == 3:  # relu^2, not gated
+                                h = tl.maximum(acc, 0.0)
+                                h = h * h
+                            else:
+                                h = acc
+                            if MUL_TOPK:
+                                if PREFETCH:
+                                    twc = tw[:, None]
+                                else:
+                                    twc = tl.load(TopkW + tl.minimum(pair, num_pairs - 1))[:, None]
+                                h = h * twc
+                                if FAULT == 2:  # topk_weight_twice
+                                    h += acc_l * twc * twc
+                                if FAULT == 3:  # topk_weight_missing
+                                    h += acc_l
+                            o_off, o_mask = _out_tile(offs_m, pair, row_ok, col0, N, strides.out, OUT_SORTED, BN)
+                            if (
+                                FAULT == 4
+                            ):  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
+                                o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
+                            tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
 
 
 def launch_gemm(
@@ -418,6 +435,8 @@ def launch_gemm(
         ZERO_PAD=cfg.padding != "compute",
         HALF_TAIL=half_tail(cfg),
         EXPAND=expand,
+        # the bug zoo's faults are written against full tiles (lora_b_unmasked stores the columns past N)
+        N_TAIL=0 if fault else n_tail_width(cfg, n, tma_w, add_to_out),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **dot_flags(x.dtype, x.device),

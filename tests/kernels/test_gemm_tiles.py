@@ -14,7 +14,7 @@ from lpdiff.kernels.gemm_tiles import _bias_rows, _tile_cols
 @dual_jit
 def _cols(J, COL, WROW, N, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr, WN: tl.constexpr):
     pid_n = tl.program_id(0)
-    j, col, wrow = _tile_cols(pid_n, N, INTERLEAVE, BLOCK_N, WN)
+    j, col, wrow = _tile_cols(pid_n * BLOCK_N, N, INTERLEAVE, WN)
     tl.store(J + pid_n * WN + j, j)
     tl.store(COL + pid_n * WN + j, col)
     tl.store(WROW + pid_n * WN + j, wrow)
