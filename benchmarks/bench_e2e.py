@@ -177,11 +177,12 @@ def impl_name(
     graphs: bool,
     shrink: str = OPTIONS["moe_lora_shrink"],
     padding: str = OPTIONS["moe_padding"],
-    expand: str = MOE_EXPAND,
     attention: str = OPTIONS["attention"],
     scan: str = OPTIONS["mamba_scan"],
-    block_m: int | None = None,
+    kernel: tuple = (MOE_EXPAND, None, True),
 ) -> str:
+    """A triton variant's impl column; kernel: its (MOE_EXPAND, MOE_BLOCK_M, MOE_N_TAIL) (e2e_run.set_kernel_knobs)."""
+    expand, block_m, n_tail = kernel
     return (
         ("triton" if backend == "triton" else f"triton+{backend}")
         + ("" if graphs else "-eager")
@@ -191,6 +192,7 @@ def impl_name(
         + ("" if attention == OPTIONS["attention"] else f"@attn:{attention}")
         + ("" if scan == OPTIONS["mamba_scan"] else f"@scan:{scan}")
         + ("" if block_m is None else f"@bm:{block_m}")
+        + ("" if n_tail else "@ntail:off")
     )
 
 
@@ -343,6 +345,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="{auto,16,32,64,128}",
         help="the expert GEMMs' routing block (kernels/fused_moe_lora.py MOE_BLOCK_M; auto = default_config's "
         "rows heuristic), each timed in this run (impl ...@bm:<value>)",
+    )
+    p.add_argument(
+        "--moe-n-tail",
+        nargs="+",
+        default=["on"],
+        choices=("on", "off"),
+        help="the expert GEMMs' last N tile no wider than the columns left (kernels/fused_moe_lora.py MOE_N_TAIL, "
+        "GemmConfig.n_tail), each timed in this run",
     )
     p.add_argument(
         "--attention",

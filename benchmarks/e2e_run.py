@@ -26,6 +26,13 @@ from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.types import AdapterSpec
 from lpdiff.kernels import fused_moe_lora as fm  # MOE_EXPAND is read from the module while an engine runs
 
+# the expert GEMMs' module knobs (fused_moe_lora.MOE_EXPAND, MOE_BLOCK_M, MOE_N_TAIL) as a variant carries them
+KERNEL_DEFAULTS = (MOE_EXPAND, None, True)
+
+
+def set_kernel_knobs(kernel: tuple) -> None:
+    fm.MOE_EXPAND, fm.MOE_BLOCK_M, fm.MOE_N_TAIL = kernel
+
 
 def make_adapter(spec, out_dir: Path, rank: int, dtype: torch.dtype = torch.bfloat16) -> AdapterSpec:
     """The bench's adapter: LoRA on groups ("attention", "experts") -- q/k/v/o of the (full-)attention layers and the
@@ -76,7 +83,7 @@ def bench_model(name: str, args, writer) -> None:
             run.guarded(("hf", "hf+peft"), run.hf)
         if "triton" in args.engines:
             run.triton_variants()
-        fm.MOE_EXPAND, fm.MOE_BLOCK_M = MOE_EXPAND, None
+        set_kernel_knobs(KERNEL_DEFAULTS)
         peers = [e for e in args.engines if e in e2e_peers.PEERS]
         if peers:
             bench_peers(spec, adapter, prompts, peers, args, Path(tmp), row, run.results, run.outs)
@@ -137,6 +144,7 @@ class Run:
         --moe-shrink value (the engine's moe_lora_shrink option; impl "...@<value>" unless the default), --moe-padding
         value (moe_padding; "...@pad:<value>"), --moe-expand value (fused_moe_lora.MOE_EXPAND while that engine runs;
         "...@expand:<value>"), --moe-block-m value (fused_moe_lora.MOE_BLOCK_M likewise; "...@bm:<value>"),
+        --moe-n-tail value (fused_moe_lora.MOE_N_TAIL likewise; "...@ntail:off"),
         --attention value (the engine's attention option; "...@attn:<value>") and, on Nemotron-H,
         --mamba-scan value (mamba_scan; "...@scan:<value>"; other models run the default only). A runtime
         that captures no graph (the hybrids' runtimes, and any runtime on a CPU) runs its graphs-on variant eagerly:
@@ -144,36 +152,36 @@ class Run:
         args = self.args
         scans = args.mamba_scan if self.spec.arch == "nemotron_h" else [OPTIONS["mamba_scan"]]
         variants = [
-            (b, g, sh, pad, ex, bm, at, sc)
+            (b, g, sh, pad, (ex, bm, nt == "on"), at, sc)
             for b in args.moe_backend
             for sh in args.moe_shrink
             for pad in args.moe_padding
             for ex in args.moe_expand
             for bm in args.moe_block_m
+            for nt in args.moe_n_tail
             for at in args.attention
             for sc in scans
             for g in {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]
         ]
-        for backend, graphs, shrink, padding, expand, bm, attn, scan in variants:
-            impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan, bm)
-            eager = impl_name(backend, False, shrink, padding, expand, attn, scan, bm)
+        for backend, graphs, shrink, padding, kernel, attn, scan in variants:
+            impl = impl_name(backend, graphs, shrink, padding, attn, scan, kernel)
+            eager = impl_name(backend, False, shrink, padding, attn, scan, kernel)
             if not graphs and (eager, None) in self.results:
                 log(f"{impl}: already timed (the graphs-on variant ran eagerly)")
                 continue
-            first = (shrink, padding, expand, bm, attn, scan) == (
+            first = (shrink, padding, kernel, attn, scan) == (
                 args.moe_shrink[0],
                 args.moe_padding[0],
-                args.moe_expand[0],
-                args.moe_block_m[0],
+                (args.moe_expand[0], args.moe_block_m[0], args.moe_n_tail[0] == "on"),
                 args.attention[0],
                 scans[0],
             )
             names = [impl, impl]  # the rows' impl, renamed by triton() when the runtime captures no graph
-            self.guarded(names, self.triton, backend, graphs, shrink, padding, (expand, bm), attn, scan, first, names)
-            fm.MOE_EXPAND, fm.MOE_BLOCK_M = MOE_EXPAND, None
+            self.guarded(names, self.triton, backend, graphs, shrink, padding, kernel, attn, scan, first, names)
+            set_kernel_knobs(KERNEL_DEFAULTS)
 
     def triton(self, backend, graphs, shrink, padding, kernel, attn, scan, first: bool, names: list) -> None:
-        """kernel: (MOE_EXPAND, MOE_BLOCK_M) while this engine runs."""
+        """kernel: (MOE_EXPAND, MOE_BLOCK_M, MOE_N_TAIL) while this engine runs."""
         from benchmarks import e2e_peers
         from lpdiff.engines.triton import TritonEngine
 
@@ -186,9 +194,9 @@ class Run:
             "attention": attn,
             "mamba_scan": scan,
         }
-        expand, bm = kernel
-        impl = impl_name(backend, graphs, shrink, padding, expand, attn, scan, bm)
-        fm.MOE_EXPAND, fm.MOE_BLOCK_M = expand, bm
+        expand, bm, n_tail = kernel
+        impl = impl_name(backend, graphs, shrink, padding, attn, scan, kernel)
+        set_kernel_knobs(kernel)
         t0 = time.perf_counter()
         cfg = EngineConfig(
             model=self.spec, adapters={name: self.adapter}, dtype=args.dtype, device=DEVICE, options=opts
@@ -197,9 +205,13 @@ class Run:
             startup = round(time.perf_counter() - t0, 1)
             rt = tr.runtime
             if graphs and rt.graphs is None:
-                impl = names[0] = names[1] = impl_name(backend, False, shrink, padding, expand, attn, scan, bm)
+                impl = names[0] = names[1] = impl_name(backend, False, shrink, padding, attn, scan, kernel)
                 log(f"the {rt.cfg.arch} runtime on {DEVICE} captures no CUDA graph: {impl}")
-            knobs = {"moe_expand": expand} | ({} if bm is None else {"moe_block_m": bm})
+            knobs = (
+                {"moe_expand": expand}
+                | ({} if bm is None else {"moe_block_m": bm})
+                | ({} if n_tail else {"moe_n_tail": "off"})
+            )
             settings = e2e_peers.settings_text({**opts, **knobs, **resolved_kernels(rt)})
             self.bytes = wbytes, lbytes = rt.weights.nbytes(), rt.lora.nbytes()
             log(

@@ -131,6 +131,15 @@ def test_host_split_takes_the_gpu_time_from_the_launch_on():
     assert bench_e2e.host_split([], [], []) is None
 
 
+def test_impl_names_carry_the_kernel_knobs_off_their_defaults():
+    assert bench_e2e.impl_name("triton", True) == "triton"
+    assert (
+        bench_e2e.impl_name("triton", False, kernel=("first", 64, False)) == "triton-eager@expand:first@bm:64@ntail:off"
+    )
+    args = bench_e2e.parse_args(["--moe-n-tail", "on", "off"])
+    assert args.moe_n_tail == ["on", "off"]
+
+
 def test_engine_list_parsing():
     args = bench_e2e.parse_args(
         [

@@ -20,6 +20,7 @@ Measured timings and the roofline analysis: benchmarks/results/kernels.md.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -48,6 +49,10 @@ MOE_EXPAND = "loop"
 # heuristic. A module constant for the same reason as MOE_EXPAND: bench_e2e (--moe-block-m) times the choices of one
 # model side by side (the heuristic's thresholds were measured at Qwen3's and gpt-oss's rows per expert only).
 MOE_BLOCK_M: int | None = None
+
+# GemmConfig.n_tail of both expert GEMMs (the last N tile no wider than the columns left); a module constant for the
+# same reason: bench_e2e (--moe-n-tail) times it on and off in one call.
+MOE_N_TAIL = True
 
 
 def auto_padding(lora: MoeLoraWeights | None, once: bool) -> str:
@@ -99,7 +104,8 @@ def moe_configs(
     # rows spread over (expert, slot) groups; used slots are not known without a sync
     groups = moe.w_gate_up.shape[0] * max(1, lora.num_slots if lora is not None else 0)
     stage_rank = lora.max_rank if lora is not None and not once else 0
-    flags = dict(padding=auto_padding(lora, once), expand=MOE_EXPAND) | flags
+    defaults: dict[str, Any] = dict(padding=auto_padding(lora, once), expand=MOE_EXPAND, n_tail=MOE_N_TAIL)
+    flags = defaults | flags
     # the expand "loop" brings B through the pipeline's own buffers (a TMA launch runs "first" instead)
     in_loop = flags["expand"] == "loop" and not flags.get("tma", False)
     held_rank = lora.max_rank if lora is not None and once and flags.get("prefetch", True) and not in_loop else 0

@@ -752,3 +752,34 @@ def test_moe_block_m_knob_sets_both_gemms_routing_block(monkeypatch, block_m):
     c1, c2 = fm.moe_configs(p, once=True)
     assert c1.block_m == c2.block_m == block_m
     check_moe(p, 1e-5)
+
+
+def test_n_tail_width_covers_the_columns_left_at_a_power_of_two():
+    """The last N tile's width: the columns past the full tiles rounded up to a power of two (>= 16), none when the
+    tiles divide N or the width would be the full tile, and none with TMA weight tiles or add_to_out."""
+    from lpdiff.kernels.gemm_config import n_tail_width
+
+    wide, gated = GemmConfig(128, 256, 64), GemmConfig(128, 128, 64)
+    assert [n_tail_width(wide, n, False, False) for n in (2880, 1856, 2688, 2048, 768)] == [64, 64, 128, 0, 0]
+    assert n_tail_width(gated, 2880, False, False) == 64  # gpt-oss's gate_up: 128 gated columns a tile
+    assert n_tail_width(wide, 256 + 3, False, False) == 16  # a dot's least
+    assert n_tail_width(wide, 256 + 129, False, False) == 0  # 256: the full tile
+    assert n_tail_width(wide, 2880, True, False) == n_tail_width(wide, 2880, False, True) == 0
+    assert n_tail_width(GemmConfig(128, 256, 64, n_tail=False), 2880, False, False) == 0
+
+
+@pytest.mark.parametrize("activation,I", [("swiglu_oai", 40), ("relu2", 72)])
+def test_n_tail_knob_and_the_narrow_last_tile_match_the_reference(monkeypatch, activation, I):
+    """fused_moe_lora.MOE_N_TAIL (bench_e2e --moe-n-tail) reaches both GEMMs' tiles; with it on, the last N tile
+    of each GEMM runs narrow (the interpreter's 32-wide tiles: I 40 / 72 and H 48 leave 8 / 8 / 16 columns), and
+    the forward matches the reference either way (fp32, several adapters and rows with none)."""
+    import lpdiff.kernels.fused_moe_lora as fm
+    from lpdiff.kernels.gemm_config import n_tail_width
+
+    p = make_moe(T=37, H=48, I=I, E=5, K=2, activation=activation, ranks=(8, 4), device="cpu")
+    for on in (True, False):
+        monkeypatch.setattr(fm, "MOE_N_TAIL", on)
+        c1, c2 = fm.moe_configs(p, once=True)
+        assert c1.n_tail == c2.n_tail == on
+        assert (n_tail_width(c1, I, False, False) > 0) == (n_tail_width(c2, 48, False, False) > 0) == on
+        check_moe(p, 1e-5)
