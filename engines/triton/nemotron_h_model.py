@@ -33,7 +33,7 @@ from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, 
 from lpdiff.engines.triton.norm import add_rms_norm, moe_delta
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeInputs, faults, lora_linear, moe_forward
-from lpdiff.kernels.activation import activate
+from lpdiff.kernels.activation import relu2_
 
 
 class NemotronHModel:
@@ -130,8 +130,8 @@ class NemotronHModel:
         return self.linear(o, m["o_proj"], batch)
 
     def mlp(self, h: torch.Tensor, up: Linear, down: Linear, batch: Batch) -> torch.Tensor:
-        """down(relu(up(h))²): the dense layer and the shared expert (non-gated)."""
-        return self.linear(activate(self.linear(h, up, batch), "relu2"), down, batch)
+        """down(relu(up(h))²): the dense layer and the shared expert (non-gated); the square in place, one pass."""
+        return self.linear(relu2_(self.linear(h, up, batch), self.impl), down, batch)
 
     def route(
         self, h: torch.Tensor, lay: Layer, min_into: torch.Tensor | None = None

@@ -1,11 +1,12 @@
 """kernels/activation.py's torch reference against the activations written out from their definitions (SiLU-gated
 for Qwen, gpt-oss's clamped SwiGLU with alpha 1.702 and limit 7, Nemotron-H's squared ReLU), on fresh random
-inputs wide enough to hit the clamps; an unknown name is refused naming the known ones."""
+inputs wide enough to hit the clamps; an unknown name is refused naming the known ones. relu2_ (one in-place pass)
+against activate's bits, through the interpreter."""
 
 import pytest
 import torch
 
-from lpdiff.kernels.activation import ACTIVATIONS, GATED, activate
+from lpdiff.kernels.activation import ACTIVATIONS, GATED, activate, relu2_
 
 
 def _h(n1):
@@ -36,3 +37,39 @@ def test_relu2_is_not_gated():
 def test_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="unknown activation 'gelu'"):
         activate(_h(4), "gelu")
+
+
+def _relu2_bits_check(h: torch.Tensor, want: torch.Tensor) -> None:
+    got = h.clone()
+    assert relu2_(got, impl="triton") is got
+    bits = torch.int16 if h.dtype == torch.bfloat16 else torch.int32
+    real = ~want.isnan()
+    assert got[~real].isnan().all() and torch.equal(got[real].view(bits), want[real].view(bits))
+
+
+def _relu2_input(dtype, device="cpu") -> torch.Tensor:
+    h = torch.randn(37, 211, dtype=torch.float64).mul(40).to(dtype)  # odd sizes; squares past bf16's spacing
+    h[0, :4] = torch.tensor([float("nan"), -0.0, 0.0, float("-inf")], dtype=dtype)
+    return h.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_relu2_in_place_has_activates_bits(dtype):
+    """Interpreted. Triton 3.6's interpreter converts fp32 to bf16 by truncation (test_gated_norm.py), so bf16 is
+    checked against the square rounded that way; fp32 against activate itself. Compiled, the gpu1 case below."""
+    h = _relu2_input(dtype)
+    want = activate(h, "relu2")
+    if dtype == torch.bfloat16:
+        sq = torch.relu(h.float()).square()
+        want = (sq.view(torch.int32) & -65536).view(torch.float32).to(dtype)  # truncated: exact in bf16
+        assert not torch.equal(want, activate(h, "relu2"))  # the input has squares that round up
+    _relu2_bits_check(h, want)
+    real = ~want.isnan()
+    assert torch.equal(relu2_(h.clone(), impl="torch")[real], activate(h, "relu2")[real])
+
+
+@pytest.mark.gpu1
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_relu2_compiled_has_activates_bits(dtype):
+    h = _relu2_input(dtype, "cuda")
+    _relu2_bits_check(h, activate(h, "relu2"))
