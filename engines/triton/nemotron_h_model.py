@@ -82,13 +82,11 @@ class NemotronHModel:
             slot_mask=batch.slot_mask(lin.a.shape[0], x.dtype),
         )
 
-    def _norm(self, x, delta, weight):
+    def _norm(self, x, delta, weight, out32=None):
         """delta: a mixer's output (T, H), or a MoE block's parts (routed, shared) when moe_parts folds its tail
-        into this norm."""
-        if isinstance(delta, tuple):
-            routed, shared = delta
-            return add_rms_norm(x, routed, weight, self.cfg.rms_norm_eps, False, self.impl, None, shared)
-        return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps, False, self.impl)
+        into this norm; out32: receives the normed rows in fp32 too (the next MoE layer's router input)."""
+        routed, shared = delta if isinstance(delta, tuple) else (delta, None)
+        return add_rms_norm(x, routed, weight, self.cfg.rms_norm_eps, False, self.impl, None, shared, None, out32)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,17 +98,27 @@ class NemotronHModel:
         # the last mixer's output (or a MoE block's parts: moe_parts), not yet added to the residual x
         delta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
         for i, lay in enumerate(self.w.layers):
-            h, x = self._norm(x, delta, lay.norm)
+            # a MoE layer's fp32 router input comes out of its norm with the bf16 rows
+            h32 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if lay.kind == "E" else None
+            h, x = self._norm(x, delta, lay.norm, h32)
             if lay.kind == "E" and self.fuse_moe_tail:
-                delta = self.moe_parts(h, lay, batch, margin)
+                delta = self.moe_parts(h, lay, batch, margin, h32)
             else:
-                delta = self.mixer(h, lay, batch, margin)
+                delta = self.mixer(h, lay, batch, margin, h32)
             if self.capture is not None:
                 self.capture[i] = x + (moe_delta(*delta) if isinstance(delta, tuple) else delta)
         return self._norm(x, delta, self.w.norm)[0], margin
 
-    def mixer(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's mixer on its normed input, all-reduced; ``margin`` (T,) is lowered in place by a MoE layer."""
+    def mixer(
+        self,
+        h: torch.Tensor,
+        lay: Layer,
+        batch: Batch,
+        margin: torch.Tensor | None = None,
+        h32: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layer's mixer on its normed input, all-reduced; ``margin`` (T,) is lowered in place by a MoE layer,
+        whose router reads ``h32`` (h in fp32) where given."""
         if lay.kind == "M":
             out = mamba_mixer(self, h, lay, batch)
         elif lay.kind == "*":
@@ -118,7 +126,7 @@ class NemotronHModel:
         elif lay.kind == "-":
             out = self.mlp(h, lay.mods["up_proj"], lay.mods["down_proj"], batch)
         else:
-            out = self.moe(h, lay, batch, margin)
+            out = self.moe(h, lay, batch, margin, h32)
         return self.all_reduce(out)
 
     def attend(self, h: torch.Tensor, lay: Layer, batch: Batch) -> torch.Tensor:
@@ -134,33 +142,37 @@ class NemotronHModel:
         return self.linear(relu2_(self.linear(h, up, batch), self.impl), down, batch)
 
     def route(
-        self, h: torch.Tensor, lay: Layer, min_into: torch.Tensor | None = None
+        self, h: torch.Tensor, lay: Layer, min_into: torch.Tensor | None = None, h32: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> top-k ids (T, K), weights (T, K) fp32, margin (T,): the gap between the k-th and (k+1)-th biased score
         over all experts (harness.routing's definition for sigmoid routers). ``min_into`` (T,): the running minimum
-        of the layers before, lowered in place and returned as the margin (moe.route_sigmoid)."""
+        of the layers before, lowered in place and returned as the margin (moe.route_sigmoid). ``h32``: h upcast
+        already (the norm writes it), else upcast here."""
         cfg = self.cfg
         bias = lay.need("router_bias")
         if faults.on("router_bias_rounded"):
             bias = torch.round(bias, decimals=2)
-        logits = F.linear(h.float(), lay.need("router"))  # fp32 as transformers: the routing bits depend on it
+        h32 = h.float() if h32 is None else h32
+        logits = F.linear(h32, lay.need("router"))  # fp32 as transformers: the routing bits depend on it
         groups = (cfg.n_group, cfg.topk_group)
         return route_sigmoid(
             logits, bias, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling, groups, self.impl, min_into
         )
 
-    def moe(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None) -> torch.Tensor:
-        """The MoE block's output (T, H): this rank's partial."""
-        ids, weights, _ = self.route(h, lay, margin)
+    def moe(
+        self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None, h32: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The MoE block's output (T, H): this rank's partial; h32: h in fp32 for the router, where given."""
+        ids, weights, _ = self.route(h, lay, margin, h32)
         return self.experts(h, ids, weights, lay, batch) + self.shared(h, lay, batch)
 
     def moe_parts(
-        self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None
+        self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None, h32: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MoE block at TP 1 as the next norm's parts: the routed experts' output, (T, K, H) weighted and
         unsummed where moe_forward can skip the sum (impl and backend triton, no latent projection), else (T, H);
-        and the shared expert's (T, H). moe() is their sum."""
-        ids, weights, _ = self.route(h, lay, margin)
+        and the shared expert's (T, H). moe() is their sum. h32: h in fp32 for the router, where given."""
+        ids, weights, _ = self.route(h, lay, margin, h32)
         return self.experts(h, ids, weights, lay, batch, sum_topk=False), self.shared(h, lay, batch)
 
     def experts(
