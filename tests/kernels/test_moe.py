@@ -549,6 +549,11 @@ GPU_CASES = [
     dict(T=129, H=128, I=112, E=12, K=6, activation="relu2", ranks=(1, 128), experts_used=(*tuple(range(0, 12, 2)), 3)),
     # full Qwen3-30B-A3B expert shape at a small token count, one adapter (the benchmark's configuration)
     dict(T=64, H=2048, I=768, E=128, K=8, activation="silu", ranks=(32,), none_rows=False),
+    # widths past whole 256-wide tiles (gpt-oss's 2880 and Nano's 1856 / 2688 leave 64 / 64 / 128 columns): the
+    # narrow last N tile (GemmConfig.n_tail) of both GEMMs, gated (128 columns a tile: I 320 leaves 64) and not;
+    # ~150 rows an (expert, slot) group, so the routing block is 128 and the dot 256 wide, as at full size
+    dict(T=600, H=288, I=320, E=4, K=2, activation="swiglu_oai", ranks=(8, 32), bias=True),
+    dict(T=600, H=384, I=320, E=4, K=2, activation="relu2", ranks=(8, 32)),
 ]
 
 
