@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.sol_forward import sm_clock
+
 
 def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
@@ -112,14 +114,6 @@ def profile(eng, prompts, adapter, path: Path, warm: int | None = None, calls: i
     path.write_text(head + "\n" + table + "\n\nGPU idle gaps (>= 20 us):\n" + gaps + "\n")
     print(head + "\n" + table[:6000], "\n" + gaps, flush=True)
     return avgs
-
-
-def sm_clock() -> str:
-    """The SM clock now in MHz (nvml), or why it is not known."""
-    try:
-        return str(torch.cuda.clock_rate())
-    except Exception as e:  # noqa: BLE001 - nvml may be missing; the timings stand without it
-        return f"n/a ({type(e).__name__})"
 
 
 def per_call_kernels(avgs, calls: int, top: int = 25) -> str:

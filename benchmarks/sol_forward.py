@@ -314,9 +314,12 @@ def sol(model: str, args) -> dict:
         call_s = time_call(fwd, lora, args.warmup, args.reps, graphs)
         total = call_s + floor_s
         out |= {f"{tag}_gemm_ms": call_s * 1e3, f"{tag}_ms": total * 1e3, f"{tag}_tokens_per_s": s.T / total}
+        # the clock the replays ended at, beside the runtime's profile's (bench_e2e --profile): under the 700 W cap
+        # gpt-oss's runtime ran at 1530 MHz, Qwen3's at 1680, Nano's at 1800
+        clock = f"; SM clock {sm_clock()} MHz after the replays" if graphs else ""
         print(
             f"  {tag}: GEMMs + attention {call_s * 1e3:.2f} ms + floor {floor_s * 1e3:.2f} = {total * 1e3:.2f} ms "
-            f"per call -> {s.T / total:,.0f} tokens/s",
+            f"per call -> {s.T / total:,.0f} tokens/s{clock}",
             flush=True,
         )
     ops = fwd.gemms(lora=True) | {"lm_head": fwd.lm_head_op()}
@@ -332,6 +335,14 @@ def sol(model: str, args) -> dict:
         print(line + f"  = {per_call:.2f} ms per call", flush=True)
         out[f"op_{name}_us"] = ms * 1e3
     return out
+
+
+def sm_clock() -> str:
+    """The SM clock now in MHz (nvml), or why it is not known."""
+    try:
+        return str(torch.cuda.clock_rate())
+    except Exception as e:  # noqa: BLE001 - nvml may be missing; the timings stand without it
+        return f"n/a ({type(e).__name__})"
 
 
 def count_kinds(kinds) -> dict:
