@@ -31,8 +31,15 @@ def _ids(p: Any, where: str) -> np.ndarray:
         p = p.detach().cpu().numpy()
     # one pass over the element types (a bool is exactly type bool: it has no subclasses): 0.126 -> 0.045 ms per
     # 8 x 512 ids on the dev CPU against isinstance per element, on every engine's path to its first launch
-    if isinstance(p, (list, tuple)) and bool in set(map(type, p)):
-        raise ValidationError(f"{where} holds booleans, not integer token ids; give integers")
+    if isinstance(p, (list, tuple)):
+        types = set(map(type, p))
+        if bool in types:
+            raise ValidationError(f"{where} holds booleans, not integer token ids; give integers")
+        if types == {int}:  # plain ints: fromiter, 9 us against asarray's 24 per 512 ids on the dev CPU
+            try:
+                return np.fromiter(p, dtype=np.int64, count=len(p))
+            except OverflowError:
+                pass  # ids beyond int64: asarray's object array below, and the vocabulary check names them
     if isinstance(p, (str, bytes, dict)) or not hasattr(p, "__len__"):
         raise ValidationError(
             f"{where} is a {type(p).__name__}, not a list of token ids; give each prompt as a list of integers"
@@ -48,7 +55,7 @@ def _ids(p: Any, where: str) -> np.ndarray:
             f"{where} has shape {a.shape}, not a flat list of token ids; give each prompt as a list of integers"
         )
     if a.size == 0 or a.dtype.kind in "iu":
-        return a.astype(np.int64)
+        return a.astype(np.int64, copy=False)
     if a.dtype.kind == "O" and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in a):
         return a  # ints beyond int64: the vocabulary check names them
     bad = next(x for x in a.tolist() if not isinstance(x, int) or isinstance(x, bool))
