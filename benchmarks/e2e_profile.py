@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.sol_forward import sm_clock
+from benchmarks.sol_forward import expert_rows, sm_clock
 
 
 def log(*a):
@@ -132,18 +132,6 @@ def per_call_kernels(avgs, calls: int, top: int = 25) -> str:
     out += [f"{k[:60]:60s} {n:8.1f} {ms:8.3f}" for k, n, ms in rows[:top]]
     out.append(f"{'all GPU time':60s} {'':8s} {total:8.3f}")
     return "\n".join(out)
-
-
-def expert_rows(counts, block_m: int, half: bool) -> int:
-    """Rows the expert GEMMs run for these per-group pair counts: each non-empty group padded to block_m, its last
-    block run as block_m / 2 rows when at most half of it is used and ``half`` (GemmConfig.padding "half", which
-    the kernel takes from block_m HALF_TAIL_MIN_M on: gemm_config.half_tail)."""
-    from lpdiff.kernels.gemm_config import HALF_TAIL_MIN_M
-
-    halve = half and block_m >= HALF_TAIL_MIN_M
-    full, rem = np.divmod(np.asarray(counts, dtype=np.int64), block_m)
-    last = np.where(rem == 0, 0, np.where(halve & (rem <= block_m // 2), block_m // 2, block_m))
-    return int((full * block_m + last).sum())
 
 
 def padding_stats(eng, prompts, adapter) -> dict:

@@ -44,6 +44,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -82,14 +83,23 @@ class Shapes:
         return self.padded_m or self.T * self.K // self.E
 
 
+def expert_rows(counts, block_m: int, half: bool) -> int:
+    """Rows the expert GEMMs run for these per-group pair counts: each non-empty group padded to block_m, its last
+    block run as block_m / 2 rows when at most half of it is used and ``half`` (GemmConfig.padding "half", which
+    the kernel takes from block_m HALF_TAIL_MIN_M on: gemm_config.half_tail)."""
+    from lpdiff.kernels.gemm_config import HALF_TAIL_MIN_M
+
+    halve = half and block_m >= HALF_TAIL_MIN_M
+    full, rem = np.divmod(np.asarray(counts, dtype=np.int64), block_m)
+    last = np.where(rem == 0, 0, np.where(halve & (rem <= block_m // 2), block_m // 2, block_m))
+    return int((full * block_m + last).sum())
+
+
 def padded_rows(T: int, E: int, K: int, seed: int = 0) -> int:
     """Rows per expert, rounded up, that the runtime's expert GEMMs run at evenly spread routing (top-k of Gaussian
     logits, the routing bench_kernels times): each expert's pairs in routing blocks with half-height last blocks
-    (e2e_profile.expert_rows), the block the runtime picks for these shapes (gemm_config.routing_block_m). Same
+    (expert_rows), the block the runtime picks for these shapes (gemm_config.routing_block_m). Same
     FLOPs as that padded routing, spread evenly so that the batched GEMMs can run it."""
-    import numpy as np
-
-    from benchmarks.e2e_profile import expert_rows
     from lpdiff.kernels.gemm_config import routing_block_m
 
     logits = np.random.default_rng(seed).standard_normal((T, E), dtype=np.float32)

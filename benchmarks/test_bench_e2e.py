@@ -46,15 +46,6 @@ def test_breakdown_runs_every_piece_on_the_runtime(model, impl):
     assert all((p, tag) in rows for p in pieces for tag in ("base", "lora"))
 
 
-def test_expert_rows_pad_each_group_and_halve_half_used_last_blocks():
-    counts = [0, 1, 64, 65, 128, 129, 256, 300]
-    # half: 0, 64, 64, 128, 128, 128 + 64, 256, 256 + 64; whole blocks: 0, 128, 128, 128, 128, 256, 256, 384
-    assert e2e_profile.expert_rows(counts, 128, True) == 1152
-    assert e2e_profile.expert_rows(counts, 128, False) == 1408
-    assert e2e_profile.expert_rows([16] * 5, 16, True) == 80  # full blocks only: no padding either way
-    assert e2e_profile.expert_rows([1, 17], 16, True) == 48  # 16-row blocks have no half-height tiles (half_tail)
-
-
 def test_profile_records_every_profiled_call(tmp_path):
     """profile's table counts the ``calls`` calls it ran (torch's profiler schedule once dropped them all: a cycle's
     events are cleared when it ends), and the warm-up calls before them not at all."""

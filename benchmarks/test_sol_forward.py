@@ -227,3 +227,12 @@ def test_main_runs_the_padded_expert_rows(model, capsys):
     (r,) = sol_forward.main(["--models", model, "--layers", "2", "--expert-rows", "padded", *SMALL_CPU])
     assert r["lora_tokens_per_s"] > 0
     assert "padded as the runtime's blocks pad evenly spread routing: +" in capsys.readouterr().out
+
+
+def test_expert_rows_pad_each_group_and_halve_half_used_last_blocks():
+    counts = [0, 1, 64, 65, 128, 129, 256, 300]
+    # half: 0, 64, 64, 128, 128, 128 + 64, 256, 256 + 64; whole blocks: 0, 128, 128, 128, 128, 256, 256, 384
+    assert sol_forward.expert_rows(counts, 128, True) == 1152
+    assert sol_forward.expert_rows(counts, 128, False) == 1408
+    assert sol_forward.expert_rows([16] * 5, 16, True) == 80  # full blocks only: no padding either way
+    assert sol_forward.expert_rows([1, 17], 16, True) == 48  # 16-row blocks have no half-height tiles (half_tail)
