@@ -6,9 +6,10 @@ passes as bytes at the copy bandwidth measured in the same run. sol_forward.py r
 
 Per layer, by kind (T = batch x seq tokens, B prompts of S; el = the model dtype's bytes):
   every MoE block   router (+ Qwen3.5's shared-expert gate as one more output row of it) one GEMM, Nemotron-H's
-                    in IEEE fp32 as the model computes it (transformers' NemotronHTopkRouter casts input and weight
-                    to fp32, vLLM's GateLinear runs force_fp32_compute; in bf16 it would pick other experts; on an
-                    H200 this GEMM is ~11x its bf16 time at Super's shape); the routed experts
+                    with fp32 sums as the model forms them (transformers' NemotronHTopkRouter casts input and weight
+                    to fp32; bf16 logits would pick other experts): the bf16 products are exact in fp32, so its floor
+                    is the tensor-core GEMM that accumulates and writes fp32 (moe.router_logits_fp32, which the
+                    runtime runs; an IEEE fp32 GEMM is ~11x its time at Super's shape on an H200); the routed experts
                     as batched GEMMs over E experts of exactly T*K/E rows (balanced routing, no gather, no padding):
                     Qwen3.5 gate_up (2I) then down, Nemotron's non-gated relu² experts one up (I) then down; Super's
                     experts in the latent dim (1024) between fc1_latent_proj (H -> 1024) and fc2_latent_proj
@@ -66,6 +67,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from lpdiff.engines.triton.moe import router_logits_fp32
 
 GDN_CHUNK = 64  # engines/triton/gdn.py CHUNK; fla's chunk_gated_delta_rule uses 64 too
 HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h")
@@ -304,10 +307,9 @@ class HybridForward:
         gated = s.family == "qwen3_5"
         if gated:
             self._dense(ops, "router", s.H, s.E + 1, None, r)
-        else:  # Nemotron-H's router is the model's IEEE fp32 GEMM (module docstring)
-            x32 = self._input(s.T, s.H).float()
-            w32 = self._rnd(s.E, s.H).float()
-            ops["router"] = (lambda: F.linear(x32, w32), 2 * s.T * s.E * s.H)
+        else:  # Nemotron-H's router: fp32 sums of the bf16 products (module docstring)
+            x, w = self._input(s.T, s.H), self._rnd(s.E, s.H)
+            ops["router"] = (lambda: router_logits_fp32(x, w), 2 * s.T * s.E * s.H)
         if s.latent:
             self._dense(ops, "fc1_latent_proj", s.H, s.latent, None, r)
         self._experts(ops, "gate_up" if gated else "up", s.He, (2 if gated else 1) * s.I, r)

@@ -11,10 +11,11 @@ bf16, 8 x 512 tokens; benchmarks/results/e2e.md) the separate top-k reduction an
 1.67 + ~0.35 ms of a 65.7 ms call. Super's latent MoE sums its top-k in the latent dim before fc2_latent_proj,
 so there only the routed + shared add folds. Under TP the partials are all-reduced as one (T, H) sum first.
 
-The router follows transformers' NemotronHTopkRouter: fp32 logits, sigmoid scores, the correction bias added for
-the choice only, top-``topk_group`` groups by the sum of their two best biased scores, top-k inside them, weights
-the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob) times routed_scaling
-(moe.route_sigmoid: one Triton kernel after the fp32 GEMM on a GPU, the torch reference on CPU and for grouped picks).
+The router follows transformers' NemotronHTopkRouter: fp32 logits (moe.router_logits_fp32), sigmoid scores, the
+correction bias added for the choice only, top-``topk_group`` groups by the sum of their two best biased scores,
+top-k inside them, weights the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob)
+times routed_scaling (moe.route_sigmoid: one Triton kernel after the GEMM on a GPU, the torch reference on CPU and
+for grouped picks).
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.lora import session_lora_impl
 from lpdiff.engines.triton.mamba import mamba_mixer
-from lpdiff.engines.triton.moe import route_sigmoid
+from lpdiff.engines.triton.moe import route_sigmoid, router_logits_fp32
 from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, NemotronHConfig, Weights
 from lpdiff.engines.triton.norm import add_rms_norm, moe_delta
 from lpdiff.engines.triton.shard import Shard
@@ -82,11 +82,11 @@ class NemotronHModel:
             slot_mask=batch.slot_mask(lin.a.shape[0], x.dtype),
         )
 
-    def _norm(self, x, delta, weight, out32=None):
+    def _norm(self, x, delta, weight):
         """delta: a mixer's output (T, H), or a MoE block's parts (routed, shared) when moe_parts folds its tail
-        into this norm; out32: receives the normed rows in fp32 too (the next MoE layer's router input)."""
+        into this norm."""
         routed, shared = delta if isinstance(delta, tuple) else (delta, None)
-        return add_rms_norm(x, routed, weight, self.cfg.rms_norm_eps, False, self.impl, None, shared, None, out32)
+        return add_rms_norm(x, routed, weight, self.cfg.rms_norm_eps, False, self.impl, None, shared)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,27 +98,17 @@ class NemotronHModel:
         # the last mixer's output (or a MoE block's parts: moe_parts), not yet added to the residual x
         delta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
         for i, lay in enumerate(self.w.layers):
-            # a MoE layer's fp32 router input comes out of its norm with the bf16 rows
-            h32 = torch.empty(x.shape, dtype=torch.float32, device=x.device) if lay.kind == "E" else None
-            h, x = self._norm(x, delta, lay.norm, h32)
+            h, x = self._norm(x, delta, lay.norm)
             if lay.kind == "E" and self.fuse_moe_tail:
-                delta = self.moe_parts(h, lay, batch, margin, h32)
+                delta = self.moe_parts(h, lay, batch, margin)
             else:
-                delta = self.mixer(h, lay, batch, margin, h32)
+                delta = self.mixer(h, lay, batch, margin)
             if self.capture is not None:
                 self.capture[i] = x + (moe_delta(*delta) if isinstance(delta, tuple) else delta)
         return self._norm(x, delta, self.w.norm)[0], margin
 
-    def mixer(
-        self,
-        h: torch.Tensor,
-        lay: Layer,
-        batch: Batch,
-        margin: torch.Tensor | None = None,
-        h32: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The layer's mixer on its normed input, all-reduced; ``margin`` (T,) is lowered in place by a MoE layer,
-        whose router reads ``h32`` (h in fp32) where given."""
+    def mixer(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's mixer on its normed input, all-reduced; ``margin`` (T,) is lowered in place by a MoE layer."""
         if lay.kind == "M":
             out = mamba_mixer(self, h, lay, batch)
         elif lay.kind == "*":
@@ -126,7 +116,7 @@ class NemotronHModel:
         elif lay.kind == "-":
             out = self.mlp(h, lay.mods["up_proj"], lay.mods["down_proj"], batch)
         else:
-            out = self.moe(h, lay, batch, margin, h32)
+            out = self.moe(h, lay, batch, margin)
         return self.all_reduce(out)
 
     def attend(self, h: torch.Tensor, lay: Layer, batch: Batch) -> torch.Tensor:
@@ -142,37 +132,33 @@ class NemotronHModel:
         return self.linear(relu2_(self.linear(h, up, batch), self.impl), down, batch)
 
     def route(
-        self, h: torch.Tensor, lay: Layer, min_into: torch.Tensor | None = None, h32: torch.Tensor | None = None
+        self, h: torch.Tensor, lay: Layer, min_into: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> top-k ids (T, K), weights (T, K) fp32, margin (T,): the gap between the k-th and (k+1)-th biased score
         over all experts (harness.routing's definition for sigmoid routers). ``min_into`` (T,): the running minimum
-        of the layers before, lowered in place and returned as the margin (moe.route_sigmoid). ``h32``: h upcast
-        already (the norm writes it), else upcast here."""
+        of the layers before, lowered in place and returned as the margin (moe.route_sigmoid)."""
         cfg = self.cfg
         bias = lay.need("router_bias")
         if faults.on("router_bias_rounded"):
             bias = torch.round(bias, decimals=2)
-        h32 = h.float() if h32 is None else h32
-        logits = F.linear(h32, lay.need("router"))  # fp32 as transformers: the routing bits depend on it
+        logits = router_logits_fp32(h, lay.need("router"))  # fp32 sums as transformers': the routing bits depend on it
         groups = (cfg.n_group, cfg.topk_group)
         return route_sigmoid(
             logits, bias, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling, groups, self.impl, min_into
         )
 
-    def moe(
-        self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None, h32: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The MoE block's output (T, H): this rank's partial; h32: h in fp32 for the router, where given."""
-        ids, weights, _ = self.route(h, lay, margin, h32)
+    def moe(self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None) -> torch.Tensor:
+        """The MoE block's output (T, H): this rank's partial."""
+        ids, weights, _ = self.route(h, lay, margin)
         return self.experts(h, ids, weights, lay, batch) + self.shared(h, lay, batch)
 
     def moe_parts(
-        self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None, h32: torch.Tensor | None = None
+        self, h: torch.Tensor, lay: Layer, batch: Batch, margin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MoE block at TP 1 as the next norm's parts: the routed experts' output, (T, K, H) weighted and
         unsummed where moe_forward can skip the sum (impl and backend triton, no latent projection), else (T, H);
-        and the shared expert's (T, H). moe() is their sum. h32: h in fp32 for the router, where given."""
-        ids, weights, _ = self.route(h, lay, margin, h32)
+        and the shared expert's (T, H). moe() is their sum."""
+        ids, weights, _ = self.route(h, lay, margin)
         return self.experts(h, ids, weights, lay, batch, sum_topk=False), self.shared(h, lay, batch)
 
     def experts(

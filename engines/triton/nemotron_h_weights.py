@@ -288,7 +288,8 @@ def load(cfg: NemotronHConfig, names: Names, shard: Shard) -> Weights:
             up = names.experts(p, "up_proj", cfg.num_experts)  # (E, I, Hm)
             down = names.experts(p, "down_proj", cfg.num_experts)  # (E, Hm, I)
             lay.p.update(
-                router=names.take(p + "gate.weight", torch.float32),
+                # in the model dtype as transformers loads it (only the correction bias is kept in fp32)
+                router=names.take(p + "gate.weight"),
                 router_bias=names.take(p + "gate.e_score_correction_bias", torch.float32),
                 w_up=shard.split(up, 1).contiguous(),
                 w_down=shard.split(down, 2).contiguous(),

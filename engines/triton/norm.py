@@ -120,9 +120,6 @@ if triton is not None:
         HAS_SHARED: tl.constexpr = False,
         HAS_GATE: tl.constexpr = False,
         EXACT: tl.constexpr = True,
-        Out32=None,
-        stride_o32=0,
-        HAS_OUT32: tl.constexpr = False,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -152,8 +149,6 @@ if triton is not None:
             y = w * (xf * r).to(Out.dtype.element_ty).to(tl.float32)
         y = y.to(Out.dtype.element_ty)
         tl.store(Out + row * stride_o + offs, y, mask=ok)
-        if HAS_OUT32:  # the stored rows upcast: a fp32 router's input without another pass over them
-            tl.store(Out32 + row * stride_o32 + offs, y.to(tl.float32), mask=ok)
 
 
 def check_delta(x: torch.Tensor, delta: torch.Tensor | None, shared=None, shared_gate=None) -> None:
@@ -183,20 +178,13 @@ def add_rms_norm(
     out: torch.Tensor | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
-    out32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) x, delta (T, H) or (T, K, H) -> (rms_norm(x + sum_topk(delta)), x + sum_topk(delta)): the next
     sublayer's input and the new residual stream. ``out``: a (T, H) view with unit column stride (e.g. the first H
     columns of the q|k|v LoRA's augmented input) that receives the normed rows in place of a new tensor.
     ``shared`` (T, H) and ``shared_gate`` (T, 1): a shared expert's output and gate logit added to the delta as
-    moe_delta adds them. ``out32``: a (T, H) fp32 tensor with unit column stride that also receives the normed rows,
-    upcast (Nemotron-H's fp32 router reads them: on an H200 a separate ``.float()`` took 38 us a Nano MoE layer)."""
+    moe_delta adds them."""
     check_delta(x, delta, shared, shared_gate)
-    if out32 is not None and (out32.shape != x.shape or out32.dtype != torch.float32 or out32.stride(-1) != 1):
-        raise ValueError(
-            f"out32 must be a (T, H) = {tuple(x.shape)} float32 tensor with unit column stride, got "
-            f"{tuple(out32.shape)} {out32.dtype} strides {out32.stride()}"
-        )
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
         raise ValueError(
             f"out must be a (T, H) = {tuple(x.shape)} {x.dtype} view with unit column stride, got "
@@ -204,8 +192,6 @@ def add_rms_norm(
         )
     if not use_triton(x, impl):
         normed, s = add_rms_norm_torch(x, delta, weight, eps, weight_fp32, shared, shared_gate)
-        if out32 is not None:
-            out32.copy_(normed)
         return (normed if out is None else out.copy_(normed)), s
     T, H = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -238,9 +224,6 @@ def add_rms_norm(
         HAS_SHARED=shared is not None,
         HAS_GATE=shared_gate is not None,
         EXACT=not INTERPRETED,
-        Out32=out32 if out32 is not None else out,
-        stride_o32=0 if out32 is None else out32.stride(0),
-        HAS_OUT32=out32 is not None,
         num_warps=min(16, max(1, block // 256)),
     )
     return out, s
