@@ -19,6 +19,7 @@ bases alone) at the Qwen3-30B-A3B q|k|v and o projection shapes.
     python -m benchmarks.bench_kernels --out DIR --sweep   # only: moe_forward_triton over a grid of tiles
     python -m benchmarks.bench_kernels --out DIR --sweep-shrink   # only: the LoRA shrink launch over a grid
     python -m benchmarks.bench_kernels --compile-sm90   # CPU: the MoE launches compiled for sm90 (smem, regs, TMA)
+    python -m benchmarks.bench_kernels --out DIR --router-only   # only: Nemotron-H's fp32 router GEMM, side by side
 
 Writes DIR/kernels.csv (date,commit,gpu,benchmark,shape,T,adapters,dtype,impl,ms,tflops,pct_roofline) and
 DIR/bench.log; prints a table last. Roofline: time = max(FLOPs / measured bf16 matmul rate, bytes / measured copy
@@ -333,6 +334,37 @@ def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
             log(f"sweep best {name}: {ms:.4f} ms c1={c1} c2={c2}")
 
 
+# Nemotron-H's fp32 routers at 4096 tokens (T, E, H): Nano, Super
+ROUTER_SHAPES = [("nano", 4096, 128, 2688), ("super", 4096, 512, 4096)]
+
+
+def router_rows(log, record) -> None:
+    """The fp32 router GEMM (kernels/fp32_sums_gemm.py) beside its peers: the IEEE fp32 GEMM transformers runs
+    (cuBLAS, tf32 off), cuBLAS's bf16 GEMM with fp32 output (tensor-core accumulation: the floor's rate, not the
+    reference's sums) and the kernel at a few tilings. Each row's error against the exact (fp64) sums is logged
+    next to the IEEE GEMM's: the kernel must stay near it, the tensor-core accumulation does not."""
+    from benchmarks.sol_hybrid import tensor_core_fp32_out
+    from lpdiff.kernels.fp32_sums_gemm import fp32_sums_gemm
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, T, E, H in ROUTER_SHAPES:
+        x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
+        w = (0.02 * torch.randn(E, H, generator=g, device="cuda")).to(torch.bfloat16)
+        exact = x.double() @ w.double().t()
+        impls = {
+            "ieee_fp32 (cuBLAS)": lambda x=x, w=w: F.linear(x.float(), w.float()),
+            "bf16_fp32out (cuBLAS)": lambda x=x, w=w: tensor_core_fp32_out(x, w),
+        }
+        for bm, bk, nw in ((128, 64, 8), (128, 32, 8), (64, 64, 4), (64, 32, 4)):
+            cfg = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=nw)
+            impls[f"fp32_sums bm{bm} bk{bk} w{nw}"] = lambda x=x, w=w, cfg=cfg: fp32_sums_gemm(x, w, config=cfg)
+        flops, nbytes = 2 * T * E * H, 2 * (T * H + E * H) + 4 * T * E
+        for impl, fn in impls.items():
+            err = (fn().double() - exact).abs().max().item()
+            record("router", f"{name} T{T} E{E} H{H} (err {err:.2e})", T, 0, impl, bench(fn), flops, nbytes)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/run")
@@ -353,6 +385,7 @@ def main():
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--dense-only", action="store_true", help="only the dense lora_linear rows (no MoE layers)")
     ap.add_argument("--moe-only", action="store_true", help="only the MoE layer rows (no dense lora_linear)")
+    ap.add_argument("--router-only", action="store_true", help="only the fp32 router GEMM rows (Nemotron-H)")
     ap.add_argument(
         "--compile-sm90",
         action="store_true",
@@ -438,6 +471,12 @@ def main():
             f"{bm:10s} {shape_label:40s} T={T:6d} L={L} {impl:34s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
             f"{100 * floor / ms:5.1f}% roofline (floor {floor:.3f} ms)"
         )
+
+    if args.router_only:
+        router_rows(log, record)
+        csvf.close()
+        log(f"wrote {len(rows)} rows to {path}")
+        return
 
     if args.sweep:
 

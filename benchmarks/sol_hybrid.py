@@ -8,8 +8,9 @@ Per layer, by kind (T = batch x seq tokens, B prompts of S; el = the model dtype
   every MoE block   router (+ Qwen3.5's shared-expert gate as one more output row of it) one GEMM, Nemotron-H's
                     with fp32 sums as the model forms them (transformers' NemotronHTopkRouter casts input and weight
                     to fp32; bf16 logits would pick other experts): the bf16 products are exact in fp32, so its floor
-                    is the tensor-core GEMM that accumulates and writes fp32 (moe.router_logits_fp32, which the
-                    runtime runs; an IEEE fp32 GEMM is ~11x its time at Super's shape on an H200); the routed experts
+                    is its FLOPs at the tensor-core rate, counted as cuBLAS's bf16 GEMM with fp32 output (the
+                    runtime's kernels.fp32_sums_gemm adds one IEEE add per 64 of K to those FLOPs; an IEEE fp32
+                    GEMM is ~11x the floor at Super's shape on an H200); the routed experts
                     as batched GEMMs over E experts of exactly T*K/E rows (balanced routing, no gather, no padding):
                     Qwen3.5 gate_up (2I) then down, Nemotron's non-gated relu² experts one up (I) then down; Super's
                     experts in the latent dim (1024) between fc1_latent_proj (H -> 1024) and fc2_latent_proj
@@ -68,7 +69,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lpdiff.engines.triton.moe import router_logits_fp32
+
+def tensor_core_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with fp32 output at the tensor-core rate (cuBLAS, torch >= 2.8 on CUDA): the floor of a fp32 router's
+    FLOPs (module docstring); elsewhere the fp32 GEMM."""
+    if x.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), w.float())
+
 
 GDN_CHUNK = 64  # engines/triton/gdn.py CHUNK; fla's chunk_gated_delta_rule uses 64 too
 HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h")
@@ -309,7 +317,7 @@ class HybridForward:
             self._dense(ops, "router", s.H, s.E + 1, None, r)
         else:  # Nemotron-H's router: fp32 sums of the bf16 products (module docstring)
             x, w = self._input(s.T, s.H), self._rnd(s.E, s.H)
-            ops["router"] = (lambda: router_logits_fp32(x, w), 2 * s.T * s.E * s.H)
+            ops["router"] = (lambda: tensor_core_fp32_out(x, w), 2 * s.T * s.E * s.H)
         if s.latent:
             self._dense(ops, "fc1_latent_proj", s.H, s.latent, None, r)
         self._experts(ops, "gate_up" if gated else "up", s.He, (2 if gated else 1) * s.I, r)

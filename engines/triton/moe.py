@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from lpdiff.engines.triton._jit import INTERPRETED, pow2, tl, triton, use_triton
 from lpdiff.harness.spec.routing import topk_margin
 from lpdiff.kernels import MoeInputs, moe_forward
+from lpdiff.kernels.fp32_sums_gemm import fp32_sums_gemm
 
 
 def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool):
@@ -37,21 +38,12 @@ def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool
     return ids, weights.float(), margin
 
 
-# aten::mm.dtype (torch >= 2.8, CUDA): a half-precision GEMM that accumulates into and writes fp32
-_MM_FP32_OUT = "dtype" in torch.ops.aten.mm.overloads()
-
-
-def router_logits_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(T, H) h through the (E, H) router weight -> (T, E) fp32 logits, the sums transformers' NemotronHTopkRouter
-    forms (input and weight cast to fp32, then an fp32 GEMM). h and w hold model-dtype values, and the product of two
-    bf16 (fp16) values is exact in fp32 (8 + 8 of fp32's 24 significand bits; 11 + 11 for fp16), so on a GPU one
-    tensor-core GEMM of the model-dtype operands that accumulates in fp32 forms the same fp32 sums, differing only in
-    the order of the additions (tests/engines/triton/test_router_fp32.py bounds the difference). An IEEE fp32 GEMM
-    instead runs on the CUDA cores: 73 us a Nano MoE layer, 364 us a Super one on an H200 (bf16, 4096 tokens;
-    benchmarks/results/e2e.md). Elsewhere (CPU, an fp32 model, torch < 2.8): the fp32 GEMM itself."""
-    if _MM_FP32_OUT and h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype:
-        return torch.mm(h, w.t(), out_dtype=torch.float32)
-    return F.linear(h.float(), w.float())
+def router_logits_fp32(h: torch.Tensor, w: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """(T, H) h through the (E, H) router weight -> (T, E) fp32 logits with the sums transformers'
+    NemotronHTopkRouter forms (input and weight cast to fp32, an IEEE fp32 GEMM): kernels.fp32_sums_gemm, the
+    exact bf16 products through the tensor cores summed with IEEE adds on a GPU (an IEEE fp32 GEMM took 409 us a
+    Super MoE layer on an H200), the fp32 GEMM itself on a CPU."""
+    return fp32_sums_gemm(h, w, impl)
 
 
 def route_sigmoid_torch(

@@ -141,7 +141,9 @@ class NemotronHModel:
         bias = lay.need("router_bias")
         if faults.on("router_bias_rounded"):
             bias = torch.round(bias, decimals=2)
-        logits = router_logits_fp32(h, lay.need("router"))  # fp32 sums as transformers': the routing bits depend on it
+        logits = router_logits_fp32(
+            h, lay.need("router"), self.impl
+        )  # fp32 sums as transformers': the routing bits depend on it
         groups = (cfg.n_group, cfg.topk_group)
         return route_sigmoid(
             logits, bias, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling, groups, self.impl, min_into
