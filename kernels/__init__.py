@@ -1,5 +1,5 @@
 """Triton kernels with a pure-torch reference beside each: the MoE expert GEMMs with multi-adapter LoRA, batched
-dense LoRA, attention and target logprobs.
+dense LoRA, attention, target logprobs and the fp32 router GEMM (fp32_sums_gemm).
 
 Every op takes impl="auto" | "triton" | "torch"; auto picks Triton for CUDA tensors or under TRITON_INTERPRET=1.
 Files, lowest first: _triton (launch and interpreter shims), activation, lora_weights, moe_inputs, moe_align,

@@ -71,10 +71,12 @@ if triton is not None:
 
 
 def fp32_sums_config(N: int) -> dict:
-    """128 x 128 tiles, BLOCK_K 64 (four k16 tensor-core steps a promotion), 8 warps: Nano's router (N 128) runs
-    32 x 1 programs at 4096 tokens, Super's (N 512) 32 x 4. Timed in benchmarks/bench_kernels.py (router)."""
+    """64 x 128 tiles, BLOCK_K 64 (four k16 tensor-core steps a promotion), 4 warps: the fastest of four tilings at
+    Nano's and Super's routers on an H200 (32.4 / 53.5 us a layer against 36.8 / 54.4 for 128-row tiles, which
+    leave most SMs idle at Nano's 128 experts; BLOCK_K 32 was 50 % slower and no closer to the exact sums;
+    benchmarks/results/kernels.md, bench_kernels --router-only)."""
     block_n = 128 if N >= 128 else max(16, 1 << (N - 1).bit_length())
-    return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 def fp32_sums_gemm(x: torch.Tensor, w: torch.Tensor, impl: str = "auto", config: dict | None = None) -> torch.Tensor:
