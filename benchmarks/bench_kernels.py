@@ -16,7 +16,7 @@ bases alone) at the Qwen3-30B-A3B q|k|v and o projection shapes.
     python -m benchmarks.bench_kernels --check   # CPU: the baselines against the reference, no timing
     python -m benchmarks.bench_kernels --out DIR --quick --dense-only   # lora_linear rows only
     python -m benchmarks.bench_kernels --out DIR --quick --moe-only     # MoE rows only (both backends)
-    python -m benchmarks.bench_kernels --out DIR --sweep   # only: moe_forward_triton over a grid of tiles
+    python -m benchmarks.bench_kernels --out DIR --sweep [--sweep-shape S]   # only: moe_forward_triton over tiles
     python -m benchmarks.bench_kernels --out DIR --sweep-shrink   # only: the LoRA shrink launch over a grid
     python -m benchmarks.bench_kernels --compile-sm90   # CPU: the MoE launches compiled for sm90 (smem, regs, TMA)
     python -m benchmarks.bench_kernels --out DIR --router-only   # only: Nemotron-H's fp32 router GEMM, side by side
@@ -294,44 +294,71 @@ def stages_line(t: dict) -> str:
     )
 
 
-def sweep_pairs() -> list[tuple[GemmConfig, GemmConfig]]:
+def sweep_pairs(gated: bool = True) -> list[tuple[GemmConfig, GemmConfig]]:
     """24 tile configs of moe_forward_triton (gate_up, down): block_m x gate_up output columns x block_k x
     (warps, stages), each with pointer loads and then with TMA weight tiles (GemmConfig.tma). The down GEMM gets
-    the same dot width (block_n counts output columns; gate_up's gated dot is 2*block_n wide, two block_n dots
-    under TMA) and the same block_m (both GEMMs share one alignment). Today's default comes first."""
+    the same dot width (block_n counts output columns; a gated gate_up's dot is 2*block_n wide, two block_n dots
+    under TMA; a non-gated up's (relu², Nemotron-H) is block_n) and the same block_m (both GEMMs share one
+    alignment). Today's default comes first."""
     pairs = []
     for bm, bn, bk, (warps, stages), tma in itertools.product(
         (128, 64), (128, 64), (64, 32), ((8, 4), (8, 3), (4, 3)), (False, True)
     ):
+        bn_down = 2 * bn if gated else bn
         pairs.append(
-            (GemmConfig(bm, bn, bk, 4, warps, stages, tma=tma), GemmConfig(bm, 2 * bn, bk, 4, warps, stages, tma=tma))
+            (GemmConfig(bm, bn, bk, 4, warps, stages, tma=tma), GemmConfig(bm, bn_down, bk, 4, warps, stages, tma=tma))
         )
     return pairs
 
 
-def tile_sweep(log, record_row, R: int, budget_s: float) -> None:
-    """moe_forward_triton over sweep_pairs() at the Qwen3-30B-A3B shape, T=4096, one adapter and none; stops
-    starting configs after budget_s (each new config compiles four kernels). Best five of each (with and without
-    TMA apart) printed last."""
-    s = SHAPES[0]
-    p = make_inputs(s, 4096, 1, R, torch.bfloat16, "cuda")
+# the tile sweep's shapes: SHAPES, then Nemotron-H's routed experts (Nano; Super's in its 1024-wide latent dim)
+SWEEP_SHAPES = {
+    s.name: s
+    for s in (
+        *SHAPES,
+        MoeShape("nemotron-3-nano", 128, 2688, 1856, 6, "relu2", False),
+        MoeShape("nemotron-3-super-latent", 512, 1024, 2688, 22, "relu2", False),
+    )
+}
+
+
+def tile_sweep(
+    log, record_row, R: int, budget_s: float, shape: MoeShape = SHAPES[0], T: int = 4096, device: str = "cuda"
+) -> None:
+    """moe_forward_triton over sweep_pairs() at one expert shape, T tokens, one adapter and none, after the
+    default config's time, each config's output checked against the default's; stops starting configs after
+    budget_s (each new config compiles four kernels). Best five of each (with and without TMA apart) printed last.
+    device "cpu": the interpreter (a rehearsal)."""
+    s = shape
+    timer = bench if device == "cuda" else untimed
+    p = make_inputs(s, T, 1, R, torch.bfloat16, device)
     base = p.without_lora()
+    ref = {}
+    for name, q in (("lora", p), ("no_lora", base)):
+        ref[name] = moe_forward_triton(q)
+        ms = timer(lambda q=q: moe_forward_triton(q))
+        log(f"sweep {s.name} default {name}: {ms:.4f} ms")
+        record_row(name, "default", "default", ms)
     t0, results = time.time(), {"lora": [], "no_lora": [], "lora_tma": [], "no_lora_tma": []}
-    for c1, c2 in sweep_pairs():
+    for c1, c2 in sweep_pairs(s.activation != "relu2"):
         if time.time() - t0 > budget_s:
             log(f"sweep: budget {budget_s:.0f} s spent, configs from c1={c1} on not tried")
             break
         for name, q in (("lora", p), ("no_lora", base)):
             try:
-                ms = bench(lambda q=q, c1=c1, c2=c2: moe_forward_triton(q, config=c1, down_config=c2))
+                err = rel_err(moe_forward_triton(q, config=c1, down_config=c2), ref[name])
+                ms = timer(lambda q=q, c1=c1, c2=c2: moe_forward_triton(q, config=c1, down_config=c2))
             except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit must not end the run)
                 log(f"sweep {name} c1={c1} c2={c2} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            if err > 1e-2:  # another tiling sums in another order (bf16 output); a wrong result is far off
+                log(f"sweep {name} c1={c1} c2={c2} MISMATCH: rel err {err:.2e} against the default; not ranked")
                 continue
             results[name + ("_tma" if c1.tma else "")].append((ms, c1, c2))
             record_row(name, c1, c2, ms)
     for name, res in results.items():
         for ms, c1, c2 in sorted(res, key=lambda r: r[0])[:5]:
-            log(f"sweep best {name}: {ms:.4f} ms c1={c1} c2={c2}")
+            log(f"sweep best {s.name} {name}: {ms:.4f} ms c1={c1} c2={c2}")
 
 
 # Nemotron-H's fp32 routers at 4096 tokens (T, E, H): Nano, Super
@@ -372,8 +399,9 @@ def main():
     ap.add_argument(
         "--sweep",
         action="store_true",
-        help="only: moe_forward_triton over a grid of tile configs at Qwen3 T=4096 (sweep_pairs)",
+        help="only: moe_forward_triton over a grid of tile configs at T=4096 (sweep_pairs), --sweep-shape's shape",
     )
+    ap.add_argument("--sweep-shape", choices=sorted(SWEEP_SHAPES), default=SHAPES[0].name)
     ap.add_argument("--sweep-budget-s", type=float, default=200.0, help="start no sweep config after this")
     ap.add_argument(
         "--sweep-shrink",
@@ -484,7 +512,7 @@ def main():
             rows.append(
                 dict(
                     benchmark="moe_sweep",
-                    shape=SHAPES[0].label(R),
+                    shape=SWEEP_SHAPES[args.sweep_shape].label(R),
                     T=4096,
                     adapters=int(name == "lora"),
                     dtype="bf16",
@@ -494,7 +522,7 @@ def main():
             )
             log(f"sweep {name:7s} {ms:8.4f} ms c1={c1} c2={c2}")
 
-        tile_sweep(log, sweep_row, R, args.sweep_budget_s)
+        tile_sweep(log, sweep_row, R, args.sweep_budget_s, SWEEP_SHAPES[args.sweep_shape])
         csvf.close()
         log(f"wrote {len(rows)} rows to {path}")
         return
