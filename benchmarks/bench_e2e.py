@@ -45,9 +45,12 @@ import torch
 
 from lpdiff.engines.triton.options import ATTENTION, MAMBA_SCAN
 from lpdiff.engines.triton.options import DEFAULTS as OPTIONS
-from lpdiff.kernels.fused_moe_lora import MOE_EXPAND
+from lpdiff.kernels.fused_moe_lora import MOE_BLOCK_M, MOE_EXPAND, MOE_N_TAIL
 from lpdiff.kernels.gemm_config import EXPAND
 from lpdiff.kernels.moe_grouped import BACKENDS
+
+# the expert GEMMs' module knobs (fused_moe_lora.MOE_EXPAND, MOE_BLOCK_M, MOE_N_TAIL) as a variant carries them
+KERNEL_DEFAULTS = (MOE_EXPAND, MOE_BLOCK_M, MOE_N_TAIL)
 
 COLUMNS = [
     "date",
@@ -179,7 +182,7 @@ def impl_name(
     padding: str = OPTIONS["moe_padding"],
     attention: str = OPTIONS["attention"],
     scan: str = OPTIONS["mamba_scan"],
-    kernel: tuple = (MOE_EXPAND, None, True),
+    kernel: tuple = KERNEL_DEFAULTS,
 ) -> str:
     """A triton variant's impl column; kernel: its (MOE_EXPAND, MOE_BLOCK_M, MOE_N_TAIL) (e2e_run.set_kernel_knobs)."""
     expand, block_m, n_tail = kernel

@@ -12,7 +12,7 @@ import torch
 from benchmarks.bench_e2e import (
     CUDA,
     DEVICE,
-    MOE_EXPAND,
+    KERNEL_DEFAULTS,
     OPTIONS,
     free_gpu,
     impl_name,
@@ -25,9 +25,6 @@ from benchmarks.e2e_profile import bare_replays, breakdown, padding_stats, profi
 from lpdiff.engines.base import EngineConfig
 from lpdiff.harness.types import AdapterSpec
 from lpdiff.kernels import fused_moe_lora as fm  # MOE_EXPAND is read from the module while an engine runs
-
-# the expert GEMMs' module knobs (fused_moe_lora.MOE_EXPAND, MOE_BLOCK_M, MOE_N_TAIL) as a variant carries them
-KERNEL_DEFAULTS = (MOE_EXPAND, None, True)
 
 
 def set_kernel_knobs(kernel: tuple) -> None:

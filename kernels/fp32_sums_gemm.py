@@ -3,9 +3,9 @@ logits (Nemotron-H: transformers' NemotronHTopkRouter casts its bf16 input and w
 
 The products of two bf16 (fp16) values are exact in fp32, so only the accumulation separates a tensor-core GEMM
 from the IEEE fp32 one. The tensor cores do not round their fp32 accumulation as IEEE adds do: on an H200 one
-cuBLAS bf16 GEMM with fp32 output (``torch.mm(out_dtype=torch.float32)``) was 10-20x further from the exact (fp64)
-sums than cuBLAS's IEEE fp32 GEMM at Nano's and Super's router shapes (3.7e-5 against 1.8e-6 at 1031 x 4096 x 512;
-tests/engines/triton/test_router_fp32.py), enough to flip expert choices the reference makes. IEEE fp32 on the CUDA
+cuBLAS bf16 GEMM with fp32 output (``torch.mm(out_dtype=torch.float32)``) was 5-10x further from the exact (fp64)
+sums than cuBLAS's IEEE fp32 GEMM at Nano's and Super's router shapes (3.65e-5 against 7.39e-6 at Super's 4096 x
+4096 x 512; benchmarks/results/kernels.md), enough to flip expert choices the reference makes. IEEE fp32 on the CUDA
 cores cost 73 us a Nano MoE layer and 409 us a Super one (7.8 ms of Super's 43-layer call).
 
 This kernel promotes each BLOCK_K slice's tensor-core partial sum into a fp32 register accumulator with an IEEE

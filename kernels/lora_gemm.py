@@ -218,9 +218,8 @@ def _grouped_gemm_kernel(
                                     bt = tl.load(lb_ptrs, mask=r_ok[:, None], other=0.0)
                             if EARLY_S:
                                 bt, bu = _b_tiles(LB, lb_ptrs, r_ok, col, SliceOffs, 0, N, stride_lbn, SPLIT, UPCAST)
-                            if (
-                                ADD_TO_OUT
-                            ):  # the accumulator starts from the base output already in Out, and the K-loop is empty
+                            # ADD_TO_OUT: the accumulator starts from the base output already in Out, the K-loop empty
+                            if ADD_TO_OUT:
                                 o_off, o_mask = _out_tile(offs_m, pair, row_ok, col0, N, strides.out, OUT_SORTED, BN)
                                 acc = tl.load(Out + o_off, mask=o_mask, other=0.0).to(tl.float32)
                                 acc_up = acc
@@ -285,9 +284,8 @@ def _grouped_gemm_kernel(
                                         else:
                                             acc = tl.dot(st, bl, acc, input_precision=DOT_PREC)
                                     else:
-                                        for s in tl.static_range(
-                                            NUM_SLICES
-                                        ):  # S holds the slices' shrinks side by side
+                                        # S holds the slices' shrinks side by side
+                                        for s in tl.static_range(NUM_SLICES):
                                             if not EARLY_S:
                                                 st = _s_tile(S, LB, offs_m, offs_r, r_ok, s, R, strides.s, UPCAST)
                                                 bt, bu = _b_tiles(
@@ -319,9 +317,8 @@ def _grouped_gemm_kernel(
                                 if FAULT == 3:  # topk_weight_missing
                                     h += acc_l
                             o_off, o_mask = _out_tile(offs_m, pair, row_ok, col0, N, strides.out, OUT_SORTED, BN)
-                            if (
-                                FAULT == 4
-                            ):  # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
+                            # lora_b_unmasked: LoRA blocks store their overflow columns into the next row
+                            if FAULT == 4:
                                 o_mask = o_mask | (row_ok[:, None] & (a >= 0) & (o_off < out_numel))
                             tl.store(Out + o_off, h.to(Out.dtype.element_ty), mask=o_mask)
 

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from lpdiff.engines.triton._jit import INTERPRETED, pow2, tl, triton, use_triton
 from lpdiff.harness.spec.routing import topk_margin
 from lpdiff.kernels import MoeInputs, moe_forward
-from lpdiff.kernels.fp32_sums_gemm import fp32_sums_gemm
 
 
 def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool):
@@ -36,14 +35,6 @@ def route_torch(logits: torch.Tensor, k: int, softmax_all: bool, norm_topk: bool
     else:
         margin = torch.full((logits.shape[0],), float("inf"), device=logits.device)
     return ids, weights.float(), margin
-
-
-def router_logits_fp32(h: torch.Tensor, w: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """(T, H) h through the (E, H) router weight -> (T, E) fp32 logits with the sums transformers'
-    NemotronHTopkRouter forms (input and weight cast to fp32, an IEEE fp32 GEMM): kernels.fp32_sums_gemm, the
-    exact bf16 products through the tensor cores summed with IEEE adds on a GPU (an IEEE fp32 GEMM took 409 us a
-    Super MoE layer on an H200), the fp32 GEMM itself on a CPU."""
-    return fp32_sums_gemm(h, w, impl)
 
 
 def route_sigmoid_torch(

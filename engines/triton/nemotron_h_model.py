@@ -11,7 +11,7 @@ bf16, 8 x 512 tokens; benchmarks/results/e2e.md) the separate top-k reduction an
 1.67 + ~0.35 ms of a 65.7 ms call. Super's latent MoE sums its top-k in the latent dim before fc2_latent_proj,
 so there only the routed + shared add folds. Under TP the partials are all-reduced as one (T, H) sum first.
 
-The router follows transformers' NemotronHTopkRouter: fp32 logits (moe.router_logits_fp32), sigmoid scores, the
+The router follows transformers' NemotronHTopkRouter: fp32 logits (kernels.fp32_sums_gemm), sigmoid scores, the
 correction bias added for the choice only, top-``topk_group`` groups by the sum of their two best biased scores,
 top-k inside them, weights the unbiased scores of the chosen experts (renormalised with +1e-20 when norm_topk_prob)
 times routed_scaling (moe.route_sigmoid: one Triton kernel after the GEMM on a GPU, the torch reference on CPU and
@@ -28,12 +28,13 @@ from lpdiff.engines.triton.attention import attention
 from lpdiff.engines.triton.batch import Batch
 from lpdiff.engines.triton.lora import session_lora_impl
 from lpdiff.engines.triton.mamba import mamba_mixer
-from lpdiff.engines.triton.moe import route_sigmoid, router_logits_fp32
+from lpdiff.engines.triton.moe import route_sigmoid
 from lpdiff.engines.triton.nemotron_h_weights import HybridLora, Layer, Linear, NemotronHConfig, Weights
 from lpdiff.engines.triton.norm import add_rms_norm, moe_delta
 from lpdiff.engines.triton.shard import Shard
 from lpdiff.kernels import MoeInputs, faults, lora_linear, moe_forward
 from lpdiff.kernels.activation import relu2_
+from lpdiff.kernels.fp32_sums_gemm import fp32_sums_gemm
 
 
 class NemotronHModel:
@@ -141,9 +142,8 @@ class NemotronHModel:
         bias = lay.need("router_bias")
         if faults.on("router_bias_rounded"):
             bias = torch.round(bias, decimals=2)
-        logits = router_logits_fp32(
-            h, lay.need("router"), self.impl
-        )  # fp32 sums as transformers': the routing bits depend on it
+        # fp32 sums of the bf16 products, as transformers' fp32 GEMM forms them: the routing bits depend on it
+        logits = fp32_sums_gemm(h, lay.need("router"), self.impl)
         groups = (cfg.n_group, cfg.topk_group)
         return route_sigmoid(
             logits, bias, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling, groups, self.impl, min_into

@@ -147,8 +147,7 @@ if triton is not None:
             y = w * (xf * r)
         else:
             y = w * (xf * r).to(Out.dtype.element_ty).to(tl.float32)
-        y = y.to(Out.dtype.element_ty)
-        tl.store(Out + row * stride_o + offs, y, mask=ok)
+        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=ok)
 
 
 def check_delta(x: torch.Tensor, delta: torch.Tensor | None, shared=None, shared_gate=None) -> None:
