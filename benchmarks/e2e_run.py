@@ -3,6 +3,7 @@ runtime's variants, the peers through benchmarks/e2e_peers.py), their logprobs' 
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -85,6 +86,13 @@ def bench_model(name: str, args, writer) -> None:
         if peers:
             bench_peers(spec, adapter, prompts, peers, args, Path(tmp), row, run.results, run.outs)
     run.summary()
+
+
+def cublas_env() -> dict:
+    """CUBLAS_WORKSPACE_CONFIG where the process was started with it: it decides whether cuBLAS issues a 4-byte memset
+    before each of its GEMMs inside the runtime's CUDA graphs (":0:0": none; benchmarks/results/e2e.md)."""
+    v = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    return {} if v is None else {"cublas_workspace_config": v}
 
 
 class Run:
@@ -208,6 +216,7 @@ class Run:
                 {"moe_expand": expand}
                 | ({} if bm is None else {"moe_block_m": bm})
                 | ({} if n_tail else {"moe_n_tail": "off"})
+                | cublas_env()
             )
             settings = e2e_peers.settings_text({**opts, **knobs, **resolved_kernels(rt)})
             self.bytes = wbytes, lbytes = rt.weights.nbytes(), rt.lora.nbytes()

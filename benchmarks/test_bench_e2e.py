@@ -582,3 +582,13 @@ def test_peer_that_fails_to_start_in_its_lane_gives_error_rows(monkeypatch, tmp_
     )
     assert [r for r, _ in rows] == [("none", "sglang"), ("r4", "sglang")]
     assert all(e.startswith("LaneError: starting") and "sglang is not installed" in e for _, e in rows), rows
+
+
+def test_cublas_workspace_env_in_settings(monkeypatch):
+    """A row made under CUBLAS_WORKSPACE_CONFIG says so (it changes what the GPU runs: cuBLAS's memsets)."""
+    from benchmarks import e2e_peers
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert e2e_run.cublas_env() == {}
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    assert json.loads(e2e_peers.settings_text(e2e_run.cublas_env()))["cublas_workspace_config"] == ":0:0"
