@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from lpdiff.kernels import moe_grouped as mg
 from lpdiff.kernels.activation import activate
-from lpdiff.kernels.fused_moe_lora import moe_forward_triton
+from lpdiff.kernels.fused_moe_lora import moe_configs, moe_forward_triton, shrink_once
 from lpdiff.kernels.gemm_config import GemmConfig
 from lpdiff.kernels.lora_linear import base_linear, lora_linear, pack_lora_b
 from lpdiff.kernels.moe import moe_forward
@@ -294,21 +294,31 @@ def stages_line(t: dict) -> str:
     )
 
 
-def sweep_pairs(gated: bool = True) -> list[tuple[GemmConfig, GemmConfig]]:
-    """24 tile configs of moe_forward_triton (gate_up, down): block_m x gate_up output columns x block_k x
-    (warps, stages), each with pointer loads and then with TMA weight tiles (GemmConfig.tma). The down GEMM gets
-    the same dot width (block_n counts output columns; a gated gate_up's dot is 2*block_n wide, two block_n dots
-    under TMA; a non-gated up's (relu², Nemotron-H) is block_n) and the same block_m (both GEMMs share one
-    alignment). Today's default comes first."""
+def sweep_pairs(gated: bool = True, flags: dict | None = None) -> list[tuple[GemmConfig, GemmConfig]]:
+    """24 tile configs of moe_forward_triton (gate_up, down): block_m x dot width x block_k x (warps, stages), each
+    with pointer loads and then with TMA weight tiles (GemmConfig.tma). The dot is 256 or 128 wide: block_n counts
+    output columns, so a gated gate_up's (two block_n halves, two block_n dots under TMA) takes block_n 128 / 64 and
+    a non-gated up's (relu², Nemotron-H) 256 / 128; the down GEMM gets the same dot width and block_m (both GEMMs
+    share one alignment). flags: GemmConfig fields every config takes (tile_sweep passes the default configs'
+    padding, n_tail and expand, so configs differ from the default in their tiles only: the first sweep at Super's
+    shape left them at padding "compute" against the default's "half" and ranked no config within 25 % of it)."""
     pairs = []
+    widths = (128, 64) if gated else (256, 128)
     for bm, bn, bk, (warps, stages), tma in itertools.product(
-        (128, 64), (128, 64), (64, 32), ((8, 4), (8, 3), (4, 3)), (False, True)
+        (128, 64), widths, (64, 32), ((8, 4), (8, 3), (4, 3)), (False, True)
     ):
         bn_down = 2 * bn if gated else bn
+        kw = dict(tma=tma, **(flags or {}))
         pairs.append(
-            (GemmConfig(bm, bn, bk, 4, warps, stages, tma=tma), GemmConfig(bm, bn_down, bk, 4, warps, stages, tma=tma))
+            (GemmConfig(bm, bn, bk, 4, warps, stages, **kw), GemmConfig(bm, bn_down, bk, 4, warps, stages, **kw))
         )
     return pairs
+
+
+def default_flags(moe: MoeInputs) -> dict:
+    """The padding, n_tail and expand of moe_forward_triton's default configs for these inputs."""
+    c1, _ = moe_configs(moe, shrink_once(moe.lora, "auto"))
+    return dict(padding=c1.padding, n_tail=c1.n_tail, expand=c1.expand)
 
 
 # the tile sweep's shapes: SHAPES, then Nemotron-H's routed experts (Nano; Super's in its 1024-wide latent dim)
@@ -340,11 +350,13 @@ def tile_sweep(
         log(f"sweep {s.name} default {name}: {ms:.4f} ms")
         record_row(name, "default", "default", ms)
     t0, results = time.time(), {"lora": [], "no_lora": [], "lora_tma": [], "no_lora_tma": []}
-    for c1, c2 in sweep_pairs(s.activation != "relu2"):
+    gated = s.activation != "relu2"
+    flags = {name: default_flags(q) for name, q in (("lora", p), ("no_lora", base))}
+    for tiles in zip(*(sweep_pairs(gated, flags[name]) for name in ("lora", "no_lora")), strict=True):
         if time.time() - t0 > budget_s:
-            log(f"sweep: budget {budget_s:.0f} s spent, configs from c1={c1} on not tried")
+            log(f"sweep: budget {budget_s:.0f} s spent, configs from c1={tiles[0][0]} on not tried")
             break
-        for name, q in (("lora", p), ("no_lora", base)):
+        for (name, q), (c1, c2) in zip((("lora", p), ("no_lora", base)), tiles, strict=True):
             try:
                 err = rel_err(moe_forward_triton(q, config=c1, down_config=c2), ref[name])
                 ms = timer(lambda q=q, c1=c1, c2=c2: moe_forward_triton(q, config=c1, down_config=c2))
