@@ -300,8 +300,8 @@ def sweep_pairs(gated: bool = True, flags: dict | None = None) -> list[tuple[Gem
     output columns, so a gated gate_up's (two block_n halves, two block_n dots under TMA) takes block_n 128 / 64 and
     a non-gated up's (relu², Nemotron-H) 256 / 128; the down GEMM gets the same dot width and block_m (both GEMMs
     share one alignment). flags: GemmConfig fields every config takes (tile_sweep passes the default configs'
-    padding, n_tail and expand, so configs differ from the default in their tiles only: at Super's shape padding
-    "compute" against the default's "half" alone put every config 25-140 % behind it, kernels.md)."""
+    padding, n_tail and expand, so configs differ from the default in their tiles only: at Super's shape, swept at
+    padding "compute" against the default's "half", every config ran 25-192 % behind it, kernels.md)."""
     pairs = []
     widths = (128, 64) if gated else (256, 128)
     for bm, bn, bk, (warps, stages), tma in itertools.product(
