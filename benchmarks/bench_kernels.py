@@ -35,6 +35,7 @@ import datetime
 import itertools
 import os
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -294,31 +295,26 @@ def stages_line(t: dict) -> str:
     )
 
 
-def sweep_pairs(gated: bool = True, flags: dict | None = None) -> list[tuple[GemmConfig, GemmConfig]]:
+def sweep_pairs(
+    gated: bool = True, base: tuple[GemmConfig, GemmConfig] | None = None
+) -> list[tuple[GemmConfig, GemmConfig]]:
     """24 tile configs of moe_forward_triton (gate_up, down): block_m x dot width x block_k x (warps, stages), each
     with pointer loads and then with TMA weight tiles (GemmConfig.tma). The dot is 256 or 128 wide: block_n counts
     output columns, so a gated gate_up's (two block_n halves, two block_n dots under TMA) takes block_n 128 / 64 and
     a non-gated up's (relu², Nemotron-H) 256 / 128; the down GEMM gets the same dot width and block_m (both GEMMs
-    share one alignment). flags: GemmConfig fields every config takes (tile_sweep passes the default configs'
-    padding, n_tail and expand, so configs differ from the default in their tiles only: at Super's shape, swept at
-    padding "compute" against the default's "half", every config ran 25-192 % behind it, kernels.md)."""
+    share one alignment). base: the (gate_up, down) configs whose other fields (padding, n_tail, expand, ...) every
+    swept config keeps; tile_sweep passes the defaults', so configs differ from the default in their tiles only (at
+    Super's shape, swept at padding "compute" against the default's "half", every config ran 25-192 % behind it,
+    kernels.md). None: GemmConfig's own fields."""
+    b1, b2 = base or (GemmConfig(64, 64, 64), GemmConfig(64, 64, 64))
     pairs = []
     widths = (128, 64) if gated else (256, 128)
     for bm, bn, bk, (warps, stages), tma in itertools.product(
         (128, 64), widths, (64, 32), ((8, 4), (8, 3), (4, 3)), (False, True)
     ):
-        bn_down = 2 * bn if gated else bn
-        kw = dict(tma=tma, **(flags or {}))
-        pairs.append(
-            (GemmConfig(bm, bn, bk, 4, warps, stages, **kw), GemmConfig(bm, bn_down, bk, 4, warps, stages, **kw))
-        )
+        tiles = dict(block_m=bm, block_k=bk, group_m=4, num_warps=warps, num_stages=stages, tma=tma)
+        pairs.append((replace(b1, block_n=bn, **tiles), replace(b2, block_n=2 * bn if gated else bn, **tiles)))
     return pairs
-
-
-def default_flags(moe: MoeInputs) -> dict:
-    """The padding, n_tail and expand of moe_forward_triton's default configs for these inputs."""
-    c1, _ = moe_configs(moe, shrink_once(moe.lora, "auto"))
-    return dict(padding=c1.padding, n_tail=c1.n_tail, expand=c1.expand)
 
 
 # the tile sweep's shapes: SHAPES, then Nemotron-H's routed experts (Nano; Super's in its 1024-wide latent dim)
@@ -351,8 +347,8 @@ def tile_sweep(
         record_row(name, "default", "default", ms)
     t0, results = time.time(), {"lora": [], "no_lora": [], "lora_tma": [], "no_lora_tma": []}
     gated = s.activation != "relu2"
-    flags = {name: default_flags(q) for name, q in (("lora", p), ("no_lora", base))}
-    for tiles in zip(*(sweep_pairs(gated, flags[name]) for name in ("lora", "no_lora")), strict=True):
+    defaults = {name: moe_configs(q, shrink_once(q.lora, "auto")) for name, q in (("lora", p), ("no_lora", base))}
+    for tiles in zip(*(sweep_pairs(gated, defaults[name]) for name in ("lora", "no_lora")), strict=True):
         if time.time() - t0 > budget_s:
             log(f"sweep: budget {budget_s:.0f} s spent, configs from c1={tiles[0][0]} on not tried")
             break
